@@ -1,0 +1,99 @@
+//! `weir-bench`: races weir against its peers in one run and prints markdown
+//! tables with ratios to the best peer and, where one exists, the ceiling.
+//!
+//! Every suite takes `--quick` (finishes in under 60 s on a 2-core machine)
+//! and `--json FILE` (writes the figures under the keys the issues name).
+//! `all` runs every suite and writes one JSON object keyed by suite.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+
+mod report;
+
+#[derive(Debug, Parser)]
+#[command(name = "weir-bench", about = "Race weir against its peers; print ratios")]
+struct Cli {
+    #[command(subcommand)]
+    suite: Suite,
+}
+
+#[derive(Debug, Subcommand)]
+enum Suite {
+    /// Flow table: noisy neighbour, churn, lookup, memory (vs dashmap, papaya, scc, hashbrown).
+    Table(Common),
+    /// Flow table dumps: resumable cursor vs naive offset resume, exactness under churn.
+    Dump(Common),
+    /// Rate estimators: tick duration and CPU at 10k/100k/1M, counter update cost.
+    Rate(Common),
+    /// Proxy: weir vs HAProxy and nginx stream (CPS, RPS, throughput, memory, slow readers, UDP).
+    Proxy(Common),
+    /// Every suite in turn; one JSON object keyed by suite.
+    All(Common),
+}
+
+/// Options every suite takes.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct Common {
+    /// Smaller sizes: the suite finishes in under 60 seconds on 2 cores.
+    #[arg(long)]
+    pub(crate) quick: bool,
+    /// Write the figures as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) json: Option<PathBuf>,
+}
+
+type SuiteFn = fn(&Common) -> Result<serde_json::Value>;
+
+/// Placeholder for suites whose issue has not landed: fails rather than print invented figures.
+fn not_implemented(_: &Common) -> Result<serde_json::Value> {
+    bail!("suite not implemented yet")
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let (common, suites): (Common, Vec<(&str, SuiteFn)>) = match cli.suite {
+        Suite::Table(c) => (c, vec![("table", not_implemented)]),
+        Suite::Dump(c) => (c, vec![("dump", not_implemented)]),
+        Suite::Rate(c) => (c, vec![("rate", not_implemented)]),
+        Suite::Proxy(c) => (c, vec![("proxy", not_implemented)]),
+        Suite::All(c) => (
+            c,
+            vec![
+                ("table", not_implemented),
+                ("dump", not_implemented),
+                ("rate", not_implemented),
+                ("proxy", not_implemented),
+            ],
+        ),
+    };
+    report::machine_header(&common);
+    let mut out = serde_json::Map::new();
+    let mut failed = Vec::new();
+    for (name, f) in &suites {
+        println!("\n## {name}\n");
+        match f(&common) {
+            Ok(v) => {
+                out.insert((*name).to_string(), v);
+            }
+            Err(e) => {
+                println!("{name}: {e:#}");
+                failed.push(*name);
+            }
+        }
+    }
+    if let Some(path) = &common.json {
+        let v = if suites.len() == 1 {
+            out.into_iter().next().map(|(_, v)| v).unwrap_or_default()
+        } else {
+            serde_json::Value::Object(out)
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&v)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if !failed.is_empty() {
+        bail!("suites failed: {}", failed.join(", "));
+    }
+    Ok(())
+}
