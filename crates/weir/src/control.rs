@@ -1,0 +1,314 @@
+//! The seam between the daemon and its operators.
+//!
+//! [`Control`] is everything the admin API (and through it the CLI) can ask
+//! of a running daemon. The daemon implements it over its live state; the
+//! admin API only translates HTTP to these calls and these types to JSON.
+//! The report types are the API's JSON bodies, so their field names are the
+//! API's contract (`weir list --json`, `weir conns --json`, ...).
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{BackendSpec, Config, ServiceSpec, TenantSpec};
+
+/// Why a control request failed; maps onto an HTTP status in the admin API.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControlError {
+    /// What kind of failure.
+    pub kind: ErrorKind,
+    /// What went wrong and what to do, for a human.
+    pub message: String,
+}
+
+/// Classification of a [`ControlError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// The tenant, service, backend or connection does not exist (404).
+    NotFound,
+    /// It exists already, or conflicts with something that does (409).
+    Conflict,
+    /// The request is well-formed but its values are wrong (400/422).
+    Invalid,
+    /// The daemon cannot do it now, e.g. a listen address is in use (503).
+    Unavailable,
+}
+
+impl ControlError {
+    /// Shorthand constructor.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for ControlError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ControlError {}
+
+/// Result of a control request.
+pub type ControlResult<T> = Result<T, ControlError>;
+
+/// IPVS-style cumulative counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Totals {
+    /// Connections (TCP) or sessions (UDP) scheduled.
+    pub conns: u64,
+    /// Packets (TCP: reads) client → backend.
+    pub inpkts: u64,
+    /// Packets backend → client.
+    pub outpkts: u64,
+    /// Bytes client → backend.
+    pub inbytes: u64,
+    /// Bytes backend → client.
+    pub outbytes: u64,
+}
+
+/// IPVS-style rates (2 s EWMA, as `ipvsadm -L --rate`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rates {
+    /// Connections per second.
+    pub cps: u64,
+    /// Packets per second in.
+    pub inpps: u64,
+    /// Packets per second out.
+    pub outpps: u64,
+    /// Bytes per second in.
+    pub inbps: u64,
+    /// Bytes per second out.
+    pub outbps: u64,
+}
+
+/// A tenant as the API lists it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TenantStatus {
+    /// Its configuration (token omitted).
+    #[serde(flatten)]
+    pub spec: TenantSpec,
+    /// Live connections + sessions.
+    pub active_conns: u64,
+    /// Connections/sessions refused by this tenant's limits.
+    pub refused: u64,
+    /// "own" or "shared" (shared also when an own table fell back).
+    pub table: String,
+}
+
+/// A backend as the API lists it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BackendStatus {
+    /// "IP:PORT".
+    pub address: String,
+    /// Current weight (0 = quiesced/drained).
+    pub weight: u32,
+    /// Established connections (UDP: live sessions).
+    pub active_conns: u64,
+    /// Connections in other states (IPVS InActConn).
+    pub inactive_conns: u64,
+    /// Health: "up", "down" or "unchecked".
+    pub health: String,
+    /// Cumulative counters.
+    pub stats: Totals,
+    /// Current rates.
+    pub rates: Rates,
+}
+
+/// A service as the API lists it (`weir list --json` prints these).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServiceStatus {
+    /// Owning tenant.
+    pub tenant: String,
+    /// Name within the tenant.
+    pub name: String,
+    /// "tcp" or "udp".
+    pub protocol: String,
+    /// Virtual address.
+    pub listen: String,
+    /// Scheduler name.
+    pub scheduler: String,
+    /// Persistence timeout ("0s" = off).
+    pub persistence: String,
+    /// Backends in configuration order.
+    pub backends: Vec<BackendStatus>,
+    /// Cumulative counters.
+    pub stats: Totals,
+    /// Current rates.
+    pub rates: Rates,
+}
+
+/// Filters for listing or killing connections; `None` matches everything.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnFilter {
+    /// Tenant name.
+    pub tenant: Option<String>,
+    /// Service name (within `tenant`, or in any tenant).
+    pub service: Option<String>,
+    /// Backend "IP:PORT".
+    pub backend: Option<String>,
+    /// State as `weir conns` prints it, e.g. "ESTABLISHED".
+    pub state: Option<String>,
+}
+
+/// One connection (`weir conns --json` prints one per line).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnInfo {
+    /// Tenant name.
+    pub tenant: String,
+    /// Service name.
+    pub service: String,
+    /// "TCP" or "UDP".
+    pub proto: String,
+    /// Client "IP:PORT".
+    pub client: String,
+    /// Virtual "IP:PORT".
+    #[serde(rename = "virtual")]
+    pub virtual_: String,
+    /// Backend "IP:PORT".
+    pub backend: String,
+    /// e.g. "ESTABLISHED", "UDP".
+    pub state: String,
+    /// Seconds until it expires if idle.
+    pub expires_s: u64,
+    /// Unique id; `DELETE /v1/connections/{cookie}` kills it.
+    pub cookie: u64,
+    /// Bytes client → backend.
+    pub bytes_in: u64,
+    /// Bytes backend → client.
+    pub bytes_out: u64,
+}
+
+/// A page of a connection listing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnPage {
+    /// Up to `limit` connections.
+    pub connections: Vec<ConnInfo>,
+    /// Pass back as `cursor` for the next page; `None` when the dump is complete.
+    pub next: Option<String>,
+}
+
+/// Flow-table figures of one tenant (`GET /v1/table`, `weir stats table`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TableReport {
+    /// Tenant name.
+    pub tenant: String,
+    /// "own" or "shared".
+    pub placement: String,
+    /// Entries (connections, sessions, persistence templates).
+    pub entries: u64,
+    /// Buckets of the table the tenant lives in.
+    pub buckets: u64,
+    /// entries / buckets of that table.
+    pub load_factor: f64,
+    /// Longest chain.
+    pub max_chain: u64,
+    /// `histogram[i]` = buckets whose chain has length i (last bin: ≥ i).
+    pub chain_histogram: Vec<u64>,
+    /// Inserts refused by the chain cap (hash-flood defence).
+    pub refused_inserts: u64,
+}
+
+/// Daemon-wide counters and rates.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GlobalStats {
+    /// Cumulative counters.
+    pub stats: Totals,
+    /// Current rates.
+    pub rates: Rates,
+    /// Live connections + sessions.
+    pub active_conns: u64,
+    /// Refused by limits, per reason ("tenant_limit", "global_limit", "no_backend", ...).
+    pub refused: std::collections::BTreeMap<String, u64>,
+    /// Open file descriptors and the limit.
+    pub open_fds: u64,
+    /// RLIMIT_NOFILE soft limit.
+    pub fd_limit: u64,
+}
+
+/// Health of every checked backend.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HealthEntry {
+    /// Tenant name.
+    pub tenant: String,
+    /// Service name.
+    pub service: String,
+    /// Backend "IP:PORT".
+    pub backend: String,
+    /// "up", "down" or "unchecked".
+    pub state: String,
+    /// Last check's error, if it failed.
+    pub last_error: Option<String>,
+}
+
+/// Changes to a backend (`PUT .../backends/{address}`); `None` keeps the value.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendPatch {
+    /// New weight; 0 quiesces.
+    pub weight: Option<u32>,
+    /// Drain: weight 0 and, if true, also close its existing connections.
+    pub drain: Option<bool>,
+}
+
+/// What the daemon can be asked to do. Every method is quick and
+/// non-blocking (safe to call from an async handler) and never panics on
+/// any input.
+pub trait Control: Send + Sync + 'static {
+    /// Tenants in name order.
+    fn tenants(&self) -> Vec<TenantStatus>;
+    /// Create a tenant (own table sized from `table_entries`).
+    fn add_tenant(&self, spec: TenantSpec) -> ControlResult<()>;
+    /// Delete a tenant: closes its connections and purges only its entries;
+    /// its services go too. Returns how many connections were closed.
+    fn delete_tenant(&self, tenant: &str) -> ControlResult<u64>;
+
+    /// Services in (tenant, name) order with their backends.
+    fn services(&self) -> Vec<ServiceStatus>;
+    /// Add a service (starts listening on every worker).
+    fn add_service(&self, spec: ServiceSpec) -> ControlResult<()>;
+    /// Replace a service's settings and backend set without dropping
+    /// established connections.
+    fn edit_service(&self, tenant: &str, name: &str, spec: ServiceSpec) -> ControlResult<()>;
+    /// Delete a service: stop listening and close its connections.
+    fn delete_service(&self, tenant: &str, name: &str) -> ControlResult<()>;
+    /// Add a backend to a service.
+    fn add_backend(&self, tenant: &str, service: &str, spec: BackendSpec) -> ControlResult<()>;
+    /// Edit weight or drain a backend.
+    fn edit_backend(
+        &self,
+        tenant: &str,
+        service: &str,
+        address: &str,
+        patch: BackendPatch,
+    ) -> ControlResult<()>;
+    /// Remove a backend; its established connections finish unless the
+    /// service has `expire_nodest_conn`.
+    fn delete_backend(&self, tenant: &str, service: &str, address: &str) -> ControlResult<()>;
+
+    /// One page of the connection table, exact across pages (resumable cursor).
+    fn connections(
+        &self,
+        filter: &ConnFilter,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> ControlResult<ConnPage>;
+    /// Kill one connection by cookie.
+    fn kill(&self, cookie: u64) -> ControlResult<()>;
+    /// Kill every connection matching the filter; returns how many.
+    fn kill_matching(&self, filter: &ConnFilter) -> ControlResult<u64>;
+
+    /// Daemon-wide counters, rates, limits.
+    fn global_stats(&self) -> GlobalStats;
+    /// Flow-table figures per tenant.
+    fn table(&self) -> Vec<TableReport>;
+    /// Health-check state of every backend.
+    fn health(&self) -> Vec<HealthEntry>;
+    /// The running state in config-file form (`weir save`).
+    fn running_config(&self) -> Config;
+    /// Re-read the file the daemon was started with; on any error keep the
+    /// running config and return every error.
+    fn reload(&self) -> Result<(), Vec<String>>;
+}

@@ -1,0 +1,9 @@
+//! weir: a multi-tenant user-space L4 (TCP and UDP) load balancer.
+//!
+//! The daemon and the CLI live in this crate; the connection table
+//! (`weir-flowtable`), the rate estimators (`weir-rate`) and the schedulers
+//! (`weir-sched`) are I/O-free crates it drives. See ARCHITECTURE.md at the
+//! repository root for how a connection flows through them.
+
+pub mod config;
+pub mod control;
