@@ -1,1 +1,737 @@
-//! placeholder
+//! # weir-sched — I/O-free schedulers and persistence helpers
+//!
+//! This crate chooses the backend ("real server") for a new connection of a
+//! virtual service, with the semantics of the Linux IPVS schedulers of the same
+//! names (`net/netfilter/ipvs/ip_vs_*.c`):
+//!
+//! | kind  | choice                                                                  |
+//! |-------|-------------------------------------------------------------------------|
+//! | `rr`  | next available backend after the previous pick                          |
+//! | `wrr` | IPVS gcd / max-weight stepping: passes with falling current weight `cw` |
+//! | `lc`  | least `active * 256 + inactive`                                         |
+//! | `wlc` | least `(active * 256 + inactive) / weight` (the default, as ipvsadm)    |
+//! | `sed` | least `(active + 1) / weight`                                           |
+//! | `nq`  | first idle backend (no active connection), else `sed`                   |
+//! | `sh`  | source hash into 256 buckets, each backend owning `weight` buckets      |
+//! | `mh`  | Maglev: prime lookup table (default 4093), weight-scaled turns          |
+//! | `p2c` | two weight-proportional random candidates, the less loaded one wins     |
+//!
+//! ## Contracts
+//!
+//! * **I/O-free.** No clock, no sockets, no global randomness. `p2c` draws from
+//!   a [`RandomSource`] the caller passes to [`Scheduler::pick`]; `sh` and `mh`
+//!   hash with SipHash-1-3 keyed by the [`HashSeed`] in [`SchedConfig`] (clients
+//!   choose their addresses, so the hash is keyed; load balancers that must agree
+//!   on `mh` placement share the seed).
+//! * **Immutable backend set.** A [`Scheduler`] is built from a `&[BackendInfo]`
+//!   (address, weight, health). Any change of the set, of a weight or of health
+//!   means building a new one with [`Scheduler::rebuild`], which carries over what
+//!   IPVS carries over (rr position, wrr current weight, mh last non-zero
+//!   weights). The daemon publishes the new scheduler (e.g. `ArcSwap` or an
+//!   `RwLock<Arc<_>>`); picks on the old one stay valid while it lives.
+//! * **Concurrent picks.** [`Scheduler::pick`] takes `&self`; the only mutable
+//!   state (rr / wrr cursor) is one atomic word updated with a CAS loop, so a
+//!   pick is one atomic transition of the IPVS state machine and every worker
+//!   thread may share one scheduler. `Scheduler` is `Send + Sync`.
+//! * **Loads live in the daemon.** Active / inactive connection counts are read
+//!   through [`LoadView`] (a slice of [`Load`] or a closure over the daemon's
+//!   atomics), only for backends that can be picked.
+//! * **Availability.** A backend is *available* when it is `up` and has weight
+//!   `> 0`. Only available backends are ever returned. Weight 0 quiesces a
+//!   backend: no new connections, while existing ones continue in the daemon.
+//!   `sh` and `mh` build their tables from weights regardless of health, so a
+//!   backend going down or up does not move other clients; a client whose slot
+//!   belongs to an unavailable backend gets `None`, or with
+//!   [`SchedConfig::fallback`] the next available slot (as IPVS
+//!   `sh-fallback` / `mh-fallback`).
+//! * **Index results.** `pick` returns an index into the slice the scheduler
+//!   was built from, or `None` when no backend can take the connection.
+//!
+//! Persistence (`ipvsadm -p / -M`) is stored by the daemon as affinity
+//! templates in its flow table; this crate provides the client grouping
+//! ([`AffinityMask`]) and the template validity rule ([`template_usable`]).
+//! `docs/sched.md` explains how the daemon combines them.
+
+mod hash;
+mod least;
+mod persist;
+mod rr;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+pub use persist::{AffinityMask, MaskError, template_usable};
+
+/// Largest accepted weight (ipvsadm's limit). Keeps every overhead product
+/// and table build small and exact.
+pub const MAX_WEIGHT: u32 = 65_535;
+
+/// Address of a backend (real server). Also its identity for `mh` placement
+/// and for carrying state across [`Scheduler::rebuild`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendAddr(pub SocketAddr);
+
+/// Address of the client of a new connection (the source for `sh` / `mh`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ClientAddr(pub SocketAddr);
+
+impl From<SocketAddr> for BackendAddr {
+    fn from(a: SocketAddr) -> Self {
+        Self(a)
+    }
+}
+
+impl From<SocketAddr> for ClientAddr {
+    fn from(a: SocketAddr) -> Self {
+        Self(a)
+    }
+}
+
+/// What a scheduler knows about one backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackendInfo {
+    /// Backend address (identity).
+    pub addr: BackendAddr,
+    /// Weight, `0..=MAX_WEIGHT`. 0 quiesces the backend.
+    pub weight: u32,
+    /// Health: a backend that is not up is never picked.
+    pub up: bool,
+}
+
+impl BackendInfo {
+    /// An up backend with the given weight.
+    pub fn new(addr: impl Into<BackendAddr>, weight: u32) -> Self {
+        Self {
+            addr: addr.into(),
+            weight,
+            up: true,
+        }
+    }
+
+    /// Whether new connections may be sent to it: up and weight > 0.
+    pub fn available(&self) -> bool {
+        self.up && self.weight > 0
+    }
+}
+
+/// Connection counts of one backend, as IPVS keeps them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Established connections.
+    pub active: u64,
+    /// Connections in other states (SYN_RECV, FIN_WAIT, TIME_WAIT...; UDP).
+    pub inactive: u64,
+}
+
+impl Load {
+    /// A load with the given counts.
+    pub fn new(active: u64, inactive: u64) -> Self {
+        Self { active, inactive }
+    }
+
+    /// IPVS `ip_vs_dest_conn_overhead`: `active * 256 + inactive`
+    /// (saturating), used by `lc`, `wlc` and `p2c`.
+    pub fn conn_overhead(&self) -> u64 {
+        self.active
+            .saturating_mul(256)
+            .saturating_add(self.inactive)
+    }
+}
+
+/// Read access to the daemon's per-backend connection counts.
+///
+/// `idx` is an index into the slice the scheduler was built from. Counts may
+/// change concurrently; schedulers only need a recent value.
+pub trait LoadView {
+    /// Current load of backend `idx`.
+    fn load(&self, idx: usize) -> Load;
+}
+
+/// A slice indexed like the backends; a missing entry reads as idle.
+impl LoadView for [Load] {
+    fn load(&self, idx: usize) -> Load {
+        self.get(idx).copied().unwrap_or_default()
+    }
+}
+
+/// Any `Fn(usize) -> Load`, e.g. a closure reading the daemon's atomics.
+impl<F: Fn(usize) -> Load> LoadView for F {
+    fn load(&self, idx: usize) -> Load {
+        self(idx)
+    }
+}
+
+/// Source of randomness for `p2c`, passed in by the caller (typically one
+/// seeded generator per worker thread).
+pub trait RandomSource {
+    /// 64 uniformly distributed random bits.
+    fn next_u64(&mut self) -> u64;
+}
+
+impl<R: RandomSource + ?Sized> RandomSource for &mut R {
+    fn next_u64(&mut self) -> u64 {
+        (**self).next_u64()
+    }
+}
+
+/// SplitMix64: a tiny, fast, seedable generator (not cryptographic), enough
+/// to break ties in `p2c`. Tests seed it with a constant and replay exactly.
+#[derive(Debug, Clone)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// A generator starting from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+}
+
+impl RandomSource for SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// SipHash key for `sh` / `mh`. Random per deployment in production; fixed in
+/// tests. Load balancers that must map clients identically share it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HashSeed {
+    /// First key word.
+    pub k0: u64,
+    /// Second key word.
+    pub k1: u64,
+}
+
+impl HashSeed {
+    /// A seed from two key words.
+    pub fn new(k0: u64, k1: u64) -> Self {
+        Self { k0, k1 }
+    }
+}
+
+/// The scheduling algorithm of a virtual service.
+///
+/// Parses from and displays as ipvsadm's names; serde uses the same names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SchedulerKind {
+    /// Round robin.
+    Rr,
+    /// Weighted round robin.
+    Wrr,
+    /// Least connections.
+    Lc,
+    /// Weighted least connections (default).
+    #[default]
+    Wlc,
+    /// Shortest expected delay.
+    Sed,
+    /// Never queue.
+    Nq,
+    /// Source hashing.
+    Sh,
+    /// Maglev hashing.
+    Mh,
+    /// Power of two choices.
+    P2c,
+}
+
+impl SchedulerKind {
+    /// Every kind, in the order of the documentation.
+    pub const ALL: [SchedulerKind; 9] = [
+        Self::Rr,
+        Self::Wrr,
+        Self::Lc,
+        Self::Wlc,
+        Self::Sed,
+        Self::Nq,
+        Self::Sh,
+        Self::Mh,
+        Self::P2c,
+    ];
+
+    /// The ipvsadm-style name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Rr => "rr",
+            Self::Wrr => "wrr",
+            Self::Lc => "lc",
+            Self::Wlc => "wlc",
+            Self::Sed => "sed",
+            Self::Nq => "nq",
+            Self::Sh => "sh",
+            Self::Mh => "mh",
+            Self::P2c => "p2c",
+        }
+    }
+}
+
+impl fmt::Display for SchedulerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An unknown scheduler name; the message lists the valid ones.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown scheduler {name:?}; valid schedulers: rr, wrr, lc, wlc, sed, nq, sh, mh, p2c")]
+pub struct ParseKindError {
+    /// The name that was given.
+    pub name: String,
+}
+
+impl FromStr for SchedulerKind {
+    type Err = ParseKindError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.as_str().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| ParseKindError { name: s.to_owned() })
+    }
+}
+
+/// Size of the `mh` lookup table: one of IPVS's primes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MhTableSize(u32);
+
+impl MhTableSize {
+    /// The sizes IPVS offers (`CONFIG_IP_VS_MH_TAB_INDEX` 8..=17).
+    pub const PRIMES: [u32; 10] = [
+        251, 509, 1021, 2039, 4093, 8191, 16381, 32749, 65521, 131071,
+    ];
+    /// IPVS's default, 4093.
+    pub const DEFAULT: Self = Self(4093);
+
+    /// Accepts one of [`Self::PRIMES`].
+    pub fn new(size: u32) -> Result<Self, MhTableSizeError> {
+        if Self::PRIMES.contains(&size) {
+            Ok(Self(size))
+        } else {
+            Err(MhTableSizeError { size })
+        }
+    }
+
+    /// The table size.
+    pub fn get(self) -> u32 {
+        self.0
+    }
+}
+
+impl Default for MhTableSize {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
+/// A table size that is not one of IPVS's primes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "mh table size {size} is not allowed; valid sizes: 251, 509, 1021, 2039, 4093, 8191, 16381, 32749, 65521, 131071"
+)]
+pub struct MhTableSizeError {
+    /// The size that was given.
+    pub size: u32,
+}
+
+impl FromStr for MhTableSize {
+    type Err = MhTableSizeError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let size = s
+            .trim()
+            .parse::<u32>()
+            .map_err(|_| MhTableSizeError { size: 0 })?;
+        Self::new(size)
+    }
+}
+
+/// Everything that shapes a scheduler except its backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedConfig {
+    /// The algorithm.
+    pub kind: SchedulerKind,
+    /// Key of the `sh` / `mh` hashes (unused by the others).
+    pub hash_seed: HashSeed,
+    /// `sh` / `mh`: when the client's slot belongs to an unavailable backend,
+    /// look further instead of returning `None` (IPVS `sh-fallback`,
+    /// `mh-fallback`).
+    pub fallback: bool,
+    /// `sh` / `mh`: hash the client port too (IPVS `sh-port`, `mh-port`).
+    pub hash_port: bool,
+    /// `mh` lookup table size.
+    pub mh_table_size: MhTableSize,
+}
+
+impl SchedConfig {
+    /// `kind` with the given seed, no fallback, no port hashing, default table.
+    pub fn new(kind: SchedulerKind, hash_seed: HashSeed) -> Self {
+        Self {
+            kind,
+            hash_seed,
+            fallback: false,
+            hash_port: false,
+            mh_table_size: MhTableSize::DEFAULT,
+        }
+    }
+}
+
+/// Why a scheduler could not be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BuildError {
+    /// A weight above [`MAX_WEIGHT`].
+    #[error("backend {index}: weight {weight} exceeds the maximum {MAX_WEIGHT}")]
+    WeightTooLarge {
+        /// Index of the backend.
+        index: usize,
+        /// Its weight.
+        weight: u32,
+    },
+    /// More backends than the scheduler can hold (`mh`: the table size).
+    #[error("{count} backends exceed the maximum of {max} for this scheduler")]
+    TooManyBackends {
+        /// Backends given.
+        count: usize,
+        /// Largest accepted count.
+        max: usize,
+    },
+}
+
+/// A built scheduler for one virtual service. See the crate docs.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedConfig,
+    backends: Box<[BackendInfo]>,
+    /// Latest non-zero weight of each backend (IPVS `last_weight`), which
+    /// `mh` builds its table from so that quiescing does not move clients.
+    last_weights: Box<[u32]>,
+    algo: Algo,
+}
+
+#[derive(Debug)]
+enum Algo {
+    Rr(rr::Rr),
+    Wrr(rr::Wrr),
+    Lc,
+    Wlc,
+    Sed,
+    Nq,
+    Sh(hash::Sh),
+    Mh(hash::Mh),
+    P2c(least::P2c),
+}
+
+/// Backends are indexed with `u32` inside tables.
+const MAX_BACKENDS: usize = (u32::MAX - 1) as usize;
+
+impl Scheduler {
+    /// Builds a scheduler with no history.
+    pub fn new(config: SchedConfig, backends: &[BackendInfo]) -> Result<Self, BuildError> {
+        let last_weights = backends.iter().map(|b| b.weight).collect();
+        Self::build(config, backends, last_weights, None)
+    }
+
+    /// Builds a scheduler for a changed backend set, same config, carrying over
+    /// the rr position, the wrr current weight and the last non-zero weight of
+    /// each backend (matched by address) as IPVS does on a destination change.
+    pub fn rebuild(&self, backends: &[BackendInfo]) -> Result<Self, BuildError> {
+        let old: HashMap<BackendAddr, usize> = self
+            .backends
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (b.addr, i))
+            .collect();
+        let last_weights = backends
+            .iter()
+            .map(|b| match (b.weight, old.get(&b.addr)) {
+                (0, Some(&i)) => self.last_weights[i],
+                (w, _) => w,
+            })
+            .collect();
+        Self::build(self.config, backends, last_weights, Some(self))
+    }
+
+    fn build(
+        config: SchedConfig,
+        backends: &[BackendInfo],
+        last_weights: Box<[u32]>,
+        prev: Option<&Scheduler>,
+    ) -> Result<Self, BuildError> {
+        if backends.len() > MAX_BACKENDS {
+            return Err(BuildError::TooManyBackends {
+                count: backends.len(),
+                max: MAX_BACKENDS,
+            });
+        }
+        if let Some((index, b)) = backends
+            .iter()
+            .enumerate()
+            .find(|(_, b)| b.weight > MAX_WEIGHT)
+        {
+            return Err(BuildError::WeightTooLarge {
+                index,
+                weight: b.weight,
+            });
+        }
+        let algo = match config.kind {
+            SchedulerKind::Rr => {
+                let cursor = prev.and_then(|old| match &old.algo {
+                    Algo::Rr(r) => r.last_pick().and_then(|i| map_index(old, i, backends)),
+                    _ => None,
+                });
+                Algo::Rr(rr::Rr::new(cursor))
+            }
+            SchedulerKind::Wrr => {
+                let old_cw = prev.and_then(|old| match &old.algo {
+                    Algo::Wrr(w) => Some(w.current_weight()),
+                    _ => None,
+                });
+                Algo::Wrr(rr::Wrr::new(backends, old_cw))
+            }
+            SchedulerKind::Lc => Algo::Lc,
+            SchedulerKind::Wlc => Algo::Wlc,
+            SchedulerKind::Sed => Algo::Sed,
+            SchedulerKind::Nq => Algo::Nq,
+            SchedulerKind::Sh => Algo::Sh(hash::Sh::new(backends)),
+            SchedulerKind::Mh => Algo::Mh(hash::Mh::new(&config, backends, &last_weights)?),
+            SchedulerKind::P2c => Algo::P2c(least::P2c::new(backends)),
+        };
+        Ok(Self {
+            config,
+            backends: backends.into(),
+            last_weights,
+            algo,
+        })
+    }
+
+    /// Chooses a backend for a new connection from `client`.
+    ///
+    /// Returns an index into the backends this scheduler was built from, or
+    /// `None` when no backend may take it. `load` is read only by `lc`, `wlc`,
+    /// `sed`, `nq` and `p2c`; `rng` only by `p2c`. Never panics.
+    pub fn pick<L, R>(&self, client: ClientAddr, load: &L, rng: &mut R) -> Option<usize>
+    where
+        L: LoadView + ?Sized,
+        R: RandomSource + ?Sized,
+    {
+        let b = &self.backends;
+        match &self.algo {
+            Algo::Rr(s) => s.pick(b),
+            Algo::Wrr(s) => s.pick(b),
+            Algo::Lc => least::lc(b, load),
+            Algo::Wlc => least::wlc(b, load),
+            Algo::Sed => least::sed(b, load),
+            Algo::Nq => least::nq(b, load),
+            Algo::Sh(s) => s.pick(b, client, &self.config),
+            Algo::Mh(s) => s.pick(b, client, &self.config),
+            Algo::P2c(s) => s.pick(b, load, rng),
+        }
+    }
+
+    /// The configuration it was built with.
+    pub fn config(&self) -> &SchedConfig {
+        &self.config
+    }
+
+    /// The backends it was built from, in index order.
+    pub fn backends(&self) -> &[BackendInfo] {
+        &self.backends
+    }
+}
+
+/// Index in `new` of the backend at `old_idx` in `old`, by address.
+fn map_index(old: &Scheduler, old_idx: usize, new: &[BackendInfo]) -> Option<usize> {
+    let addr = old.backends.get(old_idx)?.addr;
+    new.iter().position(|b| b.addr == addr)
+}
+
+/// Greatest common divisor (Euclid).
+fn gcd(mut a: u32, mut b: u32) -> u32 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+#[cfg(test)]
+pub(crate) mod test_util {
+    use super::*;
+    use std::net::{IpAddr, Ipv4Addr};
+
+    pub(crate) fn backend(i: u8, weight: u32) -> BackendInfo {
+        BackendInfo::new(
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, i)), 80),
+            weight,
+        )
+    }
+
+    pub(crate) fn client(n: u32) -> ClientAddr {
+        let ip = Ipv4Addr::from(0xC0A8_0000u32.wrapping_add(n.wrapping_mul(7919)));
+        ClientAddr(SocketAddr::new(IpAddr::V4(ip), 40000))
+    }
+
+    pub(crate) fn sched(kind: SchedulerKind, backends: &[BackendInfo]) -> Scheduler {
+        Scheduler::new(SchedConfig::new(kind, HashSeed::new(1, 2)), backends)
+            .expect("valid test backends")
+    }
+
+    /// `n` picks with an idle load view; counts per backend (None counted last).
+    pub(crate) fn histogram(s: &Scheduler, n: u32) -> Vec<u32> {
+        let mut counts = vec![0u32; s.backends().len() + 1];
+        let idle: &[Load] = &[];
+        let mut rng = SplitMix64::new(42);
+        for i in 0..n {
+            let slot = s
+                .pick(client(i), idle, &mut rng)
+                .unwrap_or(s.backends().len());
+            counts[slot] += 1;
+        }
+        counts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_util::*;
+    use super::*;
+
+    #[test]
+    fn kind_names_round_trip() {
+        for k in SchedulerKind::ALL {
+            assert_eq!(k.to_string().parse::<SchedulerKind>(), Ok(k));
+            let json = serde_json::to_string(&k).expect("serialise");
+            assert_eq!(json, format!("\"{k}\""));
+            assert_eq!(
+                serde_json::from_str::<SchedulerKind>(&json).expect("deserialise"),
+                k
+            );
+        }
+        assert_eq!(SchedulerKind::default(), SchedulerKind::Wlc);
+        assert_eq!("WLC".parse::<SchedulerKind>(), Ok(SchedulerKind::Wlc));
+    }
+
+    #[test]
+    fn unknown_kind_lists_valid_names() {
+        let err = "fastest"
+            .parse::<SchedulerKind>()
+            .expect_err("not a scheduler");
+        let msg = err.to_string();
+        assert!(msg.contains("\"fastest\""), "{msg}");
+        for k in SchedulerKind::ALL {
+            assert!(msg.contains(k.as_str()), "{msg} misses {k}");
+        }
+    }
+
+    #[test]
+    fn mh_table_size_accepts_only_ipvs_primes() {
+        assert_eq!(MhTableSize::default().get(), 4093);
+        assert_eq!(
+            "65521".parse::<MhTableSize>().map(MhTableSize::get),
+            Ok(65521)
+        );
+        assert!(MhTableSize::new(4096).is_err());
+        let msg = "x"
+            .parse::<MhTableSize>()
+            .expect_err("not a number")
+            .to_string();
+        assert!(msg.contains("4093"), "{msg}");
+    }
+
+    #[test]
+    fn build_rejects_bad_input() {
+        let err = Scheduler::new(
+            SchedConfig::new(SchedulerKind::Wlc, HashSeed::default()),
+            &[backend(1, 1), backend(2, MAX_WEIGHT + 1)],
+        )
+        .expect_err("weight too large");
+        assert_eq!(
+            err,
+            BuildError::WeightTooLarge {
+                index: 1,
+                weight: MAX_WEIGHT + 1
+            }
+        );
+        let mut cfg = SchedConfig::new(SchedulerKind::Mh, HashSeed::default());
+        cfg.mh_table_size = MhTableSize::new(251).expect("prime");
+        let many: Vec<_> = (0..252u32)
+            .map(|i| BackendInfo::new(SocketAddr::from(([10, 1, (i >> 8) as u8, i as u8], 80)), 1))
+            .collect();
+        assert_eq!(
+            Scheduler::new(cfg, &many).expect_err("too many"),
+            BuildError::TooManyBackends {
+                count: 252,
+                max: 251
+            }
+        );
+    }
+
+    /// Weight 0 and down backends are never picked, by any scheduler, and an
+    /// empty or fully unavailable set yields `None`.
+    #[test]
+    fn unavailable_never_picked_by_any_scheduler() {
+        let mut down = backend(3, 5);
+        down.up = false;
+        let set = [backend(1, 0), backend(2, 2), down, backend(4, 1)];
+        for kind in SchedulerKind::ALL {
+            let mut s =
+                Scheduler::new(SchedConfig::new(kind, HashSeed::new(9, 9)), &set).expect("valid");
+            if matches!(kind, SchedulerKind::Sh | SchedulerKind::Mh) {
+                s = Scheduler::new(
+                    SchedConfig {
+                        fallback: true,
+                        ..*s.config()
+                    },
+                    &set,
+                )
+                .expect("valid");
+            }
+            let h = histogram(&s, 2000);
+            assert_eq!(h[0], 0, "{kind}: weight 0 picked");
+            assert_eq!(h[2], 0, "{kind}: down backend picked");
+            assert_eq!(h[4], 0, "{kind}: returned None with available backends");
+            // With an idle load view the load-based ones always take the
+            // first available backend; the others use both.
+            let load_based = matches!(
+                kind,
+                SchedulerKind::Lc | SchedulerKind::Wlc | SchedulerKind::Sed | SchedulerKind::Nq
+            );
+            assert_eq!(h[1] + h[3], 2000, "{kind}: {h:?}");
+            assert!(load_based || h[3] > 0, "{kind}: {h:?}");
+
+            let none = [backend(1, 0), down];
+            let s = Scheduler::new(*s.config(), &none).expect("valid");
+            assert_eq!(
+                histogram(&s, 50)[2],
+                50,
+                "{kind}: picked an unavailable backend"
+            );
+            let s = Scheduler::new(*s.config(), &[]).expect("valid");
+            assert_eq!(histogram(&s, 5)[0], 5, "{kind}: picked from an empty set");
+        }
+    }
+
+    #[test]
+    fn scheduler_is_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<Scheduler>();
+    }
+
+    #[test]
+    fn splitmix_replays_from_seed() {
+        let a: Vec<u64> = {
+            let mut r = SplitMix64::new(7);
+            (0..4).map(|_| r.next_u64()).collect()
+        };
+        let mut r = SplitMix64::new(7);
+        assert!(a.iter().all(|&x| x == r.next_u64()));
+        assert_ne!(a[0], a[1]);
+    }
+}
