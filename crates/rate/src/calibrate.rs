@@ -46,7 +46,8 @@ impl Calibrator {
                 for f in &c.flags {
                     f.store(IN_USE | STARTED, std::sync::atomic::Ordering::Relaxed);
                 }
-                c.live.store(CHUNK as u32, std::sync::atomic::Ordering::Relaxed);
+                c.live
+                    .store(CHUNK as u32, std::sync::atomic::Ordering::Relaxed);
                 c
             })
             .collect();

@@ -239,7 +239,8 @@ impl Engine {
             r.slots_run += 1;
         }
         t.next = Some(next);
-        r.behind = (now_ns * u128::from(slots) / PERIOD_NS + 1).saturating_sub(u128::from(next)) as u64;
+        r.behind =
+            (now_ns * u128::from(slots) / PERIOD_NS + 1).saturating_sub(u128::from(next)) as u64;
         t.sync_alloc(&self.inner.alloc, &mut r);
         r
     }
@@ -319,7 +320,10 @@ impl Ticker {
 
     /// Estimated work of slot `s` in ns (chunks with live entries x cost).
     fn slot_cost_ns(&self, s: usize) -> f64 {
-        let live = self.slots[s].iter().filter(|c| c.live.load(Relaxed) != 0).count();
+        let live = self.slots[s]
+            .iter()
+            .filter(|c| c.live.load(Relaxed) != 0)
+            .count();
         live as f64 * CHUNK as f64 * self.cost_ns
     }
 

@@ -21,7 +21,13 @@ pub const COUNT_SHIFT: u32 = 9;
 /// Shift applied to a 2 s delta of bytes (x 2^5 / 2).
 pub const BYTE_SHIFT: u32 = 4;
 /// Per-field shift, in field order conns, inpkts, outpkts, inbytes, outbytes.
-pub const SHIFTS: [u32; 5] = [COUNT_SHIFT, COUNT_SHIFT, COUNT_SHIFT, BYTE_SHIFT, BYTE_SHIFT];
+pub const SHIFTS: [u32; 5] = [
+    COUNT_SHIFT,
+    COUNT_SHIFT,
+    COUNT_SHIFT,
+    BYTE_SHIFT,
+    BYTE_SHIFT,
+];
 
 /// The scaled rate of one period: `delta << shift` (bits shifted out are lost,
 /// as in the kernel's `u64` arithmetic).

@@ -71,7 +71,7 @@
 //! # Memory
 //!
 //! Per estimator: 40 B per worker (counters), 120 B (last, avg, zero base)
-//! and 8 B (flags, handle count): 248 B with 2 workers. A handle is 16 B.
+//! and 8 B (flags, handle count): 208 B with 2 workers. A handle is 16 B.
 //! Chunks are kept and reused after their estimators are freed.
 //!
 //! # Driving it (daemon side)
