@@ -70,7 +70,7 @@ fn counters_updated_from_threads_while_estimating_lose_nothing() {
             thread::spawn(move || {
                 start.wait();
                 for k in 0..per_worker {
-                    if k % 1000 == 0 {
+                    if k.is_multiple_of(1000) {
                         // Interleave with the ticker: wait (bounded) for one more tick.
                         let seen = ticks.load(Ordering::Acquire);
                         for _ in 0..1_000_000 {

@@ -4,6 +4,8 @@
 //! independently of the crate's `ewma` module, so a mistake in one does not
 //! hide in both.
 
+#![allow(clippy::needless_range_loop)] // parallel [_; 5] arrays indexed by field
+
 use std::time::Duration;
 
 use weir_rate::{Config, Engine, Estimator, Rates, TickReport, Totals};
@@ -275,7 +277,7 @@ fn churn_run(n: usize, churn: bool) -> Vec<Vec<(Totals, [u64; 5])>> {
             feed(e, workers, [1, 5, 5, 5000, 5000]);
         }
         engine.tick(now);
-        if k % 5 == 0 {
+        if k.is_multiple_of(5) {
             out.push(
                 ests.iter()
                     .enumerate()
