@@ -47,6 +47,35 @@
 //! * **Index results.** `pick` returns an index into the slice the scheduler
 //!   was built from, or `None` when no backend can take the connection.
 //!
+//! ## Example
+//!
+//! ```
+//! use std::sync::atomic::{AtomicU64, Ordering};
+//! use weir_sched::*;
+//!
+//! let backends = [
+//!     BackendInfo::new("10.0.0.1:80".parse::<std::net::SocketAddr>().unwrap(), 3),
+//!     BackendInfo::new("10.0.0.2:80".parse::<std::net::SocketAddr>().unwrap(), 1),
+//! ];
+//! let kind: SchedulerKind = "wlc".parse()?;
+//! let sched = Scheduler::new(SchedConfig::new(kind, HashSeed::new(1, 2)), &backends)?;
+//!
+//! // The daemon's counters, read through a closure.
+//! let active = [AtomicU64::new(4), AtomicU64::new(1)];
+//! let load = |i: usize| Load::new(active[i].load(Ordering::Relaxed), 0);
+//! let client = ClientAddr("192.0.2.7:40000".parse().unwrap());
+//! let mut rng = SplitMix64::new(7); // one per worker, seeded by the daemon
+//! // 4 * 256 / 3 ≈ 341 > 1 * 256 / 1 = 256: backend 1 is less loaded per weight.
+//! assert_eq!(sched.pick(client, &load, &mut rng), Some(1));
+//!
+//! // Quiesce backend 1: rebuild; picks avoid it from then on.
+//! let mut changed = backends;
+//! changed[1].weight = 0;
+//! let sched = sched.rebuild(&changed)?;
+//! assert_eq!(sched.pick(client, &load, &mut rng), Some(0));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! Persistence (`ipvsadm -p / -M`) is stored by the daemon as affinity
 //! templates in its flow table; this crate provides the client grouping
 //! ([`AffinityMask`]) and the template validity rule ([`template_usable`]).
@@ -299,8 +328,10 @@ impl FromStr for SchedulerKind {
     }
 }
 
-/// Size of the `mh` lookup table: one of IPVS's primes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Size of the `mh` lookup table: one of IPVS's primes. Serialises as the
+/// plain number; deserialising rejects other numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "u32", into = "u32")]
 pub struct MhTableSize(u32);
 
 impl MhTableSize {
@@ -323,6 +354,20 @@ impl MhTableSize {
     /// The table size.
     pub fn get(self) -> u32 {
         self.0
+    }
+}
+
+impl TryFrom<u32> for MhTableSize {
+    type Error = MhTableSizeError;
+
+    fn try_from(size: u32) -> Result<Self, Self::Error> {
+        Self::new(size)
+    }
+}
+
+impl From<MhTableSize> for u32 {
+    fn from(size: MhTableSize) -> u32 {
+        size.0
     }
 }
 
@@ -638,6 +683,17 @@ mod tests {
             Ok(65521)
         );
         assert!(MhTableSize::new(4096).is_err());
+        assert_eq!(
+            serde_json::to_string(&MhTableSize::DEFAULT).expect("serialise"),
+            "4093"
+        );
+        assert_eq!(
+            serde_json::from_str::<MhTableSize>("251")
+                .map(MhTableSize::get)
+                .ok(),
+            Some(251)
+        );
+        assert!(serde_json::from_str::<MhTableSize>("250").is_err());
         let msg = "x"
             .parse::<MhTableSize>()
             .expect_err("not a number")

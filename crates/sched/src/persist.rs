@@ -8,6 +8,7 @@
 //! `docs/sched.md` describes the whole flow.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::str::FromStr;
 
 use crate::BackendInfo;
 
@@ -34,6 +35,11 @@ pub enum MaskError {
     /// An IPv6 prefix length above 128.
     #[error("IPv6 prefix length {0} exceeds 128")]
     V6PrefixTooLong(u8),
+    /// Text that is neither an IPv4 netmask nor a prefix length.
+    #[error(
+        "{0:?} is neither an IPv4 netmask (e.g. \"255.255.255.0\") nor an IPv6 prefix length (e.g. \"64\")"
+    )]
+    Syntax(String),
 }
 
 impl AffinityMask {
@@ -98,6 +104,24 @@ impl AffinityMask {
 impl Default for AffinityMask {
     fn default() -> Self {
         Self::HOST
+    }
+}
+
+/// ipvsadm's `-M` syntax: an IPv4 netmask (`"255.255.255.0"`, IPv6 clients
+/// stay per host) or an IPv6 prefix length (`"64"`, IPv4 clients stay per
+/// host).
+impl FromStr for AffinityMask {
+    type Err = MaskError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        if let Ok(netmask) = s.parse::<Ipv4Addr>() {
+            return Self::from_v4_netmask(netmask, 128);
+        }
+        match s.parse::<u8>() {
+            Ok(len) => Self::new(32, len),
+            Err(_) => Err(MaskError::Syntax(s.to_owned())),
+        }
     }
 }
 
@@ -202,6 +226,24 @@ mod tests {
         );
         assert!(AffinityMask::from_v4_netmask(Ipv4Addr::BROADCAST, 128).is_ok());
         assert!(AffinityMask::from_v4_netmask(Ipv4Addr::UNSPECIFIED, 0).is_ok());
+    }
+
+    #[test]
+    fn parses_ipvsadm_syntax() {
+        assert_eq!("255.255.0.0".parse(), AffinityMask::new(16, 128));
+        assert_eq!(" 48 ".parse(), AffinityMask::new(32, 48));
+        assert_eq!(
+            "129".parse::<AffinityMask>(),
+            Err(MaskError::V6PrefixTooLong(129))
+        );
+        assert!(matches!(
+            "/24".parse::<AffinityMask>(),
+            Err(MaskError::Syntax(_))
+        ));
+        assert!(matches!(
+            "255.0.255.0".parse::<AffinityMask>(),
+            Err(MaskError::NonContiguousNetmask(_))
+        ));
     }
 
     #[test]
