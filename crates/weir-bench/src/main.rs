@@ -11,6 +11,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 
 mod report;
+mod table;
 
 #[derive(Debug, Parser)]
 #[command(name = "weir-bench", about = "Race weir against its peers; print ratios")]
@@ -54,14 +55,14 @@ fn not_implemented(_: &Common) -> Result<serde_json::Value> {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     let (common, suites): (Common, Vec<(&str, SuiteFn)>) = match cli.suite {
-        Suite::Table(c) => (c, vec![("table", not_implemented)]),
+        Suite::Table(c) => (c, vec![("table", table::table)]),
         Suite::Dump(c) => (c, vec![("dump", not_implemented)]),
         Suite::Rate(c) => (c, vec![("rate", not_implemented)]),
         Suite::Proxy(c) => (c, vec![("proxy", not_implemented)]),
         Suite::All(c) => (
             c,
             vec![
-                ("table", not_implemented),
+                ("table", table::table),
                 ("dump", not_implemented),
                 ("rate", not_implemented),
                 ("proxy", not_implemented),
