@@ -1,0 +1,387 @@
+//! Entry layout and the node arena.
+//!
+//! Every entry is a fixed 112-byte [`Node`] made only of atomics, so a
+//! lock-free reader may read any field while a writer holding the stripe lock
+//! changes others, without a data race and without `unsafe`. Nodes live in a
+//! [`Slab`] of never-freed chunks and link to each other by `u32` index
+//! (`NIL` ends a chain); an index is recycled only after an epoch grace
+//! period (see `table.rs`), so a reader never sees a node change identity
+//! under its feet.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::OnceLock;
+
+use crate::sync::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use crate::types::{
+    BackendId, Cookie, FlowInit, FlowKey, FlowSnapshot, FlowState, Millis, Proto, ServiceId,
+    TenantId,
+};
+
+/// End of a chain.
+pub(crate) const NIL: u32 = u32::MAX;
+
+// `meta` word layout.
+pub(crate) const LIVE: u32 = 1;
+const UDP: u32 = 1 << 1;
+const C6: u32 = 1 << 2;
+const V6: u32 = 1 << 3;
+const KEY_BITS: u32 = UDP | C6 | V6;
+const STATE_SHIFT: u32 = 4;
+const STATE_MASK: u32 = 0xF << STATE_SHIFT;
+const SLOT_SHIFT: u32 = 8;
+/// Wheel slot numbers must fit in 24 bits; this value means "not filed".
+pub(crate) const UNFILED: u32 = 0xFF_FFFF;
+
+/// A key packed the way nodes store it: compared and hashed as words.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub(crate) struct PackedKey {
+    pub(crate) tenant: u32,
+    pub(crate) bits: u32,
+    pub(crate) ports: u32,
+    pub(crate) caddr: [u64; 2],
+    pub(crate) vaddr: [u64; 2],
+}
+
+fn pack_ip(ip: IpAddr) -> ([u64; 2], bool) {
+    match ip {
+        IpAddr::V4(a) => ([0, u64::from(u32::from(a))], false),
+        IpAddr::V6(a) => {
+            let v = u128::from(a);
+            ([(v >> 64) as u64, v as u64], true)
+        }
+    }
+}
+
+fn unpack_ip(w: [u64; 2], v6: bool, port: u16) -> SocketAddr {
+    if v6 {
+        let v = (u128::from(w[0]) << 64) | u128::from(w[1]);
+        SocketAddr::new(IpAddr::V6(Ipv6Addr::from(v)), port)
+    } else {
+        SocketAddr::new(IpAddr::V4(Ipv4Addr::from(w[1] as u32)), port)
+    }
+}
+
+impl PackedKey {
+    pub(crate) fn new(k: &FlowKey) -> PackedKey {
+        let (caddr, c6) = pack_ip(k.client.ip());
+        let (vaddr, v6) = pack_ip(k.virt.ip());
+        let mut bits = 0;
+        if k.proto == Proto::Udp {
+            bits |= UDP;
+        }
+        if c6 {
+            bits |= C6;
+        }
+        if v6 {
+            bits |= V6;
+        }
+        PackedKey {
+            tenant: k.tenant.0,
+            bits,
+            ports: (u32::from(k.client.port()) << 16) | u32::from(k.virt.port()),
+            caddr,
+            vaddr,
+        }
+    }
+
+    pub(crate) fn unpack(&self) -> FlowKey {
+        FlowKey {
+            tenant: TenantId(self.tenant),
+            proto: if self.bits & UDP != 0 {
+                Proto::Udp
+            } else {
+                Proto::Tcp
+            },
+            client: unpack_ip(self.caddr, self.bits & C6 != 0, (self.ports >> 16) as u16),
+            virt: unpack_ip(self.vaddr, self.bits & V6 != 0, self.ports as u16),
+        }
+    }
+}
+
+/// One entry. `repr(C)` keeps the chain link and key in the first cache line.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub(crate) struct Node {
+    pub(crate) next: AtomicU32,
+    pub(crate) meta: AtomicU32,
+    tenant: AtomicU32,
+    ports: AtomicU32,
+    caddr: [AtomicU64; 2],
+    vaddr: [AtomicU64; 2],
+    cookie: AtomicU64,
+    last_active: AtomicU64,
+    bytes: [AtomicU64; 2],
+    packets: [AtomicU64; 2],
+    created: AtomicU64,
+    service: AtomicU32,
+    backend: AtomicU32,
+}
+
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::size_of::<Node>() == 112);
+
+impl Node {
+    /// Writes a fresh entry. Only for a node no reader can reach (just
+    /// allocated); the writer then publishes it with a Release store.
+    pub(crate) fn init(&self, k: &PackedKey, init: &FlowInit, cookie: u64, now: Millis) {
+        self.next.store(NIL, Relaxed);
+        self.tenant.store(k.tenant, Relaxed);
+        self.ports.store(k.ports, Relaxed);
+        self.caddr[0].store(k.caddr[0], Relaxed);
+        self.caddr[1].store(k.caddr[1], Relaxed);
+        self.vaddr[0].store(k.vaddr[0], Relaxed);
+        self.vaddr[1].store(k.vaddr[1], Relaxed);
+        self.cookie.store(cookie, Relaxed);
+        self.last_active.store(now.0, Relaxed);
+        self.created.store(now.0, Relaxed);
+        for c in self.bytes.iter().chain(self.packets.iter()) {
+            c.store(0, Relaxed);
+        }
+        self.service.store(init.service.0, Relaxed);
+        self.backend.store(init.backend.0, Relaxed);
+        self.meta.store(
+            LIVE | k.bits | (init.state.code() << STATE_SHIFT) | (UNFILED << SLOT_SHIFT),
+            Relaxed,
+        );
+    }
+
+    /// Full key compare, cheapest-to-differ words first.
+    #[inline]
+    pub(crate) fn matches(&self, k: &PackedKey) -> bool {
+        self.ports.load(Relaxed) == k.ports
+            && self.caddr[1].load(Relaxed) == k.caddr[1]
+            && self.tenant.load(Relaxed) == k.tenant
+            && self.vaddr[1].load(Relaxed) == k.vaddr[1]
+            && self.caddr[0].load(Relaxed) == k.caddr[0]
+            && self.vaddr[0].load(Relaxed) == k.vaddr[0]
+            && self.meta.load(Relaxed) & KEY_BITS == k.bits
+    }
+
+    pub(crate) fn key(&self) -> PackedKey {
+        PackedKey {
+            tenant: self.tenant.load(Relaxed),
+            bits: self.meta.load(Relaxed) & KEY_BITS,
+            ports: self.ports.load(Relaxed),
+            caddr: [self.caddr[0].load(Relaxed), self.caddr[1].load(Relaxed)],
+            vaddr: [self.vaddr[0].load(Relaxed), self.vaddr[1].load(Relaxed)],
+        }
+    }
+
+    pub(crate) fn tenant(&self) -> u32 {
+        self.tenant.load(Relaxed)
+    }
+
+    pub(crate) fn cookie(&self) -> u64 {
+        self.cookie.load(Relaxed)
+    }
+
+    pub(crate) fn is_live(&self) -> bool {
+        self.meta.load(Relaxed) & LIVE != 0
+    }
+
+    pub(crate) fn state(&self) -> FlowState {
+        FlowState::from_code((self.meta.load(Relaxed) & STATE_MASK) >> STATE_SHIFT)
+    }
+
+    pub(crate) fn last_active(&self) -> u64 {
+        self.last_active.load(Relaxed)
+    }
+
+    pub(crate) fn backend(&self) -> BackendId {
+        BackendId(self.backend.load(Relaxed))
+    }
+
+    pub(crate) fn service(&self) -> ServiceId {
+        ServiceId(self.service.load(Relaxed))
+    }
+
+    /// Wheel slot this node was last filed in (`UNFILED` if none).
+    pub(crate) fn filed_slot(&self) -> u32 {
+        self.meta.load(Relaxed) >> SLOT_SHIFT
+    }
+
+    pub(crate) fn set_filed_slot(&self, slot: u32) {
+        debug_assert!(slot <= UNFILED);
+        let _ = self.meta.fetch_update(Relaxed, Relaxed, |m| {
+            Some((m & !(UNFILED << SLOT_SHIFT)) | (slot << SLOT_SHIFT))
+        });
+    }
+
+    /// Under the stripe lock.
+    pub(crate) fn set_state(&self, st: FlowState) {
+        let _ = self.meta.fetch_update(Relaxed, Relaxed, |m| {
+            Some((m & !STATE_MASK) | (st.code() << STATE_SHIFT))
+        });
+    }
+
+    /// Under the stripe lock, after unlinking.
+    pub(crate) fn clear_live(&self) {
+        self.meta.fetch_and(!LIVE, Relaxed);
+    }
+
+    /// Lock-free hot path.
+    #[inline]
+    pub(crate) fn touch(&self, now: Millis, dir_out: bool, bytes: u64) {
+        let d = usize::from(dir_out);
+        self.bytes[d].fetch_add(bytes, Relaxed);
+        self.packets[d].fetch_add(1, Relaxed);
+        if self.last_active.load(Relaxed) < now.0 {
+            self.last_active.fetch_max(now.0, Relaxed);
+        }
+    }
+
+    pub(crate) fn bump_last_active(&self, now: Millis) {
+        self.last_active.fetch_max(now.0, Relaxed);
+    }
+
+    /// Copies the entry; `timeout` maps a state to its idle timeout.
+    pub(crate) fn snapshot(&self, timeout: impl Fn(FlowState) -> u64) -> FlowSnapshot {
+        let state = self.state();
+        let last = self.last_active();
+        FlowSnapshot {
+            key: self.key().unpack(),
+            cookie: Cookie(self.cookie()),
+            service: self.service(),
+            backend: self.backend(),
+            state,
+            created: Millis(self.created.load(Relaxed)),
+            last_active: Millis(last),
+            expires_at: Millis(last.saturating_add(timeout(state))),
+            bytes_in: self.bytes[0].load(Relaxed),
+            bytes_out: self.bytes[1].load(Relaxed),
+            packets_in: self.packets[0].load(Relaxed),
+            packets_out: self.packets[1].load(Relaxed),
+        }
+    }
+}
+
+/// Something that maps node indices to nodes (the slab, or a plain slice in
+/// model-checking tests).
+pub(crate) trait Arena {
+    fn node(&self, i: u32) -> &Node;
+}
+
+impl Arena for [Node] {
+    fn node(&self, i: u32) -> &Node {
+        &self[i as usize]
+    }
+}
+
+/// First chunks grow geometrically (1 Ki, 1 Ki, 2 Ki ... 32 Ki nodes) so a
+/// small table stays small; past 64 Ki nodes every chunk holds 64 Ki nodes
+/// (7 MiB), so the last chunk wastes at most 7 MiB whatever the size.
+const SMALL: u32 = 1024;
+const BIG_SHIFT: u32 = 16;
+const BIG: u32 = 1 << BIG_SHIFT;
+const SMALL_CHUNKS: usize = 7;
+const CHUNKS: usize = SMALL_CHUNKS + (1 << (32 - BIG_SHIFT)) - 1;
+
+/// The node arena: chunks allocated on demand and never freed before the
+/// table, addressed by `u32`. Index `u32::MAX` is never handed out (`NIL`).
+#[derive(Debug)]
+pub(crate) struct Slab {
+    dir: Box<[OnceLock<Box<[Node]>>]>,
+    high: std::sync::atomic::AtomicU64,
+}
+
+/// (chunk, offset, chunk length) of an index.
+#[inline]
+fn locate(i: u32) -> (usize, usize, usize) {
+    if i < BIG {
+        let b = i / SMALL;
+        if b == 0 {
+            (0, i as usize, SMALL as usize)
+        } else {
+            let k = 32 - b.leading_zeros();
+            let start = SMALL << (k - 1);
+            (k as usize, (i - start) as usize, start as usize)
+        }
+    } else {
+        (
+            SMALL_CHUNKS - 1 + (i >> BIG_SHIFT) as usize,
+            (i & (BIG - 1)) as usize,
+            BIG as usize,
+        )
+    }
+}
+
+impl Slab {
+    pub(crate) fn new() -> Slab {
+        Slab {
+            dir: (0..CHUNKS).map(|_| OnceLock::new()).collect(),
+            high: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Reserves `n` fresh indices; `None` once the 2^32 - 1 space is used.
+    pub(crate) fn alloc_block(&self, n: u32) -> Option<std::ops::Range<u32>> {
+        let start = self
+            .high
+            .fetch_add(u64::from(n), std::sync::atomic::Ordering::Relaxed);
+        let end = start + u64::from(n);
+        if end > u64::from(NIL) {
+            return None;
+        }
+        let (start, end) = (start as u32, end as u32);
+        let mut i = start;
+        while i < end {
+            let (c, off, len) = locate(i);
+            self.dir[c].get_or_init(|| (0..len).map(|_| Node::default()).collect());
+            i += (len - off) as u32;
+        }
+        Some(start..end)
+    }
+
+    /// Bytes held by the arena (chunks + directory).
+    pub(crate) fn memory_bytes(&self) -> usize {
+        let chunks: usize = self
+            .dir
+            .iter()
+            .filter_map(|c| c.get())
+            .map(|c| c.len() * std::mem::size_of::<Node>())
+            .sum();
+        chunks + self.dir.len() * std::mem::size_of::<OnceLock<Box<[Node]>>>()
+    }
+}
+
+impl Arena for Slab {
+    #[inline]
+    fn node(&self, i: u32) -> &Node {
+        let (c, off, _) = locate(i);
+        // Invariant: only indices returned by `alloc_block` (whose chunks are
+        // initialised before the index is handed out) are ever linked or
+        // filed, so the chunk exists.
+        &self.dir[c].get().expect("node index from alloc_block")[off]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn locate_is_contiguous() {
+        let mut expect = (0usize, 0usize);
+        for i in 0..(3 * BIG) {
+            let (c, off, len) = locate(i);
+            if off == 0 && i != 0 {
+                expect = (expect.0 + 1, 0);
+            }
+            assert_eq!((c, off), expect, "index {i}");
+            assert!(off < len);
+            expect.1 += 1;
+        }
+        assert_eq!(locate(u32::MAX - 1).0, CHUNKS - 1);
+    }
+
+    #[test]
+    fn pack_roundtrip() {
+        let k = FlowKey {
+            tenant: TenantId(7),
+            proto: Proto::Udp,
+            client: "[2001:db8::1]:4000".parse().unwrap(),
+            virt: "10.0.0.1:53".parse().unwrap(),
+        };
+        assert_eq!(PackedKey::new(&k).unpack(), k);
+    }
+}

@@ -1,0 +1,289 @@
+//! One hash table (the shared one or a tenant's own): bucket heads, lock
+//! stripes, the keyed hash, node allocation/recycling and chain statistics.
+
+use std::hash::Hasher;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+
+use crossbeam_epoch::Guard;
+use crossbeam_utils::CachePadded;
+use parking_lot::{Mutex, MutexGuard};
+use siphasher::sip::SipHasher13;
+
+use crate::node::{Arena, PackedKey, Slab};
+use crate::sync::AtomicU32;
+
+/// Node indices recycled after their grace period, shared by all tables.
+#[derive(Debug, Default)]
+pub(crate) struct FreePool {
+    pub(crate) free: Mutex<Vec<u32>>,
+}
+
+/// Nodes moved between a stripe's private cache and the pool/slab at once.
+const BATCH: usize = 64;
+/// Cookies a stripe reserves from the global counter at once.
+const COOKIE_BLOCK: u64 = 256;
+/// Default lock stripes of a table (fewer if it has fewer buckets).
+pub(crate) const DEFAULT_STRIPES: usize = 256;
+
+/// Writer-side state of one lock stripe (buckets `b` with `b & mask == i`).
+#[derive(Debug)]
+pub(crate) struct StripeState {
+    /// Private cache of free node indices.
+    free: Vec<u32>,
+    /// Unlinked nodes waiting to be retired to the pool in one batch.
+    pending: Vec<u32>,
+    /// Inserted (or re-stated) nodes not yet filed in their tenant's wheel.
+    pub(crate) new_nodes: Vec<u32>,
+    compact_at: usize,
+    cookie_next: u64,
+    cookie_end: u64,
+    /// `hist[n]` = buckets of this stripe holding `n` entries.
+    hist: Box<[u64]>,
+}
+
+/// A lock stripe.
+#[derive(Debug)]
+pub(crate) struct Stripe {
+    lock: Mutex<StripeState>,
+    /// `new_nodes.len()`, readable without the lock (expiry skips empty stripes).
+    new_hint: AtomicUsize,
+}
+
+/// A hash table.
+#[derive(Debug)]
+pub(crate) struct Table {
+    /// Dump order: 0 for the shared table, tenant id + 1 for own tables.
+    pub(crate) order: u64,
+    heads: Box<[AtomicU32]>,
+    mask: u64,
+    stripes: Box<[CachePadded<Stripe>]>,
+    stripe_mask: usize,
+    k0: u64,
+    k1: u64,
+    pub(crate) max_chain: usize,
+    pool: Arc<FreePool>,
+}
+
+/// Snapshot of chain statistics.
+#[derive(Debug)]
+pub(crate) struct ChainStats {
+    pub(crate) hist: Vec<u64>,
+    pub(crate) entries: u64,
+    pub(crate) max_chain: usize,
+}
+
+impl StripeState {
+    /// A free node index, refilling from the pool or the slab in batches.
+    pub(crate) fn alloc(&mut self, slab: &Slab, pool: &FreePool) -> Option<u32> {
+        if self.free.is_empty() {
+            {
+                let mut p = pool.free.lock();
+                let take = p.len().min(BATCH);
+                let at = p.len() - take;
+                self.free.extend(p.drain(at..));
+            }
+            if self.free.is_empty() {
+                self.free.extend(slab.alloc_block(BATCH as u32)?.rev());
+            }
+        }
+        self.free.pop()
+    }
+
+    /// Next cookie: increasing within the stripe (hence within each chain),
+    /// unique across the whole `FlowTable` (blocks come from one counter).
+    pub(crate) fn next_cookie(&mut self, global: &AtomicU64) -> u64 {
+        if self.cookie_next == self.cookie_end {
+            self.cookie_next = global.fetch_add(COOKIE_BLOCK, Relaxed);
+            self.cookie_end = self.cookie_next + COOKIE_BLOCK;
+        }
+        let c = self.cookie_next;
+        self.cookie_next += 1;
+        c
+    }
+
+    /// An unlinked node: recycled once every reader that might still be on
+    /// it has unpinned (batched: one deferred closure per `BATCH` nodes).
+    pub(crate) fn retire(&mut self, idx: u32, guard: &Guard, pool: &Arc<FreePool>) {
+        self.pending.push(idx);
+        if self.pending.len() >= BATCH {
+            let batch = std::mem::take(&mut self.pending);
+            let pool = Arc::clone(pool);
+            guard.defer(move || pool.free.lock().extend(batch));
+        }
+    }
+
+    pub(crate) fn hist_move(&mut self, from: usize, to: usize) {
+        if let Some(h) = self.hist.get_mut(from) {
+            *h = h.saturating_sub(1);
+        }
+        if let Some(h) = self.hist.get_mut(to) {
+            *h += 1;
+        }
+    }
+
+    /// Records a node for filing in its tenant's wheel. Amortised O(1): the
+    /// list is compacted (dead and duplicate indices dropped) whenever it
+    /// doubles, so it stays O(live entries) even if expiry never runs.
+    pub(crate) fn push_new(&mut self, idx: u32, slab: &Slab) {
+        self.new_nodes.push(idx);
+        if self.new_nodes.len() >= self.compact_at {
+            self.new_nodes.retain(|&i| slab.node(i).is_live());
+            self.new_nodes.sort_unstable();
+            self.new_nodes.dedup();
+            self.compact_at = (self.new_nodes.len() * 2).max(1024);
+        }
+    }
+
+    pub(crate) fn take_new(&mut self) -> Vec<u32> {
+        self.compact_at = 1024;
+        std::mem::take(&mut self.new_nodes)
+    }
+
+    fn memory_bytes(&self) -> usize {
+        4 * (self.free.capacity() + self.pending.capacity() + self.new_nodes.capacity())
+            + 8 * self.hist.len()
+    }
+}
+
+impl Table {
+    /// Bytes a table of `buckets` buckets needs (for the memory budget).
+    pub(crate) fn bytes_for(buckets: usize, max_chain: usize, stripes: usize) -> usize {
+        let stripes = stripes.min(buckets);
+        buckets * std::mem::size_of::<AtomicU32>()
+            + stripes * (std::mem::size_of::<CachePadded<Stripe>>() + 8 * (max_chain + 1))
+    }
+
+    /// A table; `None` if the bucket array cannot be allocated.
+    pub(crate) fn try_new(
+        order: u64,
+        buckets: usize,
+        max_chain: usize,
+        stripes: usize,
+        keys: (u64, u64),
+        pool: Arc<FreePool>,
+    ) -> Option<Table> {
+        assert!(buckets.is_power_of_two() && stripes.is_power_of_two());
+        let stripes = stripes.min(buckets);
+        let mut heads = Vec::new();
+        heads.try_reserve_exact(buckets).ok()?;
+        heads.extend((0..buckets).map(|_| AtomicU32::new(crate::node::NIL)));
+        let per_stripe = (buckets / stripes) as u64;
+        let stripes = (0..stripes)
+            .map(|_| {
+                let mut hist = vec![0u64; max_chain + 1].into_boxed_slice();
+                hist[0] = per_stripe;
+                CachePadded::new(Stripe {
+                    lock: Mutex::new(StripeState {
+                        free: Vec::new(),
+                        pending: Vec::new(),
+                        new_nodes: Vec::new(),
+                        compact_at: 1024,
+                        cookie_next: 0,
+                        cookie_end: 0,
+                        hist,
+                    }),
+                    new_hint: AtomicUsize::new(0),
+                })
+            })
+            .collect::<Box<[_]>>();
+        Some(Table {
+            order,
+            heads: heads.into_boxed_slice(),
+            mask: (buckets - 1) as u64,
+            stripe_mask: stripes.len() - 1,
+            stripes,
+            k0: keys.0,
+            k1: keys.1,
+            max_chain,
+            pool,
+        })
+    }
+
+    pub(crate) fn buckets(&self) -> usize {
+        self.heads.len()
+    }
+
+    /// Keyed SipHash-1-3 of the full key, salted with the tenant's salt.
+    /// Returns (bucket, stripe).
+    #[inline]
+    pub(crate) fn locate(&self, k: &PackedKey, salt: u64) -> (usize, usize) {
+        let mut h = SipHasher13::new_with_keys(self.k0, self.k1);
+        h.write_u64(salt ^ (u64::from(k.tenant) << 32 | u64::from(k.bits)));
+        h.write_u64(u64::from(k.ports));
+        h.write_u64(k.caddr[0]);
+        h.write_u64(k.caddr[1]);
+        h.write_u64(k.vaddr[0]);
+        h.write_u64(k.vaddr[1]);
+        let b = (h.finish() & self.mask) as usize;
+        (b, b & self.stripe_mask)
+    }
+
+    #[inline]
+    pub(crate) fn head(&self, b: usize) -> &AtomicU32 {
+        &self.heads[b]
+    }
+
+    pub(crate) fn stripes(&self) -> usize {
+        self.stripes.len()
+    }
+
+    #[inline]
+    pub(crate) fn lock(&self, s: usize) -> MutexGuard<'_, StripeState> {
+        self.stripes[s].lock.lock()
+    }
+
+    pub(crate) fn set_new_hint(&self, s: usize, st: &StripeState) {
+        self.stripes[s].new_hint.store(st.new_nodes.len(), Relaxed);
+    }
+
+    pub(crate) fn has_new(&self, s: usize) -> bool {
+        self.stripes[s].new_hint.load(Relaxed) != 0
+    }
+
+    pub(crate) fn pool(&self) -> &Arc<FreePool> {
+        &self.pool
+    }
+
+    /// O(stripes x max_chain): locks each stripe briefly.
+    pub(crate) fn chain_stats(&self) -> ChainStats {
+        let mut hist = vec![0u64; self.max_chain + 1];
+        for s in self.stripes.iter() {
+            let st = s.lock.lock();
+            for (a, b) in hist.iter_mut().zip(st.hist.iter()) {
+                *a += b;
+            }
+        }
+        let entries = hist.iter().enumerate().map(|(n, c)| n as u64 * c).sum();
+        let max_chain = hist.iter().rposition(|&c| c != 0).unwrap_or(0);
+        hist.truncate(max_chain + 1);
+        ChainStats {
+            hist,
+            entries,
+            max_chain,
+        }
+    }
+
+    pub(crate) fn memory_bytes(&self) -> usize {
+        let mut b = self.heads.len() * std::mem::size_of::<AtomicU32>()
+            + self.stripes.len() * std::mem::size_of::<CachePadded<Stripe>>();
+        for s in self.stripes.iter() {
+            b += s.lock.lock().memory_bytes();
+        }
+        b
+    }
+}
+
+impl Drop for Table {
+    fn drop(&mut self) {
+        // No reader can reach this table any more (it is dropped only after
+        // the last tenant directory naming it passed its grace period), so
+        // its cached and pending indices go straight back to the pool.
+        let mut p = self.pool.free.lock();
+        for s in self.stripes.iter_mut() {
+            let st = s.lock.get_mut();
+            p.append(&mut st.free);
+            p.append(&mut st.pending);
+        }
+    }
+}

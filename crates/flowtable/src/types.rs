@@ -1,0 +1,509 @@
+//! Public value types: keys, ids, states, snapshots, configuration and errors.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::str::FromStr;
+
+/// A tenant (think network namespace). Tenants are created with
+/// [`FlowTable::add_tenant`](crate::FlowTable::add_tenant).
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct TenantId(pub u32);
+
+impl fmt::Display for TenantId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Transport protocol of a flow.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
+pub enum Proto {
+    /// TCP.
+    Tcp,
+    /// UDP.
+    Udp,
+}
+
+impl fmt::Display for Proto {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Proto::Tcp => "TCP",
+            Proto::Udp => "UDP",
+        })
+    }
+}
+
+/// The full lookup key: tenant, protocol, client address and virtual
+/// (service) address.
+///
+/// IPv6 `flowinfo` and `scope_id` are **not** part of the table's key: the
+/// table stores 16-byte addresses and ports only, and snapshots return them
+/// as 0. Two keys that differ only there are the same flow for the table.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
+pub struct FlowKey {
+    /// Owning tenant (compared on every lookup, also in the shared table).
+    pub tenant: TenantId,
+    /// Transport protocol.
+    pub proto: Proto,
+    /// Client address and port.
+    pub client: SocketAddr,
+    /// Virtual (service) address and port.
+    pub virt: SocketAddr,
+}
+
+/// Connection state, named like `ipvsadm -Lnc`.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
+pub enum FlowState {
+    /// TCP SYN seen from the client.
+    SynSent,
+    /// TCP SYN-ACK seen.
+    SynRecv,
+    /// TCP established.
+    Established,
+    /// TCP FIN seen.
+    FinWait,
+    /// TCP CLOSE_WAIT.
+    CloseWait,
+    /// TCP LAST_ACK.
+    LastAck,
+    /// TCP TIME_WAIT.
+    TimeWait,
+    /// TCP closed (RST or final ACK).
+    Close,
+    /// Any UDP flow.
+    Udp,
+    /// A persistence template (shown as `NONE` like IPVS).
+    Persist,
+}
+
+impl FlowState {
+    /// All states, in their internal code order.
+    pub const ALL: [FlowState; 10] = [
+        FlowState::SynSent,
+        FlowState::SynRecv,
+        FlowState::Established,
+        FlowState::FinWait,
+        FlowState::CloseWait,
+        FlowState::LastAck,
+        FlowState::TimeWait,
+        FlowState::Close,
+        FlowState::Udp,
+        FlowState::Persist,
+    ];
+
+    pub(crate) fn code(self) -> u32 {
+        self as u32
+    }
+
+    pub(crate) fn from_code(code: u32) -> FlowState {
+        // Codes are written only by this crate from `code()`; an impossible
+        // value maps to Close (the shortest-lived state) rather than panicking.
+        Self::ALL
+            .get(code as usize)
+            .copied()
+            .unwrap_or(FlowState::Close)
+    }
+
+    /// The name `ipvsadm -Lnc` prints.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FlowState::SynSent => "SYN_SENT",
+            FlowState::SynRecv => "SYN_RECV",
+            FlowState::Established => "ESTABLISHED",
+            FlowState::FinWait => "FIN_WAIT",
+            FlowState::CloseWait => "CLOSE_WAIT",
+            FlowState::LastAck => "LAST_ACK",
+            FlowState::TimeWait => "TIME_WAIT",
+            FlowState::Close => "CLOSE",
+            FlowState::Udp => "UDP",
+            FlowState::Persist => "NONE",
+        }
+    }
+}
+
+impl fmt::Display for FlowState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Error from parsing a [`FlowState`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown flow state {0:?} (expected e.g. ESTABLISHED, SYN_RECV, UDP, NONE)")]
+pub struct ParseStateError(pub String);
+
+impl FromStr for FlowState {
+    type Err = ParseStateError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        for st in Self::ALL {
+            if t.eq_ignore_ascii_case(st.as_str()) {
+                return Ok(st);
+            }
+        }
+        // Also accept the Rust-ish spellings and "persist".
+        let alt = t.replace(['_', '-'], "");
+        for st in Self::ALL {
+            if alt.eq_ignore_ascii_case(&format!("{st:?}")) {
+                return Ok(st);
+            }
+        }
+        Err(ParseStateError(s.chars().take(64).collect()))
+    }
+}
+
+/// Monotonic milliseconds since the daemon's epoch. Time is always passed in.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default)]
+pub struct Millis(pub u64);
+
+impl Millis {
+    /// `secs` seconds.
+    pub const fn from_secs(secs: u64) -> Millis {
+        Millis(secs.saturating_mul(1000))
+    }
+}
+
+/// Per-entry id, never 0, unique for the table's lifetime (never reused),
+/// increasing in insertion order within one hash chain.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct Cookie(pub u64);
+
+impl fmt::Display for Cookie {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:x}", self.0)
+    }
+}
+
+/// Error from parsing a [`Cookie`] or a [`Cursor`](crate::Cursor).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed {what}: {detail}")]
+pub struct ParseError {
+    pub(crate) what: &'static str,
+    pub(crate) detail: &'static str,
+}
+
+impl FromStr for Cookie {
+    type Err = ParseError;
+    /// Parses the hexadecimal form printed by `Display`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let err = |detail| ParseError {
+            what: "cookie",
+            detail,
+        };
+        if s.is_empty() || s.len() > 16 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(err("expected 1 to 16 hex digits"));
+        }
+        match u64::from_str_radix(s, 16) {
+            Ok(0) => Err(err("cookie 0 is never issued")),
+            Ok(v) => Ok(Cookie(v)),
+            Err(_) => Err(err("expected 1 to 16 hex digits")),
+        }
+    }
+}
+
+/// Virtual service id (assigned by the daemon).
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct ServiceId(pub u32);
+
+/// Backend (real server) id (assigned by the daemon).
+#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct BackendId(pub u32);
+
+/// What a new entry starts with.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub struct FlowInit {
+    /// Service the flow belongs to.
+    pub service: ServiceId,
+    /// Backend chosen by the scheduler.
+    pub backend: BackendId,
+    /// Initial state.
+    pub state: FlowState,
+}
+
+/// A consistent-enough copy of one entry. Fields written under the stripe
+/// lock (state) and the lock-free counters are read with relaxed loads, so a
+/// snapshot taken while a `touch` runs may show its bytes but not yet its
+/// packet (each counter is exact on its own).
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub struct FlowSnapshot {
+    /// The key.
+    pub key: FlowKey,
+    /// The entry's cookie.
+    pub cookie: Cookie,
+    /// Service.
+    pub service: ServiceId,
+    /// Backend.
+    pub backend: BackendId,
+    /// Current state.
+    pub state: FlowState,
+    /// Insert time.
+    pub created: Millis,
+    /// Last `touch`/`set_state`/insert time.
+    pub last_active: Millis,
+    /// `last_active + timeout(tenant, state)` at the time of the snapshot.
+    pub expires_at: Millis,
+    /// Bytes client -> backend.
+    pub bytes_in: u64,
+    /// Bytes backend -> client.
+    pub bytes_out: u64,
+    /// Packets (or reads) client -> backend.
+    pub packets_in: u64,
+    /// Packets (or reads) backend -> client.
+    pub packets_out: u64,
+}
+
+/// Direction of traffic for [`FlowTable::touch`](crate::FlowTable::touch).
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
+pub enum Dir {
+    /// Client -> backend.
+    In,
+    /// Backend -> client.
+    Out,
+}
+
+/// Per-state idle timeouts, in milliseconds. `Default` is IPVS's defaults.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub struct Timeouts {
+    /// SYN_SENT (IPVS default 120 s).
+    pub syn_sent: Millis,
+    /// SYN_RECV (60 s).
+    pub syn_recv: Millis,
+    /// ESTABLISHED (900 s).
+    pub established: Millis,
+    /// FIN_WAIT (120 s).
+    pub fin_wait: Millis,
+    /// CLOSE_WAIT (60 s).
+    pub close_wait: Millis,
+    /// LAST_ACK (30 s).
+    pub last_ack: Millis,
+    /// TIME_WAIT (120 s).
+    pub time_wait: Millis,
+    /// CLOSE (10 s).
+    pub close: Millis,
+    /// UDP (300 s).
+    pub udp: Millis,
+    /// Persistence templates (300 s).
+    pub persist: Millis,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            syn_sent: Millis::from_secs(120),
+            syn_recv: Millis::from_secs(60),
+            established: Millis::from_secs(900),
+            fin_wait: Millis::from_secs(120),
+            close_wait: Millis::from_secs(60),
+            last_ack: Millis::from_secs(30),
+            time_wait: Millis::from_secs(120),
+            close: Millis::from_secs(10),
+            udp: Millis::from_secs(300),
+            persist: Millis::from_secs(300),
+        }
+    }
+}
+
+impl Timeouts {
+    /// The timeout for `state`.
+    pub fn get(&self, state: FlowState) -> Millis {
+        match state {
+            FlowState::SynSent => self.syn_sent,
+            FlowState::SynRecv => self.syn_recv,
+            FlowState::Established => self.established,
+            FlowState::FinWait => self.fin_wait,
+            FlowState::CloseWait => self.close_wait,
+            FlowState::LastAck => self.last_ack,
+            FlowState::TimeWait => self.time_wait,
+            FlowState::Close => self.close,
+            FlowState::Udp => self.udp,
+            FlowState::Persist => self.persist,
+        }
+    }
+
+    pub(crate) fn to_array(self) -> [u64; 10] {
+        FlowState::ALL.map(|s| self.get(s).0)
+    }
+
+    pub(crate) fn from_array(a: [u64; 10]) -> Timeouts {
+        Timeouts {
+            syn_sent: Millis(a[0]),
+            syn_recv: Millis(a[1]),
+            established: Millis(a[2]),
+            fin_wait: Millis(a[3]),
+            close_wait: Millis(a[4]),
+            last_ack: Millis(a[5]),
+            time_wait: Millis(a[6]),
+            close: Millis(a[7]),
+            udp: Millis(a[8]),
+            persist: Millis(a[9]),
+        }
+    }
+}
+
+/// Table-wide configuration.
+#[derive(Clone, Debug)]
+pub struct TableConfig {
+    /// Buckets of the shared table; a power of two in `1..=2^26`.
+    /// Values that are not are rounded up to the next power of two (clamped).
+    pub shared_buckets: usize,
+    /// Longest chain an insert may extend; past it inserts are refused with
+    /// [`InsertError::ChainFull`] and counted (hash-flood defence, like
+    /// conntrack). Clamped to `1..=1024`.
+    pub max_chain: usize,
+    /// Bytes that all tenants' own tables (bucket arrays and lock stripes)
+    /// may use together; a tenant whose own table would not fit shares the
+    /// global table and [`Placement::Shared`] says why.
+    pub memory_budget: usize,
+    /// Hash seed; `None` draws a random one (use `Some` in tests).
+    pub seed: Option<u64>,
+}
+
+impl Default for TableConfig {
+    fn default() -> Self {
+        TableConfig {
+            shared_buckets: 1 << 17,
+            max_chain: 64,
+            memory_budget: 256 << 20,
+            seed: None,
+        }
+    }
+}
+
+/// Per-tenant configuration.
+#[derive(Clone, Debug, Default)]
+pub struct TenantConfig {
+    /// 0 = share the global table (the default); else the bucket count of
+    /// the tenant's own table, a power of two `<= 2^24`, fixed for its life.
+    pub own_buckets: usize,
+    /// Idle timeouts for this tenant's entries.
+    pub timeouts: Timeouts,
+}
+
+/// Largest own-table bucket count (like `tcp_child_ehash_entries`).
+pub const MAX_OWN_BUCKETS: usize = 1 << 24;
+
+/// Why a tenant that asked for its own table shares the global one.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub enum FallbackReason {
+    /// The tenant asked to share (own_buckets = 0).
+    Requested,
+    /// The own table would push own tables past `TableConfig::memory_budget`.
+    OverBudget {
+        /// Bytes the own table needs.
+        needed: usize,
+        /// Bytes of the budget still free.
+        available: usize,
+    },
+    /// The allocator refused the bucket array.
+    AllocFailed {
+        /// Bytes the own table needs.
+        needed: usize,
+    },
+}
+
+impl fmt::Display for FallbackReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FallbackReason::Requested => f.write_str("shared by request"),
+            FallbackReason::OverBudget { needed, available } => write!(
+                f,
+                "own table needs {needed} B but only {available} B of the memory budget are free"
+            ),
+            FallbackReason::AllocFailed { needed } => {
+                write!(f, "allocating {needed} B for the own table failed")
+            }
+        }
+    }
+}
+
+/// Where a tenant's entries live.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub enum Placement {
+    /// The tenant owns a table of `buckets` buckets.
+    Own {
+        /// Bucket count.
+        buckets: usize,
+    },
+    /// The tenant shares the global table.
+    Shared {
+        /// Buckets asked for (0 = asked to share).
+        requested: usize,
+        /// Why it shares.
+        reason: FallbackReason,
+    },
+}
+
+/// Errors of tenant administration.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TenantError {
+    /// `add_tenant` for an id that exists.
+    #[error("tenant {0} already exists")]
+    Exists(TenantId),
+    /// The tenant does not exist.
+    #[error("no tenant {0}")]
+    NoTenant(TenantId),
+    /// `own_buckets` is not 0 or a power of two `<= 2^24`.
+    #[error("own_buckets must be 0 or a power of two <= 2^24, got {0}")]
+    BadSize(usize),
+}
+
+/// Errors of [`FlowTable::insert`](crate::FlowTable::insert).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum InsertError {
+    /// The key is present; its cookie.
+    #[error("flow exists (cookie {0})")]
+    Exists(Cookie),
+    /// The key's chain is at `max_chain` (possible hash flood), or — in
+    /// practice unreachable — the table's 2^32 entry slots are exhausted.
+    /// Counted in [`TableStats::refused_inserts`].
+    #[error("hash chain full: insert refused")]
+    ChainFull,
+    /// The key's tenant does not exist (or is being removed).
+    #[error("no such tenant")]
+    NoTenant,
+}
+
+/// Selects entries for [`FlowTable::dump`](crate::FlowTable::dump); `Default` selects all.
+#[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
+pub struct DumpFilter {
+    /// Only this tenant (walks only its own table if it has one).
+    pub tenant: Option<TenantId>,
+    /// Only this service.
+    pub service: Option<ServiceId>,
+    /// Only this backend.
+    pub backend: Option<BackendId>,
+    /// Only this state.
+    pub state: Option<FlowState>,
+}
+
+impl DumpFilter {
+    /// Whether a snapshot passes the filter.
+    pub fn matches(&self, s: &FlowSnapshot) -> bool {
+        self.tenant.is_none_or(|t| t == s.key.tenant)
+            && self.service.is_none_or(|v| v == s.service)
+            && self.backend.is_none_or(|v| v == s.backend)
+            && self.state.is_none_or(|v| v == s.state)
+    }
+}
+
+/// Introspection for one tenant; cheap (O(lock stripes x max_chain)).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TableStats {
+    /// The tenant's entries.
+    pub entries: u64,
+    /// Entries of the table the tenant lives in (= `entries` for an own table).
+    pub table_entries: u64,
+    /// Buckets of that table.
+    pub buckets: usize,
+    /// `table_entries / buckets`.
+    pub load_factor: f64,
+    /// `chain_histogram[n]` = buckets of that table holding `n` entries
+    /// (trailing zero classes trimmed).
+    pub chain_histogram: Vec<u64>,
+    /// Longest current chain of that table.
+    pub max_chain: usize,
+    /// Inserts of this tenant refused because the chain was full.
+    pub refused_inserts: u64,
+    /// Own or shared table.
+    pub placement: Placement,
+}

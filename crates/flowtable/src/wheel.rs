@@ -1,0 +1,98 @@
+//! Per-tenant expiry wheel with lazy rescheduling.
+//!
+//! `SLOTS` slots of `TICK_MS` each; a slot holds node indices. A node is
+//! filed at the tick of its deadline (clamped to `[cur, cur + SLOTS - 1]`)
+//! and its node records the slot number. `touch` never refiles: when a slot
+//! comes due each node in it is re-checked against its *real* deadline and
+//! either expired or refiled further on (at most once per timeout period per
+//! entry, so the work stays O(expired + refiled)). References go stale when a
+//! node is removed or refiled; a stale reference is recognised (node not
+//! live, other tenant, or other slot recorded) and dropped when its slot is
+//! processed. A refile always lands in a *different* slot (tick `> cur` and
+//! `< cur + SLOTS`), so duplicate references die out.
+//!
+//! Tick `T` is processed once `now >= (T + 1) * TICK_MS`, so everything in
+//! it has a deadline `< now`; entries expire at most ~2 ticks late, never
+//! early.
+
+/// Wheel granularity.
+pub(crate) const TICK_MS: u64 = 1000;
+/// Slots (horizon = 1024 s; longer deadlines are refiled at the horizon).
+pub(crate) const SLOTS: u64 = 1024;
+
+#[derive(Debug)]
+pub(crate) struct Wheel {
+    slots: Box<[Vec<u32>]>,
+    /// Next tick to process.
+    cur: u64,
+    started: bool,
+}
+
+impl Wheel {
+    pub(crate) fn new() -> Wheel {
+        Wheel {
+            slots: (0..SLOTS).map(|_| Vec::new()).collect(),
+            cur: 0,
+            started: false,
+        }
+    }
+
+    pub(crate) fn start(&mut self, now: u64) {
+        if !self.started {
+            self.cur = now / TICK_MS;
+            self.started = true;
+        }
+    }
+
+    /// Files `idx` for `deadline`; returns the slot to record in the node.
+    pub(crate) fn file(&mut self, idx: u32, deadline: u64) -> u32 {
+        let t = (deadline / TICK_MS).clamp(self.cur, self.cur + SLOTS - 1);
+        let s = (t % SLOTS) as usize;
+        self.slots[s].push(idx);
+        s as u32
+    }
+
+    /// The next due, non-empty slot, advancing `cur` past empty due ticks.
+    /// O(min(elapsed ticks, SLOTS)).
+    pub(crate) fn due_slot(&mut self, now: u64) -> Option<u32> {
+        let now_t = now / TICK_MS;
+        if now_t > self.cur + SLOTS {
+            // Far behind: every slot is due; reinterpreting is harmless
+            // because each node is re-checked against its real deadline.
+            self.cur = now_t - SLOTS;
+        }
+        while self.cur < now_t {
+            let s = (self.cur % SLOTS) as usize;
+            if !self.slots[s].is_empty() {
+                return Some(s as u32);
+            }
+            if self.slots[s].capacity() > 256 {
+                self.slots[s] = Vec::new();
+            }
+            self.cur += 1;
+        }
+        None
+    }
+
+    pub(crate) fn pop(&mut self, slot: u32) -> Option<u32> {
+        self.slots[slot as usize].pop()
+    }
+
+    pub(crate) fn push_back(&mut self, slot: u32, idx: u32) {
+        self.slots[slot as usize].push(idx);
+    }
+
+    /// Everything filed (for tenant removal).
+    pub(crate) fn drain_all(&mut self) -> Vec<u32> {
+        let mut v = Vec::new();
+        for s in self.slots.iter_mut() {
+            v.append(s);
+        }
+        v
+    }
+
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.slots.len() * std::mem::size_of::<Vec<u32>>()
+            + self.slots.iter().map(|s| s.capacity() * 4).sum::<usize>()
+    }
+}
