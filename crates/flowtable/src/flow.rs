@@ -487,7 +487,8 @@ impl FlowTable {
                     }
                 }
                 if let Some((t, w)) = cur.as_mut() {
-                    let slot = w.file(idx, n.last_active().saturating_add(t.timeout(n.state())));
+                    let deadline = n.last_active().saturating_add(t.timeout(n.state()));
+                    let slot = w.file(idx, deadline, now);
                     n.set_filed_slot(slot);
                 }
             }
@@ -499,8 +500,8 @@ impl FlowTable {
     /// how many. Bounded work: files the entries inserted since the last
     /// call, then examines at most `16 * max + 1024` wheel references and
     /// `SLOTS` empty ticks per tenant. Call it periodically (e.g. every
-    /// second); an entry is removed at most ~2 s after its deadline if calls
-    /// keep up, never before. Round-robin over tenants when the budget runs
+    /// second); an entry is removed at most one wheel tick (1 s) plus the
+    /// call period after its deadline if the budget keeps up, never before. Round-robin over tenants when the budget runs
     /// out.
     pub fn expire(&self, now: Millis, max: usize, out: &mut Vec<FlowSnapshot>) -> usize {
         if max == 0 {
@@ -552,7 +553,7 @@ impl FlowTable {
                         }
                     }
                     if refile {
-                        let s = w.file(idx, deadline(n));
+                        let s = w.file(idx, deadline(n), now);
                         n.set_filed_slot(s);
                     }
                 }

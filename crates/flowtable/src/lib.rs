@@ -50,7 +50,8 @@
 //! 1024 one-second slots (`wheel.rs`). `touch` never reschedules: when a
 //! slot comes due each entry in it is re-checked and either removed or
 //! refiled (lazy rescheduling). [`FlowTable::expire`] does bounded work per
-//! call; entries go at most ~2 s late, never early.
+//! call; entries go at most one tick (1 s) plus the caller's period late,
+//! never early.
 //!
 //! # Dumps
 //! [`FlowTable::dump`] pages through tables (shared first, then own tables by

@@ -12,8 +12,9 @@
 //! `< cur + SLOTS`), so duplicate references die out.
 //!
 //! Tick `T` is processed once `now >= (T + 1) * TICK_MS`, so everything in
-//! it has a deadline `< now`; entries expire at most ~2 ticks late, never
-//! early.
+//! it has a deadline `< now`. Entries found already due when filed go to an
+//! extra overdue slot processed at once. So an entry expires at most one tick
+//! (plus the caller's period between `expire` calls) late, never early.
 
 /// Wheel granularity.
 pub(crate) const TICK_MS: u64 = 1000;
@@ -31,7 +32,7 @@ pub(crate) struct Wheel {
 impl Wheel {
     pub(crate) fn new() -> Wheel {
         Wheel {
-            slots: (0..SLOTS).map(|_| Vec::new()).collect(),
+            slots: (0..=SLOTS).map(|_| Vec::new()).collect(),
             cur: 0,
             started: false,
         }
@@ -45,16 +46,24 @@ impl Wheel {
     }
 
     /// Files `idx` for `deadline`; returns the slot to record in the node.
-    pub(crate) fn file(&mut self, idx: u32, deadline: u64) -> u32 {
-        let t = (deadline / TICK_MS).clamp(self.cur, self.cur + SLOTS - 1);
-        let s = (t % SLOTS) as usize;
-        self.slots[s].push(idx);
+    /// Entries already due at `now` go to the overdue list (slot `SLOTS`),
+    /// which the same `expire` call processes first.
+    pub(crate) fn file(&mut self, idx: u32, deadline: u64, now: u64) -> u32 {
+        let s = if deadline <= now {
+            SLOTS
+        } else {
+            (deadline / TICK_MS).clamp(self.cur, self.cur + SLOTS - 1) % SLOTS
+        };
+        self.slots[s as usize].push(idx);
         s as u32
     }
 
     /// The next due, non-empty slot, advancing `cur` past empty due ticks.
     /// O(min(elapsed ticks, SLOTS)).
     pub(crate) fn due_slot(&mut self, now: u64) -> Option<u32> {
+        if !self.slots[SLOTS as usize].is_empty() {
+            return Some(SLOTS as u32);
+        }
         let now_t = now / TICK_MS;
         if now_t > self.cur + SLOTS {
             // Far behind: every slot is due; reinterpreting is harmless

@@ -1,0 +1,381 @@
+//! Focused tests of documented behaviour: chain cap, placement fallback,
+//! expiry timing and lazy rescheduling, stale cursors, stats, parsing.
+
+use std::net::SocketAddr;
+
+use weir_flowtable::*;
+
+fn cfg(buckets: usize, max_chain: usize) -> TableConfig {
+    TableConfig {
+        shared_buckets: buckets,
+        max_chain,
+        memory_budget: 1 << 20,
+        seed: Some(1),
+    }
+}
+
+fn key(tenant: u32, i: u16) -> FlowKey {
+    FlowKey {
+        tenant: TenantId(tenant),
+        proto: Proto::Tcp,
+        client: SocketAddr::from(([10, 1, (i >> 8) as u8, i as u8], 40000 + i)),
+        virt: "[2001:db8::80]:443".parse().unwrap(),
+    }
+}
+
+fn init(state: FlowState) -> FlowInit {
+    FlowInit {
+        service: ServiceId(1),
+        backend: BackendId(2),
+        state,
+    }
+}
+
+fn table_with(tenants: &[(u32, usize)], c: TableConfig) -> FlowTable {
+    let t = FlowTable::new(c);
+    for &(id, own) in tenants {
+        t.add_tenant(
+            TenantId(id),
+            TenantConfig {
+                own_buckets: own,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    }
+    t
+}
+
+#[test]
+fn chain_cap_refuses_and_counts() {
+    // One bucket: every key collides.
+    let t = table_with(&[(1, 0)], cfg(1, 4));
+    for i in 0..4 {
+        t.insert(key(1, i), init(FlowState::Established), Millis(0))
+            .unwrap();
+    }
+    assert_eq!(
+        t.insert(key(1, 4), init(FlowState::Established), Millis(0)),
+        Err(InsertError::ChainFull)
+    );
+    assert_eq!(
+        t.insert(key(1, 5), init(FlowState::Established), Millis(0)),
+        Err(InsertError::ChainFull)
+    );
+    let st = t.tenant_stats(TenantId(1)).unwrap();
+    assert_eq!(st.refused_inserts, 2);
+    assert_eq!(st.entries, 4);
+    assert_eq!(st.max_chain, 4);
+    assert_eq!(st.chain_histogram, vec![0, 0, 0, 0, 1]);
+    assert_eq!(st.load_factor, 4.0);
+    // Room again after a remove.
+    assert!(t.remove(&key(1, 0)).is_some());
+    t.insert(key(1, 4), init(FlowState::Established), Millis(0))
+        .unwrap();
+}
+
+#[test]
+fn tenants_placement_and_errors() {
+    let t = FlowTable::new(TableConfig {
+        memory_budget: 64 << 10,
+        ..cfg(16, 8)
+    });
+    assert_eq!(
+        t.add_tenant(
+            TenantId(1),
+            TenantConfig {
+                own_buckets: 1024,
+                ..Default::default()
+            }
+        ),
+        Ok(Placement::Own { buckets: 1024 })
+    );
+    match t.add_tenant(
+        TenantId(2),
+        TenantConfig {
+            own_buckets: 1 << 20,
+            ..Default::default()
+        },
+    ) {
+        Ok(Placement::Shared {
+            requested,
+            reason: FallbackReason::OverBudget { .. },
+        }) => {
+            assert_eq!(requested, 1 << 20)
+        }
+        other => panic!("expected fallback, got {other:?}"),
+    }
+    assert_eq!(
+        t.add_tenant(TenantId(1), TenantConfig::default()),
+        Err(TenantError::Exists(TenantId(1)))
+    );
+    assert_eq!(
+        t.add_tenant(
+            TenantId(3),
+            TenantConfig {
+                own_buckets: 1000,
+                ..Default::default()
+            }
+        ),
+        Err(TenantError::BadSize(1000))
+    );
+    assert_eq!(
+        t.add_tenant(
+            TenantId(3),
+            TenantConfig {
+                own_buckets: 1 << 25,
+                ..Default::default()
+            }
+        ),
+        Err(TenantError::BadSize(1 << 25))
+    );
+    assert_eq!(t.tenants(), vec![TenantId(1), TenantId(2)]);
+    assert_eq!(
+        t.insert(key(9, 1), init(FlowState::Udp), Millis(0)),
+        Err(InsertError::NoTenant)
+    );
+    // Removing the own-table tenant returns its budget.
+    let mut out = Vec::new();
+    t.remove_tenant(TenantId(1), &mut out).unwrap();
+    assert_eq!(
+        t.add_tenant(
+            TenantId(4),
+            TenantConfig {
+                own_buckets: 1024,
+                ..Default::default()
+            }
+        ),
+        Ok(Placement::Own { buckets: 1024 })
+    );
+    assert_eq!(
+        t.remove_tenant(TenantId(1), &mut out),
+        Err(TenantError::NoTenant(TenantId(1)))
+    );
+    // Same 4-tuple in two tenants: two entries.
+    t.insert(key(2, 1), init(FlowState::Udp), Millis(0))
+        .unwrap();
+    t.insert(key(4, 1), init(FlowState::Udp), Millis(0))
+        .unwrap();
+    assert_eq!(t.get(&key(2, 1)).unwrap().key.tenant, TenantId(2));
+    assert_eq!(t.get(&key(4, 1)).unwrap().key.tenant, TenantId(4));
+}
+
+#[test]
+fn remove_tenant_takes_only_its_entries() {
+    let t = table_with(&[(1, 0), (2, 0), (3, 64)], cfg(64, 64));
+    for i in 0..300 {
+        for tn in [1, 2, 3] {
+            t.insert(key(tn, i), init(FlowState::Established), Millis(0))
+                .unwrap();
+        }
+    }
+    // Some filed in the wheel, some not yet.
+    t.expire(Millis(1000), 10, &mut Vec::new());
+    for i in 300..400 {
+        t.insert(key(2, i), init(FlowState::Established), Millis(1000))
+            .unwrap();
+    }
+    let mut out = Vec::new();
+    t.remove_tenant(TenantId(2), &mut out).unwrap();
+    assert_eq!(out.len(), 400);
+    assert!(out.iter().all(|s| s.key.tenant == TenantId(2)));
+    assert_eq!(t.tenant_stats(TenantId(1)).unwrap().entries, 300);
+    assert_eq!(t.tenant_stats(TenantId(1)).unwrap().table_entries, 300);
+    out.clear();
+    t.remove_tenant(TenantId(3), &mut out).unwrap();
+    assert_eq!(out.len(), 300);
+    let mut all = Vec::new();
+    assert_eq!(
+        t.dump(None, &DumpFilter::default(), usize::MAX, &mut all),
+        None
+    );
+    assert_eq!(all.len(), 300);
+}
+
+#[test]
+fn expiry_is_never_early_and_at_most_one_tick_late() {
+    let t = table_with(&[(1, 0)], cfg(16, 64));
+    let mut out = Vec::new();
+    t.insert(key(1, 1), init(FlowState::Close), Millis(500))
+        .unwrap(); // 10 s
+    t.insert(key(1, 2), init(FlowState::Udp), Millis(500))
+        .unwrap(); // 300 s
+    t.insert(key(1, 3), init(FlowState::Established), Millis(500))
+        .unwrap(); // 900 s
+    let mut now = 500;
+    let mut gone = std::collections::HashMap::new();
+    // Touch key 2 every 100 s until 1000 s; move key 3 to TIME_WAIT (120 s) at 50 s.
+    while now < 2_000_000 {
+        now += 250;
+        if now % 100_000 == 0 && now <= 1_000_000 {
+            t.touch(&key(1, 2), Millis(now), Dir::Out, 1);
+        }
+        if now == 50_000 {
+            assert!(t.set_state(&key(1, 3), FlowState::TimeWait, Millis(now)));
+        }
+        out.clear();
+        t.expire(Millis(now), 100, &mut out);
+        for s in &out {
+            assert!(now >= s.expires_at.0, "early");
+            assert!(
+                now < s.expires_at.0 + 1_000 + 250,
+                "late: {now} vs {}",
+                s.expires_at.0
+            );
+            gone.insert(s.key, s.expires_at.0);
+        }
+    }
+    assert_eq!(gone.get(&key(1, 1)), Some(&10_500));
+    assert_eq!(gone.get(&key(1, 2)), Some(&1_300_000));
+    assert_eq!(gone.get(&key(1, 3)), Some(&170_000));
+}
+
+#[test]
+fn expire_is_bounded_per_call() {
+    let t = table_with(&[(1, 0), (2, 8)], cfg(16, 1024));
+    for i in 0..100 {
+        t.insert(key(1, i), init(FlowState::Close), Millis(0))
+            .unwrap();
+        t.insert(key(2, i), init(FlowState::Close), Millis(0))
+            .unwrap();
+    }
+    let mut out = Vec::new();
+    let mut calls = 0;
+    loop {
+        out.clear();
+        let n = t.expire(Millis(60_000), 7, &mut out);
+        assert!(n <= 7 && n == out.len());
+        calls += 1;
+        if n == 0 {
+            break;
+        }
+    }
+    assert_eq!(calls, 200usize.div_ceil(7) + 1);
+    assert!(
+        t.tenants()
+            .iter()
+            .all(|&id| t.tenant_stats(id).unwrap().entries == 0)
+    );
+}
+
+#[test]
+fn cookies_are_never_reused() {
+    let t = table_with(&[(1, 0)], cfg(4, 64));
+    let mut seen = std::collections::HashSet::new();
+    for round in 0..50 {
+        for i in 0..20 {
+            let c = t
+                .insert(key(1, i), init(FlowState::Udp), Millis(round))
+                .unwrap();
+            assert!(c.0 != 0 && seen.insert(c));
+        }
+        for i in 0..20 {
+            assert!(t.remove(&key(1, i)).is_some());
+        }
+    }
+}
+
+#[test]
+fn stale_cursors_resume_sanely() {
+    let t = table_with(&[(1, 0), (2, 16), (3, 16)], cfg(16, 64));
+    for i in 0..50 {
+        for tn in [1, 2, 3] {
+            t.insert(key(tn, i), init(FlowState::Udp), Millis(0))
+                .unwrap();
+        }
+    }
+    let all = DumpFilter::default();
+    // Stop inside tenant 2's own table, then remove tenant 2.
+    let mut out = Vec::new();
+    let mut cur = t.dump(None, &all, 60, &mut out).unwrap();
+    while out.last().unwrap().key.tenant != TenantId(2) {
+        cur = t.dump(Some(&cur), &all, 1, &mut out).unwrap();
+    }
+    t.remove_tenant(TenantId(2), &mut Vec::new()).unwrap();
+    let mut rest = Vec::new();
+    assert_eq!(t.dump(Some(&cur), &all, usize::MAX, &mut rest), None);
+    assert_eq!(rest.len(), 50);
+    assert!(rest.iter().all(|s| s.key.tenant == TenantId(3)));
+    // Out-of-range bucket and unknown table: no panic, sane result.
+    for s in [
+        "c1.0.ffffffff.0",
+        "c1.ffffffffffffffff.0.0",
+        "c1.2.0.ffffffffffffffff",
+    ] {
+        let c: Cursor = s.parse().unwrap();
+        let mut v = Vec::new();
+        let _ = t.dump(Some(&c), &all, 1000, &mut v);
+        assert!(v.len() <= 100);
+    }
+    // Tenant filter for a missing tenant ends at once.
+    let f = DumpFilter {
+        tenant: Some(TenantId(2)),
+        ..Default::default()
+    };
+    assert_eq!(t.dump(None, &f, 10, &mut Vec::new()), None);
+}
+
+#[test]
+fn dump_filters_and_naive_contrast() {
+    let t = table_with(&[(1, 0)], cfg(8, 64));
+    for i in 0..40u16 {
+        let init = FlowInit {
+            service: ServiceId(u32::from(i % 2)),
+            backend: BackendId(u32::from(i % 5)),
+            state: if i % 3 == 0 {
+                FlowState::SynRecv
+            } else {
+                FlowState::Established
+            },
+        };
+        t.insert(key(1, i), init, Millis(0)).unwrap();
+    }
+    let f = DumpFilter {
+        service: Some(ServiceId(1)),
+        backend: Some(BackendId(3)),
+        state: Some(FlowState::Established),
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    assert_eq!(t.dump(None, &f, 1000, &mut out), None);
+    let want = (0..40u16)
+        .filter(|i| i % 2 == 1 && i % 5 == 3 && i % 3 != 0)
+        .count();
+    assert_eq!(out.len(), want);
+    // The naive offset dump is exact when nothing changes.
+    let mut naive = Vec::new();
+    let mut pos = Some((0, 0));
+    while let Some(p) = pos {
+        pos = t.dump_naive_offset(p, 3, &mut naive);
+    }
+    assert_eq!(naive.len(), 40);
+}
+
+#[test]
+fn parsing_and_display() {
+    assert_eq!(FlowState::Established.to_string(), "ESTABLISHED");
+    assert_eq!(FlowState::Persist.to_string(), "NONE");
+    for s in FlowState::ALL {
+        assert_eq!(s.to_string().to_lowercase().parse::<FlowState>(), Ok(s));
+    }
+    assert_eq!("syn_recv".parse::<FlowState>(), Ok(FlowState::SynRecv));
+    assert!("bogus".parse::<FlowState>().is_err());
+    assert_eq!(Proto::Udp.to_string(), "UDP");
+    assert_eq!("1f".parse::<Cookie>(), Ok(Cookie(31)));
+    assert_eq!(Cookie(31).to_string(), "1f");
+    assert!("0".parse::<Cookie>().is_err());
+    assert!("-1".parse::<Cookie>().is_err());
+    assert!("".parse::<Cookie>().is_err());
+}
+
+#[test]
+fn memory_is_accounted() {
+    let t = table_with(&[(1, 0)], cfg(1 << 12, 64));
+    let before = t.memory_bytes();
+    for i in 0..5000 {
+        t.insert(key(1, i), init(FlowState::Udp), Millis(0))
+            .unwrap();
+    }
+    let after = t.memory_bytes();
+    assert!(after >= before + 5000 * 112, "{before} -> {after}");
+}

@@ -1,0 +1,210 @@
+//! Multi-threaded stress: churn, touches, state changes, expiry and tenant
+//! removal race with paged dumps and lookups. Checks that every dump returns
+//! each stable entry exactly once and nothing twice, and that lookups of
+//! stable entries never miss.
+//!
+//! The default test is short (bounded by iterations and ~2 s); the
+//! `#[ignore]`d one runs for a minute:
+//! `cargo test -p weir-flowtable --release --test stress -- --ignored`.
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use weir_flowtable::*;
+
+fn key(tenant: u32, i: u32) -> FlowKey {
+    FlowKey {
+        tenant: TenantId(tenant),
+        proto: if i.is_multiple_of(3) {
+            Proto::Udp
+        } else {
+            Proto::Tcp
+        },
+        client: SocketAddr::new(
+            Ipv4Addr::from(0x0a00_0000 | (i >> 8)).into(),
+            (i & 0xff) as u16 + 1024,
+        ),
+        virt: "192.0.2.1:80".parse().unwrap(),
+    }
+}
+
+fn init(i: u32) -> FlowInit {
+    FlowInit {
+        service: ServiceId(i % 4),
+        backend: BackendId(i % 7),
+        state: FlowState::Established,
+    }
+}
+
+/// Stable tenants (1 shared, 2 own) and a churning tenant 3 that is removed
+/// and re-added.
+fn run(duration: Duration, stable: u32, dumps_max: usize) {
+    let t = Arc::new(FlowTable::new(TableConfig {
+        shared_buckets: 1 << 10,
+        max_chain: 1024,
+        memory_budget: 1 << 24,
+        seed: Some(7),
+    }));
+    t.add_tenant(TenantId(1), TenantConfig::default()).unwrap();
+    t.add_tenant(
+        TenantId(2),
+        TenantConfig {
+            own_buckets: 256,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    t.add_tenant(TenantId(3), TenantConfig::default()).unwrap();
+    let mut want = HashMap::new();
+    for i in 0..stable {
+        for tn in [1, 2] {
+            let c = t.insert(key(tn, i), init(i), Millis(0)).unwrap();
+            want.insert(c, key(tn, i));
+        }
+    }
+    let want = Arc::new(want);
+    let stop = Arc::new(AtomicBool::new(false));
+    let now = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + duration;
+    let mut hs = Vec::new();
+
+    // Two churners: insert + remove in a private range, touch stable ones.
+    for w in 0..2u32 {
+        let (t, stop, now) = (Arc::clone(&t), Arc::clone(&stop), Arc::clone(&now));
+        hs.push(thread::spawn(move || {
+            let mut n = 0u64;
+            let mut x = w.wrapping_mul(0x9E37_79B9) | 1;
+            while !stop.load(Ordering::Relaxed) && n < 5_000_000 {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                let tn = [1, 2, 3][(x % 3) as usize];
+                let i = 1_000_000 + (w << 20) + (x & 0xffff);
+                let ms = Millis(now.load(Ordering::Relaxed));
+                match t.insert(key(tn, i), init(i), ms) {
+                    Ok(_) | Err(InsertError::Exists(_)) | Err(InsertError::NoTenant) => {}
+                    Err(e) => panic!("insert: {e}"),
+                }
+                if x & 1 == 0 {
+                    t.remove(&key(tn, i));
+                } else {
+                    t.set_state(&key(tn, i), FlowState::Close, ms);
+                }
+                t.touch(&key(1 + (x & 1), x % stable), ms, Dir::In, 100);
+                n += 1;
+            }
+            n
+        }));
+    }
+    // Expirer: time advances to 800 s (stable entries live 900 s).
+    {
+        let (t, stop, now) = (Arc::clone(&t), Arc::clone(&stop), Arc::clone(&now));
+        let want = Arc::clone(&want);
+        hs.push(thread::spawn(move || {
+            let mut n = 0u64;
+            let mut out = Vec::new();
+            while !stop.load(Ordering::Relaxed) && n < 100_000 {
+                let ms = (n * 200).min(800_000);
+                now.store(ms, Ordering::Relaxed);
+                out.clear();
+                t.expire(Millis(ms), 1000, &mut out);
+                for s in &out {
+                    assert!(!want.contains_key(&s.cookie), "stable entry expired");
+                    assert!(ms >= s.expires_at.0);
+                }
+                if n.is_multiple_of(50) {
+                    out.clear();
+                    t.remove_tenant(TenantId(3), &mut out).unwrap();
+                    t.add_tenant(TenantId(3), TenantConfig::default()).unwrap();
+                }
+                n += 1;
+            }
+            n
+        }));
+    }
+    // Lookups of stable entries never miss.
+    {
+        let (t, stop, want) = (Arc::clone(&t), Arc::clone(&stop), Arc::clone(&want));
+        hs.push(thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) && n < 20_000_000 {
+                for (c, k) in want.iter().take(64) {
+                    let s = t.get(k).expect("stable entry missing");
+                    assert_eq!(s.cookie, *c);
+                    n += 1;
+                }
+            }
+            n
+        }));
+    }
+    // Dumpers with varying page sizes and filters.
+    let mut dumps = 0;
+    let mut page = 1usize;
+    while Instant::now() < deadline && dumps < dumps_max {
+        let filter = match dumps % 3 {
+            0 => DumpFilter::default(),
+            1 => DumpFilter {
+                tenant: Some(TenantId(2)),
+                ..Default::default()
+            },
+            _ => DumpFilter {
+                tenant: Some(TenantId(1)),
+                ..Default::default()
+            },
+        };
+        let mut seen: HashMap<Cookie, u32> = HashMap::new();
+        let mut cur: Option<Cursor> = None;
+        let mut out = Vec::new();
+        let mut calls = 0u64;
+        loop {
+            out.clear();
+            let next = t.dump(cur.as_ref(), &filter, page, &mut out);
+            for s in &out {
+                *seen.entry(s.cookie).or_default() += 1;
+                assert!(filter.matches(s));
+            }
+            calls += 1;
+            assert!(calls < 10_000_000, "dump does not terminate");
+            match next {
+                Some(c) => cur = Some(c),
+                None => break,
+            }
+        }
+        for (c, n) in &seen {
+            assert_eq!(*n, 1, "cookie {c} returned {n} times");
+        }
+        for (c, k) in want.iter() {
+            if filter.tenant.is_none_or(|tn| tn == k.tenant) {
+                assert!(seen.contains_key(c), "stable entry {c} ({k:?}) missed");
+            }
+        }
+        dumps += 1;
+        page = [1, 3, 17, 256, 5000][dumps % 5];
+    }
+    stop.store(true, Ordering::Relaxed);
+    let counts: Vec<u64> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+    eprintln!("dumps {dumps}, worker ops {counts:?}");
+    assert!(dumps >= 3, "too few dumps: {dumps}");
+    assert!(
+        counts.iter().all(|&n| n > 0),
+        "a worker made no progress: {counts:?}"
+    );
+    for tn in [1, 2] {
+        assert!(t.tenant_stats(TenantId(tn)).unwrap().entries >= u64::from(stable));
+    }
+}
+
+#[test]
+fn stress_short() {
+    run(Duration::from_secs(2), 4000, 40);
+}
+
+#[test]
+#[ignore]
+fn stress_long() {
+    run(Duration::from_secs(60), 50_000, usize::MAX);
+}
