@@ -243,3 +243,554 @@ fn default_weight() -> u32 {
 fn is_zero(v: &u64) -> bool {
     *v == 0
 }
+
+// ---------------------------------------------------------------------------
+// Loading and validation
+// ---------------------------------------------------------------------------
+
+/// Scheduler names the daemon knows (`ipvsadm -s` plus `p2c`).
+pub const SCHEDULERS: &[&str] = &["rr", "wrr", "lc", "wlc", "sed", "nq", "sh", "mh", "p2c"];
+
+/// The implicit tenant services belong to when they name none.
+pub const DEFAULT_TENANT: &str = "default";
+
+/// One problem in a configuration: where it is and what to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// File name as given (or "<config>" for in-memory text).
+    pub file: String,
+    /// 1-based line of the offending key or table, when known.
+    pub line: Option<usize>,
+    /// Dotted key path, e.g. `service[1].backend[0].weight`.
+    pub key: String,
+    /// What is wrong and what to do about it.
+    pub message: String,
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "{}:{}: {}: {}", self.file, line, self.key, self.message),
+            None => write!(f, "{}: {}: {}", self.file, self.key, self.message),
+        }
+    }
+}
+
+/// Read, parse and validate a configuration file; every error at once.
+pub fn load(path: &std::path::Path) -> Result<Config, Vec<ConfigError>> {
+    let file = path.display().to_string();
+    match std::fs::read_to_string(path) {
+        Ok(text) => parse(&text, &file),
+        Err(e) => Err(vec![ConfigError {
+            file,
+            line: None,
+            key: "-".into(),
+            message: format!(
+                "cannot read the file: {e}; pass an existing file (see examples/weir.toml)"
+            ),
+        }]),
+    }
+}
+
+/// Parse and validate configuration text; `file` names it in errors.
+pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
+    let config: Config = match toml::from_str(text) {
+        Ok(c) => c,
+        Err(e) => {
+            let line = e.span().map(|s| line_of(text, s.start));
+            let key = shape_error_key(text, e.span());
+            return Err(vec![ConfigError {
+                file: file.into(),
+                line,
+                key,
+                message: format!(
+                    "{}; see examples/weir.toml for the shape",
+                    e.message().trim_end()
+                ),
+            }]);
+        }
+    };
+    let problems = validate(&config);
+    if problems.is_empty() {
+        return Ok(config);
+    }
+    let doc = toml_edit::Document::parse(text.to_owned()).ok();
+    Err(problems
+        .into_iter()
+        .map(|p| ConfigError {
+            file: file.into(),
+            line: doc
+                .as_ref()
+                .and_then(|d| span_of(d.as_table(), &p.path))
+                .map(|off| line_of(text, off)),
+            key: p.path.to_string(),
+            message: p.message,
+        })
+        .collect())
+}
+
+/// A semantic problem found by [`validate`], located by key path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// Where in the document.
+    pub path: KeyPath,
+    /// What is wrong and what to do.
+    pub message: String,
+}
+
+/// A key path into the document: table keys and array-of-tables indexes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyPath(pub Vec<PathSeg>);
+
+/// One step of a [`KeyPath`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathSeg {
+    /// A table key.
+    Key(String),
+    /// An index into an array of tables.
+    Index(usize),
+}
+
+impl KeyPath {
+    fn at(parts: &[PathSeg]) -> Self {
+        Self(parts.to_vec())
+    }
+}
+
+impl std::fmt::Display for KeyPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut first = true;
+        for seg in &self.0 {
+            match seg {
+                PathSeg::Key(k) => {
+                    if !first {
+                        f.write_str(".")?;
+                    }
+                    f.write_str(k)?;
+                }
+                PathSeg::Index(i) => write!(f, "[{i}]")?,
+            }
+            first = false;
+        }
+        Ok(())
+    }
+}
+
+fn k(s: &str) -> PathSeg {
+    PathSeg::Key(s.into())
+}
+
+/// Parse a duration such as "2s", "300ms", "5m".
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    humantime::parse_duration(s.trim())
+        .map_err(|e| format!("{s:?} is not a duration ({e}); write e.g. \"2s\", \"500ms\", \"5m\""))
+}
+
+/// A persistence netmask: IPv4 dotted mask or IPv6 prefix length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Netmask {
+    /// Prefix length for IPv4 clients.
+    pub v4_prefix: u8,
+    /// Prefix length for IPv6 clients.
+    pub v6_prefix: u8,
+}
+
+/// Parse `persistence_netmask`: "255.255.255.0" (IPv4) or "64" (IPv6 prefix length).
+pub fn parse_netmask(s: &str) -> Result<Netmask, String> {
+    let s = s.trim();
+    if let Ok(ip) = s.parse::<std::net::Ipv4Addr>() {
+        let bits = u32::from(ip);
+        let prefix = bits.leading_ones();
+        if bits.checked_shl(prefix).unwrap_or(0) != 0 {
+            return Err(format!(
+                "{s:?} is not a contiguous netmask; write e.g. \"255.255.255.0\""
+            ));
+        }
+        // prefix <= 32 always fits in u8.
+        return Ok(Netmask {
+            v4_prefix: prefix as u8,
+            v6_prefix: 128,
+        });
+    }
+    match s.parse::<u8>() {
+        Ok(p) if p <= 128 => Ok(Netmask {
+            v4_prefix: 32,
+            v6_prefix: p,
+        }),
+        _ => Err(format!(
+            "{s:?} is neither an IPv4 netmask (\"255.255.255.0\") nor an IPv6 prefix length (0..=128)"
+        )),
+    }
+}
+
+/// Check a tenant name: non-empty, `[A-Za-z0-9._-]`, at most 64 bytes.
+pub fn check_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > 64 {
+        return Err("must be 1 to 64 characters long".into());
+    }
+    if !name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+    {
+        return Err(format!(
+            "{name:?} has characters other than letters, digits, '.', '_' and '-'"
+        ));
+    }
+    Ok(())
+}
+
+/// Every semantic problem of a parsed configuration (empty = valid).
+pub fn validate(c: &Config) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let mut err = |path: &[PathSeg], message: String| {
+        out.push(Problem {
+            path: KeyPath::at(path),
+            message,
+        })
+    };
+    let d = &c.daemon;
+    let dk = k("daemon");
+    if !d.shared_table_buckets.is_power_of_two() || d.shared_table_buckets > 1 << 26 {
+        err(
+            &[dk.clone(), k("shared_table_buckets")],
+            format!(
+                "{} is not a power of two in 1..=2^26; use e.g. 131072",
+                d.shared_table_buckets
+            ),
+        );
+    }
+    if !(1024..=16 << 20).contains(&d.buffer_size) {
+        err(
+            &[dk.clone(), k("buffer_size")],
+            format!("{} is outside 1024..=16777216 bytes; use e.g. 16384", d.buffer_size),
+        );
+    }
+    if d.notsent_lowat > 1 << 30 {
+        err(
+            &[dk.clone(), k("notsent_lowat")],
+            "is above 1 GiB; use e.g. 16384, or 0 for the kernel default".into(),
+        );
+    }
+    if d.workers > 1024 {
+        err(
+            &[dk.clone(), k("workers")],
+            "more than 1024 workers; use 0 for one per CPU".into(),
+        );
+    }
+    if let Err(e) = parse_duration(&d.drain_timeout) {
+        err(&[dk, k("drain_timeout")], e);
+    }
+    let a = &c.admin;
+    if !a.listen.starts_with("unix:") && a.listen.parse::<SocketAddr>().is_err() {
+        err(
+            &[k("admin"), k("listen")],
+            format!(
+                "{:?} is neither IP:PORT nor unix:/path; use e.g. \"127.0.0.1:9900\"",
+                a.listen
+            ),
+        );
+    }
+    if a.token.is_some() && a.token_file.is_some() {
+        err(
+            &[k("admin"), k("token_file")],
+            "set either token or token_file, not both".into(),
+        );
+    }
+
+    let mut tenant_names = std::collections::HashSet::new();
+    for (i, t) in c.tenants.iter().enumerate() {
+        let base = [k("tenant"), PathSeg::Index(i)];
+        if let Err(e) = check_name(&t.name) {
+            err(&[base[0].clone(), base[1].clone(), k("name")], e);
+        }
+        if !tenant_names.insert(t.name.as_str()) {
+            err(
+                &[base[0].clone(), base[1].clone(), k("name")],
+                format!("tenant {:?} is defined twice; rename or merge one", t.name),
+            );
+        }
+        if t.table_entries != 0 && (!t.table_entries.is_power_of_two() || t.table_entries > 1 << 24)
+        {
+            err(
+                &[base[0].clone(), base[1].clone(), k("table_entries")],
+                format!(
+                    "{} must be 0 (shared table) or a power of two up to 16777216",
+                    t.table_entries
+                ),
+            );
+        }
+    }
+
+    let mut service_names = std::collections::HashSet::new();
+    let mut listens = std::collections::HashMap::new();
+    for (i, s) in c.services.iter().enumerate() {
+        let base = vec![k("service"), PathSeg::Index(i)];
+        let p = |key: &str| {
+            let mut v = base.clone();
+            v.push(k(key));
+            v
+        };
+        for e in service_problems(s) {
+            let mut path = base.clone();
+            path.extend(e.path.0);
+            err(&path, e.message);
+        }
+        if s.tenant != DEFAULT_TENANT && !tenant_names.contains(s.tenant.as_str()) {
+            err(
+                &p("tenant"),
+                format!(
+                    "tenant {:?} is not defined; add a [[tenant]] with name = {:?} or omit the key for \"default\"",
+                    s.tenant, s.tenant
+                ),
+            );
+        }
+        if !service_names.insert((s.tenant.as_str(), s.name.as_str())) {
+            err(
+                &p("name"),
+                format!(
+                    "service {:?} is defined twice in tenant {:?}",
+                    s.name, s.tenant
+                ),
+            );
+        }
+        if let Some(prev) = listens.insert((s.protocol, s.listen), i) {
+            if s.listen.port() != 0 {
+                err(
+                    &p("listen"),
+                    format!(
+                        "{} {} is already used by service[{prev}]; give each service its own address",
+                        protocol_name(s.protocol),
+                        s.listen
+                    ),
+                );
+            }
+        }
+    }
+    out
+}
+
+/// Problems of one service on its own (paths relative to the service).
+pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let mut err = |path: Vec<PathSeg>, message: String| {
+        out.push(Problem {
+            path: KeyPath(path),
+            message,
+        })
+    };
+    if let Err(e) = check_name(&s.name) {
+        err(vec![k("name")], e);
+    }
+    if let Err(e) = check_name(&s.tenant) {
+        err(vec![k("tenant")], e);
+    }
+    if !SCHEDULERS.contains(&s.scheduler.as_str()) {
+        err(
+            vec![k("scheduler")],
+            format!(
+                "unknown scheduler {:?}; use one of {}",
+                s.scheduler,
+                SCHEDULERS.join(" ")
+            ),
+        );
+    }
+    if let Err(e) = parse_duration(&s.persistence) {
+        err(vec![k("persistence")], e);
+    }
+    if let Some(m) = &s.persistence_netmask {
+        if let Err(e) = parse_netmask(m) {
+            err(vec![k("persistence_netmask")], e);
+        }
+    }
+    let o = &s.options;
+    if let Some(t) = &o.connect_timeout {
+        if let Err(e) = parse_duration(t) {
+            err(vec![k("connect_timeout")], e);
+        }
+    }
+    if let Some(t) = &o.udp_timeout {
+        match parse_duration(t) {
+            Err(e) => err(vec![k("udp_timeout")], e),
+            Ok(d) if d.is_zero() => err(
+                vec![k("udp_timeout")],
+                "must be above 0; the IPVS default is \"300s\"".into(),
+            ),
+            Ok(_) => {}
+        }
+    }
+    if s.protocol == Protocol::Tcp {
+        if o.udp_responses.is_some() {
+            err(
+                vec![k("udp_responses")],
+                "only applies to protocol = \"udp\"; remove it".into(),
+            );
+        }
+        if o.udp_timeout.is_some() {
+            err(
+                vec![k("udp_timeout")],
+                "only applies to protocol = \"udp\"; remove it".into(),
+            );
+        }
+        if o.udp_max_sessions_per_client != 0 {
+            err(
+                vec![k("udp_max_sessions_per_client")],
+                "only applies to protocol = \"udp\"; remove it".into(),
+            );
+        }
+    }
+    if o.udp_responses == Some(0) {
+        err(
+            vec![k("udp_responses")],
+            "0 responses would end every session at once; use >= 1 or remove the key".into(),
+        );
+    }
+    if o.mh_fallback && s.scheduler != "mh" {
+        err(
+            vec![k("mh_fallback")],
+            "only applies to scheduler = \"mh\"; remove it".into(),
+        );
+    }
+    if let Some(h) = &o.health {
+        let hp = |key: &str| vec![k("health"), k(key)];
+        let iv = parse_duration(&h.interval);
+        let to = parse_duration(&h.timeout);
+        if let Err(e) = &iv {
+            err(hp("interval"), e.clone());
+        }
+        if let Err(e) = &to {
+            err(hp("timeout"), e.clone());
+        }
+        if let (Ok(iv), Ok(to)) = (iv, to) {
+            if iv.is_zero() || to.is_zero() {
+                err(hp("interval"), "interval and timeout must be above 0".into());
+            } else if to > iv {
+                err(
+                    hp("timeout"),
+                    format!("timeout {to:?} exceeds interval {iv:?}; make it at most the interval"),
+                );
+            }
+        }
+        if h.rise == 0 {
+            err(hp("rise"), "must be at least 1".into());
+        }
+        if h.fall == 0 {
+            err(hp("fall"), "must be at least 1".into());
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    for (j, b) in s.backends.iter().enumerate() {
+        let bp = |key: &str| vec![k("backend"), PathSeg::Index(j), k(key)];
+        if !seen.insert(b.address) {
+            err(
+                bp("address"),
+                format!("backend {} is listed twice; remove one", b.address),
+            );
+        }
+        if b.address.port() == 0 || b.address.ip().is_unspecified() {
+            err(
+                bp("address"),
+                format!("{} is not a reachable address; give a real IP and port", b.address),
+            );
+        }
+        if b.weight > 65535 {
+            err(
+                bp("weight"),
+                format!("{} is above 65535 (the IPVS maximum)", b.weight),
+            );
+        }
+        if let Some(pp) = &b.proxy_protocol {
+            if pp != "v1" && pp != "v2" {
+                err(
+                    bp("proxy_protocol"),
+                    format!("{pp:?} is not a PROXY protocol version; use \"v1\" or \"v2\""),
+                );
+            } else if s.protocol == Protocol::Udp && pp == "v1" {
+                err(
+                    bp("proxy_protocol"),
+                    "PROXY v1 is TCP-only; remove it for UDP services".into(),
+                );
+            } else if s.protocol == Protocol::Udp {
+                err(
+                    bp("proxy_protocol"),
+                    "PROXY protocol to UDP backends is not supported; remove it".into(),
+                );
+            }
+        }
+    }
+    out
+}
+
+/// "tcp" / "udp".
+pub fn protocol_name(p: Protocol) -> &'static str {
+    match p {
+        Protocol::Tcp => "tcp",
+        Protocol::Udp => "udp",
+    }
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    let end = offset.min(text.len());
+    text.as_bytes()[..end].iter().filter(|&&b| b == b'\n').count() + 1
+}
+
+/// Best-effort dotted key of a shape error: the nearest `[table]` header above it.
+fn shape_error_key(text: &str, span: Option<std::ops::Range<usize>>) -> String {
+    let Some(span) = span else {
+        return "-".into();
+    };
+    let end = span.start.min(text.len());
+    let before = text.get(..end).unwrap_or("");
+    let header = before
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('['))
+        .map(|l| l.trim_matches(|c| c == '[' || c == ']').to_owned());
+    let key = text
+        .get(span.clone())
+        .map(|s| s.split('=').next().unwrap_or("").trim().to_owned())
+        .filter(|s| !s.is_empty() && !s.contains('\n') && s.len() < 64);
+    match (header, key) {
+        (Some(h), Some(k)) => format!("{h}.{k}"),
+        (Some(h), None) => h,
+        (None, Some(k)) => k,
+        (None, None) => "-".into(),
+    }
+}
+
+/// Byte offset of the item at `path`, or of its closest existing ancestor.
+fn span_of(root: &toml_edit::Table, path: &KeyPath) -> Option<usize> {
+    let mut best = None;
+    let mut item: Option<&toml_edit::Item> = None;
+    let mut table_like: Option<&dyn toml_edit::TableLike> = Some(root);
+    let mut segs = path.0.iter().peekable();
+    while let Some(seg) = segs.next() {
+        match seg {
+            PathSeg::Key(key) => {
+                let t = table_like?;
+                let (kk, it) = t.get_key_value(key)?;
+                best = kk.span().map(|s| s.start).or(it.span().map(|s| s.start)).or(best);
+                item = Some(it);
+                table_like = it.as_table_like();
+            }
+            PathSeg::Index(i) => {
+                let it = item?;
+                if let Some(aot) = it.as_array_of_tables() {
+                    let t = aot.get(*i)?;
+                    best = t.span().map(|s| s.start).or(best);
+                    table_like = Some(t);
+                } else if let Some(arr) = it.as_array() {
+                    let v = arr.get(*i)?;
+                    best = v.span().map(|s| s.start).or(best);
+                    table_like = v.as_inline_table().map(|t| t as &dyn toml_edit::TableLike);
+                } else {
+                    return best;
+                }
+            }
+        }
+        if segs.peek().is_none() {
+            break;
+        }
+    }
+    best
+}

@@ -212,7 +212,7 @@ pub struct TableReport {
 }
 
 /// Daemon-wide counters and rates.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct GlobalStats {
     /// Cumulative counters.
     pub stats: Totals,
@@ -226,6 +226,13 @@ pub struct GlobalStats {
     pub open_fds: u64,
     /// RLIMIT_NOFILE soft limit.
     pub fd_limit: u64,
+    /// Duration of the last rate-estimator tick in seconds (0 until the
+    /// first tick); exported as `weir_estimator_tick_duration_seconds`.
+    #[serde(default)]
+    pub estimator_tick_seconds: f64,
+    /// Longest estimator tick seen so far in seconds.
+    #[serde(default)]
+    pub estimator_tick_max_seconds: f64,
 }
 
 /// Health of every checked backend.

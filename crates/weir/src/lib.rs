@@ -7,3 +7,8 @@
 
 pub mod config;
 pub mod control;
+pub mod daemon;
+// Written by the lead for the daemon to use: active health checks and
+// PROXY protocol headers (pure pieces, tested on their own).
+pub mod health;
+pub mod proxy_protocol;

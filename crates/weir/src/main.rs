@@ -1,6 +1,185 @@
-//! The `weir` binary: daemon and CLI.
+//! The `weir` binary: daemon (`run`, `check`, `demo`) and CLI client commands.
 
-fn main() {
-    println!("weir: not implemented yet");
-    std::process::exit(1);
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+use weir::config::{self, Config};
+use weir::daemon::{Daemon, DaemonHandle};
+
+mod demo;
+
+#[derive(Debug, Parser)]
+#[command(name = "weir", version, about = "weir: a multi-tenant user-space L4 load balancer")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Run the daemon in the foreground.
+    Run {
+        /// The configuration file (see examples/weir.toml).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
+    /// Validate a configuration file without starting; lists every error.
+    Check {
+        /// The configuration file.
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Start built-in echo backends and a TCP and a UDP service in front of
+    /// them, drive a little traffic, and show live stats until Ctrl-C.
+    Demo {
+        /// Stop by itself after this long, e.g. "10s".
+        #[arg(long)]
+        duration: Option<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Check { config } => check(&config),
+        Cmd::Run { config } => {
+            init_logs();
+            run(config)
+        }
+        Cmd::Demo { duration } => {
+            init_logs_quiet();
+            let d = match duration.as_deref().map(config::parse_duration) {
+                None => None,
+                Some(Ok(d)) => Some(d),
+                Some(Err(e)) => {
+                    eprintln!("weir demo: --duration: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            demo::run(d)
+        }
+    }
+}
+
+fn init_logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).try_init();
+}
+
+fn init_logs_quiet() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).try_init();
+}
+
+fn check(path: &std::path::Path) -> ExitCode {
+    match config::load(path) {
+        Ok(c) => {
+            println!(
+                "{}: OK ({} tenant(s), {} service(s), {} backend(s))",
+                path.display(),
+                c.tenants.len(),
+                c.services.len(),
+                c.services.iter().map(|s| s.backends.len()).sum::<usize>()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(errors) => {
+            for e in &errors {
+                eprintln!("{e}");
+            }
+            eprintln!("{}: {} error(s)", path.display(), errors.len());
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(path: Option<PathBuf>) -> ExitCode {
+    let Some(path) = path else {
+        eprintln!(
+            "weir run: no configuration given. Try `weir demo` for a self-contained demo, \
+             or `weir run --config examples/weir.toml` (the example config in the repository)."
+        );
+        return ExitCode::from(2);
+    };
+    let cfg: Config = match config::load(&path) {
+        Ok(c) => c,
+        Err(errors) => {
+            for e in &errors {
+                eprintln!("{e}");
+            }
+            eprintln!("{}: {} error(s); not starting", path.display(), errors.len());
+            return ExitCode::from(1);
+        }
+    };
+    let handle = match Daemon::start(cfg.clone(), Some(path)) {
+        Ok(h) => h,
+        Err(e) => {
+            eprintln!("weir run: {e:#}");
+            return ExitCode::from(1);
+        }
+    };
+    let admin_stop = CancellationToken::new();
+    start_admin(&handle, &cfg.admin, admin_stop.clone());
+    let control = handle.control();
+    let rt = handle.runtime();
+    enum Exit {
+        Term,
+        Int,
+    }
+    let exit = rt.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::hangup()),
+        ) else {
+            tracing::error!("cannot install signal handlers");
+            return Exit::Int;
+        };
+        loop {
+            tokio::select! {
+                _ = term.recv() => return Exit::Term,
+                _ = int.recv() => return Exit::Int,
+                _ = hup.recv() => {
+                    let c = control.clone();
+                    match tokio::task::spawn_blocking(move || c.reload()).await {
+                        Ok(Ok(())) => tracing::info!("SIGHUP: reloaded"),
+                        Ok(Err(errs)) => {
+                            for e in errs {
+                                tracing::error!("SIGHUP: reload: {e}");
+                            }
+                        }
+                        Err(e) => tracing::error!("SIGHUP: reload task: {e}"),
+                    }
+                }
+            }
+        }
+    });
+    admin_stop.cancel();
+    drop(control);
+    match exit {
+        Exit::Term => {
+            let t = handle.drain_timeout();
+            tracing::info!(drain_timeout = ?t, "SIGTERM: draining");
+            let forced = handle.drain(t);
+            tracing::info!(forced, "stopped");
+        }
+        Exit::Int => {
+            tracing::info!("SIGINT: stopping");
+            handle.shutdown();
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+/// The admin API starts here once the admin module lands.
+pub(crate) fn start_admin(
+    _handle: &DaemonHandle,
+    _admin: &config::AdminConfig,
+    _stop: CancellationToken,
+) {
 }

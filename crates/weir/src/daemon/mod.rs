@@ -1,0 +1,1125 @@
+//! The live daemon: workers, listeners, the proxy data path and the control
+//! state the admin API reads and changes.
+//!
+//! # Shape
+//!
+//! * **Workers.** `daemon.workers` OS threads (default: the CPUs available),
+//!   each running its own current-thread tokio runtime. Every TCP and UDP
+//!   service has one `SO_REUSEPORT` socket *per worker*, so the kernel spreads
+//!   accepts (and UDP clients) across workers and no accept queue is shared.
+//!   Sockets are created on the control side (so "address in use" is reported
+//!   synchronously to the caller of `add_service`) and handed to each worker
+//!   through its command channel.
+//! * **Live state.** Tenants and services sit in one `RwLock`'d map consulted
+//!   only on control operations; each service holds its backend set and its
+//!   scheduler behind an `RwLock<Arc<..>>` that a new connection clones once,
+//!   so edits apply to the next connection and never disturb established ones.
+//! * **Connection registry.** Every proxied TCP connection and UDP session
+//!   has a [`ConnEntry`] in a cookie-ordered registry: it carries the key,
+//!   state, byte counters and a cancellation token, so listing, kill-by-cookie,
+//!   backend removal (`expire_nodest_conn`) and tenant deletion can find and
+//!   close the socket. Listing pages by cookie, which is exact and resumable
+//!   under concurrent change (entries never move).
+//! * **Bounded buffering.** Each direction of a TCP connection owns one
+//!   `buffer_size` buffer and reads again only after the previous bytes were
+//!   fully written; both sockets get `TCP_NOTSENT_LOWAT`, and the backend
+//!   socket a modest `SO_RCVBUF`, so a client that stops reading stalls the
+//!   chain back to the backend instead of piling bytes in weir.
+//!
+//! See docs/daemon.md for the options, the measurements and what is left.
+
+mod control_impl;
+mod stats;
+mod tcp;
+mod udp;
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use parking_lot::{Mutex, RwLock};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use weir_sched::{AffinityMask, BackendInfo, ClientAddr, HashSeed, Load, SchedConfig, Scheduler};
+
+use crate::config::{
+    self, BackendSpec, Config, DaemonConfig, Protocol, ServiceSpec, TenantSpec, DEFAULT_TENANT,
+};
+use crate::control::Control;
+use stats::Stat;
+
+/// IPVS default idle timeout of an established TCP connection.
+pub const TCP_ESTABLISHED_TIMEOUT: Duration = Duration::from_secs(900);
+/// IPVS default timeout of a half-closed TCP connection (FIN_WAIT).
+pub const TCP_FIN_TIMEOUT: Duration = Duration::from_secs(120);
+/// Default UDP session idle timeout (IPVS: 300 s).
+pub const UDP_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default backend connect timeout.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Starts daemons.
+#[derive(Debug)]
+pub struct Daemon;
+
+impl Daemon {
+    /// Validate `config`, raise the open-files limit, start the workers, the
+    /// estimator thread and the health checks, and open every service's
+    /// listeners. `config_path` is what [`Control::reload`] re-reads.
+    ///
+    /// Services listening on port 0 get a free port; [`DaemonHandle::service_addr`]
+    /// tells which.
+    pub fn start(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<DaemonHandle> {
+        let problems = config::validate(&config);
+        if !problems.is_empty() {
+            let list: Vec<String> = problems
+                .iter()
+                .map(|p| format!("{}: {}", p.path, p.message))
+                .collect();
+            anyhow::bail!("invalid configuration:\n  {}", list.join("\n  "));
+        }
+        let (fd_soft, fd_hard) = raise_nofile();
+        let workers = if config.daemon.workers == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            config.daemon.workers
+        };
+        tracing::info!(
+            workers,
+            fd_limit = fd_soft,
+            fd_hard,
+            approx_max_connections = fd_soft.saturating_sub(64) / 2,
+            "starting weir"
+        );
+        let control_rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("weir-control")
+            .enable_all()
+            .build()
+            .context("building the control runtime")?;
+
+        let mut worker_txs = Vec::with_capacity(workers);
+        let mut threads = Vec::with_capacity(workers + 1);
+        let stop_workers = CancellationToken::new();
+        for i in 0..workers {
+            let (tx, rx) = mpsc::unbounded_channel();
+            worker_txs.push(tx);
+            let stop = stop_workers.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("weir-worker-{i}"))
+                .spawn(move || {
+                    let rt = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(rt) => rt,
+                        Err(e) => {
+                            tracing::error!(worker = i, "cannot build worker runtime: {e}");
+                            return;
+                        }
+                    };
+                    rt.block_on(worker_main(rx, stop));
+                })
+                .context("spawning a worker thread")?;
+            threads.push(t);
+        }
+        let shared = Arc::new(Shared {
+            config_path,
+            daemon_cfg: config.daemon.clone(),
+            admin_cfg: config.admin.clone(),
+            state: RwLock::new(State::default()),
+            registry: Mutex::new(BTreeMap::new()),
+            next_cookie: AtomicU64::new(1),
+            next_id: AtomicU32::new(1),
+            workers: worker_txs,
+            stat: Stat::default(),
+            active: AtomicU64::new(0),
+            refused: Mutex::new(BTreeMap::new()),
+            stop_accept: CancellationToken::new(),
+            kill_all: CancellationToken::new(),
+            control_rt: control_rt.handle().clone(),
+            fd_limit: fd_soft,
+            epoch: Instant::now(),
+            drain_timeout: config::parse_duration(&config.daemon.drain_timeout)
+                .unwrap_or(Duration::from_secs(30)),
+        });
+        // The implicit default tenant always exists.
+        let mut tenants = config.tenants.clone();
+        if !tenants.iter().any(|t| t.name == DEFAULT_TENANT) {
+            tenants.insert(0, default_tenant_spec());
+        }
+        for t in tenants {
+            shared.add_tenant(t).map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        for s in config.services.clone() {
+            shared
+                .add_service(s)
+                .map_err(|e| anyhow::anyhow!("{}", e.message))?;
+        }
+        // Estimator thread.
+        let est_stop = Arc::new(AtomicBool::new(false));
+        {
+            let weak = Arc::downgrade(&shared);
+            let stop = est_stop.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name("weir-estimator".into())
+                    .spawn(move || estimator_main(weak, stop))
+                    .context("spawning the estimator thread")?,
+            );
+        }
+        Ok(DaemonHandle {
+            shared,
+            control_rt: Some(control_rt),
+            threads,
+            stop_workers,
+            est_stop,
+        })
+    }
+}
+
+/// A running daemon. Dropping it stops it fast (like [`DaemonHandle::shutdown`]).
+#[derive(Debug)]
+pub struct DaemonHandle {
+    shared: Arc<Shared>,
+    control_rt: Option<tokio::runtime::Runtime>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    stop_workers: CancellationToken,
+    est_stop: Arc<AtomicBool>,
+}
+
+impl DaemonHandle {
+    /// The control interface the admin API serves.
+    pub fn control(&self) -> Arc<dyn Control> {
+        Arc::new(control_impl::LiveControl(self.shared.clone()))
+    }
+
+    /// The address a service actually listens on (port 0 resolved).
+    pub fn service_addr(&self, tenant: &str, name: &str) -> Option<SocketAddr> {
+        self.shared
+            .state
+            .read()
+            .services
+            .get(&(tenant.to_owned(), name.to_owned()))
+            .map(|s| s.listen)
+    }
+
+    /// A handle of the control-plane runtime (for the admin API, signals).
+    pub fn runtime(&self) -> tokio::runtime::Handle {
+        self.shared.control_rt.clone()
+    }
+
+    /// Live connections + sessions.
+    pub fn active_connections(&self) -> u64 {
+        self.shared.active.load(Relaxed)
+    }
+
+    /// Stop accepting; let connections finish for up to `timeout`; then close
+    /// the rest and stop. Returns how many were closed forcibly.
+    pub fn drain(mut self, timeout: Duration) -> u64 {
+        self.shared.stop_accept.cancel();
+        let deadline = Instant::now() + timeout;
+        while self.shared.active.load(Relaxed) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let left = self.shared.active.load(Relaxed);
+        self.stop();
+        left
+    }
+
+    /// The drain timeout from `[daemon]`.
+    pub fn drain_timeout(&self) -> Duration {
+        self.shared.drain_timeout
+    }
+
+    /// Close everything now and stop.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.shared.stop_accept.cancel();
+        self.shared.kill_all.cancel();
+        // Health checks and admin tasks run on the control runtime.
+        for svc in self.shared.state.read().services.values() {
+            svc.cancel.cancel();
+        }
+        self.stop_workers.cancel();
+        self.est_stop.store(true, Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        if let Some(rt) = self.control_rt.take() {
+            rt.shutdown_timeout(Duration::from_secs(1));
+        }
+    }
+}
+
+impl Drop for DaemonHandle {
+    fn drop(&mut self) {
+        if self.control_rt.is_some() {
+            self.stop();
+        }
+    }
+}
+
+fn default_tenant_spec() -> TenantSpec {
+    TenantSpec {
+        name: DEFAULT_TENANT.into(),
+        table_entries: 0,
+        max_connections: 0,
+        max_new_per_s: 0,
+        token: None,
+    }
+}
+
+/// Raise the soft RLIMIT_NOFILE to the hard limit; returns (soft, hard).
+fn raise_nofile() -> (u64, u64) {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) => {
+            if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() {
+                (hard, hard)
+            } else {
+                (soft, hard)
+            }
+        }
+        Err(_) => (0, 0),
+    }
+}
+
+pub(crate) fn open_fds() -> u64 {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64)
+}
+
+fn estimator_main(shared: Weak<Shared>, stop: Arc<AtomicBool>) {
+    let mut last = Instant::now();
+    loop {
+        // Sleep in short steps so that shutdown is prompt.
+        let until = last + stats::TICK;
+        while Instant::now() < until {
+            if stop.load(Relaxed) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100).min(until - Instant::now().min(until)));
+        }
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let now = Instant::now();
+        let elapsed = now - last;
+        last = now;
+        shared.stat.tick(elapsed);
+        let st = shared.state.read();
+        for t in st.tenants.values() {
+            t.stat.tick(elapsed);
+        }
+        for s in st.services.values() {
+            s.stat.tick(elapsed);
+            for b in s.set.read().backends.iter() {
+                b.stat.tick(elapsed);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Live state
+// ---------------------------------------------------------------------------
+
+#[derive(Debug)]
+pub(crate) struct Shared {
+    config_path: Option<PathBuf>,
+    pub(crate) daemon_cfg: DaemonConfig,
+    admin_cfg: crate::config::AdminConfig,
+    pub(crate) state: RwLock<State>,
+    /// cookie → connection; ordered so listings page exactly by cookie.
+    pub(crate) registry: Mutex<BTreeMap<u64, Arc<ConnEntry>>>,
+    next_cookie: AtomicU64,
+    next_id: AtomicU32,
+    workers: Vec<mpsc::UnboundedSender<WorkerCmd>>,
+    pub(crate) stat: Stat,
+    pub(crate) active: AtomicU64,
+    pub(crate) refused: Mutex<BTreeMap<String, u64>>,
+    pub(crate) stop_accept: CancellationToken,
+    pub(crate) kill_all: CancellationToken,
+    control_rt: tokio::runtime::Handle,
+    pub(crate) fd_limit: u64,
+    epoch: Instant,
+    drain_timeout: Duration,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct State {
+    pub(crate) tenants: BTreeMap<String, Arc<Tenant>>,
+    pub(crate) services: BTreeMap<(String, String), Arc<Service>>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Tenant {
+    pub(crate) id: u32,
+    pub(crate) spec: RwLock<TenantSpec>,
+    pub(crate) active: AtomicU64,
+    pub(crate) refused: AtomicU64,
+    pub(crate) stat: Stat,
+    /// (second since epoch, new connections in it) for `max_new_per_s`.
+    window: Mutex<(u64, u64)>,
+    pub(crate) deleted: CancellationToken,
+}
+
+#[derive(Debug)]
+pub(crate) struct Service {
+    pub(crate) id: u32,
+    pub(crate) tenant: Arc<Tenant>,
+    pub(crate) spec: RwLock<ServiceSpec>,
+    /// Parsed settings, replaced as a whole on edit.
+    pub(crate) params: RwLock<Arc<ServiceParams>>,
+    /// Actual listen address (port 0 resolved).
+    pub(crate) listen: SocketAddr,
+    pub(crate) set: RwLock<Arc<BackendSet>>,
+    pub(crate) stat: Stat,
+    /// Cancels listeners and health checks.
+    pub(crate) cancel: CancellationToken,
+    /// Persistence templates: grouped client address → (backend, expiry ms).
+    pub(crate) persist: Mutex<HashMap<IpAddr, (SocketAddr, u64)>>,
+    /// UDP sessions by client address.
+    pub(crate) udp_sessions: Mutex<HashMap<SocketAddr, Arc<udp::Session>>>,
+    /// UDP sessions per client IP (for `udp_max_sessions_per_client`).
+    pub(crate) udp_per_client: Mutex<HashMap<IpAddr, u64>>,
+    health_cancel: Mutex<CancellationToken>,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct ServiceParams {
+    pub(crate) persistence: Duration,
+    pub(crate) mask: AffinityMask,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) expire_nodest_conn: bool,
+    pub(crate) udp_timeout: Duration,
+    pub(crate) udp_responses: Option<u32>,
+    pub(crate) udp_max_per_client: u64,
+}
+
+#[derive(Debug)]
+pub(crate) struct BackendSet {
+    pub(crate) sched: Scheduler,
+    pub(crate) backends: Vec<Arc<Backend>>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Backend {
+    pub(crate) addr: SocketAddr,
+    pub(crate) spec: RwLock<BackendSpec>,
+    pub(crate) weight: AtomicU32,
+    pub(crate) up: AtomicBool,
+    pub(crate) checked: AtomicBool,
+    pub(crate) last_error: Mutex<Option<String>>,
+    pub(crate) active: AtomicU64,
+    pub(crate) inactive: AtomicU64,
+    pub(crate) stat: Stat,
+}
+
+impl Backend {
+    fn new(spec: BackendSpec) -> Arc<Self> {
+        Arc::new(Self {
+            addr: spec.address,
+            weight: AtomicU32::new(spec.weight),
+            spec: RwLock::new(spec),
+            up: AtomicBool::new(true),
+            checked: AtomicBool::new(false),
+            last_error: Mutex::new(None),
+            active: AtomicU64::new(0),
+            inactive: AtomicU64::new(0),
+            stat: Stat::default(),
+        })
+    }
+
+    fn info(&self) -> BackendInfo {
+        BackendInfo {
+            addr: self.addr.into(),
+            weight: self.weight.load(Relaxed),
+            up: self.up.load(Relaxed),
+        }
+    }
+
+    pub(crate) fn conns(&self) -> u64 {
+        self.active.load(Relaxed) + self.inactive.load(Relaxed)
+    }
+}
+
+/// Connection states as `weir conns` prints them (IPVS names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum ConnState {
+    SynRecv = 0,
+    Established = 1,
+    FinWait = 2,
+    Close = 3,
+    Udp = 4,
+}
+
+impl ConnState {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::SynRecv => "SYN_RECV",
+            Self::Established => "ESTABLISHED",
+            Self::FinWait => "FIN_WAIT",
+            Self::Close => "CLOSE",
+            Self::Udp => "UDP",
+        }
+    }
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => Self::SynRecv,
+            1 => Self::Established,
+            2 => Self::FinWait,
+            4 => Self::Udp,
+            _ => Self::Close,
+        }
+    }
+}
+
+/// One proxied connection or UDP session.
+#[derive(Debug)]
+pub(crate) struct ConnEntry {
+    pub(crate) cookie: u64,
+    pub(crate) proto: Protocol,
+    pub(crate) tenant: Arc<Tenant>,
+    pub(crate) service: Arc<Service>,
+    pub(crate) backend: Arc<Backend>,
+    pub(crate) client: SocketAddr,
+    state: AtomicU8,
+    pub(crate) created: Instant,
+    /// Milliseconds since the daemon epoch of the last byte.
+    pub(crate) last_active: AtomicU64,
+    /// Idle timeout in ms for the current state.
+    pub(crate) timeout_ms: AtomicU64,
+    pub(crate) bytes_in: AtomicU64,
+    pub(crate) bytes_out: AtomicU64,
+    pub(crate) cancel: CancellationToken,
+    /// Why it was cancelled ("killed", "backend_down", ...).
+    pub(crate) cancel_reason: Mutex<&'static str>,
+}
+
+impl ConnEntry {
+    pub(crate) fn state(&self) -> ConnState {
+        ConnState::from_u8(self.state.load(Relaxed))
+    }
+
+    /// Move to `s`, keeping the backend's active/inactive counts in step.
+    pub(crate) fn set_state(&self, s: ConnState) {
+        let old = ConnState::from_u8(self.state.swap(s as u8, Relaxed));
+        let was_active = old == ConnState::Established;
+        let is_active = s == ConnState::Established;
+        if was_active != is_active {
+            if is_active {
+                self.backend.active.fetch_add(1, Relaxed);
+                self.backend.inactive.fetch_sub(1, Relaxed);
+            } else {
+                self.backend.active.fetch_sub(1, Relaxed);
+                self.backend.inactive.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    pub(crate) fn kill(&self, reason: &'static str) {
+        *self.cancel_reason.lock() = reason;
+        self.cancel.cancel();
+    }
+}
+
+/// Admission check result.
+#[derive(Debug)]
+pub(crate) enum Refusal {
+    GlobalLimit,
+    TenantLimit,
+    TenantRate,
+    NoBackend,
+    BackendLimit,
+    ClientLimit,
+}
+
+impl Refusal {
+    fn key(&self) -> &'static str {
+        match self {
+            Self::GlobalLimit => "global_limit",
+            Self::TenantLimit => "tenant_limit",
+            Self::TenantRate => "tenant_rate",
+            Self::NoBackend => "no_backend",
+            Self::BackendLimit => "backend_limit",
+            Self::ClientLimit => "client_limit",
+        }
+    }
+}
+
+impl Shared {
+    pub(crate) fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    pub(crate) fn refuse(&self, tenant: Option<&Tenant>, why: Refusal) {
+        *self.refused.lock().entry(why.key().to_owned()).or_default() += 1;
+        if let Some(t) = tenant {
+            t.refused.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Reserve a slot for a new connection under the global and tenant
+    /// limits; on success the caller must eventually call [`Self::release`].
+    pub(crate) fn admit(&self, tenant: &Tenant) -> Result<(), Refusal> {
+        let max = self.daemon_cfg.max_connections;
+        let prev = self.active.fetch_add(1, Relaxed);
+        if max != 0 && prev >= max {
+            self.active.fetch_sub(1, Relaxed);
+            return Err(Refusal::GlobalLimit);
+        }
+        let (tmax, rate) = {
+            let s = tenant.spec.read();
+            (s.max_connections, s.max_new_per_s)
+        };
+        let tprev = tenant.active.fetch_add(1, Relaxed);
+        if tmax != 0 && tprev >= tmax {
+            tenant.active.fetch_sub(1, Relaxed);
+            self.active.fetch_sub(1, Relaxed);
+            return Err(Refusal::TenantLimit);
+        }
+        if rate != 0 {
+            let sec = self.now_ms() / 1000;
+            let mut w = tenant.window.lock();
+            if w.0 != sec {
+                *w = (sec, 0);
+            }
+            if w.1 >= rate {
+                drop(w);
+                tenant.active.fetch_sub(1, Relaxed);
+                self.active.fetch_sub(1, Relaxed);
+                return Err(Refusal::TenantRate);
+            }
+            w.1 += 1;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn release(&self, tenant: &Tenant) {
+        tenant.active.fetch_sub(1, Relaxed);
+        self.active.fetch_sub(1, Relaxed);
+    }
+
+    /// Register a connection (state `SynRecv`, counted inactive on its backend).
+    pub(crate) fn register(
+        &self,
+        svc: &Arc<Service>,
+        backend: &Arc<Backend>,
+        proto: Protocol,
+        client: SocketAddr,
+        state: ConnState,
+        timeout: Duration,
+    ) -> Arc<ConnEntry> {
+        let cookie = self.next_cookie.fetch_add(1, Relaxed);
+        if state == ConnState::Established {
+            backend.active.fetch_add(1, Relaxed);
+        } else {
+            backend.inactive.fetch_add(1, Relaxed);
+        }
+        let e = Arc::new(ConnEntry {
+            cookie,
+            proto,
+            tenant: svc.tenant.clone(),
+            service: svc.clone(),
+            backend: backend.clone(),
+            client,
+            state: AtomicU8::new(state as u8),
+            created: Instant::now(),
+            last_active: AtomicU64::new(self.now_ms()),
+            timeout_ms: AtomicU64::new(timeout.as_millis() as u64),
+            bytes_in: AtomicU64::new(0),
+            bytes_out: AtomicU64::new(0),
+            cancel: self.kill_all.child_token(),
+            cancel_reason: Mutex::new("killed"),
+        });
+        self.registry.lock().insert(cookie, e.clone());
+        self.stat.counters.conn();
+        svc.tenant.stat.counters.conn();
+        svc.stat.counters.conn();
+        backend.stat.counters.conn();
+        e
+    }
+
+    /// Remove a connection from the registry and fix the counts.
+    pub(crate) fn unregister(&self, e: &ConnEntry, reason: &str) {
+        self.registry.lock().remove(&e.cookie);
+        if e.state() == ConnState::Established {
+            e.backend.active.fetch_sub(1, Relaxed);
+        } else {
+            e.backend.inactive.fetch_sub(1, Relaxed);
+        }
+        if self.daemon_cfg.access_log {
+            tracing::info!(
+                target: "weir::access",
+                tenant = %e.tenant.spec.read().name,
+                service = %e.service.spec.read().name,
+                proto = config::protocol_name(e.proto),
+                client = %e.client,
+                backend = %e.backend.addr,
+                bytes_in = e.bytes_in.load(Relaxed),
+                bytes_out = e.bytes_out.load(Relaxed),
+                duration_ms = e.created.elapsed().as_millis() as u64,
+                reason,
+                "closed"
+            );
+        }
+    }
+
+    /// Account bytes client → backend.
+    pub(crate) fn count_in(&self, e: &ConnEntry, n: usize) {
+        let n = n as u64;
+        e.bytes_in.fetch_add(n, Relaxed);
+        e.last_active.store(self.now_ms(), Relaxed);
+        self.stat.counters.add_in(n);
+        e.tenant.stat.counters.add_in(n);
+        e.service.stat.counters.add_in(n);
+        e.backend.stat.counters.add_in(n);
+    }
+
+    /// Account bytes backend → client.
+    pub(crate) fn count_out(&self, e: &ConnEntry, n: usize) {
+        let n = n as u64;
+        e.bytes_out.fetch_add(n, Relaxed);
+        e.last_active.store(self.now_ms(), Relaxed);
+        self.stat.counters.add_out(n);
+        e.tenant.stat.counters.add_out(n);
+        e.service.stat.counters.add_out(n);
+        e.backend.stat.counters.add_out(n);
+    }
+
+    /// Kill every connection matching `pred`; returns how many.
+    pub(crate) fn kill_where(&self, reason: &'static str, pred: impl Fn(&ConnEntry) -> bool) -> u64 {
+        let reg = self.registry.lock();
+        let mut n = 0;
+        for e in reg.values() {
+            if pred(e) {
+                e.kill(reason);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    // -- tenants ----------------------------------------------------------
+
+    pub(crate) fn add_tenant(
+        &self,
+        spec: TenantSpec,
+    ) -> crate::control::ControlResult<()> {
+        use crate::control::{ControlError, ErrorKind};
+        if let Err(e) = config::check_name(&spec.name) {
+            return Err(ControlError::new(ErrorKind::Invalid, format!("tenant name: {e}")));
+        }
+        if spec.table_entries != 0
+            && (!spec.table_entries.is_power_of_two() || spec.table_entries > 1 << 24)
+        {
+            return Err(ControlError::new(
+                ErrorKind::Invalid,
+                "table_entries must be 0 or a power of two up to 16777216",
+            ));
+        }
+        let mut st = self.state.write();
+        if st.tenants.contains_key(&spec.name) {
+            return Err(ControlError::new(
+                ErrorKind::Conflict,
+                format!("tenant {:?} exists", spec.name),
+            ));
+        }
+        let t = Arc::new(Tenant {
+            id: self.next_id.fetch_add(1, Relaxed),
+            spec: RwLock::new(spec.clone()),
+            active: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            stat: Stat::default(),
+            window: Mutex::new((0, 0)),
+            deleted: CancellationToken::new(),
+        });
+        st.tenants.insert(spec.name, t);
+        Ok(())
+    }
+
+    // -- services ---------------------------------------------------------
+
+    pub(crate) fn add_service(
+        self: &Arc<Self>,
+        spec: ServiceSpec,
+    ) -> crate::control::ControlResult<()> {
+        use crate::control::{ControlError, ErrorKind};
+        let problems = config::service_problems(&spec);
+        if !problems.is_empty() {
+            let msg: Vec<String> = problems
+                .iter()
+                .map(|p| format!("{}: {}", p.path, p.message))
+                .collect();
+            return Err(ControlError::new(ErrorKind::Invalid, msg.join("; ")));
+        }
+        let params = Arc::new(service_params(&spec)?);
+        let mut st = self.state.write();
+        let Some(tenant) = st.tenants.get(&spec.tenant).cloned() else {
+            return Err(ControlError::new(
+                ErrorKind::NotFound,
+                format!("tenant {:?} does not exist; create it first", spec.tenant),
+            ));
+        };
+        let key = (spec.tenant.clone(), spec.name.clone());
+        if st.services.contains_key(&key) {
+            return Err(ControlError::new(
+                ErrorKind::Conflict,
+                format!("service {}/{} exists", spec.tenant, spec.name),
+            ));
+        }
+        if spec.listen.port() != 0
+            && st
+                .services
+                .values()
+                .any(|s| s.listen == spec.listen && s.spec.read().protocol == spec.protocol)
+        {
+            return Err(ControlError::new(
+                ErrorKind::Conflict,
+                format!("{} is used by another service", spec.listen),
+            ));
+        }
+        let sockets = open_sockets(spec.protocol, spec.listen, self.workers.len()).map_err(|e| {
+            ControlError::new(
+                ErrorKind::Unavailable,
+                format!("cannot listen on {} {}: {e}", config::protocol_name(spec.protocol), spec.listen),
+            )
+        })?;
+        let listen = sockets.1;
+        let backends: Vec<Arc<Backend>> = spec.backends.iter().cloned().map(Backend::new).collect();
+        let sched = build_sched(&spec, &backends)?;
+        let svc = Arc::new(Service {
+            id: self.next_id.fetch_add(1, Relaxed),
+            tenant,
+            spec: RwLock::new(ServiceSpec {
+                listen: spec.listen,
+                ..spec.clone()
+            }),
+            params: RwLock::new(params),
+            listen,
+            set: RwLock::new(Arc::new(BackendSet { sched, backends })),
+            stat: Stat::default(),
+            cancel: CancellationToken::new(),
+            persist: Mutex::new(HashMap::new()),
+            udp_sessions: Mutex::new(HashMap::new()),
+            udp_per_client: Mutex::new(HashMap::new()),
+            health_cancel: Mutex::new(CancellationToken::new()),
+        });
+        for (tx, sock) in self.workers.iter().zip(sockets.0) {
+            let _ = tx.send(WorkerCmd::Listen {
+                shared: self.clone(),
+                service: svc.clone(),
+                socket: sock,
+            });
+        }
+        self.start_health(&svc);
+        tracing::info!(tenant = %spec.tenant, service = %spec.name, %listen, "service up");
+        st.services.insert(key, svc);
+        Ok(())
+    }
+
+    /// (Re)start the health checks of `svc`'s current backends.
+    pub(crate) fn start_health(self: &Arc<Self>, svc: &Arc<Service>) {
+        let token = svc.cancel.child_token();
+        let old = std::mem::replace(&mut *svc.health_cancel.lock(), token.clone());
+        old.cancel();
+        let Some(h) = svc.spec.read().options.health.clone() else {
+            for b in svc.set.read().backends.iter() {
+                b.checked.store(false, Relaxed);
+                b.up.store(true, Relaxed);
+            }
+            return;
+        };
+        let (Ok(interval), Ok(timeout)) =
+            (config::parse_duration(&h.interval), config::parse_duration(&h.timeout))
+        else {
+            return;
+        };
+        let params = crate::health::Params {
+            interval,
+            timeout,
+            rise: h.rise,
+            fall: h.fall,
+        };
+        let _guard = self.control_rt.enter();
+        for b in svc.set.read().backends.iter() {
+            b.checked.store(true, Relaxed);
+            let weak_shared = Arc::downgrade(self);
+            let weak_svc = Arc::downgrade(svc);
+            let backend = Arc::downgrade(b);
+            crate::health::spawn(b.addr, params, token.clone(), move |up, err| {
+                let (Some(shared), Some(svc), Some(b)) =
+                    (weak_shared.upgrade(), weak_svc.upgrade(), backend.upgrade())
+                else {
+                    return;
+                };
+                tracing::warn!(backend = %b.addr, up, error = ?err, "health state changed");
+                b.up.store(up, Relaxed);
+                *b.last_error.lock() = err;
+                svc.rebuild_sched();
+                if !up && svc.params.read().expire_nodest_conn {
+                    let addr = b.addr;
+                    let id = svc.id;
+                    shared.kill_where("backend_down", |e| {
+                        e.service.id == id && e.backend.addr == addr
+                    });
+                }
+            });
+        }
+    }
+}
+
+impl Service {
+    /// Rebuild the scheduler from the backends' current weight and health.
+    pub(crate) fn rebuild_sched(&self) {
+        let mut set = self.set.write();
+        let infos: Vec<BackendInfo> = set.backends.iter().map(|b| b.info()).collect();
+        match set.sched.rebuild(&infos) {
+            Ok(sched) => {
+                *set = Arc::new(BackendSet {
+                    sched,
+                    backends: set.backends.clone(),
+                })
+            }
+            Err(e) => tracing::error!("scheduler rebuild failed: {e}"),
+        }
+    }
+
+    /// Choose a backend for `client`, honouring persistence and backend
+    /// limits; `skip` lists backends that already failed for this connection.
+    pub(crate) fn choose(
+        &self,
+        shared: &Shared,
+        client: SocketAddr,
+        skip: &[SocketAddr],
+        rng: &mut weir_sched::SplitMix64,
+    ) -> Result<Arc<Backend>, Refusal> {
+        let set = self.set.read().clone();
+        let params = self.params.read().clone();
+        let usable = |b: &Backend| {
+            let max = b.spec.read().max_connections;
+            b.up.load(Relaxed)
+                && b.weight.load(Relaxed) > 0
+                && !skip.contains(&b.addr)
+                && (max == 0 || b.conns() < max)
+        };
+        let now = shared.now_ms();
+        let group = params.mask.group(client.ip());
+        let persist_ms = params.persistence.as_millis() as u64;
+        if persist_ms > 0 {
+            let tpl = self.persist.lock().get(&group).copied();
+            if let Some((addr, exp)) = tpl {
+                if exp > now {
+                    if let Some(b) = set.backends.iter().find(|b| b.addr == addr) {
+                        if usable(b) {
+                            self.persist.lock().insert(group, (addr, now + persist_ms));
+                            return Ok(b.clone());
+                        }
+                    }
+                }
+            }
+        }
+        let load = |i: usize| {
+            set.backends
+                .get(i)
+                .map_or(Load::default(), |b| {
+                    Load::new(b.active.load(Relaxed), b.inactive.load(Relaxed))
+                })
+        };
+        let picked = set
+            .sched
+            .pick(ClientAddr(client), &load, rng)
+            .and_then(|i| set.backends.get(i))
+            .filter(|b| usable(b))
+            .or_else(|| set.backends.iter().find(|b| usable(b)))
+            .cloned();
+        let Some(b) = picked else {
+            let any_full = set.backends.iter().any(|b| {
+                let max = b.spec.read().max_connections;
+                max != 0 && b.conns() >= max
+            });
+            return Err(if any_full {
+                Refusal::BackendLimit
+            } else {
+                Refusal::NoBackend
+            });
+        };
+        if persist_ms > 0 {
+            let mut p = self.persist.lock();
+            // Bounded housekeeping: drop expired templates when the map grows.
+            if p.len() > 4096 {
+                p.retain(|_, (_, exp)| *exp > now);
+            }
+            p.insert(group, (b.addr, now + persist_ms));
+        }
+        Ok(b)
+    }
+}
+
+pub(crate) fn service_params(
+    spec: &ServiceSpec,
+) -> crate::control::ControlResult<ServiceParams> {
+    use crate::control::{ControlError, ErrorKind};
+    let bad = |m: String| ControlError::new(ErrorKind::Invalid, m);
+    let persistence = config::parse_duration(&spec.persistence).map_err(bad)?;
+    let mask = match &spec.persistence_netmask {
+        Some(m) => {
+            let n = config::parse_netmask(m).map_err(bad)?;
+            AffinityMask::new(n.v4_prefix, n.v6_prefix)
+                .map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))?
+        }
+        None => AffinityMask::new(32, 128)
+            .map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))?,
+    };
+    let o = &spec.options;
+    let connect_timeout = match &o.connect_timeout {
+        Some(t) => config::parse_duration(t).map_err(bad)?,
+        None => CONNECT_TIMEOUT,
+    };
+    let udp_timeout = match &o.udp_timeout {
+        Some(t) => config::parse_duration(t).map_err(bad)?,
+        None => UDP_TIMEOUT,
+    };
+    Ok(ServiceParams {
+        persistence,
+        mask,
+        connect_timeout,
+        expire_nodest_conn: o.expire_nodest_conn,
+        udp_timeout,
+        udp_responses: o.udp_responses,
+        udp_max_per_client: o.udp_max_sessions_per_client,
+    })
+}
+
+pub(crate) fn build_sched(
+    spec: &ServiceSpec,
+    backends: &[Arc<Backend>],
+) -> crate::control::ControlResult<Scheduler> {
+    use crate::control::{ControlError, ErrorKind};
+    let kind = spec
+        .scheduler
+        .parse()
+        .map_err(|e: weir_sched::ParseKindError| ControlError::new(ErrorKind::Invalid, e.to_string()))?;
+    let mut cfg = SchedConfig::new(kind, hash_seed());
+    cfg.fallback = spec.options.mh_fallback;
+    let infos: Vec<BackendInfo> = backends.iter().map(|b| b.info()).collect();
+    Scheduler::new(cfg, &infos).map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))
+}
+
+/// Per-process random SipHash key for `sh`/`mh`.
+fn hash_seed() -> HashSeed {
+    use std::hash::{BuildHasher, Hasher};
+    static SEED: std::sync::OnceLock<HashSeed> = std::sync::OnceLock::new();
+    *SEED.get_or_init(|| {
+        let s = std::collections::hash_map::RandomState::new();
+        let mut h1 = s.build_hasher();
+        h1.write_u64(1);
+        let mut h2 = s.build_hasher();
+        h2.write_u64(2);
+        HashSeed::new(h1.finish(), h2.finish())
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Sockets and workers
+// ---------------------------------------------------------------------------
+
+#[derive(Debug)]
+pub(crate) enum ListenSocket {
+    Tcp(std::net::TcpListener),
+    Udp(std::net::UdpSocket),
+}
+
+/// One `SO_REUSEPORT` socket per worker on `addr`; port 0 is resolved by
+/// the first socket and reused by the others.
+fn open_sockets(
+    proto: Protocol,
+    addr: SocketAddr,
+    n: usize,
+) -> std::io::Result<(Vec<ListenSocket>, SocketAddr)> {
+    use socket2::{Domain, Socket, Type};
+    let mut out = Vec::with_capacity(n);
+    let mut bound = addr;
+    for _ in 0..n.max(1) {
+        let domain = Domain::for_address(bound);
+        let s = match proto {
+            Protocol::Tcp => Socket::new(domain, Type::STREAM, Some(socket2::Protocol::TCP))?,
+            Protocol::Udp => Socket::new(domain, Type::DGRAM, Some(socket2::Protocol::UDP))?,
+        };
+        s.set_reuse_address(true)?;
+        s.set_reuse_port(true)?;
+        s.set_nonblocking(true)?;
+        if bound.is_ipv6() {
+            s.set_only_v6(true)?;
+        }
+        s.bind(&bound.into())?;
+        if bound.port() == 0 {
+            bound = s
+                .local_addr()?
+                .as_socket()
+                .ok_or_else(|| std::io::Error::other("no local address"))?;
+        }
+        match proto {
+            Protocol::Tcp => {
+                s.listen(4096)?;
+                out.push(ListenSocket::Tcp(s.into()));
+            }
+            Protocol::Udp => out.push(ListenSocket::Udp(s.into())),
+        }
+    }
+    Ok((out, bound))
+}
+
+#[derive(Debug)]
+enum WorkerCmd {
+    Listen {
+        shared: Arc<Shared>,
+        service: Arc<Service>,
+        socket: ListenSocket,
+    },
+}
+
+async fn worker_main(mut rx: mpsc::UnboundedReceiver<WorkerCmd>, stop: CancellationToken) {
+    loop {
+        let cmd = tokio::select! {
+            _ = stop.cancelled() => return,
+            c = rx.recv() => match c { Some(c) => c, None => return },
+        };
+        match cmd {
+            WorkerCmd::Listen {
+                shared,
+                service,
+                socket,
+            } => match socket {
+                ListenSocket::Tcp(l) => match tokio::net::TcpListener::from_std(l) {
+                    Ok(l) => {
+                        tokio::spawn(tcp::accept_loop(shared, service, l));
+                    }
+                    Err(e) => tracing::error!("cannot register listener: {e}"),
+                },
+                ListenSocket::Udp(s) => match tokio::net::UdpSocket::from_std(s) {
+                    Ok(s) => {
+                        tokio::spawn(udp::recv_loop(shared, service, Arc::new(s)));
+                    }
+                    Err(e) => tracing::error!("cannot register UDP socket: {e}"),
+                },
+            },
+        }
+    }
+}
+
+/// Seed for a worker-local p2c generator.
+pub(crate) fn rng_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(0);
+    h.finish()
+}

@@ -1,0 +1,185 @@
+//! The UDP proxy: sessions keyed by client address per service, one
+//! connected backend-facing socket per session, replies sent from the
+//! service's own listening socket (so they come from the virtual address),
+//! idle expiry and an optional expected-responses count.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use tokio::net::UdpSocket;
+
+use super::{ConnEntry, ConnState, Refusal, Service, Shared};
+use crate::config::Protocol;
+
+/// A live UDP session.
+#[derive(Debug)]
+pub(crate) struct Session {
+    entry: Arc<ConnEntry>,
+    sock: Arc<UdpSocket>,
+}
+
+const MAX_DATAGRAM: usize = 65_536;
+
+pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Arc<UdpSocket>) {
+    let mut buf = vec![0u8; MAX_DATAGRAM];
+    let mut rng = weir_sched::SplitMix64::new(super::rng_seed());
+    loop {
+        let (n, peer) = tokio::select! {
+            _ = svc.cancel.cancelled() => return,
+            _ = shared.kill_all.cancelled() => return,
+            r = listen.recv_from(&mut buf) => match r {
+                Ok(v) => v,
+                Err(e) => {
+                    tracing::debug!("udp recv: {e}");
+                    continue;
+                }
+            },
+        };
+        // The hot lookup: every datagram finds its session.
+        let existing = svc.udp_sessions.lock().get(&peer).cloned();
+        let sess = match existing {
+            Some(s) if !s.entry.cancel.is_cancelled() => s,
+            _ => {
+                if shared.stop_accept.is_cancelled() {
+                    continue;
+                }
+                match new_session(&shared, &svc, &listen, peer, &mut rng).await {
+                    Some(s) => s,
+                    None => continue,
+                }
+            }
+        };
+        shared.count_in(&sess.entry, n);
+        if let Err(e) = sess.sock.send(&buf[..n]).await {
+            tracing::debug!(backend = %sess.entry.backend.addr, "udp send: {e}");
+        }
+    }
+}
+
+async fn new_session(
+    shared: &Arc<Shared>,
+    svc: &Arc<Service>,
+    listen: &Arc<UdpSocket>,
+    peer: SocketAddr,
+    rng: &mut weir_sched::SplitMix64,
+) -> Option<Arc<Session>> {
+    let tenant = svc.tenant.clone();
+    let params = svc.params.read().clone();
+    if params.udp_max_per_client != 0 {
+        let n = svc.udp_per_client.lock().get(&peer.ip()).copied().unwrap_or(0);
+        if n >= params.udp_max_per_client {
+            shared.refuse(Some(&tenant), Refusal::ClientLimit);
+            return None;
+        }
+    }
+    if let Err(why) = shared.admit(&tenant) {
+        shared.refuse(Some(&tenant), why);
+        return None;
+    }
+    let backend = match svc.choose(shared, peer, &[], rng) {
+        Ok(b) => b,
+        Err(why) => {
+            shared.refuse(Some(&tenant), why);
+            shared.release(&tenant);
+            return None;
+        }
+    };
+    let bind: SocketAddr = if backend.addr.is_ipv4() {
+        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let sock = match UdpSocket::bind(bind).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("udp session socket: {e}");
+            shared.release(&tenant);
+            return None;
+        }
+    };
+    if let Err(e) = sock.connect(backend.addr).await {
+        tracing::debug!(backend = %backend.addr, "udp connect: {e}");
+        shared.release(&tenant);
+        return None;
+    }
+    let entry = shared.register(
+        svc,
+        &backend,
+        Protocol::Udp,
+        peer,
+        ConnState::Udp,
+        params.udp_timeout,
+    );
+    let sess = Arc::new(Session {
+        entry,
+        sock: Arc::new(sock),
+    });
+    svc.udp_sessions.lock().insert(peer, sess.clone());
+    *svc.udp_per_client.lock().entry(peer.ip()).or_default() += 1;
+    tokio::spawn(session_task(
+        shared.clone(),
+        svc.clone(),
+        sess.clone(),
+        listen.clone(),
+        peer,
+        params.udp_responses,
+    ));
+    Some(sess)
+}
+
+async fn session_task(
+    shared: Arc<Shared>,
+    svc: Arc<Service>,
+    sess: Arc<Session>,
+    listen: Arc<UdpSocket>,
+    peer: SocketAddr,
+    expected: Option<u32>,
+) {
+    let entry = &sess.entry;
+    let mut buf = vec![0u8; MAX_DATAGRAM];
+    let mut responses = 0u32;
+    let reason = loop {
+        let left = (entry.last_active.load(Relaxed) + entry.timeout_ms.load(Relaxed))
+            .saturating_sub(shared.now_ms());
+        tokio::select! {
+            _ = entry.cancel.cancelled() => break *entry.cancel_reason.lock(),
+            r = sess.sock.recv(&mut buf) => match r {
+                Ok(n) => {
+                    shared.count_out(entry, n);
+                    let _ = listen.send_to(&buf[..n], peer).await;
+                    responses += 1;
+                    if expected.is_some_and(|e| responses >= e) {
+                        break "responses";
+                    }
+                }
+                // ICMP unreachable from the backend etc.: keep the session
+                // until it idles out (as IPVS does).
+                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            },
+            _ = tokio::time::sleep(Duration::from_millis(left)) => {
+                if shared.now_ms() >= entry.last_active.load(Relaxed) + entry.timeout_ms.load(Relaxed) {
+                    break "idle_timeout";
+                }
+            }
+        }
+    };
+    {
+        let mut map = svc.udp_sessions.lock();
+        if map.get(&peer).is_some_and(|s| s.entry.cookie == entry.cookie) {
+            map.remove(&peer);
+        }
+    }
+    {
+        let mut pc = svc.udp_per_client.lock();
+        if let Some(n) = pc.get_mut(&peer.ip()) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                pc.remove(&peer.ip());
+            }
+        }
+    }
+    shared.unregister(entry, reason);
+    shared.release(&svc.tenant);
+}
