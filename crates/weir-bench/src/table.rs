@@ -18,15 +18,19 @@
 pub(crate) mod harness;
 pub(crate) mod peers;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
+use weir_flowtable::{
+    FlowTable, InsertError, Millis, Placement, TableConfig, TenantConfig, TenantId,
+};
+
 use crate::Common;
 use crate::report::{Table, ratio};
 use harness::{Limit, PeerVal, Run, key, run, si};
-use peers::{Ceiling, ConcMap, Dash, Ops, Papaya, Scc, Striped};
+use peers::{Ceiling, ConcMap, Dash, Ops, Papaya, Scc, Striped, Weir};
 
 /// Environment variable that turns a `weir-bench table` process into a memory probe.
 const MEMORY_CHILD: &str = "WEIR_BENCH_MEMORY_CHILD";
@@ -36,9 +40,19 @@ const MEMORY_LINE: &str = "weir-bench-memory:";
 /// The tenant lookups, churn and memory use (noisy neighbour uses two).
 const TENANT: u32 = 1;
 
-/// Implementations raced.
+/// Implementations raced. `Weir*` variants share one code path with
+/// different lock-stripe counts or lookup operations; only the plain ones
+/// count as peers for "vs best peer".
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Impl {
+    /// weir, default lock stripes, lookups with `get`.
+    Weir,
+    /// weir, lookups with the data path's `touch` (writes the entry's counters).
+    WeirTouch,
+    /// weir with one lock stripe per table (a global write lock).
+    WeirStripes1,
+    /// weir with 4096 lock stripes per table.
+    WeirStripes4096,
     Dash,
     Papaya,
     Scc,
@@ -47,7 +61,27 @@ pub(crate) enum Impl {
 }
 
 impl Impl {
-    const ALL: [Impl; 5] = [
+    const CHURN: [Impl; 8] = [
+        Impl::Weir,
+        Impl::WeirStripes1,
+        Impl::WeirStripes4096,
+        Impl::Dash,
+        Impl::Papaya,
+        Impl::Scc,
+        Impl::Striped,
+        Impl::Ceiling,
+    ];
+    const LOOKUP: [Impl; 7] = [
+        Impl::Weir,
+        Impl::WeirTouch,
+        Impl::Dash,
+        Impl::Papaya,
+        Impl::Scc,
+        Impl::Striped,
+        Impl::Ceiling,
+    ];
+    const MEMORY: [Impl; 6] = [
+        Impl::Weir,
         Impl::Dash,
         Impl::Papaya,
         Impl::Scc,
@@ -57,6 +91,10 @@ impl Impl {
 
     pub(crate) fn name(self) -> &'static str {
         match self {
+            Impl::Weir => "weir",
+            Impl::WeirTouch => "weir (touch)",
+            Impl::WeirStripes1 => "weir (1 lock stripe)",
+            Impl::WeirStripes4096 => "weir (4096 lock stripes)",
             Impl::Dash => "dashmap",
             Impl::Papaya => "papaya",
             Impl::Scc => "scc",
@@ -66,11 +104,14 @@ impl Impl {
     }
 
     fn from_name(s: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|i| i.name() == s)
+        Self::CHURN
+            .into_iter()
+            .chain(Self::LOOKUP)
+            .find(|i| i.name() == s)
     }
 
     fn is_peer(self) -> bool {
-        !matches!(self, Impl::Ceiling)
+        matches!(self, Impl::Dash | Impl::Papaya | Impl::Scc | Impl::Striped)
     }
 
     fn max_threads(self) -> usize {
@@ -103,6 +144,9 @@ impl<M: ConcMap> Target for Conc<M> {
     fn handles(&mut self, n: usize) -> Vec<&M> {
         vec![&self.0; n]
     }
+    fn memory_bytes(&self) -> Option<usize> {
+        self.0.c_memory()
+    }
 }
 
 impl Target for Ceiling {
@@ -117,6 +161,22 @@ impl Target for Ceiling {
 macro_rules! with_impl {
     ($imp:expr, $cap:expr, |$t:ident| $body:expr) => {
         match $imp {
+            Impl::Weir => {
+                let $t = &mut Conc(Weir::new($cap, None, false));
+                $body
+            }
+            Impl::WeirTouch => {
+                let $t = &mut Conc(Weir::new($cap, None, true));
+                $body
+            }
+            Impl::WeirStripes1 => {
+                let $t = &mut Conc(Weir::new($cap, Some(1), false));
+                $body
+            }
+            Impl::WeirStripes4096 => {
+                let $t = &mut Conc(Weir::new($cap, Some(4096), false));
+                $body
+            }
             Impl::Dash => {
                 let $t = &mut Conc(Dash::new($cap));
                 $body
@@ -143,7 +203,6 @@ macro_rules! with_impl {
 
 /// Sizes and time limits of one run.
 #[derive(Debug, Clone)]
-#[allow(dead_code)] // noisy and build_limit are used once weir's table lands
 struct Plan {
     noisy: Vec<u64>,
     churn_live: u64,
@@ -161,8 +220,8 @@ impl Plan {
                 churn_live: 1_000_000,
                 lookup_sizes: vec![1_000_000],
                 memory_entries: 1_000_000,
-                measure: Duration::from_millis(250),
-                build_limit: Duration::from_secs(20),
+                measure: Duration::from_millis(150),
+                build_limit: Duration::from_secs(12),
             }
         } else {
             Self {
@@ -220,34 +279,58 @@ fn lookups<T: Target>(t: &mut T, n: u64, threads: usize, hit: bool, limit: Limit
     Ok(r)
 }
 
-/// Thread `t`'s `j`-th churn key: each thread owns a disjoint sequence.
-fn churn_idx(t: usize, j: u64) -> u64 {
-    ((t as u64) << 40) | j
+/// Fills keys `0..live` for [`churn`].
+fn churn_prefill<T: Target>(t: &mut T, live: u64) -> Result<()> {
+    fill(t, TENANT, 0..live)
 }
 
-/// Insert+remove pairs/s with `live` entries kept live by `threads` threads.
-fn churn<T: Target>(t: &mut T, live: u64, threads: usize, limit: Limit) -> Result<Run> {
-    let per = live / threads as u64;
-    for th in 0..threads {
-        let mut hs = t.handles(1);
-        let h = hs.first_mut().context("no handle")?;
-        for j in 0..per {
-            let i = churn_idx(th, j);
-            if !h.insert(key(TENANT, i), PeerVal::for_idx(i)) {
-                bail!("churn prefill insert {i} failed");
-            }
-        }
+/// Insert+remove pairs/s on `threads` threads with `live` entries kept live.
+/// The live set is the window `[base, base + live)`: iteration `j` of thread
+/// `th` is position `p = j * threads + th`; it inserts key `base + live + p`
+/// and removes key `base + p` (which the same thread inserted earlier, or the
+/// prefill did; `live` is a multiple of `threads`). Returns the run and the
+/// next `base`, valid when every thread did the same number of iterations
+/// (always true for one thread; the caller runs 1 thread first).
+fn churn<T: Target>(t: &mut T, live: u64, base: u64, threads: usize, limit: Limit) -> Result<Run> {
+    let tn = threads as u64;
+    if !live.is_multiple_of(tn) {
+        bail!("live entries {live} not a multiple of {threads} threads");
     }
     let r = run(t.handles(threads), limit, |h, th, j| {
-        let add = churn_idx(th, per + j);
+        let p = j * tn + th as u64;
+        let add = base + live + p;
         let ins = h.insert(key(TENANT, add), PeerVal::for_idx(add));
-        let rem = h.remove(&key(TENANT, churn_idx(th, j)));
+        let rem = h.remove(&key(TENANT, base + p));
         u64::from(ins && rem)
     });
     if r.ok != r.ops {
         bail!("churn check failed: {} of {} pairs succeeded", r.ok, r.ops);
     }
     Ok(r)
+}
+
+fn churn_impl<T: Target>(t: &mut T, imp: Impl, plan: &Plan, rows: &mut Vec<Row>) -> Result<()> {
+    let live = plan.churn_live;
+    churn_prefill(t, live)?;
+    let mut base = 0;
+    for threads in [1usize, 2] {
+        if threads > imp.max_threads() {
+            continue;
+        }
+        let r = churn(t, live, base, threads, plan.limit())?;
+        base += r.ops;
+        rows.push(Row {
+            imp: imp.name(),
+            peer: imp.is_peer(),
+            ceiling: imp == Impl::Ceiling,
+            entries: live,
+            threads,
+            hit: true,
+            ops_per_s: r.per_sec(),
+            cpu_share: r.cpu_share(),
+        });
+    }
+    Ok(())
 }
 
 /// One row of a throughput table.
@@ -260,6 +343,7 @@ struct Row {
     threads: usize,
     hit: bool,
     ops_per_s: f64,
+    cpu_share: f64,
 }
 
 /// Best peer for the same (entries, threads, hit) and the ceiling for the same (entries, hit).
@@ -279,29 +363,11 @@ fn best_and_ceiling(rows: &[Row], r: &Row) -> (f64, f64) {
 
 fn churn_section(plan: &Plan) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
-    for imp in Impl::ALL {
-        for threads in [1usize, 2] {
-            if threads > imp.max_threads() {
-                continue;
-            }
-            let live = plan.churn_live;
-            let r = with_impl!(imp, live as usize, |t| churn(
-                t,
-                live,
-                threads,
-                plan.limit()
-            ))
-            .with_context(|| format!("churn {}", imp.name()))?;
-            rows.push(Row {
-                imp: imp.name(),
-                peer: imp.is_peer(),
-                ceiling: imp == Impl::Ceiling,
-                entries: live,
-                threads,
-                hit: true,
-                ops_per_s: r.per_sec(),
-            });
-        }
+    for imp in Impl::CHURN {
+        with_impl!(imp, plan.churn_live as usize, |t| churn_impl(
+            t, imp, plan, &mut rows
+        ))
+        .with_context(|| format!("churn {}", imp.name()))?;
     }
     Ok(rows)
 }
@@ -329,6 +395,7 @@ fn lookup_impl<T: Target>(
                 threads,
                 hit,
                 ops_per_s: r.per_sec(),
+                cpu_share: r.cpu_share(),
             });
         }
     }
@@ -338,7 +405,7 @@ fn lookup_impl<T: Target>(
 fn lookup_section(plan: &Plan) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for &n in &plan.lookup_sizes {
-        for imp in Impl::ALL {
+        for imp in Impl::LOOKUP {
             with_impl!(imp, n as usize, |t| lookup_impl(t, imp, n, plan, &mut rows))?;
         }
     }
@@ -380,7 +447,7 @@ fn memory_child(spec: &str) -> Result<Value> {
 fn memory_section(plan: &Plan) -> Result<Vec<Mem>> {
     let exe = std::env::current_exe().context("locating weir-bench")?;
     let mut out = Vec::new();
-    for imp in Impl::ALL {
+    for imp in Impl::MEMORY {
         let o = std::process::Command::new(&exe)
             .arg("table")
             .env(
@@ -420,7 +487,12 @@ fn print_rows(title: &str, rows: &[Row], with_hit: bool, unit: &str) {
         header.push("lookup");
     }
     let ops_h = format!("{unit}/s");
-    header.extend([ops_h.as_str(), "vs best peer", "vs ceiling (1 thread)"]);
+    header.extend([
+        ops_h.as_str(),
+        "vs best peer",
+        "vs ceiling (1 thread)",
+        "CPU got",
+    ]);
     let mut t = Table::new(header);
     for r in rows {
         let (best, ceil) = best_and_ceiling(rows, r);
@@ -436,10 +508,192 @@ fn print_rows(title: &str, rows: &[Row], with_hit: bool, unit: &str) {
             si(r.ops_per_s),
             ratio(r.ops_per_s, best),
             ratio(r.ops_per_s, ceil),
+            format!("{:.0}%", r.cpu_share * 100.0),
         ]);
         t.row(cells);
     }
     t.print();
+}
+
+/// Noisy-neighbour tenants: a victim in the shared table, a victim with its
+/// own table, and the noisy tenant (shared).
+const VICTIM_SHARED: u32 = 10;
+const VICTIM_OWN: u32 = 11;
+const NOISY: u32 = 20;
+const VICTIM_CONNS: u64 = 1000;
+const NOISY_SHARED_BUCKETS: usize = 1 << 17;
+const VICTIM_OWN_BUCKETS: usize = 1 << 10;
+
+/// One noisy-neighbour figure.
+#[derive(Debug, Clone)]
+struct NoisyRow {
+    noisy_entries: u64,
+    avg_chain: f64,
+    lookups_per_s: f64,
+}
+
+/// Inserts `tenant`'s keys `range` on `threads` threads until done or
+/// `deadline`; returns (inserted, refused because the chain was full).
+pub(crate) fn par_fill(
+    table: &FlowTable,
+    tenant: u32,
+    range: std::ops::Range<u64>,
+    threads: usize,
+    deadline: Instant,
+) -> Result<(u64, u64)> {
+    let results: Vec<Result<(u64, u64)>> = std::thread::scope(|s| {
+        let joins: Vec<_> = (0..threads as u64)
+            .map(|t| {
+                let range = range.clone();
+                s.spawn(move || -> Result<(u64, u64)> {
+                    let (mut ins, mut refused) = (0, 0);
+                    let mut i = range.start + t;
+                    let mut step = 0u64;
+                    while i < range.end {
+                        let v = PeerVal::for_idx(i);
+                        match table.insert(key(tenant, i), peers::flow_init(&v), Millis(1)) {
+                            Ok(_) => ins += 1,
+                            Err(InsertError::ChainFull) => refused += 1,
+                            Err(e) => bail!("insert {i} of tenant {tenant}: {e}"),
+                        }
+                        i += threads as u64;
+                        step += 1;
+                        if step.is_multiple_of(4096) && Instant::now() >= deadline {
+                            break;
+                        }
+                    }
+                    Ok((ins, refused))
+                })
+            })
+            .collect();
+        joins
+            .into_iter()
+            .map(|j| {
+                j.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("fill thread panicked")))
+            })
+            .collect()
+    });
+    let mut total = (0, 0);
+    for r in results {
+        let (a, b) = r?;
+        total.0 += a;
+        total.1 += b;
+    }
+    Ok(total)
+}
+
+/// Seed 000's experiment on one table: the noisy tenant grows in the shared
+/// 2^17-bucket table while two victims with 1,000 connections each look up
+/// their own flows — one sharing that table, one owning 2^10 buckets.
+fn noisy_section(plan: &Plan) -> Result<(Vec<NoisyRow>, Vec<NoisyRow>)> {
+    let table = FlowTable::new(TableConfig {
+        shared_buckets: NOISY_SHARED_BUCKETS,
+        // The most the table allows: the point is to show long chains, not refuse them.
+        max_chain: 1024,
+        seed: Some(0x0015e),
+        ..TableConfig::default()
+    });
+    let add = |id: u32, own: usize| {
+        table.add_tenant(
+            TenantId(id),
+            TenantConfig {
+                own_buckets: own,
+                ..TenantConfig::default()
+            },
+        )
+    };
+    add(VICTIM_SHARED, 0)?;
+    let placed = add(VICTIM_OWN, VICTIM_OWN_BUCKETS)?;
+    if placed
+        != (Placement::Own {
+            buckets: VICTIM_OWN_BUCKETS,
+        })
+    {
+        bail!("victim did not get its own table: {placed:?}");
+    }
+    add(NOISY, 0)?;
+    let far = Instant::now() + Duration::from_secs(3600);
+    let deadline = Instant::now() + plan.build_limit;
+    let (mut shared, mut own) = (Vec::new(), Vec::new());
+    let mut have = 0u64;
+    let mut refused = 0u64;
+    for &target in &plan.noisy {
+        if target > have {
+            let (ins, rf) = par_fill(&table, NOISY, have..target, 2, deadline)?;
+            refused += rf;
+            have = table
+                .tenant_stats(TenantId(NOISY))
+                .map_or(have + ins, |s| s.entries);
+        }
+        for (victim, rows) in [(VICTIM_SHARED, &mut shared), (VICTIM_OWN, &mut own)] {
+            // The victim's connections are new: re-inserted after the noisy
+            // tenant grew, so they sit behind its entries (weir appends at the
+            // chain tail) as a freshly opened connection would.
+            for i in 0..VICTIM_CONNS {
+                table.remove(&key(victim, i));
+            }
+            par_fill(&table, victim, 0..VICTIM_CONNS, 1, far)?;
+            let r = run(vec![&table], plan.limit(), |t, th, j| {
+                let k = key(victim, pick(0xbad, th, j, VICTIM_CONNS));
+                u64::from(t.get(&k).is_some())
+            });
+            if r.ok != r.ops {
+                bail!(
+                    "victim {victim} lookups missed: {} of {}",
+                    r.ops - r.ok,
+                    r.ops
+                );
+            }
+            let st = table
+                .tenant_stats(TenantId(victim))
+                .context("victim tenant vanished")?;
+            rows.push(NoisyRow {
+                noisy_entries: have,
+                avg_chain: st.load_factor,
+                lookups_per_s: r.per_sec(),
+            });
+        }
+        if have < target {
+            println!(
+                "noisy: building stopped at the {}s limit with {have} of {target} noisy entries; later sizes skipped.\n",
+                plan.build_limit.as_secs()
+            );
+            break;
+        }
+    }
+    println!(
+        "### Noisy neighbour (seed 000): victim lookups/s, 1 thread, 1,000 victim connections\n"
+    );
+    println!(
+        "Shared table 2^17 buckets, max_chain 1024 (the table's cap; {refused} noisy inserts refused). \
+         Own table 2^10 buckets. Both victims measured on the same table at each size; \
+         before each measurement the victims' flows are removed and re-inserted, so they \
+         sit behind the noisy entries of their chains like newly opened connections.\n"
+    );
+    let mut t = Table::new([
+        "noisy entries",
+        "shared: avg chain",
+        "shared: lookups/s",
+        "vs idle",
+        "own: avg chain",
+        "own: lookups/s",
+        "vs idle",
+    ]);
+    let idle = |rows: &[NoisyRow]| rows.first().map_or(0.0, |r| r.lookups_per_s);
+    for (s, o) in shared.iter().zip(&own) {
+        t.row([
+            si(s.noisy_entries as f64),
+            format!("{:.1}", s.avg_chain),
+            si(s.lookups_per_s),
+            ratio(s.lookups_per_s, idle(&shared)),
+            format!("{:.2}", o.avg_chain),
+            si(o.lookups_per_s),
+            ratio(o.lookups_per_s, idle(&own)),
+        ]);
+    }
+    t.print();
+    Ok((shared, own))
 }
 
 /// The `table` suite.
@@ -453,6 +707,8 @@ pub(crate) fn table(c: &Common) -> Result<Value> {
          Peers hash with std RandomState (SipHash-1-3); the hashbrown ceiling with foldhash (its default). \
          Every map is presized for its entry count.\n"
     );
+
+    let (noisy_shared, noisy_own) = noisy_section(&plan)?;
 
     let churn_rows = churn_section(&plan)?;
     print_rows(
@@ -500,6 +756,11 @@ pub(crate) fn table(c: &Common) -> Result<Value> {
     }
     t.print();
 
+    let noisy_json = |rows: &[NoisyRow]| -> Vec<Value> {
+        rows.iter()
+            .map(|r| json!({"noisy_entries": r.noisy_entries, "avg_chain": r.avg_chain, "lookups_per_s": r.lookups_per_s}))
+            .collect()
+    };
     let rows_json = |rows: &[Row], lookup: bool| -> Vec<Value> {
         rows.iter()
             .map(|r| {
@@ -512,9 +773,65 @@ pub(crate) fn table(c: &Common) -> Result<Value> {
             .collect()
     };
     Ok(json!({
-        "noisy": {"shared": [], "own": []},
+        "noisy": {"shared": noisy_json(&noisy_shared), "own": noisy_json(&noisy_own)},
         "churn": rows_json(&churn_rows, false),
         "lookup": rows_json(&lookup_rows, true),
         "memory": mem.iter().map(|m| json!({"impl": m.imp, "entries": m.entries, "bytes_per_entry": m.rss_bytes_per_entry})).collect::<Vec<_>>(),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMALL: Limit = Limit {
+        ops: 20_000,
+        time: Duration::from_secs(20),
+    };
+
+    fn small_checks<T: Target>(t: &mut T, threads: usize) {
+        fill(t, TENANT, 0..1000).expect("fill");
+        assert!(fill(t, TENANT, 0..1).is_err(), "duplicate insert must fail");
+        let hit = lookups(t, 1000, threads, true, SMALL).expect("hits");
+        assert_eq!(hit.ops, 20_000);
+        lookups(t, 1000, threads, false, SMALL).expect("misses");
+        let c = churn(t, 1000, 0, 1, SMALL).expect("churn 1 thread");
+        if threads > 1 {
+            churn(t, 1000, c.ops, threads, SMALL).expect("churn 2 threads");
+        }
+    }
+
+    #[test]
+    fn measurements_check_themselves_on_every_impl() {
+        for imp in Impl::CHURN.into_iter().chain(Impl::LOOKUP) {
+            let threads = imp.max_threads().min(2);
+            with_impl!(imp, 1000, |t| small_checks(t, threads));
+        }
+    }
+
+    #[test]
+    fn churn_window_leaves_live_entries_live() {
+        let mut w = Conc(Weir::new(1000, None, false));
+        fill(&mut w, TENANT, 0..1000).expect("fill");
+        let r = churn(&mut w, 1000, 0, 1, SMALL).expect("churn");
+        // After the run the live window is [ops, ops + 1000).
+        let st = w.0.table.tenant_stats(TenantId(TENANT)).expect("tenant");
+        assert_eq!(st.entries, 1000);
+        assert!(w.0.c_get(&key(TENANT, r.ops)).is_some());
+        assert!(w.0.c_get(&key(TENANT, r.ops - 1)).is_none());
+    }
+
+    #[test]
+    fn par_fill_counts_and_stops() {
+        let t = FlowTable::new(TableConfig::default());
+        t.add_tenant(TenantId(3), TenantConfig::default())
+            .expect("tenant");
+        let (ins, refused) =
+            par_fill(&t, 3, 0..5000, 2, Instant::now() + Duration::from_secs(30)).expect("fill");
+        assert_eq!((ins, refused), (5000, 0));
+        assert!(
+            par_fill(&t, 3, 0..1, 1, Instant::now()).is_err(),
+            "duplicate is an error"
+        );
+    }
 }

@@ -6,38 +6,46 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-/// The key every implementation stores (weir's flow key once it lands).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) struct Key {
-    pub(crate) tenant: u32,
-    pub(crate) proto: u8,
-    pub(crate) client: SocketAddr,
-    pub(crate) virt: SocketAddr,
-}
+use weir_flowtable::{FlowKey, Proto, TenantId};
 
-/// Key number `idx` of `tenant`. Injective in `(tenant, idx)` for `idx < 2^48`.
-/// One key in four has IPv6 addresses so hashing covers both families.
+/// The key every implementation stores: weir's own flow key (tenant,
+/// protocol, client and virtual socket addresses; IPv6-capable).
+pub(crate) type Key = FlowKey;
+
+/// Key number `idx` of `tenant`. Injective in `(tenant, idx)` for `idx < 2^48`;
+/// [`idx_of`] inverts it. One key in four has IPv6 addresses so hashing and
+/// comparison cover both families.
 pub(crate) fn key(tenant: u32, idx: u64) -> Key {
     let port = (idx & 0xffff) as u16;
-    if idx % 4 == 3 {
+    let (client, virt) = if idx % 4 == 3 {
         let ip = Ipv6Addr::from((0x2001_0db8_u128 << 96) | u128::from(idx));
-        Key {
-            tenant,
-            proto: 6,
-            client: SocketAddr::new(IpAddr::V6(ip), port),
-            virt: SocketAddr::new(
-                IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0xffff, 0, 0, 0, 0, 1)),
-                443,
-            ),
-        }
+        let virt = Ipv6Addr::new(0x2001, 0xdb8, 0xffff, 0, 0, 0, 0, 1);
+        (
+            SocketAddr::new(IpAddr::V6(ip), port),
+            SocketAddr::new(IpAddr::V6(virt), 443),
+        )
     } else {
         let ip = Ipv4Addr::from(((idx >> 16) & 0xffff_ffff) as u32);
-        Key {
-            tenant,
-            proto: 6,
-            client: SocketAddr::new(IpAddr::V4(ip), port),
-            virt: SocketAddr::new(IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1)), 443),
-        }
+        let virt = Ipv4Addr::new(192, 0, 2, 1);
+        (
+            SocketAddr::new(IpAddr::V4(ip), port),
+            SocketAddr::new(IpAddr::V4(virt), 443),
+        )
+    };
+    FlowKey {
+        tenant: TenantId(tenant),
+        proto: Proto::Tcp,
+        client,
+        virt,
+    }
+}
+
+/// The `idx` that [`key`] built `k` from.
+pub(crate) fn idx_of(k: &Key) -> u64 {
+    let port = u64::from(k.client.port());
+    match k.client.ip() {
+        IpAddr::V4(ip) => (u64::from(u32::from(ip)) << 16) | port,
+        IpAddr::V6(ip) => (u128::from(ip) & u128::from(u64::MAX)) as u64,
     }
 }
 
@@ -107,6 +115,10 @@ pub(crate) struct Run {
     pub(crate) ok: u64,
     /// Wall time from the common start to the last thread's end.
     pub(crate) secs: f64,
+    /// CPU time the threads got (`/proc/thread-self/schedstat`), 0 if unreadable.
+    pub(crate) cpu_secs: f64,
+    /// Threads used.
+    pub(crate) threads: usize,
 }
 
 impl Run {
@@ -117,6 +129,26 @@ impl Run {
             0.0
         }
     }
+
+    /// Share of `threads` cores the threads actually ran on (others' builds
+    /// compete for the same 2 cores): 1.0 = never preempted.
+    pub(crate) fn cpu_share(&self) -> f64 {
+        let denom = self.secs * self.threads as f64;
+        if denom > 0.0 {
+            self.cpu_secs / denom
+        } else {
+            0.0
+        }
+    }
+}
+
+/// CPU time this thread has run, in seconds (first field of
+/// `/proc/thread-self/schedstat`, nanoseconds), or 0 if unreadable.
+pub(crate) fn thread_cpu_secs() -> f64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(0.0, |ns| ns as f64 / 1e9)
 }
 
 const BATCH: u64 = 512;
@@ -140,6 +172,7 @@ pub(crate) fn run<O: Send>(
                 let (barrier, body) = (&barrier, &body);
                 s.spawn(move || {
                     barrier.wait();
+                    let cpu0 = thread_cpu_secs();
                     let deadline = Instant::now() + limit.time;
                     let (mut j, mut ok) = (0u64, 0u64);
                     while j < per_thread {
@@ -152,15 +185,15 @@ pub(crate) fn run<O: Send>(
                             break;
                         }
                     }
-                    (j, ok)
+                    (j, ok, thread_cpu_secs() - cpu0)
                 })
             })
             .collect();
         barrier.wait();
         let start = Instant::now();
-        let results: Vec<(u64, u64)> = joins
+        let results: Vec<(u64, u64, f64)> = joins
             .into_iter()
-            .map(|j| j.join().unwrap_or((0, 0)))
+            .map(|j| j.join().unwrap_or((0, 0, 0.0)))
             .collect();
         (start, results)
     });
@@ -169,6 +202,8 @@ pub(crate) fn run<O: Send>(
         ops: results.iter().map(|r| r.0).sum(),
         ok: results.iter().map(|r| r.1).sum(),
         secs,
+        cpu_secs: results.iter().map(|r| r.2).sum(),
+        threads,
     }
 }
 
@@ -203,6 +238,8 @@ mod tests {
     #[test]
     fn keys_are_distinct() {
         let set: HashSet<Key> = (0..100_000u64).map(|i| key(1, i)).collect();
+        assert!((0..100_000u64).all(|i| idx_of(&key(1, i)) == i));
+        assert_eq!(idx_of(&key(3, (1 << 40) + 7)), (1 << 40) + 7);
         assert_eq!(set.len(), 100_000);
         assert_ne!(key(1, 5), key(2, 5));
         let big: HashSet<Key> = (0..1000u64).map(|i| key(1, (1 << 40) + i)).collect();

@@ -1,4 +1,4 @@
-//! The peers weir's flow table races, behind one small trait.
+//! weir's flow table and the peers it races, behind one small trait.
 //!
 //! Every peer stores the same [`Key`] and [`PeerVal`] and uses its default
 //! hasher: `std`'s `RandomState` (SipHash-1-3, keyed per process) for dashmap,
@@ -10,6 +10,10 @@ use std::hash::BuildHasher;
 
 use dashmap::DashMap;
 use parking_lot::Mutex;
+use weir_flowtable::{
+    BackendId, Dir, FlowInit, FlowState, FlowTable, Millis, ServiceId, TableConfig, TenantConfig,
+    TenantId,
+};
 
 use super::harness::{Key, PeerVal};
 
@@ -29,6 +33,10 @@ pub(crate) trait ConcMap: Sync {
     fn c_insert(&self, k: Key, v: PeerVal) -> bool;
     fn c_get(&self, k: &Key) -> Option<u32>;
     fn c_remove(&self, k: &Key) -> bool;
+    /// Bytes the map accounts for itself, where it reports it.
+    fn c_memory(&self) -> Option<usize> {
+        None
+    }
 }
 
 impl<T: ConcMap> Ops for &T {
@@ -40,6 +48,65 @@ impl<T: ConcMap> Ops for &T {
     }
     fn remove(&mut self, k: &Key) -> bool {
         self.c_remove(k)
+    }
+}
+
+/// weir's flow table with one shared tenant ([`TENANT`](super::TENANT)).
+/// Lookups use `get` (read-only, returns a snapshot) or, with `touch`, the
+/// data path's `touch` (also bumps the entry's counters).
+#[derive(Debug)]
+pub(crate) struct Weir {
+    pub(crate) table: FlowTable,
+    touch: bool,
+}
+
+impl Weir {
+    /// A table with `next_power_of_two(cap)` shared buckets and `stripes` lock stripes.
+    pub(crate) fn new(cap: usize, stripes: Option<usize>, touch: bool) -> Self {
+        let cfg = TableConfig {
+            shared_buckets: cap.max(1).next_power_of_two(),
+            seed: Some(0x7ab1e),
+            ..TableConfig::default()
+        };
+        let table = match stripes {
+            Some(s) => FlowTable::with_stripes(cfg, s),
+            None => FlowTable::new(cfg),
+        };
+        // A fresh table has no tenants, so this cannot fail.
+        let _ = table.add_tenant(TenantId(super::TENANT), TenantConfig::default());
+        Self { table, touch }
+    }
+}
+
+/// weir's entry payload for a peer value.
+pub(crate) fn flow_init(v: &PeerVal) -> FlowInit {
+    FlowInit {
+        service: ServiceId(v.service),
+        backend: BackendId(v.backend),
+        state: FlowState::Established,
+    }
+}
+
+impl ConcMap for Weir {
+    fn c_insert(&self, k: Key, v: PeerVal) -> bool {
+        self.table
+            .insert(k, flow_init(&v), Millis(v.created_ms))
+            .is_ok()
+    }
+    fn c_get(&self, k: &Key) -> Option<u32> {
+        if self.touch {
+            self.table
+                .touch(k, Millis(2), Dir::In, 64)
+                .map(|(_, b)| b.0)
+        } else {
+            self.table.get(k).map(|s| s.backend.0)
+        }
+    }
+    fn c_remove(&self, k: &Key) -> bool {
+        self.table.remove(k).is_some()
+    }
+    fn c_memory(&self) -> Option<usize> {
+        Some(self.table.memory_bytes())
     }
 }
 
@@ -211,6 +278,9 @@ mod tests {
 
     #[test]
     fn every_peer_behaves_as_a_map() {
+        // weir's table does not grow: size it for the 2,000 entries.
+        exercise(&Weir::new(2048, None, false));
+        exercise(&Weir::new(2048, Some(1), true));
         exercise(&Dash::new(16));
         exercise(&Papaya::new(16));
         exercise(&Scc::new(16));

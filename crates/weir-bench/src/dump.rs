@@ -1,0 +1,482 @@
+//! `weir-bench dump`: weir's resumable dump cursor against the naive
+//! (bucket, offset) resume that `/proc/net/tcp` used from 2010 until the
+//! 2021 fix (seed 002), exposed by the flow table as `dump_naive_offset`.
+//!
+//! Sections (JSON keys in brackets):
+//! - speed [`dump[]`]: whole-table dumps of 1M and 10M entries, page sizes 1,
+//!   100 and 10,000, the same entries in 2^16 and 2^24 buckets;
+//! - exactness under churn [`exactness`]: at least 100 whole dumps of a table
+//!   whose stable entries must each appear exactly once while another thread
+//!   inserts and removes other entries as fast as it can. The naive resume is
+//!   run the same way (fewer dumps) and printed as a contrast.
+//!
+//! Every dump and every phase is bounded by a time limit; a dump cut short
+//! is reported as incomplete, never extrapolated.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use serde_json::{Value, json};
+use weir_flowtable::{
+    Cursor, DumpFilter, FlowSnapshot, FlowTable, TableConfig, TenantConfig, TenantId,
+};
+
+use crate::Common;
+use crate::report::{Table, ratio};
+use crate::table::harness::{idx_of, key, si, thread_cpu_secs};
+use crate::table::par_fill;
+
+const TENANT: u32 = 1;
+/// Churned keys start here, far above the stable ones.
+const CHURN_BASE: u64 = 1 << 40;
+const PAGES: [usize; 3] = [1, 100, 10_000];
+
+/// Sizes and limits of one run.
+#[derive(Debug, Clone)]
+struct Plan {
+    sizes: Vec<u64>,
+    buckets: Vec<usize>,
+    dump_limit: Duration,
+    build_limit: Duration,
+    exact_stable: u64,
+    exact_churn_live: u64,
+    exact_buckets: usize,
+    exact_dumps: usize,
+    naive_dumps: usize,
+    exact_limit: Duration,
+}
+
+impl Plan {
+    fn new(quick: bool) -> Self {
+        if quick {
+            Self {
+                sizes: vec![1_000_000],
+                buckets: vec![1 << 16, 1 << 24],
+                dump_limit: Duration::from_secs(5),
+                build_limit: Duration::from_secs(20),
+                exact_stable: 100_000,
+                exact_churn_live: 20_000,
+                exact_buckets: 1 << 13,
+                exact_dumps: 100,
+                naive_dumps: 20,
+                exact_limit: Duration::from_secs(15),
+            }
+        } else {
+            Self {
+                sizes: vec![1_000_000, 10_000_000],
+                buckets: vec![1 << 16, 1 << 24],
+                dump_limit: Duration::from_secs(60),
+                build_limit: Duration::from_secs(300),
+                exact_stable: 1_000_000,
+                exact_churn_live: 100_000,
+                exact_buckets: 1 << 16,
+                exact_dumps: 100,
+                naive_dumps: 20,
+                exact_limit: Duration::from_secs(240),
+            }
+        }
+    }
+}
+
+/// Which resume algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Algo {
+    Cursor,
+    Naive,
+}
+
+impl Algo {
+    fn name(self) -> &'static str {
+        match self {
+            Algo::Cursor => "weir",
+            Algo::Naive => "naive-offset",
+        }
+    }
+}
+
+/// Pages through the whole table, `page` entries per call, handing each page
+/// to `sink`; stops early at `deadline` (checked every 256 calls). Returns
+/// (entries, complete).
+fn walk(
+    table: &FlowTable,
+    algo: Algo,
+    page: usize,
+    deadline: Instant,
+    mut sink: impl FnMut(&[FlowSnapshot]),
+) -> (u64, bool) {
+    let filter = DumpFilter::default();
+    let mut out = Vec::with_capacity(page);
+    let mut n = 0u64;
+    let mut cur: Option<Cursor> = None;
+    let mut naive = (0usize, 0usize);
+    for calls in 0u64.. {
+        out.clear();
+        let more = match algo {
+            Algo::Cursor => {
+                cur = table.dump(cur.as_ref(), &filter, page, &mut out);
+                cur.is_some()
+            }
+            Algo::Naive => match table.dump_naive_offset(naive, page, &mut out) {
+                Some(next) => {
+                    naive = next;
+                    true
+                }
+                None => false,
+            },
+        };
+        n += out.len() as u64;
+        sink(&out);
+        if !more {
+            return (n, true);
+        }
+        if calls % 256 == 255 && Instant::now() >= deadline {
+            return (n, false);
+        }
+    }
+    (n, false)
+}
+
+fn new_table(buckets: usize) -> Result<FlowTable> {
+    let t = FlowTable::new(TableConfig {
+        shared_buckets: buckets,
+        // 10M entries in 2^16 buckets average 153 per chain: allow it.
+        max_chain: 1024,
+        seed: Some(0xd0_0d),
+        ..TableConfig::default()
+    });
+    t.add_tenant(TenantId(TENANT), TenantConfig::default())?;
+    Ok(t)
+}
+
+/// One speed figure.
+#[derive(Debug, Clone)]
+struct Speed {
+    algo: Algo,
+    entries: u64,
+    buckets: usize,
+    page: usize,
+    ns_per_entry: f64,
+    complete: bool,
+}
+
+fn speed_section(plan: &Plan) -> Result<Vec<Speed>> {
+    let mut rows = Vec::new();
+    for &n in &plan.sizes {
+        for &buckets in &plan.buckets {
+            let table = new_table(buckets)?;
+            let (ins, refused) =
+                par_fill(&table, TENANT, 0..n, 2, Instant::now() + plan.build_limit)?;
+            if ins != n {
+                bail!(
+                    "building {n} entries in {buckets} buckets: {ins} inserted, {refused} refused (time limit {:?})",
+                    plan.build_limit
+                );
+            }
+            for page in PAGES {
+                for algo in [Algo::Cursor, Algo::Naive] {
+                    let start = Instant::now();
+                    let (got, complete) = walk(&table, algo, page, start + plan.dump_limit, |p| {
+                        std::hint::black_box(p);
+                    });
+                    let secs = start.elapsed().as_secs_f64();
+                    if complete && got != n {
+                        bail!(
+                            "{} dump of a quiet table returned {got} of {n} entries",
+                            algo.name()
+                        );
+                    }
+                    rows.push(Speed {
+                        algo,
+                        entries: n,
+                        buckets,
+                        page,
+                        ns_per_entry: if got > 0 {
+                            secs * 1e9 / got as f64
+                        } else {
+                            f64::INFINITY
+                        },
+                        complete,
+                    });
+                }
+            }
+        }
+    }
+    Ok(rows)
+}
+
+/// Exactness figures for one algorithm.
+#[derive(Debug, Clone, Default)]
+struct Exact {
+    dumps: u64,
+    duplicates: u64,
+    misses: u64,
+    churn_ops_per_s: f64,
+    dump_secs: f64,
+}
+
+/// Dumps `dumps` times (pages cycling 1, 100, 10,000) while one thread
+/// churns; counts stable entries seen twice (duplicates) or never (misses),
+/// and churned entries seen twice in one dump (also duplicates).
+fn exactness(plan: &Plan, algo: Algo, dumps: usize) -> Result<Exact> {
+    let table = new_table(plan.exact_buckets)?;
+    let far = Instant::now() + Duration::from_secs(3600);
+    let stable = plan.exact_stable;
+    let live = plan.exact_churn_live;
+    par_fill(&table, TENANT, 0..stable, 2, far)?;
+    par_fill(&table, TENANT, CHURN_BASE..CHURN_BASE + live, 2, far)?;
+    let stop = AtomicBool::new(false);
+    let churn_ops = AtomicU64::new(0);
+    let deadline = Instant::now() + plan.exact_limit;
+    let (ex, churn_secs) = std::thread::scope(|s| -> Result<(Exact, f64)> {
+        let churner = s.spawn(|| -> Result<f64> {
+            let start = Instant::now();
+            let mut p = 0u64;
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                for _ in 0..256 {
+                    let add = CHURN_BASE + live + p;
+                    let v = crate::table::harness::PeerVal::for_idx(add);
+                    if table
+                        .insert(
+                            key(TENANT, add),
+                            crate::table::peers::flow_init(&v),
+                            weir_flowtable::Millis(1),
+                        )
+                        .is_err()
+                    {
+                        bail!("churn insert {add} refused");
+                    }
+                    if table.remove(&key(TENANT, CHURN_BASE + p)).is_none() {
+                        bail!("churn remove {} found nothing", CHURN_BASE + p);
+                    }
+                    p += 1;
+                }
+                churn_ops.store(2 * p, Ordering::Relaxed);
+            }
+            Ok(start.elapsed().as_secs_f64())
+        });
+        let mut ex = Exact::default();
+        let mut seen = vec![false; stable as usize];
+        let mut churned = HashSet::new();
+        let start = Instant::now();
+        let mut failure = None;
+        for d in 0..dumps {
+            if Instant::now() >= deadline {
+                break;
+            }
+            seen.iter_mut().for_each(|b| *b = false);
+            churned.clear();
+            let mut bad = 0u64;
+            let (_, complete) = walk(&table, algo, PAGES[d % PAGES.len()], deadline, |page| {
+                for snap in page {
+                    let i = idx_of(&snap.key);
+                    if i < stable {
+                        let slot = &mut seen[i as usize];
+                        if *slot {
+                            ex.duplicates += 1;
+                        }
+                        *slot = true;
+                    } else if i >= CHURN_BASE {
+                        if !churned.insert(i) {
+                            ex.duplicates += 1;
+                        }
+                    } else {
+                        bad += 1;
+                    }
+                }
+            });
+            if bad > 0 {
+                failure = Some(format!("dump returned {bad} keys that were never inserted"));
+                break;
+            }
+            if !complete {
+                break;
+            }
+            ex.misses += seen.iter().filter(|b| !**b).count() as u64;
+            ex.dumps += 1;
+        }
+        ex.dump_secs = start.elapsed().as_secs_f64();
+        stop.store(true, Ordering::Relaxed);
+        let churn_secs = churner
+            .join()
+            .map_err(|_| anyhow::anyhow!("churn thread panicked"))??;
+        if let Some(f) = failure {
+            bail!("{}: {f}", algo.name());
+        }
+        Ok((ex, churn_secs))
+    })?;
+    let ops = churn_ops.load(Ordering::Relaxed);
+    Ok(Exact {
+        churn_ops_per_s: if churn_secs > 0.0 {
+            ops as f64 / churn_secs
+        } else {
+            0.0
+        },
+        ..ex
+    })
+}
+
+/// The `dump` suite.
+pub(crate) fn dump(c: &Common) -> Result<Value> {
+    let plan = Plan::new(c.quick);
+    println!(
+        "Noisy machine: 2 cores shared with other engineers' builds; only ratios within this run mean anything.\n\
+         `weir` = FlowTable::dump (cursor = table, bucket, last cookie); `naive-offset` = \
+         FlowTable::dump_naive_offset (resume at bucket, offset within the bucket: /proc/net/tcp 2010-2021).\n"
+    );
+    let cpu0 = thread_cpu_secs();
+    let wall0 = Instant::now();
+    let speed = speed_section(&plan)?;
+    let cpu_share = (thread_cpu_secs() - cpu0) / wall0.elapsed().as_secs_f64().max(1e-9);
+    println!(
+        "### Dump speed: whole table, ns per entry (main thread got {:.0}% of a core)\n",
+        cpu_share * 100.0
+    );
+    let mut t = Table::new([
+        "impl",
+        "entries",
+        "buckets",
+        "page",
+        "ns/entry",
+        "vs weir same page",
+        "complete",
+    ]);
+    for r in &speed {
+        let weir = speed
+            .iter()
+            .find(|o| {
+                o.algo == Algo::Cursor
+                    && o.entries == r.entries
+                    && o.buckets == r.buckets
+                    && o.page == r.page
+            })
+            .map_or(0.0, |o| o.ns_per_entry);
+        t.row([
+            r.algo.name().to_string(),
+            si(r.entries as f64),
+            format!("2^{}", r.buckets.trailing_zeros()),
+            r.page.to_string(),
+            format!("{:.1}", r.ns_per_entry),
+            ratio(r.ns_per_entry, weir),
+            if r.complete {
+                "yes".into()
+            } else {
+                format!("no ({}s limit)", plan.dump_limit.as_secs())
+            },
+        ]);
+    }
+    t.print();
+    let mut s = Table::new([
+        "impl",
+        "entries",
+        "buckets",
+        "page-size spread (max/min ns/entry)",
+    ]);
+    for &n in &plan.sizes {
+        for &b in &plan.buckets {
+            for algo in [Algo::Cursor, Algo::Naive] {
+                let v: Vec<f64> = speed
+                    .iter()
+                    .filter(|r| r.algo == algo && r.entries == n && r.buckets == b)
+                    .map(|r| r.ns_per_entry)
+                    .collect();
+                let (lo, hi) = v.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| {
+                    (lo.min(x), hi.max(x))
+                });
+                s.row([
+                    algo.name().to_string(),
+                    si(n as f64),
+                    format!("2^{}", b.trailing_zeros()),
+                    ratio(hi, lo),
+                ]);
+            }
+        }
+    }
+    s.print();
+
+    let ex = exactness(&plan, Algo::Cursor, plan.exact_dumps)?;
+    let naive = exactness(&plan, Algo::Naive, plan.naive_dumps)?;
+    println!(
+        "### Exactness under churn: {} stable + {} churned entries in 2^{} buckets, pages cycling 1/100/10,000\n\n\
+         One thread inserts and removes churned entries (each insert and each remove counts as one op) while \
+         the main thread dumps. A duplicate is an entry returned twice in one dump; a miss is a stable entry \
+         (present throughout) not returned.\n",
+        si(plan.exact_stable as f64),
+        si(plan.exact_churn_live as f64),
+        plan.exact_buckets.trailing_zeros()
+    );
+    let mut t = Table::new([
+        "impl",
+        "dumps",
+        "duplicates",
+        "misses",
+        "churn ops/s",
+        "dump time (s)",
+    ]);
+    for (algo, e) in [(Algo::Cursor, &ex), (Algo::Naive, &naive)] {
+        t.row([
+            algo.name().to_string(),
+            e.dumps.to_string(),
+            e.duplicates.to_string(),
+            e.misses.to_string(),
+            si(e.churn_ops_per_s),
+            format!("{:.1}", e.dump_secs),
+        ]);
+    }
+    t.print();
+
+    Ok(json!({
+        "dump": speed.iter().map(|r| json!({
+            "impl": r.algo.name(),
+            "entries": r.entries,
+            "buckets": r.buckets,
+            "page": r.page,
+            "ns_per_entry": r.ns_per_entry,
+            "complete": r.complete,
+        })).collect::<Vec<_>>(),
+        "exactness": {
+            "dumps": ex.dumps,
+            "duplicates": ex.duplicates,
+            "misses": ex.misses,
+            "churn_ops_per_s": ex.churn_ops_per_s,
+        },
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> Plan {
+        Plan {
+            sizes: vec![3000],
+            buckets: vec![1 << 4],
+            dump_limit: Duration::from_secs(20),
+            build_limit: Duration::from_secs(20),
+            exact_stable: 3000,
+            exact_churn_live: 500,
+            exact_buckets: 1 << 6,
+            exact_dumps: 6,
+            naive_dumps: 6,
+            exact_limit: Duration::from_secs(20),
+        }
+    }
+
+    #[test]
+    fn both_algorithms_return_every_entry_of_a_quiet_table() {
+        let rows = speed_section(&tiny()).expect("speed");
+        assert_eq!(rows.len(), 2 * PAGES.len());
+        assert!(
+            rows.iter()
+                .all(|r| r.complete && r.ns_per_entry.is_finite())
+        );
+    }
+
+    #[test]
+    fn cursor_is_exact_under_churn() {
+        let e = exactness(&tiny(), Algo::Cursor, 6).expect("exactness");
+        assert_eq!(e.dumps, 6);
+        assert_eq!((e.duplicates, e.misses), (0, 0));
+    }
+}
