@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 
+mod dump;
 mod rate;
 mod report;
 mod table;
@@ -57,14 +58,14 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     let (common, suites): (Common, Vec<(&str, SuiteFn)>) = match cli.suite {
         Suite::Table(c) => (c, vec![("table", table::table)]),
-        Suite::Dump(c) => (c, vec![("dump", not_implemented)]),
+        Suite::Dump(c) => (c, vec![("dump", dump::dump)]),
         Suite::Rate(c) => (c, vec![("rate", rate::rate)]),
         Suite::Proxy(c) => (c, vec![("proxy", not_implemented)]),
         Suite::All(c) => (
             c,
             vec![
                 ("table", table::table),
-                ("dump", not_implemented),
+                ("dump", dump::dump),
                 ("rate", rate::rate),
                 ("proxy", not_implemented),
             ],
