@@ -77,6 +77,9 @@ pub struct TickReport {
     pub placed: u32,
     /// Slots already due that this call left for the next (bounded work per call).
     pub behind: u64,
+    /// When the next slot is due on the caller's clock: sleep until then
+    /// (immediately if `behind > 0`).
+    pub next_due: Duration,
 }
 
 /// A snapshot of the engine's shape, for metrics and the benchmark.
@@ -239,6 +242,7 @@ impl Engine {
             r.slots_run += 1;
         }
         t.next = Some(next);
+        r.next_due = due(next, slots);
         r.behind =
             (now_ns * u128::from(slots) / PERIOD_NS + 1).saturating_sub(u128::from(next)) as u64;
         t.sync_alloc(&self.inner.alloc, &mut r);
