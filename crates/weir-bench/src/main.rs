@@ -12,6 +12,7 @@ use clap::{Args, Parser, Subcommand};
 
 mod dump;
 mod rate;
+mod proxy;
 mod report;
 mod table;
 
@@ -60,14 +61,14 @@ fn main() -> Result<()> {
         Suite::Table(c) => (c, vec![("table", table::table)]),
         Suite::Dump(c) => (c, vec![("dump", dump::dump)]),
         Suite::Rate(c) => (c, vec![("rate", rate::rate)]),
-        Suite::Proxy(c) => (c, vec![("proxy", not_implemented)]),
+        Suite::Proxy(c) => (c, vec![("proxy", proxy::run)]),
         Suite::All(c) => (
             c,
             vec![
                 ("table", table::table),
                 ("dump", dump::dump),
                 ("rate", rate::rate),
-                ("proxy", not_implemented),
+                ("proxy", proxy::run),
             ],
         ),
     };

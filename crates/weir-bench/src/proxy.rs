@@ -1,0 +1,754 @@
+//! `weir-bench proxy`: weir against HAProxy (mode tcp) and nginx stream in
+//! one run, with the direct path (no proxy) as the ceiling (issue 5).
+//!
+//! # What runs
+//! The suite starts every server itself, each in its own temporary
+//! directory, and stops it through a guard whose `Drop` kills the process
+//! tree, so an error anywhere leaves nothing behind:
+//! - backends: an nginx HTTP server (one worker, `return 200`), an iperf3
+//!   server, and three servers written here ([`servers`]): an idle holder, a
+//!   slow-reader source that writes as fast as the kernel takes bytes, and a
+//!   UDP echo;
+//! - proxies: HAProxy (`nbthread N`), nginx stream (`worker_processes N`)
+//!   and weir (`[daemon] workers = N`), each with five routes (HTTP, iperf3,
+//!   idle, slow, UDP; HAProxy has no UDP) on fresh loopback ports.
+//!
+//! # What is measured (JSON keys as the issue names them)
+//! - `proxy[]` `{impl, workers, test, value, p99_ms}`: `cps` (wrk with
+//!   `Connection: close`, requests/s = new connections/s), `rps` (wrk
+//!   keep-alive), `gbps_1` / `gbps_8` (iperf3, 1 and 8 streams),
+//!   `udp_dps` (64-byte datagrams echoed per second, bounded window per
+//!   client). Workers 1 and 2 (`--quick`: 1).
+//! - `memory[]` `{impl, conns, bytes_per_conn}`: idle proxied connections
+//!   (5,000; quick 1,000) on a fresh instance with one worker; bytes = growth
+//!   of the proxy's RSS (whole process tree) + growth of kernel TCP memory
+//!   (`/proc/net/sockstat`), divided by the connections.
+//! - `lowat` `{mem_off_bytes, mem_on_bytes, haproxy_bytes, gbps_off,
+//!   gbps_on}`: 1,000 (quick 200) clients that never read while the backend
+//!   writes; the `*_bytes` are **per connection** (process growth + kernel
+//!   TCP growth once kernel memory stops growing, divided by the clients),
+//!   for weir with `notsent_lowat = 0` (off), weir's default (on) and
+//!   HAProxy's defaults; `gbps_*` is one iperf3 stream through weir off/on
+//!   (best of the runs, interleaved).
+//!
+//! Figures are never invented: an implementation that cannot run (weir not
+//! built yet, a peer not installed) gets a line saying so and no JSON rows.
+//! The suite fails only when it measured nothing at all.
+
+use std::collections::HashMap;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+
+use crate::Common;
+use crate::report::{Table, ratio};
+
+mod load;
+mod peers;
+mod servers;
+mod sys;
+
+use peers::{Backends, Impl, Proxy, WeirOpts, start_proxy};
+use servers::{BenchServers, OpenCount};
+
+/// Sizes and durations of one run.
+#[derive(Debug, Clone)]
+struct Plan {
+    workers: Vec<usize>,
+    wrk_secs: u64,
+    iperf_secs: u64,
+    udp: Duration,
+    idle_conns: usize,
+    slow_conns: usize,
+    /// Longest wait for kernel memory to stop growing behind slow readers.
+    settle: Duration,
+    /// iperf3 single-stream runs per weir setting in the lowat comparison.
+    lowat_reps: usize,
+}
+
+impl Plan {
+    fn new(quick: bool) -> Self {
+        if quick {
+            Self {
+                workers: vec![1],
+                wrk_secs: 2,
+                iperf_secs: 1,
+                udp: Duration::from_secs(1),
+                idle_conns: 1_000,
+                slow_conns: 200,
+                settle: Duration::from_secs(4),
+                lowat_reps: 1,
+            }
+        } else {
+            Self {
+                workers: vec![1, 2],
+                wrk_secs: 5,
+                iperf_secs: 5,
+                udp: Duration::from_secs(3),
+                idle_conns: 5_000,
+                slow_conns: 1_000,
+                settle: Duration::from_secs(20),
+                lowat_reps: 2,
+            }
+        }
+    }
+}
+
+/// wrk threads and connections: one client thread leaves the second core to
+/// the proxy and the backend (client, proxy and backend share 2 cores).
+const WRK_THREADS: usize = 1;
+const WRK_CONNS_CPS: usize = 32;
+const WRK_CONNS_RPS: usize = 64;
+/// UDP generator: clients (threads) and datagrams in flight per client.
+const UDP_CLIENTS: usize = 4;
+const UDP_WINDOW: u64 = 32;
+const UDP_MAX_PER_CLIENT: u64 = 5_000_000;
+
+/// One measured figure.
+#[derive(Debug, Clone)]
+struct Row {
+    imp: Impl,
+    workers: usize,
+    test: &'static str,
+    value: f64,
+    p99_ms: Option<f64>,
+}
+
+/// Slow-reader result for one configuration.
+#[derive(Debug, Clone, Copy)]
+struct Slow {
+    per_conn: f64,
+    total: f64,
+    settled: bool,
+}
+
+/// Runs the suite; returns `{proxy: [...], memory: [...], lowat: {...}}`.
+pub(crate) fn run(c: &Common) -> Result<Value> {
+    let plan = Plan::new(c.quick);
+    let nofile = sys::raise_nofile()?;
+    println!(
+        "Noisy machine: client, proxy and backends share the same cores, and other builds may be \
+         running; only ratios within this run mean anything. Open-files limit: {nofile}."
+    );
+    for tool in ["nginx", "wrk", "iperf3"] {
+        if sys::which(tool).is_none() {
+            bail!("{tool} not found: run scripts/install-peers.sh");
+        }
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("weir-bench-proxy")
+        .tempdir()?;
+    let bench = BenchServers::start()?;
+    let backends = Backends::start(bench.idle_port, bench.slow_port, bench.udp_port)?;
+
+    // Which implementations can run at all.
+    let mut unavailable: Vec<(Impl, String)> = Vec::new();
+    if sys::which("haproxy").is_none() {
+        unavailable.push((Impl::Haproxy, "haproxy not installed".into()));
+    }
+    if !std::path::Path::new("/usr/lib/nginx/modules/ngx_stream_module.so").is_file() {
+        unavailable.push((Impl::Nginx, "libnginx-mod-stream not installed".into()));
+    }
+    let weir_opts = match peers::weir_bin() {
+        Ok(bin) => WeirOpts {
+            bin,
+            notsent_lowat: None,
+        },
+        Err(e) => {
+            unavailable.push((
+                Impl::Weir,
+                format!("not available (daemon not landed): {e:#}"),
+            ));
+            WeirOpts::default()
+        }
+    };
+    let mut ctx = Ctx {
+        plan,
+        dir,
+        bench,
+        backends,
+        weir: weir_opts,
+        unavailable,
+        rows: Vec::new(),
+        memory: Vec::new(),
+        errors: Vec::new(),
+    };
+    ctx.memory_phase();
+    let lowat = ctx.lowat_phase();
+    ctx.load_phase();
+    ctx.report(&lowat);
+
+    if ctx.rows.is_empty() && ctx.memory.is_empty() && lowat.values().all(Value::is_null) {
+        bail!("measured nothing: {}", ctx.errors.join("; "));
+    }
+    let proxy: Vec<Value> = ctx
+        .rows
+        .iter()
+        .map(|r| {
+            json!({"impl": r.imp.name(), "workers": r.workers, "test": r.test,
+                   "value": r.value, "p99_ms": r.p99_ms})
+        })
+        .collect();
+    let memory: Vec<Value> = ctx
+        .memory
+        .iter()
+        .map(|(imp, conns, b)| json!({"impl": imp.name(), "conns": conns, "bytes_per_conn": b}))
+        .collect();
+    let unavailable: serde_json::Map<String, Value> = ctx
+        .unavailable
+        .iter()
+        .map(|(i, why)| (i.name().to_string(), Value::from(why.as_str())))
+        .collect();
+    Ok(json!({
+        "proxy": proxy,
+        "memory": memory,
+        "lowat": lowat,
+        "unavailable": unavailable,
+    }))
+}
+
+/// Everything one run holds: servers, plan and results so far.
+#[derive(Debug)]
+struct Ctx {
+    plan: Plan,
+    dir: tempfile::TempDir,
+    bench: BenchServers,
+    backends: Backends,
+    weir: WeirOpts,
+    unavailable: Vec<(Impl, String)>,
+    rows: Vec<Row>,
+    /// (impl, conns, bytes per connection)
+    memory: Vec<(Impl, usize, f64)>,
+    errors: Vec<String>,
+}
+
+impl Ctx {
+    fn available(&self, imp: Impl) -> bool {
+        !self.unavailable.iter().any(|(i, _)| *i == imp)
+    }
+
+    /// Starts `imp`; on failure records why (weir: the daemon has not
+    /// landed or cannot proxy yet) and returns None.
+    fn start(&mut self, imp: Impl, workers: usize, lowat: Option<u32>) -> Option<Proxy> {
+        if !self.available(imp) {
+            return None;
+        }
+        let opts = WeirOpts {
+            notsent_lowat: lowat,
+            ..self.weir.clone()
+        };
+        let started = start_proxy(imp, workers, &self.backends.routes, &opts)
+            .and_then(|mut p| probe(&mut p, &self.bench.idle_open).map(|()| p));
+        match started {
+            Ok(p) => Some(p),
+            Err(e) => {
+                let why = if imp == Impl::Weir {
+                    format!("not available (daemon not landed or not proxying): {e:#}")
+                } else {
+                    format!("failed to start: {e:#}")
+                };
+                println!("{}: {why}", imp.name());
+                self.unavailable.push((imp, why));
+                None
+            }
+        }
+    }
+
+    fn error(&mut self, what: String) {
+        println!("error: {what}");
+        self.errors.push(what);
+    }
+
+    /// Idle connections' memory, one worker, fresh instance each.
+    fn memory_phase(&mut self) {
+        let n = self.plan.idle_conns;
+        for imp in [Impl::Haproxy, Impl::Nginx, Impl::Weir] {
+            let Some(p) = self.start(imp, 1, None) else {
+                continue;
+            };
+            match idle_memory(&p, &self.bench.idle_open, n) {
+                Ok(b) => self.memory.push((imp, n, b)),
+                Err(e) => self.error(format!("{} idle memory: {e:#}", imp.name())),
+            }
+        }
+    }
+
+    /// Slow readers (HAProxy default, weir off, weir on) and weir's
+    /// single-flow throughput with bounding off and on.
+    fn lowat_phase(&mut self) -> serde_json::Map<String, Value> {
+        let n = self.plan.slow_conns;
+        let mut mem: HashMap<&str, Slow> = HashMap::new();
+        if let Some(p) = self.start(Impl::Haproxy, 1, None) {
+            match self.slow_memory(&p, n) {
+                Ok(s) => {
+                    mem.insert("haproxy", s);
+                }
+                Err(e) => self.error(format!("haproxy slow readers: {e:#}")),
+            }
+        }
+        let mut gbps: HashMap<&str, f64> = HashMap::new();
+        let off = self.start(Impl::Weir, 1, Some(0));
+        let on = off.as_ref().and_then(|_| self.start(Impl::Weir, 1, None));
+        if let (Some(off), Some(on)) = (off, on) {
+            for (key, p) in [("off", &off), ("on", &on)] {
+                match self.slow_memory(p, n) {
+                    Ok(s) => {
+                        mem.insert(key, s);
+                    }
+                    Err(e) => self.error(format!("weir {key} slow readers: {e:#}")),
+                }
+            }
+            for _ in 0..self.plan.lowat_reps {
+                for (key, p) in [("off", &off), ("on", &on)] {
+                    match load::iperf3(self.dir.path(), p.routes.iperf, self.plan.iperf_secs, 1) {
+                        Ok(g) => {
+                            let best = gbps.entry(key).or_insert(0.0);
+                            *best = best.max(g);
+                        }
+                        Err(e) => self.error(format!("weir {key} iperf3: {e:#}")),
+                    }
+                }
+            }
+        }
+        let mut t = Table::new([
+            "slow readers",
+            "clients",
+            "total MB",
+            "per client KB",
+            "vs HAProxy",
+            "settled",
+            "1-stream Gbit/s",
+        ]);
+        let hp = mem.get("haproxy").map_or(0.0, |s| s.per_conn);
+        for (key, label) in [
+            ("haproxy", "HAProxy defaults"),
+            ("off", "weir, bounding off (notsent_lowat = 0)"),
+            ("on", "weir default (bounding on)"),
+        ] {
+            match mem.get(key) {
+                Some(s) => t.row([
+                    label.to_string(),
+                    n.to_string(),
+                    format!("{:.1}", s.total / 1e6),
+                    format!("{:.1}", s.per_conn / 1e3),
+                    ratio(s.per_conn, hp),
+                    if s.settled { "yes" } else { "no (timed out)" }.to_string(),
+                    gbps.get(key).map_or("-".into(), |g| format!("{g:.2}")),
+                ]),
+                None => t.row([label, "-", "-", "-", "-", "-", "-"]),
+            }
+        }
+        println!("\n### Slow readers ({n} clients that never read, one worker)\n");
+        t.print();
+        let per = |k: &str| mem.get(k).map(|s| s.per_conn);
+        let mut out = serde_json::Map::new();
+        out.insert("mem_off_bytes".into(), json!(per("off")));
+        out.insert("mem_on_bytes".into(), json!(per("on")));
+        out.insert("haproxy_bytes".into(), json!(per("haproxy")));
+        out.insert("gbps_off".into(), json!(gbps.get("off")));
+        out.insert("gbps_on".into(), json!(gbps.get("on")));
+        out
+    }
+
+    /// cps, rps, gbps_1, gbps_8, udp_dps for each worker count.
+    fn load_phase(&mut self) {
+        let workers = self.plan.workers.clone();
+        for (i, &w) in workers.iter().enumerate() {
+            let mut impls = vec![Impl::Haproxy, Impl::Nginx, Impl::Weir];
+            if i == 0 {
+                impls.insert(0, Impl::Direct);
+            }
+            for imp in impls {
+                let Some(mut p) = self.start(imp, w, None) else {
+                    continue;
+                };
+                let w = if imp == Impl::Direct { 0 } else { w };
+                self.load_one(&mut p, w);
+            }
+        }
+    }
+
+    fn load_one(&mut self, p: &mut Proxy, workers: usize) {
+        let (imp, plan, dir) = (p.imp, self.plan.clone(), self.dir.path().to_path_buf());
+        let push = |rows: &mut Vec<Row>, test, value, p99_ms| {
+            rows.push(Row {
+                imp,
+                workers,
+                test,
+                value,
+                p99_ms,
+            });
+        };
+        for (test, close, conns) in [("cps", true, WRK_CONNS_CPS), ("rps", false, WRK_CONNS_RPS)] {
+            match load::wrk(
+                &dir,
+                p.routes.http,
+                plan.wrk_secs,
+                WRK_THREADS,
+                conns,
+                close,
+            ) {
+                Ok(r) => {
+                    if r.errors + r.non2xx > 0 {
+                        println!(
+                            "note: {} {test}: {} socket errors, {} non-2xx",
+                            imp.name(),
+                            r.errors,
+                            r.non2xx
+                        );
+                    }
+                    push(&mut self.rows, test, r.rps, r.p99_ms);
+                }
+                Err(e) => self.error(format!("{} {test}: {e:#}", imp.name())),
+            }
+        }
+        for (test, streams) in [("gbps_1", 1), ("gbps_8", 8)] {
+            match load::iperf3(&dir, p.routes.iperf, plan.iperf_secs, streams) {
+                Ok(g) => push(&mut self.rows, test, g, None),
+                Err(e) => self.error(format!("{} {test}: {e:#}", imp.name())),
+            }
+        }
+        match p.routes.udp {
+            None => println!("note: {} does not proxy UDP: no udp_dps row", imp.name()),
+            Some(port) => {
+                match load::udp_load(
+                    sys::lo(port),
+                    plan.udp,
+                    UDP_CLIENTS,
+                    UDP_WINDOW,
+                    UDP_MAX_PER_CLIENT,
+                ) {
+                    Ok(r) if r.received > 0 => {
+                        let lost = r.sent - r.received.min(r.sent);
+                        println!(
+                            "note: {} udp: {} sent, {} echoed ({:.1}% lost)",
+                            imp.name(),
+                            r.sent,
+                            r.received,
+                            100.0 * lost as f64 / r.sent.max(1) as f64
+                        );
+                        push(&mut self.rows, "udp_dps", r.dps(), None);
+                    }
+                    Ok(r) => self.error(format!(
+                        "{} udp: no reply to {} datagrams",
+                        imp.name(),
+                        r.sent
+                    )),
+                    Err(e) => self.error(format!("{} udp: {e:#}", imp.name())),
+                }
+            }
+        }
+        if let Err(e) = p.check_alive() {
+            self.error(format!("{} died during the load tests: {e:#}", imp.name()));
+        }
+    }
+
+    /// Memory held for `n` clients that never read while the backend writes.
+    fn slow_memory(&self, p: &Proxy, n: usize) -> Result<Slow> {
+        let open = &self.bench.slow_open;
+        open.wait("slow backend to be empty", Duration::from_secs(30), |x| {
+            x == 0
+        })?;
+        let k_before = settle_kernel(Duration::from_secs(10), 0.01)?.0;
+        let r0 = p.rss() as f64;
+        let clients = load::connect_many(
+            p.routes.slow,
+            n,
+            200,
+            || open.get(),
+            Duration::from_secs(60),
+        )?;
+        open.wait(
+            &format!("{n} proxied slow connections"),
+            Duration::from_secs(30),
+            |x| x >= n,
+        )?;
+        let (k1, settled) = settle_kernel(self.plan.settle, 0.01)?;
+        let r1 = p.rss() as f64;
+        drop(clients);
+        open.wait("slow connections to close", Duration::from_secs(30), |x| {
+            x == 0
+        })?;
+        let total = (r1 - r0) + (k1 as f64 - k_before as f64);
+        Ok(Slow {
+            per_conn: total / n as f64,
+            total,
+            settled,
+        })
+    }
+
+    fn report(&self, lowat: &serde_json::Map<String, Value>) {
+        for (imp, why) in &self.unavailable {
+            println!("{}: {why}", imp.name());
+        }
+        // Load tests.
+        let best_peer = |test: &str, w: usize| {
+            self.rows
+                .iter()
+                .filter(|r| r.imp.is_peer() && r.test == test && r.workers == w)
+                .map(|r| r.value)
+                .fold(0.0, f64::max)
+        };
+        let direct = |test: &str| {
+            self.rows
+                .iter()
+                .find(|r| r.imp == Impl::Direct && r.test == test)
+                .map_or(0.0, |r| r.value)
+        };
+        println!("\n### Load (client, proxy and backend on the same 2 cores)\n");
+        let mut t = Table::new([
+            "test",
+            "workers",
+            "impl",
+            "value",
+            "unit",
+            "p99 ms",
+            "vs best peer",
+            "vs direct",
+        ]);
+        for test in ["cps", "rps", "gbps_1", "gbps_8", "udp_dps"] {
+            for r in self.rows.iter().filter(|r| r.test == test) {
+                let w = r.workers;
+                t.row([
+                    test.to_string(),
+                    if r.imp == Impl::Direct {
+                        "-".into()
+                    } else {
+                        w.to_string()
+                    },
+                    r.imp.name().to_string(),
+                    fmt_value(test, r.value),
+                    unit(test).to_string(),
+                    r.p99_ms.map_or("-".into(), |p| format!("{p:.2}")),
+                    if r.imp == Impl::Direct {
+                        "-".into()
+                    } else {
+                        ratio(r.value, best_peer(test, w))
+                    },
+                    ratio(r.value, direct(test)),
+                ]);
+            }
+            if !self.available(Impl::Weir) {
+                t.row([
+                    test,
+                    "-",
+                    "weir",
+                    "not available (daemon not landed)",
+                    "",
+                    "",
+                    "",
+                    "",
+                ]);
+            }
+        }
+        t.print();
+        // Idle memory.
+        println!("\n### Memory per idle proxied connection (one worker)\n");
+        let mut m = Table::new(["impl", "conns", "bytes per conn", "vs best peer"]);
+        let best = self
+            .memory
+            .iter()
+            .filter(|(i, _, _)| i.is_peer())
+            .map(|(_, _, b)| *b)
+            .fold(f64::INFINITY, f64::min);
+        for (imp, conns, b) in &self.memory {
+            m.row([
+                imp.name().to_string(),
+                conns.to_string(),
+                format!("{b:.0}"),
+                if best.is_finite() {
+                    ratio(*b, best)
+                } else {
+                    "-".into()
+                },
+            ]);
+        }
+        if !self.available(Impl::Weir) {
+            m.row(["weir", "-", "not available (daemon not landed)", "-"]);
+        }
+        m.print();
+        self.goals(lowat, &best_peer, best);
+    }
+
+    /// One line per goal of the issue, from this run's figures.
+    fn goals(
+        &self,
+        lowat: &serde_json::Map<String, Value>,
+        best_peer: &dyn Fn(&str, usize) -> f64,
+        best_mem: f64,
+    ) {
+        println!("\n### Goals (this run)\n");
+        let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
+        for r in self.rows.iter().filter(|r| r.imp == Impl::Weir) {
+            let b = best_peer(r.test, r.workers);
+            if b > 0.0 {
+                println!(
+                    "- {} workers={}: weir {:.2}x best peer (goal >= 1.0x): {}",
+                    r.test,
+                    r.workers,
+                    r.value / b,
+                    verdict(r.value >= b)
+                );
+            }
+        }
+        if let Some((_, _, b)) = self.memory.iter().find(|(i, _, _)| *i == Impl::Weir)
+            && best_mem.is_finite()
+        {
+            println!(
+                "- idle memory: weir {:.2}x best peer (goal <= 1.0x): {}",
+                b / best_mem,
+                verdict(*b <= best_mem)
+            );
+        }
+        let f = |k: &str| lowat.get(k).and_then(Value::as_f64);
+        if let (Some(off), Some(on)) = (f("mem_off_bytes"), f("mem_on_bytes"))
+            && off > 0.0
+        {
+            println!(
+                "- slow readers, bounding on vs off: {:+.0}% memory (goal <= -50%): {}",
+                100.0 * (on / off - 1.0),
+                verdict(on <= 0.5 * off)
+            );
+        }
+        if let (Some(on), Some(hp)) = (f("mem_on_bytes"), f("haproxy_bytes"))
+            && hp > 0.0
+        {
+            println!(
+                "- slow readers, weir default vs HAProxy per connection: {:.2}x (goal <= 0.25x): {}",
+                on / hp,
+                verdict(on <= 0.25 * hp)
+            );
+        }
+        if let (Some(off), Some(on)) = (f("gbps_off"), f("gbps_on"))
+            && off > 0.0
+        {
+            println!(
+                "- single flow, bounding on vs off: {:+.1}% (goal >= -5%): {}",
+                100.0 * (on / off - 1.0),
+                verdict(on >= 0.95 * off)
+            );
+        }
+        if !self.available(Impl::Weir) {
+            println!("- weir: not available (daemon not landed): no goal can be checked");
+        }
+    }
+}
+
+/// Checks an instance really proxies: one connection through its idle route
+/// must reach the idle backend (10 s at most).
+fn probe(p: &mut Proxy, idle_open: &OpenCount) -> Result<()> {
+    idle_open.wait("idle backend to be empty", Duration::from_secs(10), |x| {
+        x == 0
+    })?;
+    let s = TcpStream::connect_timeout(&sys::lo(p.routes.idle), Duration::from_secs(5))
+        .with_context(|| format!("{} idle route", p.imp.name()))?;
+    let reached = idle_open.wait("probe to reach the backend", Duration::from_secs(10), |x| {
+        x >= 1
+    });
+    drop(s);
+    reached?;
+    idle_open.wait("probe to close", Duration::from_secs(10), |x| x == 0)?;
+    p.check_alive()
+}
+
+/// Memory per idle proxied connection: RSS growth + kernel TCP growth over `n`.
+fn idle_memory(p: &Proxy, open: &OpenCount, n: usize) -> Result<f64> {
+    open.wait("idle backend to be empty", Duration::from_secs(30), |x| {
+        x == 0
+    })?;
+    let (r0, k0) = (p.rss() as f64, sys::kernel_tcp_bytes()? as f64);
+    let conns = load::connect_many(
+        p.routes.idle,
+        n,
+        200,
+        || open.get(),
+        Duration::from_secs(60),
+    )?;
+    open.wait(
+        &format!("{n} proxied idle connections"),
+        Duration::from_secs(60),
+        |x| x >= n,
+    )?;
+    let (r1, k1) = (p.rss() as f64, sys::kernel_tcp_bytes()? as f64);
+    drop(conns);
+    open.wait("idle connections to close", Duration::from_secs(30), |x| {
+        x == 0
+    })?;
+    Ok(((r1 - r0) + (k1 - k0)) / n as f64)
+}
+
+/// Samples kernel TCP memory every 250 ms until the last second's samples
+/// lie within `tol` (relative) of each other, or `timeout` passes. Returns
+/// the last sample and whether it settled.
+fn settle_kernel(timeout: Duration, tol: f64) -> Result<(u64, bool)> {
+    let start = Instant::now();
+    let mut last: Vec<u64> = Vec::new();
+    loop {
+        let k = sys::kernel_tcp_bytes()?;
+        last.push(k);
+        if last.len() > 5 {
+            last.remove(0);
+        }
+        if last.len() == 5 {
+            let (lo, hi) = (
+                last.iter().copied().min().unwrap_or(0),
+                last.iter().copied().max().unwrap_or(0),
+            );
+            if (hi - lo) as f64 <= tol * hi as f64 + 64.0 * 4096.0 {
+                return Ok((k, true));
+            }
+        }
+        if start.elapsed() > timeout {
+            return Ok((k, false));
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn unit(test: &str) -> &'static str {
+    match test {
+        "cps" => "conn/s",
+        "rps" => "req/s",
+        "gbps_1" | "gbps_8" => "Gbit/s",
+        "udp_dps" => "dgram/s",
+        _ => "",
+    }
+}
+
+fn fmt_value(test: &str, v: f64) -> String {
+    if test.starts_with("gbps") {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.0}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Starts the real backends and `imp`, checks one idle-memory measurement.
+    fn idle_through(imp: Impl, n: usize) -> f64 {
+        let bench = BenchServers::start().unwrap();
+        let be = Backends::start(bench.idle_port, bench.slow_port, bench.udp_port).unwrap();
+        let mut p = start_proxy(imp, 1, &be.routes, &WeirOpts::default()).unwrap();
+        probe(&mut p, &bench.idle_open).unwrap();
+        idle_memory(&p, &bench.idle_open, n).unwrap()
+    }
+
+    #[test]
+    #[ignore = "needs haproxy and nginx installed (scripts/install-peers.sh)"]
+    fn idle_memory_through_peers() {
+        for imp in [Impl::Haproxy, Impl::Nginx] {
+            let b = idle_through(imp, 1_000);
+            // Both hold at least a socket's worth of state and far less than a buffer pair.
+            assert!(
+                b > 100.0 && b < 64_000.0,
+                "{}: {b} bytes per idle connection",
+                imp.name()
+            );
+        }
+    }
+}

@@ -1,0 +1,313 @@
+//! Processes, ports and memory readings: everything the suite asks of the OS.
+//!
+//! Every server the suite starts is held by a [`Server`] guard whose `Drop`
+//! stops the whole process tree (SIGTERM, then SIGKILL after a grace
+//! period), so an error or a panic anywhere in the suite leaves nothing
+//! running. Memory is read the way the issue defines it: process RSS summed
+//! over the server's process tree (`/proc/PID/status` `VmRSS`) plus kernel
+//! TCP buffer memory from `/proc/net/sockstat` (`TCP: ... mem N`, in pages).
+
+use std::fs::File;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use nix::sys::resource::{Resource, getrlimit, setrlimit};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+/// Raises the soft open-files limit to the hard limit; returns the new soft limit.
+pub(crate) fn raise_nofile() -> Result<u64> {
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).context("getrlimit")?;
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard).context("setrlimit")?;
+    }
+    Ok(hard.max(soft))
+}
+
+/// Whether `prog` is found on `PATH`.
+pub(crate) fn which(prog: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
+        .map(|d| d.join(prog))
+        .find(|p| p.is_file())
+}
+
+/// Next candidate port; starts at a pid-dependent offset so two runs rarely collide.
+static NEXT_PORT: AtomicU16 = AtomicU16::new(0);
+
+/// A loopback port free for both TCP and UDP right now.
+///
+/// Ports come from 20000..32000, below the kernel's ephemeral range
+/// (32768..60999 here), so the many outgoing connections of a load run never
+/// take a port a server is about to bind.
+pub(crate) fn free_port() -> Result<u16> {
+    const LO: u16 = 20_000;
+    const SPAN: u16 = 12_000;
+    let _ = NEXT_PORT.compare_exchange(
+        0,
+        (std::process::id() % u32::from(SPAN)) as u16,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..SPAN {
+        let off = NEXT_PORT.fetch_add(1, Ordering::Relaxed) % SPAN;
+        let port = LO + off;
+        let tcp = TcpListener::bind((Ipv4Addr::LOCALHOST, port));
+        let udp = UdpSocket::bind((Ipv4Addr::LOCALHOST, port));
+        if tcp.is_ok() && udp.is_ok() {
+            return Ok(port);
+        }
+    }
+    bail!("no free loopback port in {LO}..{}", LO + SPAN)
+}
+
+/// `127.0.0.1:port`.
+pub(crate) fn lo(port: u16) -> SocketAddr {
+    SocketAddr::from((Ipv4Addr::LOCALHOST, port))
+}
+
+/// A running server (peer proxy, backend or weir) and its private directory.
+///
+/// Dropping it stops the process tree: SIGTERM to the root, up to 3 s for it
+/// to exit, then SIGKILL to every process of the tree seen before or after.
+#[derive(Debug)]
+pub(crate) struct Server {
+    name: String,
+    child: Option<Child>,
+    log: PathBuf,
+    /// Kept for the server's life; removed on drop after the process stops
+    /// (kept when `WEIR_BENCH_KEEP` is set, for debugging).
+    dir: Option<tempfile::TempDir>,
+}
+
+impl Server {
+    /// Starts `cmd` with stdout/stderr appended to `DIR/NAME.log`.
+    pub(crate) fn spawn(name: &str, mut cmd: Command, dir: tempfile::TempDir) -> Result<Self> {
+        let log = dir.path().join(format!("{name}.log"));
+        let out = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let err = out.try_clone()?;
+        cmd.stdin(Stdio::null()).stdout(out).stderr(err);
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting {name}: {cmd:?}"))?;
+        Ok(Self {
+            name: name.to_string(),
+            child: Some(child),
+            log,
+            dir: Some(dir),
+        })
+    }
+
+    /// Root process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    /// The last lines of the server's log, for error messages.
+    pub(crate) fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(8)..].join("\n")
+    }
+
+    /// Fails if the process has exited.
+    pub(crate) fn check_alive(&mut self) -> Result<()> {
+        if let Some(child) = self.child.as_mut()
+            && let Ok(Some(status)) = child.try_wait()
+        {
+            bail!("{} exited ({status}); log:\n{}", self.name, self.log_tail());
+        }
+        Ok(())
+    }
+
+    /// Summed RSS of the server's process tree, in bytes.
+    pub(crate) fn rss(&self) -> u64 {
+        tree(self.pid()).into_iter().map(rss_bytes).sum()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let mut pids = tree(child.id());
+        let root = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
+        let _ = kill(root, Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Workers orphaned by a master that died first are still ours to stop.
+        pids.extend(tree(child.id()));
+        for p in pids {
+            if let Ok(p) = i32::try_from(p)
+                && std::fs::metadata(format!("/proc/{p}")).is_ok()
+            {
+                let _ = kill(Pid::from_raw(p), Signal::SIGKILL);
+            }
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        if std::env::var_os("WEIR_BENCH_KEEP").is_some()
+            && let Some(dir) = self.dir.take()
+        {
+            eprintln!("{}: kept {}", self.name, dir.keep().display());
+        }
+    }
+}
+
+/// `pid` and all its descendants (from `/proc/PID/task/TID/children`).
+fn tree(pid: u32) -> Vec<u32> {
+    let mut out = vec![pid];
+    let mut i = 0;
+    while i < out.len() && out.len() < 4096 {
+        let p = out[i];
+        if let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) {
+            for t in tasks.flatten() {
+                let children =
+                    std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+                out.extend(
+                    children
+                        .split_whitespace()
+                        .filter_map(|c| c.parse::<u32>().ok()),
+                );
+            }
+        }
+        i += 1;
+    }
+    out
+}
+
+/// `VmRSS` of one process in bytes (0 if it is gone).
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Kernel TCP buffer memory in bytes: `/proc/net/sockstat` `TCP: ... mem N` × page size.
+pub(crate) fn kernel_tcp_bytes() -> Result<u64> {
+    let text =
+        std::fs::read_to_string("/proc/net/sockstat").context("reading /proc/net/sockstat")?;
+    let pages =
+        parse_sockstat_tcp_pages(&text).context("no `TCP: ... mem N` in /proc/net/sockstat")?;
+    Ok(pages * page_size())
+}
+
+fn page_size() -> u64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .and_then(|p| u64::try_from(p).ok())
+        .unwrap_or(4096)
+}
+
+/// The `mem` field (pages) of the `TCP:` line of `/proc/net/sockstat`.
+pub(crate) fn parse_sockstat_tcp_pages(text: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with("TCP:"))?;
+    let mut it = line.split_whitespace();
+    while let Some(k) = it.next() {
+        if k == "mem" {
+            return it.next()?.parse().ok();
+        }
+    }
+    None
+}
+
+/// Runs `cmd` to completion with a deadline; stdout and stderr go to files in
+/// `dir`. Returns (success, stdout, stderr). The child is killed at the deadline.
+pub(crate) fn run_bounded(
+    mut cmd: Command,
+    dir: &Path,
+    tag: &str,
+    timeout: Duration,
+) -> Result<(bool, String, String)> {
+    let out_p = dir.join(format!("{tag}.out"));
+    let err_p = dir.join(format!("{tag}.err"));
+    cmd.stdin(Stdio::null())
+        .stdout(File::create(&out_p)?)
+        .stderr(File::create(&err_p)?);
+    let mut child = cmd.spawn().with_context(|| format!("starting {cmd:?}"))?;
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break Some(s);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = std::fs::read_to_string(&out_p).unwrap_or_default();
+    let err = std::fs::read_to_string(&err_p).unwrap_or_default();
+    match status {
+        None => bail!("{tag}: killed after {timeout:?}; stderr: {}", err.trim()),
+        Some(s) => Ok((s.success(), out, err)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sockstat_mem_is_parsed() {
+        let text =
+            "sockets: used 14\nTCP: inuse 1 orphan 0 tw 0 alloc 1 mem 130\nUDP: inuse 0 mem 7\n";
+        assert_eq!(parse_sockstat_tcp_pages(text), Some(130));
+        assert_eq!(parse_sockstat_tcp_pages("UDP: inuse 0 mem 7\n"), None);
+    }
+
+    #[test]
+    fn free_ports_are_distinct_and_bindable() {
+        let a = free_port().unwrap();
+        let b = free_port().unwrap();
+        assert_ne!(a, b);
+        assert!((20_000..32_000).contains(&a));
+        TcpListener::bind(lo(a)).unwrap();
+    }
+
+    #[test]
+    fn server_guard_kills_the_tree() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "sleep 30 & sleep 30; wait"]);
+        let s = Server::spawn("sh", cmd, dir).unwrap();
+        let root = s.pid();
+        // The shell forks its children asynchronously: wait (bounded) until both exist.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while tree(root).len() < 3 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let pids = tree(root);
+        assert_eq!(pids.len(), 3, "sh and two sleeps: {pids:?}");
+        drop(s);
+        // SIGKILL takes effect asynchronously: poll (bounded) until each is
+        // gone or a zombie awaiting a reaper that is not us.
+        let dead = |p: u32| {
+            let state = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            state.is_empty() || state.contains(") Z") || state.contains(") X")
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !pids.iter().all(|&p| dead(p)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        for p in pids {
+            assert!(dead(p), "{p} still alive");
+        }
+    }
+}
