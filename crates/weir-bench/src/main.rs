@@ -11,8 +11,8 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 
 mod dump;
-mod rate;
 mod proxy;
+mod rate;
 mod report;
 mod table;
 
