@@ -77,22 +77,42 @@
 //! # Driving it (daemon side)
 //!
 //! ```
-//! use std::time::{Duration, Instant};
-//! use weir_rate::{Config, Engine};
+//! use std::sync::atomic::{AtomicBool, Ordering};
+//! use std::time::Instant;
+//! use weir_rate::{Calibrator, Config, Engine};
 //!
-//! let engine = Engine::new(2, Config::default()).expect("valid config");
+//! // At start: calibrate (the caller's clock), then size the engine.
+//! let mut cal = Calibrator::new(2, 4096);
+//! for _ in 0..12 {
+//!     let t0 = Instant::now();
+//!     let n = cal.run();
+//!     cal.record(t0.elapsed(), n);
+//! }
+//! let cfg = Config { estimator_cost_ns: cal.cost_ns(), ..Config::default() };
+//! let engine = Engine::new(2, cfg).expect("valid config");
+//!
+//! // Data path, worker 0 and worker 1 (each thread its own index):
 //! let svc = engine.add();
 //! svc.worker(0).conn();
 //! svc.worker(1).rx(1, 1500);
-//! // The estimator thread (priority and affinity are the daemon's choice):
-//! let start = Instant::now();
-//! let t0 = Instant::now();
-//! let report = engine.tick(start.elapsed());
-//! engine.record_tick(t0.elapsed(), &report);
-//! let (totals, _rates) = svc.read();
-//! assert_eq!(totals.conns, 1);
-//! assert_eq!(totals.inbytes, 1500);
-//! # let _ = Duration::ZERO;
+//!
+//! // The estimator thread; its priority and CPU affinity are the daemon's to set.
+//! fn estimator_thread(engine: &Engine, start: Instant, stop: &AtomicBool) {
+//!     while !stop.load(Ordering::Relaxed) {
+//!         let t0 = Instant::now();
+//!         let r = engine.tick(start.elapsed());
+//!         engine.record_tick(t0.elapsed(), &r); // re-checks the cost
+//!         if let Some(d) = r.next_due.checked_sub(start.elapsed()) {
+//!             std::thread::sleep(d);
+//!         }
+//!     }
+//! }
+//! estimator_thread(&engine, Instant::now(), &AtomicBool::new(true));
+//!
+//! // Any thread:
+//! let (totals, rates) = svc.read();
+//! assert_eq!((totals.conns, totals.inbytes), (1, 1500));
+//! assert_eq!(rates.cps, 0); // first rate one period after the baseline
 //! ```
 
 mod calibrate;

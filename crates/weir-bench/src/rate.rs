@@ -243,11 +243,9 @@ fn run_size(n: usize, cost_ns: f64, periods: u32) -> Result<SizeResult> {
         if measuring_since.is_some() && r.slots_run > 0 {
             wall.push(w.as_secs_f64() * 1e3);
         }
-        if let Some(due) = engine.next_due() {
-            let now = start.elapsed();
-            if due > now {
-                thread::sleep(due - now);
-            }
+        let now = start.elapsed();
+        if r.next_due > now {
+            thread::sleep(r.next_due - now);
         }
     }
     if let Some((t, c)) = measuring_since {
