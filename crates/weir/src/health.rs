@@ -146,7 +146,9 @@ mod tests {
 
     #[tokio::test]
     async fn reports_down_when_the_backend_goes_away_and_up_when_it_returns() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
         let addr = listener.local_addr().expect("addr");
         let accept = tokio::spawn(async move {
             // Accept and drop until aborted, so connects succeed.

@@ -46,7 +46,12 @@ pub const V2_SIGNATURE: [u8; 12] = [
 /// The header announcing a connection from `client` to `local` (the virtual
 /// address the client connected to). Mixed families are sent as IPv6 with the
 /// IPv4 side mapped (`::ffff:a.b.c.d`), which both versions allow.
-pub fn header(version: Version, transport: Transport, client: SocketAddr, local: SocketAddr) -> Vec<u8> {
+pub fn header(
+    version: Version,
+    transport: Transport,
+    client: SocketAddr,
+    local: SocketAddr,
+) -> Vec<u8> {
     let (src, dst) = same_family(client, local);
     match version {
         Version::V1 => v1(src, dst),
@@ -124,9 +129,19 @@ mod tests {
 
     #[test]
     fn v1_ipv4_and_ipv6_lines() {
-        let h = header(Version::V1, Transport::Stream, sa("192.0.2.7:51000"), sa("198.51.100.1:80"));
+        let h = header(
+            Version::V1,
+            Transport::Stream,
+            sa("192.0.2.7:51000"),
+            sa("198.51.100.1:80"),
+        );
         assert_eq!(h, b"PROXY TCP4 192.0.2.7 198.51.100.1 51000 80\r\n");
-        let h = header(Version::V1, Transport::Stream, sa("[2001:db8::7]:51000"), sa("[2001:db8::1]:443"));
+        let h = header(
+            Version::V1,
+            Transport::Stream,
+            sa("[2001:db8::7]:51000"),
+            sa("[2001:db8::1]:443"),
+        );
         assert_eq!(h, b"PROXY TCP6 2001:db8::7 2001:db8::1 51000 443\r\n");
         // The spec caps a v1 line at 107 bytes; the longest IPv6 form fits.
         let long = header(
@@ -140,13 +155,23 @@ mod tests {
 
     #[test]
     fn mixed_families_are_mapped_to_ipv6() {
-        let h = header(Version::V1, Transport::Stream, sa("192.0.2.7:1"), sa("[2001:db8::1]:2"));
+        let h = header(
+            Version::V1,
+            Transport::Stream,
+            sa("192.0.2.7:1"),
+            sa("[2001:db8::1]:2"),
+        );
         assert_eq!(h, b"PROXY TCP6 ::ffff:192.0.2.7 2001:db8::1 1 2\r\n");
     }
 
     #[test]
     fn v2_ipv4_layout() {
-        let h = header(Version::V2, Transport::Stream, sa("10.0.0.1:4660"), sa("10.0.0.2:80"));
+        let h = header(
+            Version::V2,
+            Transport::Stream,
+            sa("10.0.0.1:4660"),
+            sa("10.0.0.2:80"),
+        );
         assert_eq!(&h[..12], &V2_SIGNATURE);
         assert_eq!(h[12], 0x21);
         assert_eq!(h[13], 0x11);
@@ -160,7 +185,12 @@ mod tests {
 
     #[test]
     fn v2_ipv6_udp_layout() {
-        let h = header(Version::V2, Transport::Datagram, sa("[::1]:5353"), sa("[::2]:53"));
+        let h = header(
+            Version::V2,
+            Transport::Datagram,
+            sa("[::1]:5353"),
+            sa("[::2]:53"),
+        );
         assert_eq!(h[13], 0x22);
         assert_eq!(u16::from_be_bytes([h[14], h[15]]), 36);
         assert_eq!(h.len(), 16 + 36);
