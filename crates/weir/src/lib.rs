@@ -5,6 +5,8 @@
 //! (`weir-sched`) are I/O-free crates it drives. See ARCHITECTURE.md at the
 //! repository root for how a connection flows through them.
 
+pub mod admin;
+pub mod cli;
 pub mod config;
 pub mod control;
 pub mod daemon;

@@ -1,0 +1,656 @@
+//! Route handlers: parse, check scope, call [`Control`], answer JSON.
+
+use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::{FromRequest, Path, Query, Request, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, extract::FromRequestParts};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use super::AppState;
+use super::auth::Access;
+use super::error::ApiError;
+use crate::config::{BackendSpec, Config, ServiceSpec, TenantSpec};
+use crate::control::{
+    BackendPatch, ConnFilter, ConnPage, HealthEntry, Rates, ServiceStatus, TableReport,
+    TenantStatus, Totals,
+};
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// Default page size of `GET /v1/connections`.
+pub(crate) const DEFAULT_PAGE: usize = 1000;
+/// Largest page size of `GET /v1/connections`.
+pub(crate) const MAX_PAGE: usize = 10_000;
+
+/// Run a control call, turning a panic into a 500 instead of a dropped
+/// connection: the Control contract says it never panics, this makes sure a
+/// bug there cannot take a request's answer with it.
+pub(crate) fn guard<T>(f: impl FnOnce() -> T) -> ApiResult<T> {
+    std::panic::catch_unwind(AssertUnwindSafe(f)).map_err(|_| {
+        tracing::error!("a control call panicked while serving an admin request");
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "internal error in the daemon (logged); the request was not completed",
+        )
+    })
+}
+
+/// A JSON body that answers 400 (not 415/422) with a message when malformed.
+pub(crate) struct JsonBody<T>(pub(crate) T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
+            let kind = if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                "too_large"
+            } else {
+                "invalid"
+            };
+            ApiError::new(e.status(), kind, e.body_text())
+        })?;
+        serde_json::from_slice(&bytes)
+            .map(JsonBody)
+            .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+    }
+}
+
+/// Path parameters that answer 400 with a message when they cannot be decoded.
+pub(crate) struct PathParams<T>(T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for PathParams<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        Path::<T>::from_request_parts(parts, state)
+            .await
+            .map(|Path(t)| PathParams(t))
+            .map_err(|e: PathRejection| ApiError::bad_request(e.body_text()))
+    }
+}
+
+fn check_tenant(access: &Access, tenant: &str) -> ApiResult<()> {
+    if access.may_touch(tenant) {
+        Ok(())
+    } else {
+        Err(ApiError::forbidden(format!(
+            "this token is scoped to tenant {:?} and may not touch tenant {tenant:?}",
+            access.tenant().unwrap_or_default()
+        )))
+    }
+}
+
+fn require_global(access: &Access, what: &str) -> ApiResult<()> {
+    match access {
+        Access::Tenant(t) => Err(ApiError::forbidden(format!(
+            "{what} is daemon-wide; this token is scoped to tenant {t:?}: use the full-access token"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Names appear in URL paths: keep them to a safe alphabet.
+fn check_name(what: &str, name: &str) -> ApiResult<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        && name != "."
+        && name != "..";
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::bad_request(format!(
+            "{what} name {name:?} is invalid: use 1-64 characters from A-Z a-z 0-9 - _ ."
+        )))
+    }
+}
+
+fn created(what: String) -> Response {
+    (
+        StatusCode::CREATED,
+        Json(serde_json::json!({ "created": what })),
+    )
+        .into_response()
+}
+
+fn ok_json(v: serde_json::Value) -> Response {
+    Json(v).into_response()
+}
+
+// ---- tenants ----------------------------------------------------------------
+
+pub(crate) async fn list_tenants(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+) -> ApiResult<Json<Vec<TenantStatus>>> {
+    let mut ts = guard(|| st.control.tenants())?;
+    ts.retain(|t| access.may_touch(&t.spec.name));
+    for t in &mut ts {
+        t.spec.token = None;
+    }
+    Ok(Json(ts))
+}
+
+pub(crate) async fn add_tenant(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+    JsonBody(spec): JsonBody<TenantSpec>,
+) -> ApiResult<Response> {
+    require_global(&access, "creating a tenant")?;
+    check_name("tenant", &spec.name)?;
+    let name = spec.name.clone();
+    guard(|| st.control.add_tenant(spec))??;
+    Ok(created(name))
+}
+
+pub(crate) async fn delete_tenant(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+    PathParams(tenant): PathParams<String>,
+) -> ApiResult<Response> {
+    require_global(&access, "deleting a tenant")?;
+    let closed = guard(|| st.control.delete_tenant(&tenant))??;
+    Ok(ok_json(
+        serde_json::json!({ "deleted": tenant, "closed_connections": closed }),
+    ))
+}
+
+// ---- services ---------------------------------------------------------------
+
+pub(crate) async fn list_services(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+) -> ApiResult<Json<Vec<ServiceStatus>>> {
+    let mut ss = guard(|| st.control.services())?;
+    ss.retain(|s| access.may_touch(&s.tenant));
+    Ok(Json(ss))
+}
+
+pub(crate) async fn add_service(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+    JsonBody(spec): JsonBody<ServiceSpec>,
+) -> ApiResult<Response> {
+    check_tenant(&access, &spec.tenant)?;
+    check_name("service", &spec.name)?;
+    let id = format!("{}/{}", spec.tenant, spec.name);
+    guard(|| st.control.add_service(spec))??;
+    Ok(created(id))
+}
+
+pub(crate) async fn get_service(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+    PathParams((tenant, service)): PathParams<(String, String)>,
+) -> ApiResult<Json<ServiceSpec>> {
+    check_tenant(&access, &tenant)?;
+    let cfg = guard(|| st.control.running_config())?;
+    cfg.services
+        .into_iter()
+        .find(|s| s.tenant == tenant && s.name == service)
+        .map(Json)
+        .ok_or_else(|| ApiError::not_found(format!("no service {tenant}/{service}")))
+}
+
+pub(crate) async fn edit_service(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+    PathParams((tenant, service)): PathParams<(String, String)>,
+    JsonBody(body): JsonBody<serde_json::Value>,
+) -> ApiResult<Response> {
+    check_tenant(&access, &tenant)?;
+    let serde_json::Value::Object(mut obj) = body else {
+        return Err(ApiError::bad_request(
+            "the body must be a JSON object describing the service (as in POST /v1/services)",
+        ));
+    };
+    // The path names the service; the body may repeat it but not change it.
+    for (key, want) in [("tenant", &tenant), ("name", &service)] {
+        match obj.get(key) {
+            None => {
+                obj.insert(key.into(), serde_json::Value::String(want.clone()));
+            }
+            Some(serde_json::Value::String(v)) if v == want => {}
+            Some(v) => {
+                return Err(ApiError::bad_request(format!(
+                    "body {key} {v} differs from the path's {want:?}: a service cannot be renamed or moved; delete and add it instead"
+                )));
+            }
+        }
+    }
+    let spec: ServiceSpec = serde_json::from_value(serde_json::Value::Object(obj))
+        .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
+    guard(|| st.control.edit_service(&tenant, &service, spec))??;
+    Ok(ok_json(
+        serde_json::json!({ "updated": format!("{tenant}/{service}") }),
+    ))
+}
+
+pub(crate) async fn delete_service(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+    PathParams((tenant, service)): PathParams<(String, String)>,
+) -> ApiResult<Response> {
+    check_tenant(&access, &tenant)?;
+    guard(|| st.control.delete_service(&tenant, &service))??;
+    Ok(ok_json(
+        serde_json::json!({ "deleted": format!("{tenant}/{service}") }),
+    ))
+}
+
+// ---- backends ---------------------------------------------------------------
+
+pub(crate) async fn add_backend(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+    PathParams((tenant, service)): PathParams<(String, String)>,
+    JsonBody(spec): JsonBody<BackendSpec>,
+) -> ApiResult<Response> {
+    check_tenant(&access, &tenant)?;
+    let addr = spec.address.to_string();
+    guard(|| st.control.add_backend(&tenant, &service, spec))??;
+    Ok(created(format!("{tenant}/{service}/{addr}")))
+}
+
+pub(crate) async fn edit_backend(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+    PathParams((tenant, service, address)): PathParams<(String, String, String)>,
+    JsonBody(patch): JsonBody<BackendPatch>,
+) -> ApiResult<Response> {
+    check_tenant(&access, &tenant)?;
+    let address = normalize_addr(&address)?;
+    guard(|| st.control.edit_backend(&tenant, &service, &address, patch))??;
+    Ok(ok_json(
+        serde_json::json!({ "updated": format!("{tenant}/{service}/{address}") }),
+    ))
+}
+
+pub(crate) async fn delete_backend(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+    PathParams((tenant, service, address)): PathParams<(String, String, String)>,
+) -> ApiResult<Response> {
+    check_tenant(&access, &tenant)?;
+    let address = normalize_addr(&address)?;
+    guard(|| st.control.delete_backend(&tenant, &service, &address))??;
+    Ok(ok_json(
+        serde_json::json!({ "deleted": format!("{tenant}/{service}/{address}") }),
+    ))
+}
+
+/// `IP:PORT` in canonical form, so "[::1]:80" and "[0::1]:80" name one backend.
+fn normalize_addr(a: &str) -> ApiResult<String> {
+    a.parse::<std::net::SocketAddr>()
+        .map(|s| s.to_string())
+        .map_err(|_| {
+            ApiError::bad_request(format!(
+                "backend address {a:?} is not IP:PORT (IPv6: [addr]:port, percent-encoded in the URL)"
+            ))
+        })
+}
+
+// ---- connections --------------------------------------------------------------
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ConnQuery {
+    tenant: Option<String>,
+    service: Option<String>,
+    backend: Option<String>,
+    state: Option<String>,
+    cursor: Option<String>,
+    limit: Option<String>,
+}
+
+pub(crate) async fn list_connections(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+    q: Result<Query<ConnQuery>, QueryRejection>,
+) -> ApiResult<Json<ConnPage>> {
+    let Query(q) = q.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let limit = match q.limit.as_deref() {
+        None | Some("") => DEFAULT_PAGE,
+        Some(s) => s
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=MAX_PAGE).contains(n))
+            .ok_or_else(|| {
+                ApiError::bad_request(format!("limit={s:?}: must be an integer 1..={MAX_PAGE}"))
+            })?,
+    };
+    let filter = scoped_filter(
+        &access,
+        ConnFilter {
+            tenant: q.tenant.filter(|s| !s.is_empty()),
+            service: q.service.filter(|s| !s.is_empty()),
+            backend: q.backend.filter(|s| !s.is_empty()),
+            state: q.state.filter(|s| !s.is_empty()),
+        },
+    )?;
+    let cursor = q.cursor.filter(|c| !c.is_empty());
+    let page = guard(|| st.control.connections(&filter, cursor.as_deref(), limit))??;
+    Ok(Json(page))
+}
+
+/// A tenant token's filter is pinned to its tenant.
+fn scoped_filter(access: &Access, mut f: ConnFilter) -> ApiResult<ConnFilter> {
+    if let Some(own) = access.tenant() {
+        match &f.tenant {
+            Some(t) => check_tenant(access, t)?,
+            None => f.tenant = Some(own.to_owned()),
+        }
+    }
+    Ok(f)
+}
+
+/// `POST /v1/connections/kill`: a [`ConnFilter`] plus `"all": true` to
+/// allow an empty filter.
+pub(crate) async fn kill_matching(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+    JsonBody(req): JsonBody<serde_json::Value>,
+) -> ApiResult<Response> {
+    // Parsed by hand: serde's flatten does not combine with deny_unknown_fields.
+    let serde_json::Value::Object(mut obj) = req else {
+        return Err(ApiError::bad_request(
+            "the body must be a JSON object: {\"tenant\", \"service\", \"backend\", \"state\", \"all\"}",
+        ));
+    };
+    let all = match obj.remove("all") {
+        None | Some(serde_json::Value::Null) => false,
+        Some(serde_json::Value::Bool(b)) => b,
+        Some(v) => {
+            return Err(ApiError::bad_request(format!(
+                "all: expected a boolean, got {v}"
+            )));
+        }
+    };
+    let filter: ConnFilter = serde_json::from_value(serde_json::Value::Object(obj))
+        .map_err(|e| ApiError::bad_request(format!("invalid filter: {e}")))?;
+    if filter == ConnFilter::default() && !all {
+        return Err(ApiError::bad_request(
+            "refusing to kill every connection: give a filter, or \"all\": true",
+        ));
+    }
+    let filter = scoped_filter(&access, filter)?;
+    let n = guard(|| st.control.kill_matching(&filter))??;
+    Ok(ok_json(serde_json::json!({ "killed": n })))
+}
+
+pub(crate) async fn kill_one(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+    PathParams(cookie): PathParams<String>,
+) -> ApiResult<Response> {
+    let cookie: u64 = cookie.parse().map_err(|_| {
+        ApiError::bad_request(format!(
+            "cookie {cookie:?} is not an unsigned integer: take it from weir conns"
+        ))
+    })?;
+    if let Some(own) = access.tenant() {
+        // A tenant may only kill its own connections: look the cookie up in
+        // its own listing (bounded by its own table; admin calls are rare).
+        let filter = ConnFilter {
+            tenant: Some(own.to_owned()),
+            ..ConnFilter::default()
+        };
+        let mut cursor: Option<String> = None;
+        let mut found = false;
+        for _ in 0..100_000 {
+            let page = guard(|| st.control.connections(&filter, cursor.as_deref(), MAX_PAGE))??;
+            if page.connections.iter().any(|c| c.cookie == cookie) {
+                found = true;
+                break;
+            }
+            match page.next {
+                Some(n) => cursor = Some(n),
+                None => break,
+            }
+        }
+        if !found {
+            return Err(ApiError::not_found(format!(
+                "no connection with cookie {cookie} in tenant {own:?}"
+            )));
+        }
+    }
+    guard(|| st.control.kill(cookie))??;
+    Ok(ok_json(serde_json::json!({ "killed": 1 })))
+}
+
+// ---- stats ------------------------------------------------------------------
+
+/// Totals and rates of one backend (`GET /v1/stats`).
+#[derive(Debug, Serialize)]
+struct BackendFigures {
+    address: String,
+    active_conns: u64,
+    inactive_conns: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stats: Option<Totals>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rates: Option<Rates>,
+}
+
+#[derive(Debug, Serialize)]
+struct ServiceFigures {
+    tenant: String,
+    name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stats: Option<Totals>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rates: Option<Rates>,
+    backends: Vec<BackendFigures>,
+}
+
+#[derive(Debug, Serialize)]
+struct TenantFigures {
+    tenant: String,
+    active_conns: u64,
+    refused: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stats: Option<Totals>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rates: Option<Rates>,
+}
+
+/// Sum of two totals (saturating: counters are not trusted to be small).
+pub(crate) fn add_totals(a: Totals, b: &Totals) -> Totals {
+    Totals {
+        conns: a.conns.saturating_add(b.conns),
+        inpkts: a.inpkts.saturating_add(b.inpkts),
+        outpkts: a.outpkts.saturating_add(b.outpkts),
+        inbytes: a.inbytes.saturating_add(b.inbytes),
+        outbytes: a.outbytes.saturating_add(b.outbytes),
+    }
+}
+
+/// Sum of two rates.
+pub(crate) fn add_rates(a: Rates, b: &Rates) -> Rates {
+    Rates {
+        cps: a.cps.saturating_add(b.cps),
+        inpps: a.inpps.saturating_add(b.inpps),
+        outpps: a.outpps.saturating_add(b.outpps),
+        inbps: a.inbps.saturating_add(b.inbps),
+        outbps: a.outbps.saturating_add(b.outbps),
+    }
+}
+
+/// Per-tenant sums of service totals and rates.
+pub(crate) fn tenant_sums(services: &[ServiceStatus]) -> BTreeMap<String, (Totals, Rates)> {
+    let mut m: BTreeMap<String, (Totals, Rates)> = BTreeMap::new();
+    for s in services {
+        let e = m.entry(s.tenant.clone()).or_default();
+        e.0 = add_totals(e.0, &s.stats);
+        e.1 = add_rates(e.1, &s.rates);
+    }
+    m
+}
+
+fn figures(
+    st: &AppState,
+    access: &Access,
+    want_stats: bool,
+    want_rates: bool,
+) -> ApiResult<Response> {
+    let mut services = guard(|| st.control.services())?;
+    services.retain(|s| access.may_touch(&s.tenant));
+    let mut tenants = guard(|| st.control.tenants())?;
+    tenants.retain(|t| access.may_touch(&t.spec.name));
+    let sums = tenant_sums(&services);
+    let pick_t = |t: Totals| want_stats.then_some(t);
+    let pick_r = |r: Rates| want_rates.then_some(r);
+    let tenants: Vec<TenantFigures> = tenants
+        .iter()
+        .map(|t| {
+            let (tot, rat) = sums.get(&t.spec.name).copied().unwrap_or_default();
+            TenantFigures {
+                tenant: t.spec.name.clone(),
+                active_conns: t.active_conns,
+                refused: t.refused,
+                stats: pick_t(tot),
+                rates: pick_r(rat),
+            }
+        })
+        .collect();
+    let services: Vec<ServiceFigures> = services
+        .into_iter()
+        .map(|s| ServiceFigures {
+            tenant: s.tenant,
+            name: s.name,
+            stats: pick_t(s.stats),
+            rates: pick_r(s.rates),
+            backends: s
+                .backends
+                .into_iter()
+                .map(|b| BackendFigures {
+                    address: b.address,
+                    active_conns: b.active_conns,
+                    inactive_conns: b.inactive_conns,
+                    stats: pick_t(b.stats),
+                    rates: pick_r(b.rates),
+                })
+                .collect(),
+        })
+        .collect();
+    let mut body = serde_json::json!({ "tenants": tenants, "services": services });
+    if access.tenant().is_none() {
+        let g = guard(|| st.control.global_stats())?;
+        let global = if want_stats {
+            serde_json::to_value(&g)
+        } else {
+            serde_json::to_value(g.rates)
+        }
+        .map_err(|e| ApiError::bad_request(format!("cannot encode global stats: {e}")))?;
+        body["global"] = global;
+    }
+    Ok(ok_json(body))
+}
+
+pub(crate) async fn stats(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+) -> ApiResult<Response> {
+    figures(&st, &access, true, true)
+}
+
+pub(crate) async fn rates(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+) -> ApiResult<Response> {
+    figures(&st, &access, false, true)
+}
+
+pub(crate) async fn table(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+) -> ApiResult<Json<Vec<TableReport>>> {
+    let mut t = guard(|| st.control.table())?;
+    t.retain(|r| access.may_touch(&r.tenant));
+    Ok(Json(t))
+}
+
+pub(crate) async fn health(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+) -> ApiResult<Json<Vec<HealthEntry>>> {
+    let mut h = guard(|| st.control.health())?;
+    h.retain(|e| access.may_touch(&e.tenant));
+    Ok(Json(h))
+}
+
+// ---- config, reload, docs, metrics -----------------------------------------
+
+pub(crate) async fn config(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+) -> ApiResult<Json<Config>> {
+    require_global(&access, "the running config")?;
+    let mut cfg = guard(|| st.control.running_config())?;
+    if access == Access::ReadOnly {
+        redact(&mut cfg);
+    }
+    Ok(Json(cfg))
+}
+
+/// Remove every secret from a config (what the read-only token sees).
+pub(crate) fn redact(cfg: &mut Config) {
+    cfg.admin.token = None;
+    cfg.admin.readonly_token = None;
+    for t in &mut cfg.tenants {
+        t.token = None;
+    }
+}
+
+pub(crate) async fn reload(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+) -> ApiResult<Response> {
+    require_global(&access, "reload")?;
+    match guard(|| st.control.reload())? {
+        Ok(()) => Ok(ok_json(serde_json::json!({ "reloaded": true }))),
+        Err(errors) => {
+            let mut e = ApiError::bad_request(format!(
+                "reload failed with {} error(s); the running config is unchanged: fix the file and reload again",
+                errors.len()
+            ));
+            e.errors = errors;
+            Err(e)
+        }
+    }
+}
+
+pub(crate) async fn openapi() -> Json<serde_json::Value> {
+    Json(super::openapi::document())
+}
+
+pub(crate) async fn metrics(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+) -> ApiResult<Response> {
+    require_global(&access, "/metrics")?;
+    let text = guard(|| super::metrics::render(st.control.as_ref()))?
+        .map_err(|e| ApiError::bad_request(format!("cannot encode metrics: {e}")))?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response())
+}

@@ -1,0 +1,325 @@
+//! Prometheus `/metrics` (OpenMetrics text) built from one snapshot of the
+//! [`Control`] reports per scrape.
+//!
+//! A fresh registry per scrape keeps the exporter stateless: services,
+//! backends and tenants that were deleted disappear from the next scrape,
+//! and nothing here has to follow runtime changes. The cost is O(services +
+//! backends + tenants) per scrape, which is what any exporter pays.
+//!
+//! Names follow Prometheus conventions: counters end in `_total`, byte
+//! counters in `_bytes_total`, durations in `_seconds`; the EWMA rates the
+//! daemon already computes (IPVS-style, 2 s) are gauges `*_per_second`.
+//! Labels: `tenant`, `service`, `backend` (IP:PORT), `placement`, `reason`.
+//!
+//! | metric | type | labels |
+//! | --- | --- | --- |
+//! | `weir_{backend,service,tenant}_connections_total` | counter | scope |
+//! | `weir_{backend,service,tenant}_{in,out}_packets_total` | counter | scope |
+//! | `weir_{backend,service,tenant}_{in,out}_bytes_total` | counter | scope |
+//! | `weir_{backend,service,tenant}_connections_per_second` | gauge | scope |
+//! | `weir_{backend,service,tenant}_{in,out}_packets_per_second` | gauge | scope |
+//! | `weir_{backend,service,tenant}_{in,out}_bytes_per_second` | gauge | scope |
+//! | `weir_backend_{active,inactive}_connections`, `weir_backend_weight` | gauge | backend |
+//! | `weir_backend_up` (1 = up or unchecked, 0 = down) | gauge | backend |
+//! | `weir_tenant_active_connections`, `weir_tenant_refused_connections_total` | gauge, counter | tenant |
+//! | `weir_connections_total`, `weir_{in,out}_{packets,bytes}_total` | counter | — |
+//! | `weir_active_connections` | gauge | — |
+//! | `weir_refused_connections_total` | counter | reason |
+//! | `weir_table_{entries,buckets,max_chain_length}`, `weir_table_load_factor` | gauge | tenant, placement |
+//! | `weir_table_refused_inserts_total` | counter | tenant, placement |
+//! | `weir_estimator_tick_duration_seconds`, `weir_estimator_tick_max_duration_seconds` | gauge | — |
+//! | `process_open_fds`, `process_max_fds` | gauge | — |
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::{Registry, Unit};
+
+use super::handlers::tenant_sums;
+use crate::control::{Control, Rates, Totals};
+
+type Labels = Vec<(String, String)>;
+type CounterFam = Family<Labels, Counter<u64>>;
+type GaugeFam = Family<Labels, Gauge<i64>>;
+type FloatFam = Family<Labels, Gauge<f64, AtomicU64>>;
+
+/// The metrics of one scope (backend, service, tenant or global).
+struct Traffic {
+    conns: CounterFam,
+    inpkts: CounterFam,
+    outpkts: CounterFam,
+    inbytes: CounterFam,
+    outbytes: CounterFam,
+    cps: GaugeFam,
+    inpps: GaugeFam,
+    outpps: GaugeFam,
+    inbps: GaugeFam,
+    outbps: GaugeFam,
+}
+
+impl Traffic {
+    fn register(reg: &mut Registry, prefix: &str, what: &str) -> Self {
+        let t = Self {
+            conns: CounterFam::default(),
+            inpkts: CounterFam::default(),
+            outpkts: CounterFam::default(),
+            inbytes: CounterFam::default(),
+            outbytes: CounterFam::default(),
+            cps: GaugeFam::default(),
+            inpps: GaugeFam::default(),
+            outpps: GaugeFam::default(),
+            inbps: GaugeFam::default(),
+            outbps: GaugeFam::default(),
+        };
+        let p = prefix;
+        reg.register(
+            format!("{p}connections"),
+            format!("Connections (TCP) and sessions (UDP) scheduled {what}"),
+            t.conns.clone(),
+        );
+        reg.register(
+            format!("{p}in_packets"),
+            format!("Packets client to backend {what}"),
+            t.inpkts.clone(),
+        );
+        reg.register(
+            format!("{p}out_packets"),
+            format!("Packets backend to client {what}"),
+            t.outpkts.clone(),
+        );
+        reg.register_with_unit(
+            format!("{p}in"),
+            format!("Bytes client to backend {what}"),
+            Unit::Bytes,
+            t.inbytes.clone(),
+        );
+        reg.register_with_unit(
+            format!("{p}out"),
+            format!("Bytes backend to client {what}"),
+            Unit::Bytes,
+            t.outbytes.clone(),
+        );
+        reg.register(
+            format!("{p}connections_per_second"),
+            format!("New connections per second, 2 s EWMA {what}"),
+            t.cps.clone(),
+        );
+        reg.register(
+            format!("{p}in_packets_per_second"),
+            format!("Packets per second client to backend, 2 s EWMA {what}"),
+            t.inpps.clone(),
+        );
+        reg.register(
+            format!("{p}out_packets_per_second"),
+            format!("Packets per second backend to client, 2 s EWMA {what}"),
+            t.outpps.clone(),
+        );
+        reg.register(
+            format!("{p}in_bytes_per_second"),
+            format!("Bytes per second client to backend, 2 s EWMA {what}"),
+            t.inbps.clone(),
+        );
+        reg.register(
+            format!("{p}out_bytes_per_second"),
+            format!("Bytes per second backend to client, 2 s EWMA {what}"),
+            t.outbps.clone(),
+        );
+        t
+    }
+
+    fn set(&self, l: &Labels, s: &Totals, r: &Rates) {
+        self.conns.get_or_create(l).inc_by(s.conns);
+        self.inpkts.get_or_create(l).inc_by(s.inpkts);
+        self.outpkts.get_or_create(l).inc_by(s.outpkts);
+        self.inbytes.get_or_create(l).inc_by(s.inbytes);
+        self.outbytes.get_or_create(l).inc_by(s.outbytes);
+        self.cps.get_or_create(l).set(sat(r.cps));
+        self.inpps.get_or_create(l).set(sat(r.inpps));
+        self.outpps.get_or_create(l).set(sat(r.outpps));
+        self.inbps.get_or_create(l).set(sat(r.inbps));
+        self.outbps.get_or_create(l).set(sat(r.outbps));
+    }
+}
+
+fn sat(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn labels(pairs: &[(&str, &str)]) -> Labels {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+fn gauge(reg: &mut Registry, name: &str, help: &str) -> GaugeFam {
+    let f = GaugeFam::default();
+    reg.register(name, help, f.clone());
+    f
+}
+
+fn counter(reg: &mut Registry, name: &str, help: &str) -> CounterFam {
+    let f = CounterFam::default();
+    reg.register(name, help, f.clone());
+    f
+}
+
+/// Render every metric from one snapshot of `control`.
+pub fn render(control: &dyn Control) -> Result<String, std::fmt::Error> {
+    let services = control.services();
+    let tenants = control.tenants();
+    let table = control.table();
+    let global = control.global_stats();
+
+    let mut reg = Registry::default();
+    let backend = Traffic::register(&mut reg, "weir_backend_", "to this backend");
+    let b_active = gauge(
+        &mut reg,
+        "weir_backend_active_connections",
+        "Established connections (UDP: live sessions) to this backend",
+    );
+    let b_inactive = gauge(
+        &mut reg,
+        "weir_backend_inactive_connections",
+        "Connections to this backend in other states (IPVS InActConn)",
+    );
+    let b_weight = gauge(
+        &mut reg,
+        "weir_backend_weight",
+        "Current weight (0 = quiesced or drained)",
+    );
+    let b_up = gauge(
+        &mut reg,
+        "weir_backend_up",
+        "1 if the backend is up or not health-checked, 0 if down",
+    );
+    let service = Traffic::register(&mut reg, "weir_service_", "by this virtual service");
+    let tenant = Traffic::register(&mut reg, "weir_tenant_", "by this tenant's services");
+    let t_active = gauge(
+        &mut reg,
+        "weir_tenant_active_connections",
+        "Live connections and sessions of this tenant",
+    );
+    let t_refused = counter(
+        &mut reg,
+        "weir_tenant_refused_connections",
+        "Connections and sessions refused by this tenant's limits",
+    );
+    let all = Traffic::register(&mut reg, "weir_", "by the whole daemon");
+    let g_active = gauge(
+        &mut reg,
+        "weir_active_connections",
+        "Live connections and sessions, all tenants",
+    );
+    let g_refused = counter(
+        &mut reg,
+        "weir_refused_connections",
+        "Connections and sessions refused, by reason",
+    );
+    let tb_entries = gauge(
+        &mut reg,
+        "weir_table_entries",
+        "Flow-table entries of this tenant (connections, sessions, persistence templates)",
+    );
+    let tb_buckets = gauge(
+        &mut reg,
+        "weir_table_buckets",
+        "Buckets of the flow table this tenant lives in",
+    );
+    let tb_chain = gauge(
+        &mut reg,
+        "weir_table_max_chain_length",
+        "Longest chain of the flow table this tenant lives in",
+    );
+    let tb_load = FloatFam::default();
+    reg.register(
+        "weir_table_load_factor",
+        "Entries per bucket of the flow table this tenant lives in",
+        tb_load.clone(),
+    );
+    let tb_refused = counter(
+        &mut reg,
+        "weir_table_refused_inserts",
+        "Inserts refused by the chain-length cap (hash-flood defence)",
+    );
+    let tick = FloatFam::default();
+    reg.register_with_unit(
+        "weir_estimator_tick_duration",
+        "Duration of the last rate-estimator tick",
+        Unit::Seconds,
+        tick.clone(),
+    );
+    let tick_max = FloatFam::default();
+    reg.register_with_unit(
+        "weir_estimator_tick_max_duration",
+        "Longest rate-estimator tick since start",
+        Unit::Seconds,
+        tick_max.clone(),
+    );
+    let fds = gauge(
+        &mut reg,
+        "process_open_fds",
+        "Number of open file descriptors",
+    );
+    let max_fds = gauge(
+        &mut reg,
+        "process_max_fds",
+        "Maximum number of open file descriptors (RLIMIT_NOFILE soft limit)",
+    );
+
+    for s in &services {
+        let sl = labels(&[("tenant", &s.tenant), ("service", &s.name)]);
+        service.set(&sl, &s.stats, &s.rates);
+        for b in &s.backends {
+            let bl = labels(&[
+                ("tenant", &s.tenant),
+                ("service", &s.name),
+                ("backend", &b.address),
+            ]);
+            backend.set(&bl, &b.stats, &b.rates);
+            b_active.get_or_create(&bl).set(sat(b.active_conns));
+            b_inactive.get_or_create(&bl).set(sat(b.inactive_conns));
+            b_weight.get_or_create(&bl).set(i64::from(b.weight));
+            b_up.get_or_create(&bl).set(i64::from(b.health != "down"));
+        }
+    }
+    let sums = tenant_sums(&services);
+    for t in &tenants {
+        let tl = labels(&[("tenant", &t.spec.name)]);
+        let (tot, rat) = sums.get(&t.spec.name).copied().unwrap_or_default();
+        tenant.set(&tl, &tot, &rat);
+        t_active.get_or_create(&tl).set(sat(t.active_conns));
+        t_refused.get_or_create(&tl).inc_by(t.refused);
+    }
+    all.set(&Vec::new(), &global.stats, &global.rates);
+    g_active
+        .get_or_create(&Vec::new())
+        .set(sat(global.active_conns));
+    for (reason, n) in &global.refused {
+        g_refused
+            .get_or_create(&labels(&[("reason", reason)]))
+            .inc_by(*n);
+    }
+    for r in &table {
+        let l = labels(&[("tenant", &r.tenant), ("placement", &r.placement)]);
+        tb_entries.get_or_create(&l).set(sat(r.entries));
+        tb_buckets.get_or_create(&l).set(sat(r.buckets));
+        tb_chain.get_or_create(&l).set(sat(r.max_chain));
+        tb_load.get_or_create(&l).set(r.load_factor);
+        tb_refused.get_or_create(&l).inc_by(r.refused_inserts);
+    }
+    tick.get_or_create(&Vec::new())
+        .set(global.estimator_tick_seconds);
+    tick_max
+        .get_or_create(&Vec::new())
+        .set(global.estimator_tick_max_seconds);
+    fds.get_or_create(&Vec::new()).set(sat(global.open_fds));
+    max_fds.get_or_create(&Vec::new()).set(sat(global.fd_limit));
+
+    let mut out = String::new();
+    encode(&mut out, &reg)?;
+    Ok(out)
+}

@@ -1,0 +1,331 @@
+//! The admin API: HTTP/JSON under `/v1/`, plus Prometheus `/metrics`.
+//!
+//! # Design
+//! The API is a thin translation layer: every handler authenticates (see
+//! [`auth`]), checks the caller's scope, calls one [`Control`] method and turns
+//! the result into JSON. The daemon owns all state; this module keeps none
+//! except the tokens, so a reload or a runtime change is visible to the next
+//! request without any cache to invalidate.
+//!
+//! # Contracts
+//! * Every route needs `Authorization: Bearer <token>`; `/metrics` is public
+//!   only with `[admin] metrics_public = true`. No token or a wrong one: 401.
+//! * The read-only token may only GET; anything else is 403.
+//! * A tenant-scoped token sees only its tenant (lists are filtered) and may
+//!   change only its tenant's services, backends and connections; naming
+//!   another tenant, or a daemon-wide resource (tenant create/delete,
+//!   `/v1/config`, `/v1/reload`, `/metrics`), is 403.
+//! * Bodies are JSON, at most [`BODY_LIMIT`] bytes (413 beyond); malformed
+//!   input gets 400 with a message. Errors are always
+//!   `{"error": kind, "message": ...}` (see [`error::ApiError`]); control
+//!   errors map NotFound→404, Conflict→409, Invalid→400, Unavailable→503.
+//! * Nothing a client sends panics: handlers parse with fallible APIs, and a
+//!   panic inside a [`Control`] call is caught and answered with 500.
+//! * `/v1/openapi.json` documents exactly the routes in [`route_table`]; a
+//!   test walks both.
+
+pub mod auth;
+pub mod error;
+mod handlers;
+pub mod metrics;
+pub mod openapi;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{Method, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{MethodFilter, on};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::AdminConfig;
+use crate::control::Control;
+
+use self::auth::{Access, Tokens};
+use self::error::ApiError;
+
+/// Largest request body accepted, in bytes.
+pub const BODY_LIMIT: usize = 1 << 20;
+
+/// Serve the admin API where `cfg.listen` says until `shutdown` is cancelled.
+///
+/// Resolves the full-access token first (generating one into a 0600 file on
+/// first start when the config names none, and logging where), then binds
+/// `IP:PORT` or `unix:/path`. Returns an error if the token file cannot be
+/// read or written or the address cannot be bound.
+pub async fn serve(
+    cfg: &AdminConfig,
+    control: Arc<dyn Control>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    bind(cfg, control).await?.run(shutdown).await
+}
+
+/// Resolve tokens and bind, without serving yet; [`Bound::run`] serves.
+/// Lets a caller learn the bound address first (`listen = "127.0.0.1:0"`).
+pub async fn bind(cfg: &AdminConfig, control: Arc<dyn Control>) -> anyhow::Result<Bound> {
+    let (full, generated) = auth::resolve_full_token(cfg)?;
+    if let Some(path) = generated {
+        tracing::warn!(
+            path = %path.display(),
+            "no admin token configured: generated one into {} (mode 0600); \
+             the CLI reads it from there, or pass --token",
+            path.display()
+        );
+    }
+    let tokens = Tokens::new(full, cfg.readonly_token.clone());
+    let app = router(control, tokens, cfg.metrics_public);
+    let listener = if let Some(path) = cfg.listen.strip_prefix("unix:") {
+        let path = std::path::PathBuf::from(path);
+        remove_stale_socket(&path)?;
+        let l = tokio::net::UnixListener::bind(&path)
+            .with_context(|| format!("binding the admin API to unix socket {}", path.display()))?;
+        Listener::Unix(l, path)
+    } else {
+        let addr: SocketAddr = cfg.listen.parse().with_context(|| {
+            format!(
+                "[admin] listen = {:?} is neither IP:PORT nor unix:/path",
+                cfg.listen
+            )
+        })?;
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding the admin API to {addr}"))?;
+        Listener::Tcp(l)
+    };
+    Ok(Bound { app, listener })
+}
+
+/// A bound, not yet serving, admin API.
+#[derive(Debug)]
+pub struct Bound {
+    app: Router,
+    listener: Listener,
+}
+
+#[derive(Debug)]
+enum Listener {
+    Tcp(tokio::net::TcpListener),
+    Unix(tokio::net::UnixListener, std::path::PathBuf),
+}
+
+impl Bound {
+    /// The TCP address bound, if TCP.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        match &self.listener {
+            Listener::Tcp(l) => l.local_addr().ok(),
+            Listener::Unix(..) => None,
+        }
+    }
+
+    /// Serve until `shutdown` is cancelled, then finish in-flight requests.
+    pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        match self.listener {
+            Listener::Tcp(l) => {
+                tracing::info!(addr = ?l.local_addr().ok(), "admin API listening");
+                axum::serve(l, self.app)
+                    .with_graceful_shutdown(shutdown.cancelled_owned())
+                    .await
+                    .context("admin API server")?;
+            }
+            Listener::Unix(l, path) => {
+                tracing::info!(path = %path.display(), "admin API listening");
+                let r = axum::serve(l, self.app)
+                    .with_graceful_shutdown(shutdown.cancelled_owned())
+                    .await;
+                let _ = std::fs::remove_file(&path);
+                r.context("admin API server")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn remove_stale_socket(path: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)
+            .with_context(|| format!("removing stale admin socket {}", path.display())),
+        Ok(_) => anyhow::bail!(
+            "{} exists and is not a socket: choose another [admin] listen path",
+            path.display()
+        ),
+        Err(_) => Ok(()),
+    }
+}
+
+/// Shared state of the handlers.
+#[derive(Clone)]
+pub(crate) struct AppState {
+    pub(crate) control: Arc<dyn Control>,
+    tokens: Arc<Tokens>,
+    metrics_public: bool,
+}
+
+/// A route's method, as recorded in [`route_table`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RouteMethod {
+    /// GET
+    Get,
+    /// POST
+    Post,
+    /// PUT
+    Put,
+    /// DELETE
+    Delete,
+}
+
+impl RouteMethod {
+    /// Lower-case name as OpenAPI spells it.
+    pub fn as_openapi(self) -> &'static str {
+        match self {
+            RouteMethod::Get => "get",
+            RouteMethod::Post => "post",
+            RouteMethod::Put => "put",
+            RouteMethod::Delete => "delete",
+        }
+    }
+    /// As an HTTP method.
+    pub fn as_http(self) -> Method {
+        match self {
+            RouteMethod::Get => Method::GET,
+            RouteMethod::Post => Method::POST,
+            RouteMethod::Put => Method::PUT,
+            RouteMethod::Delete => Method::DELETE,
+        }
+    }
+    fn filter(self) -> MethodFilter {
+        match self {
+            RouteMethod::Get => MethodFilter::GET,
+            RouteMethod::Post => MethodFilter::POST,
+            RouteMethod::Put => MethodFilter::PUT,
+            RouteMethod::Delete => MethodFilter::DELETE,
+        }
+    }
+}
+
+/// Builds the router and records each route, so the route table cannot
+/// drift from what is served.
+struct Routes {
+    router: Router<AppState>,
+    table: Vec<(RouteMethod, &'static str)>,
+}
+
+impl Routes {
+    fn add<H, T>(mut self, m: RouteMethod, path: &'static str, h: H) -> Self
+    where
+        H: axum::handler::Handler<T, AppState>,
+        T: 'static,
+    {
+        self.table.push((m, path));
+        self.router = self.router.route(path, on(m.filter(), h));
+        self
+    }
+}
+
+fn build() -> Routes {
+    use RouteMethod::{Delete, Get, Post, Put};
+    use handlers as h;
+    Routes {
+        router: Router::new(),
+        table: Vec::new(),
+    }
+    .add(Get, "/v1/tenants", h::list_tenants)
+    .add(Post, "/v1/tenants", h::add_tenant)
+    .add(Delete, "/v1/tenants/{tenant}", h::delete_tenant)
+    .add(Get, "/v1/services", h::list_services)
+    .add(Post, "/v1/services", h::add_service)
+    .add(Get, "/v1/services/{tenant}/{service}", h::get_service)
+    .add(Put, "/v1/services/{tenant}/{service}", h::edit_service)
+    .add(Delete, "/v1/services/{tenant}/{service}", h::delete_service)
+    .add(
+        Post,
+        "/v1/services/{tenant}/{service}/backends",
+        h::add_backend,
+    )
+    .add(
+        Put,
+        "/v1/services/{tenant}/{service}/backends/{address}",
+        h::edit_backend,
+    )
+    .add(
+        Delete,
+        "/v1/services/{tenant}/{service}/backends/{address}",
+        h::delete_backend,
+    )
+    .add(Get, "/v1/connections", h::list_connections)
+    .add(Post, "/v1/connections/kill", h::kill_matching)
+    .add(Delete, "/v1/connections/{cookie}", h::kill_one)
+    .add(Get, "/v1/stats", h::stats)
+    .add(Get, "/v1/rates", h::rates)
+    .add(Get, "/v1/table", h::table)
+    .add(Get, "/v1/health", h::health)
+    .add(Get, "/v1/config", h::config)
+    .add(Post, "/v1/reload", h::reload)
+    .add(Get, "/v1/openapi.json", h::openapi)
+    .add(Get, "/metrics", h::metrics)
+}
+
+/// Every (method, path) the router serves, in axum path syntax.
+pub fn route_table() -> Vec<(RouteMethod, &'static str)> {
+    build().table
+}
+
+/// The admin API as a tower service, for embedding and for tests
+/// (`tower::ServiceExt::oneshot`).
+pub fn router(control: Arc<dyn Control>, tokens: Tokens, metrics_public: bool) -> Router {
+    let state = AppState {
+        control,
+        tokens: Arc::new(tokens),
+        metrics_public,
+    };
+    build()
+        .router
+        .fallback(|| async {
+            ApiError::not_found("no such route: see GET /v1/openapi.json for the API")
+        })
+        .layer(middleware::from_fn_with_state(state.clone(), authenticate))
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(state)
+}
+
+/// Check the bearer token, enforce read-only, and attach [`Access`].
+async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
+    if st.metrics_public && req.uri().path() == "/metrics" {
+        req.extensions_mut().insert(Access::Full);
+        return next.run(req).await;
+    }
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(auth::bearer)
+        .map(str::to_owned);
+    let Some(presented) = presented else {
+        return ApiError::unauthorized(
+            "missing 'Authorization: Bearer <token>' header: pass --token or set WEIR_TOKEN",
+        )
+        .into_response();
+    };
+    let control = st.control.clone();
+    let access = match handlers::guard(move || st.tokens.identify(&presented, control.as_ref())) {
+        Ok(Some(a)) => a,
+        Ok(None) => {
+            return ApiError::unauthorized(
+                "invalid token: check --token / WEIR_TOKEN against [admin] token or token_file",
+            )
+            .into_response();
+        }
+        Err(e) => return e.into_response(),
+    };
+    if access == Access::ReadOnly && !matches!(*req.method(), Method::GET | Method::HEAD) {
+        return ApiError::forbidden("the read-only token may only GET: use the full-access token")
+            .into_response();
+    }
+    req.extensions_mut().insert(access);
+    next.run(req).await
+}

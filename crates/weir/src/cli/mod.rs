@@ -1,0 +1,840 @@
+//! The operator CLI: `weir list`, `weir conns`, `weir tenant|service|backend
+//! add|edit|del`, `weir kill`, `weir save`, `weir reload`, `weir stats`,
+//! `weir top`, `weir health`. Every command is one or a few admin-API calls
+//! (see [`client`]) followed by a pure renderer (see [`render`]).
+//!
+//! Output is human-readable by default and JSON with `--json` on every read
+//! command. Exit codes: 0 success; 1 the daemon refused (the message says
+//! why); 2 the CLI could not do it (daemon unreachable, bad arguments, no
+//! token), with a hint on what to do.
+//!
+//! `weir conns` pages through the daemon's resumable cursor
+//! ([`PAGE`] entries per request) and writes each page before fetching the
+//! next, so a million connections never sit in memory at once.
+
+pub mod client;
+pub mod render;
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::{Args, Subcommand};
+use serde_json::{Value, json};
+
+use crate::config::{Config, Protocol, ServiceSpec};
+use crate::control::{
+    ConnPage, GlobalStats, HealthEntry, ServiceStatus, TableReport, TenantStatus,
+};
+
+use self::client::{AdminArgs, CliError, CliResult, Client, seg};
+use self::render::ListMode;
+
+/// Connections fetched per request by `weir conns`.
+pub const PAGE: usize = 1000;
+
+/// The client commands (flattened into the `weir` binary's subcommands).
+#[derive(Debug, Clone, Subcommand)]
+pub enum Command {
+    /// List services and backends, like ipvsadm -Ln.
+    List(ListArgs),
+    /// List connections, like ipvsadm -Lnc.
+    Conns(ConnsArgs),
+    /// Create, list or delete tenants.
+    Tenant {
+        /// What to do.
+        #[command(subcommand)]
+        cmd: TenantCmd,
+        /// Where the admin API is.
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Add, edit or delete virtual services.
+    Service {
+        /// What to do.
+        #[command(subcommand)]
+        cmd: ServiceCmd,
+        /// Where the admin API is.
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Add, edit, drain or delete backends.
+    Backend {
+        /// What to do.
+        #[command(subcommand)]
+        cmd: BackendCmd,
+        /// Where the admin API is.
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Kill one connection by cookie, or every connection matching filters.
+    Kill(KillArgs),
+    /// Print the running state as a config file (like ipvsadm -S).
+    Save(SaveArgs),
+    /// Make the daemon re-read its config file (keeps the running config on any error).
+    Reload(PlainArgs),
+    /// Daemon-wide counters and rates, or `weir stats table` for flow tables.
+    Stats(StatsArgs),
+    /// Health-check state of every backend.
+    Health(ReadArgs),
+    /// Live view of services, backends and tenants, refreshed like top.
+    Top(TopArgs),
+}
+
+/// Arguments of commands that only need the admin API.
+#[derive(Debug, Clone, Args)]
+pub struct PlainArgs {
+    /// Where the admin API is.
+    #[command(flatten)]
+    pub admin: AdminArgs,
+}
+
+/// Arguments of simple read commands.
+#[derive(Debug, Clone, Args)]
+pub struct ReadArgs {
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Where the admin API is.
+    #[command(flatten)]
+    pub admin: AdminArgs,
+}
+
+/// `weir list`.
+#[derive(Debug, Clone, Args)]
+pub struct ListArgs {
+    /// Show counters: Conns InPkts OutPkts InBytes OutBytes.
+    #[arg(long, conflicts_with = "rate")]
+    pub stats: bool,
+    /// Show rates: CPS InPPS OutPPS InBPS OutBPS.
+    #[arg(long)]
+    pub rate: bool,
+    /// Print exact numbers instead of K/M/G suffixes.
+    #[arg(long)]
+    pub exact: bool,
+    /// Only this tenant's services.
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Where the admin API is.
+    #[command(flatten)]
+    pub admin: AdminArgs,
+}
+
+/// Connection filters shared by `weir conns` and `weir kill`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct FilterArgs {
+    /// Tenant name.
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Service name.
+    #[arg(long)]
+    pub service: Option<String>,
+    /// Backend IP:PORT.
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// State, e.g. ESTABLISHED.
+    #[arg(long)]
+    pub state: Option<String>,
+}
+
+impl FilterArgs {
+    fn is_empty(&self) -> bool {
+        self.tenant.is_none()
+            && self.service.is_none()
+            && self.backend.is_none()
+            && self.state.is_none()
+    }
+    fn query(&self) -> Vec<(&'static str, &str)> {
+        let mut q = Vec::new();
+        for (k, v) in [
+            ("tenant", &self.tenant),
+            ("service", &self.service),
+            ("backend", &self.backend),
+            ("state", &self.state),
+        ] {
+            if let Some(v) = v {
+                q.push((k, v.as_str()));
+            }
+        }
+        q
+    }
+}
+
+/// `weir conns`.
+#[derive(Debug, Clone, Args)]
+pub struct ConnsArgs {
+    /// Filters.
+    #[command(flatten)]
+    pub filter: FilterArgs,
+    /// Stream NDJSON, one connection per line.
+    #[arg(long)]
+    pub json: bool,
+    /// Stop after this many connections.
+    #[arg(long)]
+    pub max: Option<u64>,
+    /// Where the admin API is.
+    #[command(flatten)]
+    pub admin: AdminArgs,
+}
+
+/// `weir tenant ...`.
+#[derive(Debug, Clone, Subcommand)]
+pub enum TenantCmd {
+    /// List tenants.
+    List {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Create a tenant.
+    Add {
+        /// Name.
+        name: String,
+        /// Own flow table with this many entries (power of two ≤ 2^24); 0 shares the global table.
+        #[arg(long, default_value_t = 0)]
+        table_entries: usize,
+        /// Cap on connections + sessions; 0 = unlimited.
+        #[arg(long, default_value_t = 0)]
+        max_connections: u64,
+        /// Cap on new connections + sessions per second; 0 = unlimited.
+        #[arg(long, default_value_t = 0)]
+        max_new_per_s: u64,
+        /// Tenant-scoped admin token.
+        #[arg(long)]
+        tenant_token: Option<String>,
+    },
+    /// Change a tenant (not supported at runtime: edit the file and reload).
+    Edit {
+        /// Name.
+        name: String,
+    },
+    /// Delete a tenant, its services and its connections.
+    Del {
+        /// Name.
+        name: String,
+    },
+}
+
+/// `weir service ...`; SERVICE is `[TENANT/]NAME` (tenant "default" if omitted).
+#[derive(Debug, Clone, Subcommand)]
+pub enum ServiceCmd {
+    /// Add a virtual service.
+    Add {
+        /// [TENANT/]NAME.
+        service: String,
+        /// tcp or udp.
+        #[arg(long, default_value = "tcp")]
+        protocol: String,
+        /// Virtual address IP:PORT.
+        #[arg(long)]
+        listen: String,
+        /// rr wrr lc wlc sed nq sh mh p2c.
+        #[arg(long, default_value = "wlc")]
+        scheduler: String,
+        /// Persistence timeout, e.g. 300s; 0s = off.
+        #[arg(long, default_value = "0s")]
+        persistence: String,
+        /// Backend IP:PORT[@WEIGHT]; repeat for several.
+        #[arg(long = "backend", value_name = "IP:PORT[@WEIGHT]")]
+        backends: Vec<String>,
+    },
+    /// Change a service's scheduler, persistence, address or protocol.
+    Edit {
+        /// [TENANT/]NAME.
+        service: String,
+        /// tcp or udp.
+        #[arg(long)]
+        protocol: Option<String>,
+        /// Virtual address IP:PORT.
+        #[arg(long)]
+        listen: Option<String>,
+        /// Scheduler.
+        #[arg(long)]
+        scheduler: Option<String>,
+        /// Persistence timeout.
+        #[arg(long)]
+        persistence: Option<String>,
+    },
+    /// Delete a service: stop listening and close its connections.
+    Del {
+        /// [TENANT/]NAME.
+        service: String,
+    },
+}
+
+/// `weir backend ...`.
+#[derive(Debug, Clone, Subcommand)]
+pub enum BackendCmd {
+    /// Add a backend to a service.
+    Add {
+        /// [TENANT/]SERVICE.
+        service: String,
+        /// IP:PORT.
+        address: String,
+        /// Weight; 0 quiesces.
+        #[arg(long, default_value_t = 1)]
+        weight: u32,
+        /// Send a PROXY protocol header: v1 or v2.
+        #[arg(long)]
+        proxy_protocol: Option<String>,
+        /// Cap on connections to this backend; 0 = unlimited.
+        #[arg(long, default_value_t = 0)]
+        max_connections: u64,
+    },
+    /// Change a backend's weight.
+    Edit {
+        /// [TENANT/]SERVICE.
+        service: String,
+        /// IP:PORT.
+        address: String,
+        /// New weight; 0 quiesces.
+        #[arg(long)]
+        weight: u32,
+    },
+    /// Drain a backend: weight 0 (no new connections); --close also closes its connections.
+    Drain {
+        /// [TENANT/]SERVICE.
+        service: String,
+        /// IP:PORT.
+        address: String,
+        /// Also close its existing connections.
+        #[arg(long)]
+        close: bool,
+    },
+    /// Remove a backend (its established connections finish unless expire_nodest_conn).
+    Del {
+        /// [TENANT/]SERVICE.
+        service: String,
+        /// IP:PORT.
+        address: String,
+    },
+}
+
+/// `weir kill`.
+#[derive(Debug, Clone, Args)]
+pub struct KillArgs {
+    /// Kill the connection with this cookie (from weir conns).
+    #[arg(long, conflicts_with_all = ["tenant", "service", "backend", "state", "all"])]
+    pub cookie: Option<u64>,
+    /// Filters.
+    #[command(flatten)]
+    pub filter: FilterArgs,
+    /// Kill every connection (required when no filter is given).
+    #[arg(long)]
+    pub all: bool,
+    /// Where the admin API is.
+    #[command(flatten)]
+    pub admin: AdminArgs,
+}
+
+/// `weir save`.
+#[derive(Debug, Clone, Args)]
+pub struct SaveArgs {
+    /// Print JSON instead of TOML.
+    #[arg(long)]
+    pub json: bool,
+    /// Where the admin API is.
+    #[command(flatten)]
+    pub admin: AdminArgs,
+}
+
+/// `weir stats`.
+#[derive(Debug, Clone, Args)]
+pub struct StatsArgs {
+    /// `table` for per-tenant flow-table figures; default: daemon-wide.
+    #[arg(value_parser = ["table", "global"], default_value = "global")]
+    pub what: String,
+    /// Print exact numbers instead of K/M/G suffixes.
+    #[arg(long)]
+    pub exact: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Where the admin API is.
+    #[command(flatten)]
+    pub admin: AdminArgs,
+}
+
+/// `weir top`.
+#[derive(Debug, Clone, Args)]
+pub struct TopArgs {
+    /// Seconds between refreshes.
+    #[arg(long, default_value_t = 2.0)]
+    pub interval: f64,
+    /// Stop after N frames (default: until interrupted).
+    #[arg(long)]
+    pub iterations: Option<u64>,
+    /// Do not clear the screen between frames.
+    #[arg(long)]
+    pub no_clear: bool,
+    /// Where the admin API is.
+    #[command(flatten)]
+    pub admin: AdminArgs,
+}
+
+/// Run a client command, printing to stdout/stderr.
+pub fn run(cmd: Command) -> ExitCode {
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let mut err = std::io::stderr();
+    run_with(cmd, &mut out, &mut err)
+}
+
+/// Run a client command with explicit output streams (tests).
+pub fn run_with(cmd: Command, out: &mut dyn Write, err: &mut dyn Write) -> ExitCode {
+    match execute(cmd, out) {
+        Ok(()) => {
+            let _ = out.flush();
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let _ = out.flush();
+            let _ = writeln!(err, "{e}");
+            match e {
+                CliError::Api { .. } => ExitCode::from(1),
+                CliError::Local(_) => ExitCode::from(2),
+            }
+        }
+    }
+}
+
+fn w(out: &mut dyn Write, s: &str) -> CliResult<()> {
+    out.write_all(s.as_bytes())
+        .map_err(|e| CliError::Local(format!("writing output: {e}")))
+}
+
+fn wjson(out: &mut dyn Write, v: &Value) -> CliResult<()> {
+    let s = serde_json::to_string_pretty(v)
+        .map_err(|e| CliError::Local(format!("encoding JSON: {e}")))?;
+    w(out, &s)?;
+    w(out, "\n")
+}
+
+/// `[TENANT/]NAME` → (tenant, name).
+pub fn split_service(s: &str) -> CliResult<(String, String)> {
+    let (t, n) = s.split_once('/').unwrap_or(("default", s));
+    if t.is_empty() || n.is_empty() || n.contains('/') {
+        return Err(CliError::Local(format!(
+            "{s:?} is not [TENANT/]NAME, e.g. acme/web or web"
+        )));
+    }
+    Ok((t.to_owned(), n.to_owned()))
+}
+
+fn query_string(pairs: &[(&str, &str)]) -> String {
+    let parts: Vec<String> = pairs
+        .iter()
+        .map(|(k, v)| format!("{k}={}", seg(v)))
+        .collect();
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!("?{}", parts.join("&"))
+    }
+}
+
+fn execute(cmd: Command, out: &mut dyn Write) -> CliResult<()> {
+    match cmd {
+        Command::List(a) => list(a, out),
+        Command::Conns(a) => conns(a, out),
+        Command::Tenant { cmd, admin } => tenant(cmd, &Client::from_args(&admin)?, out),
+        Command::Service { cmd, admin } => service(cmd, &Client::from_args(&admin)?, out),
+        Command::Backend { cmd, admin } => backend(cmd, &Client::from_args(&admin)?, out),
+        Command::Kill(a) => kill(a, out),
+        Command::Save(a) => save(a, out),
+        Command::Reload(a) => {
+            let c = Client::from_args(&a.admin)?;
+            c.send("POST", "/v1/reload", None)?;
+            w(out, "reloaded\n")
+        }
+        Command::Stats(a) => stats(a, out),
+        Command::Health(a) => {
+            let c = Client::from_args(&a.admin)?;
+            let h: Vec<HealthEntry> = c.get("/v1/health")?;
+            if a.json {
+                wjson(out, &serde_json::to_value(&h).unwrap_or_default())
+            } else {
+                w(out, &render::render_health(&h))
+            }
+        }
+        Command::Top(a) => top(a, out),
+    }
+}
+
+fn list(a: ListArgs, out: &mut dyn Write) -> CliResult<()> {
+    let c = Client::from_args(&a.admin)?;
+    let mut services: Vec<ServiceStatus> = c.get("/v1/services")?;
+    if let Some(t) = &a.tenant {
+        services.retain(|s| &s.tenant == t);
+    }
+    let mode = if a.stats {
+        ListMode::Stats
+    } else if a.rate {
+        ListMode::Rate
+    } else {
+        ListMode::Plain
+    };
+    if a.json {
+        wjson(out, &render::list_json(&services, mode))
+    } else {
+        w(out, &render::render_list(&services, mode, a.exact))
+    }
+}
+
+fn conns(a: ConnsArgs, out: &mut dyn Write) -> CliResult<()> {
+    let c = Client::from_args(&a.admin)?;
+    let limit = PAGE.to_string();
+    let mut cursor: Option<String> = None;
+    let mut shown: u64 = 0;
+    let max = a.max.unwrap_or(u64::MAX);
+    if !a.json {
+        w(out, &render::conns_header())?;
+    }
+    loop {
+        let mut q = a.filter.query();
+        q.push(("limit", &limit));
+        if let Some(cur) = &cursor {
+            q.push(("cursor", cur));
+        }
+        let page: ConnPage = c.get(&format!("/v1/connections{}", query_string(&q)))?;
+        let mut buf = String::new();
+        for conn in &page.connections {
+            if shown >= max {
+                break;
+            }
+            shown += 1;
+            if a.json {
+                match serde_json::to_string(conn) {
+                    Ok(s) => {
+                        buf.push_str(&s);
+                        buf.push('\n');
+                    }
+                    Err(e) => return Err(CliError::Local(format!("encoding JSON: {e}"))),
+                }
+            } else {
+                buf.push_str(&render::conn_line(conn));
+            }
+        }
+        w(out, &buf)?;
+        match page.next {
+            Some(n) if shown < max => cursor = Some(n),
+            _ => break,
+        }
+    }
+    Ok(())
+}
+
+fn tenant(cmd: TenantCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
+    match cmd {
+        TenantCmd::List { json } => {
+            let t: Vec<TenantStatus> = c.get("/v1/tenants")?;
+            if json {
+                wjson(out, &serde_json::to_value(&t).unwrap_or_default())
+            } else {
+                w(out, &render::render_tenants(&t))
+            }
+        }
+        TenantCmd::Add {
+            name,
+            table_entries,
+            max_connections,
+            max_new_per_s,
+            tenant_token,
+        } => {
+            let mut body = json!({
+                "name": name, "table_entries": table_entries,
+                "max_connections": max_connections, "max_new_per_s": max_new_per_s,
+            });
+            if let Some(t) = tenant_token {
+                body["token"] = json!(t);
+            }
+            c.send("POST", "/v1/tenants", Some(&body))?;
+            w(out, &format!("tenant {name} added\n"))
+        }
+        TenantCmd::Edit { name } => Err(CliError::Local(format!(
+            "tenant {name}: tenants cannot be changed at runtime (the daemon has no such operation)\nhint: edit its [[tenant]] in the config file and run `weir reload`"
+        ))),
+        TenantCmd::Del { name } => {
+            let v = c.send("DELETE", &format!("/v1/tenants/{}", seg(&name)), None)?;
+            let closed = v
+                .get("closed_connections")
+                .and_then(Value::as_u64)
+                .unwrap_or(0);
+            w(
+                out,
+                &format!("tenant {name} deleted ({closed} connections closed)\n"),
+            )
+        }
+    }
+}
+
+fn parse_backend(s: &str) -> CliResult<Value> {
+    let (addr, weight) = match s.rsplit_once('@') {
+        Some((a, wt)) => (
+            a,
+            wt.parse::<u32>().map_err(|_| {
+                CliError::Local(format!("backend {s:?}: weight {wt:?} is not a number"))
+            })?,
+        ),
+        None => (s, 1),
+    };
+    let addr: std::net::SocketAddr = addr
+        .parse()
+        .map_err(|_| CliError::Local(format!("backend {addr:?} is not IP:PORT")))?;
+    Ok(json!({ "address": addr, "weight": weight }))
+}
+
+fn service(cmd: ServiceCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
+    match cmd {
+        ServiceCmd::Add {
+            service,
+            protocol,
+            listen,
+            scheduler,
+            persistence,
+            backends,
+        } => {
+            let (tenant, name) = split_service(&service)?;
+            let backends = backends
+                .iter()
+                .map(|b| parse_backend(b))
+                .collect::<CliResult<Vec<_>>>()?;
+            let body = json!({
+                "tenant": tenant, "name": name, "protocol": protocol, "listen": listen,
+                "scheduler": scheduler, "persistence": persistence, "backend": backends,
+            });
+            c.send("POST", "/v1/services", Some(&body))?;
+            w(out, &format!("service {tenant}/{name} added\n"))
+        }
+        ServiceCmd::Edit {
+            service,
+            protocol,
+            listen,
+            scheduler,
+            persistence,
+        } => {
+            let (tenant, name) = split_service(&service)?;
+            let path = format!("/v1/services/{}/{}", seg(&tenant), seg(&name));
+            let mut spec: ServiceSpec = c.get(&path)?;
+            if let Some(p) = protocol {
+                spec.protocol = match p.to_ascii_lowercase().as_str() {
+                    "tcp" => Protocol::Tcp,
+                    "udp" => Protocol::Udp,
+                    _ => return Err(CliError::Local(format!("protocol {p:?}: use tcp or udp"))),
+                };
+            }
+            if let Some(l) = listen {
+                spec.listen = l
+                    .parse()
+                    .map_err(|_| CliError::Local(format!("listen {l:?} is not IP:PORT")))?;
+            }
+            if let Some(s) = scheduler {
+                spec.scheduler = s;
+            }
+            if let Some(p) = persistence {
+                spec.persistence = p;
+            }
+            let body = serde_json::to_value(&spec)
+                .map_err(|e| CliError::Local(format!("encoding the service: {e}")))?;
+            c.send("PUT", &path, Some(&body))?;
+            w(out, &format!("service {tenant}/{name} updated\n"))
+        }
+        ServiceCmd::Del { service } => {
+            let (tenant, name) = split_service(&service)?;
+            c.send(
+                "DELETE",
+                &format!("/v1/services/{}/{}", seg(&tenant), seg(&name)),
+                None,
+            )?;
+            w(out, &format!("service {tenant}/{name} deleted\n"))
+        }
+    }
+}
+
+fn backend(cmd: BackendCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
+    let base = |svc: &str| -> CliResult<(String, String)> {
+        let (t, n) = split_service(svc)?;
+        Ok((
+            format!("/v1/services/{}/{}/backends", seg(&t), seg(&n)),
+            format!("{t}/{n}"),
+        ))
+    };
+    match cmd {
+        BackendCmd::Add {
+            service,
+            address,
+            weight,
+            proxy_protocol,
+            max_connections,
+        } => {
+            let (path, id) = base(&service)?;
+            let mut body =
+                json!({ "address": address, "weight": weight, "max_connections": max_connections });
+            if let Some(p) = proxy_protocol {
+                body["proxy_protocol"] = json!(p);
+            }
+            c.send("POST", &path, Some(&body))?;
+            w(out, &format!("backend {address} added to {id}\n"))
+        }
+        BackendCmd::Edit {
+            service,
+            address,
+            weight,
+        } => {
+            let (path, id) = base(&service)?;
+            c.send(
+                "PUT",
+                &format!("{path}/{}", seg(&address)),
+                Some(&json!({ "weight": weight })),
+            )?;
+            w(
+                out,
+                &format!("backend {address} of {id}: weight {weight}\n"),
+            )
+        }
+        BackendCmd::Drain {
+            service,
+            address,
+            close,
+        } => {
+            let (path, id) = base(&service)?;
+            let body = if close {
+                json!({ "weight": 0, "drain": true })
+            } else {
+                json!({ "weight": 0 })
+            };
+            c.send("PUT", &format!("{path}/{}", seg(&address)), Some(&body))?;
+            let how = if close {
+                "drained, connections closed"
+            } else {
+                "drained (weight 0; existing connections continue)"
+            };
+            w(out, &format!("backend {address} of {id} {how}\n"))
+        }
+        BackendCmd::Del { service, address } => {
+            let (path, id) = base(&service)?;
+            c.send("DELETE", &format!("{path}/{}", seg(&address)), None)?;
+            w(out, &format!("backend {address} removed from {id}\n"))
+        }
+    }
+}
+
+fn kill(a: KillArgs, out: &mut dyn Write) -> CliResult<()> {
+    let c = Client::from_args(&a.admin)?;
+    if let Some(cookie) = a.cookie {
+        c.send("DELETE", &format!("/v1/connections/{cookie}"), None)?;
+        return w(out, &format!("killed connection {cookie}\n"));
+    }
+    if a.filter.is_empty() && !a.all {
+        return Err(CliError::Local(
+            "refusing to kill every connection: give --cookie, a filter (--tenant, --service, --backend, --state), or --all".into(),
+        ));
+    }
+    let mut body = json!({ "all": a.all });
+    for (k, v) in a.filter.query() {
+        body[k] = json!(v);
+    }
+    let v = c.send("POST", "/v1/connections/kill", Some(&body))?;
+    let n = v.get("killed").and_then(Value::as_u64).unwrap_or(0);
+    w(out, &format!("killed {n} connections\n"))
+}
+
+/// The running config as `weir save` prints it.
+pub fn config_to_toml(cfg: &Config) -> CliResult<String> {
+    toml::to_string(cfg).map_err(|e| CliError::Local(format!("encoding the config as TOML: {e}")))
+}
+
+fn save(a: SaveArgs, out: &mut dyn Write) -> CliResult<()> {
+    let c = Client::from_args(&a.admin)?;
+    let text = c.call("GET", "/v1/config", None)?;
+    let cfg: Config = serde_json::from_str(&text).map_err(|e| {
+        CliError::Local(format!(
+            "unexpected answer to GET /v1/config (is the daemon the same weir version?): {e}"
+        ))
+    })?;
+    if a.json {
+        wjson(out, &serde_json::to_value(&cfg).unwrap_or_default())
+    } else {
+        w(out, "# weir save: the running state, in config-file form\n")?;
+        w(out, &config_to_toml(&cfg)?)
+    }
+}
+
+fn stats(a: StatsArgs, out: &mut dyn Write) -> CliResult<()> {
+    let c = Client::from_args(&a.admin)?;
+    if a.what == "table" {
+        let t: Vec<TableReport> = c.get("/v1/table")?;
+        return if a.json {
+            wjson(out, &serde_json::to_value(&t).unwrap_or_default())
+        } else {
+            w(out, &render::render_table(&t))
+        };
+    }
+    let v: Value = c.get("/v1/stats")?;
+    if a.json {
+        return wjson(out, &v);
+    }
+    match v.get("global") {
+        Some(g) => {
+            let g: GlobalStats = serde_json::from_value(g.clone())
+                .map_err(|e| CliError::Local(format!("unexpected /v1/stats answer: {e}")))?;
+            w(out, &render::render_global(&g, a.exact))
+        }
+        None => Err(CliError::Local(
+            "daemon-wide stats need a full or read-only token; use `weir list --stats` for your tenant".into(),
+        )),
+    }
+}
+
+fn clock_label() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    format!(
+        "{:02}:{:02}:{:02} UTC",
+        (secs / 3600) % 24,
+        (secs / 60) % 60,
+        secs % 60
+    )
+}
+
+fn top(a: TopArgs, out: &mut dyn Write) -> CliResult<()> {
+    let c = Client::from_args(&a.admin)?;
+    if !(a.interval.is_finite() && a.interval >= 0.1) {
+        return Err(CliError::Local(
+            "--interval must be at least 0.1 seconds".into(),
+        ));
+    }
+    let mut frame: u64 = 0;
+    loop {
+        let services: Vec<ServiceStatus> = c.get("/v1/services")?;
+        let tenants: Vec<TenantStatus> = c.get("/v1/tenants")?;
+        let tables: Vec<TableReport> = c.get("/v1/table")?;
+        let stats: Value = c.get("/v1/stats")?;
+        let g: GlobalStats = stats
+            .get("global")
+            .and_then(|g| serde_json::from_value(g.clone()).ok())
+            .unwrap_or_default();
+        let mut s = String::new();
+        if !a.no_clear {
+            s.push_str("\x1b[H\x1b[2J");
+        }
+        s.push_str(&render::render_top(
+            &clock_label(),
+            &g,
+            &services,
+            &tenants,
+            &tables,
+        ));
+        w(out, &s)?;
+        let _ = out.flush();
+        frame += 1;
+        if a.iterations.is_some_and(|n| frame >= n) {
+            return Ok(());
+        }
+        std::thread::sleep(std::time::Duration::from_secs_f64(a.interval));
+    }
+}
