@@ -26,7 +26,7 @@ use weir_flowtable::{
 use crate::Common;
 use crate::report::{Table, ratio};
 use crate::table::harness::{idx_of, key, si, thread_cpu_secs};
-use crate::table::par_fill;
+use crate::table::{Goal, par_fill, print_goals};
 
 const TENANT: u32 = 1;
 /// Churned keys start here, far above the stable ones.
@@ -317,6 +317,56 @@ fn exactness(plan: &Plan, algo: Algo, dumps: usize) -> Result<Exact> {
     })
 }
 
+fn dump_goals(plan: &Plan, speed: &[Speed], ex: &Exact) -> Vec<Goal> {
+    let mut g = Vec::new();
+    let top = plan.sizes.iter().copied().max().unwrap_or(0);
+    let weir: Vec<&Speed> = speed
+        .iter()
+        .filter(|r| r.algo == Algo::Cursor && r.entries == top)
+        .collect();
+    let worst = weir.iter().map(|r| r.ns_per_entry).fold(0.0, f64::max);
+    let complete = weir.iter().all(|r| r.complete);
+    g.push((
+        format!(
+            "<= 100 ns/entry at {} entries (every page size and bucket count)",
+            si(top as f64)
+        ),
+        format!("worst {worst:.1} ns"),
+        complete.then_some(worst <= 100.0),
+    ));
+    let mut spread: f64 = 0.0;
+    for &b in &plan.buckets {
+        let v: Vec<f64> = weir
+            .iter()
+            .filter(|r| r.buckets == b)
+            .map(|r| r.ns_per_entry)
+            .collect();
+        let (lo, hi) = v.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| {
+            (lo.min(x), hi.max(x))
+        });
+        if lo > 0.0 && lo.is_finite() {
+            spread = spread.max(hi / lo);
+        }
+    }
+    g.push((
+        format!("page-size spread <= 1.3x at {}", si(top as f64)),
+        format!("{spread:.2}x"),
+        Some(spread <= 1.3),
+    ));
+    g.push((
+        ">= 100 dumps under >= 1M ops/s churn: 0 duplicates, 0 misses".into(),
+        format!(
+            "{} dumps, {} duplicates, {} misses, {} ops/s",
+            ex.dumps,
+            ex.duplicates,
+            ex.misses,
+            si(ex.churn_ops_per_s)
+        ),
+        Some(ex.dumps >= 100 && ex.churn_ops_per_s >= 1e6 && ex.duplicates == 0 && ex.misses == 0),
+    ));
+    g
+}
+
 /// The `dump` suite.
 pub(crate) fn dump(c: &Common) -> Result<Value> {
     let plan = Plan::new(c.quick);
@@ -425,6 +475,8 @@ pub(crate) fn dump(c: &Common) -> Result<Value> {
         ]);
     }
     t.print();
+
+    print_goals(&dump_goals(&plan, &speed, &ex));
 
     Ok(json!({
         "dump": speed.iter().map(|r| json!({

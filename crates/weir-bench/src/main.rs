@@ -50,11 +50,6 @@ pub(crate) struct Common {
 
 type SuiteFn = fn(&Common) -> Result<serde_json::Value>;
 
-/// Placeholder for suites whose issue has not landed: fails rather than print invented figures.
-fn not_implemented(_: &Common) -> Result<serde_json::Value> {
-    bail!("suite not implemented yet")
-}
-
 fn main() -> Result<()> {
     let cli = Cli::parse();
     let (common, suites): (Common, Vec<(&str, SuiteFn)>) = match cli.suite {

@@ -230,7 +230,7 @@ impl Plan {
                 lookup_sizes: vec![1_000_000, 10_000_000],
                 memory_entries: 10_000_000,
                 measure: Duration::from_millis(1500),
-                build_limit: Duration::from_secs(300),
+                build_limit: Duration::from_secs(420),
             }
         }
     }
@@ -530,6 +530,19 @@ struct NoisyRow {
     noisy_entries: u64,
     avg_chain: f64,
     lookups_per_s: f64,
+    cpu_share: f64,
+}
+
+impl NoisyRow {
+    /// Lookups per second of CPU the thread actually got: one thread with no
+    /// lock to wait on, so this removes most of the other builds' noise.
+    fn per_cpu_s(&self) -> f64 {
+        if self.cpu_share > 0.0 {
+            self.lookups_per_s / self.cpu_share
+        } else {
+            0.0
+        }
+    }
 }
 
 /// Inserts `tenant`'s keys `range` on `threads` threads until done or
@@ -652,6 +665,7 @@ fn noisy_section(plan: &Plan) -> Result<(Vec<NoisyRow>, Vec<NoisyRow>)> {
                 noisy_entries: have,
                 avg_chain: st.load_factor,
                 lookups_per_s: r.per_sec(),
+                cpu_share: r.cpu_share(),
             });
         }
         if have < target {
@@ -679,6 +693,8 @@ fn noisy_section(plan: &Plan) -> Result<(Vec<NoisyRow>, Vec<NoisyRow>)> {
         "own: avg chain",
         "own: lookups/s",
         "vs idle",
+        "CPU got (shared/own)",
+        "vs idle per CPU-s (shared/own)",
     ]);
     let idle = |rows: &[NoisyRow]| rows.first().map_or(0.0, |r| r.lookups_per_s);
     for (s, o) in shared.iter().zip(&own) {
@@ -690,10 +706,106 @@ fn noisy_section(plan: &Plan) -> Result<(Vec<NoisyRow>, Vec<NoisyRow>)> {
             format!("{:.2}", o.avg_chain),
             si(o.lookups_per_s),
             ratio(o.lookups_per_s, idle(&own)),
+            format!("{:.0}%/{:.0}%", s.cpu_share * 100.0, o.cpu_share * 100.0),
+            format!(
+                "{}/{}",
+                ratio(
+                    s.per_cpu_s(),
+                    shared.first().map_or(0.0, NoisyRow::per_cpu_s)
+                ),
+                ratio(o.per_cpu_s(), own.first().map_or(0.0, NoisyRow::per_cpu_s))
+            ),
         ]);
     }
     t.print();
     Ok((shared, own))
+}
+
+/// One goal of the issue: what was asked, what this run measured, and whether it is met
+/// (`None` when this run could not measure it).
+pub(crate) type Goal = (String, String, Option<bool>);
+
+/// Prints the goals table.
+pub(crate) fn print_goals(goals: &[Goal]) {
+    println!("### Goals (this run)\n");
+    let mut t = Table::new(["goal", "measured", "met"]);
+    for (goal, measured, met) in goals {
+        let met = match met {
+            Some(true) => "yes",
+            Some(false) => "NO",
+            None => "not measured",
+        };
+        t.row([goal.as_str(), measured.as_str(), met]);
+    }
+    t.print();
+}
+
+fn table_goals(
+    plan: &Plan,
+    own: &[NoisyRow],
+    churn: &[Row],
+    lookup: &[Row],
+    mem: &[Mem],
+) -> Vec<Goal> {
+    let mut g = Vec::new();
+    let idle = own.first().map_or(0.0, |r| r.lookups_per_s);
+    let planned = plan.noisy.last().copied().unwrap_or(0);
+    match own.last() {
+        Some(last) if idle > 0.0 && own.len() > 1 => {
+            let r = last.lookups_per_s / idle;
+            g.push((
+                format!(
+                    "own-table victim >= 0.95x idle at {} noisy entries",
+                    si(planned as f64)
+                ),
+                format!("{r:.2}x at {} noisy entries", si(last.noisy_entries as f64)),
+                (last.noisy_entries >= planned).then_some(r >= 0.95),
+            ));
+        }
+        _ => g.push(("own-table victim >= 0.95x idle".into(), "-".into(), None)),
+    }
+    let weir = |rows: &[Row], r: &Row| r.imp == Impl::Weir.name() && rows.iter().any(|o| o.peer);
+    for r in churn.iter().filter(|r| weir(churn, r) && r.threads == 2) {
+        let (best, _) = best_and_ceiling(churn, r);
+        let x = if best > 0.0 { r.ops_per_s / best } else { 0.0 };
+        g.push((
+            "churn, 2 threads: >= 1.2x best peer".into(),
+            format!("{x:.2}x"),
+            Some(x >= 1.2),
+        ));
+    }
+    let (mut worst_peer, mut worst_ceil) = (f64::INFINITY, f64::INFINITY);
+    for r in lookup.iter().filter(|r| weir(lookup, r)) {
+        let (best, ceil) = best_and_ceiling(lookup, r);
+        if best > 0.0 {
+            worst_peer = worst_peer.min(r.ops_per_s / best);
+        }
+        if ceil > 0.0 && r.threads == 1 {
+            worst_ceil = worst_ceil.min(r.ops_per_s / ceil);
+        }
+    }
+    if worst_peer.is_finite() {
+        g.push((
+            "lookup (get): >= best peer in every row".into(),
+            format!("worst row {worst_peer:.2}x"),
+            Some(worst_peer >= 1.0),
+        ));
+    }
+    if worst_ceil.is_finite() {
+        g.push((
+            "lookup (get), 1 thread: >= 0.7x ceiling in every row".into(),
+            format!("worst row {worst_ceil:.2}x"),
+            Some(worst_ceil >= 0.7),
+        ));
+    }
+    if let Some(m) = mem.iter().find(|m| m.imp == Impl::Weir.name()) {
+        g.push((
+            format!("memory at {}: <= 128 B/entry (RSS)", si(m.entries as f64)),
+            format!("{:.0} B", m.rss_bytes_per_entry),
+            Some(m.rss_bytes_per_entry <= 128.0),
+        ));
+    }
+    g
 }
 
 /// The `table` suite.
@@ -755,6 +867,14 @@ pub(crate) fn table(c: &Common) -> Result<Value> {
         ]);
     }
     t.print();
+
+    print_goals(&table_goals(
+        &plan,
+        &noisy_own,
+        &churn_rows,
+        &lookup_rows,
+        &mem,
+    ));
 
     let noisy_json = |rows: &[NoisyRow]| -> Vec<Value> {
         rows.iter()
