@@ -1,22 +1,44 @@
 //! The chain protocol: singly linked lists of node indices hanging off one
 //! `AtomicU32` bucket head.
 //!
-//! * Readers (`find`, `walk`) take no lock and write nothing: they load links
-//!   with `Acquire`, which pairs with the writer's `Release` publication, so a
-//!   node reached through a link is fully initialised.
-//! * Writers hold the bucket's stripe lock. `append` initialises the node
-//!   first, then publishes it with one `Release` store into the tail link;
-//!   chains therefore stay ordered by insertion (and by cookie). `unlink`
-//!   swings the predecessor's link past the node with one `Release` store and
-//!   leaves the node's own `next` intact, so a reader standing on the removed
-//!   node still reaches the rest of the chain. The node index is recycled only
-//!   after an epoch grace period (caller's job), so no reader sees it reused.
+//! A bucket head packs the index of the first node (26 bits) with a 6-bit
+//! bloom filter of the chain's nodes (each node has a tag `< 6` derived from
+//! its hash). A lookup whose tag bit is clear stops at the head without
+//! touching a node: most misses (the first packet of every new flow) cost
+//! one cache miss instead of one per chained node.
+//!
+//! * Readers (`find`, `walk`) take no lock and write nothing: they load the
+//!   head and links with `Acquire`, pairing with the writers' `Release`
+//!   stores, so a node reached through a link is fully initialised.
+//! * Writers hold the bucket's stripe lock. `append` sets the node's bloom
+//!   bit in the head, then publishes the initialised node with one `Release`
+//!   store into the tail link; chains therefore stay in insertion (= cookie)
+//!   order. `unlink` swings the predecessor's link past the node with one
+//!   `Release` store and leaves the node's own `next` intact, so a reader
+//!   standing on the removed node still reaches the rest of the chain; then
+//!   it recomputes the bloom bits from the remaining nodes. A bloom filter is
+//!   only ever a superset of the chain's tags while a reader could rely on
+//!   it. The node index is recycled only after an epoch grace period
+//!   (caller's job), so no reader sees it reused.
 //!
 //! These functions are generic over [`Arena`] so that `src/loom_tests.rs`
 //! model-checks exactly this code.
 
-use crate::node::{Arena, NIL, Node, PackedKey};
+use crate::node::{Arena, IDX_BITS, NIL, Node, PackedKey};
 use crate::sync::{AtomicU32, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
+
+/// An empty bucket head.
+pub(crate) const EMPTY: u32 = NIL;
+
+#[inline]
+fn first(head: u32) -> u32 {
+    head & NIL
+}
+
+#[inline]
+fn bit(tag: u32) -> u32 {
+    1 << (IDX_BITS + tag)
+}
 
 /// Lock-free lookup.
 #[inline]
@@ -24,8 +46,13 @@ pub(crate) fn find<'a, A: Arena + ?Sized>(
     arena: &'a A,
     head: &AtomicU32,
     key: &PackedKey,
+    tag: u32,
 ) -> Option<(u32, &'a Node)> {
-    let mut i = head.load(Acquire);
+    let h = head.load(Acquire);
+    if h & bit(tag) == 0 {
+        return None;
+    }
+    let mut i = first(h);
     while i != NIL {
         let n = arena.node(i);
         if n.matches(key) {
@@ -45,12 +72,19 @@ pub(crate) enum Scan {
 }
 
 /// Under the stripe lock: duplicate check and chain length.
-pub(crate) fn scan<A: Arena + ?Sized>(arena: &A, head: &AtomicU32, key: &PackedKey) -> Scan {
+pub(crate) fn scan<A: Arena + ?Sized>(
+    arena: &A,
+    head: &AtomicU32,
+    key: &PackedKey,
+    tag: u32,
+) -> Scan {
+    let h = head.load(Relaxed);
+    let check = h & bit(tag) != 0;
     let mut len = 0;
-    let mut i = head.load(Relaxed);
+    let mut i = first(h);
     while i != NIL {
         let n = arena.node(i);
-        if n.matches(key) {
+        if check && n.matches(key) {
             return Scan::Found(i);
         }
         len += 1;
@@ -59,9 +93,18 @@ pub(crate) fn scan<A: Arena + ?Sized>(arena: &A, head: &AtomicU32, key: &PackedK
     Scan::Absent(len)
 }
 
-/// Under the stripe lock: publishes initialised node `idx` at the tail.
-pub(crate) fn append<A: Arena + ?Sized>(arena: &A, head: &AtomicU32, idx: u32) {
-    let mut link = head;
+/// Under the stripe lock: publishes initialised node `idx` (bloom tag
+/// `tag`) at the tail.
+pub(crate) fn append<A: Arena + ?Sized>(arena: &A, head: &AtomicU32, idx: u32, tag: u32) {
+    let h = head.load(Relaxed);
+    if first(h) == NIL {
+        head.store((h & !NIL) | bit(tag) | idx, Release);
+        return;
+    }
+    if h & bit(tag) == 0 {
+        head.store(h | bit(tag), Release);
+    }
+    let mut link = &arena.node(first(h)).next;
     loop {
         let i = link.load(Relaxed);
         if i == NIL {
@@ -75,48 +118,61 @@ pub(crate) fn append<A: Arena + ?Sized>(arena: &A, head: &AtomicU32, idx: u32) {
 /// Under the stripe lock: unlinks node `idx`; returns the chain length
 /// before the unlink, or `None` if `idx` is not on this chain.
 pub(crate) fn unlink<A: Arena + ?Sized>(arena: &A, head: &AtomicU32, idx: u32) -> Option<usize> {
-    let mut link = head;
-    let mut pos = 0;
+    let h = head.load(Relaxed);
+    let mut len = 0;
     let mut found = false;
-    loop {
-        let i = link.load(Relaxed);
-        if i == NIL {
-            return found.then_some(pos);
-        }
+    let mut bloom = 0;
+    // The predecessor's link, `None` while it is the head.
+    let mut prev: Option<&AtomicU32> = None;
+    let mut i = first(h);
+    while i != NIL {
         let n = arena.node(i);
-        if i == idx && !found {
-            // The successor was published before (we hold the lock that
-            // every writer of this chain held), Release passes that on.
-            link.store(n.next.load(Relaxed), Release);
+        let next = n.next.load(Relaxed);
+        len += 1;
+        if i == idx {
             found = true;
-            pos += 1;
-            // `link` unchanged: it now holds the successor.
-            continue;
+            // The successor was published under the lock we hold; the
+            // Release store passes that on to readers.
+            match prev {
+                None => head.store((h & !NIL) | next, Release),
+                Some(l) => l.store(next, Release),
+            }
+        } else {
+            bloom |= bit(n.tag());
+            prev = Some(&n.next);
         }
-        pos += 1;
-        link = &n.next;
+        i = next;
     }
+    if !found {
+        return None;
+    }
+    // Drop the bloom bits no remaining node needs.
+    let h = head.load(Relaxed);
+    if h & !NIL != bloom {
+        head.store(bloom | first(h), Release);
+    }
+    Some(len)
 }
 
-/// Lock-free walk for dumps: calls `f(idx, node)` for every node reachable
-/// from `head` whose cookie is in `(after, below)`; stops at the first
-/// cookie `>= below` (chains are cookie-ordered, so nothing after it
-/// qualifies) or when `f` returns `false`. Returns `false` iff `f` stopped it.
+/// Lock-free walk for dumps: calls `f(node)` for every node reachable from
+/// `head` whose cookie is in `(after, below)`; stops at the first cookie
+/// `>= below` (chains are cookie-ordered, so nothing after it qualifies) or
+/// when `f` returns `false`. Returns `false` iff `f` stopped it.
 pub(crate) fn walk<A: Arena + ?Sized>(
     arena: &A,
     head: &AtomicU32,
     after: u64,
     below: u64,
-    mut f: impl FnMut(u32, &Node) -> bool,
+    mut f: impl FnMut(&Node) -> bool,
 ) -> bool {
-    let mut i = head.load(Acquire);
+    let mut i = first(head.load(Acquire));
     while i != NIL {
         let n = arena.node(i);
         let c = n.cookie();
         if c >= below {
             return true;
         }
-        if c > after && !f(i, n) {
+        if c > after && !f(n) {
             return false;
         }
         i = n.next.load(Acquire);

@@ -319,13 +319,13 @@ impl FlowTable {
         let t = map.map.get(&key.tenant.0).ok_or(InsertError::NoTenant)?;
         let pk = PackedKey::new(&key);
         let table = &*t.table;
-        let (b, s) = table.locate(&pk, t.salt);
-        let head = table.head(b);
+        let loc = table.locate(&pk, t.salt);
+        let (head, s) = (table.head(loc.bucket), loc.stripe);
         let mut st = table.lock(s);
         if t.removed.load(Relaxed) {
             return Err(InsertError::NoTenant);
         }
-        let len = match chain::scan(&self.slab, head, &pk) {
+        let len = match chain::scan(&self.slab, head, &pk, loc.tag) {
             Scan::Found(i) => return Err(InsertError::Exists(Cookie(self.slab.node(i).cookie()))),
             Scan::Absent(len) => len,
         };
@@ -338,8 +338,8 @@ impl FlowTable {
             return Err(InsertError::ChainFull);
         };
         let cookie = st.next_cookie(&self.cookies);
-        self.slab.node(idx).init(&pk, &init, cookie, now);
-        chain::append(&self.slab, head, idx);
+        self.slab.node(idx).init(&pk, loc.tag, &init, cookie, now);
+        chain::append(&self.slab, head, idx, loc.tag);
         st.hist_move(len, len + 1);
         st.push_new(idx, &self.slab);
         table.set_new_hint(s, &st);
@@ -354,8 +354,8 @@ impl FlowTable {
         let map = self.tenants.load(&guard);
         let t = map.map.get(&key.tenant.0)?;
         let pk = PackedKey::new(key);
-        let (b, _) = t.table.locate(&pk, t.salt);
-        let (_, n) = chain::find(&self.slab, t.table.head(b), &pk)?;
+        let loc = t.table.locate(&pk, t.salt);
+        let (_, n) = chain::find(&self.slab, t.table.head(loc.bucket), &pk, loc.tag)?;
         Some(f(t, n))
     }
 
@@ -389,9 +389,10 @@ impl FlowTable {
             return false;
         };
         let pk = PackedKey::new(key);
-        let (b, s) = t.table.locate(&pk, t.salt);
+        let loc = t.table.locate(&pk, t.salt);
+        let s = loc.stripe;
         let mut st = t.table.lock(s);
-        let Some((idx, n)) = chain::find(&self.slab, t.table.head(b), &pk) else {
+        let Some((idx, n)) = chain::find(&self.slab, t.table.head(loc.bucket), &pk, loc.tag) else {
             return false;
         };
         n.set_state(state);
@@ -408,10 +409,10 @@ impl FlowTable {
         let map = self.tenants.load(&guard);
         let t = map.map.get(&key.tenant.0)?;
         let pk = PackedKey::new(key);
-        let (b, s) = t.table.locate(&pk, t.salt);
-        let head = t.table.head(b);
+        let loc = t.table.locate(&pk, t.salt);
+        let (head, s) = (t.table.head(loc.bucket), loc.stripe);
         let mut st = t.table.lock(s);
-        let (idx, n) = chain::find(&self.slab, head, &pk)?;
+        let (idx, n) = chain::find(&self.slab, head, &pk, loc.tag)?;
         let len = chain::unlink(&self.slab, head, idx)?;
         n.clear_live();
         let snap = n.snapshot(|s| t.timeout(s));
@@ -438,8 +439,8 @@ impl FlowTable {
         // The key may change under us if the node is recycled meanwhile;
         // then it is not on the chain we lock and `unlink` finds nothing.
         let pk = n.key();
-        let (b, s) = t.table.locate(&pk, t.salt);
-        let head = t.table.head(b);
+        let loc = t.table.locate(&pk, t.salt);
+        let (head, s) = (t.table.head(loc.bucket), loc.stripe);
         let mut st = t.table.lock(s);
         if !n.is_live() || n.tenant() != t.id.0 || !n.matches(&pk) {
             return Unlink::Gone;
@@ -618,7 +619,7 @@ impl FlowTable {
             for b in b0..table.buckets() {
                 let after = if same && b == b0 { start.cookie } else { 0 };
                 let mut stop = None;
-                chain::walk(&self.slab, table.head(b), after, below, |_, n| {
+                chain::walk(&self.slab, table.head(b), after, below, |n| {
                     if !n.is_live() {
                         return true;
                     }
@@ -671,7 +672,7 @@ impl FlowTable {
             let skip = if b == resume.0 { resume.1 } else { 0 };
             let mut pos = 0;
             let mut stop = None;
-            chain::walk(&self.slab, self.shared.head(b), 0, u64::MAX, |_, n| {
+            chain::walk(&self.slab, self.shared.head(b), 0, u64::MAX, |n| {
                 pos += 1;
                 if pos <= skip || !n.is_live() {
                     return true;
@@ -747,4 +748,4 @@ impl FlowTable {
 }
 
 #[allow(dead_code)]
-const _UNFILED_FITS: () = assert!(UNFILED as u64 >= crate::wheel::SLOTS);
+const _UNFILED_FITS: () = assert!(UNFILED as u64 > crate::wheel::SLOTS);

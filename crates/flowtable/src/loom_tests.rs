@@ -13,7 +13,8 @@ use loom::sync::{Arc, Mutex};
 use loom::thread;
 
 use crate::chain;
-use crate::node::{NIL, Node, PackedKey};
+use crate::chain::EMPTY;
+use crate::node::{Node, PackedKey};
 use crate::sync::AtomicU32;
 use crate::types::{BackendId, FlowInit, FlowState, Millis, ServiceId};
 
@@ -33,6 +34,12 @@ fn key(i: u32) -> PackedKey {
     }
 }
 
+/// Bloom tags: entries 0 and 2 share a bit, 1 has its own, so both the
+/// "bit set by another node" and "bit cleared on unlink" paths are explored.
+fn tag(i: u32) -> u32 {
+    i % 2
+}
+
 fn init(w: &World, idx: u32, cookie: u64) {
     let k = key(idx);
     let init = FlowInit {
@@ -40,26 +47,26 @@ fn init(w: &World, idx: u32, cookie: u64) {
         backend: BackendId(100 + idx),
         state: FlowState::Established,
     };
-    w.nodes[idx as usize].init(&k, &init, cookie, Millis(5));
+    w.nodes[idx as usize].init(&k, tag(idx), &init, cookie, Millis(5));
 }
 
 /// Chain `0 -> 1 -> ... -> n-1`, built before threads start.
 fn world(nodes: u32, linked: u32) -> Arc<World> {
     let w = World {
         nodes: (0..nodes).map(|_| Node::default()).collect(),
-        head: AtomicU32::new(NIL),
+        head: AtomicU32::new(EMPTY),
         lock: Mutex::new(()),
     };
     for i in 0..linked {
         init(&w, i, u64::from(i) + 1);
-        chain::append(&*w.nodes, &w.head, i);
+        chain::append(&*w.nodes, &w.head, i, tag(i));
     }
     Arc::new(w)
 }
 
 /// A found node must be exactly entry `i`.
 fn check_found(w: &World, i: u32) -> bool {
-    match chain::find(&*w.nodes, &w.head, &key(i)) {
+    match chain::find(&*w.nodes, &w.head, &key(i), tag(i)) {
         None => false,
         Some((idx, n)) => {
             assert_eq!(idx, i);
@@ -69,6 +76,21 @@ fn check_found(w: &World, i: u32) -> bool {
             true
         }
     }
+}
+
+/// A lock-free walk (what dumps do) sees only fully initialised nodes.
+fn check_walk(w: &World) -> usize {
+    let mut n = 0;
+    chain::walk(&*w.nodes, &w.head, 0, u64::MAX, |node| {
+        let c = node.cookie();
+        assert!(c != 0, "cookie not published");
+        let i = (c - 1) as u32;
+        assert_eq!(node.key(), key(i), "key not published");
+        assert_eq!(node.backend(), BackendId(100 + i), "backend not published");
+        n += 1;
+        true
+    });
+    n
 }
 
 #[test]
@@ -81,7 +103,7 @@ fn loom_lookup_vs_insert_and_remove() {
             {
                 let _g = wr.lock.lock().unwrap();
                 init(&wr, 2, 3);
-                chain::append(&*wr.nodes, &wr.head, 2);
+                chain::append(&*wr.nodes, &wr.head, 2, tag(2));
             }
             {
                 let _g = wr.lock.lock().unwrap();
@@ -92,6 +114,7 @@ fn loom_lookup_vs_insert_and_remove() {
         assert!(check_found(&w, 0), "stable entry missed");
         let _ = check_found(&w, 2);
         let _ = check_found(&w, 1);
+        assert!(check_walk(&w) >= 1);
         writer.join().unwrap();
         assert!(check_found(&w, 2));
         assert!(!check_found(&w, 1));
@@ -129,7 +152,7 @@ fn loom_two_writers_and_a_reader() {
             thread::spawn(move || {
                 let _g = wr.lock.lock().unwrap();
                 init(&wr, i, u64::from(i) + 1);
-                chain::append(&*wr.nodes, &wr.head, i);
+                chain::append(&*wr.nodes, &wr.head, i, tag(i));
             })
         };
         let a = spawn(1);
@@ -137,6 +160,7 @@ fn loom_two_writers_and_a_reader() {
         assert!(check_found(&w, 0));
         let _ = check_found(&w, 1);
         let _ = check_found(&w, 2);
+        assert!(check_walk(&w) >= 1);
         a.join().unwrap();
         b.join().unwrap();
         assert!(check_found(&w, 1) && check_found(&w, 2));

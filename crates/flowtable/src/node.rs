@@ -17,8 +17,12 @@ use crate::types::{
     TenantId,
 };
 
-/// End of a chain.
-pub(crate) const NIL: u32 = u32::MAX;
+/// Bits of a node index; the table holds at most `NIL` (2^26 - 1) entries.
+pub(crate) const IDX_BITS: u32 = 26;
+/// End of a chain (also the "no entry" index in a bucket head).
+pub(crate) const NIL: u32 = (1 << IDX_BITS) - 1;
+/// Bits of the per-bucket bloom filter kept above the index in the head.
+pub(crate) const BLOOM_BITS: u32 = 32 - IDX_BITS;
 
 // `meta` word layout.
 pub(crate) const LIVE: u32 = 1;
@@ -29,8 +33,10 @@ const KEY_BITS: u32 = UDP | C6 | V6;
 const STATE_SHIFT: u32 = 4;
 const STATE_MASK: u32 = 0xF << STATE_SHIFT;
 const SLOT_SHIFT: u32 = 8;
-/// Wheel slot numbers must fit in 24 bits; this value means "not filed".
-pub(crate) const UNFILED: u32 = 0xFF_FFFF;
+/// Wheel slot numbers must fit in 12 bits; this value means "not filed".
+pub(crate) const UNFILED: u32 = 0xFFF;
+const TAG_SHIFT: u32 = 20;
+const TAG_MASK: u32 = 0x7 << TAG_SHIFT;
 
 /// A key packed the way nodes store it: compared and hashed as words.
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
@@ -123,7 +129,8 @@ const _: () = assert!(std::mem::size_of::<Node>() == 112);
 impl Node {
     /// Writes a fresh entry. Only for a node no reader can reach (just
     /// allocated); the writer then publishes it with a Release store.
-    pub(crate) fn init(&self, k: &PackedKey, init: &FlowInit, cookie: u64, now: Millis) {
+    /// `tag` (`< BLOOM_BITS`) is the node's bit in its bucket's bloom filter.
+    pub(crate) fn init(&self, k: &PackedKey, tag: u32, init: &FlowInit, cookie: u64, now: Millis) {
         self.next.store(NIL, Relaxed);
         self.tenant.store(k.tenant, Relaxed);
         self.ports.store(k.ports, Relaxed);
@@ -140,7 +147,10 @@ impl Node {
         self.service.store(init.service.0, Relaxed);
         self.backend.store(init.backend.0, Relaxed);
         self.meta.store(
-            LIVE | k.bits | (init.state.code() << STATE_SHIFT) | (UNFILED << SLOT_SHIFT),
+            LIVE | k.bits
+                | (init.state.code() << STATE_SHIFT)
+                | (UNFILED << SLOT_SHIFT)
+                | (tag << TAG_SHIFT),
             Relaxed,
         );
     }
@@ -197,7 +207,12 @@ impl Node {
 
     /// Wheel slot this node was last filed in (`UNFILED` if none).
     pub(crate) fn filed_slot(&self) -> u32 {
-        self.meta.load(Relaxed) >> SLOT_SHIFT
+        (self.meta.load(Relaxed) >> SLOT_SHIFT) & UNFILED
+    }
+
+    /// The node's bloom bit number in its bucket head.
+    pub(crate) fn tag(&self) -> u32 {
+        (self.meta.load(Relaxed) & TAG_MASK) >> TAG_SHIFT
     }
 
     pub(crate) fn set_filed_slot(&self, slot: u32) {
@@ -270,14 +285,16 @@ impl Arena for [Node] {
 /// First chunks grow geometrically (1 Ki, 1 Ki, 2 Ki ... 32 Ki nodes) so a
 /// small table stays small; past 64 Ki nodes every chunk holds 64 Ki nodes
 /// (7 MiB), so the last chunk wastes at most 7 MiB whatever the size.
+/// Indices are 26 bits (the bucket head keeps a bloom filter above them),
+/// so a `FlowTable` holds at most 2^26 - 1 (~67 M) entries.
 const SMALL: u32 = 1024;
 const BIG_SHIFT: u32 = 16;
 const BIG: u32 = 1 << BIG_SHIFT;
 const SMALL_CHUNKS: usize = 7;
-const CHUNKS: usize = SMALL_CHUNKS + (1 << (32 - BIG_SHIFT)) - 1;
+const CHUNKS: usize = SMALL_CHUNKS + (1 << (IDX_BITS - BIG_SHIFT)) - 1;
 
 /// The node arena: chunks allocated on demand and never freed before the
-/// table, addressed by `u32`. Index `u32::MAX` is never handed out (`NIL`).
+/// table, addressed by 26-bit indices. Index `NIL` is never handed out.
 #[derive(Debug)]
 pub(crate) struct Slab {
     dir: Box<[OnceLock<Box<[Node]>>]>,
@@ -313,7 +330,7 @@ impl Slab {
         }
     }
 
-    /// Reserves `n` fresh indices; `None` once the 2^32 - 1 space is used.
+    /// Reserves `n` fresh indices; `None` once the 2^26 - 1 space is used.
     pub(crate) fn alloc_block(&self, n: u32) -> Option<std::ops::Range<u32>> {
         let start = self
             .high
@@ -371,7 +388,7 @@ mod tests {
             assert!(off < len);
             expect.1 += 1;
         }
-        assert_eq!(locate(u32::MAX - 1).0, CHUNKS - 1);
+        assert_eq!(locate(NIL - 1).0, CHUNKS - 1);
     }
 
     #[test]

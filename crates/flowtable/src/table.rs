@@ -10,7 +10,7 @@ use crossbeam_utils::CachePadded;
 use parking_lot::{Mutex, MutexGuard};
 use siphasher::sip::SipHasher13;
 
-use crate::node::{Arena, PackedKey, Slab};
+use crate::node::{Arena, BLOOM_BITS, PackedKey, Slab};
 use crate::sync::AtomicU32;
 
 /// Node indices recycled after their grace period, shared by all tables.
@@ -63,6 +63,15 @@ pub(crate) struct Table {
     k1: u64,
     pub(crate) max_chain: usize,
     pool: Arc<FreePool>,
+}
+
+/// Where a key lives in a table.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Loc {
+    pub(crate) bucket: usize,
+    pub(crate) stripe: usize,
+    /// Bloom bit of the key in its bucket head.
+    pub(crate) tag: u32,
 }
 
 /// Snapshot of chain statistics.
@@ -167,7 +176,7 @@ impl Table {
         let stripes = stripes.min(buckets);
         let mut heads = Vec::new();
         heads.try_reserve_exact(buckets).ok()?;
-        heads.extend((0..buckets).map(|_| AtomicU32::new(crate::node::NIL)));
+        heads.extend((0..buckets).map(|_| AtomicU32::new(crate::chain::EMPTY)));
         let per_stripe = (buckets / stripes) as u64;
         let stripes = (0..stripes)
             .map(|_| {
@@ -205,9 +214,8 @@ impl Table {
     }
 
     /// Keyed SipHash-1-3 of the full key, salted with the tenant's salt.
-    /// Returns (bucket, stripe).
     #[inline]
-    pub(crate) fn locate(&self, k: &PackedKey, salt: u64) -> (usize, usize) {
+    pub(crate) fn locate(&self, k: &PackedKey, salt: u64) -> Loc {
         let mut h = SipHasher13::new_with_keys(self.k0, self.k1);
         h.write_u64(salt ^ (u64::from(k.tenant) << 32 | u64::from(k.bits)));
         h.write_u64(u64::from(k.ports));
@@ -215,8 +223,13 @@ impl Table {
         h.write_u64(k.caddr[1]);
         h.write_u64(k.vaddr[0]);
         h.write_u64(k.vaddr[1]);
-        let b = (h.finish() & self.mask) as usize;
-        (b, b & self.stripe_mask)
+        let h = h.finish();
+        let bucket = (h & self.mask) as usize;
+        Loc {
+            bucket,
+            stripe: bucket & self.stripe_mask,
+            tag: ((h >> 32) as u32) % BLOOM_BITS,
+        }
     }
 
     #[inline]

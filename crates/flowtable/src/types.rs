@@ -453,8 +453,8 @@ pub enum InsertError {
     /// The key is present; its cookie.
     #[error("flow exists (cookie {0})")]
     Exists(Cookie),
-    /// The key's chain is at `max_chain` (possible hash flood), or — in
-    /// practice unreachable — the table's 2^32 entry slots are exhausted.
+    /// The key's chain is at `max_chain` (possible hash flood), or the
+    /// table already holds its maximum of 2^26 - 1 (~67 M) entries.
     /// Counted in [`TableStats::refused_inserts`].
     #[error("hash chain full: insert refused")]
     ChainFull,

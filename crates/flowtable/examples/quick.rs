@@ -1,0 +1,154 @@
+//! Quick single-process timing of the table's operations, for development.
+//! Not a benchmark of record (weir-bench `table` races the peers); prints
+//! ns/op measured in this run only. The machine is shared and noisy.
+//!
+//! `cargo run --release -p weir-flowtable --example quick -- [entries] [stripes]`
+
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::time::Instant;
+
+use weir_flowtable::*;
+
+fn key(i: u64) -> FlowKey {
+    FlowKey {
+        tenant: TenantId(1),
+        proto: Proto::Tcp,
+        client: SocketAddr::new(
+            Ipv6Addr::new(
+                0x2001,
+                0xdb8,
+                0,
+                0,
+                0,
+                (i >> 32) as u16,
+                (i >> 16) as u16,
+                i as u16,
+            )
+            .into(),
+            (i % 50_000) as u16 + 1024,
+        ),
+        virt: SocketAddr::new(Ipv4Addr::new(192, 0, 2, 1).into(), 443),
+    }
+}
+
+/// CPU time of this thread in ns (the machine is oversubscribed, so wall
+/// time mostly measures other people's builds).
+fn cpu_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+#[derive(Clone, Copy)]
+struct Clock(Instant, u64);
+
+fn now() -> Clock {
+    Clock(Instant::now(), cpu_ns())
+}
+
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^ (x >> 33)
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let n: u64 = args
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1_000_000);
+    let stripes: Option<usize> = args.next().and_then(|s| s.parse().ok());
+    let cfg = TableConfig {
+        shared_buckets: (n as usize).next_power_of_two(),
+        seed: Some(1),
+        ..Default::default()
+    };
+    let t = match stripes {
+        Some(s) => FlowTable::with_stripes(cfg, s),
+        None => FlowTable::new(cfg),
+    };
+    t.add_tenant(TenantId(1), TenantConfig::default()).unwrap();
+    let init = FlowInit {
+        service: ServiceId(1),
+        backend: BackendId(2),
+        state: FlowState::Established,
+    };
+    let t0 = now();
+    for i in 0..n {
+        t.insert(key(i), init, Millis(0)).unwrap();
+    }
+    let ns = |t0: Clock, ops: u64| {
+        let wall = t0.0.elapsed().as_nanos() as f64 / ops as f64;
+        let cpu = (cpu_ns() - t0.1) as f64 / ops as f64;
+        format!("{cpu:7.1} cpu-ns ({wall:7.1} wall)")
+    };
+    println!(
+        "entries {n}; noisy shared machine, figures from this run only (CPU time of this thread)"
+    );
+    println!("insert        {} /op", ns(t0, n));
+    println!(
+        "memory        {:7.1} B/entry",
+        t.memory_bytes() as f64 / n as f64
+    );
+    let ops = 2_000_000u64;
+    let t0 = now();
+    let mut hits = 0;
+    for j in 0..ops {
+        hits += u64::from(t.get(&key(mix(j) % n)).is_some());
+    }
+    println!("get hit       {} /op ({hits})", ns(t0, ops));
+    let t0 = now();
+    for j in 0..ops {
+        hits += u64::from(t.touch(&key(mix(j) % n), Millis(1), Dir::In, 10).is_some());
+    }
+    println!("touch hit     {} /op ({hits})", ns(t0, ops));
+    let t0 = now();
+    let mut miss = 0;
+    for j in 0..ops {
+        miss += u64::from(t.get(&key(n + mix(j) % n)).is_none());
+    }
+    println!("get miss      {} /op ({miss})", ns(t0, ops));
+    let t0 = now();
+    for j in 0..ops / 2 {
+        let add = n + j;
+        t.insert(key(add), init, Millis(2)).unwrap();
+        t.remove(&key(j)).unwrap();
+    }
+    println!("churn pair    {} /pair", ns(t0, ops / 2));
+    for page in [1usize, 100, 10_000] {
+        let t0 = now();
+        let mut out = Vec::with_capacity(page);
+        let mut cur = None;
+        let mut total = 0;
+        loop {
+            out.clear();
+            let next = t.dump(cur.as_ref(), &DumpFilter::default(), page, &mut out);
+            total += out.len();
+            match next {
+                Some(c) => cur = Some(c),
+                None => break,
+            }
+        }
+        println!(
+            "dump page {page:>5} {} /entry ({total})",
+            ns(t0, total as u64)
+        );
+    }
+    let t0 = now();
+    let mut out = Vec::new();
+    let mut expired = 0;
+    loop {
+        out.clear();
+        let k = t.expire(Millis(10_000_000), 100_000, &mut out);
+        expired += k;
+        if k == 0 {
+            break;
+        }
+    }
+    println!(
+        "expire        {} /entry ({expired})",
+        ns(t0, expired as u64)
+    );
+}
