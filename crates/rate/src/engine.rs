@@ -3,12 +3,10 @@
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
-use std::sync::atomic::fence;
 use std::time::Duration;
 
-use parking_lot::Mutex;
-
 use crate::chunk::{BUSY, CHUNK, Cell, Chunk, DEAD, FIELDS, IN_USE, STARTED, ZERO};
+use crate::sync::{Mutex, fence};
 use crate::{Config, ConfigError, ewma};
 
 /// The estimation period: every estimator is visited once per 2 s, as in IPVS.

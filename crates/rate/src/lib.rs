@@ -74,6 +74,15 @@
 //! and 8 B (flags, handle count): 208 B with 2 workers. A handle is 16 B.
 //! Chunks are kept and reused after their estimators are freed.
 //!
+//! # Checking the concurrency
+//!
+//! All atomics and mutexes go through the `sync` module, which swaps in
+//! shuttle's under `--cfg shuttle` (chunks then hold 4 estimators) so
+//! `tests/shuttle.rs` explores schedules of the real code: add/clone/drop
+//! racing a baseline visit, `zero()` racing a visit, worker updates racing
+//! visits. Run: `RUSTFLAGS="--cfg shuttle" cargo test -p weir-rate --release
+//! --test shuttle`.
+//!
 //! # Driving it (daemon side)
 //!
 //! ```
@@ -119,6 +128,7 @@ mod calibrate;
 mod chunk;
 mod engine;
 pub mod ewma;
+mod sync;
 
 use std::time::Duration;
 
