@@ -18,7 +18,9 @@
 //!   `Connection: close`, requests/s = new connections/s), `rps` (wrk
 //!   keep-alive), `gbps_1` / `gbps_8` (iperf3, 1 and 8 streams),
 //!   `udp_dps` (64-byte datagrams echoed per second, bounded window per
-//!   client). Workers 1 and 2 (`--quick`: 1).
+//!   client). Workers 1 and 2 (`--quick`: 1). All implementations of one
+//!   worker count run side by side and the runs interleave (3 repetitions,
+//!   `--quick` 1); a row is the median.
 //! - `memory[]` `{impl, conns, bytes_per_conn}`: idle proxied connections
 //!   (5,000; quick 1,000) on a fresh instance with one worker; bytes = growth
 //!   of the proxy's RSS (whole process tree) + growth of kernel TCP memory
@@ -29,7 +31,7 @@
 //!   TCP growth once kernel memory stops growing, divided by the clients),
 //!   for weir with `notsent_lowat = 0` (off), weir's default (on) and
 //!   HAProxy's defaults; `gbps_*` is one iperf3 stream through weir off/on
-//!   (best of the runs, interleaved).
+//!   (median of the runs, interleaved off/on).
 //!
 //! Figures are never invented: an implementation that cannot run (weir not
 //! built yet, a peer not installed) gets a line saying so and no JSON rows.
@@ -66,6 +68,8 @@ struct Plan {
     settle: Duration,
     /// iperf3 single-stream runs per weir setting in the lowat comparison.
     lowat_reps: usize,
+    /// Interleaved repetitions of every load test (the row is the median).
+    reps: usize,
 }
 
 impl Plan {
@@ -80,6 +84,7 @@ impl Plan {
                 slow_conns: 200,
                 settle: Duration::from_secs(4),
                 lowat_reps: 1,
+                reps: 1,
             }
         } else {
             Self {
@@ -90,7 +95,8 @@ impl Plan {
                 idle_conns: 5_000,
                 slow_conns: 1_000,
                 settle: Duration::from_secs(20),
-                lowat_reps: 2,
+                lowat_reps: 3,
+                reps: 3,
             }
         }
     }
@@ -105,6 +111,8 @@ const WRK_CONNS_RPS: usize = 64;
 const UDP_CLIENTS: usize = 4;
 const UDP_WINDOW: u64 = 32;
 const UDP_MAX_PER_CLIENT: u64 = 5_000_000;
+/// The load tests, in the order they run.
+const TESTS: [&str; 5] = ["cps", "rps", "gbps_1", "gbps_8", "udp_dps"];
 
 /// One measured figure.
 #[derive(Debug, Clone)]
@@ -288,7 +296,7 @@ impl Ctx {
                 Err(e) => self.error(format!("haproxy slow readers: {e:#}")),
             }
         }
-        let mut gbps: HashMap<&str, f64> = HashMap::new();
+        let mut runs: HashMap<&str, Vec<f64>> = HashMap::new();
         let off = self.start(Impl::Weir, 1, Some(0));
         let on = off.as_ref().and_then(|_| self.start(Impl::Weir, 1, None));
         if let (Some(off), Some(on)) = (off, on) {
@@ -303,15 +311,16 @@ impl Ctx {
             for _ in 0..self.plan.lowat_reps {
                 for (key, p) in [("off", &off), ("on", &on)] {
                     match load::iperf3(self.dir.path(), p.routes.iperf, self.plan.iperf_secs, 1) {
-                        Ok(g) => {
-                            let best = gbps.entry(key).or_insert(0.0);
-                            *best = best.max(g);
-                        }
+                        Ok(g) => runs.entry(key).or_default().push(g),
                         Err(e) => self.error(format!("weir {key} iperf3: {e:#}")),
                     }
                 }
             }
         }
+        let gbps: HashMap<&str, f64> = runs
+            .into_iter()
+            .filter_map(|(k, v)| Some((k, median(v.into_iter())?)))
+            .collect();
         let mut t = Table::new([
             "slow readers",
             "clients",
@@ -353,6 +362,12 @@ impl Ctx {
     }
 
     /// cps, rps, gbps_1, gbps_8, udp_dps for each worker count.
+    ///
+    /// All implementations of one worker count run side by side (idle ones
+    /// cost nothing) and the runs interleave: every repetition runs each test
+    /// on every implementation, in an order rotated per repetition, so a
+    /// burst of someone else's build hits them all alike. The row is the
+    /// median of the repetitions.
     fn load_phase(&mut self) {
         let workers = self.plan.workers.clone();
         for (i, &w) in workers.iter().enumerate() {
@@ -360,37 +375,63 @@ impl Ctx {
             if i == 0 {
                 impls.insert(0, Impl::Direct);
             }
-            for imp in impls {
-                let Some(mut p) = self.start(imp, w, None) else {
-                    continue;
-                };
-                let w = if imp == Impl::Direct { 0 } else { w };
-                self.load_one(&mut p, w);
+            let mut running: Vec<Proxy> = impls
+                .into_iter()
+                .filter_map(|imp| self.start(imp, w, None))
+                .collect();
+            let mut samples: Vec<(Impl, &'static str, f64, Option<f64>)> = Vec::new();
+            for rep in 0..self.plan.reps {
+                for test in TESTS {
+                    let k = running.len().max(1);
+                    for j in 0..running.len() {
+                        let p = &running[(j + rep) % k];
+                        if let Some((v, p99)) = self.run_test(p, test) {
+                            samples.push((p.imp, test, v, p99));
+                        }
+                    }
+                }
+            }
+            for p in &mut running {
+                if let Err(e) = p.check_alive() {
+                    self.error(format!(
+                        "{} died during the load tests: {e:#}",
+                        p.imp.name()
+                    ));
+                }
+                let workers = if p.imp == Impl::Direct { 0 } else { w };
+                for test in TESTS {
+                    let mine: Vec<_> = samples
+                        .iter()
+                        .filter(|(i, t, _, _)| *i == p.imp && *t == test)
+                        .collect();
+                    let value = median(mine.iter().map(|s| s.2));
+                    let p99_ms = median(mine.iter().filter_map(|s| s.3));
+                    if let Some(value) = value {
+                        self.rows.push(Row {
+                            imp: p.imp,
+                            workers,
+                            test,
+                            value,
+                            p99_ms,
+                        });
+                    }
+                }
             }
         }
     }
 
-    fn load_one(&mut self, p: &mut Proxy, workers: usize) {
-        let (imp, plan, dir) = (p.imp, self.plan.clone(), self.dir.path().to_path_buf());
-        let push = |rows: &mut Vec<Row>, test, value, p99_ms| {
-            rows.push(Row {
-                imp,
-                workers,
-                test,
-                value,
-                p99_ms,
-            });
-        };
-        for (test, close, conns) in [("cps", true, WRK_CONNS_CPS), ("rps", false, WRK_CONNS_RPS)] {
-            match load::wrk(
-                &dir,
-                p.routes.http,
-                plan.wrk_secs,
-                WRK_THREADS,
-                conns,
-                close,
-            ) {
-                Ok(r) => {
+    /// One run of `test` on `p`: (value, p99 ms), or None (error recorded,
+    /// or the test does not apply).
+    fn run_test(&mut self, p: &Proxy, test: &'static str) -> Option<(f64, Option<f64>)> {
+        let (imp, plan, dir) = (p.imp, &self.plan, self.dir.path());
+        let r = match test {
+            "cps" | "rps" => {
+                let (close, conns) = if test == "cps" {
+                    (true, WRK_CONNS_CPS)
+                } else {
+                    (false, WRK_CONNS_RPS)
+                };
+                load::wrk(dir, p.routes.http, plan.wrk_secs, WRK_THREADS, conns, close).map(|r| {
                     if r.errors + r.non2xx > 0 {
                         println!(
                             "note: {} {test}: {} socket errors, {} non-2xx",
@@ -399,49 +440,44 @@ impl Ctx {
                             r.non2xx
                         );
                     }
-                    push(&mut self.rows, test, r.rps, r.p99_ms);
-                }
-                Err(e) => self.error(format!("{} {test}: {e:#}", imp.name())),
+                    (r.rps, r.p99_ms)
+                })
             }
-        }
-        for (test, streams) in [("gbps_1", 1), ("gbps_8", 8)] {
-            match load::iperf3(&dir, p.routes.iperf, plan.iperf_secs, streams) {
-                Ok(g) => push(&mut self.rows, test, g, None),
-                Err(e) => self.error(format!("{} {test}: {e:#}", imp.name())),
+            "gbps_1" | "gbps_8" => {
+                let streams = if test == "gbps_1" { 1 } else { 8 };
+                load::iperf3(dir, p.routes.iperf, plan.iperf_secs, streams).map(|g| (g, None))
             }
-        }
-        match p.routes.udp {
-            None => println!("note: {} does not proxy UDP: no udp_dps row", imp.name()),
-            Some(port) => {
-                match load::udp_load(
+            _ => {
+                let port = p.routes.udp?;
+                load::udp_load(
                     sys::lo(port),
                     plan.udp,
                     UDP_CLIENTS,
                     UDP_WINDOW,
                     UDP_MAX_PER_CLIENT,
-                ) {
-                    Ok(r) if r.received > 0 => {
-                        let lost = r.sent - r.received.min(r.sent);
-                        println!(
-                            "note: {} udp: {} sent, {} echoed ({:.1}% lost)",
-                            imp.name(),
-                            r.sent,
-                            r.received,
-                            100.0 * lost as f64 / r.sent.max(1) as f64
-                        );
-                        push(&mut self.rows, "udp_dps", r.dps(), None);
-                    }
-                    Ok(r) => self.error(format!(
-                        "{} udp: no reply to {} datagrams",
+                )
+                .and_then(|r| {
+                    let lost = r.sent - r.received.min(r.sent);
+                    println!(
+                        "note: {} udp: {} sent, {} echoed ({:.1}% lost)",
                         imp.name(),
-                        r.sent
-                    )),
-                    Err(e) => self.error(format!("{} udp: {e:#}", imp.name())),
-                }
+                        r.sent,
+                        r.received,
+                        100.0 * lost as f64 / r.sent.max(1) as f64
+                    );
+                    if r.received == 0 {
+                        bail!("no reply to {} datagrams", r.sent);
+                    }
+                    Ok((r.dps(), None))
+                })
             }
-        }
-        if let Err(e) = p.check_alive() {
-            self.error(format!("{} died during the load tests: {e:#}", imp.name()));
+        };
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.error(format!("{} {test}: {e:#}", imp.name()));
+                None
+            }
         }
     }
 
@@ -508,7 +544,7 @@ impl Ctx {
             "vs best peer",
             "vs direct",
         ]);
-        for test in ["cps", "rps", "gbps_1", "gbps_8", "udp_dps"] {
+        for test in TESTS {
             for r in self.rows.iter().filter(|r| r.test == test) {
                 let w = r.workers;
                 t.row([
@@ -528,6 +564,18 @@ impl Ctx {
                         ratio(r.value, best_peer(test, w))
                     },
                     ratio(r.value, direct(test)),
+                ]);
+            }
+            if test == "udp_dps" && self.available(Impl::Haproxy) {
+                t.row([
+                    test,
+                    "-",
+                    "haproxy",
+                    "n/a (no UDP proxying)",
+                    "",
+                    "",
+                    "",
+                    "",
                 ]);
             }
             if !self.available(Impl::Weir) {
@@ -707,6 +755,21 @@ fn settle_kernel(timeout: Duration, tol: f64) -> Result<(u64, bool)> {
     }
 }
 
+/// Median (mean of the middle two for an even count); None when empty.
+fn median(v: impl Iterator<Item = f64>) -> Option<f64> {
+    let mut v: Vec<f64> = v.collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    Some(if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        f64::midpoint(v[m - 1], v[m])
+    })
+}
+
 fn unit(test: &str) -> &'static str {
     match test {
         "cps" => "conn/s",
@@ -736,6 +799,13 @@ mod tests {
         let mut p = start_proxy(imp, 1, &be.routes, &WeirOpts::default()).unwrap();
         probe(&mut p, &bench.idle_open).unwrap();
         idle_memory(&p, &bench.idle_open, n).unwrap()
+    }
+
+    #[test]
+    fn median_of_odd_even_and_empty() {
+        assert_eq!(median([3.0, 1.0, 2.0].into_iter()), Some(2.0));
+        assert_eq!(median([4.0, 1.0, 2.0, 3.0].into_iter()), Some(2.5));
+        assert_eq!(median(std::iter::empty()), None);
     }
 
     #[test]
