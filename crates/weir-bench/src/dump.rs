@@ -13,24 +13,22 @@
 //! Every dump and every phase is bounded by a time limit; a dump cut short
 //! is reported as incomplete, never extrapolated.
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use serde_json::{Value, json};
 use weir_flowtable::{
-    Cursor, DumpFilter, FlowSnapshot, FlowTable, TableConfig, TenantConfig, TenantId,
+    Cursor, DumpFilter, FlowSnapshot, FlowTable, Millis, TableConfig, TenantConfig, TenantId,
 };
 
 use crate::Common;
 use crate::report::{Table, ratio};
-use crate::table::harness::{idx_of, key, si, thread_cpu_secs};
+use crate::table::harness::{PeerVal, idx_of, key, si, thread_cpu_secs};
+use crate::table::peers::flow_init;
 use crate::table::{Goal, par_fill, print_goals};
 
 const TENANT: u32 = 1;
-/// Churned keys start here, far above the stable ones.
-const CHURN_BASE: u64 = 1 << 40;
 const PAGES: [usize; 3] = [1, 100, 10_000];
 
 /// Sizes and limits of one run.
@@ -40,9 +38,7 @@ struct Plan {
     buckets: Vec<usize>,
     dump_limit: Duration,
     build_limit: Duration,
-    exact_stable: u64,
-    exact_churn_live: u64,
-    exact_buckets: usize,
+    exact_window: u64,
     exact_dumps: usize,
     naive_dumps: usize,
     exact_limit: Duration,
@@ -56,9 +52,7 @@ impl Plan {
                 buckets: vec![1 << 16, 1 << 24],
                 dump_limit: Duration::from_secs(5),
                 build_limit: Duration::from_secs(20),
-                exact_stable: 100_000,
-                exact_churn_live: 20_000,
-                exact_buckets: 1 << 13,
+                exact_window: 100_000,
                 exact_dumps: 100,
                 naive_dumps: 20,
                 exact_limit: Duration::from_secs(15),
@@ -69,9 +63,7 @@ impl Plan {
                 buckets: vec![1 << 16, 1 << 24],
                 dump_limit: Duration::from_secs(60),
                 build_limit: Duration::from_secs(300),
-                exact_stable: 1_000_000,
-                exact_churn_live: 100_000,
-                exact_buckets: 1 << 16,
+                exact_window: 1_000_000,
                 exact_dumps: 100,
                 naive_dumps: 20,
                 exact_limit: Duration::from_secs(240),
@@ -206,94 +198,100 @@ fn speed_section(plan: &Plan) -> Result<Vec<Speed>> {
     Ok(rows)
 }
 
-/// Exactness figures for one algorithm.
+/// Exactness figures for one algorithm and table shape.
 #[derive(Debug, Clone, Default)]
 struct Exact {
     dumps: u64,
     duplicates: u64,
     misses: u64,
+    /// Entries that were present for the whole of their dump, summed over dumps.
+    checked: u64,
     churn_ops_per_s: f64,
     dump_secs: f64,
 }
 
-/// Dumps `dumps` times (pages cycling 1, 100, 10,000) while one thread
-/// churns; counts stable entries seen twice (duplicates) or never (misses),
-/// and churned entries seen twice in one dump (also duplicates).
-fn exactness(plan: &Plan, algo: Algo, dumps: usize) -> Result<Exact> {
-    let table = new_table(plan.exact_buckets)?;
-    let far = Instant::now() + Duration::from_secs(3600);
-    let stable = plan.exact_stable;
-    let live = plan.exact_churn_live;
-    par_fill(&table, TENANT, 0..stable, 2, far)?;
-    par_fill(&table, TENANT, CHURN_BASE..CHURN_BASE + live, 2, far)?;
+/// The churner publishes its progress every `PUBLISH` pairs; the checker
+/// widens its bounds by that much so an unpublished pair never counts as a miss.
+const PUBLISH: u64 = 64;
+
+/// Dumps `dumps` times (pages cycling 1, 100, 10,000) while one thread churns
+/// a sliding window: keys `[p, p + window)` are live after `p` pairs, each pair
+/// inserting key `p + window` (chain tail) and removing key `p` (the oldest,
+/// so at the head of its chain — where a removal shifts every later offset).
+///
+/// For each dump, with `p0`/`p1` the pairs done at its start/end, keys
+/// `[p1, p0 + window)` were present throughout and must be returned exactly
+/// once (else a miss or a duplicate); keys `[p0, p1 + window)` may be
+/// returned at most once; any other key fails the run.
+fn exactness(plan: &Plan, algo: Algo, buckets: usize, dumps: usize) -> Result<Exact> {
+    let table = new_table(buckets)?;
+    let window = plan.exact_window;
+    par_fill(
+        &table,
+        TENANT,
+        0..window,
+        2,
+        Instant::now() + Duration::from_secs(3600),
+    )?;
     let stop = AtomicBool::new(false);
-    let churn_ops = AtomicU64::new(0);
+    let done = AtomicU64::new(0);
     let deadline = Instant::now() + plan.exact_limit;
     let (ex, churn_secs) = std::thread::scope(|s| -> Result<(Exact, f64)> {
         let churner = s.spawn(|| -> Result<f64> {
             let start = Instant::now();
             let mut p = 0u64;
             while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
-                for _ in 0..256 {
-                    let add = CHURN_BASE + live + p;
-                    let v = crate::table::harness::PeerVal::for_idx(add);
-                    if table
-                        .insert(
-                            key(TENANT, add),
-                            crate::table::peers::flow_init(&v),
-                            weir_flowtable::Millis(1),
-                        )
-                        .is_err()
-                    {
-                        bail!("churn insert {add} refused");
+                for _ in 0..PUBLISH {
+                    let add = p + window;
+                    let v = PeerVal::for_idx(add);
+                    if let Err(e) = table.insert(key(TENANT, add), flow_init(&v), Millis(1)) {
+                        bail!("churn insert {add}: {e}");
                     }
-                    if table.remove(&key(TENANT, CHURN_BASE + p)).is_none() {
-                        bail!("churn remove {} found nothing", CHURN_BASE + p);
+                    if table.remove(&key(TENANT, p)).is_none() {
+                        bail!("churn remove {p} found nothing");
                     }
                     p += 1;
                 }
-                churn_ops.store(2 * p, Ordering::Relaxed);
+                done.store(p, Ordering::Release);
             }
             Ok(start.elapsed().as_secs_f64())
         });
         let mut ex = Exact::default();
-        let mut seen = vec![false; stable as usize];
-        let mut churned = HashSet::new();
+        let mut seen: Vec<u64> = Vec::with_capacity(window as usize * 2);
         let start = Instant::now();
         let mut failure = None;
         for d in 0..dumps {
             if Instant::now() >= deadline {
                 break;
             }
-            seen.iter_mut().for_each(|b| *b = false);
-            churned.clear();
-            let mut bad = 0u64;
+            seen.clear();
+            let p0 = done.load(Ordering::Acquire);
             let (_, complete) = walk(&table, algo, PAGES[d % PAGES.len()], deadline, |page| {
-                for snap in page {
-                    let i = idx_of(&snap.key);
-                    if i < stable {
-                        let slot = &mut seen[i as usize];
-                        if *slot {
-                            ex.duplicates += 1;
-                        }
-                        *slot = true;
-                    } else if i >= CHURN_BASE {
-                        if !churned.insert(i) {
-                            ex.duplicates += 1;
-                        }
-                    } else {
-                        bad += 1;
-                    }
-                }
+                seen.extend(page.iter().map(|snap| idx_of(&snap.key)));
             });
-            if bad > 0 {
-                failure = Some(format!("dump returned {bad} keys that were never inserted"));
-                break;
-            }
+            // Pairs done at the end, plus one unpublished batch in flight.
+            let p1 = done.load(Ordering::Acquire) + PUBLISH;
             if !complete {
                 break;
             }
-            ex.misses += seen.iter().filter(|b| !**b).count() as u64;
+            seen.sort_unstable();
+            let before = seen.len();
+            seen.dedup();
+            ex.duplicates += (before - seen.len()) as u64;
+            let (lo, hi) = (p0, p1 + window);
+            if let Some(bad) = seen.iter().find(|&&i| i < lo || i >= hi) {
+                failure = Some(format!(
+                    "dump returned key {bad} outside the possible range {lo}..{hi}"
+                ));
+                break;
+            }
+            if p1 < p0 + window {
+                let (a, b) = (p1, p0 + window);
+                let from = seen.partition_point(|&i| i < a);
+                let to = seen.partition_point(|&i| i < b);
+                ex.misses += (b - a) - (to - from) as u64;
+                ex.checked += b - a;
+            }
             ex.dumps += 1;
         }
         ex.dump_secs = start.elapsed().as_secs_f64();
@@ -306,7 +304,7 @@ fn exactness(plan: &Plan, algo: Algo, dumps: usize) -> Result<Exact> {
         }
         Ok((ex, churn_secs))
     })?;
-    let ops = churn_ops.load(Ordering::Relaxed);
+    let ops = 2 * done.load(Ordering::Acquire);
     Ok(Exact {
         churn_ops_per_s: if churn_secs > 0.0 {
             ops as f64 / churn_secs
@@ -445,29 +443,55 @@ pub(crate) fn dump(c: &Common) -> Result<Value> {
     }
     s.print();
 
-    let ex = exactness(&plan, Algo::Cursor, plan.exact_dumps)?;
-    let naive = exactness(&plan, Algo::Naive, plan.naive_dumps)?;
+    let sized = (plan.exact_window as usize).next_power_of_two();
+    let long = (plan.exact_window as usize / 128).next_power_of_two();
+    let ex = exactness(&plan, Algo::Cursor, sized, plan.exact_dumps)?;
+    let runs = [
+        (Algo::Cursor, sized, ex.clone()),
+        (
+            Algo::Naive,
+            sized,
+            exactness(&plan, Algo::Naive, sized, plan.naive_dumps)?,
+        ),
+        (
+            Algo::Cursor,
+            long,
+            exactness(&plan, Algo::Cursor, long, plan.naive_dumps)?,
+        ),
+        (
+            Algo::Naive,
+            long,
+            exactness(&plan, Algo::Naive, long, plan.naive_dumps)?,
+        ),
+    ];
     println!(
-        "### Exactness under churn: {} stable + {} churned entries in 2^{} buckets, pages cycling 1/100/10,000\n\n\
-         One thread inserts and removes churned entries (each insert and each remove counts as one op) while \
-         the main thread dumps. A duplicate is an entry returned twice in one dump; a miss is a stable entry \
-         (present throughout) not returned.\n",
-        si(plan.exact_stable as f64),
-        si(plan.exact_churn_live as f64),
-        plan.exact_buckets.trailing_zeros()
+        "### Exactness under churn: sliding window of {} live entries, pages cycling 1/100/10,000\n\n\
+         One thread churns (insert the newest key, remove the oldest; each insert and each remove is \
+         one op) while the main thread dumps. Per dump, keys present from its start to its end must \
+         come back exactly once: a miss is one that did not, a duplicate any key returned twice. \
+         `checked` = such keys summed over dumps. Two table shapes: sized (2^{} buckets, ~1 per \
+         chain; the goal) and long chains (2^{} buckets, ~128 per chain; where offset resume \
+         breaks).\n",
+        si(plan.exact_window as f64),
+        sized.trailing_zeros(),
+        long.trailing_zeros()
     );
     let mut t = Table::new([
         "impl",
+        "buckets",
         "dumps",
+        "checked",
         "duplicates",
         "misses",
         "churn ops/s",
         "dump time (s)",
     ]);
-    for (algo, e) in [(Algo::Cursor, &ex), (Algo::Naive, &naive)] {
+    for (algo, b, e) in &runs {
         t.row([
             algo.name().to_string(),
+            format!("2^{}", b.trailing_zeros()),
             e.dumps.to_string(),
+            si(e.checked as f64),
             e.duplicates.to_string(),
             e.misses.to_string(),
             si(e.churn_ops_per_s),
@@ -506,9 +530,7 @@ mod tests {
             buckets: vec![1 << 4],
             dump_limit: Duration::from_secs(20),
             build_limit: Duration::from_secs(20),
-            exact_stable: 3000,
-            exact_churn_live: 500,
-            exact_buckets: 1 << 6,
+            exact_window: 3000,
             exact_dumps: 6,
             naive_dumps: 6,
             exact_limit: Duration::from_secs(20),
@@ -527,8 +549,9 @@ mod tests {
 
     #[test]
     fn cursor_is_exact_under_churn() {
-        let e = exactness(&tiny(), Algo::Cursor, 6).expect("exactness");
+        let e = exactness(&tiny(), Algo::Cursor, 1 << 5, 6).expect("exactness");
         assert_eq!(e.dumps, 6);
         assert_eq!((e.duplicates, e.misses), (0, 0));
+        assert!(e.checked > 0, "some keys must have been present throughout");
     }
 }
