@@ -161,10 +161,14 @@ fn speed_section(plan: &Plan) -> Result<Vec<Speed>> {
             let (ins, refused) =
                 par_fill(&table, TENANT, 0..n, 2, Instant::now() + plan.build_limit)?;
             if ins != n {
-                bail!(
-                    "building {n} entries in {buckets} buckets: {ins} inserted, {refused} refused (time limit {:?})",
-                    plan.build_limit
+                // Reported, not measured: a smaller table would not be the asked-for size.
+                println!(
+                    "dump: building {n} entries in 2^{} buckets stopped with {ins} inserted, {refused} refused \
+                     ({}s limit); this configuration is skipped.\n",
+                    buckets.trailing_zeros(),
+                    plan.build_limit.as_secs()
                 );
+                continue;
             }
             for page in PAGES {
                 for algo in [Algo::Cursor, Algo::Naive] {
