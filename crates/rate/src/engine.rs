@@ -12,6 +12,8 @@ use crate::{Config, ConfigError, ewma};
 /// The estimation period: every estimator is visited once per 2 s, as in IPVS.
 pub const PERIOD: Duration = Duration::from_secs(2);
 const PERIOD_NS: u128 = 2_000_000_000;
+/// Longest sleep [`TickReport::next_due`] suggests when slots are empty.
+const MAX_SLEEP: Duration = Duration::from_millis(100);
 /// Failed `try_lock`s on the allocator after which a tick waits for it.
 const MAX_LOCK_MISSES: u32 = 8;
 
@@ -58,7 +60,8 @@ struct Ticker {
 /// What one call to [`Engine::tick`] did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct TickReport {
-    /// Slots run by this call (0 when none was due).
+    /// Slots holding chunks run by this call (empty due slots are passed
+    /// over for free and not counted).
     pub slots_run: u32,
     /// Entries scanned (live chunks x entries per chunk): the work measure the
     /// cost per estimator refers to.
@@ -75,8 +78,9 @@ pub struct TickReport {
     pub placed: u32,
     /// Slots already due that this call left for the next (bounded work per call).
     pub behind: u64,
-    /// When the next slot is due on the caller's clock: sleep until then
-    /// (immediately if `behind > 0`).
+    /// When to call again, on the caller's clock: the next slot holding
+    /// chunks, at most 100 ms ahead (call at once if `behind > 0`). Calling
+    /// earlier or later is harmless; slots run when due.
     pub next_due: Duration,
 }
 
@@ -211,7 +215,9 @@ impl Engine {
     /// Bounded work: a call runs the first due slot, then further due slots
     /// (when the thread is late) only while their estimated cost keeps the
     /// call within `slot_budget`, and never more than `max_slots_per_tick`;
-    /// [`TickReport::behind`] says what is left. Placement spreads chunks
+    /// [`TickReport::behind`] says what is left. Empty slots are passed over
+    /// for free. A caller more than a period late resumes one period back:
+    /// each estimator gets one (long) interval instead of replayed periods. Placement spreads chunks
     /// evenly, so one slot is within budget unless every slot is at capacity
     /// ([`EngineStats::overloaded_slots`]; raise `slots` then). Never blocks on
     /// `add`/drop except after 8 consecutive ticks found the allocator busy.
@@ -221,14 +227,26 @@ impl Engine {
         let now_ns = now.as_nanos();
         let mut t = self.inner.ticker.lock();
         let mut r = TickReport::default();
-        let first = now_ns * u128::from(slots) / PERIOD_NS;
-        let mut next = t.next.unwrap_or(first as u64);
+        // The slot containing `now`: every slot up to it is due.
+        let current = (now_ns * u128::from(slots) / PERIOD_NS) as u64;
+        let mut next = t.next.unwrap_or(current);
+        // More than a period late (suspended process, stopped thread): run
+        // each slot once rather than replaying missed periods back to back.
+        let period = u64::from(slots);
+        if current >= next + period {
+            next = current + 1 - period;
+        }
         let budget = cfg.slot_budget.as_nanos() as f64;
         let mut spent = 0.0;
-        while r.slots_run < cfg.max_slots_per_tick
-            && u128::from(next) * PERIOD_NS / u128::from(slots) <= now_ns
-        {
-            let s = (next % u64::from(slots)) as usize;
+        while next <= current {
+            let s = (next % period) as usize;
+            if t.slots[s].is_empty() {
+                next += 1; // nothing placed there: free to pass
+                continue;
+            }
+            if r.slots_run >= cfg.max_slots_per_tick {
+                break;
+            }
             // Catching up: stop before a further slot would exceed the budget.
             let cost = t.slot_cost_ns(s);
             if r.slots_run > 0 && spent + cost > budget {
@@ -240,10 +258,16 @@ impl Engine {
             r.slots_run += 1;
         }
         t.next = Some(next);
-        r.next_due = due(next, slots);
-        r.behind =
-            (now_ns * u128::from(slots) / PERIOD_NS + 1).saturating_sub(u128::from(next)) as u64;
+        r.behind = (current + 1).saturating_sub(next);
         t.sync_alloc(&self.inner.alloc, &mut r);
+        // Sleep hint: the next slot holding chunks, but never more than
+        // MAX_SLEEP ahead, so new estimators are placed and freed ids handed
+        // back promptly even when few slots are in use.
+        let mut wake = next;
+        while wake < next + period && t.slots[(wake % period) as usize].is_empty() {
+            wake += 1;
+        }
+        r.next_due = due(wake, slots).min(due(next, slots).max(now) + MAX_SLEEP);
         r
     }
 

@@ -459,8 +459,10 @@ fn late_ticks_catch_up_in_bounded_steps() {
         },
     )
     .unwrap();
-    let _e: Vec<_> = (0..1000).map(|_| engine.add()).collect();
+    // One chunk in every slot.
+    let _e: Vec<_> = (0..100 * 256).map(|_| engine.add()).collect();
     engine.tick(Duration::ZERO);
+    assert_eq!(engine.stats().max_slot_load, 256);
     // 1 s late: 50 slots due; each call runs at most 3.
     let now = Duration::from_secs(1);
     let mut calls = 0;
@@ -473,12 +475,44 @@ fn late_ticks_catch_up_in_bounded_steps() {
         if r.behind == 0 {
             break;
         }
+        assert!(r.next_due <= now, "late: call again at once");
         assert!(calls < 100);
     }
     assert_eq!(ran, 50);
     assert!(calls >= 17);
     // Nothing due: a call does nothing.
     assert_eq!(engine.tick(now).slots_run, 0);
+
+    // 100 s late (50 periods): one period of slots, not 50 replayed.
+    let now = Duration::from_secs(101);
+    let mut ran = 0;
+    for _ in 0..1000 {
+        let r = engine.tick(now);
+        ran += r.slots_run;
+        if r.behind == 0 {
+            break;
+        }
+    }
+    assert_eq!(ran, 100);
+}
+
+#[test]
+fn empty_slots_are_free_and_the_sleep_hint_skips_them() {
+    let engine = Engine::new(1, cfg(1000)).unwrap(); // a slot every 2 ms
+    let e = engine.add();
+    let r = engine.tick(Duration::ZERO); // places the one chunk in slot 0
+    assert_eq!(r.placed, 1);
+    // Empty slots 1..: the hint is capped at 100 ms ahead.
+    assert_eq!(r.next_due, Duration::from_millis(102));
+    let r = engine.tick(r.next_due);
+    assert_eq!(r.slots_run, 0);
+    assert_eq!(r.behind, 0);
+    // Near the end of the period, the hint is slot 0 of the next period.
+    let r = engine.tick(Duration::from_millis(1950));
+    assert_eq!(r.next_due, Duration::from_secs(2));
+    let r = engine.tick(r.next_due);
+    assert_eq!((r.slots_run, r.started), (1, 1));
+    drop(e);
 }
 
 #[test]
