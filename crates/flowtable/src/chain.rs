@@ -154,6 +154,15 @@ pub(crate) fn unlink<A: Arena + ?Sized>(arena: &A, head: &AtomicU32, idx: u32) -
     Some(len)
 }
 
+/// Prefetches the first node of a chain (dumps call it a few buckets ahead).
+#[inline]
+pub(crate) fn prefetch_first<A: Arena + ?Sized>(arena: &A, head: &AtomicU32) {
+    let i = first(head.load(Relaxed));
+    if i != NIL {
+        arena.node(i).prefetch();
+    }
+}
+
 /// Lock-free walk for dumps: calls `f(node)` for every node reachable from
 /// `head` whose cookie is in `(after, below)`; stops at the first cookie
 /// `>= below` (chains are cookie-ordered, so nothing after it qualifies) or

@@ -38,6 +38,8 @@ impl Hasher for IdHasher {
 type IdMap<V> = hashbrown::HashMap<u32, V, BuildHasherDefault<IdHasher>>;
 
 const ENTRY_SHARDS: usize = 8;
+/// Dumps prefetch the first node of the bucket this far ahead.
+const PREFETCH_AHEAD: usize = 12;
 
 /// One tenant.
 #[derive(Debug)]
@@ -616,7 +618,11 @@ impl FlowTable {
             let same = table.order == start.order;
             let b0 = if same { start.bucket } else { 0 };
             let b0 = usize::try_from(b0).unwrap_or(usize::MAX);
-            for b in b0..table.buckets() {
+            let buckets = table.buckets();
+            for b in b0..buckets {
+                if b + PREFETCH_AHEAD < buckets {
+                    chain::prefetch_first(&self.slab, table.head(b + PREFETCH_AHEAD));
+                }
                 let after = if same && b == b0 { start.cookie } else { 0 };
                 let mut stop = None;
                 chain::walk(&self.slab, table.head(b), after, below, |n| {

@@ -11,6 +11,7 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::OnceLock;
 
+use crate::raw::HugeArray;
 use crate::sync::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use crate::types::{
     BackendId, Cookie, FlowInit, FlowKey, FlowSnapshot, FlowState, Millis, Proto, ServiceId,
@@ -155,6 +156,13 @@ impl Node {
         );
     }
 
+    /// Prefetches both cache lines the node may span.
+    #[inline]
+    pub(crate) fn prefetch(&self) {
+        crate::raw::prefetch(&self.next);
+        crate::raw::prefetch(&self.backend);
+    }
+
     /// Full key compare, cheapest-to-differ words first.
     #[inline]
     pub(crate) fn matches(&self, k: &PackedKey) -> bool {
@@ -282,22 +290,23 @@ impl Arena for [Node] {
     }
 }
 
-/// First chunks grow geometrically (1 Ki, 1 Ki, 2 Ki ... 32 Ki nodes) so a
-/// small table stays small; past 64 Ki nodes every chunk holds 64 Ki nodes
-/// (7 MiB), so the last chunk wastes at most 7 MiB whatever the size.
+/// First chunks grow geometrically (1 Ki, 1 Ki, 2 Ki ... 64 Ki nodes) so a
+/// small table stays small; past 128 Ki nodes every chunk holds 128 Ki
+/// nodes = 14 MiB = exactly 7 huge pages (see `raw::HugeArray`), so the last
+/// chunk wastes at most 14 MiB whatever the size.
 /// Indices are 26 bits (the bucket head keeps a bloom filter above them),
 /// so a `FlowTable` holds at most 2^26 - 1 (~67 M) entries.
 const SMALL: u32 = 1024;
-const BIG_SHIFT: u32 = 16;
+const BIG_SHIFT: u32 = 17;
 const BIG: u32 = 1 << BIG_SHIFT;
-const SMALL_CHUNKS: usize = 7;
+const SMALL_CHUNKS: usize = 8;
 const CHUNKS: usize = SMALL_CHUNKS + (1 << (IDX_BITS - BIG_SHIFT)) - 1;
 
 /// The node arena: chunks allocated on demand and never freed before the
 /// table, addressed by 26-bit indices. Index `NIL` is never handed out.
 #[derive(Debug)]
 pub(crate) struct Slab {
-    dir: Box<[OnceLock<Box<[Node]>>]>,
+    dir: Box<[OnceLock<HugeArray<Node>>]>,
     high: std::sync::atomic::AtomicU64,
 }
 
@@ -343,7 +352,13 @@ impl Slab {
         let mut i = start;
         while i < end {
             let (c, off, len) = locate(i);
-            self.dir[c].get_or_init(|| (0..len).map(|_| Node::default()).collect());
+            self.dir[c].get_or_init(|| {
+                HugeArray::zeroed(len).unwrap_or_else(|| {
+                    std::alloc::handle_alloc_error(
+                        std::alloc::Layout::array::<Node>(len).expect("chunk layout"),
+                    )
+                })
+            });
             i += (len - off) as u32;
         }
         Some(start..end)
@@ -355,9 +370,9 @@ impl Slab {
             .dir
             .iter()
             .filter_map(|c| c.get())
-            .map(|c| c.len() * std::mem::size_of::<Node>())
+            .map(|c| c.bytes())
             .sum();
-        chunks + self.dir.len() * std::mem::size_of::<OnceLock<Box<[Node]>>>()
+        chunks + self.dir.len() * std::mem::size_of::<OnceLock<HugeArray<Node>>>()
     }
 }
 

@@ -1,12 +1,21 @@
-//! The crate's only `unsafe`: an epoch-protected, atomically replaceable
-//! pointer ([`EpochCell`]) that lets every lookup read the tenant directory
-//! without a lock and without writing a shared cache line.
+//! The crate's only `unsafe`, in three small pieces:
 //!
-//! Contract: the cell always holds a valid, non-null `Box<T>`; `replace`
-//! swaps in a new box and defers the old one's destruction until every
-//! thread pinned at that moment has unpinned (crossbeam-epoch), so a `&'g T`
-//! tied to a live guard `'g` never dangles.
+//! * [`EpochCell`]: an epoch-protected, atomically replaceable pointer that
+//!   lets every lookup read the tenant directory without a lock and without
+//!   writing a shared cache line. Contract: the cell always holds a valid,
+//!   non-null `Box<T>`; `replace` swaps in a new box and defers the old
+//!   one's destruction until every thread pinned at that moment has unpinned
+//!   (crossbeam-epoch), so a reference tied to a live guard never dangles.
+//! * [`HugeArray`]: a fixed-length, zero-initialised array of atomics (node
+//!   chunks, bucket heads), 2 MiB aligned and `MADV_HUGEPAGE`-advised when
+//!   large, so that random lookups over gigabytes of entries do not pay a
+//!   TLB miss each. Contract: only for types whose all-zero bytes are a
+//!   valid value ([`Zeroable`]).
+//! * [`prefetch`]: a cache hint.
 #![allow(unsafe_code)]
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
 
 use crossbeam_epoch::{Atomic, Guard, Owned};
 use std::sync::atomic::Ordering::{AcqRel, Acquire};
@@ -63,5 +72,153 @@ impl<T: Send + 'static> Drop for EpochCell<T> {
             let p = self.ptr.load(Acquire, guard);
             drop(p.into_owned());
         }
+    }
+}
+
+/// Hints the CPU to fetch `v`'s cache line (dumps walk ahead of themselves
+/// so several node misses overlap). No-op off x86_64.
+#[inline(always)]
+pub(crate) fn prefetch<T>(v: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_prefetch` only hints the cache hierarchy: it never faults
+    // and has no effect on program semantics, even for an invalid address
+    // (here it is a valid reference anyway). The `sse` target feature it is
+    // declared with is part of the x86_64 baseline, so it is always present.
+    unsafe {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        _mm_prefetch::<_MM_HINT_T0>((v as *const T).cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = v;
+}
+
+/// Types whose all-zero bit pattern is a valid, initialised value.
+///
+/// # Safety
+/// Implement only for such types (here: std atomics and structs of them).
+pub(crate) unsafe trait Zeroable {}
+
+// SAFETY: an all-zero AtomicU32 is the value 0.
+#[cfg(not(loom))]
+unsafe impl Zeroable for std::sync::atomic::AtomicU32 {}
+// SAFETY: `Node` is `repr(C)` and consists only of std `AtomicU32` and
+// `AtomicU64` fields (and arrays of them), each valid as all zeros.
+#[cfg(not(loom))]
+unsafe impl Zeroable for crate::node::Node {}
+// Under loom `HugeArray` is built from `Default` values instead.
+// SAFETY: unused for memory under loom (see the loom `HugeArray`).
+#[cfg(loom)]
+unsafe impl<T: Default> Zeroable for T {}
+
+const HUGE: usize = 2 << 20;
+
+/// A fixed-length heap array of zero-initialised `T`, huge-page backed when
+/// it is at least 2 MiB.
+#[cfg(not(loom))]
+pub(crate) struct HugeArray<T: Zeroable> {
+    ptr: NonNull<T>,
+    len: usize,
+    layout: Layout,
+}
+
+#[cfg(not(loom))]
+impl<T: Zeroable> HugeArray<T> {
+    /// `len` zeroed values, or `None` if the allocation fails.
+    pub(crate) fn zeroed(len: usize) -> Option<Self> {
+        let size = len.checked_mul(std::mem::size_of::<T>())?;
+        if size == 0 {
+            return None;
+        }
+        let align = if size >= HUGE {
+            HUGE
+        } else {
+            std::mem::align_of::<T>()
+        };
+        let layout = Layout::from_size_align(size, align).ok()?;
+        // SAFETY: `layout` has a non-zero size (checked above).
+        let p = unsafe { std::alloc::alloc(layout) };
+        let ptr = NonNull::new(p.cast::<T>())?;
+        #[cfg(target_os = "linux")]
+        if align == HUGE {
+            // SAFETY: `[p, p + size)` is the allocation we own; MADV_HUGEPAGE
+            // only changes how the kernel backs it. Failure is harmless
+            // (e.g. THP disabled), so the result is ignored.
+            unsafe {
+                libc::madvise(p.cast(), size, libc::MADV_HUGEPAGE);
+            }
+        }
+        // SAFETY: `p` is valid for writes of `size` bytes; zero bytes are a
+        // valid `T` (`Zeroable`), so the array is fully initialised after.
+        unsafe { std::ptr::write_bytes(p, 0, size) };
+        Some(HugeArray { ptr, len, layout })
+    }
+
+    /// Bytes allocated.
+    pub(crate) fn bytes(&self) -> usize {
+        self.layout.size()
+    }
+}
+
+#[cfg(not(loom))]
+impl<T: Zeroable> std::ops::Deref for HugeArray<T> {
+    type Target = [T];
+    #[inline]
+    fn deref(&self) -> &[T] {
+        // SAFETY: `ptr` points to `len` initialised `T`s (see `zeroed`)
+        // owned by `self` and freed only in `Drop`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+#[cfg(not(loom))]
+impl<T: Zeroable> Drop for HugeArray<T> {
+    fn drop(&mut self) {
+        // SAFETY: the `len` values are initialised and dropped exactly once
+        // here; then the memory is returned with the layout it was
+        // allocated with.
+        unsafe {
+            std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(
+                self.ptr.as_ptr(),
+                self.len,
+            ));
+            std::alloc::dealloc(self.ptr.as_ptr().cast(), self.layout);
+        }
+    }
+}
+
+// SAFETY: `HugeArray<T>` owns its `T`s like a `Box<[T]>` does.
+#[cfg(not(loom))]
+unsafe impl<T: Zeroable + Send> Send for HugeArray<T> {}
+// SAFETY: shared access only hands out `&[T]`, like `Box<[T]>`.
+#[cfg(not(loom))]
+unsafe impl<T: Zeroable + Sync> Sync for HugeArray<T> {}
+
+#[cfg(not(loom))]
+impl<T: Zeroable> std::fmt::Debug for HugeArray<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HugeArray(len {})", self.len)
+    }
+}
+
+/// Under loom: a plain boxed slice of `Default` values.
+#[cfg(loom)]
+#[derive(Debug)]
+pub(crate) struct HugeArray<T>(Box<[T]>);
+
+#[cfg(loom)]
+impl<T: Default> HugeArray<T> {
+    pub(crate) fn zeroed(len: usize) -> Option<Self> {
+        Some(HugeArray((0..len).map(|_| T::default()).collect()))
+    }
+    pub(crate) fn bytes(&self) -> usize {
+        self.0.len() * std::mem::size_of::<T>()
+    }
+}
+
+#[cfg(loom)]
+impl<T> std::ops::Deref for HugeArray<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.0
     }
 }

@@ -11,6 +11,7 @@ use parking_lot::{Mutex, MutexGuard};
 use siphasher::sip::SipHasher13;
 
 use crate::node::{Arena, BLOOM_BITS, PackedKey, Slab};
+use crate::raw::HugeArray;
 use crate::sync::AtomicU32;
 
 /// Node indices recycled after their grace period, shared by all tables.
@@ -55,7 +56,7 @@ pub(crate) struct Stripe {
 pub(crate) struct Table {
     /// Dump order: 0 for the shared table, tenant id + 1 for own tables.
     pub(crate) order: u64,
-    heads: Box<[AtomicU32]>,
+    heads: HugeArray<AtomicU32>,
     mask: u64,
     stripes: Box<[CachePadded<Stripe>]>,
     stripe_mask: usize,
@@ -174,9 +175,10 @@ impl Table {
     ) -> Option<Table> {
         assert!(buckets.is_power_of_two() && stripes.is_power_of_two());
         let stripes = stripes.min(buckets);
-        let mut heads = Vec::new();
-        heads.try_reserve_exact(buckets).ok()?;
-        heads.extend((0..buckets).map(|_| AtomicU32::new(crate::chain::EMPTY)));
+        let heads = HugeArray::<AtomicU32>::zeroed(buckets)?;
+        for h in heads.iter() {
+            h.store(crate::chain::EMPTY, Relaxed);
+        }
         let per_stripe = (buckets / stripes) as u64;
         let stripes = (0..stripes)
             .map(|_| {
@@ -198,7 +200,7 @@ impl Table {
             .collect::<Box<[_]>>();
         Some(Table {
             order,
-            heads: heads.into_boxed_slice(),
+            heads,
             mask: (buckets - 1) as u64,
             stripe_mask: stripes.len() - 1,
             stripes,
@@ -278,8 +280,8 @@ impl Table {
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {
-        let mut b = self.heads.len() * std::mem::size_of::<AtomicU32>()
-            + self.stripes.len() * std::mem::size_of::<CachePadded<Stripe>>();
+        let mut b =
+            self.heads.bytes() + self.stripes.len() * std::mem::size_of::<CachePadded<Stripe>>();
         for s in self.stripes.iter() {
             b += s.lock.lock().memory_bytes();
         }
