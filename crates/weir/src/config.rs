@@ -462,7 +462,10 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     if !(1024..=16 << 20).contains(&d.buffer_size) {
         err(
             &[dk.clone(), k("buffer_size")],
-            format!("{} is outside 1024..=16777216 bytes; use e.g. 16384", d.buffer_size),
+            format!(
+                "{} is outside 1024..=16777216 bytes; use e.g. 16384",
+                d.buffer_size
+            ),
         );
     }
     if d.notsent_lowat > 1 << 30 {
@@ -553,8 +556,10 @@ pub fn validate(c: &Config) -> Vec<Problem> {
                 ),
             );
         }
-        if let Some(prev) = listens.insert((s.protocol, s.listen), i) {
-            if s.listen.port() != 0 {
+        if let Some(prev) = listens.insert((s.protocol, s.listen), i)
+            && s.listen.port() != 0
+        {
+            {
                 err(
                     &p("listen"),
                     format!(
@@ -597,16 +602,16 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
     if let Err(e) = parse_duration(&s.persistence) {
         err(vec![k("persistence")], e);
     }
-    if let Some(m) = &s.persistence_netmask {
-        if let Err(e) = parse_netmask(m) {
-            err(vec![k("persistence_netmask")], e);
-        }
+    if let Some(m) = &s.persistence_netmask
+        && let Err(e) = parse_netmask(m)
+    {
+        err(vec![k("persistence_netmask")], e);
     }
     let o = &s.options;
-    if let Some(t) = &o.connect_timeout {
-        if let Err(e) = parse_duration(t) {
-            err(vec![k("connect_timeout")], e);
-        }
+    if let Some(t) = &o.connect_timeout
+        && let Err(e) = parse_duration(t)
+    {
+        err(vec![k("connect_timeout")], e);
     }
     if let Some(t) = &o.udp_timeout {
         match parse_duration(t) {
@@ -662,7 +667,10 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
         }
         if let (Ok(iv), Ok(to)) = (iv, to) {
             if iv.is_zero() || to.is_zero() {
-                err(hp("interval"), "interval and timeout must be above 0".into());
+                err(
+                    hp("interval"),
+                    "interval and timeout must be above 0".into(),
+                );
             } else if to > iv {
                 err(
                     hp("timeout"),
@@ -689,7 +697,10 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
         if b.address.port() == 0 || b.address.ip().is_unspecified() {
             err(
                 bp("address"),
-                format!("{} is not a reachable address; give a real IP and port", b.address),
+                format!(
+                    "{} is not a reachable address; give a real IP and port",
+                    b.address
+                ),
             );
         }
         if b.weight > 65535 {
@@ -730,7 +741,11 @@ pub fn protocol_name(p: Protocol) -> &'static str {
 
 fn line_of(text: &str, offset: usize) -> usize {
     let end = offset.min(text.len());
-    text.as_bytes()[..end].iter().filter(|&&b| b == b'\n').count() + 1
+    text.as_bytes()[..end]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
 }
 
 /// Best-effort dotted key of a shape error: the nearest `[table]` header above it.
@@ -769,7 +784,11 @@ fn span_of(root: &toml_edit::Table, path: &KeyPath) -> Option<usize> {
             PathSeg::Key(key) => {
                 let t = table_like?;
                 let (kk, it) = t.get_key_value(key)?;
-                best = kk.span().map(|s| s.start).or(it.span().map(|s| s.start)).or(best);
+                best = kk
+                    .span()
+                    .map(|s| s.start)
+                    .or(it.span().map(|s| s.start))
+                    .or(best);
                 item = Some(it);
                 table_like = it.as_table_like();
             }

@@ -130,10 +130,17 @@ fn run_inner(duration: Option<Duration>) -> anyhow::Result<()> {
     let udp_vip = handle
         .service_addr("default", "demo-udp")
         .ok_or_else(|| anyhow::anyhow!("demo-udp did not start"))?;
-    println!("weir demo: TCP echo backends {} {}, UDP echo backends {} {}", tcp_b[0], tcp_b[1], udp_b[0], udp_b[1]);
+    println!(
+        "weir demo: TCP echo backends {} {}, UDP echo backends {} {}",
+        tcp_b[0], tcp_b[1], udp_b[0], udp_b[1]
+    );
     println!("  virtual services: tcp {tcp_vip} (wrr, weights 1:2), udp {udp_vip} (rr)");
     println!("  admin API: http://{admin_listen}  (e.g. curl http://{admin_listen}/v1/services)");
-    println!("  try: nc {} {}   |   Ctrl-C to stop", tcp_vip.ip(), tcp_vip.port());
+    println!(
+        "  try: nc {} {}   |   Ctrl-C to stop",
+        tcp_vip.ip(),
+        tcp_vip.port()
+    );
 
     let traffic_errors = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let driver = {
@@ -181,7 +188,9 @@ fn run_inner(duration: Option<Duration>) -> anyhow::Result<()> {
 /// Long-lived TCP connections that echo every 300 ms, a short connection
 /// every 300 ms, and UDP pings from three client sockets.
 fn drive(tcp: SocketAddr, udp: SocketAddr, stop: &AtomicBool, errs: &std::sync::atomic::AtomicU64) {
-    let mut long: Vec<TcpStream> = (0..3).filter_map(|_| TcpStream::connect(tcp).ok()).collect();
+    let mut long: Vec<TcpStream> = (0..3)
+        .filter_map(|_| TcpStream::connect(tcp).ok())
+        .collect();
     for s in &long {
         let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
     }
@@ -217,10 +226,22 @@ fn drive(tcp: SocketAddr, udp: SocketAddr, stop: &AtomicBool, errs: &std::sync::
 
 fn show(control: &dyn Control, elapsed: Duration) {
     println!();
-    println!("--- weir demo, t = {:.0}s (live from the daemon's Control; rates are 2 s EWMAs) ---", elapsed.as_secs_f64());
+    println!(
+        "--- weir demo, t = {:.0}s (live from the daemon's Control; rates are 2 s EWMAs) ---",
+        elapsed.as_secs_f64()
+    );
     println!(
         "{:<4} {:<22} {:<5} {:>6} {:>8} {:>10} {:>10} {:>6} {:>9} {:>9}",
-        "prot", "virtual / backend", "sched", "weight", "act/inact", "inbytes", "outbytes", "cps", "inbps", "outbps"
+        "prot",
+        "virtual / backend",
+        "sched",
+        "weight",
+        "act/inact",
+        "inbytes",
+        "outbytes",
+        "cps",
+        "inbps",
+        "outbps"
     );
     for s in control.services() {
         println!(
@@ -262,7 +283,15 @@ fn show(control: &dyn Control, elapsed: Duration) {
             for c in page.connections {
                 println!(
                     "  {:<4} {:<21} -> {:<21} -> {:<21} {:<12} exp {:>4}s in {:>8} out {:>8} cookie {}",
-                    c.proto, c.client, c.virtual_, c.backend, c.state, c.expires_s, c.bytes_in, c.bytes_out, c.cookie
+                    c.proto,
+                    c.client,
+                    c.virtual_,
+                    c.backend,
+                    c.state,
+                    c.expires_s,
+                    c.bytes_in,
+                    c.bytes_out,
+                    c.cookie
                 );
             }
         }

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
@@ -11,7 +12,11 @@ use weir::daemon::{Daemon, DaemonHandle};
 mod demo;
 
 #[derive(Debug, Parser)]
-#[command(name = "weir", version, about = "weir: a multi-tenant user-space L4 load balancer")]
+#[command(
+    name = "weir",
+    version,
+    about = "weir: a multi-tenant user-space L4 load balancer"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -38,6 +43,8 @@ enum Cmd {
         #[arg(long)]
         duration: Option<String>,
     },
+    #[command(flatten)]
+    Client(weir::cli::Command),
 }
 
 fn main() -> ExitCode {
@@ -60,19 +67,26 @@ fn main() -> ExitCode {
             };
             demo::run(d)
         }
+        Cmd::Client(cmd) => weir::cli::run(cmd),
     }
 }
 
 fn init_logs() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 fn init_logs_quiet() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 fn check(path: &std::path::Path) -> ExitCode {
@@ -111,7 +125,11 @@ fn run(path: Option<PathBuf>) -> ExitCode {
             for e in &errors {
                 eprintln!("{e}");
             }
-            eprintln!("{}: {} error(s); not starting", path.display(), errors.len());
+            eprintln!(
+                "{}: {} error(s); not starting",
+                path.display(),
+                errors.len()
+            );
             return ExitCode::from(1);
         }
     };
@@ -176,10 +194,17 @@ fn run(path: Option<PathBuf>) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// The admin API starts here once the admin module lands.
+/// Serve the admin API on the daemon's control runtime.
 pub(crate) fn start_admin(
-    _handle: &DaemonHandle,
-    _admin: &config::AdminConfig,
-    _stop: CancellationToken,
+    handle: &DaemonHandle,
+    admin: &config::AdminConfig,
+    stop: CancellationToken,
 ) {
+    let control: Arc<dyn weir::control::Control> = handle.control();
+    let admin = admin.clone();
+    handle.runtime().spawn(async move {
+        if let Err(e) = weir::admin::serve(&admin, control, stop).await {
+            tracing::error!("admin API: {e:#}");
+        }
+    });
 }

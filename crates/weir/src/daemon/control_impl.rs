@@ -27,27 +27,18 @@ impl LiveControl {
     }
 
     fn matches(&self, f: &ConnFilter, e: &super::ConnEntry) -> bool {
-        if let Some(t) = &f.tenant {
-            if *t != e.tenant.spec.read().name {
-                return false;
-            }
-        }
-        if let Some(s) = &f.service {
-            if *s != e.service.spec.read().name {
-                return false;
-            }
-        }
-        if let Some(b) = &f.backend {
-            if *b != e.backend.addr.to_string() {
-                return false;
-            }
-        }
-        if let Some(st) = &f.state {
-            if !st.eq_ignore_ascii_case(e.state().name()) {
-                return false;
-            }
-        }
-        true
+        f.tenant
+            .as_ref()
+            .is_none_or(|t| *t == e.tenant.spec.read().name)
+            && f.service
+                .as_ref()
+                .is_none_or(|s| *s == e.service.spec.read().name)
+            && f.backend
+                .as_ref()
+                .is_none_or(|b| *b == e.backend.addr.to_string())
+            && f.state
+                .as_ref()
+                .is_none_or(|st| st.eq_ignore_ascii_case(e.state().name()))
     }
 
     fn status(&self, s: &Service) -> ServiceStatus {
@@ -148,7 +139,12 @@ impl Control for LiveControl {
                 let mut spec = t.spec.read().clone();
                 spec.token = None;
                 TenantStatus {
-                    table: if spec.table_entries == 0 { "shared" } else { "own" }.into(),
+                    table: if spec.table_entries == 0 {
+                        "shared"
+                    } else {
+                        "own"
+                    }
+                    .into(),
                     spec,
                     active_conns: t.active.load(Relaxed),
                     refused: t.refused.load(Relaxed),
@@ -219,9 +215,14 @@ impl Control for LiveControl {
             return Err(ControlError::new(ErrorKind::Invalid, msg.join("; ")));
         }
         let cur = svc.spec.read().clone();
+        // Port 0 in an edit means "keep the port the service got".
         let rebind = cur.protocol != spec.protocol
-            || (cur.listen != spec.listen && !(spec.listen.port() == 0 && cur.listen == spec.listen));
-        if rebind || cur.scheduler != spec.scheduler || cur.options.mh_fallback != spec.options.mh_fallback {
+            || (cur.listen != spec.listen
+                && !(spec.listen.port() == 0 && cur.listen.ip() == spec.listen.ip()));
+        if rebind
+            || cur.scheduler != spec.scheduler
+            || cur.options.mh_fallback != spec.options.mh_fallback
+        {
             // A new address or algorithm: replace the service (its
             // connections close).
             self.remove_service(&(tenant.to_owned(), name.to_owned()));
@@ -262,7 +263,10 @@ impl Control for LiveControl {
         full.backends = specs.clone();
         let problems = config::service_problems(&full);
         if !problems.is_empty() {
-            let msg: Vec<String> = problems.iter().map(|p| format!("{}: {}", p.path, p.message)).collect();
+            let msg: Vec<String> = problems
+                .iter()
+                .map(|p| format!("{}: {}", p.path, p.message))
+                .collect();
             return Err(ControlError::new(ErrorKind::Invalid, msg.join("; ")));
         }
         self.set_backends(&svc, &specs)?;
@@ -296,7 +300,8 @@ impl Control for LiveControl {
         self.set_backends(&svc, &specs)?;
         if drain {
             let id = svc.id;
-            self.0.kill_where("drained", |e| e.service.id == id && e.backend.addr == addr);
+            self.0
+                .kill_where("drained", |e| e.service.id == id && e.backend.addr == addr);
         }
         Ok(())
     }
@@ -323,7 +328,10 @@ impl Control for LiveControl {
         let after = match cursor {
             None => 0,
             Some(c) => c.parse::<u64>().map_err(|_| {
-                ControlError::new(ErrorKind::Invalid, format!("bad cursor {c:?}; pass back `next`"))
+                ControlError::new(
+                    ErrorKind::Invalid,
+                    format!("bad cursor {c:?}; pass back `next`"),
+                )
             })?,
         };
         let limit = limit.clamp(1, 100_000);
@@ -514,7 +522,9 @@ impl Control for LiveControl {
                 .services
                 .contains_key(&(s.tenant.clone(), s.name.clone()));
             let r = if exists {
-                let cur = self.service(&s.tenant, &s.name).map(|c| c.spec.read().clone());
+                let cur = self
+                    .service(&s.tenant, &s.name)
+                    .map(|c| c.spec.read().clone());
                 match cur {
                     Ok(c) if c == *s => Ok(()),
                     _ => self.edit_service(&s.tenant.clone(), &s.name.clone(), s.clone()),

@@ -47,7 +47,7 @@ use tokio_util::sync::CancellationToken;
 use weir_sched::{AffinityMask, BackendInfo, ClientAddr, HashSeed, Load, SchedConfig, Scheduler};
 
 use crate::config::{
-    self, BackendSpec, Config, DaemonConfig, Protocol, ServiceSpec, TenantSpec, DEFAULT_TENANT,
+    self, BackendSpec, Config, DEFAULT_TENANT, DaemonConfig, Protocol, ServiceSpec, TenantSpec,
 };
 use crate::control::Control;
 use stats::Stat;
@@ -696,7 +696,11 @@ impl Shared {
     }
 
     /// Kill every connection matching `pred`; returns how many.
-    pub(crate) fn kill_where(&self, reason: &'static str, pred: impl Fn(&ConnEntry) -> bool) -> u64 {
+    pub(crate) fn kill_where(
+        &self,
+        reason: &'static str,
+        pred: impl Fn(&ConnEntry) -> bool,
+    ) -> u64 {
         let reg = self.registry.lock();
         let mut n = 0;
         for e in reg.values() {
@@ -710,13 +714,13 @@ impl Shared {
 
     // -- tenants ----------------------------------------------------------
 
-    pub(crate) fn add_tenant(
-        &self,
-        spec: TenantSpec,
-    ) -> crate::control::ControlResult<()> {
+    pub(crate) fn add_tenant(&self, spec: TenantSpec) -> crate::control::ControlResult<()> {
         use crate::control::{ControlError, ErrorKind};
         if let Err(e) = config::check_name(&spec.name) {
-            return Err(ControlError::new(ErrorKind::Invalid, format!("tenant name: {e}")));
+            return Err(ControlError::new(
+                ErrorKind::Invalid,
+                format!("tenant name: {e}"),
+            ));
         }
         if spec.table_entries != 0
             && (!spec.table_entries.is_power_of_two() || spec.table_entries > 1 << 24)
@@ -787,12 +791,17 @@ impl Shared {
                 format!("{} is used by another service", spec.listen),
             ));
         }
-        let sockets = open_sockets(spec.protocol, spec.listen, self.workers.len()).map_err(|e| {
-            ControlError::new(
-                ErrorKind::Unavailable,
-                format!("cannot listen on {} {}: {e}", config::protocol_name(spec.protocol), spec.listen),
-            )
-        })?;
+        let sockets =
+            open_sockets(spec.protocol, spec.listen, self.workers.len()).map_err(|e| {
+                ControlError::new(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "cannot listen on {} {}: {e}",
+                        config::protocol_name(spec.protocol),
+                        spec.listen
+                    ),
+                )
+            })?;
         let listen = sockets.1;
         let backends: Vec<Arc<Backend>> = spec.backends.iter().cloned().map(Backend::new).collect();
         let sched = build_sched(&spec, &backends)?;
@@ -838,9 +847,10 @@ impl Shared {
             }
             return;
         };
-        let (Ok(interval), Ok(timeout)) =
-            (config::parse_duration(&h.interval), config::parse_duration(&h.timeout))
-        else {
+        let (Ok(interval), Ok(timeout)) = (
+            config::parse_duration(&h.interval),
+            config::parse_duration(&h.timeout),
+        ) else {
             return;
         };
         let params = crate::health::Params {
@@ -916,23 +926,19 @@ impl Service {
         let persist_ms = params.persistence.as_millis() as u64;
         if persist_ms > 0 {
             let tpl = self.persist.lock().get(&group).copied();
-            if let Some((addr, exp)) = tpl {
-                if exp > now {
-                    if let Some(b) = set.backends.iter().find(|b| b.addr == addr) {
-                        if usable(b) {
-                            self.persist.lock().insert(group, (addr, now + persist_ms));
-                            return Ok(b.clone());
-                        }
-                    }
-                }
+            if let Some((addr, exp)) = tpl
+                && exp > now
+                && let Some(b) = set.backends.iter().find(|b| b.addr == addr)
+                && usable(b)
+            {
+                self.persist.lock().insert(group, (addr, now + persist_ms));
+                return Ok(b.clone());
             }
         }
         let load = |i: usize| {
-            set.backends
-                .get(i)
-                .map_or(Load::default(), |b| {
-                    Load::new(b.active.load(Relaxed), b.inactive.load(Relaxed))
-                })
+            set.backends.get(i).map_or(Load::default(), |b| {
+                Load::new(b.active.load(Relaxed), b.inactive.load(Relaxed))
+            })
         };
         let picked = set
             .sched
@@ -964,9 +970,7 @@ impl Service {
     }
 }
 
-pub(crate) fn service_params(
-    spec: &ServiceSpec,
-) -> crate::control::ControlResult<ServiceParams> {
+pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResult<ServiceParams> {
     use crate::control::{ControlError, ErrorKind};
     let bad = |m: String| ControlError::new(ErrorKind::Invalid, m);
     let persistence = config::parse_duration(&spec.persistence).map_err(bad)?;
@@ -1007,7 +1011,9 @@ pub(crate) fn build_sched(
     let kind = spec
         .scheduler
         .parse()
-        .map_err(|e: weir_sched::ParseKindError| ControlError::new(ErrorKind::Invalid, e.to_string()))?;
+        .map_err(|e: weir_sched::ParseKindError| {
+            ControlError::new(ErrorKind::Invalid, e.to_string())
+        })?;
     let mut cfg = SchedConfig::new(kind, hash_seed());
     cfg.fallback = spec.options.mh_fallback;
     let infos: Vec<BackendInfo> = backends.iter().map(|b| b.info()).collect();

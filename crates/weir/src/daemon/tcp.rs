@@ -11,9 +11,7 @@ use socket2::SockRef;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::{
-    ConnEntry, ConnState, Service, Shared, TCP_ESTABLISHED_TIMEOUT, TCP_FIN_TIMEOUT,
-};
+use super::{ConnEntry, ConnState, Service, Shared, TCP_ESTABLISHED_TIMEOUT, TCP_FIN_TIMEOUT};
 use crate::config::Protocol;
 
 pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener: TcpListener) {
@@ -39,7 +37,10 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
                     .lock()
                     .entry("fd_exhausted".into())
                     .or_default() += 1;
-                tracing::warn!(backoff_ms = backoff.as_millis() as u64, "accept: {e}; backing off");
+                tracing::warn!(
+                    backoff_ms = backoff.as_millis() as u64,
+                    "accept: {e}; backing off"
+                );
                 tokio::select! {
                     _ = svc.cancel.cancelled() => return,
                     _ = shared.stop_accept.cancelled() => return,
@@ -53,7 +54,10 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
 }
 
 fn is_fd_exhaustion(e: &io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE) | Some(libc::ENOBUFS) | Some(libc::ENOMEM))
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE) | Some(libc::ENFILE) | Some(libc::ENOBUFS) | Some(libc::ENOMEM)
+    )
 }
 
 fn reset(s: &TcpStream) {
@@ -137,9 +141,10 @@ async fn handle(
         return;
     };
     entry.set_state(ConnState::Established);
-    entry
-        .timeout_ms
-        .store(TCP_ESTABLISHED_TIMEOUT.as_millis() as u64, std::sync::atomic::Ordering::Relaxed);
+    entry.timeout_ms.store(
+        TCP_ESTABLISHED_TIMEOUT.as_millis() as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
     let reason = proxy(&shared, &entry, client, backend_stream).await;
     entry.set_state(ConnState::Close);
     shared.unregister(&entry, reason);
@@ -232,43 +237,43 @@ async fn proxy(
     }
     let buf = shared.daemon_cfg.buffer_size;
     let reason = {
-    let (mut cr, mut cw) = client.split();
-    let (mut br, mut bw) = backend.split();
-    let c2b = pump(&mut cr, &mut bw, buf, shared, entry, true);
-    let b2c = pump(&mut br, &mut cw, buf, shared, entry, false);
-    tokio::pin!(c2b, b2c);
-    let (mut c2b_done, mut b2c_done) = (false, false);
-    loop {
-        let idle_ms = entry.timeout_ms.load(Relaxed);
-        let last = entry.last_active.load(Relaxed);
-        let now = shared.now_ms();
-        let left = (last + idle_ms).saturating_sub(now);
-        tokio::select! {
-            r = &mut c2b, if !c2b_done => {
-                c2b_done = true;
-                match r {
-                    End::Error => break "client_reset",
-                    End::Eof if b2c_done => break "closed",
-                    End::Eof => half_closed(entry),
+        let (mut cr, mut cw) = client.split();
+        let (mut br, mut bw) = backend.split();
+        let c2b = pump(&mut cr, &mut bw, buf, shared, entry, true);
+        let b2c = pump(&mut br, &mut cw, buf, shared, entry, false);
+        tokio::pin!(c2b, b2c);
+        let (mut c2b_done, mut b2c_done) = (false, false);
+        loop {
+            let idle_ms = entry.timeout_ms.load(Relaxed);
+            let last = entry.last_active.load(Relaxed);
+            let now = shared.now_ms();
+            let left = (last + idle_ms).saturating_sub(now);
+            tokio::select! {
+                r = &mut c2b, if !c2b_done => {
+                    c2b_done = true;
+                    match r {
+                        End::Error => break "client_reset",
+                        End::Eof if b2c_done => break "closed",
+                        End::Eof => half_closed(entry),
+                    }
                 }
-            }
-            r = &mut b2c, if !b2c_done => {
-                b2c_done = true;
-                match r {
-                    End::Error => break "backend_reset",
-                    End::Eof if c2b_done => break "closed",
-                    End::Eof => half_closed(entry),
+                r = &mut b2c, if !b2c_done => {
+                    b2c_done = true;
+                    match r {
+                        End::Error => break "backend_reset",
+                        End::Eof if c2b_done => break "closed",
+                        End::Eof => half_closed(entry),
+                    }
                 }
-            }
-            _ = entry.cancel.cancelled() => break *entry.cancel_reason.lock(),
-            _ = tokio::time::sleep(Duration::from_millis(left)) => {
-                let last = entry.last_active.load(Relaxed);
-                if shared.now_ms() >= last + entry.timeout_ms.load(Relaxed) {
-                    break "idle_timeout";
+                _ = entry.cancel.cancelled() => break *entry.cancel_reason.lock(),
+                _ = tokio::time::sleep(Duration::from_millis(left)) => {
+                    let last = entry.last_active.load(Relaxed);
+                    if shared.now_ms() >= last + entry.timeout_ms.load(Relaxed) {
+                        break "idle_timeout";
+                    }
                 }
             }
         }
-    }
     };
     if reason != "closed" {
         // Propagate the abort as a RST on both sides.

@@ -68,7 +68,12 @@ async fn new_session(
     let tenant = svc.tenant.clone();
     let params = svc.params.read().clone();
     if params.udp_max_per_client != 0 {
-        let n = svc.udp_per_client.lock().get(&peer.ip()).copied().unwrap_or(0);
+        let n = svc
+            .udp_per_client
+            .lock()
+            .get(&peer.ip())
+            .copied()
+            .unwrap_or(0);
         if n >= params.udp_max_per_client {
             shared.refuse(Some(&tenant), Refusal::ClientLimit);
             return None;
@@ -167,7 +172,10 @@ async fn session_task(
     };
     {
         let mut map = svc.udp_sessions.lock();
-        if map.get(&peer).is_some_and(|s| s.entry.cookie == entry.cookie) {
+        if map
+            .get(&peer)
+            .is_some_and(|s| s.entry.cookie == entry.cookie)
+        {
             map.remove(&peer);
         }
     }

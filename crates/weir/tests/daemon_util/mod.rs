@@ -1,0 +1,159 @@
+//! Helpers shared by the daemon integration tests: echo backends, config
+//! builders and bounded polling.
+#![allow(dead_code, unreachable_pub)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use weir::config::{BackendSpec, Config, Protocol, ServiceOptions, ServiceSpec};
+
+/// Poll `cond` every 20 ms until it holds or `timeout` passes.
+pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A TCP echo backend; stops accepting when dropped (listener closed).
+pub struct Echo {
+    pub addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    pub accepted: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Echo {
+    pub fn start() -> Self {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let addr = l.local_addr().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let accepted = Arc::new(AtomicU64::new(0));
+        let (s2, a2) = (stop.clone(), accepted.clone());
+        let thread = std::thread::spawn(move || {
+            while !s2.load(Relaxed) {
+                match l.accept() {
+                    Ok((mut s, _)) => {
+                        a2.fetch_add(1, Relaxed);
+                        s.set_nonblocking(false).unwrap();
+                        std::thread::spawn(move || {
+                            let mut buf = vec![0u8; 64 * 1024];
+                            loop {
+                                match s.read(&mut buf) {
+                                    Ok(0) | Err(_) => {
+                                        let _ = s.shutdown(std::net::Shutdown::Write);
+                                        return;
+                                    }
+                                    Ok(n) => {
+                                        if s.write_all(&buf[..n]).is_err() {
+                                            return;
+                                        }
+                                    }
+                                }
+                            }
+                        });
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        Self {
+            addr,
+            stop,
+            accepted,
+            thread: Some(thread),
+        }
+    }
+
+    /// Close the listener (established connections stay up).
+    pub fn kill(&mut self) {
+        self.stop.store(true, Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Echo {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A UDP echo backend.
+pub fn udp_echo() -> SocketAddr {
+    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let addr = s.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 65536];
+        while let Ok((n, peer)) = s.recv_from(&mut buf) {
+            let _ = s.send_to(&buf[..n], peer);
+        }
+    });
+    addr
+}
+
+pub fn backend(addr: SocketAddr, weight: u32) -> BackendSpec {
+    BackendSpec {
+        address: addr,
+        weight,
+        proxy_protocol: None,
+        max_connections: 0,
+    }
+}
+
+pub fn service(
+    name: &str,
+    proto: Protocol,
+    sched: &str,
+    backends: Vec<BackendSpec>,
+) -> ServiceSpec {
+    ServiceSpec {
+        tenant: "default".into(),
+        name: name.into(),
+        protocol: proto,
+        listen: "127.0.0.1:0".parse().unwrap(),
+        scheduler: sched.into(),
+        persistence: "0s".into(),
+        persistence_netmask: None,
+        options: ServiceOptions::default(),
+        backends,
+    }
+}
+
+pub fn config(services: Vec<ServiceSpec>) -> Config {
+    let mut c = Config::default();
+    c.daemon.workers = 2;
+    c.services = services;
+    c
+}
+
+/// Connect, send `msg`, read it back; returns whether the echo matched.
+pub fn echo_once(addr: SocketAddr, msg: &[u8]) -> bool {
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return false;
+    };
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = vec![0u8; msg.len()];
+    s.write_all(msg).is_ok() && s.read_exact(&mut buf).is_ok() && buf == msg
+}
+
+/// An open connection that has echoed once (so it is ESTABLISHED in weir).
+pub fn held(addr: SocketAddr) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"hi").unwrap();
+    let mut b = [0u8; 2];
+    s.read_exact(&mut b).unwrap();
+    s
+}
