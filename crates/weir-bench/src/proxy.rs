@@ -136,6 +136,7 @@ struct Slow {
 pub(crate) fn run(c: &Common) -> Result<Value> {
     let plan = Plan::new(c.quick);
     let nofile = sys::raise_nofile()?;
+    sys::stop_servers_on_signal()?;
     println!(
         "Noisy machine: client, proxy and backends share the same cores, and other builds may be \
          running; only ratios within this run mean anything. Open-files limit: {nofile}."
@@ -148,6 +149,7 @@ pub(crate) fn run(c: &Common) -> Result<Value> {
     let dir = tempfile::Builder::new()
         .prefix("weir-bench-proxy")
         .tempdir()?;
+    sys::remove_on_signal(dir.path());
     let bench = BenchServers::start()?;
     let backends = Backends::start(bench.idle_port, bench.slow_port, bench.udp_port)?;
 

@@ -11,6 +11,7 @@ use std::fs::File;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
@@ -71,6 +72,71 @@ pub(crate) fn lo(port: u16) -> SocketAddr {
     SocketAddr::from((Ipv4Addr::LOCALHOST, port))
 }
 
+/// Root pids and directories of the servers now running, for the signal
+/// watcher: on SIGINT/SIGTERM `Drop` does not run, so the watcher stops them.
+static RUNNING: Mutex<Vec<(u32, PathBuf)>> = Mutex::new(Vec::new());
+
+/// Starts a thread that, on SIGINT or SIGTERM, stops every running server's
+/// process tree, removes its directory and exits with status 130. Call once,
+/// before starting servers.
+pub(crate) fn stop_servers_on_signal() -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .context("signal runtime")?;
+    // Register the handlers now, so a signal that comes before the thread
+    // runs is not lost.
+    let (mut int, mut term) = rt.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok::<_, std::io::Error>((
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::terminate())?,
+        ))
+    })?;
+    std::thread::Builder::new()
+        .name("bench-signals".into())
+        .spawn(move || {
+            rt.block_on(async {
+                tokio::select! {
+                    _ = int.recv() => {}
+                    _ = term.recv() => {}
+                }
+            });
+            let running = std::mem::take(&mut *RUNNING.lock().unwrap_or_else(|e| e.into_inner()));
+            eprintln!(
+                "weir-bench: interrupted; stopping {} servers",
+                running.len()
+            );
+            for (pid, dir) in running {
+                // pid 0 marks a bare directory (and kill(0) would signal our group).
+                if pid != 0 {
+                    for p in tree(pid) {
+                        signal_pid(p, Signal::SIGKILL);
+                    }
+                }
+                let _ = std::fs::remove_dir_all(dir);
+            }
+            std::process::exit(130);
+        })?;
+    Ok(())
+}
+
+/// Also removes `dir` if the run is interrupted.
+pub(crate) fn remove_on_signal(dir: &Path) {
+    RUNNING
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((0, dir.to_path_buf()));
+}
+
+fn signal_pid(pid: u32, sig: Signal) {
+    if let Ok(p) = i32::try_from(pid)
+        && p > 0
+    {
+        let _ = kill(Pid::from_raw(p), sig);
+    }
+}
+
 /// A running server (peer proxy, backend or weir) and its private directory.
 ///
 /// Dropping it stops the process tree: SIGTERM to the root, up to 3 s for it
@@ -95,6 +161,10 @@ impl Server {
         let child = cmd
             .spawn()
             .with_context(|| format!("starting {name}: {cmd:?}"))?;
+        RUNNING
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((child.id(), dir.path().to_path_buf()));
         Ok(Self {
             name: name.to_string(),
             child: Some(child),
@@ -136,9 +206,18 @@ impl Drop for Server {
         let Some(mut child) = self.child.take() else {
             return;
         };
-        let mut pids = tree(child.id());
-        let root = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
-        let _ = kill(root, Signal::SIGTERM);
+        RUNNING
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(p, _)| *p != child.id());
+        // Collected before the root can exit and be reaped, so no pid here
+        // can have been reused for someone else's process yet; each kill
+        // below re-checks the start time anyway.
+        let procs: Vec<(u32, u64)> = tree(child.id())
+            .into_iter()
+            .filter_map(|p| Some((p, start_time(p)?)))
+            .collect();
+        signal_pid(child.id(), Signal::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(3);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = child.try_wait() {
@@ -146,13 +225,10 @@ impl Drop for Server {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        // Workers orphaned by a master that died first are still ours to stop.
-        pids.extend(tree(child.id()));
-        for p in pids {
-            if let Ok(p) = i32::try_from(p)
-                && std::fs::metadata(format!("/proc/{p}")).is_ok()
-            {
-                let _ = kill(Pid::from_raw(p), Signal::SIGKILL);
+        // Workers a master left behind are still ours to stop.
+        for (p, start) in procs {
+            if p != child.id() && start_time(p) == Some(start) {
+                signal_pid(p, Signal::SIGKILL);
             }
         }
         let _ = child.kill();
@@ -185,6 +261,20 @@ fn tree(pid: u32) -> Vec<u32> {
         i += 1;
     }
     out
+}
+
+/// Start time (clock ticks since boot, `/proc/PID/stat` field 22) of a live,
+/// non-zombie process; None once it is gone.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command, which may contain spaces, in parentheses.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let mut f = rest.split_whitespace();
+    let state = f.next()?;
+    if state == "Z" || state == "X" {
+        return None;
+    }
+    f.nth(18)?.parse().ok()
 }
 
 /// `VmRSS` of one process in bytes (0 if it is gone).
@@ -270,6 +360,17 @@ mod tests {
             "sockets: used 14\nTCP: inuse 1 orphan 0 tw 0 alloc 1 mem 130\nUDP: inuse 0 mem 7\n";
         assert_eq!(parse_sockstat_tcp_pages(text), Some(130));
         assert_eq!(parse_sockstat_tcp_pages("UDP: inuse 0 mem 7\n"), None);
+    }
+
+    #[test]
+    fn start_time_of_live_and_gone_processes() {
+        let me = std::process::id();
+        let t = start_time(me).unwrap();
+        assert_eq!(start_time(me), Some(t), "stable");
+        let mut c = Command::new("true").spawn().unwrap();
+        let pid = c.id();
+        c.wait().unwrap();
+        assert_eq!(start_time(pid), None, "reaped child");
     }
 
     #[test]
