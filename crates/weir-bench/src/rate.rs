@@ -10,7 +10,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
-use nix::sys::resource::{UsageWho, getrusage};
+use nix::time::{ClockId, clock_gettime};
 use serde_json::json;
 use weir_rate::{Calibrator, Config, Engine, Estimator};
 
@@ -34,9 +34,10 @@ pub(crate) fn rate(c: &Common) -> Result<serde_json::Value> {
     println!(
         "Noisy machine: other engineers compile on the same 2 cores and the two \
          counter-updating workers spin on them too, so tick times (wall clock around \
-         each tick call) include any preemption. The CPU share is the estimator \
-         thread's own CPU time (getrusage RUSAGE_THREAD) over the measured periods, \
-         sleeps and wake-ups included."
+         each tick call) include any preemption; the CPU columns are the estimator thread's \
+         own CPU time in each tick (CLOCK_THREAD_CPUTIME_ID), i.e. the work. The CPU share \
+         is that thread's CPU time over the measured periods, sleeps, wake-ups and the \
+         two clock reads per tick included."
     );
     println!();
 
@@ -53,6 +54,9 @@ pub(crate) fn rate(c: &Common) -> Result<serde_json::Value> {
         "slots",
         "tick max ms",
         "tick p99 ms",
+        "tick max CPU ms",
+        "tick p99 CPU ms",
+        "most estimators in a tick",
         "single 2 s walk ms (IPVS < 6.2)",
         "tick max vs walk",
         "estimator thread % of a core",
@@ -67,6 +71,9 @@ pub(crate) fn rate(c: &Common) -> Result<serde_json::Value> {
             r.slots.to_string(),
             format!("{:.3}", r.tick_max_ms),
             format!("{:.3}", r.tick_p99_ms),
+            format!("{:.3}", r.tick_max_cpu_ms),
+            format!("{:.3}", r.tick_p99_cpu_ms),
+            r.max_scanned.to_string(),
             format!("{:.2}", r.walk_ms),
             ratio(r.tick_max_ms, r.walk_ms),
             format!("{:.3}", r.cpu_pct),
@@ -118,6 +125,9 @@ pub(crate) fn rate(c: &Common) -> Result<serde_json::Value> {
             "estimators": r.n,
             "tick_max_ms": r.tick_max_ms,
             "tick_p99_ms": r.tick_p99_ms,
+            "tick_max_cpu_ms": r.tick_max_cpu_ms,
+            "tick_p99_cpu_ms": r.tick_p99_cpu_ms,
+            "max_estimators_per_tick": r.max_scanned,
             "cpu_pct": r.cpu_pct,
             "single_walk_ms": r.walk_ms,
             "slots": r.slots,
@@ -144,17 +154,12 @@ fn calibrate() -> f64 {
     cal.cost_ns()
 }
 
+/// This thread's CPU time (CLOCK_THREAD_CPUTIME_ID: nanoseconds, up to date
+/// while running, unlike getrusage's).
 fn thread_cpu() -> Duration {
-    match getrusage(UsageWho::RUSAGE_THREAD) {
-        Ok(u) => {
-            let us = |t: nix::sys::time::TimeVal| {
-                Duration::from_secs(t.tv_sec().max(0) as u64)
-                    + Duration::from_micros(t.tv_usec().max(0) as u64)
-            };
-            us(u.user_time()) + us(u.system_time())
-        }
-        Err(_) => Duration::ZERO,
-    }
+    clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map(Duration::from)
+        .unwrap_or_default()
 }
 
 #[derive(Debug)]
@@ -162,6 +167,9 @@ struct SizeResult {
     n: usize,
     slots: u32,
     tick_max_ms: f64,
+    tick_max_cpu_ms: f64,
+    tick_p99_cpu_ms: f64,
+    max_scanned: u64,
     tick_p99_ms: f64,
     cpu_pct: f64,
     walk_ms: f64,
@@ -225,7 +233,8 @@ fn run_size(n: usize, cost_ns: f64, periods: u32) -> Result<SizeResult> {
     let tick_iv = engine.config().tick_interval();
     let warm = weir_rate::PERIOD + tick_iv * 4;
     let end = warm + weir_rate::PERIOD * periods;
-    let mut wall = Vec::new();
+    let (mut wall, mut cpu) = (Vec::new(), Vec::new());
+    let mut max_scanned = 0u64;
     let (mut cpu_window, mut wall_window) = (Duration::ZERO, Duration::ZERO);
     let mut measuring_since: Option<(Instant, Duration)> = None;
     loop {
@@ -236,12 +245,17 @@ fn run_size(n: usize, cost_ns: f64, periods: u32) -> Result<SizeResult> {
         if measuring_since.is_none() && now >= warm {
             measuring_since = Some((Instant::now(), thread_cpu()));
         }
+        let c0 = thread_cpu();
         let t0 = Instant::now();
         let r = engine.tick(now);
         let w = t0.elapsed();
-        engine.record_tick(w, &r);
+        let c = thread_cpu().saturating_sub(c0);
+        // The cost re-check wants work, not preemption: feed CPU time.
+        engine.record_tick(c, &r);
         if measuring_since.is_some() && r.slots_run > 0 {
             wall.push(w.as_secs_f64() * 1e3);
+            cpu.push(c.as_secs_f64() * 1e3);
+            max_scanned = max_scanned.max(r.scanned);
         }
         let now = start.elapsed();
         if r.next_due > now {
@@ -269,6 +283,8 @@ fn run_size(n: usize, cost_ns: f64, periods: u32) -> Result<SizeResult> {
     let tick_max_ms = wall.iter().copied().fold(0.0, f64::max);
     let cpu_pct = cpu_window.as_secs_f64() / wall_window.as_secs_f64().max(1e-9) * 100.0;
     let tick_p99_ms = p99(&mut wall);
+    let tick_max_cpu_ms = cpu.iter().copied().fold(0.0, f64::max);
+    let tick_p99_cpu_ms = p99(&mut cpu);
     drop(ests);
     drop(engine);
 
@@ -277,6 +293,9 @@ fn run_size(n: usize, cost_ns: f64, periods: u32) -> Result<SizeResult> {
         n,
         slots,
         tick_max_ms,
+        tick_max_cpu_ms,
+        tick_p99_cpu_ms,
+        max_scanned,
         tick_p99_ms,
         cpu_pct,
         walk_ms,
