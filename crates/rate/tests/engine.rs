@@ -588,3 +588,11 @@ fn config_errors_are_reported() {
         41
     );
 }
+
+#[test]
+fn handles_are_small_send_and_sync() {
+    fn send_sync<T: Send + Sync + Clone>() {}
+    send_sync::<Engine>();
+    send_sync::<Estimator>();
+    assert_eq!(size_of::<Estimator>(), 16);
+}
