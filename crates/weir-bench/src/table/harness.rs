@@ -4,6 +4,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Barrier;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use weir_flowtable::{FlowKey, Proto, TenantId};
@@ -161,28 +162,71 @@ pub(crate) fn run<O: Send>(
     limit: Limit,
     body: impl Fn(&mut O, usize, u64) -> u64 + Sync,
 ) -> Run {
+    run_inner(handles, limit, false, body)
+}
+
+/// Like [`run`], but every thread does the same number of iterations: a
+/// thread that reaches the time limit publishes its count and all threads
+/// then run up to the largest published count (still at most
+/// `limit.ops / threads`). Wall time includes that catch-up. Used where the
+/// iterations walk a shared sequence that must end in a consistent state.
+pub(crate) fn run_equal<O: Send>(
+    handles: Vec<O>,
+    limit: Limit,
+    body: impl Fn(&mut O, usize, u64) -> u64 + Sync,
+) -> Run {
+    run_inner(handles, limit, true, body)
+}
+
+fn run_inner<O: Send>(
+    handles: Vec<O>,
+    limit: Limit,
+    equal: bool,
+    body: impl Fn(&mut O, usize, u64) -> u64 + Sync,
+) -> Run {
     let threads = handles.len().max(1);
     let per_thread = limit.ops / threads as u64;
     let barrier = Barrier::new(threads + 1);
+    let target = AtomicU64::new(0);
+    let published = AtomicUsize::new(0);
     let (start, results) = std::thread::scope(|s| {
         let joins: Vec<_> = handles
             .into_iter()
             .enumerate()
             .map(|(t, mut h)| {
-                let (barrier, body) = (&barrier, &body);
+                let (barrier, body, target, published) = (&barrier, &body, &target, &published);
                 s.spawn(move || {
                     barrier.wait();
                     let cpu0 = thread_cpu_secs();
                     let deadline = Instant::now() + limit.time;
                     let (mut j, mut ok) = (0u64, 0u64);
+                    let mut batch_to = |j: &mut u64, ok: &mut u64, end: u64| {
+                        while *j < end {
+                            *ok += body(&mut h, t, *j);
+                            *j += 1;
+                        }
+                    };
                     while j < per_thread {
                         let end = (j + BATCH).min(per_thread);
-                        while j < end {
-                            ok += body(&mut h, t, j);
-                            j += 1;
-                        }
+                        batch_to(&mut j, &mut ok, end);
                         if Instant::now() >= deadline {
                             break;
+                        }
+                    }
+                    if equal {
+                        target.fetch_max(j, Ordering::AcqRel);
+                        published.fetch_add(1, Ordering::AcqRel);
+                        loop {
+                            let goal = target.load(Ordering::Acquire);
+                            if j < goal {
+                                let end = (j + BATCH).min(goal);
+                                batch_to(&mut j, &mut ok, end);
+                            } else if published.load(Ordering::Acquire) == threads {
+                                // Every thread has published, so `goal` is final.
+                                break;
+                            } else {
+                                std::thread::yield_now();
+                            }
                         }
                     }
                     (j, ok, thread_cpu_secs() - cpu0)
@@ -219,7 +263,9 @@ pub(crate) fn rss_bytes() -> u64 {
 
 /// Formats a rate as e.g. `12.3M`.
 pub(crate) fn si(x: f64) -> String {
-    if x >= 1e9 {
+    if x < 1e3 && x.fract() == 0.0 {
+        format!("{x:.0}")
+    } else if x >= 1e9 {
         format!("{:.2}G", x / 1e9)
     } else if x >= 1e6 {
         format!("{:.2}M", x / 1e6)
@@ -258,6 +304,35 @@ mod tests {
         );
         assert_eq!(r.ops, 10_000);
         assert_eq!(r.ok, 10_000);
+    }
+
+    #[test]
+    fn run_equal_gives_every_thread_the_same_count() {
+        // Thread 1 is ~50x slower per iteration; both must still end equal.
+        let done = [AtomicU64::new(0), AtomicU64::new(0)];
+        let r = run_equal(
+            vec![(), ()],
+            Limit {
+                ops: u64::MAX,
+                time: Duration::from_millis(30),
+            },
+            |_, t, j| {
+                let spins = if t == 1 { 50 } else { 1 };
+                for k in 0..spins {
+                    std::hint::black_box(j + k);
+                }
+                done[t].store(j + 1, Ordering::Relaxed);
+                1
+            },
+        );
+        let (a, b) = (
+            done[0].load(Ordering::Relaxed),
+            done[1].load(Ordering::Relaxed),
+        );
+        assert_eq!(a, b);
+        assert_eq!(r.ops, a + b);
+        assert_eq!(r.ok, r.ops);
+        assert!(r.ops > 0);
     }
 
     #[test]
