@@ -217,10 +217,11 @@ impl Engine {
     /// call within `slot_budget`, and never more than `max_slots_per_tick`;
     /// [`TickReport::behind`] says what is left. Empty slots are passed over
     /// for free. A caller more than a period late resumes one period back:
-    /// each estimator gets one (long) interval instead of replayed periods. Placement spreads chunks
-    /// evenly, so one slot is within budget unless every slot is at capacity
-    /// ([`EngineStats::overloaded_slots`]; raise `slots` then). Never blocks on
-    /// `add`/drop except after 8 consecutive ticks found the allocator busy.
+    /// each estimator gets one (long) interval instead of replayed periods.
+    /// Placement spreads chunks evenly, so one slot is within budget unless
+    /// every slot is at capacity ([`EngineStats::overloaded_slots`]; raise
+    /// `slots` then). Never blocks on `add`/drop except after 8 consecutive
+    /// ticks found the allocator busy.
     pub fn tick(&self, now: Duration) -> TickReport {
         let cfg = &self.inner.cfg;
         let slots = cfg.slots;
