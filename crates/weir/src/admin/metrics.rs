@@ -39,7 +39,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Registry, Unit};
 
 use super::handlers::tenant_sums;
-use crate::control::{Control, Rates, Totals};
+use crate::control::{Control, GlobalStats, Rates, Totals};
 
 type Labels = Vec<(String, String)>;
 type CounterFam = Family<Labels, Counter<u64>>;
@@ -167,6 +167,135 @@ fn counter(reg: &mut Registry, name: &str, help: &str) -> CounterFam {
     f
 }
 
+/// Daemon-wide metrics: unlabelled (except `reason`), so registered one by one.
+fn global_metrics(reg: &mut Registry, g: &GlobalStats) {
+    let counter = |reg: &mut Registry, name: &str, help: &str, unit: Option<Unit>, v: u64| {
+        let c: Counter<u64> = Counter::default();
+        c.inc_by(v);
+        match unit {
+            Some(u) => reg.register_with_unit(name, help, u, c),
+            None => reg.register(name, help, c),
+        }
+    };
+    let gauge = |reg: &mut Registry, name: &str, help: &str, v: u64| {
+        let x: Gauge<i64> = Gauge::default();
+        x.set(sat(v));
+        reg.register(name, help, x);
+    };
+    let seconds = |reg: &mut Registry, name: &str, help: &str, v: f64| {
+        let x: Gauge<f64, AtomicU64> = Gauge::default();
+        x.set(v);
+        reg.register_with_unit(name, help, Unit::Seconds, x);
+    };
+    let what = "by the whole daemon";
+    counter(
+        reg,
+        "weir_connections",
+        &format!("Connections (TCP) and sessions (UDP) scheduled {what}"),
+        None,
+        g.stats.conns,
+    );
+    counter(
+        reg,
+        "weir_in_packets",
+        &format!("Packets client to backend {what}"),
+        None,
+        g.stats.inpkts,
+    );
+    counter(
+        reg,
+        "weir_out_packets",
+        &format!("Packets backend to client {what}"),
+        None,
+        g.stats.outpkts,
+    );
+    counter(
+        reg,
+        "weir_in",
+        &format!("Bytes client to backend {what}"),
+        Some(Unit::Bytes),
+        g.stats.inbytes,
+    );
+    counter(
+        reg,
+        "weir_out",
+        &format!("Bytes backend to client {what}"),
+        Some(Unit::Bytes),
+        g.stats.outbytes,
+    );
+    gauge(
+        reg,
+        "weir_connections_per_second",
+        &format!("New connections per second, 2 s EWMA {what}"),
+        g.rates.cps,
+    );
+    gauge(
+        reg,
+        "weir_in_packets_per_second",
+        &format!("Packets per second client to backend, 2 s EWMA {what}"),
+        g.rates.inpps,
+    );
+    gauge(
+        reg,
+        "weir_out_packets_per_second",
+        &format!("Packets per second backend to client, 2 s EWMA {what}"),
+        g.rates.outpps,
+    );
+    gauge(
+        reg,
+        "weir_in_bytes_per_second",
+        &format!("Bytes per second client to backend, 2 s EWMA {what}"),
+        g.rates.inbps,
+    );
+    gauge(
+        reg,
+        "weir_out_bytes_per_second",
+        &format!("Bytes per second backend to client, 2 s EWMA {what}"),
+        g.rates.outbps,
+    );
+    gauge(
+        reg,
+        "weir_active_connections",
+        "Live connections and sessions, all tenants",
+        g.active_conns,
+    );
+    let refused = CounterFam::default();
+    for (reason, n) in &g.refused {
+        refused
+            .get_or_create(&labels(&[("reason", reason)]))
+            .inc_by(*n);
+    }
+    reg.register(
+        "weir_refused_connections",
+        "Connections and sessions refused, by reason",
+        refused,
+    );
+    seconds(
+        reg,
+        "weir_estimator_tick_duration",
+        "Duration of the last rate-estimator tick",
+        g.estimator_tick_seconds,
+    );
+    seconds(
+        reg,
+        "weir_estimator_tick_max_duration",
+        "Longest rate-estimator tick since start",
+        g.estimator_tick_max_seconds,
+    );
+    gauge(
+        reg,
+        "process_open_fds",
+        "Number of open file descriptors",
+        g.open_fds,
+    );
+    gauge(
+        reg,
+        "process_max_fds",
+        "Maximum number of open file descriptors (RLIMIT_NOFILE soft limit)",
+        g.fd_limit,
+    );
+}
+
 /// Render every metric from one snapshot of `control`.
 pub fn render(control: &dyn Control) -> Result<String, std::fmt::Error> {
     let services = control.services();
@@ -208,17 +337,6 @@ pub fn render(control: &dyn Control) -> Result<String, std::fmt::Error> {
         "weir_tenant_refused_connections",
         "Connections and sessions refused by this tenant's limits",
     );
-    let all = Traffic::register(&mut reg, "weir_", "by the whole daemon");
-    let g_active = gauge(
-        &mut reg,
-        "weir_active_connections",
-        "Live connections and sessions, all tenants",
-    );
-    let g_refused = counter(
-        &mut reg,
-        "weir_refused_connections",
-        "Connections and sessions refused, by reason",
-    );
     let tb_entries = gauge(
         &mut reg,
         "weir_table_entries",
@@ -245,31 +363,6 @@ pub fn render(control: &dyn Control) -> Result<String, std::fmt::Error> {
         "weir_table_refused_inserts",
         "Inserts refused by the chain-length cap (hash-flood defence)",
     );
-    let tick = FloatFam::default();
-    reg.register_with_unit(
-        "weir_estimator_tick_duration",
-        "Duration of the last rate-estimator tick",
-        Unit::Seconds,
-        tick.clone(),
-    );
-    let tick_max = FloatFam::default();
-    reg.register_with_unit(
-        "weir_estimator_tick_max_duration",
-        "Longest rate-estimator tick since start",
-        Unit::Seconds,
-        tick_max.clone(),
-    );
-    let fds = gauge(
-        &mut reg,
-        "process_open_fds",
-        "Number of open file descriptors",
-    );
-    let max_fds = gauge(
-        &mut reg,
-        "process_max_fds",
-        "Maximum number of open file descriptors (RLIMIT_NOFILE soft limit)",
-    );
-
     for s in &services {
         let sl = labels(&[("tenant", &s.tenant), ("service", &s.name)]);
         service.set(&sl, &s.stats, &s.rates);
@@ -294,15 +387,7 @@ pub fn render(control: &dyn Control) -> Result<String, std::fmt::Error> {
         t_active.get_or_create(&tl).set(sat(t.active_conns));
         t_refused.get_or_create(&tl).inc_by(t.refused);
     }
-    all.set(&Vec::new(), &global.stats, &global.rates);
-    g_active
-        .get_or_create(&Vec::new())
-        .set(sat(global.active_conns));
-    for (reason, n) in &global.refused {
-        g_refused
-            .get_or_create(&labels(&[("reason", reason)]))
-            .inc_by(*n);
-    }
+    global_metrics(&mut reg, &global);
     for r in &table {
         let l = labels(&[("tenant", &r.tenant), ("placement", &r.placement)]);
         tb_entries.get_or_create(&l).set(sat(r.entries));
@@ -311,14 +396,6 @@ pub fn render(control: &dyn Control) -> Result<String, std::fmt::Error> {
         tb_load.get_or_create(&l).set(r.load_factor);
         tb_refused.get_or_create(&l).inc_by(r.refused_inserts);
     }
-    tick.get_or_create(&Vec::new())
-        .set(global.estimator_tick_seconds);
-    tick_max
-        .get_or_create(&Vec::new())
-        .set(global.estimator_tick_max_seconds);
-    fds.get_or_create(&Vec::new()).set(sat(global.open_fds));
-    max_fds.get_or_create(&Vec::new()).set(sat(global.fd_limit));
-
     let mut out = String::new();
     encode(&mut out, &reg)?;
     Ok(out)

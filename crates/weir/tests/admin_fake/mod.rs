@@ -1,0 +1,512 @@
+//! A small in-memory [`Control`] for the admin API and CLI tests: enough
+//! behaviour (not-found, conflicts, cursor pages, kills) to exercise every
+//! route without a daemon.
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use weir::config::{BackendSpec, Config, Protocol, ServiceSpec, TenantSpec};
+use weir::control::*;
+
+#[derive(Debug, Default)]
+pub struct FakeState {
+    pub config: Config,
+    pub conns: BTreeMap<u64, ConnInfo>,
+    pub stats: BTreeMap<(String, String), (Totals, Rates)>,
+    pub fail_reload: Option<Vec<String>>,
+    pub reloads: u64,
+}
+
+#[derive(Debug, Default)]
+pub struct Fake {
+    pub st: Mutex<FakeState>,
+}
+
+fn nf(m: impl Into<String>) -> ControlError {
+    ControlError::new(ErrorKind::NotFound, m)
+}
+fn conflict(m: impl Into<String>) -> ControlError {
+    ControlError::new(ErrorKind::Conflict, m)
+}
+
+impl Fake {
+    /// Two tenants ("default" shared, "acme" own table with a token), two
+    /// services, three connections.
+    pub fn sample() -> Self {
+        let f = Fake::default();
+        {
+            let mut st = f.st.lock().unwrap();
+            st.config.tenants = vec![
+                TenantSpec {
+                    name: "default".into(),
+                    table_entries: 0,
+                    max_connections: 0,
+                    max_new_per_s: 0,
+                    token: None,
+                },
+                TenantSpec {
+                    name: "acme".into(),
+                    table_entries: 1024,
+                    max_connections: 100,
+                    max_new_per_s: 10,
+                    token: Some("acme-token".into()),
+                },
+                TenantSpec {
+                    name: "globex".into(),
+                    table_entries: 0,
+                    max_connections: 0,
+                    max_new_per_s: 0,
+                    token: Some("globex-token".into()),
+                },
+            ];
+            st.config.services = vec![
+                service(
+                    "acme",
+                    "web",
+                    "10.0.0.1:80",
+                    &["10.1.0.1:8080", "10.1.0.2:8080"],
+                ),
+                service("globex", "dns", "10.0.0.2:53", &["10.2.0.1:53"]),
+            ];
+            st.config.services[1].protocol = Protocol::Udp;
+            st.stats.insert(
+                ("acme".into(), "web".into()),
+                (
+                    Totals {
+                        conns: 1_234,
+                        inpkts: 99_999_999,
+                        outpkts: 100_000_000,
+                        inbytes: 5_000_000_000,
+                        outbytes: 123_456_789_012_345,
+                    },
+                    Rates {
+                        cps: 12,
+                        inpps: 340,
+                        outpps: 330,
+                        inbps: 123_456_789,
+                        outbps: 2_000_000_000,
+                    },
+                ),
+            );
+            for i in 0..3u64 {
+                let (tenant, svc, virt, be) = if i < 2 {
+                    ("acme", "web", "10.0.0.1:80", "10.1.0.1:8080")
+                } else {
+                    ("globex", "dns", "10.0.0.2:53", "10.2.0.1:53")
+                };
+                st.conns.insert(
+                    100 + i,
+                    ConnInfo {
+                        tenant: tenant.into(),
+                        service: svc.into(),
+                        proto: if i < 2 { "TCP" } else { "UDP" }.into(),
+                        client: format!("192.0.2.{}:5000{i}", i + 1),
+                        virtual_: virt.into(),
+                        backend: be.into(),
+                        state: if i < 2 { "ESTABLISHED" } else { "UDP" }.into(),
+                        expires_s: 900 - i * 61,
+                        cookie: 100 + i,
+                        bytes_in: 1000 * i,
+                        bytes_out: 2000 * i,
+                    },
+                );
+            }
+        }
+        f
+    }
+
+    /// Add `n` synthetic connections to acme/web (cookies from 10_000).
+    pub fn add_conns(&self, n: u64) {
+        let mut st = self.st.lock().unwrap();
+        for i in 0..n {
+            let cookie = 10_000 + i;
+            st.conns.insert(
+                cookie,
+                ConnInfo {
+                    tenant: "acme".into(),
+                    service: "web".into(),
+                    proto: "TCP".into(),
+                    client: format!("198.51.100.{}:{}", i % 250 + 1, 1024 + i % 60000),
+                    virtual_: "10.0.0.1:80".into(),
+                    backend: "10.1.0.2:8080".into(),
+                    state: "ESTABLISHED".into(),
+                    expires_s: 900,
+                    cookie,
+                    bytes_in: i,
+                    bytes_out: i,
+                },
+            );
+        }
+    }
+
+    fn matches(f: &ConnFilter, c: &ConnInfo) -> bool {
+        f.tenant.as_ref().is_none_or(|t| *t == c.tenant)
+            && f.service.as_ref().is_none_or(|s| *s == c.service)
+            && f.backend.as_ref().is_none_or(|b| *b == c.backend)
+            && f.state
+                .as_ref()
+                .is_none_or(|s| s.eq_ignore_ascii_case(&c.state))
+    }
+}
+
+pub fn service(tenant: &str, name: &str, listen: &str, backends: &[&str]) -> ServiceSpec {
+    ServiceSpec {
+        tenant: tenant.into(),
+        name: name.into(),
+        protocol: Protocol::Tcp,
+        listen: listen.parse().unwrap(),
+        scheduler: "wlc".into(),
+        persistence: if tenant == "acme" { "300s" } else { "0s" }.into(),
+        persistence_netmask: None,
+        options: Default::default(),
+        backends: backends
+            .iter()
+            .map(|a| BackendSpec {
+                address: a.parse().unwrap(),
+                weight: 1,
+                proxy_protocol: None,
+                max_connections: 0,
+            })
+            .collect(),
+    }
+}
+
+impl Control for Fake {
+    fn tenants(&self) -> Vec<TenantStatus> {
+        let st = self.st.lock().unwrap();
+        let mut v: Vec<TenantStatus> = st
+            .config
+            .tenants
+            .iter()
+            .map(|t| TenantStatus {
+                spec: TenantSpec {
+                    token: None,
+                    ..t.clone()
+                },
+                active_conns: st.conns.values().filter(|c| c.tenant == t.name).count() as u64,
+                refused: if t.name == "acme" { 7 } else { 0 },
+                table: if t.table_entries > 0 { "own" } else { "shared" }.into(),
+            })
+            .collect();
+        v.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
+        v
+    }
+
+    fn add_tenant(&self, spec: TenantSpec) -> ControlResult<()> {
+        let mut st = self.st.lock().unwrap();
+        if st.config.tenants.iter().any(|t| t.name == spec.name) {
+            return Err(conflict(format!("tenant {} exists", spec.name)));
+        }
+        if spec.table_entries != 0 && !spec.table_entries.is_power_of_two() {
+            return Err(ControlError::new(
+                ErrorKind::Invalid,
+                "table_entries must be a power of two",
+            ));
+        }
+        st.config.tenants.push(spec);
+        Ok(())
+    }
+
+    fn delete_tenant(&self, tenant: &str) -> ControlResult<u64> {
+        let mut st = self.st.lock().unwrap();
+        let before = st.config.tenants.len();
+        st.config.tenants.retain(|t| t.name != tenant);
+        if st.config.tenants.len() == before {
+            return Err(nf(format!("no tenant {tenant}")));
+        }
+        st.config.services.retain(|s| s.tenant != tenant);
+        let n = st.conns.values().filter(|c| c.tenant == tenant).count() as u64;
+        st.conns.retain(|_, c| c.tenant != tenant);
+        Ok(n)
+    }
+
+    fn services(&self) -> Vec<ServiceStatus> {
+        let st = self.st.lock().unwrap();
+        let mut v: Vec<ServiceStatus> = st
+            .config
+            .services
+            .iter()
+            .map(|s| {
+                let (stats, rates) = st
+                    .stats
+                    .get(&(s.tenant.clone(), s.name.clone()))
+                    .copied()
+                    .unwrap_or_default();
+                let n = s.backends.len().max(1) as u64;
+                ServiceStatus {
+                    tenant: s.tenant.clone(),
+                    name: s.name.clone(),
+                    protocol: match s.protocol {
+                        Protocol::Tcp => "tcp",
+                        Protocol::Udp => "udp",
+                    }
+                    .into(),
+                    listen: s.listen.to_string(),
+                    scheduler: s.scheduler.clone(),
+                    persistence: s.persistence.clone(),
+                    backends: s
+                        .backends
+                        .iter()
+                        .enumerate()
+                        .map(|(i, b)| BackendStatus {
+                            address: b.address.to_string(),
+                            weight: b.weight,
+                            active_conns: st
+                                .conns
+                                .values()
+                                .filter(|c| c.backend == b.address.to_string())
+                                .count() as u64,
+                            inactive_conns: i as u64,
+                            health: if i == 1 { "down" } else { "up" }.into(),
+                            stats: Totals {
+                                conns: stats.conns / n,
+                                inpkts: stats.inpkts / n,
+                                outpkts: stats.outpkts / n,
+                                inbytes: stats.inbytes / n,
+                                outbytes: stats.outbytes / n,
+                            },
+                            rates: Rates {
+                                cps: rates.cps / n,
+                                inpps: rates.inpps / n,
+                                outpps: rates.outpps / n,
+                                inbps: rates.inbps / n,
+                                outbps: rates.outbps / n,
+                            },
+                        })
+                        .collect(),
+                    stats,
+                    rates,
+                }
+            })
+            .collect();
+        v.sort_by(|a, b| (&a.tenant, &a.name).cmp(&(&b.tenant, &b.name)));
+        v
+    }
+
+    fn add_service(&self, spec: ServiceSpec) -> ControlResult<()> {
+        let mut st = self.st.lock().unwrap();
+        if !st.config.tenants.iter().any(|t| t.name == spec.tenant) {
+            return Err(nf(format!("no tenant {}", spec.tenant)));
+        }
+        if st
+            .config
+            .services
+            .iter()
+            .any(|s| s.tenant == spec.tenant && s.name == spec.name)
+        {
+            return Err(conflict(format!(
+                "service {}/{} exists",
+                spec.tenant, spec.name
+            )));
+        }
+        st.config.services.push(spec);
+        Ok(())
+    }
+
+    fn edit_service(&self, tenant: &str, name: &str, spec: ServiceSpec) -> ControlResult<()> {
+        let mut st = self.st.lock().unwrap();
+        let s = st
+            .config
+            .services
+            .iter_mut()
+            .find(|s| s.tenant == tenant && s.name == name)
+            .ok_or_else(|| nf(format!("no service {tenant}/{name}")))?;
+        *s = spec;
+        Ok(())
+    }
+
+    fn delete_service(&self, tenant: &str, name: &str) -> ControlResult<()> {
+        let mut st = self.st.lock().unwrap();
+        let before = st.config.services.len();
+        st.config
+            .services
+            .retain(|s| !(s.tenant == tenant && s.name == name));
+        if st.config.services.len() == before {
+            return Err(nf(format!("no service {tenant}/{name}")));
+        }
+        Ok(())
+    }
+
+    fn add_backend(&self, tenant: &str, service: &str, spec: BackendSpec) -> ControlResult<()> {
+        let mut st = self.st.lock().unwrap();
+        let s = st
+            .config
+            .services
+            .iter_mut()
+            .find(|s| s.tenant == tenant && s.name == service)
+            .ok_or_else(|| nf(format!("no service {tenant}/{service}")))?;
+        if s.backends.iter().any(|b| b.address == spec.address) {
+            return Err(conflict(format!("backend {} exists", spec.address)));
+        }
+        s.backends.push(spec);
+        Ok(())
+    }
+
+    fn edit_backend(
+        &self,
+        tenant: &str,
+        service: &str,
+        address: &str,
+        patch: BackendPatch,
+    ) -> ControlResult<()> {
+        let mut st = self.st.lock().unwrap();
+        let s = st
+            .config
+            .services
+            .iter_mut()
+            .find(|s| s.tenant == tenant && s.name == service)
+            .ok_or_else(|| nf(format!("no service {tenant}/{service}")))?;
+        let b = s
+            .backends
+            .iter_mut()
+            .find(|b| b.address.to_string() == address)
+            .ok_or_else(|| nf(format!("no backend {address}")))?;
+        if let Some(w) = patch.weight {
+            b.weight = w;
+        }
+        if patch.drain.is_some() {
+            b.weight = 0;
+        }
+        Ok(())
+    }
+
+    fn delete_backend(&self, tenant: &str, service: &str, address: &str) -> ControlResult<()> {
+        let mut st = self.st.lock().unwrap();
+        let s = st
+            .config
+            .services
+            .iter_mut()
+            .find(|s| s.tenant == tenant && s.name == service)
+            .ok_or_else(|| nf(format!("no service {tenant}/{service}")))?;
+        let before = s.backends.len();
+        s.backends.retain(|b| b.address.to_string() != address);
+        if s.backends.len() == before {
+            return Err(nf(format!("no backend {address}")));
+        }
+        Ok(())
+    }
+
+    fn connections(
+        &self,
+        filter: &ConnFilter,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> ControlResult<ConnPage> {
+        let st = self.st.lock().unwrap();
+        let after = match cursor {
+            None => 0,
+            Some(c) => c
+                .parse::<u64>()
+                .map_err(|_| ControlError::new(ErrorKind::Invalid, format!("bad cursor {c:?}")))?,
+        };
+        let mut out = Vec::new();
+        let mut next = None;
+        for (cookie, c) in st.conns.range(after.saturating_add(1)..) {
+            if !Self::matches(filter, c) {
+                continue;
+            }
+            if out.len() == limit {
+                next = Some(out.last().map_or(0, |c: &ConnInfo| c.cookie).to_string());
+                break;
+            }
+            let _ = cookie;
+            out.push(c.clone());
+        }
+        Ok(ConnPage {
+            connections: out,
+            next,
+        })
+    }
+
+    fn kill(&self, cookie: u64) -> ControlResult<()> {
+        let mut st = self.st.lock().unwrap();
+        st.conns
+            .remove(&cookie)
+            .map(|_| ())
+            .ok_or_else(|| nf(format!("no connection {cookie}")))
+    }
+
+    fn kill_matching(&self, filter: &ConnFilter) -> ControlResult<u64> {
+        let mut st = self.st.lock().unwrap();
+        let before = st.conns.len();
+        st.conns.retain(|_, c| !Self::matches(filter, c));
+        Ok((before - st.conns.len()) as u64)
+    }
+
+    fn global_stats(&self) -> GlobalStats {
+        let st = self.st.lock().unwrap();
+        let mut refused = BTreeMap::new();
+        refused.insert("tenant_limit".to_string(), 7);
+        GlobalStats {
+            stats: Totals {
+                conns: 1_234,
+                inpkts: 10,
+                outpkts: 20,
+                inbytes: 30,
+                outbytes: 40,
+            },
+            rates: Rates {
+                cps: 1,
+                inpps: 2,
+                outpps: 3,
+                inbps: 4,
+                outbps: 5,
+            },
+            active_conns: st.conns.len() as u64,
+            refused,
+            open_fds: 42,
+            fd_limit: 1024,
+            estimator_tick_seconds: 0.0005,
+            estimator_tick_max_seconds: 0.002,
+        }
+    }
+
+    fn table(&self) -> Vec<TableReport> {
+        self.tenants()
+            .into_iter()
+            .map(|t| TableReport {
+                tenant: t.spec.name.clone(),
+                placement: t.table.clone(),
+                entries: t.active_conns,
+                buckets: if t.spec.table_entries > 0 {
+                    t.spec.table_entries as u64
+                } else {
+                    131_072
+                },
+                load_factor: 0.25,
+                max_chain: 3,
+                chain_histogram: vec![900, 100, 20, 4],
+                refused_inserts: 0,
+            })
+            .collect()
+    }
+
+    fn health(&self) -> Vec<HealthEntry> {
+        self.services()
+            .into_iter()
+            .flat_map(|s| {
+                s.backends.into_iter().map(move |b| HealthEntry {
+                    tenant: s.tenant.clone(),
+                    service: s.name.clone(),
+                    backend: b.address.clone(),
+                    state: b.health.clone(),
+                    last_error: (b.health == "down").then(|| "connection refused".into()),
+                })
+            })
+            .collect()
+    }
+
+    fn running_config(&self) -> Config {
+        self.st.lock().unwrap().config.clone()
+    }
+
+    fn reload(&self) -> Result<(), Vec<String>> {
+        let mut st = self.st.lock().unwrap();
+        st.reloads += 1;
+        match &st.fail_reload {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,472 @@
+//! CLI tests: golden files for the pure renderers (`weir list`, `--stats`,
+//! `--rate`, `weir conns`, `weir stats table`, ...), then every command
+//! end to end against the admin API served over TCP from an in-memory
+//! Control. Regenerate goldens with `UPDATE_GOLDEN=1 cargo test -p weir --test cli_golden`
+//! and review the diff.
+
+mod admin_fake;
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use serde_json::Value;
+
+use admin_fake::Fake;
+use weir::cli::render::{self, ListMode};
+use weir::control::Control;
+
+fn golden(name: &str, actual: &str) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden")
+        .join(name);
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, actual).unwrap();
+        return;
+    }
+    let expected = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (run with UPDATE_GOLDEN=1)", path.display()));
+    assert!(
+        actual == expected,
+        "{name} differs from its golden file\n--- expected\n{expected}\n--- actual\n{actual}"
+    );
+}
+
+#[test]
+fn golden_list() {
+    let s = Fake::sample().services();
+    golden("list.txt", &render::render_list(&s, ListMode::Plain, false));
+    golden(
+        "list_stats.txt",
+        &render::render_list(&s, ListMode::Stats, false),
+    );
+    golden(
+        "list_stats_exact.txt",
+        &render::render_list(&s, ListMode::Stats, true),
+    );
+    golden(
+        "list_rate.txt",
+        &render::render_list(&s, ListMode::Rate, false),
+    );
+    golden(
+        "list_rate.json",
+        &format!(
+            "{}\n",
+            serde_json::to_string_pretty(&render::list_json(&s, ListMode::Rate)).unwrap()
+        ),
+    );
+}
+
+#[test]
+fn golden_conns_table_tenants_health_top() {
+    let f = Fake::sample();
+    let page = f.connections(&Default::default(), None, 100).expect("page");
+    golden("conns.txt", &render::render_conns(&page.connections));
+    golden("stats_table.txt", &render::render_table(&f.table()));
+    golden("tenants.txt", &render::render_tenants(&f.tenants()));
+    golden("health.txt", &render::render_health(&f.health()));
+    golden(
+        "stats_global.txt",
+        &render::render_global(&f.global_stats(), false),
+    );
+    golden(
+        "top.txt",
+        &render::render_top(
+            "12:34:56 UTC",
+            &f.global_stats(),
+            &f.services(),
+            &f.tenants(),
+            &f.table(),
+        ),
+    );
+}
+
+#[test]
+fn list_json_has_the_documented_keys() {
+    let s = Fake::sample().services();
+    let plain = render::list_json(&s, ListMode::Plain);
+    let svc = plain[0].as_object().unwrap();
+    let keys: Vec<&str> = svc.keys().map(String::as_str).collect();
+    let mut want = vec![
+        "tenant",
+        "name",
+        "protocol",
+        "listen",
+        "scheduler",
+        "backends",
+    ];
+    want.sort();
+    let mut got = keys.clone();
+    got.sort();
+    assert_eq!(got, want);
+    let mut bkeys: Vec<&str> = plain[0]["backends"][0]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    bkeys.sort();
+    assert_eq!(
+        bkeys,
+        ["active_conns", "address", "inactive_conns", "weight"]
+    );
+    let rate = render::list_json(&s, ListMode::Rate);
+    for k in ["cps", "inpps", "outpps", "inbps", "outbps"] {
+        assert!(rate[0].get(k).is_some(), "service {k}");
+        assert!(rate[0]["backends"][0].get(k).is_some(), "backend {k}");
+    }
+    assert_eq!(rate[0]["outbps"], 2_000_000_000u64);
+}
+
+// ---- end to end ---------------------------------------------------------
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: weir::cli::Command,
+}
+
+const TOKEN: &str = "cli-test-token";
+
+struct Server {
+    fake: Arc<Fake>,
+    url: String,
+    stop: tokio_util::sync::CancellationToken,
+    rt: tokio::runtime::Runtime,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+fn server() -> Server {
+    let fake = Arc::new(Fake::sample());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let cfg = weir::config::AdminConfig {
+        listen: "127.0.0.1:0".into(),
+        token: Some(TOKEN.into()),
+        readonly_token: Some("ro".into()),
+        ..Default::default()
+    };
+    let control: Arc<dyn Control> = fake.clone();
+    let bound = rt.block_on(weir::admin::bind(&cfg, control)).unwrap();
+    let url = format!("http://{}", bound.local_addr().unwrap());
+    let stop = tokio_util::sync::CancellationToken::new();
+    rt.spawn(bound.run(stop.clone()));
+    Server {
+        fake,
+        url,
+        stop,
+        rt,
+    }
+}
+
+impl Server {
+    /// Run `weir ARGS --admin URL --token TOKEN`; returns (exit, stdout, stderr).
+    fn weir(&self, args: &[&str]) -> (ExitCode, String, String) {
+        self.weir_as(TOKEN, args)
+    }
+
+    fn weir_as(&self, token: &str, args: &[&str]) -> (ExitCode, String, String) {
+        let mut argv = vec!["weir"];
+        argv.extend_from_slice(args);
+        argv.extend_from_slice(&["--admin", &self.url, "--token", token]);
+        let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = weir::cli::run_with(cli.cmd, &mut out, &mut err);
+        let _ = &self.rt;
+        (
+            code,
+            String::from_utf8(out).unwrap(),
+            String::from_utf8(err).unwrap(),
+        )
+    }
+}
+
+fn ok(r: (ExitCode, String, String)) -> String {
+    assert_eq!(r.0, ExitCode::SUCCESS, "stderr: {}", r.2);
+    r.1
+}
+
+#[test]
+fn e2e_list_matches_the_renderer() {
+    let s = server();
+    let out = ok(s.weir(&["list"]));
+    assert_eq!(
+        out,
+        render::render_list(&s.fake.services(), ListMode::Plain, false)
+    );
+    let out = ok(s.weir(&["list", "--stats", "--exact"]));
+    assert!(out.contains("123456789012345"), "{out}");
+    let out = ok(s.weir(&["list", "--rate", "--json"]));
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v[0]["cps"], 12);
+    let out = ok(s.weir(&["list", "--json", "--tenant", "globex"]));
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 1);
+    // A tenant token lists only its tenant.
+    let out = ok(s.weir_as("acme-token", &["list", "--json"]));
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 1);
+    assert_eq!(v[0]["tenant"], "acme");
+}
+
+#[test]
+fn e2e_conns_streams_every_page() {
+    let s = server();
+    s.fake.add_conns(2_500);
+    let out = ok(s.weir(&["conns", "--json", "--tenant", "acme"]));
+    let mut cookies = std::collections::BTreeSet::new();
+    for line in out.lines() {
+        let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}"));
+        for key in [
+            "tenant",
+            "proto",
+            "client",
+            "virtual",
+            "backend",
+            "state",
+            "expires_s",
+            "cookie",
+            "bytes_in",
+            "bytes_out",
+        ] {
+            assert!(v.get(key).is_some(), "{key} missing: {line}");
+        }
+        assert_eq!(v["tenant"], "acme");
+        assert!(
+            cookies.insert(v["cookie"].as_u64().unwrap()),
+            "duplicate {line}"
+        );
+    }
+    assert_eq!(
+        cookies.len(),
+        2_502,
+        "3 pages of up to 1000, each entry once"
+    );
+    let out = ok(s.weir(&["conns"]));
+    assert_eq!(out.lines().count(), 1 + 2_503);
+    assert!(out.starts_with("pro expire state"), "{out}");
+    let out = ok(s.weir(&["conns", "--state", "UDP"]));
+    assert_eq!(out.lines().count(), 2);
+    assert!(out.contains("globex"));
+    let out = ok(s.weir(&["conns", "--json", "--max", "5"]));
+    assert_eq!(out.lines().count(), 5);
+}
+
+#[test]
+fn e2e_tenant_service_backend_changes() {
+    let s = server();
+    ok(s.weir(&[
+        "tenant",
+        "add",
+        "initech",
+        "--table-entries",
+        "2048",
+        "--max-connections",
+        "9",
+    ]));
+    let out = ok(s.weir(&["tenant", "list"]));
+    assert!(out.contains("initech"), "{out}");
+    let r = s.weir(&["tenant", "add", "initech"]);
+    assert_eq!(r.0, ExitCode::from(1));
+    assert!(r.2.contains("409"), "{}", r.2);
+    let r = s.weir(&["tenant", "edit", "initech"]);
+    assert_eq!(r.0, ExitCode::from(2));
+    assert!(r.2.contains("weir reload"), "{}", r.2);
+
+    ok(s.weir(&[
+        "service",
+        "add",
+        "initech/tps",
+        "--listen",
+        "10.9.0.1:80",
+        "--scheduler",
+        "rr",
+        "--backend",
+        "10.9.1.1:80@3",
+        "--backend",
+        "10.9.1.2:80",
+    ]));
+    let cfg = s.fake.running_config();
+    let svc = cfg.services.iter().find(|x| x.name == "tps").unwrap();
+    assert_eq!(svc.tenant, "initech");
+    assert_eq!(svc.backends.len(), 2);
+    assert_eq!(svc.backends[0].weight, 3);
+    ok(s.weir(&[
+        "service",
+        "edit",
+        "initech/tps",
+        "--scheduler",
+        "mh",
+        "--persistence",
+        "60s",
+    ]));
+    let cfg = s.fake.running_config();
+    let svc = cfg.services.iter().find(|x| x.name == "tps").unwrap();
+    assert_eq!(svc.scheduler, "mh");
+    assert_eq!(svc.persistence, "60s");
+    assert_eq!(svc.backends.len(), 2, "edit keeps backends");
+
+    ok(s.weir(&[
+        "backend",
+        "add",
+        "initech/tps",
+        "[2001:db8::5]:80",
+        "--weight",
+        "2",
+    ]));
+    ok(s.weir(&[
+        "backend",
+        "edit",
+        "initech/tps",
+        "[2001:db8::5]:80",
+        "--weight",
+        "7",
+    ]));
+    let w = |addr: &str| {
+        s.fake
+            .running_config()
+            .services
+            .iter()
+            .find(|x| x.name == "tps")
+            .unwrap()
+            .backends
+            .iter()
+            .find(|b| b.address.to_string() == addr)
+            .map(|b| b.weight)
+    };
+    assert_eq!(w("[2001:db8::5]:80"), Some(7));
+    ok(s.weir(&["backend", "drain", "initech/tps", "[2001:db8::5]:80"]));
+    assert_eq!(w("[2001:db8::5]:80"), Some(0));
+    ok(s.weir(&["backend", "del", "initech/tps", "[2001:db8::5]:80"]));
+    assert_eq!(w("[2001:db8::5]:80"), None);
+    let r = s.weir(&["backend", "del", "initech/tps", "[2001:db8::5]:80"]);
+    assert_eq!(r.0, ExitCode::from(1));
+    assert!(r.2.contains("404"), "{}", r.2);
+    ok(s.weir(&["service", "del", "initech/tps"]));
+    assert!(
+        !s.fake
+            .running_config()
+            .services
+            .iter()
+            .any(|x| x.name == "tps")
+    );
+    let out = ok(s.weir(&["tenant", "del", "initech"]));
+    assert!(out.contains("deleted"), "{out}");
+    let r = s.weir(&["service", "add", "a/b/c", "--listen", "1.1.1.1:1"]);
+    assert_eq!(r.0, ExitCode::from(2));
+}
+
+#[test]
+fn e2e_kill_save_reload_stats_health_top() {
+    let s = server();
+    let r = s.weir(&["kill"]);
+    assert_eq!(r.0, ExitCode::from(2), "no filter and no --all");
+    ok(s.weir(&["kill", "--cookie", "100"]));
+    assert!(!s.fake.st.lock().unwrap().conns.contains_key(&100));
+    let out = ok(s.weir(&["kill", "--tenant", "globex"]));
+    assert_eq!(out, "killed 1 connections\n");
+    let out = ok(s.weir(&["kill", "--all"]));
+    assert_eq!(out, "killed 1 connections\n");
+
+    let toml_text = ok(s.weir(&["save"]));
+    let parsed: weir::config::Config =
+        toml::from_str(&toml_text).unwrap_or_else(|e| panic!("{e}\n{toml_text}"));
+    assert_eq!(
+        parsed,
+        s.fake.running_config(),
+        "save prints the running config"
+    );
+
+    ok(s.weir(&["reload"]));
+    s.fake.st.lock().unwrap().fail_reload = Some(vec!["weir.toml:3: service.listen: bad".into()]);
+    let r = s.weir(&["reload"]);
+    assert_eq!(r.0, ExitCode::from(1));
+    assert!(r.2.contains("weir.toml:3: service.listen: bad"), "{}", r.2);
+
+    let out = ok(s.weir(&["stats"]));
+    assert_eq!(out, render::render_global(&s.fake.global_stats(), false));
+    let out = ok(s.weir(&["stats", "table"]));
+    assert_eq!(out, render::render_table(&s.fake.table()));
+    let out = ok(s.weir(&["stats", "table", "--json"]));
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v[0]["tenant"], "acme");
+    let out = ok(s.weir(&["health", "--json"]));
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 3);
+    let out = ok(s.weir(&["top", "--iterations", "2", "--interval", "0.1"]));
+    assert_eq!(out.matches("weir top - ").count(), 2);
+    assert_eq!(out.matches("\x1b[H\x1b[2J").count(), 2);
+    assert!(out.contains("CPS"));
+}
+
+#[test]
+fn e2e_errors_say_what_to_do() {
+    let s = server();
+    let r = s.weir_as("wrong", &["list"]);
+    assert_eq!(r.0, ExitCode::from(1));
+    assert!(r.2.contains("401") && r.2.contains("--token"), "{}", r.2);
+    let r = s.weir_as("ro", &["backend", "del", "acme/web", "10.1.0.1:8080"]);
+    assert_eq!(r.0, ExitCode::from(1));
+    assert!(r.2.contains("403") && r.2.contains("read-only"), "{}", r.2);
+
+    // Nothing listening there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let cli = Cli::try_parse_from([
+        "weir",
+        "list",
+        "--admin",
+        &format!("127.0.0.1:{port}"),
+        "--token",
+        "x",
+    ])
+    .unwrap();
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = weir::cli::run_with(cli.cmd, &mut out, &mut err);
+    let err = String::from_utf8(err).unwrap();
+    assert_eq!(code, ExitCode::from(2));
+    assert!(
+        err.contains("cannot reach") && err.contains("WEIR_ADMIN"),
+        "{err}"
+    );
+}
+
+#[test]
+fn e2e_config_file_gives_address_and_token() {
+    let s = server();
+    let dir = std::env::temp_dir().join(format!("weir-cli-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tok = dir.join("tok");
+    std::fs::write(&tok, format!("{TOKEN}\n")).unwrap();
+    let cfg = dir.join("weir.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[admin]\nlisten = \"{}\"\ntoken_file = \"{}\"\n\n[[service]]\nname = \"x\"\nprotocol = \"tcp\"\nlisten = \"1.2.3.4:5\"\n",
+            s.url.trim_start_matches("http://"),
+            tok.display()
+        ),
+    )
+    .unwrap();
+    let cli =
+        Cli::try_parse_from(["weir", "list", "--json", "--config", cfg.to_str().unwrap()]).unwrap();
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = weir::cli::run_with(cli.cmd, &mut out, &mut err);
+    assert_eq!(code, ExitCode::SUCCESS, "{}", String::from_utf8_lossy(&err));
+    let v: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
