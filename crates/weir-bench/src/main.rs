@@ -17,7 +17,7 @@ mod report;
 mod table;
 
 #[derive(Debug, Parser)]
-#[command(name = "weir-bench", about = "Race weir against its peers; print ratios")]
+#[command(name = "weir-bench", about = "Race weir against its peers")]
 struct Cli {
     #[command(subcommand)]
     suite: Suite,
