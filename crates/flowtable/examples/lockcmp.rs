@@ -270,16 +270,17 @@ fn lookups(t: &Table, live: u64, threads: usize, miss: bool) -> f64 {
     n as f64 / ((cpu_ns() - c0) as f64 / 1e9)
 }
 
-/// scheme, churn (wall, cpu) at 1 and 2 threads, hit and miss lookups/CPU-s.
-type Row = (Scheme, Vec<(f64, f64)>, f64, f64);
+/// Median of a run's repetitions.
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
 
 fn main() {
     let mut args = std::env::args().skip(1);
     let live: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(1 << 20);
-    let pairs: u64 = args
-        .next()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1_000_000);
+    let pairs: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(500_000);
+    let reps: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(5);
     let buckets = (live as usize).next_power_of_two();
     let schemes = [
         Scheme::Striped(1),
@@ -288,51 +289,51 @@ fn main() {
         Scheme::BitLock,
         Scheme::PerCpu(2),
     ];
-    println!("live {live}, {buckets} buckets, {pairs} insert+remove pairs per thread.");
+    println!(
+        "live {live}, {buckets} buckets, {pairs} insert+remove pairs per thread, median of {reps} \
+         repetitions interleaved across schemes."
+    );
     println!("Noisy shared 2-core machine: only ratios within this run mean anything.\n");
-    let mut rows: Vec<Row> = Vec::new();
-    for s in schemes {
-        let mut r = vec![];
-        for threads in [1usize, 2] {
-            let t = Table::new(s, buckets, (live + pairs * threads as u64 + 16) as usize);
-            r.push(churn(&t, live, threads, pairs));
+    // samples[scheme][metric] = values; metrics: churn1 cpu, churn2 wall, churn2 cpu, hit, miss
+    let mut samples = vec![vec![Vec::new(); 5]; schemes.len()];
+    for _ in 0..reps {
+        for (si, &s) in schemes.iter().enumerate() {
+            let t = Table::new(s, buckets, (live + pairs + 16) as usize);
+            samples[si][0].push(churn(&t, live, 1, pairs).1);
+            let t = Table::new(s, buckets, (live + 2 * pairs + 16) as usize);
+            let (w, c) = churn(&t, live, 2, pairs);
+            samples[si][1].push(w);
+            samples[si][2].push(c);
+            let t = Table::new(s, buckets, (live + 16) as usize);
+            for j in 0..live {
+                assert!(t.insert(j, j as u32, 0));
+            }
+            samples[si][3].push(lookups(&t, live, 1, false));
+            samples[si][4].push(lookups(&t, live, 1, true));
         }
-        let t = Table::new(s, buckets, (live + 16) as usize);
-        for j in 0..live {
-            assert!(t.insert(j, j as u32, 0));
-        }
-        let hit = lookups(&t, live, 1, false);
-        let miss = lookups(&t, live, 1, true);
-        rows.push((s, r, hit, miss));
     }
-    let best = |f: &dyn Fn(&Row) -> f64| rows.iter().map(f).fold(0.0, f64::max);
-    let b1 = best(&|r| r.1[0].1);
-    let b2 = best(&|r| r.1[1].0);
-    let b2c = best(&|r| r.1[1].1);
-    let bh = best(&|r| r.2);
-    let bm = best(&|r| r.3);
+    let med: Vec<Vec<f64>> = samples
+        .into_iter()
+        .map(|m| m.into_iter().map(median).collect())
+        .collect();
+    let best: Vec<f64> = (0..5)
+        .map(|k| med.iter().map(|m| m[k]).fold(0.0, f64::max))
+        .collect();
     println!(
         "| scheme | churn 1 thread (pairs/CPU-s) | churn 2 threads (pairs/s wall) | churn 2 threads (pairs/CPU-s) | hit lookups/CPU-s | miss lookups/CPU-s |"
     );
     println!("|---|---|---|---|---|---|");
-    for (s, r, hit, miss) in &rows {
+    for (s, m) in schemes.iter().zip(&med) {
         let name = match s {
             Scheme::Striped(n) => format!("striped/{n}"),
             Scheme::BitLock => "bitlock".into(),
             Scheme::PerCpu(n) => format!("percpu/{n}"),
         };
-        println!(
-            "| {name} | {:.2}M ({:.2}x) | {:.2}M ({:.2}x) | {:.2}M ({:.2}x) | {:.2}M ({:.2}x) | {:.2}M ({:.2}x) |",
-            r[0].1 / 1e6,
-            r[0].1 / b1,
-            r[1].0 / 1e6,
-            r[1].0 / b2,
-            r[1].1 / 1e6,
-            r[1].1 / b2c,
-            hit / 1e6,
-            hit / bh,
-            miss / 1e6,
-            miss / bm
-        );
+        let cells: Vec<String> = m
+            .iter()
+            .zip(&best)
+            .map(|(v, b)| format!("{:.2}M ({:.2}x)", v / 1e6, v / b))
+            .collect();
+        println!("| {name} | {} |", cells.join(" | "));
     }
 }

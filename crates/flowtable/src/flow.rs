@@ -671,6 +671,9 @@ impl FlowTable {
         limit: usize,
         out: &mut Vec<FlowSnapshot>,
     ) -> Option<(usize, usize)> {
+        if limit == 0 {
+            return Some(resume);
+        }
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
         let mut emitted = 0;

@@ -73,6 +73,7 @@
 mod chain;
 mod cursor;
 mod flow;
+mod hash;
 mod node;
 mod raw;
 mod sync;

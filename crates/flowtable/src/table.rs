@@ -1,14 +1,12 @@
 //! One hash table (the shared one or a tenant's own): bucket heads, lock
 //! stripes, the keyed hash, node allocation/recycling and chain statistics.
 
-use std::hash::Hasher;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use crossbeam_epoch::Guard;
 use crossbeam_utils::CachePadded;
 use parking_lot::{Mutex, MutexGuard};
-use siphasher::sip::SipHasher13;
 
 use crate::node::{Arena, BLOOM_BITS, PackedKey, Slab};
 use crate::raw::HugeArray;
@@ -218,14 +216,18 @@ impl Table {
     /// Keyed SipHash-1-3 of the full key, salted with the tenant's salt.
     #[inline]
     pub(crate) fn locate(&self, k: &PackedKey, salt: u64) -> Loc {
-        let mut h = SipHasher13::new_with_keys(self.k0, self.k1);
-        h.write_u64(salt ^ (u64::from(k.tenant) << 32 | u64::from(k.bits)));
-        h.write_u64(u64::from(k.ports));
-        h.write_u64(k.caddr[0]);
-        h.write_u64(k.caddr[1]);
-        h.write_u64(k.vaddr[0]);
-        h.write_u64(k.vaddr[1]);
-        let h = h.finish();
+        let h = crate::hash::sip13_6(
+            self.k0,
+            self.k1,
+            [
+                salt ^ (u64::from(k.tenant) << 32 | u64::from(k.bits)),
+                u64::from(k.ports),
+                k.caddr[0],
+                k.caddr[1],
+                k.vaddr[0],
+                k.vaddr[1],
+            ],
+        );
         let bucket = (h & self.mask) as usize;
         Loc {
             bucket,

@@ -379,3 +379,10 @@ fn memory_is_accounted() {
     let after = t.memory_bytes();
     assert!(after >= before + 5000 * 112, "{before} -> {after}");
 }
+
+#[test]
+fn table_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<FlowTable>();
+    check::<Cursor>();
+}
