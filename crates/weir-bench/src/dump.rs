@@ -39,6 +39,8 @@ struct Plan {
     dump_limit: Duration,
     build_limit: Duration,
     exact_window: u64,
+    /// Threads churning during the exactness dumps.
+    churners: usize,
     exact_dumps: usize,
     naive_dumps: usize,
     exact_limit: Duration,
@@ -53,6 +55,7 @@ impl Plan {
                 dump_limit: Duration::from_secs(5),
                 build_limit: Duration::from_secs(20),
                 exact_window: 100_000,
+                churners: 2,
                 exact_dumps: 100,
                 naive_dumps: 20,
                 exact_limit: Duration::from_secs(15),
@@ -64,6 +67,7 @@ impl Plan {
                 dump_limit: Duration::from_secs(60),
                 build_limit: Duration::from_secs(300),
                 exact_window: 1_000_000,
+                churners: 2,
                 exact_dumps: 100,
                 naive_dumps: 20,
                 exact_limit: Duration::from_secs(240),
@@ -243,18 +247,26 @@ struct Exact {
 /// widens its bounds by that much so an unpublished pair never counts as a miss.
 const PUBLISH: u64 = 64;
 
-/// Dumps `dumps` times (pages cycling 1, 100, 10,000) while one thread churns
-/// a sliding window: keys `[p, p + window)` are live after `p` pairs, each pair
-/// inserting key `p + window` (chain tail) and removing key `p` (the oldest,
-/// so at the head of its chain — where a removal shifts every later offset).
+/// Dumps `dumps` times (pages cycling 1, 100, 10,000) while `plan.churners`
+/// threads churn a sliding window of `window` live keys. Churner `t` owns the
+/// keys `k` with `k % C == t` (`C` churners, `window % C == 0`); its
+/// iteration `j` inserts key `window + C*j + t` (at its chain's tail) and
+/// removes key `C*j + t` (the oldest of its class, so near its chain's head —
+/// where a removal shifts every later offset).
 ///
-/// For each dump, with `p0`/`p1` the pairs done at its start/end, keys
-/// `[p1, p0 + window)` were present throughout and must be returned exactly
-/// once (else a miss or a duplicate); keys `[p0, p1 + window)` may be
-/// returned at most once; any other key fails the run.
+/// Key `k = C*j + t` is therefore live from churner `t`'s iteration
+/// `j - window/C` (or from the start if `k < window`) until its iteration `j`.
+/// With `d0`/`d1` the iterations churner `t` had published at a dump's
+/// start/end (each may run up to `PUBLISH` ahead of what it published), the
+/// key was present for the whole dump if `d1 + PUBLISH <= j < d0 + window/C`
+/// — it must come back exactly once (else a miss or a duplicate) — and could
+/// be returned at all only if `d0 <= j < d1 + PUBLISH + window/C`; any other
+/// key fails the run.
 fn exactness(plan: &Plan, algo: Algo, buckets: usize, dumps: usize) -> Result<Exact> {
     let table = new_table(buckets)?;
-    let window = plan.exact_window;
+    let c = plan.churners.max(1) as u64;
+    let window = plan.exact_window / c * c;
+    let per = window / c;
     par_fill(
         &table,
         TENANT,
@@ -263,43 +275,52 @@ fn exactness(plan: &Plan, algo: Algo, buckets: usize, dumps: usize) -> Result<Ex
         Instant::now() + Duration::from_secs(3600),
     )?;
     let stop = AtomicBool::new(false);
-    let done = AtomicU64::new(0);
+    let done: Vec<AtomicU64> = (0..c).map(|_| AtomicU64::new(0)).collect();
     let deadline = Instant::now() + plan.exact_limit;
     let (ex, churn_secs) = std::thread::scope(|s| -> Result<(Exact, f64)> {
-        let churner = s.spawn(|| -> Result<f64> {
-            let start = Instant::now();
-            let mut p = 0u64;
-            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
-                for _ in 0..PUBLISH {
-                    let add = p + window;
-                    let v = PeerVal::for_idx(add);
-                    if let Err(e) = table.insert(key(TENANT, add), flow_init(&v), Millis(1)) {
-                        bail!("churn insert {add}: {e}");
+        let churners: Vec<_> = (0..c)
+            .map(|t| {
+                let (table, stop, done) = (&table, &stop, &done);
+                s.spawn(move || -> Result<f64> {
+                    let start = Instant::now();
+                    let mut j = 0u64;
+                    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                        for _ in 0..PUBLISH {
+                            let add = window + c * j + t;
+                            let v = PeerVal::for_idx(add);
+                            if let Err(e) = table.insert(key(TENANT, add), flow_init(&v), Millis(1))
+                            {
+                                bail!("churn insert {add}: {e}");
+                            }
+                            let old = c * j + t;
+                            if table.remove(&key(TENANT, old)).is_none() {
+                                bail!("churn remove {old} found nothing");
+                            }
+                            j += 1;
+                        }
+                        done[t as usize].store(j, Ordering::Release);
                     }
-                    if table.remove(&key(TENANT, p)).is_none() {
-                        bail!("churn remove {p} found nothing");
-                    }
-                    p += 1;
-                }
-                done.store(p, Ordering::Release);
-            }
-            Ok(start.elapsed().as_secs_f64())
-        });
+                    Ok(start.elapsed().as_secs_f64())
+                })
+            })
+            .collect();
         let mut ex = Exact::default();
         let mut seen: Vec<u64> = Vec::with_capacity(window as usize * 2);
         let start = Instant::now();
         let mut failure = None;
+        let load = |done: &[AtomicU64]| -> Vec<u64> {
+            done.iter().map(|d| d.load(Ordering::Acquire)).collect()
+        };
         for d in 0..dumps {
             if Instant::now() >= deadline {
                 break;
             }
             seen.clear();
-            let p0 = done.load(Ordering::Acquire);
+            let d0 = load(&done);
             let (_, complete) = walk(&table, algo, PAGES[d % PAGES.len()], deadline, |page| {
                 seen.extend(page.iter().map(|snap| idx_of(&snap.key)));
             });
-            // Pairs done at the end, plus one unpublished batch in flight.
-            let p1 = done.load(Ordering::Acquire) + PUBLISH;
+            let d1 = load(&done);
             if !complete {
                 break;
             }
@@ -307,33 +328,43 @@ fn exactness(plan: &Plan, algo: Algo, buckets: usize, dumps: usize) -> Result<Ex
             let before = seen.len();
             seen.dedup();
             ex.duplicates += (before - seen.len()) as u64;
-            let (lo, hi) = (p0, p1 + window);
-            if let Some(bad) = seen.iter().find(|&&i| i < lo || i >= hi) {
-                failure = Some(format!(
-                    "dump returned key {bad} outside the possible range {lo}..{hi}"
-                ));
+            let mut must: u64 = (0..c as usize)
+                .map(|t| (d0[t] + per).saturating_sub(d1[t] + PUBLISH))
+                .sum();
+            ex.checked += must;
+            for &k in &seen {
+                let (t, j) = ((k % c) as usize, k / c);
+                if j < d0[t] || j >= d1[t] + PUBLISH + per {
+                    failure = Some(format!(
+                        "dump returned key {k}, which was never live during it"
+                    ));
+                    break;
+                }
+                if j >= d1[t] + PUBLISH && j < d0[t] + per {
+                    must -= 1;
+                }
+            }
+            if failure.is_some() {
                 break;
             }
-            if p1 < p0 + window {
-                let (a, b) = (p1, p0 + window);
-                let from = seen.partition_point(|&i| i < a);
-                let to = seen.partition_point(|&i| i < b);
-                ex.misses += (b - a) - (to - from) as u64;
-                ex.checked += b - a;
-            }
+            ex.misses += must;
             ex.dumps += 1;
         }
         ex.dump_secs = start.elapsed().as_secs_f64();
         stop.store(true, Ordering::Relaxed);
-        let churn_secs = churner
-            .join()
-            .map_err(|_| anyhow::anyhow!("churn thread panicked"))??;
+        let mut churn_secs: f64 = 0.0;
+        for h in churners {
+            let secs = h
+                .join()
+                .map_err(|_| anyhow::anyhow!("churn thread panicked"))??;
+            churn_secs = churn_secs.max(secs);
+        }
         if let Some(f) = failure {
             bail!("{}: {f}", algo.name());
         }
         Ok((ex, churn_secs))
     })?;
-    let ops = 2 * done.load(Ordering::Acquire);
+    let ops: u64 = 2 * done.iter().map(|d| d.load(Ordering::Acquire)).sum::<u64>();
     Ok(Exact {
         churn_ops_per_s: if churn_secs > 0.0 {
             ops as f64 / churn_secs
@@ -510,13 +541,14 @@ pub(crate) fn dump(c: &Common) -> Result<Value> {
     ];
     println!(
         "### Exactness under churn: sliding window of {} live entries, pages cycling 1/100/10,000\n\n\
-         One thread churns (insert the newest key, remove the oldest; each insert and each remove is \
-         one op) while the main thread dumps. Per dump, keys present from its start to its end must \
+         {} threads churn (insert the newest key, remove the oldest; each insert and each remove is \
+         one op) while the main thread dumps (3 threads on 2 cores). Per dump, keys present from its start to its end must \
          come back exactly once: a miss is one that did not, a duplicate any key returned twice. \
          `checked` = such keys summed over dumps. Two table shapes: sized (2^{} buckets, ~1 per \
          chain; the goal) and long chains (2^{} buckets, ~128 per chain; where offset resume \
          breaks).\n",
         si(plan.exact_window as f64),
+        plan.churners,
         sized.trailing_zeros(),
         long.trailing_zeros()
     );
@@ -575,6 +607,7 @@ mod tests {
             dump_limit: Duration::from_secs(20),
             build_limit: Duration::from_secs(20),
             exact_window: 3000,
+            churners: 2,
             exact_dumps: 6,
             naive_dumps: 6,
             exact_limit: Duration::from_secs(20),
