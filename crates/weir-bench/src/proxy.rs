@@ -64,6 +64,9 @@ struct Plan {
     udp: Duration,
     idle_conns: usize,
     slow_conns: usize,
+    /// A second, smaller slow-reader count (full runs): below the kernel's
+    /// tcp_mem cap, where the proxies' own bounding shows.
+    slow_extra: Option<usize>,
     /// Longest wait for kernel memory to stop growing behind slow readers.
     settle: Duration,
     /// iperf3 single-stream runs per weir setting in the lowat comparison.
@@ -82,6 +85,7 @@ impl Plan {
                 udp: Duration::from_secs(1),
                 idle_conns: 1_000,
                 slow_conns: 200,
+                slow_extra: None,
                 settle: Duration::from_secs(4),
                 lowat_reps: 1,
                 reps: 1,
@@ -94,6 +98,7 @@ impl Plan {
                 udp: Duration::from_secs(3),
                 idle_conns: 5_000,
                 slow_conns: 1_000,
+                slow_extra: Some(200),
                 settle: Duration::from_secs(20),
                 lowat_reps: 3,
                 reps: 3,
@@ -129,7 +134,49 @@ struct Row {
 struct Slow {
     per_conn: f64,
     total: f64,
+    /// Kernel memory stopped growing before the settle timeout.
     settled: bool,
+    /// Kernel TCP memory reached 95% of the system-wide tcp_mem limit.
+    capped: bool,
+    queues: Queues,
+    /// Per connection: RSS growth + bytes queued in the proxy's own sockets.
+    proxy_side: f64,
+}
+
+/// Bytes queued along the slow-reader path (the four queues of seed 004).
+#[derive(Debug, Clone, Copy, Default)]
+struct Queues {
+    /// Backend sockets' send queues.
+    backend_send: u64,
+    /// Proxy's backend-side receive queues.
+    proxy_recv: u64,
+    /// Proxy's client-side send queues.
+    proxy_send: u64,
+    /// Clients' receive queues.
+    client_recv: u64,
+}
+
+impl Queues {
+    /// Sums `/proc/net/tcp` queues of established sockets by where they sit,
+    /// given the proxy's listen port and the backend's port.
+    fn read(proxy_port: u16, backend_port: u16) -> Self {
+        let mut q = Self::default();
+        for s in sys::tcp_sockets() {
+            if s.state != 1 {
+                continue;
+            }
+            if s.local_port == backend_port {
+                q.backend_send += s.tx_queue;
+            } else if s.remote_port == backend_port {
+                q.proxy_recv += s.rx_queue;
+            } else if s.local_port == proxy_port {
+                q.proxy_send += s.tx_queue;
+            } else if s.remote_port == proxy_port {
+                q.client_recv += s.rx_queue;
+            }
+        }
+        q
+    }
 }
 
 /// Runs the suite; returns `{proxy: [...], memory: [...], lowat: {...}}`.
@@ -183,10 +230,11 @@ pub(crate) fn run(c: &Common) -> Result<Value> {
         unavailable,
         rows: Vec::new(),
         memory: Vec::new(),
+        proxy_side: HashMap::new(),
         errors: Vec::new(),
     };
     ctx.memory_phase();
-    let lowat = ctx.lowat_phase();
+    let (lowat, slow_detail) = ctx.lowat_phase();
     ctx.load_phase();
     ctx.report(&lowat);
 
@@ -215,6 +263,7 @@ pub(crate) fn run(c: &Common) -> Result<Value> {
         "proxy": proxy,
         "memory": memory,
         "lowat": lowat,
+        "slow_readers": slow_detail,
         "unavailable": unavailable,
     }))
 }
@@ -231,6 +280,8 @@ struct Ctx {
     rows: Vec<Row>,
     /// (impl, conns, bytes per connection)
     memory: Vec<(Impl, usize, f64)>,
+    /// Slow readers at the issue's count: proxy-side bytes per client by config.
+    proxy_side: HashMap<&'static str, f64>,
     errors: Vec<String>,
 }
 
@@ -287,31 +338,37 @@ impl Ctx {
 
     /// Slow readers (HAProxy default, weir off, weir on) and weir's
     /// single-flow throughput with bounding off and on.
-    fn lowat_phase(&mut self) -> serde_json::Map<String, Value> {
-        let n = self.plan.slow_conns;
-        let mut mem: HashMap<&str, Slow> = HashMap::new();
-        if let Some(p) = self.start(Impl::Haproxy, 1, None) {
-            match self.slow_memory(&p, n) {
-                Ok(s) => {
-                    mem.insert("haproxy", s);
+    fn lowat_phase(&mut self) -> (serde_json::Map<String, Value>, Vec<Value>) {
+        let mut sizes = vec![self.plan.slow_conns];
+        sizes.extend(self.plan.slow_extra);
+        let hp = self.start(Impl::Haproxy, 1, None);
+        let off = self.start(Impl::Weir, 1, Some(0));
+        let on = off.as_ref().and_then(|_| self.start(Impl::Weir, 1, None));
+        let configs = [
+            ("haproxy", "HAProxy defaults", hp.as_ref()),
+            (
+                "off",
+                "weir, bounding off (notsent_lowat = 0)",
+                off.as_ref(),
+            ),
+            ("on", "weir default (bounding on)", on.as_ref()),
+        ];
+        let mut mem: HashMap<(usize, &str), Slow> = HashMap::new();
+        for &n in &sizes {
+            for (key, _, p) in configs {
+                let Some(p) = p else { continue };
+                match self.slow_memory(p, n) {
+                    Ok(s) => {
+                        mem.insert((n, key), s);
+                    }
+                    Err(e) => self.error(format!("{key} slow readers ({n}): {e:#}")),
                 }
-                Err(e) => self.error(format!("haproxy slow readers: {e:#}")),
             }
         }
         let mut runs: HashMap<&str, Vec<f64>> = HashMap::new();
-        let off = self.start(Impl::Weir, 1, Some(0));
-        let on = off.as_ref().and_then(|_| self.start(Impl::Weir, 1, None));
-        if let (Some(off), Some(on)) = (off, on) {
-            for (key, p) in [("off", &off), ("on", &on)] {
-                match self.slow_memory(p, n) {
-                    Ok(s) => {
-                        mem.insert(key, s);
-                    }
-                    Err(e) => self.error(format!("weir {key} slow readers: {e:#}")),
-                }
-            }
+        if let (Some(off), Some(on)) = (off.as_ref(), on.as_ref()) {
             for _ in 0..self.plan.lowat_reps {
-                for (key, p) in [("off", &off), ("on", &on)] {
+                for (key, p) in [("off", off), ("on", on)] {
                     match load::iperf3(self.dir.path(), p.routes.iperf, self.plan.iperf_secs, 1) {
                         Ok(g) => runs.entry(key).or_default().push(g),
                         Err(e) => self.error(format!("weir {key} iperf3: {e:#}")),
@@ -323,44 +380,95 @@ impl Ctx {
             .into_iter()
             .filter_map(|(k, v)| Some((k, median(v.into_iter())?)))
             .collect();
+        let mut detail = Vec::new();
+        println!(
+            "\n### Slow readers (clients that never read while the backend writes; one worker)\n\n\
+             Memory = growth of the proxy's RSS + growth of kernel TCP memory (whole machine, \
+             /proc/net/sockstat), so it includes the backend's and the clients' socket buffers. \
+             Queued bytes (from /proc/net/tcp) show where the data sits; on loopback the \
+             backend's send queue (which no proxy can bound) is counted too, so \
+             'proxy-side' = (RSS growth + bytes queued in the proxy's own sockets) per client \
+             isolates the proxy. \
+             Kernel TCP memory is capped system-wide by tcp_mem ({:.0} MB here): a run at \
+             that cap measures the cap, not the proxy.\n",
+            sys::tcp_mem_max_bytes().unwrap_or(0) as f64 / 1e6
+        );
         let mut t = Table::new([
-            "slow readers",
+            "config",
             "clients",
             "total MB",
             "per client KB",
             "vs HAProxy",
             "settled",
+            "at tcp_mem cap",
+            "queued MB: backend send / proxy recv / proxy send / client recv",
+            "proxy-side KB per client",
+            "proxy-side vs HAProxy",
             "1-stream Gbit/s",
         ]);
-        let hp = mem.get("haproxy").map_or(0.0, |s| s.per_conn);
-        for (key, label) in [
-            ("haproxy", "HAProxy defaults"),
-            ("off", "weir, bounding off (notsent_lowat = 0)"),
-            ("on", "weir default (bounding on)"),
-        ] {
-            match mem.get(key) {
-                Some(s) => t.row([
+        for &n in &sizes {
+            let hp = mem.get(&(n, "haproxy")).map_or(0.0, |s| s.per_conn);
+            let hp_side = mem.get(&(n, "haproxy")).map_or(0.0, |s| s.proxy_side);
+            for (key, label, _) in configs {
+                let Some(s) = mem.get(&(n, key)) else {
+                    t.row([
+                        label,
+                        &n.to_string(),
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                    ]);
+                    continue;
+                };
+                let q = s.queues;
+                t.row([
                     label.to_string(),
                     n.to_string(),
                     format!("{:.1}", s.total / 1e6),
                     format!("{:.1}", s.per_conn / 1e3),
                     ratio(s.per_conn, hp),
                     if s.settled { "yes" } else { "no (timed out)" }.to_string(),
+                    if s.capped { "YES" } else { "no" }.to_string(),
+                    format!(
+                        "{:.0} / {:.0} / {:.0} / {:.0}",
+                        q.backend_send as f64 / 1e6,
+                        q.proxy_recv as f64 / 1e6,
+                        q.proxy_send as f64 / 1e6,
+                        q.client_recv as f64 / 1e6
+                    ),
+                    format!("{:.1}", s.proxy_side / 1e3),
+                    ratio(s.proxy_side, hp_side),
                     gbps.get(key).map_or("-".into(), |g| format!("{g:.2}")),
-                ]),
-                None => t.row([label, "-", "-", "-", "-", "-", "-"]),
+                ]);
+                detail.push(json!({
+                    "config": key, "clients": n, "total_bytes": s.total,
+                    "per_conn_bytes": s.per_conn, "settled": s.settled,
+                    "at_tcp_mem_cap": s.capped, "proxy_side_per_conn_bytes": s.proxy_side,
+                    "queued_bytes": {"backend_send": q.backend_send, "proxy_recv": q.proxy_recv,
+                                     "proxy_send": q.proxy_send, "client_recv": q.client_recv},
+                }));
             }
         }
-        println!("\n### Slow readers ({n} clients that never read, one worker)\n");
         t.print();
-        let per = |k: &str| mem.get(k).map(|s| s.per_conn);
+        let n = self.plan.slow_conns;
+        let per = |k: &str| mem.get(&(n, k)).map(|s| s.per_conn);
+        self.proxy_side = ["haproxy", "off", "on"]
+            .iter()
+            .filter_map(|k| Some((*k, mem.get(&(n, *k))?.proxy_side)))
+            .collect();
         let mut out = serde_json::Map::new();
         out.insert("mem_off_bytes".into(), json!(per("off")));
         out.insert("mem_on_bytes".into(), json!(per("on")));
         out.insert("haproxy_bytes".into(), json!(per("haproxy")));
         out.insert("gbps_off".into(), json!(gbps.get("off")));
         out.insert("gbps_on".into(), json!(gbps.get("on")));
-        out
+        (out, detail)
     }
 
     /// cps, rps, gbps_1, gbps_8, udp_dps for each worker count.
@@ -505,6 +613,8 @@ impl Ctx {
         )?;
         let (k1, settled) = settle_kernel(self.plan.settle, 0.01)?;
         let r1 = p.rss() as f64;
+        let queues = Queues::read(p.routes.slow, self.backends.routes.slow);
+        let capped = sys::tcp_mem_max_bytes().is_some_and(|max| k1 as f64 >= 0.95 * max as f64);
         drop(clients);
         open.wait("slow connections to close", Duration::from_secs(30), |x| {
             x == 0
@@ -514,6 +624,9 @@ impl Ctx {
             per_conn: total / n as f64,
             total,
             settled,
+            capped,
+            queues,
+            proxy_side: ((r1 - r0) + (queues.proxy_recv + queues.proxy_send) as f64) / n as f64,
         })
     }
 
@@ -671,6 +784,18 @@ impl Ctx {
                 verdict(on <= 0.25 * hp)
             );
         }
+        let side = |k: &str| self.proxy_side.get(k).copied();
+        if let (Some(off), Some(on), Some(hp)) = (side("off"), side("on"), side("haproxy"))
+            && off > 0.0
+            && hp > 0.0
+        {
+            println!(
+                "- slow readers, proxy side only (RSS + the proxy's own socket queues): \
+                 on vs off {:+.0}%, weir default vs HAProxy {:.2}x (informative; same goals)",
+                100.0 * (on / off - 1.0),
+                on / hp
+            );
+        }
         if let (Some(off), Some(on)) = (f("gbps_off"), f("gbps_on"))
             && off > 0.0
         {
@@ -801,6 +926,42 @@ mod tests {
         let mut p = start_proxy(imp, 1, &be.routes, &WeirOpts::default()).unwrap();
         probe(&mut p, &bench.idle_open).unwrap();
         idle_memory(&p, &bench.idle_open, n).unwrap()
+    }
+
+    #[test]
+    fn direct_path_probe_idle_memory_and_queues() {
+        let bench = BenchServers::start().unwrap();
+        let routes = peers::Routes {
+            http: 1,
+            iperf: 1,
+            idle: bench.idle_port,
+            slow: bench.slow_port,
+            udp: Some(bench.udp_port),
+        };
+        let mut p = start_proxy(Impl::Direct, 1, &routes, &WeirOpts::default()).unwrap();
+        probe(&mut p, &bench.idle_open).unwrap();
+        let b = idle_memory(&p, &bench.idle_open, 300).unwrap();
+        assert!(b.is_finite());
+        assert_eq!(bench.idle_open.get(), 0, "every idle connection closed");
+        // Two clients that never read: the backend's bytes pile up in its
+        // send queue and in the clients' receive queues (seen here as the
+        // "proxy recv" side, since there is no proxy in between).
+        let c = load::connect_many(bench.slow_port, 2, 10, || 0, Duration::from_secs(10)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut q = Queues::default();
+        while Instant::now() < deadline {
+            q = Queues::read(0, bench.slow_port);
+            if q.backend_send > 0 && q.proxy_recv > 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(q.backend_send > 0 && q.proxy_recv > 0, "{q:?}");
+        drop(c);
+        bench
+            .slow_open
+            .wait("slow closed", Duration::from_secs(10), |n| n == 0)
+            .unwrap();
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use super::sys::{Server, free_port};
+use super::sys::{self, Server, free_port};
 
 /// One implementation in the race.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -347,28 +347,13 @@ fn wait_listening(server: &mut Server, ports: &[u16]) -> Result<()> {
     }
 }
 
-/// Local ports in state LISTEN (0A).
+/// Local ports in state LISTEN, IPv4 and IPv6 (the row format is the same).
 fn listening_ports() -> Vec<u16> {
-    let mut out = Vec::new();
-    for f in ["/proc/net/tcp", "/proc/net/tcp6"] {
-        let text = std::fs::read_to_string(f).unwrap_or_default();
-        out.extend(parse_listening(&text));
-    }
-    out
-}
-
-fn parse_listening(text: &str) -> Vec<u16> {
-    text.lines()
-        .skip(1)
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let local = f.nth(1)?;
-            let state = f.nth(1)?;
-            if state != "0A" {
-                return None;
-            }
-            u16::from_str_radix(local.rsplit(':').next()?, 16).ok()
-        })
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .flat_map(|f| sys::parse_proc_net_tcp(&std::fs::read_to_string(f).unwrap_or_default()))
+        .filter(|s| s.state == 0x0A)
+        .map(|s| s.local_port)
         .collect()
 }
 
@@ -392,14 +377,6 @@ pub(crate) fn weir_bin() -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn proc_net_tcp_listeners() {
-        let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
-   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1\n\
-   1: 0100007F:1F91 0100007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 2 1\n";
-        assert_eq!(parse_listening(text), vec![0x1F90]);
-    }
 
     #[test]
     fn configs_name_every_route() {

@@ -316,6 +316,53 @@ pub(crate) fn parse_sockstat_tcp_pages(text: &str) -> Option<u64> {
     None
 }
 
+/// The system-wide hard limit on TCP buffer memory (`tcp_mem`'s third value), in bytes.
+pub(crate) fn tcp_mem_max_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_mem").ok()?;
+    let pages: u64 = text.split_whitespace().nth(2)?.parse().ok()?;
+    Some(pages * page_size())
+}
+
+/// One IPv4 TCP socket from `/proc/net/tcp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TcpSocket {
+    pub(crate) local_port: u16,
+    pub(crate) remote_port: u16,
+    /// Kernel state number (1 = ESTABLISHED, 10 = LISTEN).
+    pub(crate) state: u8,
+    /// Bytes in the send queue (sent and not acknowledged, plus unsent).
+    pub(crate) tx_queue: u64,
+    /// Bytes received and not yet read.
+    pub(crate) rx_queue: u64,
+}
+
+/// Every IPv4 TCP socket of the machine.
+pub(crate) fn tcp_sockets() -> Vec<TcpSocket> {
+    parse_proc_net_tcp(&std::fs::read_to_string("/proc/net/tcp").unwrap_or_default())
+}
+
+/// Parses `/proc/net/tcp` (header line first; hex fields).
+pub(crate) fn parse_proc_net_tcp(text: &str) -> Vec<TcpSocket> {
+    let port = |addr: &str| u16::from_str_radix(addr.rsplit(':').next()?, 16).ok();
+    text.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let local = port(f.nth(1)?)?;
+            let remote = port(f.next()?)?;
+            let state = u8::from_str_radix(f.next()?, 16).ok()?;
+            let (tx, rx) = f.next()?.split_once(':')?;
+            Some(TcpSocket {
+                local_port: local,
+                remote_port: remote,
+                state,
+                tx_queue: u64::from_str_radix(tx, 16).ok()?,
+                rx_queue: u64::from_str_radix(rx, 16).ok()?,
+            })
+        })
+        .collect()
+}
+
 /// Runs `cmd` to completion with a deadline; stdout and stderr go to files in
 /// `dir`. Returns (success, stdout, stderr). The child is killed at the deadline.
 pub(crate) fn run_bounded(
@@ -360,6 +407,26 @@ mod tests {
             "sockets: used 14\nTCP: inuse 1 orphan 0 tw 0 alloc 1 mem 130\nUDP: inuse 0 mem 7\n";
         assert_eq!(parse_sockstat_tcp_pages(text), Some(130));
         assert_eq!(parse_sockstat_tcp_pages("UDP: inuse 0 mem 7\n"), None);
+    }
+
+    #[test]
+    fn proc_net_tcp_queues_are_parsed() {
+        let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1\n\
+   1: 0100007F:1F91 0100007F:9C40 01 00010000:00000200 00:00000000 00000000     0        0 2 1\n";
+        let v = parse_proc_net_tcp(text);
+        assert_eq!(v.len(), 2);
+        assert_eq!(v[0].state, 0x0A);
+        assert_eq!(
+            v[1],
+            TcpSocket {
+                local_port: 0x1F91,
+                remote_port: 0x9C40,
+                state: 1,
+                tx_queue: 0x10000,
+                rx_queue: 0x200
+            }
+        );
     }
 
     #[test]
