@@ -324,31 +324,18 @@ fn exactness(plan: &Plan, algo: Algo, buckets: usize, dumps: usize) -> Result<Ex
             if !complete {
                 break;
             }
-            seen.sort_unstable();
-            let before = seen.len();
-            seen.dedup();
-            ex.duplicates += (before - seen.len()) as u64;
-            let mut must: u64 = (0..c as usize)
-                .map(|t| (d0[t] + per).saturating_sub(d1[t] + PUBLISH))
-                .sum();
-            ex.checked += must;
-            for &k in &seen {
-                let (t, j) = ((k % c) as usize, k / c);
-                if j < d0[t] || j >= d1[t] + PUBLISH + per {
-                    failure = Some(format!(
-                        "dump returned key {k}, which was never live during it"
-                    ));
+            match check_dump(&mut seen, &d0, &d1, per) {
+                Ok(v) => {
+                    ex.duplicates += v.duplicates;
+                    ex.misses += v.misses;
+                    ex.checked += v.checked;
+                    ex.dumps += 1;
+                }
+                Err(e) => {
+                    failure = Some(e);
                     break;
                 }
-                if j >= d1[t] + PUBLISH && j < d0[t] + per {
-                    must -= 1;
-                }
             }
-            if failure.is_some() {
-                break;
-            }
-            ex.misses += must;
-            ex.dumps += 1;
         }
         ex.dump_secs = start.elapsed().as_secs_f64();
         stop.store(true, Ordering::Relaxed);
@@ -372,6 +359,48 @@ fn exactness(plan: &Plan, algo: Algo, buckets: usize, dumps: usize) -> Result<Ex
             0.0
         },
         ..ex
+    })
+}
+
+/// What one dump got right and wrong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Verdict {
+    duplicates: u64,
+    misses: u64,
+    checked: u64,
+}
+
+/// Checks one dump's keys (`seen`, any order; sorted and deduplicated here)
+/// against the churners' published iterations at its start (`d0`) and end
+/// (`d1`), with `per` live keys per churner; see [`exactness`] for the bounds.
+/// A key that cannot have been live during the dump is an error.
+fn check_dump(seen: &mut Vec<u64>, d0: &[u64], d1: &[u64], per: u64) -> Result<Verdict, String> {
+    let c = d0.len() as u64;
+    seen.sort_unstable();
+    let before = seen.len();
+    seen.dedup();
+    let duplicates = (before - seen.len()) as u64;
+    let checked: u64 = d0
+        .iter()
+        .zip(d1)
+        .map(|(a, b)| (a + per).saturating_sub(b + PUBLISH))
+        .sum();
+    let mut found = 0;
+    for &k in seen.iter() {
+        let (t, j) = ((k % c) as usize, k / c);
+        if j < d0[t] || j >= d1[t] + PUBLISH + per {
+            return Err(format!(
+                "dump returned key {k}, which was never live during it"
+            ));
+        }
+        if j >= d1[t] + PUBLISH && j < d0[t] + per {
+            found += 1;
+        }
+    }
+    Ok(Verdict {
+        duplicates,
+        misses: checked - found,
+        checked,
     })
 }
 
@@ -622,6 +651,45 @@ mod tests {
             rows.iter()
                 .all(|r| r.complete && r.ns_per_entry.is_finite())
         );
+    }
+
+    #[test]
+    fn checker_counts_misses_duplicates_and_rejects_strangers() {
+        // 2 churners, 10 live keys each; churner 0 had done 3 iterations at the
+        // start and 5 at the end (+PUBLISH in flight), churner 1: 0 and 0.
+        let per = 10 + PUBLISH;
+        let (d0, d1) = ([3u64, 0], [5u64, 0]);
+        // Present throughout for t=0: j in [5+P, 3+per) = [5+P, 13+P): 8 keys;
+        // for t=1: j in [P, per) = [P, 10+P): 10 keys.
+        let all = |t: u64, js: std::ops::Range<u64>| js.map(move |j| 2 * j + t);
+        let mut seen: Vec<u64> = all(0, 5 + PUBLISH..13 + PUBLISH)
+            .chain(all(1, PUBLISH..10 + PUBLISH))
+            .collect();
+        let ok = check_dump(&mut seen.clone(), &d0, &d1, per).expect("valid");
+        assert_eq!(
+            ok,
+            Verdict {
+                duplicates: 0,
+                misses: 0,
+                checked: 18
+            }
+        );
+        // Drop one must-see key and repeat another.
+        let dup = seen[3];
+        seen.remove(0);
+        seen.push(dup);
+        let bad = check_dump(&mut seen.clone(), &d0, &d1, per).expect("valid");
+        assert_eq!(
+            bad,
+            Verdict {
+                duplicates: 1,
+                misses: 1,
+                checked: 18
+            }
+        );
+        // A key removed before the dump started (t=0, j=2 < d0) is an error.
+        seen.push(4);
+        assert!(check_dump(&mut seen, &d0, &d1, per).is_err());
     }
 
     #[test]
