@@ -74,6 +74,17 @@ fn spawn_udp_echo(stop: Arc<AtomicBool>) -> anyhow::Result<SocketAddr> {
     Ok(addr)
 }
 
+/// A per-run random token (std's RandomState is randomly keyed per process).
+fn demo_token() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let s = std::collections::hash_map::RandomState::new();
+    let mut a = s.build_hasher();
+    a.write_u64(1);
+    let mut b = s.build_hasher();
+    b.write_u64(2);
+    format!("demo-{:016x}{:016x}", a.finish(), b.finish())
+}
+
 fn backend(addr: SocketAddr, weight: u32) -> BackendSpec {
     BackendSpec {
         address: addr,
@@ -91,6 +102,7 @@ fn run_inner(duration: Option<Duration>) -> anyhow::Result<()> {
     let mut cfg = Config {
         admin: AdminConfig {
             listen: admin_listen.clone(),
+            token: Some(demo_token()),
             ..AdminConfig::default()
         },
         ..Config::default()
@@ -135,7 +147,9 @@ fn run_inner(duration: Option<Duration>) -> anyhow::Result<()> {
         tcp_b[0], tcp_b[1], udp_b[0], udp_b[1]
     );
     println!("  virtual services: tcp {tcp_vip} (wrr, weights 1:2), udp {udp_vip} (rr)");
-    println!("  admin API: http://{admin_listen}  (e.g. curl http://{admin_listen}/v1/services)");
+    let token = cfg.admin.token.clone().unwrap_or_default();
+    println!("  admin API: http://{admin_listen}  token {token}");
+    println!("  try: WEIR_ADMIN=http://{admin_listen} WEIR_TOKEN={token} weir list");
     println!(
         "  try: nc {} {}   |   Ctrl-C to stop",
         tcp_vip.ip(),

@@ -231,6 +231,23 @@ fn source_hash_schedulers_and_persistence_keep_a_client_on_one_backend() {
             "{name}: one client IP must stick to one backend"
         );
     }
+    // The persistence template lives in the flow table, keyed by the
+    // netmask-grouped client address, and is listed like ipvsadm -Lnc does.
+    let page = c
+        .connections(
+            &ConnFilter {
+                service: Some("persist".into()),
+                ..Default::default()
+            },
+            None,
+            100,
+        )
+        .unwrap();
+    assert!(
+        page.connections.iter().any(|x| x.client == "127.0.0.0:0"),
+        "no template in {:?}",
+        page.connections
+    );
     d.shutdown();
 }
 
@@ -393,6 +410,7 @@ fn deleting_a_tenant_closes_and_purges_only_its_connections() {
     let vb = d.service_addr("b", "svc-b").unwrap();
     let mut ha: Vec<_> = (0..3).map(|_| held(va)).collect();
     let mut hb: Vec<_> = (0..2).map(|_| held(vb)).collect();
+    // A tenant that no longer exists lists nothing (the API says 404).
     let count = |t: &str| {
         c.connections(
             &ConnFilter {
@@ -402,14 +420,22 @@ fn deleting_a_tenant_closes_and_purges_only_its_connections() {
             None,
             100,
         )
-        .unwrap()
-        .connections
-        .len()
+        .map_or(0, |p| p.connections.len())
     };
+    let entries = |t: &str| c.table().iter().find(|r| r.tenant == t).map(|r| r.entries);
     assert_eq!((count("a"), count("b")), (3, 2));
+    assert_eq!(
+        c.table()
+            .iter()
+            .find(|r| r.tenant == "a")
+            .map(|r| r.placement.as_str()),
+        Some("own")
+    );
+    assert_eq!((entries("a"), entries("b")), (Some(3), Some(2)));
     assert_eq!(c.delete_tenant("a").unwrap(), 3);
     assert!(wait_until(T, || count("a") == 0));
     assert_eq!(count("b"), 2);
+    assert_eq!((entries("a"), entries("b")), (None, Some(2)));
     for s in ha.iter_mut() {
         let mut buf = [0u8; 1];
         let r = s.read(&mut buf);

@@ -1,7 +1,10 @@
 //! [`Control`] over the live daemon state.
 
+use std::collections::HashMap;
 use std::sync::Arc;
+
 use std::sync::atomic::Ordering::Relaxed;
+use weir_flowtable::{DumpFilter, FlowState, TenantId};
 
 use super::{Backend, BackendSet, Service, Shared, service_params};
 use crate::config::{self, BackendSpec, Config, ServiceSpec, TenantSpec};
@@ -139,12 +142,7 @@ impl Control for LiveControl {
                 let mut spec = t.spec.read().clone();
                 spec.token = None;
                 TenantStatus {
-                    table: if spec.table_entries == 0 {
-                        "shared"
-                    } else {
-                        "own"
-                    }
-                    .into(),
+                    table: t.placement.clone(),
                     spec,
                     active_conns: t.active.load(Relaxed),
                     refused: t.refused.load(Relaxed),
@@ -176,17 +174,19 @@ impl Control for LiveControl {
             return Err(not_found(format!("tenant {tenant:?} does not exist")));
         };
         t.deleted.cancel();
-        let id = t.id;
-        // Services were removed above; catch any connection still registered.
-        let closed = self
-            .0
-            .registry
-            .lock()
-            .values()
-            .filter(|e| e.tenant.id == id)
-            .inspect(|e| e.kill("tenant_deleted"))
-            .count() as u64;
-        Ok(closed.max(t.active.load(Relaxed)))
+        // Purge the tenant from the flow table (O(its entries)); close the
+        // connections and sessions those entries belong to.
+        let mut purged = Vec::new();
+        let _ = self.0.table.remove_tenant(TenantId(t.id), &mut purged);
+        let reg = self.0.registry.lock();
+        let mut closed = 0u64;
+        for snap in purged.iter().filter(|s| s.state != FlowState::Persist) {
+            closed += 1;
+            if let Some(e) = reg.get(&snap.cookie.0) {
+                e.kill("tenant_deleted");
+            }
+        }
+        Ok(closed)
     }
 
     fn services(&self) -> Vec<ServiceStatus> {
@@ -240,6 +240,7 @@ impl Control for LiveControl {
         }
         self.set_backends(&svc, &backends)?;
         self.0.start_health(&svc);
+        self.0.tune_tenant_timeouts(&svc.tenant);
         Ok(())
     }
 
@@ -325,51 +326,89 @@ impl Control for LiveControl {
         cursor: Option<&str>,
         limit: usize,
     ) -> ControlResult<ConnPage> {
-        let after = match cursor {
-            None => 0,
-            Some(c) => c.parse::<u64>().map_err(|_| {
-                ControlError::new(
-                    ErrorKind::Invalid,
-                    format!("bad cursor {c:?}; pass back `next`"),
-                )
-            })?,
+        let invalid = |m: String| ControlError::new(ErrorKind::Invalid, m);
+        let cursor = match cursor {
+            None => None,
+            Some(c) => Some(
+                c.parse::<weir_flowtable::Cursor>()
+                    .map_err(|_| invalid(format!("bad cursor {c:?}; pass back `next` as given")))?,
+            ),
         };
+        let (tenants, services) = {
+            let st = self.0.state.read();
+            let tenants: HashMap<u32, String> = st
+                .tenants
+                .values()
+                .map(|t| (t.id, t.spec.read().name.clone()))
+                .collect();
+            let services: HashMap<u32, Arc<Service>> =
+                st.services.values().map(|s| (s.id, s.clone())).collect();
+            (tenants, services)
+        };
+        let mut df = DumpFilter::default();
+        if let Some(t) = &filter.tenant {
+            let Some((&id, _)) = tenants.iter().find(|(_, n)| *n == t) else {
+                return Err(not_found(format!("tenant {t:?} does not exist")));
+            };
+            df.tenant = Some(TenantId(id));
+        }
+        if let Some(st) = &filter.state {
+            let state = st
+                .to_ascii_uppercase()
+                .parse::<FlowState>()
+                .map_err(|_| invalid(format!("unknown state {st:?}; e.g. ESTABLISHED, UDP")))?;
+            df.state = Some(state);
+        }
         let limit = limit.clamp(1, 100_000);
         let now = self.0.now_ms();
-        let entries: Vec<_> = {
-            let reg = self.0.registry.lock();
-            reg.range(after.saturating_add(1)..)
-                .map(|(_, e)| e.clone())
-                .filter(|e| self.matches(filter, e))
-                .take(limit + 1)
-                .collect()
-        };
-        let more = entries.len() > limit;
-        let connections: Vec<ConnInfo> = entries
+        let mut snaps = Vec::with_capacity(limit.min(4096));
+        let next = self.0.table.dump(cursor.as_ref(), &df, limit, &mut snaps);
+        let connections = snaps
             .iter()
-            .take(limit)
-            .map(|e| ConnInfo {
-                tenant: e.tenant.spec.read().name.clone(),
-                service: e.service.spec.read().name.clone(),
-                proto: config::protocol_name(e.proto).to_uppercase(),
-                client: e.client.to_string(),
-                virtual_: e.service.listen.to_string(),
-                backend: e.backend.addr.to_string(),
-                state: e.state().name().into(),
-                expires_s: (e.last_active.load(Relaxed) + e.timeout_ms.load(Relaxed))
-                    .saturating_sub(now)
-                    / 1000,
-                cookie: e.cookie,
-                bytes_in: e.bytes_in.load(Relaxed),
-                bytes_out: e.bytes_out.load(Relaxed),
+            .filter_map(|snap| {
+                let svc = services.get(&snap.service.0)?;
+                let spec = svc.spec.read();
+                let backend = svc
+                    .set
+                    .read()
+                    .backends
+                    .iter()
+                    .find(|b| b.id == snap.backend.0)
+                    .map(|b| b.addr.to_string())
+                    .unwrap_or_else(|| "-".into());
+                if filter.service.as_ref().is_some_and(|s| *s != spec.name)
+                    || filter.backend.as_ref().is_some_and(|b| *b != backend)
+                {
+                    return None;
+                }
+                // Entries carry their own service timeout (UDP, templates),
+                // which may be shorter than the table's per-tenant one.
+                let expires = match self.0.registry.lock().get(&snap.cookie.0) {
+                    Some(e) => e.last_active.load(Relaxed) + e.timeout_ms.load(Relaxed),
+                    None if snap.state == FlowState::Persist => {
+                        snap.last_active.0 + svc.params.read().persistence.as_millis() as u64
+                    }
+                    None => snap.expires_at.0,
+                };
+                Some(ConnInfo {
+                    tenant: tenants.get(&snap.key.tenant.0).cloned().unwrap_or_default(),
+                    service: spec.name.clone(),
+                    proto: config::protocol_name(spec.protocol).to_uppercase(),
+                    client: snap.key.client.to_string(),
+                    virtual_: snap.key.virt.to_string(),
+                    backend,
+                    state: snap.state.to_string(),
+                    expires_s: expires.saturating_sub(now) / 1000,
+                    cookie: snap.cookie.0,
+                    bytes_in: snap.bytes_in,
+                    bytes_out: snap.bytes_out,
+                })
             })
             .collect();
-        let next = if more {
-            connections.last().map(|c| c.cookie.to_string())
-        } else {
-            None
-        };
-        Ok(ConnPage { connections, next })
+        Ok(ConnPage {
+            connections,
+            next: next.map(|c| c.to_string()),
+        })
     }
 
     fn kill(&self, cookie: u64) -> ControlResult<()> {
@@ -400,29 +439,24 @@ impl Control for LiveControl {
     }
 
     fn table(&self) -> Vec<TableReport> {
-        let reg = self.0.registry.lock();
-        let st = self.0.state.read();
-        let buckets = self.0.daemon_cfg.shared_table_buckets as u64;
-        st.tenants
-            .values()
-            .map(|t| {
-                let spec = t.spec.read();
-                let entries = reg.values().filter(|e| e.tenant.id == t.id).count() as u64;
-                let (placement, b) = if spec.table_entries == 0 {
-                    ("shared", buckets)
-                } else {
-                    ("own", spec.table_entries as u64)
-                };
-                TableReport {
-                    tenant: spec.name.clone(),
-                    placement: placement.into(),
-                    entries,
-                    buckets: b,
-                    load_factor: entries as f64 / b.max(1) as f64,
-                    max_chain: 0,
-                    chain_histogram: Vec::new(),
-                    refused_inserts: 0,
-                }
+        let tenants: Vec<_> = self.0.state.read().tenants.values().cloned().collect();
+        tenants
+            .iter()
+            .filter_map(|t| {
+                let st = self.0.table.tenant_stats(TenantId(t.id))?;
+                Some(TableReport {
+                    tenant: t.spec.read().name.clone(),
+                    placement: match st.placement {
+                        weir_flowtable::Placement::Own { .. } => "own".into(),
+                        weir_flowtable::Placement::Shared { .. } => "shared".into(),
+                    },
+                    entries: st.entries,
+                    buckets: st.buckets as u64,
+                    load_factor: st.load_factor,
+                    max_chain: st.max_chain as u64,
+                    chain_histogram: st.chain_histogram,
+                    refused_inserts: st.refused_inserts,
+                })
             })
             .collect()
     }

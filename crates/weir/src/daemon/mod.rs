@@ -44,6 +44,10 @@ use anyhow::Context as _;
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+use weir_flowtable::{
+    BackendId, Dir, FlowInit, FlowKey, FlowState, FlowTable, Millis, Proto, ServiceId, TableConfig,
+    TenantConfig, TenantId, Timeouts,
+};
 use weir_sched::{AffinityMask, BackendInfo, ClientAddr, HashSeed, Load, SchedConfig, Scheduler};
 
 use crate::config::{
@@ -132,7 +136,11 @@ impl Daemon {
             admin_cfg: config.admin.clone(),
             state: RwLock::new(State::default()),
             registry: Mutex::new(BTreeMap::new()),
-            next_cookie: AtomicU64::new(1),
+            table: FlowTable::new(TableConfig {
+                shared_buckets: config.daemon.shared_table_buckets,
+                memory_budget: config.daemon.own_tables_budget,
+                ..TableConfig::default()
+            }),
             next_id: AtomicU32::new(1),
             workers: worker_txs,
             stat: Stat::default(),
@@ -159,8 +167,19 @@ impl Daemon {
                 .add_service(s)
                 .map_err(|e| anyhow::anyhow!("{}", e.message))?;
         }
-        // Estimator thread.
         let est_stop = Arc::new(AtomicBool::new(false));
+        // Flow-table expiry: bounded work per step, once a second.
+        {
+            let weak = Arc::downgrade(&shared);
+            let stop = est_stop.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name("weir-expiry".into())
+                    .spawn(move || expiry_main(weak, stop))
+                    .context("spawning the expiry thread")?,
+            );
+        }
+        // Estimator thread.
         {
             let weak = Arc::downgrade(&shared);
             let stop = est_stop.clone();
@@ -295,6 +314,39 @@ pub(crate) fn open_fds() -> u64 {
     std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64)
 }
 
+/// Expire idle flow-table entries (bounded work per call) and close the
+/// connections and sessions they belong to.
+fn expiry_main(shared: Weak<Shared>, stop: Arc<AtomicBool>) {
+    let mut out = Vec::new();
+    loop {
+        for _ in 0..10 {
+            if stop.load(Relaxed) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let now = Millis(shared.now_ms());
+        // At most 64 Ki entries per second; the rest waits for the next round.
+        for _ in 0..16 {
+            out.clear();
+            let n = shared.table.expire(now, 4096, &mut out);
+            for snap in &out {
+                if snap.state != FlowState::Persist
+                    && let Some(e) = shared.registry.lock().get(&snap.cookie.0)
+                {
+                    e.kill("idle_timeout");
+                }
+            }
+            if n < 4096 {
+                break;
+            }
+        }
+    }
+}
+
 fn estimator_main(shared: Weak<Shared>, stop: Arc<AtomicBool>) {
     let mut last = Instant::now();
     loop {
@@ -338,7 +390,8 @@ pub(crate) struct Shared {
     pub(crate) state: RwLock<State>,
     /// cookie → connection; ordered so listings page exactly by cookie.
     pub(crate) registry: Mutex<BTreeMap<u64, Arc<ConnEntry>>>,
-    next_cookie: AtomicU64,
+    /// The flow table: connections, UDP sessions and persistence templates.
+    pub(crate) table: FlowTable,
     next_id: AtomicU32,
     workers: Vec<mpsc::UnboundedSender<WorkerCmd>>,
     pub(crate) stat: Stat,
@@ -365,6 +418,8 @@ pub(crate) struct Tenant {
     pub(crate) active: AtomicU64,
     pub(crate) refused: AtomicU64,
     pub(crate) stat: Stat,
+    /// "own" or "shared" (what the flow table granted).
+    pub(crate) placement: String,
     /// (second since epoch, new connections in it) for `max_new_per_s`.
     window: Mutex<(u64, u64)>,
     pub(crate) deleted: CancellationToken,
@@ -383,8 +438,6 @@ pub(crate) struct Service {
     pub(crate) stat: Stat,
     /// Cancels listeners and health checks.
     pub(crate) cancel: CancellationToken,
-    /// Persistence templates: grouped client address → (backend, expiry ms).
-    pub(crate) persist: Mutex<HashMap<IpAddr, (SocketAddr, u64)>>,
     /// UDP sessions by client address.
     pub(crate) udp_sessions: Mutex<HashMap<SocketAddr, Arc<udp::Session>>>,
     /// UDP sessions per client IP (for `udp_max_sessions_per_client`).
@@ -411,6 +464,8 @@ pub(crate) struct BackendSet {
 
 #[derive(Debug)]
 pub(crate) struct Backend {
+    /// Flow-table id (unique for the daemon's life).
+    pub(crate) id: u32,
     pub(crate) addr: SocketAddr,
     pub(crate) spec: RwLock<BackendSpec>,
     pub(crate) weight: AtomicU32,
@@ -424,7 +479,9 @@ pub(crate) struct Backend {
 
 impl Backend {
     fn new(spec: BackendSpec) -> Arc<Self> {
+        static NEXT: AtomicU32 = AtomicU32::new(1);
         Arc::new(Self {
+            id: NEXT.fetch_add(1, Relaxed),
             addr: spec.address,
             weight: AtomicU32::new(spec.weight),
             spec: RwLock::new(spec),
@@ -471,6 +528,16 @@ impl ConnState {
             Self::Udp => "UDP",
         }
     }
+    fn flow(self) -> FlowState {
+        match self {
+            Self::SynRecv => FlowState::SynRecv,
+            Self::Established => FlowState::Established,
+            Self::FinWait => FlowState::FinWait,
+            Self::Close => FlowState::Close,
+            Self::Udp => FlowState::Udp,
+        }
+    }
+
     fn from_u8(v: u8) -> Self {
         match v {
             0 => Self::SynRecv,
@@ -486,6 +553,7 @@ impl ConnState {
 #[derive(Debug)]
 pub(crate) struct ConnEntry {
     pub(crate) cookie: u64,
+    pub(crate) key: FlowKey,
     pub(crate) proto: Protocol,
     pub(crate) tenant: Arc<Tenant>,
     pub(crate) service: Arc<Service>,
@@ -509,8 +577,12 @@ impl ConnEntry {
         ConnState::from_u8(self.state.load(Relaxed))
     }
 
-    /// Move to `s`, keeping the backend's active/inactive counts in step.
-    pub(crate) fn set_state(&self, s: ConnState) {
+    /// Move to `s`, in the flow table too, keeping the backend's
+    /// active/inactive counts in step.
+    pub(crate) fn set_state(&self, shared: &Shared, s: ConnState) {
+        shared
+            .table
+            .set_state(&self.key, s.flow(), Millis(shared.now_ms()));
         let old = ConnState::from_u8(self.state.swap(s as u8, Relaxed));
         let was_active = old == ConnState::Established;
         let is_active = s == ConnState::Established;
@@ -540,6 +612,7 @@ pub(crate) enum Refusal {
     NoBackend,
     BackendLimit,
     ClientLimit,
+    TableFull,
 }
 
 impl Refusal {
@@ -551,6 +624,7 @@ impl Refusal {
             Self::NoBackend => "no_backend",
             Self::BackendLimit => "backend_limit",
             Self::ClientLimit => "client_limit",
+            Self::TableFull => "table_full",
         }
     }
 }
@@ -608,7 +682,8 @@ impl Shared {
         self.active.fetch_sub(1, Relaxed);
     }
 
-    /// Register a connection (state `SynRecv`, counted inactive on its backend).
+    /// Register a connection or session in the flow table and the registry
+    /// (counted on its backend as active when ESTABLISHED, else inactive).
     pub(crate) fn register(
         &self,
         svc: &Arc<Service>,
@@ -617,15 +692,37 @@ impl Shared {
         client: SocketAddr,
         state: ConnState,
         timeout: Duration,
-    ) -> Arc<ConnEntry> {
-        let cookie = self.next_cookie.fetch_add(1, Relaxed);
+    ) -> Result<Arc<ConnEntry>, Refusal> {
+        let key = flow_key(svc, proto, client);
+        let init = FlowInit {
+            service: ServiceId(svc.id),
+            backend: BackendId(backend.id),
+            state: state.flow(),
+        };
+        let now = Millis(self.now_ms());
+        let cookie = match self.table.insert(key, init, now) {
+            Ok(c) => c,
+            Err(weir_flowtable::InsertError::Exists(old)) => {
+                // A stale entry for the same 4-tuple (its task is ending):
+                // close it and take the key over.
+                if let Some(e) = self.registry.lock().get(&old.0) {
+                    e.kill("replaced");
+                }
+                self.table.remove(&key);
+                self.table
+                    .insert(key, init, now)
+                    .map_err(|_| Refusal::TableFull)?
+            }
+            Err(_) => return Err(Refusal::TableFull),
+        };
         if state == ConnState::Established {
             backend.active.fetch_add(1, Relaxed);
         } else {
             backend.inactive.fetch_add(1, Relaxed);
         }
         let e = Arc::new(ConnEntry {
-            cookie,
+            cookie: cookie.0,
+            key,
             proto,
             tenant: svc.tenant.clone(),
             service: svc.clone(),
@@ -640,17 +737,24 @@ impl Shared {
             cancel: self.kill_all.child_token(),
             cancel_reason: Mutex::new("killed"),
         });
-        self.registry.lock().insert(cookie, e.clone());
+        self.registry.lock().insert(cookie.0, e.clone());
         self.stat.counters.conn();
         svc.tenant.stat.counters.conn();
         svc.stat.counters.conn();
         backend.stat.counters.conn();
-        e
+        Ok(e)
     }
 
     /// Remove a connection from the registry and fix the counts.
     pub(crate) fn unregister(&self, e: &ConnEntry, reason: &str) {
         self.registry.lock().remove(&e.cookie);
+        if self
+            .table
+            .get(&e.key)
+            .is_some_and(|snap| snap.cookie.0 == e.cookie)
+        {
+            self.table.remove(&e.key);
+        }
         if e.state() == ConnState::Established {
             e.backend.active.fetch_sub(1, Relaxed);
         } else {
@@ -675,9 +779,19 @@ impl Shared {
 
     /// Account bytes client → backend.
     pub(crate) fn count_in(&self, e: &ConnEntry, n: usize) {
+        self.account_in(e, n, true);
+    }
+
+    /// Account bytes client → backend; `touch` = also count them in the
+    /// flow table (false when the caller's lookup already did).
+    pub(crate) fn account_in(&self, e: &ConnEntry, n: usize, touch: bool) {
         let n = n as u64;
         e.bytes_in.fetch_add(n, Relaxed);
-        e.last_active.store(self.now_ms(), Relaxed);
+        let now = self.now_ms();
+        e.last_active.store(now, Relaxed);
+        if touch {
+            self.table.touch(&e.key, Millis(now), Dir::In, n);
+        }
         self.stat.counters.add_in(n);
         e.tenant.stat.counters.add_in(n);
         e.service.stat.counters.add_in(n);
@@ -688,7 +802,9 @@ impl Shared {
     pub(crate) fn count_out(&self, e: &ConnEntry, n: usize) {
         let n = n as u64;
         e.bytes_out.fetch_add(n, Relaxed);
-        e.last_active.store(self.now_ms(), Relaxed);
+        let now = self.now_ms();
+        e.last_active.store(now, Relaxed);
+        self.table.touch(&e.key, Millis(now), Dir::Out, n);
         self.stat.counters.add_out(n);
         e.tenant.stat.counters.add_out(n);
         e.service.stat.counters.add_out(n);
@@ -737,8 +853,29 @@ impl Shared {
                 format!("tenant {:?} exists", spec.name),
             ));
         }
+        let id = self.next_id.fetch_add(1, Relaxed);
+        let placement = self
+            .table
+            .add_tenant(
+                TenantId(id),
+                TenantConfig {
+                    own_buckets: spec.table_entries,
+                    timeouts: Timeouts::default(),
+                },
+            )
+            .map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))?;
+        let placement = match placement {
+            weir_flowtable::Placement::Own { .. } => "own".to_owned(),
+            weir_flowtable::Placement::Shared { requested, reason } => {
+                if requested != 0 {
+                    tracing::warn!(tenant = %spec.name, requested, %reason, "tenant shares the global flow table");
+                }
+                "shared".to_owned()
+            }
+        };
         let t = Arc::new(Tenant {
-            id: self.next_id.fetch_add(1, Relaxed),
+            id,
+            placement,
             spec: RwLock::new(spec.clone()),
             active: AtomicU64::new(0),
             refused: AtomicU64::new(0),
@@ -817,7 +954,6 @@ impl Shared {
             set: RwLock::new(Arc::new(BackendSet { sched, backends })),
             stat: Stat::default(),
             cancel: CancellationToken::new(),
-            persist: Mutex::new(HashMap::new()),
             udp_sessions: Mutex::new(HashMap::new()),
             udp_per_client: Mutex::new(HashMap::new()),
             health_cancel: Mutex::new(CancellationToken::new()),
@@ -831,8 +967,31 @@ impl Shared {
         }
         self.start_health(&svc);
         tracing::info!(tenant = %spec.tenant, service = %spec.name, %listen, "service up");
+        let tenant = svc.tenant.clone();
         st.services.insert(key, svc);
+        drop(st);
+        self.tune_tenant_timeouts(&tenant);
         Ok(())
+    }
+
+    /// The flow table's UDP and template timeouts are per tenant, weir's
+    /// per service: give the table the longest of the tenant's services
+    /// (each session and template also checks its own service's value).
+    pub(crate) fn tune_tenant_timeouts(&self, tenant: &Tenant) {
+        let (mut udp, mut persist) = (UDP_TIMEOUT, Duration::from_secs(1));
+        for s in self.state.read().services.values() {
+            if s.tenant.id == tenant.id {
+                let p = s.params.read();
+                udp = udp.max(p.udp_timeout);
+                persist = persist.max(p.persistence);
+            }
+        }
+        let t = Timeouts {
+            udp: Millis(udp.as_millis() as u64),
+            persist: Millis(persist.as_millis() as u64),
+            ..Timeouts::default()
+        };
+        let _ = self.table.set_timeouts(TenantId(tenant.id), t);
     }
 
     /// (Re)start the health checks of `svc`'s current backends.
@@ -908,6 +1067,7 @@ impl Service {
     pub(crate) fn choose(
         &self,
         shared: &Shared,
+        proto: Protocol,
         client: SocketAddr,
         skip: &[SocketAddr],
         rng: &mut weir_sched::SplitMix64,
@@ -922,18 +1082,20 @@ impl Service {
                 && (max == 0 || b.conns() < max)
         };
         let now = shared.now_ms();
-        let group = params.mask.group(client.ip());
         let persist_ms = params.persistence.as_millis() as u64;
-        if persist_ms > 0 {
-            let tpl = self.persist.lock().get(&group).copied();
-            if let Some((addr, exp)) = tpl
-                && exp > now
-                && let Some(b) = set.backends.iter().find(|b| b.addr == addr)
-                && usable(b)
-            {
-                self.persist.lock().insert(group, (addr, now + persist_ms));
-                return Ok(b.clone());
-            }
+        let tpl_key = FlowKey {
+            client: SocketAddr::new(params.mask.group(client.ip()), 0),
+            ..flow_key(self, proto, client)
+        };
+        if persist_ms > 0
+            && let Some(tpl) = shared.table.get(&tpl_key)
+            && tpl.state == FlowState::Persist
+            && tpl.last_active.0 + persist_ms > now
+            && let Some(b) = set.backends.iter().find(|b| b.id == tpl.backend.0)
+            && usable(b)
+        {
+            shared.table.touch(&tpl_key, Millis(now), Dir::In, 0);
+            return Ok(b.clone());
         }
         let load = |i: usize| {
             set.backends.get(i).map_or(Load::default(), |b| {
@@ -959,14 +1121,31 @@ impl Service {
             });
         };
         if persist_ms > 0 {
-            let mut p = self.persist.lock();
-            // Bounded housekeeping: drop expired templates when the map grows.
-            if p.len() > 4096 {
-                p.retain(|_, (_, exp)| *exp > now);
+            // The template (IPVS -p): client group -> backend, FlowState::Persist.
+            shared.table.remove(&tpl_key);
+            let init = FlowInit {
+                service: ServiceId(self.id),
+                backend: BackendId(b.id),
+                state: FlowState::Persist,
+            };
+            if shared.table.insert(tpl_key, init, Millis(now)).is_err() {
+                tracing::debug!("persistence template not stored (table full)");
             }
-            p.insert(group, (b.addr, now + persist_ms));
         }
         Ok(b)
+    }
+}
+
+/// The flow-table key of a connection or session.
+pub(crate) fn flow_key(svc: &Service, proto: Protocol, client: SocketAddr) -> FlowKey {
+    FlowKey {
+        tenant: TenantId(svc.tenant.id),
+        proto: match proto {
+            Protocol::Tcp => Proto::Tcp,
+            Protocol::Udp => Proto::Udp,
+        },
+        client,
+        virt: svc.listen,
     }
 }
 

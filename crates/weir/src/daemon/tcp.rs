@@ -84,7 +84,7 @@ async fn handle(
     let mut connected = None;
     let mut last_entry: Option<Arc<ConnEntry>> = None;
     while tried.len() < max_tries {
-        let backend = match svc.choose(&shared, peer, &tried, &mut rng) {
+        let backend = match svc.choose(&shared, Protocol::Tcp, peer, &tried, &mut rng) {
             Ok(b) => b,
             Err(why) => {
                 if tried.is_empty() {
@@ -94,14 +94,20 @@ async fn handle(
             }
         };
         tried.push(backend.addr);
-        let entry = shared.register(
+        let entry = match shared.register(
             &svc,
             &backend,
             Protocol::Tcp,
             peer,
             ConnState::SynRecv,
             params.connect_timeout,
-        );
+        ) {
+            Ok(e) => e,
+            Err(why) => {
+                shared.refuse(Some(&tenant), why);
+                break;
+            }
+        };
         let attempt = tokio::select! {
             _ = entry.cancel.cancelled() => None,
             r = tokio::time::timeout(params.connect_timeout, connect(&shared, backend.addr)) => Some(r),
@@ -140,13 +146,13 @@ async fn handle(
         reset(&client);
         return;
     };
-    entry.set_state(ConnState::Established);
+    entry.set_state(&shared, ConnState::Established);
     entry.timeout_ms.store(
         TCP_ESTABLISHED_TIMEOUT.as_millis() as u64,
         std::sync::atomic::Ordering::Relaxed,
     );
     let reason = proxy(&shared, &entry, client, backend_stream).await;
-    entry.set_state(ConnState::Close);
+    entry.set_state(&shared, ConnState::Close);
     shared.unregister(&entry, reason);
     shared.release(&tenant);
 }
@@ -254,7 +260,7 @@ async fn proxy(
                     match r {
                         End::Error => break "client_reset",
                         End::Eof if b2c_done => break "closed",
-                        End::Eof => half_closed(entry),
+                        End::Eof => half_closed(shared, entry),
                     }
                 }
                 r = &mut b2c, if !b2c_done => {
@@ -262,7 +268,7 @@ async fn proxy(
                     match r {
                         End::Error => break "backend_reset",
                         End::Eof if c2b_done => break "closed",
-                        End::Eof => half_closed(entry),
+                        End::Eof => half_closed(shared, entry),
                     }
                 }
                 _ = entry.cancel.cancelled() => break *entry.cancel_reason.lock(),
@@ -283,8 +289,8 @@ async fn proxy(
     reason
 }
 
-fn half_closed(entry: &ConnEntry) {
-    entry.set_state(ConnState::FinWait);
+fn half_closed(shared: &Shared, entry: &ConnEntry) {
+    entry.set_state(shared, ConnState::FinWait);
     entry.timeout_ms.store(
         TCP_FIN_TIMEOUT.as_millis() as u64,
         std::sync::atomic::Ordering::Relaxed,

@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use tokio::net::UdpSocket;
 
+use weir_flowtable::{Dir, Millis};
+
 use super::{ConnEntry, ConnState, Refusal, Service, Shared};
 use crate::config::Protocol;
 
@@ -37,21 +39,34 @@ pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Ar
                 }
             },
         };
-        // The hot lookup: every datagram finds its session.
-        let existing = svc.udp_sessions.lock().get(&peer).cloned();
-        let sess = match existing {
-            Some(s) if !s.entry.cancel.is_cancelled() => s,
+        // The hot lookup: every datagram finds its session in the flow
+        // table (which also counts it), then its socket by client address.
+        let key = super::flow_key(&svc, Protocol::Udp, peer);
+        let hit = shared
+            .table
+            .touch(&key, Millis(shared.now_ms()), Dir::In, n as u64);
+        let existing = match hit {
+            Some((cookie, _)) => svc
+                .udp_sessions
+                .lock()
+                .get(&peer)
+                .filter(|s| s.entry.cookie == cookie.0)
+                .cloned(),
+            None => None,
+        };
+        let (sess, touched) = match existing {
+            Some(s) if !s.entry.cancel.is_cancelled() => (s, true),
             _ => {
                 if shared.stop_accept.is_cancelled() {
                     continue;
                 }
                 match new_session(&shared, &svc, &listen, peer, &mut rng).await {
-                    Some(s) => s,
+                    Some(s) => (s, false),
                     None => continue,
                 }
             }
         };
-        shared.count_in(&sess.entry, n);
+        shared.account_in(&sess.entry, n, !touched);
         if let Err(e) = sess.sock.send(&buf[..n]).await {
             tracing::debug!(backend = %sess.entry.backend.addr, "udp send: {e}");
         }
@@ -83,7 +98,7 @@ async fn new_session(
         shared.refuse(Some(&tenant), why);
         return None;
     }
-    let backend = match svc.choose(shared, peer, &[], rng) {
+    let backend = match svc.choose(shared, Protocol::Udp, peer, &[], rng) {
         Ok(b) => b,
         Err(why) => {
             shared.refuse(Some(&tenant), why);
@@ -109,14 +124,21 @@ async fn new_session(
         shared.release(&tenant);
         return None;
     }
-    let entry = shared.register(
+    let entry = match shared.register(
         svc,
         &backend,
         Protocol::Udp,
         peer,
         ConnState::Udp,
         params.udp_timeout,
-    );
+    ) {
+        Ok(e) => e,
+        Err(why) => {
+            shared.refuse(Some(&tenant), why);
+            shared.release(&tenant);
+            return None;
+        }
+    };
     let sess = Arc::new(Session {
         entry,
         sock: Arc::new(sock),
