@@ -129,6 +129,9 @@ fn random_seed() -> u64 {
 
 impl FlowTable {
     /// A table with no tenants.
+    ///
+    /// # Panics
+    /// If the shared bucket array cannot be allocated (like `Box::new`).
     pub fn new(cfg: TableConfig) -> Self {
         Self::with_stripes(cfg, DEFAULT_STRIPES)
     }
@@ -561,9 +564,26 @@ impl FlowTable {
                     }
                 }
             }
+            // Stale references (removed entries) outnumber live ones:
+            // compact some slots with what is left of the budget.
+            if w.refs() > 2 * t.entries() as usize + 4096 {
+                let slab = &self.slab;
+                budget = budget.saturating_sub(w.compact(budget, |slot, i| {
+                    let n = slab.node(i);
+                    n.is_live() && n.tenant() == id && n.filed_slot() == slot
+                }));
+            }
         }
         m.next_tenant = 0;
         removed
+    }
+
+    /// References (live and stale) in a tenant's expiry wheel.
+    #[doc(hidden)]
+    pub fn wheel_refs(&self, id: TenantId) -> Option<usize> {
+        let guard = epoch::pin();
+        let map = self.tenants.load(&guard);
+        Some(map.map.get(&id.0)?.wheel.lock().refs())
     }
 
     /// Tables in dump order, restricted to one tenant's table if asked.

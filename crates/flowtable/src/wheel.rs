@@ -27,6 +27,10 @@ pub(crate) struct Wheel {
     /// Next tick to process.
     cur: u64,
     started: bool,
+    /// References held (live or stale).
+    refs: usize,
+    /// Next slot the incremental compaction looks at.
+    compact_next: usize,
 }
 
 impl Wheel {
@@ -35,6 +39,8 @@ impl Wheel {
             slots: (0..=SLOTS).map(|_| Vec::new()).collect(),
             cur: 0,
             started: false,
+            refs: 0,
+            compact_next: 0,
         }
     }
 
@@ -55,6 +61,7 @@ impl Wheel {
             (deadline / TICK_MS).clamp(self.cur, self.cur + SLOTS - 1) % SLOTS
         };
         self.slots[s as usize].push(idx);
+        self.refs += 1;
         s as u32
     }
 
@@ -84,11 +91,45 @@ impl Wheel {
     }
 
     pub(crate) fn pop(&mut self, slot: u32) -> Option<u32> {
-        self.slots[slot as usize].pop()
+        let r = self.slots[slot as usize].pop();
+        self.refs -= usize::from(r.is_some());
+        r
     }
 
     pub(crate) fn push_back(&mut self, slot: u32, idx: u32) {
         self.slots[slot as usize].push(idx);
+        self.refs += 1;
+    }
+
+    /// References held, live or stale.
+    pub(crate) fn refs(&self) -> usize {
+        self.refs
+    }
+
+    /// Drops stale references (`keep(slot, idx)` false) from whole slots,
+    /// starting where the last call stopped, until about `budget`
+    /// references were examined. Removed entries leave a stale reference
+    /// until their slot comes due, up to a timeout later; under heavy churn
+    /// with long timeouts that is many, so `expire` calls this when stale
+    /// references outnumber live entries. Returns the references examined.
+    pub(crate) fn compact(&mut self, budget: usize, keep: impl Fn(u32, u32) -> bool) -> usize {
+        let mut seen = 0;
+        for _ in 0..self.slots.len() {
+            if seen >= budget {
+                break;
+            }
+            let s = self.compact_next;
+            self.compact_next = (s + 1) % self.slots.len();
+            let v = &mut self.slots[s];
+            seen += v.len();
+            let before = v.len();
+            v.retain(|&i| keep(s as u32, i));
+            self.refs -= before - v.len();
+            if v.capacity() > 2 * v.len() + 256 {
+                v.shrink_to_fit();
+            }
+        }
+        seen
     }
 
     /// Everything filed (for tenant removal).
@@ -97,6 +138,7 @@ impl Wheel {
         for s in self.slots.iter_mut() {
             v.append(s);
         }
+        self.refs = 0;
         v
     }
 

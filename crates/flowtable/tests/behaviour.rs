@@ -386,3 +386,26 @@ fn table_is_send_and_sync() {
     check::<FlowTable>();
     check::<Cursor>();
 }
+
+#[test]
+fn churn_with_long_timeouts_keeps_the_wheel_small() {
+    // Short-lived connections removed explicitly leave stale wheel
+    // references behind (established timeout: 900 s); expiry compacts them.
+    let t = table_with(&[(1, 0)], cfg(1 << 10, 64));
+    let mut out = Vec::new();
+    let mut now = 0;
+    for round in 0..200u16 {
+        for i in 0..500 {
+            t.insert(key(1, i), init(FlowState::Established), Millis(now))
+                .unwrap();
+        }
+        now += 500;
+        t.expire(Millis(now), 1000, &mut out);
+        for i in 0..500 {
+            assert!(t.remove(&key(1, i)).is_some(), "round {round}");
+        }
+    }
+    assert!(out.is_empty());
+    let refs = t.wheel_refs(TenantId(1)).unwrap();
+    assert!(refs < 20_000, "wheel holds {refs} references for 0 entries");
+}

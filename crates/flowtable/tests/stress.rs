@@ -42,22 +42,27 @@ fn init(i: u32) -> FlowInit {
 
 /// Stable tenants (1 shared, 2 own) and a churning tenant 3 that is removed
 /// and re-added.
-fn run(duration: Duration, stable: u32, dumps_max: usize) {
+/// `buckets`: few buckets give long chains (harder for the cursor), many
+/// keep the long run fast. Per-thread operation caps scale with `duration`.
+fn run(duration: Duration, stable: u32, dumps_max: usize, buckets: usize) {
+    let scale = duration.as_secs().max(1);
     let t = Arc::new(FlowTable::new(TableConfig {
-        shared_buckets: 1 << 10,
+        shared_buckets: buckets,
         max_chain: 1024,
         memory_budget: 1 << 24,
         seed: Some(7),
     }));
-    t.add_tenant(TenantId(1), TenantConfig::default()).unwrap();
-    t.add_tenant(
-        TenantId(2),
-        TenantConfig {
-            own_buckets: 256,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    // Stable (ESTABLISHED) entries must never expire while time runs on.
+    let long = Timeouts {
+        established: Millis(1 << 50),
+        ..Timeouts::default()
+    };
+    let own = |own_buckets| TenantConfig {
+        own_buckets,
+        timeouts: long,
+    };
+    t.add_tenant(TenantId(1), own(0)).unwrap();
+    t.add_tenant(TenantId(2), own(256)).unwrap();
     t.add_tenant(TenantId(3), TenantConfig::default()).unwrap();
     let mut want = HashMap::new();
     for i in 0..stable {
@@ -78,7 +83,7 @@ fn run(duration: Duration, stable: u32, dumps_max: usize) {
         hs.push(thread::spawn(move || {
             let mut n = 0u64;
             let mut x = w.wrapping_mul(0x9E37_79B9) | 1;
-            while !stop.load(Ordering::Relaxed) && n < 5_000_000 {
+            while !stop.load(Ordering::Relaxed) && n < 5_000_000 * scale {
                 x ^= x << 13;
                 x ^= x >> 17;
                 x ^= x << 5;
@@ -100,15 +105,15 @@ fn run(duration: Duration, stable: u32, dumps_max: usize) {
             n
         }));
     }
-    // Expirer: time advances to 800 s (stable entries live 900 s).
+    // Expirer: time advances 200 ms per round; churned entries expire.
     {
         let (t, stop, now) = (Arc::clone(&t), Arc::clone(&stop), Arc::clone(&now));
         let want = Arc::clone(&want);
         hs.push(thread::spawn(move || {
             let mut n = 0u64;
             let mut out = Vec::new();
-            while !stop.load(Ordering::Relaxed) && n < 100_000 {
-                let ms = (n * 200).min(800_000);
+            while !stop.load(Ordering::Relaxed) && n < 100_000 * scale {
+                let ms = n * 200;
                 now.store(ms, Ordering::Relaxed);
                 out.clear();
                 t.expire(Millis(ms), 1000, &mut out);
@@ -131,7 +136,7 @@ fn run(duration: Duration, stable: u32, dumps_max: usize) {
         let (t, stop, want) = (Arc::clone(&t), Arc::clone(&stop), Arc::clone(&want));
         hs.push(thread::spawn(move || {
             let mut n = 0u64;
-            while !stop.load(Ordering::Relaxed) && n < 20_000_000 {
+            while !stop.load(Ordering::Relaxed) && n < 20_000_000 * scale {
                 for (c, k) in want.iter().take(64) {
                     let s = t.get(k).expect("stable entry missing");
                     assert_eq!(s.cookie, *c);
@@ -200,11 +205,11 @@ fn run(duration: Duration, stable: u32, dumps_max: usize) {
 
 #[test]
 fn stress_short() {
-    run(Duration::from_secs(2), 4000, 40);
+    run(Duration::from_secs(2), 4000, 40, 1 << 10);
 }
 
 #[test]
 #[ignore]
 fn stress_long() {
-    run(Duration::from_secs(60), 50_000, usize::MAX);
+    run(Duration::from_secs(60), 50_000, usize::MAX, 1 << 16);
 }
