@@ -591,16 +591,17 @@ impl FlowTable {
         &'a self,
         map: &'a TenantMap,
         tenant: Option<TenantId>,
-    ) -> Option<Vec<&'a Table>> {
-        match tenant {
-            Some(id) => Some(vec![&*map.map.get(&id.0)?.table]),
-            None => {
-                let mut v = Vec::with_capacity(map.own.len() + 1);
-                v.push(&*self.shared);
-                v.extend(map.own.iter().map(|t| &*t.table));
-                Some(v)
-            }
-        }
+    ) -> Option<impl Iterator<Item = &'a Table> + 'a> {
+        let (single, all) = match tenant {
+            Some(id) => (Some(&*map.map.get(&id.0)?.table), false),
+            None => (None, true),
+        };
+        Some(
+            single
+                .into_iter()
+                .chain(all.then_some(&*self.shared))
+                .chain(map.own.iter().filter(move |_| all).map(|t| &*t.table)),
+        )
     }
 
     /// Resumable dump: appends up to `limit` entries matching `filter` to
