@@ -92,11 +92,17 @@ fn main() {
         "memory        {:7.1} B/entry",
         t.memory_bytes() as f64 / n as f64
     );
-    let ops = if std::env::var("QUICK_ONLY").is_ok_and(|v| v == "dump") {
-        0
-    } else {
-        2_000_000u64
-    };
+    let only = std::env::var("QUICK_ONLY").unwrap_or_default();
+    let ops = if only == "dump" { 0 } else { 2_000_000u64 };
+    if only == "churn" {
+        let t0 = now();
+        for j in 0..ops {
+            t.insert(key(n + j), init, Millis(2)).unwrap();
+            t.remove(&key(j)).unwrap();
+        }
+        println!("churn pair    {} /pair", ns(t0, ops));
+        return;
+    }
     let t0 = now();
     let mut hits = 0;
     for j in 0..ops {
