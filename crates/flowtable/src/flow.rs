@@ -98,6 +98,36 @@ enum Unlink {
     Gone,
 }
 
+/// See [`FlowTable::reader`].
+#[derive(Debug)]
+pub struct Reader<'a> {
+    table: &'a FlowTable,
+    guard: Guard,
+}
+
+impl Reader<'_> {
+    /// Like [`FlowTable::get`].
+    #[inline]
+    pub fn get(&self, key: &FlowKey) -> Option<FlowSnapshot> {
+        self.table
+            .lookup_in(&self.guard, key, |t, n| n.snapshot(|s| t.timeout(s)))
+    }
+
+    /// Like [`FlowTable::touch`].
+    #[inline]
+    pub fn touch(
+        &self,
+        key: &FlowKey,
+        now: Millis,
+        dir: Dir,
+        bytes: u64,
+    ) -> Option<(Cookie, BackendId)> {
+        self.table.lookup_in(&self.guard, key, |_, n| {
+            n.touch(now, dir == Dir::Out, bytes)
+        })
+    }
+}
+
 /// The connection table. `Send + Sync`; share it with `Arc`.
 ///
 /// See the crate documentation for the design, costs and guarantees.
@@ -355,8 +385,17 @@ impl FlowTable {
 
     #[inline]
     fn lookup<R>(&self, key: &FlowKey, f: impl FnOnce(&Tenant, &Node) -> R) -> Option<R> {
-        let guard = epoch::pin();
-        let map = self.tenants.load(&guard);
+        self.lookup_in(&epoch::pin(), key, f)
+    }
+
+    #[inline]
+    fn lookup_in<R>(
+        &self,
+        guard: &Guard,
+        key: &FlowKey,
+        f: impl FnOnce(&Tenant, &Node) -> R,
+    ) -> Option<R> {
+        let map = self.tenants.load(guard);
         let t = map.map.get(&key.tenant.0)?;
         let pk = PackedKey::new(key);
         let loc = t.table.locate(&pk, t.salt);
@@ -380,10 +419,18 @@ impl FlowTable {
         dir: Dir,
         bytes: u64,
     ) -> Option<(Cookie, BackendId)> {
-        self.lookup(key, |_, n| {
-            n.touch(now, dir == Dir::Out, bytes);
-            (Cookie(n.cookie()), n.backend())
-        })
+        self.lookup(key, |_, n| n.touch(now, dir == Dir::Out, bytes))
+    }
+
+    /// A read handle that serves many `get`/`touch` calls under one epoch
+    /// pin (e.g. one batch of datagrams), saving the pin per call. While it
+    /// lives, removed entries' slots are not recycled: keep it for a batch,
+    /// not for the life of a worker.
+    pub fn reader(&self) -> Reader<'_> {
+        Reader {
+            table: self,
+            guard: epoch::pin(),
+        }
     }
 
     /// Changes the state (and refreshes `last_active`); `false` if absent.

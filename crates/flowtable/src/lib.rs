@@ -82,7 +82,7 @@ mod types;
 mod wheel;
 
 pub use cursor::Cursor;
-pub use flow::FlowTable;
+pub use flow::{FlowTable, Reader};
 pub use types::*;
 
 #[cfg(all(test, loom))]

@@ -242,15 +242,16 @@ impl Node {
         self.meta.fetch_and(!LIVE, Relaxed);
     }
 
-    /// Lock-free hot path.
+    /// Lock-free hot path; returns (cookie, backend).
     #[inline]
-    pub(crate) fn touch(&self, now: Millis, dir_out: bool, bytes: u64) {
+    pub(crate) fn touch(&self, now: Millis, dir_out: bool, bytes: u64) -> (Cookie, BackendId) {
         let d = usize::from(dir_out);
         self.bytes[d].fetch_add(bytes, Relaxed);
         self.packets[d].fetch_add(1, Relaxed);
         if self.last_active.load(Relaxed) < now.0 {
             self.last_active.fetch_max(now.0, Relaxed);
         }
+        (Cookie(self.cookie()), self.backend())
     }
 
     pub(crate) fn bump_last_active(&self, now: Millis) {

@@ -409,3 +409,28 @@ fn churn_with_long_timeouts_keeps_the_wheel_small() {
     let refs = t.wheel_refs(TenantId(1)).unwrap();
     assert!(refs < 20_000, "wheel holds {refs} references for 0 entries");
 }
+
+#[test]
+fn reader_batches_lookups() {
+    let t = table_with(&[(1, 0)], cfg(16, 64));
+    let c = t
+        .insert(key(1, 1), init(FlowState::Udp), Millis(0))
+        .unwrap();
+    {
+        let r = t.reader();
+        for i in 0..10 {
+            assert_eq!(
+                r.touch(&key(1, 1), Millis(i), Dir::Out, 5),
+                Some((c, BackendId(2)))
+            );
+        }
+        assert_eq!(r.touch(&key(1, 2), Millis(0), Dir::Out, 5), None);
+        let s = r.get(&key(1, 1)).unwrap();
+        assert_eq!(
+            (s.bytes_out, s.packets_out, s.last_active),
+            (50, 10, Millis(9))
+        );
+    }
+    assert!(t.remove(&key(1, 1)).is_some());
+    assert!(t.reader().get(&key(1, 1)).is_none());
+}
