@@ -304,6 +304,12 @@ impl Ctx {
             .and_then(|mut p| probe(&mut p, &self.bench.idle_open).map(|()| p));
         match started {
             Ok(p) => Some(p),
+            Err(e) if lowat.is_some() => {
+                // Only this setting failed (e.g. the option was renamed):
+                // weir's other rows still run.
+                self.error(format!("weir with notsent_lowat = {lowat:?}: {e:#}"));
+                None
+            }
             Err(e) => {
                 let why = if imp == Impl::Weir {
                     format!("not available (daemon not landed or not proxying): {e:#}")
