@@ -1,0 +1,507 @@
+//! The admin API against the real daemon (`Daemon::start`): backend churn
+//! under client load with no failed or cut connections, reload with a broken
+//! file keeping the running config, and save → restart round trip.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use serde_json::{Value, json};
+
+use weir::cli::client::{CliError, Client};
+use weir::config::{AdminConfig, Config};
+use weir::daemon::{Daemon, DaemonHandle};
+
+const TOKEN: &str = "daemon-test-token";
+
+/// A TCP echo backend; its listener closes when dropped.
+struct Echo {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    accepted: Arc<AtomicU64>,
+}
+
+impl Echo {
+    fn start() -> Self {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let addr = l.local_addr().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let accepted = Arc::new(AtomicU64::new(0));
+        let (s2, a2) = (stop.clone(), accepted.clone());
+        std::thread::spawn(move || {
+            while !s2.load(Relaxed) {
+                match l.accept() {
+                    Ok((mut s, _)) => {
+                        a2.fetch_add(1, Relaxed);
+                        let _ = s.set_nonblocking(false);
+                        std::thread::spawn(move || {
+                            let mut buf = [0u8; 4096];
+                            loop {
+                                match s.read(&mut buf) {
+                                    Ok(0) | Err(_) => return,
+                                    Ok(n) => {
+                                        if s.write_all(&buf[..n]).is_err() {
+                                            return;
+                                        }
+                                    }
+                                }
+                            }
+                        });
+                    }
+                    // Non-blocking accept: poll the stop flag between tries.
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        Self {
+            addr,
+            stop,
+            accepted,
+        }
+    }
+}
+
+impl Drop for Echo {
+    fn drop(&mut self) {
+        self.stop.store(true, Relaxed);
+    }
+}
+
+fn echo_once(addr: SocketAddr, msg: &[u8]) -> Result<(), String> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+        .map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(msg).map_err(|e| format!("write: {e}"))?;
+    let mut buf = vec![0u8; msg.len()];
+    s.read_exact(&mut buf).map_err(|e| format!("read: {e}"))?;
+    if buf != msg {
+        return Err("echo mismatch".into());
+    }
+    Ok(())
+}
+
+/// An established connection through weir that has echoed once.
+fn held(addr: SocketAddr) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"hi").unwrap();
+    let mut b = [0u8; 2];
+    s.read_exact(&mut b).unwrap();
+    s
+}
+
+fn still_echoes(s: &mut TcpStream) -> bool {
+    let mut b = [0u8; 4];
+    s.write_all(b"ping").is_ok() && s.read_exact(&mut b).is_ok() && &b == b"ping"
+}
+
+fn config(text: &str) -> Config {
+    toml::from_str(text).unwrap_or_else(|e| panic!("{e}\n{text}"))
+}
+
+fn service_toml(name: &str, backends: &[SocketAddr]) -> String {
+    let mut s = format!(
+        "[[service]]\nname = \"{name}\"\nprotocol = \"tcp\"\nlisten = \"127.0.0.1:0\"\nscheduler = \"rr\"\n"
+    );
+    for b in backends {
+        s.push_str(&format!("[[service.backend]]\naddress = \"{b}\"\n"));
+    }
+    s
+}
+
+struct Running {
+    daemon: Option<DaemonHandle>,
+    client: Client,
+    url: String,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl Running {
+    fn start(cfg: Config, path: Option<PathBuf>) -> Self {
+        let daemon = Daemon::start(cfg, path).expect("daemon starts");
+        let admin = AdminConfig {
+            listen: "127.0.0.1:0".into(),
+            token: Some(TOKEN.into()),
+            ..AdminConfig::default()
+        };
+        let rt = daemon.runtime();
+        let bound = rt
+            .block_on(weir::admin::bind(&admin, daemon.control()))
+            .expect("admin binds");
+        let url = format!("http://{}", bound.local_addr().unwrap());
+        let stop = tokio_util::sync::CancellationToken::new();
+        rt.spawn(bound.run(stop.clone()));
+        Self {
+            daemon: Some(daemon),
+            client: Client::new(url.clone(), Some(TOKEN.into())),
+            url,
+            stop,
+        }
+    }
+
+    fn d(&self) -> &DaemonHandle {
+        self.daemon.as_ref().unwrap()
+    }
+
+    fn api(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value, CliError> {
+        self.client.send(method, path, body.as_ref())
+    }
+
+    fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
+        self.api(method, path, body)
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    }
+
+    fn shutdown(mut self) {
+        self.stop.cancel();
+        if let Some(d) = self.daemon.take() {
+            d.shutdown();
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Add, edit, drain and delete a backend 100 times while clients keep
+/// connecting: no client connection fails and no established connection is
+/// cut, except the one killed on purpose.
+#[test]
+fn backend_churn_under_load_drops_nothing() {
+    let a = Echo::start();
+    let b = Echo::start();
+    let mut cfg = config(&service_toml("web", &[a.addr]));
+    cfg.daemon.workers = 2;
+    let r = Running::start(cfg, None);
+    let vip = r.d().service_addr("default", "web").expect("service bound");
+
+    let mut long_lived: Vec<TcpStream> = (0..10).map(|_| held(vip)).collect();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let ok = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let first_error = Arc::new(std::sync::Mutex::new(None::<String>));
+    let clients: Vec<_> = (0..2)
+        .map(|i| {
+            let (stop, ok, failed, first_error) = (
+                stop.clone(),
+                ok.clone(),
+                failed.clone(),
+                first_error.clone(),
+            );
+            std::thread::spawn(move || {
+                let deadline = Instant::now() + Duration::from_secs(120);
+                let msg = format!("client {i} says hello");
+                // Bounded in count and time.
+                for _ in 0..200_000 {
+                    if stop.load(Relaxed) || Instant::now() > deadline {
+                        break;
+                    }
+                    match echo_once(vip, msg.as_bytes()) {
+                        Ok(()) => ok.fetch_add(1, Relaxed),
+                        Err(e) => {
+                            first_error.lock().unwrap().get_or_insert(e);
+                            failed.fetch_add(1, Relaxed)
+                        }
+                    };
+                }
+            })
+        })
+        .collect();
+
+    // Wait (bounded) until the clients completed `n` more connections, so
+    // every step of the churn overlaps live traffic.
+    let progress = |n: u64| {
+        let target = ok.load(Relaxed) + n;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while ok.load(Relaxed) < target && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    let base = "/v1/services/default/web/backends";
+    let addr = b.addr.to_string();
+    for i in 0..100 {
+        r.ok("POST", base, Some(json!({ "address": addr, "weight": 1 })));
+        progress(2);
+        if i % 10 == 0 {
+            // Some connections may land on the churned backend and must
+            // survive its drain and removal.
+            long_lived.push(held(vip));
+        }
+        r.ok(
+            "PUT",
+            &format!("{base}/{addr}"),
+            Some(json!({ "weight": 3 })),
+        );
+        progress(2);
+        r.ok(
+            "PUT",
+            &format!("{base}/{addr}"),
+            Some(json!({ "weight": 0 })),
+        );
+        progress(1);
+        r.ok("DELETE", &format!("{base}/{addr}"), None);
+        progress(1);
+    }
+    // Let clients run a little past the last change (bounded by progress, not time).
+    let target = ok.load(Relaxed) + 50;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ok.load(Relaxed) < target && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    stop.store(true, Relaxed);
+    for c in clients {
+        c.join().unwrap();
+    }
+    let (n_ok, n_failed) = (ok.load(Relaxed), failed.load(Relaxed));
+    assert_eq!(
+        n_failed,
+        0,
+        "{n_failed} of {} client connections failed; first: {:?}",
+        n_ok + n_failed,
+        first_error.lock().unwrap()
+    );
+    assert!(n_ok >= 600, "clients made progress: {n_ok}");
+    assert!(
+        b.accepted.load(Relaxed) > 0,
+        "the churned backend took connections"
+    );
+    eprintln!(
+        "churn: 100 add/edit/drain/delete cycles, {n_ok} client connections ({} to the churned backend), 0 failed, {} held",
+        b.accepted.load(Relaxed),
+        long_lived.len()
+    );
+    for (i, s) in long_lived.iter_mut().enumerate() {
+        assert!(still_echoes(s), "established connection {i} was cut");
+    }
+
+    // The backend set is back to A only.
+    let services = r.ok("GET", "/v1/services", None);
+    let backends: Vec<&str> = services[0]["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["address"].as_str().unwrap())
+        .collect();
+    assert_eq!(backends, [a.addr.to_string()]);
+
+    // Kill exactly one connection by cookie: that one is cut, the rest are not.
+    let page = r.ok(
+        "GET",
+        "/v1/connections?tenant=default&state=ESTABLISHED&limit=10000",
+        None,
+    );
+    let conns = page["connections"].as_array().unwrap();
+    assert!(
+        conns.len() >= long_lived.len(),
+        "{} listed, {} held",
+        conns.len(),
+        long_lived.len()
+    );
+    let victim_port = long_lived[0].local_addr().unwrap().port();
+    let victim = conns
+        .iter()
+        .find(|c| {
+            c["client"]
+                .as_str()
+                .is_some_and(|a| a.ends_with(&format!(":{victim_port}")))
+        })
+        .expect("the held connection is listed");
+    let cookie = victim["cookie"].as_u64().unwrap();
+    r.ok("DELETE", &format!("/v1/connections/{cookie}"), None);
+    let mut b4 = [0u8; 4];
+    let cut = long_lived[0].write_all(b"ping").is_err()
+        || !matches!(long_lived[0].read(&mut b4), Ok(n) if n > 0);
+    assert!(cut, "the killed connection still echoes");
+    for (i, s) in long_lived.iter_mut().enumerate().skip(1) {
+        assert!(still_echoes(s), "connection {i} was cut by killing another");
+    }
+    r.shutdown();
+}
+
+#[test]
+fn reload_with_a_broken_config_keeps_serving_the_old_one() {
+    let a = Echo::start();
+    let dir = std::env::temp_dir().join(format!("weir-admin-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("weir.toml");
+    let good = format!(
+        "[daemon]\nworkers = 1\n\n{}",
+        service_toml("web", &[a.addr])
+    );
+    std::fs::write(&path, &good).unwrap();
+    let r = Running::start(config(&good), Some(path.clone()));
+    let vip = r.d().service_addr("default", "web").unwrap();
+    echo_once(vip, b"before").unwrap();
+    let mut conn = held(vip);
+
+    for broken in [
+        "this is = = not toml".to_string(),
+        format!("{good}\n[[service]]\nname = \"x\"\nprotocol = \"sctp\"\nlisten = \"1.2.3.4:5\"\n"),
+        good.replace("scheduler = \"rr\"", "scheduler = \"bogus\""),
+    ] {
+        std::fs::write(&path, &broken).unwrap();
+        match r.api("POST", "/v1/reload", None) {
+            Err(CliError::Api { status, errors, .. }) => {
+                assert_eq!(status, 400);
+                assert!(!errors.is_empty(), "every error is returned");
+            }
+            other => panic!("reload of a broken file: {other:?}\n{broken}"),
+        }
+        echo_once(vip, b"still serving").unwrap();
+        assert!(still_echoes(&mut conn));
+        let cfg: Config = serde_json::from_value(r.ok("GET", "/v1/config", None)).unwrap();
+        assert_eq!(cfg.services.len(), 1);
+        assert_eq!(cfg.services[0].scheduler, "rr", "running config kept");
+    }
+    // A good file with a second service reloads.
+    let b = Echo::start();
+    let two = format!("{good}\n{}", service_toml("api", &[b.addr]));
+    std::fs::write(&path, &two).unwrap();
+    r.ok("POST", "/v1/reload", None);
+    let names: Vec<String> = r
+        .ok("GET", "/v1/services", None)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names, ["api", "web"]);
+    assert!(
+        still_echoes(&mut conn),
+        "reload keeps established connections"
+    );
+    r.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: weir::cli::Command,
+}
+
+fn cli(url: &str, args: &[&str]) -> String {
+    let mut argv = vec!["weir"];
+    argv.extend_from_slice(args);
+    argv.extend_from_slice(&["--admin", url, "--token", TOKEN]);
+    let c = Cli::try_parse_from(&argv).unwrap();
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = weir::cli::run_with(c.cmd, &mut out, &mut err);
+    assert_eq!(
+        code,
+        ExitCode::SUCCESS,
+        "{argv:?}: {}",
+        String::from_utf8_lossy(&err)
+    );
+    String::from_utf8(out).unwrap()
+}
+
+/// Changes made at runtime survive `weir save` → restart from the saved file.
+#[test]
+fn save_then_restart_reproduces_the_running_state() {
+    let a = Echo::start();
+    let b = Echo::start();
+    let mut cfg = config(&service_toml("web", &[a.addr]));
+    cfg.daemon.workers = 1;
+    let r = Running::start(cfg, None);
+    cli(
+        &r.url,
+        &[
+            "tenant",
+            "add",
+            "acme",
+            "--table-entries",
+            "1024",
+            "--max-connections",
+            "50",
+        ],
+    );
+    cli(
+        &r.url,
+        &[
+            "service",
+            "add",
+            "acme/api",
+            "--listen",
+            "127.0.0.1:0",
+            "--scheduler",
+            "wrr",
+            "--persistence",
+            "300s",
+            "--backend",
+            &format!("{}@4", b.addr),
+        ],
+    );
+    cli(
+        &r.url,
+        &[
+            "backend",
+            "add",
+            "default/web",
+            &b.addr.to_string(),
+            "--weight",
+            "2",
+        ],
+    );
+    cli(
+        &r.url,
+        &[
+            "backend",
+            "edit",
+            "default/web",
+            &a.addr.to_string(),
+            "--weight",
+            "5",
+        ],
+    );
+    let listed = cli(&r.url, &["list"]);
+    assert!(
+        listed.contains("[acme/api]") && listed.contains(&b.addr.to_string()),
+        "{listed}"
+    );
+    let api_vip = r.d().service_addr("acme", "api").unwrap();
+    echo_once(api_vip, b"x").unwrap();
+
+    let saved = cli(&r.url, &["save"]);
+    let before = r.ok("GET", "/v1/services", None);
+    let tenants_before = r.ok("GET", "/v1/tenants", None);
+    r.shutdown();
+
+    let restored: Config = toml::from_str(&saved).unwrap_or_else(|e| panic!("{e}\n{saved}"));
+    // A service configured on port 0 gets a new port on restart; compare
+    // addresses only when the saved file pins them.
+    let pinned = restored.services.iter().all(|s| s.listen.port() != 0);
+    let r2 = Running::start(restored, None);
+    let after = r2.ok("GET", "/v1/services", None);
+    let shape = |v: &Value| -> Vec<Value> {
+        v.as_array().unwrap().iter().map(|s| json!({
+            "tenant": s["tenant"], "name": s["name"], "protocol": s["protocol"],
+            "listen": if pinned { s["listen"].clone() } else { Value::Null }, "scheduler": s["scheduler"], "persistence": s["persistence"],
+            "backends": s["backends"].as_array().unwrap().iter()
+                .map(|b| json!({ "address": b["address"], "weight": b["weight"] })).collect::<Vec<_>>(),
+        })).collect()
+    };
+    assert_eq!(shape(&after), shape(&before), "saved:\n{saved}");
+    let tshape = |v: &Value| -> Vec<Value> {
+        v.as_array().unwrap().iter().map(|t| json!({
+            "name": t["name"], "table_entries": t["table_entries"], "max_connections": t["max_connections"],
+        })).collect()
+    };
+    assert_eq!(
+        tshape(&r2.ok("GET", "/v1/tenants", None)),
+        tshape(&tenants_before)
+    );
+    let vip = r2.d().service_addr("acme", "api").unwrap();
+    echo_once(vip, b"after restart").unwrap();
+    r2.shutdown();
+}
