@@ -87,7 +87,7 @@ impl LiveControl {
                     *b.spec.write() = spec.clone();
                     backends.push(b.clone());
                 }
-                None => backends.push(Backend::new(spec.clone())),
+                None => backends.push(Backend::new(spec.clone(), &self.0.rates)),
             }
         }
         let infos: Vec<_> = backends.iter().map(|b| b.info()).collect();
@@ -434,7 +434,8 @@ impl Control for LiveControl {
             refused: self.0.refused.lock().clone(),
             open_fds: super::open_fds(),
             fd_limit: self.0.fd_limit,
-            ..Default::default()
+            estimator_tick_seconds: self.0.rates.last_tick_ns.load(Relaxed) as f64 / 1e9,
+            estimator_tick_max_seconds: self.0.rates.max_tick_ns.load(Relaxed) as f64 / 1e9,
         }
     }
 

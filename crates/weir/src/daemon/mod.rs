@@ -125,11 +125,13 @@ impl Daemon {
                             return;
                         }
                     };
+                    stats::set_worker_index(i);
                     rt.block_on(worker_main(rx, stop));
                 })
                 .context("spawning a worker thread")?;
             threads.push(t);
         }
+        let rates = Arc::new(stats::RateEngine::new(workers)?);
         let shared = Arc::new(Shared {
             config_path,
             daemon_cfg: config.daemon.clone(),
@@ -143,7 +145,8 @@ impl Daemon {
             }),
             next_id: AtomicU32::new(1),
             workers: worker_txs,
-            stat: Stat::default(),
+            stat: rates.stat(),
+            rates,
             active: AtomicU64::new(0),
             refused: Mutex::new(BTreeMap::new()),
             stop_accept: CancellationToken::new(),
@@ -181,12 +184,12 @@ impl Daemon {
         }
         // Estimator thread.
         {
-            let weak = Arc::downgrade(&shared);
+            let rates = shared.rates.clone();
             let stop = est_stop.clone();
             threads.push(
                 std::thread::Builder::new()
                     .name("weir-estimator".into())
-                    .spawn(move || estimator_main(weak, stop))
+                    .spawn(move || stats::estimator_main(rates, stop))
                     .context("spawning the estimator thread")?,
             );
         }
@@ -347,37 +350,6 @@ fn expiry_main(shared: Weak<Shared>, stop: Arc<AtomicBool>) {
     }
 }
 
-fn estimator_main(shared: Weak<Shared>, stop: Arc<AtomicBool>) {
-    let mut last = Instant::now();
-    loop {
-        // Sleep in short steps so that shutdown is prompt.
-        let until = last + stats::TICK;
-        while Instant::now() < until {
-            if stop.load(Relaxed) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100).min(until - Instant::now().min(until)));
-        }
-        let Some(shared) = shared.upgrade() else {
-            return;
-        };
-        let now = Instant::now();
-        let elapsed = now - last;
-        last = now;
-        shared.stat.tick(elapsed);
-        let st = shared.state.read();
-        for t in st.tenants.values() {
-            t.stat.tick(elapsed);
-        }
-        for s in st.services.values() {
-            s.stat.tick(elapsed);
-            for b in s.set.read().backends.iter() {
-                b.stat.tick(elapsed);
-            }
-        }
-    }
-}
-
 // ---------------------------------------------------------------------------
 // Live state
 // ---------------------------------------------------------------------------
@@ -395,6 +367,7 @@ pub(crate) struct Shared {
     next_id: AtomicU32,
     workers: Vec<mpsc::UnboundedSender<WorkerCmd>>,
     pub(crate) stat: Stat,
+    pub(crate) rates: Arc<stats::RateEngine>,
     pub(crate) active: AtomicU64,
     pub(crate) refused: Mutex<BTreeMap<String, u64>>,
     pub(crate) stop_accept: CancellationToken,
@@ -478,7 +451,7 @@ pub(crate) struct Backend {
 }
 
 impl Backend {
-    fn new(spec: BackendSpec) -> Arc<Self> {
+    pub(crate) fn new(spec: BackendSpec, rates: &stats::RateEngine) -> Arc<Self> {
         static NEXT: AtomicU32 = AtomicU32::new(1);
         Arc::new(Self {
             id: NEXT.fetch_add(1, Relaxed),
@@ -490,7 +463,7 @@ impl Backend {
             last_error: Mutex::new(None),
             active: AtomicU64::new(0),
             inactive: AtomicU64::new(0),
-            stat: Stat::default(),
+            stat: rates.stat(),
         })
     }
 
@@ -738,10 +711,10 @@ impl Shared {
             cancel_reason: Mutex::new("killed"),
         });
         self.registry.lock().insert(cookie.0, e.clone());
-        self.stat.counters.conn();
-        svc.tenant.stat.counters.conn();
-        svc.stat.counters.conn();
-        backend.stat.counters.conn();
+        self.stat.conn();
+        svc.tenant.stat.conn();
+        svc.stat.conn();
+        backend.stat.conn();
         Ok(e)
     }
 
@@ -792,10 +765,10 @@ impl Shared {
         if touch {
             self.table.touch(&e.key, Millis(now), Dir::In, n);
         }
-        self.stat.counters.add_in(n);
-        e.tenant.stat.counters.add_in(n);
-        e.service.stat.counters.add_in(n);
-        e.backend.stat.counters.add_in(n);
+        self.stat.add_in(n);
+        e.tenant.stat.add_in(n);
+        e.service.stat.add_in(n);
+        e.backend.stat.add_in(n);
     }
 
     /// Account bytes backend → client.
@@ -805,10 +778,10 @@ impl Shared {
         let now = self.now_ms();
         e.last_active.store(now, Relaxed);
         self.table.touch(&e.key, Millis(now), Dir::Out, n);
-        self.stat.counters.add_out(n);
-        e.tenant.stat.counters.add_out(n);
-        e.service.stat.counters.add_out(n);
-        e.backend.stat.counters.add_out(n);
+        self.stat.add_out(n);
+        e.tenant.stat.add_out(n);
+        e.service.stat.add_out(n);
+        e.backend.stat.add_out(n);
     }
 
     /// Kill every connection matching `pred`; returns how many.
@@ -879,7 +852,7 @@ impl Shared {
             spec: RwLock::new(spec.clone()),
             active: AtomicU64::new(0),
             refused: AtomicU64::new(0),
-            stat: Stat::default(),
+            stat: self.rates.stat(),
             window: Mutex::new((0, 0)),
             deleted: CancellationToken::new(),
         });
@@ -940,7 +913,12 @@ impl Shared {
                 )
             })?;
         let listen = sockets.1;
-        let backends: Vec<Arc<Backend>> = spec.backends.iter().cloned().map(Backend::new).collect();
+        let backends: Vec<Arc<Backend>> = spec
+            .backends
+            .iter()
+            .cloned()
+            .map(|b| Backend::new(b, &self.rates))
+            .collect();
         let sched = build_sched(&spec, &backends)?;
         let svc = Arc::new(Service {
             id: self.next_id.fetch_add(1, Relaxed),
@@ -952,7 +930,7 @@ impl Shared {
             params: RwLock::new(params),
             listen,
             set: RwLock::new(Arc::new(BackendSet { sched, backends })),
-            stat: Stat::default(),
+            stat: self.rates.stat(),
             cancel: CancellationToken::new(),
             udp_sessions: Mutex::new(HashMap::new()),
             udp_per_client: Mutex::new(HashMap::new()),

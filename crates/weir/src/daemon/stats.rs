@@ -1,113 +1,142 @@
-//! Counters and IPVS-style rate estimation for backends, services, tenants
-//! and the daemon.
+//! Counters and IPVS rate estimators for backends, services, tenants and the
+//! daemon, on `weir-rate`.
 //!
-//! The data path adds to [`Counters`] (relaxed atomics); a dedicated thread
-//! calls [`Stat::tick`] every [`TICK`] on every live statistic, which turns
-//! the counter deltas into an exponentially weighted moving average with the
-//! IPVS weights (rates: 1/4 per 2 s tick, as `ip_vs_est.c`).
+//! Each [`Stat`] owns one [`weir_rate::Estimator`]. The data path writes the
+//! estimator's counter cell of the *current worker* (a thread-local index set
+//! when a worker thread starts), so workers never share a cache line and
+//! never use a locked instruction; control-plane threads (which do not count
+//! traffic today) use one extra shard. The estimator thread
+//! ([`estimator_main`]) drives [`weir_rate::Engine::tick`] on its own clock,
+//! doing bounded work per tick.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::time::Duration;
+use std::cell::Cell;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use weir_rate::{Calibrator, Config, Engine, Estimator};
 
 use crate::control::{Rates, Totals};
 
-/// Estimator period (IPVS: 2 s).
-pub(crate) const TICK: Duration = Duration::from_secs(2);
-
-/// Cumulative counters updated on the data path.
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    conns: AtomicU64,
-    inpkts: AtomicU64,
-    outpkts: AtomicU64,
-    inbytes: AtomicU64,
-    outbytes: AtomicU64,
+thread_local! {
+    static WORKER: Cell<Option<usize>> = const { Cell::new(None) };
 }
 
-impl Counters {
-    pub(crate) fn conn(&self) {
-        self.conns.fetch_add(1, Relaxed);
+/// Mark the current thread as worker `i` (its counter shard).
+pub(crate) fn set_worker_index(i: usize) {
+    WORKER.with(|w| w.set(Some(i)));
+}
+
+/// The daemon's estimator engine: `workers` shards for the workers plus one
+/// for every other thread.
+#[derive(Debug)]
+pub(crate) struct RateEngine {
+    pub(crate) engine: Engine,
+    other: usize,
+    /// Last and longest tick duration, in nanoseconds.
+    pub(crate) last_tick_ns: AtomicU64,
+    pub(crate) max_tick_ns: AtomicU64,
+}
+
+impl RateEngine {
+    /// Calibrate the per-estimator cost on this machine, then build the engine.
+    pub(crate) fn new(workers: usize) -> anyhow::Result<Self> {
+        let shards = workers + 1;
+        let mut cal = Calibrator::new(shards, 4096);
+        for _ in 0..8 {
+            let t0 = Instant::now();
+            let n = cal.run();
+            cal.record(t0.elapsed(), n);
+        }
+        let cfg = Config {
+            estimator_cost_ns: cal.cost_ns(),
+            ..Config::default()
+        };
+        let engine = Engine::new(shards, cfg).map_err(|e| anyhow::anyhow!("rate engine: {e}"))?;
+        Ok(Self {
+            engine,
+            other: workers,
+            last_tick_ns: AtomicU64::new(0),
+            max_tick_ns: AtomicU64::new(0),
+        })
     }
-    pub(crate) fn add_in(&self, bytes: u64) {
-        self.inpkts.fetch_add(1, Relaxed);
-        self.inbytes.fetch_add(bytes, Relaxed);
-    }
-    pub(crate) fn add_out(&self, bytes: u64) {
-        self.outpkts.fetch_add(1, Relaxed);
-        self.outbytes.fetch_add(bytes, Relaxed);
-    }
-    pub(crate) fn totals(&self) -> Totals {
-        Totals {
-            conns: self.conns.load(Relaxed),
-            inpkts: self.inpkts.load(Relaxed),
-            outpkts: self.outpkts.load(Relaxed),
-            inbytes: self.inbytes.load(Relaxed),
-            outbytes: self.outbytes.load(Relaxed),
+
+    /// A new statistic.
+    pub(crate) fn stat(&self) -> Stat {
+        Stat {
+            est: self.engine.add(),
+            other: self.other,
         }
     }
 }
 
 /// Counters plus their estimator.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Stat {
-    pub(crate) counters: Counters,
-    est: Mutex<Est>,
-}
-
-#[derive(Debug, Default)]
-struct Est {
-    last: Totals,
-    /// Rates scaled by 2^10 to keep precision across ticks (as IPVS does).
-    avg: [u64; 5],
-    primed: bool,
+    est: Estimator,
+    other: usize,
 }
 
 impl Stat {
+    #[inline]
+    fn shard(&self) -> usize {
+        WORKER.with(|w| w.get()).unwrap_or(self.other)
+    }
+    /// One connection or session scheduled.
+    pub(crate) fn conn(&self) {
+        self.est.worker(self.shard()).conn();
+    }
+    /// One read (TCP) or datagram (UDP) of `bytes` client → backend.
+    pub(crate) fn add_in(&self, bytes: u64) {
+        self.est.worker(self.shard()).rx(1, bytes);
+    }
+    /// One read or datagram of `bytes` backend → client.
+    pub(crate) fn add_out(&self, bytes: u64) {
+        self.est.worker(self.shard()).tx(1, bytes);
+    }
     /// Current totals and rates.
     pub(crate) fn read(&self) -> (Totals, Rates) {
-        let t = self.counters.totals();
-        let e = self.est.lock();
-        let r = |i: usize| (e.avg[i] + (1 << 9)) >> 10;
+        let (t, r) = self.est.read();
         (
-            t,
+            Totals {
+                conns: t.conns,
+                inpkts: t.inpkts,
+                outpkts: t.outpkts,
+                inbytes: t.inbytes,
+                outbytes: t.outbytes,
+            },
             Rates {
-                cps: r(0),
-                inpps: r(1),
-                outpps: r(2),
-                inbps: r(3),
-                outbps: r(4),
+                cps: r.cps,
+                inpps: r.inpps,
+                outpps: r.outpps,
+                inbps: r.inbps,
+                outbps: r.outbps,
             },
         )
     }
+}
 
-    /// One estimator step over `elapsed` (normally [`TICK`]).
-    pub(crate) fn tick(&self, elapsed: Duration) {
-        let t = self.counters.totals();
-        let mut e = self.est.lock();
-        let ms = elapsed.as_millis().max(1) as u64;
-        let cur = [t.conns, t.inpkts, t.outpkts, t.inbytes, t.outbytes];
-        let last = [
-            e.last.conns,
-            e.last.inpkts,
-            e.last.outpkts,
-            e.last.inbytes,
-            e.last.outbytes,
-        ];
-        for i in 0..5 {
-            let delta = cur[i].saturating_sub(last[i]);
-            // per-second rate << 10
-            let rate = delta.saturating_mul(1000 << 10) / ms;
-            if e.primed {
-                let avg = e.avg[i] as i128;
-                e.avg[i] = (avg + ((rate as i128 - avg) >> 2)).max(0) as u64;
-            } else {
-                e.avg[i] = rate;
-            }
+/// The estimator thread: tick when due, feed back the tick cost, until `stop`.
+pub(crate) fn estimator_main(rates: Arc<RateEngine>, stop: Arc<AtomicBool>) {
+    let start = Instant::now();
+    while !stop.load(Relaxed) {
+        let t0 = Instant::now();
+        let r = rates.engine.tick(start.elapsed());
+        let took = t0.elapsed();
+        rates.engine.record_tick(took, &r);
+        let ns = took.as_nanos() as u64;
+        rates.last_tick_ns.store(ns, Relaxed);
+        rates.max_tick_ns.fetch_max(ns, Relaxed);
+        if r.behind > 0 {
+            continue;
         }
-        e.primed = true;
-        e.last = t;
+        // Sleep until due, in short steps so that shutdown is prompt.
+        let wait = r
+            .next_due
+            .checked_sub(start.elapsed())
+            .unwrap_or(Duration::ZERO)
+            .min(Duration::from_millis(100));
+        std::thread::sleep(wait);
     }
 }
 
@@ -116,18 +145,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rates_converge_to_steady_input() {
-        let s = Stat::default();
-        for _ in 0..40 {
-            for _ in 0..200 {
-                s.counters.add_in(100);
+    fn counts_land_in_the_right_shard_and_sum() {
+        let r = RateEngine::new(2).unwrap();
+        let s = r.stat();
+        s.add_in(100); // "other" shard
+        std::thread::scope(|sc| {
+            for i in 0..2 {
+                let s = &s;
+                sc.spawn(move || {
+                    set_worker_index(i);
+                    for _ in 0..1000 {
+                        s.add_in(10);
+                        s.add_out(1);
+                    }
+                    s.conn();
+                });
             }
-            s.tick(Duration::from_secs(2));
-        }
-        let (t, r) = s.read();
-        assert_eq!(t.inpkts, 8000);
-        assert_eq!(r.inpps, 100);
-        assert_eq!(r.inbps, 10_000);
-        assert_eq!(r.outpps, 0);
+        });
+        let (t, _) = s.read();
+        assert_eq!((t.conns, t.inpkts, t.inbytes), (2, 2001, 20_100));
+        assert_eq!((t.outpkts, t.outbytes), (2000, 2000));
     }
 }
