@@ -77,54 +77,54 @@ impl Traffic {
         let p = prefix;
         reg.register(
             format!("{p}connections"),
-            format!("Connections (TCP) and sessions (UDP) scheduled {what}"),
+            format!("Connections (TCP) and sessions (UDP) scheduled, {what}"),
             t.conns.clone(),
         );
         reg.register(
             format!("{p}in_packets"),
-            format!("Packets client to backend {what}"),
+            format!("Packets from clients to backends, {what}"),
             t.inpkts.clone(),
         );
         reg.register(
             format!("{p}out_packets"),
-            format!("Packets backend to client {what}"),
+            format!("Packets from backends to clients, {what}"),
             t.outpkts.clone(),
         );
         reg.register_with_unit(
             format!("{p}in"),
-            format!("Bytes client to backend {what}"),
+            format!("Bytes from clients to backends, {what}"),
             Unit::Bytes,
             t.inbytes.clone(),
         );
         reg.register_with_unit(
             format!("{p}out"),
-            format!("Bytes backend to client {what}"),
+            format!("Bytes from backends to clients, {what}"),
             Unit::Bytes,
             t.outbytes.clone(),
         );
         reg.register(
             format!("{p}connections_per_second"),
-            format!("New connections per second, 2 s EWMA {what}"),
+            format!("New connections per second (2 s EWMA), {what}"),
             t.cps.clone(),
         );
         reg.register(
             format!("{p}in_packets_per_second"),
-            format!("Packets per second client to backend, 2 s EWMA {what}"),
+            format!("Packets per second from clients (2 s EWMA), {what}"),
             t.inpps.clone(),
         );
         reg.register(
             format!("{p}out_packets_per_second"),
-            format!("Packets per second backend to client, 2 s EWMA {what}"),
+            format!("Packets per second from backends (2 s EWMA), {what}"),
             t.outpps.clone(),
         );
         reg.register(
             format!("{p}in_bytes_per_second"),
-            format!("Bytes per second client to backend, 2 s EWMA {what}"),
+            format!("Bytes per second from clients (2 s EWMA), {what}"),
             t.inbps.clone(),
         );
         reg.register(
             format!("{p}out_bytes_per_second"),
-            format!("Bytes per second backend to client, 2 s EWMA {what}"),
+            format!("Bytes per second from backends (2 s EWMA), {what}"),
             t.outbps.clone(),
         );
         t
@@ -187,70 +187,70 @@ fn global_metrics(reg: &mut Registry, g: &GlobalStats) {
         x.set(v);
         reg.register_with_unit(name, help, Unit::Seconds, x);
     };
-    let what = "by the whole daemon";
+    let what = "daemon-wide";
     counter(
         reg,
         "weir_connections",
-        &format!("Connections (TCP) and sessions (UDP) scheduled {what}"),
+        &format!("Connections (TCP) and sessions (UDP) scheduled, {what}"),
         None,
         g.stats.conns,
     );
     counter(
         reg,
         "weir_in_packets",
-        &format!("Packets client to backend {what}"),
+        &format!("Packets from clients to backends, {what}"),
         None,
         g.stats.inpkts,
     );
     counter(
         reg,
         "weir_out_packets",
-        &format!("Packets backend to client {what}"),
+        &format!("Packets from backends to clients, {what}"),
         None,
         g.stats.outpkts,
     );
     counter(
         reg,
         "weir_in",
-        &format!("Bytes client to backend {what}"),
+        &format!("Bytes from clients to backends, {what}"),
         Some(Unit::Bytes),
         g.stats.inbytes,
     );
     counter(
         reg,
         "weir_out",
-        &format!("Bytes backend to client {what}"),
+        &format!("Bytes from backends to clients, {what}"),
         Some(Unit::Bytes),
         g.stats.outbytes,
     );
     gauge(
         reg,
         "weir_connections_per_second",
-        &format!("New connections per second, 2 s EWMA {what}"),
+        &format!("New connections per second (2 s EWMA), {what}"),
         g.rates.cps,
     );
     gauge(
         reg,
         "weir_in_packets_per_second",
-        &format!("Packets per second client to backend, 2 s EWMA {what}"),
+        &format!("Packets per second from clients (2 s EWMA), {what}"),
         g.rates.inpps,
     );
     gauge(
         reg,
         "weir_out_packets_per_second",
-        &format!("Packets per second backend to client, 2 s EWMA {what}"),
+        &format!("Packets per second from backends (2 s EWMA), {what}"),
         g.rates.outpps,
     );
     gauge(
         reg,
         "weir_in_bytes_per_second",
-        &format!("Bytes per second client to backend, 2 s EWMA {what}"),
+        &format!("Bytes per second from clients (2 s EWMA), {what}"),
         g.rates.inbps,
     );
     gauge(
         reg,
         "weir_out_bytes_per_second",
-        &format!("Bytes per second backend to client, 2 s EWMA {what}"),
+        &format!("Bytes per second from backends (2 s EWMA), {what}"),
         g.rates.outbps,
     );
     gauge(
@@ -304,7 +304,7 @@ pub fn render(control: &dyn Control) -> Result<String, std::fmt::Error> {
     let global = control.global_stats();
 
     let mut reg = Registry::default();
-    let backend = Traffic::register(&mut reg, "weir_backend_", "to this backend");
+    let backend = Traffic::register(&mut reg, "weir_backend_", "per backend");
     let b_active = gauge(
         &mut reg,
         "weir_backend_active_connections",
@@ -325,8 +325,8 @@ pub fn render(control: &dyn Control) -> Result<String, std::fmt::Error> {
         "weir_backend_up",
         "1 if the backend is up or not health-checked, 0 if down",
     );
-    let service = Traffic::register(&mut reg, "weir_service_", "by this virtual service");
-    let tenant = Traffic::register(&mut reg, "weir_tenant_", "by this tenant's services");
+    let service = Traffic::register(&mut reg, "weir_service_", "per virtual service");
+    let tenant = Traffic::register(&mut reg, "weir_tenant_", "per tenant");
     let t_active = gauge(
         &mut reg,
         "weir_tenant_active_connections",
