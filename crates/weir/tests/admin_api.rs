@@ -632,6 +632,17 @@ fn tenant_tokens_see_and_change_only_their_tenant() {
     let (s, _) = call(&app, "DELETE", "/v1/connections/100", t, None);
     assert_eq!(s, StatusCode::OK);
 
+    // A service without a tenant lands in the token's tenant.
+    let (s, v) = call(
+        &app,
+        "POST",
+        "/v1/services",
+        t,
+        Some(r#"{"name":"mine","protocol":"tcp","listen":"10.0.0.1:81"}"#),
+    );
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+    assert_eq!(v["created"], "acme/mine");
+
     // Another tenant, or daemon-wide: 403 (or 404 for a cookie it cannot see).
     let forbidden = [
         ("GET", "/v1/services/globex/dns", None),
@@ -715,8 +726,9 @@ fn unknown_routes_and_methods_are_4xx() {
     let (s, v) = call(&app, "GET", "/v2/nothing", Some(FULL), None);
     assert_eq!(s, StatusCode::NOT_FOUND);
     assert!(v["message"].as_str().unwrap().contains("openapi"));
-    let (s, _) = call(&app, "PATCH", "/v1/tenants", Some(FULL), None);
+    let (s, v) = call(&app, "PATCH", "/v1/tenants", Some(FULL), None);
     assert_eq!(s, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(v["error"], "method_not_allowed", "{v}");
 }
 
 #[test]

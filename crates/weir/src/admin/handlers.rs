@@ -183,8 +183,21 @@ pub(crate) async fn list_services(
 pub(crate) async fn add_service(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
-    JsonBody(spec): JsonBody<ServiceSpec>,
+    JsonBody(body): JsonBody<serde_json::Value>,
 ) -> ApiResult<Response> {
+    let serde_json::Value::Object(mut obj) = body else {
+        return Err(ApiError::bad_request(
+            "the body must be a JSON object describing the service (see GET /v1/openapi.json)",
+        ));
+    };
+    // A tenant token's services belong to its tenant unless the body says otherwise.
+    if let Some(own) = access.tenant()
+        && !obj.contains_key("tenant")
+    {
+        obj.insert("tenant".into(), serde_json::Value::String(own.to_owned()));
+    }
+    let spec: ServiceSpec = serde_json::from_value(serde_json::Value::Object(obj))
+        .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
     check_tenant(&access, &spec.tenant)?;
     check_name("service", &spec.name)?;
     let id = format!("{}/{}", spec.tenant, spec.name);

@@ -288,6 +288,17 @@ pub fn router(control: Arc<dyn Control>, tokens: Tokens, metrics_public: bool) -
         .fallback(|| async {
             ApiError::not_found("no such route: see GET /v1/openapi.json for the API")
         })
+        .method_not_allowed_fallback(|req: Request| async move {
+            ApiError::new(
+                axum::http::StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                format!(
+                    "{} is not allowed on {}: see GET /v1/openapi.json for the API",
+                    req.method(),
+                    req.uri().path()
+                ),
+            )
+        })
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(state)

@@ -102,7 +102,7 @@ pub fn document() -> Value {
         "/v1/services": {
           "get": op("List services with backends, counters and rates", vec![], None,
                     errors(json!({ "200": ok("services", array_of("ServiceStatus")) }), READ)),
-          "post": op("Add a service", vec![], Some(body("ServiceSpec")),
+          "post": op("Add a service (tenant defaults to a tenant token's own, else \"default\")", vec![], Some(body("ServiceSpec")),
                      errors(json!({ "201": done() }), WRITE))
         },
         "/v1/services/{tenant}/{service}": {
@@ -190,7 +190,7 @@ fn schemas() -> Value {
         "cps": int, "inpps": int, "outpps": int, "inbps": int, "outbps": int } });
     json!({
       "Error": { "type": "object", "required": ["error", "message"], "properties": {
-        "error": { "type": "string", "enum": ["invalid", "unauthorized", "forbidden", "not_found", "conflict", "too_large", "unavailable", "internal"] },
+        "error": { "type": "string", "enum": ["invalid", "unauthorized", "forbidden", "not_found", "method_not_allowed", "conflict", "too_large", "unavailable", "internal"] },
         "message": s, "errors": { "type": "array", "items": s } } },
       "Totals": totals,
       "Rates": rates,
