@@ -423,9 +423,9 @@ mod tests {
         assert_eq!(largenum(0, false), "        0");
         assert_eq!(largenum(99_999_999, false), " 99999999");
         assert_eq!(largenum(100_000_000, false), "  100000K");
-        assert_eq!(largenum(1_234_567_890, false), "     1234M");
-        assert_eq!(largenum(123_456_789_012, false), "      123G");
-        assert_eq!(largenum(u64::MAX, false), " 18446744T");
+        assert_eq!(largenum(1_234_567_890, false), "    1234M");
+        assert_eq!(largenum(123_456_789_012, false), "     123G");
+        assert_eq!(largenum(u64::MAX, false), "18446744T");
         assert_eq!(largenum(1_234_567_890, true), " 1234567890");
         assert_eq!(largenum(7, true), "        7");
     }
