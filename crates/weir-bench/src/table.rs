@@ -49,6 +49,9 @@ pub(crate) enum Impl {
     Weir,
     /// weir, lookups with the data path's `touch` (writes the entry's counters).
     WeirTouch,
+    /// weir, `get` through a `Reader` pinned once per batch of [`READER_BATCH`]
+    /// lookups (how a data-path worker handles a batch of packets).
+    WeirReader,
     /// weir with one lock stripe per table (a global write lock).
     WeirStripes1,
     /// weir with 4096 lock stripes per table.
@@ -71,9 +74,10 @@ impl Impl {
         Impl::Striped,
         Impl::Ceiling,
     ];
-    const LOOKUP: [Impl; 7] = [
+    const LOOKUP: [Impl; 8] = [
         Impl::Weir,
         Impl::WeirTouch,
+        Impl::WeirReader,
         Impl::Dash,
         Impl::Papaya,
         Impl::Scc,
@@ -93,6 +97,7 @@ impl Impl {
         match self {
             Impl::Weir => "weir",
             Impl::WeirTouch => "weir (touch)",
+            Impl::WeirReader => "weir (reader, 64/pin)",
             Impl::WeirStripes1 => "weir (1 lock stripe)",
             Impl::WeirStripes4096 => "weir (4096 lock stripes)",
             Impl::Dash => "dashmap",
@@ -175,6 +180,7 @@ impl Built {
         match imp {
             Impl::Weir => Built::Weir(Conc(Weir::new(cap, None, false))),
             Impl::WeirTouch => Built::Weir(Conc(Weir::new(cap, None, true))),
+            Impl::WeirReader => Built::Weir(Conc(Weir::new(cap, None, false))),
             Impl::WeirStripes1 => Built::Weir(Conc(Weir::new(cap, Some(1), false))),
             Impl::WeirStripes4096 => Built::Weir(Conc(Weir::new(cap, Some(4096), false))),
             Impl::Dash => Built::Dash(Conc(Dash::new(cap))),
@@ -296,6 +302,46 @@ fn lookups<T: Target>(t: &mut T, n: u64, threads: usize, hit: bool, limit: Limit
     if r.ok != expect {
         bail!(
             "lookup check failed: {} of {} found (hit={hit})",
+            r.ok,
+            r.ops
+        );
+    }
+    Ok(r)
+}
+
+/// Lookups per epoch pin of [`Impl::WeirReader`].
+const READER_BATCH: u64 = 64;
+
+/// Like [`lookups`] for weir through `FlowTable::reader`: each iteration of
+/// the runner is one batch of `READER_BATCH` lookups under one pin.
+fn reader_lookups(
+    table: &FlowTable,
+    n: u64,
+    threads: usize,
+    hit: bool,
+    limit: Limit,
+) -> Result<Run> {
+    let limit = Limit {
+        ops: limit.ops / READER_BATCH,
+        ..limit
+    };
+    let r = run(vec![table; threads], limit, |t, th, j| {
+        let rd = t.reader();
+        let mut ok = 0;
+        for b in 0..READER_BATCH {
+            let i = pick(0x5eed, th, j * READER_BATCH + b, n) + if hit { 0 } else { n };
+            ok += u64::from(rd.get(&key(TENANT, i)).is_some());
+        }
+        ok
+    });
+    let r = Run {
+        ops: r.ops * READER_BATCH,
+        ..r
+    };
+    let expect = if hit { r.ops } else { 0 };
+    if r.ok != expect {
+        bail!(
+            "reader lookup check failed: {} of {} found (hit={hit})",
             r.ok,
             r.ops
         );
@@ -464,8 +510,15 @@ fn lookup_section(plan: &Plan) -> Result<Vec<Row>> {
                             continue;
                         }
                         for hit in [true, false] {
-                            let r = on_built!(b, |t| lookups(t, n, threads, hit, plan.limit()))
-                                .with_context(|| format!("lookup {}", imp.name()))?;
+                            let r = match (&*imp, &mut *b) {
+                                (Impl::WeirReader, Built::Weir(w)) => {
+                                    reader_lookups(&w.0.table, n, threads, hit, plan.limit())
+                                }
+                                (_, b) => {
+                                    on_built!(b, |t| lookups(t, n, threads, hit, plan.limit()))
+                                }
+                            }
+                            .with_context(|| format!("lookup {}", imp.name()))?;
                             push_sample(&mut samples, (*imp, threads, hit), r);
                         }
                     }
@@ -1025,6 +1078,18 @@ mod tests {
             let threads = imp.max_threads().min(2);
             with_impl!(imp, 1000, |t| small_checks(t, threads));
         }
+    }
+
+    #[test]
+    fn reader_lookups_check_themselves() {
+        let mut w = Conc(Weir::new(1000, None, false));
+        fill(&mut w, TENANT, 0..1000).expect("fill");
+        let r = reader_lookups(&w.0.table, 1000, 2, true, SMALL).expect("hits");
+        assert_eq!(r.ops, 20_000 / READER_BATCH * READER_BATCH);
+        reader_lookups(&w.0.table, 1000, 2, false, SMALL).expect("misses");
+        // A table missing the keys fails the hit check.
+        let empty = Weir::new(1000, None, false);
+        assert!(reader_lookups(&empty.table, 1000, 1, true, SMALL).is_err());
     }
 
     #[test]
