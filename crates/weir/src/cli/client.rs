@@ -19,11 +19,18 @@ use crate::config::AdminConfig;
 /// Where the admin API is and which token to use.
 #[derive(Debug, Clone, clap::Args)]
 pub struct AdminArgs {
-    /// Admin API address, e.g. http://127.0.0.1:9900 (default: [admin] listen of --config, else 127.0.0.1:9900).
-    #[arg(long = "admin", env = "WEIR_ADMIN", value_name = "URL", global = true)]
-    pub admin: Option<String>,
-    /// Bearer token (default: [admin] token/token_file of --config, else the token file the daemon generated).
+    /// Admin API address.
     #[arg(
+        long = "admin",
+        env = "WEIR_ADMIN",
+        value_name = "URL",
+        global = true,
+        help = "Admin API address, e.g. http://127.0.0.1:9900 (default: [admin] listen of --config, else 127.0.0.1:9900)"
+    )]
+    pub admin: Option<String>,
+    /// Bearer token.
+    #[arg(
+        help = "Bearer token (default: [admin] token/token_file of --config, else the token file the daemon generated)",
         long = "token",
         env = "WEIR_TOKEN",
         value_name = "TOKEN",
@@ -31,8 +38,13 @@ pub struct AdminArgs {
         global = true
     )]
     pub token: Option<String>,
-    /// Daemon config file to read [admin] listen, token and token_file from.
-    #[arg(long = "config", value_name = "FILE", global = true)]
+    /// Daemon config file to read the admin address and token from.
+    #[arg(
+        long = "config",
+        value_name = "FILE",
+        global = true,
+        help = "Daemon config file to read [admin] listen, token and token_file from"
+    )]
     pub config: Option<PathBuf>,
 }
 

@@ -236,7 +236,7 @@ pub enum ServiceCmd {
         /// Persistence timeout, e.g. 300s; 0s = off.
         #[arg(long, default_value = "0s")]
         persistence: String,
-        /// Backend IP:PORT[@WEIGHT]; repeat for several.
+        /// Backend address, optionally with @WEIGHT (10.0.0.2:80@3); repeat for several.
         #[arg(long = "backend", value_name = "IP:PORT[@WEIGHT]")]
         backends: Vec<String>,
     },
