@@ -21,12 +21,16 @@
 //!   errors map NotFound→404, Conflict→409, Invalid→400, Unavailable→503.
 //! * Nothing a client sends panics: handlers parse with fallible APIs, and a
 //!   panic inside a [`Control`] call is caught and answered with 500.
+//! * At most 128 admin connections are open at once (the admin API shares
+//!   the daemon's file-descriptor budget with the data path); further ones
+//!   wait in the listen backlog.
 //! * `/v1/openapi.json` documents exactly the routes in [`route_table`]; a
 //!   test walks both.
 
 pub mod auth;
 pub mod error;
 mod handlers;
+mod limit;
 pub mod metrics;
 pub mod openapi;
 
@@ -127,6 +131,7 @@ impl Bound {
         match self.listener {
             Listener::Tcp(l) => {
                 tracing::info!(addr = ?l.local_addr().ok(), "admin API listening");
+                let l = limit::Capped::new(l, limit::MAX_ADMIN_CONNECTIONS);
                 axum::serve(l, self.app)
                     .with_graceful_shutdown(shutdown.cancelled_owned())
                     .await
@@ -134,6 +139,7 @@ impl Bound {
             }
             Listener::Unix(l, path) => {
                 tracing::info!(path = %path.display(), "admin API listening");
+                let l = limit::Capped::new(l, limit::MAX_ADMIN_CONNECTIONS);
                 let r = axum::serve(l, self.app)
                     .with_graceful_shutdown(shutdown.cancelled_owned())
                     .await;
