@@ -556,3 +556,68 @@ fn slow_reader_keeps_buffering_bounded() {
     assert_eq!(got, TOTAL);
     d.shutdown();
 }
+
+#[test]
+fn proxy_protocol_headers_precede_client_bytes() {
+    // Two backends that record the first bytes they get, one per version.
+    fn recorder() -> (std::net::SocketAddr, std::thread::JoinHandle<Vec<u8>>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let h = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut got = Vec::new();
+            s.read_to_end(&mut got).unwrap();
+            got
+        });
+        (addr, h)
+    }
+    let (a1, h1) = recorder();
+    let (a2, h2) = recorder();
+    let mut b1 = backend(a1, 1);
+    b1.proxy_protocol = Some("v1".into());
+    let mut b2 = backend(a2, 1);
+    b2.proxy_protocol = Some("v2".into());
+    let d = Daemon::start(
+        config(vec![
+            service("p1", Protocol::Tcp, "rr", vec![b1]),
+            service("p2", Protocol::Tcp, "rr", vec![b2]),
+        ]),
+        None,
+    )
+    .unwrap();
+    let mut clients = Vec::new();
+    for name in ["p1", "p2"] {
+        let vip = d.service_addr("default", name).unwrap();
+        let mut c = TcpStream::connect(vip).unwrap();
+        c.write_all(b"payload").unwrap();
+        c.shutdown(Shutdown::Write).unwrap();
+        clients.push((c.local_addr().unwrap(), vip));
+    }
+    let got1 = h1.join().unwrap();
+    let (c1, v1) = clients[0];
+    let want1 = format!(
+        "PROXY TCP4 {} {} {} {}\r\npayload",
+        c1.ip(),
+        v1.ip(),
+        c1.port(),
+        v1.port()
+    );
+    assert_eq!(String::from_utf8_lossy(&got1), want1);
+    let got2 = h2.join().unwrap();
+    let (c2, v2) = clients[1];
+    assert_eq!(&got2[..12], &weir::proxy_protocol::V2_SIGNATURE);
+    assert_eq!(got2[12], 0x21, "v2, PROXY command");
+    assert_eq!(got2[13], 0x11, "TCP over IPv4");
+    assert_eq!(
+        &got2[16..20],
+        &c2.ip()
+            .to_string()
+            .parse::<std::net::Ipv4Addr>()
+            .unwrap()
+            .octets()
+    );
+    assert_eq!(u16::from_be_bytes([got2[24], got2[25]]), c2.port());
+    assert_eq!(u16::from_be_bytes([got2[26], got2[27]]), v2.port());
+    assert!(got2.ends_with(b"payload"));
+    d.shutdown();
+}
