@@ -3,32 +3,40 @@
 //! The admin API shares the process's file-descriptor budget with the data
 //! path; without a cap, a client opening admin connections in a loop could
 //! take descriptors from proxied connections. Past the cap, `accept` waits
-//! (the kernel backlog holds new connections) until one closes.
+//! (the kernel backlog holds new connections) until one closes. A
+//! connection on which nothing is read or written for [`IDLE_TIMEOUT`] is
+//! closed, so idle or stalled clients cannot hold the permits forever.
 
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::serve::Listener;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, Sleep};
 
 /// Most admin connections open at once.
 pub(crate) const MAX_ADMIN_CONNECTIONS: usize = 128;
+/// An admin connection idle this long is closed.
+pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A listener that holds a semaphore permit for each open connection.
 #[derive(Debug)]
 pub(crate) struct Capped<L> {
     inner: L,
     permits: Arc<Semaphore>,
+    idle: Duration,
 }
 
 impl<L> Capped<L> {
-    pub(crate) fn new(inner: L, max: usize) -> Self {
+    pub(crate) fn new(inner: L, max: usize, idle: Duration) -> Self {
         Self {
             inner,
             permits: Arc::new(Semaphore::new(max)),
+            idle,
         }
     }
 }
@@ -42,13 +50,13 @@ impl<L: Listener> Listener for Capped<L> {
         // impossible error from becoming a panic.
         let permit = self.permits.clone().acquire_owned().await.ok();
         let (io, addr) = self.inner.accept().await;
-        (
-            Permitted {
-                io,
-                _permit: permit,
-            },
-            addr,
-        )
+        let conn = Permitted {
+            io,
+            _permit: permit,
+            idle: self.idle,
+            deadline: Box::pin(tokio::time::sleep(self.idle)),
+        };
+        (conn, addr)
     }
 
     fn local_addr(&self) -> io::Result<Self::Addr> {
@@ -61,6 +69,27 @@ impl<L: Listener> Listener for Capped<L> {
 pub(crate) struct Permitted<T> {
     io: T,
     _permit: Option<OwnedSemaphorePermit>,
+    idle: Duration,
+    deadline: Pin<Box<Sleep>>,
+}
+
+impl<T> Permitted<T> {
+    /// Progress was made: push the idle deadline out.
+    fn touch(&mut self) {
+        let at = Instant::now() + self.idle;
+        self.deadline.as_mut().reset(at);
+    }
+
+    /// Called when the inner I/O is pending: error out once idle too long.
+    fn check_idle(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "admin connection idle too long",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Permitted<T> {
@@ -69,7 +98,13 @@ impl<T: AsyncRead + Unpin> AsyncRead for Permitted<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        match Pin::new(&mut self.io).poll_read(cx, buf) {
+            Poll::Ready(r) => {
+                self.touch();
+                Poll::Ready(r)
+            }
+            Poll::Pending => self.check_idle(cx),
+        }
     }
 }
 
@@ -79,7 +114,16 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Permitted<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        match Pin::new(&mut self.io).poll_write(cx, buf) {
+            Poll::Ready(r) => {
+                self.touch();
+                Poll::Ready(r)
+            }
+            Poll::Pending => match self.check_idle(cx) {
+                Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                _ => Poll::Pending,
+            },
+        }
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -112,7 +156,7 @@ mod tests {
     async fn third_connection_waits_for_a_permit() {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
-        let mut capped = Capped::new(l, 2);
+        let mut capped = Capped::new(l, 2, IDLE_TIMEOUT);
         let _c1 = tokio::net::TcpStream::connect(addr).await.unwrap();
         let _c2 = tokio::net::TcpStream::connect(addr).await.unwrap();
         let mut c3 = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -129,6 +173,26 @@ mod tests {
         a3.read_exact(&mut b).await.unwrap();
         assert_eq!(&b, b"x");
         drop(a2);
+    }
+
+    #[tokio::test]
+    async fn idle_connections_are_closed_and_free_their_permit() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let mut capped = Capped::new(l, 1, Duration::from_millis(100));
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (mut conn, _) = capped.accept().await;
+        assert_eq!(capped.permits.available_permits(), 0);
+        let started = std::time::Instant::now();
+        let mut b = [0u8; 1];
+        // Bounded: the idle timeout must end this read well within 10 s.
+        let r = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut b))
+            .await
+            .expect("idle timeout fired");
+        assert_eq!(r.map_err(|e| e.kind()), Err(io::ErrorKind::TimedOut));
+        assert!(started.elapsed() >= Duration::from_millis(100));
+        drop(conn);
+        assert_eq!(capped.permits.available_permits(), 1);
     }
 
     /// Poll a future once; `Some` if it completed.

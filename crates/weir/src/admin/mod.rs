@@ -23,7 +23,7 @@
 //!   panic inside a [`Control`] call is caught and answered with 500.
 //! * At most 128 admin connections are open at once (the admin API shares
 //!   the daemon's file-descriptor budget with the data path); further ones
-//!   wait in the listen backlog.
+//!   wait in the listen backlog; a connection idle for 60 s is closed.
 //! * `/v1/openapi.json` documents exactly the routes in [`route_table`]; a
 //!   test walks both.
 
@@ -131,7 +131,7 @@ impl Bound {
         match self.listener {
             Listener::Tcp(l) => {
                 tracing::info!(addr = ?l.local_addr().ok(), "admin API listening");
-                let l = limit::Capped::new(l, limit::MAX_ADMIN_CONNECTIONS);
+                let l = limit::Capped::new(l, limit::MAX_ADMIN_CONNECTIONS, limit::IDLE_TIMEOUT);
                 axum::serve(l, self.app)
                     .with_graceful_shutdown(shutdown.cancelled_owned())
                     .await
@@ -139,7 +139,7 @@ impl Bound {
             }
             Listener::Unix(l, path) => {
                 tracing::info!(path = %path.display(), "admin API listening");
-                let l = limit::Capped::new(l, limit::MAX_ADMIN_CONNECTIONS);
+                let l = limit::Capped::new(l, limit::MAX_ADMIN_CONNECTIONS, limit::IDLE_TIMEOUT);
                 let r = axum::serve(l, self.app)
                     .with_graceful_shutdown(shutdown.cancelled_owned())
                     .await;

@@ -139,6 +139,9 @@ impl Client {
             .http_status_as_error(false)
             .timeout_connect(Some(Duration::from_secs(5)))
             .timeout_global(Some(Duration::from_secs(60)))
+            // The admin API closes connections idle for 60 s; never reuse one
+            // that old (`weir top --interval 120`).
+            .max_idle_age(Duration::from_secs(30))
             .build()
             .into();
         Self { agent, base, token }
