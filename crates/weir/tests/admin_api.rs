@@ -16,6 +16,7 @@ use tower::ServiceExt;
 use admin_fake::Fake;
 use weir::admin::auth::Tokens;
 use weir::admin::{self, RouteMethod};
+use weir::control::Control;
 
 const FULL: &str = "full-secret";
 const RO: &str = "ro-secret";
@@ -819,6 +820,64 @@ fn openapi_matches_router() {
                 "{m} {p} not routed"
             );
         }
+    }
+    // The schemas name exactly the fields the handlers serialise.
+    let f = Fake::sample();
+    let svc = f.services().remove(0);
+    let conn = f
+        .connections(&Default::default(), None, 1)
+        .unwrap()
+        .connections
+        .remove(0);
+    let exact: Vec<(&str, Value)> = vec![
+        (
+            "TenantStatus",
+            serde_json::to_value(&f.tenants()[0]).unwrap(),
+        ),
+        ("ServiceStatus", serde_json::to_value(&svc).unwrap()),
+        (
+            "BackendStatus",
+            serde_json::to_value(&svc.backends[0]).unwrap(),
+        ),
+        ("ConnInfo", serde_json::to_value(&conn).unwrap()),
+        ("TableReport", serde_json::to_value(&f.table()[0]).unwrap()),
+        ("HealthEntry", serde_json::to_value(&f.health()[1]).unwrap()),
+        ("Totals", serde_json::to_value(svc.stats).unwrap()),
+        ("Rates", serde_json::to_value(svc.rates).unwrap()),
+    ];
+    let props = |name: &str| -> BTreeSet<String> {
+        doc["components"]["schemas"][name]["properties"]
+            .as_object()
+            .unwrap_or_else(|| panic!("schema {name}"))
+            .keys()
+            .cloned()
+            .collect()
+    };
+    for (name, sample) in exact {
+        let keys: BTreeSet<String> = sample.as_object().unwrap().keys().cloned().collect();
+        assert_eq!(keys, props(name), "schema {name} vs what the API sends");
+    }
+    // Request bodies: every field a full spec can carry is documented.
+    let mut full = f.running_config().services.remove(0);
+    full.persistence_netmask = Some("255.255.255.0".into());
+    full.options.connect_timeout = Some("2s".into());
+    full.options.udp_responses = Some(1);
+    full.options.udp_timeout = Some("30s".into());
+    full.options.udp_max_sessions_per_client = 3;
+    full.options.health = Some(Default::default());
+    full.backends[0].proxy_protocol = Some("v2".into());
+    full.backends[0].max_connections = 9;
+    let full_tenant = f.running_config().tenants.remove(1);
+    for (name, sample) in [
+        ("ServiceSpec", serde_json::to_value(&full).unwrap()),
+        (
+            "BackendSpec",
+            serde_json::to_value(&full.backends[0]).unwrap(),
+        ),
+        ("TenantSpec", serde_json::to_value(&full_tenant).unwrap()),
+    ] {
+        let keys: BTreeSet<String> = sample.as_object().unwrap().keys().cloned().collect();
+        assert_eq!(keys, props(name), "schema {name} vs the config type");
     }
     // Every $ref resolves.
     let text = doc.to_string();
