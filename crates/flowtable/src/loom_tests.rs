@@ -96,7 +96,8 @@ fn check_walk(w: &World) -> usize {
 #[test]
 fn loom_lookup_vs_insert_and_remove() {
     loom::model(|| {
-        // 0 (stable) -> 1 (removed by the writer); 2 is inserted.
+        // 0 (stable) -> 1 (removed by the writer); 2 is inserted. Reader and
+        // writer are both spawned so loom schedules them symmetrically.
         let w = world(3, 2);
         let wr = Arc::clone(&w);
         let writer = thread::spawn(move || {
@@ -111,11 +112,15 @@ fn loom_lookup_vs_insert_and_remove() {
                 wr.nodes[1].clear_live();
             }
         });
-        assert!(check_found(&w, 0), "stable entry missed");
-        let _ = check_found(&w, 2);
-        let _ = check_found(&w, 1);
-        assert!(check_walk(&w) >= 1);
+        let rd = Arc::clone(&w);
+        let reader = thread::spawn(move || {
+            assert!(check_found(&rd, 0), "stable entry missed");
+            let _ = check_found(&rd, 2);
+            let _ = check_found(&rd, 1);
+            assert!(check_walk(&rd) >= 1);
+        });
         writer.join().unwrap();
+        reader.join().unwrap();
         assert!(check_found(&w, 2));
         assert!(!check_found(&w, 1));
     });
@@ -124,7 +129,7 @@ fn loom_lookup_vs_insert_and_remove() {
 #[test]
 fn loom_lookup_survives_unlink_of_predecessors() {
     loom::model(|| {
-        // 0 -> 1 -> 2 (stable); the writer removes 0 and 1 while a reader
+        // 0 -> 1 -> 2 (stable); the writer removes 1 then 0 while the reader
         // may stand on either.
         let w = world(3, 3);
         let wr = Arc::clone(&w);
@@ -134,8 +139,12 @@ fn loom_lookup_survives_unlink_of_predecessors() {
                 assert!(chain::unlink(&*wr.nodes, &wr.head, i).is_some());
             }
         });
-        assert!(check_found(&w, 2), "stable entry missed");
+        let rd = Arc::clone(&w);
+        let reader = thread::spawn(move || {
+            assert!(check_found(&rd, 2), "stable entry missed");
+        });
         writer.join().unwrap();
+        reader.join().unwrap();
         assert!(check_found(&w, 2));
         assert!(!check_found(&w, 0));
     });
@@ -157,12 +166,16 @@ fn loom_two_writers_and_a_reader() {
         };
         let a = spawn(1);
         let b = spawn(2);
-        assert!(check_found(&w, 0));
-        let _ = check_found(&w, 1);
-        let _ = check_found(&w, 2);
-        assert!(check_walk(&w) >= 1);
+        let rd = Arc::clone(&w);
+        let reader = thread::spawn(move || {
+            assert!(check_found(&rd, 0));
+            let _ = check_found(&rd, 1);
+            let _ = check_found(&rd, 2);
+            assert!(check_walk(&rd) >= 1);
+        });
         a.join().unwrap();
         b.join().unwrap();
+        reader.join().unwrap();
         assert!(check_found(&w, 1) && check_found(&w, 2));
     });
 }
