@@ -434,3 +434,37 @@ fn reader_batches_lookups() {
     assert!(t.remove(&key(1, 1)).is_some());
     assert!(t.reader().get(&key(1, 1)).is_none());
 }
+
+#[test]
+fn per_tenant_timeouts() {
+    let t = table_with(&[(1, 0), (2, 0)], cfg(16, 64));
+    let short = Timeouts {
+        udp: Millis(5_000),
+        ..Timeouts::default()
+    };
+    t.set_timeouts(TenantId(2), short).unwrap();
+    assert_eq!(t.timeouts(TenantId(2)), Some(short));
+    assert_eq!(t.timeouts(TenantId(1)), Some(Timeouts::default()));
+    assert_eq!(
+        t.set_timeouts(TenantId(9), short),
+        Err(TenantError::NoTenant(TenantId(9)))
+    );
+    t.insert(key(1, 1), init(FlowState::Udp), Millis(0))
+        .unwrap();
+    t.insert(key(2, 1), init(FlowState::Udp), Millis(0))
+        .unwrap();
+    assert_eq!(t.get(&key(2, 1)).unwrap().expires_at, Millis(5_000));
+    let mut out = Vec::new();
+    t.expire(Millis(7_000), 100, &mut out);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].key, key(2, 1));
+    // A longer timeout applies at once, even to filed entries.
+    t.insert(key(2, 2), init(FlowState::Udp), Millis(7_000))
+        .unwrap();
+    t.expire(Millis(8_000), 100, &mut out);
+    t.set_timeouts(TenantId(2), Timeouts::default()).unwrap();
+    out.clear();
+    t.expire(Millis(20_000), 100, &mut out);
+    assert!(out.is_empty());
+    assert_eq!(t.get(&key(2, 2)).unwrap().expires_at, Millis(307_000));
+}
