@@ -43,6 +43,12 @@ pub(crate) fn guard<T>(f: impl FnOnce() -> T) -> ApiResult<T> {
     })
 }
 
+/// A server-side failure no client input can cause (500).
+fn internal(message: String) -> ApiError {
+    tracing::error!("{message}");
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+}
+
 /// A JSON body that answers 400 (not 415/422) with a message when malformed.
 pub(crate) struct JsonBody<T>(pub(crate) T);
 
@@ -568,7 +574,7 @@ fn figures(
         } else {
             serde_json::to_value(g.rates)
         }
-        .map_err(|e| ApiError::bad_request(format!("cannot encode global stats: {e}")))?;
+        .map_err(|e| internal(format!("cannot encode global stats: {e}")))?;
         body["global"] = global;
     }
     Ok(ok_json(body))
@@ -657,7 +663,7 @@ pub(crate) async fn metrics(
 ) -> ApiResult<Response> {
     require_global(&access, "/metrics")?;
     let text = guard(|| super::metrics::render(st.control.as_ref()))?
-        .map_err(|e| ApiError::bad_request(format!("cannot encode metrics: {e}")))?;
+        .map_err(|e| internal(format!("cannot encode metrics: {e}")))?;
     Ok((
         [(
             header::CONTENT_TYPE,
