@@ -924,7 +924,7 @@ impl Shared {
             id: self.next_id.fetch_add(1, Relaxed),
             tenant,
             spec: RwLock::new(ServiceSpec {
-                listen: spec.listen,
+                listen,
                 ..spec.clone()
             }),
             params: RwLock::new(params),

@@ -1,0 +1,201 @@
+//! Runtime changes through `Control` and the remaining limits: editing a
+//! service keeps established connections, `running_config` reflects runtime
+//! changes, UDP per-client and tenant new-connection-rate caps, and many
+//! concurrent connections across workers.
+
+mod daemon_util;
+
+use std::io::{Read, Write};
+use std::net::{TcpStream, UdpSocket};
+use std::time::{Duration, Instant};
+
+use daemon_util::*;
+use weir::config::{Protocol, TenantSpec};
+use weir::control::{BackendPatch, ConnFilter};
+use weir::daemon::Daemon;
+
+const T: Duration = Duration::from_secs(10);
+
+#[test]
+fn editing_a_service_keeps_established_connections() {
+    let (a, b) = (Echo::start(), Echo::start());
+    let d = Daemon::start(
+        config(vec![service(
+            "e",
+            Protocol::Tcp,
+            "rr",
+            vec![backend(a.addr, 1)],
+        )]),
+        None,
+    )
+    .unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "e").unwrap();
+    let mut old = held(vip);
+    // Replace the backend set: a out, b in; persistence on.
+    let mut spec = c.running_config().services[0].clone();
+    spec.backends = vec![backend(b.addr, 1)];
+    spec.persistence = "30s".into();
+    c.edit_service("default", "e", spec).unwrap();
+    for _ in 0..3 {
+        assert!(echo_once(vip, b"new"));
+    }
+    assert_eq!(b.accepted.load(std::sync::atomic::Ordering::Relaxed), 3);
+    old.write_all(b"still").unwrap();
+    let mut buf = [0u8; 5];
+    old.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"still");
+    // running_config reflects the runtime state, weights included.
+    c.edit_backend(
+        "default",
+        "e",
+        &b.addr.to_string(),
+        BackendPatch {
+            weight: Some(7),
+            drain: None,
+        },
+    )
+    .unwrap();
+    let rc = c.running_config();
+    assert_eq!(rc.services.len(), 1);
+    assert_eq!(rc.services[0].persistence, "30s");
+    assert_eq!(rc.services[0].backends.len(), 1);
+    assert_eq!(rc.services[0].backends[0].address, b.addr);
+    assert_eq!(rc.services[0].backends[0].weight, 7);
+    assert_eq!(rc.services[0].listen, vip, "the bound port is kept");
+    // And it is a valid config.
+    assert!(weir::config::validate(&rc).is_empty());
+    d.shutdown();
+}
+
+#[test]
+fn udp_sessions_per_client_are_capped() {
+    let e = udp_echo();
+    let mut s = service("u", Protocol::Udp, "rr", vec![backend(e, 1)]);
+    s.options.udp_max_sessions_per_client = 2;
+    let d = Daemon::start(config(vec![s]), None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "u").unwrap();
+    // Three client sockets on one IP: the third gets no session (no reply).
+    let socks: Vec<UdpSocket> = (0..3)
+        .map(|_| {
+            let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(1500)))
+                .unwrap();
+            s
+        })
+        .collect();
+    let mut buf = [0u8; 16];
+    for s in &socks[..2] {
+        s.send_to(b"hi", vip).unwrap();
+        assert_eq!(s.recv_from(&mut buf).unwrap().0, 2);
+    }
+    socks[2].send_to(b"hi", vip).unwrap();
+    assert!(
+        socks[2].recv_from(&mut buf).is_err(),
+        "third session admitted"
+    );
+    assert!(wait_until(T, || c
+        .global_stats()
+        .refused
+        .get("client_limit")
+        .is_some_and(|n| *n >= 1)));
+    assert_eq!(
+        c.connections(&ConnFilter::default(), None, 10)
+            .unwrap()
+            .connections
+            .len(),
+        2
+    );
+    d.shutdown();
+}
+
+#[test]
+fn tenant_new_connection_rate_is_capped() {
+    let e = Echo::start();
+    let mut cfg = config(vec![service(
+        "r",
+        Protocol::Tcp,
+        "rr",
+        vec![backend(e.addr, 1)],
+    )]);
+    cfg.tenants.push(TenantSpec {
+        name: "default".into(),
+        table_entries: 0,
+        max_connections: 0,
+        max_new_per_s: 5,
+        token: None,
+    });
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "r").unwrap();
+    // 12 quick connections: within any one-second window at most 5 pass.
+    let t0 = Instant::now();
+    let ok = (0..12).filter(|_| echo_once(vip, b"r")).count();
+    let secs = t0.elapsed().as_secs() as usize + 1;
+    assert!(ok >= 1 && ok <= 5 * (secs + 1), "{ok} passed in ~{secs}s");
+    assert!(
+        c.global_stats()
+            .refused
+            .get("tenant_rate")
+            .copied()
+            .unwrap_or(0)
+            >= 1
+    );
+    d.shutdown();
+}
+
+#[test]
+fn many_concurrent_connections_across_workers() {
+    many_connections(64, 64 * 1024);
+}
+
+#[test]
+#[ignore = "stress: cargo test -p weir --test daemon_control -- --ignored"]
+fn many_concurrent_connections_stress() {
+    many_connections(1000, 1 << 20);
+}
+
+fn many_connections(n: usize, bytes: usize) {
+    let (a, b) = (Echo::start(), Echo::start());
+    let d = Daemon::start(
+        config(vec![service(
+            "m",
+            Protocol::Tcp,
+            "wlc",
+            vec![backend(a.addr, 1), backend(b.addr, 1)],
+        )]),
+        None,
+    )
+    .unwrap();
+    let vip = d.service_addr("default", "m").unwrap();
+    let threads: Vec<_> = (0..n)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let mut s = TcpStream::connect(vip).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+                let data: Vec<u8> = (0..bytes).map(|j| (i + j) as u8).collect();
+                let mut w = s.try_clone().unwrap();
+                let d2 = data.clone();
+                let writer = std::thread::spawn(move || w.write_all(&d2).unwrap());
+                let mut got = vec![0u8; bytes];
+                s.read_exact(&mut got).unwrap();
+                writer.join().unwrap();
+                got == data
+            })
+        })
+        .collect();
+    let ok = threads
+        .into_iter()
+        .filter_map(|t| t.join().ok())
+        .filter(|x| *x)
+        .count();
+    assert_eq!(ok, n);
+    let c = d.control();
+    assert!(wait_until(T, || c.global_stats().active_conns == 0));
+    let g = c.global_stats();
+    assert_eq!(g.stats.conns, n as u64);
+    assert_eq!(g.stats.inbytes, (n * bytes) as u64);
+    assert_eq!(g.stats.outbytes, (n * bytes) as u64);
+    d.shutdown();
+}
