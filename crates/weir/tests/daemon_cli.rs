@@ -225,12 +225,15 @@ fn sighup_reloads_and_sigterm_drains() {
     let e = Echo::start();
     let vip = free_addr();
     let p = tmp_file("hup.toml", &run_config(vip, e.addr, ""));
+    // Access log on: one line per closed connection.
+    let text = run_config(vip, e.addr, "").replace("[admin]", "access_log = true\n[admin]");
+    std::fs::write(&p, &text).unwrap();
     let mut child = spawn_run(&p, None);
     assert!(wait_until(T, || echo_once(vip, b"up")));
     let pid = Pid::from_raw(child.0.id() as i32);
     // Reload with a second service.
     let vip2 = free_addr();
-    let mut text = run_config(vip, e.addr, "");
+    let mut text = text.clone();
     text.push_str(&format!(
         "[[service]]\nname = \"f\"\nprotocol = \"tcp\"\nlisten = \"{vip2}\"\n  [[service.backend]]\n  address = \"{}\"\n",
         e.addr
@@ -263,4 +266,14 @@ fn sighup_reloads_and_sigterm_drains() {
         "did not exit after draining"
     );
     assert!(child.0.wait().unwrap().success());
+    let mut err = String::new();
+    let _ = child.0.stderr.take().unwrap().read_to_string(&mut err);
+    let line = err
+        .lines()
+        .find(|l| l.contains("weir::access") && l.contains("reason=\"closed\""))
+        .unwrap_or_else(|| panic!("no access log line in:\n{err}"));
+    assert!(
+        line.contains("bytes_in=") && line.contains("backend=") && line.contains("duration_ms="),
+        "{line}"
+    );
 }

@@ -199,3 +199,69 @@ fn many_connections(n: usize, bytes: usize) {
     assert_eq!(g.stats.outbytes, (n * bytes) as u64);
     d.shutdown();
 }
+
+#[test]
+fn kill_by_cookie_and_by_filter_close_the_sockets() {
+    let e = Echo::start();
+    let d = Daemon::start(
+        config(vec![service(
+            "k",
+            Protocol::Tcp,
+            "rr",
+            vec![backend(e.addr, 1)],
+        )]),
+        None,
+    )
+    .unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "k").unwrap();
+    let mut one = held(vip);
+    let mut rest: Vec<_> = (0..3).map(|_| held(vip)).collect();
+    let page = c.connections(&ConnFilter::default(), None, 10).unwrap();
+    assert_eq!(page.connections.len(), 4);
+    let mine = one.local_addr().unwrap().to_string();
+    let cookie = page
+        .connections
+        .iter()
+        .find(|x| x.client == mine)
+        .unwrap()
+        .cookie;
+    c.kill(cookie).unwrap();
+    let mut b = [0u8; 1];
+    assert!(matches!(one.read(&mut b), Ok(0) | Err(_)));
+    assert!(c.kill(cookie).is_err() || wait_until(T, || c.kill(cookie).is_err()));
+    let n = c
+        .kill_matching(&ConnFilter {
+            state: Some("established".into()),
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(n, 3);
+    for s in rest.iter_mut() {
+        assert!(matches!(s.read(&mut b), Ok(0) | Err(_)));
+    }
+    assert!(wait_until(T, || c.global_stats().active_conns == 0));
+    d.shutdown();
+}
+
+#[test]
+fn ipv6_service() {
+    let Ok(l) = std::net::TcpListener::bind("[::1]:0") else {
+        eprintln!("no IPv6 loopback here; skipping");
+        return;
+    };
+    let baddr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut buf = [0u8; 4];
+        s.read_exact(&mut buf).unwrap();
+        s.write_all(&buf).unwrap();
+    });
+    let mut spec = service("v6", Protocol::Tcp, "rr", vec![backend(baddr, 1)]);
+    spec.listen = "[::1]:0".parse().unwrap();
+    let d = Daemon::start(config(vec![spec]), None).unwrap();
+    let vip = d.service_addr("default", "v6").unwrap();
+    assert!(vip.is_ipv6());
+    assert!(echo_once(vip, b"six6"));
+    d.shutdown();
+}
