@@ -21,7 +21,7 @@
 //!   it. The node index is recycled only after an epoch grace period
 //!   (caller's job), so no reader sees it reused.
 //!
-//! These functions are generic over [`Arena`] so that `src/loom_tests.rs`
+//! These functions are generic over [`Arena`] so that `src/loom_checks.rs`
 //! model-checks exactly this code.
 
 use crate::node::{Arena, IDX_BITS, NIL, Node, PackedKey};

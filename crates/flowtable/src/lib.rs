@@ -32,7 +32,7 @@
 //!   Inserts append at the chain tail, so a chain is ordered by cookie.
 //! * A removed node's index is recycled only after an epoch grace period, so
 //!   a reader never sees a node change identity; the chain protocol is in
-//!   `chain.rs` and model-checked with loom (`src/loom_tests.rs`).
+//!   `chain.rs` and model-checked with loom (`src/loom_checks.rs`, run by `tests/loom.rs`).
 //! * Cookies: a global counter hands out blocks of 256 to stripes, so cookies
 //!   are unique for the table's life, never 0, and increase along each chain.
 //!
@@ -85,5 +85,6 @@ pub use cursor::Cursor;
 pub use flow::{FlowTable, Reader};
 pub use types::*;
 
-#[cfg(all(test, loom))]
-mod loom_tests;
+#[cfg(loom)]
+#[doc(hidden)]
+pub mod loom_checks;
