@@ -294,6 +294,22 @@ pub fn load(path: &std::path::Path) -> Result<Config, Vec<ConfigError>> {
 
 /// Parse and validate configuration text; `file` names it in errors.
 pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
+    // Shape pre-pass over the syntax tree: unknown keys, wrong value types
+    // and missing required keys, all at once (serde stops at the first).
+    if let Ok(doc) = toml_edit::Document::parse(text.to_owned()) {
+        let shape = shape_problems(doc.as_table());
+        if !shape.is_empty() {
+            return Err(shape
+                .into_iter()
+                .map(|(path, offset, message)| ConfigError {
+                    file: file.into(),
+                    line: offset.map(|o| line_of(text, o)),
+                    key: path,
+                    message,
+                })
+                .collect());
+        }
+    }
     let config: Config = match toml::from_str(text) {
         Ok(c) => c,
         Err(e) => {
@@ -812,4 +828,286 @@ fn span_of(root: &toml_edit::Table, path: &KeyPath) -> Option<usize> {
         }
     }
     best
+}
+
+/// Expected kind of a value in the shape pre-pass.
+#[derive(Clone, Copy)]
+enum Kind {
+    Int,
+    Str,
+    Bool,
+    /// A string that parses as `IP:PORT`.
+    Addr,
+    /// "tcp" or "udp".
+    Proto,
+    Table,
+    Tables,
+}
+
+const DAEMON_KEYS: &[(&str, Kind)] = &[
+    ("workers", Kind::Int),
+    ("shared_table_buckets", Kind::Int),
+    ("own_tables_budget", Kind::Int),
+    ("max_connections", Kind::Int),
+    ("buffer_size", Kind::Int),
+    ("notsent_lowat", Kind::Int),
+    ("drain_timeout", Kind::Str),
+    ("access_log", Kind::Bool),
+];
+const ADMIN_KEYS: &[(&str, Kind)] = &[
+    ("listen", Kind::Str),
+    ("token", Kind::Str),
+    ("token_file", Kind::Str),
+    ("readonly_token", Kind::Str),
+    ("metrics_public", Kind::Bool),
+];
+const TENANT_KEYS: &[(&str, Kind)] = &[
+    ("name", Kind::Str),
+    ("table_entries", Kind::Int),
+    ("max_connections", Kind::Int),
+    ("max_new_per_s", Kind::Int),
+    ("token", Kind::Str),
+];
+const SERVICE_KEYS: &[(&str, Kind)] = &[
+    ("tenant", Kind::Str),
+    ("name", Kind::Str),
+    ("protocol", Kind::Proto),
+    ("listen", Kind::Addr),
+    ("scheduler", Kind::Str),
+    ("persistence", Kind::Str),
+    ("persistence_netmask", Kind::Str),
+    ("connect_timeout", Kind::Str),
+    ("expire_nodest_conn", Kind::Bool),
+    ("mh_fallback", Kind::Bool),
+    ("udp_responses", Kind::Int),
+    ("udp_timeout", Kind::Str),
+    ("udp_max_sessions_per_client", Kind::Int),
+    ("health", Kind::Table),
+    ("backend", Kind::Tables),
+];
+const HEALTH_KEYS: &[(&str, Kind)] = &[
+    ("interval", Kind::Str),
+    ("timeout", Kind::Str),
+    ("rise", Kind::Int),
+    ("fall", Kind::Int),
+];
+const BACKEND_KEYS: &[(&str, Kind)] = &[
+    ("address", Kind::Addr),
+    ("weight", Kind::Int),
+    ("proxy_protocol", Kind::Str),
+    ("max_connections", Kind::Int),
+];
+
+type ShapeProblem = (String, Option<usize>, String);
+
+fn shape_problems(root: &toml_edit::Table) -> Vec<ShapeProblem> {
+    let mut out = Vec::new();
+    let root_keys = [
+        ("daemon", Kind::Table),
+        ("admin", Kind::Table),
+        ("tenant", Kind::Tables),
+        ("service", Kind::Tables),
+    ];
+    check_table(root, "", &root_keys, &[], &mut out);
+    let sub = |key: &str| root.get(key);
+    if let Some(t) = sub("daemon").and_then(|i| i.as_table_like()) {
+        check_table(t, "daemon", DAEMON_KEYS, &[], &mut out);
+    }
+    if let Some(t) = sub("admin").and_then(|i| i.as_table_like()) {
+        check_table(t, "admin", ADMIN_KEYS, &[], &mut out);
+    }
+    for (i, t) in tables(sub("tenant")).into_iter().enumerate() {
+        check_table(t, &format!("tenant[{i}]"), TENANT_KEYS, &["name"], &mut out);
+    }
+    for (i, t) in tables(sub("service")).into_iter().enumerate() {
+        let base = format!("service[{i}]");
+        check_table(
+            t,
+            &base,
+            SERVICE_KEYS,
+            &["name", "protocol", "listen"],
+            &mut out,
+        );
+        if let Some(h) = t.get("health").and_then(|i| i.as_table_like()) {
+            check_table(h, &format!("{base}.health"), HEALTH_KEYS, &[], &mut out);
+        }
+        for (j, b) in tables(t.get("backend")).into_iter().enumerate() {
+            check_table(
+                b,
+                &format!("{base}.backend[{j}]"),
+                BACKEND_KEYS,
+                &["address"],
+                &mut out,
+            );
+        }
+    }
+    out
+}
+
+fn tables(item: Option<&toml_edit::Item>) -> Vec<&dyn toml_edit::TableLike> {
+    match item {
+        Some(toml_edit::Item::ArrayOfTables(a)) => {
+            a.iter().map(|t| t as &dyn toml_edit::TableLike).collect()
+        }
+        Some(toml_edit::Item::Value(toml_edit::Value::Array(a))) => a
+            .iter()
+            .filter_map(|v| v.as_inline_table())
+            .map(|t| t as &dyn toml_edit::TableLike)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn check_table(
+    t: &dyn toml_edit::TableLike,
+    base: &str,
+    known: &[(&str, Kind)],
+    required: &[&str],
+    out: &mut Vec<ShapeProblem>,
+) {
+    let path = |k: &str| {
+        if base.is_empty() {
+            k.to_owned()
+        } else {
+            format!("{base}.{k}")
+        }
+    };
+    let table_offset = t
+        .iter()
+        .next()
+        .and_then(|(k, _)| t.get_key_value(k))
+        .and_then(|(k, _)| k.span())
+        .map(|s| s.start);
+    for (key, item) in t.iter() {
+        let offset = t
+            .get_key_value(key)
+            .and_then(|(k, i)| k.span().or_else(|| i.span()))
+            .map(|s| s.start);
+        let Some((_, kind)) = known.iter().find(|(k, _)| *k == key) else {
+            let names: Vec<&str> = known.iter().map(|(k, _)| *k).collect();
+            out.push((
+                path(key),
+                offset,
+                format!("unknown key; known keys here: {}", names.join(", ")),
+            ));
+            continue;
+        };
+        let v = item.as_value();
+        let ok = match kind {
+            Kind::Int => v.is_some_and(|v| v.as_integer().is_some_and(|i| i >= 0)),
+            Kind::Str => v.is_some_and(|v| v.is_str()),
+            Kind::Bool => v.is_some_and(|v| v.is_bool()),
+            Kind::Addr => v
+                .and_then(|v| v.as_str())
+                .is_some_and(|s| s.parse::<SocketAddr>().is_ok()),
+            Kind::Proto => v
+                .and_then(|v| v.as_str())
+                .is_some_and(|s| s == "tcp" || s == "udp"),
+            Kind::Table => item.is_table_like(),
+            Kind::Tables => !tables(Some(item)).is_empty() || item.is_array_of_tables(),
+        };
+        if !ok {
+            let want = match kind {
+                Kind::Int => "a non-negative integer, e.g. 4",
+                Kind::Str => "a string in quotes",
+                Kind::Bool => "true or false",
+                Kind::Addr => "\"IP:PORT\", e.g. \"127.0.0.1:8080\" or \"[::1]:8080\"",
+                Kind::Proto => "\"tcp\" or \"udp\"",
+                Kind::Table => "a table, e.g. [section]",
+                Kind::Tables => "an array of tables, e.g. [[section]]",
+            };
+            out.push((path(key), offset, format!("expected {want}")));
+        }
+    }
+    for r in required {
+        if !t.contains_key(r) {
+            out.push((
+                path(r),
+                table_offset,
+                "required key is missing; see examples/weir.toml".into(),
+            ));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every field of the config structs must be known to the shape
+    /// pre-pass: serialise a config with every option set and parse it back.
+    #[test]
+    fn shape_prepass_knows_every_field() {
+        let svc = ServiceSpec {
+            tenant: "t".into(),
+            name: "s".into(),
+            protocol: Protocol::Udp,
+            listen: "127.0.0.1:53".parse().unwrap(),
+            scheduler: "mh".into(),
+            persistence: "10s".into(),
+            persistence_netmask: Some("255.255.255.0".into()),
+            options: ServiceOptions {
+                connect_timeout: Some("1s".into()),
+                expire_nodest_conn: true,
+                mh_fallback: true,
+                udp_responses: Some(1),
+                udp_timeout: Some("5s".into()),
+                udp_max_sessions_per_client: 3,
+                health: Some(HealthSpec::default()),
+            },
+            backends: vec![BackendSpec {
+                address: "127.0.0.1:1053".parse().unwrap(),
+                weight: 2,
+                proxy_protocol: None,
+                max_connections: 9,
+            }],
+        };
+        let cfg = Config {
+            daemon: DaemonConfig::default(),
+            admin: AdminConfig {
+                token: Some("x".into()),
+                readonly_token: Some("y".into()),
+                ..AdminConfig::default()
+            },
+            tenants: vec![TenantSpec {
+                name: "t".into(),
+                table_entries: 1024,
+                max_connections: 1,
+                max_new_per_s: 1,
+                token: Some("z".into()),
+            }],
+            services: vec![svc],
+        };
+        let text = toml::to_string(&cfg).unwrap();
+        let parsed = parse(&text, "x.toml").unwrap_or_else(|e| panic!("{e:?}\n{text}"));
+        assert_eq!(parsed, cfg);
+    }
+
+    #[test]
+    fn shape_errors_are_all_reported() {
+        let text = "[daemon]\nworkers = \"two\"\nbogus = 1\n[[service]]\nname = \"a\"\nlisten = \"nowhere\"\n";
+        let errs = parse(text, "f.toml").unwrap_err();
+        let got: Vec<String> = errs.iter().map(ToString::to_string).collect();
+        assert!(
+            got.iter()
+                .any(|e| e.starts_with("f.toml:2: daemon.workers: expected")),
+            "{got:?}"
+        );
+        assert!(
+            got.iter()
+                .any(|e| e.starts_with("f.toml:3: daemon.bogus: unknown key")),
+            "{got:?}"
+        );
+        assert!(
+            got.iter()
+                .any(|e| e.starts_with("f.toml:6: service[0].listen: expected")),
+            "{got:?}"
+        );
+        assert!(
+            got.iter()
+                .any(|e| e.contains("service[0].protocol: required")),
+            "{got:?}"
+        );
+        assert_eq!(got.len(), 4, "{got:?}");
+    }
 }
