@@ -277,3 +277,38 @@ fn sighup_reloads_and_sigterm_drains() {
         "{line}"
     );
 }
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Measurement for docs/daemon.md: resident memory of the daemon per
+/// established idle connection (user space: task, two buffers, registry and
+/// flow-table entry). `cargo test --release -p weir --test daemon_cli rss -- --ignored --nocapture`
+#[test]
+#[ignore = "measurement, prints figures"]
+fn rss_per_idle_connection() {
+    let e = Echo::start();
+    let vip = free_addr();
+    let p = tmp_file("rss.toml", &run_config(vip, e.addr, ""));
+    let child = spawn_run(&p, None);
+    assert!(wait_until(T, || echo_once(vip, b"up")));
+    let pid = child.0.id();
+    let mut held_conns = Vec::new();
+    let before = rss_kib(pid);
+    for n in [500usize, 1000, 2000] {
+        while held_conns.len() < n {
+            held_conns.push(held(vip));
+        }
+        let rss = rss_kib(pid);
+        eprintln!(
+            "{n} idle connections: RSS {rss} KiB, {:.1} KiB per connection over the {before} KiB baseline",
+            (rss.saturating_sub(before)) as f64 / n as f64
+        );
+    }
+}
