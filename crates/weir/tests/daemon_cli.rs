@@ -299,16 +299,45 @@ fn rss_per_idle_connection() {
     let child = spawn_run(&p, None);
     assert!(wait_until(T, || echo_once(vip, b"up")));
     let pid = child.0.id();
-    let mut held_conns = Vec::new();
+    let base_accepted = e.accepted.load(std::sync::atomic::Ordering::Relaxed);
     let before = rss_kib(pid);
-    for n in [500usize, 1000, 2000] {
-        while held_conns.len() < n {
-            held_conns.push(held(vip));
+    // Phase 1: connected, no byte sent yet (wait until weir has connected
+    // every one to the backend).
+    let n = 1000u64;
+    // In batches of 100: the test backend's accept backlog is 128.
+    let mut conns: Vec<TcpStream> = Vec::new();
+    while (conns.len() as u64) < n {
+        for _ in 0..100 {
+            conns.push(TcpStream::connect(vip).unwrap());
         }
-        let rss = rss_kib(pid);
-        eprintln!(
-            "{n} idle connections: RSS {rss} KiB, {:.1} KiB per connection over the {before} KiB baseline",
-            (rss.saturating_sub(before)) as f64 / n as f64
+        let want = base_accepted + conns.len() as u64;
+        let ok = wait_until(T, || {
+            e.accepted.load(std::sync::atomic::Ordering::Relaxed) >= want
+        });
+        assert!(
+            ok,
+            "backend accepted {} of {}",
+            e.accepted.load(std::sync::atomic::Ordering::Relaxed) - base_accepted,
+            conns.len()
         );
     }
+    let idle = rss_kib(pid);
+    // Phase 2: the same connections after one small echo each.
+    for s in conns.iter_mut() {
+        s.set_read_timeout(Some(T)).unwrap();
+        s.write_all(b"hi").unwrap();
+        let mut b = [0u8; 2];
+        s.read_exact(&mut b).unwrap();
+    }
+    let used = rss_kib(pid);
+    let per = |rss: u64| rss.saturating_sub(before) as f64 / n as f64;
+    eprintln!("baseline RSS {before} KiB");
+    eprintln!(
+        "{n} connections, no data yet: RSS {idle} KiB, {:.1} KiB per connection",
+        per(idle)
+    );
+    eprintln!(
+        "{n} connections after one echo: RSS {used} KiB, {:.1} KiB per connection",
+        per(used)
+    );
 }

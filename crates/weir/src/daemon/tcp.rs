@@ -194,8 +194,16 @@ async fn pump(
     entry: &ConnEntry,
     inbound: bool,
 ) -> End {
-    let mut buf = vec![0u8; buf_size];
+    // The buffer is allocated when the first bytes arrive, so a connection
+    // that idles from the start holds none.
+    let mut buf: Vec<u8> = Vec::new();
     loop {
+        if buf.is_empty() {
+            if from.as_ref().readable().await.is_err() {
+                return End::Error;
+            }
+            buf = vec![0u8; buf_size];
+        }
         let n = match from.read(&mut buf).await {
             Ok(0) => {
                 let _ = to.shutdown().await;
