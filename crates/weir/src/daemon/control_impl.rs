@@ -178,11 +178,10 @@ impl Control for LiveControl {
         // connections and sessions those entries belong to.
         let mut purged = Vec::new();
         let _ = self.0.table.remove_tenant(TenantId(t.id), &mut purged);
-        let reg = self.0.registry.lock();
         let mut closed = 0u64;
         for snap in purged.iter().filter(|s| s.state != FlowState::Persist) {
             closed += 1;
-            if let Some(e) = reg.get(&snap.cookie.0) {
+            if let Some(e) = self.0.registry.get(snap.cookie.0) {
                 e.kill("tenant_deleted");
             }
         }
@@ -383,7 +382,7 @@ impl Control for LiveControl {
                 }
                 // Entries carry their own service timeout (UDP, templates),
                 // which may be shorter than the table's per-tenant one.
-                let expires = match self.0.registry.lock().get(&snap.cookie.0) {
+                let expires = match self.0.registry.get(snap.cookie.0) {
                     Some(e) => e.last_active.load(Relaxed) + e.timeout_ms.load(Relaxed),
                     None if snap.state == FlowState::Persist => {
                         snap.last_active.0 + svc.params.read().persistence.as_millis() as u64
@@ -412,7 +411,7 @@ impl Control for LiveControl {
     }
 
     fn kill(&self, cookie: u64) -> ControlResult<()> {
-        match self.0.registry.lock().get(&cookie) {
+        match self.0.registry.get(cookie) {
             Some(e) => {
                 e.kill("killed");
                 Ok(())

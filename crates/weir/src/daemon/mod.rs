@@ -14,12 +14,15 @@
 //!   only on control operations; each service holds its backend set and its
 //!   scheduler behind an `RwLock<Arc<..>>` that a new connection clones once,
 //!   so edits apply to the next connection and never disturb established ones.
-//! * **Connection registry.** Every proxied TCP connection and UDP session
-//!   has a [`ConnEntry`] in a cookie-ordered registry: it carries the key,
-//!   state, byte counters and a cancellation token, so listing, kill-by-cookie,
-//!   backend removal (`expire_nodest_conn`) and tenant deletion can find and
-//!   close the socket. Listing pages by cookie, which is exact and resumable
-//!   under concurrent change (entries never move).
+//! * **Flow table.** Every TCP connection, UDP session and persistence
+//!   template is an entry of `weir-flowtable` (per-tenant own tables,
+//!   bounded expiry, exact resumable dumps for listings).
+//! * **Connection registry.** The table has no cookie → socket index, so
+//!   every connection and session also has a [`ConnEntry`] in a registry
+//!   sharded by cookie (64 mutex-protected maps, so workers setting up and
+//!   tearing down connections rarely meet): it carries the key, state, byte
+//!   counters and a cancellation token, so kill-by-cookie, expiry, backend
+//!   removal (`expire_nodest_conn`) and tenant deletion can close the socket.
 //! * **Bounded buffering.** Each direction of a TCP connection owns one
 //!   `buffer_size` buffer and reads again only after the previous bytes were
 //!   fully written; both sockets get `TCP_NOTSENT_LOWAT`, and the backend
@@ -137,7 +140,7 @@ impl Daemon {
             daemon_cfg: config.daemon.clone(),
             admin_cfg: config.admin.clone(),
             state: RwLock::new(State::default()),
-            registry: Mutex::new(BTreeMap::new()),
+            registry: Registry::default(),
             table: FlowTable::new(TableConfig {
                 shared_buckets: config.daemon.shared_table_buckets,
                 memory_budget: config.daemon.own_tables_budget,
@@ -338,7 +341,7 @@ fn expiry_main(shared: Weak<Shared>, stop: Arc<AtomicBool>) {
             let n = shared.table.expire(now, 4096, &mut out);
             for snap in &out {
                 if snap.state != FlowState::Persist
-                    && let Some(e) = shared.registry.lock().get(&snap.cookie.0)
+                    && let Some(e) = shared.registry.get(snap.cookie.0)
                 {
                     e.kill("idle_timeout");
                 }
@@ -361,7 +364,7 @@ pub(crate) struct Shared {
     admin_cfg: crate::config::AdminConfig,
     pub(crate) state: RwLock<State>,
     /// cookie → connection; ordered so listings page exactly by cookie.
-    pub(crate) registry: Mutex<BTreeMap<u64, Arc<ConnEntry>>>,
+    pub(crate) registry: Registry,
     /// The flow table: connections, UDP sessions and persistence templates.
     pub(crate) table: FlowTable,
     next_id: AtomicU32,
@@ -576,6 +579,50 @@ impl ConnEntry {
     }
 }
 
+const REGISTRY_SHARDS: usize = 64;
+
+/// cookie → connection, sharded by cookie (a power of two of shards).
+#[derive(Debug)]
+pub(crate) struct Registry {
+    shards: Vec<Mutex<HashMap<u64, Arc<ConnEntry>>>>,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        const { assert!(REGISTRY_SHARDS.is_power_of_two()) };
+        Self {
+            shards: (0..REGISTRY_SHARDS)
+                .map(|_| Mutex::new(HashMap::new()))
+                .collect(),
+        }
+    }
+}
+
+impl Registry {
+    fn shard(&self, cookie: u64) -> &Mutex<HashMap<u64, Arc<ConnEntry>>> {
+        // Cookies come from the flow table (not from peers): the low bits
+        // spread well enough without a keyed hash.
+        &self.shards[(cookie as usize) & (REGISTRY_SHARDS - 1)]
+    }
+    pub(crate) fn get(&self, cookie: u64) -> Option<Arc<ConnEntry>> {
+        self.shard(cookie).lock().get(&cookie).cloned()
+    }
+    fn insert(&self, e: Arc<ConnEntry>) {
+        self.shard(e.cookie).lock().insert(e.cookie, e);
+    }
+    fn remove(&self, cookie: u64) {
+        self.shard(cookie).lock().remove(&cookie);
+    }
+    /// Visit every entry (one shard locked at a time).
+    pub(crate) fn for_each(&self, mut f: impl FnMut(&ConnEntry)) {
+        for s in &self.shards {
+            for e in s.lock().values() {
+                f(e);
+            }
+        }
+    }
+}
+
 /// Admission check result.
 #[derive(Debug)]
 pub(crate) enum Refusal {
@@ -678,7 +725,7 @@ impl Shared {
             Err(weir_flowtable::InsertError::Exists(old)) => {
                 // A stale entry for the same 4-tuple (its task is ending):
                 // close it and take the key over.
-                if let Some(e) = self.registry.lock().get(&old.0) {
+                if let Some(e) = self.registry.get(old.0) {
                     e.kill("replaced");
                 }
                 self.table.remove(&key);
@@ -710,7 +757,7 @@ impl Shared {
             cancel: self.kill_all.child_token(),
             cancel_reason: Mutex::new("killed"),
         });
-        self.registry.lock().insert(cookie.0, e.clone());
+        self.registry.insert(e.clone());
         self.stat.conn();
         svc.tenant.stat.conn();
         svc.stat.conn();
@@ -720,7 +767,7 @@ impl Shared {
 
     /// Remove a connection from the registry and fix the counts.
     pub(crate) fn unregister(&self, e: &ConnEntry, reason: &str) {
-        self.registry.lock().remove(&e.cookie);
+        self.registry.remove(e.cookie);
         if self
             .table
             .get(&e.key)
@@ -790,14 +837,13 @@ impl Shared {
         reason: &'static str,
         pred: impl Fn(&ConnEntry) -> bool,
     ) -> u64 {
-        let reg = self.registry.lock();
         let mut n = 0;
-        for e in reg.values() {
+        self.registry.for_each(|e| {
             if pred(e) {
                 e.kill(reason);
                 n += 1;
             }
-        }
+        });
         n
     }
 
