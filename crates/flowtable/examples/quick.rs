@@ -93,7 +93,29 @@ fn main() {
         t.memory_bytes() as f64 / n as f64
     );
     let only = std::env::var("QUICK_ONLY").unwrap_or_default();
-    let ops = if only == "dump" { 0 } else { 2_000_000u64 };
+    let ops: u64 = std::env::var("QUICK_OPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2_000_000);
+    let ops = if only == "dump" { 0 } else { ops };
+    // Single-operation modes for instruction / cache-miss counting: run once
+    // with QUICK_OPS=0 and once with QUICK_OPS=N under `perf stat` and divide
+    // the difference by N (the build phase is deterministic for a seed).
+    match only.as_str() {
+        "get" | "touch" | "miss" => {
+            let mut found = 0u64;
+            for j in 0..ops {
+                found += u64::from(match only.as_str() {
+                    "get" => t.get(&key(mix(j) % n)).is_some(),
+                    "touch" => t.touch(&key(mix(j) % n), Millis(1), Dir::In, 10).is_some(),
+                    _ => t.get(&key(n + mix(j) % n)).is_some(),
+                });
+            }
+            println!("{only} x {ops}: found {found}");
+            return;
+        }
+        _ => {}
+    }
     if only == "churn" {
         let t0 = now();
         for j in 0..ops {

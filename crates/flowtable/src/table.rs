@@ -58,8 +58,7 @@ pub(crate) struct Table {
     mask: u64,
     stripes: Box<[CachePadded<Stripe>]>,
     stripe_mask: usize,
-    k0: u64,
-    k1: u64,
+    hash: crate::hash::KeyedHash,
     pub(crate) max_chain: usize,
     pool: Arc<FreePool>,
 }
@@ -202,8 +201,7 @@ impl Table {
             mask: (buckets - 1) as u64,
             stripe_mask: stripes.len() - 1,
             stripes,
-            k0: keys.0,
-            k1: keys.1,
+            hash: crate::hash::KeyedHash::new(keys.0, keys.1),
             max_chain,
             pool,
         })
@@ -213,21 +211,17 @@ impl Table {
         self.heads.len()
     }
 
-    /// Keyed SipHash-1-3 of the full key, salted with the tenant's salt.
+    /// Keyed hash (see `hash.rs`) of the full key, salted with the tenant's
+    /// salt (which stands for the tenant: distinct salts per tenant).
     #[inline]
     pub(crate) fn locate(&self, k: &PackedKey, salt: u64) -> Loc {
-        let h = crate::hash::sip13_6(
-            self.k0,
-            self.k1,
-            [
-                salt ^ (u64::from(k.tenant) << 32 | u64::from(k.bits)),
-                u64::from(k.ports),
-                k.caddr[0],
-                k.caddr[1],
-                k.vaddr[0],
-                k.vaddr[1],
-            ],
-        );
+        let h = self.hash.hash5([
+            salt ^ (u64::from(k.ports) << 32 | u64::from(k.bits)),
+            k.caddr[0],
+            k.caddr[1],
+            k.vaddr[0],
+            k.vaddr[1],
+        ]);
         let bucket = (h & self.mask) as usize;
         Loc {
             bucket,
