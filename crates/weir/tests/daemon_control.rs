@@ -63,6 +63,15 @@ fn editing_a_service_keeps_established_connections() {
     assert_eq!(rc.services[0].backends[0].address, b.addr);
     assert_eq!(rc.services[0].backends[0].weight, 7);
     assert_eq!(rc.services[0].listen, vip, "the bound port is kept");
+    // A new scheduler also keeps the established connection.
+    let mut spec = rc.services[0].clone();
+    spec.scheduler = "wlc".into();
+    c.edit_service("default", "e", spec).unwrap();
+    assert_eq!(c.services()[0].scheduler, "wlc");
+    assert!(echo_once(vip, b"after"));
+    old.write_all(b"again").unwrap();
+    old.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"again");
     // And it is a valid config.
     assert!(weir::config::validate(&rc).is_empty());
     d.shutdown();

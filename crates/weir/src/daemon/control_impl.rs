@@ -218,16 +218,23 @@ impl Control for LiveControl {
         let rebind = cur.protocol != spec.protocol
             || (cur.listen != spec.listen
                 && !(spec.listen.port() == 0 && cur.listen.ip() == spec.listen.ip()));
-        if rebind
-            || cur.scheduler != spec.scheduler
-            || cur.options.mh_fallback != spec.options.mh_fallback
-        {
-            // A new address or algorithm: replace the service (its
+        if rebind {
+            // A new address or protocol: replace the service (its
             // connections close).
             self.remove_service(&(tenant.to_owned(), name.to_owned()));
             return self.0.add_service(spec);
         }
         let params = service_params(&spec)?;
+        if cur.scheduler != spec.scheduler || cur.options.mh_fallback != spec.options.mh_fallback {
+            // A new algorithm: a fresh scheduler over the same live backends
+            // (no history to carry over); connections are untouched.
+            let old = svc.set.read().clone();
+            let sched = super::build_sched(&spec, &old.backends)?;
+            *svc.set.write() = Arc::new(BackendSet {
+                sched,
+                backends: old.backends.clone(),
+            });
+        }
         *svc.params.write() = Arc::new(params);
         let backends = spec.backends.clone();
         {
