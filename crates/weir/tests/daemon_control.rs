@@ -274,3 +274,45 @@ fn ipv6_service() {
     assert!(echo_once(vip, b"six6"));
     d.shutdown();
 }
+
+#[test]
+fn reload_with_a_busy_address_applies_nothing() {
+    let e = Echo::start();
+    let dir = std::env::temp_dir().join(format!("weir-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("r.toml");
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let free = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let svc = |name: &str, listen: std::net::SocketAddr| {
+        format!(
+            "[[service]]\nname = \"{name}\"\nprotocol = \"tcp\"\nlisten = \"{listen}\"\n  [[service.backend]]\n  address = \"{}\"\n",
+            e.addr
+        )
+    };
+    std::fs::write(&path, "[daemon]\nworkers = 1\n").unwrap();
+    let d = Daemon::start(weir::config::load(&path).unwrap(), Some(path.clone())).unwrap();
+    let c = d.control();
+    // One new service on a free port, one on a port another socket holds.
+    let text = format!(
+        "[daemon]\nworkers = 1\n{}{}",
+        svc("ok", free),
+        svc("busy", busy.local_addr().unwrap())
+    );
+    std::fs::write(&path, text).unwrap();
+    let errs = c.reload().unwrap_err();
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert!(errs[0].contains("busy"), "{errs:?}");
+    assert!(c.services().is_empty(), "a partial reload was applied");
+    // A bad file: every error, nothing applied.
+    std::fs::write(&path, "[daemon]\nworkers = \"x\"\nbogus = 1\n").unwrap();
+    assert_eq!(c.reload().unwrap_err().len(), 2);
+    // Fixed: applied.
+    drop(busy);
+    std::fs::write(&path, format!("[daemon]\nworkers = 1\n{}", svc("ok", free))).unwrap();
+    c.reload().unwrap();
+    assert!(echo_once(free, b"ok"));
+    d.shutdown();
+}

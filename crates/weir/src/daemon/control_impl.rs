@@ -529,7 +529,37 @@ impl Control for LiveControl {
         };
         let new = config::load(&path)
             .map_err(|errs| errs.iter().map(ToString::to_string).collect::<Vec<_>>())?;
+        // Pre-flight: every address a new (or moved) service needs must be
+        // free, else nothing is applied.
         let mut errors = Vec::new();
+        for s in &new.services {
+            let cur = self.service(&s.tenant, &s.name).ok();
+            let moves = cur.as_ref().is_none_or(|c| {
+                let c = c.spec.read();
+                c.protocol != s.protocol || (c.listen != s.listen && s.listen.port() != 0)
+            });
+            let taken_by_us = self
+                .0
+                .state
+                .read()
+                .services
+                .values()
+                .any(|o| o.listen == s.listen && o.spec.read().protocol == s.protocol);
+            if moves && s.listen.port() != 0 && !taken_by_us {
+                if let Err(e) = super::open_sockets(s.protocol, s.listen, 1) {
+                    errors.push(format!(
+                        "service {}/{}: cannot listen on {} {}: {e}",
+                        s.tenant,
+                        s.name,
+                        config::protocol_name(s.protocol),
+                        s.listen
+                    ));
+                }
+            }
+        }
+        if !errors.is_empty() {
+            return Err(errors);
+        }
         // Tenants: add new, update limits of existing, delete missing (after services).
         let live: Vec<String> = self.0.state.read().tenants.keys().cloned().collect();
         for t in &new.tenants {

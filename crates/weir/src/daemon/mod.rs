@@ -1249,7 +1249,7 @@ pub(crate) enum ListenSocket {
 
 /// One `SO_REUSEPORT` socket per worker on `addr`; port 0 is resolved by
 /// the first socket and reused by the others.
-fn open_sockets(
+pub(crate) fn open_sockets(
     proto: Protocol,
     addr: SocketAddr,
     n: usize,
