@@ -545,16 +545,18 @@ impl Control for LiveControl {
                 .services
                 .values()
                 .any(|o| o.listen == s.listen && o.spec.read().protocol == s.protocol);
-            if moves && s.listen.port() != 0 && !taken_by_us {
-                if let Err(e) = super::open_sockets(s.protocol, s.listen, 1) {
-                    errors.push(format!(
-                        "service {}/{}: cannot listen on {} {}: {e}",
-                        s.tenant,
-                        s.name,
-                        config::protocol_name(s.protocol),
-                        s.listen
-                    ));
-                }
+            if moves
+                && s.listen.port() != 0
+                && !taken_by_us
+                && let Err(e) = super::open_sockets(s.protocol, s.listen, 1)
+            {
+                errors.push(format!(
+                    "service {}/{}: cannot listen on {} {}: {e}",
+                    s.tenant,
+                    s.name,
+                    config::protocol_name(s.protocol),
+                    s.listen
+                ));
             }
         }
         if !errors.is_empty() {
