@@ -316,3 +316,48 @@ fn reload_with_a_busy_address_applies_nothing() {
     assert!(echo_once(free, b"ok"));
     d.shutdown();
 }
+
+#[test]
+fn many_udp_clients_across_workers() {
+    let (b1, b2) = (udp_echo(), udp_echo());
+    let d = Daemon::start(
+        config(vec![service(
+            "mu",
+            Protocol::Udp,
+            "rr",
+            vec![backend(b1, 1), backend(b2, 1)],
+        )]),
+        None,
+    )
+    .unwrap();
+    let vip = d.service_addr("default", "mu").unwrap();
+    let clients: Vec<UdpSocket> = (0..50)
+        .map(|_| {
+            let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            s
+        })
+        .collect();
+    let mut buf = [0u8; 64];
+    for round in 0..20u32 {
+        for (i, c) in clients.iter().enumerate() {
+            let msg = format!("{i}-{round}");
+            c.send_to(msg.as_bytes(), vip).unwrap();
+            let (n, from) = c.recv_from(&mut buf).unwrap();
+            assert_eq!(from, vip);
+            assert_eq!(&buf[..n], msg.as_bytes());
+        }
+    }
+    let c = d.control();
+    let g = c.global_stats();
+    assert_eq!(g.stats.conns, 50, "one session per client");
+    assert_eq!(g.stats.inpkts, 1000);
+    assert_eq!(g.stats.outpkts, 1000);
+    let per: Vec<u64> = c.services()[0]
+        .backends
+        .iter()
+        .map(|b| b.stats.conns)
+        .collect();
+    assert_eq!(per, vec![25, 25]);
+    d.shutdown();
+}

@@ -414,8 +414,6 @@ pub(crate) struct Service {
     pub(crate) stat: Stat,
     /// Cancels listeners and health checks.
     pub(crate) cancel: CancellationToken,
-    /// UDP sessions by client address.
-    pub(crate) udp_sessions: Mutex<HashMap<SocketAddr, Arc<udp::Session>>>,
     /// UDP sessions per client IP (for `udp_max_sessions_per_client`).
     pub(crate) udp_per_client: Mutex<HashMap<IpAddr, u64>>,
     health_cancel: Mutex<CancellationToken>,
@@ -978,7 +976,6 @@ impl Shared {
             set: RwLock::new(Arc::new(BackendSet { sched, backends })),
             stat: self.rates.stat(),
             cancel: CancellationToken::new(),
-            udp_sessions: Mutex::new(HashMap::new()),
             udp_per_client: Mutex::new(HashMap::new()),
             health_cancel: Mutex::new(CancellationToken::new()),
         });

@@ -3,6 +3,7 @@
 //! service's own listening socket (so they come from the virtual address),
 //! idle expiry and an optional expected-responses count.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
@@ -20,6 +21,8 @@ use crate::config::Protocol;
 pub(crate) struct Session {
     entry: Arc<ConnEntry>,
     sock: Arc<UdpSocket>,
+    /// Set when the session task ended (the recv loop then forgets it).
+    done: std::sync::atomic::AtomicBool,
 }
 
 const MAX_DATAGRAM: usize = 65_536;
@@ -27,6 +30,12 @@ const MAX_DATAGRAM: usize = 65_536;
 pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Arc<UdpSocket>) {
     let mut buf = vec![0u8; MAX_DATAGRAM];
     let mut rng = weir_sched::SplitMix64::new(super::rng_seed());
+    // This worker's sessions. SO_REUSEPORT hashes a client's 4-tuple to one
+    // socket, so a client's datagrams always reach the same worker and the
+    // map needs no lock; ended sessions are swept when the map has doubled
+    // since the last sweep (amortised O(1) per datagram).
+    let mut sessions: HashMap<SocketAddr, Arc<Session>> = HashMap::new();
+    let mut sweep_at = 64usize;
     loop {
         let (n, peer) = tokio::select! {
             _ = svc.cancel.cancelled() => return,
@@ -46,22 +55,27 @@ pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Ar
             .table
             .touch(&key, Millis(shared.now_ms()), Dir::In, n as u64);
         let existing = match hit {
-            Some((cookie, _)) => svc
-                .udp_sessions
-                .lock()
+            Some((cookie, _)) => sessions
                 .get(&peer)
                 .filter(|s| s.entry.cookie == cookie.0)
                 .cloned(),
             None => None,
         };
         let (sess, touched) = match existing {
-            Some(s) if !s.entry.cancel.is_cancelled() => (s, true),
+            Some(s) if !s.done.load(Relaxed) && !s.entry.cancel.is_cancelled() => (s, true),
             _ => {
                 if shared.stop_accept.is_cancelled() {
                     continue;
                 }
                 match new_session(&shared, &svc, &listen, peer, &mut rng).await {
-                    Some(s) => (s, false),
+                    Some(s) => {
+                        sessions.insert(peer, s.clone());
+                        if sessions.len() >= sweep_at {
+                            sessions.retain(|_, s| !s.done.load(Relaxed));
+                            sweep_at = (sessions.len() * 2).max(64);
+                        }
+                        (s, false)
+                    }
                     None => continue,
                 }
             }
@@ -142,8 +156,8 @@ async fn new_session(
     let sess = Arc::new(Session {
         entry,
         sock: Arc::new(sock),
+        done: std::sync::atomic::AtomicBool::new(false),
     });
-    svc.udp_sessions.lock().insert(peer, sess.clone());
     *svc.udp_per_client.lock().entry(peer.ip()).or_default() += 1;
     tokio::spawn(session_task(
         shared.clone(),
@@ -192,15 +206,7 @@ async fn session_task(
             }
         }
     };
-    {
-        let mut map = svc.udp_sessions.lock();
-        if map
-            .get(&peer)
-            .is_some_and(|s| s.entry.cookie == entry.cookie)
-        {
-            map.remove(&peer);
-        }
-    }
+    sess.done.store(true, Relaxed);
     {
         let mut pc = svc.udp_per_client.lock();
         if let Some(n) = pc.get_mut(&peer.ip()) {
