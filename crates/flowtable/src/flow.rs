@@ -633,6 +633,15 @@ impl FlowTable {
         Some(map.map.get(&id.0)?.wheel.lock().refs())
     }
 
+    /// References waiting in the stripes' to-be-filed lists of a tenant's
+    /// table (shared by all sharing tenants), live and stale.
+    #[doc(hidden)]
+    pub fn pending_filing_refs(&self, id: TenantId) -> Option<usize> {
+        let guard = epoch::pin();
+        let map = self.tenants.load(&guard);
+        Some(map.map.get(&id.0)?.table.pending_filing_refs())
+    }
+
     /// Tables in dump order, restricted to one tenant's table if asked.
     fn dump_tables<'a>(
         &'a self,

@@ -129,17 +129,40 @@ impl StripeState {
         }
     }
 
-    /// Records a node for filing in its tenant's wheel. Amortised O(1): the
-    /// list is compacted (dead and duplicate indices dropped) whenever it
-    /// doubles, so it stays O(live entries) even if expiry never runs.
+    /// Records a node for filing in its tenant's wheel. Amortised O(1) and
+    /// O(live entries) even if expiry never runs: when the list reaches
+    /// `compact_at`, it is compacted (dead and duplicate indices dropped,
+    /// O(n log n)) only if it holds at least `floor` = twice the stripe's
+    /// entries + 1024 references; below that it is left alone (already
+    /// O(entries)) and checked again at most 64 pushes later, so plain churn
+    /// never pays the sort. After a compaction the next one is at least the
+    /// list's length away, so compactions are amortised O(log n) per push,
+    /// and a check (reads the stripe's histogram, O(max_chain)) happens at
+    /// most every 64 pushes. The list stays below `max(2 x compacted length,
+    /// floor + 64)`.
     pub(crate) fn push_new(&mut self, idx: u32, slab: &Slab) {
         self.new_nodes.push(idx);
         if self.new_nodes.len() >= self.compact_at {
-            self.new_nodes.retain(|&i| slab.node(i).is_live());
-            self.new_nodes.sort_unstable();
-            self.new_nodes.dedup();
-            self.compact_at = (self.new_nodes.len() * 2).max(1024);
+            let floor = 2 * self.entries() + 1024;
+            let len = self.new_nodes.len();
+            self.compact_at = if len >= floor {
+                self.new_nodes.retain(|&i| slab.node(i).is_live());
+                self.new_nodes.sort_unstable();
+                self.new_nodes.dedup();
+                (self.new_nodes.len() * 2).max(floor)
+            } else {
+                floor.max(len + 64)
+            };
         }
+    }
+
+    /// Entries in this stripe's buckets (from the histogram).
+    fn entries(&self) -> usize {
+        self.hist
+            .iter()
+            .enumerate()
+            .map(|(n, &c)| n * c as usize)
+            .sum()
     }
 
     pub(crate) fn take_new(&mut self) -> Vec<u32> {
@@ -254,6 +277,14 @@ impl Table {
 
     pub(crate) fn pool(&self) -> &Arc<FreePool> {
         &self.pool
+    }
+
+    /// Nodes waiting to be filed in wheels, summed over stripes.
+    pub(crate) fn pending_filing_refs(&self) -> usize {
+        self.stripes
+            .iter()
+            .map(|s| s.lock.lock().new_nodes.len())
+            .sum()
     }
 
     /// O(stripes x max_chain): locks each stripe briefly.

@@ -410,6 +410,41 @@ fn churn_with_long_timeouts_keeps_the_wheel_small() {
     assert!(refs < 20_000, "wheel holds {refs} references for 0 entries");
 }
 
+/// Without any `expire` call, the per-stripe lists of nodes waiting to be
+/// filed must stay O(live entries) under churn and repeated `set_state`
+/// (the lists are compacted only when they outgrow the stripe's entries).
+#[test]
+fn churn_without_expiry_keeps_pending_lists_small() {
+    let t = FlowTable::with_stripes(cfg(1 << 10, 64), 1);
+    t.add_tenant(TenantId(1), TenantConfig::default()).unwrap();
+    for i in 0..100 {
+        t.insert(key(1, i), init(FlowState::Established), Millis(0))
+            .unwrap();
+    }
+    let round = |r: u64| {
+        for i in 0..100 {
+            assert!(t.remove(&key(1, i)).is_some());
+            t.insert(key(1, i), init(FlowState::Established), Millis(r))
+                .unwrap();
+            assert!(t.set_state(&key(1, i), FlowState::FinWait, Millis(r)));
+            assert!(t.set_state(&key(1, i), FlowState::Established, Millis(r)));
+        }
+    };
+    let mut most = 0;
+    // 300,000 pushes: uncompacted, the list would hold them all.
+    for r in 0..1000 {
+        round(r);
+        most = most.max(t.pending_filing_refs(TenantId(1)).unwrap());
+    }
+    // Compacted when the list reaches 2 x 100 entries + 1024 (checked at
+    // most 64 pushes late).
+    assert!(
+        most <= 2 * 100 + 1024 + 64,
+        "{most} references for 100 entries"
+    );
+    assert_eq!(t.tenant_stats(TenantId(1)).unwrap().entries, 100);
+}
+
 #[test]
 fn reader_batches_lookups() {
     let t = table_with(&[(1, 0)], cfg(16, 64));
