@@ -131,8 +131,9 @@ impl StripeState {
 
     /// Records a node for filing in its tenant's wheel. Amortised O(1) and
     /// O(live entries) even if expiry never runs: when the list reaches
-    /// `compact_at`, it is compacted (dead and duplicate indices dropped,
-    /// O(n log n)) only if it holds at least `floor` = twice the stripe's
+    /// `compact_at`, it is compacted (dead indices dropped, O(n), then
+    /// duplicates, O(n log n), if still needed) only if it holds at least
+    /// `floor` = twice the stripe's
     /// entries + 1024 references; below that it is left alone (already
     /// O(entries)) and checked again at most 64 pushes later, so plain churn
     /// never pays the sort. After a compaction the next one is at least the
@@ -147,8 +148,13 @@ impl StripeState {
             let len = self.new_nodes.len();
             self.compact_at = if len >= floor {
                 self.new_nodes.retain(|&i| slab.node(i).is_live());
-                self.new_nodes.sort_unstable();
-                self.new_nodes.dedup();
+                // Only repeated `set_state`s (or indices recycled into other
+                // stripes) leave duplicates; plain churn leaves dead nodes,
+                // which the retain alone drops, without the sort.
+                if self.new_nodes.len() >= floor {
+                    self.new_nodes.sort_unstable();
+                    self.new_nodes.dedup();
+                }
                 (self.new_nodes.len() * 2).max(floor)
             } else {
                 floor.max(len + 64)
