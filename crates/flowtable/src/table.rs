@@ -140,7 +140,8 @@ impl StripeState {
     /// list's length away, so compactions are amortised O(log n) per push,
     /// and a check (reads the stripe's histogram, O(max_chain)) happens at
     /// most every 64 pushes. The list stays below `max(2 x compacted length,
-    /// floor + 64)`.
+    /// floor + 64)` <= `2 x floor` (compacted lengths stay below `floor`
+    /// unless indices recycled into other stripes are live there).
     pub(crate) fn push_new(&mut self, idx: u32, slab: &Slab) {
         self.new_nodes.push(idx);
         if self.new_nodes.len() >= self.compact_at {
