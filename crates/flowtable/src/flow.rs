@@ -12,7 +12,7 @@ use crate::chain::{self, Scan};
 use crate::cursor::Cursor;
 use crate::node::{Arena, Node, PackedKey, Slab, UNFILED};
 use crate::raw::EpochCell;
-use crate::table::{DEFAULT_STRIPES, FreePool, Table};
+use crate::table::{DEFAULT_STRIPES, FreePool, StripeState, Table};
 use crate::types::*;
 use crate::wheel::Wheel;
 
@@ -37,7 +37,6 @@ impl Hasher for IdHasher {
 
 type IdMap<V> = hashbrown::HashMap<u32, V, BuildHasherDefault<IdHasher>>;
 
-const ENTRY_SHARDS: usize = 8;
 /// Dumps prefetch the first node of the bucket this far ahead.
 const PREFETCH_AHEAD: usize = 12;
 
@@ -50,8 +49,11 @@ struct Tenant {
     salt: u64,
     timeouts: [AtomicU64; 10],
     removed: AtomicBool,
-    /// Entry count, sharded by stripe so that two writers rarely share a line.
-    entries: Box<[CachePadded<AtomicI64>]>,
+    /// Entry count, one shard per stripe of the tenant's table, written only
+    /// under that stripe's lock: a plain load + store instead of a locked
+    /// read-modify-write (a full barrier on x86), and two writers share a
+    /// line only if their stripes are neighbours (8 per line).
+    entries: Box<[AtomicI64]>,
     refused: AtomicU64,
     wheel: Mutex<Wheel>,
     own_bytes: usize,
@@ -63,8 +65,11 @@ impl Tenant {
         self.timeouts[st.code() as usize].load(Relaxed)
     }
 
-    fn add_entries(&self, stripe: usize, d: i64) {
-        self.entries[stripe % ENTRY_SHARDS].fetch_add(d, Relaxed);
+    /// `_held` proves that the caller holds stripe `stripe`'s lock of this
+    /// tenant's table, which serialises every writer of that shard.
+    fn add_entries(&self, _held: &mut StripeState, stripe: usize, d: i64) {
+        let c = &self.entries[stripe];
+        c.store(c.load(Relaxed) + d, Relaxed);
     }
 
     fn entries(&self) -> u64 {
@@ -254,6 +259,7 @@ impl FlowTable {
             }
         };
         m.own_bytes += own_bytes;
+        let shards = table.stripes();
         let tenant = Arc::new(Tenant {
             id,
             table,
@@ -261,9 +267,7 @@ impl FlowTable {
             salt: splitmix(self.seed ^ 0x7E4A_u64 ^ u64::from(id.0)),
             timeouts: cfg.timeouts.to_array().map(AtomicU64::new),
             removed: AtomicBool::new(false),
-            entries: (0..ENTRY_SHARDS)
-                .map(|_| CachePadded::new(AtomicI64::new(0)))
-                .collect(),
+            entries: (0..shards).map(|_| AtomicI64::new(0)).collect(),
             refused: AtomicU64::new(0),
             wheel: Mutex::new(Wheel::new()),
             own_bytes,
@@ -378,8 +382,8 @@ impl FlowTable {
         st.hist_move(len, len + 1);
         st.push_new(idx, &self.slab);
         table.set_new_hint(s, &st);
+        t.add_entries(&mut st, s, 1);
         drop(st);
-        t.add_entries(s, 1);
         Ok(Cookie(cookie))
     }
 
@@ -470,8 +474,8 @@ impl FlowTable {
         let snap = n.snapshot(|s| t.timeout(s));
         st.hist_move(len, len - 1);
         st.retire(idx, &guard, t.table.pool());
+        t.add_entries(&mut st, s, -1);
         drop(st);
-        t.add_entries(s, -1);
         Some(snap)
     }
 
@@ -507,8 +511,8 @@ impl FlowTable {
         let snap = n.snapshot(|s| t.timeout(s));
         st.hist_move(len, len - 1);
         st.retire(idx, guard, t.table.pool());
+        t.add_entries(&mut st, s, -1);
         drop(st);
-        t.add_entries(s, -1);
         Unlink::Removed(snap)
     }
 
