@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use socket2::SockRef;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 use super::{ConnEntry, ConnState, Service, Shared, TCP_ESTABLISHED_TIMEOUT, TCP_FIN_TIMEOUT};
@@ -194,23 +194,36 @@ async fn pump(
     entry: &ConnEntry,
     inbound: bool,
 ) -> End {
-    // The buffer is allocated when the first bytes arrive, so a connection
-    // that idles from the start holds none.
-    let mut buf: Vec<u8> = Vec::new();
+    // A direction holds a buffer only while bytes flow: it takes one from
+    // the worker's pool when the socket turns readable and hands it back as
+    // soon as a read would block, so idle connections hold none (HAProxy's
+    // model) and a busy one never holds more than one per direction.
+    let mut buf: Option<Vec<u8>> = None;
     loop {
-        if buf.is_empty() {
-            if from.as_ref().readable().await.is_err() {
-                return End::Error;
+        let b = match buf.as_mut() {
+            Some(b) => b,
+            None => {
+                if from.as_ref().readable().await.is_err() {
+                    return End::Error;
+                }
+                buf.insert(pool::take(buf_size))
             }
-            buf = vec![0u8; buf_size];
-        }
-        let n = match from.read(&mut buf).await {
+        };
+        let n = match from.try_read(b) {
             Ok(0) => {
+                pool::give(buf.take());
                 let _ = to.shutdown().await;
                 return End::Eof;
             }
             Ok(n) => n,
-            Err(_) => return End::Error,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                pool::give(buf.take());
+                continue;
+            }
+            Err(_) => {
+                pool::give(buf.take());
+                return End::Error;
+            }
         };
         if inbound {
             shared.count_in(entry, n);
@@ -219,8 +232,42 @@ async fn pump(
         }
         // Read again only after everything was written: at most one buffer
         // per direction lives in user space.
-        if to.write_all(&buf[..n]).await.is_err() {
+        if to.write_all(&b[..n]).await.is_err() {
+            pool::give(buf.take());
             return End::Error;
+        }
+    }
+}
+
+/// Per-worker pool of copy buffers. Each worker thread runs one
+/// current-thread runtime, so a thread-local free list needs no lock; it
+/// keeps at most `MAX_POOLED` buffers so a burst's memory goes back to the
+/// allocator afterwards.
+mod pool {
+    use std::cell::RefCell;
+
+    const MAX_POOLED: usize = 64;
+
+    thread_local! {
+        static FREE: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// A buffer of exactly `size` bytes.
+    pub(super) fn take(size: usize) -> Vec<u8> {
+        FREE.with_borrow_mut(|free| match free.pop() {
+            Some(b) if b.len() == size => b,
+            _ => vec![0u8; size],
+        })
+    }
+
+    /// Returns a buffer to this worker's pool (or frees it).
+    pub(super) fn give(buf: Option<Vec<u8>>) {
+        if let Some(b) = buf {
+            FREE.with_borrow_mut(|free| {
+                if free.len() < MAX_POOLED {
+                    free.push(b);
+                }
+            });
         }
     }
 }
