@@ -53,6 +53,14 @@ pub struct DaemonConfig {
     pub drain_timeout: String,
     /// One log line per closed connection.
     pub access_log: bool,
+    /// Pin the rate-estimator thread to this CPU (0-based); absent = no pinning.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub estimator_cpu: Option<usize>,
+    /// Nice value of the rate-estimator thread (-20..=19); absent = inherit.
+    /// Lowering it below the process's needs `CAP_SYS_NICE`; without it the
+    /// daemon logs a warning and keeps the inherited value.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub estimator_nice: Option<i32>,
 }
 
 impl Default for DaemonConfig {
@@ -66,6 +74,8 @@ impl Default for DaemonConfig {
             notsent_lowat: 16 * 1024,
             drain_timeout: "30s".into(),
             access_log: false,
+            estimator_cpu: None,
+            estimator_nice: None,
         }
     }
 }
@@ -250,6 +260,9 @@ fn is_zero(v: &u64) -> bool {
 
 /// Scheduler names the daemon knows (`ipvsadm -s` plus `p2c`).
 pub const SCHEDULERS: &[&str] = &["rr", "wrr", "lc", "wlc", "sed", "nq", "sh", "mh", "p2c"];
+
+/// CPUs an affinity mask can name (glibc's `CPU_SETSIZE`).
+pub const MAX_CPUS: usize = 1024;
 
 /// The implicit tenant services belong to when they name none.
 pub const DEFAULT_TENANT: &str = "default";
@@ -497,7 +510,27 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         );
     }
     if let Err(e) = parse_duration(&d.drain_timeout) {
-        err(&[dk, k("drain_timeout")], e);
+        err(&[dk.clone(), k("drain_timeout")], e);
+    }
+    if let Some(cpu) = d.estimator_cpu
+        && cpu >= MAX_CPUS
+    {
+        err(
+            &[dk.clone(), k("estimator_cpu")],
+            format!(
+                "CPU {cpu} is out of range (0..{MAX_CPUS}); give a CPU number of this machine, e.g. 0, or remove the key for no pinning"
+            ),
+        );
+    }
+    if let Some(nice) = d.estimator_nice
+        && !(-20..=19).contains(&nice)
+    {
+        err(
+            &[dk, k("estimator_nice")],
+            format!(
+                "nice {nice} is outside -20..=19; use e.g. -5 (more CPU) or 5 (less), or remove the key to inherit"
+            ),
+        );
     }
     let a = &c.admin;
     if !a.listen.starts_with("unix:") && a.listen.parse::<SocketAddr>().is_err() {
@@ -834,6 +867,8 @@ fn span_of(root: &toml_edit::Table, path: &KeyPath) -> Option<usize> {
 #[derive(Clone, Copy)]
 enum Kind {
     Int,
+    /// Any integer, e.g. a nice value.
+    SignedInt,
     Str,
     Bool,
     /// A string that parses as `IP:PORT`.
@@ -853,6 +888,8 @@ const DAEMON_KEYS: &[(&str, Kind)] = &[
     ("notsent_lowat", Kind::Int),
     ("drain_timeout", Kind::Str),
     ("access_log", Kind::Bool),
+    ("estimator_cpu", Kind::Int),
+    ("estimator_nice", Kind::SignedInt),
 ];
 const ADMIN_KEYS: &[(&str, Kind)] = &[
     ("listen", Kind::Str),
@@ -995,6 +1032,7 @@ fn check_table(
         let v = item.as_value();
         let ok = match kind {
             Kind::Int => v.is_some_and(|v| v.as_integer().is_some_and(|i| i >= 0)),
+            Kind::SignedInt => v.is_some_and(|v| v.as_integer().is_some()),
             Kind::Str => v.is_some_and(|v| v.is_str()),
             Kind::Bool => v.is_some_and(|v| v.is_bool()),
             Kind::Addr => v
@@ -1009,6 +1047,7 @@ fn check_table(
         if !ok {
             let want = match kind {
                 Kind::Int => "a non-negative integer, e.g. 4",
+                Kind::SignedInt => "an integer, e.g. -5",
                 Kind::Str => "a string in quotes",
                 Kind::Bool => "true or false",
                 Kind::Addr => "\"IP:PORT\", e.g. \"127.0.0.1:8080\" or \"[::1]:8080\"",
@@ -1063,7 +1102,11 @@ mod tests {
             }],
         };
         let cfg = Config {
-            daemon: DaemonConfig::default(),
+            daemon: DaemonConfig {
+                estimator_cpu: Some(0),
+                estimator_nice: Some(-3),
+                ..DaemonConfig::default()
+            },
             admin: AdminConfig {
                 token: Some("x".into()),
                 readonly_token: Some("y".into()),
@@ -1109,5 +1152,40 @@ mod tests {
             "{got:?}"
         );
         assert_eq!(got.len(), 4, "{got:?}");
+    }
+
+    #[test]
+    fn estimator_settings_are_validated_with_line_and_key() {
+        let text = "[daemon]\nworkers = 1\nestimator_cpu = 5000\nestimator_nice = -21\n";
+        let got: Vec<String> = parse(text, "f.toml")
+            .unwrap_err()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(
+            got[0].starts_with("f.toml:3: daemon.estimator_cpu: CPU 5000 is out of range"),
+            "{got:?}"
+        );
+        assert!(
+            got[1].starts_with("f.toml:4: daemon.estimator_nice: nice -21 is outside -20..=19"),
+            "{got:?}"
+        );
+        let got = parse("[daemon]\nestimator_nice = \"high\"\n", "f.toml").unwrap_err();
+        assert!(
+            got[0]
+                .to_string()
+                .starts_with("f.toml:2: daemon.estimator_nice: expected an integer"),
+            "{got:?}"
+        );
+        let ok = parse(
+            "[daemon]\nestimator_cpu = 0\nestimator_nice = 19\n",
+            "f.toml",
+        )
+        .unwrap();
+        assert_eq!(
+            (ok.daemon.estimator_cpu, ok.daemon.estimator_nice),
+            (Some(0), Some(19))
+        );
     }
 }

@@ -424,6 +424,10 @@ fn save_then_restart_reproduces_the_running_state() {
     let b = Echo::start();
     let mut cfg = config(&service_toml("web", &[a.addr]));
     cfg.daemon.workers = 1;
+    // The estimator thread pinned to CPU 0 at a lower priority: the daemon
+    // runs and `weir save` keeps both settings.
+    cfg.daemon.estimator_cpu = Some(0);
+    cfg.daemon.estimator_nice = Some(5);
     let r = Running::start(cfg, None);
     cli(
         &r.url,
@@ -489,6 +493,17 @@ fn save_then_restart_reproduces_the_running_state() {
     r.shutdown();
 
     let restored: Config = toml::from_str(&saved).unwrap_or_else(|e| panic!("{e}\n{saved}"));
+    assert!(
+        saved.contains("estimator_cpu = 0\n") && saved.contains("estimator_nice = 5\n"),
+        "{saved}"
+    );
+    assert_eq!(
+        (
+            restored.daemon.estimator_cpu,
+            restored.daemon.estimator_nice
+        ),
+        (Some(0), Some(5))
+    );
     // A service configured on port 0 gets a new port on restart; compare
     // addresses only when the saved file pins them.
     let pinned = restored.services.iter().all(|s| s.listen.port() != 0);

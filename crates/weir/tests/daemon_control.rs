@@ -361,3 +361,14 @@ fn many_udp_clients_across_workers() {
     assert_eq!(per, vec![25, 25]);
     d.shutdown();
 }
+
+#[test]
+fn estimator_cpu_the_machine_lacks_fails_the_start() {
+    let mut cfg = config(vec![]);
+    cfg.daemon.estimator_cpu = Some(1023);
+    let err = Daemon::start(cfg, None).unwrap_err().to_string();
+    assert!(
+        err.contains("estimator_cpu = 1023: cannot pin the estimator thread"),
+        "{err}"
+    );
+}

@@ -185,16 +185,46 @@ impl Daemon {
                     .context("spawning the expiry thread")?,
             );
         }
-        // Estimator thread.
+        // Estimator thread: placed (CPU, nice) and calibrated before start
+        // returns, so a bad `estimator_cpu` fails the start.
         {
             let rates = shared.rates.clone();
             let stop = est_stop.clone();
+            let placement = stats::Placement {
+                cpu: config.daemon.estimator_cpu,
+                nice: config.daemon.estimator_nice,
+            };
+            let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
             threads.push(
                 std::thread::Builder::new()
                     .name("weir-estimator".into())
-                    .spawn(move || stats::estimator_main(rates, stop))
+                    .spawn(move || stats::estimator_main(rates, stop, placement, ready_tx))
                     .context("spawning the estimator thread")?,
             );
+            let started = ready_rx
+                .recv()
+                .map_err(|_| anyhow::anyhow!("the estimator thread ended before starting"))
+                .and_then(|r| r.map_err(|e| anyhow::anyhow!("{e}")));
+            match started {
+                Ok(s) => tracing::info!(
+                    tid = s.tid,
+                    cpu = ?placement.cpu,
+                    nice = ?placement.nice.filter(|_| s.nice_applied),
+                    cost_ns = s.cost_ns,
+                    "rate estimator calibrated"
+                ),
+                Err(e) => {
+                    // Stop what was started, then report.
+                    drop(DaemonHandle {
+                        shared,
+                        control_rt: Some(control_rt),
+                        threads,
+                        stop_workers,
+                        est_stop,
+                    });
+                    return Err(e);
+                }
+            }
         }
         Ok(DaemonHandle {
             shared,
