@@ -112,7 +112,7 @@ impl Default for AdminConfig {
 }
 
 /// `[[tenant]]`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantSpec {
     /// Unique name; services refer to it.
@@ -129,6 +129,125 @@ pub struct TenantSpec {
     /// Tenant-scoped admin token: sees and changes only this tenant.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
+    /// `[tenant.timeouts]`: per-state idle timeouts of this tenant's flows.
+    #[serde(default, skip_serializing_if = "TimeoutsSpec::is_empty")]
+    pub timeouts: TimeoutsSpec,
+}
+
+/// `[tenant.timeouts]`: per-state idle timeouts (durations such as "900s");
+/// an absent key keeps the IPVS default ([`weir_flowtable::Timeouts`]).
+///
+/// `established` and `fin_wait` are what weir's TCP proxy enforces on its
+/// connections; `syn_recv` bounds a connection whose backend connect is
+/// pending in the table; `udp` is the idle timeout of UDP sessions of
+/// services that set no `udp_timeout`; `persist` is the flow table's
+/// template lifetime (raised to the tenant's longest service
+/// `persistence`, which each template also checks itself). The other TCP
+/// states are handed to the flow table as they are.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TimeoutsSpec {
+    /// ESTABLISHED (IPVS: 900 s).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub established: Option<String>,
+    /// SYN_SENT (120 s).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub syn_sent: Option<String>,
+    /// SYN_RECV (60 s).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub syn_recv: Option<String>,
+    /// FIN_WAIT (120 s).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fin_wait: Option<String>,
+    /// CLOSE_WAIT (60 s).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub close_wait: Option<String>,
+    /// LAST_ACK (30 s).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_ack: Option<String>,
+    /// TIME_WAIT (120 s).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub time_wait: Option<String>,
+    /// CLOSE (10 s).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub close: Option<String>,
+    /// UDP sessions (300 s).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub udp: Option<String>,
+    /// Persistence templates (300 s).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub persist: Option<String>,
+}
+
+/// Shortest per-state timeout accepted (the expiry runs once a second).
+pub const MIN_STATE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+/// Longest per-state timeout accepted (30 days).
+pub const MAX_STATE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30 * 86_400);
+
+impl TimeoutsSpec {
+    /// No key set (everything at the IPVS defaults).
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// (key, value) of every field, in file order.
+    pub fn fields(&self) -> [(&'static str, &Option<String>); 10] {
+        [
+            ("established", &self.established),
+            ("syn_sent", &self.syn_sent),
+            ("syn_recv", &self.syn_recv),
+            ("fin_wait", &self.fin_wait),
+            ("close_wait", &self.close_wait),
+            ("last_ack", &self.last_ack),
+            ("time_wait", &self.time_wait),
+            ("close", &self.close),
+            ("udp", &self.udp),
+            ("persist", &self.persist),
+        ]
+    }
+
+    /// The flow table's timeouts: set keys parsed, the rest IPVS defaults.
+    /// Errors are (key, what to do), one per bad key.
+    pub fn resolve(&self) -> Result<weir_flowtable::Timeouts, Vec<(&'static str, String)>> {
+        use weir_flowtable::Millis;
+        let mut t = weir_flowtable::Timeouts::default();
+        let mut errors = Vec::new();
+        for (key, value) in self.fields() {
+            let Some(text) = value else { continue };
+            let d = match parse_duration(text) {
+                Ok(d) if (MIN_STATE_TIMEOUT..=MAX_STATE_TIMEOUT).contains(&d) => d,
+                Ok(d) => {
+                    errors.push((
+                        key,
+                        format!("{d:?} is outside 1s..=30 days; use e.g. \"900s\", or remove the key for the IPVS default"),
+                    ));
+                    continue;
+                }
+                Err(e) => {
+                    errors.push((key, e));
+                    continue;
+                }
+            };
+            let ms = Millis(d.as_millis() as u64);
+            match key {
+                "established" => t.established = ms,
+                "syn_sent" => t.syn_sent = ms,
+                "syn_recv" => t.syn_recv = ms,
+                "fin_wait" => t.fin_wait = ms,
+                "close_wait" => t.close_wait = ms,
+                "last_ack" => t.last_ack = ms,
+                "time_wait" => t.time_wait = ms,
+                "close" => t.close = ms,
+                "udp" => t.udp = ms,
+                _ => t.persist = ms,
+            }
+        }
+        if errors.is_empty() {
+            Ok(t)
+        } else {
+            Err(errors)
+        }
+    }
 }
 
 /// Transport of a virtual service.
@@ -561,6 +680,14 @@ pub fn validate(c: &Config) -> Vec<Problem> {
                 format!("tenant {:?} is defined twice; rename or merge one", t.name),
             );
         }
+        if let Err(errors) = t.timeouts.resolve() {
+            for (key, message) in errors {
+                err(
+                    &[base[0].clone(), base[1].clone(), k("timeouts"), k(key)],
+                    message,
+                );
+            }
+        }
         if t.table_entries != 0 && (!t.table_entries.is_power_of_two() || t.table_entries > 1 << 24)
         {
             err(
@@ -904,6 +1031,19 @@ const TENANT_KEYS: &[(&str, Kind)] = &[
     ("max_connections", Kind::Int),
     ("max_new_per_s", Kind::Int),
     ("token", Kind::Str),
+    ("timeouts", Kind::Table),
+];
+const TIMEOUT_KEYS: &[(&str, Kind)] = &[
+    ("established", Kind::Str),
+    ("syn_sent", Kind::Str),
+    ("syn_recv", Kind::Str),
+    ("fin_wait", Kind::Str),
+    ("close_wait", Kind::Str),
+    ("last_ack", Kind::Str),
+    ("time_wait", Kind::Str),
+    ("close", Kind::Str),
+    ("udp", Kind::Str),
+    ("persist", Kind::Str),
 ];
 const SERVICE_KEYS: &[(&str, Kind)] = &[
     ("tenant", Kind::Str),
@@ -955,6 +1095,15 @@ fn shape_problems(root: &toml_edit::Table) -> Vec<ShapeProblem> {
     }
     for (i, t) in tables(sub("tenant")).into_iter().enumerate() {
         check_table(t, &format!("tenant[{i}]"), TENANT_KEYS, &["name"], &mut out);
+        if let Some(to) = t.get("timeouts").and_then(|i| i.as_table_like()) {
+            check_table(
+                to,
+                &format!("tenant[{i}].timeouts"),
+                TIMEOUT_KEYS,
+                &[],
+                &mut out,
+            );
+        }
     }
     for (i, t) in tables(sub("service")).into_iter().enumerate() {
         let base = format!("service[{i}]");
@@ -1118,6 +1267,18 @@ mod tests {
                 max_connections: 1,
                 max_new_per_s: 1,
                 token: Some("z".into()),
+                timeouts: TimeoutsSpec {
+                    established: Some("1h".into()),
+                    syn_sent: Some("1s".into()),
+                    syn_recv: Some("2s".into()),
+                    fin_wait: Some("3s".into()),
+                    close_wait: Some("4s".into()),
+                    last_ack: Some("5s".into()),
+                    time_wait: Some("6s".into()),
+                    close: Some("7s".into()),
+                    udp: Some("8s".into()),
+                    persist: Some("9s".into()),
+                },
             }],
             services: vec![svc],
         };
@@ -1187,5 +1348,53 @@ mod tests {
             (ok.daemon.estimator_cpu, ok.daemon.estimator_nice),
             (Some(0), Some(19))
         );
+    }
+
+    #[test]
+    fn tenant_timeouts_resolve_and_report_bad_keys_with_line() {
+        let text = "[[tenant]]\nname = \"a\"\n[tenant.timeouts]\nestablished = \"1h\"\nudp = \"30s\"\n\n[[tenant]]\nname = \"b\"\n[tenant.timeouts]\nfin_wait = \"soon\"\nclose = \"0s\"\n";
+        let got: Vec<String> = parse(text, "f.toml")
+            .unwrap_err()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(
+            got[0]
+                .starts_with("f.toml:10: tenant[1].timeouts.fin_wait: \"soon\" is not a duration"),
+            "{got:?}"
+        );
+        assert!(
+            got[1].starts_with("f.toml:11: tenant[1].timeouts.close: 0ns is outside 1s..=30 days"),
+            "{got:?}"
+        );
+        let got = parse(
+            "[[tenant]]\nname = \"a\"\n[tenant.timeouts]\nestablishd = \"1s\"\n",
+            "f.toml",
+        )
+        .unwrap_err();
+        assert!(
+            got[0]
+                .to_string()
+                .starts_with("f.toml:4: tenant[0].timeouts.establishd: unknown key"),
+            "{got:?}"
+        );
+        let ok = parse(&text[..text.find("\n\n").unwrap()], "f.toml").unwrap();
+        let t = ok.tenants[0].timeouts.resolve().unwrap();
+        let d = weir_flowtable::Timeouts::default();
+        assert_eq!(t.established.0, 3_600_000);
+        assert_eq!(t.udp.0, 30_000);
+        assert_eq!(
+            (t.fin_wait, t.persist, t.syn_recv),
+            (d.fin_wait, d.persist, d.syn_recv)
+        );
+        // Written back only when set, under [tenant.timeouts].
+        let back = toml::to_string(&ok).unwrap();
+        assert!(
+            back.contains("[tenant.timeouts]\nestablished = \"1h\"\nudp = \"30s\"\n"),
+            "{back}"
+        );
+        let plain = parse("[[tenant]]\nname = \"a\"\n", "f.toml").unwrap();
+        assert!(!toml::to_string(&plain).unwrap().contains("timeouts"));
     }
 }

@@ -134,6 +134,7 @@ fn tenant_new_connection_rate_is_capped() {
         max_connections: 0,
         max_new_per_s: 5,
         token: None,
+        timeouts: Default::default(),
     });
     let d = Daemon::start(cfg, None).unwrap();
     let c = d.control();
@@ -371,4 +372,80 @@ fn estimator_cpu_the_machine_lacks_fails_the_start() {
         err.contains("estimator_cpu = 1023: cannot pin the estimator thread"),
         "{err}"
     );
+}
+
+/// `[tenant.timeouts]`: a 1 s ESTABLISHED timeout closes an idle
+/// connection; the tenant's `udp` is the session timeout of a service that
+/// sets none; both show in the listing and survive `running_config`.
+#[test]
+fn tenant_timeouts_apply_to_connections_and_sessions() {
+    let e = Echo::start();
+    let u = udp_echo();
+    let mut tcp = service("t", Protocol::Tcp, "rr", vec![backend(e.addr, 1)]);
+    tcp.tenant = "short".into();
+    let mut udp = service("u", Protocol::Udp, "rr", vec![backend(u, 1)]);
+    udp.tenant = "short".into();
+    let mut cfg = config(vec![tcp, udp]);
+    let timeouts = weir::config::TimeoutsSpec {
+        established: Some("1s".into()),
+        udp: Some("42s".into()),
+        ..Default::default()
+    };
+    cfg.tenants.push(TenantSpec {
+        name: "short".into(),
+        timeouts: timeouts.clone(),
+        ..Default::default()
+    });
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+
+    let uvip = d.service_addr("short", "u").unwrap();
+    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.set_read_timeout(Some(T)).unwrap();
+    s.send_to(b"ping", uvip).unwrap();
+    let mut buf = [0u8; 16];
+    assert_eq!(s.recv(&mut buf).unwrap(), 4);
+    let filter = ConnFilter {
+        tenant: Some("short".into()),
+        ..Default::default()
+    };
+    let page = c.connections(&filter, None, 100).unwrap();
+    let session = page
+        .connections
+        .iter()
+        .find(|x| x.proto == "UDP")
+        .expect("the UDP session is listed");
+    assert!(
+        (40..=42).contains(&session.expires_s),
+        "udp session expires in {}s, want ~42",
+        session.expires_s
+    );
+
+    let vip = d.service_addr("short", "t").unwrap();
+    let mut conn = held(vip);
+    let t0 = Instant::now();
+    conn.set_read_timeout(Some(T)).unwrap();
+    let mut b = [0u8; 1];
+    // Idle: the daemon closes it after ~1 s (EOF or reset), well before T.
+    let r = conn.read(&mut b);
+    let took = t0.elapsed();
+    assert!(
+        matches!(r, Ok(0))
+            || matches!(&r, Err(e) if e.kind() != std::io::ErrorKind::WouldBlock && e.kind() != std::io::ErrorKind::TimedOut),
+        "{r:?}"
+    );
+    assert!(
+        took >= Duration::from_millis(900) && took < T,
+        "closed after {took:?}"
+    );
+
+    let rc = c.running_config();
+    let t = rc.tenants.iter().find(|t| t.name == "short").unwrap();
+    assert_eq!(t.timeouts, timeouts);
+    let text = toml::to_string(&rc).unwrap();
+    assert!(
+        text.contains("[tenant.timeouts]\nestablished = \"1s\"\nudp = \"42s\"\n"),
+        "{text}"
+    );
+    d.shutdown();
 }

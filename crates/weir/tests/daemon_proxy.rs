@@ -394,6 +394,7 @@ fn deleting_a_tenant_closes_and_purges_only_its_connections() {
             max_connections: 0,
             max_new_per_s: 0,
             token: None,
+            timeouts: Default::default(),
         });
         let mut s = service(
             &format!("svc-{t}"),
@@ -472,6 +473,7 @@ fn tenant_connection_limit_refuses_and_counts() {
         max_connections: 2,
         max_new_per_s: 0,
         token: None,
+        timeouts: Default::default(),
     });
     let d = Daemon::start(cfg, None).unwrap();
     let c = d.control();

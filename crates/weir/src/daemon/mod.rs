@@ -328,6 +328,7 @@ fn default_tenant_spec() -> TenantSpec {
         max_connections: 0,
         max_new_per_s: 0,
         token: None,
+        timeouts: Default::default(),
     }
 }
 
@@ -426,6 +427,9 @@ pub(crate) struct Tenant {
     pub(crate) stat: Stat,
     /// "own" or "shared" (what the flow table granted).
     pub(crate) placement: String,
+    /// `[tenant.timeouts]` resolved (IPVS defaults for absent keys); the
+    /// TCP proxy reads `established` and `fin_wait`, UDP sessions `udp`.
+    pub(crate) timeouts: RwLock<Timeouts>,
     /// (second since epoch, new connections in it) for `max_new_per_s`.
     window: Mutex<(u64, u64)>,
     pub(crate) deleted: CancellationToken,
@@ -455,7 +459,8 @@ pub(crate) struct ServiceParams {
     pub(crate) mask: AffinityMask,
     pub(crate) connect_timeout: Duration,
     pub(crate) expire_nodest_conn: bool,
-    pub(crate) udp_timeout: Duration,
+    /// The service's own `udp_timeout`; `None` = its tenant's `udp` timeout.
+    pub(crate) udp_timeout: Option<Duration>,
     pub(crate) udp_responses: Option<u32>,
     pub(crate) udp_max_per_client: u64,
 }
@@ -893,6 +898,7 @@ impl Shared {
                 "table_entries must be 0 or a power of two up to 16777216",
             ));
         }
+        let timeouts = resolve_timeouts(&spec)?;
         let mut st = self.state.write();
         if st.tenants.contains_key(&spec.name) {
             return Err(ControlError::new(
@@ -907,7 +913,7 @@ impl Shared {
                 TenantId(id),
                 TenantConfig {
                     own_buckets: spec.table_entries,
-                    timeouts: Timeouts::default(),
+                    timeouts,
                 },
             )
             .map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))?;
@@ -923,6 +929,7 @@ impl Shared {
         let t = Arc::new(Tenant {
             id,
             placement,
+            timeouts: RwLock::new(timeouts),
             spec: RwLock::new(spec.clone()),
             active: AtomicU64::new(0),
             refused: AtomicU64::new(0),
@@ -1025,22 +1032,32 @@ impl Shared {
         Ok(())
     }
 
-    /// The flow table's UDP and template timeouts are per tenant, weir's
-    /// per service: give the table the longest of the tenant's services
-    /// (each session and template also checks its own service's value).
+    /// Give the flow table the tenant's `[tenant.timeouts]`, except that
+    /// its UDP and template timeouts (per tenant) are raised to the longest
+    /// of the tenant's services (weir's are per service; each session and
+    /// template also checks its own service's value). Without a `persist`
+    /// key the template timeout is just that longest `persistence` (≥ 1 s).
     pub(crate) fn tune_tenant_timeouts(&self, tenant: &Tenant) {
-        let (mut udp, mut persist) = (UDP_TIMEOUT, Duration::from_secs(1));
+        let base = *tenant.timeouts.read();
+        let mut udp = Duration::from_millis(base.udp.0);
+        let mut persist = if tenant.spec.read().timeouts.persist.is_some() {
+            Duration::from_millis(base.persist.0)
+        } else {
+            Duration::from_secs(1)
+        };
         for s in self.state.read().services.values() {
             if s.tenant.id == tenant.id {
                 let p = s.params.read();
-                udp = udp.max(p.udp_timeout);
+                if let Some(u) = p.udp_timeout {
+                    udp = udp.max(u);
+                }
                 persist = persist.max(p.persistence);
             }
         }
         let t = Timeouts {
             udp: Millis(udp.as_millis() as u64),
             persist: Millis(persist.as_millis() as u64),
-            ..Timeouts::default()
+            ..base
         };
         let _ = self.table.set_timeouts(TenantId(tenant.id), t);
     }
@@ -1200,6 +1217,18 @@ pub(crate) fn flow_key(svc: &Service, proto: Protocol, client: SocketAddr) -> Fl
     }
 }
 
+/// A tenant's `[tenant.timeouts]` for the flow table, or an Invalid error
+/// naming every bad key.
+pub(crate) fn resolve_timeouts(spec: &TenantSpec) -> crate::control::ControlResult<Timeouts> {
+    spec.timeouts.resolve().map_err(|errors| {
+        let list: Vec<String> = errors
+            .iter()
+            .map(|(key, message)| format!("timeouts.{key}: {message}"))
+            .collect();
+        crate::control::ControlError::new(crate::control::ErrorKind::Invalid, list.join("; "))
+    })
+}
+
 pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResult<ServiceParams> {
     use crate::control::{ControlError, ErrorKind};
     let bad = |m: String| ControlError::new(ErrorKind::Invalid, m);
@@ -1219,8 +1248,8 @@ pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResul
         None => CONNECT_TIMEOUT,
     };
     let udp_timeout = match &o.udp_timeout {
-        Some(t) => config::parse_duration(t).map_err(bad)?,
-        None => UDP_TIMEOUT,
+        Some(t) => Some(config::parse_duration(t).map_err(bad)?),
+        None => None,
     };
     Ok(ServiceParams {
         persistence,

@@ -11,7 +11,7 @@ use socket2::SockRef;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
-use super::{ConnEntry, ConnState, Service, Shared, TCP_ESTABLISHED_TIMEOUT, TCP_FIN_TIMEOUT};
+use super::{ConnEntry, ConnState, Service, Shared};
 use crate::config::Protocol;
 
 pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener: TcpListener) {
@@ -148,7 +148,7 @@ async fn handle(
     };
     entry.set_state(&shared, ConnState::Established);
     entry.timeout_ms.store(
-        TCP_ESTABLISHED_TIMEOUT.as_millis() as u64,
+        entry.tenant.timeouts.read().established.0,
         std::sync::atomic::Ordering::Relaxed,
     );
     let reason = proxy(&shared, &entry, client, backend_stream).await;
@@ -347,7 +347,7 @@ async fn proxy(
 fn half_closed(shared: &Shared, entry: &ConnEntry) {
     entry.set_state(shared, ConnState::FinWait);
     entry.timeout_ms.store(
-        TCP_FIN_TIMEOUT.as_millis() as u64,
+        entry.tenant.timeouts.read().fin_wait.0,
         std::sync::atomic::Ordering::Relaxed,
     );
 }

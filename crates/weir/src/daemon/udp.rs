@@ -144,7 +144,9 @@ async fn new_session(
         Protocol::Udp,
         peer,
         ConnState::Udp,
-        params.udp_timeout,
+        params
+            .udp_timeout
+            .unwrap_or_else(|| Duration::from_millis(svc.tenant.timeouts.read().udp.0)),
     ) {
         Ok(e) => e,
         Err(why) => {

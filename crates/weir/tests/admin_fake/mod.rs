@@ -44,6 +44,7 @@ impl Fake {
                     max_connections: 0,
                     max_new_per_s: 0,
                     token: None,
+                    timeouts: Default::default(),
                 },
                 TenantSpec {
                     name: "acme".into(),
@@ -51,6 +52,7 @@ impl Fake {
                     max_connections: 100,
                     max_new_per_s: 10,
                     token: Some("acme-token".into()),
+                    timeouts: Default::default(),
                 },
                 TenantSpec {
                     name: "globex".into(),
@@ -58,6 +60,7 @@ impl Fake {
                     max_connections: 0,
                     max_new_per_s: 0,
                     token: Some("globex-token".into()),
+                    timeouts: Default::default(),
                 },
             ];
             st.config.services = vec![
