@@ -12,7 +12,10 @@ use crate::chain::{self, Scan};
 use crate::cursor::Cursor;
 use crate::node::{Arena, Node, PackedKey, Slab, UNFILED};
 use crate::raw::EpochCell;
-use crate::table::{DEFAULT_STRIPES, FreePool, StripeState, Table};
+use crate::table::{
+    DEFAULT_STRIPES, FreePool, NODE_CACHES, NodeCache, StripeState, Table, ref_current, ref_idx,
+    thread_slot,
+};
 use crate::types::*;
 use crate::wheel::Wheel;
 
@@ -140,6 +143,9 @@ impl Reader<'_> {
 pub struct FlowTable {
     slab: Slab,
     pool: Arc<FreePool>,
+    /// Per-thread-slot node caches (taken inside a stripe lock, never the
+    /// other way round; the pool lock is taken inside them).
+    caches: Box<[CachePadded<Mutex<NodeCache>>]>,
     cookies: CachePadded<AtomicU64>,
     shared: Arc<Table>,
     tenants: EpochCell<TenantMap>,
@@ -181,11 +187,12 @@ impl FlowTable {
         let stripes = stripes.clamp(1, 1 << 20).next_power_of_two();
         let pool = Arc::new(FreePool::default());
         let keys = (splitmix(seed), splitmix(seed ^ 0xA5A5_A5A5));
-        let shared = Table::try_new(0, buckets, max_chain, stripes, keys, Arc::clone(&pool))
+        let shared = Table::try_new(0, buckets, max_chain, stripes, keys)
             .expect("allocating the shared bucket array");
         FlowTable {
             slab: Slab::new(),
             pool,
+            caches: (0..NODE_CACHES).map(|_| CachePadded::default()).collect(),
             cookies: CachePadded::new(AtomicU64::new(1)),
             shared: Arc::new(shared),
             tenants: EpochCell::new(TenantMap::default()),
@@ -236,14 +243,7 @@ impl FlowTable {
                 m.tables_made += 1;
                 let k = splitmix(self.seed ^ splitmix(u64::from(id.0) << 20 ^ m.tables_made));
                 let keys = (k, splitmix(k));
-                match Table::try_new(
-                    u64::from(id.0) + 1,
-                    b,
-                    self.max_chain,
-                    self.stripes,
-                    keys,
-                    Arc::clone(&self.pool),
-                ) {
+                match Table::try_new(u64::from(id.0) + 1, b, self.max_chain, self.stripes, keys) {
                     Some(t) => {
                         own_bytes = needed;
                         (Arc::new(t), Placement::Own { buckets: b })
@@ -306,7 +306,8 @@ impl FlowTable {
         let mut refs = Vec::new();
         for s in 0..t.table.stripes() {
             let mut st = t.table.lock(s);
-            st.new_nodes.retain(|&i| {
+            st.new_nodes.retain(|&r| {
+                let i = ref_idx(r);
                 let mine = self.slab.node(i).tenant() == id.0;
                 if mine {
                     refs.push(i);
@@ -372,7 +373,7 @@ impl FlowTable {
             t.refused.fetch_add(1, Relaxed);
             return Err(InsertError::ChainFull);
         }
-        let Some(idx) = st.alloc(&self.slab, &self.pool) else {
+        let Some(idx) = self.node_cache().alloc(&self.slab, &self.pool) else {
             t.refused.fetch_add(1, Relaxed);
             return Err(InsertError::ChainFull);
         };
@@ -380,11 +381,17 @@ impl FlowTable {
         self.slab.node(idx).init(&pk, loc.tag, &init, cookie, now);
         chain::append(&self.slab, head, idx, loc.tag);
         st.hist_move(len, len + 1);
-        st.push_new(idx, &self.slab);
+        st.push_new(idx, cookie, &self.slab);
         table.set_new_hint(s, &st);
         t.add_entries(&mut st, s, 1);
         drop(st);
         Ok(Cookie(cookie))
+    }
+
+    /// This thread's node cache.
+    #[inline]
+    fn node_cache(&self) -> parking_lot::MutexGuard<'_, NodeCache> {
+        self.caches[thread_slot()].lock()
     }
 
     #[inline]
@@ -454,7 +461,7 @@ impl FlowTable {
         n.set_state(state);
         n.bump_last_active(now);
         // Refile so that a shorter timeout for the new state takes effect.
-        st.push_new(idx, &self.slab);
+        st.push_new(idx, n.cookie(), &self.slab);
         t.table.set_new_hint(s, &st);
         true
     }
@@ -473,9 +480,9 @@ impl FlowTable {
         n.clear_live();
         let snap = n.snapshot(|s| t.timeout(s));
         st.hist_move(len, len - 1);
-        st.retire(idx, &guard, t.table.pool());
         t.add_entries(&mut st, s, -1);
         drop(st);
+        self.node_cache().retire(idx, &guard, &self.pool);
         Some(snap)
     }
 
@@ -510,9 +517,9 @@ impl FlowTable {
         n.clear_live();
         let snap = n.snapshot(|s| t.timeout(s));
         st.hist_move(len, len - 1);
-        st.retire(idx, guard, t.table.pool());
         t.add_entries(&mut st, s, -1);
         drop(st);
+        self.node_cache().retire(idx, guard, &self.pool);
         Unlink::Removed(snap)
     }
 
@@ -529,9 +536,10 @@ impl FlowTable {
                 v
             };
             let mut cur: Option<(&Arc<Tenant>, parking_lot::MutexGuard<'_, Wheel>)> = None;
-            for idx in v {
+            for r in v {
+                let idx = ref_idx(r);
                 let n = self.slab.node(idx);
-                if !n.is_live() {
+                if !ref_current(r, n) {
                     continue;
                 }
                 let tid = n.tenant();
@@ -820,7 +828,12 @@ impl FlowTable {
         let map = self.tenants.load(&guard);
         let mut b = self.slab.memory_bytes()
             + self.shared.memory_bytes()
-            + 4 * self.pool.free.lock().capacity();
+            + 4 * self.pool.free.lock().capacity()
+            + self
+                .caches
+                .iter()
+                .map(|c| c.lock().memory_bytes())
+                .sum::<usize>();
         for t in map.map.values() {
             b += t.wheel.lock().memory_bytes() + std::mem::size_of::<Tenant>();
         }

@@ -1,5 +1,6 @@
 //! One hash table (the shared one or a tenant's own): bucket heads, lock
-//! stripes, the keyed hash, node allocation/recycling and chain statistics.
+//! stripes, the keyed hash and chain statistics; and the per-thread node
+//! caches (allocation/recycling) shared by all tables of a `FlowTable`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
@@ -8,7 +9,7 @@ use crossbeam_epoch::Guard;
 use crossbeam_utils::CachePadded;
 use parking_lot::{Mutex, MutexGuard};
 
-use crate::node::{Arena, BLOOM_BITS, PackedKey, Slab};
+use crate::node::{Arena, BLOOM_BITS, IDX_BITS, NIL, Node, PackedKey, Slab};
 use crate::raw::HugeArray;
 use crate::sync::AtomicU32;
 
@@ -18,21 +19,103 @@ pub(crate) struct FreePool {
     pub(crate) free: Mutex<Vec<u32>>,
 }
 
-/// Nodes moved between a stripe's private cache and the pool/slab at once.
+/// Nodes moved between a node cache and the pool/slab at once.
 const BATCH: usize = 64;
+/// Node caches per `FlowTable` (threads map onto them round-robin).
+pub(crate) const NODE_CACHES: usize = 8;
+
+/// A thread's cache of free node indices and of unlinked nodes waiting for
+/// their grace period. One per thread slot ([`thread_slot`]), not per lock
+/// stripe: with 256 stripes, a per-stripe cache handed a freed node back
+/// only after ~16 k other operations (64 removes, then 64 inserts, in the
+/// same stripe), long after its lines left the cache, so every insert's
+/// `Node::init` missed on 2-3 lines. A per-thread cache reuses a node a
+/// grace period plus at most 2 x 64 of the thread's own operations later.
+#[derive(Debug, Default)]
+pub(crate) struct NodeCache {
+    /// Free node indices.
+    free: Vec<u32>,
+    /// Unlinked nodes waiting to be retired to the pool in one batch.
+    pending: Vec<u32>,
+}
+
+/// This thread's node-cache slot (threads numbered in order of first use).
+#[inline]
+pub(crate) fn thread_slot() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local!(static SLOT: usize = NEXT.fetch_add(1, Relaxed));
+    SLOT.with(|s| *s) % NODE_CACHES
+}
+
+impl NodeCache {
+    /// A free node index, refilling from the pool (most recently freed
+    /// first) or the slab in batches.
+    pub(crate) fn alloc(&mut self, slab: &Slab, pool: &FreePool) -> Option<u32> {
+        if self.free.is_empty() {
+            {
+                let mut p = pool.free.lock();
+                let take = p.len().min(BATCH);
+                let at = p.len() - take;
+                self.free.extend(p.drain(at..));
+            }
+            if self.free.is_empty() {
+                self.free.extend(slab.alloc_block(BATCH as u32)?.rev());
+            }
+        }
+        self.free.pop()
+    }
+
+    /// An unlinked node: recycled once every reader that might still be on
+    /// it has unpinned (batched: one deferred closure per `BATCH` nodes).
+    pub(crate) fn retire(&mut self, idx: u32, guard: &Guard, pool: &Arc<FreePool>) {
+        self.pending.push(idx);
+        if self.pending.len() >= BATCH {
+            // A full-size replacement (`take` would leave an empty Vec that
+            // reallocates 5 times on the way back to `BATCH`).
+            let batch = std::mem::replace(&mut self.pending, Vec::with_capacity(BATCH));
+            let pool = Arc::clone(pool);
+            guard.defer(move || pool.free.lock().extend(batch));
+        }
+    }
+
+    pub(crate) fn memory_bytes(&self) -> usize {
+        4 * (self.free.capacity() + self.pending.capacity())
+    }
+}
 /// Cookies a stripe reserves from the global counter at once.
 const COOKIE_BLOCK: u64 = 256;
 /// Default lock stripes of a table (fewer if it has fewer buckets).
 pub(crate) const DEFAULT_STRIPES: usize = 256;
 
+/// A to-be-filed reference: the node index plus the low 6 bits of the
+/// entry's cookie, so that compaction and filing can tell a reference to the
+/// entry it was pushed for from a stale one whose index was recycled (fast,
+/// per-thread recycling makes those common). One stale reference in 64
+/// slips through; it only makes a duplicate wheel reference, which expiry
+/// tolerates (slot check).
+#[inline]
+pub(crate) fn filing_ref(idx: u32, cookie: u64) -> u32 {
+    idx | ((cookie as u32) << IDX_BITS)
+}
+
+/// The node index of a [`filing_ref`].
+#[inline]
+pub(crate) fn ref_idx(r: u32) -> u32 {
+    r & NIL
+}
+
+/// Whether `n` (at [`ref_idx`]`(r)`) is live and still the entry `r` was
+/// made for (up to the 6 cookie bits).
+#[inline]
+pub(crate) fn ref_current(r: u32, n: &Node) -> bool {
+    n.is_live() && filing_ref(0, n.cookie()) == r & !NIL
+}
+
 /// Writer-side state of one lock stripe (buckets `b` with `b & mask == i`).
 #[derive(Debug)]
 pub(crate) struct StripeState {
-    /// Private cache of free node indices.
-    free: Vec<u32>,
-    /// Unlinked nodes waiting to be retired to the pool in one batch.
-    pending: Vec<u32>,
-    /// Inserted (or re-stated) nodes not yet filed in their tenant's wheel.
+    /// Inserted (or re-stated) nodes not yet filed in their tenant's wheel,
+    /// as [`filing_ref`]s.
     pub(crate) new_nodes: Vec<u32>,
     compact_at: usize,
     cookie_next: u64,
@@ -60,7 +143,6 @@ pub(crate) struct Table {
     stripe_mask: usize,
     hash: crate::hash::KeyedHash,
     pub(crate) max_chain: usize,
-    pool: Arc<FreePool>,
 }
 
 /// Where a key lives in a table.
@@ -81,22 +163,6 @@ pub(crate) struct ChainStats {
 }
 
 impl StripeState {
-    /// A free node index, refilling from the pool or the slab in batches.
-    pub(crate) fn alloc(&mut self, slab: &Slab, pool: &FreePool) -> Option<u32> {
-        if self.free.is_empty() {
-            {
-                let mut p = pool.free.lock();
-                let take = p.len().min(BATCH);
-                let at = p.len() - take;
-                self.free.extend(p.drain(at..));
-            }
-            if self.free.is_empty() {
-                self.free.extend(slab.alloc_block(BATCH as u32)?.rev());
-            }
-        }
-        self.free.pop()
-    }
-
     /// Next cookie: increasing within the stripe (hence within each chain),
     /// unique across the whole `FlowTable` (blocks come from one counter).
     pub(crate) fn next_cookie(&mut self, global: &AtomicU64) -> u64 {
@@ -109,17 +175,6 @@ impl StripeState {
         c
     }
 
-    /// An unlinked node: recycled once every reader that might still be on
-    /// it has unpinned (batched: one deferred closure per `BATCH` nodes).
-    pub(crate) fn retire(&mut self, idx: u32, guard: &Guard, pool: &Arc<FreePool>) {
-        self.pending.push(idx);
-        if self.pending.len() >= BATCH {
-            let batch = std::mem::take(&mut self.pending);
-            let pool = Arc::clone(pool);
-            guard.defer(move || pool.free.lock().extend(batch));
-        }
-    }
-
     pub(crate) fn hist_move(&mut self, from: usize, to: usize) {
         if let Some(h) = self.hist.get_mut(from) {
             *h = h.saturating_sub(1);
@@ -129,26 +184,27 @@ impl StripeState {
         }
     }
 
-    /// Records a node for filing in its tenant's wheel. Amortised O(1) and
-    /// O(live entries) even if expiry never runs: when the list reaches
-    /// `compact_at`, it is compacted (dead indices dropped, O(n), then
-    /// duplicates, O(n log n), if still needed) only if it holds at least
-    /// `floor` = twice the stripe's
-    /// entries + 1024 references; below that it is left alone (already
-    /// O(entries)) and checked again at most 64 pushes later, so plain churn
-    /// never pays the sort. After a compaction the next one is at least the
-    /// list's length away, so compactions are amortised O(log n) per push,
-    /// and a check (reads the stripe's histogram, O(max_chain)) happens at
-    /// most every 64 pushes. The list stays below `max(2 x compacted length,
-    /// floor + 64)` <= `2 x floor` (compacted lengths stay below `floor`
-    /// unless indices recycled into other stripes are live there).
-    pub(crate) fn push_new(&mut self, idx: u32, slab: &Slab) {
-        self.new_nodes.push(idx);
+    /// Records node `idx` (entry `cookie`) for filing in its tenant's wheel.
+    /// Amortised O(1) and O(live entries) even if expiry never runs: when
+    /// the list reaches `compact_at`, it is compacted (stale references
+    /// dropped, O(n), then duplicates, O(n log n), if still needed) only if
+    /// it holds at least `floor` = twice the stripe's entries + 1024
+    /// references; below that it is left alone (already O(entries)) and
+    /// checked again at most 64 pushes later, so plain churn never pays the
+    /// sort. After a compaction the next one is at least the list's length
+    /// away, so compactions are amortised O(log n) per push, and a check
+    /// (reads the stripe's histogram, O(max_chain)) happens at most every 64
+    /// pushes. The list stays below `max(2 x compacted length, floor + 64)`
+    /// <= `2 x floor` (compacted lengths stay below `floor` unless stale
+    /// references to recycled indices pass the 6-bit cookie check, 1 in 64).
+    pub(crate) fn push_new(&mut self, idx: u32, cookie: u64, slab: &Slab) {
+        self.new_nodes.push(filing_ref(idx, cookie));
         if self.new_nodes.len() >= self.compact_at {
             let floor = 2 * self.entries() + 1024;
             let len = self.new_nodes.len();
             self.compact_at = if len >= floor {
-                self.new_nodes.retain(|&i| slab.node(i).is_live());
+                self.new_nodes
+                    .retain(|&r| ref_current(r, slab.node(ref_idx(r))));
                 // Only repeated `set_state`s (or indices recycled into other
                 // stripes) leave duplicates; plain churn leaves dead nodes,
                 // which the retain alone drops, without the sort.
@@ -178,8 +234,7 @@ impl StripeState {
     }
 
     fn memory_bytes(&self) -> usize {
-        4 * (self.free.capacity() + self.pending.capacity() + self.new_nodes.capacity())
-            + 8 * self.hist.len()
+        4 * self.new_nodes.capacity() + 8 * self.hist.len()
     }
 }
 
@@ -198,7 +253,6 @@ impl Table {
         max_chain: usize,
         stripes: usize,
         keys: (u64, u64),
-        pool: Arc<FreePool>,
     ) -> Option<Table> {
         assert!(buckets.is_power_of_two() && stripes.is_power_of_two());
         let stripes = stripes.min(buckets);
@@ -213,8 +267,6 @@ impl Table {
                 hist[0] = per_stripe;
                 CachePadded::new(Stripe {
                     lock: Mutex::new(StripeState {
-                        free: Vec::new(),
-                        pending: Vec::new(),
                         new_nodes: Vec::new(),
                         compact_at: 1024,
                         cookie_next: 0,
@@ -233,7 +285,6 @@ impl Table {
             stripes,
             hash: crate::hash::KeyedHash::new(keys.0, keys.1),
             max_chain,
-            pool,
         })
     }
 
@@ -282,10 +333,6 @@ impl Table {
         self.stripes[s].new_hint.load(Relaxed) != 0
     }
 
-    pub(crate) fn pool(&self) -> &Arc<FreePool> {
-        &self.pool
-    }
-
     /// Nodes waiting to be filed in wheels, summed over stripes.
     pub(crate) fn pending_filing_refs(&self) -> usize {
         self.stripes
@@ -320,19 +367,5 @@ impl Table {
             b += s.lock.lock().memory_bytes();
         }
         b
-    }
-}
-
-impl Drop for Table {
-    fn drop(&mut self) {
-        // No reader can reach this table any more (it is dropped only after
-        // the last tenant directory naming it passed its grace period), so
-        // its cached and pending indices go straight back to the pool.
-        let mut p = self.pool.free.lock();
-        for s in self.stripes.iter_mut() {
-            let st = s.lock.get_mut();
-            p.append(&mut st.free);
-            p.append(&mut st.pending);
-        }
     }
 }
