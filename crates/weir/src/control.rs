@@ -268,6 +268,13 @@ pub trait Control: Send + Sync + 'static {
     fn tenants(&self) -> Vec<TenantStatus>;
     /// Create a tenant (own table sized from `table_entries`).
     fn add_tenant(&self, spec: TenantSpec) -> ControlResult<()>;
+    /// Replace a live tenant's settings: limits, token and timeouts apply at
+    /// once (limits to the next admission, timeouts to the flow table now
+    /// and to connections at their next state change). `spec.name` must be
+    /// `tenant`; a different `table_entries` is refused as
+    /// [`ErrorKind::Invalid`] (the table is sized at creation: delete and
+    /// re-create the tenant).
+    fn edit_tenant(&self, tenant: &str, spec: TenantSpec) -> ControlResult<()>;
     /// Delete a tenant: closes its connections and purges only its entries;
     /// its services go too. Returns how many connections were closed.
     fn delete_tenant(&self, tenant: &str) -> ControlResult<u64>;

@@ -170,6 +170,81 @@ fn tenants_resource() {
     );
     assert_eq!(s, StatusCode::BAD_REQUEST, "unknown fields are refused");
 
+    // PUT: the body's keys replace, omitted keys keep their value.
+    let tenant = |name: &str| {
+        fake.running_config()
+            .tenants
+            .into_iter()
+            .find(|t| t.name == name)
+            .unwrap()
+    };
+    let (s, v) = call(
+        &app,
+        "PUT",
+        "/v1/tenants/acme",
+        Some(FULL),
+        Some(r#"{"max_connections":5,"timeouts":{"established":"1h"}}"#),
+    );
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(v["updated"], "acme");
+    let t = tenant("acme");
+    assert_eq!((t.max_connections, t.max_new_per_s), (5, 10));
+    assert_eq!(t.table_entries, 1024);
+    assert_eq!(t.token.as_deref(), Some("acme-token"), "kept when omitted");
+    assert_eq!(t.timeouts.established.as_deref(), Some("1h"));
+    let (s, v) = call(
+        &app,
+        "PUT",
+        "/v1/tenants/acme",
+        Some(FULL),
+        Some(r#"{"name":"acme","token":null}"#),
+    );
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!(tenant("acme").token, None, "null removes the token");
+    let (s, v) = call(
+        &app,
+        "PUT",
+        "/v1/tenants/acme",
+        Some(FULL),
+        Some(r#"{"table_entries":2048}"#),
+    );
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert!(
+        v["message"]
+            .as_str()
+            .unwrap()
+            .contains("table_entries cannot change"),
+        "{v}"
+    );
+    assert_eq!(tenant("acme").table_entries, 1024);
+    let (s, v) = call(
+        &app,
+        "PUT",
+        "/v1/tenants/acme",
+        Some(FULL),
+        Some(r#"{"name":"other"}"#),
+    );
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
+    assert!(v["message"].as_str().unwrap().contains("renamed"), "{v}");
+    let (s, _) = call(
+        &app,
+        "PUT",
+        "/v1/tenants/acme",
+        Some(FULL),
+        Some(r#"{"bogus":1}"#),
+    );
+    assert_eq!(s, StatusCode::BAD_REQUEST, "unknown fields are refused");
+    let (s, _) = call(&app, "PUT", "/v1/tenants/acme", Some(FULL), Some("[1]"));
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    let (s, _) = call(
+        &app,
+        "PUT",
+        "/v1/tenants/nobody",
+        Some(FULL),
+        Some(r#"{"max_connections":1}"#),
+    );
+    assert_eq!(s, StatusCode::NOT_FOUND);
+
     let (s, v) = call(&app, "DELETE", "/v1/tenants/acme", Some(FULL), None);
     assert_eq!(s, StatusCode::OK);
     assert_eq!(v["closed_connections"], 2);
@@ -621,6 +696,25 @@ fn tenant_tokens_see_and_change_only_their_tenant() {
     let (_, v) = call(&app, "GET", "/v1/health", t, None);
     assert!(v.as_array().unwrap().iter().all(|h| h["tenant"] == "acme"));
 
+    // Changing a tenant, even its own, needs the full-access token.
+    let (s, v) = call(
+        &app,
+        "PUT",
+        "/v1/tenants/acme",
+        t,
+        Some(r#"{"max_connections":1000000}"#),
+    );
+    assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
+    assert_eq!(
+        fake.running_config()
+            .tenants
+            .iter()
+            .find(|x| x.name == "acme")
+            .unwrap()
+            .max_connections,
+        100
+    );
+
     // Its own tenant: allowed.
     let (s, v) = call(
         &app,
@@ -823,6 +917,11 @@ fn openapi_matches_router() {
     }
     // The schemas name exactly the fields the handlers serialise.
     let f = Fake::sample();
+    // acme carries every optional tenant field (timeouts included).
+    let mut acme = f.running_config().tenants.remove(1);
+    assert_eq!(acme.name, "acme");
+    acme.timeouts.established = Some("1h".into());
+    f.edit_tenant("acme", acme).unwrap();
     let svc = f.services().remove(0);
     let conn = f
         .connections(&Default::default(), None, 1)
@@ -900,6 +999,13 @@ fn control_panics_become_500_not_a_dead_connection() {
         }
         fn add_tenant(&self, s: weir::config::TenantSpec) -> weir::control::ControlResult<()> {
             self.0.add_tenant(s)
+        }
+        fn edit_tenant(
+            &self,
+            t: &str,
+            s: weir::config::TenantSpec,
+        ) -> weir::control::ControlResult<()> {
+            self.0.edit_tenant(t, s)
         }
         fn delete_tenant(&self, t: &str) -> weir::control::ControlResult<u64> {
             self.0.delete_tenant(t)

@@ -479,6 +479,19 @@ fn save_then_restart_reproduces_the_running_state() {
             "5",
         ],
     );
+    // A live tenant edit through the CLI and the API (limits and timeouts).
+    cli(
+        &r.url,
+        &[
+            "tenant",
+            "edit",
+            "acme",
+            "--max-connections",
+            "60",
+            "--timeout",
+            "fin_wait=30s",
+        ],
+    );
     let listed = cli(&r.url, &["list"]);
     assert!(
         listed.contains("[acme/api]") && listed.contains(&b.addr.to_string()),
@@ -521,8 +534,20 @@ fn save_then_restart_reproduces_the_running_state() {
     let tshape = |v: &Value| -> Vec<Value> {
         v.as_array().unwrap().iter().map(|t| json!({
             "name": t["name"], "table_entries": t["table_entries"], "max_connections": t["max_connections"],
+            "timeouts": t["timeouts"],
         })).collect()
     };
+    let acme = |v: &Value| {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["name"] == "acme")
+            .cloned()
+            .unwrap()
+    };
+    let before_acme = acme(&tenants_before);
+    assert_eq!(before_acme["max_connections"], 60, "{before_acme}");
+    assert_eq!(before_acme["timeouts"]["fin_wait"], "30s", "{before_acme}");
     assert_eq!(
         tshape(&r2.ok("GET", "/v1/tenants", None)),
         tshape(&tenants_before)

@@ -281,7 +281,39 @@ fn e2e_tenant_service_backend_changes() {
     assert!(r.2.contains("409"), "{}", r.2);
     let r = s.weir(&["tenant", "edit", "initech"]);
     assert_eq!(r.0, ExitCode::from(2));
-    assert!(r.2.contains("weir reload"), "{}", r.2);
+    assert!(r.2.contains("nothing to change"), "{}", r.2);
+    let out = ok(s.weir(&[
+        "tenant",
+        "edit",
+        "initech",
+        "--max-connections",
+        "20",
+        "--tenant-token",
+        "ini-token",
+        "--timeout",
+        "established=1h",
+        "--timeout",
+        "udp=60s",
+    ]));
+    assert_eq!(out, "tenant initech updated\n");
+    ok(s.weir(&["tenant", "edit", "initech", "--timeout", "udp=default"]));
+    let t = s
+        .fake
+        .running_config()
+        .tenants
+        .into_iter()
+        .find(|t| t.name == "initech")
+        .unwrap();
+    assert_eq!((t.max_connections, t.table_entries), (20, 2048));
+    assert_eq!(t.token.as_deref(), Some("ini-token"));
+    assert_eq!(t.timeouts.established.as_deref(), Some("1h"));
+    assert_eq!(t.timeouts.udp, None, "KEY=default drops the key");
+    let r = s.weir(&["tenant", "edit", "initech", "--table-entries", "4096"]);
+    assert_eq!(r.0, ExitCode::from(1));
+    assert!(r.2.contains("table_entries cannot change"), "{}", r.2);
+    let r = s.weir(&["tenant", "edit", "initech", "--timeout", "bogus=1s"]);
+    assert_eq!(r.0, ExitCode::from(2));
+    assert!(r.2.contains("unknown state"), "{}", r.2);
 
     ok(s.weir(&[
         "service",

@@ -449,3 +449,85 @@ fn tenant_timeouts_apply_to_connections_and_sessions() {
     );
     d.shutdown();
 }
+
+/// `edit_tenant` on the live daemon: limits apply to the next admission,
+/// timeouts to new connections; the table size and the name cannot change.
+#[test]
+fn editing_a_tenant_changes_limits_and_timeouts_live() {
+    use weir::control::ErrorKind;
+    let e = Echo::start();
+    let mut svc = service("s", Protocol::Tcp, "rr", vec![backend(e.addr, 1)]);
+    svc.tenant = "live".into();
+    let mut cfg = config(vec![svc]);
+    cfg.tenants.push(TenantSpec {
+        name: "live".into(),
+        table_entries: 1024,
+        ..Default::default()
+    });
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("live", "s").unwrap();
+    let spec = || {
+        c.running_config()
+            .tenants
+            .into_iter()
+            .find(|t| t.name == "live")
+            .unwrap()
+    };
+
+    let mut one = spec();
+    one.max_connections = 1;
+    c.edit_tenant("live", one).unwrap();
+    let _first = held(vip);
+    assert!(!echo_once(vip, b"2nd"), "the cap of 1 refuses a second");
+    let refused = |c: &std::sync::Arc<dyn weir::control::Control>| {
+        c.tenants()
+            .into_iter()
+            .find(|t| t.spec.name == "live")
+            .unwrap()
+            .refused
+    };
+    assert_eq!(refused(&c), 1);
+
+    let mut open = spec();
+    open.max_connections = 0;
+    open.timeouts.established = Some("1s".into());
+    c.edit_tenant("live", open).unwrap();
+    let mut conn = held(vip);
+    conn.set_read_timeout(Some(T)).unwrap();
+    let t0 = Instant::now();
+    let mut b = [0u8; 1];
+    let r = conn.read(&mut b);
+    assert!(
+        matches!(r, Ok(0)) || r.is_err() && t0.elapsed() < T,
+        "{r:?} after {:?}",
+        t0.elapsed()
+    );
+    assert!(t0.elapsed() < T, "the 1 s timeout closed it");
+    assert_eq!(spec().timeouts.established.as_deref(), Some("1s"));
+
+    let mut bigger = spec();
+    bigger.table_entries = 2048;
+    let err = c.edit_tenant("live", bigger).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid);
+    assert!(
+        err.message.contains("table_entries cannot change") && err.message.contains("delete"),
+        "{err}"
+    );
+    assert_eq!(spec().table_entries, 1024);
+    let mut renamed = spec();
+    renamed.name = "other".into();
+    assert_eq!(
+        c.edit_tenant("live", renamed).unwrap_err().kind,
+        ErrorKind::Invalid
+    );
+    let mut bad = spec();
+    bad.timeouts.udp = Some("forever".into());
+    let err = c.edit_tenant("live", bad).unwrap_err();
+    assert!(err.message.contains("timeouts.udp"), "{err}");
+    assert_eq!(
+        c.edit_tenant("nobody", spec()).unwrap_err().kind,
+        ErrorKind::NotFound
+    );
+    d.shutdown();
+}

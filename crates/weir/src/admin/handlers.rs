@@ -163,6 +163,59 @@ pub(crate) async fn add_tenant(
     Ok(created(name))
 }
 
+/// `PUT /v1/tenants/{tenant}`: the body's keys replace the tenant's current
+/// settings, omitted keys keep them (`"token": null` removes the token;
+/// `timeouts` is replaced as a whole). Full-access token only.
+pub(crate) async fn edit_tenant(
+    State(st): State<AppState>,
+    Extension(access): Extension<Access>,
+    PathParams(tenant): PathParams<String>,
+    JsonBody(body): JsonBody<serde_json::Value>,
+) -> ApiResult<Response> {
+    require_global(&access, "changing a tenant")?;
+    let serde_json::Value::Object(body) = body else {
+        return Err(ApiError::bad_request(
+            "the body must be a JSON object with the tenant's settings to change (see TenantSpec in GET /v1/openapi.json)",
+        ));
+    };
+    if let Some(name) = body.get("name")
+        && name.as_str() != Some(tenant.as_str())
+    {
+        return Err(ApiError::bad_request(format!(
+            "body name {name} differs from the path's {tenant:?}: a tenant cannot be renamed"
+        )));
+    }
+    let cfg = guard(|| st.control.running_config())?;
+    let current = cfg
+        .tenants
+        .into_iter()
+        .find(|t| t.name == tenant)
+        .or_else(|| {
+            // The implicit default tenant is only in running_config when it
+            // carries settings.
+            (tenant == crate::config::DEFAULT_TENANT).then(|| TenantSpec {
+                name: tenant.clone(),
+                ..TenantSpec::default()
+            })
+        })
+        .ok_or_else(|| ApiError::not_found(format!("no tenant {tenant:?}")))?;
+    let mut merged = match serde_json::to_value(&current) {
+        Ok(serde_json::Value::Object(m)) => m,
+        _ => {
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "encoding the current tenant failed",
+            ));
+        }
+    };
+    merged.extend(body);
+    let spec: TenantSpec = serde_json::from_value(serde_json::Value::Object(merged))
+        .map_err(|e| ApiError::bad_request(format!("invalid tenant: {e}")))?;
+    guard(|| st.control.edit_tenant(&tenant, spec))??;
+    Ok(ok_json(serde_json::json!({ "updated": tenant })))
+}
+
 pub(crate) async fn delete_tenant(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,

@@ -13,7 +13,7 @@
 //! * The read-only token may only GET; anything else is 403.
 //! * A tenant-scoped token sees only its tenant (lists are filtered) and may
 //!   change only its tenant's services, backends and connections; naming
-//!   another tenant, or a daemon-wide resource (tenant create/delete,
+//!   another tenant, or a daemon-wide resource (tenant create/edit/delete,
 //!   `/v1/config`, `/v1/reload`, `/metrics`), is 403.
 //! * Bodies are JSON, at most [`BODY_LIMIT`] bytes (413 beyond); malformed
 //!   input gets 400 with a message. Errors are always
@@ -242,6 +242,7 @@ fn build() -> Routes {
     }
     .add(Get, "/v1/tenants", h::list_tenants)
     .add(Post, "/v1/tenants", h::add_tenant)
+    .add(Put, "/v1/tenants/{tenant}", h::edit_tenant)
     .add(Delete, "/v1/tenants/{tenant}", h::delete_tenant)
     .add(Get, "/v1/services", h::list_services)
     .add(Post, "/v1/services", h::add_service)

@@ -95,6 +95,10 @@ pub fn document() -> Value {
                      errors(json!({ "201": done() }), WRITE))
         },
         "/v1/tenants/{tenant}": {
+          "put": op("Change a tenant's limits, token or timeouts (full-access token only); keys omitted from the body keep their value, \"token\": null removes the token, timeouts is replaced as a whole. table_entries cannot change (400: delete and re-create the tenant)",
+                    vec![tenant.clone()], Some(body("TenantSpec")),
+                    errors(json!({ "200": ok("updated", json!({ "type": "object",
+                      "properties": { "updated": {"type": "string"} } })) }), WRITE)),
           "delete": op("Delete a tenant, its services and only its connections", vec![tenant.clone()], None,
                        errors(json!({ "200": ok("deleted", json!({ "type": "object",
                          "properties": { "deleted": {"type": "string"}, "closed_connections": {"type": "integer"} } })) }), WRITE))
@@ -195,9 +199,15 @@ fn schemas() -> Value {
       "Totals": totals,
       "Rates": rates,
       "TenantSpec": { "type": "object", "required": ["name"], "properties": {
-        "name": s, "table_entries": int, "max_connections": int, "max_new_per_s": int, "token": s } },
+        "name": s, "table_entries": int, "max_connections": int, "max_new_per_s": int, "token": s,
+        "timeouts": reff("Timeouts") } },
+      "Timeouts": { "type": "object", "additionalProperties": false,
+        "description": "per-state idle timeouts, e.g. \"900s\" (1s..=30 days); absent keys keep the IPVS defaults",
+        "properties": { "established": s, "syn_sent": s, "syn_recv": s, "fin_wait": s, "close_wait": s,
+                        "last_ack": s, "time_wait": s, "close": s, "udp": s, "persist": s } },
       "TenantStatus": { "type": "object", "properties": {
         "name": s, "table_entries": int, "max_connections": int, "max_new_per_s": int,
+        "timeouts": reff("Timeouts"),
         "active_conns": int, "refused": int, "table": { "type": "string", "enum": ["own", "shared"] } } },
       "BackendSpec": { "type": "object", "required": ["address"], "properties": {
         "address": s, "weight": int, "proxy_protocol": { "type": "string", "enum": ["v1", "v2"] }, "max_connections": int } },

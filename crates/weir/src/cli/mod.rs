@@ -205,10 +205,31 @@ pub enum TenantCmd {
         #[arg(long)]
         tenant_token: Option<String>,
     },
-    /// Change a tenant (not supported at runtime: edit the file and reload).
+    /// Change a live tenant's limits, token or timeouts; options not given
+    /// keep their value. The table size is fixed at creation.
     Edit {
         /// Name.
         name: String,
+        /// Cap on connections + sessions; 0 = unlimited.
+        #[arg(long)]
+        max_connections: Option<u64>,
+        /// Cap on new connections + sessions per second; 0 = unlimited.
+        #[arg(long)]
+        max_new_per_s: Option<u64>,
+        /// New tenant-scoped admin token.
+        #[arg(long, conflicts_with = "no_tenant_token")]
+        tenant_token: Option<String>,
+        /// Remove the tenant-scoped admin token.
+        #[arg(long)]
+        no_tenant_token: bool,
+        /// A per-state timeout, KEY=DURATION (e.g. established=1h, udp=60s);
+        /// repeatable; `KEY=default` goes back to the IPVS default.
+        #[arg(long = "timeout", value_name = "KEY=DURATION")]
+        timeouts: Vec<String>,
+        /// Refused by the daemon unless equal to the current size (the
+        /// table is sized at creation: delete and re-create the tenant).
+        #[arg(long)]
+        table_entries: Option<usize>,
     },
     /// Delete a tenant, its services and its connections.
     Del {
@@ -553,9 +574,78 @@ fn tenant(cmd: TenantCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             c.send("POST", "/v1/tenants", Some(&body))?;
             w(out, &format!("tenant {name} added\n"))
         }
-        TenantCmd::Edit { name } => Err(CliError::Local(format!(
-            "tenant {name}: tenants cannot be changed at runtime (the daemon has no such operation)\nhint: edit its [[tenant]] in the config file and run `weir reload`"
-        ))),
+        TenantCmd::Edit {
+            name,
+            max_connections,
+            max_new_per_s,
+            tenant_token,
+            no_tenant_token,
+            timeouts,
+            table_entries,
+        } => {
+            let mut body = serde_json::Map::new();
+            if let Some(v) = max_connections {
+                body.insert("max_connections".into(), json!(v));
+            }
+            if let Some(v) = max_new_per_s {
+                body.insert("max_new_per_s".into(), json!(v));
+            }
+            if let Some(t) = tenant_token {
+                body.insert("token".into(), json!(t));
+            }
+            if no_tenant_token {
+                body.insert("token".into(), Value::Null);
+            }
+            if let Some(v) = table_entries {
+                body.insert("table_entries".into(), json!(v));
+            }
+            if !timeouts.is_empty() {
+                // The daemon replaces `timeouts` as a whole: start from the
+                // tenant's current ones.
+                let list: Vec<TenantStatus> = c.get("/v1/tenants")?;
+                let cur = list
+                    .into_iter()
+                    .find(|t| t.spec.name == name)
+                    .ok_or_else(|| CliError::Local(format!("tenant {name} does not exist")))?;
+                let mut t = match serde_json::to_value(&cur.spec.timeouts) {
+                    Ok(Value::Object(m)) => m,
+                    _ => serde_json::Map::new(),
+                };
+                for kv in &timeouts {
+                    let (key, value) = kv.split_once('=').ok_or_else(|| {
+                        CliError::Local(format!(
+                            "--timeout {kv:?}: write KEY=DURATION, e.g. established=1h"
+                        ))
+                    })?;
+                    let known = crate::config::TimeoutsSpec::default()
+                        .fields()
+                        .iter()
+                        .any(|(k, _)| *k == key);
+                    if !known {
+                        return Err(CliError::Local(format!(
+                            "--timeout {kv:?}: unknown state {key:?}; one of established, syn_sent, syn_recv, fin_wait, close_wait, last_ack, time_wait, close, udp, persist"
+                        )));
+                    }
+                    if value == "default" {
+                        t.remove(key);
+                    } else {
+                        t.insert(key.into(), json!(value));
+                    }
+                }
+                body.insert("timeouts".into(), Value::Object(t));
+            }
+            if body.is_empty() {
+                return Err(CliError::Local(format!(
+                    "tenant {name}: nothing to change; give e.g. --max-connections, --max-new-per-s, --tenant-token or --timeout KEY=DURATION"
+                )));
+            }
+            c.send(
+                "PUT",
+                &format!("/v1/tenants/{}", seg(&name)),
+                Some(&Value::Object(body)),
+            )?;
+            w(out, &format!("tenant {name} updated\n"))
+        }
         TenantCmd::Del { name } => {
             let v = c.send("DELETE", &format!("/v1/tenants/{}", seg(&name)), None)?;
             let closed = v

@@ -155,6 +155,33 @@ impl Control for LiveControl {
         self.0.add_tenant(spec)
     }
 
+    fn edit_tenant(&self, tenant: &str, spec: TenantSpec) -> ControlResult<()> {
+        let invalid = |m: String| ControlError::new(ErrorKind::Invalid, m);
+        let Some(t) = self.0.state.read().tenants.get(tenant).cloned() else {
+            return Err(not_found(format!("tenant {tenant:?} does not exist")));
+        };
+        if spec.name != tenant {
+            return Err(invalid(format!(
+                "a tenant cannot be renamed ({tenant:?} to {:?}); create the new one and move its services",
+                spec.name
+            )));
+        }
+        let cur_entries = t.spec.read().table_entries;
+        if spec.table_entries != cur_entries {
+            return Err(invalid(format!(
+                "table_entries cannot change on a live tenant: its flow table was sized at creation \
+                 ({cur_entries}); delete the tenant and create it again with table_entries = {}",
+                spec.table_entries
+            )));
+        }
+        let timeouts = super::resolve_timeouts(&spec)?;
+        *t.timeouts.write() = timeouts;
+        *t.spec.write() = spec;
+        self.0.tune_tenant_timeouts(&t);
+        tracing::info!(tenant, "tenant updated");
+        Ok(())
+    }
+
     fn delete_tenant(&self, tenant: &str) -> ControlResult<u64> {
         let keys: Vec<_> = {
             let st = self.0.state.read();
@@ -562,17 +589,18 @@ impl Control for LiveControl {
         if !errors.is_empty() {
             return Err(errors);
         }
-        // Tenants: add new, update limits of existing, delete missing (after services).
+        // Tenants: add new, edit existing (limits, token, timeouts; a new
+        // table size is reported), delete missing (after services).
         let live: Vec<String> = self.0.state.read().tenants.keys().cloned().collect();
         for t in &new.tenants {
             let existing = self.0.state.read().tenants.get(&t.name).cloned();
-            match existing {
-                Some(cur) => *cur.spec.write() = t.clone(),
-                None => {
-                    if let Err(e) = self.0.add_tenant(t.clone()) {
-                        errors.push(e.message);
-                    }
-                }
+            let r = match existing {
+                Some(cur) if *cur.spec.read() == *t => Ok(()),
+                Some(_) => self.edit_tenant(&t.name, t.clone()),
+                None => self.0.add_tenant(t.clone()),
+            };
+            if let Err(e) = r {
+                errors.push(format!("tenant {}: {}", t.name, e.message));
             }
         }
         // Services.

@@ -211,6 +211,21 @@ impl Control for Fake {
         Ok(())
     }
 
+    fn edit_tenant(&self, tenant: &str, spec: TenantSpec) -> ControlResult<()> {
+        let mut st = self.st.lock().unwrap();
+        let Some(cur) = st.config.tenants.iter_mut().find(|t| t.name == tenant) else {
+            return Err(nf(format!("no tenant {tenant}")));
+        };
+        if spec.table_entries != cur.table_entries {
+            return Err(ControlError::new(
+                ErrorKind::Invalid,
+                "table_entries cannot change on a live tenant; delete and re-create it",
+            ));
+        }
+        *cur = spec;
+        Ok(())
+    }
+
     fn delete_tenant(&self, tenant: &str) -> ControlResult<u64> {
         let mut st = self.st.lock().unwrap();
         let before = st.config.tenants.len();
