@@ -1095,7 +1095,8 @@ fn control_panics_become_500_not_a_dead_connection() {
 #[test]
 fn serves_over_a_unix_socket_and_generates_a_token() {
     use std::io::{Read, Write};
-    let dir = std::env::temp_dir().join(format!("weir-admin-unix-{}", std::process::id()));
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let sock = dir.join("admin.sock");

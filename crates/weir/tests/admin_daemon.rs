@@ -342,7 +342,8 @@ fn churn(cycles: u64) {
 #[test]
 fn reload_with_a_broken_config_keeps_serving_the_old_one() {
     let a = Echo::start();
-    let dir = std::env::temp_dir().join(format!("weir-admin-reload-{}", std::process::id()));
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("weir.toml");
     let good = format!(

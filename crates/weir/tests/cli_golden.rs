@@ -479,7 +479,8 @@ fn e2e_errors_say_what_to_do() {
 #[test]
 fn e2e_config_file_gives_address_and_token() {
     let s = server();
-    let dir = std::env::temp_dir().join(format!("weir-cli-cfg-{}", std::process::id()));
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
     std::fs::create_dir_all(&dir).unwrap();
     let tok = dir.join("tok");
     std::fs::write(&tok, format!("{TOKEN}\n")).unwrap();

@@ -14,12 +14,23 @@ use daemon_util::*;
 const BIN: &str = env!("CARGO_BIN_EXE_weir");
 const T: Duration = Duration::from_secs(15);
 
-fn tmp_file(name: &str, text: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("weir-daemon-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join(name);
+/// A file in `dir` (a test's own temporary directory, removed when the
+/// test ends, even on failure).
+fn tmp_file(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
+    let p = dir.path().join(name);
     std::fs::write(&p, text).unwrap();
     p
+}
+
+/// What a test leaves in its directory besides its config files: a
+/// generated admin token would show up here (HOME and XDG_RUNTIME_DIR of
+/// the spawned daemon point at it).
+fn leftovers(dir: &tempfile::TempDir) -> Vec<String> {
+    std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.ends_with(".toml"))
+        .collect()
 }
 
 fn free_addr() -> SocketAddr {
@@ -52,7 +63,8 @@ scheduler = "fastest"
   weight = 70000
   proxy_protocol = "v3"
 "#;
-    let p = tmp_file("bad.toml", text);
+    let dir = tempfile::tempdir().unwrap();
+    let p = tmp_file(&dir, "bad.toml", text);
     let out = Command::new(BIN)
         .args(["check", "--config"])
         .arg(&p)
@@ -78,7 +90,8 @@ scheduler = "fastest"
 
 #[test]
 fn check_reports_shape_errors_with_line() {
-    let p = tmp_file("shape.toml", "[daemon]\nworkers = 2\nbogus = 1\n");
+    let dir = tempfile::tempdir().unwrap();
+    let p = tmp_file(&dir, "shape.toml", "[daemon]\nworkers = 2\nbogus = 1\n");
     let out = Command::new(BIN)
         .args(["check", "--config"])
         .arg(&p)
@@ -126,7 +139,10 @@ impl Drop for Proc {
     }
 }
 
+/// `weir run --config CONFIG` with HOME and XDG_RUNTIME_DIR set to the
+/// config's directory, so nothing can land in the real home directory.
 fn spawn_run(config: &std::path::Path, nofile: Option<u32>) -> Proc {
+    let home = config.parent().unwrap();
     let mut cmd = match nofile {
         // `ulimit -n` lowers soft and hard, so weir cannot raise it back.
         Some(n) => {
@@ -145,6 +161,8 @@ fn spawn_run(config: &std::path::Path, nofile: Option<u32>) -> Proc {
     };
     Proc(
         cmd.env("RUST_LOG", "info")
+            .env("HOME", home)
+            .env("XDG_RUNTIME_DIR", home)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -163,7 +181,7 @@ fn cpu_ticks(pid: u32) -> u64 {
 
 fn run_config(vip: SocketAddr, backend: SocketAddr, extra: &str) -> String {
     format!(
-        "[daemon]\nworkers = 1\ndrain_timeout = \"20s\"\n[admin]\nlisten = \"{}\"\n{extra}\n[[service]]\nname = \"e\"\nprotocol = \"tcp\"\nlisten = \"{vip}\"\nscheduler = \"rr\"\n  [[service.backend]]\n  address = \"{backend}\"\n",
+        "[daemon]\nworkers = 1\ndrain_timeout = \"20s\"\n[admin]\nlisten = \"{}\"\ntoken = \"daemon-cli-test-token\"\n{extra}\n[[service]]\nname = \"e\"\nprotocol = \"tcp\"\nlisten = \"{vip}\"\nscheduler = \"rr\"\n  [[service.backend]]\n  address = \"{backend}\"\n",
         free_addr()
     )
 }
@@ -172,7 +190,8 @@ fn run_config(vip: SocketAddr, backend: SocketAddr, extra: &str) -> String {
 fn fd_exhaustion_backs_off_and_recovers() {
     let e = Echo::start();
     let vip = free_addr();
-    let p = tmp_file("fd.toml", &run_config(vip, e.addr, ""));
+    let dir = tempfile::tempdir().unwrap();
+    let p = tmp_file(&dir, "fd.toml", &run_config(vip, e.addr, ""));
     let mut child = spawn_run(&p, Some(48));
     assert!(
         wait_until(T, || echo_once(vip, b"up")),
@@ -206,6 +225,7 @@ fn fd_exhaustion_backs_off_and_recovers() {
     let mut err = String::new();
     let _ = child.0.stderr.take().unwrap().read_to_string(&mut err);
     assert!(err.contains("backing off"), "no back-off logged:\n{err}");
+    assert!(leftovers(&dir).is_empty(), "{:?}", leftovers(&dir));
 }
 
 /// Echo with a short timeout (used to detect that the daemon is saturated).
@@ -224,7 +244,8 @@ fn sighup_reloads_and_sigterm_drains() {
     use nix::unistd::Pid;
     let e = Echo::start();
     let vip = free_addr();
-    let p = tmp_file("hup.toml", &run_config(vip, e.addr, ""));
+    let dir = tempfile::tempdir().unwrap();
+    let p = tmp_file(&dir, "hup.toml", &run_config(vip, e.addr, ""));
     // Access log on: one line per closed connection.
     let text = run_config(vip, e.addr, "").replace("[admin]", "access_log = true\n[admin]");
     std::fs::write(&p, &text).unwrap();
@@ -276,6 +297,7 @@ fn sighup_reloads_and_sigterm_drains() {
         line.contains("bytes_in=") && line.contains("backend=") && line.contains("duration_ms="),
         "{line}"
     );
+    assert!(leftovers(&dir).is_empty(), "{:?}", leftovers(&dir));
 }
 
 fn rss_kib(pid: u32) -> u64 {
@@ -295,7 +317,8 @@ fn rss_kib(pid: u32) -> u64 {
 fn rss_per_idle_connection() {
     let e = Echo::start();
     let vip = free_addr();
-    let p = tmp_file("rss.toml", &run_config(vip, e.addr, ""));
+    let dir = tempfile::tempdir().unwrap();
+    let p = tmp_file(&dir, "rss.toml", &run_config(vip, e.addr, ""));
     let child = spawn_run(&p, None);
     assert!(wait_until(T, || echo_once(vip, b"up")));
     let pid = child.0.id();

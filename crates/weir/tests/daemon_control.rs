@@ -279,9 +279,8 @@ fn ipv6_service() {
 #[test]
 fn reload_with_a_busy_address_applies_nothing() {
     let e = Echo::start();
-    let dir = std::env::temp_dir().join(format!("weir-reload-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("r.toml");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("r.toml");
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let free = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -231,7 +231,8 @@ mod tests {
     #[test]
     fn token_file_is_generated_once_with_mode_0600() {
         use std::os::unix::fs::PermissionsExt;
-        let dir = std::env::temp_dir().join(format!("weir-auth-test-{}", std::process::id()));
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let _ = std::fs::remove_dir_all(&dir);
         let cfg = AdminConfig {
             token_file: Some(dir.join("sub").join("tok")),
