@@ -314,6 +314,41 @@ fn reload_with_a_busy_address_applies_nothing() {
     std::fs::write(&path, format!("[daemon]\nworkers = 1\n{}", svc("ok", free))).unwrap();
     c.reload().unwrap();
     assert!(echo_once(free, b"ok"));
+    // Tenants: a reload edits them live (here the default tenant's
+    // timeouts, which `running_config` then writes out); a new table size
+    // is reported, the rest still applied.
+    let base = format!("[daemon]\nworkers = 1\n{}", svc("ok", free));
+    std::fs::write(
+        &path,
+        format!("{base}[[tenant]]\nname = \"default\"\n[tenant.timeouts]\nfin_wait = \"9s\"\n"),
+    )
+    .unwrap();
+    c.reload().unwrap();
+    let dflt = || {
+        c.running_config()
+            .tenants
+            .into_iter()
+            .find(|t| t.name == "default")
+    };
+    assert_eq!(
+        dflt().and_then(|t| t.timeouts.fin_wait).as_deref(),
+        Some("9s")
+    );
+    std::fs::write(
+        &path,
+        format!(
+            "{base}[[tenant]]\nname = \"default\"\ntable_entries = 1024\nmax_connections = 3\n"
+        ),
+    )
+    .unwrap();
+    let errs = c.reload().unwrap_err();
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert!(
+        errs[0].starts_with("tenant default: table_entries cannot change"),
+        "{errs:?}"
+    );
+    assert_eq!(dflt().map(|t| t.table_entries), Some(0));
+    assert!(echo_once(free, b"still"));
     d.shutdown();
 }
 

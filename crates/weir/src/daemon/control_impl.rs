@@ -524,11 +524,13 @@ impl Control for LiveControl {
                 .map(|t| t.spec.read().clone())
                 .filter(|t| {
                     // The implicit default tenant is only written out when
-                    // it carries settings.
+                    // it carries settings (limits, token, timeouts...).
                     t.name != config::DEFAULT_TENANT
-                        || t.max_connections != 0
-                        || t.max_new_per_s != 0
-                        || t.table_entries != 0
+                        || *t
+                            != TenantSpec {
+                                name: config::DEFAULT_TENANT.into(),
+                                ..TenantSpec::default()
+                            }
                 })
                 .collect(),
             services: st
