@@ -3,6 +3,11 @@
 //! ns/op measured in this run only. The machine is shared and noisy.
 //!
 //! `cargo run --release -p weir-flowtable --example quick -- [entries] [stripes]`
+//!
+//! `QUICK_ONLY=get|touch|miss|churn` with `QUICK_OPS=N` runs only N of one
+//! operation after the build (for `perf stat` / callgrind counts: run with
+//! N and with 0, subtract); `QUICK_ONLY=churn2` churns on two threads;
+//! `QUICK_ONLY=dump` builds and dumps only.
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Instant;
@@ -115,6 +120,26 @@ fn main() {
             return;
         }
         _ => {}
+    }
+    if only == "churn2" {
+        // Two threads, each churning its own window of keys (pairs = ops
+        // per thread); prints wall time per pair over both threads.
+        let t0 = Instant::now();
+        std::thread::scope(|sc| {
+            for th in 0..2u64 {
+                let t = &t;
+                sc.spawn(move || {
+                    for j in 0..ops {
+                        let p = j * 2 + th;
+                        t.insert(key(n + p), init, Millis(2)).unwrap();
+                        t.remove(&key(p)).unwrap();
+                    }
+                });
+            }
+        });
+        let wall = t0.elapsed().as_nanos() as f64 / (2 * ops) as f64;
+        println!("churn2 pair   {wall:7.1} wall-ns per pair (2 threads)");
+        return;
     }
     if only == "churn" {
         let t0 = now();
