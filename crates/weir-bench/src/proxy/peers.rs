@@ -215,6 +215,9 @@ pub(crate) fn start_proxy(
             std::fs::write(&path, conf)?;
             let mut cmd = Command::new(&weir.bin);
             cmd.arg("run").arg("--config").arg(&path);
+            // Whatever weir keeps per user (tokens, sockets) stays in the instance's directory.
+            cmd.env("HOME", dir.path())
+                .env("XDG_RUNTIME_DIR", dir.path());
             Server::spawn("weir", cmd, dir)?
         }
     };
