@@ -4,14 +4,19 @@
 //! `--config FILE`, else `127.0.0.1:9900`. Token: `--token` / `WEIR_TOKEN`,
 //! else `[admin] token` or `token_file` of `--config FILE`, else the file the
 //! daemon generates when no token is configured (see
-//! [`crate::admin::auth::default_token_path`]). Only TCP admin addresses are
-//! supported by the CLI (ureq speaks plain HTTP over TCP); for a
-//! `unix:/path` admin socket use curl `--unix-socket`.
+//! [`crate::admin::auth::default_token_path`]).
+//!
+//! Transport: TCP addresses (`IP:PORT`, `http://HOST:PORT`) go through ureq;
+//! `unix:/path` goes through the small HTTP/1.1 client in
+//! [`super::unix_http`] (ureq has no unix-socket transport). Both sit behind
+//! [`Client::call`], so the commands do not know which one they use.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
+
+use super::unix_http;
 
 use crate::admin::auth::default_token_path;
 use crate::config::AdminConfig;
@@ -25,7 +30,7 @@ pub struct AdminArgs {
         env = "WEIR_ADMIN",
         value_name = "URL",
         global = true,
-        help = "Admin API address, e.g. http://127.0.0.1:9900 (default: [admin] listen of --config, else 127.0.0.1:9900)"
+        help = "Admin API address, e.g. http://127.0.0.1:9900 or unix:/run/weir/admin.sock (default: [admin] listen of --config, else 127.0.0.1:9900)"
     )]
     pub admin: Option<String>,
     /// Bearer token.
@@ -98,10 +103,24 @@ impl std::error::Error for CliError {}
 /// Result of a CLI action.
 pub type CliResult<T> = Result<T, CliError>;
 
+/// Largest answer body accepted, in bytes.
+const BODY_LIMIT: u64 = 1 << 30;
+/// Per read/write timeout on the unix socket (ureq's global timeout on TCP).
+const UNIX_IO_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How requests reach the admin API.
+#[derive(Debug)]
+enum Transport {
+    /// HTTP over TCP through ureq.
+    Tcp(ureq::Agent),
+    /// HTTP over the unix socket at this path, one connection per request.
+    Unix(PathBuf),
+}
+
 /// A connection to the admin API.
 #[derive(Debug)]
 pub struct Client {
-    agent: ureq::Agent,
+    transport: Transport,
     base: String,
     token: Option<String>,
 }
@@ -133,8 +152,17 @@ impl Client {
         Ok(Self::new(base, token))
     }
 
-    /// A client for `base` (e.g. "http://127.0.0.1:9900").
+    /// A client for `base` (e.g. "http://127.0.0.1:9900", or
+    /// "unix:/run/weir/admin.sock" for a unix socket), as [`base_url`] returns.
     pub fn new(base: String, token: Option<String>) -> Self {
+        if let Some(path) = base.strip_prefix("unix:") {
+            let transport = Transport::Unix(PathBuf::from(path));
+            return Self {
+                transport,
+                base,
+                token,
+            };
+        }
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_connect(Some(Duration::from_secs(5)))
@@ -144,7 +172,11 @@ impl Client {
             .max_idle_age(Duration::from_secs(30))
             .build()
             .into();
-        Self { agent, base, token }
+        Self {
+            transport: Transport::Tcp(agent),
+            base,
+            token,
+        }
     }
 
     /// The base URL in use.
@@ -159,34 +191,10 @@ impl Client {
         path: &str,
         body: Option<&serde_json::Value>,
     ) -> CliResult<String> {
-        let url = format!("{}{}", self.base, path);
-        let mut b = ureq::http::Request::builder().method(method).uri(&url);
-        if let Some(t) = &self.token {
-            b = b.header("Authorization", format!("Bearer {t}"));
-        }
-        let payload = match body {
-            Some(v) => {
-                b = b.header("Content-Type", "application/json");
-                v.to_string()
-            }
-            None => String::new(),
+        let (status, text) = match &self.transport {
+            Transport::Tcp(agent) => self.call_tcp(agent, method, path, body)?,
+            Transport::Unix(sock) => self.call_unix(sock, method, path, body)?,
         };
-        let req = b
-            .body(payload)
-            .map_err(|e| CliError::Local(format!("cannot build a request to {url}: {e}")))?;
-        let mut resp = self.agent.run(req).map_err(|e| {
-            CliError::Local(format!(
-                "cannot reach the admin API at {}: {e}\nhint: is `weir run` running? pass --admin URL or set WEIR_ADMIN (or --config FILE)",
-                self.base
-            ))
-        })?;
-        let status = resp.status().as_u16();
-        let text = resp
-            .body_mut()
-            .with_config()
-            .limit(1 << 30)
-            .read_to_string()
-            .map_err(|e| CliError::Local(format!("reading the answer from {url}: {e}")))?;
         if (200..300).contains(&status) {
             return Ok(text);
         }
@@ -210,6 +218,81 @@ impl Client {
             message,
             errors,
         })
+    }
+
+    fn unreachable(&self, e: impl std::fmt::Display) -> CliError {
+        CliError::Local(format!(
+            "cannot reach the admin API at {}: {e}\nhint: is `weir run` running? pass --admin URL or set WEIR_ADMIN (or --config FILE)",
+            self.base
+        ))
+    }
+
+    /// One request over TCP (ureq): status and body.
+    fn call_tcp(
+        &self,
+        agent: &ureq::Agent,
+        method: &str,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> CliResult<(u16, String)> {
+        let url = format!("{}{}", self.base, path);
+        let mut b = ureq::http::Request::builder().method(method).uri(&url);
+        if let Some(t) = &self.token {
+            b = b.header("Authorization", format!("Bearer {t}"));
+        }
+        let payload = match body {
+            Some(v) => {
+                b = b.header("Content-Type", "application/json");
+                v.to_string()
+            }
+            None => String::new(),
+        };
+        let req = b
+            .body(payload)
+            .map_err(|e| CliError::Local(format!("cannot build a request to {url}: {e}")))?;
+        let mut resp = agent.run(req).map_err(|e| self.unreachable(e))?;
+        let status = resp.status().as_u16();
+        let text = resp
+            .body_mut()
+            .with_config()
+            .limit(BODY_LIMIT)
+            .read_to_string()
+            .map_err(|e| CliError::Local(format!("reading the answer from {url}: {e}")))?;
+        Ok((status, text))
+    }
+
+    /// One request over the unix socket: status and body.
+    fn call_unix(
+        &self,
+        sock: &Path,
+        method: &str,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> CliResult<(u16, String)> {
+        let payload = body.map(|v| v.to_string());
+        let req = unix_http::Request {
+            method,
+            target: path,
+            token: self.token.as_deref(),
+            json_body: payload.as_deref().map(str::as_bytes),
+        };
+        let resp = match unix_http::send(sock, &req, UNIX_IO_TIMEOUT, BODY_LIMIT) {
+            Ok(r) => r,
+            Err(e) if e.starts_with("connect:") => return Err(self.unreachable(e)),
+            Err(e) => {
+                return Err(CliError::Local(format!(
+                    "{method} {path} over {}: {e}",
+                    self.base
+                )));
+            }
+        };
+        let text = String::from_utf8(resp.body).map_err(|_| {
+            CliError::Local(format!(
+                "the answer to {method} {path} over {} is not UTF-8",
+                self.base
+            ))
+        })?;
+        Ok((resp.status, text))
     }
 
     /// GET and decode JSON.
@@ -239,13 +322,16 @@ fn strip_scheme(s: &str) -> &str {
 }
 
 /// `IP:PORT` or `http://IP:PORT[/]` → `http://HOST:PORT`; wildcard listen
-/// addresses are reached on loopback.
+/// addresses are reached on loopback. `unix:/path` stays as it is.
 pub fn base_url(listen: &str) -> CliResult<String> {
     let l = listen.trim();
-    if l.starts_with("unix:") {
-        return Err(CliError::Local(format!(
-            "the admin API listens on {l}; the CLI supports only TCP admin addresses\nhint: add a TCP [admin] listen, or use curl --unix-socket"
-        )));
+    if let Some(path) = l.strip_prefix("unix:") {
+        if path.is_empty() {
+            return Err(CliError::Local(
+                "admin address \"unix:\" names no socket; use unix:/path/to/admin.sock".into(),
+            ));
+        }
+        return Ok(l.to_owned());
     }
     if l.starts_with("https://") {
         return Err(CliError::Local(
@@ -328,7 +414,8 @@ mod tests {
         assert_eq!(base_url("http://h:1/").as_deref(), Ok("http://h:1"));
         assert_eq!(base_url("0.0.0.0:9").as_deref(), Ok("http://127.0.0.1:9"));
         assert_eq!(base_url("[::]:9").as_deref(), Ok("http://[::1]:9"));
-        assert!(base_url("unix:/x").is_err());
+        assert_eq!(base_url(" unix:/x/a.sock").as_deref(), Ok("unix:/x/a.sock"));
+        assert!(base_url("unix:").is_err());
         assert!(base_url("https://x:1").is_err());
         assert!(base_url("http://x:1/v1").is_err());
     }
