@@ -515,4 +515,70 @@ mod tests {
             );
         }
     }
+
+    /// A one-shot server: reads the request head, answers `answer` (or
+    /// nothing, holding the connection open until the client gives up).
+    fn one_shot(
+        answer: Option<&'static str>,
+    ) -> (
+        tempfile::TempDir,
+        std::path::PathBuf,
+        std::thread::JoinHandle<String>,
+    ) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("s.sock");
+        let l = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+        let h = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().expect("accept");
+            s.set_read_timeout(Some(Duration::from_secs(10)))
+                .expect("timeout");
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && s.read_exact(&mut byte).is_ok() {
+                head.push(byte[0]);
+            }
+            match answer {
+                Some(a) => s.write_all(a.as_bytes()).expect("answer"),
+                // Wait for the client to close (its read timed out).
+                None => while s.read(&mut byte).is_ok_and(|n| n > 0) {},
+            }
+            String::from_utf8_lossy(&head).into_owned()
+        });
+        (dir, path, h)
+    }
+
+    #[test]
+    fn a_chunked_answer_over_a_real_socket() {
+        let (_dir, path, h) = one_shot(Some(
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n[1,\r\n2\r\n2]\r\n0\r\n\r\n",
+        ));
+        let req = Request {
+            method: "GET",
+            target: "/v1/x",
+            token: Some("t"),
+            json_body: None,
+        };
+        let r = send(&path, &req, Duration::from_secs(10), LIMIT).expect("send");
+        assert_eq!((r.status, r.body.as_slice()), (200, &b"[1,2]"[..]));
+        let head = h.join().expect("server");
+        assert!(
+            head.starts_with("GET /v1/x HTTP/1.1\r\n")
+                && head.contains("Authorization: Bearer t\r\n"),
+            "{head}"
+        );
+    }
+
+    #[test]
+    fn a_silent_server_times_out() {
+        let (_dir, path, h) = one_shot(None);
+        let req = Request {
+            method: "GET",
+            target: "/",
+            token: None,
+            json_body: None,
+        };
+        let e = send(&path, &req, Duration::from_millis(200), LIMIT).unwrap_err();
+        assert!(e.contains("timed out"), "{e}");
+        h.join().expect("server");
+    }
 }
