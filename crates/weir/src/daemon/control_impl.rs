@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use weir_flowtable::{DumpFilter, FlowState, TenantId};
 
-use super::{Backend, BackendSet, Service, Shared, service_params};
+use super::{Backend, BackendSet, Service, Shared, check_service, service_params};
 use crate::config::{self, BackendSpec, Config, ServiceSpec, TenantSpec};
 use crate::control::*;
 
@@ -232,14 +232,7 @@ impl Control for LiveControl {
                 "tenant and name cannot change; delete and add instead",
             ));
         }
-        let problems = config::service_problems(&spec);
-        if !problems.is_empty() {
-            let msg: Vec<String> = problems
-                .iter()
-                .map(|p| format!("{}: {}", p.path, p.message))
-                .collect();
-            return Err(ControlError::new(ErrorKind::Invalid, msg.join("; ")));
-        }
+        check_service(&spec)?;
         let cur = svc.spec.read().clone();
         // Port 0 in an edit means "keep the port the service got".
         let rebind = cur.protocol != spec.protocol
@@ -295,14 +288,7 @@ impl Control for LiveControl {
         specs.push(spec);
         let mut full = svc.spec.read().clone();
         full.backends = specs.clone();
-        let problems = config::service_problems(&full);
-        if !problems.is_empty() {
-            let msg: Vec<String> = problems
-                .iter()
-                .map(|p| format!("{}: {}", p.path, p.message))
-                .collect();
-            return Err(ControlError::new(ErrorKind::Invalid, msg.join("; ")));
-        }
+        check_service(&full)?;
         self.set_backends(&svc, &specs)?;
         self.0.start_health(&svc);
         Ok(())

@@ -68,6 +68,22 @@ pub const UDP_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default backend connect timeout.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Every problem of a service spec as one `Invalid` control error.
+pub(crate) fn check_service(spec: &ServiceSpec) -> crate::control::ControlResult<()> {
+    let problems = config::service_problems(spec);
+    if problems.is_empty() {
+        return Ok(());
+    }
+    let msg: Vec<String> = problems
+        .iter()
+        .map(|p| format!("{}: {}", p.path, p.message))
+        .collect();
+    Err(crate::control::ControlError::new(
+        crate::control::ErrorKind::Invalid,
+        msg.join("; "),
+    ))
+}
+
 /// Starts daemons.
 #[derive(Debug)]
 pub struct Daemon;
@@ -948,14 +964,7 @@ impl Shared {
         spec: ServiceSpec,
     ) -> crate::control::ControlResult<()> {
         use crate::control::{ControlError, ErrorKind};
-        let problems = config::service_problems(&spec);
-        if !problems.is_empty() {
-            let msg: Vec<String> = problems
-                .iter()
-                .map(|p| format!("{}: {}", p.path, p.message))
-                .collect();
-            return Err(ControlError::new(ErrorKind::Invalid, msg.join("; ")));
-        }
+        check_service(&spec)?;
         let params = Arc::new(service_params(&spec)?);
         let mut st = self.state.write();
         let Some(tenant) = st.tenants.get(&spec.tenant).cloned() else {
