@@ -3,7 +3,7 @@
 //! file keeping the running config, and save → restart round trip.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -17,61 +17,10 @@ use weir::cli::client::{CliError, Client};
 use weir::config::{AdminConfig, Config};
 use weir::daemon::{Daemon, DaemonHandle};
 
+mod daemon_util;
+use daemon_util::Echo;
+
 const TOKEN: &str = "daemon-test-token";
-
-/// A TCP echo backend; its listener closes when dropped.
-struct Echo {
-    addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    accepted: Arc<AtomicU64>,
-}
-
-impl Echo {
-    fn start() -> Self {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        l.set_nonblocking(true).unwrap();
-        let addr = l.local_addr().unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
-        let accepted = Arc::new(AtomicU64::new(0));
-        let (s2, a2) = (stop.clone(), accepted.clone());
-        std::thread::spawn(move || {
-            while !s2.load(Relaxed) {
-                match l.accept() {
-                    Ok((mut s, _)) => {
-                        a2.fetch_add(1, Relaxed);
-                        let _ = s.set_nonblocking(false);
-                        std::thread::spawn(move || {
-                            let mut buf = [0u8; 4096];
-                            loop {
-                                match s.read(&mut buf) {
-                                    Ok(0) | Err(_) => return,
-                                    Ok(n) => {
-                                        if s.write_all(&buf[..n]).is_err() {
-                                            return;
-                                        }
-                                    }
-                                }
-                            }
-                        });
-                    }
-                    // Non-blocking accept: poll the stop flag between tries.
-                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
-                }
-            }
-        });
-        Self {
-            addr,
-            stop,
-            accepted,
-        }
-    }
-}
-
-impl Drop for Echo {
-    fn drop(&mut self) {
-        self.stop.store(true, Relaxed);
-    }
-}
 
 fn echo_once(addr: SocketAddr, msg: &[u8]) -> Result<(), String> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
