@@ -468,6 +468,16 @@ impl FlowTable {
 
     /// Removes an entry, returning its final snapshot.
     pub fn remove(&self, key: &FlowKey) -> Option<FlowSnapshot> {
+        self.remove_where(key, |_| true)
+    }
+
+    /// Removes the entry for `key` only if it is still the one `cookie`
+    /// names (a newer entry for the same key stays), in one locked step.
+    pub fn remove_cookie(&self, key: &FlowKey, cookie: Cookie) -> Option<FlowSnapshot> {
+        self.remove_where(key, |n| n.cookie() == cookie.0)
+    }
+
+    fn remove_where(&self, key: &FlowKey, check: impl Fn(&Node) -> bool) -> Option<FlowSnapshot> {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
         let t = map.map.get(&key.tenant.0)?;
@@ -476,6 +486,9 @@ impl FlowTable {
         let (head, s) = (t.table.head(loc.bucket), loc.stripe);
         let mut st = t.table.lock(s);
         let (idx, n) = chain::find(&self.slab, head, &pk, loc.tag)?;
+        if !check(n) {
+            return None;
+        }
         let len = chain::unlink(&self.slab, head, idx)?;
         n.clear_live();
         let snap = n.snapshot(|s| t.timeout(s));

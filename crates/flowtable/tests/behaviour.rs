@@ -276,6 +276,31 @@ fn cookies_are_never_reused() {
 }
 
 #[test]
+fn remove_cookie_takes_only_the_entry_it_names() {
+    let t = table_with(&[(1, 0)], cfg(4, 64));
+    let old = t
+        .insert(key(1, 7), init(FlowState::SynRecv), Millis(0))
+        .unwrap();
+    assert!(t.remove(&key(1, 7)).is_some());
+    let new = t
+        .insert(key(1, 7), init(FlowState::SynRecv), Millis(1))
+        .unwrap();
+    assert_ne!(old, new);
+    // The stale owner's remove leaves the newer entry in place.
+    assert!(t.remove_cookie(&key(1, 7), old).is_none());
+    assert_eq!(t.get(&key(1, 7)).unwrap().cookie, new);
+    assert_eq!(t.tenant_stats(TenantId(1)).unwrap().entries, 1);
+    // Its own owner's remove takes it and says what it was.
+    let snap = t.remove_cookie(&key(1, 7), new).unwrap();
+    assert_eq!(snap.cookie, new);
+    assert!(t.get(&key(1, 7)).is_none());
+    assert_eq!(t.tenant_stats(TenantId(1)).unwrap().entries, 0);
+    // Absent keys and tenants.
+    assert!(t.remove_cookie(&key(1, 8), new).is_none());
+    assert!(t.remove_cookie(&key(9, 7), new).is_none());
+}
+
+#[test]
 fn stale_cursors_resume_sanely() {
     let t = table_with(&[(1, 0), (2, 16), (3, 16)], cfg(16, 64));
     for i in 0..50 {
