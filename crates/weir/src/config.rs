@@ -49,6 +49,10 @@ pub struct DaemonConfig {
     pub buffer_size: usize,
     /// `TCP_NOTSENT_LOWAT` on both sockets in bytes; 0 = leave the kernel default.
     pub notsent_lowat: u32,
+    /// `TCP_WINDOW_CLAMP` in bytes on the socket weir reads from while the
+    /// other side is not taking bytes (seed 004 on the receive side); 0 =
+    /// never clamp.
+    pub blocked_window: u32,
     /// SIGTERM drain timeout, e.g. "30s".
     pub drain_timeout: String,
     /// One log line per closed connection.
@@ -70,8 +74,9 @@ impl Default for DaemonConfig {
             shared_table_buckets: 1 << 17,
             own_tables_budget: 1 << 30,
             max_connections: 0,
-            buffer_size: 16 * 1024,
+            buffer_size: 64 * 1024,
             notsent_lowat: 16 * 1024,
+            blocked_window: 64 * 1024,
             drain_timeout: "30s".into(),
             access_log: false,
             estimator_cpu: None,
@@ -611,7 +616,7 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         err(
             &[dk.clone(), k("buffer_size")],
             format!(
-                "{} is outside 1024..=16777216 bytes; use e.g. 16384",
+                "{} is outside 1024..=16777216 bytes; use e.g. 65536",
                 d.buffer_size
             ),
         );
@@ -620,6 +625,15 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         err(
             &[dk.clone(), k("notsent_lowat")],
             "is above 1 GiB; use e.g. 16384, or 0 for the kernel default".into(),
+        );
+    }
+    if d.blocked_window != 0 && !(2048..=1 << 30).contains(&d.blocked_window) {
+        err(
+            &[dk.clone(), k("blocked_window")],
+            format!(
+                "{} is outside 2048..=1073741824 bytes; use e.g. 65536, or 0 to never clamp",
+                d.blocked_window
+            ),
         );
     }
     if d.workers > 1024 {
@@ -1013,6 +1027,7 @@ const DAEMON_KEYS: &[(&str, Kind)] = &[
     ("max_connections", Kind::Int),
     ("buffer_size", Kind::Int),
     ("notsent_lowat", Kind::Int),
+    ("blocked_window", Kind::Int),
     ("drain_timeout", Kind::Str),
     ("access_log", Kind::Bool),
     ("estimator_cpu", Kind::Int),

@@ -563,7 +563,7 @@ impl Control for LiveControl {
             if moves
                 && s.listen.port() != 0
                 && !taken_by_us
-                && let Err(e) = super::open_sockets(s.protocol, s.listen, 1)
+                && let Err(e) = super::open_sockets(s.protocol, s.listen, 1, 0)
             {
                 errors.push(format!(
                     "service {}/{}: cannot listen on {} {}: {e}",

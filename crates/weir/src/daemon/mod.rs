@@ -314,6 +314,7 @@ impl DaemonHandle {
     fn stop(&mut self) {
         self.shared.stop_accept.cancel();
         self.shared.kill_all.cancel();
+        self.shared.kill_where("killed", |_| true);
         // Health checks and admin tasks run on the control runtime.
         for svc in self.shared.state.read().services.values() {
             svc.cancel.cancel();
@@ -803,10 +804,16 @@ impl Shared {
             timeout_ms: AtomicU64::new(timeout.as_millis() as u64),
             bytes_in: AtomicU64::new(0),
             bytes_out: AtomicU64::new(0),
-            cancel: self.kill_all.child_token(),
+            // Its own token, not a child of `kill_all`: child tokens share
+            // the parent's lock, one more lock every connection would take.
+            cancel: CancellationToken::new(),
             cancel_reason: Mutex::new("killed"),
         });
         self.registry.insert(e.clone());
+        if self.kill_all.is_cancelled() {
+            // Registered while the daemon was stopping.
+            e.kill("killed");
+        }
         self.stat.conn();
         svc.tenant.stat.conn();
         svc.stat.conn();
@@ -817,13 +824,9 @@ impl Shared {
     /// Remove a connection from the registry and fix the counts.
     pub(crate) fn unregister(&self, e: &ConnEntry, reason: &str) {
         self.registry.remove(e.cookie);
-        if self
-            .table
-            .get(&e.key)
-            .is_some_and(|snap| snap.cookie.0 == e.cookie)
-        {
-            self.table.remove(&e.key);
-        }
+        // A newer entry for the same key (its successor) stays.
+        self.table
+            .remove_cookie(&e.key, weir_flowtable::Cookie(e.cookie));
         if e.state() == ConnState::Established {
             e.backend.active.fetch_sub(1, Relaxed);
         } else {
@@ -991,17 +994,22 @@ impl Shared {
                 format!("{} is used by another service", spec.listen),
             ));
         }
-        let sockets =
-            open_sockets(spec.protocol, spec.listen, self.workers.len()).map_err(|e| {
-                ControlError::new(
-                    ErrorKind::Unavailable,
-                    format!(
-                        "cannot listen on {} {}: {e}",
-                        config::protocol_name(spec.protocol),
-                        spec.listen
-                    ),
-                )
-            })?;
+        let sockets = open_sockets(
+            spec.protocol,
+            spec.listen,
+            self.workers.len(),
+            self.daemon_cfg.notsent_lowat,
+        )
+        .map_err(|e| {
+            ControlError::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "cannot listen on {} {}: {e}",
+                    config::protocol_name(spec.protocol),
+                    spec.listen
+                ),
+            )
+        })?;
         let listen = sockets.1;
         let backends: Vec<Arc<Backend>> = spec
             .backends
@@ -1314,10 +1322,14 @@ pub(crate) enum ListenSocket {
 
 /// One `SO_REUSEPORT` socket per worker on `addr`; port 0 is resolved by
 /// the first socket and reused by the others.
+/// `n` sockets bound to `addr` with `SO_REUSEPORT` (one per worker); TCP
+/// ones get the options accepted sockets inherit (`notsent_lowat` as in
+/// `[daemon]`).
 pub(crate) fn open_sockets(
     proto: Protocol,
     addr: SocketAddr,
     n: usize,
+    notsent_lowat: u32,
 ) -> std::io::Result<(Vec<ListenSocket>, SocketAddr)> {
     use socket2::{Domain, Socket, Type};
     let mut out = Vec::with_capacity(n);
@@ -1343,6 +1355,7 @@ pub(crate) fn open_sockets(
         }
         match proto {
             Protocol::Tcp => {
+                tcp::tune_listener(&s, notsent_lowat)?;
                 s.listen(4096)?;
                 out.push(ListenSocket::Tcp(s.into()));
             }

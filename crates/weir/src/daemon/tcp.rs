@@ -5,10 +5,12 @@
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use socket2::SockRef;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::{ConnEntry, ConnState, Service, Shared};
@@ -152,7 +154,8 @@ async fn handle(
         std::sync::atomic::Ordering::Relaxed,
     );
     let reason = proxy(&shared, &entry, client, backend_stream).await;
-    entry.set_state(&shared, ConnState::Close);
+    // No CLOSE state in the table: the entry goes right away, and
+    // `unregister` settles the backend's counts from its last state.
     shared.unregister(&entry, reason);
     shared.release(&tenant);
 }
@@ -163,19 +166,25 @@ async fn connect(shared: &Shared, addr: SocketAddr) -> io::Result<TcpStream> {
     } else {
         tokio::net::TcpSocket::new_v6()?
     };
-    // A modest receive buffer bounds what piles up from the backend when
-    // the client stops reading (seed 004 applied to the receive side).
-    let rcv = (shared.daemon_cfg.buffer_size * 4).max(16 * 1024);
-    let _ = sock.set_recv_buffer_size(rcv as u32);
+    // Set before connect so they cost no extra call per connection later;
+    // the client side inherits the same options from the listener.
+    let _ = sock.set_nodelay(true);
+    let lowat = shared.daemon_cfg.notsent_lowat;
+    if lowat != 0 {
+        let _ = SockRef::from(&sock).set_tcp_notsent_lowat(lowat);
+    }
     sock.connect(addr).await
 }
 
-fn tune(shared: &Shared, s: &TcpStream) {
-    let _ = s.set_nodelay(true);
-    let lowat = shared.daemon_cfg.notsent_lowat;
-    if lowat != 0 {
-        let _ = SockRef::from(s).set_tcp_notsent_lowat(lowat);
+/// Options every proxied TCP socket gets, set on the listening socket so
+/// that accepted sockets inherit them (Linux copies `TCP_NODELAY` and
+/// `TCP_NOTSENT_LOWAT` to the child; a test below checks it).
+pub(crate) fn tune_listener(s: &socket2::Socket, notsent_lowat: u32) -> io::Result<()> {
+    s.set_tcp_nodelay(true)?;
+    if notsent_lowat != 0 {
+        s.set_tcp_notsent_lowat(notsent_lowat)?;
     }
+    Ok(())
 }
 
 /// How one direction ended.
@@ -186,18 +195,72 @@ enum End {
     Error,
 }
 
+/// What one direction shares with the other and needs from the daemon.
+struct Pipe<'a> {
+    shared: &'a Shared,
+    entry: &'a ConnEntry,
+    buf_size: usize,
+    /// Client to backend (bytes counted "in").
+    inbound: bool,
+    /// Set when this direction has passed its EOF on.
+    my_eof: &'a AtomicBool,
+    /// The other direction's `my_eof`.
+    peer_eof: &'a AtomicBool,
+}
+
+/// Writes in a row that had to wait before the source's receive window is
+/// clamped: one wait is a fast flow meeting a busy moment; a run of them
+/// is a reader slower than the sender.
+const CLAMP_AFTER: u32 = 4;
+
+/// Writes in a row that went through without waiting before the clamp is
+/// lifted again.
+const UNCLAMP_AFTER: u32 = 64;
+
+// nix's own macro for a socket option it has no type for (its expansion
+// calls the other two by name).
+use nix::{getsockopt_impl, setsockopt_impl, sockopt_impl};
+sockopt_impl!(
+    /// `TCP_WINDOW_CLAMP`: the largest receive window the socket advertises.
+    /// Unlike shrinking `SO_RCVBUF`, it never drops bytes the peer already
+    /// has a window for, and it leaves the kernel's autotuning on.
+    WindowClamp,
+    Both,
+    libc::IPPROTO_TCP,
+    libc::TCP_WINDOW_CLAMP,
+    u32
+);
+
+/// Clamps `s`'s receive window to `bytes`, but to no less than four
+/// segments (below one segment the sender's silly-window avoidance would
+/// stall the flow; loopback's segments are 64 KiB). Returns the clamp to
+/// restore later.
+fn clamp_window(s: &TcpStream, bytes: u32) -> Option<u32> {
+    use nix::sys::socket::{getsockopt, setsockopt, sockopt::TcpMaxSeg};
+    let old = getsockopt(s, WindowClamp).ok()?;
+    let mss = getsockopt(s, TcpMaxSeg).unwrap_or(1460);
+    let clamp = bytes.max(mss.saturating_mul(4));
+    if clamp >= old {
+        return None;
+    }
+    setsockopt(s, WindowClamp, &clamp).ok()?;
+    Some(old)
+}
+
 async fn pump(
     from: &mut tokio::net::tcp::ReadHalf<'_>,
     to: &mut tokio::net::tcp::WriteHalf<'_>,
-    buf_size: usize,
-    shared: &Shared,
-    entry: &ConnEntry,
-    inbound: bool,
+    p: Pipe<'_>,
 ) -> End {
     // A direction holds a buffer only while bytes flow: it takes one from
     // the worker's pool when the socket turns readable and hands it back as
-    // soon as a read would block, so idle connections hold none (HAProxy's
-    // model) and a busy one never holds more than one per direction.
+    // soon as the socket is drained, so idle connections hold none
+    // (HAProxy's model) and a busy one never holds more than one per
+    // direction.
+    let clamp_to = p.shared.daemon_cfg.blocked_window;
+    // The window clamp to restore once the other side takes bytes again.
+    let mut clamped: Option<u32> = None;
+    let (mut blocked_writes, mut free_writes) = (0u32, 0u32);
     let mut buf: Option<Vec<u8>> = None;
     loop {
         let b = match buf.as_mut() {
@@ -206,13 +269,18 @@ async fn pump(
                 if from.as_ref().readable().await.is_err() {
                     return End::Error;
                 }
-                buf.insert(pool::take(buf_size))
+                buf.insert(pool::take(p.buf_size))
             }
         };
         let n = match from.try_read(b) {
             Ok(0) => {
                 pool::give(buf.take());
-                let _ = to.shutdown().await;
+                // When the other direction has already ended, both sockets
+                // are about to be closed, which sends the FIN anyway.
+                if !p.peer_eof.load(Relaxed) {
+                    let _ = to.shutdown().await;
+                }
+                p.my_eof.store(true, Relaxed);
                 return End::Eof;
             }
             Ok(n) => n,
@@ -225,16 +293,69 @@ async fn pump(
                 return End::Error;
             }
         };
-        if inbound {
-            shared.count_in(entry, n);
+        let drained = n < b.len();
+        if drained {
+            // A short read drained the socket (nginx assumes the same under
+            // edge-triggered epoll): forget the readiness now, before any
+            // await lets the driver record newer events, instead of paying
+            // for a read that would only return EAGAIN. Bytes or a FIN that
+            // arrive later raise a new event; a FIN already seen stays in
+            // tokio's readiness, so the next wait returns at once.
+            let _ = from.as_ref().try_io(Interest::READABLE, || {
+                Err::<(), _>(io::ErrorKind::WouldBlock.into())
+            });
+        }
+        if p.inbound {
+            p.shared.count_in(p.entry, n);
         } else {
-            shared.count_out(entry, n);
+            p.shared.count_out(p.entry, n);
         }
         // Read again only after everything was written: at most one buffer
         // per direction lives in user space.
-        if to.write_all(&b[..n]).await.is_err() {
+        let mut off = 0;
+        let mut blocked = false;
+        while off < n {
+            match to.as_ref().try_write(&b[off..n]) {
+                Ok(0) => {
+                    pool::give(buf.take());
+                    return End::Error;
+                }
+                Ok(k) => off += k,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    blocked = true;
+                    if to.as_ref().writable().await.is_err() {
+                        pool::give(buf.take());
+                        return End::Error;
+                    }
+                }
+                Err(_) => {
+                    pool::give(buf.take());
+                    return End::Error;
+                }
+            }
+        }
+        if blocked {
+            // The other side takes bytes more slowly than they come: keep
+            // the sender from filling our receive queue (seed 004 on the
+            // receive side), so its bytes wait in its own kernel where they
+            // cost us nothing.
+            free_writes = 0;
+            blocked_writes += 1;
+            if blocked_writes >= CLAMP_AFTER && clamped.is_none() && clamp_to != 0 {
+                clamped = clamp_window(from.as_ref(), clamp_to);
+            }
+        } else if let Some(old) = clamped {
+            blocked_writes = 0;
+            free_writes += 1;
+            if free_writes >= UNCLAMP_AFTER {
+                let _ = nix::sys::socket::setsockopt(from.as_ref(), WindowClamp, &old);
+                clamped = None;
+            }
+        } else {
+            blocked_writes = 0;
+        }
+        if drained {
             pool::give(buf.take());
-            return End::Error;
         }
     }
 }
@@ -278,9 +399,6 @@ async fn proxy(
     mut client: TcpStream,
     mut backend: TcpStream,
 ) -> &'static str {
-    use std::sync::atomic::Ordering::Relaxed;
-    tune(shared, &client);
-    tune(shared, &backend);
     // PROXY protocol header before any client byte.
     let pp = entry.backend.spec.read().proxy_protocol.clone();
     if let Some(v) = pp.and_then(|v| v.parse::<crate::proxy_protocol::Version>().ok()) {
@@ -300,8 +418,17 @@ async fn proxy(
     let reason = {
         let (mut cr, mut cw) = client.split();
         let (mut br, mut bw) = backend.split();
-        let c2b = pump(&mut cr, &mut bw, buf, shared, entry, true);
-        let b2c = pump(&mut br, &mut cw, buf, shared, entry, false);
+        let (c_eof, b_eof) = (AtomicBool::new(false), AtomicBool::new(false));
+        let pipe = |inbound, my_eof, peer_eof| Pipe {
+            shared,
+            entry,
+            buf_size: buf,
+            inbound,
+            my_eof,
+            peer_eof,
+        };
+        let c2b = pump(&mut cr, &mut bw, pipe(true, &c_eof, &b_eof));
+        let b2c = pump(&mut br, &mut cw, pipe(false, &b_eof, &c_eof));
         tokio::pin!(c2b, b2c);
         let (mut c2b_done, mut b2c_done) = (false, false);
         loop {
@@ -346,8 +473,30 @@ async fn proxy(
 
 fn half_closed(shared: &Shared, entry: &ConnEntry) {
     entry.set_state(shared, ConnState::FinWait);
-    entry.timeout_ms.store(
-        entry.tenant.timeouts.read().fin_wait.0,
-        std::sync::atomic::Ordering::Relaxed,
-    );
+    entry
+        .timeout_ms
+        .store(entry.tenant.timeouts.read().fin_wait.0, Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// weir sets `TCP_NODELAY` and `TCP_NOTSENT_LOWAT` only on the listener
+    /// and relies on accepted sockets inheriting them.
+    #[test]
+    fn accepted_sockets_inherit_listener_options() {
+        let (socks, addr) =
+            super::super::open_sockets(Protocol::Tcp, "127.0.0.1:0".parse().unwrap(), 1, 12345)
+                .unwrap();
+        let super::super::ListenSocket::Tcp(l) = socks.into_iter().next().unwrap() else {
+            panic!("not a TCP socket")
+        };
+        l.set_nonblocking(false).unwrap();
+        let _c = std::net::TcpStream::connect(addr).unwrap();
+        let (a, _) = l.accept().unwrap();
+        let a = SockRef::from(&a);
+        assert!(a.tcp_nodelay().unwrap());
+        assert_eq!(a.tcp_notsent_lowat().unwrap(), 12345);
+    }
 }
