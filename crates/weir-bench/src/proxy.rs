@@ -6,12 +6,12 @@
 //! directory, and stops it through a guard whose `Drop` kills the process
 //! tree, so an error anywhere leaves nothing behind:
 //! - backends: an nginx HTTP server (one worker, `return 200`), an iperf3
-//!   server, and three servers written here ([`servers`]): an idle holder, a
-//!   slow-reader source that writes as fast as the kernel takes bytes, and a
-//!   UDP echo;
+//!   server, and servers written here ([`servers`]): an idle holder, two
+//!   slow-reader sources that write as fast as the kernel takes bytes (one
+//!   with loopback's segments, one with Ethernet-sized ones), and a UDP echo;
 //! - proxies: HAProxy (`nbthread N`), nginx stream (`worker_processes N`)
-//!   and weir (`[daemon] workers = N`), each with five routes (HTTP, iperf3,
-//!   idle, slow, UDP; HAProxy has no UDP) on fresh loopback ports.
+//!   and weir (`[daemon] workers = N`), each with six routes (HTTP, iperf3,
+//!   idle, slow, slow_eth, UDP; HAProxy has no UDP) on fresh loopback ports.
 //!
 //! # What is measured (JSON keys as the issue names them)
 //! - `proxy[]` `{impl, workers, test, value, p99_ms}`: `cps` (wrk with
@@ -27,11 +27,29 @@
 //!   (`/proc/net/sockstat`), divided by the connections.
 //! - `lowat` `{mem_off_bytes, mem_on_bytes, haproxy_bytes, gbps_off,
 //!   gbps_on}`: 1,000 (quick 200) clients that never read while the backend
-//!   writes; the `*_bytes` are **per connection** (process growth + kernel
-//!   TCP growth once kernel memory stops growing, divided by the clients),
-//!   for weir with `notsent_lowat = 0` (off), weir's default (on) and
-//!   HAProxy's defaults; `gbps_*` is one iperf3 stream through weir off/on
-//!   (median of the runs, interleaved off/on).
+//!   writes, with Ethernet-sized segments on both hops; the `*_bytes` are
+//!   **per connection** (process growth + kernel TCP growth once kernel
+//!   memory stops growing, divided by the clients), for weir with
+//!   `notsent_lowat = 0` (off), weir's default (on) and HAProxy's defaults;
+//!   `gbps_*` is one iperf3 stream through weir off/on (median of the runs,
+//!   interleaved off/on).
+//! - `slow_readers[]`: every slow-reader run in detail (clients, `mss`
+//!   `"1448"` or `"loopback"`, totals, where the bytes sit): full runs have
+//!   1,000 and 200 clients with Ethernet segments and 200 with loopback's;
+//!   quick runs 200 of each.
+//!
+//! # Why slow readers run with two segment sizes
+//! Linux sizes a socket's send buffer from its MSS (`tcp_sndbuf_expand`:
+//! about 2 x initial cwnd (10) x the segment's rounded-up truesize). On
+//! loopback the MSS is 65,483 bytes, so the *backend's* send queue holds
+//! ~4 MB per connection whatever the proxy does and dominates the total; no
+//! real network has 64 KiB segments. The headline run therefore uses
+//! Ethernet's (MTU 1500: 1448 payload bytes with timestamps): the backend's
+//! listener sets `TCP_MAXSEG` before `listen` (accepted sockets inherit it
+//! and advertise it in the SYN-ACK, so the proxy->backend hop uses it) and
+//! each client sets it before `connect` (the proxy->client hop). Every proxy
+//! gets the same treatment. The loopback run stays as a second view (at 200
+//! clients: 1,000 would sit at the kernel's tcp_mem cap and measure the cap).
 //!
 //! Figures are never invented: an implementation that cannot run (weir not
 //! built yet, a peer not installed) gets a line saying so and no JSON rows.
@@ -54,6 +72,51 @@ mod sys;
 
 use peers::{Backends, Impl, Proxy, WeirOpts, start_proxy};
 use servers::{BenchServers, OpenCount};
+use sys::{ETH_MSS_OPTION, ETH_SEGMENT};
+
+/// Segment size on both hops of a slow-reader run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Segments {
+    /// Ethernet-sized: the backend's listener and every client set
+    /// `TCP_MAXSEG` [`ETH_MSS_OPTION`] (route `slow_eth`).
+    Ethernet,
+    /// Loopback's own, ~64 KiB (route `slow`).
+    Loopback,
+}
+
+impl Segments {
+    /// `TCP_MAXSEG` each client sets before connecting.
+    fn client_mss(self) -> Option<u32> {
+        match self {
+            Self::Ethernet => Some(ETH_MSS_OPTION),
+            Self::Loopback => None,
+        }
+    }
+
+    /// The route (proxy listen port or backend port) of this segment size.
+    fn port(self, r: &peers::Routes) -> u16 {
+        match self {
+            Self::Ethernet => r.slow_eth,
+            Self::Loopback => r.slow,
+        }
+    }
+
+    /// `slow_readers[].mss` in the JSON.
+    fn json(self) -> String {
+        match self {
+            Self::Ethernet => ETH_SEGMENT.to_string(),
+            Self::Loopback => "loopback".into(),
+        }
+    }
+
+    /// The table's "segments" column.
+    fn label(self) -> &'static str {
+        match self {
+            Self::Ethernet => "1448 B (Ethernet)",
+            Self::Loopback => "64 KiB (loopback)",
+        }
+    }
+}
 
 /// Sizes and durations of one run.
 #[derive(Debug, Clone)]
@@ -63,10 +126,12 @@ struct Plan {
     iperf_secs: u64,
     udp: Duration,
     idle_conns: usize,
+    /// Slow-reader clients of the headline run (Ethernet segments): the
+    /// `lowat` JSON and the goal lines.
     slow_conns: usize,
-    /// A second, smaller slow-reader count (full runs): below the kernel's
-    /// tcp_mem cap, where the proxies' own bounding shows.
-    slow_extra: Option<usize>,
+    /// Every slow-reader run, in order: (clients, segment size). Holds
+    /// `(slow_conns, Ethernet)`.
+    slow_runs: Vec<(usize, Segments)>,
     /// Longest wait for kernel memory to stop growing behind slow readers.
     settle: Duration,
     /// iperf3 single-stream runs per weir setting in the lowat comparison.
@@ -85,7 +150,7 @@ impl Plan {
                 udp: Duration::from_secs(1),
                 idle_conns: 1_000,
                 slow_conns: 200,
-                slow_extra: None,
+                slow_runs: vec![(200, Segments::Ethernet), (200, Segments::Loopback)],
                 settle: Duration::from_secs(4),
                 lowat_reps: 1,
                 reps: 1,
@@ -98,7 +163,14 @@ impl Plan {
                 udp: Duration::from_secs(3),
                 idle_conns: 5_000,
                 slow_conns: 1_000,
-                slow_extra: Some(200),
+                // 200 clients too: well below the kernel's tcp_mem cap,
+                // where the proxies' own bounding shows. No 1,000-client
+                // loopback run: it sits at that cap and measures the cap.
+                slow_runs: vec![
+                    (1_000, Segments::Ethernet),
+                    (200, Segments::Ethernet),
+                    (200, Segments::Loopback),
+                ],
                 settle: Duration::from_secs(20),
                 lowat_reps: 3,
                 reps: 3,
@@ -198,7 +270,12 @@ pub(crate) fn run(c: &Common) -> Result<Value> {
         .tempdir()?;
     sys::remove_on_signal(dir.path());
     let bench = BenchServers::start()?;
-    let backends = Backends::start(bench.idle_port, bench.slow_port, bench.udp_port)?;
+    let backends = Backends::start(
+        bench.idle_port,
+        bench.slow_port,
+        bench.slow_eth_port,
+        bench.udp_port,
+    )?;
 
     // Which implementations can run at all.
     let mut unavailable: Vec<(Impl, String)> = Vec::new();
@@ -280,7 +357,7 @@ struct Ctx {
     rows: Vec<Row>,
     /// (impl, conns, bytes per connection)
     memory: Vec<(Impl, usize, f64)>,
-    /// Slow readers at the issue's count: proxy-side bytes per client by config.
+    /// Slow readers of the headline run: proxy-side bytes per client by config.
     proxy_side: HashMap<&'static str, f64>,
     errors: Vec<String>,
 }
@@ -342,11 +419,11 @@ impl Ctx {
         }
     }
 
-    /// Slow readers (HAProxy default, weir off, weir on) and weir's
-    /// single-flow throughput with bounding off and on.
+    /// Slow readers (HAProxy default, weir off, weir on) for every
+    /// (clients, segment size) of the plan, and weir's single-flow
+    /// throughput with bounding off and on.
     fn lowat_phase(&mut self) -> (serde_json::Map<String, Value>, Vec<Value>) {
-        let mut sizes = vec![self.plan.slow_conns];
-        sizes.extend(self.plan.slow_extra);
+        let slow_runs = self.plan.slow_runs.clone();
         let hp = self.start(Impl::Haproxy, 1, None);
         let off = self.start(Impl::Weir, 1, Some(0));
         let on = off.as_ref().and_then(|_| self.start(Impl::Weir, 1, None));
@@ -359,15 +436,18 @@ impl Ctx {
             ),
             ("on", "weir default (bounding on)", on.as_ref()),
         ];
-        let mut mem: HashMap<(usize, &str), Slow> = HashMap::new();
-        for &n in &sizes {
+        let mut mem: HashMap<(usize, Segments, &str), Slow> = HashMap::new();
+        for &(n, seg) in &slow_runs {
             for (key, _, p) in configs {
                 let Some(p) = p else { continue };
-                match self.slow_memory(p, n) {
+                match self.slow_memory(p, n, seg) {
                     Ok(s) => {
-                        mem.insert((n, key), s);
+                        mem.insert((n, seg, key), s);
                     }
-                    Err(e) => self.error(format!("{key} slow readers ({n}): {e:#}")),
+                    Err(e) => self.error(format!(
+                        "{key} slow readers ({n}, {} segments): {e:#}",
+                        seg.label()
+                    )),
                 }
             }
         }
@@ -391,10 +471,14 @@ impl Ctx {
             "\n### Slow readers (clients that never read while the backend writes; one worker)\n\n\
              Memory = growth of the proxy's RSS + growth of kernel TCP memory (whole machine, \
              /proc/net/sockstat), so it includes the backend's and the clients' socket buffers. \
-             Queued bytes (from /proc/net/tcp) show where the data sits; on loopback the \
-             backend's send queue (which no proxy can bound) is counted too, so \
-             'proxy-side' = (RSS growth + bytes queued in the proxy's own sockets) per client \
-             isolates the proxy. \
+             Queued bytes (from /proc/net/tcp) show where the data sits. Linux sizes a send \
+             buffer from the segment size (about 2 x 10 x its rounded-up truesize), so with \
+             loopback's 64 KiB segments the backend's send queue, which no proxy can bound, \
+             holds ~4 MB per connection and dominates the total; no real network has such \
+             segments. The headline runs therefore use Ethernet-sized segments on both hops \
+             (the backend's listener and every client set TCP_MAXSEG; same for every proxy); \
+             the loopback runs stay as a second view. 'Proxy-side' = (RSS growth + bytes \
+             queued in the proxy's own sockets) per client isolates the proxy. \
              Kernel TCP memory is capped system-wide by tcp_mem ({:.0} MB here): a run at \
              that cap measures the cap, not the proxy.\n",
             sys::tcp_mem_max_bytes().unwrap_or(0) as f64 / 1e6
@@ -402,6 +486,7 @@ impl Ctx {
         let mut t = Table::new([
             "config",
             "clients",
+            "segments",
             "total MB",
             "per client KB",
             "vs HAProxy",
@@ -412,14 +497,15 @@ impl Ctx {
             "proxy-side vs HAProxy",
             "1-stream Gbit/s",
         ]);
-        for &n in &sizes {
-            let hp = mem.get(&(n, "haproxy")).map_or(0.0, |s| s.per_conn);
-            let hp_side = mem.get(&(n, "haproxy")).map_or(0.0, |s| s.proxy_side);
+        for &(n, seg) in &slow_runs {
+            let hp = mem.get(&(n, seg, "haproxy")).map_or(0.0, |s| s.per_conn);
+            let hp_side = mem.get(&(n, seg, "haproxy")).map_or(0.0, |s| s.proxy_side);
             for (key, label, _) in configs {
-                let Some(s) = mem.get(&(n, key)) else {
+                let Some(s) = mem.get(&(n, seg, key)) else {
                     t.row([
                         label,
                         &n.to_string(),
+                        seg.label(),
                         "-",
                         "-",
                         "-",
@@ -436,6 +522,7 @@ impl Ctx {
                 t.row([
                     label.to_string(),
                     n.to_string(),
+                    seg.label().to_string(),
                     format!("{:.1}", s.total / 1e6),
                     format!("{:.1}", s.per_conn / 1e3),
                     ratio(s.per_conn, hp),
@@ -453,7 +540,7 @@ impl Ctx {
                     gbps.get(key).map_or("-".into(), |g| format!("{g:.2}")),
                 ]);
                 detail.push(json!({
-                    "config": key, "clients": n, "total_bytes": s.total,
+                    "config": key, "clients": n, "mss": seg.json(), "total_bytes": s.total,
                     "per_conn_bytes": s.per_conn, "settled": s.settled,
                     "at_tcp_mem_cap": s.capped, "proxy_side_per_conn_bytes": s.proxy_side,
                     "queued_bytes": {"backend_send": q.backend_send, "proxy_recv": q.proxy_recv,
@@ -462,11 +549,13 @@ impl Ctx {
             }
         }
         t.print();
+        // The headline: Ethernet segments at the issue's client count.
         let n = self.plan.slow_conns;
-        let per = |k: &str| mem.get(&(n, k)).map(|s| s.per_conn);
-        self.proxy_side = ["haproxy", "off", "on"]
-            .iter()
-            .filter_map(|k| Some((*k, mem.get(&(n, *k))?.proxy_side)))
+        let head = |k: &'static str| mem.get(&(n, Segments::Ethernet, k));
+        let per = |k: &'static str| head(k).map(|s| s.per_conn);
+        let proxy_side = ["haproxy", "off", "on"]
+            .into_iter()
+            .filter_map(|k| Some((k, head(k)?.proxy_side)))
             .collect();
         let mut out = serde_json::Map::new();
         out.insert("mem_off_bytes".into(), json!(per("off")));
@@ -474,6 +563,7 @@ impl Ctx {
         out.insert("haproxy_bytes".into(), json!(per("haproxy")));
         out.insert("gbps_off".into(), json!(gbps.get("off")));
         out.insert("gbps_on".into(), json!(gbps.get("on")));
+        self.proxy_side = proxy_side;
         (out, detail)
     }
 
@@ -597,8 +687,9 @@ impl Ctx {
         }
     }
 
-    /// Memory held for `n` clients that never read while the backend writes.
-    fn slow_memory(&self, p: &Proxy, n: usize) -> Result<Slow> {
+    /// Memory held for `n` clients that never read while the backend
+    /// writes, both hops cutting `seg`-sized segments.
+    fn slow_memory(&self, p: &Proxy, n: usize, seg: Segments) -> Result<Slow> {
         let open = &self.bench.slow_open;
         open.wait("slow backend to be empty", Duration::from_secs(30), |x| {
             x == 0
@@ -606,11 +697,12 @@ impl Ctx {
         let k_before = settle_kernel(Duration::from_secs(10), 0.01)?.0;
         let r0 = p.rss() as f64;
         let clients = load::connect_many(
-            p.routes.slow,
+            seg.port(&p.routes),
             n,
             200,
             || open.get(),
             Duration::from_secs(60),
+            seg.client_mss(),
         )?;
         open.wait(
             &format!("{n} proxied slow connections"),
@@ -619,7 +711,7 @@ impl Ctx {
         )?;
         let (k1, settled) = settle_kernel(self.plan.settle, 0.01)?;
         let r1 = p.rss() as f64;
-        let queues = Queues::read(p.routes.slow, self.backends.routes.slow);
+        let queues = Queues::read(seg.port(&p.routes), seg.port(&self.backends.routes));
         let capped = sys::tcp_mem_max_bytes().is_some_and(|max| k1 as f64 >= 0.95 * max as f64);
         drop(clients);
         open.wait("slow connections to close", Duration::from_secs(30), |x| {
@@ -846,6 +938,7 @@ fn idle_memory(p: &Proxy, open: &OpenCount, n: usize) -> Result<f64> {
         200,
         || open.get(),
         Duration::from_secs(60),
+        None,
     )?;
     open.wait(
         &format!("{n} proxied idle connections"),
@@ -928,7 +1021,13 @@ mod tests {
     /// Starts the real backends and `imp`, checks one idle-memory measurement.
     fn idle_through(imp: Impl, n: usize) -> f64 {
         let bench = BenchServers::start().unwrap();
-        let be = Backends::start(bench.idle_port, bench.slow_port, bench.udp_port).unwrap();
+        let be = Backends::start(
+            bench.idle_port,
+            bench.slow_port,
+            bench.slow_eth_port,
+            bench.udp_port,
+        )
+        .unwrap();
         let mut p = start_proxy(imp, 1, &be.routes, &WeirOpts::default()).unwrap();
         probe(&mut p, &bench.idle_open).unwrap();
         idle_memory(&p, &bench.idle_open, n).unwrap()
@@ -942,6 +1041,7 @@ mod tests {
             iperf: 1,
             idle: bench.idle_port,
             slow: bench.slow_port,
+            slow_eth: bench.slow_eth_port,
             udp: Some(bench.udp_port),
         };
         let mut p = start_proxy(Impl::Direct, 1, &routes, &WeirOpts::default()).unwrap();
@@ -949,25 +1049,51 @@ mod tests {
         let b = idle_memory(&p, &bench.idle_open, 300).unwrap();
         assert!(b.is_finite());
         assert_eq!(bench.idle_open.get(), 0, "every idle connection closed");
-        // Two clients that never read: the backend's bytes pile up in its
-        // send queue and in the clients' receive queues (seen here as the
-        // "proxy recv" side, since there is no proxy in between).
-        let c = load::connect_many(bench.slow_port, 2, 10, || 0, Duration::from_secs(10)).unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let mut q = Queues::default();
-        while Instant::now() < deadline {
-            q = Queues::read(0, bench.slow_port);
-            if q.backend_send > 0 && q.proxy_recv > 0 {
-                break;
+        // Two clients that never read, for each segment size: the backend's
+        // bytes pile up in its send queue and in the clients' receive queues
+        // (seen here as the "proxy recv" side, since there is no proxy in
+        // between), and only the run's own route is counted.
+        for seg in [Segments::Ethernet, Segments::Loopback] {
+            let port = seg.port(&p.routes);
+            let c =
+                load::connect_many(port, 2, 10, || 0, Duration::from_secs(10), seg.client_mss())
+                    .unwrap();
+            let other = match seg {
+                Segments::Ethernet => Segments::Loopback,
+                Segments::Loopback => Segments::Ethernet,
+            };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut q = Queues::default();
+            while Instant::now() < deadline {
+                q = Queues::read(0, port);
+                if q.backend_send > 0 && q.proxy_recv > 0 {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
             }
-            std::thread::sleep(Duration::from_millis(10));
+            assert!(q.backend_send > 0 && q.proxy_recv > 0, "{seg:?}: {q:?}");
+            let o = Queues::read(0, other.port(&p.routes));
+            assert_eq!(o.backend_send + o.proxy_recv, 0, "{other:?}: {o:?}");
+            drop(c);
+            bench
+                .slow_open
+                .wait("slow closed", Duration::from_secs(10), |n| n == 0)
+                .unwrap();
         }
-        assert!(q.backend_send > 0 && q.proxy_recv > 0, "{q:?}");
-        drop(c);
-        bench
-            .slow_open
-            .wait("slow closed", Duration::from_secs(10), |n| n == 0)
-            .unwrap();
+    }
+
+    #[test]
+    fn plans_hold_the_headline_slow_run() {
+        for quick in [true, false] {
+            let p = Plan::new(quick);
+            assert!(
+                p.slow_runs.contains(&(p.slow_conns, Segments::Ethernet)),
+                "{p:?}"
+            );
+            assert!(p.slow_runs.iter().any(|r| r.1 == Segments::Loopback));
+        }
+        assert_eq!(Segments::Ethernet.json(), "1448");
+        assert_eq!(Segments::Loopback.client_mss(), None);
     }
 
     #[test]

@@ -12,6 +12,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use socket2::{Domain, Protocol, Socket, Type};
 
 use super::sys::{lo, run_bounded};
 
@@ -222,13 +223,16 @@ fn udp_client(s: &UdpSocket, deadline: Instant, window: u64, max: u64) -> (u64, 
 /// have arrived at the backend: opening stays at most `ahead` connections in
 /// front of it, so no accept queue on the way overflows (with SYN cookies an
 /// overflowed connection looks open to the client but never reaches the
-/// backend). Fails after `timeout` overall.
+/// backend). `mss`: `TCP_MAXSEG` set on each socket before it connects, so
+/// the client advertises it and the peer sends segments no larger. Fails
+/// after `timeout` overall.
 pub(crate) fn connect_many(
     port: u16,
     n: usize,
     ahead: usize,
     reached: impl Fn() -> usize,
     timeout: Duration,
+    mss: Option<u32>,
 ) -> Result<Vec<TcpStream>> {
     let deadline = Instant::now() + timeout;
     let base = reached();
@@ -246,11 +250,23 @@ pub(crate) fn connect_many(
         if Instant::now() > deadline {
             bail!("opened only {i} of {n} connections in {timeout:?}");
         }
-        let s = TcpStream::connect_timeout(&lo(port), Duration::from_secs(5))
-            .with_context(|| format!("connection {i} of {n} to port {port}"))?;
+        let s =
+            connect(port, mss).with_context(|| format!("connection {i} of {n} to port {port}"))?;
         v.push(s);
     }
     Ok(v)
+}
+
+/// One loopback connection (5 s connect timeout), with `TCP_MAXSEG` set
+/// before connecting when `mss` is given.
+fn connect(port: u16, mss: Option<u32>) -> Result<TcpStream> {
+    let s = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP)).context("socket")?;
+    if let Some(mss) = mss {
+        s.set_tcp_mss(mss)
+            .with_context(|| format!("TCP_MAXSEG {mss}"))?;
+    }
+    s.connect_timeout(&lo(port).into(), Duration::from_secs(5))?;
+    Ok(s.into())
 }
 
 #[cfg(test)]
@@ -303,6 +319,48 @@ Transfer/sec:      4.51MB
                 .to_string()
                 .contains("unable")
         );
+    }
+
+    #[test]
+    fn connect_many_sets_the_segment_size_the_peer_uses() {
+        use std::net::TcpListener;
+
+        use crate::proxy::sys::{ETH_MSS_OPTION, ETH_SEGMENT};
+
+        let l = TcpListener::bind(lo(0)).unwrap();
+        let port = l.local_addr().unwrap().port();
+        // The accepted side's segment size is what the client advertised
+        // (1448 with TCP timestamps, 1460 without); without the option it
+        // is loopback's, far larger.
+        let seg = |c: &TcpStream| socket2::SockRef::from(c).tcp_mss().unwrap();
+        let eth = connect_many(
+            port,
+            3,
+            10,
+            || 0,
+            Duration::from_secs(10),
+            Some(ETH_MSS_OPTION),
+        )
+        .unwrap();
+        assert_eq!(eth.len(), 3);
+        for c in &eth {
+            let (a, _) = l.accept().unwrap();
+            assert_eq!(a.peer_addr().unwrap(), c.local_addr().unwrap());
+            assert!(
+                (ETH_SEGMENT..=ETH_MSS_OPTION).contains(&seg(&a)),
+                "{}",
+                seg(&a)
+            );
+            assert!(
+                (ETH_SEGMENT..=ETH_MSS_OPTION).contains(&seg(c)),
+                "{}",
+                seg(c)
+            );
+        }
+        let plain = connect_many(port, 1, 10, || 0, Duration::from_secs(10), None).unwrap();
+        let (a, _) = l.accept().unwrap();
+        assert!(seg(&a) > 4 * ETH_MSS_OPTION, "{}", seg(&a));
+        drop(plain);
     }
 
     #[test]

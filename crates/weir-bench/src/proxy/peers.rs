@@ -2,9 +2,12 @@
 //! files and start-up for HAProxy (mode tcp), nginx stream, weir, the nginx
 //! HTTP backend and the iperf3 server.
 //!
-//! Every proxy instance carries the same five routes (HTTP, iperf3, idle,
-//! slow reader, UDP echo), each on its own loopback port, so one instance
-//! serves every test. Settings are the packages' defaults except where a
+//! Every proxy instance carries the same six routes (HTTP, iperf3, idle,
+//! slow reader with loopback segments, slow reader with Ethernet segments,
+//! UDP echo), each on its own loopback port, so one instance serves every
+//! test. Proxies are configured alike for both slow routes: the segment
+//! size comes from the backend's listener and the clients, never from a
+//! proxy setting. Settings are the packages' defaults except where a
 //! default would make a test impossible (connection limits for 5,000 idle
 //! connections, temp paths inside the instance's own directory); each such
 //! departure is written next to it.
@@ -48,13 +51,15 @@ impl Impl {
     }
 }
 
-/// The five routes' ports (backend ports, or a proxy's listen ports).
+/// The six routes' ports (backend ports, or a proxy's listen ports).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Routes {
     pub(crate) http: u16,
     pub(crate) iperf: u16,
     pub(crate) idle: u16,
     pub(crate) slow: u16,
+    /// Slow reader whose backend cuts Ethernet-sized segments.
+    pub(crate) slow_eth: u16,
     /// None where the implementation does not proxy UDP (HAProxy).
     pub(crate) udp: Option<u16>,
 }
@@ -66,12 +71,13 @@ impl Routes {
             iperf: free_port()?,
             idle: free_port()?,
             slow: free_port()?,
+            slow_eth: free_port()?,
             udp: if udp { Some(free_port()?) } else { None },
         })
     }
 
-    fn tcp(&self) -> [u16; 4] {
-        [self.http, self.iperf, self.idle, self.slow]
+    fn tcp(&self) -> [u16; 5] {
+        [self.http, self.iperf, self.idle, self.slow, self.slow_eth]
     }
 }
 
@@ -117,8 +123,8 @@ pub(crate) struct Backends {
 
 impl Backends {
     /// Starts the nginx HTTP backend (one worker) and an iperf3 server; the
-    /// idle, slow and UDP ports are the bench's own servers.
-    pub(crate) fn start(idle: u16, slow: u16, udp: u16) -> Result<Self> {
+    /// idle, both slow and UDP ports are the bench's own servers.
+    pub(crate) fn start(idle: u16, slow: u16, slow_eth: u16, udp: u16) -> Result<Self> {
         let http = free_port()?;
         let iperf = free_port()?;
         let dir = tempfile::Builder::new()
@@ -150,6 +156,7 @@ impl Backends {
                 iperf,
                 idle,
                 slow,
+                slow_eth,
                 udp: Some(udp),
             },
             _nginx: nginx,
@@ -178,6 +185,7 @@ pub(crate) fn start_proxy(
         ("iperf", routes.iperf, be.iperf),
         ("idle", routes.idle, be.idle),
         ("slow", routes.slow, be.slow),
+        ("slow_eth", routes.slow_eth, be.slow_eth),
     ];
     let mut server = match imp {
         Impl::Direct => unreachable!("handled above"),

@@ -1,5 +1,13 @@
 //! Backends written in the bench: an idle-connection holder, a slow-reader
-//! source that writes as fast as the kernel takes bytes, and a UDP echo.
+//! source that writes as fast as the kernel takes bytes (twice: once with
+//! loopback's own segment size, once with Ethernet-sized segments), and a
+//! UDP echo.
+//!
+//! The Ethernet slow source sets `TCP_MAXSEG` ([`ETH_MSS_OPTION`]) on its
+//! listener before `listen`: accepted sockets inherit it and advertise it in
+//! the SYN-ACK, so the proxy's connection to it, and the backend's own send
+//! buffer (which Linux sizes from the segment size), behave as over an
+//! MTU-1500 link.
 //!
 //! They run on a small tokio runtime owned by [`BenchServers`]; dropping it
 //! shuts the runtime down and closes every socket. Each TCP server counts
@@ -17,7 +25,7 @@ use anyhow::{Context, Result, bail};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket};
 
-use super::sys::{free_port, lo};
+use super::sys::{ETH_MSS_OPTION, free_port, lo};
 
 /// Connections a bench TCP server currently holds.
 #[derive(Debug, Default)]
@@ -73,6 +81,9 @@ pub(crate) struct BenchServers {
     pub(crate) idle_port: u16,
     /// Writes to every connection as fast as possible, never reads.
     pub(crate) slow_port: u16,
+    /// The same with Ethernet-sized segments (listener `TCP_MAXSEG`
+    /// [`ETH_MSS_OPTION`]); its connections count in `slow_open` too.
+    pub(crate) slow_eth_port: u16,
     /// UDP echo.
     pub(crate) udp_port: u16,
     pub(crate) idle_open: Arc<OpenCount>,
@@ -83,7 +94,7 @@ pub(crate) struct BenchServers {
 }
 
 impl BenchServers {
-    /// Binds all three on fresh loopback ports and starts serving.
+    /// Binds all four on fresh loopback ports and starts serving.
     pub(crate) fn start() -> Result<Self> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -93,13 +104,16 @@ impl BenchServers {
             .context("building the backend runtime")?;
         let idle_port = free_port()?;
         let slow_port = free_port()?;
+        let slow_eth_port = free_port()?;
         let udp_port = free_port()?;
         let idle_open = Arc::new(OpenCount::default());
         let slow_open = Arc::new(OpenCount::default());
-        let idle = rt.block_on(async { listen(idle_port) })?;
-        let slow = rt.block_on(async { listen(slow_port) })?;
+        let idle = rt.block_on(async { listen(idle_port, None) })?;
+        let slow = rt.block_on(async { listen(slow_port, None) })?;
+        let slow_eth = rt.block_on(async { listen(slow_eth_port, Some(ETH_MSS_OPTION)) })?;
         rt.spawn(serve_idle(idle, Arc::clone(&idle_open)));
         rt.spawn(serve_slow(slow, Arc::clone(&slow_open)));
+        rt.spawn(serve_slow(slow_eth, Arc::clone(&slow_open)));
         let udp = UdpSocket::bind(lo(udp_port))?;
         udp.set_read_timeout(Some(Duration::from_millis(100)))?;
         let udp_stop = Arc::new(AtomicBool::new(false));
@@ -110,6 +124,7 @@ impl BenchServers {
         Ok(Self {
             idle_port,
             slow_port,
+            slow_eth_port,
             udp_port,
             idle_open,
             slow_open,
@@ -135,9 +150,15 @@ impl Drop for BenchServers {
 /// A listener with a deep accept queue: with the default (128) a burst of
 /// proxied connects overflows it, and with SYN cookies the overflowed
 /// connections look established to the proxy but never reach us.
-fn listen(port: u16) -> Result<TcpListener> {
+/// `mss`: `TCP_MAXSEG` set before `listen`, inherited by accepted sockets.
+fn listen(port: u16, mss: Option<u32>) -> Result<TcpListener> {
     let s = TcpSocket::new_v4()?;
     s.set_reuseaddr(true)?;
+    if let Some(mss) = mss {
+        socket2::SockRef::from(&s)
+            .set_tcp_mss(mss)
+            .with_context(|| format!("TCP_MAXSEG {mss} on the listener of port {port}"))?;
+    }
     s.bind(lo(port))?;
     Ok(s.listen(4096)?)
 }
@@ -191,6 +212,13 @@ mod tests {
     use std::net::TcpStream;
 
     use super::*;
+    use crate::proxy::sys::ETH_SEGMENT;
+
+    /// Payload bytes per segment the kernel uses on `s` (`TCP_MAXSEG` of a
+    /// connected socket).
+    fn segment(s: &TcpStream) -> u32 {
+        socket2::SockRef::from(s).tcp_mss().unwrap()
+    }
 
     #[test]
     fn backends_count_echo_and_stream() {
@@ -213,6 +241,27 @@ mod tests {
             .wait("slow open", Duration::from_secs(5), |n| n == 1)
             .unwrap();
         drop(c);
+        s.slow_open
+            .wait("slow closed", Duration::from_secs(5), |n| n == 0)
+            .unwrap();
+        // Slow with Ethernet segments: the listener's MSS reaches a client
+        // that set nothing itself (the SYN-ACK carried it), while the plain
+        // slow port keeps loopback's large segments.
+        let plain = TcpStream::connect(lo(s.slow_port)).unwrap();
+        let mut c = TcpStream::connect(lo(s.slow_eth_port)).unwrap();
+        c.read_exact(&mut b).unwrap();
+        assert!(b.iter().all(|&x| x == 0x5a));
+        // 1448 with TCP timestamps, 1460 if the host has them off.
+        let eth = segment(&c);
+        assert!(
+            (ETH_SEGMENT..=ETH_MSS_OPTION).contains(&eth),
+            "Ethernet slow port: {eth}-byte segments"
+        );
+        assert!(segment(&plain) > 4 * ETH_MSS_OPTION, "{}", segment(&plain));
+        s.slow_open
+            .wait("both slow open", Duration::from_secs(5), |n| n == 2)
+            .unwrap();
+        drop((c, plain));
         s.slow_open
             .wait("slow closed", Duration::from_secs(5), |n| n == 0)
             .unwrap();
