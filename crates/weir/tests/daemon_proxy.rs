@@ -86,6 +86,50 @@ fn tcp_large_transfers_both_ways_with_half_close() {
 }
 
 #[test]
+fn many_small_round_trips_never_stall_and_close_cleanly() {
+    // Request/response traffic is where weir skips the read that would
+    // only return EAGAIN after a short read: a lost wakeup there shows up
+    // as a round trip that never completes (the read times out).
+    let echo = Echo::start();
+    let d = Daemon::start(
+        config(vec![service(
+            "pp",
+            Protocol::Tcp,
+            "rr",
+            vec![backend(echo.addr, 1)],
+        )]),
+        None,
+    )
+    .unwrap();
+    let vip = d.service_addr("default", "pp").unwrap();
+    let mut sent = 0u64;
+    for conn in 0..4u8 {
+        let mut c = TcpStream::connect(vip).unwrap();
+        c.set_read_timeout(Some(T)).unwrap();
+        let mut buf = vec![0u8; 70 * 1024];
+        for i in 0..750usize {
+            // 1 byte .. 69 KiB: below, at and above the 64 KiB copy buffer.
+            let len = 1 + (i * 7919 + conn as usize * 104_729) % (69 * 1024);
+            let msg = pattern(len, i as u8);
+            c.write_all(&msg).unwrap();
+            c.read_exact(&mut buf[..len])
+                .unwrap_or_else(|e| panic!("round trip {i} of {len} bytes: {e}"));
+            assert!(buf[..len] == msg[..], "round trip {i} corrupted");
+            sent += len as u64;
+        }
+        // Our FIN reaches the backend, whose FIN comes back: a clean EOF,
+        // not a reset, whichever side weir sees end first.
+        c.shutdown(Shutdown::Write).unwrap();
+        assert_eq!(c.read(&mut buf).unwrap(), 0);
+    }
+    let control = d.control();
+    assert!(wait_until(T, || control.global_stats().active_conns == 0));
+    let g = control.global_stats();
+    assert_eq!((g.stats.inbytes, g.stats.outbytes), (sent, sent));
+    d.shutdown();
+}
+
+#[test]
 fn udp_echo_and_session_listing() {
     let b = udp_echo();
     let mut spec = service("u", Protocol::Udp, "rr", vec![backend(b, 1)]);
