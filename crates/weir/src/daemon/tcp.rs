@@ -217,6 +217,56 @@ const CLAMP_AFTER: u32 = 4;
 /// lifted again.
 const UNCLAMP_AFTER: u32 = 64;
 
+/// When to clamp the receive window of the socket a direction reads from
+/// (seed 004 on the receive side): after [`CLAMP_AFTER`] writes in a row
+/// that had to wait, and lifted after [`UNCLAMP_AFTER`] in a row that did
+/// not. I/O-free; the pump applies what it answers.
+#[derive(Debug, Default)]
+struct ClampPolicy {
+    waited: u32,
+    free: u32,
+    /// The clamp in force before ours, while ours is applied.
+    saved: Option<u32>,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum ClampAction {
+    None,
+    Clamp,
+    /// Put this clamp back.
+    Restore(u32),
+}
+
+impl ClampPolicy {
+    /// Called after each buffer was written; `waited` = a write had to
+    /// wait for the socket to take bytes.
+    fn after_write(&mut self, waited: bool) -> ClampAction {
+        if waited {
+            self.free = 0;
+            self.waited = self.waited.saturating_add(1);
+            if self.waited >= CLAMP_AFTER && self.saved.is_none() {
+                return ClampAction::Clamp;
+            }
+        } else {
+            self.waited = 0;
+            if let Some(old) = self.saved {
+                self.free += 1;
+                if self.free >= UNCLAMP_AFTER {
+                    self.saved = None;
+                    self.free = 0;
+                    return ClampAction::Restore(old);
+                }
+            }
+        }
+        ClampAction::None
+    }
+
+    /// The clamp was applied; `old` is what to restore.
+    fn clamped(&mut self, old: u32) {
+        self.saved = Some(old);
+    }
+}
+
 // nix's own macro for a socket option it has no type for (its expansion
 // calls the other two by name).
 use nix::{getsockopt_impl, setsockopt_impl, sockopt_impl};
@@ -258,9 +308,7 @@ async fn pump(
     // (HAProxy's model) and a busy one never holds more than one per
     // direction.
     let clamp_to = p.shared.daemon_cfg.blocked_window;
-    // The window clamp to restore once the other side takes bytes again.
-    let mut clamped: Option<u32> = None;
-    let (mut blocked_writes, mut free_writes) = (0u32, 0u32);
+    let mut policy = ClampPolicy::default();
     let mut buf: Option<Vec<u8>> = None;
     loop {
         let b = match buf.as_mut() {
@@ -334,25 +382,22 @@ async fn pump(
                 }
             }
         }
-        if blocked {
+        if clamp_to != 0 {
             // The other side takes bytes more slowly than they come: keep
             // the sender from filling our receive queue (seed 004 on the
             // receive side), so its bytes wait in its own kernel where they
             // cost us nothing.
-            free_writes = 0;
-            blocked_writes += 1;
-            if blocked_writes >= CLAMP_AFTER && clamped.is_none() && clamp_to != 0 {
-                clamped = clamp_window(from.as_ref(), clamp_to);
+            match policy.after_write(blocked) {
+                ClampAction::None => {}
+                ClampAction::Clamp => {
+                    if let Some(old) = clamp_window(from.as_ref(), clamp_to) {
+                        policy.clamped(old);
+                    }
+                }
+                ClampAction::Restore(old) => {
+                    let _ = nix::sys::socket::setsockopt(from.as_ref(), WindowClamp, &old);
+                }
             }
-        } else if let Some(old) = clamped {
-            blocked_writes = 0;
-            free_writes += 1;
-            if free_writes >= UNCLAMP_AFTER {
-                let _ = nix::sys::socket::setsockopt(from.as_ref(), WindowClamp, &old);
-                clamped = None;
-            }
-        } else {
-            blocked_writes = 0;
         }
         if drained {
             pool::give(buf.take());
@@ -481,6 +526,63 @@ fn half_closed(shared: &Shared, entry: &ConnEntry) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clamp_policy_needs_a_run_of_waits_and_a_run_of_free_writes() {
+        let mut p = ClampPolicy::default();
+        // Waits broken by a free write never clamp.
+        for _ in 0..10 {
+            for _ in 0..CLAMP_AFTER - 1 {
+                assert_eq!(p.after_write(true), ClampAction::None);
+            }
+            assert_eq!(p.after_write(false), ClampAction::None);
+        }
+        for _ in 0..CLAMP_AFTER - 1 {
+            assert_eq!(p.after_write(true), ClampAction::None);
+        }
+        assert_eq!(p.after_write(true), ClampAction::Clamp);
+        p.clamped(777);
+        // Clamped: more waits do nothing; free writes short of the run
+        // do not lift it, and a wait restarts the count.
+        assert_eq!(p.after_write(true), ClampAction::None);
+        for _ in 0..UNCLAMP_AFTER - 1 {
+            assert_eq!(p.after_write(false), ClampAction::None);
+        }
+        assert_eq!(p.after_write(true), ClampAction::None);
+        for _ in 0..UNCLAMP_AFTER - 1 {
+            assert_eq!(p.after_write(false), ClampAction::None);
+        }
+        assert_eq!(p.after_write(false), ClampAction::Restore(777));
+        // And it can clamp again.
+        for _ in 0..CLAMP_AFTER - 1 {
+            assert_eq!(p.after_write(true), ClampAction::None);
+        }
+        assert_eq!(p.after_write(true), ClampAction::Clamp);
+        // A failed clamp (never `clamped`) is simply tried again later.
+        assert_eq!(p.after_write(true), ClampAction::Clamp);
+    }
+
+    #[tokio::test]
+    async fn window_clamp_is_at_least_four_segments_and_restorable() {
+        use nix::sys::socket::{getsockopt, setsockopt, sockopt::TcpMaxSeg};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // Ethernet-sized segments: loopback's 64 KiB ones put four segments
+        // above a fresh connection's window clamp.
+        let s = tokio::net::TcpSocket::new_v4().unwrap();
+        setsockopt(&s, TcpMaxSeg, &1448).unwrap();
+        let c = s.connect(l.local_addr().unwrap()).await.unwrap();
+        let (_a, _) = l.accept().await.unwrap();
+        let before = getsockopt(&c, WindowClamp).unwrap();
+        let mss = getsockopt(&c, TcpMaxSeg).unwrap();
+        let old = clamp_window(&c, 4096).expect("clamped");
+        assert_eq!(old, before);
+        let now = getsockopt(&c, WindowClamp).unwrap();
+        assert_eq!(now, 4096.max(4 * mss));
+        // A clamp at or above the current one is not applied.
+        assert_eq!(clamp_window(&c, now), None);
+        setsockopt(&c, WindowClamp, &old).unwrap();
+        assert_eq!(getsockopt(&c, WindowClamp).unwrap(), before);
+    }
 
     /// weir sets `TCP_NODELAY` and `TCP_NOTSENT_LOWAT` only on the listener
     /// and relies on accepted sockets inheriting them.
