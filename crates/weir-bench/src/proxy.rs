@@ -40,10 +40,12 @@
 //!
 //! # Why slow readers run with two segment sizes
 //! Linux sizes a socket's send buffer from its MSS (`tcp_sndbuf_expand`:
-//! about 2 x initial cwnd (10) x the segment's rounded-up truesize). On
-//! loopback the MSS is 65,483 bytes, so the *backend's* send queue holds
-//! ~4 MB per connection whatever the proxy does and dominates the total; no
-//! real network has 64 KiB segments. The headline run therefore uses
+//! 2 x max(cwnd, 10) x the segment's rounded-up truesize, up to
+//! `tcp_wmem`'s max). On loopback the MSS is 65,483 bytes, so the
+//! *backend's* send queue holds up to ~4 MB per connection whatever the
+//! proxy does and dominates the total; no real network has 64 KiB segments.
+//! With Ethernet segments it still grows with the congestion window, but
+//! from a far smaller base. The headline run therefore uses
 //! Ethernet's (MTU 1500: 1448 payload bytes with timestamps): the backend's
 //! listener sets `TCP_MAXSEG` before `listen` (accepted sockets inherit it
 //! and advertise it in the SYN-ACK, so the proxy->backend hop uses it) and
@@ -472,9 +474,9 @@ impl Ctx {
              Memory = growth of the proxy's RSS + growth of kernel TCP memory (whole machine, \
              /proc/net/sockstat), so it includes the backend's and the clients' socket buffers. \
              Queued bytes (from /proc/net/tcp) show where the data sits. Linux sizes a send \
-             buffer from the segment size (about 2 x 10 x its rounded-up truesize), so with \
-             loopback's 64 KiB segments the backend's send queue, which no proxy can bound, \
-             holds ~4 MB per connection and dominates the total; no real network has such \
+             buffer from the segment size (2 x max(cwnd, 10) x its rounded-up truesize, up to \
+             tcp_wmem's max), so with loopback's 64 KiB segments the backend's send queue, \
+             which no proxy can bound, holds up to ~4 MB per connection and dominates the total; no real network has such \
              segments. The headline runs therefore use Ethernet-sized segments on both hops \
              (the backend's listener and every client set TCP_MAXSEG; same for every proxy); \
              the loopback runs stay as a second view. 'Proxy-side' = (RSS growth + bytes \
