@@ -30,7 +30,8 @@
 //!   writes, with Ethernet-sized segments on both hops; the `*_bytes` are
 //!   **per connection** (process growth + kernel TCP growth once kernel
 //!   memory stops growing, divided by the clients), for weir with
-//!   `notsent_lowat = 0` (off), weir's default (on) and HAProxy's defaults;
+//!   bounding off (`notsent_lowat`, `backend_rcvbuf`, `blocked_window` all
+//!   0), weir's default (on) and HAProxy's defaults;
 //!   `gbps_*` is one iperf3 stream through weir off/on (median of the runs,
 //!   interleaved off/on).
 //! - `slow_readers[]`: every slow-reader run in detail (clients, `mss`
@@ -290,7 +291,7 @@ pub(crate) fn run(c: &Common) -> Result<Value> {
     let weir_opts = match peers::weir_bin() {
         Ok(bin) => WeirOpts {
             bin,
-            notsent_lowat: None,
+            bounding_off: false,
         },
         Err(e) => {
             unavailable.push((
@@ -371,22 +372,22 @@ impl Ctx {
 
     /// Starts `imp`; on failure records why (weir: the daemon has not
     /// landed or cannot proxy yet) and returns None.
-    fn start(&mut self, imp: Impl, workers: usize, lowat: Option<u32>) -> Option<Proxy> {
+    fn start(&mut self, imp: Impl, workers: usize, bounding_off: bool) -> Option<Proxy> {
         if !self.available(imp) {
             return None;
         }
         let opts = WeirOpts {
-            notsent_lowat: lowat,
+            bounding_off,
             ..self.weir.clone()
         };
         let started = start_proxy(imp, workers, &self.backends.routes, &opts)
             .and_then(|mut p| probe(&mut p, &self.bench.idle_open).map(|()| p));
         match started {
             Ok(p) => Some(p),
-            Err(e) if lowat.is_some() => {
-                // Only this setting failed (e.g. the option was renamed):
+            Err(e) if bounding_off => {
+                // Only this setting failed (e.g. an option was renamed):
                 // weir's other rows still run.
-                self.error(format!("weir with notsent_lowat = {lowat:?}: {e:#}"));
+                self.error(format!("weir with bounding off: {e:#}"));
                 None
             }
             Err(e) => {
@@ -411,7 +412,7 @@ impl Ctx {
     fn memory_phase(&mut self) {
         let n = self.plan.idle_conns;
         for imp in [Impl::Haproxy, Impl::Nginx, Impl::Weir] {
-            let Some(p) = self.start(imp, 1, None) else {
+            let Some(p) = self.start(imp, 1, false) else {
                 continue;
             };
             match idle_memory(&p, &self.bench.idle_open, n) {
@@ -426,14 +427,14 @@ impl Ctx {
     /// throughput with bounding off and on.
     fn lowat_phase(&mut self) -> (serde_json::Map<String, Value>, Vec<Value>) {
         let slow_runs = self.plan.slow_runs.clone();
-        let hp = self.start(Impl::Haproxy, 1, None);
-        let off = self.start(Impl::Weir, 1, Some(0));
-        let on = off.as_ref().and_then(|_| self.start(Impl::Weir, 1, None));
+        let hp = self.start(Impl::Haproxy, 1, false);
+        let off = self.start(Impl::Weir, 1, true);
+        let on = off.as_ref().and_then(|_| self.start(Impl::Weir, 1, false));
         let configs = [
             ("haproxy", "HAProxy defaults", hp.as_ref()),
             (
                 "off",
-                "weir, bounding off (notsent_lowat = 0)",
+                "weir, bounding off (notsent_lowat, backend_rcvbuf, blocked_window = 0)",
                 off.as_ref(),
             ),
             ("on", "weir default (bounding on)", on.as_ref()),
@@ -585,7 +586,7 @@ impl Ctx {
             }
             let mut running: Vec<Proxy> = impls
                 .into_iter()
-                .filter_map(|imp| self.start(imp, w, None))
+                .filter_map(|imp| self.start(imp, w, false))
                 .collect();
             let mut samples: Vec<(Impl, &'static str, f64, Option<f64>)> = Vec::new();
             for rep in 0..self.plan.reps {

@@ -53,6 +53,10 @@ pub struct DaemonConfig {
     /// other side is not taking bytes (seed 004 on the receive side); 0 =
     /// never clamp.
     pub blocked_window: u32,
+    /// `SO_RCVBUF` in bytes a backend socket starts with, until its client
+    /// has proved to read fast (then 4 MiB, capped by the kernel); 0 = the
+    /// kernel's autotuning from the start.
+    pub backend_rcvbuf: u32,
     /// SIGTERM drain timeout, e.g. "30s".
     pub drain_timeout: String,
     /// One log line per closed connection.
@@ -77,6 +81,7 @@ impl Default for DaemonConfig {
             buffer_size: 64 * 1024,
             notsent_lowat: 16 * 1024,
             blocked_window: 64 * 1024,
+            backend_rcvbuf: 64 * 1024,
             drain_timeout: "30s".into(),
             access_log: false,
             estimator_cpu: None,
@@ -636,6 +641,15 @@ pub fn validate(c: &Config) -> Vec<Problem> {
             ),
         );
     }
+    if d.backend_rcvbuf != 0 && !(4096..=1 << 30).contains(&d.backend_rcvbuf) {
+        err(
+            &[dk.clone(), k("backend_rcvbuf")],
+            format!(
+                "{} is outside 4096..=1073741824 bytes; use e.g. 65536, or 0 for the kernel's autotuning",
+                d.backend_rcvbuf
+            ),
+        );
+    }
     if d.workers > 1024 {
         err(
             &[dk.clone(), k("workers")],
@@ -1028,6 +1042,7 @@ const DAEMON_KEYS: &[(&str, Kind)] = &[
     ("buffer_size", Kind::Int),
     ("notsent_lowat", Kind::Int),
     ("blocked_window", Kind::Int),
+    ("backend_rcvbuf", Kind::Int),
     ("drain_timeout", Kind::Str),
     ("access_log", Kind::Bool),
     ("estimator_cpu", Kind::Int),

@@ -529,13 +529,11 @@ fn tenant_connection_limit_refuses_and_counts() {
     d.shutdown();
 }
 
-#[test]
-fn slow_reader_keeps_buffering_bounded() {
-    // The backend streams as fast as it can; the client reads nothing for a
-    // while. What the backend manages to write is what sits in the whole
-    // chain (backend send queue, weir's receive queue, weir's buffer, weir's
-    // send queue to the client, the client's receive queue): it must stall
-    // at a bounded figure, then everything must arrive once the client reads.
+/// A backend streaming as fast as it can to a client that reads nothing
+/// for a while, through weir configured by `tune`. Returns (bytes the
+/// backend managed to write before stalling, bytes weir read from it);
+/// then checks every byte arrives once the client reads.
+fn slow_reader_chain(tune: impl FnOnce(&mut weir::config::Config)) -> (u64, u64) {
     const TOTAL: usize = 64 << 20;
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let baddr = l.local_addr().unwrap();
@@ -555,16 +553,14 @@ fn slow_reader_keeps_buffering_bounded() {
             }
         }
     });
-    let d = Daemon::start(
-        config(vec![service(
-            "s",
-            Protocol::Tcp,
-            "rr",
-            vec![backend(baddr, 1)],
-        )]),
-        None,
-    )
-    .unwrap();
+    let mut cfg = config(vec![service(
+        "s",
+        Protocol::Tcp,
+        "rr",
+        vec![backend(baddr, 1)],
+    )]);
+    tune(&mut cfg);
+    let d = Daemon::start(cfg, None).unwrap();
     let vip = d.service_addr("default", "s").unwrap();
     let c = TcpStream::connect(vip).unwrap();
     // Wait for the chain to fill: the backend's progress stops.
@@ -583,13 +579,6 @@ fn slow_reader_keeps_buffering_bounded() {
         .unwrap()
         .connections[0]
         .bytes_out;
-    eprintln!(
-        "slow reader: backend stalled after {stalled_at} bytes; weir read {in_weir} from the backend"
-    );
-    assert!(
-        stalled_at < 16 << 20,
-        "chain holds {stalled_at} bytes: not bounded"
-    );
     let mut c = c;
     c.set_read_timeout(Some(T)).unwrap();
     let mut got = 0usize;
@@ -601,6 +590,39 @@ fn slow_reader_keeps_buffering_bounded() {
     }
     assert_eq!(got, TOTAL);
     d.shutdown();
+    (stalled_at, in_weir)
+}
+
+#[test]
+fn slow_reader_keeps_buffering_bounded() {
+    // What weir read from the backend sits in weir's buffer, weir's send
+    // queue to the client and the client's receive queue; what the backend
+    // wrote adds weir's receive queue and the backend's own send queue
+    // (about 4 MB on loopback whatever weir does: the kernel sizes it from
+    // the 64 KiB loopback segment).
+    let (on_chain, on_weir) = slow_reader_chain(|_| {});
+    let (off_chain, off_weir) = slow_reader_chain(|c| {
+        c.daemon.notsent_lowat = 0;
+        c.daemon.backend_rcvbuf = 0;
+        c.daemon.blocked_window = 0;
+    });
+    eprintln!(
+        "slow reader: bounding on: backend stalled after {on_chain} bytes, weir read {on_weir}; \
+         off: {off_chain} and {off_weir}"
+    );
+    assert!(on_weir < 1 << 20, "weir took {on_weir} bytes: not bounded");
+    assert!(
+        on_weir * 4 < off_weir,
+        "bounding on took {on_weir} bytes, off {off_weir}: bounding makes no difference"
+    );
+    assert!(
+        on_chain < off_chain,
+        "the whole chain holds more with bounding on"
+    );
+    assert!(
+        on_chain < 16 << 20,
+        "chain holds {on_chain} bytes: not bounded"
+    );
 }
 
 #[test]

@@ -86,8 +86,10 @@ impl Routes {
 pub(crate) struct WeirOpts {
     /// The `weir` binary.
     pub(crate) bin: PathBuf,
-    /// `[daemon] notsent_lowat`; None leaves weir's default (bounding on).
-    pub(crate) notsent_lowat: Option<u32>,
+    /// Turn weir's bounded buffering off: `notsent_lowat`,
+    /// `backend_rcvbuf` and `blocked_window` all 0 (the kernel's defaults
+    /// and autotuning); false leaves weir's defaults (bounding on).
+    pub(crate) bounding_off: bool,
 }
 
 /// A running proxy (or the direct path) and the ports clients use.
@@ -215,7 +217,7 @@ pub(crate) fn start_proxy(
             let conf = weir_conf(
                 workers,
                 admin,
-                weir.notsent_lowat,
+                weir.bounding_off,
                 &pairs,
                 routes.udp.zip(be.udp),
             );
@@ -312,13 +314,13 @@ fn nginx_stream_conf(
 fn weir_conf(
     workers: usize,
     admin: u16,
-    notsent_lowat: Option<u32>,
+    bounding_off: bool,
     pairs: &[(&str, u16, u16)],
     udp: Option<(u16, u16)>,
 ) -> String {
     let mut s = format!("[daemon]\nworkers = {workers}\n");
-    if let Some(l) = notsent_lowat {
-        let _ = writeln!(s, "notsent_lowat = {l}");
+    if bounding_off {
+        s.push_str("notsent_lowat = 0\nbackend_rcvbuf = 0\nblocked_window = 0\n");
     }
     let _ = write!(
         s,
@@ -398,10 +400,12 @@ mod tests {
         let n = nginx_stream_conf(1, Path::new("/tmp/x"), &pairs, Some((21002, 22002)));
         assert!(n.contains("worker_processes 1;"));
         assert!(n.contains("listen 127.0.0.1:21002 udp; proxy_pass 127.0.0.1:22002;"));
-        let w = weir_conf(2, 9000, Some(0), &pairs, Some((21002, 22002)));
+        let w = weir_conf(2, 9000, true, &pairs, Some((21002, 22002)));
         let v: toml::Value = toml::from_str(&w).unwrap();
         assert_eq!(v["daemon"]["workers"].as_integer(), Some(2));
-        assert_eq!(v["daemon"]["notsent_lowat"].as_integer(), Some(0));
+        for k in ["notsent_lowat", "backend_rcvbuf", "blocked_window"] {
+            assert_eq!(v["daemon"][k].as_integer(), Some(0), "{k}");
+        }
         let services = v["service"].as_array().unwrap();
         assert_eq!(services.len(), 3);
         assert_eq!(services[2]["protocol"].as_str(), Some("udp"));

@@ -173,6 +173,14 @@ async fn connect(shared: &Shared, addr: SocketAddr) -> io::Result<TcpStream> {
     if lowat != 0 {
         let _ = SockRef::from(&sock).set_tcp_notsent_lowat(lowat);
     }
+    // Start small (see `ClampPolicy`): until its client proves to read
+    // fast, a backend gets little window, so the bytes of a slow reader
+    // wait in the backend's send queue, and that queue stays small too
+    // because the backend's congestion window has no room to grow.
+    let rcv = shared.daemon_cfg.backend_rcvbuf;
+    if rcv != 0 {
+        let _ = sock.set_recv_buffer_size(rcv);
+    }
     sock.connect(addr).await
 }
 
@@ -208,21 +216,35 @@ struct Pipe<'a> {
     peer_eof: &'a AtomicBool,
 }
 
-/// Writes in a row that had to wait before the source's receive window is
-/// clamped: one wait is a fast flow meeting a busy moment; a run of them
-/// is a reader slower than the sender.
-const CLAMP_AFTER: u32 = 4;
+/// Waits in a row (writes that found the other side full) before the
+/// source's receive window is clamped. One is enough: the clamp must come
+/// before the kernel has advertised more window to a sender whose reader
+/// turned out slow (it never takes back window it has advertised); a fast
+/// flow that merely met a busy moment keeps at least four segments of
+/// window and gets the rest back after [`UNCLAMP_AFTER`] free writes.
+const CLAMP_AFTER: u32 = 1;
 
 /// Writes in a row that went through without waiting before the clamp is
-/// lifted again.
+/// lifted again, or before a small starting receive buffer is opened up.
 const UNCLAMP_AFTER: u32 = 64;
 
-/// When to clamp the receive window of the socket a direction reads from
-/// (seed 004 on the receive side): after [`CLAMP_AFTER`] writes in a row
-/// that had to wait, and lifted after [`UNCLAMP_AFTER`] in a row that did
-/// not. I/O-free; the pump applies what it answers.
+/// The receive buffer (bytes asked; the kernel caps it at
+/// `net.core.rmem_max`) a backend socket gets once its reader has proved
+/// fast. Setting `SO_RCVBUF` turned the kernel's autotuning off for the
+/// socket for good, so this fixed size stands in for it.
+const OPEN_RCVBUF: usize = 4 << 20;
+
+/// How a direction bounds what piles up in the receive queue of the socket
+/// it reads from while the other side is slow (seed 004 on the receive
+/// side). A backend socket starts with a small fixed receive buffer
+/// (`backend_rcvbuf`); after [`UNCLAMP_AFTER`] writes in a row that did
+/// not wait it is opened to [`OPEN_RCVBUF`]. An open (or autotuned) socket
+/// whose writes start waiting gets its window clamped at once, lifted after
+/// [`UNCLAMP_AFTER`] free writes. I/O-free; the pump applies the actions.
 #[derive(Debug, Default)]
 struct ClampPolicy {
+    /// The receive buffer is still the small starting one.
+    small: bool,
     waited: u32,
     free: u32,
     /// The clamp in force before ours, while ours is applied.
@@ -232,33 +254,52 @@ struct ClampPolicy {
 #[derive(Debug, PartialEq, Eq)]
 enum ClampAction {
     None,
+    /// Clamp the receive window (and call `clamped`).
     Clamp,
     /// Put this clamp back.
     Restore(u32),
+    /// Give the socket [`OPEN_RCVBUF`].
+    Open,
 }
 
 impl ClampPolicy {
-    /// Called after each buffer was written; `waited` = a write had to
-    /// wait for the socket to take bytes.
-    fn after_write(&mut self, waited: bool) -> ClampAction {
-        if waited {
-            self.free = 0;
-            self.waited = self.waited.saturating_add(1);
-            if self.waited >= CLAMP_AFTER && self.saved.is_none() {
-                return ClampAction::Clamp;
-            }
-        } else {
-            self.waited = 0;
-            if let Some(old) = self.saved {
-                self.free += 1;
-                if self.free >= UNCLAMP_AFTER {
-                    self.saved = None;
-                    self.free = 0;
-                    return ClampAction::Restore(old);
-                }
-            }
+    /// `small`: the socket starts with a small fixed receive buffer.
+    fn new(small: bool) -> Self {
+        Self {
+            small,
+            ..Self::default()
+        }
+    }
+
+    /// A write found the other side full (once per buffer written).
+    fn on_wait(&mut self) -> ClampAction {
+        self.free = 0;
+        self.waited = self.waited.saturating_add(1);
+        if self.waited >= CLAMP_AFTER && self.saved.is_none() && !self.small {
+            return ClampAction::Clamp;
         }
         ClampAction::None
+    }
+
+    /// A buffer was written without waiting.
+    fn on_free_write(&mut self) -> ClampAction {
+        self.waited = 0;
+        if !self.small && self.saved.is_none() {
+            return ClampAction::None;
+        }
+        self.free += 1;
+        if self.free < UNCLAMP_AFTER {
+            return ClampAction::None;
+        }
+        self.free = 0;
+        if self.small {
+            self.small = false;
+            return ClampAction::Open;
+        }
+        match self.saved.take() {
+            Some(old) => ClampAction::Restore(old),
+            None => ClampAction::None,
+        }
     }
 
     /// The clamp was applied; `old` is what to restore.
@@ -308,7 +349,7 @@ async fn pump(
     // (HAProxy's model) and a busy one never holds more than one per
     // direction.
     let clamp_to = p.shared.daemon_cfg.blocked_window;
-    let mut policy = ClampPolicy::default();
+    let mut policy = ClampPolicy::new(!p.inbound && p.shared.daemon_cfg.backend_rcvbuf != 0);
     let mut buf: Option<Vec<u8>> = None;
     loop {
         let b = match buf.as_mut() {
@@ -361,7 +402,7 @@ async fn pump(
         // Read again only after everything was written: at most one buffer
         // per direction lives in user space.
         let mut off = 0;
-        let mut blocked = false;
+        let mut waited = false;
         while off < n {
             match to.as_ref().try_write(&b[off..n]) {
                 Ok(0) => {
@@ -370,7 +411,15 @@ async fn pump(
                 }
                 Ok(k) => off += k,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    blocked = true;
+                    if !waited {
+                        waited = true;
+                        if policy.on_wait() == ClampAction::Clamp
+                            && clamp_to != 0
+                            && let Some(old) = clamp_window(from.as_ref(), clamp_to)
+                        {
+                            policy.clamped(old);
+                        }
+                    }
                     if to.as_ref().writable().await.is_err() {
                         pool::give(buf.take());
                         return End::Error;
@@ -382,21 +431,15 @@ async fn pump(
                 }
             }
         }
-        if clamp_to != 0 {
-            // The other side takes bytes more slowly than they come: keep
-            // the sender from filling our receive queue (seed 004 on the
-            // receive side), so its bytes wait in its own kernel where they
-            // cost us nothing.
-            match policy.after_write(blocked) {
-                ClampAction::None => {}
-                ClampAction::Clamp => {
-                    if let Some(old) = clamp_window(from.as_ref(), clamp_to) {
-                        policy.clamped(old);
-                    }
-                }
+        if !waited {
+            match policy.on_free_write() {
                 ClampAction::Restore(old) => {
                     let _ = nix::sys::socket::setsockopt(from.as_ref(), WindowClamp, &old);
                 }
+                ClampAction::Open => {
+                    let _ = SockRef::from(from.as_ref()).set_recv_buffer_size(OPEN_RCVBUF);
+                }
+                ClampAction::None | ClampAction::Clamp => {}
             }
         }
         if drained {
@@ -528,38 +571,47 @@ mod tests {
     use super::*;
 
     #[test]
-    fn clamp_policy_needs_a_run_of_waits_and_a_run_of_free_writes() {
-        let mut p = ClampPolicy::default();
-        // Waits broken by a free write never clamp.
+    fn clamp_policy_clamps_on_waits_and_lifts_after_a_run_of_free_writes() {
+        let mut p = ClampPolicy::new(false);
         for _ in 0..10 {
-            for _ in 0..CLAMP_AFTER - 1 {
-                assert_eq!(p.after_write(true), ClampAction::None);
-            }
-            assert_eq!(p.after_write(false), ClampAction::None);
+            assert_eq!(p.on_free_write(), ClampAction::None);
         }
-        for _ in 0..CLAMP_AFTER - 1 {
-            assert_eq!(p.after_write(true), ClampAction::None);
-        }
-        assert_eq!(p.after_write(true), ClampAction::Clamp);
+        assert_eq!(p.on_wait(), ClampAction::Clamp);
         p.clamped(777);
         // Clamped: more waits do nothing; free writes short of the run
         // do not lift it, and a wait restarts the count.
-        assert_eq!(p.after_write(true), ClampAction::None);
+        assert_eq!(p.on_wait(), ClampAction::None);
         for _ in 0..UNCLAMP_AFTER - 1 {
-            assert_eq!(p.after_write(false), ClampAction::None);
+            assert_eq!(p.on_free_write(), ClampAction::None);
         }
-        assert_eq!(p.after_write(true), ClampAction::None);
+        assert_eq!(p.on_wait(), ClampAction::None);
         for _ in 0..UNCLAMP_AFTER - 1 {
-            assert_eq!(p.after_write(false), ClampAction::None);
+            assert_eq!(p.on_free_write(), ClampAction::None);
         }
-        assert_eq!(p.after_write(false), ClampAction::Restore(777));
-        // And it can clamp again.
-        for _ in 0..CLAMP_AFTER - 1 {
-            assert_eq!(p.after_write(true), ClampAction::None);
+        assert_eq!(p.on_free_write(), ClampAction::Restore(777));
+        assert_eq!(p.on_free_write(), ClampAction::None);
+        // And it clamps again; a clamp that failed (never `clamped`) is
+        // tried again at the next wait.
+        assert_eq!(p.on_wait(), ClampAction::Clamp);
+        assert_eq!(p.on_wait(), ClampAction::Clamp);
+    }
+
+    #[test]
+    fn a_small_starting_buffer_opens_after_a_run_of_free_writes_only() {
+        let mut p = ClampPolicy::new(true);
+        // While small, the buffer itself bounds the queue: no clamp.
+        assert_eq!(p.on_wait(), ClampAction::None);
+        for _ in 0..UNCLAMP_AFTER - 1 {
+            assert_eq!(p.on_free_write(), ClampAction::None);
         }
-        assert_eq!(p.after_write(true), ClampAction::Clamp);
-        // A failed clamp (never `clamped`) is simply tried again later.
-        assert_eq!(p.after_write(true), ClampAction::Clamp);
+        assert_eq!(p.on_wait(), ClampAction::None);
+        for _ in 0..UNCLAMP_AFTER - 1 {
+            assert_eq!(p.on_free_write(), ClampAction::None);
+        }
+        assert_eq!(p.on_free_write(), ClampAction::Open);
+        // Open: the next wait clamps the window instead.
+        assert_eq!(p.on_free_write(), ClampAction::None);
+        assert_eq!(p.on_wait(), ClampAction::Clamp);
     }
 
     #[tokio::test]
