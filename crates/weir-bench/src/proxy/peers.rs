@@ -106,6 +106,12 @@ impl Proxy {
         self.server.as_ref().map_or(0, Server::rss)
     }
 
+    /// CPU time (user + system) the proxy's processes have used so far, in
+    /// seconds; None for the direct path (there is no proxy to charge).
+    pub(crate) fn cpu_seconds(&self) -> Option<f64> {
+        self.server.as_ref().map(Server::cpu_seconds)
+    }
+
     /// Fails if the proxy process has died.
     pub(crate) fn check_alive(&mut self) -> Result<()> {
         match self.server.as_mut() {

@@ -6,6 +6,12 @@
 //! running. Memory is read the way the issue defines it: process RSS summed
 //! over the server's process tree (`/proc/PID/status` `VmRSS`) plus kernel
 //! TCP buffer memory from `/proc/net/sockstat` (`TCP: ... mem N`, in pages).
+//! CPU time is read the same way: user + system time (`/proc/PID/stat`
+//! fields 14 and 15, which cover every thread of the process) summed over
+//! the process tree, so nginx's master and workers count together. A
+//! process that exits between two readings takes its time with it; the
+//! proxies' processes live for the whole run, so differences are exact to
+//! a clock tick.
 
 use std::fs::File;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, UdpSocket};
@@ -209,6 +215,12 @@ impl Server {
     pub(crate) fn rss(&self) -> u64 {
         tree(self.pid()).into_iter().map(rss_bytes).sum()
     }
+
+    /// CPU time (user + system) the server's process tree has used so far,
+    /// in seconds; see [`tree_cpu_seconds`].
+    pub(crate) fn cpu_seconds(&self) -> f64 {
+        tree_cpu_seconds(self.pid())
+    }
 }
 
 impl Drop for Server {
@@ -285,6 +297,39 @@ fn start_time(pid: u32) -> Option<u64> {
         return None;
     }
     f.nth(18)?.parse().ok()
+}
+
+/// CPU time (user + system, all threads) used so far by `pid` and all its
+/// live descendants, in seconds. A process that is gone counts 0.
+pub(crate) fn tree_cpu_seconds(pid: u32) -> f64 {
+    let ticks: u64 = tree(pid).into_iter().filter_map(cpu_ticks).sum();
+    ticks as f64 / clock_ticks_per_second()
+}
+
+/// utime + stime of one process (`/proc/PID/stat` fields 14 and 15), in
+/// clock ticks; None once it is gone.
+fn cpu_ticks(pid: u32) -> Option<u64> {
+    parse_stat_cpu_ticks(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// utime + stime (fields 14 and 15, clock ticks) of a `/proc/PID/stat` line.
+pub(crate) fn parse_stat_cpu_ticks(stat: &str) -> Option<u64> {
+    // Fields after the command, which may contain spaces and parentheses:
+    // field 3 (state) is the first after the last ')'.
+    let rest = stat.get(stat.rfind(')')? + 1..)?;
+    let mut f = rest.split_whitespace();
+    let utime: u64 = f.nth(11)?.parse().ok()?;
+    let stime: u64 = f.next()?.parse().ok()?;
+    Some(utime + stime)
+}
+
+/// `sysconf(_SC_CLK_TCK)`: the unit of `/proc/PID/stat` times (100 on Linux).
+fn clock_ticks_per_second() -> f64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .filter(|t| *t > 0)
+        .map_or(100.0, |t| t as f64)
 }
 
 /// `VmRSS` of one process in bytes (0 if it is gone).
@@ -437,6 +482,45 @@ mod tests {
                 rx_queue: 0x200
             }
         );
+    }
+
+    #[test]
+    fn stat_cpu_ticks_are_parsed() {
+        // A command with a space and a ')' in it; utime 1234, stime 56.
+        let stat = "4242 (we ir) x) S 1 4242 4242 0 -1 4194560 100 0 0 0 1234 56 7 8 20 0 \
+                    3 0 98765 1000000 200 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 0";
+        assert_eq!(parse_stat_cpu_ticks(stat), Some(1290));
+        assert_eq!(parse_stat_cpu_ticks("4242 (x) S 1 2"), None);
+        assert_eq!(parse_stat_cpu_ticks(""), None);
+    }
+
+    #[test]
+    fn tree_cpu_counts_a_busy_child() {
+        // A shell whose child process spins (bounded: 5M iterations, and the
+        // guard kills it when the test ends): the tree's CPU time must grow
+        // while the waiting root uses almost none itself.
+        let dir = tempfile::tempdir().unwrap();
+        let mut cmd = Command::new("sh");
+        cmd.args([
+            "-c",
+            "sh -c 'i=0; while [ $i -lt 5000000 ]; do i=$((i+1)); done' & wait",
+        ]);
+        let s = Server::spawn("sh", cmd, dir).unwrap();
+        let before = s.cpu_seconds();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut after = before;
+        while after - before < 0.05 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            after = s.cpu_seconds();
+        }
+        assert!(after - before >= 0.05, "{before} -> {after}");
+        let root = s.pid();
+        assert!(
+            cpu_ticks(root).unwrap() as f64 / clock_ticks_per_second() < after - before,
+            "the child's time is counted, not just the root's"
+        );
+        assert_eq!(tree_cpu_seconds(u32::MAX), 0.0, "no such process");
+        assert!((1.0..=10_000.0).contains(&clock_ticks_per_second()));
     }
 
     #[test]
