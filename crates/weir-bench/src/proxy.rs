@@ -21,6 +21,25 @@
 //!   client). Workers 1 and 2 (`--quick`: 1). All implementations of one
 //!   worker count run side by side and the runs interleave (3 repetitions,
 //!   `--quick` 1); a row is the median.
+//! - `proxy[]` also has `cpu_per_op` and `cpu_unit`: the proxy's own CPU
+//!   time (user + system, summed over its process tree: HAProxy's and
+//!   weir's threads, nginx's master and workers; `/proc/PID/stat`) read just
+//!   before and just after each load run, divided by the operations the
+//!   generator completed: `us/conn` (cps: wrk's `N requests in`, one
+//!   connection each), `us/req` (rps), `ms/GB` (gbps_*: iperf3's
+//!   `end.sum_received.bytes`), `us/dgram` (udp_dps: datagrams echoed). The
+//!   median over the repetitions, like the value; null for the direct path.
+//!
+//! # Why CPU per operation
+//! Client, proxy and backend share two cores, so throughput depends on
+//! how the scheduler interleaves three busy processes and swings by +-30%
+//! between runs (weir vs HAProxy keep-alive req/s has ranged from 0.6x to
+//! 1.7x), while the proxy's CPU time per operation stays within a few
+//! percent. The load table prints both, with the cost's ratio to the
+//! cheaper peer, so a reader can tell "slower because it costs more CPU"
+//! from "slower because of scheduling". The goal lines stay on throughput;
+//! one informative line per load goal gives the CPU ratio. Times come in
+//! clock ticks (10 ms): a 1-2 s `--quick` run rounds by a few percent.
 //! - `memory[]` `{impl, conns, bytes_per_conn}`: idle proxied connections
 //!   (5,000; quick 1,000) on a fresh instance with one worker; bytes = growth
 //!   of the proxy's RSS (whole process tree) + growth of kernel TCP memory
@@ -202,6 +221,19 @@ struct Row {
     test: &'static str,
     value: f64,
     p99_ms: Option<f64>,
+    /// The proxy's CPU time per operation, in [`cpu_unit`]s; None for the
+    /// direct path.
+    cpu_per_op: Option<f64>,
+}
+
+/// One run of one load test on one implementation.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    imp: Impl,
+    test: &'static str,
+    value: f64,
+    p99_ms: Option<f64>,
+    cpu_per_op: Option<f64>,
 }
 
 /// Slow-reader result for one configuration.
@@ -326,7 +358,8 @@ pub(crate) fn run(c: &Common) -> Result<Value> {
         .iter()
         .map(|r| {
             json!({"impl": r.imp.name(), "workers": r.workers, "test": r.test,
-                   "value": r.value, "p99_ms": r.p99_ms})
+                   "value": r.value, "p99_ms": r.p99_ms,
+                   "cpu_per_op": r.cpu_per_op, "cpu_unit": cpu_unit(r.test)})
         })
         .collect();
     let memory: Vec<Value> = ctx
@@ -459,7 +492,7 @@ impl Ctx {
             for _ in 0..self.plan.lowat_reps {
                 for (key, p) in [("off", off), ("on", on)] {
                     match load::iperf3(self.dir.path(), p.routes.iperf, self.plan.iperf_secs, 1) {
-                        Ok(g) => runs.entry(key).or_default().push(g),
+                        Ok(g) => runs.entry(key).or_default().push(g.gbps),
                         Err(e) => self.error(format!("weir {key} iperf3: {e:#}")),
                     }
                 }
@@ -588,14 +621,14 @@ impl Ctx {
                 .into_iter()
                 .filter_map(|imp| self.start(imp, w, false))
                 .collect();
-            let mut samples: Vec<(Impl, &'static str, f64, Option<f64>)> = Vec::new();
+            let mut samples: Vec<Sample> = Vec::new();
             for rep in 0..self.plan.reps {
                 for test in TESTS {
                     let k = running.len().max(1);
                     for j in 0..running.len() {
                         let p = &running[(j + rep) % k];
-                        if let Some((v, p99)) = self.run_test(p, test) {
-                            samples.push((p.imp, test, v, p99));
+                        if let Some(s) = self.run_test(p, test) {
+                            samples.push(s);
                         }
                     }
                 }
@@ -611,10 +644,11 @@ impl Ctx {
                 for test in TESTS {
                     let mine: Vec<_> = samples
                         .iter()
-                        .filter(|(i, t, _, _)| *i == p.imp && *t == test)
+                        .filter(|s| s.imp == p.imp && s.test == test)
                         .collect();
-                    let value = median(mine.iter().map(|s| s.2));
-                    let p99_ms = median(mine.iter().filter_map(|s| s.3));
+                    let value = median(mine.iter().map(|s| s.value));
+                    let p99_ms = median(mine.iter().filter_map(|s| s.p99_ms));
+                    let cpu_per_op = median(mine.iter().filter_map(|s| s.cpu_per_op));
                     if let Some(value) = value {
                         self.rows.push(Row {
                             imp: p.imp,
@@ -622,6 +656,7 @@ impl Ctx {
                             test,
                             value,
                             p99_ms,
+                            cpu_per_op,
                         });
                     }
                 }
@@ -629,11 +664,14 @@ impl Ctx {
         }
     }
 
-    /// One run of `test` on `p`: (value, p99 ms), or None (error recorded,
-    /// or the test does not apply).
-    fn run_test(&mut self, p: &Proxy, test: &'static str) -> Option<(f64, Option<f64>)> {
+    /// One run of `test` on `p`, with the proxy's CPU time read just before
+    /// and just after the load generator; None when there was an error
+    /// (recorded) or the test does not apply.
+    fn run_test(&mut self, p: &Proxy, test: &'static str) -> Option<Sample> {
         let (imp, plan, dir) = (p.imp, &self.plan, self.dir.path());
-        let r = match test {
+        let cpu_before = p.cpu_seconds();
+        // (value, p99 ms, operations done: requests, bytes or datagrams)
+        let r: Result<(f64, Option<f64>, u64)> = match test {
             "cps" | "rps" => {
                 let (close, conns) = if test == "cps" {
                     (true, WRK_CONNS_CPS)
@@ -649,12 +687,13 @@ impl Ctx {
                             r.non2xx
                         );
                     }
-                    (r.rps, r.p99_ms)
+                    (r.rps, r.p99_ms, r.requests)
                 })
             }
             "gbps_1" | "gbps_8" => {
                 let streams = if test == "gbps_1" { 1 } else { 8 };
-                load::iperf3(dir, p.routes.iperf, plan.iperf_secs, streams).map(|g| (g, None))
+                load::iperf3(dir, p.routes.iperf, plan.iperf_secs, streams)
+                    .map(|g| (g.gbps, None, g.bytes))
             }
             _ => {
                 let port = p.routes.udp?;
@@ -677,12 +716,21 @@ impl Ctx {
                     if r.received == 0 {
                         bail!("no reply to {} datagrams", r.sent);
                     }
-                    Ok((r.dps(), None))
+                    Ok((r.dps(), None, r.received))
                 })
             }
         };
+        let cpu_after = p.cpu_seconds();
         match r {
-            Ok(v) => Some(v),
+            Ok((value, p99_ms, ops)) => Some(Sample {
+                imp,
+                test,
+                value,
+                p99_ms,
+                cpu_per_op: cpu_before
+                    .zip(cpu_after)
+                    .and_then(|(a, b)| cpu_per_op(test, b - a, ops)),
+            }),
             Err(e) => {
                 self.error(format!("{} {test}: {e:#}", imp.name()));
                 None
@@ -731,6 +779,17 @@ impl Ctx {
         })
     }
 
+    /// The lowest CPU cost per operation among the peers for `test` at `w`
+    /// workers; None when no peer measured it (or measured zero ticks).
+    fn best_peer_cpu(&self, test: &str, w: usize) -> Option<f64> {
+        self.rows
+            .iter()
+            .filter(|r| r.imp.is_peer() && r.test == test && r.workers == w)
+            .filter_map(|r| r.cpu_per_op)
+            .filter(|c| *c > 0.0)
+            .min_by(f64::total_cmp)
+    }
+
     fn report(&self, lowat: &serde_json::Map<String, Value>) {
         for (imp, why) in &self.unavailable {
             println!("{}: {why}", imp.name());
@@ -749,7 +808,15 @@ impl Ctx {
                 .find(|r| r.imp == Impl::Direct && r.test == test)
                 .map_or(0.0, |r| r.value)
         };
-        println!("\n### Load (client, proxy and backend on the same 2 cores)\n");
+        println!(
+            "\n### Load (client, proxy and backend on the same 2 cores)\n\n\
+             Throughput swings with how the scheduler interleaves client, proxy and backend; \
+             'proxy CPU per op' (the proxy's own user + system time over the run, per \
+             connection, request, GB or datagram) is far steadier: a proxy that is slower but \
+             costs no more CPU lost to scheduling, not to its code. Lower is better; 'CPU vs \
+             best peer' = cost / the cheaper peer's cost. CPU time is counted in clock ticks \
+             (10 ms), so short --quick runs carry a few % of rounding.\n"
+        );
         let mut t = Table::new([
             "test",
             "workers",
@@ -759,6 +826,8 @@ impl Ctx {
             "p99 ms",
             "vs best peer",
             "vs direct",
+            "proxy CPU per op",
+            "CPU vs best peer",
         ]);
         for test in TESTS {
             for r in self.rows.iter().filter(|r| r.test == test) {
@@ -780,6 +849,11 @@ impl Ctx {
                         ratio(r.value, best_peer(test, w))
                     },
                     ratio(r.value, direct(test)),
+                    r.cpu_per_op.map_or("-".into(), |c| fmt_cpu(test, c)),
+                    match (r.cpu_per_op, self.best_peer_cpu(test, w)) {
+                        (Some(c), Some(b)) if r.imp != Impl::Direct => ratio(c, b),
+                        _ => "-".into(),
+                    },
                 ]);
             }
             if test == "udp_dps" && self.available(Impl::Haproxy) {
@@ -792,6 +866,8 @@ impl Ctx {
                     "",
                     "",
                     "",
+                    "",
+                    "",
                 ]);
             }
             if !self.available(Impl::Weir) {
@@ -800,6 +876,8 @@ impl Ctx {
                     "-",
                     "weir",
                     "not available (daemon not landed)",
+                    "",
+                    "",
                     "",
                     "",
                     "",
@@ -854,6 +932,20 @@ impl Ctx {
                     r.workers,
                     r.value / b,
                     verdict(r.value >= b)
+                );
+            }
+        }
+        for r in self.rows.iter().filter(|r| r.imp == Impl::Weir) {
+            if let (Some(c), Some(b)) = (r.cpu_per_op, self.best_peer_cpu(r.test, r.workers)) {
+                println!(
+                    "- {} workers={}: weir CPU per {} {:.2}x best peer's ({} vs {}; lower is \
+                     better; informative)",
+                    r.test,
+                    r.workers,
+                    cpu_op_name(r.test),
+                    c / b,
+                    fmt_cpu(r.test, c),
+                    fmt_cpu(r.test, b)
                 );
             }
         }
@@ -1009,6 +1101,58 @@ fn unit(test: &str) -> &'static str {
     }
 }
 
+/// Unit of [`Row::cpu_per_op`] for `test`.
+fn cpu_unit(test: &str) -> &'static str {
+    match test {
+        "cps" => "us/conn",
+        "rps" => "us/req",
+        "gbps_1" | "gbps_8" => "ms/GB",
+        "udp_dps" => "us/dgram",
+        _ => "",
+    }
+}
+
+/// What one operation of `test` is, for the goal lines.
+fn cpu_op_name(test: &str) -> &'static str {
+    match test {
+        "cps" => "connection",
+        "rps" => "request",
+        "gbps_1" | "gbps_8" => "GB",
+        "udp_dps" => "datagram",
+        _ => "operation",
+    }
+}
+
+/// CPU cost per operation in [`cpu_unit`]s: `cpu_s` seconds spent on `ops`
+/// requests (cps, rps), bytes (gbps_*) or datagrams (udp_dps). None when
+/// nothing was done or the reading went backwards (a process of the tree
+/// exited and took its time with it).
+fn cpu_per_op(test: &str, cpu_s: f64, ops: u64) -> Option<f64> {
+    if ops == 0 || cpu_s.is_nan() || cpu_s < 0.0 {
+        return None;
+    }
+    let ops = ops as f64;
+    Some(if test.starts_with("gbps") {
+        // milliseconds per 10^9 bytes
+        cpu_s * 1e3 / (ops / 1e9)
+    } else {
+        // microseconds per request or datagram
+        cpu_s * 1e6 / ops
+    })
+}
+
+/// A CPU cost with its unit: "4.5 us/req", "140 ms/GB", "0.85 us/dgram".
+fn fmt_cpu(test: &str, c: f64) -> String {
+    let unit = cpu_unit(test);
+    if c >= 100.0 {
+        format!("{c:.0} {unit}")
+    } else if c >= 1.0 {
+        format!("{c:.1} {unit}")
+    } else {
+        format!("{c:.2} {unit}")
+    }
+}
+
 fn fmt_value(test: &str, v: f64) -> String {
     if test.starts_with("gbps") {
         format!("{v:.2}")
@@ -1097,6 +1241,30 @@ mod tests {
         }
         assert_eq!(Segments::Ethernet.json(), "1448");
         assert_eq!(Segments::Loopback.client_mss(), None);
+    }
+
+    #[test]
+    fn cpu_cost_per_operation_and_its_format() {
+        // 0.45 s of CPU over 100,000 keep-alive requests: 4.5 us each.
+        let c = cpu_per_op("rps", 0.45, 100_000).unwrap();
+        assert!((c - 4.5).abs() < 1e-9);
+        assert_eq!(fmt_cpu("rps", c), "4.5 us/req");
+        // 0.7 s over 5 GB: 140 ms per GB.
+        let g = cpu_per_op("gbps_8", 0.7, 5_000_000_000).unwrap();
+        assert!((g - 140.0).abs() < 1e-9);
+        assert_eq!(fmt_cpu("gbps_8", g), "140 ms/GB");
+        let u = cpu_per_op("udp_dps", 0.17, 200_000).unwrap();
+        assert_eq!(fmt_cpu("udp_dps", u), "0.85 us/dgram");
+        assert_eq!(fmt_cpu("cps", 21.04), "21.0 us/conn");
+        assert_eq!(cpu_per_op("cps", 1.0, 0), None, "nothing done");
+        assert_eq!(cpu_per_op("cps", -0.01, 10), None, "went backwards");
+        assert_eq!(cpu_per_op("cps", f64::NAN, 10), None);
+        for t in TESTS {
+            assert!(
+                !cpu_unit(t).is_empty() && cpu_op_name(t) != "operation",
+                "{t}"
+            );
+        }
     }
 
     #[test]

@@ -21,6 +21,8 @@ use super::sys::{lo, run_bounded};
 pub(crate) struct WrkResult {
     /// Completed requests per second.
     pub(crate) rps: f64,
+    /// Completed requests in the whole run (`N requests in Xs`).
+    pub(crate) requests: u64,
     /// 99th percentile latency in milliseconds.
     pub(crate) p99_ms: Option<f64>,
     /// Socket errors (connect + read + write + timeout).
@@ -64,12 +66,15 @@ pub(crate) fn wrk(
 /// Parses wrk's text report (`--latency`).
 pub(crate) fn parse_wrk(out: &str) -> Result<WrkResult> {
     let mut rps = None;
+    let mut requests = None;
     let mut p99_ms = None;
     let mut errors = 0;
     let mut non2xx = 0;
     for line in out.lines().map(str::trim) {
         if let Some(v) = line.strip_prefix("Requests/sec:") {
             rps = Some(v.trim().parse::<f64>().context("Requests/sec")?);
+        } else if let Some((n, _)) = line.split_once(" requests in ") {
+            requests = Some(n.trim().parse::<u64>().context("N requests in")?);
         } else if let Some(v) = line.strip_prefix("99%") {
             p99_ms = Some(parse_duration_ms(v.trim()).context("99% latency")?);
         } else if let Some(v) = line.strip_prefix("Socket errors:") {
@@ -83,6 +88,7 @@ pub(crate) fn parse_wrk(out: &str) -> Result<WrkResult> {
     }
     Ok(WrkResult {
         rps: rps.context("no Requests/sec line")?,
+        requests: requests.context("no `N requests in` line")?,
         p99_ms,
         errors,
         non2xx,
@@ -105,8 +111,17 @@ fn parse_duration_ms(v: &str) -> Option<f64> {
     Some(n * scale)
 }
 
-/// iperf3 client through `port`: received throughput in Gbit/s.
-pub(crate) fn iperf3(dir: &Path, port: u16, secs: u64, streams: usize) -> Result<f64> {
+/// What one iperf3 run measured (`end.sum_received`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct IperfResult {
+    /// Received throughput in Gbit/s.
+    pub(crate) gbps: f64,
+    /// Bytes received in the whole run.
+    pub(crate) bytes: u64,
+}
+
+/// iperf3 client through `port`: what the receiver got.
+pub(crate) fn iperf3(dir: &Path, port: u16, secs: u64, streams: usize) -> Result<IperfResult> {
     let mut cmd = Command::new("iperf3");
     cmd.args(["-c", "127.0.0.1", "-J"])
         .arg("-p")
@@ -119,8 +134,8 @@ pub(crate) fn iperf3(dir: &Path, port: u16, secs: u64, streams: usize) -> Result
     parse_iperf3(&out).with_context(|| format!("iperf3 -P {streams}: {}", err.trim()))
 }
 
-/// `end.sum_received.bits_per_second` of iperf3's JSON report, in Gbit/s.
-pub(crate) fn parse_iperf3(out: &str) -> Result<f64> {
+/// `end.sum_received.{bits_per_second, bytes}` of iperf3's JSON report.
+pub(crate) fn parse_iperf3(out: &str) -> Result<IperfResult> {
     let v: serde_json::Value = serde_json::from_str(out).context("iperf3 JSON")?;
     if let Some(e) = v.get("error").and_then(|e| e.as_str()) {
         bail!("iperf3: {e}");
@@ -129,7 +144,20 @@ pub(crate) fn parse_iperf3(out: &str) -> Result<f64> {
         .pointer("/end/sum_received/bits_per_second")
         .and_then(serde_json::Value::as_f64)
         .context("no end.sum_received.bits_per_second")?;
-    Ok(bps / 1e9)
+    // An integer in iperf3's output; cJSON may print a large one as a float.
+    let bytes = v
+        .pointer("/end/sum_received/bytes")
+        .and_then(|b| {
+            b.as_u64().or_else(|| {
+                let f = b.as_f64()?;
+                (f.is_finite() && f >= 0.0).then_some(f as u64)
+            })
+        })
+        .context("no end.sum_received.bytes")?;
+    Ok(IperfResult {
+        gbps: bps / 1e9,
+        bytes,
+    })
 }
 
 /// What the UDP generator measured.
@@ -294,10 +322,17 @@ Transfer/sec:      4.51MB
     fn wrk_report_is_parsed() {
         let r = parse_wrk(WRK).unwrap();
         assert!((r.rps - 30118.32).abs() < 1e-6);
+        assert_eq!(r.requests, 60240);
         assert!((r.p99_ms.unwrap() - 1.23).abs() < 1e-9);
         assert_eq!(r.errors, 4);
         assert_eq!(r.non2xx, 5);
         assert!(parse_wrk("garbage").is_err());
+        let no_total: String = WRK
+            .lines()
+            .filter(|l| !l.contains("requests in"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert!(parse_wrk(&no_total).is_err(), "the total is required");
     }
 
     #[test]
@@ -310,8 +345,14 @@ Transfer/sec:      4.51MB
 
     #[test]
     fn iperf3_json_is_parsed() {
-        let ok = r#"{"end":{"sum_received":{"bits_per_second":2.5e10}}}"#;
-        assert!((parse_iperf3(ok).unwrap() - 25.0).abs() < 1e-9);
+        let ok = r#"{"end":{"sum_received":{"bits_per_second":2.5e10,"bytes":3125000000}}}"#;
+        let r = parse_iperf3(ok).unwrap();
+        assert!((r.gbps - 25.0).abs() < 1e-9);
+        assert_eq!(r.bytes, 3_125_000_000);
+        let float = r#"{"end":{"sum_received":{"bits_per_second":1e9,"bytes":1.25e8}}}"#;
+        assert_eq!(parse_iperf3(float).unwrap().bytes, 125_000_000);
+        let no_bytes = r#"{"end":{"sum_received":{"bits_per_second":2.5e10}}}"#;
+        assert!(parse_iperf3(no_bytes).is_err());
         let err = r#"{"error":"unable to connect to server"}"#;
         assert!(
             parse_iperf3(err)
