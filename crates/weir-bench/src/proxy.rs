@@ -353,15 +353,7 @@ pub(crate) fn run(c: &Common) -> Result<Value> {
     if ctx.rows.is_empty() && ctx.memory.is_empty() && lowat.values().all(Value::is_null) {
         bail!("measured nothing: {}", ctx.errors.join("; "));
     }
-    let proxy: Vec<Value> = ctx
-        .rows
-        .iter()
-        .map(|r| {
-            json!({"impl": r.imp.name(), "workers": r.workers, "test": r.test,
-                   "value": r.value, "p99_ms": r.p99_ms,
-                   "cpu_per_op": r.cpu_per_op, "cpu_unit": cpu_unit(r.test)})
-        })
-        .collect();
+    let proxy = proxy_json(&ctx.rows);
     let memory: Vec<Value> = ctx
         .memory
         .iter()
@@ -379,6 +371,18 @@ pub(crate) fn run(c: &Common) -> Result<Value> {
         "slow_readers": slow_detail,
         "unavailable": unavailable,
     }))
+}
+
+/// The `proxy[]` JSON rows: `{impl, workers, test, value, p99_ms,
+/// cpu_per_op, cpu_unit}` (`cpu_per_op` null for the direct path).
+fn proxy_json(rows: &[Row]) -> Vec<Value> {
+    rows.iter()
+        .map(|r| {
+            json!({"impl": r.imp.name(), "workers": r.workers, "test": r.test,
+                   "value": r.value, "p99_ms": r.p99_ms,
+                   "cpu_per_op": r.cpu_per_op, "cpu_unit": cpu_unit(r.test)})
+        })
+        .collect()
 }
 
 /// Everything one run holds: servers, plan and results so far.
@@ -812,8 +816,8 @@ impl Ctx {
             "\n### Load (client, proxy and backend on the same 2 cores)\n\n\
              Throughput swings with how the scheduler interleaves client, proxy and backend; \
              'proxy CPU per op' (the proxy's own user + system time over the run, per \
-             connection, request, GB or datagram) is far steadier: a proxy that is slower but \
-             costs no more CPU lost to scheduling, not to its code. Lower is better; 'CPU vs \
+             connection, request, GB or datagram) is far steadier: a proxy with lower throughput \
+             but no higher CPU cost lost time to scheduling, not to its own code. Lower is better; 'CPU vs \
              best peer' = cost / the cheaper peer's cost. CPU time is counted in clock ticks \
              (10 ms), so short --quick runs carry a few % of rounding.\n"
         );
@@ -1265,6 +1269,26 @@ mod tests {
                 "{t}"
             );
         }
+    }
+
+    #[test]
+    fn proxy_json_rows_keep_their_keys_and_add_the_cpu_cost() {
+        let row = |imp, cpu_per_op| Row {
+            imp,
+            workers: 1,
+            test: "rps",
+            value: 1000.0,
+            p99_ms: Some(0.5),
+            cpu_per_op,
+        };
+        let v = proxy_json(&[row(Impl::Weir, Some(4.5)), row(Impl::Direct, None)]);
+        assert_eq!(
+            v[0],
+            json!({"impl": "weir", "workers": 1, "test": "rps", "value": 1000.0,
+                   "p99_ms": 0.5, "cpu_per_op": 4.5, "cpu_unit": "us/req"})
+        );
+        assert_eq!(v[1]["cpu_per_op"], Value::Null);
+        assert_eq!(v[1]["impl"], "direct");
     }
 
     #[test]
