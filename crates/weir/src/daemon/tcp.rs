@@ -161,27 +161,44 @@ async fn handle(
 }
 
 async fn connect(shared: &Shared, addr: SocketAddr) -> io::Result<TcpStream> {
-    let sock = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
+    use socket2::{Domain, Socket, Type};
+    // Non-blocking and close-on-exec from the start: no fcntl.
+    let sock = Socket::new(
+        Domain::for_address(addr),
+        Type::STREAM.nonblocking().cloexec(),
+        Some(socket2::Protocol::TCP),
+    )?;
     // Set before connect so they cost no extra call per connection later;
     // the client side inherits the same options from the listener.
-    let _ = sock.set_nodelay(true);
+    let _ = sock.set_tcp_nodelay(true);
     let lowat = shared.daemon_cfg.notsent_lowat;
     if lowat != 0 {
-        let _ = SockRef::from(&sock).set_tcp_notsent_lowat(lowat);
+        let _ = sock.set_tcp_notsent_lowat(lowat);
     }
     // Start small (see `ClampPolicy`): until its client proves to read
     // fast, a backend gets little window, so the bytes of a slow reader
-    // wait in the backend's send queue, and that queue stays small too
-    // because the backend's congestion window has no room to grow.
+    // wait in the backend's own send queue rather than in weir's.
     let rcv = shared.daemon_cfg.backend_rcvbuf;
     if rcv != 0 {
-        let _ = sock.set_recv_buffer_size(rcv);
+        let _ = sock.set_recv_buffer_size(rcv as usize);
     }
-    sock.connect(addr).await
+    match sock.connect(&addr.into()) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+        Err(e) => return Err(e),
+    }
+    let stream = TcpStream::from_std(std::net::TcpStream::from(sock))?;
+    // Connected once writable. A failed connect also reports an error or
+    // a hang-up; only then is SO_ERROR read for the reason, so a
+    // successful connect costs no getsockopt (tokio's own connect always
+    // reads it).
+    let ready = stream.ready(Interest::WRITABLE | Interest::ERROR).await?;
+    if ready.is_error() || ready.is_write_closed() {
+        return Err(stream
+            .take_error()?
+            .unwrap_or_else(|| io::ErrorKind::ConnectionRefused.into()));
+    }
+    Ok(stream)
 }
 
 /// Options every proxied TCP socket gets, set on the listening socket so
@@ -355,7 +372,10 @@ async fn pump(
         let b = match buf.as_mut() {
             Some(b) => b,
             None => {
-                if from.as_ref().readable().await.is_err() {
+                // poll_read_ready keeps one waker per direction, where
+                // readable() queues a waiter under the socket's lock.
+                let r = std::future::poll_fn(|cx| from.as_ref().poll_read_ready(cx)).await;
+                if r.is_err() {
                     return End::Error;
                 }
                 buf.insert(pool::take(p.buf_size))
@@ -420,7 +440,8 @@ async fn pump(
                             policy.clamped(old);
                         }
                     }
-                    if to.as_ref().writable().await.is_err() {
+                    let w = std::future::poll_fn(|cx| to.as_ref().poll_write_ready(cx)).await;
+                    if w.is_err() {
                         pool::give(buf.take());
                         return End::Error;
                     }
