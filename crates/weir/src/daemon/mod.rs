@@ -447,8 +447,8 @@ pub(crate) struct Tenant {
     /// `[tenant.timeouts]` resolved (IPVS defaults for absent keys); the
     /// TCP proxy reads `established` and `fin_wait`, UDP sessions `udp`.
     pub(crate) timeouts: RwLock<Timeouts>,
-    /// (second since epoch, new connections in it) for `max_new_per_s`.
-    window: Mutex<(u64, u64)>,
+    /// `max_new_per_s`, as a token bucket.
+    new_conns: NewConnLimit,
     pub(crate) deleted: CancellationToken,
 }
 
@@ -673,6 +673,41 @@ impl Registry {
     }
 }
 
+/// `max_new_per_s` as a token bucket holding one second's worth, kept as
+/// GCRA's "theoretical arrival time" in one atomic (lock-free): from idle,
+/// `rate` connections pass at once, then one every `1/rate` s, so a span of
+/// L seconds admits at most `rate × (1 + L)`. (The fixed per-second window
+/// it replaces let `2 × rate` through within a millisecond around each
+/// second's boundary.) I/O-free: time is a parameter.
+#[derive(Debug, Default)]
+pub(crate) struct NewConnLimit {
+    /// Nanoseconds (daemon clock) at which the bucket is full again.
+    tat: AtomicU64,
+}
+
+impl NewConnLimit {
+    /// One new connection at `now_ns` under `rate` per second (> 0).
+    pub(crate) fn admit(&self, now_ns: u64, rate: u64) -> bool {
+        const SECOND: u64 = 1_000_000_000;
+        let step = (SECOND / rate.max(1)).max(1);
+        let tolerance = SECOND.saturating_sub(step);
+        let mut tat = self.tat.load(Relaxed);
+        loop {
+            let start = tat.max(now_ns);
+            if start - now_ns > tolerance {
+                return false;
+            }
+            match self
+                .tat
+                .compare_exchange_weak(tat, start + step, Relaxed, Relaxed)
+            {
+                Ok(_) => return true,
+                Err(t) => tat = t,
+            }
+        }
+    }
+}
+
 /// Admission check result.
 #[derive(Debug)]
 pub(crate) enum Refusal {
@@ -730,19 +765,14 @@ impl Shared {
             self.active.fetch_sub(1, Relaxed);
             return Err(Refusal::TenantLimit);
         }
-        if rate != 0 {
-            let sec = self.now_ms() / 1000;
-            let mut w = tenant.window.lock();
-            if w.0 != sec {
-                *w = (sec, 0);
-            }
-            if w.1 >= rate {
-                drop(w);
-                tenant.active.fetch_sub(1, Relaxed);
-                self.active.fetch_sub(1, Relaxed);
-                return Err(Refusal::TenantRate);
-            }
-            w.1 += 1;
+        if rate != 0
+            && !tenant
+                .new_conns
+                .admit(self.epoch.elapsed().as_nanos() as u64, rate)
+        {
+            tenant.active.fetch_sub(1, Relaxed);
+            self.active.fetch_sub(1, Relaxed);
+            return Err(Refusal::TenantRate);
         }
         Ok(())
     }
@@ -953,7 +983,7 @@ impl Shared {
             active: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             stat: self.rates.stat(),
-            window: Mutex::new((0, 0)),
+            new_conns: NewConnLimit::default(),
             deleted: CancellationToken::new(),
         });
         st.tenants.insert(spec.name, t);
@@ -1425,4 +1455,64 @@ pub(crate) fn rng_seed() -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(0);
     h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    #[test]
+    fn new_conn_limit_passes_a_second_worth_then_one_per_step() {
+        let l = NewConnLimit::default();
+        let t0 = 5_000 * MS;
+        // From idle: exactly `rate` at one instant.
+        assert_eq!((0..250).filter(|_| l.admit(t0, 100)).count(), 100);
+        // Then one every 10 ms, not before.
+        assert!(!l.admit(t0 + 9 * MS, 100));
+        assert!(l.admit(t0 + 10 * MS, 100));
+        assert!(!l.admit(t0 + 10 * MS, 100));
+        assert!(l.admit(t0 + 20 * MS, 100));
+        // A full second idle refills it.
+        assert_eq!(
+            (0..250).filter(|_| l.admit(t0 + 2_000 * MS, 100)).count(),
+            100
+        );
+    }
+
+    #[test]
+    fn new_conn_limit_bounds_every_span() {
+        // Offered: 10 per ms for 3 s at rate 1,000/s. Every span of L ms
+        // admits at most rate x (1 + L/1000), and the total is one burst
+        // plus the rate over the time.
+        let (l, rate) = (NewConnLimit::default(), 1_000);
+        let mut per_ms = Vec::new();
+        for ms in 0..3_000u64 {
+            per_ms.push((0..10).filter(|_| l.admit(ms * MS, rate)).count() as u64);
+        }
+        let total: u64 = per_ms.iter().sum();
+        assert!((rate + 2_999..=rate + 3_000).contains(&total), "{total}");
+        for len in [1usize, 10, 100, 1_000] {
+            for w in per_ms.windows(len) {
+                let n: u64 = w.iter().sum();
+                assert!(n <= rate + rate * len as u64 / 1_000 + 1, "{n} in {len} ms");
+            }
+        }
+    }
+
+    #[test]
+    fn new_conn_limit_is_exact_across_threads() {
+        let l = std::sync::Arc::new(NewConnLimit::default());
+        let admitted: u64 = (0..4)
+            .map(|_| {
+                let l = l.clone();
+                std::thread::spawn(move || (0..10_000).filter(|_| l.admit(MS, 777)).count() as u64)
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .sum();
+        assert_eq!(admitted, 777);
+    }
 }
