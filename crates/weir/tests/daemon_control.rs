@@ -128,14 +128,7 @@ fn tenant_new_connection_rate_is_capped() {
         "rr",
         vec![backend(e.addr, 1)],
     )]);
-    cfg.tenants.push(TenantSpec {
-        name: "default".into(),
-        table_entries: 0,
-        max_connections: 0,
-        max_new_per_s: 5,
-        token: None,
-        timeouts: Default::default(),
-    });
+    cfg.tenants.push(default_tenant(0, 5));
     let d = Daemon::start(cfg, None).unwrap();
     let c = d.control();
     let vip = d.service_addr("default", "r").unwrap();

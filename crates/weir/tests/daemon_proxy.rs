@@ -511,14 +511,7 @@ fn tenant_connection_limit_refuses_and_counts() {
         "rr",
         vec![backend(e.addr, 1)],
     )]);
-    cfg.tenants.push(TenantSpec {
-        name: "default".into(),
-        table_entries: 0,
-        max_connections: 2,
-        max_new_per_s: 0,
-        token: None,
-        timeouts: Default::default(),
-    });
+    cfg.tenants.push(default_tenant(2, 0));
     let d = Daemon::start(cfg, None).unwrap();
     let c = d.control();
     let vip = d.service_addr("default", "l").unwrap();

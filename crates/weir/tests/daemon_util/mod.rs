@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
-use weir::config::{BackendSpec, Config, Protocol, ServiceOptions, ServiceSpec};
+use weir::config::{BackendSpec, Config, Protocol, ServiceOptions, ServiceSpec, TenantSpec};
 
 /// Poll `cond` every 20 ms until it holds or `timeout` passes.
 pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
@@ -128,6 +128,19 @@ pub fn service(
         persistence_netmask: None,
         options: ServiceOptions::default(),
         backends,
+    }
+}
+
+/// The `default` tenant with these limits (0 = unlimited), shared table,
+/// IPVS timeouts.
+pub fn default_tenant(max_connections: u64, max_new_per_s: u64) -> TenantSpec {
+    TenantSpec {
+        name: "default".into(),
+        table_entries: 0,
+        max_connections,
+        max_new_per_s,
+        token: None,
+        timeouts: Default::default(),
     }
 }
 
