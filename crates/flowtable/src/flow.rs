@@ -163,6 +163,17 @@ fn splitmix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
+/// Runs deferred frees (this thread's and others' already queued) once no
+/// reader can hold them. Each pin-and-flush advances the global epoch at
+/// most one step and a bag is freed two steps after it was sealed, hence a
+/// few rounds. Bounded: a reader pinned for long only leaves the free to a
+/// later collection.
+fn reclaim_now() {
+    for _ in 0..4 {
+        epoch::pin().flush();
+    }
+}
+
 fn random_seed() -> u64 {
     use std::hash::BuildHasher;
     std::collections::hash_map::RandomState::new().hash_one(0x5eed_u64)
@@ -323,6 +334,14 @@ impl FlowTable {
             }
         }
         m.own_bytes -= t.own_bytes;
+        drop(m);
+        drop(guard);
+        // The old directory holds the last reference to the tenant (and its
+        // own table, megabytes to gigabytes): free it now rather than when
+        // this thread's bag of deferred frees happens to fill up (dozens of
+        // removed tables stayed allocated that way).
+        drop(t);
+        reclaim_now();
         Ok(())
     }
 
