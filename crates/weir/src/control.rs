@@ -260,6 +260,36 @@ pub struct BackendPatch {
     pub drain: Option<bool>,
 }
 
+/// How to reload (`POST /v1/reload?dry_run=true&force=true`, `weir reload
+/// --dry-run --force`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReloadOptions {
+    /// Validate and report what would change; apply nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+    /// Also remove tenants, services and backends that were added through
+    /// the API since the last reload and are not in the file (refused
+    /// otherwise, so a reload does not silently undo runtime changes).
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// What a reload changed, or with `dry_run` would change. Each entry names
+/// one object: `tenant NAME`, `service TENANT/NAME` or `backend
+/// TENANT/NAME/IP:PORT` (a backend added to or removed from a service that
+/// stays; a changed service lists its new and removed backends this way).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReloadReport {
+    /// False for a dry run.
+    pub applied: bool,
+    /// Objects in the file that were not running.
+    pub added: Vec<String>,
+    /// Running objects whose settings the file changes.
+    pub changed: Vec<String>,
+    /// Running objects the file does not have.
+    pub removed: Vec<String>,
+}
+
 /// What the daemon can be asked to do. Every method is quick and
 /// non-blocking (safe to call from an async handler) and never panics on
 /// any input.
@@ -322,7 +352,11 @@ pub trait Control: Send + Sync + 'static {
     fn health(&self) -> Vec<HealthEntry>;
     /// The running state in config-file form (`weir save`).
     fn running_config(&self) -> Config;
-    /// Re-read the file the daemon was started with; on any error keep the
-    /// running config and return every error.
-    fn reload(&self) -> Result<(), Vec<String>>;
+    /// Re-read the file the daemon was started with: validate all of it
+    /// (including what cannot change live), then apply all of it; on any
+    /// error apply nothing and return every error. An empty file is refused,
+    /// and so is removing objects added through the API since the last
+    /// reload unless `opts.force`. Blocking (reads and parses the file):
+    /// call it off the async executor.
+    fn reload(&self, opts: ReloadOptions) -> Result<ReloadReport, Vec<String>>;
 }

@@ -166,8 +166,9 @@ fn run(path: Option<PathBuf>) -> ExitCode {
                 _ = int.recv() => return Exit::Int,
                 _ = hup.recv() => {
                     let c = control.clone();
-                    match tokio::task::spawn_blocking(move || c.reload()).await {
-                        Ok(Ok(())) => tracing::info!("SIGHUP: reloaded"),
+                    let opts = weir::control::ReloadOptions::default();
+                    match tokio::task::spawn_blocking(move || c.reload(opts)).await {
+                        Ok(Ok(_)) => tracing::info!("SIGHUP: reloaded"),
                         Ok(Err(errs)) => {
                             for e in errs {
                                 tracing::error!("SIGHUP: reload: {e}");

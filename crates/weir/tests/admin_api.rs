@@ -1076,8 +1076,11 @@ fn control_panics_become_500_not_a_dead_connection() {
         fn running_config(&self) -> weir::config::Config {
             self.0.running_config()
         }
-        fn reload(&self) -> Result<(), Vec<String>> {
-            self.0.reload()
+        fn reload(
+            &self,
+            opts: weir::control::ReloadOptions,
+        ) -> Result<weir::control::ReloadReport, Vec<String>> {
+            self.0.reload(opts)
         }
     }
     let app = admin::router(

@@ -300,28 +300,28 @@ fn reload_with_a_busy_address_applies_nothing() {
         svc("busy", busy.local_addr().unwrap())
     );
     std::fs::write(&path, text).unwrap();
-    let errs = c.reload().unwrap_err();
+    let errs = c.reload(Default::default()).unwrap_err();
     assert_eq!(errs.len(), 1, "{errs:?}");
     assert!(errs[0].contains("busy"), "{errs:?}");
     assert!(c.services().is_empty(), "a partial reload was applied");
     // A bad file: every error, nothing applied.
     std::fs::write(&path, "[daemon]\nworkers = \"x\"\nbogus = 1\n").unwrap();
-    assert_eq!(c.reload().unwrap_err().len(), 2);
+    assert_eq!(c.reload(Default::default()).unwrap_err().len(), 2);
     // Fixed: applied.
     drop(busy);
     std::fs::write(&path, format!("[daemon]\nworkers = 1\n{}", svc("ok", free))).unwrap();
-    c.reload().unwrap();
+    c.reload(Default::default()).unwrap();
     assert!(echo_once(free, b"ok"));
     // Tenants: a reload edits them live (here the default tenant's
     // timeouts, which `running_config` then writes out); a new table size
-    // is reported, the rest still applied.
+    // is refused and nothing is applied.
     let base = format!("[daemon]\nworkers = 1\n{}", svc("ok", free));
     std::fs::write(
         &path,
         format!("{base}[[tenant]]\nname = \"default\"\n[tenant.timeouts]\nfin_wait = \"9s\"\n"),
     )
     .unwrap();
-    c.reload().unwrap();
+    c.reload(Default::default()).unwrap();
     let dflt = || {
         c.running_config()
             .tenants
@@ -339,7 +339,7 @@ fn reload_with_a_busy_address_applies_nothing() {
         ),
     )
     .unwrap();
-    let errs = c.reload().unwrap_err();
+    let errs = c.reload(Default::default()).unwrap_err();
     assert_eq!(errs.len(), 1, "{errs:?}");
     assert!(
         errs[0].starts_with("tenant default: table_entries cannot change"),

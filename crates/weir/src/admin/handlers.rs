@@ -18,8 +18,8 @@ use super::auth::Access;
 use super::error::ApiError;
 use crate::config::{BackendSpec, Config, ServiceSpec, TenantSpec};
 use crate::control::{
-    BackendPatch, ConnFilter, ConnPage, HealthEntry, Rates, ServiceStatus, TableReport,
-    TenantStatus, Totals,
+    BackendPatch, ConnFilter, ConnPage, HealthEntry, Rates, ReloadOptions, ServiceStatus,
+    TableReport, TenantStatus, Totals,
 };
 
 type ApiResult<T> = Result<T, ApiError>;
@@ -405,7 +405,8 @@ pub(crate) async fn list_connections(
                 ApiError::bad_request(format!("limit={s:?}: must be an integer 1..={MAX_PAGE}"))
             })?,
     };
-    let filter = scoped_filter(
+    let filter = resolve_filter(
+        &st,
         &access,
         ConnFilter {
             tenant: q.tenant.filter(|s| !s.is_empty()),
@@ -426,6 +427,51 @@ fn scoped_filter(access: &Access, mut f: ConnFilter) -> ApiResult<ConnFilter> {
             Some(t) => check_tenant(access, t)?,
             None => f.tenant = Some(own.to_owned()),
         }
+    }
+    Ok(f)
+}
+
+/// The filter a listing or kill acts on: `service` may be `TENANT/NAME`; a
+/// bare name without `tenant` must name a service of one tenant only (of
+/// those this token sees), else the request is refused listing them, so a
+/// kill never reaches into tenants the caller did not mean.
+fn resolve_filter(st: &AppState, access: &Access, mut f: ConnFilter) -> ApiResult<ConnFilter> {
+    if let Some(svc) = f.service.clone()
+        && let Some((t, n)) = svc.split_once('/')
+    {
+        if t.is_empty() || n.is_empty() || n.contains('/') {
+            return Err(ApiError::bad_request(format!(
+                "service {svc:?} is not NAME or TENANT/NAME, e.g. web or acme/web"
+            )));
+        }
+        if let Some(ft) = &f.tenant
+            && ft != t
+        {
+            return Err(ApiError::bad_request(format!(
+                "service {svc:?} names tenant {t:?} but the filter's tenant is {ft:?}"
+            )));
+        }
+        f.tenant = Some(t.to_owned());
+        f.service = Some(n.to_owned());
+    }
+    let mut f = scoped_filter(access, f)?;
+    if let (Some(svc), None) = (&f.service, &f.tenant) {
+        let mut tenants: Vec<String> = guard(|| st.control.services())?
+            .into_iter()
+            .filter(|s| s.name == *svc && access.may_touch(&s.tenant))
+            .map(|s| s.tenant)
+            .collect();
+        tenants.sort();
+        tenants.dedup();
+        if tenants.len() > 1 {
+            return Err(ApiError::bad_request(format!(
+                "service name {svc:?} is in {} tenants ({}): give TENANT/NAME, e.g. {}/{svc}",
+                tenants.len(),
+                tenants.join(", "),
+                tenants[0]
+            )));
+        }
+        f.tenant = tenants.pop();
     }
     Ok(f)
 }
@@ -459,7 +505,7 @@ pub(crate) async fn kill_matching(
             "refusing to kill every connection: give a filter, or \"all\": true",
         ));
     }
-    let filter = scoped_filter(&access, filter)?;
+    let filter = resolve_filter(&st, &access, filter)?;
     let n = guard(|| st.control.kill_matching(&filter))??;
     Ok(ok_json(serde_json::json!({ "killed": n })))
 }
@@ -688,16 +734,52 @@ pub(crate) fn redact(cfg: &mut Config) {
     }
 }
 
+/// `POST /v1/reload?dry_run=BOOL&force=BOOL`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ReloadQuery {
+    dry_run: Option<String>,
+    force: Option<String>,
+}
+
+fn query_bool(key: &str, v: Option<&str>) -> ApiResult<bool> {
+    match v {
+        None | Some("" | "false" | "0") => Ok(false),
+        Some("true" | "1") => Ok(true),
+        Some(other) => Err(ApiError::bad_request(format!(
+            "{key}={other:?}: expected true or false"
+        ))),
+    }
+}
+
 pub(crate) async fn reload(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
+    q: Result<Query<ReloadQuery>, QueryRejection>,
 ) -> ApiResult<Response> {
     require_global(&access, "reload")?;
-    match guard(|| st.control.reload())? {
-        Ok(()) => Ok(ok_json(serde_json::json!({ "reloaded": true }))),
+    let Query(q) = q.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let opts = ReloadOptions {
+        dry_run: query_bool("dry_run", q.dry_run.as_deref())?,
+        force: query_bool("force", q.force.as_deref())?,
+    };
+    // Reading and checking the file takes a while for a big one: off the
+    // executor, so other admin requests are answered meanwhile.
+    let control = st.control.clone();
+    let result = tokio::task::spawn_blocking(move || guard(|| control.reload(opts)))
+        .await
+        .map_err(|e| internal(format!("the reload task failed: {e}")))??;
+    match result {
+        Ok(report) => {
+            let mut body = serde_json::to_value(&report)
+                .map_err(|e| internal(format!("cannot encode the reload report: {e}")))?;
+            body["reloaded"] = serde_json::Value::Bool(report.applied);
+            body["dry_run"] = serde_json::Value::Bool(opts.dry_run);
+            Ok(ok_json(body))
+        }
         Err(errors) => {
             let mut e = ApiError::bad_request(format!(
-                "reload failed with {} error(s); the running config is unchanged: fix the file and reload again",
+                "reload refused with {} error(s); nothing was applied, the running config is unchanged: fix the file and reload again",
                 errors.len()
             ));
             e.errors = errors;

@@ -169,8 +169,11 @@ pub fn document() -> Value {
                     errors(json!({ "200": ok("config", json!({ "type": "object" })) }), READ))
         },
         "/v1/reload": {
-          "post": op("Re-read the config file; on any error keep the running config and return every error in `errors`", vec![], None,
-                     errors(json!({ "200": done() }), &["400", "401", "403"]))
+          "post": op("Re-read the config file: validate all of it, then apply all of it; on any error apply nothing and return every error in `errors`. An empty file is refused, and so is removing objects added through the API since the last reload unless force=true. The answer lists what was (dry_run: would be) added, changed and removed.",
+                     vec![param("dry_run", "query", "true: validate and report, apply nothing"),
+                          param("force", "query", "true: also remove objects added through the API that the file lacks")],
+                     None,
+                     errors(json!({ "200": ok("what the reload changed", reff("ReloadReport")) }), &["400", "401", "403"]))
         },
         "/v1/openapi.json": {
           "get": op("This document", vec![], None,
@@ -241,6 +244,10 @@ fn schemas() -> Value {
         "tenant": s, "placement": { "type": "string", "enum": ["own", "shared"] }, "entries": int, "buckets": int,
         "load_factor": { "type": "number" }, "max_chain": int,
         "chain_histogram": { "type": "array", "items": int }, "refused_inserts": int } },
+      "ReloadReport": { "type": "object", "required": ["reloaded", "dry_run", "applied", "added", "changed", "removed"], "properties": {
+        "reloaded": { "type": "boolean" }, "dry_run": { "type": "boolean" }, "applied": { "type": "boolean" },
+        "added": { "type": "array", "items": s }, "changed": { "type": "array", "items": s },
+        "removed": { "type": "array", "items": s } } },
       "HealthEntry": { "type": "object", "properties": {
         "tenant": s, "service": s, "backend": s, "state": s, "last_error": { "type": ["string", "null"] } } },
       "Figures": { "type": "object", "properties": {

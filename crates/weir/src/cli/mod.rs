@@ -24,7 +24,7 @@ use serde_json::{Value, json};
 
 use crate::config::{Config, Protocol, ServiceSpec};
 use crate::control::{
-    ConnPage, GlobalStats, HealthEntry, ServiceStatus, TableReport, TenantStatus,
+    ConnPage, GlobalStats, HealthEntry, ReloadReport, ServiceStatus, TableReport, TenantStatus,
 };
 
 use self::client::{AdminArgs, CliError, CliResult, Client, seg};
@@ -71,8 +71,9 @@ pub enum Command {
     Kill(KillArgs),
     /// Print the running state as a config file (like ipvsadm -S).
     Save(SaveArgs),
-    /// Make the daemon re-read its config file (keeps the running config on any error).
-    Reload(PlainArgs),
+    /// Make the daemon re-read its config file and print what changed
+    /// (applies nothing on any error).
+    Reload(ReloadArgs),
     /// Daemon-wide counters and rates, or `weir stats table` for flow tables.
     Stats(StatsArgs),
     /// Health-check state of every backend.
@@ -84,6 +85,25 @@ pub enum Command {
 /// Arguments of commands that only need the admin API.
 #[derive(Debug, Clone, Args)]
 pub struct PlainArgs {
+    /// Where the admin API is.
+    #[command(flatten)]
+    pub admin: AdminArgs,
+}
+
+/// `weir reload`.
+#[derive(Debug, Clone, Args)]
+pub struct ReloadArgs {
+    /// Check the file and print what a reload would add, change and
+    /// remove; apply nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Also remove tenants, services and backends added through the API
+    /// (since the last reload) that the file does not have.
+    #[arg(long)]
+    pub force: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
     /// Where the admin API is.
     #[command(flatten)]
     pub admin: AdminArgs,
@@ -466,11 +486,7 @@ fn execute(cmd: Command, out: &mut dyn Write) -> CliResult<()> {
         Command::Backend { cmd, admin } => backend(cmd, &Client::from_args(&admin)?, out),
         Command::Kill(a) => kill(a, out),
         Command::Save(a) => save(a, out),
-        Command::Reload(a) => {
-            let c = Client::from_args(&a.admin)?;
-            c.send("POST", "/v1/reload", None)?;
-            w(out, "reloaded\n")
-        }
+        Command::Reload(a) => reload(a, out),
         Command::Stats(a) => stats(a, out),
         Command::Health(a) => {
             let c = Client::from_args(&a.admin)?;
@@ -830,6 +846,27 @@ fn kill(a: KillArgs, out: &mut dyn Write) -> CliResult<()> {
     let v = c.send("POST", "/v1/connections/kill", Some(&body))?;
     let n = v.get("killed").and_then(Value::as_u64).unwrap_or(0);
     w(out, &format!("killed {n} connections\n"))
+}
+
+fn reload(a: ReloadArgs, out: &mut dyn Write) -> CliResult<()> {
+    let c = Client::from_args(&a.admin)?;
+    let mut q = Vec::new();
+    if a.dry_run {
+        q.push(("dry_run", "true"));
+    }
+    if a.force {
+        q.push(("force", "true"));
+    }
+    let v = c.send("POST", &format!("/v1/reload{}", query_string(&q)), None)?;
+    if a.json {
+        return wjson(out, &v);
+    }
+    let report: ReloadReport = serde_json::from_value(v).map_err(|e| {
+        CliError::Local(format!(
+            "unexpected answer to POST /v1/reload (is the daemon the same weir version?): {e}"
+        ))
+    })?;
+    w(out, &render::render_reload(&report, a.dry_run))
 }
 
 /// The running config as `weir save` prints it.

@@ -10,7 +10,8 @@ use std::fmt::Write as _;
 use serde_json::{Value, json};
 
 use crate::control::{
-    ConnInfo, GlobalStats, HealthEntry, Rates, ServiceStatus, TableReport, TenantStatus, Totals,
+    ConnInfo, GlobalStats, HealthEntry, Rates, ReloadReport, ServiceStatus, TableReport,
+    TenantStatus, Totals,
 };
 
 /// What `weir list` shows per service and backend.
@@ -412,6 +413,27 @@ pub fn render_top(
         );
     }
     o
+}
+
+/// `weir reload`: one summary line, then `+`, `~`, `-` lines per object.
+pub fn render_reload(r: &ReloadReport, dry_run: bool) -> String {
+    let mut out = if dry_run {
+        String::from("dry run, nothing applied: a reload would make")
+    } else {
+        String::from("reloaded:")
+    };
+    out.push_str(&format!(
+        " {} added, {} changed, {} removed\n",
+        r.added.len(),
+        r.changed.len(),
+        r.removed.len()
+    ));
+    for (sign, list) in [("+", &r.added), ("~", &r.changed), ("-", &r.removed)] {
+        for item in list {
+            out.push_str(&format!("  {sign} {item}\n"));
+        }
+    }
+    out
 }
 
 #[cfg(test)]

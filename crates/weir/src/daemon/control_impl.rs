@@ -112,6 +112,177 @@ impl LiveControl {
         Ok(())
     }
 
+    /// Check everything a reload to `new` needs (values, what cannot change
+    /// live, free addresses) and list what it would add, change and remove;
+    /// changes nothing.
+    fn plan(&self, new: &Config) -> Result<ReloadReport, Vec<String>> {
+        let mut errors = Vec::new();
+        let mut report = ReloadReport::default();
+        let (tenants, services) = {
+            let st = self.0.state.read();
+            (st.tenants.clone(), st.services.clone())
+        };
+        for t in &new.tenants {
+            if let Err(e) = super::resolve_timeouts(t) {
+                errors.push(format!("tenant {}: {}", t.name, e.message));
+            }
+            match tenants.get(&t.name) {
+                None => {
+                    if let Err(e) = config::check_name(&t.name) {
+                        errors.push(format!("tenant {}: name: {e}", t.name));
+                    }
+                    report.added.push(tenant_id(&t.name));
+                }
+                Some(cur) => {
+                    let cur = cur.spec.read().clone();
+                    if cur.table_entries != t.table_entries {
+                        errors.push(format!(
+                            "tenant {}: table_entries cannot change on a live tenant: its flow \
+                             table was sized at creation ({}); delete the tenant and create it \
+                             again with table_entries = {}",
+                            t.name, cur.table_entries, t.table_entries
+                        ));
+                    }
+                    if cur != *t {
+                        report.changed.push(tenant_id(&t.name));
+                    }
+                }
+            }
+        }
+        for name in tenants.keys() {
+            if name != config::DEFAULT_TENANT && !new.tenants.iter().any(|t| t.name == *name) {
+                report.removed.push(tenant_id(name));
+            }
+        }
+        for s in &new.services {
+            let id = format!("{}/{}", s.tenant, s.name);
+            if let Err(e) = check_service(s).and_then(|()| service_params(s).map(|_| ())) {
+                errors.push(format!("service {id}: {}", e.message));
+            }
+            if !tenants.contains_key(&s.tenant) && !new.tenants.iter().any(|t| t.name == s.tenant) {
+                errors.push(format!(
+                    "service {id}: tenant {:?} does not exist; add a [[tenant]] for it",
+                    s.tenant
+                ));
+            }
+            let cur = services.get(&(s.tenant.clone(), s.name.clone()));
+            let moves = cur.is_none_or(|c| {
+                let c = c.spec.read();
+                c.protocol != s.protocol || (c.listen != s.listen && s.listen.port() != 0)
+            });
+            let taken_by_us = services
+                .values()
+                .any(|o| o.listen == s.listen && o.spec.read().protocol == s.protocol);
+            if moves
+                && s.listen.port() != 0
+                && !taken_by_us
+                && let Err(e) = super::open_sockets(s.protocol, s.listen, 1, 0)
+            {
+                errors.push(format!(
+                    "service {id}: cannot listen on {} {}: {e}",
+                    config::protocol_name(s.protocol),
+                    s.listen
+                ));
+            }
+            match cur {
+                None => report.added.push(format!("service {id}")),
+                Some(c) => {
+                    let c = c.spec.read().clone();
+                    if c != same_port(&c, s) {
+                        report.changed.push(format!("service {id}"));
+                        for b in &s.backends {
+                            if !c.backends.iter().any(|x| x.address == b.address) {
+                                report.added.push(format!("backend {id}/{}", b.address));
+                            }
+                        }
+                        for b in &c.backends {
+                            if !s.backends.iter().any(|x| x.address == b.address) {
+                                report.removed.push(format!("backend {id}/{}", b.address));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for (t, n) in services.keys() {
+            if !new.services.iter().any(|s| s.tenant == *t && s.name == *n) {
+                report.removed.push(format!("service {t}/{n}"));
+            }
+        }
+        if errors.is_empty() {
+            Ok(report)
+        } else {
+            Err(errors)
+        }
+    }
+
+    /// Apply a config that [`Self::plan`] accepted; returns what still
+    /// failed (e.g. an address taken between the check and now).
+    fn apply(&self, new: &Config) -> Vec<String> {
+        let mut errors = Vec::new();
+        // Tenants: add new, edit existing, delete missing (after services).
+        let live: Vec<String> = self.0.state.read().tenants.keys().cloned().collect();
+        for t in &new.tenants {
+            let existing = self.0.state.read().tenants.get(&t.name).cloned();
+            let r = match existing {
+                Some(cur) if *cur.spec.read() == *t => Ok(()),
+                Some(_) => self.edit_tenant(&t.name, t.clone()),
+                None => self.0.add_tenant(t.clone()),
+            };
+            if let Err(e) = r {
+                errors.push(format!("tenant {}: {}", t.name, e.message));
+            }
+        }
+        let live_svcs: Vec<(String, String)> =
+            self.0.state.read().services.keys().cloned().collect();
+        for key in &live_svcs {
+            if !new
+                .services
+                .iter()
+                .any(|s| s.tenant == key.0 && s.name == key.1)
+            {
+                self.remove_service(key);
+            }
+        }
+        for s in &new.services {
+            let r = match self.service(&s.tenant, &s.name) {
+                Ok(c) => {
+                    let c = c.spec.read().clone();
+                    if c == same_port(&c, s) {
+                        Ok(())
+                    } else {
+                        self.edit_service(&s.tenant, &s.name, s.clone())
+                    }
+                }
+                Err(_) => self.0.add_service(s.clone()),
+            };
+            if let Err(e) = r {
+                errors.push(format!("service {}/{}: {}", s.tenant, s.name, e.message));
+            }
+        }
+        for name in live {
+            if name != config::DEFAULT_TENANT && !new.tenants.iter().any(|t| t.name == name) {
+                let _ = self.delete_tenant(&name);
+            }
+        }
+        errors
+    }
+
+    /// Remember that `id` was added through the API (see [`ReloadOptions::force`]).
+    fn added_at_runtime(&self, id: String) {
+        self.0.runtime_added.lock().insert(id);
+    }
+
+    /// Forget `id` and every object whose name starts with `scope`
+    /// ("TENANT/" or "TENANT/SERVICE/"): deleted through the API, so no
+    /// reload removes them.
+    fn forget_runtime(&self, id: &str, scope: &str) {
+        self.0
+            .runtime_added
+            .lock()
+            .retain(|x| x != id && !x.split_once(' ').is_some_and(|(_, n)| n.starts_with(scope)));
+    }
+
     fn remove_service(&self, key: &(String, String)) -> Option<Arc<Service>> {
         let svc = self.0.state.write().services.remove(key)?;
         svc.cancel.cancel();
@@ -119,6 +290,20 @@ impl LiveControl {
         self.0.kill_where("service_deleted", |e| e.service.id == id);
         Some(svc)
     }
+}
+
+fn tenant_id(name: &str) -> String {
+    format!("tenant {name}")
+}
+
+/// `new` with the running port when it asks for port 0 on the same address
+/// (port 0 means "any free port", which the service already has).
+fn same_port(cur: &ServiceSpec, new: &ServiceSpec) -> ServiceSpec {
+    let mut s = new.clone();
+    if s.protocol == cur.protocol && s.listen.port() == 0 && s.listen.ip() == cur.listen.ip() {
+        s.listen = cur.listen;
+    }
+    s
 }
 
 fn health_name(b: &Backend) -> &'static str {
@@ -152,7 +337,10 @@ impl Control for LiveControl {
     }
 
     fn add_tenant(&self, spec: TenantSpec) -> ControlResult<()> {
-        self.0.add_tenant(spec)
+        let id = tenant_id(&spec.name);
+        self.0.add_tenant(spec)?;
+        self.added_at_runtime(id);
+        Ok(())
     }
 
     fn edit_tenant(&self, tenant: &str, spec: TenantSpec) -> ControlResult<()> {
@@ -183,6 +371,17 @@ impl Control for LiveControl {
     }
 
     fn delete_tenant(&self, tenant: &str) -> ControlResult<u64> {
+        if tenant == config::DEFAULT_TENANT {
+            // Every config without [[tenant]] sections, and every service
+            // without `tenant =`, needs it: a reload would fail afterwards.
+            return Err(ControlError::new(
+                ErrorKind::Conflict,
+                format!(
+                    "the {:?} tenant cannot be deleted: services without a tenant belong to it and                      every reload needs it; delete its services instead",
+                    config::DEFAULT_TENANT
+                ),
+            ));
+        }
         let keys: Vec<_> = {
             let st = self.0.state.read();
             if !st.tenants.contains_key(tenant) {
@@ -212,6 +411,7 @@ impl Control for LiveControl {
                 e.kill("tenant_deleted");
             }
         }
+        self.forget_runtime(&tenant_id(tenant), &format!("{tenant}/"));
         Ok(closed)
     }
 
@@ -221,7 +421,10 @@ impl Control for LiveControl {
     }
 
     fn add_service(&self, spec: ServiceSpec) -> ControlResult<()> {
-        self.0.add_service(spec)
+        let id = format!("service {}/{}", spec.tenant, spec.name);
+        self.0.add_service(spec)?;
+        self.added_at_runtime(id);
+        Ok(())
     }
 
     fn edit_service(&self, tenant: &str, name: &str, spec: ServiceSpec) -> ControlResult<()> {
@@ -234,15 +437,24 @@ impl Control for LiveControl {
         }
         check_service(&spec)?;
         let cur = svc.spec.read().clone();
+        let new_backends: Vec<String> = spec
+            .backends
+            .iter()
+            .filter(|b| !cur.backends.iter().any(|c| c.address == b.address))
+            .map(|b| format!("backend {tenant}/{name}/{}", b.address))
+            .collect();
         // Port 0 in an edit means "keep the port the service got".
         let rebind = cur.protocol != spec.protocol
             || (cur.listen != spec.listen
                 && !(spec.listen.port() == 0 && cur.listen.ip() == spec.listen.ip()));
         if rebind {
             // A new address or protocol: replace the service (its
-            // connections close).
-            self.remove_service(&(tenant.to_owned(), name.to_owned()));
-            return self.0.add_service(spec);
+            // connections close), but only once the new address is ours.
+            self.0.put_service(spec, true)?;
+            new_backends
+                .into_iter()
+                .for_each(|id| self.added_at_runtime(id));
+            return Ok(());
         }
         let params = service_params(&spec)?;
         if cur.scheduler != spec.scheduler || cur.options.mh_fallback != spec.options.mh_fallback {
@@ -267,13 +479,20 @@ impl Control for LiveControl {
         self.set_backends(&svc, &backends)?;
         self.0.start_health(&svc);
         self.0.tune_tenant_timeouts(&svc.tenant);
+        new_backends
+            .into_iter()
+            .for_each(|id| self.added_at_runtime(id));
         Ok(())
     }
 
     fn delete_service(&self, tenant: &str, name: &str) -> ControlResult<()> {
         self.remove_service(&(tenant.to_owned(), name.to_owned()))
-            .map(|_| ())
-            .ok_or_else(|| not_found(format!("service {tenant}/{name} does not exist")))
+            .ok_or_else(|| not_found(format!("service {tenant}/{name} does not exist")))?;
+        self.forget_runtime(
+            &format!("service {tenant}/{name}"),
+            &format!("{tenant}/{name}/"),
+        );
+        Ok(())
     }
 
     fn add_backend(&self, tenant: &str, service: &str, spec: BackendSpec) -> ControlResult<()> {
@@ -285,12 +504,14 @@ impl Control for LiveControl {
                 format!("backend {} exists", spec.address),
             ));
         }
+        let id = format!("backend {tenant}/{service}/{}", spec.address);
         specs.push(spec);
         let mut full = svc.spec.read().clone();
         full.backends = specs.clone();
         check_service(&full)?;
         self.set_backends(&svc, &specs)?;
         self.0.start_health(&svc);
+        self.added_at_runtime(id);
         Ok(())
     }
 
@@ -336,6 +557,8 @@ impl Control for LiveControl {
         }
         self.set_backends(&svc, &specs)?;
         self.0.start_health(&svc);
+        let id = format!("backend {tenant}/{service}/{address}");
+        self.0.runtime_added.lock().remove(&id);
         Ok(())
     }
 
@@ -536,103 +759,69 @@ impl Control for LiveControl {
         }
     }
 
-    fn reload(&self) -> Result<(), Vec<String>> {
+    fn reload(&self, opts: ReloadOptions) -> Result<ReloadReport, Vec<String>> {
         let Some(path) = self.0.config_path.clone() else {
             return Err(vec![
                 "the daemon was started without a config file; nothing to reload".into(),
             ]);
         };
-        let new = config::load(&path)
-            .map_err(|errs| errs.iter().map(ToString::to_string).collect::<Vec<_>>())?;
-        // Pre-flight: every address a new (or moved) service needs must be
-        // free, else nothing is applied.
-        let mut errors = Vec::new();
-        for s in &new.services {
-            let cur = self.service(&s.tenant, &s.name).ok();
-            let moves = cur.as_ref().is_none_or(|c| {
-                let c = c.spec.read();
-                c.protocol != s.protocol || (c.listen != s.listen && s.listen.port() != 0)
-            });
-            let taken_by_us = self
-                .0
-                .state
-                .read()
-                .services
-                .values()
-                .any(|o| o.listen == s.listen && o.spec.read().protocol == s.protocol);
-            if moves
-                && s.listen.port() != 0
-                && !taken_by_us
-                && let Err(e) = super::open_sockets(s.protocol, s.listen, 1, 0)
-            {
-                errors.push(format!(
-                    "service {}/{}: cannot listen on {} {}: {e}",
-                    s.tenant,
-                    s.name,
-                    config::protocol_name(s.protocol),
-                    s.listen
-                ));
-            }
+        // Reloads one at a time; parsing happens before any state lock.
+        let _one = self.0.reload_lock.lock();
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| vec![format!("cannot read {}: {e}", path.display())])?;
+        if text.trim().is_empty() {
+            return Err(vec![format!(
+                "{} is empty: a reload would remove every tenant and service (a truncated \
+                 write?); write the configuration and reload again",
+                path.display()
+            )]);
         }
-        if !errors.is_empty() {
+        let new = config::parse(&text, &path.display().to_string())
+            .map_err(|errs| errs.iter().map(ToString::to_string).collect::<Vec<_>>())?;
+        let mut report = self.plan(&new)?;
+        let runtime: Vec<String> = {
+            let added = self.0.runtime_added.lock();
+            report
+                .removed
+                .iter()
+                .filter(|r| added.contains(*r))
+                .cloned()
+                .collect()
+        };
+        if !runtime.is_empty() && !opts.force {
+            let mut errors = vec![format!(
+                "the file does not have {} object(s) added through the API since the last \
+                 reload; add them to the file, or reload with --force (API: force=true) to \
+                 remove them",
+                runtime.len()
+            )];
+            errors.extend(runtime.into_iter().map(|r| format!("would remove {r}")));
             return Err(errors);
         }
-        // Tenants: add new, edit existing (limits, token, timeouts; a new
-        // table size is reported), delete missing (after services).
-        let live: Vec<String> = self.0.state.read().tenants.keys().cloned().collect();
-        for t in &new.tenants {
-            let existing = self.0.state.read().tenants.get(&t.name).cloned();
-            let r = match existing {
-                Some(cur) if *cur.spec.read() == *t => Ok(()),
-                Some(_) => self.edit_tenant(&t.name, t.clone()),
-                None => self.0.add_tenant(t.clone()),
-            };
-            if let Err(e) = r {
-                errors.push(format!("tenant {}: {}", t.name, e.message));
-            }
+        if opts.dry_run {
+            return Ok(report);
         }
-        // Services.
-        let live_svcs: Vec<(String, String)> =
-            self.0.state.read().services.keys().cloned().collect();
-        for key in &live_svcs {
-            if !new
-                .services
-                .iter()
-                .any(|s| s.tenant == key.0 && s.name == key.1)
-            {
-                self.remove_service(key);
-            }
-        }
-        for s in &new.services {
-            let exists = self
-                .0
-                .state
-                .read()
-                .services
-                .contains_key(&(s.tenant.clone(), s.name.clone()));
-            let r = if exists {
-                let cur = self
-                    .service(&s.tenant, &s.name)
-                    .map(|c| c.spec.read().clone());
-                match cur {
-                    Ok(c) if c == *s => Ok(()),
-                    _ => self.edit_service(&s.tenant.clone(), &s.name.clone(), s.clone()),
-                }
-            } else {
-                self.0.add_service(s.clone())
-            };
-            if let Err(e) = r {
-                errors.push(format!("service {}/{}: {}", s.tenant, s.name, e.message));
-            }
-        }
-        for name in live {
-            if name != config::DEFAULT_TENANT && !new.tenants.iter().any(|t| t.name == name) {
-                let _ = self.delete_tenant(&name);
-            }
-        }
+        let errors = self.apply(&new);
+        self.0.runtime_added.lock().clear();
         if errors.is_empty() {
-            tracing::info!(path = %path.display(), "configuration reloaded");
-            Ok(())
+            tracing::info!(
+                path = %path.display(),
+                added = report.added.len(),
+                changed = report.changed.len(),
+                removed = report.removed.len(),
+                "configuration reloaded"
+            );
+            for (what, list) in [
+                ("added", &report.added),
+                ("changed", &report.changed),
+                ("removed", &report.removed),
+            ] {
+                for item in list {
+                    tracing::info!("reload: {what} {item}");
+                }
+            }
+            report.applied = true;
+            Ok(report)
         } else {
             Err(errors)
         }

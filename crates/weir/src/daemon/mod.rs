@@ -175,6 +175,8 @@ impl Daemon {
             epoch: Instant::now(),
             drain_timeout: config::parse_duration(&config.daemon.drain_timeout)
                 .unwrap_or(Duration::from_secs(30)),
+            runtime_added: Mutex::default(),
+            reload_lock: Mutex::new(()),
         });
         // The implicit default tenant always exists.
         let mut tenants = config.tenants.clone();
@@ -427,6 +429,12 @@ pub(crate) struct Shared {
     pub(crate) fd_limit: u64,
     epoch: Instant,
     drain_timeout: Duration,
+    /// Objects added through the API since the start or the last reload
+    /// ("tenant T", "service T/S", "backend T/S/ADDR"): a reload that would
+    /// remove them needs `force`.
+    pub(crate) runtime_added: Mutex<std::collections::BTreeSet<String>>,
+    /// Serialises reloads.
+    pub(crate) reload_lock: Mutex<()>,
 }
 
 #[derive(Debug, Default)]
@@ -996,6 +1004,19 @@ impl Shared {
         self: &Arc<Self>,
         spec: ServiceSpec,
     ) -> crate::control::ControlResult<()> {
+        self.put_service(spec, false)
+    }
+
+    /// Add `spec`, or with `replace` swap it in for the live service of the
+    /// same tenant and name (a new address or protocol). Every check runs
+    /// and the new sockets are open before anything changes, so on any
+    /// error the running service is untouched; on success the replaced
+    /// service stops listening and its connections close.
+    pub(crate) fn put_service(
+        self: &Arc<Self>,
+        spec: ServiceSpec,
+        replace: bool,
+    ) -> crate::control::ControlResult<()> {
         use crate::control::{ControlError, ErrorKind};
         check_service(&spec)?;
         let params = Arc::new(service_params(&spec)?);
@@ -1007,17 +1028,28 @@ impl Shared {
             ));
         };
         let key = (spec.tenant.clone(), spec.name.clone());
-        if st.services.contains_key(&key) {
-            return Err(ControlError::new(
-                ErrorKind::Conflict,
-                format!("service {}/{} exists", spec.tenant, spec.name),
-            ));
+        let old_id = st.services.get(&key).map(|s| s.id);
+        match (old_id, replace) {
+            (Some(_), false) => {
+                return Err(ControlError::new(
+                    ErrorKind::Conflict,
+                    format!("service {}/{} exists", spec.tenant, spec.name),
+                ));
+            }
+            (None, true) => {
+                return Err(ControlError::new(
+                    ErrorKind::NotFound,
+                    format!("service {}/{} does not exist", spec.tenant, spec.name),
+                ));
+            }
+            _ => {}
         }
         if spec.listen.port() != 0
-            && st
-                .services
-                .values()
-                .any(|s| s.listen == spec.listen && s.spec.read().protocol == spec.protocol)
+            && st.services.values().any(|s| {
+                Some(s.id) != old_id
+                    && s.listen == spec.listen
+                    && s.spec.read().protocol == spec.protocol
+            })
         {
             return Err(ControlError::new(
                 ErrorKind::Conflict,
@@ -1073,8 +1105,13 @@ impl Shared {
         self.start_health(&svc);
         tracing::info!(tenant = %spec.tenant, service = %spec.name, %listen, "service up");
         let tenant = svc.tenant.clone();
-        st.services.insert(key, svc);
+        let replaced = st.services.insert(key, svc);
         drop(st);
+        if let Some(old) = replaced {
+            old.cancel.cancel();
+            let id = old.id;
+            self.kill_where("service_deleted", |e| e.service.id == id);
+        }
         self.tune_tenant_timeouts(&tenant);
         Ok(())
     }

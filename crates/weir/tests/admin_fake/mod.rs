@@ -15,6 +15,8 @@ pub struct FakeState {
     pub conns: BTreeMap<u64, ConnInfo>,
     pub stats: BTreeMap<(String, String), (Totals, Rates)>,
     pub fail_reload: Option<Vec<String>>,
+    /// What a successful reload reports (`applied` follows `dry_run`).
+    pub reload_report: ReloadReport,
     pub reloads: u64,
 }
 
@@ -519,12 +521,15 @@ impl Control for Fake {
         self.st.lock().unwrap().config.clone()
     }
 
-    fn reload(&self) -> Result<(), Vec<String>> {
+    fn reload(&self, opts: ReloadOptions) -> Result<ReloadReport, Vec<String>> {
         let mut st = self.st.lock().unwrap();
         st.reloads += 1;
         match &st.fail_reload {
             Some(e) => Err(e.clone()),
-            None => Ok(()),
+            None => Ok(ReloadReport {
+                applied: !opts.dry_run,
+                ..st.reload_report.clone()
+            }),
         }
     }
 }

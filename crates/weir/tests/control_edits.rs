@@ -1,0 +1,505 @@
+//! Changes through the admin API against the real daemon that must apply
+//! whole or not at all (issue 10): a failed service edit keeps the service,
+//! the default tenant cannot be deleted, reloads validate before applying
+//! and report what they change, tenant tokens are fenced by address.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use weir::cli::client::{CliError, Client};
+use weir::config::{AdminConfig, Config, Protocol};
+use weir::daemon::{Daemon, DaemonHandle};
+
+mod daemon_util;
+use daemon_util::{Echo, backend, config, echo_once, held, service};
+
+const TOKEN: &str = "control-edits-token";
+
+fn still_echoes(s: &mut std::net::TcpStream) -> bool {
+    use std::io::{Read, Write};
+    let mut b = [0u8; 4];
+    s.write_all(b"ping").is_ok() && s.read_exact(&mut b).is_ok() && &b == b"ping"
+}
+
+struct Running {
+    daemon: Option<DaemonHandle>,
+    url: String,
+    client: Client,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl Running {
+    fn start(cfg: Config, path: Option<PathBuf>) -> Self {
+        let daemon = Daemon::start(cfg, path).expect("daemon starts");
+        let admin = AdminConfig {
+            listen: "127.0.0.1:0".into(),
+            token: Some(TOKEN.into()),
+            ..AdminConfig::default()
+        };
+        let rt = daemon.runtime();
+        let bound = rt
+            .block_on(weir::admin::bind(&admin, daemon.control()))
+            .expect("admin binds");
+        let url = format!("http://{}", bound.local_addr().unwrap());
+        let stop = tokio_util::sync::CancellationToken::new();
+        rt.spawn(bound.run(stop.clone()));
+        Self {
+            daemon: Some(daemon),
+            client: Client::new(url.clone(), Some(TOKEN.into())),
+            url,
+            stop,
+        }
+    }
+
+    fn d(&self) -> &DaemonHandle {
+        self.daemon.as_ref().unwrap()
+    }
+
+    fn api(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value, CliError> {
+        self.client.send(method, path, body.as_ref())
+    }
+
+    fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
+        self.api(method, path, body)
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    }
+
+    /// The HTTP status of a refused request (panics if it succeeded).
+    fn status(&self, method: &str, path: &str, body: Option<Value>) -> (u16, String) {
+        match self.api(method, path, body) {
+            Err(CliError::Api {
+                status, message, ..
+            }) => (status, message),
+            other => panic!("{method} {path}: expected a refusal, got {other:?}"),
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        if let Some(d) = self.daemon.take() {
+            d.shutdown();
+        }
+    }
+}
+
+/// Defect 2: an edit that moves a service to an address it cannot have is
+/// refused (409 for another weir service's address, 503 for another
+/// process's) and leaves the service, its address and its live
+/// connections as they were.
+#[test]
+fn failed_service_move_keeps_the_service() {
+    let echo = Echo::start();
+    let r = Running::start(
+        config(vec![
+            service("web", Protocol::Tcp, "rr", vec![backend(echo.addr, 1)]),
+            service("other", Protocol::Tcp, "rr", vec![backend(echo.addr, 1)]),
+        ]),
+        None,
+    );
+    let vip = r.d().service_addr("default", "web").unwrap();
+    let other = r.d().service_addr("default", "other").unwrap();
+    let mut live = held(vip);
+    let path = "/v1/services/default/web";
+    let spec = r.ok("GET", path, None);
+
+    let foreign = TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken: [(SocketAddr, u16); 2] = [(other, 409), (foreign.local_addr().unwrap(), 503)];
+    for (addr, want) in taken {
+        let mut body = spec.clone();
+        body["listen"] = json!(addr.to_string());
+        let (status, message) = r.status("PUT", path, Some(body));
+        assert_eq!(status, want, "moving to {addr}: {message}");
+        assert_eq!(
+            r.d().service_addr("default", "web"),
+            Some(vip),
+            "the service is still there, on its old address"
+        );
+        assert!(echo_once(vip, b"still here"), "old address accepts");
+        assert!(still_echoes(&mut live), "live connection kept");
+        assert_eq!(r.ok("GET", path, None), spec, "spec unchanged");
+    }
+
+    // A move to a free address still works (and only then replaces it).
+    // (Port 0 on the same IP means "keep the port": use another loopback IP.)
+    let mut body = spec.clone();
+    body["listen"] = json!("127.0.0.2:0");
+    r.ok("PUT", path, Some(body));
+    let moved = r.d().service_addr("default", "web").unwrap();
+    assert_ne!(moved, vip);
+    assert!(echo_once(moved, b"moved"));
+    drop(foreign);
+}
+
+/// Defect 6: the default tenant cannot be deleted (409, saying why); its
+/// services stay.
+#[test]
+fn default_tenant_cannot_be_deleted() {
+    let echo = Echo::start();
+    let r = Running::start(
+        config(vec![service(
+            "web",
+            Protocol::Tcp,
+            "rr",
+            vec![backend(echo.addr, 1)],
+        )]),
+        None,
+    );
+    let (status, message) = r.status("DELETE", "/v1/tenants/default", None);
+    assert_eq!(status, 409, "{message}");
+    assert!(message.contains("cannot be deleted"), "{message}");
+    let vip = r.d().service_addr("default", "web").expect("service kept");
+    assert!(echo_once(vip, b"hello"));
+    let tenants = r.ok("GET", "/v1/tenants", None);
+    assert!(
+        tenants
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["name"] == "default"),
+        "{tenants}"
+    );
+}
+
+#[derive(clap::Parser)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: weir::cli::Command,
+}
+
+impl Running {
+    /// Run `weir ARGS --admin URL --token TOKEN`; (exit code, stdout, stderr).
+    fn weir(&self, args: &[&str]) -> (std::process::ExitCode, String, String) {
+        use clap::Parser as _;
+        let mut argv = vec!["weir"];
+        argv.extend_from_slice(args);
+        argv.extend_from_slice(&["--admin", &self.url, "--token", TOKEN]);
+        let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = weir::cli::run_with(cli.cmd, &mut out, &mut err);
+        (
+            code,
+            String::from_utf8(out).unwrap(),
+            String::from_utf8(err).unwrap(),
+        )
+    }
+}
+
+fn tenant_toml(name: &str, extra: &str) -> String {
+    format!("[[tenant]]\nname = \"{name}\"\n{extra}\n")
+}
+
+fn service_toml(tenant: &str, name: &str, backends: &[SocketAddr]) -> String {
+    let mut s = format!(
+        "[[service]]\ntenant = \"{tenant}\"\nname = \"{name}\"\nprotocol = \"tcp\"\nlisten = \"127.0.0.1:0\"\nscheduler = \"rr\"\n"
+    );
+    for b in backends {
+        s.push_str(&format!("[[service.backend]]\naddress = \"{b}\"\n"));
+    }
+    s
+}
+
+/// A daemon started from `text` written to a file it reloads from.
+fn from_file(text: &str) -> (Running, tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("weir.toml");
+    let text = format!("[daemon]\nworkers = 2\n{text}");
+    std::fs::write(&path, &text).unwrap();
+    let cfg = weir::config::load(&path).unwrap_or_else(|e| panic!("{e:?}\n{text}"));
+    (Running::start(cfg, Some(path.clone())), dir, path)
+}
+
+fn write(path: &PathBuf, text: &str) {
+    std::fs::write(path, format!("[daemon]\nworkers = 2\n{text}")).unwrap();
+}
+
+fn names(v: &Value, key: &str) -> Vec<String> {
+    let mut n: Vec<String> = v[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("no {key} in {v}"))
+        .iter()
+        .map(|x| x.as_str().unwrap().to_owned())
+        .collect();
+    n.sort();
+    n
+}
+
+/// Defect 10: a reload that changes a tenant's `table_entries` (which
+/// cannot change live) together with adding a service is refused as a
+/// whole: the service is not added, nothing else changes.
+#[test]
+fn reload_applies_everything_or_nothing() {
+    let echo = Echo::start();
+    let base = tenant_toml("acme", "table_entries = 1024\nmax_connections = 5");
+    let (r, _dir, path) = from_file(&format!(
+        "{base}{}",
+        service_toml("acme", "web", &[echo.addr])
+    ));
+    let vip = r.d().service_addr("acme", "web").unwrap();
+    write(
+        &path,
+        &format!(
+            "{}{}{}",
+            tenant_toml("acme", "table_entries = 2048\nmax_connections = 9"),
+            service_toml("acme", "web", &[echo.addr]),
+            service_toml("acme", "added", &[echo.addr]),
+        ),
+    );
+    match r.api("POST", "/v1/reload", None) {
+        Err(CliError::Api {
+            status,
+            message,
+            errors,
+        }) => {
+            assert_eq!(status, 400, "{message}");
+            assert!(message.contains("nothing was applied"), "{message}");
+            assert_eq!(errors.len(), 1, "{errors:?}");
+            assert!(
+                errors[0].contains("table_entries cannot change"),
+                "{errors:?}"
+            );
+        }
+        other => panic!("expected a refused reload, got {other:?}"),
+    }
+    assert_eq!(r.d().service_addr("acme", "added"), None, "service added");
+    let tenants = r.ok("GET", "/v1/tenants", None);
+    let acme = tenants
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "acme")
+        .unwrap();
+    assert_eq!(acme["max_connections"], 5, "limit changed: {acme}");
+    assert_eq!(acme["table_entries"], 1024);
+    assert!(echo_once(vip, b"unchanged"));
+}
+
+/// Defect 9: a reload reports what it adds, changes and removes; a dry run
+/// reports the same and applies nothing.
+#[test]
+fn reload_reports_changes_and_dry_run_applies_nothing() {
+    let echo = Echo::start();
+    let other = Echo::start();
+    let (r, _dir, path) = from_file(&format!(
+        "{}{}{}",
+        tenant_toml("acme", ""),
+        service_toml("acme", "web", &[echo.addr]),
+        service_toml("default", "old", &[echo.addr]),
+    ));
+    let web = r.d().service_addr("acme", "web").unwrap();
+    let mut live = held(web);
+    write(
+        &path,
+        &format!(
+            "{}{}{}",
+            tenant_toml("acme", "max_connections = 7"),
+            service_toml("acme", "web", &[other.addr]),
+            service_toml("default", "new", &[echo.addr]),
+        ),
+    );
+    let expect_added = vec![
+        format!("backend acme/web/{}", other.addr),
+        "service default/new".to_owned(),
+    ];
+    let expect_changed = vec!["service acme/web".to_owned(), "tenant acme".to_owned()];
+    let expect_removed = vec![
+        format!("backend acme/web/{}", echo.addr),
+        "service default/old".to_owned(),
+    ];
+
+    let dry = r.ok("POST", "/v1/reload?dry_run=true", None);
+    assert_eq!(dry["reloaded"], false, "{dry}");
+    assert_eq!(dry["dry_run"], true, "{dry}");
+    assert_eq!(names(&dry, "added"), expect_added);
+    assert_eq!(names(&dry, "changed"), expect_changed);
+    assert_eq!(names(&dry, "removed"), expect_removed);
+    assert!(
+        r.d().service_addr("default", "new").is_none(),
+        "dry run applied"
+    );
+    assert!(
+        r.d().service_addr("default", "old").is_some(),
+        "dry run applied"
+    );
+    assert!(still_echoes(&mut live));
+
+    let (code, out, err) = r.weir(&["reload", "--dry-run"]);
+    assert_eq!(code, std::process::ExitCode::SUCCESS, "{err}");
+    assert!(
+        out.starts_with(
+            "dry run, nothing applied: a reload would make 2 added, 2 changed, 2 removed\n"
+        ),
+        "{out}"
+    );
+    assert!(out.contains("  + service default/new\n"), "{out}");
+    assert!(out.contains("  - service default/old\n"), "{out}");
+    assert!(
+        r.d().service_addr("default", "new").is_none(),
+        "dry run applied"
+    );
+
+    let (code, out, err) = r.weir(&["reload"]);
+    assert_eq!(code, std::process::ExitCode::SUCCESS, "{err}");
+    assert!(
+        out.starts_with("reloaded: 2 added, 2 changed, 2 removed\n"),
+        "{out}"
+    );
+    assert!(out.contains("  ~ tenant acme\n"), "{out}");
+    assert!(r.d().service_addr("default", "new").is_some());
+    assert!(r.d().service_addr("default", "old").is_none());
+    // The file unchanged: nothing to do, and the edited service kept its
+    // address (port 0 in the file is the port it got).
+    let again = r.ok("POST", "/v1/reload", None);
+    assert_eq!(again["reloaded"], true, "{again}");
+    for key in ["added", "changed", "removed"] {
+        assert!(names(&again, key).is_empty(), "{again}");
+    }
+    assert_eq!(r.d().service_addr("acme", "web"), Some(web));
+}
+
+/// Defect 9: an empty or whitespace-only file (a truncated write) is
+/// refused instead of removing every service.
+#[test]
+fn reload_of_an_empty_file_is_refused() {
+    let echo = Echo::start();
+    let (r, _dir, path) = from_file(&service_toml("default", "web", &[echo.addr]));
+    let vip = r.d().service_addr("default", "web").unwrap();
+    for text in ["", " \n\t\n"] {
+        std::fs::write(&path, text).unwrap();
+        let (status, message) = r.status("POST", "/v1/reload", None);
+        assert_eq!(status, 400, "{message}");
+        match r.api("POST", "/v1/reload", None) {
+            Err(CliError::Api { errors, .. }) => {
+                assert!(errors[0].contains("is empty"), "{errors:?}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(r.d().service_addr("default", "web"), Some(vip));
+        assert!(echo_once(vip, b"still"));
+    }
+}
+
+/// Defect 9: a reload does not silently remove what was added through the
+/// API: it is refused listing them, unless forced.
+#[test]
+fn reload_keeps_runtime_additions_unless_forced() {
+    let echo = Echo::start();
+    let extra = Echo::start();
+    let file = format!(
+        "{}{}",
+        tenant_toml("acme", ""),
+        service_toml("acme", "web", &[echo.addr])
+    );
+    let (r, _dir, path) = from_file(&file);
+    r.ok(
+        "POST",
+        "/v1/services",
+        Some(json!({
+            "tenant": "acme", "name": "rt", "protocol": "tcp", "listen": "127.0.0.1:0",
+            "backend": [{ "address": echo.addr.to_string() }]
+        })),
+    );
+    r.ok(
+        "POST",
+        "/v1/services/acme/web/backends",
+        Some(json!({ "address": extra.addr.to_string() })),
+    );
+    r.ok("POST", "/v1/tenants", Some(json!({ "name": "beta" })));
+    r.ok("DELETE", "/v1/tenants/beta", None);
+    let rt = r.d().service_addr("acme", "rt").unwrap();
+    let mut live = held(rt);
+
+    match r.api("POST", "/v1/reload", None) {
+        Err(CliError::Api { status, errors, .. }) => {
+            assert_eq!(status, 400);
+            assert!(errors[0].contains("--force"), "{errors:?}");
+            let mut listed = errors[1..].to_vec();
+            listed.sort();
+            assert_eq!(
+                listed,
+                vec![
+                    format!("would remove backend acme/web/{}", extra.addr),
+                    "would remove service acme/rt".to_owned(),
+                ]
+            );
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert!(still_echoes(&mut live), "runtime service kept");
+    // A dry run says the same.
+    assert_eq!(
+        r.status("POST", "/v1/reload?dry_run=true", None).0,
+        400,
+        "dry run of a refused reload"
+    );
+    let (code, _, err) = r.weir(&["reload"]);
+    assert_eq!(code, std::process::ExitCode::from(1), "{err}");
+    assert!(err.contains("would remove service acme/rt"), "{err}");
+
+    let forced = r.ok("POST", "/v1/reload?force=true", None);
+    assert_eq!(
+        names(&forced, "removed"),
+        vec![
+            format!("backend acme/web/{}", extra.addr),
+            "service acme/rt".to_owned()
+        ]
+    );
+    assert!(r.d().service_addr("acme", "rt").is_none());
+    // Runtime state is forgotten once reloaded: the next one needs no force.
+    write(&path, &file);
+    r.ok("POST", "/v1/reload", None);
+}
+
+/// Defect 25: `--service TENANT/NAME` works for `weir conns` and `weir
+/// kill`; a bare name used by several tenants is refused, listing them.
+#[test]
+fn service_filters_take_tenant_slash_name() {
+    let echo = Echo::start();
+    let (r, _dir, _path) = from_file(&format!(
+        "{}{}{}{}{}",
+        tenant_toml("acme", ""),
+        tenant_toml("beta", ""),
+        service_toml("acme", "dup", &[echo.addr]),
+        service_toml("beta", "dup", &[echo.addr]),
+        service_toml("acme", "persist", &[echo.addr]),
+    ));
+    let addr = |t: &str, n: &str| r.d().service_addr(t, n).unwrap();
+    let mut acme_dup = held(addr("acme", "dup"));
+    let mut beta_dup = held(addr("beta", "dup"));
+    let _persist = held(addr("acme", "persist"));
+    let count = |args: &[&str]| -> usize {
+        let (code, out, err) = r.weir(args);
+        assert_eq!(code, std::process::ExitCode::SUCCESS, "{args:?}: {err}");
+        out.lines().filter(|l| l.starts_with('{')).count()
+    };
+    assert_eq!(count(&["conns", "--json", "--service", "acme/persist"]), 1);
+    assert_eq!(count(&["conns", "--json", "--service", "persist"]), 1);
+    assert_eq!(count(&["conns", "--json", "--service", "beta/dup"]), 1);
+    assert_eq!(count(&["conns", "--json", "--service", "beta/persist"]), 0);
+
+    for args in [
+        &["kill", "--service", "dup"][..],
+        &["conns", "--service", "dup"][..],
+    ] {
+        let (code, _, err) = r.weir(args);
+        assert_eq!(code, std::process::ExitCode::from(1), "{args:?}");
+        assert!(err.contains("in 2 tenants (acme, beta)"), "{err}");
+    }
+    assert!(still_echoes(&mut acme_dup) && still_echoes(&mut beta_dup));
+
+    let (code, out, err) = r.weir(&["kill", "--service", "acme/dup"]);
+    assert_eq!(code, std::process::ExitCode::SUCCESS, "{err}");
+    assert_eq!(out, "killed 1 connections\n");
+    assert!(still_echoes(&mut beta_dup), "beta/dup untouched");
+    assert!(
+        daemon_util::wait_until(Duration::from_secs(5), || !still_echoes(&mut acme_dup)),
+        "acme/dup killed"
+    );
+    // Disagreeing tenant and TENANT/NAME.
+    let (code, _, err) = r.weir(&["kill", "--tenant", "beta", "--service", "acme/dup"]);
+    assert_eq!(code, std::process::ExitCode::from(1), "{err}");
+}
