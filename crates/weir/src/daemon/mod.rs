@@ -32,6 +32,7 @@
 //! See docs/daemon.md for the options, the measurements and what is left.
 
 mod control_impl;
+mod ratelog;
 mod stats;
 mod tcp;
 mod udp;

@@ -39,9 +39,12 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
                     .lock()
                     .entry("fd_exhausted".into())
                     .or_default() += 1;
-                tracing::warn!(
-                    backoff_ms = backoff.as_millis() as u64,
-                    "accept: {e}; backing off"
+                // Every listener of every worker gets here while fds are
+                // short: one line a second with a count.
+                static GATE: super::ratelog::RateLimited = super::ratelog::RateLimited::new(1000);
+                super::ratelog::warn(
+                    &GATE,
+                    format_args!("accept: {e}; backing off {} ms", backoff.as_millis()),
                 );
                 tokio::select! {
                     _ = svc.cancel.cancelled() => return,
