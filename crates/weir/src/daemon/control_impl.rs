@@ -122,7 +122,9 @@ impl LiveControl {
 }
 
 fn health_name(b: &Backend) -> &'static str {
-    if !b.checked.load(Relaxed) {
+    if b.passive.is_down() {
+        "down"
+    } else if !b.checked.load(Relaxed) {
         "unchecked"
     } else if b.up.load(Relaxed) {
         "up"
@@ -492,7 +494,11 @@ impl Control for LiveControl {
                     service: spec.name.clone(),
                     backend: b.addr.to_string(),
                     state: health_name(b).into(),
-                    last_error: b.last_error.lock().clone(),
+                    last_error: if b.passive.is_down() {
+                        b.passive_error.lock().clone()
+                    } else {
+                        b.last_error.lock().clone()
+                    },
                 });
             }
         }

@@ -119,16 +119,23 @@ async fn handle(
         };
         match attempt {
             Some(Ok(Ok(s))) => {
+                backend.passive.on_success();
                 connected = Some((s, entry));
                 break;
             }
             Some(Ok(Err(e))) => {
                 tracing::debug!(backend = %backend.addr, "connect failed: {e}");
                 shared.unregister(&entry, "connect_failed");
+                // Out of fds here is weir's fault, not the backend's.
+                if !is_fd_exhaustion(&e) {
+                    shared.connect_failed(&svc, &backend, &e.to_string());
+                }
             }
             Some(Err(_)) => {
                 tracing::debug!(backend = %backend.addr, "connect timed out");
                 shared.unregister(&entry, "connect_timeout");
+                let why = format!("timed out after {:?}", params.connect_timeout);
+                shared.connect_failed(&svc, &backend, &why);
             }
             None => {
                 last_entry = Some(entry);
