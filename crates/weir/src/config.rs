@@ -325,7 +325,8 @@ pub struct ServiceOptions {
     pub health: Option<HealthSpec>,
 }
 
-/// `[service.health]`: active TCP connect checks.
+/// `[service.health]`: active checks, a TCP connect (the default) or a UDP
+/// datagram that must be answered.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HealthSpec {
@@ -337,6 +338,16 @@ pub struct HealthSpec {
     pub rise: u32,
     /// Consecutive failures to mark a backend down.
     pub fall: u32,
+    /// "tcp" (connect; the default) or "udp" (send `send`, expect any reply
+    /// within `timeout`). A UDP service needs "udp" or a TCP `port`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<Protocol>,
+    /// Check this port of each backend instead of the backend's own port.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    /// UDP checks: the payload to send.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub send: Option<String>,
 }
 
 impl Default for HealthSpec {
@@ -346,6 +357,9 @@ impl Default for HealthSpec {
             timeout: "1s".into(),
             rise: 2,
             fall: 3,
+            protocol: None,
+            port: None,
+            send: None,
         }
     }
 }
@@ -888,6 +902,37 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
         if h.fall == 0 {
             err(hp("fall"), "must be at least 1".into());
         }
+        if h.port == Some(0) {
+            err(hp("port"), "must be 1-65535".into());
+        }
+        match h.protocol.unwrap_or(Protocol::Tcp) {
+            Protocol::Tcp => {
+                if h.send.is_some() {
+                    err(
+                        hp("send"),
+                        "only applies to protocol = \"udp\" checks; remove it".into(),
+                    );
+                }
+                if s.protocol == Protocol::Udp && h.port.is_none() {
+                    err(
+                        vec![k("health")],
+                        "a TCP connect check on a UDP service marks UDP-only backends down; \
+                         set protocol = \"udp\" and send = \"...\" for a UDP check (any \
+                         reply within the timeout passes), or port = N to check a TCP port \
+                         of each backend"
+                            .into(),
+                    );
+                }
+            }
+            Protocol::Udp => {
+                if h.send.as_deref().is_none_or(str::is_empty) {
+                    err(
+                        hp("send"),
+                        "a UDP check needs a payload to send, e.g. send = \"ping\"".into(),
+                    );
+                }
+            }
+        }
     }
     let mut seen = std::collections::HashSet::new();
     for (j, b) in s.backends.iter().enumerate() {
@@ -1097,6 +1142,9 @@ const HEALTH_KEYS: &[(&str, Kind)] = &[
     ("timeout", Kind::Str),
     ("rise", Kind::Int),
     ("fall", Kind::Int),
+    ("protocol", Kind::Proto),
+    ("port", Kind::Int),
+    ("send", Kind::Str),
 ];
 const BACKEND_KEYS: &[(&str, Kind)] = &[
     ("address", Kind::Addr),

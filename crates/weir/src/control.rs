@@ -105,9 +105,9 @@ pub struct BackendStatus {
     pub address: String,
     /// Current weight (0 = quiesced/drained).
     pub weight: u32,
-    /// Established connections (UDP: live sessions).
+    /// Established TCP connections (IPVS ActConn).
     pub active_conns: u64,
-    /// Connections in other states (IPVS InActConn).
+    /// TCP connections in other states and UDP sessions (IPVS InActConn).
     pub inactive_conns: u64,
     /// Health: "up", "down" or "unchecked".
     pub health: String,

@@ -381,6 +381,7 @@ fn health_failover(expire_nodest_conn: bool) {
         timeout: "100ms".into(),
         rise: 1,
         fall: 2,
+        ..Default::default()
     });
     let d = Daemon::start(config(vec![spec]), None).unwrap();
     let c = d.control();

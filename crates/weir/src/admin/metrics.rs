@@ -308,12 +308,12 @@ pub fn render(control: &dyn Control) -> Result<String, std::fmt::Error> {
     let b_active = gauge(
         &mut reg,
         "weir_backend_active_connections",
-        "Established connections (UDP: live sessions) to this backend",
+        "Established TCP connections to this backend (IPVS ActConn)",
     );
     let b_inactive = gauge(
         &mut reg,
         "weir_backend_inactive_connections",
-        "Connections to this backend in other states (IPVS InActConn)",
+        "TCP connections to this backend in other states, and its UDP sessions (IPVS InActConn)",
     );
     let b_weight = gauge(
         &mut reg,

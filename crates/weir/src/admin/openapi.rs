@@ -222,7 +222,8 @@ fn schemas() -> Value {
         "persistence": s, "persistence_netmask": s, "connect_timeout": s,
         "expire_nodest_conn": { "type": "boolean" }, "mh_fallback": { "type": "boolean" },
         "udp_responses": int, "udp_timeout": s, "udp_max_sessions_per_client": int,
-        "health": { "type": "object", "properties": { "interval": s, "timeout": s, "rise": int, "fall": int } },
+        "health": { "type": "object", "properties": { "interval": s, "timeout": s, "rise": int, "fall": int,
+            "protocol": { "type": "string", "enum": ["tcp", "udp"] }, "port": int, "send": s } },
         "backend": { "type": "array", "items": { "$ref": "#/components/schemas/BackendSpec" } } } },
       "BackendStatus": { "type": "object", "properties": {
         "address": s, "weight": int, "active_conns": int, "inactive_conns": int,

@@ -307,7 +307,9 @@ fn same_port(cur: &ServiceSpec, new: &ServiceSpec) -> ServiceSpec {
 }
 
 fn health_name(b: &Backend) -> &'static str {
-    if !b.checked.load(Relaxed) {
+    if b.passive.is_down() {
+        "down"
+    } else if !b.checked.load(Relaxed) {
         "unchecked"
     } else if b.up.load(Relaxed) {
         "up"
@@ -715,7 +717,11 @@ impl Control for LiveControl {
                     service: spec.name.clone(),
                     backend: b.addr.to_string(),
                     state: health_name(b).into(),
-                    last_error: b.last_error.lock().clone(),
+                    last_error: if b.passive.is_down() {
+                        b.passive_error.lock().clone()
+                    } else {
+                        b.last_error.lock().clone()
+                    },
                 });
             }
         }

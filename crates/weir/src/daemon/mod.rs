@@ -32,6 +32,7 @@
 //! See docs/daemon.md for the options, the measurements and what is left.
 
 mod control_impl;
+mod ratelog;
 mod stats;
 mod tcp;
 mod udp;
@@ -506,6 +507,10 @@ pub(crate) struct Backend {
     pub(crate) up: AtomicBool,
     pub(crate) checked: AtomicBool,
     pub(crate) last_error: Mutex<Option<String>>,
+    /// The passive check (failed connects in a row), and why it last took
+    /// the backend out.
+    pub(crate) passive: crate::health::Passive,
+    pub(crate) passive_error: Mutex<Option<String>>,
     pub(crate) active: AtomicU64,
     pub(crate) inactive: AtomicU64,
     pub(crate) stat: Stat,
@@ -522,6 +527,8 @@ impl Backend {
             up: AtomicBool::new(true),
             checked: AtomicBool::new(false),
             last_error: Mutex::new(None),
+            passive: Default::default(),
+            passive_error: Mutex::new(None),
             active: AtomicU64::new(0),
             inactive: AtomicU64::new(0),
             stat: rates.stat(),
@@ -532,7 +539,7 @@ impl Backend {
         BackendInfo {
             addr: self.addr.into(),
             weight: self.weight.load(Relaxed),
-            up: self.up.load(Relaxed),
+            up: self.up.load(Relaxed) && !self.passive.is_down(),
         }
     }
 
@@ -752,6 +759,37 @@ impl Shared {
         if let Some(t) = tenant {
             t.refused.fetch_add(1, Relaxed);
         }
+    }
+
+    /// The passive check: a connect to `b` failed with `why`. A streak of
+    /// failures takes the backend out of `svc`'s scheduler for
+    /// [`crate::health::PASSIVE_HOLD`], then it is tried again.
+    pub(crate) fn connect_failed(&self, svc: &Arc<Service>, b: &Arc<Backend>, why: &str) {
+        use crate::health::{PASSIVE_FALL, PASSIVE_HOLD};
+        if !b.passive.on_failure() {
+            return;
+        }
+        let n = b.passive.failures().max(PASSIVE_FALL);
+        let msg = format!(
+            "passive check: {n} connects in a row failed (last: {why}); out for {}s, then tried again",
+            PASSIVE_HOLD.as_secs()
+        );
+        tracing::warn!(backend = %b.addr, "{msg}");
+        *b.passive_error.lock() = Some(msg);
+        svc.rebuild_sched();
+        let (weak_svc, weak_b) = (Arc::downgrade(svc), Arc::downgrade(b));
+        let cancel = svc.cancel.clone();
+        self.control_rt.spawn(async move {
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                _ = tokio::time::sleep(PASSIVE_HOLD) => {
+                    if let (Some(svc), Some(b)) = (weak_svc.upgrade(), weak_b.upgrade()) {
+                        b.passive.restore();
+                        svc.rebuild_sched();
+                    }
+                }
+            }
+        });
     }
 
     /// Reserve a slot for a new connection under the global and tenant
@@ -1169,6 +1207,12 @@ impl Shared {
             timeout,
             rise: h.rise,
             fall: h.fall,
+            probe: match h.protocol {
+                Some(Protocol::Udp) => {
+                    crate::health::Probe::Udp(h.send.clone().unwrap_or_default().into_bytes())
+                }
+                _ => crate::health::Probe::Tcp,
+            },
         };
         let _guard = self.control_rt.enter();
         for b in svc.set.read().backends.iter() {
@@ -1176,7 +1220,9 @@ impl Shared {
             let weak_shared = Arc::downgrade(self);
             let weak_svc = Arc::downgrade(svc);
             let backend = Arc::downgrade(b);
-            crate::health::spawn(b.addr, params, token.clone(), move |up, err| {
+            // `port` checks another port of the same host.
+            let target = SocketAddr::new(b.addr.ip(), h.port.unwrap_or(b.addr.port()));
+            crate::health::spawn(target, params.clone(), token.clone(), move |up, err| {
                 let (Some(shared), Some(svc), Some(b)) =
                     (weak_shared.upgrade(), weak_svc.upgrade(), backend.upgrade())
                 else {
@@ -1229,6 +1275,7 @@ impl Service {
         let usable = |b: &Backend| {
             let max = b.spec.read().max_connections;
             b.up.load(Relaxed)
+                && !b.passive.is_down()
                 && b.weight.load(Relaxed) > 0
                 && !skip.contains(&b.addr)
                 && (max == 0 || b.conns() < max)
@@ -1254,13 +1301,26 @@ impl Service {
                 Load::new(b.active.load(Relaxed), b.inactive.load(Relaxed))
             })
         };
-        let picked = set
-            .sched
-            .pick(ClientAddr(client), &load, rng)
-            .and_then(|i| set.backends.get(i))
-            .filter(|b| usable(b))
-            .or_else(|| set.backends.iter().find(|b| usable(b)))
-            .cloned();
+        let picked = if let Some(&failed) = skip.last() {
+            // A retry after a failed connect: the next usable backend after
+            // the one that failed, in list order, without asking the
+            // scheduler, so a retry does not move rr's rotation (which would
+            // put the failing backend first again for the next client).
+            let n = set.backends.len();
+            let at = set.backends.iter().position(|b| b.addr == failed);
+            let start = at.map_or(0, |i| i + 1);
+            (0..n)
+                .map(|k| &set.backends[(start + k) % n])
+                .find(|b| usable(b))
+                .cloned()
+        } else {
+            set.sched
+                .pick(ClientAddr(client), &load, rng)
+                .and_then(|i| set.backends.get(i))
+                .filter(|b| usable(b))
+                .or_else(|| set.backends.iter().find(|b| usable(b)))
+                .cloned()
+        };
         let Some(b) = picked else {
             let any_full = set.backends.iter().any(|b| {
                 let max = b.spec.read().max_connections;

@@ -39,9 +39,12 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
                     .lock()
                     .entry("fd_exhausted".into())
                     .or_default() += 1;
-                tracing::warn!(
-                    backoff_ms = backoff.as_millis() as u64,
-                    "accept: {e}; backing off"
+                // Every listener of every worker gets here while fds are
+                // short: one line a second with a count.
+                static GATE: super::ratelog::RateLimited = super::ratelog::RateLimited::new(1000);
+                super::ratelog::warn(
+                    &GATE,
+                    format_args!("accept: {e}; backing off {} ms", backoff.as_millis()),
                 );
                 tokio::select! {
                     _ = svc.cancel.cancelled() => return,
@@ -116,16 +119,23 @@ async fn handle(
         };
         match attempt {
             Some(Ok(Ok(s))) => {
+                backend.passive.on_success();
                 connected = Some((s, entry));
                 break;
             }
             Some(Ok(Err(e))) => {
                 tracing::debug!(backend = %backend.addr, "connect failed: {e}");
                 shared.unregister(&entry, "connect_failed");
+                // Out of fds here is weir's fault, not the backend's.
+                if !is_fd_exhaustion(&e) {
+                    shared.connect_failed(&svc, &backend, &e.to_string());
+                }
             }
             Some(Err(_)) => {
                 tracing::debug!(backend = %backend.addr, "connect timed out");
                 shared.unregister(&entry, "connect_timeout");
+                let why = format!("timed out after {:?}", params.connect_timeout);
+                shared.connect_failed(&svc, &backend, &why);
             }
             None => {
                 last_entry = Some(entry);

@@ -1,0 +1,134 @@
+//! Issue 10 #22: at fd exhaustion every new UDP client logged a WARN (one
+//! line per datagram). Its own test binary: it lowers the process's fd
+//! limit and captures the process's log output.
+
+mod daemon_util;
+
+use std::io::Write;
+use std::net::UdpSocket;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use daemon_util::*;
+use nix::sys::resource::{Resource, getrlimit, setrlimit};
+use weir::config::Protocol;
+use weir::daemon::Daemon;
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn highest_open_fd() -> u64 {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u64>().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+/// Bytes waiting in the receive queue of the UDP socket bound to `addr`
+/// (from `/proc/self/net/udp`; 0 if there is none).
+fn rx_queue(addr: std::net::SocketAddr) -> u64 {
+    let std::net::SocketAddr::V4(a) = addr else {
+        panic!("IPv4 only")
+    };
+    let want = format!(
+        "{:08X}:{:04X}",
+        u32::from_le_bytes(a.ip().octets()),
+        a.port()
+    );
+    std::fs::read_to_string("/proc/self/net/udp")
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .filter(|l| l.split_whitespace().nth(1) == Some(want.as_str()))
+        .filter_map(|l| {
+            let queues = l.split_whitespace().nth(4)?;
+            u64::from_str_radix(queues.split(':').nth(1)?, 16).ok()
+        })
+        .sum()
+}
+
+#[test]
+fn fd_exhaustion_logs_a_line_a_second_not_one_per_client() {
+    let logs = Captured::default();
+    let sink = logs.clone();
+    tracing_subscriber::fmt()
+        .with_writer(move || sink.clone())
+        .with_ansi(false)
+        .init();
+    let b = udp_echo();
+    let mut cfg = config(vec![service("u", Protocol::Udp, "rr", vec![backend(b, 1)])]);
+    // One worker: one listening socket, so datagrams are handled in order.
+    cfg.daemon.workers = 1;
+    let d = Daemon::start(cfg, None).unwrap();
+    let vip = d.service_addr("default", "u").unwrap();
+    const N: usize = 300;
+    let clients: Vec<UdpSocket> = (0..N)
+        .map(|_| UdpSocket::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let probe = UdpSocket::bind("127.0.0.1:0").unwrap();
+    probe
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+
+    // Exhaust: a limit just above the highest fd, and every hole below it
+    // filled, so the daemon's next socket fails with EMFILE.
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    setrlimit(Resource::RLIMIT_NOFILE, highest_open_fd() + 1, hard).unwrap();
+    let mut fillers = Vec::new();
+    while let Ok(f) = std::fs::File::open("/dev/null") {
+        fillers.push(f);
+        assert!(fillers.len() < 100_000, "bounded");
+    }
+    for c in &clients {
+        let _ = c.send_to(b"x", vip);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut buf = [0u8; 16];
+    let after_flood = |logs: &Captured| {
+        let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+        text.lines()
+            .filter(|l| l.contains("udp session socket"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    // Wait until the daemon has read the whole flood (its socket's receive
+    // queue is empty) while fds are still short.
+    while (after_flood(&logs).is_empty() || rx_queue(vip) != 0) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(fillers);
+    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut answered = false;
+    while !answered && Instant::now() < deadline {
+        let _ = probe.send_to(b"probe", vip);
+        answered = probe.recv_from(&mut buf).is_ok();
+    }
+    assert!(answered, "the daemon serves again once fds are back");
+    let lines = after_flood(&logs);
+    assert!(!lines.is_empty(), "the exhaustion was logged");
+    assert!(
+        lines.len() <= 3,
+        "{} lines for {N} clients:\n{}",
+        lines.len(),
+        lines.join("\n")
+    );
+    assert!(
+        lines.iter().any(|l| l.contains("suppressed")),
+        "{}",
+        lines.join("\n")
+    );
+    drop(clients);
+    d.shutdown();
+}

@@ -1,0 +1,284 @@
+//! The daemon on loopback: UDP session lifetime, UDP health checks, the
+//! passive check and rr retries, and what the metrics say about UDP.
+
+mod daemon_util;
+
+use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::time::Duration;
+
+use daemon_util::*;
+use weir::config::{HealthSpec, Protocol};
+use weir::control::Control;
+use weir::daemon::Daemon;
+
+const T: Duration = Duration::from_secs(10);
+
+/// This process's UDP sockets connected to `addr` (from
+/// `/proc/self/net/udp`, matched by inode against `/proc/self/fd`); exact
+/// even while other tests open and close sockets in parallel.
+fn udp_sockets_connected_to(addr: SocketAddr) -> usize {
+    let mine: std::collections::HashSet<String> = std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd")
+        .filter_map(|e| {
+            let link = std::fs::read_link(e.ok()?.path()).ok()?;
+            let link = link.to_str()?;
+            Some(link.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+        })
+        .collect();
+    let SocketAddr::V4(a) = addr else {
+        panic!("IPv4 only")
+    };
+    let want = format!(
+        "{:08X}:{:04X}",
+        u32::from_le_bytes(a.ip().octets()),
+        a.port()
+    );
+    std::fs::read_to_string("/proc/self/net/udp")
+        .expect("/proc/self/net/udp")
+        .lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.get(2) == Some(&want.as_str()) && f.get(9).is_some_and(|i| mine.contains(*i))
+        })
+        .count()
+}
+
+fn health_of(c: &dyn Control, addr: SocketAddr) -> Option<(String, Option<String>)> {
+    c.health()
+        .into_iter()
+        .find(|h| h.backend == addr.to_string())
+        .map(|h| (h.state, h.last_error))
+}
+
+/// Issue 10 #3: a session's socket lived on in the worker's session map
+/// after the session expired (until the map grew enough to be swept).
+#[test]
+fn udp_session_sockets_close_when_sessions_expire() {
+    let b = udp_echo();
+    let mut spec = service("u", Protocol::Udp, "rr", vec![backend(b, 1)]);
+    spec.options.udp_timeout = Some("1s".into());
+    let d = Daemon::start(config(vec![spec]), None).unwrap();
+    let vip = d.service_addr("default", "u").unwrap();
+    let control = d.control();
+    const N: usize = 200;
+    let clients: Vec<UdpSocket> = (0..N)
+        .map(|_| {
+            let c = UdpSocket::bind("127.0.0.1:0").unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            c
+        })
+        .collect();
+    let mut buf = [0u8; 64];
+    for c in &clients {
+        c.send_to(b"hello", vip).unwrap();
+        let (n, _) = c.recv_from(&mut buf).unwrap();
+        assert_eq!(&buf[..n], b"hello");
+    }
+    assert_eq!(udp_sockets_connected_to(b), N, "one socket per session");
+    drop(clients);
+    assert!(
+        wait_until(T, || control.global_stats().active_conns == 0),
+        "sessions expire after 1 s idle"
+    );
+    assert!(
+        wait_until(T, || udp_sockets_connected_to(b) == 0),
+        "{} session sockets still open with no session left",
+        udp_sockets_connected_to(b)
+    );
+    d.shutdown();
+}
+
+/// Issue 10 #27: the HELP text said UDP sessions count as active; they
+/// count as inactive (as in IPVS).
+#[test]
+fn metrics_count_udp_sessions_as_inactive_and_say_so() {
+    let b = udp_echo();
+    let d = Daemon::start(
+        config(vec![service("u", Protocol::Udp, "rr", vec![backend(b, 1)])]),
+        None,
+    )
+    .unwrap();
+    let vip = d.service_addr("default", "u").unwrap();
+    let c = UdpSocket::bind("127.0.0.1:0").unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    c.send_to(b"x", vip).unwrap();
+    let mut buf = [0u8; 8];
+    c.recv_from(&mut buf).unwrap();
+    let text = weir::admin::metrics::render(&*d.control()).unwrap();
+    let value = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name}{{")))
+            .and_then(|l| l.rsplit(' ').next())
+            .map(str::to_owned)
+    };
+    let help = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("# HELP {name} ")))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert_eq!(
+        value("weir_backend_active_connections").as_deref(),
+        Some("0")
+    );
+    assert_eq!(
+        value("weir_backend_inactive_connections").as_deref(),
+        Some("1")
+    );
+    let active = help("weir_backend_active_connections");
+    let inactive = help("weir_backend_inactive_connections");
+    assert!(!active.contains("UDP"), "{active}");
+    assert!(inactive.contains("UDP sessions"), "{inactive}");
+    d.shutdown();
+}
+
+/// Issue 10 #24: with rr, a retry moved the rotation so the refusing
+/// backend came first for every client; and nothing took it out without
+/// an explicit health check.
+#[test]
+fn rr_retries_keep_the_rotation_and_a_failing_backend_is_taken_out() {
+    // A port nothing listens on: connects are refused.
+    let dead = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let good = Echo::start();
+    let d = Daemon::start(
+        config(vec![service(
+            "p",
+            Protocol::Tcp,
+            "rr",
+            vec![backend(dead, 1), backend(good.addr, 1)],
+        )]),
+        None,
+    )
+    .unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "p").unwrap();
+    let tries = |c: &dyn Control| -> Vec<u64> {
+        c.services()
+            .into_iter()
+            .find(|s| s.name == "p")
+            .map(|s| s.backends.iter().map(|b| b.stats.conns).collect())
+            .unwrap_or_default()
+    };
+    for _ in 0..4 {
+        assert!(echo_once(vip, b"x"));
+    }
+    assert_eq!(
+        tries(&*c)[0],
+        2,
+        "every other client starts at the dead backend, not every client"
+    );
+    assert_eq!(health_of(&*c, dead).unwrap().0, "unchecked");
+    for _ in 0..16 {
+        assert!(echo_once(vip, b"x"));
+    }
+    let t = tries(&*c);
+    assert_eq!(
+        t[0],
+        u64::from(weir::health::PASSIVE_FALL),
+        "out after {} failures in a row",
+        weir::health::PASSIVE_FALL
+    );
+    assert_eq!(t[1], 20, "every client was served by the good backend");
+    let (state, err) = health_of(&*c, dead).unwrap();
+    assert_eq!(state, "down");
+    let err = err.unwrap_or_default();
+    assert!(err.contains("passive check"), "{err}");
+    assert_eq!(health_of(&*c, good.addr).unwrap().0, "unchecked");
+    d.shutdown();
+}
+
+/// Issue 10 #15: a UDP service got a TCP connect check, which marks a
+/// UDP-only backend down. A UDP check sends a payload and wants a reply.
+#[test]
+fn udp_health_check_keeps_a_udp_backend_up_and_takes_a_silent_one_down() {
+    let live = udp_echo();
+    // Bound but never answering: silence, not a refusal.
+    let mute = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let silent = mute.local_addr().unwrap();
+    let mut spec = service(
+        "u",
+        Protocol::Udp,
+        "rr",
+        vec![backend(live, 1), backend(silent, 1)],
+    );
+    spec.options.health = Some(HealthSpec {
+        interval: "100ms".into(),
+        timeout: "100ms".into(),
+        rise: 1,
+        fall: 2,
+        protocol: Some(Protocol::Udp),
+        send: Some("ping".into()),
+        ..Default::default()
+    });
+    let d = Daemon::start(config(vec![spec]), None).unwrap();
+    let c = d.control();
+    assert!(wait_until(T, || health_of(&*c, silent)
+        .is_some_and(|(s, _)| s == "down")));
+    let (_, err) = health_of(&*c, silent).unwrap();
+    assert!(err.is_some_and(|e| e.contains("no reply")));
+    // Checked as often as the silent one, and still up.
+    assert_eq!(health_of(&*c, live).unwrap().0, "up");
+    let vip = d.service_addr("default", "u").unwrap();
+    for _ in 0..4 {
+        let cl = UdpSocket::bind("127.0.0.1:0").unwrap();
+        cl.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        cl.send_to(b"q", vip).unwrap();
+        let mut buf = [0u8; 8];
+        let (n, _) = cl.recv_from(&mut buf).expect("served by the live backend");
+        assert_eq!(&buf[..n], b"q");
+    }
+    drop(mute);
+    d.shutdown();
+}
+
+fn udp_service_with_health(health: &str) -> String {
+    format!(
+        "[[service]]\nname = \"dns\"\nprotocol = \"udp\"\nlisten = \"127.0.0.1:5353\"\n\
+         [service.health]\n{health}\n\
+         [[service.backend]]\naddress = \"127.0.0.1:53\"\n"
+    )
+}
+
+#[test]
+fn check_refuses_a_tcp_check_on_a_udp_service_unless_it_names_a_port() {
+    let errors = |health: &str| -> String {
+        match weir::config::parse(&udp_service_with_health(health), "t.toml") {
+            Ok(_) => String::new(),
+            Err(e) => e
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("\n"),
+        }
+    };
+    let e = errors("interval = \"2s\"");
+    assert!(e.contains("TCP connect check on a UDP service"), "{e}");
+    let e = errors("protocol = \"tcp\"");
+    assert!(e.contains("TCP connect check on a UDP service"), "{e}");
+    assert_eq!(errors("port = 8053"), "", "a TCP port of each backend");
+    assert_eq!(errors("protocol = \"udp\"\nsend = \"ping\""), "");
+    let e = errors("protocol = \"udp\"");
+    assert!(e.contains("send"), "{e}");
+    let e = errors("port = 0");
+    assert!(e.contains("1-65535"), "{e}");
+    // The API validates the same way.
+    let d = Daemon::start(config(vec![]), None).unwrap();
+    let mut spec = service(
+        "u",
+        Protocol::Udp,
+        "rr",
+        vec![backend("127.0.0.1:53".parse().unwrap(), 1)],
+    );
+    spec.options.health = Some(HealthSpec::default());
+    let err = d.control().add_service(spec).expect_err("refused");
+    assert!(
+        err.to_string()
+            .contains("TCP connect check on a UDP service"),
+        "{err}"
+    );
+    d.shutdown();
+}
