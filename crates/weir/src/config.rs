@@ -142,6 +142,161 @@ pub struct TenantSpec {
     /// `[tenant.timeouts]`: per-state idle timeouts of this tenant's flows.
     #[serde(default, skip_serializing_if = "TimeoutsSpec::is_empty")]
     pub timeouts: TimeoutsSpec,
+    /// Where this tenant's token may put services ([`AddrRange`] strings,
+    /// e.g. "10.0.0.0/24:8000-8100"); empty = any specific address. A
+    /// wildcard listen (0.0.0.0, ::) is refused to the tenant token unless
+    /// an entry names the wildcard itself ("0.0.0.0:80", "[::]:80").
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allowed_listen: Vec<String>,
+    /// Which backend addresses (and so health-check targets) this tenant's
+    /// token may use; empty = any.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allowed_backends: Vec<String>,
+}
+
+/// A fence entry of `allowed_listen` / `allowed_backends`: `CIDR[:PORTS]`,
+/// IPv6 in brackets when a port follows ("[2001:db8::/32]:443"); PORTS is
+/// `N` or `LO-HI`, absent = every port. A bare address is a /32 (/128).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AddrRange {
+    /// Network address (host bits zero).
+    pub net: std::net::IpAddr,
+    /// Prefix length.
+    pub prefix: u8,
+    /// Lowest port allowed.
+    pub port_lo: u16,
+    /// Highest port allowed.
+    pub port_hi: u16,
+}
+
+impl AddrRange {
+    /// Whether `a` is inside: same family, address in the network, port in
+    /// range. A wildcard address (0.0.0.0, ::) is inside only an entry that
+    /// names the wildcard itself (full-length prefix): "0.0.0.0/0" allows
+    /// every specific IPv4 address, not a bind that captures them all.
+    pub fn contains(&self, a: SocketAddr) -> bool {
+        let in_net = match (self.net, a.ip()) {
+            (std::net::IpAddr::V4(n), std::net::IpAddr::V4(ip)) => {
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                u32::from(ip) & mask == u32::from(n)
+            }
+            (std::net::IpAddr::V6(n), std::net::IpAddr::V6(ip)) => {
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                u128::from(ip) & mask == u128::from(n)
+            }
+            _ => false,
+        };
+        let full = if a.is_ipv4() { 32 } else { 128 };
+        let wildcard_ok = !a.ip().is_unspecified() || self.prefix == full;
+        in_net && wildcard_ok && (self.port_lo..=self.port_hi).contains(&a.port())
+    }
+}
+
+impl std::str::FromStr for AddrRange {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = |why: &str| {
+            format!(
+                "{s:?} is not CIDR[:PORTS] ({why}); write e.g. \"10.0.0.0/24:8000-8100\", \
+                 \"10.0.0.5:80\", \"[2001:db8::/64]:443\""
+            )
+        };
+        let t = s.trim();
+        let (cidr, ports) = if let Some(rest) = t.strip_prefix('[') {
+            let (cidr, after) = rest.split_once(']').ok_or_else(|| bad("no closing ]"))?;
+            match after {
+                "" => (cidr, None),
+                _ => (
+                    cidr,
+                    Some(
+                        after
+                            .strip_prefix(':')
+                            .ok_or_else(|| bad("expected :PORTS after ]"))?,
+                    ),
+                ),
+            }
+        } else if t.matches(':').count() > 1 {
+            (t, None) // IPv6 without brackets: no port part.
+        } else {
+            match t.split_once(':') {
+                Some((c, p)) => (c, Some(p)),
+                None => (t, None),
+            }
+        };
+        let (ip, prefix) = match cidr.split_once('/') {
+            Some((ip, p)) => (ip, Some(p)),
+            None => (cidr, None),
+        };
+        let ip: std::net::IpAddr = ip.parse().map_err(|_| bad("bad IP address"))?;
+        let full: u8 = if ip.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix {
+            None => full,
+            Some(p) => p
+                .parse::<u8>()
+                .ok()
+                .filter(|p| *p <= full)
+                .ok_or_else(|| bad("bad prefix length"))?,
+        };
+        let (port_lo, port_hi) = match ports {
+            None => (0, u16::MAX),
+            Some(p) => {
+                let (lo, hi) = p.split_once('-').unwrap_or((p, p));
+                let lo: u16 = lo.parse().map_err(|_| bad("bad port"))?;
+                let hi: u16 = hi.parse().map_err(|_| bad("bad port"))?;
+                if lo > hi {
+                    return Err(bad("port range runs backwards"));
+                }
+                (lo, hi)
+            }
+        };
+        let net = match ip {
+            std::net::IpAddr::V4(v) => {
+                let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
+                std::net::IpAddr::V4((u32::from(v) & mask).into())
+            }
+            std::net::IpAddr::V6(v) => {
+                let mask = u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0);
+                std::net::IpAddr::V6((u128::from(v) & mask).into())
+            }
+        };
+        Ok(AddrRange {
+            net,
+            prefix,
+            port_lo,
+            port_hi,
+        })
+    }
+}
+
+/// Parse a fence list; every bad entry as "KEY[i]: message".
+pub fn parse_fence(key: &str, list: &[String]) -> Result<Vec<AddrRange>, Vec<String>> {
+    let mut out = Vec::with_capacity(list.len());
+    let mut errors = Vec::new();
+    for (i, e) in list.iter().enumerate() {
+        match e.parse() {
+            Ok(r) => out.push(r),
+            Err(m) => errors.push(format!("{key}[{i}]: {m}")),
+        }
+    }
+    if errors.is_empty() {
+        Ok(out)
+    } else {
+        Err(errors)
+    }
+}
+
+/// Whether `addr` passes a fence: an empty fence allows every specific
+/// address but no wildcard when `wildcard_needs_entry`.
+pub fn fence_allows(fence: &[AddrRange], addr: SocketAddr, wildcard_needs_entry: bool) -> bool {
+    if fence.is_empty() {
+        return !(wildcard_needs_entry && addr.ip().is_unspecified());
+    }
+    fence.iter().any(|r| r.contains(addr))
 }
 
 /// `[tenant.timeouts]`: per-state idle timeouts (durations such as "900s");
@@ -730,6 +885,19 @@ pub fn validate(c: &Config) -> Vec<Problem> {
                 );
             }
         }
+        for (key, list) in [
+            ("allowed_listen", &t.allowed_listen),
+            ("allowed_backends", &t.allowed_backends),
+        ] {
+            for (j, e) in list.iter().enumerate() {
+                if let Err(m) = e.parse::<AddrRange>() {
+                    err(
+                        &[base[0].clone(), base[1].clone(), k(key), PathSeg::Index(j)],
+                        m,
+                    );
+                }
+            }
+        }
         if t.table_entries != 0 && (!t.table_entries.is_power_of_two() || t.table_entries > 1 << 24)
         {
             err(
@@ -1077,6 +1245,8 @@ enum Kind {
     Proto,
     Table,
     Tables,
+    /// An array of strings.
+    Strs,
 }
 
 const DAEMON_KEYS: &[(&str, Kind)] = &[
@@ -1107,6 +1277,8 @@ const TENANT_KEYS: &[(&str, Kind)] = &[
     ("max_new_per_s", Kind::Int),
     ("token", Kind::Str),
     ("timeouts", Kind::Table),
+    ("allowed_listen", Kind::Strs),
+    ("allowed_backends", Kind::Strs),
 ];
 const TIMEOUT_KEYS: &[(&str, Kind)] = &[
     ("established", Kind::Str),
@@ -1270,6 +1442,9 @@ fn check_table(
                 .is_some_and(|s| s == "tcp" || s == "udp"),
             Kind::Table => item.is_table_like(),
             Kind::Tables => !tables(Some(item)).is_empty() || item.is_array_of_tables(),
+            Kind::Strs => v
+                .and_then(|v| v.as_array())
+                .is_some_and(|a| a.iter().all(|x| x.is_str())),
         };
         if !ok {
             let want = match kind {
@@ -1281,6 +1456,7 @@ fn check_table(
                 Kind::Proto => "\"tcp\" or \"udp\"",
                 Kind::Table => "a table, e.g. [section]",
                 Kind::Tables => "an array of tables, e.g. [[section]]",
+                Kind::Strs => "an array of strings, e.g. [\"10.0.0.0/24:80\"]",
             };
             out.push((path(key), offset, format!("expected {want}")));
         }
@@ -1357,6 +1533,8 @@ mod tests {
                     udp: Some("8s".into()),
                     persist: Some("9s".into()),
                 },
+                allowed_listen: vec!["10.0.0.0/24:8000-8100".into(), "[::]:443".into()],
+                allowed_backends: vec!["10.1.0.0/16".into()],
             }],
             services: vec![svc],
         };
@@ -1474,5 +1652,42 @@ mod tests {
         );
         let plain = parse("[[tenant]]\nname = \"a\"\n", "f.toml").unwrap();
         assert!(!toml::to_string(&plain).unwrap().contains("timeouts"));
+    }
+
+    #[test]
+    fn fence_entries_parse_and_match() {
+        let r = |s: &str| s.parse::<AddrRange>().unwrap_or_else(|e| panic!("{e}"));
+        let a = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let net = r("10.0.0.77/24:8000-8100");
+        assert!(net.contains(a("10.0.0.1:8000")) && net.contains(a("10.0.0.255:8100")));
+        assert!(!net.contains(a("10.0.1.1:8000")) && !net.contains(a("10.0.0.1:8101")));
+        assert!(!net.contains(a("[::1]:8000")), "family");
+        let host = r("10.0.0.5");
+        assert!(host.contains(a("10.0.0.5:1")) && !host.contains(a("10.0.0.6:1")));
+        let any4 = r("0.0.0.0/0");
+        assert!(any4.contains(a("192.0.2.1:80")));
+        assert!(
+            !any4.contains(a("0.0.0.0:80")),
+            "a wildcard needs its own entry"
+        );
+        assert!(r("0.0.0.0:80").contains(a("0.0.0.0:80")));
+        assert!(r("[::]:443").contains(a("[::]:443")));
+        let v6 = r("[2001:db8::/32]:443");
+        assert!(v6.contains(a("[2001:db8:1::9]:443")) && !v6.contains(a("[2001:db9::]:443")));
+        assert!(r("2001:db8::/32").contains(a("[2001:db8::1]:1")));
+        for bad in [
+            "10.0.0.0/33",
+            "10.0.0.0:70000",
+            "10.0.0.0:90-80",
+            "x",
+            "[::1",
+            "[::1]80",
+            "",
+        ] {
+            assert!(bad.parse::<AddrRange>().is_err(), "{bad:?}");
+        }
+        assert!(fence_allows(&[], a("10.0.0.1:1"), true));
+        assert!(!fence_allows(&[], a("0.0.0.0:1"), true));
+        assert!(fence_allows(&[], a("0.0.0.0:1"), false));
     }
 }

@@ -503,3 +503,161 @@ fn service_filters_take_tenant_slash_name() {
     let (code, _, err) = r.weir(&["kill", "--tenant", "beta", "--service", "acme/dup"]);
     assert_eq!(code, std::process::ExitCode::from(1), "{err}");
 }
+
+/// Defect 16: a tenant token's services listen, and its backends point,
+/// only inside the tenant's `allowed_listen` / `allowed_backends`; a
+/// wildcard listen needs an entry naming it, even with no fence at all.
+/// The full-access token is not fenced.
+#[test]
+fn tenant_tokens_are_fenced_by_address() {
+    let echo = Echo::start();
+    let other = Echo::start();
+    let (r, _dir, _path) = from_file(&format!(
+        "{}{}{}",
+        tenant_toml(
+            "acme",
+            &format!(
+                "token = \"acme-tok\"\nallowed_listen = [\"127.0.0.0/8\"]\nallowed_backends = [\"{}\"]",
+                echo.addr
+            )
+        ),
+        tenant_toml("beta", "token = \"beta-tok\""),
+        tenant_toml(
+            "gamma",
+            "token = \"gamma-tok\"\nallowed_listen = [\"0.0.0.0\"]"
+        ),
+    ));
+    let as_tenant = |token: &str, method: &str, path: &str, body: Value| {
+        Client::new(r.url.clone(), Some(token.into())).send(method, path, Some(&body))
+    };
+    let svc = |tenant: &str, name: &str, listen: &str, backend: SocketAddr| {
+        json!({ "tenant": tenant, "name": name, "protocol": "tcp", "listen": listen,
+                "backend": [{ "address": backend.to_string() }] })
+    };
+    let refused = |res: Result<Value, CliError>, what: &str| match res {
+        Err(CliError::Api {
+            status, message, ..
+        }) => {
+            assert_eq!(status, 403, "{what}: {message}");
+            message
+        }
+        other => panic!("{what}: expected 403, got {other:?}"),
+    };
+
+    // acme: inside both fences.
+    as_tenant(
+        "acme-tok",
+        "POST",
+        "/v1/services",
+        svc("acme", "web", "127.0.0.2:0", echo.addr),
+    )
+    .expect("inside the fences");
+    let web = r.d().service_addr("acme", "web").unwrap();
+    assert!(echo_once(web, b"fenced"));
+    let m = refused(
+        as_tenant(
+            "acme-tok",
+            "POST",
+            "/v1/services",
+            svc("acme", "wild", "0.0.0.0:0", echo.addr),
+        ),
+        "wildcard",
+    );
+    assert!(m.contains("allowed_listen"), "{m}");
+    refused(
+        as_tenant(
+            "acme-tok",
+            "POST",
+            "/v1/services",
+            svc("acme", "far", "10.0.0.1:80", echo.addr),
+        ),
+        "outside allowed_listen",
+    );
+    let m = refused(
+        as_tenant(
+            "acme-tok",
+            "POST",
+            "/v1/services",
+            svc("acme", "scan", "127.0.0.3:0", other.addr),
+        ),
+        "backend outside",
+    );
+    assert!(m.contains("allowed_backends"), "{m}");
+    refused(
+        as_tenant(
+            "acme-tok",
+            "POST",
+            "/v1/services/acme/web/backends",
+            json!({ "address": other.addr.to_string() }),
+        ),
+        "added backend outside",
+    );
+    let mut moved = r.ok("GET", "/v1/services/acme/web", None);
+    moved["listen"] = json!("0.0.0.0:0");
+    refused(
+        as_tenant("acme-tok", "PUT", "/v1/services/acme/web", moved),
+        "edit to a wildcard",
+    );
+    assert_eq!(r.d().service_addr("acme", "web"), Some(web));
+    assert!(r.d().service_addr("acme", "wild").is_none());
+    assert!(r.d().service_addr("acme", "scan").is_none());
+
+    // beta: no fence: any specific address, but no wildcard.
+    as_tenant(
+        "beta-tok",
+        "POST",
+        "/v1/services",
+        svc("beta", "web", "127.0.0.4:0", other.addr),
+    )
+    .expect("no fence");
+    refused(
+        as_tenant(
+            "beta-tok",
+            "POST",
+            "/v1/services",
+            svc("beta", "wild", "0.0.0.0:0", other.addr),
+        ),
+        "wildcard without an entry",
+    );
+    // gamma: an entry naming the wildcard allows it.
+    as_tenant(
+        "gamma-tok",
+        "POST",
+        "/v1/services",
+        svc("gamma", "wild", "0.0.0.0:0", other.addr),
+    )
+    .expect("wildcard named");
+    refused(
+        as_tenant(
+            "gamma-tok",
+            "POST",
+            "/v1/services",
+            svc("gamma", "one", "127.0.0.5:0", other.addr),
+        ),
+        "a wildcard entry is not every address",
+    );
+    // The full-access token is not fenced.
+    r.ok(
+        "POST",
+        "/v1/services",
+        Some(svc("acme", "ops", "127.0.0.6:0", other.addr)),
+    );
+    // Bad entries are refused with the key named, in files and the API.
+    let bad = r.status(
+        "PUT",
+        "/v1/tenants/acme",
+        Some(json!({ "allowed_listen": ["10.0.0.0/33"] })),
+    );
+    assert_eq!(bad.0, 400, "{}", bad.1);
+    assert!(bad.1.contains("allowed_listen[0]"), "{}", bad.1);
+    let errs = weir::config::parse(
+        "[[tenant]]\nname = \"x\"\nallowed_backends = [\"10.0.0.1:99999\"]\n",
+        "f.toml",
+    )
+    .unwrap_err();
+    assert!(
+        errs.iter()
+            .any(|e| e.to_string().contains("allowed_backends")),
+        "{errs:?}"
+    );
+}

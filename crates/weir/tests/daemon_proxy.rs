@@ -440,6 +440,8 @@ fn deleting_a_tenant_closes_and_purges_only_its_connections() {
             max_new_per_s: 0,
             token: None,
             timeouts: Default::default(),
+            allowed_listen: Vec::new(),
+            allowed_backends: Vec::new(),
         });
         let mut s = service(
             &format!("svc-{t}"),

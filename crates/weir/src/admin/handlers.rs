@@ -107,6 +107,58 @@ fn require_global(access: &Access, what: &str) -> ApiResult<()> {
     }
 }
 
+/// A tenant token is fenced by its tenant's `allowed_listen` and
+/// `allowed_backends` (backends are also the health-check targets): a
+/// service listens, and its backends point, only inside them, and a
+/// wildcard listen (0.0.0.0, ::) needs an entry naming it even when
+/// `allowed_listen` is empty. Other tokens are not fenced.
+fn check_fence(
+    st: &AppState,
+    access: &Access,
+    tenant: &str,
+    listen: Option<std::net::SocketAddr>,
+    backends: &[std::net::SocketAddr],
+) -> ApiResult<()> {
+    if access.tenant().is_none() {
+        return Ok(());
+    }
+    let spec = guard(|| st.control.running_config())?
+        .tenants
+        .into_iter()
+        .find(|t| t.name == tenant)
+        .unwrap_or_default();
+    let parse = |key: &str, list: &[String]| {
+        crate::config::parse_fence(key, list)
+            .map_err(|e| internal(format!("tenant {tenant:?}: {}", e.join("; "))))
+    };
+    let listen_fence = parse("allowed_listen", &spec.allowed_listen)?;
+    let backend_fence = parse("allowed_backends", &spec.allowed_backends)?;
+    let shown = |l: &[String]| {
+        if l.is_empty() {
+            "none".to_owned()
+        } else {
+            l.join(", ")
+        }
+    };
+    if let Some(l) = listen
+        && !crate::config::fence_allows(&listen_fence, l, true)
+    {
+        return Err(ApiError::forbidden(format!(
+            "listen {l} is outside tenant {tenant:?}'s allowed_listen ({}); a wildcard address needs an entry naming it: ask the operator",
+            shown(&spec.allowed_listen)
+        )));
+    }
+    for b in backends {
+        if !crate::config::fence_allows(&backend_fence, *b, false) {
+            return Err(ApiError::forbidden(format!(
+                "backend {b} is outside tenant {tenant:?}'s allowed_backends ({}): ask the operator",
+                shown(&spec.allowed_backends)
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Names appear in URL paths: keep them to a safe alphabet.
 fn check_name(what: &str, name: &str) -> ApiResult<()> {
     let ok = !name.is_empty()
@@ -259,6 +311,8 @@ pub(crate) async fn add_service(
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
     check_tenant(&access, &spec.tenant)?;
     check_name("service", &spec.name)?;
+    let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
+    check_fence(&st, &access, &spec.tenant, Some(spec.listen), &backends)?;
     let id = format!("{}/{}", spec.tenant, spec.name);
     guard(|| st.control.add_service(spec))??;
     Ok(created(id))
@@ -306,6 +360,8 @@ pub(crate) async fn edit_service(
     }
     let spec: ServiceSpec = serde_json::from_value(serde_json::Value::Object(obj))
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
+    let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
+    check_fence(&st, &access, &tenant, Some(spec.listen), &backends)?;
     guard(|| st.control.edit_service(&tenant, &service, spec))??;
     Ok(ok_json(
         serde_json::json!({ "updated": format!("{tenant}/{service}") }),
@@ -333,6 +389,7 @@ pub(crate) async fn add_backend(
     JsonBody(spec): JsonBody<BackendSpec>,
 ) -> ApiResult<Response> {
     check_tenant(&access, &tenant)?;
+    check_fence(&st, &access, &tenant, None, &[spec.address])?;
     let addr = spec.address.to_string();
     guard(|| st.control.add_backend(&tenant, &service, spec))??;
     Ok(created(format!("{tenant}/{service}/{addr}")))

@@ -203,7 +203,9 @@ fn schemas() -> Value {
       "Rates": rates,
       "TenantSpec": { "type": "object", "required": ["name"], "properties": {
         "name": s, "table_entries": int, "max_connections": int, "max_new_per_s": int, "token": s,
-        "timeouts": reff("Timeouts") } },
+        "timeouts": reff("Timeouts"),
+        "allowed_listen": { "type": "array", "items": s, "description": "CIDR[:PORT[-PORT]] where this tenant's token may listen; a wildcard needs an entry naming it" },
+        "allowed_backends": { "type": "array", "items": s, "description": "CIDR[:PORT[-PORT]] where this tenant's token may point backends" } } },
       "Timeouts": { "type": "object", "additionalProperties": false,
         "description": "per-state idle timeouts, e.g. \"900s\" (1s..=30 days); absent keys keep the IPVS defaults",
         "properties": { "established": s, "syn_sent": s, "syn_recv": s, "fin_wait": s, "close_wait": s,
@@ -211,6 +213,7 @@ fn schemas() -> Value {
       "TenantStatus": { "type": "object", "properties": {
         "name": s, "table_entries": int, "max_connections": int, "max_new_per_s": int,
         "timeouts": reff("Timeouts"),
+        "allowed_listen": { "type": "array", "items": s }, "allowed_backends": { "type": "array", "items": s },
         "active_conns": int, "refused": int, "table": { "type": "string", "enum": ["own", "shared"] } } },
       "BackendSpec": { "type": "object", "required": ["address"], "properties": {
         "address": s, "weight": int, "proxy_protocol": { "type": "string", "enum": ["v1", "v2"] }, "max_connections": int } },

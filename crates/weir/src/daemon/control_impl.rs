@@ -123,7 +123,7 @@ impl LiveControl {
             (st.tenants.clone(), st.services.clone())
         };
         for t in &new.tenants {
-            if let Err(e) = super::resolve_timeouts(t) {
+            if let Err(e) = super::resolve_timeouts(t).and_then(|_| super::check_fences(t)) {
                 errors.push(format!("tenant {}: {}", t.name, e.message));
             }
             match tenants.get(&t.name) {
@@ -365,6 +365,7 @@ impl Control for LiveControl {
             )));
         }
         let timeouts = super::resolve_timeouts(&spec)?;
+        super::check_fences(&spec)?;
         *t.timeouts.write() = timeouts;
         *t.spec.write() = spec;
         self.0.tune_tenant_timeouts(&t);

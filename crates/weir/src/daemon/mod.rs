@@ -349,6 +349,8 @@ fn default_tenant_spec() -> TenantSpec {
         max_new_per_s: 0,
         token: None,
         timeouts: Default::default(),
+        allowed_listen: Vec::new(),
+        allowed_backends: Vec::new(),
     }
 }
 
@@ -994,6 +996,7 @@ impl Shared {
             ));
         }
         let timeouts = resolve_timeouts(&spec)?;
+        check_fences(&spec)?;
         let mut st = self.state.write();
         if st.tenants.contains_key(&spec.name) {
             return Err(ControlError::new(
@@ -1358,6 +1361,28 @@ pub(crate) fn flow_key(svc: &Service, proto: Protocol, client: SocketAddr) -> Fl
         },
         client,
         virt: svc.listen,
+    }
+}
+
+/// A tenant's `allowed_listen` / `allowed_backends` entries all parse, or
+/// an Invalid error naming every bad one.
+pub(crate) fn check_fences(spec: &TenantSpec) -> crate::control::ControlResult<()> {
+    let mut errors = Vec::new();
+    for (key, list) in [
+        ("allowed_listen", &spec.allowed_listen),
+        ("allowed_backends", &spec.allowed_backends),
+    ] {
+        if let Err(e) = config::parse_fence(key, list) {
+            errors.extend(e);
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(crate::control::ControlError::new(
+            crate::control::ErrorKind::Invalid,
+            errors.join("; "),
+        ))
     }
 }
 

@@ -47,6 +47,8 @@ impl Fake {
                     max_new_per_s: 0,
                     token: None,
                     timeouts: Default::default(),
+                    allowed_listen: Vec::new(),
+                    allowed_backends: Vec::new(),
                 },
                 TenantSpec {
                     name: "acme".into(),
@@ -55,6 +57,8 @@ impl Fake {
                     max_new_per_s: 10,
                     token: Some("acme-token".into()),
                     timeouts: Default::default(),
+                    allowed_listen: vec!["10.0.0.0/8".into(), "[::]:80".into()],
+                    allowed_backends: vec!["10.0.0.0/8".into()],
                 },
                 TenantSpec {
                     name: "globex".into(),
@@ -63,6 +67,8 @@ impl Fake {
                     max_new_per_s: 0,
                     token: Some("globex-token".into()),
                     timeouts: Default::default(),
+                    allowed_listen: Vec::new(),
+                    allowed_backends: Vec::new(),
                 },
             ];
             st.config.services = vec![

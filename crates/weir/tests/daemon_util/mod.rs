@@ -141,6 +141,8 @@ pub fn default_tenant(max_connections: u64, max_new_per_s: u64) -> TenantSpec {
         max_new_per_s,
         token: None,
         timeouts: Default::default(),
+        allowed_listen: Vec::new(),
+        allowed_backends: Vec::new(),
     }
 }
 
