@@ -1495,7 +1495,12 @@ mod tests {
                 udp_responses: Some(1),
                 udp_timeout: Some("5s".into()),
                 udp_max_sessions_per_client: 3,
-                health: Some(HealthSpec::default()),
+                health: Some(HealthSpec {
+                    protocol: Some(Protocol::Udp),
+                    port: Some(1054),
+                    send: Some("ping".into()),
+                    ..HealthSpec::default()
+                }),
             },
             backends: vec![BackendSpec {
                 address: "127.0.0.1:1053".parse().unwrap(),
