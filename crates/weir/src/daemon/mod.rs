@@ -1217,13 +1217,26 @@ impl Service {
                 Load::new(b.active.load(Relaxed), b.inactive.load(Relaxed))
             })
         };
-        let picked = set
+        // `sh` / `mh` without fallback place a client on one backend only:
+        // when that one cannot take it (down, weight 0, at its limit, or it
+        // already failed this connection) the client is refused, as
+        // docs/sched.md says, instead of piling every displaced client onto
+        // the first usable backend.
+        let cfg = set.sched.config();
+        let pinned = matches!(
+            cfg.kind,
+            weir_sched::SchedulerKind::Sh | weir_sched::SchedulerKind::Mh
+        ) && !cfg.fallback;
+        let picked = match set
             .sched
             .pick(ClientAddr(client), &load, rng)
             .and_then(|i| set.backends.get(i))
-            .filter(|b| usable(b))
-            .or_else(|| set.backends.iter().find(|b| usable(b)))
-            .cloned();
+        {
+            Some(b) if usable(b) => Some(b),
+            _ if pinned => None,
+            _ => set.backends.iter().find(|b| usable(b)),
+        }
+        .cloned();
         let Some(b) = picked else {
             let any_full = set.backends.iter().any(|b| {
                 let max = b.spec.read().max_connections;
