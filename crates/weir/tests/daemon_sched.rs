@@ -112,3 +112,118 @@ fn sh_and_mh_refuse_a_client_whose_backend_is_at_its_limit() {
         d.shutdown();
     }
 }
+
+/// A connection refused because the flow table is full is counted once,
+/// as `table_full`, against its tenant; it used to be counted as
+/// `backend_unreachable` too.
+#[test]
+fn a_table_full_refusal_is_counted_once() {
+    let e = Echo::start();
+    let mut cfg = config(vec![service(
+        "one",
+        Protocol::Tcp,
+        "rr",
+        vec![backend(e.addr, 1)],
+    )]);
+    // One bucket: its chain cap (64) is the table's size.
+    cfg.daemon.shared_table_buckets = 1;
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "one").unwrap();
+    let mut held = Vec::new();
+    while let Some(s) = (held.len() < 200).then(|| echo_from(1, vip)).flatten() {
+        held.push(s);
+    }
+    assert!(held.len() < 200, "the table never filled");
+    let refused = c.global_stats().refused;
+    assert_eq!(
+        refused,
+        [("table_full".to_owned(), 1)].into_iter().collect(),
+        "{refused:?}"
+    );
+    let tenant = c.tenants().into_iter().find(|t| t.spec.name == "default");
+    assert_eq!(tenant.map(|t| t.refused), Some(1));
+    d.shutdown();
+}
+
+/// docs/sched.md: a persistence template does not expire while connections
+/// it created are alive. A connection held past the persistence timeout
+/// used to let the template lapse, so a neighbour in the same /24 went to
+/// another backend.
+#[test]
+fn a_persistence_template_lives_while_its_connections_do() {
+    let (a, b) = (Echo::start(), Echo::start());
+    let mut svc = service(
+        "p",
+        Protocol::Tcp,
+        "rr",
+        vec![backend(a.addr, 1), backend(b.addr, 1)],
+    );
+    svc.persistence = "1s".into();
+    svc.persistence_netmask = Some("255.255.255.0".into());
+    let d = Daemon::start(config(vec![svc]), None).unwrap();
+    let vip = d.service_addr("default", "p").unwrap();
+    let backends = [&a, &b];
+    let count = || backends.map(|e| e.accepted.load(std::sync::atomic::Ordering::Relaxed));
+    let _held = echo_from(2, vip).expect("first client served");
+    let first = count();
+    let on_a = first[0] == 1;
+    // The template's timeout has to pass for this test to mean anything:
+    // twice the persistence plus one expiry round of the flow table.
+    std::thread::sleep(Duration::from_millis(3_200));
+    let _next = echo_from(3, vip).expect("neighbour served");
+    let now = count();
+    assert_eq!(
+        (now[0] - first[0], now[1] - first[1]),
+        if on_a { (1, 0) } else { (0, 1) },
+        "the neighbour left the held connection's backend"
+    );
+    d.shutdown();
+}
+
+/// A second daemon (or any process with `SO_REUSEPORT`) used to join the
+/// listening group of a service address and take a share of its
+/// connections; now binding an address another socket serves is refused.
+#[test]
+fn a_service_address_served_elsewhere_is_refused() {
+    let e = Echo::start();
+    for proto in [Protocol::Tcp, Protocol::Udp] {
+        let first = Daemon::start(
+            config(vec![service("s", proto, "rr", vec![backend(e.addr, 1)])]),
+            None,
+        )
+        .unwrap();
+        let vip = first.service_addr("default", "s").unwrap();
+        let mut taken = service("s", proto, "rr", vec![backend(e.addr, 1)]);
+        taken.listen = vip;
+        let Err(err) = Daemon::start(config(vec![taken.clone()]), None) else {
+            panic!("{proto:?}: a second daemon joined the first one's address");
+        };
+        let msg = format!("{err:#}");
+        assert!(msg.contains("another process serves this address"), "{msg}");
+        // The first one's own re-add of the address (delete, add) works.
+        let c = first.control();
+        c.delete_service("default", "s").unwrap();
+        c.add_service(taken.clone()).unwrap();
+        first.shutdown();
+
+        // Any socket with SO_REUSEPORT, held by this test.
+        let (ty, p) = match proto {
+            Protocol::Tcp => (socket2::Type::STREAM, socket2::Protocol::TCP),
+            Protocol::Udp => (socket2::Type::DGRAM, socket2::Protocol::UDP),
+        };
+        let other = socket2::Socket::new(socket2::Domain::IPV4, ty, Some(p)).unwrap();
+        other.set_reuse_port(true).unwrap();
+        other
+            .bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+            .unwrap();
+        if proto == Protocol::Tcp {
+            other.listen(16).unwrap();
+        }
+        taken.listen = other.local_addr().unwrap().as_socket().unwrap();
+        let Err(err) = Daemon::start(config(vec![taken]), None) else {
+            panic!("{proto:?}: joined a foreign SO_REUSEPORT socket");
+        };
+        assert!(format!("{err:#}").contains("another process serves this address"));
+    }
+}
