@@ -244,6 +244,24 @@ impl HashSeed {
     pub fn new(k0: u64, k1: u64) -> Self {
         Self { k0, k1 }
     }
+
+    /// A seed derived from `text` (e.g. a configured secret, or a service's
+    /// name): the same text gives the same seed in every process, on every
+    /// build, so balancers configured alike map clients alike. SipHash-1-3
+    /// under two fixed keys (a specified function, unlike `std`'s
+    /// `DefaultHasher`).
+    pub fn from_text(text: &str) -> Self {
+        use std::hash::Hasher;
+        let word = |k0, k1| {
+            let mut h = siphasher::sip::SipHasher13::new_with_keys(k0, k1);
+            h.write(text.as_bytes());
+            h.finish()
+        };
+        Self {
+            k0: word(0x7765_6972_2d73_6565, 1),
+            k1: word(0x7765_6972_2d73_6565, 2),
+        }
+    }
 }
 
 /// The scheduling algorithm of a virtual service.
@@ -772,6 +790,14 @@ mod tests {
             let s = Scheduler::new(*s.config(), &[]).expect("valid");
             assert_eq!(histogram(&s, 5)[0], 5, "{kind}: picked from an empty set");
         }
+    }
+
+    #[test]
+    fn seed_from_text_is_stable_and_distinct() {
+        let a = HashSeed::from_text("default/web");
+        assert_eq!(a, HashSeed::from_text("default/web"));
+        assert_ne!(a, HashSeed::from_text("default/web2"));
+        assert_ne!(a.k0, a.k1);
     }
 
     #[test]

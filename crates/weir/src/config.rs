@@ -466,6 +466,13 @@ pub struct ServiceOptions {
     pub expire_nodest_conn: bool,
     /// `mh` only: fall back to another backend when the chosen one is unavailable.
     pub mh_fallback: bool,
+    /// `sh` / `mh`: text the client hash is keyed with. Default: the
+    /// service's `tenant/name`, so every instance started from the same
+    /// config maps every client to the same backend, across restarts.
+    /// Balancers that must agree share it; a secret one keeps clients from
+    /// predicting their placement.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hash_seed: Option<String>,
     /// UDP: end a session after this many responses (nginx `proxy_responses`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub udp_responses: Option<u32>,
@@ -1303,6 +1310,7 @@ const SERVICE_KEYS: &[(&str, Kind)] = &[
     ("connect_timeout", Kind::Str),
     ("expire_nodest_conn", Kind::Bool),
     ("mh_fallback", Kind::Bool),
+    ("hash_seed", Kind::Str),
     ("udp_responses", Kind::Int),
     ("udp_timeout", Kind::Str),
     ("udp_max_sessions_per_client", Kind::Int),
@@ -1492,6 +1500,7 @@ mod tests {
                 connect_timeout: Some("1s".into()),
                 expire_nodest_conn: true,
                 mh_fallback: true,
+                hash_seed: None,
                 udp_responses: Some(1),
                 udp_timeout: Some("5s".into()),
                 udp_max_sessions_per_client: 3,

@@ -147,7 +147,8 @@ fn run(path: Option<PathBuf>) -> ExitCode {
     let control = handle.control();
     let rt = handle.runtime();
     enum Exit {
-        Term,
+        /// SIGTERM, with the streams that may end its drain early.
+        Term(tokio::signal::unix::Signal, tokio::signal::unix::Signal),
         Int,
     }
     let exit = rt.block_on(async {
@@ -162,7 +163,7 @@ fn run(path: Option<PathBuf>) -> ExitCode {
         };
         loop {
             tokio::select! {
-                _ = term.recv() => return Exit::Term,
+                _ = term.recv() => return Exit::Term(term, int),
                 _ = int.recv() => return Exit::Int,
                 _ = hup.recv() => {
                     let c = control.clone();
@@ -183,10 +184,23 @@ fn run(path: Option<PathBuf>) -> ExitCode {
     admin_stop.cancel();
     drop(control);
     match exit {
-        Exit::Term => {
+        Exit::Term(mut term, mut int) => {
             let t = handle.drain_timeout();
             tracing::info!(drain_timeout = ?t, "SIGTERM: draining");
-            let forced = handle.drain(t);
+            // A second SIGTERM or a SIGINT ends the drain at once. The
+            // streams were registered before the first SIGTERM, so a signal
+            // sent right after it is not lost.
+            let abort = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let flag = abort.clone();
+            rt.spawn(async move {
+                let which = tokio::select! {
+                    _ = term.recv() => "SIGTERM",
+                    _ = int.recv() => "SIGINT",
+                };
+                tracing::info!("{which} while draining: stopping now");
+                flag.store(true, std::sync::atomic::Ordering::Relaxed);
+            });
+            let forced = handle.drain_until(t, &abort);
             tracing::info!(forced, "stopped");
         }
         Exit::Int => {

@@ -223,7 +223,7 @@ fn schemas() -> Value {
         "tenant": s, "name": s, "protocol": { "type": "string", "enum": ["tcp", "udp"] }, "listen": s,
         "scheduler": { "type": "string", "enum": ["rr", "wrr", "lc", "wlc", "sed", "nq", "sh", "mh", "p2c"] },
         "persistence": s, "persistence_netmask": s, "connect_timeout": s,
-        "expire_nodest_conn": { "type": "boolean" }, "mh_fallback": { "type": "boolean" },
+        "expire_nodest_conn": { "type": "boolean" }, "mh_fallback": { "type": "boolean" }, "hash_seed": s,
         "udp_responses": int, "udp_timeout": s, "udp_max_sessions_per_client": int,
         "health": { "type": "object", "properties": { "interval": s, "timeout": s, "rise": int, "fall": int,
             "protocol": { "type": "string", "enum": ["tcp", "udp"] }, "port": int, "send": s } },

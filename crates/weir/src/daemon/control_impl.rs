@@ -176,7 +176,7 @@ impl LiveControl {
             if moves
                 && s.listen.port() != 0
                 && !taken_by_us
-                && let Err(e) = super::open_sockets(s.protocol, s.listen, 1, 0)
+                && let Err(e) = super::probe_free(s.protocol, s.listen)
             {
                 errors.push(format!(
                     "service {id}: cannot listen on {} {}: {e}",
@@ -460,7 +460,10 @@ impl Control for LiveControl {
             return Ok(());
         }
         let params = service_params(&spec)?;
-        if cur.scheduler != spec.scheduler || cur.options.mh_fallback != spec.options.mh_fallback {
+        if cur.scheduler != spec.scheduler
+            || cur.options.mh_fallback != spec.options.mh_fallback
+            || cur.options.hash_seed != spec.options.hash_seed
+        {
             // A new algorithm: a fresh scheduler over the same live backends
             // (no history to carry over); connections are untouched.
             let old = svc.set.read().clone();
@@ -676,7 +679,7 @@ impl Control for LiveControl {
             stats,
             rates,
             active_conns: self.0.active.load(Relaxed),
-            refused: self.0.refused.lock().clone(),
+            refused: self.0.refused.snapshot(),
             open_fds: super::open_fds(),
             fd_limit: self.0.fd_limit,
             estimator_tick_seconds: self.0.rates.last_tick_ns.load(Relaxed) as f64 / 1e9,

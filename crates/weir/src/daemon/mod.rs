@@ -168,7 +168,8 @@ impl Daemon {
             stat: rates.stat(),
             rates,
             active: AtomicU64::new(0),
-            refused: Mutex::new(BTreeMap::new()),
+            refused: RefusalCounts::default(),
+            listen_groups: Mutex::new(Vec::new()),
             stop_accept: CancellationToken::new(),
             kill_all: CancellationToken::new(),
             control_rt: control_rt.handle().clone(),
@@ -293,10 +294,19 @@ impl DaemonHandle {
 
     /// Stop accepting; let connections finish for up to `timeout`; then close
     /// the rest and stop. Returns how many were closed forcibly.
-    pub fn drain(mut self, timeout: Duration) -> u64 {
+    pub fn drain(self, timeout: Duration) -> u64 {
+        self.drain_until(timeout, &AtomicBool::new(false))
+    }
+
+    /// [`Self::drain`], ended early (within 50 ms) once `abort` is set, e.g.
+    /// by a second signal.
+    pub fn drain_until(mut self, timeout: Duration, abort: &AtomicBool) -> u64 {
         self.shared.stop_accept.cancel();
         let deadline = Instant::now() + timeout;
-        while self.shared.active.load(Relaxed) > 0 && Instant::now() < deadline {
+        while self.shared.active.load(Relaxed) > 0
+            && Instant::now() < deadline
+            && !abort.load(Relaxed)
+        {
             std::thread::sleep(Duration::from_millis(50));
         }
         let left = self.shared.active.load(Relaxed);
@@ -425,7 +435,11 @@ pub(crate) struct Shared {
     pub(crate) stat: Stat,
     pub(crate) rates: Arc<stats::RateEngine>,
     pub(crate) active: AtomicU64,
-    pub(crate) refused: Mutex<BTreeMap<String, u64>>,
+    pub(crate) refused: RefusalCounts,
+    /// Every service that opened listeners, while it lives: a service
+    /// address still held by a removed one of ours is waited for, not
+    /// mistaken for another process's.
+    listen_groups: Mutex<Vec<(Protocol, SocketAddr, Weak<Service>)>>,
     pub(crate) stop_accept: CancellationToken,
     pub(crate) kill_all: CancellationToken,
     control_rt: tokio::runtime::Handle,
@@ -478,6 +492,11 @@ pub(crate) struct Service {
     pub(crate) cancel: CancellationToken,
     /// UDP sessions per client IP (for `udp_max_sessions_per_client`).
     pub(crate) udp_per_client: Mutex<HashMap<IpAddr, u64>>,
+    /// Persistence templates with live connections: template key →
+    /// (backend id, connections). Such a template does not expire (IPVS
+    /// keeps a template while it controls connections); when its last
+    /// connection ends, its timeout starts over.
+    templates: Mutex<HashMap<FlowKey, (u32, u64)>>,
     health_cancel: Mutex<CancellationToken>,
 }
 
@@ -613,6 +632,8 @@ pub(crate) struct ConnEntry {
     pub(crate) cancel: CancellationToken,
     /// Why it was cancelled ("killed", "backend_down", ...).
     pub(crate) cancel_reason: Mutex<&'static str>,
+    /// The persistence template it keeps alive, if its service has one.
+    template: Option<FlowKey>,
 }
 
 impl ConnEntry {
@@ -725,8 +746,9 @@ impl NewConnLimit {
     }
 }
 
-/// Admission check result.
-#[derive(Debug)]
+/// Why a connection or session was refused; each one is counted under
+/// exactly one reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Refusal {
     GlobalLimit,
     TenantLimit,
@@ -735,10 +757,27 @@ pub(crate) enum Refusal {
     BackendLimit,
     ClientLimit,
     TableFull,
+    /// Every backend tried failed to connect or timed out.
+    BackendUnreachable,
+    /// `accept` hit the descriptor limit (the client waits in the backlog).
+    FdExhausted,
 }
 
 impl Refusal {
-    fn key(&self) -> &'static str {
+    const ALL: [Self; 9] = [
+        Self::GlobalLimit,
+        Self::TenantLimit,
+        Self::TenantRate,
+        Self::NoBackend,
+        Self::BackendLimit,
+        Self::ClientLimit,
+        Self::TableFull,
+        Self::BackendUnreachable,
+        Self::FdExhausted,
+    ];
+
+    /// The name in `refused` of the stats and the metrics' `reason` label.
+    fn key(self) -> &'static str {
         match self {
             Self::GlobalLimit => "global_limit",
             Self::TenantLimit => "tenant_limit",
@@ -747,7 +786,39 @@ impl Refusal {
             Self::BackendLimit => "backend_limit",
             Self::ClientLimit => "client_limit",
             Self::TableFull => "table_full",
+            Self::BackendUnreachable => "backend_unreachable",
+            Self::FdExhausted => "fd_exhausted",
         }
+    }
+}
+
+/// Refusals per reason: one atomic each, so a flood of refused connections
+/// takes no lock and allocates nothing (they used to share one
+/// `Mutex<BTreeMap<String, u64>>` and allocate a key each). Each counter on
+/// its own cache line: different reasons are hit by different floods.
+#[derive(Debug, Default)]
+pub(crate) struct RefusalCounts([CachePadded<AtomicU64>; Refusal::ALL.len()]);
+
+/// 128 bytes: two 64-byte lines, as the adjacent-line prefetcher pulls
+/// pairs (tokio's `CachePadded` reasoning).
+#[derive(Debug, Default)]
+#[repr(align(128))]
+struct CachePadded<T>(T);
+
+impl RefusalCounts {
+    pub(crate) fn add(&self, why: Refusal) {
+        self.0[why as usize].0.fetch_add(1, Relaxed);
+    }
+
+    /// The reasons seen so far (zero counts left out), by name.
+    pub(crate) fn snapshot(&self) -> BTreeMap<String, u64> {
+        Refusal::ALL
+            .iter()
+            .filter_map(|&r| {
+                let n = self.0[r as usize].0.load(Relaxed);
+                (n > 0).then(|| (r.key().to_owned(), n))
+            })
+            .collect()
     }
 }
 
@@ -757,7 +828,7 @@ impl Shared {
     }
 
     pub(crate) fn refuse(&self, tenant: Option<&Tenant>, why: Refusal) {
-        *self.refused.lock().entry(why.key().to_owned()).or_default() += 1;
+        self.refused.add(why);
         if let Some(t) = tenant {
             t.refused.fetch_add(1, Relaxed);
         }
@@ -886,8 +957,17 @@ impl Shared {
             // the parent's lock, one more lock every connection would take.
             cancel: CancellationToken::new(),
             cancel_reason: Mutex::new("killed"),
+            template: {
+                let params = svc.params.read();
+                (!params.persistence.is_zero()).then(|| template_key(svc, &params, proto, client))
+            },
         });
         self.registry.insert(e.clone());
+        if let Some(tpl) = e.template {
+            let mut live = svc.templates.lock();
+            let slot = live.entry(tpl).or_insert((backend.id, 0));
+            *slot = (backend.id, slot.1 + 1);
+        }
         if self.kill_all.is_cancelled() {
             // Registered while the daemon was stopping.
             e.kill("killed");
@@ -910,6 +990,9 @@ impl Shared {
         } else {
             e.backend.inactive.fetch_sub(1, Relaxed);
         }
+        if let Some(tpl) = e.template {
+            self.release_template(&e.service, tpl);
+        }
         if self.daemon_cfg.access_log {
             tracing::info!(
                 target: "weir::access",
@@ -924,6 +1007,34 @@ impl Shared {
                 reason,
                 "closed"
             );
+        }
+    }
+
+    /// One connection of template `tpl` ended; after the last one the
+    /// template's timeout starts now (it is stored again if the table
+    /// expired it meanwhile).
+    fn release_template(&self, svc: &Service, tpl: FlowKey) {
+        let mut live = svc.templates.lock();
+        let Some(slot) = live.get_mut(&tpl) else {
+            return;
+        };
+        slot.1 -= 1;
+        if slot.1 > 0 {
+            return;
+        }
+        let backend = slot.0;
+        live.remove(&tpl);
+        drop(live);
+        let now = Millis(self.now_ms());
+        if self.table.get(&tpl).is_some() {
+            self.table.touch(&tpl, now, Dir::In, 0);
+        } else {
+            let init = FlowInit {
+                service: ServiceId(svc.id),
+                backend: BackendId(backend),
+                state: FlowState::Persist,
+            };
+            let _ = self.table.insert(tpl, init, now);
         }
     }
 
@@ -1097,22 +1208,26 @@ impl Shared {
                 format!("{} is used by another service", spec.listen),
             ));
         }
-        let sockets = open_sockets(
-            spec.protocol,
-            spec.listen,
-            self.workers.len(),
-            self.daemon_cfg.notsent_lowat,
-        )
-        .map_err(|e| {
-            ControlError::new(
-                ErrorKind::Unavailable,
-                format!(
-                    "cannot listen on {} {}: {e}",
-                    config::protocol_name(spec.protocol),
-                    spec.listen
-                ),
-            )
-        })?;
+        let sockets = self
+            .claim_listen(&st, spec.protocol, spec.listen)
+            .and_then(|()| {
+                open_sockets(
+                    spec.protocol,
+                    spec.listen,
+                    self.workers.len(),
+                    self.daemon_cfg.notsent_lowat,
+                )
+            })
+            .map_err(|e| {
+                ControlError::new(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "cannot listen on {} {}: {e}",
+                        config::protocol_name(spec.protocol),
+                        spec.listen
+                    ),
+                )
+            })?;
         let listen = sockets.1;
         let backends: Vec<Arc<Backend>> = spec
             .backends
@@ -1134,8 +1249,14 @@ impl Shared {
             stat: self.rates.stat(),
             cancel: CancellationToken::new(),
             udp_per_client: Mutex::new(HashMap::new()),
+            templates: Mutex::new(HashMap::new()),
             health_cancel: Mutex::new(CancellationToken::new()),
         });
+        {
+            let mut groups = self.listen_groups.lock();
+            groups.retain(|(_, _, s)| s.strong_count() > 0);
+            groups.push((spec.protocol, listen, Arc::downgrade(&svc)));
+        }
         for (tx, sock) in self.workers.iter().zip(sockets.0) {
             let _ = tx.send(WorkerCmd::Listen {
                 shared: self.clone(),
@@ -1155,6 +1276,58 @@ impl Shared {
         }
         self.tune_tenant_timeouts(&tenant);
         Ok(())
+    }
+
+    /// Makes sure no other process serves `addr` before weir opens its
+    /// `SO_REUSEPORT` group there: the kernel would let a second group of the
+    /// same user join and take a share of the connections. A service of this
+    /// daemon on an overlapping address (a wildcard and a specific one) is
+    /// not probed; one that was just removed is waited for (up to 2 s) while
+    /// its sockets close.
+    ///
+    /// A process that binds between this probe and the group's bind can
+    /// still join it; the window is one system call wide.
+    fn claim_listen(&self, st: &State, proto: Protocol, addr: SocketAddr) -> std::io::Result<()> {
+        if addr.port() == 0 {
+            return Ok(());
+        }
+        let overlaps = |other: SocketAddr| {
+            other.port() == addr.port()
+                && other.is_ipv6() == addr.is_ipv6()
+                && (other.ip() == addr.ip()
+                    || other.ip().is_unspecified()
+                    || addr.ip().is_unspecified())
+        };
+        if st
+            .services
+            .values()
+            .any(|s| overlaps(s.listen) && s.spec.read().protocol == proto)
+        {
+            return Ok(());
+        }
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            let err = match probe_free(proto, addr) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => e,
+                Err(e) => return Err(e),
+            };
+            let ours_closing = self
+                .listen_groups
+                .lock()
+                .iter()
+                .any(|(p, a, s)| *p == proto && overlaps(*a) && s.strong_count() > 0);
+            if !ours_closing || Instant::now() >= deadline {
+                return Err(std::io::Error::new(
+                    err.kind(),
+                    format!(
+                        "{err}: another process serves this address \
+                         (weir does not share a service address with other listeners)"
+                    ),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// Give the flow table the tenant's `[tenant.timeouts]`, except that
@@ -1285,10 +1458,17 @@ impl Service {
         };
         let now = shared.now_ms();
         let persist_ms = params.persistence.as_millis() as u64;
-        let tpl_key = FlowKey {
-            client: SocketAddr::new(params.mask.group(client.ip()), 0),
-            ..flow_key(self, proto, client)
-        };
+        let tpl_key = template_key(self, &params, proto, client);
+        // A template with live connections holds whatever its age.
+        let held = (persist_ms > 0)
+            .then(|| self.templates.lock().get(&tpl_key).map(|&(id, _)| id))
+            .flatten();
+        if let Some(id) = held
+            && let Some(b) = set.backends.iter().find(|b| b.id == id)
+            && usable(b)
+        {
+            return Ok(b.clone());
+        }
         if persist_ms > 0
             && let Some(tpl) = shared.table.get(&tpl_key)
             && tpl.state == FlowState::Persist
@@ -1304,26 +1484,40 @@ impl Service {
                 Load::new(b.active.load(Relaxed), b.inactive.load(Relaxed))
             })
         };
-        let picked = if let Some(&failed) = skip.last() {
+        // `sh` / `mh` without fallback place a client on one backend only:
+        // when that one cannot take it (down, weight 0, at its limit, or it
+        // already failed this connection) the client is refused, as
+        // docs/sched.md says, instead of piling every displaced client onto
+        // the first usable backend.
+        let cfg = set.sched.config();
+        let pinned = matches!(
+            cfg.kind,
+            weir_sched::SchedulerKind::Sh | weir_sched::SchedulerKind::Mh
+        ) && !cfg.fallback;
+        let picked = match skip.last() {
             // A retry after a failed connect: the next usable backend after
             // the one that failed, in list order, without asking the
             // scheduler, so a retry does not move rr's rotation (which would
             // put the failing backend first again for the next client).
-            let n = set.backends.len();
-            let at = set.backends.iter().position(|b| b.addr == failed);
-            let start = at.map_or(0, |i| i + 1);
-            (0..n)
-                .map(|k| &set.backends[(start + k) % n])
-                .find(|b| usable(b))
-                .cloned()
-        } else {
-            set.sched
+            Some(&failed) if !pinned => {
+                let n = set.backends.len();
+                let at = set.backends.iter().position(|b| b.addr == failed);
+                let start = at.map_or(0, |i| i + 1);
+                (0..n)
+                    .map(|k| &set.backends[(start + k) % n])
+                    .find(|b| usable(b))
+            }
+            _ => match set
+                .sched
                 .pick(ClientAddr(client), &load, rng)
                 .and_then(|i| set.backends.get(i))
-                .filter(|b| usable(b))
-                .or_else(|| set.backends.iter().find(|b| usable(b)))
-                .cloned()
-        };
+            {
+                Some(b) if usable(b) => Some(b),
+                _ if pinned => None,
+                _ => set.backends.iter().find(|b| usable(b)),
+            },
+        }
+        .cloned();
         let Some(b) = picked else {
             let any_full = set.backends.iter().any(|b| {
                 let max = b.spec.read().max_connections;
@@ -1348,6 +1542,20 @@ impl Service {
             }
         }
         Ok(b)
+    }
+}
+
+/// The flow-table key of the persistence template for `client` (IPVS: the
+/// client group, port 0).
+fn template_key(
+    svc: &Service,
+    params: &ServiceParams,
+    proto: Protocol,
+    client: SocketAddr,
+) -> FlowKey {
+    FlowKey {
+        client: SocketAddr::new(params.mask.group(client.ip()), 0),
+        ..flow_key(svc, proto, client)
     }
 }
 
@@ -1442,24 +1650,14 @@ pub(crate) fn build_sched(
         .map_err(|e: weir_sched::ParseKindError| {
             ControlError::new(ErrorKind::Invalid, e.to_string())
         })?;
-    let mut cfg = SchedConfig::new(kind, hash_seed());
+    let seed = match &spec.options.hash_seed {
+        Some(text) => HashSeed::from_text(text),
+        None => HashSeed::from_text(&format!("{}/{}", spec.tenant, spec.name)),
+    };
+    let mut cfg = SchedConfig::new(kind, seed);
     cfg.fallback = spec.options.mh_fallback;
     let infos: Vec<BackendInfo> = backends.iter().map(|b| b.info()).collect();
     Scheduler::new(cfg, &infos).map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))
-}
-
-/// Per-process random SipHash key for `sh`/`mh`.
-fn hash_seed() -> HashSeed {
-    use std::hash::{BuildHasher, Hasher};
-    static SEED: std::sync::OnceLock<HashSeed> = std::sync::OnceLock::new();
-    *SEED.get_or_init(|| {
-        let s = std::collections::hash_map::RandomState::new();
-        let mut h1 = s.build_hasher();
-        h1.write_u64(1);
-        let mut h2 = s.build_hasher();
-        h2.write_u64(2);
-        HashSeed::new(h1.finish(), h2.finish())
-    })
 }
 
 // ---------------------------------------------------------------------------
@@ -1470,6 +1668,27 @@ fn hash_seed() -> HashSeed {
 pub(crate) enum ListenSocket {
     Tcp(std::net::TcpListener),
     Udp(std::net::UdpSocket),
+}
+
+/// Binds `addr` once without `SO_REUSEPORT` (and, for UDP, without
+/// `SO_REUSEADDR`), and lets go: `AddrInUse` means some socket serves it.
+/// A TCP probe keeps `SO_REUSEADDR`, so connections of an earlier run left
+/// in TIME_WAIT do not count, while any listener does.
+pub(crate) fn probe_free(proto: Protocol, addr: SocketAddr) -> std::io::Result<()> {
+    use socket2::{Domain, Socket, Type};
+    let domain = Domain::for_address(addr);
+    let s = match proto {
+        Protocol::Tcp => {
+            let s = Socket::new(domain, Type::STREAM, Some(socket2::Protocol::TCP))?;
+            s.set_reuse_address(true)?;
+            s
+        }
+        Protocol::Udp => Socket::new(domain, Type::DGRAM, Some(socket2::Protocol::UDP))?,
+    };
+    if addr.is_ipv6() {
+        s.set_only_v6(true)?;
+    }
+    s.bind(&addr.into())
 }
 
 /// One `SO_REUSEPORT` socket per worker on `addr`; port 0 is resolved by

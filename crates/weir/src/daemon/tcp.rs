@@ -13,7 +13,7 @@ use socket2::SockRef;
 use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::{ConnEntry, ConnState, Service, Shared};
+use super::{ConnEntry, ConnState, Refusal, Service, Shared};
 use crate::config::Protocol;
 
 pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener: TcpListener) {
@@ -28,17 +28,20 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
         match accepted {
             Ok((stream, peer)) => {
                 backoff = Duration::from_millis(10);
+                // Admission before spawning: a refused connection (a flood
+                // over a limit) costs no task.
+                if let Err(why) = shared.admit(&svc.tenant) {
+                    shared.refuse(Some(&svc.tenant), why);
+                    reset(&stream);
+                    continue;
+                }
                 let seed = weir_sched::RandomSource::next_u64(&mut rng);
                 tokio::spawn(handle(shared.clone(), svc.clone(), stream, peer, seed));
             }
             Err(e) if is_fd_exhaustion(&e) => {
                 // Out of descriptors: the pending connection stays in the
                 // backlog; back off instead of spinning on accept.
-                *shared
-                    .refused
-                    .lock()
-                    .entry("fd_exhausted".into())
-                    .or_default() += 1;
+                shared.refused.add(Refusal::FdExhausted);
                 // Every listener of every worker gets here while fds are
                 // short: one line a second with a count.
                 static GATE: super::ratelog::RateLimited = super::ratelog::RateLimited::new(1000);
@@ -58,6 +61,28 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
     }
 }
 
+/// Pauses between backend connects that failed for want of descriptors:
+/// 10 ms doubling to 640 ms, about 1.3 s in all, then give up (the client is
+/// reset as for an unreachable backend). I/O-free.
+#[derive(Debug, Default)]
+struct FdBackoff {
+    tries: u32,
+}
+
+impl FdBackoff {
+    const MAX_TRIES: u32 = 7;
+
+    /// The next pause, or `None` once the tries are used up.
+    fn next(&mut self) -> Option<Duration> {
+        if self.tries >= Self::MAX_TRIES {
+            return None;
+        }
+        let pause = Duration::from_millis(10 << self.tries);
+        self.tries += 1;
+        Some(pause)
+    }
+}
+
 fn is_fd_exhaustion(e: &io::Error) -> bool {
     matches!(
         e.raw_os_error(),
@@ -69,6 +94,8 @@ fn reset(s: &TcpStream) {
     let _ = SockRef::from(s).set_linger(Some(Duration::ZERO));
 }
 
+/// Serves one accepted connection that [`Shared::admit`] has admitted
+/// (released here).
 async fn handle(
     shared: Arc<Shared>,
     svc: Arc<Service>,
@@ -77,23 +104,23 @@ async fn handle(
     seed: u64,
 ) {
     let tenant = svc.tenant.clone();
-    if let Err(why) = shared.admit(&tenant) {
-        shared.refuse(Some(&tenant), why);
-        reset(&client);
-        return;
-    }
+    // Set once the connection was counted as refused, so it is counted
+    // under one reason only.
+    let mut refused = false;
     let params = svc.params.read().clone();
     let mut rng = weir_sched::SplitMix64::new(seed);
     let mut tried: Vec<SocketAddr> = Vec::new();
     let max_tries = svc.set.read().backends.len().max(1);
     let mut connected = None;
     let mut last_entry: Option<Arc<ConnEntry>> = None;
+    let mut fd_backoff = FdBackoff::default();
     while tried.len() < max_tries {
         let backend = match svc.choose(&shared, Protocol::Tcp, peer, &tried, &mut rng) {
             Ok(b) => b,
             Err(why) => {
                 if tried.is_empty() {
                     shared.refuse(Some(&tenant), why);
+                    refused = true;
                 }
                 break;
             }
@@ -110,6 +137,7 @@ async fn handle(
             Ok(e) => e,
             Err(why) => {
                 shared.refuse(Some(&tenant), why);
+                refused = true;
                 break;
             }
         };
@@ -122,6 +150,23 @@ async fn handle(
                 backend.passive.on_success();
                 connected = Some((s, entry));
                 break;
+            }
+            Some(Ok(Err(e))) if is_fd_exhaustion(&e) => {
+                // Out of descriptors on our side: the backend is not at
+                // fault, and the client should wait rather than be reset.
+                // Try the same backend again after a pause, a bounded
+                // number of times.
+                shared.unregister(&entry, "fd_exhausted");
+                let Some(pause) = fd_backoff.next() else {
+                    tracing::debug!(backend = %backend.addr, "connect: {e}; giving up");
+                    break;
+                };
+                tried.pop();
+                tracing::debug!(backend = %backend.addr, "connect: {e}; retrying");
+                tokio::select! {
+                    _ = shared.kill_all.cancelled() => break,
+                    _ = tokio::time::sleep(pause) => {}
+                }
             }
             Some(Ok(Err(e))) => {
                 tracing::debug!(backend = %backend.addr, "connect failed: {e}");
@@ -143,16 +188,14 @@ async fn handle(
             }
         }
     }
+    // Killed while connecting: closed on purpose, not a refusal.
+    let killed = last_entry.is_some();
     if let Some(e) = last_entry {
         shared.unregister(&e, "killed");
     }
     let Some((backend_stream, entry)) = connected else {
-        if !tried.is_empty() {
-            *shared
-                .refused
-                .lock()
-                .entry("backend_unreachable".into())
-                .or_default() += 1;
+        if !tried.is_empty() && !refused && !killed {
+            shared.refused.add(Refusal::BackendUnreachable);
         }
         shared.release(&tenant);
         reset(&client);
@@ -600,6 +643,25 @@ fn half_closed(shared: &Shared, entry: &ConnEntry) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fd_backoff_doubles_and_is_bounded() {
+        let mut b = FdBackoff::default();
+        let pauses: Vec<u64> = std::iter::from_fn(|| b.next())
+            .map(|d| d.as_millis() as u64)
+            .collect();
+        assert_eq!(pauses, [10, 20, 40, 80, 160, 320, 640]);
+        assert_eq!(b.next(), None);
+        assert!(is_fd_exhaustion(&io::Error::from_raw_os_error(
+            libc::EMFILE
+        )));
+        assert!(is_fd_exhaustion(&io::Error::from_raw_os_error(
+            libc::ENFILE
+        )));
+        assert!(!is_fd_exhaustion(&io::Error::from_raw_os_error(
+            libc::ECONNREFUSED
+        )));
+    }
 
     #[test]
     fn clamp_policy_clamps_on_waits_and_lifts_after_a_run_of_free_writes() {

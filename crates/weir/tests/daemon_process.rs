@@ -1,0 +1,275 @@
+//! The `weir run` process under signals and a low descriptor limit.
+
+mod daemon_util;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use daemon_util::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_weir");
+const T: Duration = Duration::from_secs(15);
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_addr() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// A config with one TCP service `vip` → `backend`, written into `dir`.
+fn write_config(
+    dir: &tempfile::TempDir,
+    vip: SocketAddr,
+    backend: SocketAddr,
+    daemon: &str,
+) -> PathBuf {
+    let text = format!(
+        "[daemon]\nworkers = 1\n{daemon}\n[admin]\nlisten = \"{}\"\ntoken = \"daemon-process-test-token\"\n\
+         [[service]]\nname = \"e\"\nprotocol = \"tcp\"\nlisten = \"{vip}\"\nscheduler = \"rr\"\n  \
+         [[service.backend]]\n  address = \"{backend}\"\n",
+        free_addr()
+    );
+    let p = dir.path().join("weir.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// `weir run --config CONFIG` (HOME and XDG_RUNTIME_DIR in the config's
+/// directory), under `ulimit -n NOFILE` when given.
+fn spawn_run(config: &Path, nofile: Option<u32>) -> Proc {
+    let home = config.parent().unwrap();
+    let mut cmd = match nofile {
+        Some(n) => {
+            let mut c = Command::new("sh");
+            c.arg("-c")
+                .arg(format!("ulimit -n {n} && exec \"$0\" run --config \"$1\""))
+                .arg(BIN)
+                .arg(config);
+            c
+        }
+        None => {
+            let mut c = Command::new(BIN);
+            c.args(["run", "--config"]).arg(config);
+            c
+        }
+    };
+    Proc(
+        cmd.env("RUST_LOG", "info")
+            .env("HOME", home)
+            .env("XDG_RUNTIME_DIR", home)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// docs/daemon.md: SIGINT closes everything now, also while a SIGTERM drain
+/// waits for live connections (it used to be ignored until the drain
+/// timeout); so does a second SIGTERM.
+#[test]
+fn a_second_signal_ends_a_drain_at_once() {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    for second in [Signal::SIGINT, Signal::SIGTERM] {
+        let e = Echo::start();
+        let vip = free_addr();
+        let dir = tempfile::tempdir().unwrap();
+        let p = write_config(&dir, vip, e.addr, "drain_timeout = \"300s\"");
+        let mut child = spawn_run(&p, None);
+        assert!(
+            wait_until(T, || echo_once(vip, b"up")),
+            "daemon did not come up"
+        );
+        let pid = Pid::from_raw(child.0.id() as i32);
+        let mut held = held(vip);
+        kill(pid, Signal::SIGTERM).unwrap();
+        // Draining: no new connections, the held one still served.
+        assert!(
+            wait_until(T, || TcpStream::connect(vip).is_err()),
+            "still accepting after SIGTERM"
+        );
+        held.write_all(b"ok").unwrap();
+        let mut b = [0u8; 2];
+        held.read_exact(&mut b).unwrap();
+        assert!(
+            child.0.try_wait().unwrap().is_none(),
+            "exited before the drain"
+        );
+        let t0 = Instant::now();
+        kill(pid, second).unwrap();
+        assert!(
+            wait_until(T, || child.0.try_wait().unwrap().is_some()),
+            "{second}: the drain went on"
+        );
+        assert!(t0.elapsed() < T, "{second}");
+        assert!(child.0.wait().unwrap().success());
+        // The held connection was closed by the daemon.
+        let mut rest = Vec::new();
+        held.set_read_timeout(Some(T)).unwrap();
+        let _ = held.read_to_end(&mut rest);
+        let mut err = String::new();
+        let _ = child.0.stderr.take().unwrap().read_to_string(&mut err);
+        assert!(
+            err.contains("while draining: stopping now"),
+            "{second}:\n{err}"
+        );
+    }
+}
+
+/// Open descriptors of process `pid` numbered below `limit` (one the test
+/// harness leaves open, such as cargo's jobserver pipe, may sit above).
+fn fds_below(pid: u32, limit: u64) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| {
+        d.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u64>().ok())
+            .filter(|&fd| fd < limit)
+            .count() as u64
+    })
+}
+
+/// A client accepted when only one descriptor was left waits for its
+/// backend connect (which failed with EMFILE) to be retried instead of
+/// being reset, and is served once descriptors are free again.
+#[test]
+fn a_backend_connect_out_of_descriptors_waits_instead_of_resetting() {
+    const NOFILE: u64 = 64;
+    let e = Echo::start();
+    let vip = free_addr();
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_config(&dir, vip, e.addr, "");
+    let admin = std::fs::read_to_string(&p)
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("listen = \"")?
+                .strip_suffix('"')?
+                .parse::<SocketAddr>()
+                .ok()
+        })
+        .unwrap();
+    let child = spawn_run(&p, Some(NOFILE as u32));
+    let pid = child.0.id();
+    assert!(
+        wait_until(T, || echo_once(vip, b"up")),
+        "daemon did not come up"
+    );
+    let fds_of = |pid| fds_below(pid, NOFILE);
+    // Fill descriptors with held connections (two each: client and
+    // backend side) until one or two are left.
+    let mut helds = Vec::new();
+    while NOFILE - fds_of(pid) >= 3 {
+        helds.push(held(vip));
+        assert!(helds.len() < NOFILE as usize, "descriptors do not fill");
+    }
+    // Exactly one left: an idle admin connection takes the spare one.
+    let mut _admin = None;
+    if NOFILE - fds_of(pid) == 2 {
+        let before = fds_of(pid);
+        _admin = Some(TcpStream::connect(admin).unwrap());
+        assert!(wait_until(T, || fds_of(pid) > before));
+    }
+    assert_eq!(NOFILE - fds_of(pid), 1, "{} held", helds.len());
+    // The next client's accept takes the last descriptor; its backend
+    // connect fails with EMFILE.
+    let mut x = TcpStream::connect(vip).unwrap();
+    x.set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    x.write_all(b"xy").unwrap();
+    let mut b = [0u8; 2];
+    let early = x.read_exact(&mut b);
+    let kind = early.as_ref().map_err(|e| e.kind()).err();
+    assert!(
+        matches!(
+            kind,
+            Some(std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+        ),
+        "the client was not left waiting: {early:?}"
+    );
+    // Free descriptors: the retry connects and the bytes come back.
+    helds.truncate(helds.len() - 2);
+    x.set_read_timeout(Some(T)).unwrap();
+    x.read_exact(&mut b)
+        .expect("served once descriptors were free");
+    assert_eq!(&b, b"xy");
+    drop(child);
+}
+
+/// Which of `backends` served one round trip from `127.0.0.<host>`.
+fn served_by(host: u8, vip: SocketAddr, backends: &[Echo]) -> Option<usize> {
+    use std::net::{IpAddr, Ipv4Addr};
+    use std::sync::atomic::Ordering::Relaxed;
+    let before: Vec<u64> = backends.iter().map(|b| b.accepted.load(Relaxed)).collect();
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).ok()?;
+    let src = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 0, 0, host)), 0);
+    s.bind(&src.into()).ok()?;
+    s.connect_timeout(&vip.into(), T).ok()?;
+    let mut s: TcpStream = s.into();
+    s.set_read_timeout(Some(T)).ok()?;
+    let mut b = [0u8; 1];
+    s.write_all(b"m").ok()?;
+    s.read_exact(&mut b).ok()?;
+    backends
+        .iter()
+        .zip(before)
+        .position(|(b, n)| b.accepted.load(Relaxed) > n)
+}
+
+/// sh and mh map a client to the same backend in every process started
+/// from the same config: their hash key comes from the config (default:
+/// the service's name), not from a random per-process seed.
+#[test]
+fn sh_and_mh_map_clients_alike_across_restarts() {
+    let backends: Vec<Echo> = (0..4).map(|_| Echo::start()).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let mut text = format!(
+        "[daemon]\nworkers = 1\n[admin]\nlisten = \"{}\"\ntoken = \"daemon-process-test-token\"\n",
+        free_addr()
+    );
+    let vips: Vec<SocketAddr> = (0..2).map(|_| free_addr()).collect();
+    for (kind, vip) in ["sh", "mh"].iter().zip(&vips) {
+        text.push_str(&format!(
+            "[[service]]\nname = \"{kind}\"\nprotocol = \"tcp\"\nlisten = \"{vip}\"\nscheduler = \"{kind}\"\n"
+        ));
+        for b in &backends {
+            text.push_str(&format!(
+                "  [[service.backend]]\n  address = \"{}\"\n",
+                b.addr
+            ));
+        }
+    }
+    let p = dir.path().join("weir.toml");
+    std::fs::write(&p, text).unwrap();
+    let mut maps = Vec::new();
+    for _run in 0..2 {
+        let mut child = spawn_run(&p, None);
+        assert!(
+            wait_until(T, || vips.iter().all(|v| echo_once(*v, b"up"))),
+            "daemon did not come up"
+        );
+        let map: Vec<Option<usize>> = vips
+            .iter()
+            .flat_map(|vip| (10..60u8).map(|h| served_by(h, *vip, &backends)))
+            .collect();
+        assert!(map.iter().all(Option::is_some), "{map:?}");
+        maps.push(map);
+        let _ = child.0.kill();
+        let _ = child.0.wait();
+    }
+    // Spread (not all on one backend), and identical across the restart.
+    let used: std::collections::BTreeSet<_> = maps[0].iter().collect();
+    assert!(used.len() > 2, "{:?}", maps[0]);
+    assert_eq!(maps[0], maps[1]);
+}

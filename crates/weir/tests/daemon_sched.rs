@@ -1,0 +1,229 @@
+//! Scheduling through the live daemon: what `sh` / `mh` do with clients
+//! whose backend cannot take them, and that they map clients the same way
+//! in every process started from the same config.
+
+mod daemon_util;
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
+use std::time::Duration;
+
+use daemon_util::*;
+use weir::config::Protocol;
+use weir::control::Control;
+use weir::daemon::Daemon;
+
+const T: Duration = Duration::from_secs(10);
+
+/// A connection to `vip` from the loopback address `127.0.0.<host>` (sh
+/// and mh hash the client address; loopback answers the whole /8).
+fn connect_from(host: u8, vip: SocketAddr) -> std::io::Result<TcpStream> {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    let src = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 0, 0, host)), 0);
+    s.bind(&src.into())?;
+    s.connect_timeout(&vip.into(), T)?;
+    let s: TcpStream = s.into();
+    s.set_read_timeout(Some(T))?;
+    Ok(s)
+}
+
+/// Whether one round trip from `127.0.0.<host>` echoes; the stream stays
+/// open when it did.
+fn echo_from(host: u8, vip: SocketAddr) -> Option<TcpStream> {
+    let mut s = connect_from(host, vip).ok()?;
+    let mut b = [0u8; 2];
+    (s.write_all(b"hi").is_ok() && s.read_exact(&mut b).is_ok() && &b == b"hi").then_some(s)
+}
+
+/// Live connections (active + inactive) on the backends of `name`.
+fn live(c: &dyn Control, name: &str) -> u64 {
+    c.services()
+        .into_iter()
+        .filter(|s| s.name == name)
+        .flat_map(|s| s.backends)
+        .map(|b| b.active_conns + b.inactive_conns)
+        .sum()
+}
+
+/// docs/sched.md: without fallback, a client whose `sh` / `mh` backend
+/// cannot take it is refused. It used to go to the first usable backend in
+/// list order, so every displaced client landed on one backend.
+#[test]
+fn sh_and_mh_refuse_a_client_whose_backend_is_at_its_limit() {
+    for kind in ["sh", "mh"] {
+        let (a, b) = (Echo::start(), Echo::start());
+        // The limited backend last: the old fallback took the first usable
+        // one, `a`, so a refusal is visible as "no new accept anywhere".
+        let mut limited = backend(b.addr, 1);
+        limited.max_connections = 1;
+        let d = Daemon::start(
+            config(vec![service(
+                kind,
+                Protocol::Tcp,
+                kind,
+                vec![backend(a.addr, 1), limited],
+            )]),
+            None,
+        )
+        .unwrap();
+        let c = d.control();
+        let vip = d.service_addr("default", kind).unwrap();
+        // Find two client addresses that map to the limited backend.
+        let mut on_b = Vec::new();
+        for host in 2..=200u8 {
+            let before = b.accepted.load(std::sync::atomic::Ordering::Relaxed);
+            let s = echo_from(host, vip).expect("an idle backend serves");
+            drop(s);
+            assert!(
+                wait_until(T, || live(&*c, kind) == 0),
+                "{kind}: closed connection not settled"
+            );
+            if b.accepted.load(std::sync::atomic::Ordering::Relaxed) > before {
+                on_b.push(host);
+                if on_b.len() == 2 {
+                    break;
+                }
+            }
+        }
+        assert_eq!(on_b.len(), 2, "{kind}: no two clients on one backend");
+        let _hold = echo_from(on_b[0], vip).expect("first client of the limited backend");
+        let (acc_a, acc_b) = (
+            a.accepted.load(std::sync::atomic::Ordering::Relaxed),
+            b.accepted.load(std::sync::atomic::Ordering::Relaxed),
+        );
+        assert!(
+            echo_from(on_b[1], vip).is_none(),
+            "{kind}: a client of a full backend was served elsewhere"
+        );
+        assert_eq!(
+            (
+                a.accepted.load(std::sync::atomic::Ordering::Relaxed),
+                b.accepted.load(std::sync::atomic::Ordering::Relaxed)
+            ),
+            (acc_a, acc_b),
+            "{kind}: the refused client reached a backend"
+        );
+        assert_eq!(
+            c.global_stats().refused.get("backend_limit").copied(),
+            Some(1),
+            "{kind}: {:?}",
+            c.global_stats().refused
+        );
+        d.shutdown();
+    }
+}
+
+/// A connection refused because the flow table is full is counted once,
+/// as `table_full`, against its tenant; it used to be counted as
+/// `backend_unreachable` too.
+#[test]
+fn a_table_full_refusal_is_counted_once() {
+    let e = Echo::start();
+    let mut cfg = config(vec![service(
+        "one",
+        Protocol::Tcp,
+        "rr",
+        vec![backend(e.addr, 1)],
+    )]);
+    // One bucket: its chain cap (64) is the table's size.
+    cfg.daemon.shared_table_buckets = 1;
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "one").unwrap();
+    let mut held = Vec::new();
+    while let Some(s) = (held.len() < 200).then(|| echo_from(1, vip)).flatten() {
+        held.push(s);
+    }
+    assert!(held.len() < 200, "the table never filled");
+    let refused = c.global_stats().refused;
+    assert_eq!(
+        refused,
+        [("table_full".to_owned(), 1)].into_iter().collect(),
+        "{refused:?}"
+    );
+    let tenant = c.tenants().into_iter().find(|t| t.spec.name == "default");
+    assert_eq!(tenant.map(|t| t.refused), Some(1));
+    d.shutdown();
+}
+
+/// docs/sched.md: a persistence template does not expire while connections
+/// it created are alive. A connection held past the persistence timeout
+/// used to let the template lapse, so a neighbour in the same /24 went to
+/// another backend.
+#[test]
+fn a_persistence_template_lives_while_its_connections_do() {
+    let (a, b) = (Echo::start(), Echo::start());
+    let mut svc = service(
+        "p",
+        Protocol::Tcp,
+        "rr",
+        vec![backend(a.addr, 1), backend(b.addr, 1)],
+    );
+    svc.persistence = "1s".into();
+    svc.persistence_netmask = Some("255.255.255.0".into());
+    let d = Daemon::start(config(vec![svc]), None).unwrap();
+    let vip = d.service_addr("default", "p").unwrap();
+    let backends = [&a, &b];
+    let count = || backends.map(|e| e.accepted.load(std::sync::atomic::Ordering::Relaxed));
+    let _held = echo_from(2, vip).expect("first client served");
+    let first = count();
+    let on_a = first[0] == 1;
+    // The template's timeout has to pass for this test to mean anything:
+    // twice the persistence plus one expiry round of the flow table.
+    std::thread::sleep(Duration::from_millis(3_200));
+    let _next = echo_from(3, vip).expect("neighbour served");
+    let now = count();
+    assert_eq!(
+        (now[0] - first[0], now[1] - first[1]),
+        if on_a { (1, 0) } else { (0, 1) },
+        "the neighbour left the held connection's backend"
+    );
+    d.shutdown();
+}
+
+/// A second daemon (or any process with `SO_REUSEPORT`) used to join the
+/// listening group of a service address and take a share of its
+/// connections; now binding an address another socket serves is refused.
+#[test]
+fn a_service_address_served_elsewhere_is_refused() {
+    let e = Echo::start();
+    for proto in [Protocol::Tcp, Protocol::Udp] {
+        let first = Daemon::start(
+            config(vec![service("s", proto, "rr", vec![backend(e.addr, 1)])]),
+            None,
+        )
+        .unwrap();
+        let vip = first.service_addr("default", "s").unwrap();
+        let mut taken = service("s", proto, "rr", vec![backend(e.addr, 1)]);
+        taken.listen = vip;
+        let Err(err) = Daemon::start(config(vec![taken.clone()]), None) else {
+            panic!("{proto:?}: a second daemon joined the first one's address");
+        };
+        let msg = format!("{err:#}");
+        assert!(msg.contains("another process serves this address"), "{msg}");
+        // The first one's own re-add of the address (delete, add) works.
+        let c = first.control();
+        c.delete_service("default", "s").unwrap();
+        c.add_service(taken.clone()).unwrap();
+        first.shutdown();
+
+        // Any socket with SO_REUSEPORT, held by this test.
+        let (ty, p) = match proto {
+            Protocol::Tcp => (socket2::Type::STREAM, socket2::Protocol::TCP),
+            Protocol::Udp => (socket2::Type::DGRAM, socket2::Protocol::UDP),
+        };
+        let other = socket2::Socket::new(socket2::Domain::IPV4, ty, Some(p)).unwrap();
+        other.set_reuse_port(true).unwrap();
+        other
+            .bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+            .unwrap();
+        if proto == Protocol::Tcp {
+            other.listen(16).unwrap();
+        }
+        taken.listen = other.local_addr().unwrap().as_socket().unwrap();
+        let Err(err) = Daemon::start(config(vec![taken]), None) else {
+            panic!("{proto:?}: joined a foreign SO_REUSEPORT socket");
+        };
+        assert!(format!("{err:#}").contains("another process serves this address"));
+    }
+}
