@@ -773,6 +773,47 @@ pub fn check_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// One token, one role: the full-access, read-only and tenant tokens must
+/// all differ, or which role a request gets would depend on check order.
+/// Each repeat is reported at its second key, naming the first (never the
+/// token itself).
+fn duplicate_tokens<'a>(c: &'a Config) -> Vec<(Vec<PathSeg>, String)> {
+    let mut seen: std::collections::HashMap<&'a str, String> = std::collections::HashMap::new();
+    let mut out = Vec::new();
+    let mut note = |token: Option<&'a String>, path: Vec<PathSeg>, role: String| {
+        let Some(t) = token.map(|t| t.trim()).filter(|t| !t.is_empty()) else {
+            return;
+        };
+        match seen.get(t) {
+            Some(first) => out.push((
+                path,
+                format!("is the same token as {first}: a token may hold one role only; give each its own"),
+            )),
+            None => {
+                seen.insert(t, role);
+            }
+        }
+    };
+    note(
+        c.admin.token.as_ref(),
+        vec![k("admin"), k("token")],
+        "admin.token".into(),
+    );
+    note(
+        c.admin.readonly_token.as_ref(),
+        vec![k("admin"), k("readonly_token")],
+        "admin.readonly_token".into(),
+    );
+    for (i, t) in c.tenants.iter().enumerate() {
+        note(
+            t.token.as_ref(),
+            vec![k("tenant"), PathSeg::Index(i), k("token")],
+            format!("tenant {:?}'s token", t.name),
+        );
+    }
+    out
+}
+
 /// Every semantic problem of a parsed configuration (empty = valid).
 pub fn validate(c: &Config) -> Vec<Problem> {
     let mut out = Vec::new();
@@ -915,6 +956,10 @@ pub fn validate(c: &Config) -> Vec<Problem> {
                 ),
             );
         }
+    }
+
+    for (path, message) in duplicate_tokens(c) {
+        err(&path, message);
     }
 
     let mut service_names = std::collections::HashSet::new();

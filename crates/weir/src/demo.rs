@@ -135,7 +135,7 @@ fn run_inner(duration: Option<Duration>) -> anyhow::Result<()> {
     });
     let handle = Daemon::start(cfg.clone(), None)?;
     let admin_stop = CancellationToken::new();
-    crate::start_admin(&handle, &cfg.admin, admin_stop.clone());
+    crate::start_admin(&handle, &cfg.admin, admin_stop.clone())?;
     let tcp_vip = handle
         .service_addr("default", "demo-tcp")
         .ok_or_else(|| anyhow::anyhow!("demo-tcp did not start"))?;

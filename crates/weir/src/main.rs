@@ -94,6 +94,13 @@ fn init_logs_quiet() {
 fn check(path: &std::path::Path) -> ExitCode {
     match config::load(path) {
         Ok(c) => {
+            // What a file check can tell about the admin API's token; the
+            // address itself is only known to be free when binding.
+            if let Err(e) = weir::admin::auth::check_token_source(&c.admin) {
+                eprintln!("{}: admin: {e:#}", path.display());
+                eprintln!("{}: 1 error(s)", path.display());
+                return ExitCode::from(1);
+            }
             println!(
                 "{}: OK ({} tenant(s), {} service(s), {} backend(s))",
                 path.display(),
@@ -143,7 +150,13 @@ fn run(path: Option<PathBuf>) -> ExitCode {
         }
     };
     let admin_stop = CancellationToken::new();
-    start_admin(&handle, &cfg.admin, admin_stop.clone());
+    // A daemon nobody can manage is worse than one that does not start:
+    // the admin API binds (token read, address taken) before we go on.
+    if let Err(e) = start_admin(&handle, &cfg.admin, admin_stop.clone()) {
+        eprintln!("weir run: admin API: {e:#}; not starting");
+        handle.shutdown();
+        return ExitCode::from(1);
+    }
     let control = handle.control();
     let rt = handle.runtime();
     enum Exit {
@@ -211,17 +224,22 @@ fn run(path: Option<PathBuf>) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Serve the admin API on the daemon's control runtime.
+/// Serve the admin API on the daemon's control runtime. Resolving the
+/// token and binding happen before this returns, so their errors (address
+/// taken, token file a directory or empty) reach the caller.
 pub(crate) fn start_admin(
     handle: &DaemonHandle,
     admin: &config::AdminConfig,
     stop: CancellationToken,
-) {
+) -> anyhow::Result<()> {
     let control: Arc<dyn weir::control::Control> = handle.control();
-    let admin = admin.clone();
+    let bound = handle
+        .runtime()
+        .block_on(weir::admin::bind(admin, control))?;
     handle.runtime().spawn(async move {
-        if let Err(e) = weir::admin::serve(&admin, control, stop).await {
+        if let Err(e) = bound.run(stop).await {
             tracing::error!("admin API: {e:#}");
         }
     });
+    Ok(())
 }

@@ -72,6 +72,22 @@ impl Tokens {
         }
     }
 
+    /// "the full-access token" or "the read-only token" if `token` is one
+    /// of them (to refuse a tenant token that would shadow it).
+    pub fn role_of(&self, token: &str) -> Option<&'static str> {
+        if ct_eq(token.as_bytes(), self.full.as_bytes()) {
+            Some("the full-access token")
+        } else if self
+            .readonly
+            .as_ref()
+            .is_some_and(|ro| ct_eq(token.as_bytes(), ro.as_bytes()))
+        {
+            Some("the read-only token")
+        } else {
+            None
+        }
+    }
+
     /// Who presents `presented`, or `None` if it is no valid token.
     pub fn identify(&self, presented: &str, control: &dyn Control) -> Option<Access> {
         if presented.is_empty() {
@@ -87,15 +103,26 @@ impl Tokens {
         }
         // Tenant tokens live in the running config; compare against every
         // one so the time taken does not reveal which tenant matched.
+        // Two tenants with one token (validation refuses that, so only a
+        // race of two edits could make it) match nobody rather than the
+        // first in some order.
         let mut found = None;
+        let mut matches = 0u32;
         for t in control.running_config().tenants {
             if let Some(tok) = &t.token
                 && !tok.is_empty()
                 && ct_eq(presented.as_bytes(), tok.as_bytes())
-                && found.is_none()
             {
+                matches += 1;
                 found = Some(Access::Tenant(t.name.clone()));
             }
+        }
+        if matches > 1 {
+            tracing::warn!(
+                matches,
+                "a token presented to the admin API belongs to several tenants: refused"
+            );
+            return None;
         }
         found
     }
@@ -157,23 +184,104 @@ pub fn resolve_full_token(cfg: &AdminConfig) -> anyhow::Result<(String, Option<P
         .token_file
         .clone()
         .unwrap_or_else(|| default_token_path(&cfg.listen));
-    match std::fs::read_to_string(&path) {
-        Ok(s) => {
-            let t = s.trim();
-            anyhow::ensure!(
-                !t.is_empty(),
-                "admin token file {} is empty: put a token in it or delete it to have one generated",
-                path.display()
-            );
-            Ok((t.to_owned(), None))
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+    match read_token_file(&path)? {
+        Some(t) => Ok((t, None)),
+        None => {
             let t = generate_token();
             write_secret(&path, &t)?;
             Ok((t, Some(path)))
         }
-        Err(e) => Err(e).with_context(|| format!("reading admin token file {}", path.display())),
     }
+}
+
+/// What `weir check` can tell about the full-access token without starting:
+/// the token file (configured, or the default path when no token is set)
+/// must, if it exists, pass [`read_token_file`]'s rules.
+pub fn check_token_source(cfg: &AdminConfig) -> anyhow::Result<()> {
+    if cfg.token.as_deref().is_some_and(|t| !t.trim().is_empty()) {
+        return Ok(());
+    }
+    let path = cfg
+        .token_file
+        .clone()
+        .unwrap_or_else(|| default_token_path(&cfg.listen));
+    read_token_file(&path).map(drop)
+}
+
+/// The token in `path`, `None` if the file does not exist (its directory,
+/// if it exists, must still be safe to create it in).
+///
+/// The rules ssh applies to private keys, because a token file can come
+/// from a shared directory such as `$TMPDIR/weir`: the file and its
+/// directory must belong to this user or root; the directory must not be
+/// writable by group or others unless sticky (like `/tmp`); the file must
+/// be a regular file no one else can read or write, and not empty. Each
+/// refusal says why and what to do.
+pub fn read_token_file(path: &Path) -> anyhow::Result<Option<String>> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let me = rustix::process::geteuid().as_raw();
+    let owned_ok = |uid: u32| uid == me || uid == 0;
+    let shown = path.display();
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        match std::fs::metadata(dir) {
+            Ok(m) => {
+                anyhow::ensure!(
+                    m.is_dir(),
+                    "admin token directory {} is not a directory",
+                    dir.display()
+                );
+                anyhow::ensure!(
+                    owned_ok(m.uid()),
+                    "admin token directory {} belongs to uid {}, not to this user (uid {me}) or root: \
+                     another user could have planted or can swap the token; remove it or set [admin] token_file elsewhere",
+                    dir.display(),
+                    m.uid()
+                );
+                let mode = m.permissions().mode();
+                anyhow::ensure!(
+                    mode & 0o022 == 0 || mode & 0o1000 != 0,
+                    "admin token directory {} is writable by group or others (mode {:04o}): \
+                     they could swap the token; chmod 700 it",
+                    dir.display(),
+                    mode & 0o7777
+                );
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => {
+                return Err(e).with_context(|| format!("admin token directory {}", dir.display()));
+            }
+        }
+    }
+    let m = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("admin token file {shown}")),
+    };
+    anyhow::ensure!(
+        m.is_file(),
+        "admin token file {shown} is not a regular file (a directory?): put the token in a file, or delete it to have one generated"
+    );
+    anyhow::ensure!(
+        owned_ok(m.uid()),
+        "admin token file {shown} belongs to uid {}, not to this user (uid {me}) or root: \
+         another user could have planted it; delete it to have a token generated",
+        m.uid()
+    );
+    let mode = m.permissions().mode();
+    anyhow::ensure!(
+        mode & 0o077 == 0,
+        "admin token file {shown} is open to group or others (mode {:04o}): \
+         they could read or change the full-access token; chmod 600 it",
+        mode & 0o7777
+    );
+    let s = std::fs::read_to_string(path)
+        .with_context(|| format!("reading admin token file {shown}"))?;
+    let t = s.trim();
+    anyhow::ensure!(
+        !t.is_empty(),
+        "admin token file {shown} is empty: put a token in it or delete it to have one generated"
+    );
+    Ok(Some(t.to_owned()))
 }
 
 /// 256 random bits, hex.

@@ -210,6 +210,7 @@ pub(crate) async fn add_tenant(
 ) -> ApiResult<Response> {
     require_global(&access, "creating a tenant")?;
     check_name("tenant", &spec.name)?;
+    check_token_unique(&st, &spec.name, spec.token.as_deref())?;
     let name = spec.name.clone();
     guard(|| st.control.add_tenant(spec))??;
     Ok(created(name))
@@ -264,8 +265,38 @@ pub(crate) async fn edit_tenant(
     merged.extend(body);
     let spec: TenantSpec = serde_json::from_value(serde_json::Value::Object(merged))
         .map_err(|e| ApiError::bad_request(format!("invalid tenant: {e}")))?;
+    check_token_unique(&st, &tenant, spec.token.as_deref())?;
     guard(|| st.control.edit_tenant(&tenant, spec))??;
     Ok(ok_json(serde_json::json!({ "updated": tenant })))
+}
+
+/// One token, one role: a tenant token equal to the full-access, the
+/// read-only or another tenant's token would make the role depend on the
+/// order of checks. 409, naming the clash but never the token.
+fn check_token_unique(st: &AppState, tenant: &str, token: Option<&str>) -> ApiResult<()> {
+    let Some(token) = token.map(str::trim).filter(|t| !t.is_empty()) else {
+        return Ok(());
+    };
+    let clash = if let Some(role) = st.tokens.role_of(token) {
+        Some(role.to_owned())
+    } else {
+        let cfg = guard(|| st.control.running_config())?;
+        cfg.tenants
+            .iter()
+            .filter(|t| t.name != tenant)
+            .find(|t| t.token.as_deref().map(str::trim) == Some(token))
+            .map(|t| format!("tenant {:?}'s token", t.name))
+    };
+    match clash {
+        Some(what) => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "conflict",
+            format!(
+                "this token is already {what}: a token may hold one role only; choose another (e.g. `openssl rand -hex 32`)"
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 pub(crate) async fn delete_tenant(
@@ -756,7 +787,30 @@ pub(crate) async fn table(
 ) -> ApiResult<Json<Vec<TableReport>>> {
     let mut t = guard(|| st.control.table())?;
     t.retain(|r| access.may_touch(&r.tenant));
+    if access.tenant().is_some() {
+        for r in &mut t {
+            own_figures_only(r);
+        }
+    }
     Ok(Json(t))
+}
+
+/// A tenant token sees only its own load: in a shared table the chain
+/// length, histogram and load factor count every tenant's flows, so they
+/// are replaced by what the tenant's own entries alone give (load factor)
+/// or left out (max_chain 0, empty histogram). The bucket count is the
+/// configured size, not load, and stays.
+fn own_figures_only(r: &mut TableReport) {
+    if r.placement == "own" {
+        return;
+    }
+    r.load_factor = if r.buckets == 0 {
+        0.0
+    } else {
+        r.entries as f64 / r.buckets as f64
+    };
+    r.max_chain = 0;
+    r.chain_histogram.clear();
 }
 
 pub(crate) async fn health(

@@ -82,6 +82,20 @@ pub async fn bind(cfg: &AdminConfig, control: Arc<dyn Control>) -> anyhow::Resul
         );
     }
     let tokens = Tokens::new(full, cfg.readonly_token.clone());
+    // `weir check` compares the tokens written in the file; a token_file's
+    // contents are only known here. One token, one role.
+    for t in control.running_config().tenants {
+        if let Some(role) = t
+            .token
+            .as_deref()
+            .and_then(|tok| tokens.role_of(tok.trim()))
+        {
+            anyhow::bail!(
+                "tenant {:?}'s token is the same as {role}: a token may hold one role only; give each its own",
+                t.name
+            );
+        }
+    }
     let app = router(control, tokens, cfg.metrics_public);
     let listener = if let Some(path) = cfg.listen.strip_prefix("unix:") {
         let path = std::path::PathBuf::from(path);

@@ -1,0 +1,357 @@
+//! The admin API under attack and misconfiguration (issue 10): one token
+//! per role, tenant tokens see only their own table figures, slow or
+//! oversized requests cannot shut operators out, token files planted by
+//! other users are refused, and `weir run` does not start without its API.
+
+mod admin_fake;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+use admin_fake::Fake;
+use weir::admin::auth::Tokens;
+use weir::admin::{self};
+use weir::control::Control;
+
+const FULL: &str = "full-secret";
+const RO: &str = "ro-secret";
+
+fn app() -> (Arc<Fake>, Router) {
+    let f = Arc::new(Fake::sample());
+    (
+        f.clone(),
+        admin::router(f, Tokens::new(FULL, Some(RO.into())), false),
+    )
+}
+
+fn call(
+    app: &Router,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<Value>,
+) -> (StatusCode, Value) {
+    let mut b = Request::builder().method(method).uri(path);
+    if let Some(t) = token {
+        b = b.header("authorization", format!("Bearer {t}"));
+    }
+    let req = b
+        .body(body.map_or_else(Body::empty, |v| Body::from(v.to_string())))
+        .expect("request");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let resp = app.clone().oneshot(req).await.expect("infallible");
+        let status = resp.status();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .expect("body");
+        let v = serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+        (status, v)
+    })
+}
+
+// ---- defect 17: a tenant sees only its own load -----------------------------
+
+#[test]
+fn tenant_token_sees_no_shared_table_load_of_others() {
+    let (_, app) = app();
+    // globex lives in the shared table.
+    let (s, full) = call(&app, "GET", "/v1/table", Some(FULL), None);
+    assert_eq!(s, StatusCode::OK);
+    let shared = full
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["tenant"] == "globex")
+        .unwrap()
+        .clone();
+    assert_eq!(shared["placement"], "shared");
+    assert!(!shared["chain_histogram"].as_array().unwrap().is_empty());
+
+    let (s, v) = call(&app, "GET", "/v1/table", Some("globex-token"), None);
+    assert_eq!(s, StatusCode::OK);
+    let rows = v.as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{v}");
+    let r = &rows[0];
+    assert_eq!(r["tenant"], "globex");
+    assert_eq!(r["max_chain"], 0, "{r}");
+    assert_eq!(r["chain_histogram"], json!([]), "{r}");
+    let own = r["entries"].as_f64().unwrap() / r["buckets"].as_f64().unwrap();
+    assert_eq!(r["load_factor"].as_f64().unwrap(), own, "{r}");
+
+    // A tenant with its own table sees that table's figures, which are its own.
+    let (_, v) = call(&app, "GET", "/v1/table", Some("acme-token"), None);
+    assert_eq!(v[0]["placement"], "own");
+    assert_eq!(v[0]["max_chain"], 3, "{v}");
+}
+
+// ---- defect 18: one token, one role ------------------------------------------
+
+#[test]
+fn api_refuses_a_tenant_token_that_another_role_holds() {
+    let (fake, app) = app();
+    for (token, role) in [
+        ("acme-token", "tenant \"acme\""),
+        (FULL, "full-access"),
+        (RO, "read-only"),
+    ] {
+        let (s, v) = call(
+            &app,
+            "POST",
+            "/v1/tenants",
+            Some(FULL),
+            Some(json!({"name": "initech", "token": token})),
+        );
+        assert_eq!(s, StatusCode::CONFLICT, "{token}: {v}");
+        let m = v["message"].as_str().unwrap();
+        assert!(m.contains(role) && !m.contains(token), "{m}");
+        let (s, v) = call(
+            &app,
+            "PUT",
+            "/v1/tenants/globex",
+            Some(FULL),
+            Some(json!({"token": token})),
+        );
+        assert_eq!(s, StatusCode::CONFLICT, "{token}: {v}");
+    }
+    assert!(
+        !fake
+            .running_config()
+            .tenants
+            .iter()
+            .any(|t| t.name == "initech")
+    );
+    // globex keeps its token; acme may keep (re-send) its own.
+    let (s, _) = call(&app, "GET", "/v1/tenants", Some("globex-token"), None);
+    assert_eq!(s, StatusCode::OK);
+    let (s, v) = call(
+        &app,
+        "PUT",
+        "/v1/tenants/acme",
+        Some(FULL),
+        Some(json!({"token": "acme-token", "max_connections": 5})),
+    );
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, v) = call(
+        &app,
+        "POST",
+        "/v1/tenants",
+        Some(FULL),
+        Some(json!({"name": "initech", "token": "initech-token"})),
+    );
+    assert_eq!(s, StatusCode::CREATED, "{v}");
+}
+
+#[test]
+fn check_refuses_one_token_in_several_roles() {
+    let text = r#"
+[admin]
+token = "tok-a"
+readonly_token = "tok-a"
+
+[[tenant]]
+name = "acme"
+token = "t1"
+
+[[tenant]]
+name = "beta"
+token = "t1"
+"#;
+    let errs = weir::config::parse(text, "dup.toml").expect_err("duplicates refused");
+    let keys: Vec<_> = errs.iter().map(|e| e.key.as_str()).collect();
+    assert!(keys.contains(&"admin.readonly_token"), "{errs:?}");
+    assert!(keys.contains(&"tenant[1].token"), "{errs:?}");
+    for e in &errs {
+        assert!(e.message.contains("one role"), "{e}");
+        assert!(
+            !e.message.contains("t1") && !e.message.contains("tok-a"),
+            "{e}"
+        );
+    }
+    let line = errs
+        .iter()
+        .find(|e| e.key == "tenant[1].token")
+        .and_then(|e| e.line);
+    assert_eq!(line, Some(12), "{errs:?}");
+}
+
+// ---- defects 4 and 7: token files and an admin API that cannot start ---------
+
+mod daemon_util;
+
+const BIN: &str = env!("CARGO_BIN_EXE_weir");
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Run `weir ARGS` with `env` and wait (bounded) for it to exit; a daemon
+/// that keeps running is killed and reported as `None`.
+fn run_weir(args: &[&str], env: &[(&str, &std::path::Path)]) -> (Option<i32>, String) {
+    use std::io::Read;
+    let mut cmd = std::process::Command::new(BIN);
+    cmd.args(args)
+        .env_remove("HOME")
+        .env_remove("XDG_RUNTIME_DIR")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut code = None;
+    let exited = daemon_util::wait_until(std::time::Duration::from_secs(15), || {
+        match child.try_wait() {
+            Ok(Some(s)) => {
+                code = s.code();
+                true
+            }
+            _ => false,
+        }
+    });
+    if !exited {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let mut err = String::new();
+    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+    (code, err)
+}
+
+fn write_config(dir: &std::path::Path, admin: &str) -> String {
+    let p = dir.join("weir.toml");
+    std::fs::write(&p, format!("[daemon]\nworkers = 1\n[admin]\n{admin}\n")).unwrap();
+    p.display().to_string()
+}
+
+fn chmod(p: &std::path::Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+const NOBODY: u32 = 65534;
+
+#[test]
+fn token_files_others_could_plant_change_or_read_are_refused() {
+    use weir::admin::auth::read_token_file;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("weir");
+    std::fs::create_dir(&dir).unwrap();
+    chmod(&dir, 0o700);
+    let f = dir.join("admin.token");
+    std::fs::write(&f, "secret\n").unwrap();
+    chmod(&f, 0o644);
+    let why = |p: &std::path::Path| format!("{:#}", read_token_file(p).unwrap_err());
+    assert!(
+        why(&f).contains("open to group or others (mode 0644)"),
+        "{}",
+        why(&f)
+    );
+    chmod(&f, 0o600);
+    assert_eq!(read_token_file(&f).unwrap().as_deref(), Some("secret"));
+    // Another user's file, even with a tight mode.
+    std::os::unix::fs::chown(&f, Some(NOBODY), None).unwrap();
+    assert!(why(&f).contains("belongs to uid 65534"), "{}", why(&f));
+    std::os::unix::fs::chown(&f, Some(rustix_uid()), None).unwrap();
+    // A directory others may write to (not sticky), or another user's.
+    chmod(&dir, 0o777);
+    assert!(
+        why(&f).contains("writable by group or others"),
+        "{}",
+        why(&f)
+    );
+    let missing = dir.join("not-yet");
+    assert!(
+        read_token_file(&missing).is_err(),
+        "no token may be generated into a directory others can write"
+    );
+    chmod(&dir, 0o700);
+    std::os::unix::fs::chown(&dir, Some(NOBODY), None).unwrap();
+    assert!(why(&f).contains("belongs to uid 65534"), "{}", why(&f));
+    std::os::unix::fs::chown(&dir, Some(rustix_uid()), None).unwrap();
+    assert!(read_token_file(&f).is_ok());
+}
+
+fn rustix_uid() -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    // The test's own uid: whoever owns a file it just created.
+    let tmp = tempfile::NamedTempFile::new().unwrap();
+    std::fs::metadata(tmp.path()).unwrap().uid()
+}
+
+/// The attack of issue 10: no HOME, no XDG_RUNTIME_DIR, no token
+/// configured, and a `nobody`-owned 0644 token in a 0777 `$TMPDIR/weir`.
+#[test]
+fn run_refuses_a_token_planted_in_tmpdir() {
+    let tmp = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let cfg = write_config(tmp.path(), &format!("listen = \"127.0.0.1:{port}\""));
+    let planted_dir = tmp.path().join("weir");
+    std::fs::create_dir(&planted_dir).unwrap();
+    let planted = planted_dir.join(format!("admin-127_0_0_1_{port}.token"));
+    std::fs::write(&planted, "attacker-knows-this\n").unwrap();
+    chmod(&planted, 0o644);
+    chmod(&planted_dir, 0o777);
+    std::os::unix::fs::chown(&planted, Some(NOBODY), Some(NOBODY)).unwrap();
+    std::os::unix::fs::chown(&planted_dir, Some(NOBODY), Some(NOBODY)).unwrap();
+    let env = [("TMPDIR", tmp.path())];
+    let (code, err) = run_weir(&["check", "--config", &cfg], &env);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("belongs to uid 65534"), "{err}");
+    let (code, err) = run_weir(&["run", "--config", &cfg], &env);
+    assert_eq!(code, Some(1), "weir run must refuse to start: {err}");
+    assert!(err.contains("belongs to uid 65534"), "{err}");
+}
+
+#[test]
+fn run_exits_when_the_admin_api_cannot_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 1. The admin address is taken.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let cfg = write_config(
+        tmp.path(),
+        &format!(
+            "listen = \"{}\"\ntoken = \"t\"",
+            taken.local_addr().unwrap()
+        ),
+    );
+    let (code, err) = run_weir(&["run", "--config", &cfg], &[]);
+    assert_eq!(code, Some(1), "port taken: {err}");
+    assert!(err.contains("binding the admin API"), "{err}");
+    // 2. The token file is a directory; 3. it is empty. `weir check`
+    // catches both, and `weir run` does not start.
+    let as_dir = tmp.path().join("tokdir");
+    std::fs::create_dir(&as_dir).unwrap();
+    let empty = tmp.path().join("empty.token");
+    std::fs::write(&empty, "").unwrap();
+    chmod(&empty, 0o600);
+    for (file, why) in [(&as_dir, "not a regular file"), (&empty, "is empty")] {
+        let cfg = write_config(
+            tmp.path(),
+            &format!(
+                "listen = \"127.0.0.1:{}\"\ntoken_file = \"{}\"",
+                free_port(),
+                file.display()
+            ),
+        );
+        let (code, err) = run_weir(&["check", "--config", &cfg], &[]);
+        assert_eq!(code, Some(1), "check {why}: {err}");
+        assert!(err.contains(why), "{err}");
+        let (code, err) = run_weir(&["run", "--config", &cfg], &[]);
+        assert_eq!(code, Some(1), "run {why}: {err}");
+        assert!(err.contains(why), "{err}");
+    }
+}
