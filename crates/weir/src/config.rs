@@ -441,11 +441,12 @@ pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
     if let Ok(doc) = toml_edit::Document::parse(text.to_owned()) {
         let shape = shape_problems(doc.as_table());
         if !shape.is_empty() {
+            let lines = Lines::new(text);
             return Err(shape
                 .into_iter()
                 .map(|(path, offset, message)| ConfigError {
                     file: file.into(),
-                    line: offset.map(|o| line_of(text, o)),
+                    line: offset.map(|o| lines.line_of(o)),
                     key: path,
                     message,
                 })
@@ -455,7 +456,7 @@ pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
     let config: Config = match toml::from_str(text) {
         Ok(c) => c,
         Err(e) => {
-            let line = e.span().map(|s| line_of(text, s.start));
+            let line = e.span().map(|s| Lines::new(text).line_of(s.start));
             let key = shape_error_key(text, e.span());
             return Err(vec![ConfigError {
                 file: file.into(),
@@ -473,6 +474,7 @@ pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
         return Ok(config);
     }
     let doc = toml_edit::Document::parse(text.to_owned()).ok();
+    let lines = Lines::new(text);
     Err(problems
         .into_iter()
         .map(|p| ConfigError {
@@ -480,7 +482,7 @@ pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
             line: doc
                 .as_ref()
                 .and_then(|d| span_of(d.as_table(), &p.path))
-                .map(|off| line_of(text, off)),
+                .map(|off| lines.line_of(off)),
             key: p.path.to_string(),
             message: p.message,
         })
@@ -943,16 +945,33 @@ pub fn protocol_name(p: Protocol) -> &'static str {
     }
 }
 
-fn line_of(text: &str, offset: usize) -> usize {
-    let end = offset.min(text.len());
-    text.as_bytes()[..end]
-        .iter()
-        .filter(|&&b| b == b'\n')
-        .count()
-        + 1
+/// Where the lines of a text start, found in one pass, so that each error's
+/// line is a binary search instead of a scan from the top (which made
+/// reporting n errors in a file of n lines quadratic).
+struct Lines(Vec<usize>);
+
+impl Lines {
+    fn new(text: &str) -> Self {
+        Self(
+            text.bytes()
+                .enumerate()
+                .filter(|&(_, b)| b == b'\n')
+                .map(|(i, _)| i)
+                .collect(),
+        )
+    }
+
+    /// 1-based line of byte `offset` (past the end: the last line).
+    fn line_of(&self, offset: usize) -> usize {
+        self.0.partition_point(|&nl| nl < offset) + 1
+    }
 }
 
-/// Best-effort dotted key of a shape error: the nearest `[table]` header above it.
+/// Best-effort key path of an error the parser reports at `span`, e.g.
+/// `service[1].backend[0].weight`: the `[table]` or `[[array]]` header above
+/// it, with array indexes counted on the way down in one pass, then the key
+/// on the error's line (not the value: an integer too large for TOML used to
+/// come out as `daemon.99999999999999999999`).
 fn shape_error_key(text: &str, span: Option<std::ops::Range<usize>>) -> String {
     let Some(span) = span else {
         return "-".into();
@@ -1426,5 +1445,52 @@ mod tests {
         );
         let plain = parse("[[tenant]]\nname = \"a\"\n", "f.toml").unwrap();
         assert!(!toml::to_string(&plain).unwrap().contains("timeouts"));
+    }
+
+    /// Issue 10 #11: reporting every error of a large file took time
+    /// quadratic in its size (each error's line was counted from the top).
+    /// Compare n and 4n services in the same run: linear work takes ~4x,
+    /// quadratic ~16x; the bound leaves room for a noisy machine.
+    #[test]
+    fn validation_time_is_linear_in_the_file() {
+        fn file(services: usize, bad: bool) -> String {
+            let mut s = String::with_capacity(services * 160);
+            for i in 0..services {
+                // Every other service has a semantic error (unknown scheduler),
+                // or a shape error (unknown key) when `bad`.
+                let sched = if i % 2 == 0 { "wlc" } else { "nope" };
+                let extra = if bad && i % 2 == 1 { "bogus = 1\n" } else { "" };
+                s.push_str(&format!(
+                    "[[service]]\nname = \"s{i}\"\nprotocol = \"tcp\"\nlisten = \"127.0.{}.{}:80\"\n\
+                     scheduler = \"{sched}\"\n{extra}[[service.backend]]\naddress = \"10.0.0.1:80\"\n",
+                    i / 250,
+                    i % 250 + 1
+                ));
+            }
+            s
+        }
+        let time = |n: usize, bad: bool| {
+            let text = file(n, bad);
+            // Best of three against scheduling noise on a shared machine.
+            (0..3)
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    let errs = parse(&text, "big.toml").unwrap_err();
+                    assert_eq!(errs.len(), n / 2);
+                    // The last error is two lines above the end, and says so.
+                    assert_eq!(errs.last().unwrap().line, Some(text.lines().count() - 2));
+                    t.elapsed()
+                })
+                .min()
+                .unwrap()
+        };
+        for bad in [false, true] {
+            let (small, large) = (time(2_000, bad), time(8_000, bad));
+            let ratio = large.as_secs_f64() / small.as_secs_f64().max(1e-6);
+            assert!(
+                ratio < 8.0,
+                "4x the services took {ratio:.1}x the time ({small:?} -> {large:?}; shape errors: {bad})"
+            );
+        }
     }
 }
