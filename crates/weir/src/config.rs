@@ -978,15 +978,49 @@ fn shape_error_key(text: &str, span: Option<std::ops::Range<usize>>) -> String {
     };
     let end = span.start.min(text.len());
     let before = text.get(..end).unwrap_or("");
-    let header = before
-        .lines()
-        .rev()
-        .map(str::trim)
-        .find(|l| l.starts_with('['))
-        .map(|l| l.trim_matches(|c| c == '[' || c == ']').to_owned());
-    let key = text
-        .get(span.clone())
-        .map(|s| s.split('=').next().unwrap_or("").trim().to_owned())
+    // Elements seen so far of each array of tables, by indexed parent path
+    // ("service[3].backend"), so a new parent starts its children at 0.
+    let mut counts: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    let mut header: Option<String> = None;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    for line in before[..line_start].lines() {
+        let l = line.trim();
+        let (name, is_array) = if let Some(r) = l.strip_prefix("[[") {
+            (r.split("]]").next().unwrap_or(""), true)
+        } else if let Some(r) = l.strip_prefix('[') {
+            (r.split(']').next().unwrap_or(""), false)
+        } else {
+            continue;
+        };
+        let segs: Vec<&str> = name.split('.').map(str::trim).collect();
+        let mut path = String::new();
+        for (n, seg) in segs.iter().enumerate() {
+            if !path.is_empty() {
+                path.push('.');
+            }
+            path.push_str(seg);
+            let last = n + 1 == segs.len();
+            if last && is_array {
+                let c = counts.entry(path.clone()).or_insert(0);
+                *c += 1;
+                path = format!("{path}[{}]", *c - 1);
+            } else if let Some(c) = counts.get(&path) {
+                path = format!("{path}[{}]", c.saturating_sub(1));
+            }
+        }
+        header = Some(path);
+    }
+    // The key left of the last `=` before the error on its line (inline
+    // tables: after the last `,`, `{` or `[`); else the key the span starts with.
+    let on_line = &before[line_start..];
+    let key = on_line
+        .rfind('=')
+        .map(|eq| on_line[..eq].rsplit([',', '{', '[']).next().unwrap_or(""))
+        .or_else(|| {
+            text.get(span.clone())
+                .map(|s| s.split('=').next().unwrap_or(""))
+        })
+        .map(|s| s.trim().to_owned())
         .filter(|s| !s.is_empty() && !s.contains('\n') && s.len() < 64);
     match (header, key) {
         (Some(h), Some(k)) => format!("{h}.{k}"),
@@ -1040,8 +1074,11 @@ fn span_of(root: &toml_edit::Table, path: &KeyPath) -> Option<usize> {
 /// Expected kind of a value in the shape pre-pass.
 #[derive(Clone, Copy)]
 enum Kind {
+    /// A non-negative integer (`u64`/`usize` fields).
     Int,
-    /// Any integer, e.g. a nice value.
+    /// A non-negative integer that fits a `u32` field.
+    U32,
+    /// An integer that fits an `i32` field, e.g. a nice value.
     SignedInt,
     Str,
     Bool,
@@ -1059,9 +1096,9 @@ const DAEMON_KEYS: &[(&str, Kind)] = &[
     ("own_tables_budget", Kind::Int),
     ("max_connections", Kind::Int),
     ("buffer_size", Kind::Int),
-    ("notsent_lowat", Kind::Int),
-    ("blocked_window", Kind::Int),
-    ("backend_rcvbuf", Kind::Int),
+    ("notsent_lowat", Kind::U32),
+    ("blocked_window", Kind::U32),
+    ("backend_rcvbuf", Kind::U32),
     ("drain_timeout", Kind::Str),
     ("access_log", Kind::Bool),
     ("estimator_cpu", Kind::Int),
@@ -1105,7 +1142,7 @@ const SERVICE_KEYS: &[(&str, Kind)] = &[
     ("connect_timeout", Kind::Str),
     ("expire_nodest_conn", Kind::Bool),
     ("mh_fallback", Kind::Bool),
-    ("udp_responses", Kind::Int),
+    ("udp_responses", Kind::U32),
     ("udp_timeout", Kind::Str),
     ("udp_max_sessions_per_client", Kind::Int),
     ("health", Kind::Table),
@@ -1114,12 +1151,12 @@ const SERVICE_KEYS: &[(&str, Kind)] = &[
 const HEALTH_KEYS: &[(&str, Kind)] = &[
     ("interval", Kind::Str),
     ("timeout", Kind::Str),
-    ("rise", Kind::Int),
-    ("fall", Kind::Int),
+    ("rise", Kind::U32),
+    ("fall", Kind::U32),
 ];
 const BACKEND_KEYS: &[(&str, Kind)] = &[
     ("address", Kind::Addr),
-    ("weight", Kind::Int),
+    ("weight", Kind::U32),
     ("proxy_protocol", Kind::Str),
     ("max_connections", Kind::Int),
 ];
@@ -1230,7 +1267,12 @@ fn check_table(
         let v = item.as_value();
         let ok = match kind {
             Kind::Int => v.is_some_and(|v| v.as_integer().is_some_and(|i| i >= 0)),
-            Kind::SignedInt => v.is_some_and(|v| v.as_integer().is_some()),
+            Kind::U32 => {
+                v.is_some_and(|v| v.as_integer().is_some_and(|i| u32::try_from(i).is_ok()))
+            }
+            Kind::SignedInt => {
+                v.is_some_and(|v| v.as_integer().is_some_and(|i| i32::try_from(i).is_ok()))
+            }
             Kind::Str => v.is_some_and(|v| v.is_str()),
             Kind::Bool => v.is_some_and(|v| v.is_bool()),
             Kind::Addr => v
@@ -1245,7 +1287,8 @@ fn check_table(
         if !ok {
             let want = match kind {
                 Kind::Int => "a non-negative integer, e.g. 4",
-                Kind::SignedInt => "an integer, e.g. -5",
+                Kind::U32 => "an integer in 0..=4294967295, e.g. 4",
+                Kind::SignedInt => "an integer in -2147483648..=2147483647, e.g. -5",
                 Kind::Str => "a string in quotes",
                 Kind::Bool => "true or false",
                 Kind::Addr => "\"IP:PORT\", e.g. \"127.0.0.1:8080\" or \"[::1]:8080\"",
@@ -1445,6 +1488,62 @@ mod tests {
         );
         let plain = parse("[[tenant]]\nname = \"a\"\n", "f.toml").unwrap();
         assert!(!toml::to_string(&plain).unwrap().contains("timeouts"));
+    }
+
+    /// Issue 10 #20: an integer too large for its field is reported under
+    /// its key path and line, not under its value.
+    #[test]
+    fn oversized_integers_name_the_key() {
+        // Too large for TOML itself: the parser fails, the key comes from the line.
+        let got = parse(
+            "[daemon]\naccess_log = true\nworkers = 99999999999999999999\n",
+            "f.toml",
+        )
+        .unwrap_err();
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(
+            (got[0].line, got[0].key.as_str()),
+            (Some(3), "daemon.workers"),
+            "{got:?}"
+        );
+        // Inside the second backend of the second service.
+        let text = "[[service]]\nname = \"a\"\nprotocol = \"tcp\"\nlisten = \"127.0.0.1:1\"\n\
+                    [[service]]\nname = \"b\"\nprotocol = \"tcp\"\nlisten = \"127.0.0.1:2\"\n\
+                    [[service.backend]]\naddress = \"127.0.0.1:3\"\n\
+                    [[service.backend]]\naddress = \"127.0.0.1:4\"\nweight = 99999999999999999999\n";
+        let got = parse(text, "f.toml").unwrap_err();
+        assert_eq!(
+            (got[0].line, got[0].key.as_str()),
+            (Some(13), "service[1].backend[1].weight"),
+            "{got:?}"
+        );
+        // Fits TOML's i64 but not the u32 field: caught by the shape pass.
+        let text = text.replace("99999999999999999999", "4294967296");
+        let got: Vec<String> = parse(&text, "f.toml")
+            .unwrap_err()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(
+            got,
+            [
+                "f.toml:13: service[1].backend[1].weight: expected an integer in 0..=4294967295, e.g. 4"
+            ],
+        );
+        let got = parse("[daemon]\nestimator_nice = 2147483648\n", "f.toml").unwrap_err();
+        assert!(
+            got[0]
+                .to_string()
+                .starts_with("f.toml:2: daemon.estimator_nice: expected an integer in"),
+            "{got:?}"
+        );
+        let got = parse("[daemon]\nnotsent_lowat = 4294967296\n", "f.toml").unwrap_err();
+        assert!(
+            got[0].to_string().starts_with(
+                "f.toml:2: daemon.notsent_lowat: expected an integer in 0..=4294967295"
+            ),
+            "{got:?}"
+        );
     }
 
     /// Issue 10 #11: reporting every error of a large file took time
