@@ -541,9 +541,62 @@ fn k(s: &str) -> PathSeg {
 }
 
 /// Parse a duration such as "2s", "300ms", "5m".
+///
+/// Any length humantime accepts (up to ~584 billion years) comes back;
+/// callers that keep or add the result to a clock use
+/// [`parse_duration_in`] with that key's bounds instead.
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     humantime::parse_duration(s.trim())
         .map_err(|e| format!("{s:?} is not a duration ({e}); write e.g. \"2s\", \"500ms\", \"5m\""))
+}
+
+/// Inclusive bounds of one kind of duration and an example for the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DurationBounds {
+    /// Shortest value accepted.
+    pub min: std::time::Duration,
+    /// Longest value accepted.
+    pub max: std::time::Duration,
+    /// A sensible value, shown in the error.
+    pub example: &'static str,
+}
+
+const fn bounds(min_ms: u64, max_s: u64, example: &'static str) -> DurationBounds {
+    DurationBounds {
+        min: std::time::Duration::from_millis(min_ms),
+        max: std::time::Duration::from_secs(max_s),
+        example,
+    }
+}
+
+const HOUR: u64 = 3_600;
+const DAY: u64 = 86_400;
+
+/// `[daemon] drain_timeout`: 0 (close at once) ..= 1 day.
+pub const DRAIN_TIMEOUT_BOUNDS: DurationBounds = bounds(0, DAY, "30s");
+/// `persistence`: 0 (off) ..= 30 days (the longest flow-table timeout).
+pub const PERSISTENCE_BOUNDS: DurationBounds = bounds(0, 30 * DAY, "300s");
+/// `connect_timeout`: 1 ms ..= 1 hour.
+pub const CONNECT_TIMEOUT_BOUNDS: DurationBounds = bounds(1, HOUR, "2s");
+/// `udp_timeout`: 1 ms ..= 30 days.
+pub const UDP_TIMEOUT_BOUNDS: DurationBounds = bounds(1, 30 * DAY, "300s");
+/// `[service.health] interval`: 1 ms ..= 1 hour.
+pub const HEALTH_INTERVAL_BOUNDS: DurationBounds = bounds(1, HOUR, "2s");
+/// `[service.health] timeout`: 1 ms ..= 1 hour (and at most the interval).
+pub const HEALTH_TIMEOUT_BOUNDS: DurationBounds = bounds(1, HOUR, "1s");
+
+/// Parse a duration and check it lies within `b`; the error says the range.
+pub fn parse_duration_in(s: &str, b: DurationBounds) -> Result<std::time::Duration, String> {
+    let d = parse_duration(s)?;
+    if (b.min..=b.max).contains(&d) {
+        return Ok(d);
+    }
+    Err(format!(
+        "{s:?} is outside {}..={}; use e.g. {:?}",
+        humantime::format_duration(b.min),
+        humantime::format_duration(b.max),
+        b.example
+    ))
 }
 
 /// A persistence netmask: IPv4 dotted mask or IPv6 prefix length.
@@ -658,7 +711,7 @@ pub fn validate(c: &Config) -> Vec<Problem> {
             "more than 1024 workers; use 0 for one per CPU".into(),
         );
     }
-    if let Err(e) = parse_duration(&d.drain_timeout) {
+    if let Err(e) = parse_duration_in(&d.drain_timeout, DRAIN_TIMEOUT_BOUNDS) {
         err(&[dk.clone(), k("drain_timeout")], e);
     }
     if let Some(cpu) = d.estimator_cpu
@@ -805,7 +858,7 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
             ),
         );
     }
-    if let Err(e) = parse_duration(&s.persistence) {
+    if let Err(e) = parse_duration_in(&s.persistence, PERSISTENCE_BOUNDS) {
         err(vec![k("persistence")], e);
     }
     if let Some(m) = &s.persistence_netmask
@@ -815,19 +868,14 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
     }
     let o = &s.options;
     if let Some(t) = &o.connect_timeout
-        && let Err(e) = parse_duration(t)
+        && let Err(e) = parse_duration_in(t, CONNECT_TIMEOUT_BOUNDS)
     {
         err(vec![k("connect_timeout")], e);
     }
-    if let Some(t) = &o.udp_timeout {
-        match parse_duration(t) {
-            Err(e) => err(vec![k("udp_timeout")], e),
-            Ok(d) if d.is_zero() => err(
-                vec![k("udp_timeout")],
-                "must be above 0; the IPVS default is \"300s\"".into(),
-            ),
-            Ok(_) => {}
-        }
+    if let Some(t) = &o.udp_timeout
+        && let Err(e) = parse_duration_in(t, UDP_TIMEOUT_BOUNDS)
+    {
+        err(vec![k("udp_timeout")], e);
     }
     if s.protocol == Protocol::Tcp {
         if o.udp_responses.is_some() {
@@ -863,26 +911,21 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
     }
     if let Some(h) = &o.health {
         let hp = |key: &str| vec![k("health"), k(key)];
-        let iv = parse_duration(&h.interval);
-        let to = parse_duration(&h.timeout);
+        let iv = parse_duration_in(&h.interval, HEALTH_INTERVAL_BOUNDS);
+        let to = parse_duration_in(&h.timeout, HEALTH_TIMEOUT_BOUNDS);
         if let Err(e) = &iv {
             err(hp("interval"), e.clone());
         }
         if let Err(e) = &to {
             err(hp("timeout"), e.clone());
         }
-        if let (Ok(iv), Ok(to)) = (iv, to) {
-            if iv.is_zero() || to.is_zero() {
-                err(
-                    hp("interval"),
-                    "interval and timeout must be above 0".into(),
-                );
-            } else if to > iv {
-                err(
-                    hp("timeout"),
-                    format!("timeout {to:?} exceeds interval {iv:?}; make it at most the interval"),
-                );
-            }
+        if let (Ok(iv), Ok(to)) = (iv, to)
+            && to > iv
+        {
+            err(
+                hp("timeout"),
+                format!("timeout {to:?} exceeds interval {iv:?}; make it at most the interval"),
+            );
         }
         if h.rise == 0 {
             err(hp("rise"), "must be at least 1".into());
@@ -1544,6 +1587,96 @@ mod tests {
             ),
             "{got:?}"
         );
+    }
+
+    /// Issue 10 #5: every duration key has bounds; a duration that would
+    /// overflow a clock (`drain_timeout = "500000000000y"` panicked on
+    /// SIGTERM) is refused with the range, and the edges are accepted.
+    #[test]
+    fn durations_are_bounded() {
+        let huge = "500000000000y";
+        let svc = |extra: &str| {
+            format!(
+                "[[service]]\nname = \"a\"\nprotocol = \"udp\"\nlisten = \"127.0.0.1:1\"\n{extra}"
+            )
+        };
+        let cases = [
+            (
+                format!("[daemon]\ndrain_timeout = \"{huge}\"\n"),
+                "daemon.drain_timeout",
+                "0s..=1day",
+            ),
+            (
+                svc(&format!("persistence = \"{huge}\"\n")),
+                "service[0].persistence",
+                "0s..=30days",
+            ),
+            (
+                svc("persistence = \"31days\"\n"),
+                "service[0].persistence",
+                "0s..=30days",
+            ),
+            (
+                svc(&format!("connect_timeout = \"{huge}\"\n")),
+                "service[0].connect_timeout",
+                "1ms..=1h",
+            ),
+            (
+                svc("connect_timeout = \"0s\"\n"),
+                "service[0].connect_timeout",
+                "1ms..=1h",
+            ),
+            (
+                svc(&format!("udp_timeout = \"{huge}\"\n")),
+                "service[0].udp_timeout",
+                "1ms..=30days",
+            ),
+            (
+                svc("udp_timeout = \"0s\"\n"),
+                "service[0].udp_timeout",
+                "1ms..=30days",
+            ),
+            (
+                svc(&format!("[service.health]\ninterval = \"{huge}\"\n")),
+                "service[0].health.interval",
+                "1ms..=1h",
+            ),
+            (
+                svc("[service.health]\ninterval = \"0s\"\n"),
+                "service[0].health.interval",
+                "1ms..=1h",
+            ),
+            (
+                svc("[service.health]\ninterval = \"2h\"\ntimeout = \"2h\"\n"),
+                "service[0].health.interval",
+                "1ms..=1h",
+            ),
+        ];
+        for (text, key, range) in &cases {
+            let got = parse(text, "f.toml").unwrap_err();
+            let hit = got
+                .iter()
+                .find(|e| e.key == *key)
+                .unwrap_or_else(|| panic!("{key}: {got:?}"));
+            assert!(
+                hit.line.is_some()
+                    && hit
+                        .message
+                        .contains(&format!("is outside {range}; use e.g.")),
+                "{key}: {hit}"
+            );
+        }
+        let ok = "[daemon]\ndrain_timeout = \"1day\"\n[[service]]\nname = \"a\"\nprotocol = \"udp\"\n\
+                  listen = \"127.0.0.1:1\"\npersistence = \"30days\"\nconnect_timeout = \"1h\"\n\
+                  udp_timeout = \"30days\"\n[service.health]\ninterval = \"1h\"\ntimeout = \"1h\"\n";
+        parse(ok, "f.toml").unwrap_or_else(|e| panic!("{e:?}"));
+        parse("[daemon]\ndrain_timeout = \"0s\"\n", "f.toml").unwrap();
+        // The API path (`check_service`) uses the same checks.
+        let mut spec = parse(ok, "f.toml").unwrap().services.remove(0);
+        spec.persistence = huge.into();
+        let problems = service_problems(&spec);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(problems[0].path.to_string(), "persistence");
     }
 
     /// Issue 10 #11: reporting every error of a large file took time

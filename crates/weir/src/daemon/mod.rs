@@ -173,8 +173,11 @@ impl Daemon {
             control_rt: control_rt.handle().clone(),
             fd_limit: fd_soft,
             epoch: Instant::now(),
-            drain_timeout: config::parse_duration(&config.daemon.drain_timeout)
-                .unwrap_or(Duration::from_secs(30)),
+            drain_timeout: config::parse_duration_in(
+                &config.daemon.drain_timeout,
+                config::DRAIN_TIMEOUT_BOUNDS,
+            )
+            .unwrap_or(Duration::from_secs(30)),
         });
         // The implicit default tenant always exists.
         let mut tenants = config.tenants.clone();
@@ -292,8 +295,10 @@ impl DaemonHandle {
     /// the rest and stop. Returns how many were closed forcibly.
     pub fn drain(mut self, timeout: Duration) -> u64 {
         self.shared.stop_accept.cancel();
-        let deadline = Instant::now() + timeout;
-        while self.shared.active.load(Relaxed) > 0 && Instant::now() < deadline {
+        // No deadline if `timeout` overflows the clock (validation bounds
+        // it to a day; a caller may pass anything).
+        let deadline = Instant::now().checked_add(timeout);
+        while self.shared.active.load(Relaxed) > 0 && deadline.is_none_or(|d| Instant::now() < d) {
             std::thread::sleep(Duration::from_millis(50));
         }
         let left = self.shared.active.load(Relaxed);
@@ -1122,8 +1127,8 @@ impl Shared {
             return;
         };
         let (Ok(interval), Ok(timeout)) = (
-            config::parse_duration(&h.interval),
-            config::parse_duration(&h.timeout),
+            config::parse_duration_in(&h.interval, config::HEALTH_INTERVAL_BOUNDS),
+            config::parse_duration_in(&h.timeout, config::HEALTH_TIMEOUT_BOUNDS),
         ) else {
             return;
         };
@@ -1279,7 +1284,8 @@ pub(crate) fn resolve_timeouts(spec: &TenantSpec) -> crate::control::ControlResu
 pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResult<ServiceParams> {
     use crate::control::{ControlError, ErrorKind};
     let bad = |m: String| ControlError::new(ErrorKind::Invalid, m);
-    let persistence = config::parse_duration(&spec.persistence).map_err(bad)?;
+    let persistence =
+        config::parse_duration_in(&spec.persistence, config::PERSISTENCE_BOUNDS).map_err(bad)?;
     let mask = match &spec.persistence_netmask {
         Some(m) => {
             let n = config::parse_netmask(m).map_err(bad)?;
@@ -1291,11 +1297,11 @@ pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResul
     };
     let o = &spec.options;
     let connect_timeout = match &o.connect_timeout {
-        Some(t) => config::parse_duration(t).map_err(bad)?,
+        Some(t) => config::parse_duration_in(t, config::CONNECT_TIMEOUT_BOUNDS).map_err(bad)?,
         None => CONNECT_TIMEOUT,
     };
     let udp_timeout = match &o.udp_timeout {
-        Some(t) => Some(config::parse_duration(t).map_err(bad)?),
+        Some(t) => Some(config::parse_duration_in(t, config::UDP_TIMEOUT_BOUNDS).map_err(bad)?),
         None => None,
     };
     Ok(ServiceParams {
