@@ -617,11 +617,12 @@ pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
     if let Ok(doc) = toml_edit::Document::parse(text.to_owned()) {
         let shape = shape_problems(doc.as_table());
         if !shape.is_empty() {
+            let lines = Lines::new(text);
             return Err(shape
                 .into_iter()
                 .map(|(path, offset, message)| ConfigError {
                     file: file.into(),
-                    line: offset.map(|o| line_of(text, o)),
+                    line: offset.map(|o| lines.line_of(o)),
                     key: path,
                     message,
                 })
@@ -631,7 +632,7 @@ pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
     let config: Config = match toml::from_str(text) {
         Ok(c) => c,
         Err(e) => {
-            let line = e.span().map(|s| line_of(text, s.start));
+            let line = e.span().map(|s| Lines::new(text).line_of(s.start));
             let key = shape_error_key(text, e.span());
             return Err(vec![ConfigError {
                 file: file.into(),
@@ -649,6 +650,7 @@ pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
         return Ok(config);
     }
     let doc = toml_edit::Document::parse(text.to_owned()).ok();
+    let lines = Lines::new(text);
     Err(problems
         .into_iter()
         .map(|p| ConfigError {
@@ -656,7 +658,7 @@ pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
             line: doc
                 .as_ref()
                 .and_then(|d| span_of(d.as_table(), &p.path))
-                .map(|off| line_of(text, off)),
+                .map(|off| lines.line_of(off)),
             key: p.path.to_string(),
             message: p.message,
         })
@@ -715,9 +717,62 @@ fn k(s: &str) -> PathSeg {
 }
 
 /// Parse a duration such as "2s", "300ms", "5m".
+///
+/// Any length humantime accepts (up to ~584 billion years) comes back;
+/// callers that keep or add the result to a clock use
+/// [`parse_duration_in`] with that key's bounds instead.
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     humantime::parse_duration(s.trim())
         .map_err(|e| format!("{s:?} is not a duration ({e}); write e.g. \"2s\", \"500ms\", \"5m\""))
+}
+
+/// Inclusive bounds of one kind of duration and an example for the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DurationBounds {
+    /// Shortest value accepted.
+    pub min: std::time::Duration,
+    /// Longest value accepted.
+    pub max: std::time::Duration,
+    /// A sensible value, shown in the error.
+    pub example: &'static str,
+}
+
+const fn bounds(min_ms: u64, max_s: u64, example: &'static str) -> DurationBounds {
+    DurationBounds {
+        min: std::time::Duration::from_millis(min_ms),
+        max: std::time::Duration::from_secs(max_s),
+        example,
+    }
+}
+
+const HOUR: u64 = 3_600;
+const DAY: u64 = 86_400;
+
+/// `[daemon] drain_timeout`: 0 (close at once) ..= 1 day.
+pub const DRAIN_TIMEOUT_BOUNDS: DurationBounds = bounds(0, DAY, "30s");
+/// `persistence`: 0 (off) ..= 30 days (the longest flow-table timeout).
+pub const PERSISTENCE_BOUNDS: DurationBounds = bounds(0, 30 * DAY, "300s");
+/// `connect_timeout`: 1 ms ..= 1 hour.
+pub const CONNECT_TIMEOUT_BOUNDS: DurationBounds = bounds(1, HOUR, "2s");
+/// `udp_timeout`: 1 ms ..= 30 days.
+pub const UDP_TIMEOUT_BOUNDS: DurationBounds = bounds(1, 30 * DAY, "300s");
+/// `[service.health] interval`: 1 ms ..= 1 hour.
+pub const HEALTH_INTERVAL_BOUNDS: DurationBounds = bounds(1, HOUR, "2s");
+/// `[service.health] timeout`: 1 ms ..= 1 hour (and at most the interval).
+pub const HEALTH_TIMEOUT_BOUNDS: DurationBounds = bounds(1, HOUR, "1s");
+
+/// Parse a duration and check it lies within `b`; the error says the range.
+pub fn parse_duration_in(s: &str, b: DurationBounds) -> Result<std::time::Duration, String> {
+    let d = parse_duration(s)?;
+    if (b.min..=b.max).contains(&d) {
+        return Ok(d);
+    }
+    Err(format!(
+        "{s:?} is outside {}..={}; use e.g. {:?}",
+        humantime::format_duration(b.min),
+        humantime::format_duration(b.max),
+        b.example
+    ))
 }
 
 /// A persistence netmask: IPv4 dotted mask or IPv6 prefix length.
@@ -873,7 +928,7 @@ pub fn validate(c: &Config) -> Vec<Problem> {
             "more than 1024 workers; use 0 for one per CPU".into(),
         );
     }
-    if let Err(e) = parse_duration(&d.drain_timeout) {
+    if let Err(e) = parse_duration_in(&d.drain_timeout, DRAIN_TIMEOUT_BOUNDS) {
         err(&[dk.clone(), k("drain_timeout")], e);
     }
     if let Some(cpu) = d.estimator_cpu
@@ -1037,7 +1092,7 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
             ),
         );
     }
-    if let Err(e) = parse_duration(&s.persistence) {
+    if let Err(e) = parse_duration_in(&s.persistence, PERSISTENCE_BOUNDS) {
         err(vec![k("persistence")], e);
     }
     if let Some(m) = &s.persistence_netmask
@@ -1047,19 +1102,14 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
     }
     let o = &s.options;
     if let Some(t) = &o.connect_timeout
-        && let Err(e) = parse_duration(t)
+        && let Err(e) = parse_duration_in(t, CONNECT_TIMEOUT_BOUNDS)
     {
         err(vec![k("connect_timeout")], e);
     }
-    if let Some(t) = &o.udp_timeout {
-        match parse_duration(t) {
-            Err(e) => err(vec![k("udp_timeout")], e),
-            Ok(d) if d.is_zero() => err(
-                vec![k("udp_timeout")],
-                "must be above 0; the IPVS default is \"300s\"".into(),
-            ),
-            Ok(_) => {}
-        }
+    if let Some(t) = &o.udp_timeout
+        && let Err(e) = parse_duration_in(t, UDP_TIMEOUT_BOUNDS)
+    {
+        err(vec![k("udp_timeout")], e);
     }
     if s.protocol == Protocol::Tcp {
         if o.udp_responses.is_some() {
@@ -1095,26 +1145,21 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
     }
     if let Some(h) = &o.health {
         let hp = |key: &str| vec![k("health"), k(key)];
-        let iv = parse_duration(&h.interval);
-        let to = parse_duration(&h.timeout);
+        let iv = parse_duration_in(&h.interval, HEALTH_INTERVAL_BOUNDS);
+        let to = parse_duration_in(&h.timeout, HEALTH_TIMEOUT_BOUNDS);
         if let Err(e) = &iv {
             err(hp("interval"), e.clone());
         }
         if let Err(e) = &to {
             err(hp("timeout"), e.clone());
         }
-        if let (Ok(iv), Ok(to)) = (iv, to) {
-            if iv.is_zero() || to.is_zero() {
-                err(
-                    hp("interval"),
-                    "interval and timeout must be above 0".into(),
-                );
-            } else if to > iv {
-                err(
-                    hp("timeout"),
-                    format!("timeout {to:?} exceeds interval {iv:?}; make it at most the interval"),
-                );
-            }
+        if let (Ok(iv), Ok(to)) = (iv, to)
+            && to > iv
+        {
+            err(
+                hp("timeout"),
+                format!("timeout {to:?} exceeds interval {iv:?}; make it at most the interval"),
+            );
         }
         if h.rise == 0 {
             err(hp("rise"), "must be at least 1".into());
@@ -1208,31 +1253,82 @@ pub fn protocol_name(p: Protocol) -> &'static str {
     }
 }
 
-fn line_of(text: &str, offset: usize) -> usize {
-    let end = offset.min(text.len());
-    text.as_bytes()[..end]
-        .iter()
-        .filter(|&&b| b == b'\n')
-        .count()
-        + 1
+/// Where the lines of a text start, found in one pass, so that each error's
+/// line is a binary search instead of a scan from the top (which made
+/// reporting n errors in a file of n lines quadratic).
+struct Lines(Vec<usize>);
+
+impl Lines {
+    fn new(text: &str) -> Self {
+        Self(
+            text.bytes()
+                .enumerate()
+                .filter(|&(_, b)| b == b'\n')
+                .map(|(i, _)| i)
+                .collect(),
+        )
+    }
+
+    /// 1-based line of byte `offset` (past the end: the last line).
+    fn line_of(&self, offset: usize) -> usize {
+        self.0.partition_point(|&nl| nl < offset) + 1
+    }
 }
 
-/// Best-effort dotted key of a shape error: the nearest `[table]` header above it.
+/// Best-effort key path of an error the parser reports at `span`, e.g.
+/// `service[1].backend[0].weight`: the `[table]` or `[[array]]` header above
+/// it, with array indexes counted on the way down in one pass, then the key
+/// on the error's line (not the value: an integer too large for TOML used to
+/// come out as `daemon.99999999999999999999`).
 fn shape_error_key(text: &str, span: Option<std::ops::Range<usize>>) -> String {
     let Some(span) = span else {
         return "-".into();
     };
     let end = span.start.min(text.len());
     let before = text.get(..end).unwrap_or("");
-    let header = before
-        .lines()
-        .rev()
-        .map(str::trim)
-        .find(|l| l.starts_with('['))
-        .map(|l| l.trim_matches(|c| c == '[' || c == ']').to_owned());
-    let key = text
-        .get(span.clone())
-        .map(|s| s.split('=').next().unwrap_or("").trim().to_owned())
+    // Elements seen so far of each array of tables, by indexed parent path
+    // ("service[3].backend"), so a new parent starts its children at 0.
+    let mut counts: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    let mut header: Option<String> = None;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    for line in before[..line_start].lines() {
+        let l = line.trim();
+        let (name, is_array) = if let Some(r) = l.strip_prefix("[[") {
+            (r.split("]]").next().unwrap_or(""), true)
+        } else if let Some(r) = l.strip_prefix('[') {
+            (r.split(']').next().unwrap_or(""), false)
+        } else {
+            continue;
+        };
+        let segs: Vec<&str> = name.split('.').map(str::trim).collect();
+        let mut path = String::new();
+        for (n, seg) in segs.iter().enumerate() {
+            if !path.is_empty() {
+                path.push('.');
+            }
+            path.push_str(seg);
+            let last = n + 1 == segs.len();
+            if last && is_array {
+                let c = counts.entry(path.clone()).or_insert(0);
+                *c += 1;
+                path = format!("{path}[{}]", *c - 1);
+            } else if let Some(c) = counts.get(&path) {
+                path = format!("{path}[{}]", c.saturating_sub(1));
+            }
+        }
+        header = Some(path);
+    }
+    // The key left of the last `=` before the error on its line (inline
+    // tables: after the last `,`, `{` or `[`); else the key the span starts with.
+    let on_line = &before[line_start..];
+    let key = on_line
+        .rfind('=')
+        .map(|eq| on_line[..eq].rsplit([',', '{', '[']).next().unwrap_or(""))
+        .or_else(|| {
+            text.get(span.clone())
+                .map(|s| s.split('=').next().unwrap_or(""))
+        })
+        .map(|s| s.trim().to_owned())
         .filter(|s| !s.is_empty() && !s.contains('\n') && s.len() < 64);
     match (header, key) {
         (Some(h), Some(k)) => format!("{h}.{k}"),
@@ -1286,8 +1382,11 @@ fn span_of(root: &toml_edit::Table, path: &KeyPath) -> Option<usize> {
 /// Expected kind of a value in the shape pre-pass.
 #[derive(Clone, Copy)]
 enum Kind {
+    /// A non-negative integer (`u64`/`usize` fields).
     Int,
-    /// Any integer, e.g. a nice value.
+    /// A non-negative integer that fits a `u32` field.
+    U32,
+    /// An integer that fits an `i32` field, e.g. a nice value.
     SignedInt,
     Str,
     Bool,
@@ -1307,9 +1406,9 @@ const DAEMON_KEYS: &[(&str, Kind)] = &[
     ("own_tables_budget", Kind::Int),
     ("max_connections", Kind::Int),
     ("buffer_size", Kind::Int),
-    ("notsent_lowat", Kind::Int),
-    ("blocked_window", Kind::Int),
-    ("backend_rcvbuf", Kind::Int),
+    ("notsent_lowat", Kind::U32),
+    ("blocked_window", Kind::U32),
+    ("backend_rcvbuf", Kind::U32),
     ("drain_timeout", Kind::Str),
     ("access_log", Kind::Bool),
     ("estimator_cpu", Kind::Int),
@@ -1356,7 +1455,7 @@ const SERVICE_KEYS: &[(&str, Kind)] = &[
     ("expire_nodest_conn", Kind::Bool),
     ("mh_fallback", Kind::Bool),
     ("hash_seed", Kind::Str),
-    ("udp_responses", Kind::Int),
+    ("udp_responses", Kind::U32),
     ("udp_timeout", Kind::Str),
     ("udp_max_sessions_per_client", Kind::Int),
     ("health", Kind::Table),
@@ -1365,15 +1464,15 @@ const SERVICE_KEYS: &[(&str, Kind)] = &[
 const HEALTH_KEYS: &[(&str, Kind)] = &[
     ("interval", Kind::Str),
     ("timeout", Kind::Str),
-    ("rise", Kind::Int),
-    ("fall", Kind::Int),
+    ("rise", Kind::U32),
+    ("fall", Kind::U32),
     ("protocol", Kind::Proto),
     ("port", Kind::Int),
     ("send", Kind::Str),
 ];
 const BACKEND_KEYS: &[(&str, Kind)] = &[
     ("address", Kind::Addr),
-    ("weight", Kind::Int),
+    ("weight", Kind::U32),
     ("proxy_protocol", Kind::Str),
     ("max_connections", Kind::Int),
 ];
@@ -1484,7 +1583,12 @@ fn check_table(
         let v = item.as_value();
         let ok = match kind {
             Kind::Int => v.is_some_and(|v| v.as_integer().is_some_and(|i| i >= 0)),
-            Kind::SignedInt => v.is_some_and(|v| v.as_integer().is_some()),
+            Kind::U32 => {
+                v.is_some_and(|v| v.as_integer().is_some_and(|i| u32::try_from(i).is_ok()))
+            }
+            Kind::SignedInt => {
+                v.is_some_and(|v| v.as_integer().is_some_and(|i| i32::try_from(i).is_ok()))
+            }
             Kind::Str => v.is_some_and(|v| v.is_str()),
             Kind::Bool => v.is_some_and(|v| v.is_bool()),
             Kind::Addr => v
@@ -1502,7 +1606,8 @@ fn check_table(
         if !ok {
             let want = match kind {
                 Kind::Int => "a non-negative integer, e.g. 4",
-                Kind::SignedInt => "an integer, e.g. -5",
+                Kind::U32 => "an integer in 0..=4294967295, e.g. 4",
+                Kind::SignedInt => "an integer in -2147483648..=2147483647, e.g. -5",
                 Kind::Str => "a string in quotes",
                 Kind::Bool => "true or false",
                 Kind::Addr => "\"IP:PORT\", e.g. \"127.0.0.1:8080\" or \"[::1]:8080\"",
@@ -1748,5 +1853,198 @@ mod tests {
         assert!(fence_allows(&[], a("10.0.0.1:1"), true));
         assert!(!fence_allows(&[], a("0.0.0.0:1"), true));
         assert!(fence_allows(&[], a("0.0.0.0:1"), false));
+    }
+
+    /// Issue 10 #20: an integer too large for its field is reported under
+    /// its key path and line, not under its value.
+    #[test]
+    fn oversized_integers_name_the_key() {
+        // Too large for TOML itself: the parser fails, the key comes from the line.
+        let got = parse(
+            "[daemon]\naccess_log = true\nworkers = 99999999999999999999\n",
+            "f.toml",
+        )
+        .unwrap_err();
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(
+            (got[0].line, got[0].key.as_str()),
+            (Some(3), "daemon.workers"),
+            "{got:?}"
+        );
+        // Inside the second backend of the second service.
+        let text = "[[service]]\nname = \"a\"\nprotocol = \"tcp\"\nlisten = \"127.0.0.1:1\"\n\
+                    [[service]]\nname = \"b\"\nprotocol = \"tcp\"\nlisten = \"127.0.0.1:2\"\n\
+                    [[service.backend]]\naddress = \"127.0.0.1:3\"\n\
+                    [[service.backend]]\naddress = \"127.0.0.1:4\"\nweight = 99999999999999999999\n";
+        let got = parse(text, "f.toml").unwrap_err();
+        assert_eq!(
+            (got[0].line, got[0].key.as_str()),
+            (Some(13), "service[1].backend[1].weight"),
+            "{got:?}"
+        );
+        // Fits TOML's i64 but not the u32 field: caught by the shape pass.
+        let text = text.replace("99999999999999999999", "4294967296");
+        let got: Vec<String> = parse(&text, "f.toml")
+            .unwrap_err()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(
+            got,
+            [
+                "f.toml:13: service[1].backend[1].weight: expected an integer in 0..=4294967295, e.g. 4"
+            ],
+        );
+        let got = parse("[daemon]\nestimator_nice = 2147483648\n", "f.toml").unwrap_err();
+        assert!(
+            got[0]
+                .to_string()
+                .starts_with("f.toml:2: daemon.estimator_nice: expected an integer in"),
+            "{got:?}"
+        );
+        let got = parse("[daemon]\nnotsent_lowat = 4294967296\n", "f.toml").unwrap_err();
+        assert!(
+            got[0].to_string().starts_with(
+                "f.toml:2: daemon.notsent_lowat: expected an integer in 0..=4294967295"
+            ),
+            "{got:?}"
+        );
+    }
+
+    /// Issue 10 #5: every duration key has bounds; a duration that would
+    /// overflow a clock (`drain_timeout = "500000000000y"` panicked on
+    /// SIGTERM) is refused with the range, and the edges are accepted.
+    #[test]
+    fn durations_are_bounded() {
+        let huge = "500000000000y";
+        let svc = |extra: &str| {
+            format!(
+                "[[service]]\nname = \"a\"\nprotocol = \"udp\"\nlisten = \"127.0.0.1:1\"\n{extra}"
+            )
+        };
+        let cases = [
+            (
+                format!("[daemon]\ndrain_timeout = \"{huge}\"\n"),
+                "daemon.drain_timeout",
+                "0s..=1day",
+            ),
+            (
+                svc(&format!("persistence = \"{huge}\"\n")),
+                "service[0].persistence",
+                "0s..=30days",
+            ),
+            (
+                svc("persistence = \"31days\"\n"),
+                "service[0].persistence",
+                "0s..=30days",
+            ),
+            (
+                svc(&format!("connect_timeout = \"{huge}\"\n")),
+                "service[0].connect_timeout",
+                "1ms..=1h",
+            ),
+            (
+                svc("connect_timeout = \"0s\"\n"),
+                "service[0].connect_timeout",
+                "1ms..=1h",
+            ),
+            (
+                svc(&format!("udp_timeout = \"{huge}\"\n")),
+                "service[0].udp_timeout",
+                "1ms..=30days",
+            ),
+            (
+                svc("udp_timeout = \"0s\"\n"),
+                "service[0].udp_timeout",
+                "1ms..=30days",
+            ),
+            (
+                svc(&format!("[service.health]\ninterval = \"{huge}\"\n")),
+                "service[0].health.interval",
+                "1ms..=1h",
+            ),
+            (
+                svc("[service.health]\ninterval = \"0s\"\n"),
+                "service[0].health.interval",
+                "1ms..=1h",
+            ),
+            (
+                svc("[service.health]\ninterval = \"2h\"\ntimeout = \"2h\"\n"),
+                "service[0].health.interval",
+                "1ms..=1h",
+            ),
+        ];
+        for (text, key, range) in &cases {
+            let got = parse(text, "f.toml").unwrap_err();
+            let hit = got
+                .iter()
+                .find(|e| e.key == *key)
+                .unwrap_or_else(|| panic!("{key}: {got:?}"));
+            assert!(
+                hit.line.is_some()
+                    && hit
+                        .message
+                        .contains(&format!("is outside {range}; use e.g.")),
+                "{key}: {hit}"
+            );
+        }
+        let ok = "[daemon]\ndrain_timeout = \"1day\"\n[[service]]\nname = \"a\"\nprotocol = \"udp\"\n\
+                  listen = \"127.0.0.1:1\"\npersistence = \"30days\"\nconnect_timeout = \"1h\"\n\
+                  udp_timeout = \"30days\"\n[service.health]\ninterval = \"1h\"\ntimeout = \"1h\"\n";
+        parse(ok, "f.toml").unwrap_or_else(|e| panic!("{e:?}"));
+        parse("[daemon]\ndrain_timeout = \"0s\"\n", "f.toml").unwrap();
+        // The API path (`check_service`) uses the same checks.
+        let mut spec = parse(ok, "f.toml").unwrap().services.remove(0);
+        spec.persistence = huge.into();
+        let problems = service_problems(&spec);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(problems[0].path.to_string(), "persistence");
+    }
+
+    /// Issue 10 #11: reporting every error of a large file took time
+    /// quadratic in its size (each error's line was counted from the top).
+    /// Compare n and 4n services in the same run: linear work takes ~4x,
+    /// quadratic ~16x; the bound leaves room for a noisy machine.
+    #[test]
+    fn validation_time_is_linear_in_the_file() {
+        fn file(services: usize, bad: bool) -> String {
+            let mut s = String::with_capacity(services * 160);
+            for i in 0..services {
+                // Every other service has a semantic error (unknown scheduler),
+                // or a shape error (unknown key) when `bad`.
+                let sched = if i % 2 == 0 { "wlc" } else { "nope" };
+                let extra = if bad && i % 2 == 1 { "bogus = 1\n" } else { "" };
+                s.push_str(&format!(
+                    "[[service]]\nname = \"s{i}\"\nprotocol = \"tcp\"\nlisten = \"127.0.{}.{}:80\"\n\
+                     scheduler = \"{sched}\"\n{extra}[[service.backend]]\naddress = \"10.0.0.1:80\"\n",
+                    i / 250,
+                    i % 250 + 1
+                ));
+            }
+            s
+        }
+        let time = |n: usize, bad: bool| {
+            let text = file(n, bad);
+            // Best of three against scheduling noise on a shared machine.
+            (0..3)
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    let errs = parse(&text, "big.toml").unwrap_err();
+                    assert_eq!(errs.len(), n / 2);
+                    // The last error is two lines above the end, and says so.
+                    assert_eq!(errs.last().unwrap().line, Some(text.lines().count() - 2));
+                    t.elapsed()
+                })
+                .min()
+                .unwrap()
+        };
+        for bad in [false, true] {
+            let (small, large) = (time(2_000, bad), time(8_000, bad));
+            let ratio = large.as_secs_f64() / small.as_secs_f64().max(1e-6);
+            assert!(
+                ratio < 8.0,
+                "4x the services took {ratio:.1}x the time ({small:?} -> {large:?}; shape errors: {bad})"
+            );
+        }
     }
 }

@@ -441,6 +441,26 @@ fn e2e_kill_save_reload_stats_health_top() {
     assert!(out.contains("CPS"));
 }
 
+/// Issue 10 #5: `--interval 1e300` panicked in `Duration::from_secs_f64`
+/// after the first frame; out-of-range intervals are refused before any
+/// request, and 2 frames at the top of the range still work.
+#[test]
+fn top_interval_is_bounded() {
+    let s = server();
+    for bad in ["1e300", "3601", "0.05", "NaN", "inf"] {
+        let r = s.weir(&["top", "--iterations", "2", "--interval", bad]);
+        assert_eq!(r.0, ExitCode::from(2), "--interval {bad}: {r:?}");
+        assert!(
+            r.2.contains("--interval") && r.2.contains("outside 0.1..=3600 seconds"),
+            "--interval {bad}: {}",
+            r.2
+        );
+        assert!(r.1.is_empty(), "no frame for --interval {bad}: {}", r.1);
+    }
+    let out = ok(s.weir(&["top", "--iterations", "1", "--interval", "3600"]));
+    assert_eq!(out.matches("weir top - ").count(), 1);
+}
+
 #[test]
 fn e2e_errors_say_what_to_do() {
     let s = server();

@@ -563,3 +563,54 @@ fn editing_a_tenant_changes_limits_and_timeouts_live() {
     );
     d.shutdown();
 }
+
+/// Issue 10 #5: durations that overflow a clock are refused at start and
+/// through `Control` (with the key and the range), and a drain given one
+/// anyway neither panics nor waits (`Instant + Duration` used to overflow on
+/// SIGTERM with `drain_timeout = "500000000000y"`).
+#[test]
+fn overflowing_durations_are_refused_and_drain_survives_one() {
+    use weir::control::ErrorKind;
+    let huge = "500000000000y";
+    let e = Echo::start();
+    let mut cfg = config(vec![service(
+        "s",
+        Protocol::Tcp,
+        "rr",
+        vec![backend(e.addr, 1)],
+    )]);
+    cfg.daemon.drain_timeout = huge.into();
+    let err = Daemon::start(cfg.clone(), None).unwrap_err().to_string();
+    assert!(
+        err.contains("daemon.drain_timeout") && err.contains("outside 0s..=1day"),
+        "{err}"
+    );
+
+    cfg.daemon.drain_timeout = "1day".into();
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+    let mut health = service("h", Protocol::Tcp, "rr", vec![backend(e.addr, 1)]);
+    health.options.health = Some(weir::config::HealthSpec {
+        interval: huge.into(),
+        ..Default::default()
+    });
+    let mut persist = service("p", Protocol::Tcp, "rr", vec![backend(e.addr, 1)]);
+    persist.persistence = huge.into();
+    for (spec, key) in [(health, "health.interval"), (persist, "persistence")] {
+        let err = c.add_service(spec).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Invalid, "{err}");
+        assert!(
+            err.message.contains(key) && err.message.contains("is outside"),
+            "{err}"
+        );
+    }
+    assert_eq!(c.running_config().services.len(), 1);
+    let mut edit = c.running_config().services.remove(0);
+    edit.options.connect_timeout = Some(huge.into());
+    let err = c.edit_service("default", "s", edit).unwrap_err();
+    assert!(err.message.contains("connect_timeout"), "{err}");
+    assert!(echo_once(d.service_addr("default", "s").unwrap(), b"still"));
+
+    // Nothing open: the drain returns at once with nothing forced.
+    assert_eq!(d.drain(Duration::MAX), 0);
+}

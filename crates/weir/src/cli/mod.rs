@@ -399,10 +399,13 @@ pub struct StatsArgs {
     pub admin: AdminArgs,
 }
 
+/// Longest `weir top --interval` in seconds (an hour).
+pub const MAX_TOP_INTERVAL_S: f64 = 3_600.0;
+
 /// `weir top`.
 #[derive(Debug, Clone, Args)]
 pub struct TopArgs {
-    /// Seconds between refreshes.
+    /// Seconds between refreshes (0.1 to 3600).
     #[arg(long, default_value_t = 2.0)]
     pub interval: f64,
     /// Stop after N frames (default: until interrupted).
@@ -930,12 +933,15 @@ fn clock_label() -> String {
 }
 
 fn top(a: TopArgs, out: &mut dyn Write) -> CliResult<()> {
-    let c = Client::from_args(&a.admin)?;
-    if !(a.interval.is_finite() && a.interval >= 0.1) {
-        return Err(CliError::Local(
-            "--interval must be at least 0.1 seconds".into(),
-        ));
+    // Checked before `from_secs_f64`, which panics on values it cannot hold.
+    if !(a.interval.is_finite() && (0.1..=MAX_TOP_INTERVAL_S).contains(&a.interval)) {
+        return Err(CliError::Local(format!(
+            "--interval {} is outside 0.1..={MAX_TOP_INTERVAL_S} seconds; use e.g. 2",
+            a.interval
+        )));
     }
+    let interval = std::time::Duration::from_secs_f64(a.interval);
+    let c = Client::from_args(&a.admin)?;
     let mut frame: u64 = 0;
     loop {
         let services: Vec<ServiceStatus> = c.get("/v1/services")?;
@@ -963,6 +969,6 @@ fn top(a: TopArgs, out: &mut dyn Write) -> CliResult<()> {
         if a.iterations.is_some_and(|n| frame >= n) {
             return Ok(());
         }
-        std::thread::sleep(std::time::Duration::from_secs_f64(a.interval));
+        std::thread::sleep(interval);
     }
 }

@@ -175,8 +175,11 @@ impl Daemon {
             control_rt: control_rt.handle().clone(),
             fd_limit: fd_soft,
             epoch: Instant::now(),
-            drain_timeout: config::parse_duration(&config.daemon.drain_timeout)
-                .unwrap_or(Duration::from_secs(30)),
+            drain_timeout: config::parse_duration_in(
+                &config.daemon.drain_timeout,
+                config::DRAIN_TIMEOUT_BOUNDS,
+            )
+            .unwrap_or(Duration::from_secs(30)),
             runtime_added: Mutex::default(),
             reload_lock: Mutex::new(()),
         });
@@ -302,9 +305,11 @@ impl DaemonHandle {
     /// by a second signal.
     pub fn drain_until(mut self, timeout: Duration, abort: &AtomicBool) -> u64 {
         self.shared.stop_accept.cancel();
-        let deadline = Instant::now() + timeout;
+        // No deadline if `timeout` overflows the clock (validation bounds
+        // it to a day; a caller may pass anything).
+        let deadline = Instant::now().checked_add(timeout);
         while self.shared.active.load(Relaxed) > 0
-            && Instant::now() < deadline
+            && deadline.is_none_or(|d| Instant::now() < d)
             && !abort.load(Relaxed)
         {
             std::thread::sleep(Duration::from_millis(50));
@@ -1373,8 +1378,8 @@ impl Shared {
             return;
         };
         let (Ok(interval), Ok(timeout)) = (
-            config::parse_duration(&h.interval),
-            config::parse_duration(&h.timeout),
+            config::parse_duration_in(&h.interval, config::HEALTH_INTERVAL_BOUNDS),
+            config::parse_duration_in(&h.timeout, config::HEALTH_TIMEOUT_BOUNDS),
         ) else {
             return;
         };
@@ -1609,7 +1614,8 @@ pub(crate) fn resolve_timeouts(spec: &TenantSpec) -> crate::control::ControlResu
 pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResult<ServiceParams> {
     use crate::control::{ControlError, ErrorKind};
     let bad = |m: String| ControlError::new(ErrorKind::Invalid, m);
-    let persistence = config::parse_duration(&spec.persistence).map_err(bad)?;
+    let persistence =
+        config::parse_duration_in(&spec.persistence, config::PERSISTENCE_BOUNDS).map_err(bad)?;
     let mask = match &spec.persistence_netmask {
         Some(m) => {
             let n = config::parse_netmask(m).map_err(bad)?;
@@ -1621,11 +1627,11 @@ pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResul
     };
     let o = &spec.options;
     let connect_timeout = match &o.connect_timeout {
-        Some(t) => config::parse_duration(t).map_err(bad)?,
+        Some(t) => config::parse_duration_in(t, config::CONNECT_TIMEOUT_BOUNDS).map_err(bad)?,
         None => CONNECT_TIMEOUT,
     };
     let udp_timeout = match &o.udp_timeout {
-        Some(t) => Some(config::parse_duration(t).map_err(bad)?),
+        Some(t) => Some(config::parse_duration_in(t, config::UDP_TIMEOUT_BOUNDS).map_err(bad)?),
         None => None,
     };
     Ok(ServiceParams {
