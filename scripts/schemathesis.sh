@@ -10,7 +10,7 @@
 #   ST_VENV      venv for schemathesis (default: target/schemathesis-venv; created
 #                and `pip install schemathesis` on first use)
 #   ST_EXAMPLES  max examples per operation (default 50)
-#   ST_MAX_TIME  time budget of the whole run in seconds (default 240)
+#   ST_MAX_TIME  time budget of the whole run in seconds (default 120)
 #   ST_SEED      hypothesis seed (default 1, so a failure replays)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 bin=${1:-${WEIR_BIN:-target/debug/weir}}
 venv=${ST_VENV:-target/schemathesis-venv}
 examples=${ST_EXAMPLES:-50}
-max_time=${ST_MAX_TIME:-240}
+max_time=${ST_MAX_TIME:-120}
 seed=${ST_SEED:-1}
 
 [ -x "$bin" ] || { echo "schemathesis: no weir binary at $bin (cargo build -p weir)"; exit 1; }
@@ -27,6 +27,7 @@ if [ ! -x "$venv/bin/st" ]; then
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet --disable-pip-version-check schemathesis
 fi
+venv=$(cd "$venv" && pwd)
 "$venv/bin/st" --version
 
 dir=$(mktemp -d -t weir-schemathesis.XXXXXX)
@@ -102,13 +103,15 @@ done
 status=0
 # --mode all: valid and invalid inputs; --workers 1: the daemon's state is
 # shared, so one request at a time keeps failures reproducible with the seed.
-"$venv/bin/st" run "$url/v1/openapi.json" \
+# From the temporary directory: schemathesis keeps its example database in
+# ./.schemathesis, which must not land in the repository.
+(cd "$dir" && "$venv/bin/st" run "$url/v1/openapi.json" \
     --header "Authorization: Bearer $token" \
     --checks not_a_server_error,response_schema_conformance \
     --phases examples,coverage,fuzzing \
     --max-examples "$examples" --max-time "$max_time" --seed "$seed" \
     --workers 1 --request-timeout 10 --no-shrink \
-    --report junit --report-dir "$dir/report" || status=$?
+    --report junit --report-dir "$dir/report") || status=$?
 
 if ! kill -0 "$pid" 2>/dev/null; then
     echo "schemathesis: weir exited during the run"
