@@ -60,6 +60,12 @@ pub(crate) struct SoakArgs {
     /// Write the figures as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub(crate) json: Option<PathBuf>,
+    /// No UDP clients (to narrow down a missed goal).
+    #[arg(long)]
+    pub(crate) no_udp: bool,
+    /// No runtime edits or reloads (to narrow down a missed goal).
+    #[arg(long)]
+    pub(crate) no_edits: bool,
 }
 
 const TOKEN: &str = "weir-soak";
@@ -99,19 +105,21 @@ pub(crate) fn run(a: &SoakArgs) -> Result<()> {
         a.minutes
     );
     // Warm-up: same traffic, no edits, not counted towards the goals unless it fails.
-    let warm = Clients::start(&weir, &counters);
+    let warm = Clients::start(&weir, &counters, !a.no_udp);
     std::thread::sleep(WARM_UP);
     warm.stop();
     let start = weir.settled(None)?;
     let warm_failed = counters.failed.load(Ordering::Relaxed);
 
-    let clients = Clients::start(&weir, &counters);
+    let clients = Clients::start(&weir, &counters, !a.no_udp);
     let edits = Operator::new(&weir, &backends);
     let t0 = Instant::now();
     let mut peak = start;
     let mut cycles = 0u64;
     while t0.elapsed() < duration {
-        edits.step(cycles, &counters);
+        if !a.no_edits {
+            edits.step(cycles, &counters);
+        }
         cycles += 1;
         if let Ok(s) = weir.sample() {
             peak = peak.peak_with(s);
@@ -183,6 +191,8 @@ pub(crate) fn run(a: &SoakArgs) -> Result<()> {
     }
     let v = json!({
         "minutes": a.minutes,
+        "udp": !a.no_udp,
+        "edits": !a.no_edits,
         "start": start.json(),
         "peak": peak.json(),
         "end": end.json(),
@@ -506,7 +516,7 @@ struct Clients {
 }
 
 impl Clients {
-    fn start(w: &Weir, c: &Arc<Counters>) -> Self {
+    fn start(w: &Weir, c: &Arc<Counters>, udp: bool) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::new();
         for i in 0..TCP_THREADS {
@@ -521,13 +531,15 @@ impl Clients {
             }));
         }
         let (stop2, c, addr) = (stop.clone(), c.clone(), w.udp);
-        threads.push(std::thread::spawn(move || {
-            paced(&stop2, || match udp_exchange(addr) {
-                Ok(()) => {
-                    c.udp_ok.fetch_add(1, Ordering::Relaxed);
-                }
-                Err(e) => c.client_failed(format!("UDP client to {addr}: {e:#}")),
-            });
+        threads.extend(udp.then(|| {
+            std::thread::spawn(move || {
+                paced(&stop2, || match udp_exchange(addr) {
+                    Ok(()) => {
+                        c.udp_ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => c.client_failed(format!("UDP client to {addr}: {e:#}")),
+                });
+            })
         }));
         Self { stop, threads }
     }
