@@ -14,6 +14,7 @@ mod dump;
 mod proxy;
 mod rate;
 mod report;
+mod soak;
 mod table;
 
 #[derive(Debug, Parser)]
@@ -35,6 +36,9 @@ enum Suite {
     Proxy(Common),
     /// Every suite in turn; one JSON object keyed by suite.
     All(Common),
+    /// Soak: TCP and UDP churn through one daemon with runtime edits and
+    /// reloads; fails unless nothing leaked (not part of `all`).
+    Soak(soak::SoakArgs),
 }
 
 /// Options every suite takes.
@@ -57,6 +61,7 @@ fn main() -> Result<()> {
         Suite::Dump(c) => (c, vec![("dump", dump::dump)]),
         Suite::Rate(c) => (c, vec![("rate", rate::rate)]),
         Suite::Proxy(c) => (c, vec![("proxy", proxy::run)]),
+        Suite::Soak(a) => return soak::run(&a),
         Suite::All(c) => (
             c,
             vec![

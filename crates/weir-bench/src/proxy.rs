@@ -88,9 +88,9 @@ use crate::Common;
 use crate::report::{Table, ratio};
 
 mod load;
-mod peers;
+pub(crate) mod peers;
 mod servers;
-mod sys;
+pub(crate) mod sys;
 
 use peers::{Backends, Impl, Proxy, WeirOpts, start_proxy};
 use servers::{BenchServers, OpenCount};
