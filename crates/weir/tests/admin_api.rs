@@ -963,6 +963,7 @@ fn openapi_matches_router() {
     full.options.udp_responses = Some(1);
     full.options.udp_timeout = Some("30s".into());
     full.options.udp_max_sessions_per_client = 3;
+    full.options.hash_seed = Some("k".into());
     full.options.health = Some(Default::default());
     full.backends[0].proxy_protocol = Some("v2".into());
     full.backends[0].max_connections = 9;
