@@ -219,9 +219,10 @@ async fn session_task(
             .saturating_sub(shared.now_ms());
         tokio::select! {
             _ = entry.cancel.cancelled() => break *entry.cancel_reason.lock(),
-            r = sess.sock.readable() => match r.and_then(|()| reply(&sess.sock, &listen, peer)) {
-                Ok(Some((n, queued))) => {
-                    shared.count_out(entry, n);
+            r = sess.sock.readable() => match r.and_then(|()| {
+                reply(&sess.sock, &listen, peer, |n| shared.count_out(entry, n))
+            }) {
+                Ok(Some(queued)) => {
                     if let Some(datagram) = queued {
                         // The listening socket's send buffer was full: wait
                         // for it with this one datagram only.
@@ -262,15 +263,17 @@ async fn session_task(
     shared.release(&svc.tenant);
 }
 
-/// Reads one reply from the session socket into the worker's shared buffer
-/// and passes it to the client from the listening socket. `Ok(None)`: the
-/// readiness was spurious. If the listening socket cannot take the datagram
-/// now, it is returned as a copy for the caller to send when it can.
+/// Reads one reply from the session socket into the worker's shared buffer,
+/// counts it (`count`, before the client can see it) and passes it to the
+/// client from the listening socket. `Ok(None)`: the readiness was spurious.
+/// If the listening socket cannot take the datagram now, it is returned as
+/// a copy for the caller to send when it can.
 fn reply(
     sock: &UdpSocket,
     listen: &UdpSocket,
     peer: SocketAddr,
-) -> std::io::Result<Option<(usize, Option<Vec<u8>>)>> {
+    count: impl FnOnce(usize),
+) -> std::io::Result<Option<Option<Vec<u8>>>> {
     thread_local! {
         static BUF: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0u8; MAX_DATAGRAM]);
     }
@@ -280,10 +283,11 @@ fn reply(
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
             Err(e) => return Err(e),
         };
+        count(n);
         let queued = match listen.try_send_to(&buf[..n], peer) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Some(buf[..n].to_vec()),
             _ => None,
         };
-        Ok(Some((n, queued)))
+        Ok(Some(queued))
     })
 }
