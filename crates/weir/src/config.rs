@@ -1990,7 +1990,8 @@ mod tests {
         }
         let ok = "[daemon]\ndrain_timeout = \"1day\"\n[[service]]\nname = \"a\"\nprotocol = \"udp\"\n\
                   listen = \"127.0.0.1:1\"\npersistence = \"30days\"\nconnect_timeout = \"1h\"\n\
-                  udp_timeout = \"30days\"\n[service.health]\ninterval = \"1h\"\ntimeout = \"1h\"\n";
+                  udp_timeout = \"30days\"\n[service.health]\ninterval = \"1h\"\ntimeout = \"1h\"\n\
+                  protocol = \"udp\"\nsend = \"ping\"\n";
         parse(ok, "f.toml").unwrap_or_else(|e| panic!("{e:?}"));
         parse("[daemon]\ndrain_timeout = \"0s\"\n", "f.toml").unwrap();
         // The API path (`check_service`) uses the same checks.
