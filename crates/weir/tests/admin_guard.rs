@@ -355,3 +355,180 @@ fn run_exits_when_the_admin_api_cannot_start() {
         assert!(err.contains(why), "{err}");
     }
 }
+
+// ---- defect 1: slow, idle or oversized clients cannot shut the operator out --
+
+struct Served {
+    _rt: tokio::runtime::Runtime,
+    addr: std::net::SocketAddr,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// The admin API over real TCP on 127.0.0.1, in front of the fake control.
+fn serve_tcp() -> Served {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let cfg = weir::config::AdminConfig {
+        listen: "127.0.0.1:0".into(),
+        token: Some(FULL.into()),
+        ..Default::default()
+    };
+    let fake: Arc<dyn Control> = Arc::new(Fake::sample());
+    let bound = rt.block_on(admin::bind(&cfg, fake)).expect("bind");
+    let addr = bound.local_addr().unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    rt.spawn(bound.run(stop.clone()));
+    Served {
+        _rt: rt,
+        addr,
+        stop,
+    }
+}
+
+/// An authenticated GET that must be answered within `within`.
+fn operator_get(addr: std::net::SocketAddr, within: std::time::Duration) -> Result<String, String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, within).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(within)).unwrap();
+    write!(
+        s,
+        "GET /v1/tenants HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {FULL}\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| e.to_string())?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)
+        .map_err(|e| format!("read: {e}"))?;
+    Ok(resp)
+}
+
+/// A connection that has sent part of a request head and then stalls.
+fn slow_client(addr: std::net::SocketAddr) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(b"GET /v1/tenants HTTP/1.1\r\nHo").unwrap();
+    s
+}
+
+/// True once the server has closed `s` (EOF or reset), within `t`.
+fn closed_within(s: &mut std::net::TcpStream, t: std::time::Duration) -> bool {
+    use std::io::Read;
+    s.set_read_timeout(Some(t)).unwrap();
+    let mut b = [0u8; 256];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => return true,
+            Ok(_) => continue, // an error response before the close
+            Err(e) => {
+                return !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                );
+            }
+        }
+    }
+}
+
+/// The slowloris test: 300 connections (more than the 128-connection cap)
+/// hold partial request heads open, and the operator still gets an answer
+/// at once, again and again.
+#[test]
+fn slowloris_does_not_shut_out_the_operator() {
+    let srv = serve_tcp();
+    let mut held = Vec::new();
+    for _ in 0..300 {
+        held.push(slow_client(srv.addr));
+    }
+    for i in 0..5 {
+        let resp = operator_get(srv.addr, std::time::Duration::from_secs(3))
+            .unwrap_or_else(|e| panic!("operator request {i} not answered: {e}"));
+        assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+        held.push(slow_client(srv.addr));
+    }
+    drop(held);
+}
+
+/// One source holds at most 16 unauthenticated connections: the 17th
+/// evicts the oldest.
+#[test]
+fn per_source_cap_evicts_the_oldest_unauthenticated() {
+    let srv = serve_tcp();
+    let mut first = slow_client(srv.addr);
+    let mut rest: Vec<_> = (0..15).map(|_| slow_client(srv.addr)).collect();
+    // Let the server accept them (a new connection is only admitted after).
+    assert!(operator_get(srv.addr, std::time::Duration::from_secs(3)).is_ok());
+    rest.push(slow_client(srv.addr));
+    assert!(
+        closed_within(&mut first, std::time::Duration::from_secs(5)),
+        "the oldest unauthenticated connection of the source stays open"
+    );
+}
+
+/// A request head trickled one byte at a time is cut at the head deadline
+/// (10 s), not kept alive by every byte.
+#[test]
+fn request_head_has_a_deadline() {
+    use std::io::Write;
+    let srv = serve_tcp();
+    let mut s = std::net::TcpStream::connect(srv.addr).unwrap();
+    let started = std::time::Instant::now();
+    let head = b"GET /v1/tenants HTTP/1.1\r\nX-Pad: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    let mut cut = false;
+    for b in head.iter().cycle().take(80) {
+        if s.write_all(&[*b]).is_err() {
+            cut = true;
+            break;
+        }
+        s.set_read_timeout(Some(std::time::Duration::from_millis(250)))
+            .unwrap();
+        let mut buf = [0u8; 64];
+        match std::io::Read::read(&mut s, &mut buf) {
+            Ok(_) => {
+                cut = true;
+                break;
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => {
+                cut = true;
+                break;
+            }
+        }
+    }
+    let took = started.elapsed();
+    assert!(cut, "a trickled head was never cut ({took:?})");
+    assert!(
+        took >= std::time::Duration::from_secs(9) && took < std::time::Duration::from_secs(15),
+        "cut after {took:?}, want about 10 s"
+    );
+}
+
+/// A declared body over the limit gets 413 before any of it is sent.
+#[test]
+fn oversized_content_length_is_refused_up_front() {
+    use std::io::{Read, Write};
+    let srv = serve_tcp();
+    let mut s = std::net::TcpStream::connect(srv.addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    write!(
+        s,
+        "POST /v1/tenants HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {FULL}\r\nContent-Type: application/json\r\nContent-Length: 100000000\r\n\r\n{{"
+    )
+    .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = s.read(&mut buf).expect("answered without the body");
+    let resp = String::from_utf8_lossy(&buf[..n]);
+    assert!(resp.starts_with("HTTP/1.1 413"), "{resp}");
+}

@@ -1,79 +1,234 @@
-//! A cap on concurrent admin connections.
+//! Admission of admin connections: who gets a place, and for how long.
 //!
 //! The admin API shares the process's file-descriptor budget with the data
-//! path; without a cap, a client opening admin connections in a loop could
-//! take descriptors from proxied connections. Past the cap, `accept` waits
-//! (the kernel backlog holds new connections) until one closes. A
-//! connection on which nothing is read or written for [`IDLE_TIMEOUT`] is
-//! closed, so idle or stalled clients cannot hold the permits forever.
+//! path, so at most [`MAX_ADMIN_CONNECTIONS`] are open at once, and at most
+//! [`MAX_PER_SOURCE`] from one IP address. Unauthenticated clients must not
+//! be able to hold those places against the operator (issue 10, defect 1):
+//! * every request head must arrive whole within [`HEAD_TIMEOUT`] (hyper's
+//!   header read timeout), however slowly its bytes trickle in;
+//! * when the places are taken, a new connection evicts the oldest one that
+//!   has not yet presented a valid token (of its own source first when the
+//!   per-source cap is the one reached); connections whose request passed
+//!   authentication are never evicted. A new connection is refused only when
+//!   every place is held by authenticated ones. An operator's connection
+//!   sends its head at once, so a flood would have to open more than
+//!   [`MAX_ADMIN_CONNECTIONS`] connections in that moment to shut it out;
+//! * a connection on which nothing is read or written for [`IDLE_TIMEOUT`]
+//!   is closed (a stalled body or reader).
 
+use std::collections::BTreeMap;
 use std::io;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::Router;
+use axum::body::Body;
 use axum::serve::Listener;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
 
 /// Most admin connections open at once.
 pub(crate) const MAX_ADMIN_CONNECTIONS: usize = 128;
+/// Most admin connections open at once from one IP address.
+pub(crate) const MAX_PER_SOURCE: usize = 16;
+/// A request head must arrive whole within this.
+pub(crate) const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// An admin connection idle this long is closed.
 pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// A listener that holds a semaphore permit for each open connection.
-#[derive(Debug)]
-pub(crate) struct Capped<L> {
-    inner: L,
-    permits: Arc<Semaphore>,
-    idle: Duration,
+/// Where a connection comes from, for the per-source cap (`None`: a unix
+/// socket peer, only under the global cap).
+pub(crate) trait Source {
+    fn source(&self) -> Option<IpAddr>;
 }
 
-impl<L> Capped<L> {
-    pub(crate) fn new(inner: L, max: usize, idle: Duration) -> Self {
-        Self {
-            inner,
-            permits: Arc::new(Semaphore::new(max)),
-            idle,
-        }
+impl Source for SocketAddr {
+    fn source(&self) -> Option<IpAddr> {
+        Some(self.ip().to_canonical())
     }
 }
 
-impl<L: Listener> Listener for Capped<L> {
-    type Io = Permitted<L::Io>;
-    type Addr = L::Addr;
+impl Source for tokio::net::unix::SocketAddr {
+    fn source(&self) -> Option<IpAddr> {
+        None
+    }
+}
 
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        // The semaphore is never closed, so this only waits; `ok()` keeps the
-        // impossible error from becoming a panic.
-        let permit = self.permits.clone().acquire_owned().await.ok();
-        let (io, addr) = self.inner.accept().await;
-        let conn = Permitted {
-            io,
-            _permit: permit,
-            idle: self.idle,
-            deadline: Box::pin(tokio::time::sleep(self.idle)),
+/// Serve `app` on `listener` until `shutdown`, with the admission rules of
+/// this module. On shutdown, stops accepting and lets each open connection
+/// finish its request (at most [`HEAD_TIMEOUT`]).
+pub(crate) async fn serve<L>(mut listener: L, app: Router, shutdown: CancellationToken)
+where
+    L: Listener,
+    L::Addr: Source,
+{
+    let places = Places::new(MAX_ADMIN_CONNECTIONS, MAX_PER_SOURCE);
+    loop {
+        let (io, addr) = tokio::select! {
+            c = listener.accept() => c,
+            () = shutdown.cancelled() => return,
         };
-        (conn, addr)
-    }
-
-    fn local_addr(&self) -> io::Result<Self::Addr> {
-        self.inner.local_addr()
+        let Some(place) = places.admit(addr.source()) else {
+            tracing::debug!(
+                "admin connection refused: every place is held by authenticated clients"
+            );
+            continue;
+        };
+        let authed = Authed(place.authed.clone());
+        let svc = app
+            .clone()
+            .map_request(move |mut req: axum::http::Request<Incoming>| {
+                req.extensions_mut().insert(authed.clone());
+                req.map(Body::new)
+            });
+        let io = TokioIo::new(Idle::new(io, IDLE_TIMEOUT));
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let mut b = hyper::server::conn::http1::Builder::new();
+            b.timer(TokioTimer::new()).header_read_timeout(HEAD_TIMEOUT);
+            let conn = b.serve_connection(io, TowerToHyperService::new(svc));
+            let mut conn = std::pin::pin!(conn);
+            let graceful = tokio::select! {
+                _ = conn.as_mut() => false,
+                () = place.evicted.cancelled() => false,
+                () = shutdown.cancelled() => true,
+            };
+            if graceful {
+                conn.as_mut().graceful_shutdown();
+                let _ = tokio::time::timeout(HEAD_TIMEOUT, conn.as_mut()).await;
+            }
+            drop(place);
+        });
     }
 }
 
-/// A connection that returns its permit when dropped.
+/// Marks a connection's request as authenticated (a request extension the
+/// auth middleware sets); such a connection is never evicted.
+#[derive(Debug, Clone)]
+pub(crate) struct Authed(Arc<AtomicBool>);
+
+impl Authed {
+    pub(crate) fn mark(&self) {
+        self.0.store(true, Relaxed);
+    }
+}
+
+/// The open admin connections, oldest first.
 #[derive(Debug)]
-pub(crate) struct Permitted<T> {
+struct Places {
+    inner: parking_lot::Mutex<BTreeMap<u64, Entry>>,
+    next: std::sync::atomic::AtomicU64,
+    max: usize,
+    per_source: usize,
+}
+
+#[derive(Debug)]
+struct Entry {
+    source: Option<IpAddr>,
+    authed: Arc<AtomicBool>,
+    evict: CancellationToken,
+}
+
+/// One admitted connection; gives its place back when dropped.
+#[derive(Debug)]
+struct Place {
+    places: Arc<Places>,
+    id: u64,
+    authed: Arc<AtomicBool>,
+    evicted: CancellationToken,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.places.inner.lock().remove(&self.id);
+    }
+}
+
+impl Places {
+    fn new(max: usize, per_source: usize) -> Arc<Self> {
+        Arc::new(Self {
+            inner: parking_lot::Mutex::new(BTreeMap::new()),
+            next: std::sync::atomic::AtomicU64::new(0),
+            max,
+            per_source,
+        })
+    }
+
+    /// A place for a connection from `source`, evicting the oldest
+    /// unauthenticated one if the caps are reached; `None` if every place
+    /// that counts is held by authenticated connections. Work is bounded by
+    /// the cap (at most `max` entries are scanned).
+    fn admit(self: &Arc<Self>, source: Option<IpAddr>) -> Option<Place> {
+        let mut m = self.inner.lock();
+        if let Some(ip) = source {
+            let same = m.values().filter(|e| e.source == Some(ip)).count();
+            if same >= self.per_source && !evict_oldest(&mut m, |e| e.source == Some(ip)) {
+                return None;
+            }
+        }
+        if m.len() >= self.max && !evict_oldest(&mut m, |_| true) {
+            return None;
+        }
+        let id = self.next.fetch_add(1, Relaxed);
+        let authed = Arc::new(AtomicBool::new(false));
+        let evicted = CancellationToken::new();
+        m.insert(
+            id,
+            Entry {
+                source,
+                authed: authed.clone(),
+                evict: evicted.clone(),
+            },
+        );
+        Some(Place {
+            places: self.clone(),
+            id,
+            authed,
+            evicted,
+        })
+    }
+}
+
+fn evict_oldest(m: &mut BTreeMap<u64, Entry>, pick: impl Fn(&Entry) -> bool) -> bool {
+    let victim = m
+        .iter()
+        .find(|(_, e)| !e.authed.load(Relaxed) && pick(e))
+        .map(|(id, _)| *id);
+    match victim.and_then(|id| m.remove(&id)) {
+        Some(e) => {
+            e.evict.cancel();
+            true
+        }
+        None => false,
+    }
+}
+
+/// A connection closed once nothing moved on it for its idle time.
+#[derive(Debug)]
+struct Idle<T> {
     io: T,
-    _permit: Option<OwnedSemaphorePermit>,
     idle: Duration,
     deadline: Pin<Box<Sleep>>,
 }
 
-impl<T> Permitted<T> {
+impl<T> Idle<T> {
+    fn new(io: T, idle: Duration) -> Self {
+        Self {
+            io,
+            idle,
+            deadline: Box::pin(tokio::time::sleep(idle)),
+        }
+    }
+
     /// Progress was made: push the idle deadline out.
     fn touch(&mut self) {
         let at = Instant::now() + self.idle;
@@ -92,7 +247,7 @@ impl<T> Permitted<T> {
     }
 }
 
-impl<T: AsyncRead + Unpin> AsyncRead for Permitted<T> {
+impl<T: AsyncRead + Unpin> AsyncRead for Idle<T> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -108,7 +263,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Permitted<T> {
     }
 }
 
-impl<T: AsyncWrite + Unpin> AsyncWrite for Permitted<T> {
+impl<T: AsyncWrite + Unpin> AsyncWrite for Idle<T> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -150,58 +305,29 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Permitted<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    #[tokio::test]
-    async fn third_connection_waits_for_a_permit() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let mut capped = Capped::new(l, 2, IDLE_TIMEOUT);
-        let _c1 = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let _c2 = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let mut c3 = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let (a1, _) = capped.accept().await;
-        let (a2, _) = capped.accept().await;
-        assert_eq!(capped.permits.available_permits(), 0);
-        // The third accept cannot complete while both permits are held.
-        let mut third = Box::pin(capped.accept());
-        assert!(futures_poll_once(third.as_mut()).await.is_none());
+    #[test]
+    fn caps_evict_the_oldest_unauthenticated_connection() {
+        let p = Places::new(3, 2);
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
+        let b: IpAddr = "192.0.2.2".parse().unwrap();
+        let a1 = p.admit(Some(a)).unwrap();
+        a1.authed.store(true, Relaxed);
+        let a2 = p.admit(Some(a)).unwrap();
+        // Per-source cap: a's third evicts a2 (a1 is authenticated).
+        let a3 = p.admit(Some(a)).unwrap();
+        assert!(a2.evicted.is_cancelled() && !a1.evicted.is_cancelled());
+        // Global cap: b's evicts the oldest unauthenticated, a3.
+        let b1 = p.admit(Some(b)).unwrap();
+        let _b2 = p.admit(Some(b)).unwrap();
+        assert!(a3.evicted.is_cancelled());
+        assert!(b1.evicted.is_cancelled() || p.inner.lock().len() <= 3);
+        // All places authenticated: refused.
+        for e in p.inner.lock().values() {
+            e.authed.store(true, Relaxed);
+        }
+        assert!(p.admit(None).is_none());
         drop(a1);
-        let (mut a3, _) = third.await;
-        c3.write_all(b"x").await.unwrap();
-        let mut b = [0u8; 1];
-        a3.read_exact(&mut b).await.unwrap();
-        assert_eq!(&b, b"x");
-        drop(a2);
-    }
-
-    #[tokio::test]
-    async fn idle_connections_are_closed_and_free_their_permit() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let mut capped = Capped::new(l, 1, Duration::from_millis(100));
-        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let (mut conn, _) = capped.accept().await;
-        assert_eq!(capped.permits.available_permits(), 0);
-        let started = std::time::Instant::now();
-        let mut b = [0u8; 1];
-        // Bounded: the idle timeout must end this read well within 10 s.
-        let r = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut b))
-            .await
-            .expect("idle timeout fired");
-        assert_eq!(r.map_err(|e| e.kind()), Err(io::ErrorKind::TimedOut));
-        assert!(started.elapsed() >= Duration::from_millis(100));
-        drop(conn);
-        assert_eq!(capped.permits.available_permits(), 1);
-    }
-
-    /// Poll a future once; `Some` if it completed.
-    async fn futures_poll_once<F: std::future::Future + Unpin>(f: F) -> Option<F::Output> {
-        let mut f = f;
-        std::future::poll_fn(|cx| match Pin::new(&mut f).poll(cx) {
-            Poll::Ready(v) => Poll::Ready(Some(v)),
-            Poll::Pending => Poll::Ready(None),
-        })
-        .await
+        assert!(p.admit(None).is_some());
     }
 }

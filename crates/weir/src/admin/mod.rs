@@ -21,9 +21,13 @@
 //!   errors map NotFound→404, Conflict→409, Invalid→400, Unavailable→503.
 //! * Nothing a client sends panics: handlers parse with fallible APIs, and a
 //!   panic inside a [`Control`] call is caught and answered with 500.
-//! * At most 128 admin connections are open at once (the admin API shares
-//!   the daemon's file-descriptor budget with the data path); further ones
-//!   wait in the listen backlog; a connection idle for 60 s is closed.
+//! * At most 128 admin connections are open at once, 16 per source address
+//!   (the admin API shares the daemon's file-descriptor budget with the data
+//!   path); a request head must arrive within 10 s; past a cap, a new
+//!   connection evicts the oldest not yet authenticated, so slow or idle
+//!   clients cannot shut the operator out (see [`limit`]); a connection
+//!   idle for 60 s is closed. A `Content-Length` over [`BODY_LIMIT`] gets
+//!   413 before the body is read.
 //! * `/v1/openapi.json` documents exactly the routes in [`route_table`]; a
 //!   test walks both.
 
@@ -140,25 +144,18 @@ impl Bound {
         }
     }
 
-    /// Serve until `shutdown` is cancelled, then finish in-flight requests.
+    /// Serve until `shutdown` is cancelled, then finish in-flight requests
+    /// (see [`limit`] for the admission rules).
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         match self.listener {
             Listener::Tcp(l) => {
                 tracing::info!(addr = ?l.local_addr().ok(), "admin API listening");
-                let l = limit::Capped::new(l, limit::MAX_ADMIN_CONNECTIONS, limit::IDLE_TIMEOUT);
-                axum::serve(l, self.app)
-                    .with_graceful_shutdown(shutdown.cancelled_owned())
-                    .await
-                    .context("admin API server")?;
+                limit::serve(l, self.app, shutdown).await;
             }
             Listener::Unix(l, path) => {
                 tracing::info!(path = %path.display(), "admin API listening");
-                let l = limit::Capped::new(l, limit::MAX_ADMIN_CONNECTIONS, limit::IDLE_TIMEOUT);
-                let r = axum::serve(l, self.app)
-                    .with_graceful_shutdown(shutdown.cancelled_owned())
-                    .await;
+                limit::serve(l, self.app, shutdown).await;
                 let _ = std::fs::remove_file(&path);
-                r.context("admin API server")?;
             }
         }
         Ok(())
@@ -322,7 +319,33 @@ pub fn router(control: Arc<dyn Control>, tokens: Tokens, metrics_public: bool) -
         })
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(middleware::from_fn(refuse_oversized))
         .with_state(state)
+}
+
+/// 413 at once for a declared body over [`BODY_LIMIT`], before reading a
+/// byte of it (and before authentication: the answer reveals nothing), and
+/// close the connection rather than drain the body.
+async fn refuse_oversized(req: Request, next: Next) -> Response {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if let Some(n) = declared.filter(|&n| n > BODY_LIMIT as u64) {
+        let mut r = ApiError::new(
+            axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!("Content-Length {n} is over the limit of {BODY_LIMIT} bytes"),
+        )
+        .into_response();
+        r.headers_mut().insert(
+            header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+        return r;
+    }
+    next.run(req).await
 }
 
 /// Check the bearer token, enforce read-only, and attach [`Access`].
@@ -357,6 +380,9 @@ async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) 
     if access == Access::ReadOnly && !matches!(*req.method(), Method::GET | Method::HEAD) {
         return ApiError::forbidden("the read-only token may only GET: use the full-access token")
             .into_response();
+    }
+    if let Some(a) = req.extensions().get::<limit::Authed>() {
+        a.mark();
     }
     req.extensions_mut().insert(access);
     next.run(req).await
