@@ -273,3 +273,77 @@ fn sh_and_mh_map_clients_alike_across_restarts() {
     assert!(used.len() > 2, "{:?}", maps[0]);
     assert_eq!(maps[0], maps[1]);
 }
+
+/// One admin request on `admin` with the test token; the status line, or
+/// the error that ended it.
+fn admin_get(admin: SocketAddr, path: &str, timeout: Duration) -> Result<String, String> {
+    let mut s = TcpStream::connect(admin).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(timeout)).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer daemon-process-test-token\r\n\
+         Connection: close\r\n\r\n"
+    )
+    .map_err(|e| format!("write: {e}"))?;
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).map_err(|e| format!("read: {e}"))?;
+    Ok(String::from_utf8_lossy(&head).into_owned())
+}
+
+/// Issue 10 #23: when the data path has taken every descriptor, the admin
+/// API still answers (it keeps spare descriptors for its own accepts).
+/// Before, its accept failed with EMFILE like everyone else's and the
+/// operator could not reach the daemon while the flood lasted.
+#[test]
+fn the_admin_api_answers_when_descriptors_are_exhausted() {
+    const NOFILE: u64 = 64;
+    let e = Echo::start();
+    let vip = free_addr();
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_config(&dir, vip, e.addr, "");
+    let admin = std::fs::read_to_string(&p)
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("listen = \"")?
+                .strip_suffix('"')?
+                .parse::<SocketAddr>()
+                .ok()
+        })
+        .unwrap();
+    let child = spawn_run(&p, Some(NOFILE as u32));
+    let pid = child.0.id();
+    assert!(
+        wait_until(T, || echo_once(vip, b"up")),
+        "daemon did not come up"
+    );
+    assert!(
+        admin_get(admin, "/v1/services", T).is_ok_and(|h| h.ends_with("200")),
+        "admin API not up"
+    );
+    let fds_of = |pid| fds_below(pid, NOFILE);
+    // Held proxied connections (two descriptors each) until fewer than two
+    // are left, then clients that wait in the backlog or for a backend
+    // connect: the data path keeps retrying for every free descriptor.
+    let mut helds = Vec::new();
+    while NOFILE - fds_of(pid) >= 2 {
+        helds.push(held(vip));
+        assert!(helds.len() < NOFILE as usize, "descriptors do not fill");
+    }
+    let waiting: Vec<TcpStream> = (0..8).map(|_| TcpStream::connect(vip).unwrap()).collect();
+    assert!(
+        wait_until(T, || fds_of(pid) >= NOFILE),
+        "the data path did not take every descriptor ({} of {NOFILE})",
+        fds_of(pid)
+    );
+    for i in 0..3 {
+        let got = admin_get(admin, "/v1/services", Duration::from_secs(5));
+        assert!(
+            got.as_ref().is_ok_and(|h| h.ends_with("200")),
+            "admin request {i} at descriptor exhaustion: {got:?}"
+        );
+    }
+    drop(waiting);
+    drop(helds);
+    drop(child);
+}

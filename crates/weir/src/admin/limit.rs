@@ -14,7 +14,14 @@
 //!   sends its head at once, so a flood would have to open more than
 //!   [`MAX_ADMIN_CONNECTIONS`] connections in that moment to shut it out;
 //! * a connection on which nothing is read or written for [`IDLE_TIMEOUT`]
-//!   is closed (a stalled body or reader).
+//!   is closed (a stalled body or reader);
+//! * the operator gets in when the data path has taken every descriptor
+//!   (issue 10, defect 23): [`Reserved`] holds [`SPARE_FDS`] descriptors
+//!   (`/dev/null`) from start; an accept that fails with `EMFILE`/`ENFILE`
+//!   closes one and accepts again at once, and spares are reopened whenever
+//!   descriptors are free again. The data path's accept loops back off on
+//!   the same error (10 ms doubling), so the freed descriptor goes to the
+//!   admin connection that asked for it.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -44,6 +51,111 @@ pub(crate) const MAX_PER_SOURCE: usize = 16;
 pub(crate) const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// An admin connection idle this long is closed.
 pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Descriptors held back for admin connections at descriptor exhaustion.
+pub(crate) const SPARE_FDS: usize = 4;
+
+/// A listener that can fail: the plain accept of tokio's listeners.
+pub(crate) trait TryAccept: Send + 'static {
+    type Io: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    type Addr: Source + Send;
+    fn try_accept(
+        &mut self,
+    ) -> impl std::future::Future<Output = io::Result<(Self::Io, Self::Addr)>> + Send;
+    fn addr(&self) -> io::Result<Self::Addr>;
+}
+
+impl TryAccept for tokio::net::TcpListener {
+    type Io = tokio::net::TcpStream;
+    type Addr = SocketAddr;
+    async fn try_accept(&mut self) -> io::Result<(Self::Io, Self::Addr)> {
+        tokio::net::TcpListener::accept(self).await
+    }
+    fn addr(&self) -> io::Result<Self::Addr> {
+        tokio::net::TcpListener::local_addr(self)
+    }
+}
+
+impl TryAccept for tokio::net::UnixListener {
+    type Io = tokio::net::UnixStream;
+    type Addr = tokio::net::unix::SocketAddr;
+    async fn try_accept(&mut self) -> io::Result<(Self::Io, Self::Addr)> {
+        tokio::net::UnixListener::accept(self).await
+    }
+    fn addr(&self) -> io::Result<Self::Addr> {
+        tokio::net::UnixListener::local_addr(self)
+    }
+}
+
+/// A listener with [`SPARE_FDS`] descriptors in reserve (see the module doc).
+#[derive(Debug)]
+pub(crate) struct Reserved<L> {
+    inner: L,
+    spares: Vec<std::fs::File>,
+}
+
+impl<L> Reserved<L> {
+    pub(crate) fn new(inner: L) -> Self {
+        let mut r = Self {
+            inner,
+            spares: Vec::with_capacity(SPARE_FDS),
+        };
+        r.refill();
+        r
+    }
+
+    /// Reopen spares up to [`SPARE_FDS`] while descriptors are free.
+    fn refill(&mut self) {
+        while self.spares.len() < SPARE_FDS {
+            match std::fs::File::open("/dev/null") {
+                Ok(f) => self.spares.push(f),
+                Err(_) => break,
+            }
+        }
+    }
+}
+
+fn is_fd_exhaustion(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
+
+impl<L: TryAccept> Listener for Reserved<L> {
+    type Io = L::Io;
+    type Addr = L::Addr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            match self.inner.try_accept().await {
+                Ok(c) => {
+                    self.refill();
+                    return c;
+                }
+                Err(e) if is_fd_exhaustion(&e) => {
+                    if self.spares.pop().is_some() {
+                        // One descriptor freed: accept again at once.
+                        continue;
+                    }
+                    tracing::debug!("admin accept: {e}; no spare descriptor left");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    self.refill();
+                }
+                // A client that went away before accept (ECONNABORTED...),
+                // or anything else: try again, without spinning.
+                Err(e) => {
+                    tracing::debug!("admin accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        self.inner.addr()
+    }
+}
 
 /// Where a connection comes from, for the per-source cap (`None`: a unix
 /// socket peer, only under the global cap).

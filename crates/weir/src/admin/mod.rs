@@ -150,11 +150,11 @@ impl Bound {
         match self.listener {
             Listener::Tcp(l) => {
                 tracing::info!(addr = ?l.local_addr().ok(), "admin API listening");
-                limit::serve(l, self.app, shutdown).await;
+                limit::serve(limit::Reserved::new(l), self.app, shutdown).await;
             }
             Listener::Unix(l, path) => {
                 tracing::info!(path = %path.display(), "admin API listening");
-                limit::serve(l, self.app, shutdown).await;
+                limit::serve(limit::Reserved::new(l), self.app, shutdown).await;
                 let _ = std::fs::remove_file(&path);
             }
         }
