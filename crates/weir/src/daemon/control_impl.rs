@@ -380,7 +380,8 @@ impl Control for LiveControl {
             return Err(ControlError::new(
                 ErrorKind::Conflict,
                 format!(
-                    "the {:?} tenant cannot be deleted: services without a tenant belong to it and                      every reload needs it; delete its services instead",
+                    "the {:?} tenant cannot be deleted: services without a tenant belong to it \
+                     and every reload needs it; delete its services instead",
                     config::DEFAULT_TENANT
                 ),
             ));
