@@ -661,3 +661,63 @@ fn tenant_tokens_are_fenced_by_address() {
         "{errs:?}"
     );
 }
+
+/// Defect 11: a reload of a large file (read, parse and validate take
+/// seconds) does not stall other admin requests: they are answered while
+/// it runs, each in a small part of the reload's time.
+#[test]
+fn a_slow_reload_does_not_stall_other_requests() {
+    let echo = Echo::start();
+    let (r, _dir, path) = from_file(&service_toml("default", "web", &[echo.addr]));
+    // A file whose parse alone takes at least 0.5 s here (doubled until it
+    // does; bounded), every service with an error so nothing is applied.
+    let mut n = 2_000;
+    let text = loop {
+        let mut t = String::new();
+        for i in 0..n {
+            t.push_str(&format!(
+                "[[service]]\nname = \"s{i}\"\nprotocol = \"tcp\"\nlisten = \"nowhere\"\n"
+            ));
+        }
+        let t0 = std::time::Instant::now();
+        let _ = weir::config::parse(&t, "big.toml");
+        if t0.elapsed() >= Duration::from_millis(500) || n >= 256_000 {
+            break t;
+        }
+        n *= 2;
+    };
+    write(&path, &text);
+    let reloading = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let (url, flag) = (r.url.clone(), reloading.clone());
+    let reload = std::thread::spawn(move || {
+        let c = Client::new(url, Some(TOKEN.into()));
+        let t0 = std::time::Instant::now();
+        let res = c.send("POST", "/v1/reload", None);
+        flag.store(false, std::sync::atomic::Ordering::SeqCst);
+        (res, t0.elapsed())
+    });
+    let mut during = Vec::new();
+    while reloading.load(std::sync::atomic::Ordering::SeqCst) && during.len() < 1_000 {
+        let t0 = std::time::Instant::now();
+        r.ok("GET", "/v1/services", None);
+        if reloading.load(std::sync::atomic::Ordering::SeqCst) {
+            during.push(t0.elapsed());
+        }
+    }
+    let (res, took) = reload.join().unwrap();
+    assert!(
+        matches!(res, Err(CliError::Api { status: 400, .. })),
+        "{res:?}"
+    );
+    assert!(
+        during.len() >= 3,
+        "only {} requests answered during a {took:?} reload",
+        during.len()
+    );
+    let slowest = during.iter().max().unwrap();
+    assert!(
+        *slowest < took / 4,
+        "a GET took {slowest:?} during a {took:?} reload"
+    );
+    assert!(r.d().service_addr("default", "web").is_some());
+}
