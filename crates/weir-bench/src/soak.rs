@@ -23,8 +23,9 @@
 //!   to the file, so reloads never remove what an edit added.
 //!
 //! # What is measured
-//! Before the run (after a 5 s warm-up with the same traffic, so one-time
-//! allocations are in the baseline, and once the table has emptied) and
+//! Before the run (after a warm-up with the same traffic and two whole edit
+//! cycles, 24 s, so one-time allocations and the allocator's high-water mark
+//! for this churn are in the baseline, and once the table has emptied) and
 //! after it (once the table is back at the baseline or 30 s have passed):
 //! flow-table entries (sum of `GET /v1/table`), open file descriptors
 //! (`/proc/PID/fd`) and RSS (`/proc/PID/status` `VmRSS`); plus failed
@@ -66,6 +67,10 @@ pub(crate) struct SoakArgs {
     /// No runtime edits or reloads (to narrow down a missed goal).
     #[arg(long)]
     pub(crate) no_edits: bool,
+    /// RSS may end at most this many percent above its baseline (the goal
+    /// is 5; docs/BENCHMARKS.md says why CI allows more for now).
+    #[arg(long, default_value_t = 5.0, value_name = "PCT")]
+    pub(crate) rss_tolerance: f64,
 }
 
 const TOKEN: &str = "weir-soak";
@@ -76,15 +81,22 @@ const CLIENT_INTERVAL: Duration = Duration::from_millis(10);
 const TCP_THREADS: usize = 2;
 /// Time between two operator edits.
 const EDIT_INTERVAL: Duration = Duration::from_secs(2);
+/// Warm-up with `--no-edits`.
 const WARM_UP: Duration = Duration::from_secs(5);
+/// Warm-up edits otherwise: two cycles of [`Operator::step`]'s six.
+const WARM_UP_EDITS: u64 = 12;
 /// Longest wait for the table and fds to settle (every timeout is ≤ 2 s,
 /// the expiry runs once a second).
 const SETTLE: Duration = Duration::from_secs(30);
-/// RSS may end at most this much above its baseline.
-const RSS_TOLERANCE: f64 = 0.05;
 
 /// Runs the soak and prints its report; fails if a goal is missed.
 pub(crate) fn run(a: &SoakArgs) -> Result<()> {
+    if !(0.0..=1000.0).contains(&a.rss_tolerance) {
+        bail!(
+            "--rss-tolerance {} is outside [0, 1000]; use e.g. --rss-tolerance 5",
+            a.rss_tolerance
+        );
+    }
     if !(a.minutes > 0.0 && a.minutes <= 24.0 * 60.0) {
         bail!(
             "--minutes {} is outside (0, 1440]; use e.g. --minutes 2",
@@ -99,20 +111,33 @@ pub(crate) fn run(a: &SoakArgs) -> Result<()> {
     let counters = Arc::new(Counters::default());
 
     println!(
-        "soak: weir pid {} admin 127.0.0.1:{}; warm-up {WARM_UP:?}, then {:.1} min of churn",
+        "soak: weir pid {} admin 127.0.0.1:{}; warm-up, then {:.1} min of churn",
         weir.server.pid(),
         weir.admin,
         a.minutes
     );
-    // Warm-up: same traffic, no edits, not counted towards the goals unless it fails.
+    // Warm-up: the same traffic and, unless --no-edits, two whole edit
+    // cycles, so that the allocator's high-water mark for this churn is in
+    // the baseline (glibc keeps freed memory in its arenas: without this the
+    // first minutes' growth to that mark reads as a leak). Growth past it is
+    // what a leak looks like. Failures here still fail the run.
+    let edits = Operator::new(&weir, &backends);
     let warm = Clients::start(&weir, &counters, !a.no_udp);
-    std::thread::sleep(WARM_UP);
+    let w0 = Instant::now();
+    if a.no_edits {
+        std::thread::sleep(WARM_UP);
+    } else {
+        for n in 0..WARM_UP_EDITS {
+            edits.step(n, &counters);
+            let next = w0 + EDIT_INTERVAL * u32::try_from(n + 1).unwrap_or(u32::MAX);
+            std::thread::sleep(next.saturating_duration_since(Instant::now()));
+        }
+    }
     warm.stop();
     let start = weir.settled(None)?;
     let warm_failed = counters.failed.load(Ordering::Relaxed);
 
     let clients = Clients::start(&weir, &counters, !a.no_udp);
-    let edits = Operator::new(&weir, &backends);
     let t0 = Instant::now();
     let mut peak = start;
     let mut cycles = 0u64;
@@ -171,13 +196,14 @@ pub(crate) fn run(a: &SoakArgs) -> Result<()> {
             start.fds, end.fds
         ));
     }
-    if rss_ratio > 1.0 + RSS_TOLERANCE {
+    let rss_tolerance = a.rss_tolerance / 100.0;
+    if rss_ratio > 1.0 + rss_tolerance {
         missed.push(format!(
             "RSS {:.1} -> {:.1} MiB, {:+.1}% (goal: within {:.0}%)",
             start.rss as f64 / 1048576.0,
             end.rss as f64 / 1048576.0,
             (rss_ratio - 1.0) * 100.0,
-            RSS_TOLERANCE * 100.0
+            a.rss_tolerance
         ));
     }
     for m in &missed {
