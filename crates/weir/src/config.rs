@@ -1598,7 +1598,13 @@ fn check_table(
                 .and_then(|v| v.as_str())
                 .is_some_and(|s| s == "tcp" || s == "udp"),
             Kind::Table => item.is_table_like(),
-            Kind::Tables => !tables(Some(item)).is_empty() || item.is_array_of_tables(),
+            // `backend = []` (an empty list, as a config with no backends
+            // serialises) is an array of no tables.
+            Kind::Tables => {
+                !tables(Some(item)).is_empty()
+                    || item.is_array_of_tables()
+                    || item.as_array().is_some_and(|a| a.is_empty())
+            }
             Kind::Strs => v
                 .and_then(|v| v.as_array())
                 .is_some_and(|a| a.iter().all(|x| x.is_str())),
@@ -1853,6 +1859,22 @@ mod tests {
         assert!(fence_allows(&[], a("10.0.0.1:1"), true));
         assert!(!fence_allows(&[], a("0.0.0.0:1"), true));
         assert!(fence_allows(&[], a("0.0.0.0:1"), false));
+    }
+
+    /// Found by the config fuzz target: a service with no backends is
+    /// written back (`weir save`, `GET /v1/config`) as `backend = []`,
+    /// which the shape check refused, so the saved file could not be loaded.
+    #[test]
+    fn a_service_without_backends_round_trips() {
+        let text = "[[service]]\nname = \"web\"\nprotocol = \"tcp\"\nlisten = \"127.0.0.1:8081\"\n";
+        let c = parse(text, "f.toml").unwrap();
+        let written = toml::to_string(&c).unwrap();
+        assert!(written.contains("backend = []"), "{written}");
+        let again = parse(&written, "w.toml").unwrap_or_else(|e| panic!("{e:?}\n{written}"));
+        assert_eq!(again, c);
+        // A non-empty plain array is still not a list of backends.
+        let bad = format!("{text}backend = [1]\n");
+        assert!(parse(&bad, "f.toml").is_err());
     }
 
     /// Issue 10 #20: an integer too large for its field is reported under
