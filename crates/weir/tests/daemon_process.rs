@@ -47,6 +47,20 @@ fn write_config(
     p
 }
 
+/// The admin address [`write_config`] put into the file at `p`.
+fn admin_addr(p: &Path) -> SocketAddr {
+    std::fs::read_to_string(p)
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("listen = \"")?
+                .strip_suffix('"')?
+                .parse::<SocketAddr>()
+                .ok()
+        })
+        .unwrap()
+}
+
 /// `weir run --config CONFIG` (HOME and XDG_RUNTIME_DIR in the config's
 /// directory), under `ulimit -n NOFILE` when given.
 fn spawn_run(config: &Path, nofile: Option<u32>) -> Proc {
@@ -150,16 +164,7 @@ fn a_backend_connect_out_of_descriptors_waits_instead_of_resetting() {
     let vip = free_addr();
     let dir = tempfile::tempdir().unwrap();
     let p = write_config(&dir, vip, e.addr, "");
-    let admin = std::fs::read_to_string(&p)
-        .unwrap()
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("listen = \"")?
-                .strip_suffix('"')?
-                .parse::<SocketAddr>()
-                .ok()
-        })
-        .unwrap();
+    let admin = admin_addr(&p);
     let child = spawn_run(&p, Some(NOFILE as u32));
     let pid = child.0.id();
     assert!(
@@ -301,16 +306,7 @@ fn the_admin_api_answers_when_descriptors_are_exhausted() {
     let vip = free_addr();
     let dir = tempfile::tempdir().unwrap();
     let p = write_config(&dir, vip, e.addr, "");
-    let admin = std::fs::read_to_string(&p)
-        .unwrap()
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("listen = \"")?
-                .strip_suffix('"')?
-                .parse::<SocketAddr>()
-                .ok()
-        })
-        .unwrap();
+    let admin = admin_addr(&p);
     let child = spawn_run(&p, Some(NOFILE as u32));
     let pid = child.0.id();
     assert!(
