@@ -1,25 +1,59 @@
 //! The `weir` binary: daemon (`run`, `check`, `demo`) and CLI client commands.
+//!
+//! `--admin`, `--token`, `--config` and `--json` are global: they may stand
+//! before or after the command's name (`weir --admin URL list` is `weir
+//! list --admin URL`). A command that has no use for one of them refuses it
+//! when it is given on the command line (see [`unused_global`]); the same
+//! setting from the environment (`WEIR_ADMIN`, `WEIR_TOKEN`) is for every
+//! command and is ignored where it does not apply.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::{Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 use weir::config::{self, Config};
 use weir::daemon::{Daemon, DaemonHandle};
 
 mod demo;
 
+/// `weir --version`: the version, the commit and the build date (build.rs).
+const LONG_VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("WEIR_GIT_COMMIT"),
+    ", built ",
+    env!("WEIR_BUILD_DATE"),
+    ")"
+);
+
 #[derive(Debug, Parser)]
 #[command(
     name = "weir",
     version,
+    long_version = LONG_VERSION,
     about = "weir: a multi-tenant user-space L4 load balancer"
 )]
 struct Cli {
+    /// Options every command accepts before or after its name.
+    #[command(flatten)]
+    global: Global,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// The global options. The client commands flatten the same
+/// [`weir::cli::client::AdminArgs`] (also global), so the two share ids and
+/// clap hands a value given on either side of the command name to both.
+#[derive(Debug, Args)]
+struct Global {
+    #[command(flatten)]
+    admin: weir::cli::client::AdminArgs,
+    /// Print JSON (list, conns, stats, health, save, reload, tenant list).
+    #[arg(long, global = true)]
+    json: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -32,9 +66,9 @@ enum Cmd {
     },
     /// Validate a configuration file without starting; lists every error.
     Check {
-        /// The configuration file.
+        /// The configuration file (required).
         #[arg(long, short)]
-        config: PathBuf,
+        config: Option<PathBuf>,
     },
     /// Start built-in echo backends and a TCP and a UDP service in front of
     /// them, drive a little traffic, and show live stats until Ctrl-C.
@@ -43,14 +77,52 @@ enum Cmd {
         #[arg(long)]
         duration: Option<String>,
     },
+    /// Print a shell completion script, e.g. `weir completions bash >
+    /// /usr/share/bash-completion/completions/weir`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Write man pages for weir and every command (weir.1, weir-list.1,
+    /// weir-tenant-add.1, ...) into DIR, created if missing; prints each
+    /// file written.
+    Manpages {
+        /// Where to write them, e.g. /usr/share/man/man1.
+        dir: PathBuf,
+    },
     #[command(flatten)]
     Client(weir::cli::Command),
 }
 
+/// The command-line definition, with the top-level help of `--config`
+/// covering the daemon commands too.
+fn cli_command() -> clap::Command {
+    Cli::command().mut_arg("config", |a| {
+        a.help(
+            "The daemon's config file: the file to run or check; for client \
+             commands, where [admin] listen, token and token_file are read",
+        )
+    })
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = cli_command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    if let Some(msg) = unused_global(&matches, &cli) {
+        eprintln!("weir {}: {msg}", command_path(&matches));
+        return ExitCode::from(2);
+    }
     match cli.cmd {
-        Cmd::Check { config } => check(&config),
+        Cmd::Check { config: None } => {
+            eprintln!("weir check: give the file to check: weir check --config FILE");
+            ExitCode::from(2)
+        }
+        Cmd::Check {
+            config: Some(config),
+        } => check(&config),
         Cmd::Run { config } => {
             init_logs();
             run(config)
@@ -67,8 +139,105 @@ fn main() -> ExitCode {
             };
             demo::run(d)
         }
+        Cmd::Completions { shell } => {
+            // Into a buffer: clap_complete panics when its writer fails
+            // (e.g. `weir completions bash | head`).
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut cli_command(), "weir", &mut script);
+            match std::io::Write::write_all(&mut std::io::stdout(), &script) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("weir completions: writing the script: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+        Cmd::Manpages { dir } => match write_manpages(&dir) {
+            Ok(files) => {
+                let list: String = files.iter().map(|f| format!("{}\n", f.display())).collect();
+                // Not println!, which panics on a closed pipe.
+                match std::io::Write::write_all(&mut std::io::stdout(), list.as_bytes()) {
+                    Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => {
+                        eprintln!("weir manpages: listing the files written: {e}");
+                        ExitCode::from(2)
+                    }
+                }
+            }
+            Err(e) => {
+                eprintln!("weir manpages: {}: {e}", dir.display());
+                ExitCode::from(2)
+            }
+        },
         Cmd::Client(cmd) => weir::cli::run(cmd),
     }
+}
+
+/// "list", "tenant add": the command as typed, for messages.
+fn command_path(m: &ArgMatches) -> String {
+    let mut parts = Vec::new();
+    let mut cur = m;
+    // Bounded by the depth of the command tree (three levels).
+    while let Some((name, sub)) = cur.subcommand() {
+        parts.push(name);
+        cur = sub;
+    }
+    parts.join(" ")
+}
+
+/// Why a global option given on the command line does not fit the command,
+/// if it does not. Values from the environment are not checked: they are
+/// set once for every command.
+fn unused_global(m: &ArgMatches, cli: &Cli) -> Option<String> {
+    let given = |id: &str| m.value_source(id) == Some(ValueSource::CommandLine);
+    let (admin, config, json) = match &cli.cmd {
+        Cmd::Run { .. } | Cmd::Check { .. } => (false, true, false),
+        Cmd::Demo { .. } | Cmd::Completions { .. } | Cmd::Manpages { .. } => (false, false, false),
+        Cmd::Client(c) => (true, true, c.takes_json()),
+    };
+    if !admin && (given("admin") || given("token")) {
+        return Some(
+            "--admin and --token are for the client commands (list, conns, ...); \
+             the daemon's own admin API is set in [admin] of its config file"
+                .into(),
+        );
+    }
+    if !config && given("config") {
+        return Some("--config is not used by this command".into());
+    }
+    if !json && given("json") {
+        return Some(
+            "--json is not supported here; it applies to list, conns, stats, health, \
+             save, reload and tenant list"
+                .into(),
+        );
+    }
+    None
+}
+
+/// `weir manpages DIR`: one page for `weir` and one for every command at
+/// every level, named as man(1) looks them up (`weir-tenant-add.1`).
+fn write_manpages(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    fn walk(cmd: clap::Command, dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
+        // Bounded by the command tree, which is finite and three deep.
+        for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
+            walk(sub.clone(), dir, out)?;
+        }
+        let man = clap_mangen::Man::new(cmd)
+            .date(env!("WEIR_BUILD_DATE"))
+            .source(concat!("weir ", env!("CARGO_PKG_VERSION")))
+            .manual("weir");
+        out.push(man.generate_to(dir)?);
+        Ok(())
+    }
+    std::fs::create_dir_all(dir)?;
+    // Without the help subcommand: `weir help` is not worth a page.
+    let mut cmd = cli_command().disable_help_subcommand(true);
+    cmd.build();
+    let mut files = Vec::new();
+    walk(cmd, dir, &mut files)?;
+    files.sort();
+    Ok(files)
 }
 
 fn init_logs() {

@@ -29,6 +29,8 @@ pub struct AdminArgs {
         long = "admin",
         env = "WEIR_ADMIN",
         value_name = "URL",
+        // clap prints `[env: WEIR_ADMIN=]` for an unset variable otherwise.
+        hide_env_values = true,
         global = true,
         help = "Admin API address, e.g. http://127.0.0.1:9900 or unix:/run/weir/admin.sock (default: [admin] listen of --config, else 127.0.0.1:9900)"
     )]

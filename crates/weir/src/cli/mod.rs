@@ -4,7 +4,9 @@
 //! (see [`client`]) followed by a pure renderer (see [`render`]).
 //!
 //! Output is human-readable by default and JSON with `--json` on every read
-//! command. Exit codes: 0 success; 1 the daemon refused (the message says
+//! command ([`Command::takes_json`]). The admin options (`--admin`,
+//! `--token`, `--config`) and `--json` are global: they may come before or
+//! after the command's name. Exit codes: 0 success; 1 the daemon refused (the message says
 //! why); 2 the CLI could not do it (daemon unreachable, bad arguments, no
 //! token), with a hint on what to do.
 //!
@@ -80,6 +82,27 @@ pub enum Command {
     Health(ReadArgs),
     /// Live view of services, backends and tenants, refreshed like top.
     Top(TopArgs),
+}
+
+impl Command {
+    /// Whether `--json` changes what the command prints (the read
+    /// commands). The binary refuses `--json` for the others rather than
+    /// ignore it; a new command must say here which it is.
+    pub fn takes_json(&self) -> bool {
+        match self {
+            Command::List(_)
+            | Command::Conns(_)
+            | Command::Save(_)
+            | Command::Reload(_)
+            | Command::Stats(_)
+            | Command::Health(_) => true,
+            Command::Tenant { cmd, .. } => matches!(cmd, TenantCmd::List { .. }),
+            Command::Service { .. }
+            | Command::Backend { .. }
+            | Command::Kill(_)
+            | Command::Top(_) => false,
+        }
+    }
 }
 
 /// Arguments of commands that only need the admin API.
