@@ -11,6 +11,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 
 mod dump;
+mod ops;
 mod proxy;
 mod rate;
 mod report;
@@ -39,6 +40,9 @@ enum Suite {
     /// Soak: TCP and UDP churn through one daemon with runtime edits and
     /// reloads; fails unless nothing leaked (not part of `all`).
     Soak(soak::SoakArgs),
+    /// One flow-table operation in a loop, for `perf stat` / callgrind
+    /// counts per operation (not a race; not part of `all`).
+    Ops(ops::OpsArgs),
 }
 
 /// Options every suite takes.
@@ -62,6 +66,7 @@ fn main() -> Result<()> {
         Suite::Rate(c) => (c, vec![("rate", rate::rate)]),
         Suite::Proxy(c) => (c, vec![("proxy", proxy::run)]),
         Suite::Soak(a) => return soak::run(&a),
+        Suite::Ops(a) => return ops::run(&a),
         Suite::All(c) => (
             c,
             vec![
