@@ -157,6 +157,11 @@ fn run(path: Option<PathBuf>) -> ExitCode {
         handle.shutdown();
         return ExitCode::from(1);
     }
+    // Every listener and the admin API are bound: tell systemd (Type=notify).
+    weir::systemd::enable();
+    let watchdog_stop = CancellationToken::new();
+    weir::systemd::spawn_watchdog(&handle.runtime(), watchdog_stop.clone());
+    weir::systemd::ready(&format!("serving {} service(s)", cfg.services.len()));
     let control = handle.control();
     let rt = handle.runtime();
     enum Exit {
@@ -200,6 +205,10 @@ fn run(path: Option<PathBuf>) -> ExitCode {
         Exit::Term(mut term, mut int) => {
             let t = handle.drain_timeout();
             tracing::info!(drain_timeout = ?t, "SIGTERM: draining");
+            weir::systemd::stopping(&format!(
+                "draining (up to {})",
+                humantime::format_duration(t)
+            ));
             // A second SIGTERM or a SIGINT ends the drain at once. The
             // streams were registered before the first SIGTERM, so a signal
             // sent right after it is not lost.
@@ -218,9 +227,11 @@ fn run(path: Option<PathBuf>) -> ExitCode {
         }
         Exit::Int => {
             tracing::info!("SIGINT: stopping");
+            weir::systemd::stopping("stopping");
             handle.shutdown();
         }
     }
+    watchdog_stop.cancel();
     ExitCode::SUCCESS
 }
 
