@@ -96,9 +96,36 @@ fn send(states: &[NotifyState<'_>]) {
     if !active() {
         return;
     }
-    if let Err(e) = sd_notify::notify(states) {
+    if let Err(e) = notify(states) {
         // Not fatal: the daemon serves as before; systemd may time the
         // start or reload out and say so itself.
         tracing::warn!("cannot notify systemd (NOTIFY_SOCKET): {e}");
     }
+}
+
+/// sd_notify(3): `sd_notify::notify`, plus the abstract-namespace socket
+/// (`NOTIFY_SOCKET=@name`, used by some service managers and containers)
+/// that the crate does not handle.
+fn notify(states: &[NotifyState<'_>]) -> std::io::Result<()> {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return Ok(());
+    };
+    let Some(name) = path.as_bytes().strip_prefix(b"@") else {
+        return sd_notify::notify(states);
+    };
+    let msg: String = states.iter().map(|s| format!("{s}\n")).collect();
+    let sock = UnixDatagram::unbound()?;
+    sock.connect_addr(&SocketAddr::from_abstract_name(name)?)?;
+    let n = sock.send(msg.as_bytes())?;
+    if n != msg.len() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::WriteZero,
+            "notification cut short",
+        ));
+    }
+    Ok(())
 }

@@ -240,6 +240,44 @@ fn notifications_arrive_in_order() {
     assert!(child.0.wait().unwrap().success(), "{}", show_log());
 }
 
+/// `NOTIFY_SOCKET=@name` names a socket in the abstract namespace (no file).
+#[test]
+fn an_abstract_notify_socket_gets_ready() {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::SocketAddr as UnixAddr;
+
+    let dir = tempfile::tempdir().unwrap();
+    let name = format!("weir-test-notify-{}", std::process::id());
+    let sock = UnixDatagram::bind_addr(&UnixAddr::from_abstract_name(&name).unwrap()).unwrap();
+    let notify = Notify {
+        sock,
+        path: PathBuf::from(format!("@{name}")),
+    };
+    let e = Echo::start();
+    let (admin, vip) = (free_addr(), free_addr());
+    let cfg = dir.path().join("weir.toml");
+    write_config(&cfg, admin, vip, &[e.addr]);
+    let _child = Proc(
+        Command::new(BIN)
+            .args(["run", "--config"])
+            .arg(&cfg)
+            .env("NOTIFY_SOCKET", &notify.path)
+            .env_remove("WATCHDOG_USEC")
+            .env("HOME", dir.path())
+            .env("XDG_RUNTIME_DIR", dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let ready = notify.next_state(&mut Vec::new());
+    assert!(has(&ready, "READY=1"), "{ready:?}");
+    assert!(
+        echo_once(vip, b"ready"),
+        "READY=1 before the service accepts"
+    );
+}
+
 /// Without NOTIFY_SOCKET nothing is sent and nothing fails: weir runs and
 /// stops as before (the socket exists but is not named to the daemon).
 #[test]
