@@ -157,11 +157,13 @@ fn run(path: Option<PathBuf>) -> ExitCode {
         handle.shutdown();
         return ExitCode::from(1);
     }
-    // Every listener and the admin API are bound: tell systemd (Type=notify).
+    // systemd (Type=notify): READY=1 below, once the signal handlers are
+    // in place too (a `systemctl reload` right after it must not meet
+    // SIGHUP's default action, which ends the process).
     weir::systemd::enable();
     let watchdog_stop = CancellationToken::new();
     weir::systemd::spawn_watchdog(&handle.runtime(), watchdog_stop.clone());
-    weir::systemd::ready(&format!("serving {} service(s)", cfg.services.len()));
+    let ready_status = format!("serving {} service(s)", cfg.services.len());
     let control = handle.control();
     let rt = handle.runtime();
     enum Exit {
@@ -179,6 +181,8 @@ fn run(path: Option<PathBuf>) -> ExitCode {
             tracing::error!("cannot install signal handlers");
             return Exit::Int;
         };
+        // Every listener and the admin API are bound, signals handled.
+        weir::systemd::ready(&ready_status);
         loop {
             tokio::select! {
                 _ = term.recv() => return Exit::Term(term, int),

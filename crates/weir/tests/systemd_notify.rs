@@ -148,9 +148,13 @@ fn notifications_arrive_in_order() {
     let show_log = || std::fs::read_to_string(dir.path().join("weir.log")).unwrap_or_default();
 
     // READY=1, and at that moment the service and the admin API accept
-    // (no retry: a READY sent before binding fails here).
+    // (no retry: a READY sent before binding fails here), and SIGHUP is
+    // handled: it is sent at once, as `systemctl reload` may (SIGHUP's
+    // default action would end the process).
     let ready = notify.next_state(&mut watchdogs);
     assert!(has(&ready, "READY=1"), "{ready:?}\n{}", show_log());
+    write_config(&cfg, admin, vip, &[e1.addr, e2.addr]);
+    kill(pid, Signal::SIGHUP).unwrap();
     assert!(
         echo_once(vip, b"ready"),
         "READY=1 before the service accepts"
@@ -160,9 +164,8 @@ fn notifications_arrive_in_order() {
         "READY=1 before the admin API accepts"
     );
 
-    // SIGHUP reload (a second backend): RELOADING=1 + MONOTONIC_USEC, READY=1.
-    write_config(&cfg, admin, vip, &[e1.addr, e2.addr]);
-    kill(pid, Signal::SIGHUP).unwrap();
+    // That SIGHUP reload (a second backend): RELOADING=1 + MONOTONIC_USEC,
+    // READY=1.
     let reloading = notify.next_state(&mut watchdogs);
     assert!(has(&reloading, "RELOADING=1"), "{reloading:?}");
     let usec1 = monotonic_usec(&reloading);
