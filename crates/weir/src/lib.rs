@@ -10,6 +10,7 @@ pub mod cli;
 pub mod config;
 pub mod control;
 pub mod daemon;
+pub mod systemd;
 // Written by the lead for the daemon to use: active health checks and
 // PROXY protocol headers (pure pieces, tested on their own).
 pub mod health;

@@ -326,6 +326,13 @@ fn run(path: Option<PathBuf>) -> ExitCode {
         handle.shutdown();
         return ExitCode::from(1);
     }
+    // systemd (Type=notify): READY=1 below, once the signal handlers are
+    // in place too (a `systemctl reload` right after it must not meet
+    // SIGHUP's default action, which ends the process).
+    weir::systemd::enable();
+    let watchdog_stop = CancellationToken::new();
+    weir::systemd::spawn_watchdog(&handle.runtime(), watchdog_stop.clone());
+    let ready_status = format!("serving {} service(s)", cfg.services.len());
     let control = handle.control();
     let rt = handle.runtime();
     enum Exit {
@@ -343,6 +350,8 @@ fn run(path: Option<PathBuf>) -> ExitCode {
             tracing::error!("cannot install signal handlers");
             return Exit::Int;
         };
+        // Every listener and the admin API are bound, signals handled.
+        weir::systemd::ready(&ready_status);
         loop {
             tokio::select! {
                 _ = term.recv() => return Exit::Term(term, int),
@@ -369,6 +378,10 @@ fn run(path: Option<PathBuf>) -> ExitCode {
         Exit::Term(mut term, mut int) => {
             let t = handle.drain_timeout();
             tracing::info!(drain_timeout = ?t, "SIGTERM: draining");
+            weir::systemd::stopping(&format!(
+                "draining (up to {})",
+                humantime::format_duration(t)
+            ));
             // A second SIGTERM or a SIGINT ends the drain at once. The
             // streams were registered before the first SIGTERM, so a signal
             // sent right after it is not lost.
@@ -387,9 +400,11 @@ fn run(path: Option<PathBuf>) -> ExitCode {
         }
         Exit::Int => {
             tracing::info!("SIGINT: stopping");
+            weir::systemd::stopping("stopping");
             handle.shutdown();
         }
     }
+    watchdog_stop.cancel();
     ExitCode::SUCCESS
 }
 

@@ -812,7 +812,16 @@ impl Control for LiveControl {
         if opts.dry_run {
             return Ok(report);
         }
+        // SIGHUP and POST /v1/reload both come here: systemd sees the
+        // reload start and end (READY=1 also after a partial failure: the
+        // daemon serves on, with the errors in the log and the answer).
+        crate::systemd::reloading();
         let errors = self.apply(&new);
+        crate::systemd::ready(if errors.is_empty() {
+            "serving; last reload applied"
+        } else {
+            "serving; last reload had errors (see the log)"
+        });
         self.0.runtime_added.lock().clear();
         if errors.is_empty() {
             tracing::info!(
