@@ -16,6 +16,7 @@ const state = {
   cursor: null,     // cursor of the connection page shown (null: first page)
   nextCursor: null,
   pageNo: 1,
+  connSeq: 0,
   timers: [],
 };
 // For tests and the curious: the plotted samples.
@@ -91,12 +92,9 @@ async function start() {
   $('login').hidden = true;
   $('main').hidden = false;
   $('logout').hidden = false;
-  $('window').textContent = '(rates, last ' + WINDOW_S / 60 + ' minutes)';
-  if (w.tenant) {
-    const t = document.querySelector('#filters [name=tenant]');
-    t.value = w.tenant;
-    t.readOnly = true;
-  }
+  const tenantField = document.querySelector('#filters [name=tenant]');
+  tenantField.readOnly = !!w.tenant;   // the API pins a tenant token's filter anyway
+  if (w.tenant) tenantField.value = w.tenant;
   showError('');
   await poll();
   await loadConns();
@@ -161,9 +159,9 @@ function human(n) {
   return (i === 0 ? String(Math.round(n)) : n.toFixed(n < 10 ? 1 : 0)) + units[i];
 }
 
-// One plot: a line per series over the last WINDOW_S seconds, scaled to the
+// One plot: a line per series over the last `span` seconds, scaled to the
 // largest value shown. `series`: [{color, dashed, points: [{t, v}]}].
-function plot(title, series, now) {
+function plot(title, series, now, span) {
   const W = 330, H = 90, PAD = 4;
   let max = 0, samples = 0;
   for (const s of series) for (const p of s.points) { max = Math.max(max, p.v); samples++; }
@@ -171,7 +169,7 @@ function plot(title, series, now) {
   const svg = el('svg', { viewBox: `0 0 ${W} ${H}`, class: 'plot-svg', 'data-max': max, 'data-samples': samples });
   for (const s of series) {
     const pts = s.points.map((p) => {
-      const x = PAD + (W - 2 * PAD) * (1 - (now - p.t) / WINDOW_S);
+      const x = PAD + (W - 2 * PAD) * (1 - (now - p.t) / span);
       const y = H - PAD - (H - 2 * PAD) * (p.v / top);
       return x.toFixed(1) + ',' + y.toFixed(1);
     }).join(' ');
@@ -186,6 +184,12 @@ function plot(title, series, now) {
 
 function renderServices(services) {
   const now = Date.now() / 1000;
+  // The x axis spans the samples kept (at least 10 s, at most WINDOW_S), so a
+  // page opened a minute ago uses its whole width.
+  let oldest = now;
+  for (const h of Object.values(state.history)) if (h.length) oldest = Math.min(oldest, h[0].t);
+  const span = Math.min(WINDOW_S, Math.max(10, now - oldest));
+  $('window').textContent = `(rates over the last ${Math.round(span)} s; up to ${WINDOW_S / 60} minutes kept)`;
   const root = $('services');
   root.replaceChildren();
   if (!services.length) root.append(el('p', { class: 'muted' }, 'No services.'));
@@ -212,9 +216,9 @@ function renderServices(services) {
       points: hist[i].map((p) => ({ t: p.t, v: p[field] })),
     }));
     card.append(el('div', { class: 'plots' },
-      plot('new connections/s', lines('cps', false), now),
-      plot('packets/s (solid in, dashed out)', [...lines('inpps', false), ...lines('outpps', true)], now),
-      plot('bytes/s (solid in, dashed out)', [...lines('inbps', false), ...lines('outbps', true)], now)));
+      plot('new connections/s', lines('cps', false), now, span),
+      plot('packets/s (solid in, dashed out)', [...lines('inpps', false), ...lines('outpps', true)], now, span),
+      plot('bytes/s (solid in, dashed out)', [...lines('inbps', false), ...lines('outbps', true)], now, span)));
     root.append(card);
   }
 }
@@ -261,13 +265,18 @@ function connQuery(cursor) {
 }
 
 async function loadConns() {
+  // Answers can overtake each other (auto refresh, a click): show the latest asked.
+  const seq = ++state.connSeq;
+  const query = connQuery(state.cursor);
   let page;
   try {
-    page = await api('GET', connQuery(state.cursor));
+    page = await api('GET', query);
   } catch (e) {
-    if (e.status !== 401) showError('Listing connections failed: ' + e.message);
+    if (e.status !== 401 && seq === state.connSeq) showError('Listing connections failed: ' + e.message);
     return;
   }
+  if (seq !== state.connSeq) return;
+  $('conns').dataset.query = query;
   state.nextCursor = page.next;
   $('next').disabled = !page.next;
   $('page').textContent = `page ${state.pageNo}, ${page.connections.length} connection(s)` +
