@@ -17,6 +17,7 @@ const state = {
   nextCursor: null,
   pageNo: 1,
   connSeq: 0,
+  gen: 0,           // bumped when the token changes: late answers for the old one are dropped
   timers: [],
 };
 // For tests and the curious: the plotted samples.
@@ -37,7 +38,14 @@ function takeTokenFromUrl() {
 
 function showLogin(message) {
   stop();
+  // Nothing seen with the old token stays on the page or in memory.
+  state.gen++;
   state.token = null;
+  state.who = null;
+  state.history = {};
+  state.cursor = state.nextCursor = null;
+  state.pageNo = 1;
+  for (const sel of ['#services', '#tenants tbody', '#conns tbody']) document.querySelector(sel).replaceChildren();
   sessionStorage.removeItem(KEY);
   $('main').hidden = true;
   $('logout').hidden = true;
@@ -113,10 +121,12 @@ let polling = false;
 async function poll() {
   if (polling) return;   // a slow answer: skip a tick rather than pile up
   polling = true;
+  const gen = state.gen;
   try {
     const [services, tenants, tables] = await Promise.all([
       api('GET', '/v1/services'), api('GET', '/v1/tenants'), api('GET', '/v1/table'),
     ]);
+    if (gen !== state.gen) return;
     record(services, Date.now() / 1000);
     renderServices(services);
     renderTenants(tenants, tables);
@@ -267,6 +277,7 @@ function connQuery(cursor) {
 async function loadConns() {
   // Answers can overtake each other (auto refresh, a click): show the latest asked.
   const seq = ++state.connSeq;
+  const gen = state.gen;
   const query = connQuery(state.cursor);
   let page;
   try {
@@ -275,7 +286,7 @@ async function loadConns() {
     if (e.status !== 401 && seq === state.connSeq) showError('Listing connections failed: ' + e.message);
     return;
   }
-  if (seq !== state.connSeq) return;
+  if (seq !== state.connSeq || gen !== state.gen) return;
   $('conns').dataset.query = query;
   state.nextCursor = page.next;
   $('next').disabled = !page.next;
