@@ -544,6 +544,29 @@ fn dashboard_in_headless_chromium() {
         json!([]),
     );
     assert_eq!(tenants, json!(["acme", "default"]));
+    // Backend rows: health and weight as configured (wrr 1:2), and the
+    // long-lived connections counted active.
+    let rows = b.js(
+        "return [...document.querySelectorAll('[data-service=\"default/demo-tcp\"] tbody tr')]\
+            .map(r => [...r.cells].map(c => c.textContent));",
+        json!([]),
+    );
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!(
+        (&rows[0][1], &rows[0][2]),
+        (&json!("unchecked"), &json!("1"))
+    );
+    assert_eq!(
+        (&rows[1][1], &rows[1][2]),
+        (&json!("unchecked"), &json!("2"))
+    );
+    b.wait_js(
+        "demo-tcp's backends count the three long connections and ours as active",
+        "return [...document.querySelectorAll('[data-service=\"default/demo-tcp\"] tbody tr')]\
+            .reduce((n, r) => n + Number(r.cells[3].textContent), 0) >= 4;",
+        json!([]),
+    );
 
     // 2. The plots move: over 5 s the page records new samples of the
     //    backends' rates, traffic shows in them, and the drawn lines change.
