@@ -150,6 +150,7 @@ fn run_inner(duration: Option<Duration>) -> anyhow::Result<()> {
     let token = cfg.admin.token.clone().unwrap_or_default();
     println!("  admin API: http://{admin_listen}  token {token}");
     println!("  try: WEIR_ADMIN=http://{admin_listen} WEIR_TOKEN={token} weir list");
+    println!("  dashboard: http://{admin_listen}/ui/?token={token}");
     println!(
         "  try: nc {} {}   |   Ctrl-C to stop",
         tcp_vip.ip(),

@@ -667,6 +667,68 @@ fn read_only_token_reads_only() {
 }
 
 #[test]
+fn whoami_names_the_token_role() {
+    let (_, app) = app();
+    let (s, v) = call(&app, "GET", "/v1/whoami", Some(FULL), None);
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        v,
+        json!({ "role": "full", "tenant": null, "can_write": true })
+    );
+    let (_, v) = call(&app, "GET", "/v1/whoami", Some(RO), None);
+    assert_eq!(
+        v,
+        json!({ "role": "readonly", "tenant": null, "can_write": false })
+    );
+    let (_, v) = call(&app, "GET", "/v1/whoami", Some("acme-token"), None);
+    assert_eq!(
+        v,
+        json!({ "role": "tenant", "tenant": "acme", "can_write": true })
+    );
+    let (s, _) = call(&app, "GET", "/v1/whoami", Some("wrong"), None);
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+}
+
+/// The dashboard's files are served without a token, each with the CSP;
+/// its data routes are not.
+#[test]
+fn dashboard_files_need_no_token_and_carry_the_csp() {
+    let (_, app) = app();
+    let get = |path: &str| {
+        let req = Request::builder().uri(path).body(Body::empty()).unwrap();
+        rt().block_on(async { app.clone().oneshot(req).await.expect("infallible") })
+    };
+    for (path, ctype) in [
+        ("/ui/", "text/html"),
+        ("/ui/index.html", "text/html"),
+        ("/ui/app.js", "text/javascript"),
+        ("/ui/style.css", "text/css"),
+    ] {
+        let r = get(path);
+        assert_eq!(r.status(), StatusCode::OK, "{path}");
+        let h = r.headers();
+        assert!(
+            h["content-type"].to_str().unwrap().starts_with(ctype),
+            "{path}"
+        );
+        assert_eq!(h["content-security-policy"], admin::ui::CSP, "{path}");
+        assert_eq!(h["referrer-policy"], "no-referrer", "{path}");
+        assert_eq!(h["x-content-type-options"], "nosniff", "{path}");
+    }
+    let r = get("/ui");
+    assert_eq!(r.status(), StatusCode::PERMANENT_REDIRECT);
+    assert_eq!(r.headers()["location"], "/ui/");
+    let r = get("/ui/secrets.json");
+    assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    assert_eq!(r.headers()["content-security-policy"], admin::ui::CSP);
+    // The CSP allows no inline script: the page loads its script by URL.
+    let (_, page) = call(&app, "GET", "/ui/", None, None);
+    assert!(page.as_str().unwrap().contains(r#"<script src="app.js""#));
+    let (s, _) = call(&app, "GET", "/v1/whoami", None, None);
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+}
+
+#[test]
 fn tenant_tokens_see_and_change_only_their_tenant() {
     let (fake, app) = app();
     let t = Some("acme-token");

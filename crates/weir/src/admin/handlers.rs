@@ -822,6 +822,31 @@ pub(crate) async fn health(
     Ok(Json(h))
 }
 
+/// `GET /v1/whoami`: the role of the token presented, so a client (the
+/// dashboard) can offer only what the token may do.
+#[derive(Debug, Serialize)]
+pub(crate) struct Whoami {
+    /// "full", "readonly" or "tenant".
+    role: &'static str,
+    /// The tenant a tenant token is bound to, else null.
+    tenant: Option<String>,
+    /// Whether this token may change anything (anything but GET).
+    can_write: bool,
+}
+
+pub(crate) async fn whoami(Extension(access): Extension<Access>) -> Json<Whoami> {
+    let role = match access {
+        Access::Full => "full",
+        Access::ReadOnly => "readonly",
+        Access::Tenant(_) => "tenant",
+    };
+    Json(Whoami {
+        role,
+        can_write: access != Access::ReadOnly,
+        tenant: access.tenant().map(str::to_owned),
+    })
+}
+
 // ---- config, reload, docs, metrics -----------------------------------------
 
 pub(crate) async fn config(

@@ -28,6 +28,8 @@
 //!   clients cannot shut the operator out (see [`limit`]); a connection
 //!   idle for 60 s is closed. A `Content-Length` over [`BODY_LIMIT`] gets
 //!   413 before the body is read.
+//! * `/ui/` serves the web dashboard's static files without a token (they
+//!   hold no data; see [`ui`]); the page calls the API with the user's token.
 //! * `/v1/openapi.json` documents exactly the routes in [`route_table`]; a
 //!   test walks both.
 
@@ -37,6 +39,7 @@ mod handlers;
 mod limit;
 pub mod metrics;
 pub mod openapi;
+pub mod ui;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -282,6 +285,7 @@ fn build() -> Routes {
     .add(Get, "/v1/rates", h::rates)
     .add(Get, "/v1/table", h::table)
     .add(Get, "/v1/health", h::health)
+    .add(Get, "/v1/whoami", h::whoami)
     .add(Get, "/v1/config", h::config)
     .add(Post, "/v1/reload", h::reload)
     .add(Get, "/v1/openapi.json", h::openapi)
@@ -320,6 +324,8 @@ pub fn router(control: Arc<dyn Control>, tokens: Tokens, metrics_public: bool) -
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(middleware::from_fn(refuse_oversized))
+        // Added after the layers: the dashboard's static files need no token.
+        .merge(ui::router())
         .with_state(state)
 }
 

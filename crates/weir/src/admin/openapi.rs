@@ -164,6 +164,10 @@ pub fn document() -> Value {
           "get": op("Health-check state of every backend", vec![], None,
                     errors(json!({ "200": ok("health", array_of("HealthEntry")) }), READ))
         },
+        "/v1/whoami": {
+          "get": op("Who the presented token is: its role (full, readonly, tenant), its tenant, and whether it may write; the dashboard shows write buttons only when can_write", vec![], None,
+                    errors(json!({ "200": ok("the token's role", reff("Whoami")) }), &["401"]))
+        },
         "/v1/config": {
           "get": op("The running state in config-file form (weir save prints it as TOML); secrets omitted for the read-only token", vec![], None,
                     errors(json!({ "200": ok("config", json!({ "type": "object" })) }), READ))
@@ -254,6 +258,9 @@ fn schemas() -> Value {
         "removed": { "type": "array", "items": s } } },
       "HealthEntry": { "type": "object", "properties": {
         "tenant": s, "service": s, "backend": s, "state": s, "last_error": { "type": ["string", "null"] } } },
+      "Whoami": { "type": "object", "required": ["role", "tenant", "can_write"], "properties": {
+        "role": { "type": "string", "enum": ["full", "readonly", "tenant"] },
+        "tenant": { "type": ["string", "null"] }, "can_write": { "type": "boolean" } } },
       "Figures": { "type": "object", "properties": {
         "tenants": { "type": "array" }, "services": { "type": "array" }, "global": { "type": "object" } } }
     })
