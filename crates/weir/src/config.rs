@@ -560,6 +560,22 @@ pub struct BackendSpec {
     pub max_connections: u64,
 }
 
+/// The scheduler flags a service sets, named and ordered as ipvsadm prints
+/// them (`sh-fallback,sh-port`, `mh-fallback,mh-port`).
+pub fn sched_flags(s: &ServiceSpec) -> Vec<String> {
+    let o = &s.options;
+    [
+        ("sh-fallback", o.sh_fallback),
+        ("sh-port", o.sh_port),
+        ("mh-fallback", o.mh_fallback),
+        ("mh-port", o.mh_port),
+    ]
+    .into_iter()
+    .filter(|&(_, set)| set)
+    .map(|(name, _)| name.to_owned())
+    .collect()
+}
+
 fn default_tenant() -> String {
     "default".into()
 }

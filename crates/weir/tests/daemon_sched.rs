@@ -391,3 +391,42 @@ fn fo_fails_over_and_ovf_overflows() {
     drop(held);
     d.shutdown();
 }
+
+/// The daemon reports scheduler flags and the persistence mask, `weir list`
+/// prints them as `ipvsadm -Ln` does, and `weir save` writes back every new
+/// key so that the saved file loads to the same services.
+#[test]
+fn list_and_save_carry_scheduler_flags() {
+    let e = Echo::start();
+    let mut s = service("flags", Protocol::Tcp, "sh", vec![backend(e.addr, 1)]);
+    s.options.sh_fallback = true;
+    s.options.sh_port = true;
+    s.options.tcp_max_connections_per_client = 7;
+    s.persistence = "300s".into();
+    s.persistence_netmask = Some("255.255.255.0".into());
+    let mut m = service("maglev", Protocol::Tcp, "mh", vec![backend(e.addr, 1)]);
+    m.options.mh_port = true;
+    m.options.mh_table_size = Some(251);
+    let d = Daemon::start(config(vec![s, m]), None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "flags").unwrap();
+    let status = c.services();
+    assert_eq!(status[0].sched_flags, ["sh-fallback", "sh-port"]);
+    assert_eq!(status[1].sched_flags, ["mh-port"]);
+    let list = weir::cli::render::render_list(&status, weir::cli::render::ListMode::Plain, false);
+    let want = format!(
+        "TCP  {vip} sh (sh-fallback,sh-port) persistent 300 mask 255.255.255.0 [default/flags]"
+    );
+    assert!(list.lines().any(|l| l == want), "{list}");
+    assert!(list.contains(" mh (mh-port) [default/maglev]"), "{list}");
+    // weir save: running config -> TOML -> parsed again.
+    let running = c.running_config();
+    let text = weir::cli::config_to_toml(&running).unwrap();
+    let back = weir::config::parse(&text, "saved.toml").unwrap_or_else(|e| panic!("{e:?}\n{text}"));
+    assert_eq!(back.services, running.services, "{text}");
+    assert!(
+        text.contains("sh_port = true") && text.contains("mh_table_size = 251"),
+        "{text}"
+    );
+    d.shutdown();
+}

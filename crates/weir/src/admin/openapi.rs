@@ -242,6 +242,7 @@ fn schemas() -> Value {
         "stats": { "$ref": "#/components/schemas/Totals" }, "rates": { "$ref": "#/components/schemas/Rates" } } },
       "ServiceStatus": { "type": "object", "properties": {
         "tenant": s, "name": s, "protocol": s, "listen": s, "scheduler": s, "persistence": s,
+        "persistence_netmask": { "type": ["string", "null"] }, "sched_flags": { "type": "array", "items": s },
         "backends": { "type": "array", "items": { "$ref": "#/components/schemas/BackendStatus" } },
         "stats": { "$ref": "#/components/schemas/Totals" }, "rates": { "$ref": "#/components/schemas/Rates" } } },
       "ConnInfo": { "type": "object", "properties": {

@@ -55,6 +55,8 @@ impl LiveControl {
             listen: s.listen.to_string(),
             scheduler: spec.scheduler.clone(),
             persistence: spec.persistence.clone(),
+            persistence_netmask: spec.persistence_netmask.clone(),
+            sched_flags: config::sched_flags(&spec),
             backends: set
                 .backends
                 .iter()
