@@ -438,7 +438,7 @@ pub struct ServiceSpec {
     pub protocol: Protocol,
     /// Virtual address.
     pub listen: SocketAddr,
-    /// rr wrr lc wlc sed nq sh mh p2c.
+    /// rr wrr lc wlc sed nq sh mh p2c lblc lblcr dh fo ovf.
     #[serde(default = "default_scheduler")]
     pub scheduler: String,
     /// Client affinity timeout, e.g. "300s"; "0s" = off.
