@@ -1501,7 +1501,6 @@ impl Service {
     /// `local` is the address the client connected to (the service's
     /// address unless it listens on a wildcard one), the destination that
     /// `lblc`, `lblcr` and `dh` key on.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn choose(
         &self,
         shared: &Shared,
