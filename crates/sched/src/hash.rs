@@ -18,7 +18,9 @@ use std::net::{IpAddr, SocketAddr};
 
 use siphasher::sip::SipHasher13;
 
-use crate::{BackendInfo, BuildError, ClientAddr, HashSeed, MhTableSize, SchedConfig, gcd};
+use crate::{
+    BackendInfo, BuildError, ClientAddr, DestAddr, HashSeed, MhTableSize, SchedConfig, gcd,
+};
 
 /// Table slot holding no backend (only when there are none with turns).
 const EMPTY: u32 = u32::MAX;
@@ -170,6 +172,40 @@ impl Sh {
         (0..n)
             .map(|i| self.buckets.iter().filter(|&&b| b as usize == i).count())
             .collect()
+    }
+}
+
+/// Destination hashing (IPVS `ip_vs_dh.c`): 256 buckets dealt round-robin
+/// to the backends in list order, weights ignored (a weight-0 backend keeps
+/// its buckets); the connection's destination IP picks the bucket. A bucket
+/// whose backend is unavailable gives `None`: IPVS has no `dh` fallback.
+#[derive(Debug)]
+pub(crate) struct Dh {
+    buckets: Box<[u32; SH_BUCKETS]>,
+}
+
+impl Dh {
+    pub(crate) fn new(backends: &[BackendInfo]) -> Self {
+        let mut buckets = Box::new([EMPTY; SH_BUCKETS]);
+        if !backends.is_empty() {
+            for (slot, b) in buckets.iter_mut().enumerate() {
+                // `backends.len() <= MAX_BACKENDS < u32::MAX`, checked by the caller.
+                *b = (slot % backends.len()) as u32;
+            }
+        }
+        Self { buckets }
+    }
+
+    pub(crate) fn pick(
+        &self,
+        backends: &[BackendInfo],
+        dest: DestAddr,
+        cfg: &SchedConfig,
+    ) -> Option<usize> {
+        let slot =
+            (hash_addr(cfg.hash_seed, SocketAddr::new(dest.0, 0), false, 0) as usize) % SH_BUCKETS;
+        let (i, b) = slot_backend(&self.buckets[..], backends, slot)?;
+        b.available().then_some(i)
     }
 }
 

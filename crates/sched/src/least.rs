@@ -1,4 +1,5 @@
-//! Load-based schedulers: `lc`, `wlc`, `sed`, `nq` (IPVS) and `p2c`.
+//! Load-based schedulers: `lc`, `wlc`, `sed`, `nq`, `fo`, `ovf` (IPVS) and
+//! `p2c`.
 //!
 //! Weighted comparisons follow IPVS and avoid division: backend `d` replaces
 //! the current best `b` when `overhead(b) * weight(d) > overhead(d) * weight(b)`,
@@ -13,7 +14,7 @@ fn available(backends: &[BackendInfo]) -> impl Iterator<Item = (usize, &BackendI
 }
 
 /// `true` when `(oh_d, w_d)` is strictly better than `(oh_b, w_b)`.
-fn better(oh_d: u64, w_d: u32, oh_b: u64, w_b: u32) -> bool {
+pub(crate) fn better(oh_d: u64, w_d: u32, oh_b: u64, w_b: u32) -> bool {
     u128::from(oh_b) * u128::from(w_d) > u128::from(oh_d) * u128::from(w_b)
 }
 
@@ -75,6 +76,36 @@ pub(crate) fn nq<L: LoadView + ?Sized>(backends: &[BackendInfo], load: &L) -> Op
         }
     }
     best.map(|(i, _, _)| i)
+}
+
+/// `fo` (IPVS `ip_vs_fo.c`, weighted fail-over): the available backend with
+/// the highest weight, the first on a tie. Loads are not looked at.
+pub(crate) fn fo(backends: &[BackendInfo]) -> Option<usize> {
+    let mut best: Option<(usize, u32)> = None;
+    for (i, b) in available(backends) {
+        if best.is_none_or(|(_, w)| b.weight > w) {
+            best = Some((i, b.weight));
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
+/// `ovf` (IPVS `ip_vs_ovf.c`, overflow connections): the highest weight
+/// among available backends whose active connections do not exceed their
+/// weight (IPVS skips `active > weight`, so a backend of weight `w` takes up
+/// to `w + 1` active connections), the first on a tie; `None` when all are
+/// full.
+pub(crate) fn ovf<L: LoadView + ?Sized>(backends: &[BackendInfo], load: &L) -> Option<usize> {
+    let mut best: Option<(usize, u32)> = None;
+    for (i, b) in available(backends) {
+        if load.load(i).active > u64::from(b.weight) {
+            continue;
+        }
+        if best.is_none_or(|(_, w)| b.weight > w) {
+            best = Some((i, b.weight));
+        }
+    }
+    best.map(|(i, _)| i)
 }
 
 /// Power of two choices: two candidates drawn with probability proportional

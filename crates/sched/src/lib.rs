@@ -15,6 +15,11 @@
 //! | `sh`  | source hash into 256 buckets, each backend owning `weight` buckets      |
 //! | `mh`  | Maglev: prime lookup table (default 4093), weight-scaled turns          |
 //! | `p2c` | two weight-proportional random candidates, the less loaded one wins     |
+//! | `lblc`| per destination address: the backend it used last, unless overloaded  |
+//! | `lblcr`| per destination address: the least loaded of a set grown under load   |
+//! | `dh`  | destination hash into 256 buckets dealt round-robin to the backends    |
+//! | `fo`  | the available backend with the highest weight                          |
+//! | `ovf` | the highest weight whose active connections do not exceed its weight   |
 //!
 //! ## Contracts
 //!
@@ -44,6 +49,12 @@
 //!   belongs to an unavailable backend gets `None`, or with
 //!   [`SchedConfig::fallback`] the next available slot (as IPVS
 //!   `sh-fallback` / `mh-fallback`).
+//! * **Destination and time.** `lblc`, `lblcr` and `dh` key on the
+//!   connection's destination address and `lblc` / `lblcr` keep a table whose
+//!   entries expire: [`Scheduler::pick_for`] takes both in a [`Request`], the
+//!   time as a [`Duration`] since an epoch of the caller's choosing (no clock
+//!   is read). [`Scheduler::pick`] is `pick_for` with an unspecified
+//!   destination at time zero.
 //! * **Index results.** `pick` returns an index into the slice the scheduler
 //!   was built from, or `None` when no backend can take the connection.
 //!
@@ -83,13 +94,16 @@
 
 mod hash;
 mod least;
+mod locality;
 mod persist;
 mod rr;
 
 use std::collections::HashMap;
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -107,6 +121,37 @@ pub struct BackendAddr(pub SocketAddr);
 /// Address of the client of a new connection (the source for `sh` / `mh`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ClientAddr(pub SocketAddr);
+
+/// Destination address of a new connection, as IPVS's `lblc`, `lblcr` and
+/// `dh` see it (the packet's destination IP). For a proxy this is the local
+/// address the client connected to: the service's address, or for a service
+/// listening on a wildcard address, whichever local address was dialled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DestAddr(pub IpAddr);
+
+/// Everything about one new connection that a scheduler may look at besides
+/// the backends' loads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request {
+    /// Source of the connection (`sh`, `mh`).
+    pub client: ClientAddr,
+    /// Destination of the connection (`lblc`, `lblcr`, `dh`).
+    pub dest: DestAddr,
+    /// Current time since an epoch the caller keeps fixed for the life of
+    /// the scheduler and its rebuilds (`lblc`, `lblcr` entry expiry).
+    pub now: Duration,
+}
+
+impl Request {
+    /// A request from `client` to `dest` at `now`.
+    pub fn new(client: impl Into<ClientAddr>, dest: IpAddr, now: Duration) -> Self {
+        Self {
+            client: client.into(),
+            dest: DestAddr(dest),
+            now,
+        }
+    }
+}
 
 impl From<SocketAddr> for BackendAddr {
     fn from(a: SocketAddr) -> Self {
@@ -289,11 +334,21 @@ pub enum SchedulerKind {
     Mh,
     /// Power of two choices.
     P2c,
+    /// Locality-based least connections.
+    Lblc,
+    /// Locality-based least connections with replication.
+    Lblcr,
+    /// Destination hashing.
+    Dh,
+    /// Weighted fail-over.
+    Fo,
+    /// Overflow connections.
+    Ovf,
 }
 
 impl SchedulerKind {
     /// Every kind, in the order of the documentation.
-    pub const ALL: [SchedulerKind; 9] = [
+    pub const ALL: [SchedulerKind; 14] = [
         Self::Rr,
         Self::Wrr,
         Self::Lc,
@@ -303,6 +358,11 @@ impl SchedulerKind {
         Self::Sh,
         Self::Mh,
         Self::P2c,
+        Self::Lblc,
+        Self::Lblcr,
+        Self::Dh,
+        Self::Fo,
+        Self::Ovf,
     ];
 
     /// The ipvsadm-style name.
@@ -317,6 +377,11 @@ impl SchedulerKind {
             Self::Sh => "sh",
             Self::Mh => "mh",
             Self::P2c => "p2c",
+            Self::Lblc => "lblc",
+            Self::Lblcr => "lblcr",
+            Self::Dh => "dh",
+            Self::Fo => "fo",
+            Self::Ovf => "ovf",
         }
     }
 }
@@ -329,7 +394,9 @@ impl fmt::Display for SchedulerKind {
 
 /// An unknown scheduler name; the message lists the valid ones.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown scheduler {name:?}; valid schedulers: rr, wrr, lc, wlc, sed, nq, sh, mh, p2c")]
+#[error(
+    "unknown scheduler {name:?}; valid schedulers: rr, wrr, lc, wlc, sed, nq, sh, mh, p2c, lblc, lblcr, dh, fo, ovf"
+)]
 pub struct ParseKindError {
     /// The name that was given.
     pub name: String,
@@ -432,6 +499,10 @@ pub struct SchedConfig {
     pub hash_port: bool,
     /// `mh` lookup table size.
     pub mh_table_size: MhTableSize,
+    /// `lblc` / `lblcr`: an entry unused this long is forgotten, and an
+    /// `lblcr` set unchanged this long sheds its most loaded member (IPVS
+    /// sysctls `lblc_expiration` / `lblcr_expiration`, default 24 h).
+    pub locality_expiration: Duration,
 }
 
 impl SchedConfig {
@@ -443,9 +514,27 @@ impl SchedConfig {
             fallback: false,
             hash_port: false,
             mh_table_size: MhTableSize::DEFAULT,
+            locality_expiration: DEFAULT_LOCALITY_EXPIRATION,
+        }
+    }
+
+    /// Whether the scheduler's answer is final: when it returns `None`, or a
+    /// backend the caller cannot use (at its connection limit, or it already
+    /// failed this connection), the connection is refused rather than sent to
+    /// some other backend. True for `sh` / `mh` without fallback (a client
+    /// belongs to one backend), `dh` (a destination belongs to one backend)
+    /// and `ovf` (`None` means every backend is full, as in IPVS).
+    pub fn pinned(&self) -> bool {
+        match self.kind {
+            SchedulerKind::Sh | SchedulerKind::Mh => !self.fallback,
+            SchedulerKind::Dh | SchedulerKind::Ovf => true,
+            _ => false,
         }
     }
 }
+
+/// IPVS's default `lblc_expiration` / `lblcr_expiration`: one day.
+pub const DEFAULT_LOCALITY_EXPIRATION: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// Why a scheduler could not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -490,6 +579,11 @@ enum Algo {
     Sh(hash::Sh),
     Mh(hash::Mh),
     P2c(least::P2c),
+    Lblc(Arc<locality::Locality>),
+    Lblcr(Arc<locality::Locality>),
+    Dh(hash::Dh),
+    Fo,
+    Ovf,
 }
 
 /// Backends are indexed with `u32` inside tables.
@@ -566,6 +660,19 @@ impl Scheduler {
             SchedulerKind::Sh => Algo::Sh(hash::Sh::new(backends)),
             SchedulerKind::Mh => Algo::Mh(hash::Mh::new(&config, backends, &last_weights)?),
             SchedulerKind::P2c => Algo::P2c(least::P2c::new(backends)),
+            // The destination table outlives rebuilds: its entries name
+            // backends by address, checked against the new set at each pick.
+            SchedulerKind::Lblc => Algo::Lblc(match prev.map(|old| &old.algo) {
+                Some(Algo::Lblc(t)) => t.clone(),
+                _ => Arc::default(),
+            }),
+            SchedulerKind::Lblcr => Algo::Lblcr(match prev.map(|old| &old.algo) {
+                Some(Algo::Lblcr(t)) => t.clone(),
+                _ => Arc::default(),
+            }),
+            SchedulerKind::Dh => Algo::Dh(hash::Dh::new(backends)),
+            SchedulerKind::Fo => Algo::Fo,
+            SchedulerKind::Ovf => Algo::Ovf,
         };
         Ok(Self {
             config,
@@ -575,17 +682,37 @@ impl Scheduler {
         })
     }
 
-    /// Chooses a backend for a new connection from `client`.
-    ///
-    /// Returns an index into the backends this scheduler was built from, or
-    /// `None` when no backend may take it. `load` is read only by `lc`, `wlc`,
-    /// `sed`, `nq` and `p2c`; `rng` only by `p2c`. Never panics.
+    /// Chooses a backend for a new connection from `client`: [`Self::pick_for`]
+    /// with an unspecified destination address (of the client's family) at
+    /// time zero. Fine for every kind but `lblc`, `lblcr` and `dh`, which
+    /// then see one destination and no passing time.
     pub fn pick<L, R>(&self, client: ClientAddr, load: &L, rng: &mut R) -> Option<usize>
     where
         L: LoadView + ?Sized,
         R: RandomSource + ?Sized,
     {
+        let dest = match client.0 {
+            SocketAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            SocketAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        };
+        self.pick_for(Request::new(client, dest, Duration::ZERO), load, rng)
+    }
+
+    /// Chooses a backend for the new connection `req`.
+    ///
+    /// Returns an index into the backends this scheduler was built from, or
+    /// `None` when no backend may take it. `load` is read only by `lc`, `wlc`,
+    /// `sed`, `nq`, `p2c`, `lblc`, `lblcr` and `ovf`; `rng` only by `p2c`;
+    /// `req.dest` only by `lblc`, `lblcr` and `dh`; `req.now` only by `lblc`
+    /// and `lblcr`, which also update their table (under a short lock).
+    /// Never panics.
+    pub fn pick_for<L, R>(&self, req: Request, load: &L, rng: &mut R) -> Option<usize>
+    where
+        L: LoadView + ?Sized,
+        R: RandomSource + ?Sized,
+    {
         let b = &self.backends;
+        let client = req.client;
         match &self.algo {
             Algo::Rr(s) => s.pick(b),
             Algo::Wrr(s) => s.pick(b),
@@ -596,6 +723,11 @@ impl Scheduler {
             Algo::Sh(s) => s.pick(b, client, &self.config),
             Algo::Mh(s) => s.pick(b, client, &self.config),
             Algo::P2c(s) => s.pick(b, load, rng),
+            Algo::Lblc(t) => t.pick_lblc(b, load, req, self.config.locality_expiration),
+            Algo::Lblcr(t) => t.pick_lblcr(b, load, req, self.config.locality_expiration),
+            Algo::Dh(s) => s.pick(b, req.dest, &self.config),
+            Algo::Fo => least::fo(b),
+            Algo::Ovf => least::ovf(b, load),
         }
     }
 
@@ -770,15 +902,39 @@ mod tests {
             let h = histogram(&s, 2000);
             assert_eq!(h[0], 0, "{kind}: weight 0 picked");
             assert_eq!(h[2], 0, "{kind}: down backend picked");
-            assert_eq!(h[4], 0, "{kind}: returned None with available backends");
-            // With an idle load view the load-based ones always take the
-            // first available backend; the others use both.
-            let load_based = matches!(
-                kind,
-                SchedulerKind::Lc | SchedulerKind::Wlc | SchedulerKind::Sed | SchedulerKind::Nq
-            );
-            assert_eq!(h[1] + h[3], 2000, "{kind}: {h:?}");
-            assert!(load_based || h[3] > 0, "{kind}: {h:?}");
+            if kind == SchedulerKind::Dh {
+                // `dh` keys on the destination, which `histogram` keeps
+                // fixed, and has no fallback: destinations whose bucket
+                // holds an unavailable backend get None (IPVS), the others
+                // any available backend.
+                let mut seen = [0u32; 5];
+                for n in 0..2000u32 {
+                    let dest = IpAddr::V4(Ipv4Addr::from(0xC633_6400 + n));
+                    let req = Request::new(test_util::client(n), dest, Duration::ZERO);
+                    let i = s.pick_for(req, &[] as &[Load], &mut SplitMix64::new(0));
+                    seen[i.unwrap_or(4)] += 1;
+                }
+                assert_eq!((seen[0], seen[2]), (0, 0), "{kind}: {seen:?}");
+                assert!(seen[1] > 0 && seen[3] > 0 && seen[4] > 0, "{seen:?}");
+            } else {
+                assert_eq!(h[4], 0, "{kind}: returned None with available backends");
+                // With an idle load view the load-based ones (and `fo`, `ovf`,
+                // and `lblc`/`lblcr` for one destination) always take one
+                // backend; the others use both.
+                let one_backend = matches!(
+                    kind,
+                    SchedulerKind::Lc
+                        | SchedulerKind::Wlc
+                        | SchedulerKind::Sed
+                        | SchedulerKind::Nq
+                        | SchedulerKind::Lblc
+                        | SchedulerKind::Lblcr
+                        | SchedulerKind::Fo
+                        | SchedulerKind::Ovf
+                );
+                assert_eq!(h[1] + h[3], 2000, "{kind}: {h:?}");
+                assert!(one_backend || h[3] > 0, "{kind}: {h:?}");
+            }
 
             let none = [backend(1, 0), down];
             let s = Scheduler::new(*s.config(), &none).expect("valid");

@@ -438,7 +438,7 @@ pub struct ServiceSpec {
     pub protocol: Protocol,
     /// Virtual address.
     pub listen: SocketAddr,
-    /// rr wrr lc wlc sed nq sh mh p2c.
+    /// rr wrr lc wlc sed nq sh mh p2c lblc lblcr dh fo ovf.
     #[serde(default = "default_scheduler")]
     pub scheduler: String,
     /// Client affinity timeout, e.g. "300s"; "0s" = off.
@@ -466,6 +466,23 @@ pub struct ServiceOptions {
     pub expire_nodest_conn: bool,
     /// `mh` only: fall back to another backend when the chosen one is unavailable.
     pub mh_fallback: bool,
+    /// `sh` only: when the client's backend is unavailable, take the next
+    /// available one along its buckets (ipvsadm `sh-fallback`); without it
+    /// the client is refused.
+    #[serde(skip_serializing_if = "is_false")]
+    pub sh_fallback: bool,
+    /// `sh` only: hash the client's port with its address (ipvsadm `sh-port`).
+    #[serde(skip_serializing_if = "is_false")]
+    pub sh_port: bool,
+    /// `mh` only: hash the client's port with its address (ipvsadm `mh-port`).
+    #[serde(skip_serializing_if = "is_false")]
+    pub mh_port: bool,
+    /// `mh` only: lookup table size, one of IPVS's primes (default 4093).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mh_table_size: Option<u32>,
+    /// TCP: cap on concurrent connections per client address; 0 = unlimited.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub tcp_max_connections_per_client: u64,
     /// `sh` / `mh`: text the client hash is keyed with. Default: the
     /// service's `tenant/name`, so every instance started from the same
     /// config maps every client to the same backend, across restarts.
@@ -543,6 +560,22 @@ pub struct BackendSpec {
     pub max_connections: u64,
 }
 
+/// The scheduler flags a service sets, named and ordered as ipvsadm prints
+/// them (`sh-fallback,sh-port`, `mh-fallback,mh-port`).
+pub fn sched_flags(s: &ServiceSpec) -> Vec<String> {
+    let o = &s.options;
+    [
+        ("sh-fallback", o.sh_fallback),
+        ("sh-port", o.sh_port),
+        ("mh-fallback", o.mh_fallback),
+        ("mh-port", o.mh_port),
+    ]
+    .into_iter()
+    .filter(|&(_, set)| set)
+    .map(|(name, _)| name.to_owned())
+    .collect()
+}
+
 fn default_tenant() -> String {
     "default".into()
 }
@@ -558,13 +591,18 @@ fn default_weight() -> u32 {
 fn is_zero(v: &u64) -> bool {
     *v == 0
 }
+fn is_false(v: &bool) -> bool {
+    !*v
+}
 
 // ---------------------------------------------------------------------------
 // Loading and validation
 // ---------------------------------------------------------------------------
 
 /// Scheduler names the daemon knows (`ipvsadm -s` plus `p2c`).
-pub const SCHEDULERS: &[&str] = &["rr", "wrr", "lc", "wlc", "sed", "nq", "sh", "mh", "p2c"];
+pub const SCHEDULERS: &[&str] = &[
+    "rr", "wrr", "lc", "wlc", "sed", "nq", "sh", "mh", "p2c", "lblc", "lblcr", "dh", "fo", "ovf",
+];
 
 /// CPUs an affinity mask can name (glibc's `CPU_SETSIZE`).
 pub const MAX_CPUS: usize = 1024;
@@ -1137,10 +1175,29 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
             "0 responses would end every session at once; use >= 1 or remove the key".into(),
         );
     }
-    if o.mh_fallback && s.scheduler != "mh" {
+    for (key, set, only) in [
+        ("mh_fallback", o.mh_fallback, "mh"),
+        ("mh_port", o.mh_port, "mh"),
+        ("mh_table_size", o.mh_table_size.is_some(), "mh"),
+        ("sh_fallback", o.sh_fallback, "sh"),
+        ("sh_port", o.sh_port, "sh"),
+    ] {
+        if set && s.scheduler != only {
+            err(
+                vec![k(key)],
+                format!("only applies to scheduler = \"{only}\"; remove it"),
+            );
+        }
+    }
+    if let Some(size) = o.mh_table_size
+        && let Err(e) = weir_sched::MhTableSize::new(size)
+    {
+        err(vec![k("mh_table_size")], e.to_string());
+    }
+    if s.protocol == Protocol::Udp && o.tcp_max_connections_per_client != 0 {
         err(
-            vec![k("mh_fallback")],
-            "only applies to scheduler = \"mh\"; remove it".into(),
+            vec![k("tcp_max_connections_per_client")],
+            "only applies to protocol = \"tcp\"; for UDP use udp_max_sessions_per_client".into(),
         );
     }
     if let Some(h) = &o.health {
@@ -1454,6 +1511,11 @@ const SERVICE_KEYS: &[(&str, Kind)] = &[
     ("connect_timeout", Kind::Str),
     ("expire_nodest_conn", Kind::Bool),
     ("mh_fallback", Kind::Bool),
+    ("sh_fallback", Kind::Bool),
+    ("sh_port", Kind::Bool),
+    ("mh_port", Kind::Bool),
+    ("mh_table_size", Kind::U32),
+    ("tcp_max_connections_per_client", Kind::Int),
     ("hash_seed", Kind::Str),
     ("udp_responses", Kind::U32),
     ("udp_timeout", Kind::Str),
@@ -1656,6 +1718,8 @@ mod tests {
                 connect_timeout: Some("1s".into()),
                 expire_nodest_conn: true,
                 mh_fallback: true,
+                mh_port: true,
+                mh_table_size: Some(251),
                 hash_seed: None,
                 udp_responses: Some(1),
                 udp_timeout: Some("5s".into()),
@@ -1666,6 +1730,7 @@ mod tests {
                     send: Some("ping".into()),
                     ..HealthSpec::default()
                 }),
+                ..ServiceOptions::default()
             },
             backends: vec![BackendSpec {
                 address: "127.0.0.1:1053".parse().unwrap(),
@@ -1673,6 +1738,21 @@ mod tests {
                 proxy_protocol: None,
                 max_connections: 9,
             }],
+        };
+        // The TCP- and sh-only options, on a second service.
+        let sh_svc = ServiceSpec {
+            name: "s2".into(),
+            protocol: Protocol::Tcp,
+            listen: "127.0.0.1:80".parse().unwrap(),
+            scheduler: "sh".into(),
+            persistence_netmask: None,
+            options: ServiceOptions {
+                sh_fallback: true,
+                sh_port: true,
+                tcp_max_connections_per_client: 4,
+                ..ServiceOptions::default()
+            },
+            ..svc.clone()
         };
         let cfg = Config {
             daemon: DaemonConfig {
@@ -1706,7 +1786,7 @@ mod tests {
                 allowed_listen: vec!["10.0.0.0/24:8000-8100".into(), "[::]:443".into()],
                 allowed_backends: vec!["10.1.0.0/16".into()],
             }],
-            services: vec![svc],
+            services: vec![svc, sh_svc],
         };
         let text = toml::to_string(&cfg).unwrap();
         let parsed = parse(&text, "x.toml").unwrap_or_else(|e| panic!("{e:?}\n{text}"));
@@ -1931,6 +2011,86 @@ mod tests {
             ),
             "{got:?}"
         );
+    }
+
+    /// ipvsadm's scheduler flags and the TCP per-client cap: accepted where
+    /// they apply, each misuse refused with its key and what to do.
+    #[test]
+    fn scheduler_flags_are_checked() {
+        let svc = |proto: &str, sched: &str, extra: &str| {
+            format!(
+                "[[service]]\nname = \"a\"\nprotocol = \"{proto}\"\nlisten = \"127.0.0.1:1\"\n\
+                 scheduler = \"{sched}\"\n{extra}"
+            )
+        };
+        for ok in [
+            svc("tcp", "sh", "sh_fallback = true\nsh_port = true\n"),
+            svc(
+                "tcp",
+                "mh",
+                "mh_fallback = true\nmh_port = true\nmh_table_size = 65521\n",
+            ),
+            svc("tcp", "lblcr", "tcp_max_connections_per_client = 10\n"),
+            svc("udp", "ovf", ""),
+        ] {
+            let c = parse(&ok, "f.toml").unwrap_or_else(|e| panic!("{ok}: {e:?}"));
+            // `weir save` writes what it read: the keys survive a round trip.
+            let back = toml::to_string(&c).expect("serialise");
+            assert_eq!(parse(&back, "f.toml").expect("reparse"), c, "{back}");
+        }
+        let cases = [
+            (
+                svc("tcp", "mh", "sh_port = true\n"),
+                "service[0].sh_port",
+                "scheduler = \"sh\"",
+            ),
+            (
+                svc("tcp", "sh", "mh_port = true\n"),
+                "service[0].mh_port",
+                "scheduler = \"mh\"",
+            ),
+            (
+                svc("tcp", "wlc", "sh_fallback = true\n"),
+                "service[0].sh_fallback",
+                "\"sh\"",
+            ),
+            (
+                svc("tcp", "sh", "mh_table_size = 4093\n"),
+                "service[0].mh_table_size",
+                "\"mh\"",
+            ),
+            (
+                svc("tcp", "mh", "mh_table_size = 65537\n"),
+                "service[0].mh_table_size",
+                "4093, 8191",
+            ),
+            (
+                svc("tcp", "mh", "mh_table_size = -1\n"),
+                "service[0].mh_table_size",
+                "expected",
+            ),
+            (
+                svc("udp", "rr", "tcp_max_connections_per_client = 1\n"),
+                "service[0].tcp_max_connections_per_client",
+                "udp_max_sessions_per_client",
+            ),
+            (
+                svc("tcp", "lblx", ""),
+                "service[0].scheduler",
+                "lblc lblcr dh fo ovf",
+            ),
+        ];
+        for (text, key, hint) in cases {
+            let got: Vec<String> = parse(&text, "f.toml")
+                .expect_err(&text)
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+            assert!(
+                got.len() == 1 && got[0].contains(key) && got[0].contains(hint),
+                "{text}: {got:?}"
+            );
+        }
     }
 
     /// Issue 10 #5: every duration key has bounds; a duration that would

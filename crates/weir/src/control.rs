@@ -132,6 +132,14 @@ pub struct ServiceStatus {
     pub scheduler: String,
     /// Persistence timeout ("0s" = off).
     pub persistence: String,
+    /// Persistence client grouping as configured ("255.255.255.0" or an
+    /// IPv6 prefix length); `None` = per client address.
+    #[serde(default)]
+    pub persistence_netmask: Option<String>,
+    /// Scheduler flags as ipvsadm names them ("sh-fallback", "sh-port",
+    /// "mh-fallback", "mh-port").
+    #[serde(default)]
+    pub sched_flags: Vec<String>,
     /// Backends in configuration order.
     pub backends: Vec<BackendStatus>,
     /// Cumulative counters.

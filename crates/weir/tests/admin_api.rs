@@ -1026,6 +1026,11 @@ fn openapi_matches_router() {
     full.options.udp_timeout = Some("30s".into());
     full.options.udp_max_sessions_per_client = 3;
     full.options.hash_seed = Some("k".into());
+    full.options.sh_fallback = true;
+    full.options.sh_port = true;
+    full.options.mh_port = true;
+    full.options.mh_table_size = Some(251);
+    full.options.tcp_max_connections_per_client = 2;
     full.options.health = Some(Default::default());
     full.backends[0].proxy_protocol = Some("v2".into());
     full.backends[0].max_connections = 9;

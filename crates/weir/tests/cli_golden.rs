@@ -83,6 +83,41 @@ fn golden_conns_table_tenants_health_top() {
     );
 }
 
+/// `weir list` prints scheduler flags and the persistence mask as
+/// `ipvsadm -Ln` does; `--json` carries them as fields.
+#[test]
+fn list_shows_sched_flags_and_mask_like_ipvsadm() {
+    let mut s = Fake::sample().services();
+    s.truncate(1);
+    s[0].scheduler = "sh".into();
+    s[0].sched_flags = vec!["sh-fallback".into(), "sh-port".into()];
+    let text = render::render_list(&s, ListMode::Plain, false);
+    assert_eq!(
+        text.lines().nth(2),
+        Some(
+            "TCP  10.0.0.1:80 sh (sh-fallback,sh-port) persistent 300 mask 255.255.255.0 [acme/web]"
+        )
+    );
+    let v = render::list_json(&s, ListMode::Plain);
+    assert_eq!(
+        v[0]["sched_flags"],
+        serde_json::json!(["sh-fallback", "sh-port"])
+    );
+    assert_eq!(v[0]["persistence_netmask"], "255.255.255.0");
+    // Without persistence there is no mask; a host mask is not shown.
+    s[0].persistence = "0s".into();
+    let text = render::render_list(&s, ListMode::Plain, false);
+    assert!(
+        text.contains("sh (sh-fallback,sh-port) [acme/web]"),
+        "{text}"
+    );
+    s[0].persistence = "300s".into();
+    s[0].persistence_netmask = Some("255.255.255.255".into());
+    s[0].sched_flags.clear();
+    let text = render::render_list(&s, ListMode::Plain, false);
+    assert!(text.contains("sh persistent 300 [acme/web]"), "{text}");
+}
+
 #[test]
 fn list_json_has_the_documented_keys() {
     let s = Fake::sample().services();
@@ -95,6 +130,9 @@ fn list_json_has_the_documented_keys() {
         "protocol",
         "listen",
         "scheduler",
+        "sched_flags",
+        "persistence",
+        "persistence_netmask",
         "backends",
     ];
     want.sort();

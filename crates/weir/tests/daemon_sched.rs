@@ -46,7 +46,7 @@ fn live(c: &dyn Control, name: &str) -> u64 {
 }
 
 /// docs/sched.md: without fallback, a client whose `sh` / `mh` backend
-/// cannot take it is refused. It used to go to the first usable backend in
+/// cannot take it is refused; with the fallback flag it is served elsewhere. It used to go to the first usable backend in
 /// list order, so every displaced client landed on one backend.
 #[test]
 fn sh_and_mh_refuse_a_client_whose_backend_is_at_its_limit() {
@@ -108,6 +108,21 @@ fn sh_and_mh_refuse_a_client_whose_backend_is_at_its_limit() {
             Some(1),
             "{kind}: {:?}",
             c.global_stats().refused
+        );
+        // With `sh_fallback` / `mh_fallback` (ipvsadm's flags) the same
+        // client is served by the other backend.
+        let mut spec = c.running_config().services[0].clone();
+        if kind == "sh" {
+            spec.options.sh_fallback = true;
+        } else {
+            spec.options.mh_fallback = true;
+        }
+        c.edit_service("default", kind, spec).unwrap();
+        let _served = echo_from(on_b[1], vip).expect("fallback serves the client");
+        assert_eq!(
+            a.accepted.load(std::sync::atomic::Ordering::Relaxed),
+            acc_a + 1,
+            "{kind}: the fallback went to the other backend"
         );
         d.shutdown();
     }
@@ -226,4 +241,192 @@ fn a_service_address_served_elsewhere_is_refused() {
         };
         assert!(format!("{err:#}").contains("another process serves this address"));
     }
+}
+
+/// A connection from `127.0.0.<host>` to `127.0.0.<dest>:<port>`.
+fn echo_between(host: u8, dest: u8, port: u16) -> Option<TcpStream> {
+    echo_from(
+        host,
+        SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 0, 0, dest)), port),
+    )
+}
+
+/// `tcp_max_connections_per_client`: the client over its cap is reset and
+/// counted as `tcp_client_limit` while another client is served; closing one
+/// of its connections gives the place back.
+#[test]
+fn tcp_connections_per_client_are_capped() {
+    let e = Echo::start();
+    let mut s = service("capped", Protocol::Tcp, "rr", vec![backend(e.addr, 1)]);
+    s.options.tcp_max_connections_per_client = 2;
+    let d = Daemon::start(config(vec![s]), None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "capped").unwrap();
+    let refused = |c: &dyn Control| {
+        c.global_stats()
+            .refused
+            .get("tcp_client_limit")
+            .copied()
+            .unwrap_or(0)
+    };
+    let first = echo_from(2, vip).expect("first connection");
+    let _second = echo_from(2, vip).expect("second connection");
+    let accepted = e.accepted.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(echo_from(2, vip).is_none(), "third connection was served");
+    assert_eq!(refused(&*c), 1);
+    assert_eq!(
+        e.accepted.load(std::sync::atomic::Ordering::Relaxed),
+        accepted,
+        "the refused connection reached the backend"
+    );
+    // Another client is not affected.
+    let _other = echo_from(3, vip).expect("another client is served");
+    assert_eq!(live(&*c, "capped"), 3);
+    // Closing one connection of the capped client returns its place.
+    drop(first);
+    assert!(
+        wait_until(T, || live(&*c, "capped") == 2),
+        "closed connection not settled"
+    );
+    let _again = echo_from(2, vip).expect("a place came back after a close");
+    assert_eq!(refused(&*c), 1);
+    assert!(echo_from(2, vip).is_none(), "the cap holds again");
+    assert_eq!(refused(&*c), 2);
+    d.shutdown();
+}
+
+/// `dh` on a wildcard listener keys on the local address the client
+/// dialled: each destination always reaches the same backend, whoever the
+/// client, and different destinations spread over the backends.
+#[test]
+fn dh_on_a_wildcard_listener_maps_each_destination_to_one_backend() {
+    let (a, b) = (Echo::start(), Echo::start());
+    let mut s = service(
+        "dh",
+        Protocol::Tcp,
+        "dh",
+        vec![backend(a.addr, 1), backend(b.addr, 1)],
+    );
+    s.listen = "0.0.0.0:0".parse().unwrap();
+    let d = Daemon::start(config(vec![s]), None).unwrap();
+    let port = d.service_addr("default", "dh").unwrap().port();
+    let accepted = || {
+        (
+            a.accepted.load(std::sync::atomic::Ordering::Relaxed),
+            b.accepted.load(std::sync::atomic::Ordering::Relaxed),
+        )
+    };
+    let mut on_a = 0;
+    for dest in 1..=16u8 {
+        let mut seen = Vec::new();
+        for host in [2u8, 3, 4] {
+            let before = accepted();
+            let _s = echo_between(host, dest, port).expect("served");
+            let after = accepted();
+            seen.push(after.0 > before.0);
+            assert_eq!(after.0 + after.1, before.0 + before.1 + 1);
+        }
+        assert!(
+            seen.iter().all(|&x| x == seen[0]),
+            "destination 127.0.0.{dest} went to both backends: {seen:?}"
+        );
+        on_a += usize::from(seen[0]);
+    }
+    assert!(
+        (1..16).contains(&on_a),
+        "16 destinations all on one backend"
+    );
+    d.shutdown();
+}
+
+/// `fo` sends every connection to the highest weight; draining it fails
+/// over to the next; `ovf` refuses once every backend is above its weight.
+#[test]
+fn fo_fails_over_and_ovf_overflows() {
+    let (a, b) = (Echo::start(), Echo::start());
+    let d = Daemon::start(
+        config(vec![
+            service(
+                "fo",
+                Protocol::Tcp,
+                "fo",
+                vec![backend(a.addr, 1), backend(b.addr, 5)],
+            ),
+            service(
+                "ovf",
+                Protocol::Tcp,
+                "ovf",
+                vec![backend(a.addr, 1), backend(b.addr, 2)],
+            ),
+        ]),
+        None,
+    )
+    .unwrap();
+    let c = d.control();
+    let count = |e: &Echo| e.accepted.load(std::sync::atomic::Ordering::Relaxed);
+    let fo = d.service_addr("default", "fo").unwrap();
+    for _ in 0..4 {
+        assert!(echo_once(fo, b"fo"));
+    }
+    assert_eq!((count(&a), count(&b)), (0, 4));
+    c.edit_backend(
+        "default",
+        "fo",
+        &b.addr.to_string(),
+        weir::control::BackendPatch {
+            weight: Some(0),
+            drain: None,
+        },
+    )
+    .unwrap();
+    assert!(echo_once(fo, b"fo"));
+    assert_eq!((count(&a), count(&b)), (1, 4));
+    // ovf: b (weight 2) takes up to 3 active connections, then a (weight
+    // 1) up to 2, then nothing.
+    let ovf = d.service_addr("default", "ovf").unwrap();
+    let held: Vec<TcpStream> = (0..5).map(|_| held(ovf)).collect();
+    assert_eq!((count(&a), count(&b)), (3, 7));
+    assert!(!echo_once(ovf, b"full"), "ovf served above every weight");
+    assert_eq!(c.global_stats().refused.get("no_backend").copied(), Some(1));
+    drop(held);
+    d.shutdown();
+}
+
+/// The daemon reports scheduler flags and the persistence mask, `weir list`
+/// prints them as `ipvsadm -Ln` does, and `weir save` writes back every new
+/// key so that the saved file loads to the same services.
+#[test]
+fn list_and_save_carry_scheduler_flags() {
+    let e = Echo::start();
+    let mut s = service("flags", Protocol::Tcp, "sh", vec![backend(e.addr, 1)]);
+    s.options.sh_fallback = true;
+    s.options.sh_port = true;
+    s.options.tcp_max_connections_per_client = 7;
+    s.persistence = "300s".into();
+    s.persistence_netmask = Some("255.255.255.0".into());
+    let mut m = service("maglev", Protocol::Tcp, "mh", vec![backend(e.addr, 1)]);
+    m.options.mh_port = true;
+    m.options.mh_table_size = Some(251);
+    let d = Daemon::start(config(vec![s, m]), None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "flags").unwrap();
+    let status = c.services();
+    assert_eq!(status[0].sched_flags, ["sh-fallback", "sh-port"]);
+    assert_eq!(status[1].sched_flags, ["mh-port"]);
+    let list = weir::cli::render::render_list(&status, weir::cli::render::ListMode::Plain, false);
+    let want = format!(
+        "TCP  {vip} sh (sh-fallback,sh-port) persistent 300 mask 255.255.255.0 [default/flags]"
+    );
+    assert!(list.lines().any(|l| l == want), "{list}");
+    assert!(list.contains(" mh (mh-port) [default/maglev]"), "{list}");
+    // weir save: running config -> TOML -> parsed again.
+    let running = c.running_config();
+    let text = weir::cli::config_to_toml(&running).unwrap();
+    let back = weir::config::parse(&text, "saved.toml").unwrap_or_else(|e| panic!("{e:?}\n{text}"));
+    assert_eq!(back.services, running.services, "{text}");
+    assert!(
+        text.contains("sh_port = true") && text.contains("mh_table_size = 251"),
+        "{text}"
+    );
+    d.shutdown();
 }

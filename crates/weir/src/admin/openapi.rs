@@ -199,6 +199,22 @@ fn schemas() -> Value {
         "conns": int, "inpkts": int, "outpkts": int, "inbytes": int, "outbytes": int } });
     let rates = json!({ "type": "object", "properties": {
         "cps": int, "inpps": int, "outpps": int, "inbps": int, "outbps": int } });
+    // Pieces built apart: one json! literal this size hits the macro's
+    // recursion limit.
+    let boolean = json!({ "type": "boolean" });
+    let sched = json!({ "type": "string", "enum": crate::config::SCHEDULERS });
+    let mh_sizes = json!({ "type": "integer", "enum": weir_sched::MhTableSize::PRIMES });
+    let service_spec = json!({ "type": "object", "required": ["name", "protocol", "listen"], "properties": {
+        "tenant": s, "name": s, "protocol": { "type": "string", "enum": ["tcp", "udp"] }, "listen": s,
+        "scheduler": sched,
+        "persistence": s, "persistence_netmask": s, "connect_timeout": s,
+        "expire_nodest_conn": { "type": "boolean" }, "mh_fallback": { "type": "boolean" }, "hash_seed": s,
+        "sh_fallback": boolean, "sh_port": boolean, "mh_port": boolean, "mh_table_size": mh_sizes,
+        "udp_responses": int, "udp_timeout": s, "udp_max_sessions_per_client": int,
+        "tcp_max_connections_per_client": int,
+        "health": { "type": "object", "properties": { "interval": s, "timeout": s, "rise": int, "fall": int,
+            "protocol": { "type": "string", "enum": ["tcp", "udp"] }, "port": int, "send": s } },
+        "backend": { "type": "array", "items": { "$ref": "#/components/schemas/BackendSpec" } } } });
     json!({
       "Error": { "type": "object", "required": ["error", "message"], "properties": {
         "error": { "type": "string", "enum": ["invalid", "unauthorized", "forbidden", "not_found", "method_not_allowed", "conflict", "too_large", "unavailable", "internal"] },
@@ -223,21 +239,14 @@ fn schemas() -> Value {
         "address": s, "weight": int, "proxy_protocol": { "type": "string", "enum": ["v1", "v2"] }, "max_connections": int } },
       "BackendPatch": { "type": "object", "additionalProperties": false, "properties": {
         "weight": int, "drain": { "type": "boolean" } } },
-      "ServiceSpec": { "type": "object", "required": ["name", "protocol", "listen"], "properties": {
-        "tenant": s, "name": s, "protocol": { "type": "string", "enum": ["tcp", "udp"] }, "listen": s,
-        "scheduler": { "type": "string", "enum": ["rr", "wrr", "lc", "wlc", "sed", "nq", "sh", "mh", "p2c"] },
-        "persistence": s, "persistence_netmask": s, "connect_timeout": s,
-        "expire_nodest_conn": { "type": "boolean" }, "mh_fallback": { "type": "boolean" }, "hash_seed": s,
-        "udp_responses": int, "udp_timeout": s, "udp_max_sessions_per_client": int,
-        "health": { "type": "object", "properties": { "interval": s, "timeout": s, "rise": int, "fall": int,
-            "protocol": { "type": "string", "enum": ["tcp", "udp"] }, "port": int, "send": s } },
-        "backend": { "type": "array", "items": { "$ref": "#/components/schemas/BackendSpec" } } } },
+      "ServiceSpec": service_spec,
       "BackendStatus": { "type": "object", "properties": {
         "address": s, "weight": int, "active_conns": int, "inactive_conns": int,
         "health": { "type": "string", "enum": ["up", "down", "unchecked"] },
         "stats": { "$ref": "#/components/schemas/Totals" }, "rates": { "$ref": "#/components/schemas/Rates" } } },
       "ServiceStatus": { "type": "object", "properties": {
         "tenant": s, "name": s, "protocol": s, "listen": s, "scheduler": s, "persistence": s,
+        "persistence_netmask": { "type": ["string", "null"] }, "sched_flags": { "type": "array", "items": s },
         "backends": { "type": "array", "items": { "$ref": "#/components/schemas/BackendStatus" } },
         "stats": { "$ref": "#/components/schemas/Totals" }, "rates": { "$ref": "#/components/schemas/Rates" } } },
       "ConnInfo": { "type": "object", "properties": {

@@ -295,7 +295,7 @@ pub enum ServiceCmd {
         /// Virtual address IP:PORT.
         #[arg(long)]
         listen: String,
-        /// rr wrr lc wlc sed nq sh mh p2c.
+        /// rr wrr lc wlc sed nq sh mh lblc lblcr dh fo ovf p2c.
         #[arg(long, default_value = "wlc")]
         scheduler: String,
         /// Persistence timeout, e.g. 300s; 0s = off.

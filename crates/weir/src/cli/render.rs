@@ -50,16 +50,35 @@ fn proto(p: &str) -> String {
     p.to_ascii_uppercase()
 }
 
-/// Service flags as ipvsadm prints them after the scheduler.
+/// Service flags as ipvsadm prints them after the scheduler:
+/// ` (sh-fallback,sh-port) persistent 300 mask 255.255.255.0`. The mask is
+/// shown only with persistence and when it groups more than one address.
 fn flags(s: &ServiceStatus) -> String {
-    let secs = s.persistence.trim_end_matches('s');
-    match secs.parse::<u64>() {
-        Ok(0) => String::new(),
-        Ok(n) => format!(" persistent {n}"),
-        // Not plain seconds ("5m"): show it as configured.
-        Err(_) if s.persistence.is_empty() => String::new(),
-        Err(_) => format!(" persistent {}", s.persistence),
+    let mut out = String::new();
+    if !s.sched_flags.is_empty() {
+        let _ = write!(out, " ({})", s.sched_flags.join(","));
     }
+    let secs = s.persistence.trim_end_matches('s');
+    let persistent = match secs.parse::<u64>() {
+        Ok(0) => false,
+        Ok(n) => {
+            let _ = write!(out, " persistent {n}");
+            true
+        }
+        // Not plain seconds ("5m"): show it as configured.
+        Err(_) if s.persistence.is_empty() => false,
+        Err(_) => {
+            let _ = write!(out, " persistent {}", s.persistence);
+            true
+        }
+    };
+    if persistent
+        && let Some(mask) = &s.persistence_netmask
+        && !matches!(mask.trim(), "255.255.255.255" | "128")
+    {
+        let _ = write!(out, " mask {mask}");
+    }
+    out
 }
 
 fn totals_cols(t: &Totals, exact: bool) -> String {
@@ -165,6 +184,7 @@ fn extend(v: &mut Value, kv: &[(&'static str, u64)]) {
 }
 
 /// `weir list --json`: `[{tenant, name, protocol, listen, scheduler,
+/// sched_flags, persistence, persistence_netmask,
 /// backends: [{address, weight, active_conns, inactive_conns}]}]`, plus
 /// cps/inpps/outpps/inbps/outbps under `--rate` and conns/inpkts/outpkts/
 /// inbytes/outbytes under `--stats`, on services and backends.
@@ -198,6 +218,9 @@ pub fn list_json(services: &[ServiceStatus], mode: ListMode) -> Value {
                     "protocol": s.protocol,
                     "listen": s.listen,
                     "scheduler": s.scheduler,
+                    "sched_flags": s.sched_flags,
+                    "persistence": s.persistence,
+                    "persistence_netmask": s.persistence_netmask,
                     "backends": backends,
                 });
                 add(&mut v, &s.stats, &s.rates);

@@ -55,6 +55,8 @@ impl LiveControl {
             listen: s.listen.to_string(),
             scheduler: spec.scheduler.clone(),
             persistence: spec.persistence.clone(),
+            persistence_netmask: spec.persistence_netmask.clone(),
+            sched_flags: config::sched_flags(&spec),
             backends: set
                 .backends
                 .iter()
@@ -461,10 +463,16 @@ impl Control for LiveControl {
             return Ok(());
         }
         let params = service_params(&spec)?;
-        if cur.scheduler != spec.scheduler
-            || cur.options.mh_fallback != spec.options.mh_fallback
-            || cur.options.hash_seed != spec.options.hash_seed
-        {
+        let sched_key = |s: &ServiceSpec| {
+            let o = &s.options;
+            (
+                s.scheduler.clone(),
+                (o.mh_fallback, o.sh_fallback, o.sh_port, o.mh_port),
+                o.mh_table_size,
+                o.hash_seed.clone(),
+            )
+        };
+        if sched_key(&cur) != sched_key(&spec) {
             // A new algorithm: a fresh scheduler over the same live backends
             // (no history to carry over); connections are untouched.
             let old = svc.set.read().clone();

@@ -52,7 +52,7 @@ use weir_flowtable::{
     BackendId, Dir, FlowInit, FlowKey, FlowState, FlowTable, Millis, Proto, ServiceId, TableConfig,
     TenantConfig, TenantId, Timeouts,
 };
-use weir_sched::{AffinityMask, BackendInfo, ClientAddr, HashSeed, Load, SchedConfig, Scheduler};
+use weir_sched::{AffinityMask, BackendInfo, HashSeed, Load, SchedConfig, Scheduler};
 
 use crate::config::{
     self, BackendSpec, Config, DEFAULT_TENANT, DaemonConfig, Protocol, ServiceSpec, TenantSpec,
@@ -497,6 +497,9 @@ pub(crate) struct Service {
     pub(crate) cancel: CancellationToken,
     /// UDP sessions per client IP (for `udp_max_sessions_per_client`).
     pub(crate) udp_per_client: Mutex<HashMap<IpAddr, u64>>,
+    /// Open TCP connections per client IP (for
+    /// `tcp_max_connections_per_client`); an IP leaves when its count is 0.
+    tcp_per_client: Mutex<HashMap<IpAddr, u64>>,
     /// Persistence templates with live connections: template key →
     /// (backend id, connections). Such a template does not expire (IPVS
     /// keeps a template while it controls connections); when its last
@@ -515,6 +518,8 @@ pub(crate) struct ServiceParams {
     pub(crate) udp_timeout: Option<Duration>,
     pub(crate) udp_responses: Option<u32>,
     pub(crate) udp_max_per_client: u64,
+    /// `tcp_max_connections_per_client`; 0 = unlimited.
+    pub(crate) tcp_max_per_client: u64,
 }
 
 #[derive(Debug)]
@@ -761,6 +766,8 @@ pub(crate) enum Refusal {
     NoBackend,
     BackendLimit,
     ClientLimit,
+    /// A client at `tcp_max_connections_per_client`.
+    TcpClientLimit,
     TableFull,
     /// Every backend tried failed to connect or timed out.
     BackendUnreachable,
@@ -769,13 +776,14 @@ pub(crate) enum Refusal {
 }
 
 impl Refusal {
-    const ALL: [Self; 9] = [
+    const ALL: [Self; 10] = [
         Self::GlobalLimit,
         Self::TenantLimit,
         Self::TenantRate,
         Self::NoBackend,
         Self::BackendLimit,
         Self::ClientLimit,
+        Self::TcpClientLimit,
         Self::TableFull,
         Self::BackendUnreachable,
         Self::FdExhausted,
@@ -790,6 +798,7 @@ impl Refusal {
             Self::NoBackend => "no_backend",
             Self::BackendLimit => "backend_limit",
             Self::ClientLimit => "client_limit",
+            Self::TcpClientLimit => "tcp_client_limit",
             Self::TableFull => "table_full",
             Self::BackendUnreachable => "backend_unreachable",
             Self::FdExhausted => "fd_exhausted",
@@ -1254,6 +1263,7 @@ impl Shared {
             stat: self.rates.stat(),
             cancel: CancellationToken::new(),
             udp_per_client: Mutex::new(HashMap::new()),
+            tcp_per_client: Mutex::new(HashMap::new()),
             templates: Mutex::new(HashMap::new()),
             health_cancel: Mutex::new(CancellationToken::new()),
         });
@@ -1425,7 +1435,52 @@ impl Shared {
     }
 }
 
+/// One open TCP connection counted against its client's
+/// `tcp_max_connections_per_client`; dropping it gives the place back.
+#[derive(Debug)]
+pub(crate) struct ClientSlot {
+    svc: Arc<Service>,
+    ip: IpAddr,
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let mut counts = self.svc.tcp_per_client.lock();
+        if let Some(n) = counts.get_mut(&self.ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                counts.remove(&self.ip);
+            }
+        }
+    }
+}
+
 impl Service {
+    /// A place for one more TCP connection from `client` under the
+    /// service's `tcp_max_connections_per_client` (`None`: no limit, nothing
+    /// counted), or [`Refusal::TcpClientLimit`]. Connections accepted while
+    /// the limit was 0 are not counted when it is raised later.
+    pub(crate) fn tcp_client_slot(
+        self: &Arc<Self>,
+        client: IpAddr,
+    ) -> Result<Option<ClientSlot>, Refusal> {
+        let max = self.params.read().tcp_max_per_client;
+        if max == 0 {
+            return Ok(None);
+        }
+        let ip = client.to_canonical();
+        let mut counts = self.tcp_per_client.lock();
+        let n = counts.entry(ip).or_insert(0);
+        if *n >= max {
+            return Err(Refusal::TcpClientLimit);
+        }
+        *n += 1;
+        Ok(Some(ClientSlot {
+            svc: self.clone(),
+            ip,
+        }))
+    }
+
     /// Rebuild the scheduler from the backends' current weight and health.
     pub(crate) fn rebuild_sched(&self) {
         let mut set = self.set.write();
@@ -1443,11 +1498,15 @@ impl Service {
 
     /// Choose a backend for `client`, honouring persistence and backend
     /// limits; `skip` lists backends that already failed for this connection.
+    /// `local` is the address the client connected to (the service's
+    /// address unless it listens on a wildcard one), the destination that
+    /// `lblc`, `lblcr` and `dh` key on.
     pub(crate) fn choose(
         &self,
         shared: &Shared,
         proto: Protocol,
         client: SocketAddr,
+        local: IpAddr,
         skip: &[SocketAddr],
         rng: &mut weir_sched::SplitMix64,
     ) -> Result<Arc<Backend>, Refusal> {
@@ -1489,38 +1548,53 @@ impl Service {
                 Load::new(b.active.load(Relaxed), b.inactive.load(Relaxed))
             })
         };
-        // `sh` / `mh` without fallback place a client on one backend only:
-        // when that one cannot take it (down, weight 0, at its limit, or it
+        // `sh` / `mh` without fallback place a client on one backend only,
+        // `dh` a destination, and `ovf` refuses when every backend is full:
+        // when the choice cannot take it (down, weight 0, at its limit, or it
         // already failed this connection) the client is refused, as
         // docs/sched.md says, instead of piling every displaced client onto
         // the first usable backend.
         let cfg = set.sched.config();
-        let pinned = matches!(
-            cfg.kind,
-            weir_sched::SchedulerKind::Sh | weir_sched::SchedulerKind::Mh
-        ) && !cfg.fallback;
+        let pinned = cfg.pinned();
+        // Another backend when the scheduler's cannot serve: `fo` keeps its
+        // rule (the highest usable weight); the others take the next usable
+        // one in list order from `start`.
+        let substitute = |start: usize| {
+            if cfg.kind == weir_sched::SchedulerKind::Fo {
+                return set.backends.iter().filter(|b| usable(b)).fold(
+                    None::<&Arc<Backend>>,
+                    |best, b| match best {
+                        Some(x) if x.weight.load(Relaxed) >= b.weight.load(Relaxed) => best,
+                        _ => Some(b),
+                    },
+                );
+            }
+            let n = set.backends.len();
+            (0..n)
+                .map(|k| &set.backends[(start + k) % n])
+                .find(|b| usable(b))
+        };
         let picked = match skip.last() {
             // A retry after a failed connect: the next usable backend after
             // the one that failed, in list order, without asking the
             // scheduler, so a retry does not move rr's rotation (which would
             // put the failing backend first again for the next client).
             Some(&failed) if !pinned => {
-                let n = set.backends.len();
                 let at = set.backends.iter().position(|b| b.addr == failed);
-                let start = at.map_or(0, |i| i + 1);
-                (0..n)
-                    .map(|k| &set.backends[(start + k) % n])
-                    .find(|b| usable(b))
+                substitute(at.map_or(0, |i| i + 1))
             }
-            _ => match set
-                .sched
-                .pick(ClientAddr(client), &load, rng)
-                .and_then(|i| set.backends.get(i))
-            {
-                Some(b) if usable(b) => Some(b),
-                _ if pinned => None,
-                _ => set.backends.iter().find(|b| usable(b)),
-            },
+            _ => {
+                let req = weir_sched::Request::new(client, local, Duration::from_millis(now));
+                match set
+                    .sched
+                    .pick_for(req, &load, rng)
+                    .and_then(|i| set.backends.get(i))
+                {
+                    Some(b) if usable(b) => Some(b),
+                    _ if pinned => None,
+                    _ => substitute(0),
+                }
+            }
         }
         .cloned();
         let Some(b) = picked else {
@@ -1642,6 +1716,7 @@ pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResul
         udp_timeout,
         udp_responses: o.udp_responses,
         udp_max_per_client: o.udp_max_sessions_per_client,
+        tcp_max_per_client: o.tcp_max_connections_per_client,
     })
 }
 
@@ -1660,8 +1735,15 @@ pub(crate) fn build_sched(
         Some(text) => HashSeed::from_text(text),
         None => HashSeed::from_text(&format!("{}/{}", spec.tenant, spec.name)),
     };
+    let o = &spec.options;
     let mut cfg = SchedConfig::new(kind, seed);
-    cfg.fallback = spec.options.mh_fallback;
+    // `weir check` refuses each flag on a scheduler it does not apply to.
+    cfg.fallback = o.mh_fallback || o.sh_fallback;
+    cfg.hash_port = o.mh_port || o.sh_port;
+    if let Some(size) = o.mh_table_size {
+        cfg.mh_table_size = weir_sched::MhTableSize::new(size)
+            .map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))?;
+    }
     let infos: Vec<BackendInfo> = backends.iter().map(|b| b.info()).collect();
     Scheduler::new(cfg, &infos).map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))
 }

@@ -30,13 +30,26 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
                 backoff = Duration::from_millis(10);
                 // Admission before spawning: a refused connection (a flood
                 // over a limit) costs no task.
+                let slot = match svc.tcp_client_slot(peer.ip()) {
+                    Ok(slot) => slot,
+                    Err(why) => {
+                        shared.refuse(Some(&svc.tenant), why);
+                        reset(&stream);
+                        continue;
+                    }
+                };
                 if let Err(why) = shared.admit(&svc.tenant) {
                     shared.refuse(Some(&svc.tenant), why);
                     reset(&stream);
                     continue;
                 }
                 let seed = weir_sched::RandomSource::next_u64(&mut rng);
-                tokio::spawn(handle(shared.clone(), svc.clone(), stream, peer, seed));
+                let conn = handle(shared.clone(), svc.clone(), stream, peer, seed);
+                tokio::spawn(async move {
+                    // The client's place is held until the connection ends.
+                    let _slot = slot;
+                    conn.await
+                });
             }
             Err(e) if is_fd_exhaustion(&e) => {
                 // Out of descriptors: the pending connection stays in the
@@ -114,8 +127,14 @@ async fn handle(
     let mut connected = None;
     let mut last_entry: Option<Arc<ConnEntry>> = None;
     let mut fd_backoff = FdBackoff::default();
+    // The destination the client dialled (lblc / lblcr / dh key on it):
+    // the service's address, or on a wildcard listener the local one.
+    let local = match svc.listen.ip() {
+        ip if ip.is_unspecified() => client.local_addr().map_or(ip, |a| a.ip()),
+        ip => ip,
+    };
     while tried.len() < max_tries {
-        let backend = match svc.choose(&shared, Protocol::Tcp, peer, &tried, &mut rng) {
+        let backend = match svc.choose(&shared, Protocol::Tcp, peer, local, &tried, &mut rng) {
             Ok(b) => b,
             Err(why) => {
                 if tried.is_empty() {

@@ -139,7 +139,7 @@ async fn new_session(
         shared.refuse(Some(&tenant), why);
         return None;
     }
-    let backend = match svc.choose(shared, Protocol::Udp, peer, &[], rng) {
+    let backend = match svc.choose(shared, Protocol::Udp, peer, svc.listen.ip(), &[], rng) {
         Ok(b) => b,
         Err(why) => {
             shared.refuse(Some(&tenant), why);

@@ -169,7 +169,7 @@ pub fn service(tenant: &str, name: &str, listen: &str, backends: &[&str]) -> Ser
         listen: listen.parse().unwrap(),
         scheduler: "wlc".into(),
         persistence: if tenant == "acme" { "300s" } else { "0s" }.into(),
-        persistence_netmask: None,
+        persistence_netmask: (tenant == "acme").then(|| "255.255.255.0".into()),
         options: Default::default(),
         backends: backends
             .iter()
@@ -271,6 +271,8 @@ impl Control for Fake {
                     listen: s.listen.to_string(),
                     scheduler: s.scheduler.clone(),
                     persistence: s.persistence.clone(),
+                    persistence_netmask: s.persistence_netmask.clone(),
+                    sched_flags: weir::config::sched_flags(s),
                     backends: s
                         .backends
                         .iter()
