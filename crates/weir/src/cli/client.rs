@@ -344,6 +344,13 @@ impl Client {
                 | rustls::CertificateError::ExpiredContext { .. } => {
                     "the daemon's certificate has expired: renew [admin] tls_cert and restart the daemon"
                 }
+                rustls::CertificateError::Other(o)
+                    if format!("{o:?}").contains("CaUsedAsEndEntity") =>
+                {
+                    "the daemon's certificate is marked as a CA (basicConstraints CA:TRUE), which \
+                     is refused as a server certificate: make it with \
+                     -addext \"basicConstraints=critical,CA:FALSE\" (see docs/admin.md)"
+                }
                 _ => "the daemon's certificate was refused",
             },
             Some(rustls::Error::InvalidMessage(_)) => {
