@@ -43,8 +43,8 @@ use axum::serve::Listener;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use tokio::io::AsyncWriteExt;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::{Instant, Sleep};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
@@ -270,6 +270,17 @@ pub(crate) async fn serve<L>(
                         let mut io = io;
                         let _ = io.write_all(&plain_to_tls_answer()).await;
                         let _ = io.shutdown().await;
+                        // Read what the client sent (bounded) before closing:
+                        // closing with unread bytes resets the connection,
+                        // which can discard the answer before it is read.
+                        let mut sink = [0u8; 4096];
+                        let mut left = 64 * 1024usize;
+                        while left > 0 {
+                            match io.read(&mut sink).await {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => left = left.saturating_sub(n),
+                            }
+                        }
                         return Err("plain HTTP on the TLS port".to_owned());
                     }
                     Ok(None) => return Err("closed before a TLS handshake".to_owned()),
