@@ -107,6 +107,16 @@ pub struct AdminConfig {
     pub readonly_token: Option<String>,
     /// Serve `/metrics` without a token.
     pub metrics_public: bool,
+    /// PEM certificate chain: serve the admin API over TLS (with `tls_key`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `tls_cert`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<PathBuf>,
+    /// Allow plain HTTP on a non-loopback `listen` (tokens cross the network
+    /// in clear).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub insecure_plaintext: bool,
 }
 
 impl Default for AdminConfig {
@@ -117,6 +127,9 @@ impl Default for AdminConfig {
             token_file: None,
             readonly_token: None,
             metrics_public: false,
+            tls_cert: None,
+            tls_key: None,
+            insecure_plaintext: false,
         }
     }
 }
@@ -907,6 +920,43 @@ fn duplicate_tokens<'a>(c: &'a Config) -> Vec<(Vec<PathSeg>, String)> {
     out
 }
 
+/// How `[admin]` may be reached: `tls_cert` and `tls_key` come together and
+/// only on a TCP `listen`; plain HTTP on an address other than loopback
+/// (which carries tokens in clear) needs `insecure_plaintext = true`. Reads
+/// no file: [`crate::admin::tls::load_server_config`] checks the files.
+fn check_admin_transport(a: &AdminConfig) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    let tls = match (&a.tls_cert, &a.tls_key) {
+        (Some(_), Some(_)) => true,
+        (None, None) => false,
+        (Some(_), None) => {
+            out.push(("tls_key", "tls_cert is set but tls_key is not: give the certificate's private key (PEM), or remove tls_cert".into()));
+            true
+        }
+        (None, Some(_)) => {
+            out.push(("tls_cert", "tls_key is set but tls_cert is not: give the certificate chain (PEM), or remove tls_key".into()));
+            true
+        }
+    };
+    if a.listen.starts_with("unix:") {
+        if tls {
+            out.push(("tls_cert", format!("listen = {:?} is a unix socket, which TLS does not apply to (file permissions guard it): remove tls_cert and tls_key, or listen on IP:PORT", a.listen)));
+        }
+        return out;
+    }
+    if let Ok(addr) = a.listen.parse::<SocketAddr>()
+        && !tls
+        && !a.insecure_plaintext
+        && !addr.ip().to_canonical().is_loopback()
+    {
+        out.push(("listen", format!(
+            "{addr} is not a loopback address and the admin API would speak plain HTTP, sending tokens in clear: \
+             set tls_cert and tls_key (see docs/admin.md), listen on 127.0.0.1, or set insecure_plaintext = true if the network is trusted"
+        )));
+    }
+    out
+}
+
 /// Every semantic problem of a parsed configuration (empty = valid).
 pub fn validate(c: &Config) -> Vec<Problem> {
     let mut out = Vec::new();
@@ -1004,6 +1054,9 @@ pub fn validate(c: &Config) -> Vec<Problem> {
             &[k("admin"), k("token_file")],
             "set either token or token_file, not both".into(),
         );
+    }
+    for e in check_admin_transport(a) {
+        err(&[k("admin"), k(e.0)], e.1);
     }
 
     let mut tenant_names = std::collections::HashSet::new();
@@ -1477,6 +1530,9 @@ const ADMIN_KEYS: &[(&str, Kind)] = &[
     ("token_file", Kind::Str),
     ("readonly_token", Kind::Str),
     ("metrics_public", Kind::Bool),
+    ("tls_cert", Kind::Str),
+    ("tls_key", Kind::Str),
+    ("insecure_plaintext", Kind::Bool),
 ];
 const TENANT_KEYS: &[(&str, Kind)] = &[
     ("name", Kind::Str),

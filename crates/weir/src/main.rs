@@ -56,6 +56,8 @@ struct Global {
     json: bool,
 }
 
+// Parsed once at start: the size of a variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// Run the daemon in the foreground.
@@ -263,11 +265,21 @@ fn init_logs_quiet() {
 fn check(path: &std::path::Path) -> ExitCode {
     match config::load(path) {
         Ok(c) => {
-            // What a file check can tell about the admin API's token; the
-            // address itself is only known to be free when binding.
-            if let Err(e) = weir::admin::auth::check_token_source(&c.admin) {
-                eprintln!("{}: admin: {e:#}", path.display());
-                eprintln!("{}: 1 error(s)", path.display());
+            // What a file check can tell about the admin API's token and
+            // TLS files; the address itself is only known to be free when
+            // binding.
+            let errors: Vec<anyhow::Error> = [
+                weir::admin::auth::check_token_source(&c.admin).err(),
+                weir::admin::tls::server_config(&c.admin).err(),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            if !errors.is_empty() {
+                for e in &errors {
+                    eprintln!("{}: admin: {e:#}", path.display());
+                }
+                eprintln!("{}: {} error(s)", path.display(), errors.len());
                 return ExitCode::from(1);
             }
             println!(

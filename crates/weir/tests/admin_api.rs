@@ -1156,9 +1156,38 @@ fn control_panics_become_500_not_a_dead_connection() {
         Tokens::new(FULL, None),
         false,
     );
-    let (s, v) = call(&app, "GET", "/v1/tenants", Some(FULL), None);
+    // The panic is logged: capture this thread's log lines.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Lines {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let lines = Lines::default();
+    let sink = lines.clone();
+    let logger = tracing_subscriber::fmt()
+        .with_writer(move || sink.clone())
+        .with_ansi(false)
+        .finish();
+    let (s, v) = tracing::subscriber::with_default(logger, || {
+        call(&app, "GET", "/v1/tenants", Some(FULL), None)
+    });
     assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(v["error"], "internal");
+    assert!(
+        v["message"].as_str().unwrap().contains("internal error"),
+        "{v}"
+    );
+    let logged = String::from_utf8_lossy(&lines.0.lock().unwrap()).into_owned();
+    assert!(
+        logged.contains("ERROR") && logged.contains("panicked") && logged.contains("boom"),
+        "{logged}"
+    );
     let (s, _) = call(&app, "GET", "/v1/services", Some(FULL), None);
     assert_eq!(s, StatusCode::OK, "the router keeps serving");
 }

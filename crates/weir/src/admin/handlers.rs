@@ -1,7 +1,6 @@
 //! Route handlers: parse, check scope, call [`Control`], answer JSON.
 
 use std::collections::BTreeMap;
-use std::panic::AssertUnwindSafe;
 
 use axum::Json;
 use axum::body::Bytes;
@@ -28,20 +27,6 @@ type ApiResult<T> = Result<T, ApiError>;
 pub(crate) const DEFAULT_PAGE: usize = 1000;
 /// Largest page size of `GET /v1/connections`.
 pub(crate) const MAX_PAGE: usize = 10_000;
-
-/// Run a control call, turning a panic into a 500 instead of a dropped
-/// connection: the Control contract says it never panics, this makes sure a
-/// bug there cannot take a request's answer with it.
-pub(crate) fn guard<T>(f: impl FnOnce() -> T) -> ApiResult<T> {
-    std::panic::catch_unwind(AssertUnwindSafe(f)).map_err(|_| {
-        tracing::error!("a control call panicked while serving an admin request");
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            "internal error in the daemon (logged); the request was not completed",
-        )
-    })
-}
 
 /// A server-side failure no client input can cause (500).
 fn internal(message: String) -> ApiError {
@@ -122,7 +107,9 @@ fn check_fence(
     if access.tenant().is_none() {
         return Ok(());
     }
-    let spec = guard(|| st.control.running_config())?
+    let spec = st
+        .control
+        .running_config()
         .tenants
         .into_iter()
         .find(|t| t.name == tenant)
@@ -195,7 +182,7 @@ pub(crate) async fn list_tenants(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
 ) -> ApiResult<Json<Vec<TenantStatus>>> {
-    let mut ts = guard(|| st.control.tenants())?;
+    let mut ts = st.control.tenants();
     ts.retain(|t| access.may_touch(&t.spec.name));
     for t in &mut ts {
         t.spec.token = None;
@@ -212,7 +199,7 @@ pub(crate) async fn add_tenant(
     check_name("tenant", &spec.name)?;
     check_token_unique(&st, &spec.name, spec.token.as_deref())?;
     let name = spec.name.clone();
-    guard(|| st.control.add_tenant(spec))??;
+    st.control.add_tenant(spec)?;
     Ok(created(name))
 }
 
@@ -238,7 +225,7 @@ pub(crate) async fn edit_tenant(
             "body name {name} differs from the path's {tenant:?}: a tenant cannot be renamed"
         )));
     }
-    let cfg = guard(|| st.control.running_config())?;
+    let cfg = st.control.running_config();
     let current = cfg
         .tenants
         .into_iter()
@@ -266,7 +253,7 @@ pub(crate) async fn edit_tenant(
     let spec: TenantSpec = serde_json::from_value(serde_json::Value::Object(merged))
         .map_err(|e| ApiError::bad_request(format!("invalid tenant: {e}")))?;
     check_token_unique(&st, &tenant, spec.token.as_deref())?;
-    guard(|| st.control.edit_tenant(&tenant, spec))??;
+    st.control.edit_tenant(&tenant, spec)?;
     Ok(ok_json(serde_json::json!({ "updated": tenant })))
 }
 
@@ -280,7 +267,7 @@ fn check_token_unique(st: &AppState, tenant: &str, token: Option<&str>) -> ApiRe
     let clash = if let Some(role) = st.tokens.role_of(token) {
         Some(role.to_owned())
     } else {
-        let cfg = guard(|| st.control.running_config())?;
+        let cfg = st.control.running_config();
         cfg.tenants
             .iter()
             .filter(|t| t.name != tenant)
@@ -305,7 +292,7 @@ pub(crate) async fn delete_tenant(
     PathParams(tenant): PathParams<String>,
 ) -> ApiResult<Response> {
     require_global(&access, "deleting a tenant")?;
-    let closed = guard(|| st.control.delete_tenant(&tenant))??;
+    let closed = st.control.delete_tenant(&tenant)?;
     Ok(ok_json(
         serde_json::json!({ "deleted": tenant, "closed_connections": closed }),
     ))
@@ -317,7 +304,7 @@ pub(crate) async fn list_services(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
 ) -> ApiResult<Json<Vec<ServiceStatus>>> {
-    let mut ss = guard(|| st.control.services())?;
+    let mut ss = st.control.services();
     ss.retain(|s| access.may_touch(&s.tenant));
     Ok(Json(ss))
 }
@@ -345,7 +332,7 @@ pub(crate) async fn add_service(
     let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
     check_fence(&st, &access, &spec.tenant, Some(spec.listen), &backends)?;
     let id = format!("{}/{}", spec.tenant, spec.name);
-    guard(|| st.control.add_service(spec))??;
+    st.control.add_service(spec)?;
     Ok(created(id))
 }
 
@@ -355,7 +342,7 @@ pub(crate) async fn get_service(
     PathParams((tenant, service)): PathParams<(String, String)>,
 ) -> ApiResult<Json<ServiceSpec>> {
     check_tenant(&access, &tenant)?;
-    let cfg = guard(|| st.control.running_config())?;
+    let cfg = st.control.running_config();
     cfg.services
         .into_iter()
         .find(|s| s.tenant == tenant && s.name == service)
@@ -393,7 +380,7 @@ pub(crate) async fn edit_service(
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
     let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
     check_fence(&st, &access, &tenant, Some(spec.listen), &backends)?;
-    guard(|| st.control.edit_service(&tenant, &service, spec))??;
+    st.control.edit_service(&tenant, &service, spec)?;
     Ok(ok_json(
         serde_json::json!({ "updated": format!("{tenant}/{service}") }),
     ))
@@ -405,7 +392,7 @@ pub(crate) async fn delete_service(
     PathParams((tenant, service)): PathParams<(String, String)>,
 ) -> ApiResult<Response> {
     check_tenant(&access, &tenant)?;
-    guard(|| st.control.delete_service(&tenant, &service))??;
+    st.control.delete_service(&tenant, &service)?;
     Ok(ok_json(
         serde_json::json!({ "deleted": format!("{tenant}/{service}") }),
     ))
@@ -422,7 +409,7 @@ pub(crate) async fn add_backend(
     check_tenant(&access, &tenant)?;
     check_fence(&st, &access, &tenant, None, &[spec.address])?;
     let addr = spec.address.to_string();
-    guard(|| st.control.add_backend(&tenant, &service, spec))??;
+    st.control.add_backend(&tenant, &service, spec)?;
     Ok(created(format!("{tenant}/{service}/{addr}")))
 }
 
@@ -434,7 +421,8 @@ pub(crate) async fn edit_backend(
 ) -> ApiResult<Response> {
     check_tenant(&access, &tenant)?;
     let address = normalize_addr(&address)?;
-    guard(|| st.control.edit_backend(&tenant, &service, &address, patch))??;
+    st.control
+        .edit_backend(&tenant, &service, &address, patch)?;
     Ok(ok_json(
         serde_json::json!({ "updated": format!("{tenant}/{service}/{address}") }),
     ))
@@ -447,7 +435,7 @@ pub(crate) async fn delete_backend(
 ) -> ApiResult<Response> {
     check_tenant(&access, &tenant)?;
     let address = normalize_addr(&address)?;
-    guard(|| st.control.delete_backend(&tenant, &service, &address))??;
+    st.control.delete_backend(&tenant, &service, &address)?;
     Ok(ok_json(
         serde_json::json!({ "deleted": format!("{tenant}/{service}/{address}") }),
     ))
@@ -504,7 +492,7 @@ pub(crate) async fn list_connections(
         },
     )?;
     let cursor = q.cursor.filter(|c| !c.is_empty());
-    let page = guard(|| st.control.connections(&filter, cursor.as_deref(), limit))??;
+    let page = st.control.connections(&filter, cursor.as_deref(), limit)?;
     Ok(Json(page))
 }
 
@@ -544,7 +532,9 @@ fn resolve_filter(st: &AppState, access: &Access, mut f: ConnFilter) -> ApiResul
     }
     let mut f = scoped_filter(access, f)?;
     if let (Some(svc), None) = (&f.service, &f.tenant) {
-        let mut tenants: Vec<String> = guard(|| st.control.services())?
+        let mut tenants: Vec<String> = st
+            .control
+            .services()
             .into_iter()
             .filter(|s| s.name == *svc && access.may_touch(&s.tenant))
             .map(|s| s.tenant)
@@ -594,7 +584,7 @@ pub(crate) async fn kill_matching(
         ));
     }
     let filter = resolve_filter(&st, &access, filter)?;
-    let n = guard(|| st.control.kill_matching(&filter))??;
+    let n = st.control.kill_matching(&filter)?;
     Ok(ok_json(serde_json::json!({ "killed": n })))
 }
 
@@ -618,7 +608,9 @@ pub(crate) async fn kill_one(
         let mut cursor: Option<String> = None;
         let mut found = false;
         for _ in 0..100_000 {
-            let page = guard(|| st.control.connections(&filter, cursor.as_deref(), MAX_PAGE))??;
+            let page = st
+                .control
+                .connections(&filter, cursor.as_deref(), MAX_PAGE)?;
             if page.connections.iter().any(|c| c.cookie == cookie) {
                 found = true;
                 break;
@@ -634,7 +626,7 @@ pub(crate) async fn kill_one(
             )));
         }
     }
-    guard(|| st.control.kill(cookie))??;
+    st.control.kill(cookie)?;
     Ok(ok_json(serde_json::json!({ "killed": 1 })))
 }
 
@@ -713,9 +705,9 @@ fn figures(
     want_stats: bool,
     want_rates: bool,
 ) -> ApiResult<Response> {
-    let mut services = guard(|| st.control.services())?;
+    let mut services = st.control.services();
     services.retain(|s| access.may_touch(&s.tenant));
-    let mut tenants = guard(|| st.control.tenants())?;
+    let mut tenants = st.control.tenants();
     tenants.retain(|t| access.may_touch(&t.spec.name));
     let sums = tenant_sums(&services);
     let pick_t = |t: Totals| want_stats.then_some(t);
@@ -755,7 +747,7 @@ fn figures(
         .collect();
     let mut body = serde_json::json!({ "tenants": tenants, "services": services });
     if access.tenant().is_none() {
-        let g = guard(|| st.control.global_stats())?;
+        let g = st.control.global_stats();
         let global = if want_stats {
             serde_json::to_value(&g)
         } else {
@@ -785,7 +777,7 @@ pub(crate) async fn table(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
 ) -> ApiResult<Json<Vec<TableReport>>> {
-    let mut t = guard(|| st.control.table())?;
+    let mut t = st.control.table();
     t.retain(|r| access.may_touch(&r.tenant));
     if access.tenant().is_some() {
         for r in &mut t {
@@ -817,7 +809,7 @@ pub(crate) async fn health(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
 ) -> ApiResult<Json<Vec<HealthEntry>>> {
-    let mut h = guard(|| st.control.health())?;
+    let mut h = st.control.health();
     h.retain(|e| access.may_touch(&e.tenant));
     Ok(Json(h))
 }
@@ -854,7 +846,7 @@ pub(crate) async fn config(
     Extension(access): Extension<Access>,
 ) -> ApiResult<Json<Config>> {
     require_global(&access, "the running config")?;
-    let mut cfg = guard(|| st.control.running_config())?;
+    let mut cfg = st.control.running_config();
     if access == Access::ReadOnly {
         redact(&mut cfg);
     }
@@ -902,9 +894,9 @@ pub(crate) async fn reload(
     // Reading and checking the file takes a while for a big one: off the
     // executor, so other admin requests are answered meanwhile.
     let control = st.control.clone();
-    let result = tokio::task::spawn_blocking(move || guard(|| control.reload(opts)))
+    let result = tokio::task::spawn_blocking(move || control.reload(opts))
         .await
-        .map_err(|e| internal(format!("the reload task failed: {e}")))??;
+        .map_err(|e| internal(format!("the reload task failed: {e}")))?;
     match result {
         Ok(report) => {
             let mut body = serde_json::to_value(&report)
@@ -933,7 +925,7 @@ pub(crate) async fn metrics(
     Extension(access): Extension<Access>,
 ) -> ApiResult<Response> {
     require_global(&access, "/metrics")?;
-    let text = guard(|| super::metrics::render(st.control.as_ref()))?
+    let text = super::metrics::render(st.control.as_ref())
         .map_err(|e| internal(format!("cannot encode metrics: {e}")))?;
     Ok((
         [(

@@ -13,6 +13,11 @@
 //!   every place is held by authenticated ones. An operator's connection
 //!   sends its head at once, so a flood would have to open more than
 //!   [`MAX_ADMIN_CONNECTIONS`] connections in that moment to shut it out;
+//! * with TLS (`[admin] tls_cert`), the handshake runs after admission, on
+//!   the connection's place: it must finish within [`HEAD_TIMEOUT`], and the
+//!   connection stays evictable meanwhile, so stalled handshakes cannot hold
+//!   places any more than stalled request heads. A client that speaks plain
+//!   HTTP to the TLS port gets a plain-HTTP 400 saying to use `https://`;
 //! * a connection on which nothing is read or written for [`IDLE_TIMEOUT`]
 //!   is closed (a stalled body or reader);
 //! * the operator gets in when the data path has taken every descriptor
@@ -39,7 +44,9 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::{Instant, Sleep};
+use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
@@ -85,6 +92,45 @@ impl TryAccept for tokio::net::UnixListener {
     fn addr(&self) -> io::Result<Self::Addr> {
         tokio::net::UnixListener::local_addr(self)
     }
+}
+
+/// A stream whose first byte can be seen without taking it, to tell a TLS
+/// ClientHello (record type 22) from plain HTTP.
+pub(crate) trait Peek {
+    /// The first byte, `None` at EOF.
+    fn peek_byte(&self) -> impl std::future::Future<Output = io::Result<Option<u8>>> + Send;
+}
+
+impl Peek for tokio::net::TcpStream {
+    async fn peek_byte(&self) -> io::Result<Option<u8>> {
+        let mut b = [0u8; 1];
+        let n = self.peek(&mut b).await?;
+        Ok((n == 1).then_some(b[0]))
+    }
+}
+
+impl Peek for tokio::net::UnixStream {
+    // TLS is never served on a unix socket (config validation and `bind`
+    // refuse it), so this is never asked.
+    async fn peek_byte(&self) -> io::Result<Option<u8>> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "TLS is not served on unix sockets",
+        ))
+    }
+}
+
+/// First byte of a TLS handshake record.
+const TLS_HANDSHAKE: u8 = 22;
+
+/// What a client that sent plain HTTP to the TLS port reads.
+fn plain_to_tls_answer() -> Vec<u8> {
+    let body = r#"{"error":"invalid","message":"this admin port speaks TLS: use https:// (and --cacert FILE if its certificate is self-signed)"}"#;
+    format!(
+        "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
 }
 
 /// A listener with [`SPARE_FDS`] descriptors in reserve (see the module doc).
@@ -176,12 +222,18 @@ impl Source for tokio::net::unix::SocketAddr {
 }
 
 /// Serve `app` on `listener` until `shutdown`, with the admission rules of
-/// this module. On shutdown, stops accepting and lets each open connection
-/// finish its request (at most [`HEAD_TIMEOUT`]).
-pub(crate) async fn serve<L>(mut listener: L, app: Router, shutdown: CancellationToken)
-where
+/// this module, over TLS when `tls` is given. On shutdown, stops accepting
+/// and lets each open connection finish its request (at most
+/// [`HEAD_TIMEOUT`]).
+pub(crate) async fn serve<L>(
+    mut listener: L,
+    app: Router,
+    tls: Option<TlsAcceptor>,
+    shutdown: CancellationToken,
+) where
     L: Listener,
     L::Addr: Source,
+    L::Io: Peek,
 {
     let places = Places::new(MAX_ADMIN_CONNECTIONS, MAX_PER_SOURCE);
     loop {
@@ -202,25 +254,92 @@ where
                 req.extensions_mut().insert(authed.clone());
                 req.map(Body::new)
             });
-        let io = TokioIo::new(Idle::new(io, IDLE_TIMEOUT));
         let shutdown = shutdown.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
-            let mut b = hyper::server::conn::http1::Builder::new();
-            b.timer(TokioTimer::new()).header_read_timeout(HEAD_TIMEOUT);
-            let conn = b.serve_connection(io, TowerToHyperService::new(svc));
-            let mut conn = std::pin::pin!(conn);
-            let graceful = tokio::select! {
-                _ = conn.as_mut() => false,
-                () = place.evicted.cancelled() => false,
-                () = shutdown.cancelled() => true,
+            let Some(tls) = tls else {
+                let io = Idle::new(io, IDLE_TIMEOUT);
+                return serve_connection(io, svc, place, shutdown).await;
             };
-            if graceful {
-                conn.as_mut().graceful_shutdown();
-                let _ = tokio::time::timeout(HEAD_TIMEOUT, conn.as_mut()).await;
-            }
-            drop(place);
+            // The handshake holds the place under the head deadline and
+            // stays evictable: see the module doc.
+            let handshake = async {
+                match io.peek_byte().await {
+                    Ok(Some(TLS_HANDSHAKE)) => {}
+                    Ok(Some(_)) => {
+                        let mut io = io;
+                        let _ = io.write_all(&plain_to_tls_answer()).await;
+                        let _ = io.shutdown().await;
+                        // Read what the client sent (bounded) before closing:
+                        // closing with unread bytes resets the connection,
+                        // which can discard the answer before it is read.
+                        let mut sink = [0u8; 4096];
+                        let mut left = 64 * 1024usize;
+                        while left > 0 {
+                            match io.read(&mut sink).await {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => left = left.saturating_sub(n),
+                            }
+                        }
+                        return Err("plain HTTP on the TLS port".to_owned());
+                    }
+                    Ok(None) => return Err("closed before a TLS handshake".to_owned()),
+                    Err(e) => return Err(e.to_string()),
+                }
+                tls.accept(Idle::new(io, IDLE_TIMEOUT))
+                    .await
+                    .map_err(|e| format!("TLS handshake: {e}"))
+            };
+            let io = tokio::select! {
+                r = tokio::time::timeout(HEAD_TIMEOUT, handshake) => match r {
+                    Ok(Ok(io)) => io,
+                    Ok(Err(e)) => {
+                        tracing::debug!("admin connection closed: {e}");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!("admin connection closed: no TLS handshake within {HEAD_TIMEOUT:?}");
+                        return;
+                    }
+                },
+                () = place.evicted.cancelled() => return,
+                () = shutdown.cancelled() => return,
+            };
+            serve_connection(io, svc, place, shutdown).await;
         });
     }
+}
+
+/// Serve HTTP/1.1 on one admitted connection until it ends, its place is
+/// evicted, or shutdown (then finish the request in flight, at most
+/// [`HEAD_TIMEOUT`]).
+async fn serve_connection<I, S>(io: I, svc: S, place: Place, shutdown: CancellationToken)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: tower::Service<
+            axum::http::Request<Incoming>,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let io = TokioIo::new(io);
+    let mut b = hyper::server::conn::http1::Builder::new();
+    b.timer(TokioTimer::new()).header_read_timeout(HEAD_TIMEOUT);
+    let conn = b.serve_connection(io, TowerToHyperService::new(svc));
+    let mut conn = std::pin::pin!(conn);
+    let graceful = tokio::select! {
+        _ = conn.as_mut() => false,
+        () = place.evicted.cancelled() => false,
+        () = shutdown.cancelled() => true,
+    };
+    if graceful {
+        conn.as_mut().graceful_shutdown();
+        let _ = tokio::time::timeout(HEAD_TIMEOUT, conn.as_mut()).await;
+    }
+    drop(place);
 }
 
 /// Marks a connection's request as authenticated (a request extension the

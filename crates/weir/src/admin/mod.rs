@@ -20,7 +20,8 @@
 //!   `{"error": kind, "message": ...}` (see [`error::ApiError`]); control
 //!   errors map NotFound→404, Conflict→409, Invalid→400, Unavailable→503.
 //! * Nothing a client sends panics: handlers parse with fallible APIs, and a
-//!   panic inside a [`Control`] call is caught and answered with 500.
+//!   panic in a handler or a [`Control`] call is caught (tower-http's
+//!   `CatchPanicLayer`), logged, and answered with a JSON 500.
 //! * At most 128 admin connections are open at once, 16 per source address
 //!   (the admin API shares the daemon's file-descriptor budget with the data
 //!   path); a request head must arrive within 10 s; past a cap, a new
@@ -40,6 +41,7 @@ mod limit;
 pub mod metrics;
 pub mod openapi;
 pub mod ui;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -52,6 +54,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodFilter, on};
 use tokio_util::sync::CancellationToken;
+use tower_http::catch_panic::CatchPanicLayer;
 
 use crate::config::AdminConfig;
 use crate::control::Control;
@@ -106,6 +109,12 @@ pub async fn bind(cfg: &AdminConfig, control: Arc<dyn Control>) -> anyhow::Resul
     let app = router(control, tokens, cfg.metrics_public);
     let listener = if let Some(path) = cfg.listen.strip_prefix("unix:") {
         let path = std::path::PathBuf::from(path);
+        if cfg.tls_cert.is_some() || cfg.tls_key.is_some() {
+            anyhow::bail!(
+                "[admin] tls_cert/tls_key apply to an IP:PORT listen, not unix socket {}",
+                path.display()
+            );
+        }
         remove_stale_socket(&path)?;
         let l = tokio::net::UnixListener::bind(&path)
             .with_context(|| format!("binding the admin API to unix socket {}", path.display()))?;
@@ -117,10 +126,11 @@ pub async fn bind(cfg: &AdminConfig, control: Arc<dyn Control>) -> anyhow::Resul
                 cfg.listen
             )
         })?;
+        let tls = tls::server_config(cfg)?;
         let l = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("binding the admin API to {addr}"))?;
-        Listener::Tcp(l)
+        Listener::Tcp(l, tls)
     };
     Ok(Bound { app, listener })
 }
@@ -134,7 +144,7 @@ pub struct Bound {
 
 #[derive(Debug)]
 enum Listener {
-    Tcp(tokio::net::TcpListener),
+    Tcp(tokio::net::TcpListener, Option<Arc<rustls::ServerConfig>>),
     Unix(tokio::net::UnixListener, std::path::PathBuf),
 }
 
@@ -142,7 +152,7 @@ impl Bound {
     /// The TCP address bound, if TCP.
     pub fn local_addr(&self) -> Option<SocketAddr> {
         match &self.listener {
-            Listener::Tcp(l) => l.local_addr().ok(),
+            Listener::Tcp(l, _) => l.local_addr().ok(),
             Listener::Unix(..) => None,
         }
     }
@@ -151,13 +161,14 @@ impl Bound {
     /// (see [`limit`] for the admission rules).
     pub async fn run(self, shutdown: CancellationToken) -> anyhow::Result<()> {
         match self.listener {
-            Listener::Tcp(l) => {
-                tracing::info!(addr = ?l.local_addr().ok(), "admin API listening");
-                limit::serve(limit::Reserved::new(l), self.app, shutdown).await;
+            Listener::Tcp(l, tls) => {
+                tracing::info!(addr = ?l.local_addr().ok(), tls = tls.is_some(), "admin API listening");
+                let tls = tls.map(tokio_rustls::TlsAcceptor::from);
+                limit::serve(limit::Reserved::new(l), self.app, tls, shutdown).await;
             }
             Listener::Unix(l, path) => {
                 tracing::info!(path = %path.display(), "admin API listening");
-                limit::serve(limit::Reserved::new(l), self.app, shutdown).await;
+                limit::serve(limit::Reserved::new(l), self.app, None, shutdown).await;
                 let _ = std::fs::remove_file(&path);
             }
         }
@@ -326,7 +337,29 @@ pub fn router(control: Arc<dyn Control>, tokens: Tokens, metrics_public: bool) -
         .layer(middleware::from_fn(refuse_oversized))
         // Added after the layers: the dashboard's static files need no token.
         .merge(ui::router())
+        // Outermost: panics anywhere below (the dashboard's routes too)
+        // become a JSON 500.
+        .layer(CatchPanicLayer::custom(panic_response))
         .with_state(state)
+}
+
+/// A handler or a [`Control`] call panicked: log it and answer 500 in the
+/// API's error shape instead of dropping the connection. The [`Control`]
+/// contract says it never panics; this keeps a bug there from taking the
+/// answer with it.
+fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    let what = panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)");
+    tracing::error!(panic = what, "an admin request handler panicked");
+    ApiError::new(
+        axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        "internal error in the daemon (logged); the request was not completed",
+    )
+    .into_response()
 }
 
 /// 413 at once for a declared body over [`BODY_LIMIT`], before reading a
@@ -372,16 +405,11 @@ async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) 
         )
         .into_response();
     };
-    let control = st.control.clone();
-    let access = match handlers::guard(move || st.tokens.identify(&presented, control.as_ref())) {
-        Ok(Some(a)) => a,
-        Ok(None) => {
-            return ApiError::unauthorized(
-                "invalid token: check --token / WEIR_TOKEN against [admin] token or token_file",
-            )
-            .into_response();
-        }
-        Err(e) => return e.into_response(),
+    let Some(access) = st.tokens.identify(&presented, st.control.as_ref()) else {
+        return ApiError::unauthorized(
+            "invalid token: check --token / WEIR_TOKEN against [admin] token or token_file",
+        )
+        .into_response();
     };
     if access == Access::ReadOnly && !matches!(*req.method(), Method::GET | Method::HEAD) {
         return ApiError::forbidden("the read-only token may only GET: use the full-access token")

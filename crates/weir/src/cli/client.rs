@@ -6,17 +6,23 @@
 //! daemon generates when no token is configured (see
 //! [`crate::admin::auth::default_token_path`]).
 //!
-//! Transport: TCP addresses (`IP:PORT`, `http://HOST:PORT`) go through ureq;
-//! `unix:/path` goes through the small HTTP/1.1 client in
-//! [`super::unix_http`] (ureq has no unix-socket transport). Both sit behind
-//! [`Client::call`], so the commands do not know which one they use.
+//! Transport: one HTTP/1.1 client (hyper's) over a TCP stream
+//! (`IP:PORT`, `http://HOST:PORT`), a TLS stream over TCP (`https://HOST:PORT`,
+//! verified against `--cacert` / `WEIR_CACERT`, else `[admin] tls_cert` of
+//! `--config`, else the system's CA bundle), or a unix stream
+//! (`unix:/path`). One connection per request, on a small current-thread
+//! runtime, so the commands stay synchronous and do not know which
+//! transport they use.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
+use axum::body::Body;
+use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
 use serde::de::DeserializeOwned;
-
-use super::unix_http;
+use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::admin::auth::default_token_path;
 use crate::config::AdminConfig;
@@ -53,6 +59,15 @@ pub struct AdminArgs {
         help = "Daemon config file to read [admin] listen, token and token_file from"
     )]
     pub config: Option<PathBuf>,
+    /// CA certificate(s) to verify an https:// admin API with.
+    #[arg(
+        long = "cacert",
+        env = "WEIR_CACERT",
+        value_name = "FILE",
+        global = true,
+        help = "PEM CA certificate(s) that signed the admin API's TLS certificate (for a self-signed one, the certificate itself) (default: [admin] tls_cert of --config, else the system's CA bundle)"
+    )]
+    pub cacert: Option<PathBuf>,
 }
 
 /// A failed CLI action.
@@ -106,29 +121,48 @@ impl std::error::Error for CliError {}
 pub type CliResult<T> = Result<T, CliError>;
 
 /// Largest answer body accepted, in bytes.
-const BODY_LIMIT: u64 = 1 << 30;
-/// Per read/write timeout on the unix socket (ureq's global timeout on TCP).
-const UNIX_IO_TIMEOUT: Duration = Duration::from_secs(60);
+const BODY_LIMIT: usize = 1 << 30;
+/// Bound on connecting (and the TLS handshake).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bound on a whole request, answer included.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// Where the system's CA bundle lives (Debian/Ubuntu, Fedora/RHEL, others).
+const SYSTEM_CA_BUNDLES: &[&str] = &[
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/cert.pem",
+];
 
 /// How requests reach the admin API.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 enum Transport {
-    /// HTTP over TCP through ureq.
-    Tcp(ureq::Agent),
-    /// HTTP over the unix socket at this path, one connection per request.
+    /// HTTP over TCP to `HOST:PORT`.
+    Tcp(String),
+    /// HTTPS to `HOST:PORT`, verified with these roots.
+    Tls {
+        hostport: String,
+        name: ServerName<'static>,
+        config: Arc<rustls::ClientConfig>,
+    },
+    /// HTTP over the unix socket at this path.
     Unix(PathBuf),
 }
 
 /// A connection to the admin API.
 #[derive(Debug)]
 pub struct Client {
-    transport: Transport,
+    transport: Result<Transport, String>,
     base: String,
     token: Option<String>,
 }
 
+/// Any stream the client speaks HTTP over.
+trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
+
 impl Client {
-    /// Resolve the address and token from flags, environment and config.
+    /// Resolve the address, token and CA certificates from flags,
+    /// environment and config.
     pub fn from_args(args: &AdminArgs) -> CliResult<Self> {
         let file_cfg = match &args.config {
             Some(p) => Some(read_admin_config(p)?),
@@ -136,6 +170,9 @@ impl Client {
         };
         let listen = match (&args.admin, &file_cfg) {
             (Some(a), _) => a.clone(),
+            (None, Some(c)) if c.tls_cert.is_some() && !c.listen.starts_with("unix:") => {
+                format!("https://{}", c.listen)
+            }
             (None, Some(c)) => c.listen.clone(),
             (None, None) => AdminConfig::default().listen,
         };
@@ -151,34 +188,40 @@ impl Client {
                     .map(|s| s.trim().to_owned())
             }
         };
-        Ok(Self::new(base, token))
+        let cacert = args
+            .cacert
+            .clone()
+            .or_else(|| file_cfg.as_ref().and_then(|c| c.tls_cert.clone()));
+        Self::with_cacert(base, token, cacert.as_deref())
     }
 
     /// A client for `base` (e.g. "http://127.0.0.1:9900", or
     /// "unix:/run/weir/admin.sock" for a unix socket), as [`base_url`] returns.
+    /// An https:// base is verified against the system's CA bundle; see
+    /// [`Client::with_cacert`] for others. A base that cannot be used makes
+    /// every call fail with the reason.
     pub fn new(base: String, token: Option<String>) -> Self {
-        if let Some(path) = base.strip_prefix("unix:") {
-            let transport = Transport::Unix(PathBuf::from(path));
-            return Self {
-                transport,
-                base,
-                token,
-            };
-        }
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_connect(Some(Duration::from_secs(5)))
-            .timeout_global(Some(Duration::from_secs(60)))
-            // The admin API closes connections idle for 60 s; never reuse one
-            // that old (`weir top --interval 120`).
-            .max_idle_age(Duration::from_secs(30))
-            .build()
-            .into();
+        let transport = transport(&base, None);
         Self {
-            transport: Transport::Tcp(agent),
+            transport,
             base,
             token,
         }
+    }
+
+    /// Like [`Client::new`], verifying an https:// base against the PEM
+    /// certificates in `cacert` (if given) instead of the system's.
+    pub fn with_cacert(
+        base: String,
+        token: Option<String>,
+        cacert: Option<&Path>,
+    ) -> CliResult<Self> {
+        let transport = Ok(transport(&base, cacert).map_err(CliError::Local)?);
+        Ok(Self {
+            transport,
+            base,
+            token,
+        })
     }
 
     /// The base URL in use.
@@ -193,10 +236,27 @@ impl Client {
         path: &str,
         body: Option<&serde_json::Value>,
     ) -> CliResult<String> {
-        let (status, text) = match &self.transport {
-            Transport::Tcp(agent) => self.call_tcp(agent, method, path, body)?,
-            Transport::Unix(sock) => self.call_unix(sock, method, path, body)?,
-        };
+        let transport = self
+            .transport
+            .as_ref()
+            .map_err(|e| CliError::Local(e.clone()))?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| CliError::Local(format!("cannot start the HTTP client: {e}")))?;
+        let (status, text) = rt.block_on(async {
+            tokio::time::timeout(
+                REQUEST_TIMEOUT,
+                self.exchange(transport, method, path, body),
+            )
+            .await
+            .unwrap_or_else(|_| {
+                Err(CliError::Local(format!(
+                    "{method} {path} to {}: no answer within {REQUEST_TIMEOUT:?}",
+                    self.base
+                )))
+            })
+        })?;
         if (200..300).contains(&status) {
             return Ok(text);
         }
@@ -229,72 +289,134 @@ impl Client {
         ))
     }
 
-    /// One request over TCP (ureq): status and body.
-    fn call_tcp(
+    /// Open a stream to the admin API (TLS handshake included).
+    async fn connect(&self, transport: &Transport) -> CliResult<Box<dyn Stream>> {
+        let within = |what: &'static str| {
+            move |_| self.unreachable(format!("{what} did not finish within {CONNECT_TIMEOUT:?}"))
+        };
+        match transport {
+            Transport::Unix(path) => {
+                let s = tokio::net::UnixStream::connect(path)
+                    .await
+                    .map_err(|e| self.unreachable(format!("connect: {e}")))?;
+                Ok(Box::new(s))
+            }
+            Transport::Tcp(hostport) => {
+                let s = tokio::time::timeout(CONNECT_TIMEOUT, tcp_connect(hostport))
+                    .await
+                    .map_err(within("connecting"))?
+                    .map_err(|e| self.unreachable(e))?;
+                Ok(Box::new(s))
+            }
+            Transport::Tls {
+                hostport,
+                name,
+                config,
+            } => {
+                let s = tokio::time::timeout(CONNECT_TIMEOUT, tcp_connect(hostport))
+                    .await
+                    .map_err(within("connecting"))?
+                    .map_err(|e| self.unreachable(e))?;
+                let tls = tokio_rustls::TlsConnector::from(config.clone());
+                let s = tokio::time::timeout(CONNECT_TIMEOUT, tls.connect(name.clone(), s))
+                    .await
+                    .map_err(within("the TLS handshake"))?
+                    .map_err(|e| self.tls_failed(&e))?;
+                Ok(Box::new(s))
+            }
+        }
+    }
+
+    /// A TLS handshake failure, with what to do about it.
+    fn tls_failed(&self, e: &std::io::Error) -> CliError {
+        let hint = match e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+            Some(rustls::Error::InvalidCertificate(c)) => match c {
+                rustls::CertificateError::UnknownIssuer
+                | rustls::CertificateError::BadSignature => {
+                    "the daemon's certificate is not signed by a CA this client trusts: pass --cacert FILE \
+                     (or set WEIR_CACERT) with the CA certificate that signed it; for a self-signed \
+                     certificate, the certificate itself ([admin] tls_cert)"
+                }
+                rustls::CertificateError::NotValidForName
+                | rustls::CertificateError::NotValidForNameContext { .. } => {
+                    "the daemon's certificate does not name the host in --admin: use a host or IP \
+                     address its subjectAltName lists, or make a certificate that lists this one"
+                }
+                rustls::CertificateError::Expired
+                | rustls::CertificateError::ExpiredContext { .. } => {
+                    "the daemon's certificate has expired: renew [admin] tls_cert and restart the daemon"
+                }
+                rustls::CertificateError::Other(o)
+                    if format!("{o:?}").contains("CaUsedAsEndEntity") =>
+                {
+                    "the daemon's certificate is marked as a CA (basicConstraints CA:TRUE), which \
+                     is refused as a server certificate: make it with \
+                     -addext \"basicConstraints=critical,CA:FALSE\" (see docs/admin.md)"
+                }
+                _ => "the daemon's certificate was refused",
+            },
+            Some(rustls::Error::InvalidMessage(_)) => {
+                "the server did not answer in TLS: if the admin API speaks plain HTTP, use http://"
+            }
+            _ => "the TLS handshake failed",
+        };
+        CliError::Local(format!(
+            "TLS with the admin API at {} failed: {e}\nhint: {hint}",
+            self.base
+        ))
+    }
+
+    /// One request on a new connection: status and body.
+    async fn exchange(
         &self,
-        agent: &ureq::Agent,
+        transport: &Transport,
         method: &str,
         path: &str,
         body: Option<&serde_json::Value>,
     ) -> CliResult<(u16, String)> {
-        let url = format!("{}{}", self.base, path);
-        let mut b = ureq::http::Request::builder().method(method).uri(&url);
+        let what = || format!("{method} {path} to {}", self.base);
+        let stream = self.connect(transport).await?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| CliError::Local(format!("{}: {e}", what())))?;
+        // Drives the connection; ends with it (or with the runtime).
+        tokio::spawn(conn);
+        let host = match transport {
+            Transport::Tcp(h) | Transport::Tls { hostport: h, .. } => h.as_str(),
+            Transport::Unix(_) => "localhost",
+        };
+        let mut b = axum::http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header(axum::http::header::HOST, host);
         if let Some(t) = &self.token {
-            b = b.header("Authorization", format!("Bearer {t}"));
+            b = b.header(axum::http::header::AUTHORIZATION, format!("Bearer {t}"));
         }
         let payload = match body {
             Some(v) => {
-                b = b.header("Content-Type", "application/json");
-                v.to_string()
+                b = b.header(axum::http::header::CONTENT_TYPE, "application/json");
+                Body::from(v.to_string())
             }
-            None => String::new(),
+            None => Body::empty(),
         };
         let req = b
             .body(payload)
-            .map_err(|e| CliError::Local(format!("cannot build a request to {url}: {e}")))?;
-        let mut resp = agent.run(req).map_err(|e| self.unreachable(e))?;
-        let status = resp.status().as_u16();
-        let text = resp
-            .body_mut()
-            .with_config()
-            .limit(BODY_LIMIT)
-            .read_to_string()
-            .map_err(|e| CliError::Local(format!("reading the answer from {url}: {e}")))?;
-        Ok((status, text))
-    }
-
-    /// One request over the unix socket: status and body.
-    fn call_unix(
-        &self,
-        sock: &Path,
-        method: &str,
-        path: &str,
-        body: Option<&serde_json::Value>,
-    ) -> CliResult<(u16, String)> {
-        let payload = body.map(|v| v.to_string());
-        let req = unix_http::Request {
-            method,
-            target: path,
-            token: self.token.as_deref(),
-            json_body: payload.as_deref().map(str::as_bytes),
-        };
-        let resp = match unix_http::send(sock, &req, UNIX_IO_TIMEOUT, BODY_LIMIT) {
-            Ok(r) => r,
-            Err(e) if e.starts_with("connect:") => return Err(self.unreachable(e)),
-            Err(e) => {
-                return Err(CliError::Local(format!(
-                    "{method} {path} over {}: {e}",
-                    self.base
-                )));
-            }
-        };
-        let text = String::from_utf8(resp.body).map_err(|_| {
-            CliError::Local(format!(
-                "the answer to {method} {path} over {} is not UTF-8",
-                self.base
-            ))
+            .map_err(|e| CliError::Local(format!("cannot build {}: {e}", what())))?;
+        let resp = sender.send_request(req).await.map_err(|e| {
+            let hint = if matches!(transport, Transport::Tcp(_)) {
+                "\nhint: if the daemon serves TLS ([admin] tls_cert), use https:// and --cacert FILE"
+            } else {
+                ""
+            };
+            CliError::Local(format!("{}: {e}{hint}", what()))
         })?;
-        Ok((resp.status, text))
+        let status = resp.status().as_u16();
+        let bytes = axum::body::to_bytes(Body::new(resp.into_body()), BODY_LIMIT)
+            .await
+            .map_err(|e| CliError::Local(format!("reading the answer to {}: {e}", what())))?;
+        let text = String::from_utf8(bytes.to_vec())
+            .map_err(|_| CliError::Local(format!("the answer to {} is not UTF-8", what())))?;
+        Ok((status, text))
     }
 
     /// GET and decode JSON.
@@ -319,12 +441,79 @@ impl Client {
     }
 }
 
-fn strip_scheme(s: &str) -> &str {
-    s.strip_prefix("http://").unwrap_or(s).trim_end_matches('/')
+async fn tcp_connect(hostport: &str) -> std::io::Result<tokio::net::TcpStream> {
+    let s = tokio::net::TcpStream::connect(hostport).await?;
+    // Requests are small and answered at once.
+    let _ = s.set_nodelay(true);
+    Ok(s)
 }
 
-/// `IP:PORT` or `http://IP:PORT[/]` → `http://HOST:PORT`; wildcard listen
-/// addresses are reached on loopback. `unix:/path` stays as it is.
+/// How to reach `base` (as [`base_url`] returns it).
+fn transport(base: &str, cacert: Option<&Path>) -> Result<Transport, String> {
+    if let Some(path) = base.strip_prefix("unix:") {
+        return Ok(Transport::Unix(PathBuf::from(path)));
+    }
+    if let Some(hostport) = base.strip_prefix("http://") {
+        return Ok(Transport::Tcp(hostport.to_owned()));
+    }
+    let Some(hostport) = base.strip_prefix("https://") else {
+        return Err(format!(
+            "admin address {base:?} is not http://, https:// or unix:"
+        ));
+    };
+    let host = match hostport.rsplit_once(':') {
+        Some((h, p)) if p.parse::<u16>().is_ok() => h,
+        _ => hostport,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let name = ServerName::try_from(host.to_owned()).map_err(|e| {
+        format!("admin address {base:?}: {host:?} is not a host name or IP address: {e}")
+    })?;
+    let mut roots = rustls::RootCertStore::empty();
+    let certs = match cacert {
+        Some(p) => crate::admin::tls::read_certs(p, "--cacert").map_err(|e| format!("{e:#}"))?,
+        None => {
+            // The system's bundle, for certificates from a public or
+            // company CA; none at all leaves nothing trusted, and the
+            // handshake error says to pass --cacert.
+            SYSTEM_CA_BUNDLES
+                .iter()
+                .map(Path::new)
+                .find(|p| p.exists())
+                .and_then(|p| crate::admin::tls::read_certs(p, "CA bundle").ok())
+                .unwrap_or_default()
+        }
+    };
+    let (_, unusable) = roots.add_parsable_certificates(certs);
+    if let Some(p) = cacert
+        && roots.is_empty()
+    {
+        return Err(format!(
+            "--cacert {}: none of its {unusable} certificate(s) can be used as a trust anchor",
+            p.display()
+        ));
+    }
+    let config = rustls::ClientConfig::builder_with_provider(crate::admin::tls::provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS protocol versions: {e}"))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Transport::Tls {
+        hostport: hostport.to_owned(),
+        name,
+        config: Arc::new(config),
+    })
+}
+
+fn strip_scheme(s: &str) -> &str {
+    s.strip_prefix("http://")
+        .or_else(|| s.strip_prefix("https://"))
+        .unwrap_or(s)
+        .trim_end_matches('/')
+}
+
+/// `IP:PORT` or `http[s]://IP:PORT[/]` → `http[s]://HOST:PORT`; wildcard
+/// listen addresses are reached on loopback. `unix:/path` stays as it is.
 pub fn base_url(listen: &str) -> CliResult<String> {
     let l = listen.trim();
     if let Some(path) = l.strip_prefix("unix:") {
@@ -335,16 +524,15 @@ pub fn base_url(listen: &str) -> CliResult<String> {
         }
         return Ok(l.to_owned());
     }
-    if l.starts_with("https://") {
-        return Err(CliError::Local(
-            "the admin API speaks plain HTTP; use http:// (tunnel it if it must cross a network)"
-                .into(),
-        ));
-    }
+    let scheme = if l.starts_with("https://") {
+        "https"
+    } else {
+        "http"
+    };
     let hostport = strip_scheme(l);
     if hostport.is_empty() || hostport.contains('/') {
         return Err(CliError::Local(format!(
-            "admin address {listen:?} is not IP:PORT or http://HOST:PORT"
+            "admin address {listen:?} is not IP:PORT, http://HOST:PORT or https://HOST:PORT"
         )));
     }
     let hostport = if let Some(port) = hostport.strip_prefix("0.0.0.0:") {
@@ -354,7 +542,7 @@ pub fn base_url(listen: &str) -> CliResult<String> {
     } else {
         hostport.to_owned()
     };
-    Ok(format!("http://{hostport}"))
+    Ok(format!("{scheme}://{hostport}"))
 }
 
 /// `[admin]` of a config file (the rest of the file is not validated here).
@@ -418,7 +606,11 @@ mod tests {
         assert_eq!(base_url("[::]:9").as_deref(), Ok("http://[::1]:9"));
         assert_eq!(base_url(" unix:/x/a.sock").as_deref(), Ok("unix:/x/a.sock"));
         assert!(base_url("unix:").is_err());
-        assert!(base_url("https://x:1").is_err());
+        assert_eq!(base_url("https://x:1/").as_deref(), Ok("https://x:1"));
+        assert_eq!(
+            base_url("https://0.0.0.0:9").as_deref(),
+            Ok("https://127.0.0.1:9")
+        );
         assert!(base_url("http://x:1/v1").is_err());
     }
 

@@ -16,7 +16,6 @@
 
 pub mod client;
 pub mod render;
-pub mod unix_http;
 
 use std::io::Write;
 use std::process::ExitCode;

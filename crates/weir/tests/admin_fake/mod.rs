@@ -18,6 +18,8 @@ pub struct FakeState {
     /// What a successful reload reports (`applied` follows `dry_run`).
     pub reload_report: ReloadReport,
     pub reloads: u64,
+    /// `health()` panics (a bug in a Control, for the panic-catching tests).
+    pub panic_in_health: bool,
 }
 
 #[derive(Debug, Default)]
@@ -511,6 +513,10 @@ impl Control for Fake {
     }
 
     fn health(&self) -> Vec<HealthEntry> {
+        // Read the flag and let go of the lock first: a panic under it would
+        // poison the state for every later call.
+        let panic = self.st.lock().unwrap().panic_in_health;
+        assert!(!panic, "fake control: health() panics as asked");
         self.services()
             .into_iter()
             .flat_map(|s| {
