@@ -70,12 +70,11 @@ fn main() {
         seed: Some(1),
         ..Default::default()
     };
-    let t = match stripes {
-        Some(s) => FlowTable::with_stripes(cfg, s),
-        None => FlowTable::new(cfg),
-    };
+    let _ = stripes; // lock stripes are gone: a lock bit per bucket
+    let t = FlowTable::new(cfg);
     t.add_tenant(TenantId(1), TenantConfig::default()).unwrap();
     let init = FlowInit {
+        owner: 0,
         service: ServiceId(1),
         backend: BackendId(2),
         state: FlowState::Established,

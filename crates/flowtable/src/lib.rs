@@ -75,10 +75,10 @@
 
 #![warn(missing_docs)]
 
-mod chain;
 mod cursor;
 mod flow;
 mod hash;
+mod index;
 mod node;
 mod raw;
 mod sync;
@@ -87,7 +87,7 @@ mod types;
 mod wheel;
 
 pub use cursor::Cursor;
-pub use flow::{FlowTable, Reader};
+pub use flow::{FlowTable, LOOKUP_BATCH, Reader};
 pub use types::*;
 
 #[cfg(loom)]

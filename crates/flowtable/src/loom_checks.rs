@@ -56,6 +56,7 @@ fn tag(i: u32) -> u32 {
 fn init(w: &World, idx: u32, cookie: u64) {
     let k = key(idx);
     let init = FlowInit {
+        owner: 0,
         service: ServiceId(idx),
         backend: BackendId(100 + idx),
         state: FlowState::Established,

@@ -919,6 +919,7 @@ impl Shared {
     ) -> Result<Arc<ConnEntry>, Refusal> {
         let key = flow_key(svc, proto, client);
         let init = FlowInit {
+            owner: 0,
             service: ServiceId(svc.id),
             backend: BackendId(backend.id),
             state: state.flow(),
@@ -1035,6 +1036,7 @@ impl Shared {
             self.table.touch(&tpl, now, Dir::In, 0);
         } else {
             let init = FlowInit {
+                owner: 0,
                 service: ServiceId(svc.id),
                 backend: BackendId(backend),
                 state: FlowState::Persist,
@@ -1538,6 +1540,7 @@ impl Service {
             // The template (IPVS -p): client group -> backend, FlowState::Persist.
             shared.table.remove(&tpl_key);
             let init = FlowInit {
+                owner: 0,
                 service: ServiceId(self.id),
                 backend: BackendId(b.id),
                 state: FlowState::Persist,
