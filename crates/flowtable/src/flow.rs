@@ -502,8 +502,8 @@ impl FlowTable {
             let (home, mut l) = ix.lock_home(h);
             home.put(&mut l, &self.slab, h, Some(&pk), idx, self.max_chain)
         };
-        match r {
-            Put::Done => {}
+        let crowded = match r {
+            Put::Done(overflow) => overflow,
             Put::Exists(i) => {
                 self.slab.node(idx).clear_live();
                 self.node_cache().unalloc(idx);
@@ -515,7 +515,7 @@ impl FlowTable {
                 t.refused.fetch_add(1, Relaxed);
                 return Err(InsertError::ChainFull);
             }
-        }
+        };
         t.add_entries(1);
         self.node_cache().push_new(idx, cookie, &self.slab, 1024);
         fence(SeqCst);
@@ -525,7 +525,9 @@ impl FlowTable {
             self.unlink_node(t, idx, &guard, |n| n.cookie() == cookie);
             return Err(InsertError::NoTenant);
         }
-        self.after_write(t, &guard, cookie % 64 == 0);
+        // An entry that had to go to an overflow line says the bucket is
+        // crowded: time to check whether the table should grow.
+        self.after_write(t, &guard, crowded);
         Ok(Handle {
             idx,
             cookie: Cookie(cookie),
@@ -722,7 +724,8 @@ impl FlowTable {
             snap
         };
         t.add_entries(-1);
-        self.after_write(t, &guard, snap.cookie.0 % 64 == 0);
+        // Shrinking is left to `maintain`.
+        self.after_write(t, &guard, false);
         Some(snap)
     }
 
