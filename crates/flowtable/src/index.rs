@@ -47,8 +47,12 @@ use crate::node::{Arena, PackedKey};
 use crate::raw::HugeArray;
 use crate::sync::{AtomicU32, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
 
-/// Ways (entry slots) per bucket line.
+/// Ways (entry slots) per bucket line. Two under loom, so that a model
+/// check reaches overflow lines with three entries.
+#[cfg(not(loom))]
 pub(crate) const WAYS: usize = 8;
+#[cfg(loom)]
+pub(crate) const WAYS: usize = 2;
 const LOCK: u32 = 1;
 const MOVED: u32 = 2;
 const CNT_SHIFT: u32 = 2;
@@ -57,6 +61,12 @@ const OVF_SHIFT: u32 = 16;
 const OVF_MASK: u32 = 0x3FFF << OVF_SHIFT;
 const LO: u64 = 0x0101_0101_0101_0101;
 const HI: u64 = 0x8080_8080_8080_8080;
+/// The top bits of the tag bytes that exist.
+const USED: u64 = if WAYS == 8 {
+    HI
+} else {
+    HI & ((1 << (8 * WAYS)) - 1)
+};
 
 /// One bucket line (or overflow line).
 #[repr(C, align(64))]
@@ -99,7 +109,7 @@ impl Hash {
 #[inline]
 fn match_byte(tags: u64, tag: u8) -> u64 {
     let x = tags ^ (LO * u64::from(tag));
-    x.wrapping_sub(LO) & !x & HI
+    x.wrapping_sub(LO) & !x & USED
 }
 
 #[inline]
@@ -293,7 +303,12 @@ impl Index {
 
     /// Lock-free lookup. Follows `MOVED` buckets into successors.
     #[inline]
-    pub(crate) fn find<A: Arena + ?Sized>(&self, arena: &A, h: Hash, key: &PackedKey) -> Option<u32> {
+    pub(crate) fn find<A: Arena + ?Sized>(
+        &self,
+        arena: &A,
+        h: Hash,
+        key: &PackedKey,
+    ) -> Option<u32> {
         let mut ix = self;
         loop {
             let b = ix.bucket(ix.bucket_of(h.hi));
@@ -343,7 +358,9 @@ impl Index {
                 return (ix, l);
             }
             drop(l);
-            ix = ix.successor().expect("a moved bucket's index has a successor");
+            ix = ix
+                .successor()
+                .expect("a moved bucket's index has a successor");
         }
     }
 
@@ -408,10 +425,10 @@ impl Index {
         idx: u32,
         cap: usize,
     ) -> Put {
-        if let Some(k) = key {
-            if let Some(i) = self.find_locked(l, arena, h, k) {
-                return Put::Exists(i);
-            }
+        if let Some(k) = key
+            && let Some(i) = self.find_locked(l, arena, h, k)
+        {
+            return Put::Exists(i);
         }
         let count = ((l.hdr & CNT_MASK) >> CNT_SHIFT) as usize;
         if count >= cap.min((CNT_MASK >> CNT_SHIFT) as usize) {
@@ -634,7 +651,14 @@ mod tests {
     #[test]
     fn bucket_ranges_tile_the_hash_space() {
         for n in [1usize, 2, 3, 7, 1000, 1 << 20, 12_345_677] {
-            let ix = Index { buckets: HugeArray::zeroed(1).unwrap(), n: n as u64, pool: Pool::new(), successor: OnceLock::new(), claim: AtomicUsize::new(0), moved: AtomicUsize::new(0) };
+            let ix = Index {
+                buckets: HugeArray::zeroed(1).unwrap(),
+                n: n as u64,
+                pool: Pool::new(),
+                successor: OnceLock::new(),
+                claim: AtomicUsize::new(0),
+                moved: AtomicUsize::new(0),
+            };
             assert_eq!(ix.bucket_start(0), 0);
             assert_eq!(ix.bucket_start(n), 1 << 32);
             for b in [0, n / 2, n - 1] {

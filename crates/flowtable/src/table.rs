@@ -346,10 +346,12 @@ impl Table {
     pub(crate) const HELP: usize = HELP;
 
     /// Bucket counts: all buckets up to 2^20, else an even sample of 2^20
-    /// of them scaled up. During a resize, the buckets not yet moved plus the
-    /// successor's.
+    /// of them scaled up. During a resize, the old index's buckets not yet
+    /// moved plus all of the successor's, and `buckets` says how many that
+    /// is (so the histogram always sums to `buckets`).
     pub(crate) fn chain_stats(&self, guard: &Guard) -> ChainStats {
         let mut hist = vec![0u64; self.max_chain + 1];
+        let mut counted = 0u64;
         let mut add = |ix: &Index| {
             let n = ix.len();
             let step = n.div_ceil(1 << 20).max(1);
@@ -358,22 +360,27 @@ impl Table {
                 if let Some(c) = ix.count(b) {
                     let c = c.min(self.max_chain);
                     hist[c] += step as u64;
+                    counted += step as u64;
                 }
                 b += step;
             }
         };
         let ix = self.index(guard);
         add(ix);
-        if let Some(s) = ix.successor() {
-            add(s);
-        }
+        let buckets = match ix.successor() {
+            Some(s) => {
+                add(s);
+                counted as usize
+            }
+            None => ix.len(),
+        };
         let max_chain = hist.iter().rposition(|&c| c != 0).unwrap_or(0);
         hist.truncate(max_chain + 1);
         ChainStats {
             hist,
             entries: self.entries(),
             max_chain,
-            buckets: self.buckets(guard),
+            buckets,
         }
     }
 
