@@ -5,11 +5,12 @@ use std::str::FromStr;
 
 use crate::types::ParseError;
 
-/// Where a dump stopped: (table, bucket, last cookie returned in that
-/// bucket). Opaque; `Display` gives a short URL-safe string
-/// (`c1.<table>.<bucket>.<cookie>` in hex) and `FromStr` parses it back,
+/// Where a dump stopped: (table, top 32 bits of the last entry's hash, its
+/// cookie). Opaque; `Display` gives a short URL-safe string
+/// (`c2.<table>.<hash>.<cookie>` in hex) and `FromStr` parses it back,
 /// rejecting anything else. A cursor stays meaningful however the table
-/// changes: a vanished table or an out-of-range bucket just moves on.
+/// changes: it names a position in hash order, which no resize moves, and
+/// a vanished table just moves on.
 #[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
 pub struct Cursor {
     pub(crate) order: u64,
@@ -27,7 +28,7 @@ impl Cursor {
 
 impl fmt::Display for Cursor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "c1.{:x}.{:x}.{:x}", self.order, self.bucket, self.cookie)
+        write!(f, "c2.{:x}.{:x}.{:x}", self.order, self.bucket, self.cookie)
     }
 }
 
@@ -41,7 +42,7 @@ impl FromStr for Cursor {
         if s.len() > 64 {
             return Err(err("too long"));
         }
-        let rest = s.strip_prefix("c1.").ok_or(err("expected prefix c1."))?;
+        let rest = s.strip_prefix("c2.").ok_or(err("expected prefix c2."))?;
         let mut parts = rest.split('.');
         let mut next = || -> Result<u64, ParseError> {
             let p = parts.next().ok_or(err("expected three fields"))?;
@@ -76,15 +77,15 @@ mod tests {
         assert_eq!(c.to_string().parse::<Cursor>(), Ok(c));
         for bad in [
             "",
-            "c1",
-            "c1.",
-            "c1.1.2",
-            "c1.1.2.3.4",
-            "c1.1.2.x",
-            "c2.1.2.3",
-            "c1.+1.2.3",
-            "c1.11111111111111111.2.3",
-            "c1.1..3",
+            "c2",
+            "c2.",
+            "c2.1.2",
+            "c2.1.2.3.4",
+            "c2.1.2.x",
+            "c1.1.2.3",
+            "c2.+1.2.3",
+            "c2.11111111111111111.2.3",
+            "c2.1..3",
             "💥",
         ] {
             assert!(bad.parse::<Cursor>().is_err(), "{bad:?}");

@@ -2,20 +2,19 @@
 
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst, fence,
+};
 
 use crossbeam_epoch::{self as epoch, Guard};
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
-use crate::chain::{self, Scan};
 use crate::cursor::Cursor;
+use crate::index::{Hash, Index, Put};
 use crate::node::{Arena, Node, PackedKey, Slab, UNFILED};
 use crate::raw::EpochCell;
-use crate::table::{
-    DEFAULT_STRIPES, FreePool, NODE_CACHES, NodeCache, StripeState, Table, ref_current, ref_idx,
-    thread_slot,
-};
+use crate::table::{FreePool, NODE_CACHES, NodeCache, Table, ref_current, ref_idx, thread_slot};
 use crate::types::*;
 use crate::wheel::Wheel;
 
@@ -40,8 +39,11 @@ impl Hasher for IdHasher {
 
 type IdMap<V> = hashbrown::HashMap<u32, V, BuildHasherDefault<IdHasher>>;
 
-/// Dumps prefetch the first node of the bucket this far ahead.
-const PREFETCH_AHEAD: usize = 12;
+/// Dumps prefetch bucket lines this far ahead, and their nodes half as far.
+const PREFETCH_AHEAD: usize = 8;
+/// Buckets the maintenance call (`expire`) moves per table per call while a
+/// resize runs.
+const MAINT_MOVES: usize = 4096;
 
 /// One tenant.
 #[derive(Debug)]
@@ -52,11 +54,8 @@ struct Tenant {
     salt: u64,
     timeouts: [AtomicU64; 10],
     removed: AtomicBool,
-    /// Entry count, one shard per stripe of the tenant's table, written only
-    /// under that stripe's lock: a plain load + store instead of a locked
-    /// read-modify-write (a full barrier on x86), and two writers share a
-    /// line only if their stripes are neighbours (8 per line).
-    entries: Box<[AtomicI64]>,
+    /// Entry count, one cache-padded shard per thread slot.
+    entries: Box<[CachePadded<AtomicI64>]>,
     refused: AtomicU64,
     wheel: Mutex<Wheel>,
     own_bytes: usize,
@@ -68,11 +67,9 @@ impl Tenant {
         self.timeouts[st.code() as usize].load(Relaxed)
     }
 
-    /// `_held` proves that the caller holds stripe `stripe`'s lock of this
-    /// tenant's table, which serialises every writer of that shard.
-    fn add_entries(&self, _held: &mut StripeState, stripe: usize, d: i64) {
-        let c = &self.entries[stripe];
-        c.store(c.load(Relaxed) + d, Relaxed);
+    fn add_entries(&self, d: i64) {
+        self.entries[thread_slot()].fetch_add(d, Relaxed);
+        self.table.add_entries(d);
     }
 
     fn entries(&self) -> u64 {
@@ -94,7 +91,6 @@ struct TenantMap {
 struct Maint {
     /// Tenant id the next expiry pass starts at (round robin under budget).
     next_tenant: u32,
-    own_bytes: usize,
     tables_made: u64,
 }
 
@@ -112,6 +108,9 @@ pub struct Reader<'a> {
     table: &'a FlowTable,
     guard: Guard,
 }
+
+/// Keys a batched lookup hashes and prefetches before probing any.
+pub const LOOKUP_BATCH: usize = 32;
 
 impl Reader<'_> {
     /// Like [`FlowTable::get`].
@@ -134,6 +133,64 @@ impl Reader<'_> {
             n.touch(now, dir == Dir::Out, bytes)
         })
     }
+
+    /// Like [`FlowTable::touch_handle`], under this reader's pin.
+    #[inline]
+    pub fn touch_handle(&self, h: Handle, now: Millis, dir: Dir, bytes: u64) -> bool {
+        self.table
+            .handle_node(h)
+            .map(|n| n.touch(now, dir == Dir::Out, bytes))
+            .is_some()
+    }
+
+    /// Batched lookup: `out[i]` = the handle and backend of `keys[i]`'s
+    /// entry, or `None`. Hashes every key and prefetches its bucket line,
+    /// then prefetches the candidate nodes, then probes: the cache misses of
+    /// a whole batch overlap instead of queueing (the packet path's use).
+    /// `out` is cleared first.
+    pub fn lookup_batch(&self, keys: &[FlowKey], out: &mut Vec<Option<(Handle, BackendId)>>) {
+        out.clear();
+        for chunk in keys.chunks(LOOKUP_BATCH) {
+            self.lookup_chunk(chunk, out);
+        }
+    }
+
+    fn lookup_chunk(&self, keys: &[FlowKey], out: &mut Vec<Option<(Handle, BackendId)>>) {
+        let ft = self.table;
+        let map = ft.tenants.load(&self.guard);
+        let mut st: [(Option<&Index>, Hash, PackedKey); LOOKUP_BATCH] =
+            [(None, Hash::new(0), PackedKey::default()); LOOKUP_BATCH];
+        for (k, s) in keys.iter().zip(st.iter_mut()) {
+            let Some(t) = map.map.get(&k.tenant.0) else {
+                continue;
+            };
+            let pk = PackedKey::new(k);
+            let h = t.table.hash(&pk, t.salt);
+            let ix = t.table.index(&self.guard);
+            ix.prefetch(h);
+            *s = (Some(ix), h, pk);
+        }
+        for s in st.iter().take(keys.len()) {
+            if let (Some(ix), h, _) = s {
+                ix.prefetch_candidates(&ft.slab, *h);
+            }
+        }
+        for s in st.iter().take(keys.len()) {
+            out.push(match s {
+                (Some(ix), h, pk) => ix.find(&ft.slab, *h, pk).map(|i| {
+                    let n = ft.slab.node(i);
+                    (
+                        Handle {
+                            idx: i,
+                            cookie: Cookie(n.cookie()),
+                        },
+                        n.backend(),
+                    )
+                }),
+                _ => None,
+            });
+        }
+    }
 }
 
 /// The connection table. `Send + Sync`; share it with `Arc`.
@@ -143,8 +200,7 @@ impl Reader<'_> {
 pub struct FlowTable {
     slab: Slab,
     pool: Arc<FreePool>,
-    /// Per-thread-slot node caches (taken inside a stripe lock, never the
-    /// other way round; the pool lock is taken inside them).
+    /// Per-thread-slot node caches (never held while a bucket is locked).
     caches: Box<[CachePadded<Mutex<NodeCache>>]>,
     cookies: CachePadded<AtomicU64>,
     shared: Arc<Table>,
@@ -152,8 +208,9 @@ pub struct FlowTable {
     maint: Mutex<Maint>,
     max_chain: usize,
     memory_budget: usize,
+    /// Bytes own tables hold now (bucket lines), for the budget.
+    own_bytes: AtomicUsize,
     seed: u64,
-    stripes: usize,
 }
 
 fn splitmix(mut x: u64) -> u64 {
@@ -179,30 +236,24 @@ fn random_seed() -> u64 {
     std::collections::hash_map::RandomState::new().hash_one(0x5eed_u64)
 }
 
+/// Largest starting size of the shared table, in entries.
+const MAX_SHARED: usize = 1 << 28;
+
 impl FlowTable {
     /// A table with no tenants.
     ///
     /// # Panics
     /// If the shared bucket array cannot be allocated (like `Box::new`).
     pub fn new(cfg: TableConfig) -> Self {
-        Self::with_stripes(cfg, DEFAULT_STRIPES)
-    }
-
-    /// Like [`new`](Self::new) with an explicit number of lock stripes per
-    /// table (a power of two; for the lock-granularity benchmark).
-    #[doc(hidden)]
-    pub fn with_stripes(cfg: TableConfig, stripes: usize) -> Self {
         let seed = cfg.seed.unwrap_or_else(random_seed);
-        let buckets = cfg.shared_buckets.clamp(1, 1 << 26).next_power_of_two();
+        let entries = cfg.shared_buckets.clamp(1, MAX_SHARED);
         let max_chain = cfg.max_chain.clamp(1, 1024);
-        let stripes = stripes.clamp(1, 1 << 20).next_power_of_two();
-        let pool = Arc::new(FreePool::default());
         let keys = (splitmix(seed), splitmix(seed ^ 0xA5A5_A5A5));
-        let shared = Table::try_new(0, buckets, max_chain, stripes, keys)
+        let shared = Table::try_new(0, entries, MAX_SHARED, max_chain, keys)
             .expect("allocating the shared bucket array");
         FlowTable {
             slab: Slab::new(),
-            pool,
+            pool: Arc::new(FreePool::default()),
             caches: (0..NODE_CACHES).map(|_| CachePadded::default()).collect(),
             cookies: CachePadded::new(AtomicU64::new(1)),
             shared: Arc::new(shared),
@@ -210,13 +261,46 @@ impl FlowTable {
             maint: Mutex::new(Maint::default()),
             max_chain,
             memory_budget: cfg.memory_budget,
+            own_bytes: AtomicUsize::new(0),
             seed,
-            stripes,
+        }
+    }
+
+    /// The salt that stands for tenant `id` in every hash.
+    fn salt(&self, id: u32) -> u64 {
+        splitmix(self.seed ^ 0x7E4A_u64 ^ u64::from(id))
+    }
+
+    /// A node's hash in `table` (for moving it during a resize).
+    fn rehash(&self, table: &Table, i: u32) -> u64 {
+        let pk = self.slab.node(i).key();
+        table.hash_raw(&pk, self.salt(pk.tenant))
+    }
+
+    /// Reserves `bytes` more of the own tables' budget.
+    fn reserve_own(&self, bytes: usize) -> bool {
+        self.own_bytes
+            .fetch_update(Relaxed, Relaxed, |b| {
+                (b + bytes <= self.memory_budget).then_some(b + bytes)
+            })
+            .is_ok()
+    }
+
+    /// Resize work after a write: move a few buckets if a resize runs, else
+    /// now and then check whether one should start.
+    fn after_write(&self, t: &Tenant, guard: &Guard, check: bool) {
+        let table = &*t.table;
+        if table.resizing(guard) {
+            table.help_resize(guard, &self.slab, Table::HELP, &|i| self.rehash(table, i));
+        } else if check {
+            let own = t.own_bytes != 0;
+            table.maybe_resize(guard, |more| !own || self.reserve_own(more));
         }
     }
 
     /// Creates a tenant. With `own_buckets == 0` it shares the global table;
-    /// otherwise it gets its own table of that many buckets unless that would
+    /// otherwise it gets its own table, sized for `own_buckets` entries at
+    /// first and growing up to [`MAX_OWN_BUCKETS`] entries, unless that would
     /// exceed the memory budget or the allocation fails, in which case it
     /// shares and the returned [`Placement::Shared`] says why.
     pub fn add_tenant(&self, id: TenantId, cfg: TenantConfig) -> Result<Placement, TenantError> {
@@ -240,9 +324,11 @@ impl FlowTable {
                 },
             )
         } else {
-            let needed = Table::bytes_for(b, self.max_chain, self.stripes);
-            let available = self.memory_budget.saturating_sub(m.own_bytes);
-            if needed > available {
+            let needed = Table::bytes_for(b);
+            let available = self
+                .memory_budget
+                .saturating_sub(self.own_bytes.load(Relaxed));
+            if needed > available || !self.reserve_own(needed) {
                 (
                     Arc::clone(&self.shared),
                     Placement::Shared {
@@ -254,31 +340,38 @@ impl FlowTable {
                 m.tables_made += 1;
                 let k = splitmix(self.seed ^ splitmix(u64::from(id.0) << 20 ^ m.tables_made));
                 let keys = (k, splitmix(k));
-                match Table::try_new(u64::from(id.0) + 1, b, self.max_chain, self.stripes, keys) {
+                match Table::try_new(
+                    u64::from(id.0) + 1,
+                    b,
+                    MAX_OWN_BUCKETS,
+                    self.max_chain,
+                    keys,
+                ) {
                     Some(t) => {
                         own_bytes = needed;
                         (Arc::new(t), Placement::Own { buckets: b })
                     }
-                    None => (
-                        Arc::clone(&self.shared),
-                        Placement::Shared {
-                            requested: b,
-                            reason: FallbackReason::AllocFailed { needed },
-                        },
-                    ),
+                    None => {
+                        self.own_bytes.fetch_sub(needed, Relaxed);
+                        (
+                            Arc::clone(&self.shared),
+                            Placement::Shared {
+                                requested: b,
+                                reason: FallbackReason::AllocFailed { needed },
+                            },
+                        )
+                    }
                 }
             }
         };
-        m.own_bytes += own_bytes;
-        let shards = table.stripes();
         let tenant = Arc::new(Tenant {
             id,
             table,
             placement,
-            salt: splitmix(self.seed ^ 0x7E4A_u64 ^ u64::from(id.0)),
+            salt: self.salt(id.0),
             timeouts: cfg.timeouts.to_array().map(AtomicU64::new),
             removed: AtomicBool::new(false),
-            entries: (0..shards).map(|_| AtomicI64::new(0)).collect(),
+            entries: (0..NODE_CACHES).map(|_| CachePadded::default()).collect(),
             refused: AtomicU64::new(0),
             wheel: Mutex::new(Wheel::new()),
             own_bytes,
@@ -294,15 +387,15 @@ impl FlowTable {
     }
 
     /// Removes a tenant and all its entries (appended to `out`). Cost
-    /// O(its entries + lock stripes + wheel slots + entries inserted by
-    /// anyone since the last [`expire`](Self::expire)) — never a walk of the
-    /// shared table. Concurrent inserts for the tenant fail with `NoTenant`.
+    /// O(its entries + wheel slots + entries inserted by anyone since the
+    /// last [`expire`](Self::expire)) — never a walk of the shared table.
+    /// Concurrent inserts for the tenant fail with `NoTenant`.
     pub fn remove_tenant(
         &self,
         id: TenantId,
         out: &mut Vec<FlowSnapshot>,
     ) -> Result<(), TenantError> {
-        let mut m = self.maint.lock();
+        let m = self.maint.lock();
         let guard = epoch::pin();
         let cur = self.tenants.load(&guard);
         let t = Arc::clone(cur.map.get(&id.0).ok_or(TenantError::NoTenant(id))?);
@@ -310,14 +403,15 @@ impl FlowTable {
         next.map.remove(&id.0);
         next.own.retain(|o| o.id != id);
         self.tenants.replace(next, &guard);
-        t.removed.store(true, Relaxed);
-        // Barrier: after locking every stripe once, no insert for this
-        // tenant is in flight and later ones see `removed`. Collect its
-        // not-yet-filed nodes on the way.
+        t.removed.store(true, SeqCst);
+        fence(SeqCst);
+        // Every insert pushes its node to a filing list, then (after a
+        // SeqCst fence) checks `removed` and undoes itself if set: so each
+        // insert for this tenant either sees `removed` or is in a list here.
         let mut refs = Vec::new();
-        for s in 0..t.table.stripes() {
-            let mut st = t.table.lock(s);
-            st.new_nodes.retain(|&r| {
+        for c in self.caches.iter() {
+            let mut c = c.lock();
+            c.new_nodes.retain(|&r| {
                 let i = ref_idx(r);
                 let mine = self.slab.node(i).tenant() == id.0;
                 if mine {
@@ -325,7 +419,6 @@ impl FlowTable {
                 }
                 !mine
             });
-            t.table.set_new_hint(s, &st);
         }
         refs.extend(t.wheel.lock().drain_all());
         for idx in refs {
@@ -333,13 +426,19 @@ impl FlowTable {
                 out.push(s);
             }
         }
-        m.own_bytes -= t.own_bytes;
+        if t.own_bytes != 0 {
+            self.own_bytes.fetch_sub(
+                t.table
+                    .memory_bytes(&guard)
+                    .min(self.own_bytes.load(Relaxed)),
+                Relaxed,
+            );
+        }
         drop(m);
         drop(guard);
         // The old directory holds the last reference to the tenant (and its
         // own table, megabytes to gigabytes): free it now rather than when
-        // this thread's bag of deferred frees happens to fill up (dozens of
-        // removed tables stayed allocated that way).
+        // this thread's bag of deferred frees happens to fill up.
         drop(t);
         reclaim_now();
         Ok(())
@@ -369,42 +468,74 @@ impl FlowTable {
         ))
     }
 
-    /// Inserts a new entry (takes one stripe lock). Refused if the key
-    /// exists, the tenant does not, or the chain already holds `max_chain`
-    /// entries.
+    /// Inserts a new entry and returns its cookie. See
+    /// [`insert_handle`](Self::insert_handle).
     pub fn insert(&self, key: FlowKey, init: FlowInit, now: Millis) -> Result<Cookie, InsertError> {
+        self.insert_handle(key, init, now).map(|h| h.cookie)
+    }
+
+    /// Inserts a new entry (locks one bucket) and returns a [`Handle`]
+    /// through which the caller reaches it again without hashing. Refused
+    /// if the key exists, the tenant does not, or the key's bucket chain
+    /// already holds `max_chain` entries.
+    pub fn insert_handle(
+        &self,
+        key: FlowKey,
+        init: FlowInit,
+        now: Millis,
+    ) -> Result<Handle, InsertError> {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
         let t = map.map.get(&key.tenant.0).ok_or(InsertError::NoTenant)?;
-        let pk = PackedKey::new(&key);
-        let table = &*t.table;
-        let loc = table.locate(&pk, t.salt);
-        let (head, s) = (table.head(loc.bucket), loc.stripe);
-        let mut st = table.lock(s);
         if t.removed.load(Relaxed) {
             return Err(InsertError::NoTenant);
         }
-        let len = match chain::scan(&self.slab, head, &pk, loc.tag) {
-            Scan::Found(i) => return Err(InsertError::Exists(Cookie(self.slab.node(i).cookie()))),
-            Scan::Absent(len) => len,
+        let pk = PackedKey::new(&key);
+        let h = t.table.hash(&pk, t.salt);
+        let (idx, cookie) = {
+            let mut c = self.node_cache();
+            let Some(idx) = c.alloc(&self.slab, &self.pool) else {
+                t.refused.fetch_add(1, Relaxed);
+                return Err(InsertError::ChainFull);
+            };
+            (idx, c.next_cookie(&self.cookies))
         };
-        if len >= table.max_chain {
-            t.refused.fetch_add(1, Relaxed);
-            return Err(InsertError::ChainFull);
+        self.slab.node(idx).init(&pk, &init, cookie, now);
+        let r = {
+            let ix = t.table.index(&guard);
+            let (home, mut l) = ix.lock_home(h);
+            home.put(&mut l, &self.slab, h, Some(&pk), idx, self.max_chain)
+        };
+        let crowded = match r {
+            Put::Done(overflow) => overflow,
+            Put::Exists(i) => {
+                self.slab.node(idx).clear_live();
+                self.node_cache().unalloc(idx);
+                return Err(InsertError::Exists(Cookie(self.slab.node(i).cookie())));
+            }
+            Put::Full => {
+                self.slab.node(idx).clear_live();
+                self.node_cache().unalloc(idx);
+                t.refused.fetch_add(1, Relaxed);
+                return Err(InsertError::ChainFull);
+            }
+        };
+        t.add_entries(1);
+        self.node_cache().push_new(idx, cookie, &self.slab, 1024);
+        fence(SeqCst);
+        if t.removed.load(Relaxed) {
+            // Lost the race with remove_tenant, which may not have seen our
+            // filing reference: undo.
+            self.unlink_node(t, idx, &guard, |n| n.cookie() == cookie);
+            return Err(InsertError::NoTenant);
         }
-        let Some(idx) = self.node_cache().alloc(&self.slab, &self.pool) else {
-            t.refused.fetch_add(1, Relaxed);
-            return Err(InsertError::ChainFull);
-        };
-        let cookie = st.next_cookie(&self.cookies);
-        self.slab.node(idx).init(&pk, loc.tag, &init, cookie, now);
-        chain::append(&self.slab, head, idx, loc.tag);
-        st.hist_move(len, len + 1);
-        st.push_new(idx, cookie, &self.slab);
-        table.set_new_hint(s, &st);
-        t.add_entries(&mut st, s, 1);
-        drop(st);
-        Ok(Cookie(cookie))
+        // An entry that had to go to an overflow line says the bucket is
+        // crowded: time to check whether the table should grow.
+        self.after_write(t, &guard, crowded);
+        Ok(Handle {
+            idx,
+            cookie: Cookie(cookie),
+        })
     }
 
     /// This thread's node cache.
@@ -428,14 +559,47 @@ impl FlowTable {
         let map = self.tenants.load(guard);
         let t = map.map.get(&key.tenant.0)?;
         let pk = PackedKey::new(key);
-        let loc = t.table.locate(&pk, t.salt);
-        let (_, n) = chain::find(&self.slab, t.table.head(loc.bucket), &pk, loc.tag)?;
-        Some(f(t, n))
+        let h = t.table.hash(&pk, t.salt);
+        let i = t.table.index(guard).find(&self.slab, h, &pk)?;
+        Some(f(t, self.slab.node(i)))
+    }
+
+    /// The live node a handle names (the caller holds a pin).
+    #[inline]
+    fn handle_node(&self, h: Handle) -> Option<&Node> {
+        let n = self.slab.node_checked(h.idx)?;
+        (n.cookie() == h.cookie.0 && n.is_live()).then_some(n)
     }
 
     /// Lock-free lookup; writes nothing shared.
     pub fn get(&self, key: &FlowKey) -> Option<FlowSnapshot> {
         self.lookup(key, |t, n| n.snapshot(|s| t.timeout(s)))
+    }
+
+    /// The handle of `key`'s entry, if present.
+    pub fn handle(&self, key: &FlowKey) -> Option<Handle> {
+        self.lookup(key, |_, n| n.cookie()).and_then(|c| {
+            let guard = epoch::pin();
+            let map = self.tenants.load(&guard);
+            let t = map.map.get(&key.tenant.0)?;
+            let pk = PackedKey::new(key);
+            let h = t.table.hash(&pk, t.salt);
+            let i = t.table.index(&guard).find(&self.slab, h, &pk)?;
+            (self.slab.node(i).cookie() == c).then_some(Handle {
+                idx: i,
+                cookie: Cookie(c),
+            })
+        })
+    }
+
+    /// Snapshot of the entry a handle names, if it is still there.
+    pub fn get_handle(&self, h: Handle) -> Option<FlowSnapshot> {
+        let guard = epoch::pin();
+        let n = self.handle_node(h)?;
+        let map = self.tenants.load(&guard);
+        let t = map.map.get(&n.tenant())?;
+        let s = n.snapshot(|s| t.timeout(s));
+        (s.cookie == h.cookie).then_some(s)
     }
 
     /// Lock-free hot path: +1 packet and +`bytes` in direction `dir`,
@@ -450,6 +614,16 @@ impl FlowTable {
         bytes: u64,
     ) -> Option<(Cookie, BackendId)> {
         self.lookup(key, |_, n| n.touch(now, dir == Dir::Out, bytes))
+    }
+
+    /// [`touch`](Self::touch) through a handle: no hashing, no probing.
+    /// `false` if the entry is gone.
+    #[inline]
+    pub fn touch_handle(&self, h: Handle, now: Millis, dir: Dir, bytes: u64) -> bool {
+        let _guard = epoch::pin();
+        self.handle_node(h)
+            .map(|n| n.touch(now, dir == Dir::Out, bytes))
+            .is_some()
     }
 
     /// A read handle that serves many `get`/`touch` calls under one epoch
@@ -471,18 +645,43 @@ impl FlowTable {
             return false;
         };
         let pk = PackedKey::new(key);
-        let loc = t.table.locate(&pk, t.salt);
-        let s = loc.stripe;
-        let mut st = t.table.lock(s);
-        let Some((idx, n)) = chain::find(&self.slab, t.table.head(loc.bucket), &pk, loc.tag) else {
+        let h = t.table.hash(&pk, t.salt);
+        let Some(i) = t.table.index(&guard).find(&self.slab, h, &pk) else {
             return false;
         };
+        self.restate(i, state, now)
+    }
+
+    /// [`set_state`](Self::set_state) through a handle.
+    pub fn set_state_handle(&self, h: Handle, state: FlowState, now: Millis) -> bool {
+        let _guard = epoch::pin();
+        if self.handle_node(h).is_none() {
+            return false;
+        }
+        self.restate(h.idx, state, now)
+    }
+
+    fn restate(&self, i: u32, state: FlowState, now: Millis) -> bool {
+        let n = self.slab.node(i);
         n.set_state(state);
         n.bump_last_active(now);
         // Refile so that a shorter timeout for the new state takes effect.
-        st.push_new(idx, n.cookie(), &self.slab);
-        t.table.set_new_hint(s, &st);
+        let c = n.cookie();
+        self.node_cache().push_new(i, c, &self.slab, 1024);
         true
+    }
+
+    /// Sets the NAT mapping slot of the entry a handle names (packet mode's
+    /// full-NAT source: local address index << 16 | port); `false` if gone.
+    pub fn set_nat(&self, h: Handle, nat: u32) -> bool {
+        let _guard = epoch::pin();
+        self.handle_node(h).map(|n| n.set_nat(nat)).is_some()
+    }
+
+    /// The NAT mapping slot of the entry a handle names.
+    pub fn nat(&self, h: Handle) -> Option<u32> {
+        let _guard = epoch::pin();
+        self.handle_node(h).map(|n| n.nat())
     }
 
     /// Removes an entry, returning its final snapshot.
@@ -496,30 +695,46 @@ impl FlowTable {
         self.remove_where(key, |n| n.cookie() == cookie.0)
     }
 
+    /// Removes the entry a handle names, if it is still there.
+    pub fn remove_handle(&self, h: Handle) -> Option<FlowSnapshot> {
+        let guard = epoch::pin();
+        let n = self.handle_node(h)?;
+        let map = self.tenants.load(&guard);
+        let t = map.map.get(&n.tenant())?;
+        match self.unlink_node(t, h.idx, &guard, |n| n.cookie() == h.cookie.0) {
+            Unlink::Removed(s) => Some(s),
+            _ => None,
+        }
+    }
+
     fn remove_where(&self, key: &FlowKey, check: impl Fn(&Node) -> bool) -> Option<FlowSnapshot> {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
         let t = map.map.get(&key.tenant.0)?;
         let pk = PackedKey::new(key);
-        let loc = t.table.locate(&pk, t.salt);
-        let (head, s) = (t.table.head(loc.bucket), loc.stripe);
-        let mut st = t.table.lock(s);
-        let (idx, n) = chain::find(&self.slab, head, &pk, loc.tag)?;
-        if !check(n) {
-            return None;
-        }
-        let len = chain::unlink(&self.slab, head, idx)?;
-        n.clear_live();
-        let snap = n.snapshot(|s| t.timeout(s));
-        st.hist_move(len, len - 1);
-        t.add_entries(&mut st, s, -1);
-        drop(st);
-        self.node_cache().retire(idx, &guard, &self.pool);
+        let h = t.table.hash(&pk, t.salt);
+        let snap = {
+            let ix = t.table.index(&guard);
+            let (home, mut l) = ix.lock_home(h);
+            let i = home.find_locked(&l, &self.slab, h, &pk)?;
+            let n = self.slab.node(i);
+            if !check(n) || !home.unput(&mut l, i) {
+                return None;
+            }
+            n.clear_live();
+            drop(l);
+            let snap = n.snapshot(|s| t.timeout(s));
+            self.node_cache().retire(i, &guard, &self.pool);
+            snap
+        };
+        t.add_entries(-1);
+        // Shrinking is left to `maintain`.
+        self.after_write(t, &guard, false);
         Some(snap)
     }
 
     /// Removes node `idx` if it is a live entry of `t` and `check` holds
-    /// under the stripe lock.
+    /// under the bucket lock.
     fn unlink_node(
         &self,
         t: &Tenant,
@@ -532,40 +747,38 @@ impl FlowTable {
             return Unlink::Gone;
         }
         // The key may change under us if the node is recycled meanwhile;
-        // then it is not on the chain we lock and `unlink` finds nothing.
+        // then it is not in the bucket we lock and `unput` finds nothing.
         let pk = n.key();
-        let loc = t.table.locate(&pk, t.salt);
-        let (head, s) = (t.table.head(loc.bucket), loc.stripe);
-        let mut st = t.table.lock(s);
-        if !n.is_live() || n.tenant() != t.id.0 || !n.matches(&pk) {
-            return Unlink::Gone;
+        let h = t.table.hash(&pk, t.salt);
+        {
+            let ix = t.table.index(guard);
+            let (home, mut l) = ix.lock_home(h);
+            if !n.is_live() || n.tenant() != t.id.0 || !n.matches(&pk) {
+                return Unlink::Gone;
+            }
+            if !check(n) {
+                return Unlink::Kept;
+            }
+            if !home.unput(&mut l, idx) {
+                return Unlink::Gone;
+            }
+            n.clear_live();
         }
-        if !check(n) {
-            return Unlink::Kept;
-        }
-        let Some(len) = chain::unlink(&self.slab, head, idx) else {
-            return Unlink::Gone;
-        };
-        n.clear_live();
         let snap = n.snapshot(|s| t.timeout(s));
-        st.hist_move(len, len - 1);
-        t.add_entries(&mut st, s, -1);
-        drop(st);
+        t.add_entries(-1);
         self.node_cache().retire(idx, guard, &self.pool);
         Unlink::Removed(snap)
     }
 
-    /// Files every not-yet-filed node of `table` in its tenant's wheel.
-    fn drain_new(&self, map: &TenantMap, table: &Table, now: u64) {
-        for s in 0..table.stripes() {
-            if !table.has_new(s) {
-                continue;
-            }
+    /// Files every not-yet-filed node in its tenant's wheel.
+    fn drain_new(&self, map: &TenantMap, now: u64) {
+        for c in self.caches.iter() {
             let v = {
-                let mut st = table.lock(s);
-                let v = st.take_new();
-                table.set_new_hint(s, &st);
-                v
+                let mut c = c.lock();
+                if c.new_nodes.is_empty() {
+                    continue;
+                }
+                c.take_new()
             };
             let mut cur: Option<(&Arc<Tenant>, parking_lot::MutexGuard<'_, Wheel>)> = None;
             for r in v {
@@ -592,26 +805,68 @@ impl FlowTable {
         }
     }
 
+    /// Table maintenance: starts a resize a table's load asks for and moves
+    /// up to `MAINT_MOVES` buckets of each running one. `expire` calls it;
+    /// inserts and removes also move a few buckets each while a resize runs.
+    pub fn maintain(&self) {
+        let guard = epoch::pin();
+        let map = self.tenants.load(&guard);
+        let tables =
+            std::iter::once((&self.shared, false)).chain(map.own.iter().map(|t| (&t.table, true)));
+        for (table, own) in tables {
+            if !table.resizing(&guard) {
+                table.maybe_resize(&guard, |more| !own || self.reserve_own(more));
+            }
+            table.help_resize(&guard, &self.slab, MAINT_MOVES, &|i| self.rehash(table, i));
+        }
+    }
+
+    /// Starts resizing a tenant's table (or the shared one for a tenant that
+    /// shares it) to `entries` at the target load, unless one runs already;
+    /// inserts, removes and [`maintain`](Self::maintain) move it along.
+    #[doc(hidden)]
+    pub fn start_resize(&self, id: TenantId, entries: usize) -> bool {
+        let guard = epoch::pin();
+        let map = self.tenants.load(&guard);
+        let Some(t) = map.map.get(&id.0) else {
+            return false;
+        };
+        t.table
+            .start_resize(&guard, crate::table::buckets_for(entries))
+    }
+
+    /// Whether the table of tenant `id` is resizing; completed resizes.
+    pub fn resize_state(&self, id: TenantId) -> Option<(bool, u64)> {
+        let guard = epoch::pin();
+        let map = self.tenants.load(&guard);
+        let t = map.map.get(&id.0)?;
+        Some((t.table.resizing(&guard), t.table.resizes.load(Relaxed)))
+    }
+
     /// Removes up to `max` entries idle past their state's timeout
     /// (`now >= last_active + timeout`), appending them to `out`; returns
     /// how many. Bounded work: files the entries inserted since the last
     /// call, then examines at most `16 * max + 1024` wheel references and
-    /// `SLOTS` empty ticks per tenant. Call it periodically (e.g. every
-    /// second); an entry is removed at most one wheel tick (1 s) plus the
-    /// call period after its deadline if the budget keeps up, never before. Round-robin over tenants when the budget runs
-    /// out.
+    /// `SLOTS` empty ticks per tenant, then runs [`maintain`](Self::maintain).
+    /// Call it periodically (e.g. every second); an entry is removed at most
+    /// one wheel tick (1 s) plus the call period after its deadline if the
+    /// budget keeps up, never before. Round-robin over tenants when the
+    /// budget runs out.
     pub fn expire(&self, now: Millis, max: usize, out: &mut Vec<FlowSnapshot>) -> usize {
         if max == 0 {
             return 0;
         }
+        let removed = self.expire_inner(now, max, out);
+        self.maintain();
+        removed
+    }
+
+    fn expire_inner(&self, now: Millis, max: usize, out: &mut Vec<FlowSnapshot>) -> usize {
         let now = now.0;
         let mut m = self.maint.lock();
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
-        self.drain_new(map, &self.shared, now);
-        for t in &map.own {
-            self.drain_new(map, &t.table, now);
-        }
+        self.drain_new(map, now);
         let mut ids: Vec<u32> = map.map.keys().copied().collect();
         ids.sort_unstable();
         let start = ids.partition_point(|&i| i < m.next_tenant);
@@ -677,13 +932,14 @@ impl FlowTable {
         Some(map.map.get(&id.0)?.wheel.lock().refs())
     }
 
-    /// References waiting in the stripes' to-be-filed lists of a tenant's
-    /// table (shared by all sharing tenants), live and stale.
+    /// References waiting in the to-be-filed lists (shared by all tenants),
+    /// live and stale.
     #[doc(hidden)]
     pub fn pending_filing_refs(&self, id: TenantId) -> Option<usize> {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
-        Some(map.map.get(&id.0)?.table.pending_filing_refs())
+        map.map.get(&id.0)?;
+        Some(self.caches.iter().map(|c| c.lock().new_nodes.len()).sum())
     }
 
     /// Tables in dump order, restricted to one tenant's table if asked.
@@ -707,12 +963,16 @@ impl FlowTable {
     /// Resumable dump: appends up to `limit` entries matching `filter` to
     /// `out` and returns the cursor to continue from, or `None` when done.
     ///
-    /// Guarantees (see the crate docs for the argument): total cost
-    /// O(entries + buckets) over a whole dump whatever `limit` is (each
-    /// resume re-walks one chain, `<= max_chain` nodes); an entry present for
-    /// the whole dump is returned exactly once; entries added or removed
-    /// meanwhile at most once; it always terminates. Pass the same filter on
-    /// every page.
+    /// Entries are returned in the order of (table, top 32 bits of the
+    /// key's hash, cookie), an order that does not depend on the table's
+    /// size: buckets cover consecutive ranges of the hash for every bucket
+    /// count, so a resize in the middle of a dump changes nothing. The
+    /// cursor is the last (table, hash, cookie) returned; resuming reads the
+    /// one bucket that holds that position (at most `max_chain` entries).
+    /// Guarantees: total cost O(entries + buckets) over a whole dump
+    /// whatever `limit` is; an entry present for the whole dump is returned
+    /// exactly once, even across resizes; entries added or removed meanwhile
+    /// at most once; it always terminates. Pass the same filter on every page.
     pub fn dump(
         &self,
         cursor: Option<&Cursor>,
@@ -727,56 +987,32 @@ impl FlowTable {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
         let tables = self.dump_tables(map, filter.tenant)?;
-        // Entries created after this point are "added during the dump":
-        // skipping them bounds every walk even under endless inserts.
-        let below = self.cookies.load(Relaxed);
-        let mut emitted = 0;
-        let mut cached: Option<&Arc<Tenant>> = None;
+        let mut d = Dumper {
+            ft: self,
+            map,
+            filter,
+            limit,
+            out,
+            emitted: 0,
+            cached: None,
+            ids: Vec::with_capacity(16),
+            items: Vec::with_capacity(16),
+        };
         for table in tables {
             if table.order < start.order {
                 continue;
             }
-            let same = table.order == start.order;
-            let b0 = if same { start.bucket } else { 0 };
-            let b0 = usize::try_from(b0).unwrap_or(usize::MAX);
-            let buckets = table.buckets();
-            for b in b0..buckets {
-                if b + PREFETCH_AHEAD < buckets {
-                    chain::prefetch_first(&self.slab, table.head(b + PREFETCH_AHEAD));
-                }
-                let after = if same && b == b0 { start.cookie } else { 0 };
-                let mut stop = None;
-                chain::walk(&self.slab, table.head(b), after, below, |n| {
-                    if !n.is_live() {
-                        return true;
-                    }
-                    let tid = n.tenant();
-                    if filter.tenant.is_some_and(|t| t.0 != tid)
-                        || filter.service.is_some_and(|v| v != n.service())
-                        || filter.backend.is_some_and(|v| v != n.backend())
-                        || filter.state.is_some_and(|v| v != n.state())
-                    {
-                        return true;
-                    }
-                    if cached.is_none_or(|t| t.id.0 != tid) {
-                        cached = map.map.get(&tid);
-                    }
-                    let Some(t) = cached else { return true };
-                    out.push(n.snapshot(|s| t.timeout(s)));
-                    emitted += 1;
-                    if emitted == limit {
-                        stop = Some(n.cookie());
-                        return false;
-                    }
-                    true
+            let after = if table.order == start.order {
+                (start.bucket, start.cookie)
+            } else {
+                (0, 0)
+            };
+            if let Some((hi, cookie)) = d.table(table, &guard, after) {
+                return Some(Cursor {
+                    order: table.order,
+                    bucket: hi,
+                    cookie,
                 });
-                if let Some(c) = stop {
-                    return Some(Cursor {
-                        order: table.order,
-                        bucket: b as u64,
-                        cookie: c,
-                    });
-                }
             }
         }
         None
@@ -797,46 +1033,45 @@ impl FlowTable {
         }
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
+        let ix = self.shared.index(&guard);
         let mut emitted = 0;
-        for b in resume.0..self.shared.buckets() {
+        let mut ids = Vec::new();
+        for b in resume.0..ix.len() {
             let skip = if b == resume.0 { resume.1 } else { 0 };
-            let mut pos = 0;
-            let mut stop = None;
-            chain::walk(&self.slab, self.shared.head(b), 0, u64::MAX, |n| {
-                pos += 1;
-                if pos <= skip || !n.is_live() {
-                    return true;
+            ids.clear();
+            if !ix.read_bucket(b, &mut ids) {
+                continue;
+            }
+            for (pos, &i) in ids.iter().enumerate().skip(skip) {
+                let n = self.slab.node(i);
+                if !n.is_live() {
+                    continue;
                 }
                 if let Some(t) = map.map.get(&n.tenant()) {
                     out.push(n.snapshot(|s| t.timeout(s)));
                     emitted += 1;
                 }
                 if emitted >= limit {
-                    stop = Some(pos);
-                    return false;
+                    return Some((b, pos + 1));
                 }
-                true
-            });
-            if let Some(p) = stop {
-                return Some((b, p));
             }
         }
         None
     }
 
-    /// Introspection for one tenant. Cheap: O(lock stripes x max_chain),
-    /// never a walk of the entries.
+    /// Introspection for one tenant. Cheap: reads at most 2^20 bucket
+    /// headers (an even sample of bigger tables), never the entries.
     pub fn tenant_stats(&self, id: TenantId) -> Option<TableStats> {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
         let t = map.map.get(&id.0)?;
-        let cs = t.table.chain_stats();
-        let buckets = t.table.buckets();
+        let cs = t.table.chain_stats(&guard);
+        let slots = cs.buckets * crate::index::WAYS;
         Some(TableStats {
             entries: t.entries(),
             table_entries: cs.entries,
-            buckets,
-            load_factor: cs.entries as f64 / buckets as f64,
+            buckets: cs.buckets,
+            load_factor: cs.entries as f64 / slots as f64,
             chain_histogram: cs.hist,
             max_chain: cs.max_chain,
             refused_inserts: t.refused.load(Relaxed),
@@ -853,13 +1088,13 @@ impl FlowTable {
         v
     }
 
-    /// Approximate bytes held: node arena, bucket arrays, stripes, wheels,
-    /// free lists.
+    /// Approximate bytes held: node arena, bucket indexes, wheels, free
+    /// lists.
     pub fn memory_bytes(&self) -> usize {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
         let mut b = self.slab.memory_bytes()
-            + self.shared.memory_bytes()
+            + self.shared.memory_bytes(&guard)
             + 4 * self.pool.free.lock().capacity()
             + self
                 .caches
@@ -870,15 +1105,123 @@ impl FlowTable {
             b += t.wheel.lock().memory_bytes() + std::mem::size_of::<Tenant>();
         }
         for t in &map.own {
-            b += t.table.memory_bytes();
+            b += t.table.memory_bytes(&guard);
         }
         b
     }
+}
 
-    /// Number of lock stripes per table.
-    #[doc(hidden)]
-    pub fn lock_stripes(&self) -> usize {
-        self.stripes
+/// One dump call's state.
+struct Dumper<'a, 'o> {
+    ft: &'a FlowTable,
+    map: &'a TenantMap,
+    filter: &'a DumpFilter,
+    limit: usize,
+    out: &'o mut Vec<FlowSnapshot>,
+    emitted: usize,
+    cached: Option<&'a Arc<Tenant>>,
+    ids: Vec<u32>,
+    /// (hash hi, cookie, node) of one bucket, sorted.
+    items: Vec<(u32, u64, u32)>,
+}
+
+impl<'a> Dumper<'a, '_> {
+    /// Dumps `table` from position `after` (hash hi, cookie), exclusive;
+    /// returns the last position if the page filled.
+    fn table(&mut self, table: &Table, guard: &Guard, after: (u64, u64)) -> Option<(u64, u64)> {
+        let ix = table.index(guard);
+        let lo = after.0.min(u64::from(u32::MAX));
+        self.range(table, ix, lo, 1 << 32, after)
+    }
+
+    /// Dumps the hash range `[lo, hi)` of `ix`, following moved buckets.
+    fn range(
+        &mut self,
+        table: &Table,
+        ix: &Index,
+        lo: u64,
+        hi: u64,
+        after: (u64, u64),
+    ) -> Option<(u64, u64)> {
+        if lo >= hi {
+            return None;
+        }
+        let b0 = ix.bucket_of(lo as u32);
+        let b1 = if hi >= 1 << 32 {
+            ix.len()
+        } else {
+            ix.bucket_of(hi as u32) + 1
+        };
+        for b in b0..b1.min(ix.len()) {
+            if b + PREFETCH_AHEAD < ix.len() {
+                crate::raw::prefetch(ix.bucket(b + PREFETCH_AHEAD));
+            }
+            if b + PREFETCH_AHEAD / 2 < ix.len() {
+                ix.prefetch_nodes(&self.ft.slab, b + PREFETCH_AHEAD / 2);
+            }
+            let (blo, bhi) = (ix.bucket_start(b).max(lo), ix.bucket_start(b + 1).min(hi));
+            if blo >= bhi {
+                continue;
+            }
+            self.ids.clear();
+            if !ix.read_bucket(b, &mut self.ids) {
+                let succ = ix
+                    .successor()
+                    .expect("a moved bucket's index has a successor");
+                let succ: &Index = succ;
+                // Safe to recurse: the successor lives as long as `ix`.
+                if let Some(p) = self.range(table, succ, blo, bhi, after) {
+                    return Some(p);
+                }
+                continue;
+            }
+            self.items.clear();
+            for &i in &self.ids {
+                let n = self.ft.slab.node(i);
+                if !n.is_live() {
+                    continue;
+                }
+                let h = u64::from((self.ft.rehash(table, i) >> 32) as u32);
+                let c = n.cookie();
+                if h < blo || h >= bhi || (h, c) <= after {
+                    continue;
+                }
+                self.items.push((h as u32, c, i));
+            }
+            self.items.sort_unstable();
+            for k in 0..self.items.len() {
+                let (h, c, i) = self.items[k];
+                if self.emit(i, c) {
+                    return Some((u64::from(h), c));
+                }
+            }
+        }
+        None
+    }
+
+    /// Emits node `i` if it passes the filter; `true` when the page is full.
+    fn emit(&mut self, i: u32, cookie: u64) -> bool {
+        let n = self.ft.slab.node(i);
+        let tid = n.tenant();
+        let f = self.filter;
+        if f.tenant.is_some_and(|t| t.0 != tid)
+            || f.service.is_some_and(|v| v != n.service())
+            || f.backend.is_some_and(|v| v != n.backend())
+            || f.state.is_some_and(|v| v != n.state())
+        {
+            return false;
+        }
+        if self.cached.is_none_or(|t| t.id.0 != tid) {
+            self.cached = self.map.map.get(&tid);
+        }
+        let Some(t) = self.cached else { return false };
+        let s = n.snapshot(|s| t.timeout(s));
+        if s.cookie.0 != cookie {
+            return false; // recycled under us
+        }
+        self.out.push(s);
+        self.emitted += 1;
+        self.emitted == self.limit
     }
 }
 

@@ -1,40 +1,41 @@
-//! loom model checks of the chain protocol (`chain.rs`): lock-free lookups
-//! racing with inserts and removes done under the stripe lock. Compiled only
-//! with `--cfg loom`; `tests/loom.rs` runs each check:
+//! loom model checks of the bucket index protocol (`index.rs`): lock-free
+//! lookups and dump reads racing with inserts and removes under the bucket
+//! lock bit, with a second writer, and with a resize moving the bucket.
+//! Compiled only with `--cfg loom`; `tests/loom.rs` runs each check:
 //!
 //! `RUSTFLAGS="--cfg loom" cargo test -p weir-flowtable --release --test loom`
 //!
 //! What is checked, on every interleaving loom explores: a lookup of an
-//! entry present throughout always finds it, whatever is unlinked around it;
-//! a lookup racing with the insert of an entry finds either nothing or the
-//! fully initialised entry (never a torn key or a zero cookie); a lookup
-//! racing with a remove finds either the whole entry or nothing.
+//! entry present throughout always finds it — in the head line or an
+//! overflow line, before, during or after its bucket moves to the successor
+//! index; a lookup racing with the insert of an entry finds either nothing
+//! or the fully initialised entry (never a torn key or a zero cookie); a
+//! lookup racing with a remove finds either the whole entry or nothing; two
+//! writers on one bucket never lose an entry; a bucket read for a dump
+//! holds every entry present throughout.
 
-use loom::sync::{Arc, Mutex};
+use loom::sync::Arc;
 use loom::thread;
 
-use crate::chain;
-use crate::chain::EMPTY;
+use crate::index::{Hash, Index, Put};
 use crate::node::{Node, PackedKey};
-use crate::sync::AtomicU32;
 use crate::types::{BackendId, FlowInit, FlowState, Millis, ServiceId};
 
 /// `loom::model` with at most 3 preemptions unless `LOOM_MAX_PREEMPTIONS`
-/// says otherwise (unbounded, the two-writer check takes about a minute;
-/// bounded, about a second; the hand-made mutants listed in
-/// docs/flowtable.md all fail within the bound).
+/// says otherwise. The bucket lock is a spin lock (it yields to loom while
+/// it waits), so one execution may take more branches than loom's default.
 fn model(f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();
     if b.preemption_bound.is_none() {
         b.preemption_bound = Some(3);
     }
+    b.max_branches = 10_000;
     b.check(f);
 }
 
 struct World {
     nodes: Box<[Node]>,
-    head: AtomicU32,
-    lock: Mutex<()>,
+    index: Index,
 }
 
 fn key(i: u32) -> PackedKey {
@@ -47,42 +48,65 @@ fn key(i: u32) -> PackedKey {
     }
 }
 
-/// Bloom tags: entries 0 and 2 share a bit, 1 has its own, so both the
-/// "bit set by another node" and "bit cleared on unlink" paths are explored.
-fn tag(i: u32) -> u32 {
-    i % 2
+/// Entry `i`'s hash: every entry lands in bucket 0 of a one-bucket index;
+/// in a two-bucket successor, even entries go to bucket 0, odd to 1. Tags
+/// repeat (i % 2) so tag matches that are not key matches are explored.
+fn hash(i: u32) -> u64 {
+    let hi: u64 = if i % 2 == 0 { 0x1000_0000 } else { 0x9000_0000 };
+    (hi << 32) | u64::from(i % 2)
 }
 
-fn init(w: &World, idx: u32, cookie: u64) {
-    let k = key(idx);
+fn init(w: &World, i: u32, cookie: u64) {
     let init = FlowInit {
-        service: ServiceId(idx),
-        backend: BackendId(100 + idx),
+        service: ServiceId(i),
+        backend: BackendId(100 + i),
         state: FlowState::Established,
+        owner: i,
     };
-    w.nodes[idx as usize].init(&k, tag(idx), &init, cookie, Millis(5));
+    w.nodes[i as usize].init(&key(i), &init, cookie, Millis(5));
 }
 
-/// Chain `0 -> 1 -> ... -> n-1`, built before threads start.
-fn world(nodes: u32, linked: u32) -> Arc<World> {
+fn insert(w: &World, i: u32) {
+    init(w, i, u64::from(i) + 1);
+    let h = Hash::new(hash(i));
+    let (home, mut l) = w.index.lock_home(h);
+    let r = home.put(&mut l, &*w.nodes, h, Some(&key(i)), i, 64);
+    assert!(matches!(r, Put::Done(_)), "insert {i}: {r:?}");
+}
+
+fn remove(w: &World, i: u32) {
+    let h = Hash::new(hash(i));
+    let (home, mut l) = w.index.lock_home(h);
+    assert!(home.unput(&mut l, i), "remove {i}");
+    w.nodes[i as usize].clear_live();
+}
+
+/// `nodes` nodes, entries `0..present` inserted before threads start;
+/// `succ` = a two-bucket successor exists (a resize has started).
+fn world(nodes: u32, present: u32, succ: bool) -> Arc<World> {
     let w = World {
         nodes: (0..nodes).map(|_| Node::default()).collect(),
-        head: AtomicU32::new(EMPTY),
-        lock: Mutex::new(()),
+        index: Index::try_new(1).unwrap(),
     };
-    for i in 0..linked {
-        init(&w, i, u64::from(i) + 1);
-        chain::append(&*w.nodes, &w.head, i, tag(i));
+    if succ {
+        assert!(
+            w.index
+                .set_successor(std::sync::Arc::new(Index::try_new(2).unwrap()))
+        );
+    }
+    for i in 0..present {
+        insert(&w, i);
     }
     Arc::new(w)
 }
 
 /// A found node must be exactly entry `i`.
 fn check_found(w: &World, i: u32) -> bool {
-    match chain::find(&*w.nodes, &w.head, &key(i), tag(i)) {
+    match w.index.find(&*w.nodes, Hash::new(hash(i)), &key(i)) {
         None => false,
-        Some((idx, n)) => {
+        Some(idx) => {
             assert_eq!(idx, i);
+            let n = &w.nodes[idx as usize];
             assert_eq!(n.key(), key(i), "torn key");
             assert_eq!(n.cookie(), u64::from(i) + 1, "cookie not published");
             assert_eq!(n.backend(), BackendId(100 + i), "backend not published");
@@ -91,91 +115,67 @@ fn check_found(w: &World, i: u32) -> bool {
     }
 }
 
-/// A lock-free walk (what dumps do) sees only fully initialised nodes.
-fn check_walk(w: &World) -> usize {
-    let mut n = 0;
-    chain::walk(&*w.nodes, &w.head, 0, u64::MAX, |node| {
-        let c = node.cookie();
-        assert!(c != 0, "cookie not published");
-        let i = (c - 1) as u32;
-        assert_eq!(node.key(), key(i), "key not published");
-        assert_eq!(node.backend(), BackendId(100 + i), "backend not published");
-        n += 1;
-        true
-    });
-    n
+/// What a dump reads of bucket 0 (following the move): only initialised
+/// entries; returns their numbers.
+fn check_bucket_read(w: &World) -> Vec<u32> {
+    let mut ids = Vec::new();
+    if !w.index.read_bucket(0, &mut ids) {
+        let s = w.index.successor().unwrap();
+        assert!(s.read_bucket(0, &mut ids) && s.read_bucket(1, &mut ids));
+    }
+    for &i in &ids {
+        let n = &w.nodes[i as usize];
+        assert_eq!(n.key(), key(i), "dump read a torn key");
+        assert_eq!(
+            n.cookie(),
+            u64::from(i) + 1,
+            "dump read an unpublished cookie"
+        );
+    }
+    ids
 }
 
-/// Lookup and walk racing with an insert and a remove.
+/// Lookup and dump read racing with an insert into an overflow line and a
+/// remove from the head line (two ways per line under loom).
 pub fn lookup_vs_insert_and_remove() {
     model(|| {
-        // 0 (stable) -> 1 (removed by the writer); 2 is inserted. Reader and
-        // writer are both spawned so loom schedules them symmetrically.
-        let w = world(3, 2);
+        // 0, 1 fill the head line, 2 sits in an overflow line (present
+        // throughout). The writer inserts 3 (overflow) and removes 0.
+        let w = world(4, 3, false);
         let wr = Arc::clone(&w);
         let writer = thread::spawn(move || {
-            {
-                let _g = wr.lock.lock().unwrap();
-                init(&wr, 2, 3);
-                chain::append(&*wr.nodes, &wr.head, 2, tag(2));
-            }
-            {
-                let _g = wr.lock.lock().unwrap();
-                assert!(chain::unlink(&*wr.nodes, &wr.head, 1).is_some());
-                wr.nodes[1].clear_live();
-            }
+            insert(&wr, 3);
+            remove(&wr, 0);
         });
         let rd = Arc::clone(&w);
         let reader = thread::spawn(move || {
-            assert!(check_found(&rd, 0), "stable entry missed");
-            let _ = check_found(&rd, 2);
-            let _ = check_found(&rd, 1);
-            assert!(check_walk(&rd) >= 1);
+            assert!(check_found(&rd, 2), "stable overflow entry missed");
+            let _ = check_found(&rd, 3);
+            let _ = check_found(&rd, 0);
+        });
+        let dr = Arc::clone(&w);
+        let dumper = thread::spawn(move || {
+            let ids = check_bucket_read(&dr);
+            assert!(
+                ids.contains(&1) && ids.contains(&2),
+                "dump read missed a stable entry"
+            );
         });
         writer.join().unwrap();
         reader.join().unwrap();
-        assert!(check_found(&w, 2));
-        assert!(!check_found(&w, 1));
-    });
-}
-
-/// Lookup of a stable entry while its predecessors are unlinked.
-pub fn lookup_survives_unlink_of_predecessors() {
-    model(|| {
-        // 0 -> 1 -> 2 (stable); the writer removes 1 then 0 while the reader
-        // may stand on either.
-        let w = world(3, 3);
-        let wr = Arc::clone(&w);
-        let writer = thread::spawn(move || {
-            for i in [1, 0] {
-                let _g = wr.lock.lock().unwrap();
-                assert!(chain::unlink(&*wr.nodes, &wr.head, i).is_some());
-            }
-        });
-        let rd = Arc::clone(&w);
-        let reader = thread::spawn(move || {
-            assert!(check_found(&rd, 2), "stable entry missed");
-        });
-        writer.join().unwrap();
-        reader.join().unwrap();
-        assert!(check_found(&w, 2));
+        dumper.join().unwrap();
+        assert!(check_found(&w, 3));
         assert!(!check_found(&w, 0));
     });
 }
 
-/// Two appending writers (serialised by the lock) and a reader.
+/// Two writers on one bucket (the lock bit) and a reader.
 pub fn two_writers_and_a_reader() {
     model(|| {
-        // Two writers append under the lock; the reader must find the
-        // stable head and either nothing or the complete new entries.
-        let w = world(3, 1);
+        let w = world(3, 1, false);
         let spawn = |i: u32| {
             let wr = Arc::clone(&w);
-            thread::spawn(move || {
-                let _g = wr.lock.lock().unwrap();
-                init(&wr, i, u64::from(i) + 1);
-                chain::append(&*wr.nodes, &wr.head, i, tag(i));
-            })
+            thread::spawn(move || insert(&wr, i))
         };
         let a = spawn(1);
         let b = spawn(2);
@@ -184,11 +184,48 @@ pub fn two_writers_and_a_reader() {
             assert!(check_found(&rd, 0));
             let _ = check_found(&rd, 1);
             let _ = check_found(&rd, 2);
-            assert!(check_walk(&rd) >= 1);
         });
         a.join().unwrap();
         b.join().unwrap();
         reader.join().unwrap();
         assert!(check_found(&w, 1) && check_found(&w, 2));
+        let mut ids = check_bucket_read(&w);
+        ids.sort_unstable();
+        assert_eq!(ids, [0, 1, 2], "a writer's entry was lost");
+    });
+}
+
+/// A resize moves the bucket while a reader looks up and a writer inserts
+/// (its home decided under the old bucket's lock).
+pub fn lookup_and_insert_vs_migration() {
+    model(|| {
+        let w = world(4, 3, true);
+        let mv = Arc::clone(&w);
+        let mover = thread::spawn(move || {
+            assert!(mv.index.claim() == Some(0));
+            mv.index.migrate(0, &*mv.nodes, &hash);
+        });
+        let wr = Arc::clone(&w);
+        let writer = thread::spawn(move || insert(&wr, 3));
+        let rd = Arc::clone(&w);
+        let reader = thread::spawn(move || {
+            // 2 sits in the old index's overflow line (two ways per line).
+            assert!(check_found(&rd, 2), "entry 2 missed during the move");
+            assert!(check_found(&rd, 1), "entry 1 missed during the move");
+            let _ = check_found(&rd, 3);
+        });
+        mover.join().unwrap();
+        writer.join().unwrap();
+        reader.join().unwrap();
+        assert!(w.index.fully_moved());
+        // Everything, the racing insert included, is in the successor once.
+        let s = w.index.successor().unwrap();
+        let mut ids = Vec::new();
+        assert!(s.read_bucket(0, &mut ids) && s.read_bucket(1, &mut ids));
+        ids.sort_unstable();
+        assert_eq!(ids, [0, 1, 2, 3]);
+        for i in 0..4 {
+            assert!(check_found(&w, i));
+        }
     });
 }

@@ -1,12 +1,13 @@
 //! Entry layout and the node arena.
 //!
 //! Every entry is a fixed 112-byte [`Node`] made only of atomics, so a
-//! lock-free reader may read any field while a writer holding the stripe lock
-//! changes others, without a data race and without `unsafe`. Nodes live in a
-//! [`Slab`] of never-freed chunks and link to each other by `u32` index
-//! (`NIL` ends a chain); an index is recycled only after an epoch grace
-//! period (see `table.rs`), so a reader never sees a node change identity
-//! under its feet.
+//! lock-free reader may read any field while a writer changes others,
+//! without a data race and without `unsafe`. The node *is* the flow: key,
+//! service, backend, state, timers, counters each way, the owner's token and
+//! the NAT mapping slot. Nodes live in a [`Slab`] of never-freed chunks and
+//! are named by `u32` index from the bucket index (`index.rs`); an index is
+//! recycled only after an epoch grace period (see `table.rs`), so a reader
+//! never sees a node change identity under its feet.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::OnceLock;
@@ -18,12 +19,10 @@ use crate::types::{
     TenantId,
 };
 
-/// Bits of a node index; the table holds at most `NIL` (2^26 - 1) entries.
-pub(crate) const IDX_BITS: u32 = 26;
-/// End of a chain (also the "no entry" index in a bucket head).
+/// Bits of a node index; the table holds at most `NIL` (2^28 - 1) entries.
+pub(crate) const IDX_BITS: u32 = 28;
+/// Never a valid node index.
 pub(crate) const NIL: u32 = (1 << IDX_BITS) - 1;
-/// Bits of the per-bucket bloom filter kept above the index in the head.
-pub(crate) const BLOOM_BITS: u32 = 32 - IDX_BITS;
 
 // `meta` word layout.
 pub(crate) const LIVE: u32 = 1;
@@ -36,11 +35,9 @@ const STATE_MASK: u32 = 0xF << STATE_SHIFT;
 const SLOT_SHIFT: u32 = 8;
 /// Wheel slot numbers must fit in 12 bits; this value means "not filed".
 pub(crate) const UNFILED: u32 = 0xFFF;
-const TAG_SHIFT: u32 = 20;
-const TAG_MASK: u32 = 0x7 << TAG_SHIFT;
 
 /// A key packed the way nodes store it: compared and hashed as words.
-#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+#[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
 pub(crate) struct PackedKey {
     pub(crate) tenant: u32,
     pub(crate) bits: u32,
@@ -105,23 +102,31 @@ impl PackedKey {
     }
 }
 
-/// One entry. `repr(C)` keeps the chain link and key in the first cache line.
+/// One entry. `repr(C)`: the key, cookie, service and backend fill the
+/// first cache line (all a lookup or a dump filter reads), the clocks and
+/// counters the second.
 #[repr(C)]
 #[derive(Debug, Default)]
 pub(crate) struct Node {
-    pub(crate) next: AtomicU32,
     pub(crate) meta: AtomicU32,
     tenant: AtomicU32,
     ports: AtomicU32,
+    /// Opaque token of whoever owns the flow (a proxy connection's task);
+    /// expiry and kills hand it back so the owner can be told to close.
+    owner: AtomicU32,
     caddr: [AtomicU64; 2],
     vaddr: [AtomicU64; 2],
     cookie: AtomicU64,
+    service: AtomicU32,
+    backend: AtomicU32,
     last_active: AtomicU64,
     bytes: [AtomicU64; 2],
     packets: [AtomicU64; 2],
-    created: AtomicU64,
-    service: AtomicU32,
-    backend: AtomicU32,
+    /// Insert time in whole seconds of the caller's clock.
+    created_s: AtomicU32,
+    /// Packet mode's NAT mapping slot (full-NAT: local address index << 16 |
+    /// local port); 0 = none.
+    nat: AtomicU32,
 }
 
 #[cfg(not(loom))]
@@ -130,28 +135,26 @@ const _: () = assert!(std::mem::size_of::<Node>() == 112);
 impl Node {
     /// Writes a fresh entry. Only for a node no reader can reach (just
     /// allocated); the writer then publishes it with a Release store.
-    /// `tag` (`< BLOOM_BITS`) is the node's bit in its bucket's bloom filter.
-    pub(crate) fn init(&self, k: &PackedKey, tag: u32, init: &FlowInit, cookie: u64, now: Millis) {
-        self.next.store(NIL, Relaxed);
+    pub(crate) fn init(&self, k: &PackedKey, init: &FlowInit, cookie: u64, now: Millis) {
         self.tenant.store(k.tenant, Relaxed);
         self.ports.store(k.ports, Relaxed);
+        self.owner.store(init.owner, Relaxed);
         self.caddr[0].store(k.caddr[0], Relaxed);
         self.caddr[1].store(k.caddr[1], Relaxed);
         self.vaddr[0].store(k.vaddr[0], Relaxed);
         self.vaddr[1].store(k.vaddr[1], Relaxed);
         self.cookie.store(cookie, Relaxed);
         self.last_active.store(now.0, Relaxed);
-        self.created.store(now.0, Relaxed);
+        self.created_s
+            .store(u32::try_from(now.0 / 1000).unwrap_or(u32::MAX), Relaxed);
+        self.nat.store(0, Relaxed);
         for c in self.bytes.iter().chain(self.packets.iter()) {
             c.store(0, Relaxed);
         }
         self.service.store(init.service.0, Relaxed);
         self.backend.store(init.backend.0, Relaxed);
         self.meta.store(
-            LIVE | k.bits
-                | (init.state.code() << STATE_SHIFT)
-                | (UNFILED << SLOT_SHIFT)
-                | (tag << TAG_SHIFT),
+            LIVE | k.bits | (init.state.code() << STATE_SHIFT) | (UNFILED << SLOT_SHIFT),
             Relaxed,
         );
     }
@@ -159,8 +162,8 @@ impl Node {
     /// Prefetches both cache lines the node may span.
     #[inline]
     pub(crate) fn prefetch(&self) {
-        crate::raw::prefetch(&self.next);
-        crate::raw::prefetch(&self.backend);
+        crate::raw::prefetch(&self.meta);
+        crate::raw::prefetch(&self.nat);
     }
 
     /// Full key compare, cheapest-to-differ words first.
@@ -218,9 +221,16 @@ impl Node {
         (self.meta.load(Relaxed) >> SLOT_SHIFT) & UNFILED
     }
 
-    /// The node's bloom bit number in its bucket head.
-    pub(crate) fn tag(&self) -> u32 {
-        (self.meta.load(Relaxed) & TAG_MASK) >> TAG_SHIFT
+    pub(crate) fn owner(&self) -> u32 {
+        self.owner.load(Relaxed)
+    }
+
+    pub(crate) fn nat(&self) -> u32 {
+        self.nat.load(Relaxed)
+    }
+
+    pub(crate) fn set_nat(&self, v: u32) {
+        self.nat.store(v, Relaxed);
     }
 
     pub(crate) fn set_filed_slot(&self, slot: u32) {
@@ -230,14 +240,14 @@ impl Node {
         });
     }
 
-    /// Under the stripe lock.
+    /// Any thread; the last writer wins.
     pub(crate) fn set_state(&self, st: FlowState) {
         let _ = self.meta.fetch_update(Relaxed, Relaxed, |m| {
             Some((m & !STATE_MASK) | (st.code() << STATE_SHIFT))
         });
     }
 
-    /// Under the stripe lock, after unlinking.
+    /// Under the bucket lock, after unpublishing.
     pub(crate) fn clear_live(&self) {
         self.meta.fetch_and(!LIVE, Relaxed);
     }
@@ -268,13 +278,14 @@ impl Node {
             service: self.service(),
             backend: self.backend(),
             state,
-            created: Millis(self.created.load(Relaxed)),
+            created: Millis(u64::from(self.created_s.load(Relaxed)) * 1000),
             last_active: Millis(last),
             expires_at: Millis(last.saturating_add(timeout(state))),
             bytes_in: self.bytes[0].load(Relaxed),
             bytes_out: self.bytes[1].load(Relaxed),
             packets_in: self.packets[0].load(Relaxed),
             packets_out: self.packets[1].load(Relaxed),
+            owner: self.owner(),
         }
     }
 }
@@ -295,8 +306,8 @@ impl Arena for [Node] {
 /// small table stays small; past 128 Ki nodes every chunk holds 128 Ki
 /// nodes = 14 MiB = exactly 7 huge pages (see `raw::HugeArray`), so the last
 /// chunk wastes at most 14 MiB whatever the size.
-/// Indices are 26 bits (the bucket head keeps a bloom filter above them),
-/// so a `FlowTable` holds at most 2^26 - 1 (~67 M) entries.
+/// Indices are 28 bits (the wheel's filing references keep 4 cookie bits
+/// above them), so a `FlowTable` holds at most 2^28 - 1 (~268 M) entries.
 const SMALL: u32 = 1024;
 const BIG_SHIFT: u32 = 17;
 const BIG: u32 = 1 << BIG_SHIFT;
@@ -304,7 +315,7 @@ const SMALL_CHUNKS: usize = 8;
 const CHUNKS: usize = SMALL_CHUNKS + (1 << (IDX_BITS - BIG_SHIFT)) - 1;
 
 /// The node arena: chunks allocated on demand and never freed before the
-/// table, addressed by 26-bit indices. Index `NIL` is never handed out.
+/// table, addressed by 28-bit indices. Index `NIL` is never handed out.
 #[derive(Debug)]
 pub(crate) struct Slab {
     dir: Box<[OnceLock<HugeArray<Node>>]>,
@@ -340,7 +351,7 @@ impl Slab {
         }
     }
 
-    /// Reserves `n` fresh indices; `None` once the 2^26 - 1 space is used.
+    /// Reserves `n` fresh indices; `None` once the 2^28 - 1 space is used.
     pub(crate) fn alloc_block(&self, n: u32) -> Option<std::ops::Range<u32>> {
         let start = self
             .high
@@ -374,6 +385,15 @@ impl Slab {
             .map(|c| c.bytes())
             .sum();
         chunks + self.dir.len() * std::mem::size_of::<OnceLock<HugeArray<Node>>>()
+    }
+}
+
+impl Slab {
+    /// The node at `i` if `i` was ever handed out (for handles, which a
+    /// caller could carry from one table to another).
+    pub(crate) fn node_checked(&self, i: u32) -> Option<&Node> {
+        let (c, off, _) = locate(i);
+        self.dir.get(c)?.get()?.get(off)
     }
 }
 

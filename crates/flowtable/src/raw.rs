@@ -7,7 +7,7 @@
 //!   one's destruction until every thread pinned at that moment has unpinned
 //!   (crossbeam-epoch), so a reference tied to a live guard never dangles.
 //! * [`HugeArray`]: a fixed-length, zero-initialised array of atomics (node
-//!   chunks, bucket heads), 2 MiB aligned and `MADV_HUGEPAGE`-advised when
+//!   chunks, bucket lines), 2 MiB aligned and `MADV_HUGEPAGE`-advised when
 //!   large, so that random lookups over gigabytes of entries do not pay a
 //!   TLB miss each. Contract: only for types whose all-zero bytes are a
 //!   valid value ([`Zeroable`]).
@@ -105,6 +105,11 @@ unsafe impl Zeroable for std::sync::atomic::AtomicU32 {}
 // `AtomicU64` fields (and arrays of them), each valid as all zeros.
 #[cfg(not(loom))]
 unsafe impl Zeroable for crate::node::Node {}
+// SAFETY: `Bucket` is `repr(C)` and consists only of std `AtomicU32` and
+// `AtomicU64` fields (and an array of them), each valid as all zeros (an
+// all-zero bucket is an empty, unlocked one).
+#[cfg(not(loom))]
+unsafe impl Zeroable for crate::index::Bucket {}
 // Under loom `HugeArray` is built from `Default` values instead.
 // SAFETY: unused for memory under loom (see the loom `HugeArray`).
 #[cfg(loom)]

@@ -1,17 +1,19 @@
-//! One hash table (the shared one or a tenant's own): bucket heads, lock
-//! stripes, the keyed hash and chain statistics; and the per-thread node
-//! caches (allocation/recycling) shared by all tables of a `FlowTable`.
+//! One hash table (the shared one or a tenant's own): its current bucket
+//! index (replaced by a successor when it resizes), the keyed hash, entry
+//! counters; and the per-thread node caches (allocation, recycling, cookies,
+//! entries waiting to be filed in an expiry wheel) shared by all tables of a
+//! `FlowTable`.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use crossbeam_epoch::Guard;
 use crossbeam_utils::CachePadded;
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex;
 
-use crate::node::{Arena, BLOOM_BITS, IDX_BITS, NIL, Node, PackedKey, Slab};
-use crate::raw::HugeArray;
-use crate::sync::AtomicU32;
+use crate::index::{Hash, Index, WAYS};
+use crate::node::{Arena, IDX_BITS, NIL, Node, PackedKey, Slab};
+use crate::raw::EpochCell;
 
 /// Node indices recycled after their grace period, shared by all tables.
 #[derive(Debug, Default)]
@@ -23,20 +25,36 @@ pub(crate) struct FreePool {
 const BATCH: usize = 64;
 /// Node caches per `FlowTable` (threads map onto them round-robin).
 pub(crate) const NODE_CACHES: usize = 8;
+/// Cookies a node cache reserves from the global counter at once.
+const COOKIE_BLOCK: u64 = 256;
 
-/// A thread's cache of free node indices and of unlinked nodes waiting for
-/// their grace period. One per thread slot ([`thread_slot`]), not per lock
-/// stripe: with 256 stripes, a per-stripe cache handed a freed node back
-/// only after ~16 k other operations (64 removes, then 64 inserts, in the
-/// same stripe), long after its lines left the cache, so every insert's
-/// `Node::init` missed on 2-3 lines. A per-thread cache reuses a node a
-/// grace period plus at most 2 x 64 of the thread's own operations later.
-#[derive(Debug, Default)]
+/// A thread's cache of free node indices, of removed nodes waiting for their
+/// grace period, of cookies, and of inserted nodes not yet filed in their
+/// tenant's expiry wheel. One per thread slot ([`thread_slot`]): a freed
+/// node is reused a grace period plus at most 2 x 64 of the thread's own
+/// operations later, while its lines are still cached.
+#[derive(Debug)]
 pub(crate) struct NodeCache {
-    /// Free node indices.
     free: Vec<u32>,
-    /// Unlinked nodes waiting to be retired to the pool in one batch.
     pending: Vec<u32>,
+    cookie_next: u64,
+    cookie_end: u64,
+    /// Inserted (or re-stated) nodes not yet filed, as [`filing_ref`]s.
+    pub(crate) new_nodes: Vec<u32>,
+    compact_at: usize,
+}
+
+impl Default for NodeCache {
+    fn default() -> Self {
+        NodeCache {
+            free: Vec::new(),
+            pending: Vec::new(),
+            cookie_next: 0,
+            cookie_end: 0,
+            new_nodes: Vec::new(),
+            compact_at: 1024,
+        }
+    }
 }
 
 /// This thread's node-cache slot (threads numbered in order of first use).
@@ -45,6 +63,29 @@ pub(crate) fn thread_slot() -> usize {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     thread_local!(static SLOT: usize = NEXT.fetch_add(1, Relaxed));
     SLOT.with(|s| *s) % NODE_CACHES
+}
+
+/// A to-be-filed reference: the node index plus the low 4 bits of the
+/// entry's cookie, so that compaction and filing can tell a reference to the
+/// entry it was pushed for from a stale one whose index was recycled. One
+/// stale reference in 16 slips through; it only makes a duplicate wheel
+/// reference, which expiry tolerates (slot check).
+#[inline]
+pub(crate) fn filing_ref(idx: u32, cookie: u64) -> u32 {
+    idx | ((cookie as u32) << IDX_BITS)
+}
+
+/// The node index of a [`filing_ref`].
+#[inline]
+pub(crate) fn ref_idx(r: u32) -> u32 {
+    r & NIL
+}
+
+/// Whether `n` (at [`ref_idx`]`(r)`) is live and still the entry `r` was
+/// made for (up to the 4 cookie bits).
+#[inline]
+pub(crate) fn ref_current(r: u32, n: &Node) -> bool {
+    n.is_live() && filing_ref(0, n.cookie()) == r & !NIL
 }
 
 impl NodeCache {
@@ -65,106 +106,24 @@ impl NodeCache {
         self.free.pop()
     }
 
-    /// An unlinked node: recycled once every reader that might still be on
-    /// it has unpinned (batched: one deferred closure per `BATCH` nodes).
+    /// Gives back a node that was never published.
+    pub(crate) fn unalloc(&mut self, idx: u32) {
+        self.free.push(idx);
+    }
+
+    /// A removed node: recycled once every reader that might still be on it
+    /// has unpinned (batched: one deferred closure per `BATCH` nodes).
     pub(crate) fn retire(&mut self, idx: u32, guard: &Guard, pool: &Arc<FreePool>) {
         self.pending.push(idx);
         if self.pending.len() >= BATCH {
-            // A full-size replacement (`take` would leave an empty Vec that
-            // reallocates 5 times on the way back to `BATCH`).
             let batch = std::mem::replace(&mut self.pending, Vec::with_capacity(BATCH));
             let pool = Arc::clone(pool);
             guard.defer(move || pool.free.lock().extend(batch));
         }
     }
 
-    pub(crate) fn memory_bytes(&self) -> usize {
-        4 * (self.free.capacity() + self.pending.capacity())
-    }
-}
-/// Cookies a stripe reserves from the global counter at once.
-const COOKIE_BLOCK: u64 = 256;
-/// Default lock stripes of a table (fewer if it has fewer buckets).
-pub(crate) const DEFAULT_STRIPES: usize = 256;
-
-/// A to-be-filed reference: the node index plus the low 6 bits of the
-/// entry's cookie, so that compaction and filing can tell a reference to the
-/// entry it was pushed for from a stale one whose index was recycled (fast,
-/// per-thread recycling makes those common). One stale reference in 64
-/// slips through; it only makes a duplicate wheel reference, which expiry
-/// tolerates (slot check).
-#[inline]
-pub(crate) fn filing_ref(idx: u32, cookie: u64) -> u32 {
-    idx | ((cookie as u32) << IDX_BITS)
-}
-
-/// The node index of a [`filing_ref`].
-#[inline]
-pub(crate) fn ref_idx(r: u32) -> u32 {
-    r & NIL
-}
-
-/// Whether `n` (at [`ref_idx`]`(r)`) is live and still the entry `r` was
-/// made for (up to the 6 cookie bits).
-#[inline]
-pub(crate) fn ref_current(r: u32, n: &Node) -> bool {
-    n.is_live() && filing_ref(0, n.cookie()) == r & !NIL
-}
-
-/// Writer-side state of one lock stripe (buckets `b` with `b & mask == i`).
-#[derive(Debug)]
-pub(crate) struct StripeState {
-    /// Inserted (or re-stated) nodes not yet filed in their tenant's wheel,
-    /// as [`filing_ref`]s.
-    pub(crate) new_nodes: Vec<u32>,
-    compact_at: usize,
-    cookie_next: u64,
-    cookie_end: u64,
-    /// `hist[n]` = buckets of this stripe holding `n` entries.
-    hist: Box<[u64]>,
-}
-
-/// A lock stripe.
-#[derive(Debug)]
-pub(crate) struct Stripe {
-    lock: Mutex<StripeState>,
-    /// `new_nodes.len()`, readable without the lock (expiry skips empty stripes).
-    new_hint: AtomicUsize,
-}
-
-/// A hash table.
-#[derive(Debug)]
-pub(crate) struct Table {
-    /// Dump order: 0 for the shared table, tenant id + 1 for own tables.
-    pub(crate) order: u64,
-    heads: HugeArray<AtomicU32>,
-    mask: u64,
-    stripes: Box<[CachePadded<Stripe>]>,
-    stripe_mask: usize,
-    hash: crate::hash::KeyedHash,
-    pub(crate) max_chain: usize,
-}
-
-/// Where a key lives in a table.
-#[derive(Copy, Clone, Debug)]
-pub(crate) struct Loc {
-    pub(crate) bucket: usize,
-    pub(crate) stripe: usize,
-    /// Bloom bit of the key in its bucket head.
-    pub(crate) tag: u32,
-}
-
-/// Snapshot of chain statistics.
-#[derive(Debug)]
-pub(crate) struct ChainStats {
-    pub(crate) hist: Vec<u64>,
-    pub(crate) entries: u64,
-    pub(crate) max_chain: usize,
-}
-
-impl StripeState {
-    /// Next cookie: increasing within the stripe (hence within each chain),
-    /// unique across the whole `FlowTable` (blocks come from one counter).
+    /// Next cookie: unique across the whole `FlowTable` (blocks come from one
+    /// counter), never 0.
     pub(crate) fn next_cookie(&mut self, global: &AtomicU64) -> u64 {
         if self.cookie_next == self.cookie_end {
             self.cookie_next = global.fetch_add(COOKIE_BLOCK, Relaxed);
@@ -175,57 +134,22 @@ impl StripeState {
         c
     }
 
-    pub(crate) fn hist_move(&mut self, from: usize, to: usize) {
-        if let Some(h) = self.hist.get_mut(from) {
-            *h = h.saturating_sub(1);
-        }
-        if let Some(h) = self.hist.get_mut(to) {
-            *h += 1;
-        }
-    }
-
     /// Records node `idx` (entry `cookie`) for filing in its tenant's wheel.
-    /// Amortised O(1) and O(live entries) even if expiry never runs: when
-    /// the list reaches `compact_at`, it is compacted (stale references
-    /// dropped, O(n), then duplicates, O(n log n), if still needed) only if
-    /// it holds at least `floor` = twice the stripe's entries + 1024
-    /// references; below that it is left alone (already O(entries)) and
-    /// checked again at most 64 pushes later, so plain churn never pays the
-    /// sort. After a compaction the next one is at least the list's length
-    /// away, so compactions are amortised O(log n) per push, and a check
-    /// (reads the stripe's histogram, O(max_chain)) happens at most every 64
-    /// pushes. The list stays below `max(2 x compacted length, floor + 64)`
-    /// <= `2 x floor` (compacted lengths stay below `floor` unless stale
-    /// references to recycled indices pass the 6-bit cookie check, 1 in 64).
-    pub(crate) fn push_new(&mut self, idx: u32, cookie: u64, slab: &Slab) {
+    /// Amortised O(1), and the list stays O(live entries) even if expiry
+    /// never runs: at `compact_at` references, stale ones are dropped (and
+    /// duplicates, if still needed); the next check is at least twice the
+    /// compacted length (and `floor`) away.
+    pub(crate) fn push_new(&mut self, idx: u32, cookie: u64, slab: &Slab, floor: usize) {
         self.new_nodes.push(filing_ref(idx, cookie));
         if self.new_nodes.len() >= self.compact_at {
-            let floor = 2 * self.entries() + 1024;
-            let len = self.new_nodes.len();
-            self.compact_at = if len >= floor {
-                self.new_nodes
-                    .retain(|&r| ref_current(r, slab.node(ref_idx(r))));
-                // Only repeated `set_state`s (or indices recycled into other
-                // stripes) leave duplicates; plain churn leaves dead nodes,
-                // which the retain alone drops, without the sort.
-                if self.new_nodes.len() >= floor {
-                    self.new_nodes.sort_unstable();
-                    self.new_nodes.dedup();
-                }
-                (self.new_nodes.len() * 2).max(floor)
-            } else {
-                floor.max(len + 64)
-            };
+            self.new_nodes
+                .retain(|&r| ref_current(r, slab.node(ref_idx(r))));
+            if self.new_nodes.len() >= floor {
+                self.new_nodes.sort_unstable();
+                self.new_nodes.dedup();
+            }
+            self.compact_at = (self.new_nodes.len() * 2).max(floor).max(1024);
         }
-    }
-
-    /// Entries in this stripe's buckets (from the histogram).
-    fn entries(&self) -> usize {
-        self.hist
-            .iter()
-            .enumerate()
-            .map(|(n, &c)| n * c as usize)
-            .sum()
     }
 
     pub(crate) fn take_new(&mut self) -> Vec<u32> {
@@ -233,139 +157,235 @@ impl StripeState {
         std::mem::take(&mut self.new_nodes)
     }
 
-    fn memory_bytes(&self) -> usize {
-        4 * self.new_nodes.capacity() + 8 * self.hist.len()
+    pub(crate) fn memory_bytes(&self) -> usize {
+        4 * (self.free.capacity() + self.pending.capacity() + self.new_nodes.capacity())
     }
 }
 
+/// Target load when sizing an index: entries per way.
+const LOAD: f64 = 0.75;
+/// Grow (x2) past this load.
+const GROW_AT: f64 = 0.875;
+/// Shrink (/2) below this load, never under the starting size.
+const SHRINK_AT: f64 = 0.2;
+/// Buckets an insert or remove moves while a resize runs.
+const HELP: usize = 2;
+
+/// Buckets for `entries` at the target load.
+pub(crate) fn buckets_for(entries: usize) -> usize {
+    ((entries as f64 / (WAYS as f64 * LOAD)).ceil() as usize).max(1)
+}
+
+/// A hash table.
+#[derive(Debug)]
+pub(crate) struct Table {
+    /// Dump order: 0 for the shared table, tenant id + 1 for own tables.
+    pub(crate) order: u64,
+    cur: EpochCell<Arc<Index>>,
+    hash: crate::hash::KeyedHash,
+    pub(crate) max_chain: usize,
+    /// Entries, one shard per thread slot.
+    entries: Box<[CachePadded<AtomicI64>]>,
+    min_buckets: usize,
+    max_buckets: usize,
+    /// Serialises starting and finishing resizes.
+    resize: Mutex<()>,
+    pub(crate) resizes: AtomicU64,
+}
+
+/// Snapshot of chain statistics.
+#[derive(Debug)]
+pub(crate) struct ChainStats {
+    pub(crate) hist: Vec<u64>,
+    pub(crate) entries: u64,
+    pub(crate) max_chain: usize,
+    pub(crate) buckets: usize,
+}
+
 impl Table {
-    /// Bytes a table of `buckets` buckets needs (for the memory budget).
-    pub(crate) fn bytes_for(buckets: usize, max_chain: usize, stripes: usize) -> usize {
-        let stripes = stripes.min(buckets);
-        buckets * std::mem::size_of::<AtomicU32>()
-            + stripes * (std::mem::size_of::<CachePadded<Stripe>>() + 8 * (max_chain + 1))
+    /// Bytes a table sized for `entries` needs at first.
+    pub(crate) fn bytes_for(entries: usize) -> usize {
+        buckets_for(entries) * 64
     }
 
-    /// A table; `None` if the bucket array cannot be allocated.
+    /// A table sized for `entries` that may grow to `max_entries`; `None` if
+    /// the bucket array cannot be allocated.
     pub(crate) fn try_new(
         order: u64,
-        buckets: usize,
+        entries: usize,
+        max_entries: usize,
         max_chain: usize,
-        stripes: usize,
         keys: (u64, u64),
     ) -> Option<Table> {
-        assert!(buckets.is_power_of_two() && stripes.is_power_of_two());
-        let stripes = stripes.min(buckets);
-        let heads = HugeArray::<AtomicU32>::zeroed(buckets)?;
-        for h in heads.iter() {
-            h.store(crate::chain::EMPTY, Relaxed);
-        }
-        let per_stripe = (buckets / stripes) as u64;
-        let stripes = (0..stripes)
-            .map(|_| {
-                let mut hist = vec![0u64; max_chain + 1].into_boxed_slice();
-                hist[0] = per_stripe;
-                CachePadded::new(Stripe {
-                    lock: Mutex::new(StripeState {
-                        new_nodes: Vec::new(),
-                        compact_at: 1024,
-                        cookie_next: 0,
-                        cookie_end: 0,
-                        hist,
-                    }),
-                    new_hint: AtomicUsize::new(0),
-                })
-            })
-            .collect::<Box<[_]>>();
+        let n = buckets_for(entries);
+        let ix = Index::try_new(n)?;
         Some(Table {
             order,
-            heads,
-            mask: (buckets - 1) as u64,
-            stripe_mask: stripes.len() - 1,
-            stripes,
+            cur: EpochCell::new(Arc::new(ix)),
             hash: crate::hash::KeyedHash::new(keys.0, keys.1),
             max_chain,
+            entries: (0..NODE_CACHES).map(|_| CachePadded::default()).collect(),
+            min_buckets: n,
+            max_buckets: buckets_for(max_entries).max(n),
+            resize: Mutex::new(()),
+            resizes: AtomicU64::new(0),
         })
     }
 
-    pub(crate) fn buckets(&self) -> usize {
-        self.heads.len()
+    /// The current index (follow `successor` for buckets that moved).
+    #[inline]
+    pub(crate) fn index<'g>(&'g self, guard: &'g Guard) -> &'g Index {
+        self.cur.load(guard)
+    }
+
+    /// Buckets of the newest index.
+    pub(crate) fn buckets(&self, guard: &Guard) -> usize {
+        let ix = self.index(guard);
+        ix.successor().map_or(ix.len(), |s| s.len())
     }
 
     /// Keyed hash (see `hash.rs`) of the full key, salted with the tenant's
     /// salt (which stands for the tenant: distinct salts per tenant).
     #[inline]
-    pub(crate) fn locate(&self, k: &PackedKey, salt: u64) -> Loc {
-        let h = self.hash.hash5([
+    pub(crate) fn hash(&self, k: &PackedKey, salt: u64) -> Hash {
+        Hash::new(self.hash_raw(k, salt))
+    }
+
+    #[inline]
+    pub(crate) fn hash_raw(&self, k: &PackedKey, salt: u64) -> u64 {
+        self.hash.hash5([
             salt ^ (u64::from(k.ports) << 32 | u64::from(k.bits)),
             k.caddr[0],
             k.caddr[1],
             k.vaddr[0],
             k.vaddr[1],
-        ]);
-        let bucket = (h & self.mask) as usize;
-        Loc {
-            bucket,
-            stripe: bucket & self.stripe_mask,
-            tag: ((h >> 32) as u32) % BLOOM_BITS,
+        ])
+    }
+
+    pub(crate) fn add_entries(&self, d: i64) {
+        self.entries[thread_slot()].fetch_add(d, Relaxed);
+    }
+
+    pub(crate) fn entries(&self) -> u64 {
+        let n: i64 = self.entries.iter().map(|c| c.load(Relaxed)).sum();
+        n.max(0) as u64
+    }
+
+    /// Starts a resize if the load asks for one (and none runs). `grow_ok`
+    /// says whether memory may be added (budget).
+    pub(crate) fn maybe_resize(&self, guard: &Guard, grow_ok: impl Fn(usize) -> bool) -> bool {
+        let ix = self.index(guard);
+        if ix.successor().is_some() {
+            return false;
         }
+        let n = ix.len();
+        let load = self.entries() as f64 / (n * WAYS) as f64;
+        let target = if load > GROW_AT && n < self.max_buckets {
+            (n * 2).min(self.max_buckets)
+        } else if load < SHRINK_AT && n > self.min_buckets {
+            (n / 2).max(self.min_buckets)
+        } else {
+            return false;
+        };
+        if target > n && !grow_ok((target - n) * 64) {
+            return false;
+        }
+        self.start_resize(guard, target)
     }
 
-    #[inline]
-    pub(crate) fn head(&self, b: usize) -> &AtomicU32 {
-        &self.heads[b]
+    /// Starts moving to an index of `buckets` buckets; `false` if a resize
+    /// runs already or the allocation fails.
+    pub(crate) fn start_resize(&self, guard: &Guard, buckets: usize) -> bool {
+        let _g = self.resize.lock();
+        let ix = self.index(guard);
+        if ix.successor().is_some() {
+            return false;
+        }
+        let Some(next) = Index::try_new(buckets) else {
+            return false;
+        };
+        ix.set_successor(Arc::new(next))
     }
 
-    pub(crate) fn stripes(&self) -> usize {
-        self.stripes.len()
-    }
-
-    #[inline]
-    pub(crate) fn lock(&self, s: usize) -> MutexGuard<'_, StripeState> {
-        self.stripes[s].lock.lock()
-    }
-
-    pub(crate) fn set_new_hint(&self, s: usize, st: &StripeState) {
-        self.stripes[s].new_hint.store(st.new_nodes.len(), Relaxed);
-    }
-
-    pub(crate) fn has_new(&self, s: usize) -> bool {
-        self.stripes[s].new_hint.load(Relaxed) != 0
-    }
-
-    /// Nodes waiting to be filed in wheels, summed over stripes.
-    pub(crate) fn pending_filing_refs(&self) -> usize {
-        self.stripes
-            .iter()
-            .map(|s| s.lock.lock().new_nodes.len())
-            .sum()
-    }
-
-    /// O(stripes x max_chain): locks each stripe briefly.
-    pub(crate) fn chain_stats(&self) -> ChainStats {
-        let mut hist = vec![0u64; self.max_chain + 1];
-        for s in self.stripes.iter() {
-            let st = s.lock.lock();
-            for (a, b) in hist.iter_mut().zip(st.hist.iter()) {
-                *a += b;
+    /// Moves up to `budget` buckets of a running resize and finishes it when
+    /// all moved. Returns the buckets moved.
+    pub(crate) fn help_resize<A: Arena + ?Sized>(
+        &self,
+        guard: &Guard,
+        arena: &A,
+        budget: usize,
+        rehash: &impl Fn(u32) -> u64,
+    ) -> usize {
+        let ix = self.index(guard);
+        let Some(succ) = ix.successor() else {
+            return 0;
+        };
+        let mut done = 0;
+        while done < budget {
+            let Some(b) = ix.claim() else { break };
+            ix.migrate(b, arena, rehash);
+            done += 1;
+        }
+        if ix.fully_moved() {
+            let _g = self.resize.lock();
+            let now = self.index(guard);
+            if std::ptr::eq(now, ix) {
+                self.cur.replace(Arc::clone(succ), guard);
+                self.resizes.fetch_add(1, Relaxed);
             }
         }
-        let entries = hist.iter().enumerate().map(|(n, c)| n as u64 * c).sum();
+        done
+    }
+
+    /// Whether a resize is running.
+    pub(crate) fn resizing(&self, guard: &Guard) -> bool {
+        self.index(guard).successor().is_some()
+    }
+
+    /// Buckets an insert moves while a resize runs.
+    pub(crate) const HELP: usize = HELP;
+
+    /// Bucket counts: all buckets up to 2^20, else an even sample of 2^20
+    /// of them scaled up. During a resize, the old index's buckets not yet
+    /// moved plus all of the successor's, and `buckets` says how many that
+    /// is (so the histogram always sums to `buckets`).
+    pub(crate) fn chain_stats(&self, guard: &Guard) -> ChainStats {
+        let mut hist = vec![0u64; self.max_chain + 1];
+        let mut counted = 0u64;
+        let mut add = |ix: &Index| {
+            let n = ix.len();
+            let step = n.div_ceil(1 << 20).max(1);
+            let mut b = 0;
+            while b < n {
+                if let Some(c) = ix.count(b) {
+                    let c = c.min(self.max_chain);
+                    hist[c] += step as u64;
+                    counted += step as u64;
+                }
+                b += step;
+            }
+        };
+        let ix = self.index(guard);
+        add(ix);
+        let buckets = match ix.successor() {
+            Some(s) => {
+                add(s);
+                counted as usize
+            }
+            None => ix.len(),
+        };
         let max_chain = hist.iter().rposition(|&c| c != 0).unwrap_or(0);
         hist.truncate(max_chain + 1);
         ChainStats {
             hist,
-            entries,
+            entries: self.entries(),
             max_chain,
+            buckets,
         }
     }
 
-    pub(crate) fn memory_bytes(&self) -> usize {
-        let mut b =
-            self.heads.bytes() + self.stripes.len() * std::mem::size_of::<CachePadded<Stripe>>();
-        for s in self.stripes.iter() {
-            b += s.lock.lock().memory_bytes();
-        }
-        b
+    pub(crate) fn memory_bytes(&self, guard: &Guard) -> usize {
+        let ix = self.index(guard);
+        ix.bytes() + ix.successor().map_or(0, |s| s.bytes())
     }
 }

@@ -218,12 +218,28 @@ pub struct FlowInit {
     pub backend: BackendId,
     /// Initial state.
     pub state: FlowState,
+    /// Opaque token naming the flow's owner (e.g. the proxy task that holds
+    /// its sockets), returned in every [`FlowSnapshot`] so that expiry, kills
+    /// and tenant removal can tell the owner to close. 0 = none.
+    pub owner: u32,
 }
 
-/// A consistent-enough copy of one entry. Fields written under the stripe
-/// lock (state) and the lock-free counters are read with relaxed loads, so a
-/// snapshot taken while a `touch` runs may show its bytes but not yet its
-/// packet (each counter is exact on its own).
+/// Names one entry without hashing: its node and its cookie. Returned by
+/// [`FlowTable::insert_handle`](crate::FlowTable::insert_handle); every
+/// operation through a handle first checks that the node still holds the
+/// entry with that cookie, so a stale handle (entry removed, node reused)
+/// finds nothing instead of another flow.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
+pub struct Handle {
+    pub(crate) idx: u32,
+    /// The entry's cookie.
+    pub cookie: Cookie,
+}
+
+/// A consistent-enough copy of one entry. The state and the lock-free
+/// counters are read with relaxed loads, so a snapshot taken while a `touch`
+/// runs may show its bytes but not yet its packet (each counter is exact on
+/// its own). `created` has a resolution of one second.
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
 pub struct FlowSnapshot {
     /// The key.
@@ -250,6 +266,8 @@ pub struct FlowSnapshot {
     pub packets_in: u64,
     /// Packets (or reads) backend -> client.
     pub packets_out: u64,
+    /// The owner token given at insert ([`FlowInit::owner`]).
+    pub owner: u32,
 }
 
 /// Direction of traffic for [`FlowTable::touch`](crate::FlowTable::touch).
@@ -343,8 +361,9 @@ impl Timeouts {
 /// Table-wide configuration.
 #[derive(Clone, Debug)]
 pub struct TableConfig {
-    /// Buckets of the shared table; a power of two in `1..=2^26`.
-    /// Values that are not are rounded up to the next power of two (clamped).
+    /// Entries the shared table is sized for at first (`1..=2^28`, clamped;
+    /// at 6 entries per 8-way bucket line). It grows (and shrinks back to
+    /// this) online as its load asks.
     pub shared_buckets: usize,
     /// Longest chain an insert may extend; past it inserts are refused with
     /// [`InsertError::ChainFull`] and counted (hash-flood defence, like
@@ -373,13 +392,16 @@ impl Default for TableConfig {
 #[derive(Clone, Debug, Default)]
 pub struct TenantConfig {
     /// 0 = share the global table (the default); else the bucket count of
-    /// the tenant's own table, a power of two `<= 2^24`, fixed for its life.
+    /// the number of entries the tenant's own table is sized for at first, a
+    /// power of two `<= 2^24`; it grows online up to [`MAX_OWN_BUCKETS`]
+    /// entries (while the memory budget allows) and shrinks back to this.
     pub own_buckets: usize,
     /// Idle timeouts for this tenant's entries.
     pub timeouts: Timeouts,
 }
 
-/// Largest own-table bucket count (like `tcp_child_ehash_entries`).
+/// Largest own-table starting size and growth cap, in entries (like
+/// `tcp_child_ehash_entries`).
 pub const MAX_OWN_BUCKETS: usize = 1 << 24;
 
 /// Why a tenant that asked for its own table shares the global one.
@@ -486,19 +508,21 @@ impl DumpFilter {
     }
 }
 
-/// Introspection for one tenant; cheap (O(lock stripes x max_chain)).
+/// Introspection for one tenant; cheap (at most 2^20 bucket headers read).
 #[derive(Clone, Debug, PartialEq)]
 pub struct TableStats {
     /// The tenant's entries.
     pub entries: u64,
     /// Entries of the table the tenant lives in (= `entries` for an own table).
     pub table_entries: u64,
-    /// Buckets of that table.
+    /// Buckets (64-byte lines of 8 ways) of that table's newest index.
     pub buckets: usize,
-    /// `table_entries / buckets`.
+    /// Entries per way: `table_entries / (buckets x 8)`.
     pub load_factor: f64,
-    /// `chain_histogram[n]` = buckets of that table holding `n` entries
-    /// (trailing zero classes trimmed).
+    /// `chain_histogram[n]` = buckets of that table holding `n` entries in
+    /// their chain (head line and overflow lines; trailing zero classes
+    /// trimmed). Tables of more than 2^20 buckets are sampled evenly and
+    /// scaled up.
     pub chain_histogram: Vec<u64>,
     /// Longest current chain of that table.
     pub max_chain: usize,

@@ -25,6 +25,7 @@ fn key(tenant: u32, i: u16) -> FlowKey {
 
 fn init(state: FlowState) -> FlowInit {
     FlowInit {
+        owner: 0,
         service: ServiceId(1),
         backend: BackendId(2),
         state,
@@ -67,7 +68,8 @@ fn chain_cap_refuses_and_counts() {
     assert_eq!(st.entries, 4);
     assert_eq!(st.max_chain, 4);
     assert_eq!(st.chain_histogram, vec![0, 0, 0, 0, 1]);
-    assert_eq!(st.load_factor, 4.0);
+    // Entries per way: one bucket line has 8.
+    assert_eq!(st.load_factor, 0.5);
     // Room again after a remove.
     assert!(t.remove(&key(1, 0)).is_some());
     t.insert(key(1, 4), init(FlowState::Established), Millis(0))
@@ -321,11 +323,12 @@ fn stale_cursors_resume_sanely() {
     assert_eq!(t.dump(Some(&cur), &all, usize::MAX, &mut rest), None);
     assert_eq!(rest.len(), 50);
     assert!(rest.iter().all(|s| s.key.tenant == TenantId(3)));
-    // Out-of-range bucket and unknown table: no panic, sane result.
+    // Out-of-range hash position and unknown table: no panic, sane result.
     for s in [
-        "c1.0.ffffffff.0",
-        "c1.ffffffffffffffff.0.0",
-        "c1.2.0.ffffffffffffffff",
+        "c2.0.ffffffff.0",
+        "c2.0.ffffffffffffffff.0",
+        "c2.ffffffffffffffff.0.0",
+        "c2.2.0.ffffffffffffffff",
     ] {
         let c: Cursor = s.parse().unwrap();
         let mut v = Vec::new();
@@ -345,6 +348,7 @@ fn dump_filters_and_naive_contrast() {
     let t = table_with(&[(1, 0)], cfg(8, 64));
     for i in 0..40u16 {
         let init = FlowInit {
+            owner: 0,
             service: ServiceId(u32::from(i % 2)),
             backend: BackendId(u32::from(i % 5)),
             state: if i % 3 == 0 {
@@ -435,12 +439,12 @@ fn churn_with_long_timeouts_keeps_the_wheel_small() {
     assert!(refs < 20_000, "wheel holds {refs} references for 0 entries");
 }
 
-/// Without any `expire` call, the per-stripe lists of nodes waiting to be
+/// Without any `expire` call, the per-thread lists of nodes waiting to be
 /// filed must stay O(live entries) under churn and repeated `set_state`
-/// (the lists are compacted only when they outgrow the stripe's entries).
+/// (the lists are compacted when they outgrow their floor).
 #[test]
 fn churn_without_expiry_keeps_pending_lists_small() {
-    let t = FlowTable::with_stripes(cfg(1 << 10, 64), 1);
+    let t = FlowTable::new(cfg(1 << 10, 64));
     t.add_tenant(TenantId(1), TenantConfig::default()).unwrap();
     for i in 0..100 {
         t.insert(key(1, i), init(FlowState::Established), Millis(0))

@@ -96,13 +96,15 @@ fn expect(k: &FlowKey, m: &M) -> FlowSnapshot {
         service: ServiceId(m.service),
         backend: BackendId(m.backend),
         state: m.state,
-        created: Millis(m.created),
+        // The table keeps creation times in whole seconds.
+        created: Millis(m.created / 1000 * 1000),
         last_active: Millis(last),
         expires_at: Millis(last + Timeouts::default().get(m.state).0),
         bytes_in: m.bytes[0],
         bytes_out: m.bytes[1],
         packets_in: m.pkts[0],
         packets_out: m.pkts[1],
+        owner: 0,
     }
 }
 
@@ -132,6 +134,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Insert(k, s, b, st) => {
                 let key = k.key();
                 let init = FlowInit {
+                    owner: 0,
                     service: ServiceId(s),
                     backend: BackendId(b),
                     state: st,

@@ -41,21 +41,17 @@ const MEMORY_LINE: &str = "weir-bench-memory:";
 const TENANT: u32 = 1;
 
 /// Implementations raced. `Weir*` variants share one code path with
-/// different lock-stripe counts or lookup operations; only the plain ones
-/// count as peers for "vs best peer".
+/// different lookup operations; only the plain ones count as peers for
+/// "vs best peer".
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Impl {
-    /// weir, default lock stripes, lookups with `get`.
+    /// weir, lookups with `get`.
     Weir,
     /// weir, lookups with the data path's `touch` (writes the entry's counters).
     WeirTouch,
     /// weir, `get` through a `Reader` pinned once per batch of [`READER_BATCH`]
     /// lookups (how a data-path worker handles a batch of packets).
     WeirReader,
-    /// weir with one lock stripe per table (a global write lock).
-    WeirStripes1,
-    /// weir with 4096 lock stripes per table.
-    WeirStripes4096,
     Dash,
     Papaya,
     Scc,
@@ -64,10 +60,8 @@ pub(crate) enum Impl {
 }
 
 impl Impl {
-    const CHURN: [Impl; 8] = [
+    const CHURN: [Impl; 6] = [
         Impl::Weir,
-        Impl::WeirStripes1,
-        Impl::WeirStripes4096,
         Impl::Dash,
         Impl::Papaya,
         Impl::Scc,
@@ -98,8 +92,6 @@ impl Impl {
             Impl::Weir => "weir",
             Impl::WeirTouch => "weir (touch)",
             Impl::WeirReader => "weir (reader, 64/pin)",
-            Impl::WeirStripes1 => "weir (1 lock stripe)",
-            Impl::WeirStripes4096 => "weir (4096 lock stripes)",
             Impl::Dash => "dashmap",
             Impl::Papaya => "papaya",
             Impl::Scc => "scc",
@@ -178,11 +170,9 @@ impl Built {
     /// Implementation `imp`, presized for `cap` entries.
     fn new(imp: Impl, cap: usize) -> Self {
         match imp {
-            Impl::Weir => Built::Weir(Conc(Weir::new(cap, None, false))),
-            Impl::WeirTouch => Built::Weir(Conc(Weir::new(cap, None, true))),
-            Impl::WeirReader => Built::Weir(Conc(Weir::new(cap, None, false))),
-            Impl::WeirStripes1 => Built::Weir(Conc(Weir::new(cap, Some(1), false))),
-            Impl::WeirStripes4096 => Built::Weir(Conc(Weir::new(cap, Some(4096), false))),
+            Impl::Weir => Built::Weir(Conc(Weir::new(cap, false))),
+            Impl::WeirTouch => Built::Weir(Conc(Weir::new(cap, true))),
+            Impl::WeirReader => Built::Weir(Conc(Weir::new(cap, false))),
             Impl::Dash => Built::Dash(Conc(Dash::new(cap))),
             Impl::Papaya => Built::Papaya(Conc(Papaya::new(cap))),
             Impl::Scc => Built::Scc(Conc(Scc::new(cap))),
@@ -1082,19 +1072,19 @@ mod tests {
 
     #[test]
     fn reader_lookups_check_themselves() {
-        let mut w = Conc(Weir::new(1000, None, false));
+        let mut w = Conc(Weir::new(1000, false));
         fill(&mut w, TENANT, 0..1000).expect("fill");
         let r = reader_lookups(&w.0.table, 1000, 2, true, SMALL).expect("hits");
         assert_eq!(r.ops, 20_000 / READER_BATCH * READER_BATCH);
         reader_lookups(&w.0.table, 1000, 2, false, SMALL).expect("misses");
         // A table missing the keys fails the hit check.
-        let empty = Weir::new(1000, None, false);
+        let empty = Weir::new(1000, false);
         assert!(reader_lookups(&empty.table, 1000, 1, true, SMALL).is_err());
     }
 
     #[test]
     fn churn_window_leaves_live_entries_live() {
-        let mut w = Conc(Weir::new(1000, None, false));
+        let mut w = Conc(Weir::new(1000, false));
         fill(&mut w, TENANT, 0..1000).expect("fill");
         let r = churn(&mut w, 1000, 0, 1, SMALL).expect("churn");
         // After the run the live window is [ops, ops + 1000).

@@ -61,17 +61,14 @@ pub(crate) struct Weir {
 }
 
 impl Weir {
-    /// A table with `next_power_of_two(cap)` shared buckets and `stripes` lock stripes.
-    pub(crate) fn new(cap: usize, stripes: Option<usize>, touch: bool) -> Self {
+    /// A table whose shared index starts sized for `next_power_of_two(cap)` entries.
+    pub(crate) fn new(cap: usize, touch: bool) -> Self {
         let cfg = TableConfig {
             shared_buckets: cap.max(1).next_power_of_two(),
             seed: Some(0x7ab1e),
             ..TableConfig::default()
         };
-        let table = match stripes {
-            Some(s) => FlowTable::with_stripes(cfg, s),
-            None => FlowTable::new(cfg),
-        };
+        let table = FlowTable::new(cfg);
         // A fresh table has no tenants, so this cannot fail.
         let _ = table.add_tenant(TenantId(super::TENANT), TenantConfig::default());
         Self { table, touch }
@@ -81,6 +78,7 @@ impl Weir {
 /// weir's entry payload for a peer value.
 pub(crate) fn flow_init(v: &PeerVal) -> FlowInit {
     FlowInit {
+        owner: 0,
         service: ServiceId(v.service),
         backend: BackendId(v.backend),
         state: FlowState::Established,
@@ -279,8 +277,8 @@ mod tests {
     #[test]
     fn every_peer_behaves_as_a_map() {
         // weir's table does not grow: size it for the 2,000 entries.
-        exercise(&Weir::new(2048, None, false));
-        exercise(&Weir::new(2048, Some(1), true));
+        exercise(&Weir::new(2048, false));
+        exercise(&Weir::new(2048, true));
         exercise(&Dash::new(16));
         exercise(&Papaya::new(16));
         exercise(&Scc::new(16));

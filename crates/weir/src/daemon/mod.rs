@@ -928,6 +928,7 @@ impl Shared {
     ) -> Result<Arc<ConnEntry>, Refusal> {
         let key = flow_key(svc, proto, client);
         let init = FlowInit {
+            owner: 0,
             service: ServiceId(svc.id),
             backend: BackendId(backend.id),
             state: state.flow(),
@@ -1044,6 +1045,7 @@ impl Shared {
             self.table.touch(&tpl, now, Dir::In, 0);
         } else {
             let init = FlowInit {
+                owner: 0,
                 service: ServiceId(svc.id),
                 backend: BackendId(backend),
                 state: FlowState::Persist,
@@ -1612,6 +1614,7 @@ impl Service {
             // The template (IPVS -p): client group -> backend, FlowState::Persist.
             shared.table.remove(&tpl_key);
             let init = FlowInit {
+                owner: 0,
                 service: ServiceId(self.id),
                 backend: BackendId(b.id),
                 state: FlowState::Persist,

@@ -1,0 +1,673 @@
+//! The bucket index of one table: which node holds which key.
+//!
+//! # Layout
+//! An array of 64-byte [`Bucket`]s, one cache line each: a header word, a
+//! link to an overflow line, eight one-byte tags and eight `u32` node
+//! indices. A key's hash gives a tag (its low byte with the top bit set, so
+//! a tag is never 0 = empty) and a bucket: `(hash >> 32) * buckets >> 32`
+//! ("fastrange"), which keeps buckets in the order of the hash's top 32
+//! bits for every bucket count. That order is what dumps walk (`flow.rs`),
+//! so a dump's position means the same thing before, during and after a
+//! resize. A bucket whose eight ways are taken chains overflow lines (same
+//! layout) from a per-index pool; the chain is capped (`max_chain`) against
+//! hash flooding. Overflow lines are never freed before their index: an
+//! emptied one stays linked and is refilled first.
+//!
+//! # Concurrency
+//! * Readers take no lock and write nothing. They load the header
+//!   (`Acquire`); if the bucket was moved to the successor index (resize),
+//!   they look there instead. Otherwise they match the tag word against the
+//!   key's tag (SWAR, all eight ways at once), load each candidate's node
+//!   index (`Acquire`) and compare the full key in the node. Overflow lines
+//!   are visited only if the header counts entries in them.
+//! * Writers set the header's lock bit (a spin lock per bucket: no shared
+//!   stripe, no lock line shared by unrelated buckets). An insert stores the
+//!   node index (`Release`), then its tag (`Release`); a remove clears the
+//!   tag. Entries never move between ways, so an entry present throughout a
+//!   lookup is found. Unlock stores the new entry counts with `Release`.
+//! * Node indices are recycled only after an epoch grace period (caller),
+//!   so a reader holding a stale way still reads a node that is not reused;
+//!   it checks the node's live bit and full key.
+//!
+//! # Resize
+//! A resize creates a successor index and moves buckets one at a time under
+//! each bucket's lock: copy every entry into the successor (locking the
+//! target bucket), then set `MOVED` in the same store that unlocks. The old
+//! bucket keeps its ways as they were, so a reader that loaded the header
+//! before `MOVED` still finds everything there; a reader that sees `MOVED`
+//! goes to the successor, which already holds every moved entry. Writers
+//! decide a key's home under the old bucket's lock: not moved → the old
+//! index; moved → the successor. Nothing stops the world: each insert
+//! moves a couple of buckets and the maintenance call moves more.
+
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, OnceLock};
+
+use crate::node::{Arena, PackedKey};
+use crate::raw::HugeArray;
+use crate::sync::{AtomicU32, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
+
+/// Ways (entry slots) per bucket line. Two under loom, so that a model
+/// check reaches overflow lines with three entries.
+#[cfg(not(loom))]
+pub(crate) const WAYS: usize = 8;
+#[cfg(loom)]
+pub(crate) const WAYS: usize = 2;
+const LOCK: u32 = 1;
+const MOVED: u32 = 2;
+const CNT_SHIFT: u32 = 2;
+const CNT_MASK: u32 = 0x3FFF << CNT_SHIFT;
+const OVF_SHIFT: u32 = 16;
+const OVF_MASK: u32 = 0x3FFF << OVF_SHIFT;
+const LO: u64 = 0x0101_0101_0101_0101;
+const HI: u64 = 0x8080_8080_8080_8080;
+/// The top bits of the tag bytes that exist.
+const USED: u64 = if WAYS == 8 {
+    HI
+} else {
+    HI & ((1 << (8 * WAYS)) - 1)
+};
+
+/// One bucket line (or overflow line).
+#[repr(C, align(64))]
+#[derive(Debug, Default)]
+pub(crate) struct Bucket {
+    /// `LOCK | MOVED | entries << 2 | overflow entries << 16`.
+    hdr: AtomicU32,
+    /// Overflow line number + 1 in the index's pool; 0 = none.
+    next: AtomicU32,
+    /// Way `w`'s tag in byte `w`; 0 = empty.
+    tags: AtomicU64,
+    ways: [AtomicU32; WAYS],
+}
+
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::size_of::<Bucket>() == 64);
+
+/// A key's hash as the index uses it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Hash {
+    /// Top 32 bits: bucket (fastrange) and dump order.
+    pub(crate) hi: u32,
+    tag: u8,
+}
+
+impl Hash {
+    #[inline]
+    pub(crate) fn new(h: u64) -> Hash {
+        Hash {
+            hi: (h >> 32) as u32,
+            tag: (h as u8) | 0x80,
+        }
+    }
+}
+
+/// Bytes of `tags` equal to `tag`, as a mask with the top bit of each such
+/// byte set. May also flag a byte just above a true match (borrow), never
+/// misses one: candidates are confirmed by the full key. Exact for `tag` 0
+/// because real tags have their top bit set.
+#[inline]
+fn match_byte(tags: u64, tag: u8) -> u64 {
+    let x = tags ^ (LO * u64::from(tag));
+    x.wrapping_sub(LO) & !x & USED
+}
+
+#[inline]
+fn way_of(mask: u64) -> usize {
+    (mask.trailing_zeros() / 8) as usize
+}
+
+/// Spins (yields under loom).
+#[inline]
+fn relax() {
+    #[cfg(loom)]
+    loom::thread::yield_now();
+    #[cfg(not(loom))]
+    std::hint::spin_loop();
+}
+
+/// Overflow lines: chunks of 64 << k lines, allocated on demand.
+#[derive(Debug)]
+struct Pool {
+    dir: Box<[OnceLock<HugeArray<Bucket>>]>,
+    high: AtomicU32,
+}
+
+const POOL_CHUNKS: usize = 26;
+
+/// (chunk, offset, chunk length) of overflow line `i` (0-based).
+#[inline]
+fn pool_locate(i: u32) -> (usize, usize, usize) {
+    let j = u64::from(i) / 64 + 1;
+    let k = 63 - j.leading_zeros() as usize;
+    let start = 64 * ((1u64 << k) - 1);
+    (k, (u64::from(i) - start) as usize, 64 << k)
+}
+
+impl Pool {
+    fn new() -> Pool {
+        Pool {
+            dir: (0..POOL_CHUNKS).map(|_| OnceLock::new()).collect(),
+            high: AtomicU32::new(0),
+        }
+    }
+
+    /// A fresh, empty line's number + 1 (under a bucket lock); `None` if the
+    /// allocator refuses.
+    fn alloc(&self) -> Option<u32> {
+        let i = self.high.fetch_add(1, Relaxed);
+        let (c, _, len) = pool_locate(i);
+        if c >= POOL_CHUNKS {
+            return None;
+        }
+        self.dir[c].get_or_init(|| {
+            HugeArray::zeroed(len).unwrap_or_else(|| {
+                std::alloc::handle_alloc_error(
+                    std::alloc::Layout::array::<Bucket>(len).expect("chunk layout"),
+                )
+            })
+        });
+        Some(i + 1)
+    }
+
+    #[inline]
+    fn line(&self, n: u32) -> &Bucket {
+        let (c, off, _) = pool_locate(n - 1);
+        // Invariant: only numbers returned by `alloc` (whose chunk exists)
+        // are ever stored in a `next` link.
+        &self.dir[c].get().expect("overflow line from alloc")[off]
+    }
+
+    fn bytes(&self) -> usize {
+        self.dir
+            .iter()
+            .filter_map(|c| c.get())
+            .map(|c| c.bytes())
+            .sum()
+    }
+}
+
+/// Outcome of a locked insert.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Put {
+    /// Published; `true` if in an overflow line (the bucket is crowded).
+    Done(bool),
+    /// The key is present in this node.
+    Exists(u32),
+    /// The chain holds `max_chain` entries (or no overflow line could be had).
+    Full,
+}
+
+/// One index (a table has one, two during a resize).
+#[derive(Debug)]
+pub(crate) struct Index {
+    buckets: HugeArray<Bucket>,
+    n: u64,
+    pool: Pool,
+    successor: OnceLock<Arc<Index>>,
+    /// Next bucket to move (claimed with `fetch_add`).
+    claim: AtomicUsize,
+    /// Buckets moved.
+    moved: AtomicUsize,
+}
+
+/// A locked bucket: its header value without the lock bit.
+pub(crate) struct Locked<'a> {
+    b: &'a Bucket,
+    hdr: u32,
+}
+
+impl Locked<'_> {
+    pub(crate) fn moved(&self) -> bool {
+        self.hdr & MOVED != 0
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        self.b.hdr.store(self.hdr, Release);
+    }
+}
+
+impl Index {
+    /// An index of `n` buckets (`1..=2^32`); `None` if the allocation fails.
+    pub(crate) fn try_new(n: usize) -> Option<Index> {
+        let n = n.clamp(1, 1 << 32);
+        Some(Index {
+            buckets: HugeArray::zeroed(n)?,
+            n: n as u64,
+            pool: Pool::new(),
+            successor: OnceLock::new(),
+            claim: AtomicUsize::new(0),
+            moved: AtomicUsize::new(0),
+        })
+    }
+
+    /// Buckets.
+    pub(crate) fn len(&self) -> usize {
+        self.n as usize
+    }
+
+    /// Bytes of bucket array and overflow lines.
+    pub(crate) fn bytes(&self) -> usize {
+        self.buckets.bytes() + self.pool.bytes()
+    }
+
+    /// Bucket of a hash.
+    #[inline]
+    pub(crate) fn bucket_of(&self, hi: u32) -> usize {
+        ((u64::from(hi) * self.n) >> 32) as usize
+    }
+
+    /// Smallest `hi` of bucket `b` (`2^32` for `b == len`).
+    pub(crate) fn bucket_start(&self, b: usize) -> u64 {
+        ((b as u64) << 32).div_ceil(self.n)
+    }
+
+    #[inline]
+    pub(crate) fn bucket(&self, b: usize) -> &Bucket {
+        &self.buckets[b]
+    }
+
+    pub(crate) fn successor(&self) -> Option<&Arc<Index>> {
+        self.successor.get()
+    }
+
+    /// Sets the successor; `false` if one exists.
+    pub(crate) fn set_successor(&self, s: Arc<Index>) -> bool {
+        self.successor.set(s).is_ok()
+    }
+
+    /// Whether every bucket has moved to the successor.
+    pub(crate) fn fully_moved(&self) -> bool {
+        self.moved.load(Acquire) >= self.len()
+    }
+
+    /// Prefetches the bucket line of `h`.
+    #[inline]
+    pub(crate) fn prefetch(&self, h: Hash) {
+        crate::raw::prefetch(self.bucket(self.bucket_of(h.hi)));
+    }
+
+    /// Prefetches the nodes whose tags match `h` in its bucket's head line
+    /// (the second stage of a batched lookup).
+    #[inline]
+    pub(crate) fn prefetch_candidates<A: Arena + ?Sized>(&self, arena: &A, h: Hash) {
+        let b = self.bucket(self.bucket_of(h.hi));
+        let mut m = match_byte(b.tags.load(Relaxed), h.tag);
+        while m != 0 {
+            arena.node(b.ways[way_of(m)].load(Relaxed)).prefetch();
+            m &= m - 1;
+        }
+    }
+
+    /// Lock-free lookup. Follows `MOVED` buckets into successors.
+    #[inline]
+    pub(crate) fn find<A: Arena + ?Sized>(
+        &self,
+        arena: &A,
+        h: Hash,
+        key: &PackedKey,
+    ) -> Option<u32> {
+        let mut ix = self;
+        loop {
+            let b = ix.bucket(ix.bucket_of(h.hi));
+            let hdr = b.hdr.load(Acquire);
+            if hdr & MOVED != 0 {
+                ix = ix.successor()?;
+                continue;
+            }
+            return ix.find_in(b, hdr, arena, h, key);
+        }
+    }
+
+    #[inline]
+    fn find_in<A: Arena + ?Sized>(
+        &self,
+        b: &Bucket,
+        hdr: u32,
+        arena: &A,
+        h: Hash,
+        key: &PackedKey,
+    ) -> Option<u32> {
+        if let Some(i) = scan_line(b, arena, h.tag, key) {
+            return Some(i);
+        }
+        if hdr & OVF_MASK == 0 {
+            return None;
+        }
+        let mut l = b.next.load(Acquire);
+        while l != 0 {
+            let line = self.pool.line(l);
+            if let Some(i) = scan_line(line, arena, h.tag, key) {
+                return Some(i);
+            }
+            l = line.next.load(Acquire);
+        }
+        None
+    }
+
+    /// Locks the home bucket of `h`, following moved buckets into
+    /// successors: returns the index that owns the key now and its locked
+    /// bucket. The bucket stays locked until the guard drops.
+    pub(crate) fn lock_home(&self, h: Hash) -> (&Index, Locked<'_>) {
+        let mut ix = self;
+        loop {
+            let l = ix.lock_bucket(ix.bucket_of(h.hi));
+            if !l.moved() {
+                return (ix, l);
+            }
+            drop(l);
+            ix = ix
+                .successor()
+                .expect("a moved bucket's index has a successor");
+        }
+    }
+
+    pub(crate) fn lock_bucket(&self, b: usize) -> Locked<'_> {
+        let b = self.bucket(b);
+        loop {
+            let h = b.hdr.fetch_or(LOCK, Acquire);
+            if h & LOCK == 0 {
+                return Locked { b, hdr: h };
+            }
+            while b.hdr.load(Relaxed) & LOCK != 0 {
+                relax();
+            }
+        }
+    }
+
+    /// Visits every way of a locked bucket's chain: `f(line, way, node)`.
+    fn for_each<'a>(&'a self, l: &Locked<'a>, mut f: impl FnMut(&'a Bucket, usize, u32) -> bool) {
+        let mut line = l.b;
+        loop {
+            let tags = line.tags.load(Relaxed);
+            for w in 0..WAYS {
+                if (tags >> (8 * w)) as u8 != 0 && !f(line, w, line.ways[w].load(Relaxed)) {
+                    return;
+                }
+            }
+            let n = line.next.load(Relaxed);
+            if n == 0 {
+                return;
+            }
+            line = self.pool.line(n);
+        }
+    }
+
+    /// Under the lock: the node holding `key`, if any.
+    pub(crate) fn find_locked<A: Arena + ?Sized>(
+        &self,
+        l: &Locked<'_>,
+        arena: &A,
+        h: Hash,
+        key: &PackedKey,
+    ) -> Option<u32> {
+        let mut found = None;
+        self.for_each(l, |line, w, i| {
+            if (line.tags.load(Relaxed) >> (8 * w)) as u8 == h.tag && arena.node(i).matches(key) {
+                found = Some(i);
+                return false;
+            }
+            true
+        });
+        found
+    }
+
+    /// Under the lock: publishes node `idx` (already initialised) with tag
+    /// of `h`. `dup` = check for `key` first; `cap` = chain limit.
+    pub(crate) fn put<A: Arena + ?Sized>(
+        &self,
+        l: &mut Locked<'_>,
+        arena: &A,
+        h: Hash,
+        key: Option<&PackedKey>,
+        idx: u32,
+        cap: usize,
+    ) -> Put {
+        if let Some(k) = key
+            && let Some(i) = self.find_locked(l, arena, h, k)
+        {
+            return Put::Exists(i);
+        }
+        let count = ((l.hdr & CNT_MASK) >> CNT_SHIFT) as usize;
+        if count >= cap.min((CNT_MASK >> CNT_SHIFT) as usize) {
+            return Put::Full;
+        }
+        let mut line = l.b;
+        let mut head = true;
+        loop {
+            let tags = line.tags.load(Relaxed);
+            let empty = match_byte(tags, 0);
+            if empty != 0 {
+                let w = way_of(empty);
+                line.ways[w].store(idx, Release);
+                line.tags
+                    .store(tags | (u64::from(h.tag) << (8 * w)), Release);
+                l.hdr += 1 << CNT_SHIFT;
+                if !head {
+                    l.hdr += 1 << OVF_SHIFT;
+                }
+                return Put::Done(!head);
+            }
+            let n = line.next.load(Relaxed);
+            let n = if n == 0 {
+                let Some(n) = self.pool.alloc() else {
+                    return Put::Full;
+                };
+                // A fresh line is all zeros (empty) and reachable by no
+                // reader until this Release store.
+                line.next.store(n, Release);
+                n
+            } else {
+                n
+            };
+            line = self.pool.line(n);
+            head = false;
+        }
+    }
+
+    /// Under the lock: unpublishes node `idx`; `false` if it is not here.
+    pub(crate) fn unput(&self, l: &mut Locked<'_>, idx: u32) -> bool {
+        let mut at = None;
+        let mut head = true;
+        self.for_each(l, |line, w, i| {
+            if i == idx {
+                head = std::ptr::eq(line, l.b);
+                at = Some((line, w));
+                return false;
+            }
+            true
+        });
+        let Some((line, w)) = at else {
+            return false;
+        };
+        let tags = line.tags.load(Relaxed);
+        line.tags.store(tags & !(0xFF << (8 * w)), Release);
+        l.hdr -= 1 << CNT_SHIFT;
+        if !head {
+            l.hdr -= 1 << OVF_SHIFT;
+        }
+        true
+    }
+
+    /// Entries in a bucket's chain (racy read, for statistics).
+    pub(crate) fn count(&self, b: usize) -> Option<usize> {
+        let h = self.bucket(b).hdr.load(Relaxed);
+        (h & MOVED == 0).then_some(((h & CNT_MASK) >> CNT_SHIFT) as usize)
+    }
+
+    /// Lock-free: the node indices in bucket `b`'s chain, or `None` if it
+    /// moved (look in the successor). A snapshot of ways taken while writers
+    /// run: an entry present throughout is in it.
+    pub(crate) fn read_bucket(&self, b: usize, out: &mut Vec<u32>) -> bool {
+        let bk = self.bucket(b);
+        let hdr = bk.hdr.load(Acquire);
+        if hdr & MOVED != 0 {
+            return false;
+        }
+        read_line(bk, out);
+        if hdr & OVF_MASK != 0 {
+            let mut l = bk.next.load(Acquire);
+            while l != 0 {
+                let line = self.pool.line(l);
+                read_line(line, out);
+                l = line.next.load(Acquire);
+            }
+        }
+        true
+    }
+
+    /// Prefetches the nodes of bucket `b`'s head line.
+    #[inline]
+    pub(crate) fn prefetch_nodes<A: Arena + ?Sized>(&self, arena: &A, b: usize) {
+        let bk = self.bucket(b);
+        let mut tags = bk.tags.load(Relaxed);
+        while tags != 0 {
+            let w = (tags.trailing_zeros() / 8) as usize;
+            arena.node(bk.ways[w].load(Relaxed)).prefetch();
+            tags &= !(0xFFu64 << (8 * w));
+        }
+    }
+
+    /// Moves bucket `b` into the successor (caller claimed it). `rehash`
+    /// gives a node's hash. Returns the entries moved.
+    pub(crate) fn migrate<A: Arena + ?Sized>(
+        &self,
+        b: usize,
+        arena: &A,
+        rehash: &impl Fn(u32) -> u64,
+    ) -> usize {
+        let succ = self.successor().expect("migrate needs a successor");
+        let mut l = self.lock_bucket(b);
+        if l.moved() {
+            return 0;
+        }
+        let mut moved = 0;
+        let mut items = Vec::with_capacity(WAYS);
+        self.for_each(&l, |_, _, i| {
+            items.push(i);
+            true
+        });
+        for i in items {
+            let h = Hash::new(rehash(i));
+            let mut nl = succ.lock_bucket(succ.bucket_of(h.hi));
+            debug_assert!(!nl.moved());
+            // Never refused for the cap: the entry exists already. Only a
+            // failed overflow allocation could refuse, and that aborts.
+            let r = succ.put(&mut nl, arena, h, None, i, usize::MAX);
+            assert!(matches!(r, Put::Done(_)), "moving an entry during a resize");
+            moved += 1;
+        }
+        l.hdr |= MOVED;
+        drop(l);
+        self.moved.fetch_add(1, Release);
+        moved
+    }
+
+    /// Claims the next bucket to move, if any remain.
+    pub(crate) fn claim(&self) -> Option<usize> {
+        if self.claim.load(Relaxed) >= self.len() {
+            return None;
+        }
+        let b = self.claim.fetch_add(1, Relaxed);
+        (b < self.len()).then_some(b)
+    }
+}
+
+#[inline]
+fn scan_line<A: Arena + ?Sized>(line: &Bucket, arena: &A, tag: u8, key: &PackedKey) -> Option<u32> {
+    let mut m = match_byte(line.tags.load(Acquire), tag);
+    while m != 0 {
+        let w = way_of(m);
+        let i = line.ways[w].load(Acquire);
+        let n = arena.node(i);
+        if n.matches(key) && n.is_live() {
+            return Some(i);
+        }
+        m &= m - 1;
+    }
+    None
+}
+
+fn read_line(line: &Bucket, out: &mut Vec<u32>) {
+    let tags = line.tags.load(Acquire);
+    for w in 0..WAYS {
+        if (tags >> (8 * w)) as u8 != 0 {
+            out.push(line.ways[w].load(Acquire));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn match_byte_finds_every_match_and_empties_exactly() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..10_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let tags = x | HI; // every byte a real tag
+            let tag = (x >> 8) as u8 | 0x80;
+            let m = match_byte(tags, tag);
+            for w in 0..8 {
+                if (tags >> (8 * w)) as u8 == tag {
+                    assert!(m & (0x80 << (8 * w)) != 0);
+                }
+            }
+            // Clear some bytes: exactly those are empty.
+            let clear = x.rotate_left(17) & 0xFF;
+            let mut t2 = tags;
+            for w in 0..8 {
+                if clear & (1 << w) != 0 {
+                    t2 &= !(0xFF << (8 * w));
+                }
+            }
+            let e = match_byte(t2, 0);
+            for w in 0..8 {
+                let empty = (t2 >> (8 * w)) as u8 == 0;
+                assert_eq!(e & (0x80 << (8 * w)) != 0, empty);
+            }
+        }
+    }
+
+    #[test]
+    fn pool_locate_is_contiguous() {
+        let mut expect = (0usize, 0usize);
+        for i in 0..100_000u32 {
+            let (c, off, len) = pool_locate(i);
+            if off == 0 && i != 0 {
+                expect = (expect.0 + 1, 0);
+            }
+            assert_eq!((c, off), expect, "line {i}");
+            assert!(off < len);
+            expect.1 += 1;
+        }
+    }
+
+    #[test]
+    fn bucket_ranges_tile_the_hash_space() {
+        for n in [1usize, 2, 3, 7, 1000, 1 << 20, 12_345_677] {
+            let ix = Index {
+                buckets: HugeArray::zeroed(1).unwrap(),
+                n: n as u64,
+                pool: Pool::new(),
+                successor: OnceLock::new(),
+                claim: AtomicUsize::new(0),
+                moved: AtomicUsize::new(0),
+            };
+            assert_eq!(ix.bucket_start(0), 0);
+            assert_eq!(ix.bucket_start(n), 1 << 32);
+            for b in [0, n / 2, n - 1] {
+                let s = ix.bucket_start(b);
+                assert_eq!(ix.bucket_of(s as u32), b);
+                if s > 0 {
+                    assert_eq!(ix.bucket_of((s - 1) as u32), b - 1);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,368 @@
+//! Online resize, handles and batched lookups.
+//!
+//! * A table grows while inserts go on and shrinks back when entries leave,
+//!   every entry findable throughout.
+//! * A paged dump returns every entry present for the whole dump exactly
+//!   once although the table resizes between (and during) its pages.
+//! * Concurrently: lookups of stable entries never miss and full dumps see
+//!   each stable entry exactly once while a writer grows and shrinks the
+//!   table (bounded in iterations and time).
+//! * Handles reach their entry without hashing and never another entry.
+//! * A batched lookup answers exactly as one-at-a-time lookups.
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use weir_flowtable::*;
+
+fn key(tenant: u32, i: u32) -> FlowKey {
+    FlowKey {
+        tenant: TenantId(tenant),
+        proto: if i.is_multiple_of(5) {
+            Proto::Udp
+        } else {
+            Proto::Tcp
+        },
+        client: SocketAddr::new(
+            Ipv4Addr::from(0x0a00_0000 | (i >> 8)).into(),
+            (i & 0xff) as u16 + 1024,
+        ),
+        virt: "192.0.2.1:80".parse().unwrap(),
+    }
+}
+
+fn init(i: u32) -> FlowInit {
+    FlowInit {
+        service: ServiceId(i % 3),
+        backend: BackendId(i % 5),
+        state: FlowState::Established,
+        owner: i,
+    }
+}
+
+fn small_table(entries: usize) -> FlowTable {
+    let t = FlowTable::new(TableConfig {
+        shared_buckets: entries,
+        max_chain: 64,
+        memory_budget: 1 << 26,
+        seed: Some(11),
+    });
+    t.add_tenant(TenantId(1), TenantConfig::default()).unwrap();
+    t
+}
+
+fn buckets(t: &FlowTable) -> usize {
+    t.tenant_stats(TenantId(1)).unwrap().buckets
+}
+
+/// Runs maintenance until no resize is running (bounded).
+fn settle(t: &FlowTable) {
+    for _ in 0..10_000 {
+        t.maintain();
+        if !t.resize_state(TenantId(1)).unwrap().0 {
+            return;
+        }
+    }
+    panic!("resize did not finish");
+}
+
+#[test]
+fn grows_and_shrinks_online_every_entry_found() {
+    let t = small_table(64);
+    let b0 = buckets(&t);
+    let n = 50_000;
+    for i in 0..n {
+        t.insert(key(1, i), init(i), Millis(0)).unwrap();
+        // Every 1000 inserts, everything so far is still there, resize or not.
+        if i % 1000 == 999 {
+            for j in (0..=i).step_by(97) {
+                assert!(
+                    t.get(&key(1, j)).is_some(),
+                    "key {j} lost after {i} inserts"
+                );
+            }
+        }
+    }
+    settle(&t);
+    let (resizing, resizes) = t.resize_state(TenantId(1)).unwrap();
+    assert!(!resizing);
+    assert!(resizes >= 6, "only {resizes} resizes for 64 -> 50k entries");
+    let grown = buckets(&t);
+    assert!(grown > 50 * b0, "{b0} -> {grown} buckets");
+    let st = t.tenant_stats(TenantId(1)).unwrap();
+    assert_eq!(st.entries, u64::from(n));
+    assert!(st.load_factor <= 0.9, "load {}", st.load_factor);
+    for i in 0..n {
+        let s = t.get(&key(1, i)).unwrap();
+        assert_eq!((s.owner, s.backend), (i, BackendId(i % 5)));
+    }
+    // Down to 100 entries: the table shrinks back (not below its start).
+    for i in 100..n {
+        assert!(t.remove(&key(1, i)).is_some());
+    }
+    for _ in 0..64 {
+        settle(&t);
+    }
+    let shrunk = buckets(&t);
+    assert!(shrunk < grown / 16, "{grown} -> {shrunk} buckets");
+    assert!(shrunk >= b0);
+    for i in 0..n {
+        assert_eq!(t.get(&key(1, i)).is_some(), i < 100, "key {i}");
+    }
+}
+
+/// Dumps `t` page by page, calling `between` after each page; returns
+/// how often each owner token was seen.
+fn paged_dump(t: &FlowTable, page: usize, mut between: impl FnMut(usize)) -> HashMap<u32, u32> {
+    let mut seen = HashMap::new();
+    let mut cur: Option<Cursor> = None;
+    let mut out = Vec::new();
+    for p in 0..1_000_000 {
+        out.clear();
+        let next = t.dump(cur.as_ref(), &DumpFilter::default(), page, &mut out);
+        for s in &out {
+            *seen.entry(s.owner).or_insert(0) += 1;
+        }
+        match next {
+            // Round-trip through the text form, as the admin API does.
+            Some(c) => cur = Some(c.to_string().parse().unwrap()),
+            None => return seen,
+        }
+        between(p);
+    }
+    panic!("dump did not end");
+}
+
+#[test]
+fn dump_is_exact_across_resizes() {
+    let t = small_table(256);
+    let stable = 5_000u32;
+    for i in 0..stable {
+        t.insert(key(1, i), init(i), Millis(0)).unwrap();
+    }
+    settle(&t);
+    let b0 = buckets(&t);
+    // Between pages: grow with 40k more entries (inserts move buckets as
+    // they go, so pages are read while a resize is half done), then remove
+    // them again and let the table shrink.
+    let mut next = stable;
+    let seen = paged_dump(&t, 7, |p| {
+        if p < 400 {
+            for _ in 0..100 {
+                t.insert(key(1, next), init(next), Millis(0)).unwrap();
+                next += 1;
+            }
+        } else if next > stable {
+            for _ in 0..200 {
+                if next == stable {
+                    break;
+                }
+                next -= 1;
+                assert!(t.remove(&key(1, next)).is_some());
+            }
+            t.maintain();
+        }
+    });
+    let grown = t.resize_state(TenantId(1)).unwrap().1;
+    assert!(grown >= 3, "the table resized only {grown} times");
+    assert!(buckets(&t) >= b0);
+    for i in 0..stable {
+        assert_eq!(
+            seen.get(&i),
+            Some(&1),
+            "stable entry {i} seen {:?} times",
+            seen.get(&i)
+        );
+    }
+    assert!(
+        seen.values().all(|&c| c == 1),
+        "an entry was returned twice"
+    );
+}
+
+#[test]
+fn dump_is_exact_with_a_resize_started_mid_page() {
+    let t = small_table(4096);
+    for i in 0..3_000 {
+        t.insert(key(1, i), init(i), Millis(0)).unwrap();
+    }
+    // Alternate forced grow and shrink resizes, each left half done
+    // (a few buckets moved by maintenance-free inserts and removes).
+    let mut flip = false;
+    let mut extra = 100_000u32;
+    let (mut started, mut mid) = (0, 0);
+    let seen = paged_dump(&t, 13, |p| {
+        if p % 20 == 0 && !t.resize_state(TenantId(1)).unwrap().0 {
+            flip = !flip;
+            assert!(t.start_resize(TenantId(1), if flip { 40_000 } else { 3_000 }));
+            started += 1;
+        }
+        mid += usize::from(t.resize_state(TenantId(1)).unwrap().0);
+        // Each insert and remove moves two buckets.
+        t.insert(key(1, extra), init(extra), Millis(0)).unwrap();
+        assert!(t.remove(&key(1, extra)).is_some());
+        extra += 1;
+    });
+    for i in 0..3_000 {
+        assert_eq!(seen.get(&i), Some(&1), "entry {i}");
+    }
+    // Pages were read with resizes half done, and at least one finished.
+    assert!(
+        started >= 2 && mid >= 100,
+        "{started} resizes, {mid} pages mid-resize"
+    );
+    assert!(t.resize_state(TenantId(1)).unwrap().1 >= 1);
+}
+
+#[test]
+fn concurrent_lookups_and_dumps_while_the_table_grows_and_shrinks() {
+    let t = Arc::new(small_table(512));
+    let stable = 2_000u32;
+    for i in 0..stable {
+        t.insert(key(1, i), init(i), Millis(0)).unwrap();
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let writer = {
+        let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
+        thread::spawn(move || {
+            let mut rounds = 0;
+            while !stop.load(Ordering::Relaxed) && rounds < 6 {
+                for i in stable..stable + 60_000 {
+                    t.insert(key(1, i), init(i), Millis(0)).unwrap();
+                }
+                for i in stable..stable + 60_000 {
+                    assert!(t.remove(&key(1, i)).is_some());
+                }
+                for _ in 0..1000 {
+                    t.maintain();
+                }
+                rounds += 1;
+            }
+            rounds
+        })
+    };
+    let reader = {
+        let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
+        thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                for i in 0..stable {
+                    assert!(t.get(&key(1, i)).is_some(), "stable key {i} missed");
+                    n += 1;
+                }
+            }
+            n
+        })
+    };
+    let mut dumps = 0;
+    while Instant::now() < deadline && dumps < 200 {
+        let seen = paged_dump(&t, 50, |_| {});
+        for i in 0..stable {
+            assert_eq!(seen.get(&i), Some(&1), "dump {dumps}: stable entry {i}");
+        }
+        assert!(
+            seen.values().all(|&c| c == 1),
+            "dump {dumps} returned an entry twice"
+        );
+        dumps += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let rounds = writer.join().unwrap();
+    let lookups = reader.join().unwrap();
+    let resizes = t.resize_state(TenantId(1)).unwrap().1;
+    assert!(rounds >= 1 && lookups > 0 && dumps > 0);
+    assert!(
+        resizes >= 2,
+        "no resize happened under the dumps ({resizes})"
+    );
+}
+
+#[test]
+fn handles_reach_their_entry_and_never_another() {
+    let t = small_table(1024);
+    let other = small_table(1024);
+    let k = key(1, 7);
+    let h = t.insert_handle(k, init(7), Millis(1000)).unwrap();
+    assert!(t.touch_handle(h, Millis(2000), Dir::In, 100));
+    assert!(t.touch_handle(h, Millis(3000), Dir::Out, 40));
+    assert!(t.set_state_handle(h, FlowState::FinWait, Millis(3500)));
+    assert!(t.set_nat(h, 0x0001_9c40));
+    let s = t.get_handle(h).unwrap();
+    assert_eq!(
+        (s.bytes_in, s.bytes_out, s.packets_in, s.packets_out),
+        (100, 40, 1, 1)
+    );
+    assert_eq!(
+        (s.state, s.last_active, s.owner),
+        (FlowState::FinWait, Millis(3500), 7)
+    );
+    assert_eq!(t.nat(h), Some(0x0001_9c40));
+    assert_eq!(t.handle(&k), Some(h));
+    assert_eq!(t.get(&k), Some(s));
+    // A handle from another table finds nothing there.
+    assert_eq!(other.get_handle(h), None);
+    assert!(!other.touch_handle(h, Millis(0), Dir::In, 1));
+    // Removed and re-inserted: the old handle names nothing, the new one works.
+    assert_eq!(t.remove_handle(h).map(|s| s.cookie), Some(h.cookie));
+    assert_eq!(t.remove_handle(h), None);
+    let h2 = t.insert_handle(k, init(8), Millis(4000)).unwrap();
+    assert_ne!(h2.cookie, h.cookie);
+    assert!(!t.touch_handle(h, Millis(5000), Dir::In, 1));
+    assert!(!t.set_state_handle(h, FlowState::Close, Millis(5000)));
+    assert_eq!(t.get_handle(h), None);
+    let s2 = t.get_handle(h2).unwrap();
+    assert_eq!(
+        (s2.bytes_in, s2.owner, s2.state),
+        (0, 8, FlowState::Established)
+    );
+    // Handles survive resizes (nodes never move).
+    for i in 100..20_000 {
+        t.insert(key(1, i), init(i), Millis(0)).unwrap();
+    }
+    settle(&t);
+    assert!(t.resize_state(TenantId(1)).unwrap().1 >= 1);
+    assert!(t.touch_handle(h2, Millis(6000), Dir::In, 5));
+    assert_eq!(t.get(&k).unwrap().bytes_in, 5);
+}
+
+#[test]
+fn batched_lookup_matches_single_lookups() {
+    let t = small_table(256);
+    t.add_tenant(
+        TenantId(2),
+        TenantConfig {
+            own_buckets: 1024,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    for i in (0..20_000).step_by(2) {
+        t.insert(key(1, i), init(i), Millis(0)).unwrap();
+        t.insert(key(2, i + 1), init(i + 1), Millis(0)).unwrap();
+    }
+    // Mid-resize for part of the run.
+    assert!(t.start_resize(TenantId(1), 200_000) || t.resize_state(TenantId(1)).unwrap().0);
+    let keys: Vec<FlowKey> = (0..2_000)
+        .flat_map(|i| [key(1, i), key(2, i), key(9, i)])
+        .collect();
+    let r = t.reader();
+    let mut out = Vec::new();
+    for round in 0..3 {
+        r.lookup_batch(&keys, &mut out);
+        assert_eq!(out.len(), keys.len());
+        for (k, got) in keys.iter().zip(&out) {
+            let want = t.get(k).map(|s| (s.cookie, s.backend));
+            assert_eq!(
+                got.map(|(h, b)| (h.cookie, b)),
+                want,
+                "round {round} key {k:?}"
+            );
+        }
+        t.maintain();
+    }
+}
