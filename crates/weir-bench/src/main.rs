@@ -50,6 +50,10 @@ pub(crate) struct Common {
     /// Write the figures as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub(crate) json: Option<PathBuf>,
+    /// table: the peers and the hashbrown ceiling hash with SipHash-1-3
+    /// (their own default) instead of weir's foldhash; weir-only sections skipped.
+    #[arg(long)]
+    pub(crate) siphash: bool,
 }
 
 type SuiteFn = fn(&Common) -> Result<serde_json::Value>;
