@@ -1275,10 +1275,11 @@ fn resize_section(plan: &Plan) -> Result<ResizeRow> {
 
 fn print_resize(r: &ResizeRow) {
     println!(
-        "### Resize: {} -> {} entries under lookup load (weir)
-
-         One thread looks up {} present keys (every {SAMPLE_EVERY}th timed); the other first          churns at constant size (steady), then fills to {} ({} resizes in {:.1}s), reading a          {DUMP_PAGE}-entry dump page every {DUMP_EVERY} inserts; the dump spanned {} resizes          ({} pages). Lookup misses of present keys: {}.
-",
+        "### Resize: {} -> {} entries under lookup load (weir)\n\n\
+         One thread looks up {} present keys (every {SAMPLE_EVERY}th timed); the other first \
+         churns at constant size (steady), then fills to {} ({} resizes in {:.1}s), reading a \
+         {DUMP_PAGE}-entry dump page every {DUMP_EVERY} inserts; the dump spanned {} resizes \
+         ({} pages). Lookup misses of present keys: {}.\n",
         si(r.from as f64),
         si(r.to as f64),
         si(r.present as f64),
@@ -1306,8 +1307,7 @@ fn print_resize(r: &ResizeRow) {
     }
     t.print();
     println!(
-        "Dump across the resizes: {} duplicates, {} misses of the {} present keys.
-",
+        "Dump across the resizes: {} duplicates, {} misses of the {} present keys.\n",
         r.dump_duplicates,
         r.dump_misses,
         si(r.present as f64)
@@ -1513,12 +1513,12 @@ fn table_with<S: PeerHasher>(c: &Common) -> Result<Value> {
     }
     println!(
         "Noisy machine: 2 cores shared with other engineers' builds; only ratios within this run mean anything.\n\
-         Peers and the hashbrown ceiling hash with {} (weir: foldhash quality, keyed). \
+         Peers and the hashbrown ceiling hash with {}. \
          Every map is presized for its entry count.\n",
         if all {
-            "foldhash quality, random seed (weir's hash family: only the table design differs)"
+            "foldhash quality with a random seed, weir's own hash family: only the table design differs"
         } else {
-            "std RandomState (SipHash-1-3; --siphash view, weir-only sections skipped)"
+            "std RandomState (SipHash-1-3), weir with foldhash quality (--siphash view; weir-only sections skipped)"
         }
     );
 
@@ -1762,6 +1762,32 @@ mod tests {
         assert_eq!((r.dump_duplicates, r.dump_misses), (0, 0), "{r:?}");
         assert_eq!(r.lookup_misses, 0);
         assert!(r.steady.samples > 0 && r.steady.p99.is_some());
+    }
+
+    #[test]
+    fn lookup_big_rows_are_weir_only_and_marked() {
+        let plan = Plan {
+            lookup_big: Some(4096),
+            measure: Duration::from_millis(10),
+            rounds: 1,
+            ..Plan::new(true)
+        };
+        let rows = lookup_big_section(&plan).expect("big rows");
+        assert_eq!(
+            rows.len(),
+            3 * 2 * 2,
+            "get, reader, batched x threads x hit"
+        );
+        assert!(
+            rows.iter()
+                .all(|r| r.entries == 4096 && !r.peer && !r.ceiling)
+        );
+        assert_eq!(rows.iter().filter(|r| r.batched).count(), 4);
+        assert!(
+            lookup_big_section(&Plan::new(true))
+                .expect("none")
+                .is_empty()
+        );
     }
 
     #[test]
