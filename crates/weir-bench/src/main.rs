@@ -54,6 +54,11 @@ pub(crate) struct Common {
     /// (their own default) instead of weir's foldhash; weir-only sections skipped.
     #[arg(long)]
     pub(crate) siphash: bool,
+    /// table: run only these sections (comma-separated: noisy, churn,
+    /// lookup, big, resize, memory); `big` = weir alone at 100M entries
+    /// (lookup and memory rows), even with --quick.
+    #[arg(long, value_delimiter = ',', value_name = "SECTIONS")]
+    pub(crate) only: Vec<String>,
 }
 
 type SuiteFn = fn(&Common) -> Result<serde_json::Value>;

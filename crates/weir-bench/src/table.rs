@@ -615,12 +615,17 @@ fn lookup_section<S: PeerHasher>(plan: &Plan) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-/// weir alone at `plan.lookup_big` entries: one table (filled on two
-/// threads), its `get`, reader and batched rows measured round-robin.
+/// weir alone at `plan.lookup_big` entries: see [`lookup_weir_only`].
 fn lookup_big_section(plan: &Plan) -> Result<Vec<Row>> {
-    let Some(n) = plan.lookup_big else {
-        return Ok(Vec::new());
-    };
+    match plan.lookup_big {
+        Some(n) => lookup_weir_only(plan, n),
+        None => Ok(Vec::new()),
+    }
+}
+
+/// weir alone at `n` entries: one table (filled on two threads), its
+/// `get`, reader and batched rows measured round-robin.
+fn lookup_weir_only(plan: &Plan, n: u64) -> Result<Vec<Row>> {
     let mut w = Conc(Weir::new(n as usize, false));
     let deadline = Instant::now() + plan.build_limit;
     let (ins, refused) = par_fill(&w.0.table, TENANT, 0..n, 2, deadline)?;
@@ -696,13 +701,14 @@ fn memory_child(spec: &str) -> Result<Value> {
     Ok(v)
 }
 
-/// In the parent: runs one child per implementation, one after the other,
-/// then weir alone at `plan.memory_big` entries.
-fn memory_section<S: PeerHasher>(plan: &Plan) -> Result<Vec<Mem>> {
+/// In the parent: runs one child per implementation (with `peers`), one
+/// after the other, then weir alone at `plan.memory_big` entries.
+fn memory_section<S: PeerHasher>(plan: &Plan, peers: bool) -> Result<Vec<Mem>> {
     let exe = std::env::current_exe().context("locating weir-bench")?;
     let mut out = Vec::new();
     let runs = Impl::MEMORY
         .into_iter()
+        .filter(|_| peers)
         .map(|i| (i, plan.memory_entries))
         .chain(plan.memory_big.map(|n| (Impl::Weir, n)));
     for (imp, entries) in runs {
@@ -740,6 +746,9 @@ fn memory_section<S: PeerHasher>(plan: &Plan) -> Result<Vec<Mem>> {
 }
 
 fn print_rows(title: &str, rows: &[Row], with_hit: bool, unit: &str) {
+    if rows.is_empty() {
+        return;
+    }
     println!("### {title}\n");
     let mut header = vec!["impl", "entries", "threads"];
     if with_hit {
@@ -1501,15 +1510,32 @@ pub(crate) fn table(c: &Common) -> Result<Value> {
     }
 }
 
+/// Sections `--only` may name.
+const SECTIONS: [&str; 6] = ["noisy", "churn", "lookup", "big", "resize", "memory"];
+
 /// The `table` suite with the peers hashing with `S`. The SipHash view
 /// (`--siphash`) runs only the sections with peers.
 fn table_with<S: PeerHasher>(c: &Common) -> Result<Value> {
+    if let Some(o) = c.only.iter().find(|o| !SECTIONS.contains(&o.as_str())) {
+        bail!(
+            "--only: unknown table section {o:?} (one of {})",
+            SECTIONS.join(", ")
+        );
+    }
+    let on = |name: &str| c.only.is_empty() || c.only.iter().any(|o| o == name);
     let mut plan = Plan::new(c.quick);
     let all = !c.siphash;
-    if !all {
-        plan.noisy.clear();
+    if on("big") && !c.only.is_empty() {
+        // Asked for by name: the 100M rows even with --quick.
+        plan.lookup_big = Some(BIG);
+        plan.memory_big = Some(BIG);
+    }
+    if !all || !on("big") {
         plan.lookup_big = None;
         plan.memory_big = None;
+    }
+    if !all || !on("noisy") {
+        plan.noisy.clear();
     }
     println!(
         "Noisy machine: 2 cores shared with other engineers' builds; only ratios within this run mean anything.\n\
@@ -1522,13 +1548,17 @@ fn table_with<S: PeerHasher>(c: &Common) -> Result<Value> {
         }
     );
 
-    let (noisy_shared, noisy_own) = if all {
+    let (noisy_shared, noisy_own) = if !plan.noisy.is_empty() {
         noisy_section(&plan)?
     } else {
         (Vec::new(), Vec::new())
     };
 
-    let churn_rows = churn_section::<S>(&plan)?;
+    let churn_rows = if on("churn") {
+        churn_section::<S>(&plan)?
+    } else {
+        Vec::new()
+    };
     print_rows(
         &format!(
             "Churn: insert+remove pairs/s, {} live entries\n\n\
@@ -1542,7 +1572,14 @@ fn table_with<S: PeerHasher>(c: &Common) -> Result<Value> {
         "pairs",
     );
 
-    let mut lookup_rows = lookup_section::<S>(&plan)?;
+    let mut lookup_rows = if on("lookup") {
+        lookup_section::<S>(&plan)?
+    } else if plan.lookup_big.is_some() {
+        // The big row's comparison needs weir at 1M.
+        lookup_weir_only(&plan, 1_000_000)?
+    } else {
+        Vec::new()
+    };
     lookup_rows.extend(lookup_big_section(&plan)?);
     print_rows(
         &format!(
@@ -1581,7 +1618,7 @@ fn table_with<S: PeerHasher>(c: &Common) -> Result<Value> {
         );
     }
 
-    let resize = if all {
+    let resize = if all && on("resize") {
         let r = resize_section(&plan).context("resize row")?;
         print_resize(&r);
         Some(r)
@@ -1589,13 +1626,14 @@ fn table_with<S: PeerHasher>(c: &Common) -> Result<Value> {
         None
     };
 
-    let mem = memory_section::<S>(&plan)?;
+    let mem = memory_section::<S>(&plan, on("memory"))?;
     println!(
-        "### Memory: bytes per entry at {} entries\n\n\
+        "### Memory: bytes per entry\n\n\
          RSS delta of a fresh child process around building the map (glibc malloc: \
          per-allocation headers and size-class rounding included; presized tables count \
-         their empty slots).\n",
-        si(plan.memory_entries as f64)
+         their empty slots). Peers only at {}: at {} entries weir is alone.\n",
+        si(plan.memory_entries as f64),
+        si(BIG as f64)
     );
     let best_mem = mem
         .iter()
@@ -1788,6 +1826,25 @@ mod tests {
                 .expect("none")
                 .is_empty()
         );
+    }
+
+    #[test]
+    fn only_runs_the_named_sections() {
+        let c = |only: &[&str]| Common {
+            quick: true,
+            json: None,
+            siphash: false,
+            only: only.iter().map(|s| s.to_string()).collect(),
+        };
+        assert!(table(&c(&["resize", "bogus"])).is_err());
+        let v = table(&c(&["resize"])).expect("resize only");
+        assert_eq!(v["resize"]["dump_duplicates"], 0);
+        assert_eq!(v["resize"]["dump_misses"], 0);
+        assert!(v["resize"]["p99_ns_steady"].as_u64().is_some());
+        for other in ["churn", "lookup", "memory"] {
+            assert_eq!(v[other].as_array().map(Vec::len), Some(0), "{other} ran");
+        }
+        assert_eq!(v["noisy"]["own"].as_array().map(Vec::len), Some(0));
     }
 
     #[test]
