@@ -427,12 +427,8 @@ impl FlowTable {
             }
         }
         if t.own_bytes != 0 {
-            self.own_bytes.fetch_sub(
-                t.table
-                    .memory_bytes(&guard)
-                    .min(self.own_bytes.load(Relaxed)),
-                Relaxed,
-            );
+            self.own_bytes
+                .fetch_sub(t.table.memory_bytes(&guard).min(self.own_bytes.load(Relaxed)), Relaxed);
         }
         drop(m);
         drop(guard);
@@ -811,8 +807,8 @@ impl FlowTable {
     pub fn maintain(&self) {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
-        let tables =
-            std::iter::once((&self.shared, false)).chain(map.own.iter().map(|t| (&t.table, true)));
+        let tables = std::iter::once((&self.shared, false))
+            .chain(map.own.iter().map(|t| (&t.table, true)));
         for (table, own) in tables {
             if !table.resizing(&guard) {
                 table.maybe_resize(&guard, |more| !own || self.reserve_own(more));
@@ -1165,9 +1161,7 @@ impl<'a> Dumper<'a, '_> {
             }
             self.ids.clear();
             if !ix.read_bucket(b, &mut self.ids) {
-                let succ = ix
-                    .successor()
-                    .expect("a moved bucket's index has a successor");
+                let succ = ix.successor().expect("a moved bucket's index has a successor");
                 let succ: &Index = succ;
                 // Safe to recurse: the successor lives as long as `ix`.
                 if let Some(p) = self.range(table, succ, blo, bhi, after) {

@@ -293,12 +293,7 @@ impl Index {
 
     /// Lock-free lookup. Follows `MOVED` buckets into successors.
     #[inline]
-    pub(crate) fn find<A: Arena + ?Sized>(
-        &self,
-        arena: &A,
-        h: Hash,
-        key: &PackedKey,
-    ) -> Option<u32> {
+    pub(crate) fn find<A: Arena + ?Sized>(&self, arena: &A, h: Hash, key: &PackedKey) -> Option<u32> {
         let mut ix = self;
         loop {
             let b = ix.bucket(ix.bucket_of(h.hi));
@@ -348,9 +343,7 @@ impl Index {
                 return (ix, l);
             }
             drop(l);
-            ix = ix
-                .successor()
-                .expect("a moved bucket's index has a successor");
+            ix = ix.successor().expect("a moved bucket's index has a successor");
         }
     }
 
@@ -641,14 +634,7 @@ mod tests {
     #[test]
     fn bucket_ranges_tile_the_hash_space() {
         for n in [1usize, 2, 3, 7, 1000, 1 << 20, 12_345_677] {
-            let ix = Index {
-                buckets: HugeArray::zeroed(1).unwrap(),
-                n: n as u64,
-                pool: Pool::new(),
-                successor: OnceLock::new(),
-                claim: AtomicUsize::new(0),
-                moved: AtomicUsize::new(0),
-            };
+            let ix = Index { buckets: HugeArray::zeroed(1).unwrap(), n: n as u64, pool: Pool::new(), successor: OnceLock::new(), claim: AtomicUsize::new(0), moved: AtomicUsize::new(0) };
             assert_eq!(ix.bucket_start(0), 0);
             assert_eq!(ix.bucket_start(n), 1 << 32);
             for b in [0, n / 2, n - 1] {

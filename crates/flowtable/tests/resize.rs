@@ -23,10 +23,7 @@ fn key(tenant: u32, i: u32) -> FlowKey {
     FlowKey {
         tenant: TenantId(tenant),
         proto: if i % 5 == 0 { Proto::Udp } else { Proto::Tcp },
-        client: SocketAddr::new(
-            Ipv4Addr::from(0x0a00_0000 | (i >> 8)).into(),
-            (i & 0xff) as u16 + 1024,
-        ),
+        client: SocketAddr::new(Ipv4Addr::from(0x0a00_0000 | (i >> 8)).into(), (i & 0xff) as u16 + 1024),
         virt: "192.0.2.1:80".parse().unwrap(),
     }
 }
@@ -76,10 +73,7 @@ fn grows_and_shrinks_online_every_entry_found() {
         // Every 1000 inserts, everything so far is still there, resize or not.
         if i % 1000 == 999 {
             for j in (0..=i).step_by(97) {
-                assert!(
-                    t.get(&key(1, j)).is_some(),
-                    "key {j} lost after {i} inserts"
-                );
+                assert!(t.get(&key(1, j)).is_some(), "key {j} lost after {i} inserts");
             }
         }
     }
@@ -167,17 +161,9 @@ fn dump_is_exact_across_resizes() {
     assert!(grown >= 3, "the table resized only {grown} times");
     assert!(buckets(&t) >= b0);
     for i in 0..stable {
-        assert_eq!(
-            seen.get(&i),
-            Some(&1),
-            "stable entry {i} seen {:?} times",
-            seen.get(&i)
-        );
+        assert_eq!(seen.get(&i), Some(&1), "stable entry {i} seen {:?} times", seen.get(&i));
     }
-    assert!(
-        seen.values().all(|&c| c == 1),
-        "an entry was returned twice"
-    );
+    assert!(seen.values().all(|&c| c == 1), "an entry was returned twice");
 }
 
 #[test]
@@ -207,10 +193,7 @@ fn dump_is_exact_with_a_resize_started_mid_page() {
         assert_eq!(seen.get(&i), Some(&1), "entry {i}");
     }
     // Pages were read with resizes half done, and at least one finished.
-    assert!(
-        started >= 2 && mid >= 100,
-        "{started} resizes, {mid} pages mid-resize"
-    );
+    assert!(started >= 2 && mid >= 100, "{started} resizes, {mid} pages mid-resize");
     assert!(t.resize_state(TenantId(1)).unwrap().1 >= 1);
 }
 
@@ -261,10 +244,7 @@ fn concurrent_lookups_and_dumps_while_the_table_grows_and_shrinks() {
         for i in 0..stable {
             assert_eq!(seen.get(&i), Some(&1), "dump {dumps}: stable entry {i}");
         }
-        assert!(
-            seen.values().all(|&c| c == 1),
-            "dump {dumps} returned an entry twice"
-        );
+        assert!(seen.values().all(|&c| c == 1), "dump {dumps} returned an entry twice");
         dumps += 1;
     }
     stop.store(true, Ordering::Relaxed);
@@ -272,10 +252,7 @@ fn concurrent_lookups_and_dumps_while_the_table_grows_and_shrinks() {
     let lookups = reader.join().unwrap();
     let resizes = t.resize_state(TenantId(1)).unwrap().1;
     assert!(rounds >= 1 && lookups > 0 && dumps > 0);
-    assert!(
-        resizes >= 2,
-        "no resize happened under the dumps ({resizes})"
-    );
+    assert!(resizes >= 2, "no resize happened under the dumps ({resizes})");
 }
 
 #[test]
@@ -289,14 +266,8 @@ fn handles_reach_their_entry_and_never_another() {
     assert!(t.set_state_handle(h, FlowState::FinWait, Millis(3500)));
     assert!(t.set_nat(h, 0x0001_9c40));
     let s = t.get_handle(h).unwrap();
-    assert_eq!(
-        (s.bytes_in, s.bytes_out, s.packets_in, s.packets_out),
-        (100, 40, 1, 1)
-    );
-    assert_eq!(
-        (s.state, s.last_active, s.owner),
-        (FlowState::FinWait, Millis(3500), 7)
-    );
+    assert_eq!((s.bytes_in, s.bytes_out, s.packets_in, s.packets_out), (100, 40, 1, 1));
+    assert_eq!((s.state, s.last_active, s.owner), (FlowState::FinWait, Millis(3500), 7));
     assert_eq!(t.nat(h), Some(0x0001_9c40));
     assert_eq!(t.handle(&k), Some(h));
     assert_eq!(t.get(&k), Some(s));
@@ -312,10 +283,7 @@ fn handles_reach_their_entry_and_never_another() {
     assert!(!t.set_state_handle(h, FlowState::Close, Millis(5000)));
     assert_eq!(t.get_handle(h), None);
     let s2 = t.get_handle(h2).unwrap();
-    assert_eq!(
-        (s2.bytes_in, s2.owner, s2.state),
-        (0, 8, FlowState::Established)
-    );
+    assert_eq!((s2.bytes_in, s2.owner, s2.state), (0, 8, FlowState::Established));
     // Handles survive resizes (nodes never move).
     for i in 100..20_000 {
         t.insert(key(1, i), init(i), Millis(0)).unwrap();
@@ -353,11 +321,7 @@ fn batched_lookup_matches_single_lookups() {
         assert_eq!(out.len(), keys.len());
         for (k, got) in keys.iter().zip(&out) {
             let want = t.get(k).map(|s| (s.cookie, s.backend));
-            assert_eq!(
-                got.map(|(h, b)| (h.cookie, b)),
-                want,
-                "round {round} key {k:?}"
-            );
+            assert_eq!(got.map(|(h, b)| (h.cookie, b)), want, "round {round} key {k:?}");
         }
         t.maintain();
     }
