@@ -54,6 +54,15 @@ pub(crate) struct Common {
     /// Write the figures as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub(crate) json: Option<PathBuf>,
+    /// table: the peers and the hashbrown ceiling hash with SipHash-1-3
+    /// (their own default) instead of weir's foldhash; weir-only sections skipped.
+    #[arg(long)]
+    pub(crate) siphash: bool,
+    /// table: run only these sections (comma-separated: noisy, churn,
+    /// lookup, big, resize, memory); `big` = weir alone at 100M entries
+    /// (lookup and memory rows), even with --quick.
+    #[arg(long, value_delimiter = ',', value_name = "SECTIONS")]
+    pub(crate) only: Vec<String>,
 }
 
 type SuiteFn = fn(&Common) -> Result<serde_json::Value>;

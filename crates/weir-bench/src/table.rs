@@ -4,10 +4,20 @@
 //! Sections (JSON keys in brackets):
 //! - noisy neighbour [`noisy.shared[]`, `noisy.own[]`] — seed 000's experiment, weir only;
 //! - churn [`churn[]`] — insert+remove pairs/s with a fixed live set;
-//! - lookup [`lookup[]`] — hit and miss lookups/s;
+//! - lookup [`lookup[]`] — hit and miss lookups/s, weir also batched
+//!   (`batched: true`, `Reader::lookup_batch`); the full plan adds weir alone
+//!   at 100M entries;
+//! - resize [`resize`] — lookup latency percentiles while the table grows
+//!   online from `from` to `to` entries, and a paged dump across the growth
+//!   checked for duplicates and misses (weir only);
 //! - memory [`memory[]`] — bytes per entry, each implementation built in a
 //!   fresh child process (this binary re-run with `WEIR_BENCH_MEMORY_CHILD`)
-//!   so one map's freed memory never hides the next one's footprint.
+//!   so one map's freed memory never hides the next one's footprint; the full
+//!   plan adds weir alone at 100M entries.
+//!
+//! Peers and the hashbrown ceiling hash with foldhash `quality` and a random
+//! seed, weir's hash family, so only the table design differs; `--siphash`
+//! runs the peer sections again with SipHash-1-3 (`hasher` in every row).
 //!
 //! Every implementation stores the same key ([`harness::Key`]: tenant, proto,
 //! client and virtual socket addresses, IPv6-capable) and an equivalent value
@@ -23,14 +33,17 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
+use std::sync::atomic::{AtomicU8, Ordering};
+
 use weir_flowtable::{
-    FlowTable, InsertError, Millis, Placement, TableConfig, TenantConfig, TenantId,
+    Cursor, DumpFilter, FlowKey, FlowTable, InsertError, LOOKUP_BATCH, Millis, Placement,
+    TableConfig, TenantConfig, TenantId,
 };
 
 use crate::Common;
 use crate::report::{Table, ratio};
-use harness::{Limit, PeerVal, Run, key, run, run_equal, si};
-use peers::{Ceiling, ConcMap, Dash, Ops, Papaya, Scc, Striped, Weir};
+use harness::{Limit, PeerVal, Run, idx_of, key, run, run_equal, si};
+use peers::{Ceiling, ConcMap, Dash, Fold, Ops, Papaya, PeerHasher, Scc, Sip, Striped, Weir};
 
 /// Environment variable that turns a `weir-bench table` process into a memory probe.
 const MEMORY_CHILD: &str = "WEIR_BENCH_MEMORY_CHILD";
@@ -52,6 +65,9 @@ pub(crate) enum Impl {
     /// weir, `get` through a `Reader` pinned once per batch of [`READER_BATCH`]
     /// lookups (how a data-path worker handles a batch of packets).
     WeirReader,
+    /// weir, `Reader::lookup_batch` over [`READER_BATCH`] keys per pin
+    /// (hash and prefetch the batch, then probe).
+    WeirBatch,
     Dash,
     Papaya,
     Scc,
@@ -68,10 +84,11 @@ impl Impl {
         Impl::Striped,
         Impl::Ceiling,
     ];
-    const LOOKUP: [Impl; 8] = [
+    const LOOKUP: [Impl; 9] = [
         Impl::Weir,
         Impl::WeirTouch,
         Impl::WeirReader,
+        Impl::WeirBatch,
         Impl::Dash,
         Impl::Papaya,
         Impl::Scc,
@@ -92,6 +109,7 @@ impl Impl {
             Impl::Weir => "weir",
             Impl::WeirTouch => "weir (touch)",
             Impl::WeirReader => "weir (reader, 64/pin)",
+            Impl::WeirBatch => "weir (lookup_batch, 64/pin)",
             Impl::Dash => "dashmap",
             Impl::Papaya => "papaya",
             Impl::Scc => "scc",
@@ -113,6 +131,15 @@ impl Impl {
 
     fn max_threads(self) -> usize {
         if self == Impl::Ceiling { 1 } else { usize::MAX }
+    }
+
+    /// The hasher this implementation's rows use: weir always keys its own.
+    fn hasher<S: PeerHasher>(self) -> &'static str {
+        if self.is_peer() || self == Impl::Ceiling {
+            S::NAME
+        } else {
+            Fold::NAME
+        }
     }
 }
 
@@ -146,9 +173,9 @@ impl<M: ConcMap> Target for Conc<M> {
     }
 }
 
-impl Target for Ceiling {
-    type H<'a> = &'a mut Ceiling;
-    fn handles(&mut self, _n: usize) -> Vec<&mut Ceiling> {
+impl<S: PeerHasher> Target for Ceiling<S> {
+    type H<'a> = &'a mut Ceiling<S>;
+    fn handles(&mut self, _n: usize) -> Vec<&mut Ceiling<S>> {
         vec![self]
     }
 }
@@ -157,27 +184,27 @@ impl Target for Ceiling {
 /// in interleaved rounds. (A handful exist at a time: variant sizes do not matter.)
 #[derive(Debug)]
 #[allow(clippy::large_enum_variant)]
-enum Built {
+enum Built<S: PeerHasher> {
     Weir(Conc<Weir>),
-    Dash(Conc<Dash>),
-    Papaya(Conc<Papaya>),
-    Scc(Conc<Scc>),
-    Striped(Conc<Striped>),
-    Ceiling(Ceiling),
+    Dash(Conc<Dash<S>>),
+    Papaya(Conc<Papaya<S>>),
+    Scc(Conc<Scc<S>>),
+    Striped(Conc<Striped<S>>),
+    Ceiling(Ceiling<S>),
 }
 
-impl Built {
+impl<S: PeerHasher> Built<S> {
     /// Implementation `imp`, presized for `cap` entries.
     fn new(imp: Impl, cap: usize) -> Self {
         match imp {
             Impl::Weir => Built::Weir(Conc(Weir::new(cap, false))),
             Impl::WeirTouch => Built::Weir(Conc(Weir::new(cap, true))),
-            Impl::WeirReader => Built::Weir(Conc(Weir::new(cap, false))),
+            Impl::WeirReader | Impl::WeirBatch => Built::Weir(Conc(Weir::new(cap, false))),
             Impl::Dash => Built::Dash(Conc(Dash::new(cap))),
             Impl::Papaya => Built::Papaya(Conc(Papaya::new(cap))),
             Impl::Scc => Built::Scc(Conc(Scc::new(cap))),
             Impl::Striped => Built::Striped(Conc(Striped::new(cap))),
-            Impl::Ceiling => Built::Ceiling(Ceiling::with_capacity(cap)),
+            Impl::Ceiling => Built::Ceiling(Ceiling::with_capacity_and_hasher(cap, S::default())),
         }
     }
 }
@@ -197,11 +224,12 @@ macro_rules! on_built {
     };
 }
 
-/// Builds implementation `imp` presized for `cap` entries and runs `$body`
-/// with it bound to `$t` (a `&mut impl Target`); drops it afterwards.
+/// Builds implementation `imp` presized for `cap` entries, peers hashing
+/// with `$s`, and runs `$body` with it bound to `$t` (a `&mut impl Target`);
+/// drops it afterwards.
 macro_rules! with_impl {
-    ($imp:expr, $cap:expr, |$t:ident| $body:expr) => {{
-        let mut built = Built::new($imp, $cap);
+    ($s:ty, $imp:expr, $cap:expr, |$t:ident| $body:expr) => {{
+        let mut built = Built::<$s>::new($imp, $cap);
         on_built!(&mut built, |$t| $body)
     }};
 }
@@ -226,6 +254,13 @@ struct Plan {
     rounds: usize,
     /// Largest size at which all implementations are built at once.
     interleave_max: u64,
+    /// weir alone (get, reader, batched) at this many entries, compared with
+    /// its 1M row (peers left out: most would not fit in 24 GiB or take too long).
+    lookup_big: Option<u64>,
+    /// A weir-only memory row at this many entries.
+    memory_big: Option<u64>,
+    /// Resize row: (starting size, entries filled to).
+    resize: (u64, u64),
 }
 
 impl Plan {
@@ -240,6 +275,9 @@ impl Plan {
                 build_limit: Duration::from_secs(12),
                 rounds: 3,
                 interleave_max: 1_000_000,
+                lookup_big: None,
+                memory_big: None,
+                resize: (1 << 16, 1 << 20),
             }
         } else {
             Self {
@@ -251,6 +289,9 @@ impl Plan {
                 build_limit: Duration::from_secs(420),
                 rounds: 3,
                 interleave_max: 1_000_000,
+                lookup_big: Some(BIG),
+                memory_big: Some(BIG),
+                resize: (1_000_000, 16_000_000),
             }
         }
     }
@@ -299,8 +340,12 @@ fn lookups<T: Target>(t: &mut T, n: u64, threads: usize, hit: bool, limit: Limit
     Ok(r)
 }
 
-/// Lookups per epoch pin of [`Impl::WeirReader`].
-const READER_BATCH: u64 = 64;
+/// Lookups per epoch pin of [`Impl::WeirReader`] and keys per
+/// `lookup_batch` call of [`Impl::WeirBatch`] (two of its chunks).
+const READER_BATCH: u64 = 2 * LOOKUP_BATCH as u64;
+
+/// Entries of the full plan's weir-only lookup and memory rows.
+const BIG: u64 = 100_000_000;
 
 /// Like [`lookups`] for weir through `FlowTable::reader`: each iteration of
 /// the runner is one batch of `READER_BATCH` lookups under one pin.
@@ -339,6 +384,48 @@ fn reader_lookups(
     Ok(r)
 }
 
+/// Like [`reader_lookups`] through `Reader::lookup_batch`: each iteration
+/// of the runner builds [`READER_BATCH`] keys and looks them up in one call
+/// under one pin. Checks every result, as [`lookups`] does.
+fn batch_lookups(
+    table: &FlowTable,
+    n: u64,
+    threads: usize,
+    hit: bool,
+    limit: Limit,
+) -> Result<Run> {
+    const K: usize = READER_BATCH as usize;
+    let limit = Limit {
+        ops: limit.ops / READER_BATCH,
+        ..limit
+    };
+    let handles = (0..threads)
+        .map(|_| (table, Vec::with_capacity(K)))
+        .collect();
+    let r = run(handles, limit, |h, th, j| {
+        let (t, out) = h;
+        let keys: [FlowKey; K] = std::array::from_fn(|b| {
+            let i = pick(0x5eed, th, j * READER_BATCH + b as u64, n);
+            key(TENANT, i + if hit { 0 } else { n })
+        });
+        t.reader().lookup_batch(&keys, out);
+        out.iter().filter(|o| o.is_some()).count() as u64
+    });
+    let r = Run {
+        ops: r.ops * READER_BATCH,
+        ..r
+    };
+    let expect = if hit { r.ops } else { 0 };
+    if r.ok != expect {
+        bail!(
+            "batched lookup check failed: {} of {} found (hit={hit})",
+            r.ok,
+            r.ops
+        );
+    }
+    Ok(r)
+}
+
 /// Insert+remove pairs/s on `threads` threads with `live` entries kept live.
 /// The live set is the window `[base, base + live)`: iteration `j` of thread
 /// `th` is position `p = j * threads + th`; it inserts key `base + live + p`
@@ -368,8 +455,11 @@ fn churn<T: Target>(t: &mut T, live: u64, base: u64, threads: usize, limit: Limi
 #[derive(Debug, Clone)]
 struct Row {
     imp: &'static str,
+    hasher: &'static str,
     peer: bool,
     ceiling: bool,
+    /// Looked up through `Reader::lookup_batch`.
+    batched: bool,
     entries: u64,
     threads: usize,
     hit: bool,
@@ -418,15 +508,17 @@ impl Row {
 type Samples = Vec<((Impl, usize, bool), Vec<Run>)>;
 
 /// Median rows from per-round samples keyed by (impl, threads, hit).
-fn rows_from(samples: Samples, entries: u64) -> Vec<Row> {
+fn rows_from<S: PeerHasher>(samples: Samples, entries: u64) -> Vec<Row> {
     samples
         .into_iter()
         .filter_map(|((imp, threads, hit), runs)| {
             let r = median(runs)?;
             Some(Row {
                 imp: imp.name(),
+                hasher: imp.hasher::<S>(),
                 peer: imp.is_peer(),
                 ceiling: imp == Impl::Ceiling,
+                batched: imp == Impl::WeirBatch,
                 entries,
                 threads,
                 hit,
@@ -447,11 +539,11 @@ fn push_sample(samples: &mut Samples, key: (Impl, usize, bool), r: Run) {
 
 /// Churn with every implementation alive at once (1M entries each) and
 /// measured round-robin, `plan.rounds` times; medians reported.
-fn churn_section(plan: &Plan) -> Result<Vec<Row>> {
+fn churn_section<S: PeerHasher>(plan: &Plan) -> Result<Vec<Row>> {
     let live = plan.churn_live;
     let mut built = Vec::new();
     for imp in Impl::CHURN {
-        let mut b = Built::new(imp, live as usize);
+        let mut b = Built::<S>::new(imp, live as usize);
         on_built!(&mut b, |t| fill(t, TENANT, 0..live))
             .with_context(|| format!("churn prefill {}", imp.name()))?;
         built.push((imp, b, 0u64));
@@ -470,13 +562,13 @@ fn churn_section(plan: &Plan) -> Result<Vec<Row>> {
             }
         }
     }
-    Ok(rows_from(samples, live))
+    Ok(rows_from::<S>(samples, live))
 }
 
 /// Lookups: at sizes up to `plan.interleave_max` every implementation is
 /// alive at once and measured round-robin; above it (10M) one at a time,
 /// its rounds back to back, dropped before the next is built.
-fn lookup_section(plan: &Plan) -> Result<Vec<Row>> {
+fn lookup_section<S: PeerHasher>(plan: &Plan) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for &n in &plan.lookup_sizes {
         let groups: Vec<Vec<Impl>> = if n <= plan.interleave_max {
@@ -488,7 +580,7 @@ fn lookup_section(plan: &Plan) -> Result<Vec<Row>> {
         for group in groups {
             let mut built = Vec::new();
             for imp in group {
-                let mut b = Built::new(imp, n as usize);
+                let mut b = Built::<S>::new(imp, n as usize);
                 on_built!(&mut b, |t| fill(t, TENANT, 0..n))
                     .with_context(|| format!("filling {}", imp.name()))?;
                 built.push((imp, b));
@@ -504,6 +596,9 @@ fn lookup_section(plan: &Plan) -> Result<Vec<Row>> {
                                 (Impl::WeirReader, Built::Weir(w)) => {
                                     reader_lookups(&w.0.table, n, threads, hit, plan.limit())
                                 }
+                                (Impl::WeirBatch, Built::Weir(w)) => {
+                                    batch_lookups(&w.0.table, n, threads, hit, plan.limit())
+                                }
                                 (_, b) => {
                                     on_built!(b, |t| lookups(t, n, threads, hit, plan.limit()))
                                 }
@@ -515,34 +610,89 @@ fn lookup_section(plan: &Plan) -> Result<Vec<Row>> {
                 }
             }
         }
-        rows.extend(rows_from(samples, n));
+        rows.extend(rows_from::<S>(samples, n));
     }
     Ok(rows)
+}
+
+/// weir alone at `plan.lookup_big` entries: see [`lookup_weir_only`].
+fn lookup_big_section(plan: &Plan) -> Result<Vec<Row>> {
+    match plan.lookup_big {
+        Some(n) => lookup_weir_only(plan, n),
+        None => Ok(Vec::new()),
+    }
+}
+
+/// weir alone at `n` entries: one table (filled on two threads), its
+/// `get`, reader and batched rows measured round-robin.
+fn lookup_weir_only(plan: &Plan, n: u64) -> Result<Vec<Row>> {
+    let mut w = Conc(Weir::new(n as usize, false));
+    let deadline = Instant::now() + plan.build_limit;
+    let (ins, refused) = par_fill(&w.0.table, TENANT, 0..n, 2, deadline)?;
+    if (ins, refused) != (n, 0) {
+        bail!(
+            "{} lookup table: {ins} of {n} inserted ({refused} refused) within {}s",
+            si(n as f64),
+            plan.build_limit.as_secs()
+        );
+    }
+    let mut samples = Vec::new();
+    for _ in 0..plan.rounds {
+        for imp in [Impl::Weir, Impl::WeirReader, Impl::WeirBatch] {
+            for threads in [1usize, 2] {
+                for hit in [true, false] {
+                    let r = match imp {
+                        Impl::WeirReader => {
+                            reader_lookups(&w.0.table, n, threads, hit, plan.limit())
+                        }
+                        Impl::WeirBatch => batch_lookups(&w.0.table, n, threads, hit, plan.limit()),
+                        _ => lookups(&mut w, n, threads, hit, plan.limit()),
+                    }
+                    .with_context(|| format!("lookup {} at {}", imp.name(), si(n as f64)))?;
+                    push_sample(&mut samples, (imp, threads, hit), r);
+                }
+            }
+        }
+    }
+    Ok(rows_from::<Fold>(samples, n))
 }
 
 /// One memory figure.
 #[derive(Debug, Clone)]
 struct Mem {
     imp: String,
+    hasher: String,
     entries: u64,
     rss_bytes_per_entry: f64,
     self_bytes_per_entry: Option<f64>,
 }
 
 /// In the child: builds `imp` with `n` entries and prints one result line.
+/// `spec` is `impl:entries:hasher`.
 fn memory_child(spec: &str) -> Result<Value> {
-    let (name, n) = spec
-        .split_once(':')
-        .context("memory child spec is impl:entries")?;
+    let mut parts = spec.split(':');
+    let (Some(name), Some(n), Some(hasher), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        bail!("memory child spec is impl:entries:hasher, got {spec:?}");
+    };
     let n: u64 = n.parse().context("memory child entries")?;
     let imp = Impl::from_name(name).with_context(|| format!("unknown impl {name}"))?;
     let before = harness::rss_bytes();
-    let (after, own) = with_impl!(imp, n as usize, |t| {
-        fill(t, TENANT, 0..n)?;
-        (harness::rss_bytes(), t.memory_bytes())
-    });
+    let (after, own) = match hasher {
+        h if h == Fold::NAME => with_impl!(Fold, imp, n as usize, |t| {
+            fill(t, TENANT, 0..n)?;
+            (harness::rss_bytes(), t.memory_bytes())
+        }),
+        h if h == Sip::NAME => with_impl!(Sip, imp, n as usize, |t| {
+            fill(t, TENANT, 0..n)?;
+            (harness::rss_bytes(), t.memory_bytes())
+        }),
+        h => bail!("unknown hasher {h:?}"),
+    };
     let v = json!({
         "impl": imp.name(),
+        "hasher": hasher,
         "entries": n,
         "rss_delta": after.saturating_sub(before),
         "self_bytes": own,
@@ -551,16 +701,22 @@ fn memory_child(spec: &str) -> Result<Value> {
     Ok(v)
 }
 
-/// In the parent: runs one child per implementation, one after the other.
-fn memory_section(plan: &Plan) -> Result<Vec<Mem>> {
+/// In the parent: runs one child per implementation (with `peers`), one
+/// after the other, then weir alone at `plan.memory_big` entries.
+fn memory_section<S: PeerHasher>(plan: &Plan, peers: bool) -> Result<Vec<Mem>> {
     let exe = std::env::current_exe().context("locating weir-bench")?;
     let mut out = Vec::new();
-    for imp in Impl::MEMORY {
+    let runs = Impl::MEMORY
+        .into_iter()
+        .filter(|_| peers)
+        .map(|i| (i, plan.memory_entries))
+        .chain(plan.memory_big.map(|n| (Impl::Weir, n)));
+    for (imp, entries) in runs {
         let o = std::process::Command::new(&exe)
             .arg("table")
             .env(
                 MEMORY_CHILD,
-                format!("{}:{}", imp.name(), plan.memory_entries),
+                format!("{}:{entries}:{}", imp.name(), S::NAME),
             )
             .output()
             .with_context(|| format!("running memory child for {}", imp.name()))?;
@@ -580,6 +736,7 @@ fn memory_section(plan: &Plan) -> Result<Vec<Mem>> {
         let n = v["entries"].as_u64().unwrap_or(0).max(1) as f64;
         out.push(Mem {
             imp: imp.name().to_string(),
+            hasher: imp.hasher::<S>().to_string(),
             entries: v["entries"].as_u64().unwrap_or(0),
             rss_bytes_per_entry: v["rss_delta"].as_f64().unwrap_or(0.0) / n,
             self_bytes_per_entry: v["self_bytes"].as_f64().map(|b| b / n),
@@ -589,6 +746,9 @@ fn memory_section(plan: &Plan) -> Result<Vec<Mem>> {
 }
 
 fn print_rows(title: &str, rows: &[Row], with_hit: bool, unit: &str) {
+    if rows.is_empty() {
+        return;
+    }
     println!("### {title}\n");
     let mut header = vec!["impl", "entries", "threads"];
     if with_hit {
@@ -833,6 +993,336 @@ fn noisy_section(plan: &Plan) -> Result<(Vec<NoisyRow>, Vec<NoisyRow>)> {
     Ok((shared, own))
 }
 
+/// The resize row: weir alone, grown online under lookup load.
+#[derive(Debug, Clone, Default)]
+struct ResizeRow {
+    from: u64,
+    to: u64,
+    /// Keys `0..present` are inserted first and never removed: the lookups
+    /// pick among them and the dump must return each exactly once.
+    present: u64,
+    /// Latency samples (every [`SAMPLE_EVERY`]th lookup) before the fill,
+    /// while a resize ran, and during the fill between resizes.
+    steady: Latency,
+    during: Latency,
+    between: Latency,
+    /// Lookups of present keys that found nothing (must be 0).
+    lookup_misses: u64,
+    /// Resizes completed during the fill; resizes the dump spanned.
+    resizes: u64,
+    dump_resizes: u64,
+    fill_secs: f64,
+    dump_pages: u64,
+    dump_duplicates: u64,
+    dump_misses: u64,
+}
+
+/// Percentiles of one set of latency samples, in ns.
+#[derive(Debug, Clone, Copy, Default)]
+struct Latency {
+    samples: usize,
+    p50: Option<u64>,
+    p99: Option<u64>,
+}
+
+impl Latency {
+    fn of(mut v: Vec<u32>) -> Self {
+        v.sort_unstable();
+        let at = |p: f64| {
+            let i = ((v.len().max(1) - 1) as f64 * p).round() as usize;
+            v.get(i).map(|&x| u64::from(x))
+        };
+        Latency {
+            samples: v.len(),
+            p50: at(0.5),
+            p99: at(0.99),
+        }
+    }
+}
+
+/// Every how many lookups one is timed (two clock reads per sample).
+const SAMPLE_EVERY: u64 = 64;
+/// Samples kept per phase.
+const MAX_SAMPLES: usize = 1 << 20;
+/// Fill inserts between two dump pages, and the page size while filling.
+const DUMP_EVERY: u64 = 1024;
+const DUMP_PAGE: usize = 256;
+/// Resize-row phases the lookup thread files its samples under.
+const STEADY: u8 = 0;
+const FILLING: u8 = 1;
+const STOP: u8 = 2;
+
+/// The lookup side of the resize row: looks up present keys until told to
+/// stop (or `deadline`), timing every [`SAMPLE_EVERY`]th lookup; returns
+/// the samples (steady, while resizing, filling between resizes) and misses.
+fn resize_lookups(
+    table: &FlowTable,
+    present: u64,
+    phase: &AtomicU8,
+    deadline: Instant,
+) -> (Vec<u32>, Vec<u32>, Vec<u32>, u64) {
+    let (mut steady, mut during, mut between) = (Vec::new(), Vec::new(), Vec::new());
+    let mut misses = 0u64;
+    let mut rng = harness::Rng::new(0x10ad);
+    for j in 0u64.. {
+        let ph = phase.load(Ordering::Relaxed);
+        if ph == STOP || (j % 4096 == 0 && Instant::now() >= deadline) {
+            break;
+        }
+        let k = key(TENANT, rng.below(present));
+        if j % SAMPLE_EVERY != 0 {
+            misses += u64::from(table.get(&k).is_none());
+            continue;
+        }
+        let t0 = Instant::now();
+        let found = table.get(&k).is_some();
+        let ns = u32::try_from(t0.elapsed().as_nanos()).unwrap_or(u32::MAX);
+        misses += u64::from(!found);
+        let v = if ph == STEADY {
+            &mut steady
+        } else if table
+            .resize_state(TenantId(TENANT))
+            .is_some_and(|(resizing, _)| resizing)
+        {
+            &mut during
+        } else {
+            &mut between
+        };
+        if v.len() < MAX_SAMPLES {
+            v.push(ns);
+        }
+    }
+    (steady, during, between, misses)
+}
+
+/// A paged dump of the whole table, checked as it goes.
+struct DumpCheck {
+    cursor: Option<Cursor>,
+    finished: bool,
+    /// One bit per key index `< seen.len() * 64`.
+    seen: Vec<u64>,
+    duplicates: u64,
+    pages: u64,
+    buf: Vec<weir_flowtable::FlowSnapshot>,
+}
+
+impl DumpCheck {
+    fn new(keys: u64) -> Self {
+        DumpCheck {
+            cursor: None,
+            finished: false,
+            seen: vec![0; keys.div_ceil(64) as usize],
+            duplicates: 0,
+            pages: 0,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Reads one page of up to `limit` entries.
+    fn page(&mut self, table: &FlowTable, limit: usize) {
+        self.buf.clear();
+        let next = table.dump(
+            self.cursor.as_ref(),
+            &DumpFilter::default(),
+            limit,
+            &mut self.buf,
+        );
+        for s in &self.buf {
+            let i = idx_of(&s.key) as usize;
+            if let Some(w) = self.seen.get_mut(i / 64) {
+                let bit = 1u64 << (i % 64);
+                self.duplicates += u64::from(*w & bit != 0);
+                *w |= bit;
+            }
+        }
+        self.pages += 1;
+        match next {
+            Some(c) => self.cursor = Some(c),
+            None => self.finished = true,
+        }
+    }
+
+    /// Keys `0..n` the dump never returned.
+    fn misses(&self, n: u64) -> u64 {
+        (0..n as usize)
+            .filter(|&i| {
+                self.seen
+                    .get(i / 64)
+                    .is_none_or(|w| w & (1 << (i % 64)) == 0)
+            })
+            .count() as u64
+    }
+}
+
+/// A table started for `from` entries holds `from / 2` present keys that
+/// one thread looks up throughout. The other thread first churns (insert +
+/// remove, the size stays put) for the steady samples, then fills the table
+/// to `to` entries, so it grows online through several resizes, reading a
+/// dump page every [`DUMP_EVERY`] inserts and calling `maintain` (as the
+/// daemon's expiry tick does) every 64Ki. The dump, begun with the fill and
+/// finished after it, must return every present key exactly once.
+fn resize_section(plan: &Plan) -> Result<ResizeRow> {
+    let (from, to) = plan.resize;
+    let tenant = TenantId(TENANT);
+    let table = FlowTable::new(TableConfig {
+        shared_buckets: from as usize,
+        seed: Some(0x2e512e),
+        ..TableConfig::default()
+    });
+    table.add_tenant(tenant, TenantConfig::default())?;
+    let present = from / 2;
+    let deadline = Instant::now() + plan.build_limit;
+    let (ins, refused) = par_fill(&table, TENANT, 0..present, 2, deadline)?;
+    if (ins, refused) != (present, 0) {
+        bail!("resize: {ins} of {present} present keys inserted ({refused} refused)");
+    }
+    let resizes_at = |what: &str| -> Result<u64> {
+        Ok(table
+            .resize_state(tenant)
+            .with_context(|| format!("tenant gone {what}"))?
+            .1)
+    };
+    let phase = AtomicU8::new(STEADY);
+    let mut row = ResizeRow {
+        from,
+        to,
+        present,
+        ..ResizeRow::default()
+    };
+    let (samples, written) = std::thread::scope(|s| {
+        let reader = s.spawn(|| resize_lookups(&table, present, &phase, deadline));
+        let written = (|| -> Result<DumpCheck> {
+            // Steady state: the same writer load, no growth.
+            let before = resizes_at("before steady")?;
+            let steady_end = Instant::now() + plan.measure * 3;
+            let mut j = 0u64;
+            while Instant::now() < steady_end && Instant::now() < deadline {
+                for _ in 0..256 {
+                    let i = to + j % present;
+                    let inserted = table
+                        .insert(
+                            key(TENANT, i),
+                            peers::flow_init(&PeerVal::for_idx(i)),
+                            Millis(1),
+                        )
+                        .is_ok();
+                    if !inserted || table.remove(&key(TENANT, i)).is_none() {
+                        bail!("resize: steady churn of key {i} failed");
+                    }
+                    j += 1;
+                }
+            }
+            if resizes_at("after steady")? != before {
+                bail!("resize: the table resized during the steady phase");
+            }
+            phase.store(FILLING, Ordering::Relaxed);
+            let mut dump = DumpCheck::new(to);
+            let start = Instant::now();
+            for i in present..to {
+                table
+                    .insert(
+                        key(TENANT, i),
+                        peers::flow_init(&PeerVal::for_idx(i)),
+                        Millis(1),
+                    )
+                    .map_err(|e| anyhow::anyhow!("resize: insert {i}: {e}"))?;
+                if i % DUMP_EVERY == 0 && !dump.finished {
+                    if dump.pages == 0 {
+                        row.dump_resizes = resizes_at("at dump start")?;
+                    }
+                    dump.page(&table, DUMP_PAGE);
+                }
+                if i % 65_536 == 0 {
+                    table.maintain();
+                    if Instant::now() >= deadline {
+                        bail!(
+                            "resize: fill passed the {}s limit at {i} of {to}",
+                            plan.build_limit.as_secs()
+                        );
+                    }
+                }
+            }
+            // Let a resize still running finish (maintain moves buckets).
+            for _ in 0..1_000_000 {
+                if !table.resize_state(tenant).is_some_and(|(r, _)| r) || Instant::now() >= deadline
+                {
+                    break;
+                }
+                table.maintain();
+            }
+            row.fill_secs = start.elapsed().as_secs_f64();
+            row.resizes = resizes_at("after fill")? - before;
+            Ok(dump)
+        })();
+        phase.store(STOP, Ordering::Relaxed);
+        (reader.join(), written)
+    });
+    let (steady, during, between, misses) =
+        samples.map_err(|_| anyhow::anyhow!("resize lookup thread panicked"))?;
+    let mut dump = written?;
+    // Finish the dump (the table no longer changes; bounded by its size).
+    let max_pages = to / 4096 + 2;
+    for _ in 0..max_pages {
+        if dump.finished {
+            break;
+        }
+        dump.page(&table, 4096);
+    }
+    if !dump.finished {
+        bail!("resize: dump not finished after {max_pages} more pages");
+    }
+    row.dump_resizes = resizes_at("after dump")? - row.dump_resizes;
+    row.steady = Latency::of(steady);
+    row.during = Latency::of(during);
+    row.between = Latency::of(between);
+    row.lookup_misses = misses;
+    row.dump_pages = dump.pages;
+    row.dump_duplicates = dump.duplicates;
+    row.dump_misses = dump.misses(present);
+    Ok(row)
+}
+
+fn print_resize(r: &ResizeRow) {
+    println!(
+        "### Resize: {} -> {} entries under lookup load (weir)\n\n\
+         One thread looks up {} present keys (every {SAMPLE_EVERY}th timed); the other first \
+         churns at constant size (steady), then fills to {} ({} resizes in {:.1}s), reading a \
+         {DUMP_PAGE}-entry dump page every {DUMP_EVERY} inserts; the dump spanned {} resizes \
+         ({} pages). Lookup misses of present keys: {}.\n",
+        si(r.from as f64),
+        si(r.to as f64),
+        si(r.present as f64),
+        si(r.to as f64),
+        r.resizes,
+        r.fill_secs,
+        r.dump_resizes,
+        r.dump_pages,
+        r.lookup_misses,
+    );
+    let ns = |x: Option<u64>| x.map_or("-".into(), |v| v.to_string());
+    let mut t = Table::new(["phase", "samples", "p50 ns", "p99 ns", "p99 vs steady"]);
+    for (name, l) in [
+        ("steady", r.steady),
+        ("while resizing", r.during),
+        ("filling, between resizes", r.between),
+    ] {
+        t.row([
+            name.to_string(),
+            l.samples.to_string(),
+            ns(l.p50),
+            ns(l.p99),
+            ratio(l.p99.unwrap_or(0) as f64, r.steady.p99.unwrap_or(0) as f64),
+        ]);
+    }
+    t.print();
+    println!(
+        "Dump across the resizes: {} duplicates, {} misses of the {} present keys.\n",
+        r.dump_duplicates,
+        r.dump_misses,
+        si(r.present as f64)
+    );
+}
+
 /// One goal of the issue: what was asked, what this run measured, and whether it is met
 /// (`None` when this run could not measure it).
 pub(crate) type Goal = (String, String, Option<bool>);
@@ -852,12 +1342,46 @@ pub(crate) fn print_goals(goals: &[Goal]) {
     t.print();
 }
 
+/// Batched vs one-at-a-time (the reader row: same pin per 64 lookups, so
+/// only the batching differs): (entries, threads, hit, ratio) per batched row.
+fn batch_ratios(lookup: &[Row]) -> Vec<(u64, usize, bool, f64)> {
+    lookup
+        .iter()
+        .filter(|r| r.batched)
+        .filter_map(|b| {
+            let one = lookup.iter().find(|o| {
+                o.imp == Impl::WeirReader.name()
+                    && (o.entries, o.threads, o.hit) == (b.entries, b.threads, b.hit)
+            })?;
+            (one.ops_per_s > 0.0)
+                .then(|| (b.entries, b.threads, b.hit, b.ops_per_s / one.ops_per_s))
+        })
+        .collect()
+}
+
+/// weir `get` cost at `BIG` entries over its cost at 1M (1M lookups/s over
+/// BIG lookups/s), worst over (threads, hit).
+fn big_cost_ratio(lookup: &[Row]) -> Option<f64> {
+    let get = |n: u64, r: &Row| r.imp == Impl::Weir.name() && r.entries == n;
+    lookup
+        .iter()
+        .filter(|r| get(BIG, r) && r.ops_per_s > 0.0)
+        .filter_map(|b| {
+            let small = lookup
+                .iter()
+                .find(|o| get(1_000_000, o) && (o.threads, o.hit) == (b.threads, b.hit))?;
+            Some(small.ops_per_s / b.ops_per_s)
+        })
+        .reduce(f64::max)
+}
+
 fn table_goals(
     plan: &Plan,
     own: &[NoisyRow],
     churn: &[Row],
     lookup: &[Row],
     mem: &[Mem],
+    resize: Option<&ResizeRow>,
 ) -> Vec<Goal> {
     let mut g = Vec::new();
     let planned = plan.noisy.last().copied().unwrap_or(0);
@@ -925,11 +1449,50 @@ fn table_goals(
             ));
         }
     }
-    if let Some(m) = mem.iter().find(|m| m.imp == Impl::Weir.name()) {
+    for m in mem.iter().filter(|m| m.imp == Impl::Weir.name()) {
         g.push((
             format!("memory at {}: <= 128 B/entry (RSS)", si(m.entries as f64)),
             format!("{:.1} B", m.rss_bytes_per_entry),
             Some(m.rss_bytes_per_entry <= 128.0),
+        ));
+    }
+    let at_10m = batch_ratios(lookup)
+        .into_iter()
+        .filter(|r| r.0 == 10_000_000)
+        .map(|r| r.3)
+        .reduce(f64::min);
+    g.push((
+        "batched lookups at 10M: >= 1.5x one at a time (reader)".into(),
+        at_10m.map_or("-".into(), |x| format!("worst row {x:.2}x")),
+        at_10m.map(|x| x >= 1.5),
+    ));
+    let big = big_cost_ratio(lookup);
+    g.push((
+        format!("lookup (get) at {}: <= 2x the 1M cost", si(BIG as f64)),
+        big.map_or("-".into(), |x| format!("worst row {x:.2}x")),
+        big.map(|x| x <= 2.0),
+    ));
+    if let Some(r) = resize {
+        let (st, du) = (r.steady.p99.unwrap_or(0), r.during.p99);
+        let x = du.filter(|_| st > 0).map(|d| d as f64 / st as f64);
+        g.push((
+            format!(
+                "resize {} -> {}: lookup p99 while resizing <= 2x steady",
+                si(r.from as f64),
+                si(r.to as f64)
+            ),
+            x.map_or("-".into(), |x| {
+                format!("{x:.2}x ({} ns vs {st} ns)", du.unwrap_or(0))
+            }),
+            x.map(|x| x <= 2.0),
+        ));
+        g.push((
+            "resize: dump across it returns every present entry exactly once".into(),
+            format!(
+                "{} duplicates, {} misses over {} resizes",
+                r.dump_duplicates, r.dump_misses, r.dump_resizes
+            ),
+            Some(r.dump_duplicates == 0 && r.dump_misses == 0 && r.dump_resizes > 0),
         ));
     }
     g
@@ -940,16 +1503,62 @@ pub(crate) fn table(c: &Common) -> Result<Value> {
     if let Ok(spec) = std::env::var(MEMORY_CHILD) {
         return memory_child(&spec);
     }
-    let plan = Plan::new(c.quick);
+    if c.siphash {
+        table_with::<Sip>(c)
+    } else {
+        table_with::<Fold>(c)
+    }
+}
+
+/// Sections `--only` may name.
+const SECTIONS: [&str; 6] = ["noisy", "churn", "lookup", "big", "resize", "memory"];
+
+/// The `table` suite with the peers hashing with `S`. The SipHash view
+/// (`--siphash`) runs only the sections with peers.
+fn table_with<S: PeerHasher>(c: &Common) -> Result<Value> {
+    if let Some(o) = c.only.iter().find(|o| !SECTIONS.contains(&o.as_str())) {
+        bail!(
+            "--only: unknown table section {o:?} (one of {})",
+            SECTIONS.join(", ")
+        );
+    }
+    let on = |name: &str| c.only.is_empty() || c.only.iter().any(|o| o == name);
+    let mut plan = Plan::new(c.quick);
+    let all = !c.siphash;
+    if on("big") && !c.only.is_empty() {
+        // Asked for by name: the 100M rows even with --quick.
+        plan.lookup_big = Some(BIG);
+        plan.memory_big = Some(BIG);
+    }
+    if !all || !on("big") {
+        plan.lookup_big = None;
+        plan.memory_big = None;
+    }
+    if !all || !on("noisy") {
+        plan.noisy.clear();
+    }
     println!(
         "Noisy machine: 2 cores shared with other engineers' builds; only ratios within this run mean anything.\n\
-         Peers hash with std RandomState (SipHash-1-3); the hashbrown ceiling with foldhash (its default). \
-         Every map is presized for its entry count.\n"
+         Peers and the hashbrown ceiling hash with {}. \
+         Every map is presized for its entry count.\n",
+        if all {
+            "foldhash quality with a random seed, weir's own hash family: only the table design differs"
+        } else {
+            "std RandomState (SipHash-1-3), weir with foldhash quality (--siphash view; weir-only sections skipped)"
+        }
     );
 
-    let (noisy_shared, noisy_own) = noisy_section(&plan)?;
+    let (noisy_shared, noisy_own) = if !plan.noisy.is_empty() {
+        noisy_section(&plan)?
+    } else {
+        (Vec::new(), Vec::new())
+    };
 
-    let churn_rows = churn_section(&plan)?;
+    let churn_rows = if on("churn") {
+        churn_section::<S>(&plan)?
+    } else {
+        Vec::new()
+    };
     print_rows(
         &format!(
             "Churn: insert+remove pairs/s, {} live entries\n\n\
@@ -963,7 +1572,15 @@ pub(crate) fn table(c: &Common) -> Result<Value> {
         "pairs",
     );
 
-    let lookup_rows = lookup_section(&plan)?;
+    let mut lookup_rows = if on("lookup") {
+        lookup_section::<S>(&plan)?
+    } else if plan.lookup_big.is_some() {
+        // The big row's comparison needs weir at 1M.
+        lookup_weir_only(&plan, 1_000_000)?
+    } else {
+        Vec::new()
+    };
+    lookup_rows.extend(lookup_big_section(&plan)?);
     print_rows(
         &format!(
             "Lookup: uniformly random keys\n\n\
@@ -976,14 +1593,47 @@ pub(crate) fn table(c: &Common) -> Result<Value> {
         true,
         "lookups",
     );
+    let batched = batch_ratios(&lookup_rows);
+    if !batched.is_empty() {
+        println!(
+            "### Batched lookups: `lookup_batch` ({READER_BATCH} keys per call) vs one at a time \
+             through a reader ({READER_BATCH} per pin)\n"
+        );
+        let mut t = Table::new(["entries", "threads", "lookup", "batched / one at a time"]);
+        for (n, th, hit, x) in &batched {
+            t.row([
+                si(*n as f64),
+                th.to_string(),
+                if *hit { "hit" } else { "miss" }.to_string(),
+                format!("{x:.2}x"),
+            ]);
+        }
+        t.print();
+    }
+    if let Some(x) = big_cost_ratio(&lookup_rows) {
+        println!(
+            "weir get at {} entries costs {x:.2}x its 1M cost (worst of threads x hit/miss; \
+             peers left out at this size: most would not fit in 24 GiB or take too long to build).\n",
+            si(BIG as f64)
+        );
+    }
 
-    let mem = memory_section(&plan)?;
+    let resize = if all && on("resize") {
+        let r = resize_section(&plan).context("resize row")?;
+        print_resize(&r);
+        Some(r)
+    } else {
+        None
+    };
+
+    let mem = memory_section::<S>(&plan, on("memory"))?;
     println!(
-        "### Memory: bytes per entry at {} entries\n\n\
+        "### Memory: bytes per entry\n\n\
          RSS delta of a fresh child process around building the map (glibc malloc: \
          per-allocation headers and size-class rounding included; presized tables count \
-         their empty slots).\n",
-        si(plan.memory_entries as f64)
+         their empty slots). Peers only at {}: at {} entries weir is alone.\n",
+        si(plan.memory_entries as f64),
+        si(BIG as f64)
     );
     let best_mem = mem
         .iter()
@@ -1015,6 +1665,7 @@ pub(crate) fn table(c: &Common) -> Result<Value> {
         &churn_rows,
         &lookup_rows,
         &mem,
+        resize.as_ref(),
     ));
 
     let noisy_json = |rows: &[NoisyRow]| -> Vec<Value> {
@@ -1026,9 +1677,9 @@ pub(crate) fn table(c: &Common) -> Result<Value> {
         rows.iter()
             .map(|r| {
                 if lookup {
-                    json!({"impl": r.imp, "entries": r.entries, "threads": r.threads, "hit": r.hit, "ops_per_s": r.ops_per_s})
+                    json!({"impl": r.imp, "hasher": r.hasher, "entries": r.entries, "threads": r.threads, "hit": r.hit, "batched": r.batched, "ops_per_s": r.ops_per_s})
                 } else {
-                    json!({"impl": r.imp, "threads": r.threads, "ops_per_s": r.ops_per_s})
+                    json!({"impl": r.imp, "hasher": r.hasher, "threads": r.threads, "ops_per_s": r.ops_per_s})
                 }
             })
             .collect()
@@ -1037,7 +1688,21 @@ pub(crate) fn table(c: &Common) -> Result<Value> {
         "noisy": {"shared": noisy_json(&noisy_shared), "own": noisy_json(&noisy_own)},
         "churn": rows_json(&churn_rows, false),
         "lookup": rows_json(&lookup_rows, true),
-        "memory": mem.iter().map(|m| json!({"impl": m.imp, "entries": m.entries, "bytes_per_entry": m.rss_bytes_per_entry})).collect::<Vec<_>>(),
+        "memory": mem.iter().map(|m| json!({"impl": m.imp, "hasher": m.hasher, "entries": m.entries, "bytes_per_entry": m.rss_bytes_per_entry})).collect::<Vec<_>>(),
+        "resize": resize.map(|r| json!({
+            "from": r.from,
+            "to": r.to,
+            "p99_ns_steady": r.steady.p99,
+            "p99_ns_during": r.during.p99,
+            "dump_duplicates": r.dump_duplicates,
+            "dump_misses": r.dump_misses,
+            "p50_ns_steady": r.steady.p50,
+            "p50_ns_during": r.during.p50,
+            "p99_ns_between_resizes": r.between.p99,
+            "resizes": r.resizes,
+            "dump_resizes": r.dump_resizes,
+            "lookup_misses": r.lookup_misses,
+        })),
     }))
 }
 
@@ -1066,7 +1731,8 @@ mod tests {
     fn measurements_check_themselves_on_every_impl() {
         for imp in Impl::CHURN.into_iter().chain(Impl::LOOKUP) {
             let threads = imp.max_threads().min(2);
-            with_impl!(imp, 1000, |t| small_checks(t, threads));
+            with_impl!(Fold, imp, 1000, |t| small_checks(t, threads));
+            with_impl!(Sip, imp, 1000, |t| small_checks(t, threads));
         }
     }
 
@@ -1080,6 +1746,146 @@ mod tests {
         // A table missing the keys fails the hit check.
         let empty = Weir::new(1000, false);
         assert!(reader_lookups(&empty.table, 1000, 1, true, SMALL).is_err());
+    }
+
+    #[test]
+    fn batch_lookups_check_themselves() {
+        let mut w = Conc(Weir::new(1000, false));
+        fill(&mut w, TENANT, 0..1000).expect("fill");
+        let r = batch_lookups(&w.0.table, 1000, 2, true, SMALL).expect("hits");
+        assert_eq!(r.ops, 20_000 / READER_BATCH * READER_BATCH);
+        batch_lookups(&w.0.table, 1000, 2, false, SMALL).expect("misses");
+        let empty = Weir::new(1000, false);
+        assert!(batch_lookups(&empty.table, 1000, 1, true, SMALL).is_err());
+    }
+
+    #[test]
+    fn batch_ratio_pairs_batched_with_reader_rows() {
+        let row = |imp: Impl, ops: f64| Row {
+            imp: imp.name(),
+            hasher: "foldhash",
+            peer: false,
+            ceiling: false,
+            batched: imp == Impl::WeirBatch,
+            entries: 10_000_000,
+            threads: 1,
+            hit: true,
+            ops_per_s: ops,
+            cpu_share: 1.0,
+        };
+        let rows = [row(Impl::WeirReader, 2.0), row(Impl::WeirBatch, 5.0)];
+        assert_eq!(batch_ratios(&rows), vec![(10_000_000, 1, true, 2.5)]);
+        let big = Row {
+            entries: BIG,
+            ..row(Impl::Weir, 1.0)
+        };
+        let small = Row {
+            entries: 1_000_000,
+            ..row(Impl::Weir, 3.0)
+        };
+        assert_eq!(big_cost_ratio(&[big, small]), Some(3.0));
+    }
+
+    #[test]
+    fn resize_row_grows_online_and_dumps_exactly() {
+        let plan = Plan {
+            resize: (1 << 12, 1 << 16),
+            measure: Duration::from_millis(20),
+            build_limit: Duration::from_secs(60),
+            ..Plan::new(true)
+        };
+        let r = resize_section(&plan).expect("resize row");
+        assert!(r.resizes > 0, "no resize while filling 16x: {r:?}");
+        assert!(r.dump_resizes > 0, "the dump spanned no resize: {r:?}");
+        assert_eq!((r.dump_duplicates, r.dump_misses), (0, 0), "{r:?}");
+        assert_eq!(r.lookup_misses, 0);
+        assert!(r.steady.samples > 0 && r.steady.p99.is_some());
+    }
+
+    #[test]
+    fn lookup_big_rows_are_weir_only_and_marked() {
+        let plan = Plan {
+            lookup_big: Some(4096),
+            measure: Duration::from_millis(10),
+            rounds: 1,
+            ..Plan::new(true)
+        };
+        let rows = lookup_big_section(&plan).expect("big rows");
+        assert_eq!(
+            rows.len(),
+            3 * 2 * 2,
+            "get, reader, batched x threads x hit"
+        );
+        assert!(
+            rows.iter()
+                .all(|r| r.entries == 4096 && !r.peer && !r.ceiling)
+        );
+        assert_eq!(rows.iter().filter(|r| r.batched).count(), 4);
+        assert!(
+            lookup_big_section(&Plan::new(true))
+                .expect("none")
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn only_runs_the_named_sections() {
+        let c = |only: &[&str]| Common {
+            quick: true,
+            json: None,
+            siphash: false,
+            only: only.iter().map(|s| s.to_string()).collect(),
+        };
+        assert!(table(&c(&["resize", "bogus"])).is_err());
+        let v = table(&c(&["resize"])).expect("resize only");
+        assert_eq!(v["resize"]["dump_duplicates"], 0);
+        assert_eq!(v["resize"]["dump_misses"], 0);
+        assert!(v["resize"]["p99_ns_steady"].as_u64().is_some());
+        for other in ["churn", "lookup", "memory"] {
+            assert_eq!(v[other].as_array().map(Vec::len), Some(0), "{other} ran");
+        }
+        assert_eq!(v["noisy"]["own"].as_array().map(Vec::len), Some(0));
+    }
+
+    #[test]
+    fn dump_check_counts_duplicates_and_misses() {
+        let t = FlowTable::new(TableConfig {
+            seed: Some(1),
+            ..TableConfig::default()
+        });
+        t.add_tenant(TenantId(TENANT), TenantConfig::default())
+            .expect("tenant");
+        par_fill(
+            &t,
+            TENANT,
+            0..100,
+            1,
+            Instant::now() + Duration::from_secs(30),
+        )
+        .expect("fill");
+        let mut d = DumpCheck::new(200);
+        d.page(&t, 1000);
+        assert!(d.finished);
+        assert_eq!((d.duplicates, d.misses(100), d.misses(101)), (0, 0, 1));
+        d.cursor = None;
+        d.page(&t, 1000);
+        assert_eq!(d.duplicates, 100);
+    }
+
+    #[test]
+    fn latency_percentiles() {
+        let l = Latency::of((1..=100).rev().collect());
+        assert_eq!((l.samples, l.p50, l.p99), (100, Some(51), Some(99)));
+        assert_eq!(Latency::of(Vec::new()).p99, None);
+    }
+
+    #[test]
+    fn memory_child_rejects_bad_specs() {
+        assert!(memory_child("weir:10").is_err());
+        assert!(memory_child("weir:10:md5").is_err());
+        assert!(memory_child("nope:10:foldhash").is_err());
+        let v = memory_child("dashmap:100:siphash").expect("probe");
+        assert_eq!(v["hasher"], "siphash");
     }
 
     #[test]

@@ -1,11 +1,11 @@
 //! weir's flow table and the peers it races, behind one small trait.
 //!
-//! Every peer stores the same [`Key`] and [`PeerVal`] and uses its default
-//! hasher: `std`'s `RandomState` (SipHash-1-3, keyed per process) for dashmap,
-//! papaya, scc and the striped map; foldhash (hashbrown's default, seeded but
-//! not collision-resistant) for the single-threaded hashbrown ceiling.
+//! Every peer stores the same [`Key`] and [`PeerVal`] and hashes with a
+//! [`PeerHasher`]: by default [`Fold`], foldhash's `quality` variant with a
+//! per-process random seed (the hash family weir keys its own tables with, so
+//! only the table design differs); with `--siphash`, [`Sip`], `std`'s
+//! `RandomState` (SipHash-1-3), the peers' own default, as a second view.
 
-use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 
 use dashmap::DashMap;
@@ -16,6 +16,27 @@ use weir_flowtable::{
 };
 
 use super::harness::{Key, PeerVal};
+
+/// The hasher every peer (and the hashbrown ceiling) is built with.
+pub(crate) trait PeerHasher:
+    BuildHasher + Clone + Default + Send + Sync + std::fmt::Debug + 'static
+{
+    /// Name printed and written to JSON (`hasher`).
+    const NAME: &'static str;
+}
+
+/// foldhash `quality`, random per-process seed: weir's hash family.
+pub(crate) type Fold = foldhash::quality::RandomState;
+/// `std`'s SipHash-1-3 `RandomState`, keyed per process.
+pub(crate) type Sip = std::collections::hash_map::RandomState;
+
+impl PeerHasher for Fold {
+    const NAME: &'static str = "foldhash";
+}
+
+impl PeerHasher for Sip {
+    const NAME: &'static str = "siphash";
+}
 
 /// One thread's handle on a map: concurrent maps hand out `&Map`, the
 /// single-threaded ceiling hands out `&mut HashMap`.
@@ -61,10 +82,10 @@ pub(crate) struct Weir {
 }
 
 impl Weir {
-    /// A table whose shared index starts sized for `next_power_of_two(cap)` entries.
+    /// A table whose shared index starts sized for `cap` entries.
     pub(crate) fn new(cap: usize, touch: bool) -> Self {
         let cfg = TableConfig {
-            shared_buckets: cap.max(1).next_power_of_two(),
+            shared_buckets: cap.max(1),
             seed: Some(0x7ab1e),
             ..TableConfig::default()
         };
@@ -110,15 +131,15 @@ impl ConcMap for Weir {
 
 /// `DashMap` with its default shard count (4 x cores rounded up to a power of two).
 #[derive(Debug)]
-pub(crate) struct Dash(DashMap<Key, PeerVal>);
+pub(crate) struct Dash<S: PeerHasher>(DashMap<Key, PeerVal, S>);
 
-impl Dash {
+impl<S: PeerHasher> Dash<S> {
     pub(crate) fn new(cap: usize) -> Self {
-        Self(DashMap::with_capacity(cap))
+        Self(DashMap::with_capacity_and_hasher(cap, S::default()))
     }
 }
 
-impl ConcMap for Dash {
+impl<S: PeerHasher> ConcMap for Dash<S> {
     fn c_insert(&self, k: Key, v: PeerVal) -> bool {
         self.0.insert(k, v).is_none()
     }
@@ -132,15 +153,15 @@ impl ConcMap for Dash {
 
 /// `papaya::HashMap`; each operation pins (enters seize) on its own.
 #[derive(Debug)]
-pub(crate) struct Papaya(papaya::HashMap<Key, PeerVal>);
+pub(crate) struct Papaya<S: PeerHasher>(papaya::HashMap<Key, PeerVal, S>);
 
-impl Papaya {
+impl<S: PeerHasher> Papaya<S> {
     pub(crate) fn new(cap: usize) -> Self {
-        Self(papaya::HashMap::with_capacity(cap))
+        Self(papaya::HashMap::with_capacity_and_hasher(cap, S::default()))
     }
 }
 
-impl ConcMap for Papaya {
+impl<S: PeerHasher> ConcMap for Papaya<S> {
     fn c_insert(&self, k: Key, v: PeerVal) -> bool {
         self.0.pin().insert(k, v).is_none()
     }
@@ -154,15 +175,15 @@ impl ConcMap for Papaya {
 
 /// `scc::HashMap` (sync API).
 #[derive(Debug)]
-pub(crate) struct Scc(scc::HashMap<Key, PeerVal>);
+pub(crate) struct Scc<S: PeerHasher>(scc::HashMap<Key, PeerVal, S>);
 
-impl Scc {
+impl<S: PeerHasher> Scc<S> {
     pub(crate) fn new(cap: usize) -> Self {
-        Self(scc::HashMap::with_capacity(cap))
+        Self(scc::HashMap::with_capacity_and_hasher(cap, S::default()))
     }
 }
 
-impl ConcMap for Scc {
+impl<S: PeerHasher> ConcMap for Scc<S> {
     fn c_insert(&self, k: Key, v: PeerVal) -> bool {
         self.0.insert(k, v).is_ok()
     }
@@ -182,15 +203,15 @@ pub(crate) const STRIPES: usize = 64;
 #[derive(Debug, Default)]
 struct Stripe(Mutex<hashbrown::HashTable<(Key, PeerVal)>>);
 
-/// `STRIPES` x `parking_lot::Mutex<hashbrown::HashTable>`; SipHash computed
+/// `STRIPES` x `parking_lot::Mutex<hashbrown::HashTable>`; the hash computed
 /// once per operation, its middle bits pick the stripe.
 #[derive(Debug)]
-pub(crate) struct Striped {
-    hasher: RandomState,
+pub(crate) struct Striped<S> {
+    hasher: S,
     stripes: Box<[Stripe]>,
 }
 
-impl Striped {
+impl<S: PeerHasher> Striped<S> {
     pub(crate) fn new(cap: usize) -> Self {
         let stripes = (0..STRIPES)
             .map(|_| {
@@ -200,7 +221,7 @@ impl Striped {
             })
             .collect();
         Self {
-            hasher: RandomState::new(),
+            hasher: S::default(),
             stripes,
         }
     }
@@ -213,7 +234,7 @@ impl Striped {
     }
 }
 
-impl ConcMap for Striped {
+impl<S: PeerHasher> ConcMap for Striped<S> {
     fn c_insert(&self, k: Key, v: PeerVal) -> bool {
         let h = self.hasher.hash_one(k);
         let mut t = self.stripe(h).lock();
@@ -242,10 +263,10 @@ impl ConcMap for Striped {
     }
 }
 
-/// The ceiling: one thread, no lock, hashbrown with its default hasher.
-pub(crate) type Ceiling = hashbrown::HashMap<Key, PeerVal>;
+/// The ceiling: one thread, no lock, hashbrown with the peers' hasher.
+pub(crate) type Ceiling<S> = hashbrown::HashMap<Key, PeerVal, S>;
 
-impl Ops for &mut Ceiling {
+impl<S: PeerHasher> Ops for &mut Ceiling<S> {
     fn insert(&mut self, k: Key, v: PeerVal) -> bool {
         hashbrown::HashMap::insert(self, k, v).is_none()
     }
@@ -276,13 +297,18 @@ mod tests {
 
     #[test]
     fn every_peer_behaves_as_a_map() {
-        // weir's table does not grow: size it for the 2,000 entries.
-        exercise(&Weir::new(2048, false));
-        exercise(&Weir::new(2048, true));
-        exercise(&Dash::new(16));
-        exercise(&Papaya::new(16));
-        exercise(&Scc::new(16));
-        exercise(&Striped::new(16));
-        exercise(&mut Ceiling::default());
+        // Sized for fewer entries than inserted: the table grows online.
+        exercise(&Weir::new(256, false));
+        exercise(&Weir::new(256, true));
+        exercise(&Dash::<Fold>::new(16));
+        exercise(&Papaya::<Fold>::new(16));
+        exercise(&Scc::<Fold>::new(16));
+        exercise(&Striped::<Fold>::new(16));
+        exercise(&mut Ceiling::<Fold>::default());
+        exercise(&Dash::<Sip>::new(16));
+        exercise(&Papaya::<Sip>::new(16));
+        exercise(&Scc::<Sip>::new(16));
+        exercise(&Striped::<Sip>::new(16));
+        exercise(&mut Ceiling::<Sip>::default());
     }
 }
