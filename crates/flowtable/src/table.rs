@@ -238,12 +238,6 @@ impl Table {
         self.cur.load(guard)
     }
 
-    /// Buckets of the newest index.
-    pub(crate) fn buckets(&self, guard: &Guard) -> usize {
-        let ix = self.index(guard);
-        ix.successor().map_or(ix.len(), |s| s.len())
-    }
-
     /// Keyed hash (see `hash.rs`) of the full key, salted with the tenant's
     /// salt (which stands for the tenant: distinct salts per tenant).
     #[inline]

@@ -32,9 +32,6 @@ pub(crate) struct OpsArgs {
     /// for churn2); 0 builds the table only.
     #[arg(long, default_value_t = 2_000_000)]
     pub(crate) ops: u64,
-    /// Lock stripes per table (default: the table's own choice).
-    #[arg(long)]
-    pub(crate) stripes: Option<usize>,
 }
 
 /// One operation.
@@ -81,6 +78,7 @@ fn key(i: u64) -> FlowKey {
 }
 
 const INIT: FlowInit = FlowInit {
+    owner: 0,
     service: ServiceId(1),
     backend: BackendId(2),
     state: FlowState::Established,
@@ -119,14 +117,11 @@ fn mix(mut x: u64) -> u64 {
 pub(crate) fn run(a: &OpsArgs) -> Result<()> {
     let n = a.entries.max(1);
     let cfg = TableConfig {
-        shared_buckets: usize::try_from(n).context("--entries")?.next_power_of_two(),
+        shared_buckets: usize::try_from(n).context("--entries")?,
         seed: Some(1),
         ..Default::default()
     };
-    let t = match a.stripes {
-        Some(s) => FlowTable::with_stripes(cfg, s),
-        None => FlowTable::new(cfg),
-    };
+    let t = FlowTable::new(cfg);
     t.add_tenant(TENANT, TenantConfig::default())
         .context("adding the tenant")?;
     let t0 = now();
@@ -271,7 +266,6 @@ mod tests {
                 op,
                 entries: 1_000,
                 ops: 3_000,
-                stripes: Some(4),
             };
             run(&a).unwrap_or_else(|e| panic!("{op:?}: {e:#}"));
         }

@@ -40,8 +40,8 @@ mod handlers;
 mod limit;
 pub mod metrics;
 pub mod openapi;
-pub mod ui;
 pub mod tls;
+pub mod ui;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
