@@ -119,6 +119,18 @@ impl NodeCache {
             let batch = std::mem::replace(&mut self.pending, Vec::with_capacity(BATCH));
             let pool = Arc::clone(pool);
             guard.defer(move || pool.free.lock().extend(batch));
+            // Hand the batch to the global queue now and collect expired
+            // ones. Without this it waited in this thread's bag of deferred
+            // functions until 64 closures had piled up: up to 4,096 removed
+            // nodes per removing thread unavailable for reuse, so under
+            // steady churn with a few hundred live entries the slab's
+            // high-water mark (its chunks are never freed) passed 8 Ki nodes
+            // within two minutes, 1.3 MiB of chunks (docs/BENCHMARKS.md,
+            // soak; tests/recycle.rs). Now a node is
+            // reusable a grace period after its batch fills. The deferred
+            // functions of this crate take no lock but the pool's, which is
+            // not held here.
+            guard.flush();
         }
     }
 

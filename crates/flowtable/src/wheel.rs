@@ -82,7 +82,12 @@ impl Wheel {
             if !self.slots[s].is_empty() {
                 return Some(s as u32);
             }
-            if self.slots[s].capacity() > 256 {
+            // A passed slot is filed into again a whole turn (SLOTS ticks)
+            // later at the earliest: keeping its buffer saves nothing. Kept
+            // buffers (all up to 256 references used to be) added up over
+            // one turn to 1 KiB a slot, 1 MiB a tenant: the slow RSS creep
+            // of the 30-minute soak (docs/BENCHMARKS.md).
+            if self.slots[s].capacity() > 0 {
                 self.slots[s] = Vec::new();
             }
             self.cur += 1;

@@ -1188,6 +1188,9 @@ impl Shared {
         use crate::control::{ControlError, ErrorKind};
         check_service(&spec)?;
         let params = Arc::new(service_params(&spec)?);
+        // Before the state lock: the wait may take seconds, and every admin
+        // request and new connection's service lookup needs that lock.
+        self.wait_for_own_release(spec.protocol, spec.listen);
         let mut st = self.state.write();
         let Some(tenant) = st.tenants.get(&spec.tenant).cloned() else {
             return Err(ControlError::new(
@@ -1299,49 +1302,51 @@ impl Shared {
     /// `SO_REUSEPORT` group there: the kernel would let a second group of the
     /// same user join and take a share of the connections. A service of this
     /// daemon on an overlapping address (a wildcard and a specific one) is
-    /// not probed; one that was just removed is waited for (up to 2 s) while
-    /// its sockets close.
+    /// not probed. Does not wait: a just removed service's sockets are
+    /// waited for by [`Self::wait_for_own_release`], without the state lock.
     ///
     /// A process that binds between this probe and the group's bind can
     /// still join it; the window is one system call wide.
     fn claim_listen(&self, st: &State, proto: Protocol, addr: SocketAddr) -> std::io::Result<()> {
-        if addr.port() == 0 {
+        if addr.port() == 0 || serves_overlapping(st, proto, addr) {
             return Ok(());
         }
-        let overlaps = |other: SocketAddr| {
-            other.port() == addr.port()
-                && other.is_ipv6() == addr.is_ipv6()
-                && (other.ip() == addr.ip()
-                    || other.ip().is_unspecified()
-                    || addr.ip().is_unspecified())
-        };
-        if st
-            .services
-            .values()
-            .any(|s| overlaps(s.listen) && s.spec.read().protocol == proto)
-        {
-            return Ok(());
+        match probe_free(proto, addr) {
+            Err(err) if err.kind() == std::io::ErrorKind::AddrInUse => Err(std::io::Error::new(
+                err.kind(),
+                format!(
+                    "{err}: another process serves this address \
+                         (weir does not share a service address with other listeners)"
+                ),
+            )),
+            r => r,
+        }
+    }
+
+    /// Waits (up to 2 s) while `addr` is taken and a service of this daemon
+    /// that was removed or replaced on an overlapping address still holds
+    /// its sockets: its workers close them asynchronously, and deleting a
+    /// service and adding one on the same address is a normal edit. Returns
+    /// at once when the address is free, served by a live service, or taken
+    /// by someone else; [`Self::claim_listen`] then decides. Takes the state
+    /// lock only for reads between probes.
+    fn wait_for_own_release(&self, proto: Protocol, addr: SocketAddr) {
+        if addr.port() == 0 {
+            return;
         }
         let deadline = Instant::now() + Duration::from_secs(2);
         loop {
-            let err = match probe_free(proto, addr) {
-                Ok(()) => return Ok(()),
-                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => e,
-                Err(e) => return Err(e),
-            };
             let ours_closing = self
                 .listen_groups
                 .lock()
                 .iter()
-                .any(|(p, a, s)| *p == proto && overlaps(*a) && s.strong_count() > 0);
-            if !ours_closing || Instant::now() >= deadline {
-                return Err(std::io::Error::new(
-                    err.kind(),
-                    format!(
-                        "{err}: another process serves this address \
-                         (weir does not share a service address with other listeners)"
-                    ),
-                ));
+                .any(|(p, a, s)| *p == proto && overlaps(*a, addr) && s.strong_count() > 0);
+            if !ours_closing
+                || serves_overlapping(&self.state.read(), proto, addr)
+                || !matches!(probe_free(proto, addr), Err(e) if e.kind() == std::io::ErrorKind::AddrInUse)
+                || Instant::now() >= deadline
+            {
+                return;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -1761,6 +1766,21 @@ pub(crate) enum ListenSocket {
     Udp(std::net::UdpSocket),
 }
 
+/// Whether two service addresses of one protocol take the same port (the
+/// same address, or one of them a wildcard of the same family).
+fn overlaps(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() == b.port()
+        && a.is_ipv6() == b.is_ipv6()
+        && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
+/// Whether a live service of `proto` listens on an address overlapping `addr`.
+fn serves_overlapping(st: &State, proto: Protocol, addr: SocketAddr) -> bool {
+    st.services
+        .values()
+        .any(|s| overlaps(s.listen, addr) && s.spec.read().protocol == proto)
+}
+
 /// Binds `addr` once without `SO_REUSEPORT` (and, for UDP, without
 /// `SO_REUSEADDR`), and lets go: `AddrInUse` means some socket serves it.
 /// A TCP probe keeps `SO_REUSEADDR`, so connections of an earlier run left
@@ -1946,5 +1966,71 @@ mod tests {
             .map(|h| h.join().unwrap())
             .sum();
         assert_eq!(admitted, 777);
+    }
+
+    /// Adding a service on the address of one this daemon just removed waits
+    /// (up to 2 s) for the old sockets to close; meanwhile the state lock,
+    /// which every admin request needs, stays free. It used to be held for
+    /// the whole wait.
+    #[test]
+    fn add_service_waits_for_a_removed_address_without_the_state_lock() {
+        use crate::config::{Config, ServiceOptions, ServiceSpec};
+        use crate::control::ErrorKind;
+        let mut cfg = Config::default();
+        cfg.daemon.workers = 1;
+        let d = Daemon::start(cfg, None).unwrap();
+        let spec = |name: &str, listen: SocketAddr| ServiceSpec {
+            tenant: "default".into(),
+            name: name.into(),
+            protocol: Protocol::Tcp,
+            listen,
+            scheduler: "rr".into(),
+            persistence: "0s".into(),
+            persistence_netmask: None,
+            options: ServiceOptions::default(),
+            backends: Vec::new(),
+        };
+        let shared = d.shared.clone();
+        shared
+            .add_service(spec("old", "127.0.0.1:0".parse().unwrap()))
+            .unwrap();
+        let key = ("default".to_string(), "old".to_string());
+        let addr = shared.state.read().services[&key].listen;
+        // Remove it, but keep it alive the way a worker still closing its
+        // listener does; and take its address meanwhile, standing in for
+        // that listener.
+        let old = shared.state.write().services.remove(&key).unwrap();
+        old.cancel.cancel();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let holder = loop {
+            if let Ok(l) = std::net::TcpListener::bind(addr) {
+                break l;
+            }
+            assert!(Instant::now() < deadline, "the old listener never closed");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let adder = {
+            let shared = shared.clone();
+            std::thread::spawn(move || shared.add_service(spec("new", addr)))
+        };
+        // Bounded by the adder's own 2 s limit (and this deadline).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !adder.is_finished() {
+            assert!(
+                shared
+                    .state
+                    .try_write_for(Duration::from_millis(500))
+                    .is_some(),
+                "the state lock was held while add_service waited"
+            );
+            assert!(Instant::now() < deadline, "add_service did not return");
+        }
+        let err = adder.join().unwrap().unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Unavailable, "{err:?}");
+        // Once the address is free, the same add goes through.
+        drop(holder);
+        drop(old);
+        shared.add_service(spec("new", addr)).unwrap();
+        d.shutdown();
     }
 }
