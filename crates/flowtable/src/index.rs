@@ -79,6 +79,12 @@ pub(crate) struct Bucket {
     /// Way `w`'s tag in byte `w`; 0 = empty.
     tags: AtomicU64,
     ways: [AtomicU32; WAYS],
+    /// Under loom the lock bit's waiting is done by a loom mutex: loom
+    /// cannot explore a spin loop (every spin is a branch). The bit is still
+    /// set and cleared around it, so readers and the header protocol are the
+    /// real ones.
+    #[cfg(loom)]
+    mx: loom::sync::Mutex<()>,
 }
 
 #[cfg(not(loom))]
@@ -115,15 +121,6 @@ fn match_byte(tags: u64, tag: u8) -> u64 {
 #[inline]
 fn way_of(mask: u64) -> usize {
     (mask.trailing_zeros() / 8) as usize
-}
-
-/// Spins (yields under loom).
-#[inline]
-fn relax() {
-    #[cfg(loom)]
-    loom::thread::yield_now();
-    #[cfg(not(loom))]
-    std::hint::spin_loop();
 }
 
 /// Overflow lines: chunks of 64 << k lines, allocated on demand.
@@ -215,6 +212,8 @@ pub(crate) struct Index {
 pub(crate) struct Locked<'a> {
     b: &'a Bucket,
     hdr: u32,
+    #[cfg(loom)]
+    _mx: loom::sync::MutexGuard<'a, ()>,
 }
 
 impl Locked<'_> {
@@ -364,6 +363,16 @@ impl Index {
         }
     }
 
+    #[cfg(loom)]
+    pub(crate) fn lock_bucket(&self, b: usize) -> Locked<'_> {
+        let b = self.bucket(b);
+        let g = b.mx.lock().unwrap();
+        let h = b.hdr.fetch_or(LOCK, Acquire);
+        assert!(h & LOCK == 0, "bucket lock bit set under its mutex");
+        Locked { b, hdr: h, _mx: g }
+    }
+
+    #[cfg(not(loom))]
     pub(crate) fn lock_bucket(&self, b: usize) -> Locked<'_> {
         let b = self.bucket(b);
         loop {
@@ -372,7 +381,7 @@ impl Index {
                 return Locked { b, hdr: h };
             }
             while b.hdr.load(Relaxed) & LOCK != 0 {
-                relax();
+                std::hint::spin_loop();
             }
         }
     }

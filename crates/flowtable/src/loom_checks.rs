@@ -22,14 +22,13 @@ use crate::node::{Node, PackedKey};
 use crate::types::{BackendId, FlowInit, FlowState, Millis, ServiceId};
 
 /// `loom::model` with at most 3 preemptions unless `LOOM_MAX_PREEMPTIONS`
-/// says otherwise. The bucket lock is a spin lock (it yields to loom while
-/// it waits), so one execution may take more branches than loom's default.
+/// says otherwise. (Under loom a writer waits for a bucket's lock bit on a
+/// loom mutex, see `index::Bucket`.)
 fn model(f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();
     if b.preemption_bound.is_none() {
         b.preemption_bound = Some(3);
     }
-    b.max_branches = 10_000;
     b.check(f);
 }
 
@@ -105,9 +104,10 @@ fn check_found(w: &World, i: u32) -> bool {
     match w.index.find(&*w.nodes, Hash::new(hash(i)), &key(i)) {
         None => false,
         Some(idx) => {
+            // `find` compared the whole key already; the cookie and the
+            // backend (written before and after it by `init`) must be there.
             assert_eq!(idx, i);
             let n = &w.nodes[idx as usize];
-            assert_eq!(n.key(), key(i), "torn key");
             assert_eq!(n.cookie(), u64::from(i) + 1, "cookie not published");
             assert_eq!(n.backend(), BackendId(100 + i), "backend not published");
             true
@@ -135,27 +135,36 @@ fn check_bucket_read(w: &World) -> Vec<u32> {
     ids
 }
 
-/// Lookup and dump read racing with an insert into an overflow line and a
-/// remove from the head line (two ways per line under loom).
-pub fn lookup_vs_insert_and_remove() {
+/// Lookup and dump read racing with an insert into an overflow line (two
+/// ways per line under loom).
+pub fn lookup_vs_insert_into_overflow() {
     model(|| {
         // 0, 1 fill the head line, 2 sits in an overflow line (present
-        // throughout). The writer inserts 3 (overflow) and removes 0.
+        // throughout). The writer inserts 3 (into the overflow line).
         let w = world(4, 3, false);
         let wr = Arc::clone(&w);
-        let writer = thread::spawn(move || {
-            insert(&wr, 3);
-            remove(&wr, 0);
-        });
+        let writer = thread::spawn(move || insert(&wr, 3));
         let rd = Arc::clone(&w);
         let reader = thread::spawn(move || {
             assert!(check_found(&rd, 2), "stable overflow entry missed");
             let _ = check_found(&rd, 3);
-            let _ = check_found(&rd, 0);
         });
-        let dr = Arc::clone(&w);
-        let dumper = thread::spawn(move || {
-            let ids = check_bucket_read(&dr);
+        writer.join().unwrap();
+        reader.join().unwrap();
+        assert!(check_found(&w, 3));
+    });
+}
+
+/// Lookup and dump read racing with a remove from the head line.
+pub fn lookup_vs_remove() {
+    model(|| {
+        let w = world(3, 3, false);
+        let wr = Arc::clone(&w);
+        let writer = thread::spawn(move || remove(&wr, 0));
+        let rd = Arc::clone(&w);
+        let reader = thread::spawn(move || {
+            let _ = check_found(&rd, 0);
+            let ids = check_bucket_read(&rd);
             assert!(
                 ids.contains(&1) && ids.contains(&2),
                 "dump read missed a stable entry"
@@ -163,9 +172,8 @@ pub fn lookup_vs_insert_and_remove() {
         });
         writer.join().unwrap();
         reader.join().unwrap();
-        dumper.join().unwrap();
-        assert!(check_found(&w, 3));
         assert!(!check_found(&w, 0));
+        assert!(check_found(&w, 2));
     });
 }
 

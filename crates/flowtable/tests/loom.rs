@@ -8,8 +8,13 @@
 use weir_flowtable::loom_checks;
 
 #[test]
-fn lookup_vs_insert_and_remove() {
-    loom_checks::lookup_vs_insert_and_remove();
+fn lookup_vs_insert_into_overflow() {
+    loom_checks::lookup_vs_insert_into_overflow();
+}
+
+#[test]
+fn lookup_vs_remove() {
+    loom_checks::lookup_vs_remove();
 }
 
 #[test]
