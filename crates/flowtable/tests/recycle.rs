@@ -39,6 +39,7 @@ fn churn_with_few_live_entries_keeps_the_arena_small() {
         .add_tenant(TenantId(1), TenantConfig::default())
         .unwrap();
     let init = FlowInit {
+        owner: 0,
         service: ServiceId(1),
         backend: BackendId(1),
         state: FlowState::Established,

@@ -32,6 +32,7 @@ fn passed_wheel_slots_give_their_buffers_back() {
         .add_tenant(TenantId(1), TenantConfig::default())
         .unwrap();
     let init = FlowInit {
+        owner: 0,
         service: ServiceId(1),
         backend: BackendId(1),
         state: FlowState::Close, // 10 s by default
