@@ -249,7 +249,11 @@ impl FlowTable {
         let entries = cfg.shared_buckets.clamp(1, MAX_SHARED);
         let max_chain = cfg.max_chain.clamp(1, 1024);
         let keys = (splitmix(seed), splitmix(seed ^ 0xA5A5_A5A5));
-        let shared = Table::try_new(0, entries, MAX_SHARED, max_chain, keys)
+        let cap = match cfg.max_shared_entries {
+            0 => MAX_SHARED,
+            m => m.min(MAX_SHARED),
+        };
+        let shared = Table::try_new(0, entries, cap, max_chain, keys)
             .expect("allocating the shared bucket array");
         FlowTable {
             slab: Slab::new(),
@@ -300,7 +304,7 @@ impl FlowTable {
 
     /// Creates a tenant. With `own_buckets == 0` it shares the global table;
     /// otherwise it gets its own table, sized for `own_buckets` entries at
-    /// first and growing up to [`MAX_OWN_BUCKETS`] entries, unless that would
+    /// first and growing up to `max_entries` ([`MAX_OWN_BUCKETS`]) entries, unless that would
     /// exceed the memory budget or the allocation fails, in which case it
     /// shares and the returned [`Placement::Shared`] says why.
     pub fn add_tenant(&self, id: TenantId, cfg: TenantConfig) -> Result<Placement, TenantError> {
@@ -340,13 +344,11 @@ impl FlowTable {
                 m.tables_made += 1;
                 let k = splitmix(self.seed ^ splitmix(u64::from(id.0) << 20 ^ m.tables_made));
                 let keys = (k, splitmix(k));
-                match Table::try_new(
-                    u64::from(id.0) + 1,
-                    b,
-                    MAX_OWN_BUCKETS,
-                    self.max_chain,
-                    keys,
-                ) {
+                let cap = match cfg.max_entries {
+                    0 => MAX_OWN_BUCKETS,
+                    m => m.min(MAX_OWN_BUCKETS),
+                };
+                match Table::try_new(u64::from(id.0) + 1, b, cap, self.max_chain, keys) {
                     Some(t) => {
                         own_bytes = needed;
                         (Arc::new(t), Placement::Own { buckets: b })

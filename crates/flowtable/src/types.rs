@@ -365,6 +365,10 @@ pub struct TableConfig {
     /// at 6 entries per 8-way bucket line). It grows (and shrinks back to
     /// this) online as its load asks.
     pub shared_buckets: usize,
+    /// Entries the shared table may grow to (its cap); 0 = no cap below the
+    /// table's 2^28. A cap below `shared_buckets` keeps the table at its
+    /// starting size.
+    pub max_shared_entries: usize,
     /// Longest chain an insert may extend; past it inserts are refused with
     /// [`InsertError::ChainFull`] and counted (hash-flood defence, like
     /// conntrack). Clamped to `1..=1024`.
@@ -381,6 +385,7 @@ impl Default for TableConfig {
     fn default() -> Self {
         TableConfig {
             shared_buckets: 1 << 17,
+            max_shared_entries: 0,
             max_chain: 64,
             memory_budget: 256 << 20,
             seed: None,
@@ -396,6 +401,9 @@ pub struct TenantConfig {
     /// power of two `<= 2^24`; it grows online up to [`MAX_OWN_BUCKETS`]
     /// entries (while the memory budget allows) and shrinks back to this.
     pub own_buckets: usize,
+    /// Entries the own table may grow to; 0 = [`MAX_OWN_BUCKETS`]. A cap
+    /// below `own_buckets` keeps the table at its starting size.
+    pub max_entries: usize,
     /// Idle timeouts for this tenant's entries.
     pub timeouts: Timeouts,
 }

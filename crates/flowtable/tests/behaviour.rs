@@ -8,6 +8,7 @@ use weir_flowtable::*;
 fn cfg(buckets: usize, max_chain: usize) -> TableConfig {
     TableConfig {
         shared_buckets: buckets,
+        max_shared_entries: 0,
         max_chain,
         memory_budget: 1 << 20,
         seed: Some(1),

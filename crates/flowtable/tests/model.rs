@@ -12,6 +12,7 @@ const TENANTS: [(u32, usize); 3] = [(1, 0), (2, 4), (3, 0)];
 fn tenant_cfg(own: usize) -> TenantConfig {
     TenantConfig {
         own_buckets: own,
+        max_entries: 0,
         timeouts: Timeouts::default(),
     }
 }
@@ -111,6 +112,7 @@ fn expect(k: &FlowKey, m: &M) -> FlowSnapshot {
 fn new_table() -> FlowTable {
     let t = FlowTable::new(TableConfig {
         shared_buckets: 8,
+        max_shared_entries: 0,
         max_chain: 1024,
         memory_budget: 1 << 20,
         seed: Some(42),

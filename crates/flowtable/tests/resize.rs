@@ -47,6 +47,7 @@ fn init(i: u32) -> FlowInit {
 fn small_table(entries: usize) -> FlowTable {
     let t = FlowTable::new(TableConfig {
         shared_buckets: entries,
+        max_shared_entries: 0,
         max_chain: 64,
         memory_budget: 1 << 26,
         seed: Some(11),
@@ -365,4 +366,55 @@ fn batched_lookup_matches_single_lookups() {
         }
         t.maintain();
     }
+}
+
+#[test]
+fn a_cap_stops_growth_and_the_chain_cap_then_refuses() {
+    // Shared table capped at its starting size; an own table capped at 4x.
+    let t = FlowTable::new(TableConfig {
+        shared_buckets: 64,
+        max_shared_entries: 64,
+        max_chain: 16,
+        memory_budget: 1 << 26,
+        seed: Some(3),
+    });
+    t.add_tenant(TenantId(1), TenantConfig::default()).unwrap();
+    t.add_tenant(
+        TenantId(2),
+        TenantConfig {
+            own_buckets: 1024,
+            max_entries: 4096,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let b1 = buckets(&t);
+    let mut refused = 0;
+    for i in 0..10_000 {
+        if t.insert(key(1, i), init(i), Millis(0)).is_err() {
+            refused += 1;
+        }
+        let _ = t.insert(key(2, i), init(i), Millis(0));
+        t.maintain();
+    }
+    assert_eq!(buckets(&t), b1, "the capped shared table grew");
+    let st = t.tenant_stats(TenantId(1)).unwrap();
+    assert!(
+        refused > 0 && st.refused_inserts == refused,
+        "{refused} refused, {st:?}"
+    );
+    let own = t.tenant_stats(TenantId(2)).unwrap();
+    assert!(
+        own.buckets >= 4096 / 6 && own.buckets <= 2 * 4096 / 6 + 1,
+        "own table at {} buckets",
+        own.buckets
+    );
+    assert!(
+        own.refused_inserts > 0,
+        "the capped own table never refused"
+    );
+    assert!(
+        t.resize_state(TenantId(2)).unwrap().1 >= 1,
+        "the own table never grew"
+    );
 }

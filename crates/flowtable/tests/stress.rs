@@ -49,6 +49,7 @@ fn run(duration: Duration, stable: u32, dumps_max: usize, buckets: usize) {
     let scale = duration.as_secs().max(1);
     let t = Arc::new(FlowTable::new(TableConfig {
         shared_buckets: buckets,
+        max_shared_entries: 0,
         max_chain: 1024,
         memory_budget: 1 << 24,
         seed: Some(7),
@@ -60,6 +61,7 @@ fn run(duration: Duration, stable: u32, dumps_max: usize, buckets: usize) {
     };
     let own = |own_buckets| TenantConfig {
         own_buckets,
+        max_entries: 0,
         timeouts: long,
     };
     t.add_tenant(TenantId(1), own(0)).unwrap();

@@ -160,6 +160,10 @@ impl Daemon {
             registry: Registry::default(),
             table: FlowTable::new(TableConfig {
                 shared_buckets: config.daemon.shared_table_buckets,
+                // Fixed size, as before the table could resize: the config
+                // keys for a starting size and a cap come with the daemon's
+                // move onto the new table (issue 11).
+                max_shared_entries: config.daemon.shared_table_buckets,
                 memory_budget: config.daemon.own_tables_budget,
                 ..TableConfig::default()
             }),
@@ -1138,6 +1142,8 @@ impl Shared {
                 TenantId(id),
                 TenantConfig {
                     own_buckets: spec.table_entries,
+                    // Fixed size for now (see `shared_table_buckets`).
+                    max_entries: spec.table_entries,
                     timeouts,
                 },
             )
