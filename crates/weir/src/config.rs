@@ -2278,11 +2278,20 @@ mod tests {
                 .unwrap()
         };
         for bad in [false, true] {
-            let (small, large) = (time(2_000, bad), time(8_000, bad));
-            let ratio = large.as_secs_f64() / small.as_secs_f64().max(1e-6);
+            // Up to three attempts: other tests run in parallel on a shared
+            // 2-core machine and can stretch one measurement; a quadratic
+            // validator (~16x) fails every attempt.
+            let mut seen = Vec::new();
+            let linear = (0..3).any(|_| {
+                let (small, large) = (time(2_000, bad), time(8_000, bad));
+                let ratio = large.as_secs_f64() / small.as_secs_f64().max(1e-6);
+                seen.push(format!("{ratio:.1}x ({small:?} -> {large:?})"));
+                ratio < 8.0
+            });
             assert!(
-                ratio < 8.0,
-                "4x the services took {ratio:.1}x the time ({small:?} -> {large:?}; shape errors: {bad})"
+                linear,
+                "4x the services took {} the time (shape errors: {bad})",
+                seen.join(", ")
             );
         }
     }
