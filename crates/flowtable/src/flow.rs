@@ -53,6 +53,8 @@ struct Tenant {
     placement: Placement,
     salt: u64,
     timeouts: [AtomicU64; 10],
+    /// Timeout profiles 1.. (0 is `timeouts` itself).
+    profiles: parking_lot::RwLock<Profiles>,
     removed: AtomicBool,
     /// Entry count, one cache-padded shard per thread slot.
     entries: Box<[CachePadded<AtomicI64>]>,
@@ -63,10 +65,33 @@ struct Tenant {
 
 impl Tenant {
     #[inline]
-    fn timeout(&self, st: FlowState) -> u64 {
-        self.timeouts[st.code() as usize].load(Relaxed)
+    fn timeout(&self, st: FlowState, profile: u16) -> u64 {
+        if profile == 0 {
+            return self.timeouts[st.code() as usize].load(Relaxed);
+        }
+        let p = self.profiles.read();
+        match p.resolved.get(usize::from(profile) - 1) {
+            Some(r) => r[st.code() as usize],
+            // Not a profile of this tenant: its own timeouts.
+            None => self.timeouts[st.code() as usize].load(Relaxed),
+        }
     }
 
+    fn base(&self) -> [u64; 10] {
+        self.timeouts.each_ref().map(|a| a.load(Relaxed))
+    }
+}
+
+/// A tenant's timeout profiles 1..: the overrides, and the timeouts they
+/// give over the tenant's (recomputed when those change). Never shrinks:
+/// a profile number stays valid while entries may name it.
+#[derive(Debug, Default)]
+struct Profiles {
+    overrides: Vec<TimeoutOverrides>,
+    resolved: Vec<[u64; 10]>,
+}
+
+impl Tenant {
     fn add_entries(&self, d: i64) {
         self.entries[thread_slot()].fetch_add(d, Relaxed);
         self.table.add_entries(d);
@@ -117,7 +142,7 @@ impl Reader<'_> {
     #[inline]
     pub fn get(&self, key: &FlowKey) -> Option<FlowSnapshot> {
         self.table
-            .lookup_in(&self.guard, key, |t, n| n.snapshot(|s| t.timeout(s)))
+            .lookup_in(&self.guard, key, |t, n| n.snapshot(|s, p| t.timeout(s, p)))
     }
 
     /// Like [`FlowTable::touch`].
@@ -372,6 +397,7 @@ impl FlowTable {
             placement,
             salt: self.salt(id.0),
             timeouts: cfg.timeouts.to_array().map(AtomicU64::new),
+            profiles: parking_lot::RwLock::default(),
             removed: AtomicBool::new(false),
             entries: (0..NODE_CACHES).map(|_| CachePadded::default()).collect(),
             refused: AtomicU64::new(0),
@@ -454,10 +480,57 @@ impl FlowTable {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
         let ten = map.map.get(&id.0).ok_or(TenantError::NoTenant(id))?;
+        let mut p = ten.profiles.write();
         for (a, v) in ten.timeouts.iter().zip(t.to_array()) {
             a.store(v, Relaxed);
         }
+        let Profiles {
+            overrides,
+            resolved,
+        } = &mut *p;
+        for (o, r) in overrides.iter().zip(resolved.iter_mut()) {
+            *r = o.apply(t.to_array());
+        }
         Ok(())
+    }
+
+    /// The number of the timeout profile with these overrides for tenant
+    /// `id`, made if new (0 for no overrides). Entries name it in
+    /// [`FlowInit::profile`]; a profile's timeouts follow the tenant's
+    /// ([`set_timeouts`](Self::set_timeouts)) except where overridden.
+    /// Profiles are never dropped, so a tenant has at most
+    /// [`MAX_PROFILES`] distinct ones.
+    pub fn timeout_profile(&self, id: TenantId, o: &TimeoutOverrides) -> Result<u16, TenantError> {
+        if o.is_empty() {
+            return Ok(0);
+        }
+        let guard = epoch::pin();
+        let map = self.tenants.load(&guard);
+        let ten = map.map.get(&id.0).ok_or(TenantError::NoTenant(id))?;
+        if let Some(i) = ten.profiles.read().overrides.iter().position(|x| x == o) {
+            return Ok(i as u16 + 1);
+        }
+        let mut p = ten.profiles.write();
+        if let Some(i) = p.overrides.iter().position(|x| x == o) {
+            return Ok(i as u16 + 1);
+        }
+        if p.overrides.len() + 1 >= MAX_PROFILES {
+            return Err(TenantError::TooManyProfiles(id));
+        }
+        let r = o.apply(ten.base());
+        p.overrides.push(*o);
+        p.resolved.push(r);
+        Ok(p.overrides.len() as u16)
+    }
+
+    /// The timeouts entries of profile `profile` of tenant `id` get.
+    pub fn profile_timeouts(&self, id: TenantId, profile: u16) -> Option<Timeouts> {
+        let guard = epoch::pin();
+        let map = self.tenants.load(&guard);
+        let ten = map.map.get(&id.0)?;
+        Some(Timeouts::from_array(
+            FlowState::ALL.map(|s| ten.timeout(s, profile)),
+        ))
     }
 
     /// A tenant's timeouts.
@@ -575,7 +648,7 @@ impl FlowTable {
 
     /// Lock-free lookup; writes nothing shared.
     pub fn get(&self, key: &FlowKey) -> Option<FlowSnapshot> {
-        self.lookup(key, |t, n| n.snapshot(|s| t.timeout(s)))
+        self.lookup(key, |t, n| n.snapshot(|s, p| t.timeout(s, p)))
     }
 
     /// The handle of `key`'s entry, if present.
@@ -600,8 +673,28 @@ impl FlowTable {
         let n = self.handle_node(h)?;
         let map = self.tenants.load(&guard);
         let t = map.map.get(&n.tenant())?;
-        let s = n.snapshot(|s| t.timeout(s));
+        let s = n.snapshot(|s, p| t.timeout(s, p));
         (s.cookie == h.cookie).then_some(s)
+    }
+
+    /// [`touch`](Self::touch) that also says where the entry is and who
+    /// owns it: the UDP proxy's one lookup per datagram finds its session
+    /// through the owner token.
+    #[inline]
+    pub fn touch_hit(&self, key: &FlowKey, now: Millis, dir: Dir, bytes: u64) -> Option<Hit> {
+        let guard = epoch::pin();
+        let map = self.tenants.load(&guard);
+        let t = map.map.get(&key.tenant.0)?;
+        let pk = PackedKey::new(key);
+        let h = t.table.hash(&pk, t.salt);
+        let idx = t.table.index(&guard).find(&self.slab, h, &pk)?;
+        let n = self.slab.node(idx);
+        let (cookie, backend) = n.touch(now, dir == Dir::Out, bytes);
+        Some(Hit {
+            handle: Handle { idx, cookie },
+            backend,
+            owner: n.owner(),
+        })
     }
 
     /// Lock-free hot path: +1 packet and +`bytes` in direction `dir`,
@@ -725,7 +818,7 @@ impl FlowTable {
             }
             n.clear_live();
             drop(l);
-            let snap = n.snapshot(|s| t.timeout(s));
+            let snap = n.snapshot(|s, p| t.timeout(s, p));
             self.node_cache().retire(i, &guard, &self.pool);
             snap
         };
@@ -766,7 +859,7 @@ impl FlowTable {
             }
             n.clear_live();
         }
-        let snap = n.snapshot(|s| t.timeout(s));
+        let snap = n.snapshot(|s, p| t.timeout(s, p));
         t.add_entries(-1);
         self.node_cache().retire(idx, guard, &self.pool);
         Unlink::Removed(snap)
@@ -799,7 +892,9 @@ impl FlowTable {
                     }
                 }
                 if let Some((t, w)) = cur.as_mut() {
-                    let deadline = n.last_active().saturating_add(t.timeout(n.state()));
+                    let deadline = n
+                        .last_active()
+                        .saturating_add(t.timeout(n.state(), n.profile()));
                     let slot = w.file(idx, deadline, now);
                     n.set_filed_slot(slot);
                 }
@@ -891,7 +986,10 @@ impl FlowTable {
                     if !n.is_live() || n.tenant() != id || n.filed_slot() != slot {
                         continue; // stale reference
                     }
-                    let deadline = |n: &Node| n.last_active().saturating_add(t.timeout(n.state()));
+                    let deadline = |n: &Node| {
+                        n.last_active()
+                            .saturating_add(t.timeout(n.state(), n.profile()))
+                    };
                     let mut refile = true;
                     if now >= deadline(n) {
                         match self.unlink_node(t, idx, &guard, |n| {
@@ -1050,7 +1148,7 @@ impl FlowTable {
                     continue;
                 }
                 if let Some(t) = map.map.get(&n.tenant()) {
-                    out.push(n.snapshot(|s| t.timeout(s)));
+                    out.push(n.snapshot(|s, p| t.timeout(s, p)));
                     emitted += 1;
                 }
                 if emitted >= limit {
@@ -1217,7 +1315,7 @@ impl<'a> Dumper<'a, '_> {
             self.cached = self.map.map.get(&tid);
         }
         let Some(t) = self.cached else { return false };
-        let s = n.snapshot(|s| t.timeout(s));
+        let s = n.snapshot(|s, p| t.timeout(s, p));
         if s.cookie.0 != cookie {
             return false; // recycled under us
         }

@@ -61,6 +61,7 @@ fn init(w: &World, i: u32, cookie: u64) {
         backend: BackendId(100 + i),
         state: FlowState::Established,
         owner: i,
+        profile: 0,
     };
     w.nodes[i as usize].init(&key(i), &init, cookie, Millis(5));
 }

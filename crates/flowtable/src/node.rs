@@ -35,6 +35,9 @@ const STATE_MASK: u32 = 0xF << STATE_SHIFT;
 const SLOT_SHIFT: u32 = 8;
 /// Wheel slot numbers must fit in 12 bits; this value means "not filed".
 pub(crate) const UNFILED: u32 = 0xFFF;
+/// The timeout profile, in the top 12 bits.
+const PROFILE_SHIFT: u32 = 20;
+const _: () = assert!(crate::types::MAX_PROFILES == 1 << (32 - PROFILE_SHIFT));
 
 /// A key packed the way nodes store it: compared and hashed as words.
 #[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
@@ -154,7 +157,10 @@ impl Node {
         self.service.store(init.service.0, Relaxed);
         self.backend.store(init.backend.0, Relaxed);
         self.meta.store(
-            LIVE | k.bits | (init.state.code() << STATE_SHIFT) | (UNFILED << SLOT_SHIFT),
+            LIVE | k.bits
+                | (init.state.code() << STATE_SHIFT)
+                | (UNFILED << SLOT_SHIFT)
+                | ((u32::from(init.profile) & 0xFFF) << PROFILE_SHIFT),
             Relaxed,
         );
     }
@@ -202,6 +208,11 @@ impl Node {
 
     pub(crate) fn state(&self) -> FlowState {
         FlowState::from_code((self.meta.load(Relaxed) & STATE_MASK) >> STATE_SHIFT)
+    }
+
+    /// Timeout profile (see [`crate::TimeoutOverrides`]).
+    pub(crate) fn profile(&self) -> u16 {
+        (self.meta.load(Relaxed) >> PROFILE_SHIFT) as u16
     }
 
     pub(crate) fn last_active(&self) -> u64 {
@@ -268,8 +279,9 @@ impl Node {
         self.last_active.fetch_max(now.0, Relaxed);
     }
 
-    /// Copies the entry; `timeout` maps a state to its idle timeout.
-    pub(crate) fn snapshot(&self, timeout: impl Fn(FlowState) -> u64) -> FlowSnapshot {
+    /// Copies the entry; `timeout` maps a state and a timeout profile to
+    /// the idle timeout.
+    pub(crate) fn snapshot(&self, timeout: impl Fn(FlowState, u16) -> u64) -> FlowSnapshot {
         let state = self.state();
         let last = self.last_active();
         FlowSnapshot {
@@ -280,7 +292,7 @@ impl Node {
             state,
             created: Millis(u64::from(self.created_s.load(Relaxed)) * 1000),
             last_active: Millis(last),
-            expires_at: Millis(last.saturating_add(timeout(state))),
+            expires_at: Millis(last.saturating_add(timeout(state, self.profile()))),
             bytes_in: self.bytes[0].load(Relaxed),
             bytes_out: self.bytes[1].load(Relaxed),
             packets_in: self.packets[0].load(Relaxed),

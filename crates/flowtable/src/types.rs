@@ -222,6 +222,10 @@ pub struct FlowInit {
     /// its sockets), returned in every [`FlowSnapshot`] so that expiry, kills
     /// and tenant removal can tell the owner to close. 0 = none.
     pub owner: u32,
+    /// Timeout profile (from [`FlowTable::timeout_profile`](crate::FlowTable::timeout_profile)):
+    /// per-state overrides of the tenant's timeouts, e.g. one service's own
+    /// UDP timeout. 0 = the tenant's timeouts as they are.
+    pub profile: u16,
 }
 
 /// Names one entry without hashing: its node and its cookie. Returned by
@@ -234,6 +238,17 @@ pub struct Handle {
     pub(crate) idx: u32,
     /// The entry's cookie.
     pub cookie: Cookie,
+}
+
+/// What [`FlowTable::touch_hit`](crate::FlowTable::touch_hit) found.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub struct Hit {
+    /// The entry, for later calls without hashing.
+    pub handle: Handle,
+    /// Its backend.
+    pub backend: BackendId,
+    /// Its owner token ([`FlowInit::owner`]).
+    pub owner: u32,
 }
 
 /// A consistent-enough copy of one entry. The state and the lock-free
@@ -358,6 +373,49 @@ impl Timeouts {
     }
 }
 
+/// Per-state overrides of a tenant's [`Timeouts`] (`None` = the tenant's).
+/// A service with its own connect, UDP or persistence timeout gets one, as
+/// a profile its entries name (IPVS keeps a timeout per connection; a
+/// profile costs entries no memory).
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug, Default)]
+pub struct TimeoutOverrides([Option<Millis>; 10]);
+
+impl TimeoutOverrides {
+    /// No overrides.
+    pub const NONE: TimeoutOverrides = TimeoutOverrides([None; 10]);
+
+    /// These overrides, with `state`'s timeout set to `t`.
+    #[must_use]
+    pub fn with(mut self, state: FlowState, t: Millis) -> TimeoutOverrides {
+        self.0[state.code() as usize] = Some(t);
+        self
+    }
+
+    /// The override for `state`, if any.
+    pub fn get(&self, state: FlowState) -> Option<Millis> {
+        self.0[state.code() as usize]
+    }
+
+    /// True if nothing is overridden.
+    pub fn is_empty(&self) -> bool {
+        self.0.iter().all(Option::is_none)
+    }
+
+    pub(crate) fn apply(&self, base: [u64; 10]) -> [u64; 10] {
+        let mut out = base;
+        for (o, v) in out.iter_mut().zip(self.0) {
+            if let Some(m) = v {
+                *o = m.0;
+            }
+        }
+        out
+    }
+}
+
+/// Most timeout profiles a tenant can have (profile 0, the tenant's own
+/// timeouts, included).
+pub const MAX_PROFILES: usize = 4096;
+
 /// Table-wide configuration.
 #[derive(Clone, Debug)]
 pub struct TableConfig {
@@ -475,6 +533,9 @@ pub enum TenantError {
     /// `own_buckets` is not 0 or a power of two `<= 2^24`.
     #[error("own_buckets must be 0 or a power of two <= 2^24, got {0}")]
     BadSize(usize),
+    /// The tenant already has [`MAX_PROFILES`] distinct timeout profiles.
+    #[error("tenant {0} has {MAX_PROFILES} distinct timeout profiles already")]
+    TooManyProfiles(TenantId),
 }
 
 /// Errors of [`FlowTable::insert`](crate::FlowTable::insert).

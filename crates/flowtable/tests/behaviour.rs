@@ -27,6 +27,7 @@ fn key(tenant: u32, i: u16) -> FlowKey {
 fn init(state: FlowState) -> FlowInit {
     FlowInit {
         owner: 0,
+        profile: 0,
         service: ServiceId(1),
         backend: BackendId(2),
         state,
@@ -350,6 +351,7 @@ fn dump_filters_and_naive_contrast() {
     for i in 0..40u16 {
         let init = FlowInit {
             owner: 0,
+            profile: 0,
             service: ServiceId(u32::from(i % 2)),
             backend: BackendId(u32::from(i % 5)),
             state: if i % 3 == 0 {
@@ -546,4 +548,95 @@ fn per_tenant_timeouts() {
     t.expire(Millis(20_000), 100, &mut out);
     assert!(out.is_empty());
     assert_eq!(t.get(&key(2, 2)).unwrap().expires_at, Millis(307_000));
+}
+
+#[test]
+fn timeout_profiles_override_per_state_and_follow_the_tenant() {
+    let t = table_with(&[(1, 0), (2, 0)], cfg(16, 64));
+    let o = TimeoutOverrides::NONE.with(FlowState::Udp, Millis(2_000));
+    assert_eq!(
+        t.timeout_profile(TenantId(1), &TimeoutOverrides::NONE),
+        Ok(0)
+    );
+    let p = t.timeout_profile(TenantId(1), &o).unwrap();
+    assert_ne!(p, 0);
+    // Interned: the same overrides give the same profile.
+    assert_eq!(t.timeout_profile(TenantId(1), &o), Ok(p));
+    assert_eq!(
+        t.timeout_profile(TenantId(9), &o),
+        Err(TenantError::NoTenant(TenantId(9)))
+    );
+    let with = |state, profile| FlowInit {
+        profile,
+        ..init(state)
+    };
+    t.insert(key(1, 1), with(FlowState::Udp, p), Millis(0))
+        .unwrap();
+    t.insert(key(1, 2), with(FlowState::Udp, 0), Millis(0))
+        .unwrap();
+    // Not overridden: the tenant's.
+    t.insert(key(1, 3), with(FlowState::Established, p), Millis(0))
+        .unwrap();
+    assert_eq!(t.get(&key(1, 1)).unwrap().expires_at, Millis(2_000));
+    assert_eq!(t.get(&key(1, 2)).unwrap().expires_at, Millis(300_000));
+    assert_eq!(t.get(&key(1, 3)).unwrap().expires_at, Millis(900_000));
+    let mut out = Vec::new();
+    t.expire(Millis(4_000), 100, &mut out);
+    assert_eq!(out.iter().map(|s| s.key).collect::<Vec<_>>(), [key(1, 1)]);
+    // The tenant's timeouts change: the profile keeps its override and
+    // follows the rest.
+    let base = Timeouts {
+        established: Millis(60_000),
+        udp: Millis(9_000),
+        ..Timeouts::default()
+    };
+    t.set_timeouts(TenantId(1), base).unwrap();
+    let pt = t.profile_timeouts(TenantId(1), p).unwrap();
+    assert_eq!(pt.udp, Millis(2_000));
+    assert_eq!(pt.established, Millis(60_000));
+    assert_eq!(t.get(&key(1, 3)).unwrap().expires_at, Millis(60_000));
+    assert_eq!(t.get(&key(1, 2)).unwrap().expires_at, Millis(9_000));
+    // A profile number of another tenant means nothing there: that
+    // tenant's own timeouts.
+    t.insert(key(2, 1), with(FlowState::Udp, p), Millis(0))
+        .unwrap();
+    assert_eq!(t.get(&key(2, 1)).unwrap().expires_at, Millis(300_000));
+}
+
+#[test]
+fn timeout_profiles_are_bounded_per_tenant() {
+    let t = table_with(&[(1, 0)], cfg(16, 64));
+    for i in 1..MAX_PROFILES as u64 {
+        let o = TimeoutOverrides::NONE.with(FlowState::Udp, Millis(i));
+        assert_eq!(t.timeout_profile(TenantId(1), &o), Ok(i as u16));
+    }
+    let o = TimeoutOverrides::NONE.with(FlowState::Udp, Millis(1 << 40));
+    assert_eq!(
+        t.timeout_profile(TenantId(1), &o),
+        Err(TenantError::TooManyProfiles(TenantId(1)))
+    );
+    // Known ones still resolve.
+    let o = TimeoutOverrides::NONE.with(FlowState::Udp, Millis(7));
+    assert_eq!(t.timeout_profile(TenantId(1), &o), Ok(7));
+}
+
+#[test]
+fn touch_hit_names_the_entry_and_its_owner() {
+    let t = table_with(&[(1, 0)], cfg(16, 64));
+    let h = t
+        .insert_handle(
+            key(1, 1),
+            FlowInit {
+                owner: 77,
+                ..init(FlowState::Udp)
+            },
+            Millis(0),
+        )
+        .unwrap();
+    let hit = t.touch_hit(&key(1, 1), Millis(5), Dir::In, 100).unwrap();
+    assert_eq!(hit.handle, h);
+    assert_eq!(hit.owner, 77);
+    assert_eq!(hit.backend, BackendId(2));
+    assert_eq!(t.get_handle(h).unwrap().bytes_in, 100);
+    assert_eq!(t.touch_hit(&key(1, 2), Millis(5), Dir::In, 1), None);
 }

@@ -137,6 +137,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let key = k.key();
                 let init = FlowInit {
                     owner: 0,
+                    profile: 0,
                     service: ServiceId(s),
                     backend: BackendId(b),
                     state: st,

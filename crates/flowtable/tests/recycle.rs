@@ -40,6 +40,7 @@ fn churn_with_few_live_entries_keeps_the_arena_small() {
         .unwrap();
     let init = FlowInit {
         owner: 0,
+        profile: 0,
         service: ServiceId(1),
         backend: BackendId(1),
         state: FlowState::Established,

@@ -41,6 +41,7 @@ fn init(i: u32) -> FlowInit {
         backend: BackendId(i % 5),
         state: FlowState::Established,
         owner: i,
+        profile: 0,
     }
 }
 

@@ -35,6 +35,7 @@ fn key(tenant: u32, i: u32) -> FlowKey {
 fn init(i: u32) -> FlowInit {
     FlowInit {
         owner: 0,
+        profile: 0,
         service: ServiceId(i % 4),
         backend: BackendId(i % 7),
         state: FlowState::Established,

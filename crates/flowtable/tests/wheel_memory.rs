@@ -33,6 +33,7 @@ fn passed_wheel_slots_give_their_buffers_back() {
         .unwrap();
     let init = FlowInit {
         owner: 0,
+        profile: 0,
         service: ServiceId(1),
         backend: BackendId(1),
         state: FlowState::Close, // 10 s by default

@@ -79,6 +79,7 @@ fn key(i: u64) -> FlowKey {
 
 const INIT: FlowInit = FlowInit {
     owner: 0,
+    profile: 0,
     service: ServiceId(1),
     backend: BackendId(2),
     state: FlowState::Established,

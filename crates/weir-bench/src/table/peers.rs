@@ -100,6 +100,7 @@ impl Weir {
 pub(crate) fn flow_init(v: &PeerVal) -> FlowInit {
     FlowInit {
         owner: 0,
+        profile: 0,
         service: ServiceId(v.service),
         backend: BackendId(v.backend),
         state: FlowState::Established,

@@ -933,6 +933,7 @@ impl Shared {
         let key = flow_key(svc, proto, client);
         let init = FlowInit {
             owner: 0,
+            profile: 0,
             service: ServiceId(svc.id),
             backend: BackendId(backend.id),
             state: state.flow(),
@@ -1050,6 +1051,7 @@ impl Shared {
         } else {
             let init = FlowInit {
                 owner: 0,
+                profile: 0,
                 service: ServiceId(svc.id),
                 backend: BackendId(backend),
                 state: FlowState::Persist,
@@ -1626,6 +1628,7 @@ impl Service {
             shared.table.remove(&tpl_key);
             let init = FlowInit {
                 owner: 0,
+                profile: 0,
                 service: ServiceId(self.id),
                 backend: BackendId(b.id),
                 state: FlowState::Persist,
