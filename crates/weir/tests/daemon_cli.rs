@@ -294,7 +294,7 @@ fn sighup_reloads_and_sigterm_drains() {
         .find(|l| l.contains("weir::access") && l.contains("reason=\"closed\""))
         .unwrap_or_else(|| panic!("no access log line in:\n{err}"));
     assert!(
-        line.contains("bytes_in=") && line.contains("backend=") && line.contains("duration_ms="),
+        line.contains("bytes_in=") && line.contains("backend=") && line.contains("duration_s="),
         "{line}"
     );
     assert!(leftovers(&dir).is_empty(), "{:?}", leftovers(&dir));

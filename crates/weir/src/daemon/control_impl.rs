@@ -4,8 +4,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use std::sync::atomic::Ordering::Relaxed;
-use weir_flowtable::{DumpFilter, FlowState, TenantId};
+use weir_flowtable::{DumpFilter, FlowSnapshot, FlowState, TenantId};
 
+use super::owners::Close;
 use super::{Backend, BackendSet, Service, Shared, check_service, service_params};
 use crate::config::{self, BackendSpec, Config, ServiceSpec, TenantSpec};
 use crate::control::*;
@@ -29,19 +30,38 @@ impl LiveControl {
             .ok_or_else(|| not_found(format!("service {tenant}/{name} does not exist")))
     }
 
-    fn matches(&self, f: &ConnFilter, e: &super::ConnEntry) -> bool {
-        f.tenant
-            .as_ref()
-            .is_none_or(|t| *t == e.tenant.spec.read().name)
-            && f.service
-                .as_ref()
-                .is_none_or(|s| *s == e.service.spec.read().name)
-            && f.backend
-                .as_ref()
-                .is_none_or(|b| *b == e.backend.addr.to_string())
-            && f.state
-                .as_ref()
-                .is_none_or(|st| st.eq_ignore_ascii_case(e.state().name()))
+    /// `f` as a dump filter (tenant, state) and a test of the rest
+    /// (service, backend) on each entry.
+    fn conn_filter(&self, f: &ConnFilter) -> ControlResult<(DumpFilter, ConnMatch)> {
+        let invalid = |m: String| ControlError::new(ErrorKind::Invalid, m);
+        let st = self.0.state.read();
+        let mut df = DumpFilter::default();
+        if let Some(t) = &f.tenant {
+            let Some(ten) = st.tenants.get(t) else {
+                return Err(not_found(format!("tenant {t:?} does not exist")));
+            };
+            df.tenant = Some(TenantId(ten.id));
+        }
+        if let Some(s) = &f.state {
+            let state = s
+                .to_ascii_uppercase()
+                .parse::<FlowState>()
+                .map_err(|_| invalid(format!("unknown state {s:?}; e.g. ESTABLISHED, UDP")))?;
+            df.state = Some(state);
+        }
+        let services = st
+            .services
+            .values()
+            .map(|s| (s.id, s.clone()))
+            .collect::<HashMap<_, _>>();
+        Ok((
+            df,
+            ConnMatch {
+                services,
+                service: f.service.clone(),
+                backend: f.backend.clone(),
+            },
+        ))
     }
 
     fn status(&self, s: &Service) -> ServiceStatus {
@@ -101,15 +121,13 @@ impl LiveControl {
             .backends
             .iter()
             .filter(|b| !specs.iter().any(|s| s.address == b.addr))
-            .map(|b| b.addr)
+            .map(|b| b.id)
             .collect();
         *svc.set.write() = Arc::new(BackendSet { sched, backends });
         svc.spec.write().backends = specs.to_vec();
         if !removed.is_empty() && svc.params.read().expire_nodest_conn {
-            let id = svc.id;
-            self.0.kill_where("backend_removed", |e| {
-                e.service.id == id && removed.contains(&e.backend.addr)
-            });
+            self.0
+                .kill_service(svc, Some(&removed), Close::BackendRemoved);
         }
         Ok(())
     }
@@ -285,12 +303,43 @@ impl LiveControl {
             .retain(|x| x != id && !x.split_once(' ').is_some_and(|(_, n)| n.starts_with(scope)));
     }
 
-    fn remove_service(&self, key: &(String, String)) -> Option<Arc<Service>> {
+    /// Removes a service and tells its connections to close; returns how
+    /// many it told.
+    fn remove_service(&self, key: &(String, String)) -> Option<u64> {
         let svc = self.0.state.write().services.remove(key)?;
         svc.cancel.cancel();
-        let id = svc.id;
-        self.0.kill_where("service_deleted", |e| e.service.id == id);
-        Some(svc)
+        Some(self.0.kill_service(&svc, None, Close::ServiceDeleted))
+    }
+}
+
+/// The part of a [`ConnFilter`] a dump filter cannot say (names are
+/// matched through the services of the moment).
+struct ConnMatch {
+    services: HashMap<u32, Arc<Service>>,
+    service: Option<String>,
+    backend: Option<String>,
+}
+
+impl ConnMatch {
+    /// The entry's service and backend address, if it passes.
+    fn check(&self, snap: &FlowSnapshot) -> Option<(&Arc<Service>, Option<String>)> {
+        let svc = self.services.get(&snap.service.0)?;
+        let backend = svc
+            .set
+            .read()
+            .backends
+            .iter()
+            .find(|b| b.id == snap.backend.0)
+            .map(|b| b.addr.to_string());
+        let ok = self
+            .service
+            .as_ref()
+            .is_none_or(|s| *s == svc.spec.read().name)
+            && self
+                .backend
+                .as_ref()
+                .is_none_or(|b| backend.as_ref() == Some(b));
+        ok.then_some((svc, backend))
     }
 }
 
@@ -370,7 +419,8 @@ impl Control for LiveControl {
         super::check_fences(&spec)?;
         *t.timeouts.write() = timeouts;
         *t.spec.write() = spec;
-        self.0.tune_tenant_timeouts(&t);
+        // Services' own timeouts are profiles over these: they follow.
+        let _ = self.0.table.set_timeouts(TenantId(t.id), timeouts);
         tracing::info!(tenant, "tenant updated");
         Ok(())
     }
@@ -399,8 +449,9 @@ impl Control for LiveControl {
                 .cloned()
                 .collect()
         };
+        let mut closed = 0;
         for k in &keys {
-            self.remove_service(k);
+            closed += self.remove_service(k).unwrap_or(0);
         }
         let Some(t) = self.0.state.write().tenants.remove(tenant) else {
             return Err(not_found(format!("tenant {tenant:?} does not exist")));
@@ -410,13 +461,8 @@ impl Control for LiveControl {
         // connections and sessions those entries belong to.
         let mut purged = Vec::new();
         let _ = self.0.table.remove_tenant(TenantId(t.id), &mut purged);
-        let mut closed = 0u64;
-        for snap in purged.iter().filter(|s| s.state != FlowState::Persist) {
-            closed += 1;
-            if let Some(e) = self.0.registry.get(snap.cookie.0) {
-                e.kill("tenant_deleted");
-            }
-        }
+        // Entries whose owners were told above are counted there.
+        closed += self.0.ended(&purged, Close::TenantDeleted);
         self.forget_runtime(&tenant_id(tenant), &format!("{tenant}/"));
         Ok(closed)
     }
@@ -462,7 +508,7 @@ impl Control for LiveControl {
                 .for_each(|id| self.added_at_runtime(id));
             return Ok(());
         }
-        let params = service_params(&spec)?;
+        let params = self.0.with_profile(&svc.tenant, service_params(&spec)?)?;
         let sched_key = |s: &ServiceSpec| {
             let o = &s.options;
             (
@@ -493,7 +539,6 @@ impl Control for LiveControl {
         }
         self.set_backends(&svc, &backends)?;
         self.0.start_health(&svc);
-        self.0.tune_tenant_timeouts(&svc.tenant);
         new_backends
             .into_iter()
             .for_each(|id| self.added_at_runtime(id));
@@ -555,9 +600,15 @@ impl Control for LiveControl {
         let addr = b.address;
         self.set_backends(&svc, &specs)?;
         if drain {
-            let id = svc.id;
-            self.0
-                .kill_where("drained", |e| e.service.id == id && e.backend.addr == addr);
+            let ids: Vec<u32> = svc
+                .set
+                .read()
+                .backends
+                .iter()
+                .filter(|b| b.addr == addr)
+                .map(|b| b.id)
+                .collect();
+            self.0.kill_service(&svc, Some(&ids), Close::Drained);
         }
         Ok(())
     }
@@ -591,31 +642,15 @@ impl Control for LiveControl {
                     .map_err(|_| invalid(format!("bad cursor {c:?}; pass back `next` as given")))?,
             ),
         };
-        let (tenants, services) = {
-            let st = self.0.state.read();
-            let tenants: HashMap<u32, String> = st
-                .tenants
-                .values()
-                .map(|t| (t.id, t.spec.read().name.clone()))
-                .collect();
-            let services: HashMap<u32, Arc<Service>> =
-                st.services.values().map(|s| (s.id, s.clone())).collect();
-            (tenants, services)
-        };
-        let mut df = DumpFilter::default();
-        if let Some(t) = &filter.tenant {
-            let Some((&id, _)) = tenants.iter().find(|(_, n)| *n == t) else {
-                return Err(not_found(format!("tenant {t:?} does not exist")));
-            };
-            df.tenant = Some(TenantId(id));
-        }
-        if let Some(st) = &filter.state {
-            let state = st
-                .to_ascii_uppercase()
-                .parse::<FlowState>()
-                .map_err(|_| invalid(format!("unknown state {st:?}; e.g. ESTABLISHED, UDP")))?;
-            df.state = Some(state);
-        }
+        let tenants: HashMap<u32, String> = self
+            .0
+            .state
+            .read()
+            .tenants
+            .values()
+            .map(|t| (t.id, t.spec.read().name.clone()))
+            .collect();
+        let (df, m) = self.conn_filter(filter)?;
         let limit = limit.clamp(1, 100_000);
         let now = self.0.now_ms();
         let mut snaps = Vec::with_capacity(limit.min(4096));
@@ -623,37 +658,16 @@ impl Control for LiveControl {
         let connections = snaps
             .iter()
             .filter_map(|snap| {
-                let svc = services.get(&snap.service.0)?;
+                let (svc, backend) = m.check(snap)?;
                 let spec = svc.spec.read();
-                let backend = svc
-                    .set
-                    .read()
-                    .backends
-                    .iter()
-                    .find(|b| b.id == snap.backend.0)
-                    .map(|b| b.addr.to_string())
-                    .unwrap_or_else(|| "-".into());
-                if filter.service.as_ref().is_some_and(|s| *s != spec.name)
-                    || filter.backend.as_ref().is_some_and(|b| *b != backend)
-                {
-                    return None;
-                }
-                // Entries carry their own service timeout (UDP, templates),
-                // which may be shorter than the table's per-tenant one.
-                let expires = match self.0.registry.get(snap.cookie.0) {
-                    Some(e) => e.last_active.load(Relaxed) + e.timeout_ms.load(Relaxed),
-                    None if snap.state == FlowState::Persist => {
-                        snap.last_active.0 + svc.params.read().persistence.as_millis() as u64
-                    }
-                    None => snap.expires_at.0,
-                };
+                let expires = snap.expires_at.0;
                 Some(ConnInfo {
                     tenant: tenants.get(&snap.key.tenant.0).cloned().unwrap_or_default(),
                     service: spec.name.clone(),
                     proto: config::protocol_name(spec.protocol).to_uppercase(),
                     client: snap.key.client.to_string(),
                     virtual_: snap.key.virt.to_string(),
-                    backend,
+                    backend: backend.unwrap_or_else(|| "-".into()),
                     state: snap.state.to_string(),
                     expires_s: expires.saturating_sub(now) / 1000,
                     cookie: snap.cookie.0,
@@ -669,17 +683,17 @@ impl Control for LiveControl {
     }
 
     fn kill(&self, cookie: u64) -> ControlResult<()> {
-        match self.0.registry.get(cookie) {
-            Some(e) => {
-                e.kill("killed");
-                Ok(())
-            }
-            None => Err(not_found(format!("no connection with cookie {cookie}"))),
+        match self.0.owners.find(cookie) {
+            Some(token) if self.0.owners.kill(token, cookie, Close::Killed) => Ok(()),
+            _ => Err(not_found(format!("no connection with cookie {cookie}"))),
         }
     }
 
     fn kill_matching(&self, filter: &ConnFilter) -> ControlResult<u64> {
-        Ok(self.0.kill_where("killed", |e| self.matches(filter, e)))
+        let (df, m) = self.conn_filter(filter)?;
+        Ok(self
+            .0
+            .kill_where(Close::Killed, &df, |s| m.check(s).is_some()))
     }
 
     fn global_stats(&self) -> GlobalStats {

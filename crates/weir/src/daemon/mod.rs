@@ -17,12 +17,16 @@
 //! * **Flow table.** Every TCP connection, UDP session and persistence
 //!   template is an entry of `weir-flowtable` (per-tenant own tables,
 //!   bounded expiry, exact resumable dumps for listings).
-//! * **Connection registry.** The table has no cookie → socket index, so
-//!   every connection and session also has a [`ConnEntry`] in a registry
-//!   sharded by cookie (64 mutex-protected maps, so workers setting up and
-//!   tearing down connections rarely meet): it carries the key, state, byte
-//!   counters and a cancellation token, so kill-by-cookie, expiry, backend
-//!   removal (`expire_nodest_conn`) and tenant deletion can close the socket.
+//! * **One record per connection.** A connection's entry *is* the
+//!   connection: backend, state, timers and byte counters live there and
+//!   nowhere else. Its task holds only its sockets and a [`Conn`] (the
+//!   entry's handle and the service and backend its bytes count against).
+//!   The entry names its task by an owner token ([`owners`]): the table's
+//!   wheel times the connection out and tells the owner, and kills by cookie
+//!   or filter, backend removal (`expire_nodest_conn`) and tenant deletion
+//!   find owners through the table. Whoever removes an entry settles it
+//!   (backend counts, access log) — exactly once, as only one removal of an
+//!   entry succeeds.
 //! * **Bounded buffering.** Each direction of a TCP connection owns one
 //!   `buffer_size` buffer and reads again only after the previous bytes were
 //!   fully written; both sockets get `TCP_NOTSENT_LOWAT`, and the backend
@@ -32,6 +36,7 @@
 //! See docs/daemon.md for the options, the measurements and what is left.
 
 mod control_impl;
+pub(crate) mod owners;
 mod ratelog;
 mod stats;
 mod tcp;
@@ -49,8 +54,8 @@ use parking_lot::{Mutex, RwLock};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use weir_flowtable::{
-    BackendId, Dir, FlowInit, FlowKey, FlowState, FlowTable, Millis, Proto, ServiceId, TableConfig,
-    TenantConfig, TenantId, Timeouts,
+    BackendId, Dir, DumpFilter, FlowInit, FlowKey, FlowSnapshot, FlowState, FlowTable, Handle,
+    Millis, Proto, ServiceId, TableConfig, TenantConfig, TenantId, TimeoutOverrides, Timeouts,
 };
 use weir_sched::{AffinityMask, BackendInfo, HashSeed, Load, SchedConfig, Scheduler};
 
@@ -58,6 +63,7 @@ use crate::config::{
     self, BackendSpec, Config, DEFAULT_TENANT, DaemonConfig, Protocol, ServiceSpec, TenantSpec,
 };
 use crate::control::Control;
+use owners::Close;
 use stats::Stat;
 
 /// IPVS default idle timeout of an established TCP connection.
@@ -157,7 +163,7 @@ impl Daemon {
             daemon_cfg: config.daemon.clone(),
             admin_cfg: config.admin.clone(),
             state: RwLock::new(State::default()),
-            registry: Registry::default(),
+            owners: Arc::new(owners::Owners::new(workers)),
             table: FlowTable::new(TableConfig {
                 shared_buckets: config.daemon.shared_table_buckets,
                 // Fixed size, as before the table could resize: the config
@@ -336,7 +342,7 @@ impl DaemonHandle {
     fn stop(&mut self) {
         self.shared.stop_accept.cancel();
         self.shared.kill_all.cancel();
-        self.shared.kill_where("killed", |_| true);
+        self.shared.owners.kill_all(Close::Killed);
         // Health checks and admin tasks run on the control runtime.
         for svc in self.shared.state.read().services.values() {
             svc.cancel.cancel();
@@ -392,8 +398,8 @@ pub(crate) fn open_fds() -> u64 {
     std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64)
 }
 
-/// Expire idle flow-table entries (bounded work per call) and close the
-/// connections and sessions they belong to.
+/// Expire idle flow-table entries (bounded work per call), settle them and
+/// tell their owners to close.
 fn expiry_main(shared: Weak<Shared>, stop: Arc<AtomicBool>) {
     let mut out = Vec::new();
     loop {
@@ -411,13 +417,7 @@ fn expiry_main(shared: Weak<Shared>, stop: Arc<AtomicBool>) {
         for _ in 0..16 {
             out.clear();
             let n = shared.table.expire(now, 4096, &mut out);
-            for snap in &out {
-                if snap.state != FlowState::Persist
-                    && let Some(e) = shared.registry.get(snap.cookie.0)
-                {
-                    e.kill("idle_timeout");
-                }
-            }
+            shared.ended(&out, Close::IdleTimeout);
             if n < 4096 {
                 break;
             }
@@ -435,8 +435,8 @@ pub(crate) struct Shared {
     pub(crate) daemon_cfg: DaemonConfig,
     admin_cfg: crate::config::AdminConfig,
     pub(crate) state: RwLock<State>,
-    /// cookie → connection; ordered so listings page exactly by cookie.
-    pub(crate) registry: Registry,
+    /// The tasks that own proxied connections, named by their entries.
+    pub(crate) owners: Arc<owners::Owners>,
     /// The flow table: connections, UDP sessions and persistence templates.
     pub(crate) table: FlowTable,
     next_id: AtomicU32,
@@ -524,6 +524,9 @@ pub(crate) struct ServiceParams {
     pub(crate) udp_max_per_client: u64,
     /// `tcp_max_connections_per_client`; 0 = unlimited.
     pub(crate) tcp_max_per_client: u64,
+    /// The flow table's timeout profile for these timeouts (see
+    /// [`Shared::with_profile`]); 0 until then.
+    pub(crate) profile: u16,
 }
 
 #[derive(Debug)]
@@ -595,15 +598,6 @@ pub(crate) enum ConnState {
 }
 
 impl ConnState {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::SynRecv => "SYN_RECV",
-            Self::Established => "ESTABLISHED",
-            Self::FinWait => "FIN_WAIT",
-            Self::Close => "CLOSE",
-            Self::Udp => "UDP",
-        }
-    }
     fn flow(self) -> FlowState {
         match self {
             Self::SynRecv => FlowState::SynRecv,
@@ -625,42 +619,32 @@ impl ConnState {
     }
 }
 
-/// One proxied connection or UDP session.
+/// A live connection or UDP session as its task holds it: where its entry
+/// is, and what its bytes count against. Everything that changes (state,
+/// timers, counters) is in the entry; this is the task's own, never shared.
 #[derive(Debug)]
-pub(crate) struct ConnEntry {
-    pub(crate) cookie: u64,
-    pub(crate) key: FlowKey,
-    pub(crate) proto: Protocol,
-    pub(crate) tenant: Arc<Tenant>,
+pub(crate) struct Conn {
+    pub(crate) handle: Handle,
     pub(crate) service: Arc<Service>,
     pub(crate) backend: Arc<Backend>,
     pub(crate) client: SocketAddr,
+    /// The state this task last gave the entry (it alone changes it), for
+    /// the backend's active/inactive counts.
     state: AtomicU8,
-    pub(crate) created: Instant,
-    /// Milliseconds since the daemon epoch of the last byte.
-    pub(crate) last_active: AtomicU64,
-    /// Idle timeout in ms for the current state.
-    pub(crate) timeout_ms: AtomicU64,
-    pub(crate) bytes_in: AtomicU64,
-    pub(crate) bytes_out: AtomicU64,
-    pub(crate) cancel: CancellationToken,
-    /// Why it was cancelled ("killed", "backend_down", ...).
-    pub(crate) cancel_reason: Mutex<&'static str>,
-    /// The persistence template it keeps alive, if its service has one.
+    /// The persistence template this connection holds, if any.
     template: Option<FlowKey>,
 }
 
-impl ConnEntry {
-    pub(crate) fn state(&self) -> ConnState {
-        ConnState::from_u8(self.state.load(Relaxed))
-    }
-
-    /// Move to `s`, in the flow table too, keeping the backend's
-    /// active/inactive counts in step.
+impl Conn {
+    /// Move the entry to `s`, keeping the backend's active/inactive counts
+    /// in step (nothing if the entry is gone: its remover settled it).
     pub(crate) fn set_state(&self, shared: &Shared, s: ConnState) {
-        shared
+        if !shared
             .table
-            .set_state(&self.key, s.flow(), Millis(shared.now_ms()));
+            .set_state_handle(self.handle, s.flow(), Millis(shared.now_ms()))
+        {
+            return;
+        }
         let old = ConnState::from_u8(self.state.swap(s as u8, Relaxed));
         let was_active = old == ConnState::Established;
         let is_active = s == ConnState::Established;
@@ -671,55 +655,6 @@ impl ConnEntry {
             } else {
                 self.backend.active.fetch_sub(1, Relaxed);
                 self.backend.inactive.fetch_add(1, Relaxed);
-            }
-        }
-    }
-
-    pub(crate) fn kill(&self, reason: &'static str) {
-        *self.cancel_reason.lock() = reason;
-        self.cancel.cancel();
-    }
-}
-
-const REGISTRY_SHARDS: usize = 64;
-
-/// cookie → connection, sharded by cookie (a power of two of shards).
-#[derive(Debug)]
-pub(crate) struct Registry {
-    shards: Vec<Mutex<HashMap<u64, Arc<ConnEntry>>>>,
-}
-
-impl Default for Registry {
-    fn default() -> Self {
-        const { assert!(REGISTRY_SHARDS.is_power_of_two()) };
-        Self {
-            shards: (0..REGISTRY_SHARDS)
-                .map(|_| Mutex::new(HashMap::new()))
-                .collect(),
-        }
-    }
-}
-
-impl Registry {
-    fn shard(&self, cookie: u64) -> &Mutex<HashMap<u64, Arc<ConnEntry>>> {
-        // Cookies come from the flow table (not from peers): the low bits
-        // spread well enough without a keyed hash.
-        &self.shards[(cookie as usize) & (REGISTRY_SHARDS - 1)]
-    }
-    pub(crate) fn get(&self, cookie: u64) -> Option<Arc<ConnEntry>> {
-        self.shard(cookie).lock().get(&cookie).cloned()
-    }
-    fn insert(&self, e: Arc<ConnEntry>) {
-        self.shard(e.cookie).lock().insert(e.cookie, e);
-    }
-    fn remove(&self, cookie: u64) {
-        self.shard(cookie).lock().remove(&cookie);
-    }
-    /// Visit every entry (one shard locked at a time).
-    pub(crate) fn for_each(&self, mut f: impl FnMut(&ConnEntry)) {
-        for s in &self.shards {
-            for e in s.lock().values() {
-                f(e);
             }
         }
     }
@@ -919,37 +854,37 @@ impl Shared {
         self.active.fetch_sub(1, Relaxed);
     }
 
-    /// Register a connection or session in the flow table and the registry
+    /// Put a new connection or session in the flow table, owned by `owner`
     /// (counted on its backend as active when ESTABLISHED, else inactive).
-    pub(crate) fn register(
+    pub(crate) fn open(
         &self,
         svc: &Arc<Service>,
         backend: &Arc<Backend>,
         proto: Protocol,
         client: SocketAddr,
         state: ConnState,
-        timeout: Duration,
-    ) -> Result<Arc<ConnEntry>, Refusal> {
+        owner: &owners::Owner,
+    ) -> Result<Conn, Refusal> {
         let key = flow_key(svc, proto, client);
+        let params = svc.params.read().clone();
         let init = FlowInit {
-            owner: 0,
-            profile: 0,
+            owner: owner.token(),
+            profile: params.profile,
             service: ServiceId(svc.id),
             backend: BackendId(backend.id),
             state: state.flow(),
         };
         let now = Millis(self.now_ms());
-        let cookie = match self.table.insert(key, init, now) {
-            Ok(c) => c,
-            Err(weir_flowtable::InsertError::Exists(old)) => {
+        let handle = match self.table.insert_handle(key, init, now) {
+            Ok(h) => h,
+            Err(weir_flowtable::InsertError::Exists(_)) => {
                 // A stale entry for the same 4-tuple (its task is ending):
-                // close it and take the key over.
-                if let Some(e) = self.registry.get(old.0) {
-                    e.kill("replaced");
+                // settle it, tell its owner, and take the key over.
+                if let Some(old) = self.table.remove(&key) {
+                    self.ended(std::slice::from_ref(&old), Close::Replaced);
                 }
-                self.table.remove(&key);
                 self.table
-                    .insert(key, init, now)
+                    .insert_handle(key, init, now)
                     .map_err(|_| Refusal::TableFull)?
             }
             Err(_) => return Err(Refusal::TableFull),
@@ -959,71 +894,106 @@ impl Shared {
         } else {
             backend.inactive.fetch_add(1, Relaxed);
         }
-        let e = Arc::new(ConnEntry {
-            cookie: cookie.0,
-            key,
-            proto,
-            tenant: svc.tenant.clone(),
-            service: svc.clone(),
-            backend: backend.clone(),
-            client,
-            state: AtomicU8::new(state as u8),
-            created: Instant::now(),
-            last_active: AtomicU64::new(self.now_ms()),
-            timeout_ms: AtomicU64::new(timeout.as_millis() as u64),
-            bytes_in: AtomicU64::new(0),
-            bytes_out: AtomicU64::new(0),
-            // Its own token, not a child of `kill_all`: child tokens share
-            // the parent's lock, one more lock every connection would take.
-            cancel: CancellationToken::new(),
-            cancel_reason: Mutex::new("killed"),
-            template: {
-                let params = svc.params.read();
-                (!params.persistence.is_zero()).then(|| template_key(svc, &params, proto, client))
-            },
-        });
-        self.registry.insert(e.clone());
-        if let Some(tpl) = e.template {
+        let template =
+            (!params.persistence.is_zero()).then(|| template_key(svc, &params, proto, client));
+        if let Some(tpl) = template {
             let mut live = svc.templates.lock();
             let slot = live.entry(tpl).or_insert((backend.id, 0));
             *slot = (backend.id, slot.1 + 1);
         }
-        if self.kill_all.is_cancelled() {
-            // Registered while the daemon was stopping.
-            e.kill("killed");
+        let conn = Conn {
+            handle,
+            service: svc.clone(),
+            backend: backend.clone(),
+            client,
+            state: AtomicU8::new(state as u8),
+            template,
+        };
+        // Told to close before it could listen (a kill racing the insert),
+        // or opened while the daemon was stopping: it closes at once.
+        let told = owner.bind(handle.cookie.0).err();
+        if told.is_some() || self.kill_all.is_cancelled() {
+            self.owners.kill(
+                owner.token(),
+                handle.cookie.0,
+                told.unwrap_or(Close::Killed),
+            );
         }
         self.stat.conn();
         svc.tenant.stat.conn();
         svc.stat.conn();
         backend.stat.conn();
-        Ok(e)
+        Ok(conn)
     }
 
-    /// Remove a connection from the registry and fix the counts.
-    pub(crate) fn unregister(&self, e: &ConnEntry, reason: &str) {
-        self.registry.remove(e.cookie);
-        // A newer entry for the same key (its successor) stays.
-        self.table
-            .remove_cookie(&e.key, weir_flowtable::Cookie(e.cookie));
-        if e.state() == ConnState::Established {
-            e.backend.active.fetch_sub(1, Relaxed);
-        } else {
-            e.backend.inactive.fetch_sub(1, Relaxed);
+    /// The task of `conn` is done with it (`reason` for the access log):
+    /// remove its entry and settle it, unless the wheel or a tenant's
+    /// deletion removed (and settled) it already.
+    pub(crate) fn close(&self, conn: &Conn, reason: &str) {
+        if let Some(snap) = self.table.remove_handle(conn.handle) {
+            self.settle(&snap, &conn.service, Some(&conn.backend), reason);
         }
-        if let Some(tpl) = e.template {
-            self.release_template(&e.service, tpl);
+        if let Some(tpl) = conn.template {
+            self.release_template(&conn.service, tpl);
+        }
+    }
+
+    /// Entries removed by the wheel or a tenant's deletion: settle each
+    /// connection and session and tell its owner to close. Returns how many
+    /// owners it told.
+    pub(crate) fn ended(&self, snaps: &[FlowSnapshot], why: Close) -> u64 {
+        let mut services: Option<HashMap<u32, Arc<Service>>> = None;
+        let mut told = 0;
+        for snap in snaps {
+            if snap.owner != 0 && self.owners.kill(snap.owner, snap.cookie.0, why) {
+                told += 1;
+            }
+            if snap.state == FlowState::Persist {
+                continue;
+            }
+            let services = services.get_or_insert_with(|| {
+                let st = self.state.read();
+                st.services.values().map(|s| (s.id, s.clone())).collect()
+            });
+            if let Some(svc) = services.get(&snap.service.0) {
+                let backend = svc
+                    .set
+                    .read()
+                    .backends
+                    .iter()
+                    .find(|b| b.id == snap.backend.0)
+                    .cloned();
+                self.settle(snap, svc, backend.as_ref(), why.name());
+            }
+        }
+        told
+    }
+
+    /// A removed entry's last word: the backend's counts and the access log.
+    fn settle(&self, snap: &FlowSnapshot, svc: &Service, b: Option<&Arc<Backend>>, reason: &str) {
+        if let Some(b) = b {
+            if snap.state == FlowState::Established {
+                b.active.fetch_sub(1, Relaxed);
+            } else {
+                b.inactive.fetch_sub(1, Relaxed);
+            }
         }
         if self.daemon_cfg.access_log {
+            let now = self.now_ms();
             tracing::info!(
                 target: "weir::access",
-                tenant = %e.tenant.spec.read().name,
-                service = %e.service.spec.read().name,
-                proto = config::protocol_name(e.proto),
-                client = %e.client,
-                backend = %e.backend.addr,
-                bytes_in = e.bytes_in.load(Relaxed),
-                bytes_out = e.bytes_out.load(Relaxed),
-                duration_ms = e.created.elapsed().as_millis() as u64,
+                tenant = %svc.tenant.spec.read().name,
+                service = %svc.spec.read().name,
+                proto = match snap.key.proto {
+                    Proto::Tcp => "tcp",
+                    Proto::Udp => "udp",
+                },
+                client = %snap.key.client,
+                backend = %b.map_or_else(|| "-".to_owned(), |b| b.addr.to_string()),
+                bytes_in = snap.bytes_in,
+                bytes_out = snap.bytes_out,
+                // The entry keeps its start in whole seconds.
+                duration_s = now.saturating_sub(snap.created.0) / 1000,
                 reason,
                 "closed"
             );
@@ -1051,7 +1021,7 @@ impl Shared {
         } else {
             let init = FlowInit {
                 owner: 0,
-                profile: 0,
+                profile: svc.params.read().profile,
                 service: ServiceId(svc.id),
                 backend: BackendId(backend),
                 state: FlowState::Persist,
@@ -1060,54 +1030,68 @@ impl Shared {
         }
     }
 
-    /// Account bytes client → backend.
-    pub(crate) fn count_in(&self, e: &ConnEntry, n: usize) {
-        self.account_in(e, n, true);
-    }
-
-    /// Account bytes client → backend; `touch` = also count them in the
-    /// flow table (false when the caller's lookup already did).
-    pub(crate) fn account_in(&self, e: &ConnEntry, n: usize, touch: bool) {
+    /// Count `n` bytes of `conn` going `dir` (in: client → backend) in its
+    /// entry and the estimators; `touch` = false when the caller's lookup
+    /// counted them in the entry already.
+    pub(crate) fn count(&self, conn: &Conn, dir: Dir, n: usize, touch: bool) {
         let n = n as u64;
-        e.bytes_in.fetch_add(n, Relaxed);
-        let now = self.now_ms();
-        e.last_active.store(now, Relaxed);
         if touch {
-            self.table.touch(&e.key, Millis(now), Dir::In, n);
+            self.table
+                .touch_handle(conn.handle, Millis(self.now_ms()), dir, n);
         }
-        self.stat.add_in(n);
-        e.tenant.stat.add_in(n);
-        e.service.stat.add_in(n);
-        e.backend.stat.add_in(n);
+        let stats = [
+            &self.stat,
+            &conn.service.tenant.stat,
+            &conn.service.stat,
+            &conn.backend.stat,
+        ];
+        for s in stats {
+            match dir {
+                Dir::In => s.add_in(n),
+                Dir::Out => s.add_out(n),
+            }
+        }
     }
 
-    /// Account bytes backend → client.
-    pub(crate) fn count_out(&self, e: &ConnEntry, n: usize) {
-        let n = n as u64;
-        e.bytes_out.fetch_add(n, Relaxed);
-        let now = self.now_ms();
-        e.last_active.store(now, Relaxed);
-        self.table.touch(&e.key, Millis(now), Dir::Out, n);
-        self.stat.add_out(n);
-        e.tenant.stat.add_out(n);
-        e.service.stat.add_out(n);
-        e.backend.stat.add_out(n);
-    }
-
-    /// Kill every connection matching `pred`; returns how many.
+    /// Tell the owner of every entry `filter` and `pred` select to close;
+    /// returns how many were told. An exact dump of the table (or of one
+    /// tenant's), page by page.
     pub(crate) fn kill_where(
         &self,
-        reason: &'static str,
-        pred: impl Fn(&ConnEntry) -> bool,
+        why: Close,
+        filter: &DumpFilter,
+        pred: impl Fn(&FlowSnapshot) -> bool,
     ) -> u64 {
         let mut n = 0;
-        self.registry.for_each(|e| {
-            if pred(e) {
-                e.kill(reason);
-                n += 1;
+        let mut cursor = None;
+        let mut page = Vec::new();
+        loop {
+            page.clear();
+            let next = self.table.dump(cursor.as_ref(), filter, 4096, &mut page);
+            for snap in &page {
+                if snap.owner != 0 && pred(snap) && self.owners.kill(snap.owner, snap.cookie.0, why)
+                {
+                    n += 1;
+                }
             }
-        });
-        n
+            match next {
+                Some(c) => cursor = Some(c),
+                None => return n,
+            }
+        }
+    }
+
+    /// [`Self::kill_where`] for one service's entries (all, or those of
+    /// the backends `backends` lists).
+    pub(crate) fn kill_service(&self, svc: &Service, backends: Option<&[u32]>, why: Close) -> u64 {
+        let filter = DumpFilter {
+            tenant: Some(TenantId(svc.tenant.id)),
+            service: Some(ServiceId(svc.id)),
+            ..DumpFilter::default()
+        };
+        self.kill_where(why, &filter, |s| {
+            backends.is_none_or(|b| b.contains(&s.backend.0))
+        })
     }
 
     // -- tenants ----------------------------------------------------------
@@ -1263,6 +1247,7 @@ impl Shared {
             .map(|b| Backend::new(b, &self.rates))
             .collect();
         let sched = build_sched(&spec, &backends)?;
+        let params = Arc::new(self.with_profile(&tenant, (*params).clone())?);
         let svc = Arc::new(Service {
             id: self.next_id.fetch_add(1, Relaxed),
             tenant,
@@ -1294,15 +1279,12 @@ impl Shared {
         }
         self.start_health(&svc);
         tracing::info!(tenant = %spec.tenant, service = %spec.name, %listen, "service up");
-        let tenant = svc.tenant.clone();
         let replaced = st.services.insert(key, svc);
         drop(st);
         if let Some(old) = replaced {
             old.cancel.cancel();
-            let id = old.id;
-            self.kill_where("service_deleted", |e| e.service.id == id);
+            self.kill_service(&old, None, Close::ServiceDeleted);
         }
-        self.tune_tenant_timeouts(&tenant);
         Ok(())
     }
 
@@ -1360,34 +1342,28 @@ impl Shared {
         }
     }
 
-    /// Give the flow table the tenant's `[tenant.timeouts]`, except that
-    /// its UDP and template timeouts (per tenant) are raised to the longest
-    /// of the tenant's services (weir's are per service; each session and
-    /// template also checks its own service's value). Without a `persist`
-    /// key the template timeout is just that longest `persistence` (≥ 1 s).
-    pub(crate) fn tune_tenant_timeouts(&self, tenant: &Tenant) {
-        let base = *tenant.timeouts.read();
-        let mut udp = Duration::from_millis(base.udp.0);
-        let mut persist = if tenant.spec.read().timeouts.persist.is_some() {
-            Duration::from_millis(base.persist.0)
-        } else {
-            Duration::from_secs(1)
-        };
-        for s in self.state.read().services.values() {
-            if s.tenant.id == tenant.id {
-                let p = s.params.read();
-                if let Some(u) = p.udp_timeout {
-                    udp = udp.max(u);
-                }
-                persist = persist.max(p.persistence);
-            }
+    /// `params` with the number of the flow table's timeout profile for
+    /// its service's own timeouts (connect, UDP, persistence) in `tenant`.
+    pub(crate) fn with_profile(
+        &self,
+        tenant: &Tenant,
+        mut params: ServiceParams,
+    ) -> crate::control::ControlResult<ServiceParams> {
+        let ms = |d: Duration| Millis(d.as_millis() as u64);
+        let mut o = TimeoutOverrides::NONE.with(FlowState::SynRecv, ms(params.connect_timeout));
+        if let Some(u) = params.udp_timeout {
+            o = o.with(FlowState::Udp, ms(u));
         }
-        let t = Timeouts {
-            udp: Millis(udp.as_millis() as u64),
-            persist: Millis(persist.as_millis() as u64),
-            ..base
-        };
-        let _ = self.table.set_timeouts(TenantId(tenant.id), t);
+        if !params.persistence.is_zero() {
+            o = o.with(FlowState::Persist, ms(params.persistence));
+        }
+        params.profile = self
+            .table
+            .timeout_profile(TenantId(tenant.id), &o)
+            .map_err(|e| {
+                crate::control::ControlError::new(crate::control::ErrorKind::Invalid, e.to_string())
+            })?;
+        Ok(params)
     }
 
     /// (Re)start the health checks of `svc`'s current backends.
@@ -1439,11 +1415,7 @@ impl Shared {
                 *b.last_error.lock() = err;
                 svc.rebuild_sched();
                 if !up && svc.params.read().expire_nodest_conn {
-                    let addr = b.addr;
-                    let id = svc.id;
-                    shared.kill_where("backend_down", |e| {
-                        e.service.id == id && e.backend.addr == addr
-                    });
+                    shared.kill_service(&svc, Some(&[b.id]), Close::BackendDown);
                 }
             });
         }
@@ -1628,7 +1600,7 @@ impl Service {
             shared.table.remove(&tpl_key);
             let init = FlowInit {
                 owner: 0,
-                profile: 0,
+                profile: params.profile,
                 service: ServiceId(self.id),
                 backend: BackendId(b.id),
                 state: FlowState::Persist,
@@ -1734,6 +1706,7 @@ pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResul
         udp_responses: o.udp_responses,
         udp_max_per_client: o.udp_max_sessions_per_client,
         tcp_max_per_client: o.tcp_max_connections_per_client,
+        profile: 0,
     })
 }
 

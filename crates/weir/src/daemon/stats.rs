@@ -37,6 +37,11 @@ pub(crate) fn set_worker_index(i: usize) {
     WORKER.with(|w| w.set(Some(i)));
 }
 
+/// The worker index of this thread (0 on threads that are not workers).
+pub(crate) fn worker_index() -> usize {
+    WORKER.with(|w| w.get()).unwrap_or(0)
+}
+
 /// The daemon's estimator engine: `workers` shards for the workers plus one
 /// for every other thread.
 #[derive(Debug)]

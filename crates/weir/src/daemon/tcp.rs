@@ -13,7 +13,10 @@ use socket2::SockRef;
 use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::{ConnEntry, ConnState, Refusal, Service, Shared};
+use weir_flowtable::Dir;
+
+use super::owners::Owner;
+use super::{Conn, ConnState, Refusal, Service, Shared};
 use crate::config::Protocol;
 
 pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener: TcpListener) {
@@ -117,6 +120,27 @@ async fn handle(
     seed: u64,
 ) {
     let tenant = svc.tenant.clone();
+    match shared.owners.claim() {
+        Some(owner) => serve(&shared, &svc, &owner, client, peer, seed).await,
+        None => {
+            shared.refuse(Some(&tenant), Refusal::TableFull);
+            reset(&client);
+        }
+    }
+    shared.release(&tenant);
+}
+
+/// Connects `client` to a backend (retrying others) and proxies; the
+/// connection's entry names `owner`.
+async fn serve(
+    shared: &Shared,
+    svc: &Arc<Service>,
+    owner: &Owner,
+    client: TcpStream,
+    peer: SocketAddr,
+    seed: u64,
+) {
+    let tenant = &svc.tenant;
     // Set once the connection was counted as refused, so it is counted
     // under one reason only.
     let mut refused = false;
@@ -125,7 +149,7 @@ async fn handle(
     let mut tried: Vec<SocketAddr> = Vec::new();
     let max_tries = svc.set.read().backends.len().max(1);
     let mut connected = None;
-    let mut last_entry: Option<Arc<ConnEntry>> = None;
+    let mut killed = false;
     let mut fd_backoff = FdBackoff::default();
     // The destination the client dialled (lblc / lblcr / dh key on it):
     // the service's address, or on a wildcard listener the local one.
@@ -134,48 +158,52 @@ async fn handle(
         ip => ip,
     };
     while tried.len() < max_tries {
-        let backend = match svc.choose(&shared, Protocol::Tcp, peer, local, &tried, &mut rng) {
+        let backend = match svc.choose(shared, Protocol::Tcp, peer, local, &tried, &mut rng) {
             Ok(b) => b,
             Err(why) => {
                 if tried.is_empty() {
-                    shared.refuse(Some(&tenant), why);
+                    shared.refuse(Some(tenant), why);
                     refused = true;
                 }
                 break;
             }
         };
         tried.push(backend.addr);
-        let entry = match shared.register(
-            &svc,
+        let conn = match shared.open(
+            svc,
             &backend,
             Protocol::Tcp,
             peer,
             ConnState::SynRecv,
-            params.connect_timeout,
+            owner,
         ) {
-            Ok(e) => e,
+            Ok(c) => c,
             Err(why) => {
-                shared.refuse(Some(&tenant), why);
+                shared.refuse(Some(tenant), why);
                 refused = true;
                 break;
             }
         };
+        // The connect's own deadline: a failed attempt moves on to the next
+        // backend. (The entry's SYN_RECV timeout, the same length, is the
+        // wheel's backstop.)
         let attempt = tokio::select! {
-            _ = entry.cancel.cancelled() => None,
-            r = tokio::time::timeout(params.connect_timeout, connect(&shared, backend.addr)) => Some(r),
+            why = owner.closed() => Err(why),
+            r = tokio::time::timeout(params.connect_timeout, connect(shared, backend.addr)) => Ok(r),
         };
-        match attempt {
-            Some(Ok(Ok(s))) => {
+        let reason = match attempt {
+            Ok(Ok(Ok(s))) => {
                 backend.passive.on_success();
-                connected = Some((s, entry));
+                connected = Some((s, conn));
                 break;
             }
-            Some(Ok(Err(e))) if is_fd_exhaustion(&e) => {
+            Ok(Ok(Err(e))) if is_fd_exhaustion(&e) => {
                 // Out of descriptors on our side: the backend is not at
                 // fault, and the client should wait rather than be reset.
                 // Try the same backend again after a pause, a bounded
                 // number of times.
-                shared.unregister(&entry, "fd_exhausted");
+                shared.close(&conn, "fd_exhausted");
+                owner.unbind();
                 let Some(pause) = fd_backoff.next() else {
                     tracing::debug!(backend = %backend.addr, "connect: {e}; giving up");
                     break;
@@ -186,50 +214,41 @@ async fn handle(
                     _ = shared.kill_all.cancelled() => break,
                     _ = tokio::time::sleep(pause) => {}
                 }
+                continue;
             }
-            Some(Ok(Err(e))) => {
+            Ok(Ok(Err(e))) => {
                 tracing::debug!(backend = %backend.addr, "connect failed: {e}");
-                shared.unregister(&entry, "connect_failed");
-                // Out of fds here is weir's fault, not the backend's.
-                if !is_fd_exhaustion(&e) {
-                    shared.connect_failed(&svc, &backend, &e.to_string());
-                }
+                shared.connect_failed(svc, &backend, &e.to_string());
+                "connect_failed"
             }
-            Some(Err(_)) => {
+            Ok(Err(_)) => {
                 tracing::debug!(backend = %backend.addr, "connect timed out");
-                shared.unregister(&entry, "connect_timeout");
                 let why = format!("timed out after {:?}", params.connect_timeout);
-                shared.connect_failed(&svc, &backend, &why);
+                shared.connect_failed(svc, &backend, &why);
+                "connect_timeout"
             }
-            None => {
-                last_entry = Some(entry);
+            Err(why) => {
+                // Killed while connecting: closed on purpose, not a refusal.
+                shared.close(&conn, why.name());
+                killed = true;
                 break;
             }
-        }
+        };
+        shared.close(&conn, reason);
+        owner.unbind();
     }
-    // Killed while connecting: closed on purpose, not a refusal.
-    let killed = last_entry.is_some();
-    if let Some(e) = last_entry {
-        shared.unregister(&e, "killed");
-    }
-    let Some((backend_stream, entry)) = connected else {
+    let Some((backend_stream, conn)) = connected else {
         if !tried.is_empty() && !refused && !killed {
             shared.refused.add(Refusal::BackendUnreachable);
         }
-        shared.release(&tenant);
         reset(&client);
         return;
     };
-    entry.set_state(&shared, ConnState::Established);
-    entry.timeout_ms.store(
-        entry.tenant.timeouts.read().established.0,
-        std::sync::atomic::Ordering::Relaxed,
-    );
-    let reason = proxy(&shared, &entry, client, backend_stream).await;
-    // No CLOSE state in the table: the entry goes right away, and
-    // `unregister` settles the backend's counts from its last state.
-    shared.unregister(&entry, reason);
-    shared.release(&tenant);
+    conn.set_state(shared, ConnState::Established);
+    let reason = proxy(shared, &conn, owner, client, backend_stream).await;
+    // No CLOSE state in the table: the entry goes right away, and `close`
+    // settles the backend's counts from its last state.
+    shared.close(&conn, reason);
 }
 
 async fn connect(shared: &Shared, addr: SocketAddr) -> io::Result<TcpStream> {
@@ -295,7 +314,7 @@ enum End {
 /// What one direction shares with the other and needs from the daemon.
 struct Pipe<'a> {
     shared: &'a Shared,
-    entry: &'a ConnEntry,
+    conn: &'a Conn,
     buf_size: usize,
     /// Client to backend (bytes counted "in").
     inbound: bool,
@@ -486,11 +505,8 @@ async fn pump(
                 Err::<(), _>(io::ErrorKind::WouldBlock.into())
             });
         }
-        if p.inbound {
-            p.shared.count_in(p.entry, n);
-        } else {
-            p.shared.count_out(p.entry, n);
-        }
+        let dir = if p.inbound { Dir::In } else { Dir::Out };
+        p.shared.count(p.conn, dir, n, true);
         // Read again only after everything was written: at most one buffer
         // per direction lives in user space.
         let mut off = 0;
@@ -576,18 +592,19 @@ mod pool {
 
 async fn proxy(
     shared: &Shared,
-    entry: &Arc<ConnEntry>,
+    conn: &Conn,
+    owner: &Owner,
     mut client: TcpStream,
     mut backend: TcpStream,
 ) -> &'static str {
     // PROXY protocol header before any client byte.
-    let pp = entry.backend.spec.read().proxy_protocol.clone();
+    let pp = conn.backend.spec.read().proxy_protocol.clone();
     if let Some(v) = pp.and_then(|v| v.parse::<crate::proxy_protocol::Version>().ok()) {
-        let local = client.local_addr().unwrap_or(entry.service.listen);
+        let local = client.local_addr().unwrap_or(conn.service.listen);
         let hdr = crate::proxy_protocol::header(
             v,
             crate::proxy_protocol::Transport::Stream,
-            entry.client,
+            conn.client,
             local,
         );
         if backend.write_all(&hdr).await.is_err() {
@@ -602,7 +619,7 @@ async fn proxy(
         let (c_eof, b_eof) = (AtomicBool::new(false), AtomicBool::new(false));
         let pipe = |inbound, my_eof, peer_eof| Pipe {
             shared,
-            entry,
+            conn,
             buf_size: buf,
             inbound,
             my_eof,
@@ -612,18 +629,16 @@ async fn proxy(
         let b2c = pump(&mut br, &mut cw, pipe(false, &b_eof, &c_eof));
         tokio::pin!(c2b, b2c);
         let (mut c2b_done, mut b2c_done) = (false, false);
+        // No timer here: the entry's idle timeout (per state) is the
+        // table's wheel's to enforce; it tells `owner`.
         loop {
-            let idle_ms = entry.timeout_ms.load(Relaxed);
-            let last = entry.last_active.load(Relaxed);
-            let now = shared.now_ms();
-            let left = (last + idle_ms).saturating_sub(now);
             tokio::select! {
                 r = &mut c2b, if !c2b_done => {
                     c2b_done = true;
                     match r {
                         End::Error => break "client_reset",
                         End::Eof if b2c_done => break "closed",
-                        End::Eof => half_closed(shared, entry),
+                        End::Eof => conn.set_state(shared, ConnState::FinWait),
                     }
                 }
                 r = &mut b2c, if !b2c_done => {
@@ -631,16 +646,10 @@ async fn proxy(
                     match r {
                         End::Error => break "backend_reset",
                         End::Eof if c2b_done => break "closed",
-                        End::Eof => half_closed(shared, entry),
+                        End::Eof => conn.set_state(shared, ConnState::FinWait),
                     }
                 }
-                _ = entry.cancel.cancelled() => break *entry.cancel_reason.lock(),
-                _ = tokio::time::sleep(Duration::from_millis(left)) => {
-                    let last = entry.last_active.load(Relaxed);
-                    if shared.now_ms() >= last + entry.timeout_ms.load(Relaxed) {
-                        break "idle_timeout";
-                    }
-                }
+                why = owner.closed() => break why.name(),
             }
         }
     };
@@ -650,13 +659,6 @@ async fn proxy(
         reset(&backend);
     }
     reason
-}
-
-fn half_closed(shared: &Shared, entry: &ConnEntry) {
-    entry.set_state(shared, ConnState::FinWait);
-    entry
-        .timeout_ms
-        .store(entry.tenant.timeouts.read().fin_wait.0, Relaxed);
 }
 
 #[cfg(test)]

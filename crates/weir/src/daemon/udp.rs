@@ -3,59 +3,80 @@
 //! service's own listening socket (so they come from the virtual address),
 //! idle expiry and an optional expected-responses count.
 //!
-//! A session costs its [`Session`] record, its small task and its socket:
-//! datagram buffers belong to the worker (one for the receive loop, one
-//! thread-local one the sessions of the worker share, used only between a
-//! readiness wakeup and the non-blocking read). When a session ends its task
-//! tells the worker's receive loop, which forgets it at once, so the socket
-//! closes with the session (expiry, kill, backend removal), not later.
+//! A session is its flow-table entry plus a small task holding its socket.
+//! Each datagram costs one table lookup: the entry's owner token names the
+//! session's slot in this worker's session list (a plain index, no second
+//! hash). Datagram buffers belong to the worker (one for the receive loop,
+//! one thread-local one the sessions of the worker share, used only between
+//! a readiness wakeup and the non-blocking read). When a session ends (the
+//! wheel's idle timeout, a kill, backend removal) its task empties its slot,
+//! so its socket closes with it.
 
-use std::collections::HashMap;
+use std::cell::RefCell;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::Duration;
 
 use tokio::net::UdpSocket;
 
 use weir_flowtable::{Dir, Millis};
 
-use super::{ConnEntry, ConnState, Refusal, Service, Shared};
+use super::owners::{Close, Owner};
+use super::{Conn, ConnState, Refusal, Service, Shared};
 use crate::config::Protocol;
 
 /// A live UDP session.
 #[derive(Debug)]
 pub(crate) struct Session {
-    entry: Arc<ConnEntry>,
+    conn: Conn,
     sock: Arc<UdpSocket>,
     /// Set when the session task ended (a datagram then starts a new session).
-    done: std::sync::atomic::AtomicBool,
+    done: AtomicBool,
 }
 
 const MAX_DATAGRAM: usize = 65_536;
 
-/// What a session's task tells its receive loop when it ends: the client
-/// and the session's cookie (a newer session of the same client stays).
-type Ended = (SocketAddr, u64);
+thread_local! {
+    /// This worker's sessions, by owner token - 1. SO_REUSEPORT hashes a
+    /// client's 4-tuple to one socket, so a client's datagrams always reach
+    /// the same worker, and a session's task runs there too: no lock.
+    static SESSIONS: RefCell<Vec<Option<Arc<Session>>>> = const { RefCell::new(Vec::new()) };
+}
+
+fn session(token: u32) -> Option<Arc<Session>> {
+    let i = token.checked_sub(1)? as usize;
+    SESSIONS.with_borrow(|s| s.get(i).cloned().flatten())
+}
+
+fn set_session(token: u32, v: Option<Arc<Session>>) {
+    let Some(i) = token.checked_sub(1).map(|i| i as usize) else {
+        return;
+    };
+    SESSIONS.with_borrow_mut(|s| {
+        if v.is_some() && s.len() <= i {
+            s.resize(i + 1, None);
+        }
+        if let Some(slot) = s.get_mut(i) {
+            *slot = v;
+        }
+        // Give memory back once the list is mostly empty at its end.
+        while s.last().is_some_and(Option::is_none) {
+            s.pop();
+        }
+        if s.capacity() > 64 && s.len() < s.capacity() / 4 {
+            s.shrink_to(s.len() * 2);
+        }
+    });
+}
 
 pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Arc<UdpSocket>) {
     let mut buf = vec![0u8; MAX_DATAGRAM];
     let mut rng = weir_sched::SplitMix64::new(super::rng_seed());
-    // This worker's sessions. SO_REUSEPORT hashes a client's 4-tuple to one
-    // socket, so a client's datagrams always reach the same worker and the
-    // map needs no lock. A session's task reports its end on `ended_rx` and
-    // the session is forgotten then (its socket closes with it). The
-    // channel holds at most one message per session.
-    let mut sessions: HashMap<SocketAddr, Arc<Session>> = HashMap::new();
-    let (ended_tx, mut ended_rx) = tokio::sync::mpsc::unbounded_channel::<Ended>();
     loop {
         let (n, peer) = tokio::select! {
             _ = svc.cancel.cancelled() => return,
             _ = shared.kill_all.cancelled() => return,
-            Some((peer, cookie)) = ended_rx.recv() => {
-                forget(&mut sessions, peer, cookie);
-                continue;
-            }
             r = listen.recv_from(&mut buf) => match r {
                 Ok(v) => v,
                 Err(e) => {
@@ -64,62 +85,41 @@ pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Ar
                 }
             },
         };
-        // The hot lookup: every datagram finds its session in the flow
-        // table (which also counts it), then its socket by client address.
+        // The hot lookup: every datagram finds its session's entry in the
+        // flow table (which also counts it), and through the entry's owner
+        // token the session itself.
         let key = super::flow_key(&svc, Protocol::Udp, peer);
         let hit = shared
             .table
-            .touch(&key, Millis(shared.now_ms()), Dir::In, n as u64);
-        let existing = match hit {
-            Some((cookie, _)) => sessions
-                .get(&peer)
-                .filter(|s| s.entry.cookie == cookie.0)
-                .cloned(),
-            None => None,
-        };
+            .touch_hit(&key, Millis(shared.now_ms()), Dir::In, n as u64);
+        let existing = hit.and_then(|h| {
+            session(h.owner).filter(|s| s.conn.handle == h.handle && !s.done.load(Relaxed))
+        });
         let (sess, touched) = match existing {
-            Some(s) if !s.done.load(Relaxed) && !s.entry.cancel.is_cancelled() => (s, true),
-            _ => {
+            Some(s) => (s, true),
+            None => {
                 if shared.stop_accept.is_cancelled() {
                     continue;
                 }
-                match new_session(&shared, &svc, &listen, peer, &mut rng, &ended_tx).await {
-                    Some(s) => {
-                        sessions.insert(peer, s.clone());
-                        (s, false)
-                    }
+                match new_session(&shared, &svc, &listen, peer, &mut rng) {
+                    Some(s) => (s, false),
                     None => continue,
                 }
             }
         };
-        shared.account_in(&sess.entry, n, !touched);
+        shared.count(&sess.conn, Dir::In, n, !touched);
         if let Err(e) = sess.sock.send(&buf[..n]).await {
-            tracing::debug!(backend = %sess.entry.backend.addr, "udp send: {e}");
+            tracing::debug!(backend = %sess.conn.backend.addr, "udp send: {e}");
         }
     }
 }
 
-/// Drops the ended session `cookie` of `peer` (if a newer one has not taken
-/// its place), and gives memory back once the map is mostly empty.
-fn forget(sessions: &mut HashMap<SocketAddr, Arc<Session>>, peer: SocketAddr, cookie: u64) {
-    if sessions
-        .get(&peer)
-        .is_some_and(|s| s.entry.cookie == cookie)
-    {
-        sessions.remove(&peer);
-    }
-    if sessions.capacity() > 64 && sessions.len() < sessions.capacity() / 4 {
-        sessions.shrink_to(sessions.len() * 2);
-    }
-}
-
-async fn new_session(
+fn new_session(
     shared: &Arc<Shared>,
     svc: &Arc<Service>,
     listen: &Arc<UdpSocket>,
     peer: SocketAddr,
     rng: &mut weir_sched::SplitMix64,
-    ended: &tokio::sync::mpsc::UnboundedSender<Ended>,
 ) -> Option<Arc<Session>> {
     let tenant = svc.tenant.clone();
     let params = svc.params.read().clone();
@@ -139,20 +139,28 @@ async fn new_session(
         shared.refuse(Some(&tenant), why);
         return None;
     }
+    let refuse = |why| {
+        shared.refuse(Some(&tenant), why);
+        shared.release(&tenant);
+        None
+    };
     let backend = match svc.choose(shared, Protocol::Udp, peer, svc.listen.ip(), &[], rng) {
         Ok(b) => b,
-        Err(why) => {
-            shared.refuse(Some(&tenant), why);
-            shared.release(&tenant);
-            return None;
-        }
+        Err(why) => return refuse(why),
     };
     let bind: SocketAddr = if backend.addr.is_ipv4() {
         (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
     } else {
         (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
     };
-    let sock = match UdpSocket::bind(bind).await {
+    let sock = match std::net::UdpSocket::bind(bind)
+        .and_then(|s| {
+            s.set_nonblocking(true)?;
+            s.connect(backend.addr)?;
+            Ok(s)
+        })
+        .and_then(UdpSocket::from_std)
+    {
         Ok(s) => s,
         Err(e) => {
             // At fd exhaustion every new client gets here: one line a
@@ -163,64 +171,48 @@ async fn new_session(
             return None;
         }
     };
-    if let Err(e) = sock.connect(backend.addr).await {
-        tracing::debug!(backend = %backend.addr, "udp connect: {e}");
-        shared.release(&tenant);
-        return None;
-    }
-    let entry = match shared.register(
-        svc,
-        &backend,
-        Protocol::Udp,
-        peer,
-        ConnState::Udp,
-        params
-            .udp_timeout
-            .unwrap_or_else(|| Duration::from_millis(svc.tenant.timeouts.read().udp.0)),
-    ) {
-        Ok(e) => e,
-        Err(why) => {
-            shared.refuse(Some(&tenant), why);
-            shared.release(&tenant);
-            return None;
-        }
+    let Some(owner) = shared.owners.claim() else {
+        return refuse(Refusal::TableFull);
+    };
+    let conn = match shared.open(svc, &backend, Protocol::Udp, peer, ConnState::Udp, &owner) {
+        Ok(c) => c,
+        Err(why) => return refuse(why),
     };
     let sess = Arc::new(Session {
-        entry,
+        conn,
         sock: Arc::new(sock),
-        done: std::sync::atomic::AtomicBool::new(false),
+        done: AtomicBool::new(false),
     });
+    set_session(owner.token(), Some(sess.clone()));
     *svc.udp_per_client.lock().entry(peer.ip()).or_default() += 1;
     tokio::spawn(session_task(
         shared.clone(),
-        svc.clone(),
         sess.clone(),
+        owner,
         listen.clone(),
         peer,
         params.udp_responses,
-        ended.clone(),
     ));
     Some(sess)
 }
 
 async fn session_task(
     shared: Arc<Shared>,
-    svc: Arc<Service>,
     sess: Arc<Session>,
+    owner: Owner,
     listen: Arc<UdpSocket>,
     peer: SocketAddr,
     expected: Option<u32>,
-    ended: tokio::sync::mpsc::UnboundedSender<Ended>,
 ) {
-    let entry = &sess.entry;
+    let conn = &sess.conn;
     let mut responses = 0u32;
+    // No timer: the entry's idle timeout is the table's wheel's to enforce;
+    // it tells `owner`.
     let reason = loop {
-        let left = (entry.last_active.load(Relaxed) + entry.timeout_ms.load(Relaxed))
-            .saturating_sub(shared.now_ms());
         tokio::select! {
-            _ = entry.cancel.cancelled() => break *entry.cancel_reason.lock(),
+            why = owner.closed() => break why.name(),
             r = sess.sock.readable() => match r.and_then(|()| {
-                reply(&sess.sock, &listen, peer, |n| shared.count_out(entry, n))
+                reply(&sess.sock, &listen, peer, |n| shared.count(conn, Dir::Out, n, true))
             }) {
                 Ok(Some(queued)) => {
                     if let Some(datagram) = queued {
@@ -238,18 +230,13 @@ async fn session_task(
                 // until it idles out (as IPVS does).
                 Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
             },
-            _ = tokio::time::sleep(Duration::from_millis(left)) => {
-                if shared.now_ms() >= entry.last_active.load(Relaxed) + entry.timeout_ms.load(Relaxed) {
-                    break "idle_timeout";
-                }
-            }
         }
     };
     sess.done.store(true, Relaxed);
-    // The receive loop forgets the session (and closes its socket once
-    // this task's reference is gone too). A closed channel means the loop
-    // itself has ended and dropped its map.
-    let _ = ended.send((peer, entry.cookie));
+    // Forget the session now: its socket closes once this task's reference
+    // is gone too.
+    set_session(owner.token(), None);
+    let svc = &conn.service;
     {
         let mut pc = svc.udp_per_client.lock();
         if let Some(n) = pc.get_mut(&peer.ip()) {
@@ -259,8 +246,9 @@ async fn session_task(
             }
         }
     }
-    shared.unregister(entry, reason);
+    shared.close(conn, reason);
     shared.release(&svc.tenant);
+    let _ = Close::Killed;
 }
 
 /// Reads one reply from the session socket into the worker's shared buffer,

@@ -1,0 +1,354 @@
+//! Owner slots: how the flow table reaches the task that holds a proxied
+//! connection's sockets.
+//!
+//! A connection or UDP session *is* its flow-table entry; the only other
+//! thing it has is a task holding its sockets. Every entry of a proxied
+//! flow names its task by an owner token ([`weir_flowtable::FlowInit::owner`]),
+//! an index into this slab. Whoever ends a flow from outside — the expiry
+//! wheel, a kill by cookie or filter, a tenant's or service's deletion, the
+//! daemon stopping — finds the token in the entry (a dump or expiry
+//! snapshot) and calls [`Owners::kill`] with the entry's cookie; the task
+//! wakes from [`Owners::closed`], closes its sockets and removes its entry.
+//!
+//! A slot's state is one word, `(cookie + 1) << 8 | reason`, changed only by
+//! compare-and-swap, so a kill names exactly one flow: a kill for a flow that
+//! ended (its slot free or taken by a later flow with another cookie) finds
+//! another word and does nothing. Cookies come from the flow table and stay
+//! below 2^56 (a table hands out far fewer in its life).
+
+use std::sync::atomic::{
+    AtomicU32, AtomicU64, Ordering::AcqRel, Ordering::Acquire, Ordering::Release,
+};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+
+/// Why an owner was told to close (the access log's `reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Close {
+    Killed = 1,
+    IdleTimeout,
+    BackendDown,
+    BackendRemoved,
+    Drained,
+    ServiceDeleted,
+    TenantDeleted,
+    Replaced,
+}
+
+impl Close {
+    const ALL: [Close; 8] = [
+        Close::Killed,
+        Close::IdleTimeout,
+        Close::BackendDown,
+        Close::BackendRemoved,
+        Close::Drained,
+        Close::ServiceDeleted,
+        Close::TenantDeleted,
+        Close::Replaced,
+    ];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Close::Killed => "killed",
+            Close::IdleTimeout => "idle_timeout",
+            Close::BackendDown => "backend_down",
+            Close::BackendRemoved => "backend_removed",
+            Close::Drained => "drained",
+            Close::ServiceDeleted => "service_deleted",
+            Close::TenantDeleted => "tenant_deleted",
+            Close::Replaced => "replaced",
+        }
+    }
+
+    fn from_code(c: u8) -> Option<Close> {
+        Close::ALL.get(usize::from(c).checked_sub(1)?).copied()
+    }
+}
+
+const CHUNK_BITS: u32 = 12;
+const CHUNK: usize = 1 << CHUNK_BITS;
+/// At most 16 Mi owned flows at once: each holds at least one descriptor,
+/// far below any open-files limit's reach.
+const MAX_SLOTS: u32 = 1 << 24;
+/// A slot claimed by a task that has no entry yet (between claim and bind,
+/// and between one attempt's entry and the next).
+const UNBOUND: u64 = u64::MAX;
+/// A free slot.
+const FREE: u64 = 0;
+const REASON: u64 = 0xFF;
+
+#[derive(Debug, Default)]
+struct Slot {
+    state: AtomicU64,
+    notify: Notify,
+}
+
+fn word(cookie: u64) -> u64 {
+    (cookie + 1) << 8
+}
+
+/// The slab of owner slots (one per live proxied flow).
+#[derive(Debug)]
+pub(crate) struct Owners {
+    dir: Box<[OnceLock<Box<[Slot]>>]>,
+    next: AtomicU32,
+    /// Freed slots, one list per worker: a task claims and frees on its own
+    /// worker thread, so its list's lock is never contended.
+    free: Box<[Mutex<Vec<u32>>]>,
+}
+
+impl Owners {
+    pub(crate) fn new(workers: usize) -> Self {
+        Owners {
+            dir: (0..(MAX_SLOTS as usize) / CHUNK)
+                .map(|_| OnceLock::new())
+                .collect(),
+            next: AtomicU32::new(0),
+            free: (0..workers.max(1)).map(|_| Mutex::default()).collect(),
+        }
+    }
+
+    fn slot(&self, i: u32) -> Option<&Slot> {
+        let chunk = self.dir.get((i >> CHUNK_BITS) as usize)?.get()?;
+        chunk.get(i as usize & (CHUNK - 1))
+    }
+
+    /// A slot for a new flow on this worker (`None` when all 16 Mi are
+    /// taken). Its token (index + 1) goes into the flow's entry.
+    pub(crate) fn claim(self: &Arc<Self>) -> Option<Owner> {
+        let list = super::stats::worker_index() % self.free.len();
+        let i = match self.free[list].lock().pop() {
+            Some(i) => i,
+            None => {
+                let i = self.next.fetch_add(1, AcqRel);
+                if i >= MAX_SLOTS {
+                    self.next.store(MAX_SLOTS, Release);
+                    return None;
+                }
+                self.dir[(i >> CHUNK_BITS) as usize]
+                    .get_or_init(|| (0..CHUNK).map(|_| Slot::default()).collect());
+                i
+            }
+        };
+        self.slot(i)?.state.store(UNBOUND, Release);
+        Some(Owner {
+            owners: Arc::clone(self),
+            index: i,
+            list,
+        })
+    }
+
+    /// Tell the owner `token` to close the flow `cookie`; `false` if that
+    /// flow no longer has that owner (it ended) or was told already. A
+    /// flow whose task has not bound the cookie yet is told as soon as it
+    /// does.
+    pub(crate) fn kill(&self, token: u32, cookie: u64, why: Close) -> bool {
+        let Some(slot) = token.checked_sub(1).and_then(|i| self.slot(i)) else {
+            return false;
+        };
+        let open = word(cookie);
+        let told = open | why as u64;
+        let mut cur = slot.state.load(Acquire);
+        loop {
+            // Not yet bound: leave the word for `bind` to find; any other
+            // cookie, or a reason already there: nothing to do.
+            if cur != open && cur != UNBOUND {
+                return false;
+            }
+            match slot.state.compare_exchange_weak(cur, told, AcqRel, Acquire) {
+                Ok(_) => {
+                    slot.notify.notify_one();
+                    return true;
+                }
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// Tell every owner to close (the daemon is stopping); returns how many
+    /// were told.
+    pub(crate) fn kill_all(&self, why: Close) -> u64 {
+        let mut n = 0;
+        let end = self.next.load(Acquire).min(MAX_SLOTS);
+        for i in 0..end {
+            let Some(slot) = self.slot(i) else { continue };
+            let cur = slot.state.load(Acquire);
+            if cur == FREE || cur == UNBOUND || cur & REASON != 0 {
+                continue;
+            }
+            if self.kill(i + 1, (cur >> 8) - 1, why) {
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// The owner token of the live flow `cookie`, if a task owns it
+    /// (O(owned flows): what `kill` by cookie costs without a cookie index).
+    pub(crate) fn find(&self, cookie: u64) -> Option<u32> {
+        let w = word(cookie);
+        let end = self.next.load(Acquire).min(MAX_SLOTS);
+        (0..end)
+            .find(|&i| {
+                self.slot(i)
+                    .is_some_and(|s| s.state.load(Acquire) & !REASON == w)
+            })
+            .map(|i| i + 1)
+    }
+}
+
+/// A claimed slot, held by the task that owns a flow; freed on drop.
+#[derive(Debug)]
+pub(crate) struct Owner {
+    owners: Arc<Owners>,
+    index: u32,
+    /// The free list it goes back to (its worker's).
+    list: usize,
+}
+
+impl Owner {
+    fn slot(&self) -> &Slot {
+        self.owners
+            .slot(self.index)
+            .expect("a claimed slot's chunk exists")
+    }
+
+    /// The token to put in the flow's entry.
+    pub(crate) fn token(&self) -> u32 {
+        self.index + 1
+    }
+
+    /// The entry `cookie` now names this owner. `Err` with the reason if it
+    /// was told to close before this (then the flow should close at once).
+    pub(crate) fn bind(&self, cookie: u64) -> Result<(), Close> {
+        let w = word(cookie);
+        let state = &self.slot().state;
+        let mut cur = UNBOUND;
+        loop {
+            if cur != UNBOUND && cur & !REASON == w {
+                return Err(Close::from_code((cur & REASON) as u8).unwrap_or(Close::Killed));
+            }
+            // UNBOUND, or a kill meant for its previous flow (a retry's):
+            // not this one's.
+            match state.compare_exchange(cur, w, AcqRel, Acquire) {
+                Ok(_) => return Ok(()),
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// The flow ended (its task removed the entry): the slot waits for the
+    /// next [`bind`](Self::bind) (a retry to another backend).
+    pub(crate) fn unbind(&self) {
+        self.slot().state.store(UNBOUND, Release);
+    }
+
+    /// Why the bound flow was told to close, if it was.
+    pub(crate) fn told(&self) -> Option<Close> {
+        let cur = self.slot().state.load(Acquire);
+        if cur == UNBOUND {
+            return None;
+        }
+        Close::from_code((cur & REASON) as u8)
+    }
+
+    /// Resolves once the flow is told to close.
+    pub(crate) async fn closed(&self) -> Close {
+        loop {
+            if let Some(why) = self.told() {
+                return why;
+            }
+            // A kill between the check and here leaves a permit: the wait
+            // returns at once. A stale permit (the slot's previous flow's)
+            // only costs one more check.
+            self.slot().notify.notified().await;
+        }
+    }
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.slot().state.store(FREE, Release);
+        self.owners.free[self.list].lock().push(self.index);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_kill_names_one_flow_only() {
+        let o = Arc::new(Owners::new(1));
+        let a = o.claim().unwrap();
+        let t = a.token();
+        a.bind(10).unwrap();
+        assert_eq!(a.told(), None);
+        // Another cookie: not this flow.
+        assert!(!o.kill(t, 11, Close::Killed));
+        assert!(!o.kill(t + 5, 10, Close::Killed));
+        assert!(!o.kill(0, 10, Close::Killed));
+        assert_eq!(a.told(), None);
+        assert!(o.kill(t, 10, Close::IdleTimeout));
+        // Told once; the first reason stays.
+        assert!(!o.kill(t, 10, Close::Killed));
+        assert_eq!(a.told(), Some(Close::IdleTimeout));
+        // The next attempt's flow starts untold.
+        a.unbind();
+        a.bind(12).unwrap();
+        assert_eq!(a.told(), None);
+        drop(a);
+        // Freed and taken again: the old cookie reaches nothing.
+        let b = o.claim().unwrap();
+        assert_eq!(b.token(), t);
+        b.bind(20).unwrap();
+        assert!(!o.kill(t, 12, Close::Killed));
+        assert_eq!(b.told(), None);
+        assert_eq!(o.find(20), Some(t));
+        assert_eq!(o.find(12), None);
+    }
+
+    #[test]
+    fn a_kill_before_bind_is_kept_for_that_cookie_only() {
+        let o = Arc::new(Owners::new(1));
+        let a = o.claim().unwrap();
+        assert!(o.kill(a.token(), 7, Close::ServiceDeleted));
+        assert_eq!(a.bind(7), Err(Close::ServiceDeleted));
+        let b = o.claim().unwrap();
+        assert!(o.kill(b.token(), 8, Close::Killed));
+        // A kill meant for another flow does not stick to this one.
+        assert_eq!(b.bind(9), Ok(()));
+        assert_eq!(b.told(), None);
+    }
+
+    #[test]
+    fn kill_all_tells_every_bound_owner() {
+        let o = Arc::new(Owners::new(2));
+        let held: Vec<_> = (0..10u64)
+            .map(|c| {
+                let s = o.claim().unwrap();
+                s.bind(c).unwrap();
+                s
+            })
+            .collect();
+        let unbound = o.claim().unwrap();
+        assert_eq!(o.kill_all(Close::Killed), 10);
+        assert!(held.iter().all(|s| s.told() == Some(Close::Killed)));
+        assert_eq!(unbound.told(), None);
+        assert_eq!(o.kill_all(Close::Killed), 0);
+    }
+
+    #[tokio::test]
+    async fn closed_wakes_on_a_kill_from_another_thread() {
+        let o = Arc::new(Owners::new(1));
+        let a = o.claim().unwrap();
+        a.bind(3).unwrap();
+        let (t, o2) = (a.token(), o.clone());
+        let killer = std::thread::spawn(move || o2.kill(t, 3, Close::Drained));
+        assert_eq!(a.closed().await, Close::Drained);
+        assert!(killer.join().unwrap());
+    }
+}
