@@ -8,6 +8,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
+pub mod admin;
+
 use weir::config::{BackendSpec, Config, Protocol, ServiceOptions, ServiceSpec, TenantSpec};
 
 /// Poll `cond` every 20 ms until it holds or `timeout` passes.
@@ -171,4 +173,10 @@ pub fn held(addr: SocketAddr) -> TcpStream {
     let mut b = [0u8; 2];
     s.read_exact(&mut b).unwrap();
     s
+}
+
+/// Whether an open connection still echoes (it was not cut).
+pub fn still_echoes(s: &mut TcpStream) -> bool {
+    let mut b = [0u8; 4];
+    s.write_all(b"ping").is_ok() && s.read_exact(&mut b).is_ok() && &b == b"ping"
 }
