@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 pub mod admin;
+pub mod process;
 
 use weir::config::{BackendSpec, Config, Protocol, ServiceOptions, ServiceSpec, TenantSpec};
 
