@@ -181,3 +181,34 @@ pub fn still_echoes(s: &mut TcpStream) -> bool {
     let mut b = [0u8; 4];
     s.write_all(b"ping").is_ok() && s.read_exact(&mut b).is_ok() && &b == b"ping"
 }
+
+/// Which address of a `/proc/self/net/udp` row to match.
+#[derive(Clone, Copy)]
+pub enum UdpEnd {
+    Local,
+    Remote,
+}
+
+/// The rows of `/proc/self/net/udp` whose local or remote address is
+/// `addr` (IPv4), split into their whitespace-separated fields; the error
+/// if the file cannot be read (EMFILE while a test holds every fd).
+pub fn proc_net_udp_rows(end: UdpEnd, addr: SocketAddr) -> std::io::Result<Vec<Vec<String>>> {
+    let SocketAddr::V4(a) = addr else {
+        panic!("IPv4 only")
+    };
+    let want = format!(
+        "{:08X}:{:04X}",
+        u32::from_le_bytes(a.ip().octets()),
+        a.port()
+    );
+    let column = match end {
+        UdpEnd::Local => 1,
+        UdpEnd::Remote => 2,
+    };
+    Ok(std::fs::read_to_string("/proc/self/net/udp")?
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().map(str::to_owned).collect::<Vec<_>>())
+        .filter(|f| f.get(column) == Some(&want))
+        .collect())
+}
