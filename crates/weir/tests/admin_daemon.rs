@@ -9,12 +9,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
-use clap::Parser;
 use serde_json::{Value, json};
 
 use weir::cli::client::CliError;
 use weir::config::Config;
 
+mod cli_util;
 mod daemon_util;
 use daemon_util::admin::{Running, TOKEN};
 use daemon_util::{Echo, held, still_echoes};
@@ -270,26 +270,10 @@ fn reload_with_a_broken_config_keeps_serving_the_old_one() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[derive(Parser)]
-struct Cli {
-    #[command(subcommand)]
-    cmd: weir::cli::Command,
-}
-
 fn cli(url: &str, args: &[&str]) -> String {
-    let mut argv = vec!["weir"];
-    argv.extend_from_slice(args);
-    argv.extend_from_slice(&["--admin", url, "--token", TOKEN]);
-    let c = Cli::try_parse_from(&argv).unwrap();
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let code = weir::cli::run_with(c.cmd, &mut out, &mut err);
-    assert_eq!(
-        code,
-        ExitCode::SUCCESS,
-        "{argv:?}: {}",
-        String::from_utf8_lossy(&err)
-    );
-    String::from_utf8(out).unwrap()
+    let (code, out, err) = cli_util::run(url, TOKEN, args);
+    assert_eq!(code, ExitCode::SUCCESS, "{args:?}: {err}");
+    out
 }
 
 /// Changes made at runtime survive `weir save` → restart from the saved file.

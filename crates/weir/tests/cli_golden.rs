@@ -5,6 +5,7 @@
 //! and review the diff.
 
 mod admin_fake;
+mod cli_util;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -14,6 +15,7 @@ use clap::Parser;
 use serde_json::Value;
 
 use admin_fake::{Fake, Served};
+use cli_util::Cli;
 use weir::cli::render::{self, ListMode};
 use weir::control::Control;
 
@@ -160,12 +162,6 @@ fn list_json_has_the_documented_keys() {
 
 // ---- end to end ---------------------------------------------------------
 
-#[derive(Parser)]
-struct Cli {
-    #[command(subcommand)]
-    cmd: weir::cli::Command,
-}
-
 const TOKEN: &str = "cli-test-token";
 
 struct Server {
@@ -193,17 +189,7 @@ impl Server {
     }
 
     fn weir_as(&self, token: &str, args: &[&str]) -> (ExitCode, String, String) {
-        let mut argv = vec!["weir"];
-        argv.extend_from_slice(args);
-        argv.extend_from_slice(&["--admin", &self.url, "--token", token]);
-        let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
-        let (mut out, mut err) = (Vec::new(), Vec::new());
-        let code = weir::cli::run_with(cli.cmd, &mut out, &mut err);
-        (
-            code,
-            String::from_utf8(out).unwrap(),
-            String::from_utf8(err).unwrap(),
-        )
+        cli_util::run(&self.url, token, args)
     }
 }
 

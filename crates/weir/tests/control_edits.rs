@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 use weir::cli::client::{CliError, Client};
 use weir::config::Protocol;
 
+mod cli_util;
 mod daemon_util;
 use daemon_util::admin::{Running, TOKEN};
 use daemon_util::{Echo, backend, config, echo_once, held, service, still_echoes};
@@ -94,27 +95,10 @@ fn default_tenant_cannot_be_deleted() {
     );
 }
 
-#[derive(clap::Parser)]
-struct Cli {
-    #[command(subcommand)]
-    cmd: weir::cli::Command,
-}
-
 impl Running {
     /// Run `weir ARGS --admin URL --token TOKEN`; (exit code, stdout, stderr).
     fn weir(&self, args: &[&str]) -> (std::process::ExitCode, String, String) {
-        use clap::Parser as _;
-        let mut argv = vec!["weir"];
-        argv.extend_from_slice(args);
-        argv.extend_from_slice(&["--admin", &self.url, "--token", TOKEN]);
-        let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
-        let (mut out, mut err) = (Vec::new(), Vec::new());
-        let code = weir::cli::run_with(cli.cmd, &mut out, &mut err);
-        (
-            code,
-            String::from_utf8(out).unwrap(),
-            String::from_utf8(err).unwrap(),
-        )
+        cli_util::run(&self.url, TOKEN, args)
     }
 }
 
