@@ -220,15 +220,7 @@ fn sighup_reloads_and_sigterm_drains() {
     );
     // Drain: an established connection keeps working, new ones are refused,
     // and the process exits once it closes.
-    let mut held = held(vip);
-    kill(pid, Signal::SIGTERM).unwrap();
-    assert!(
-        wait_until(T, || TcpStream::connect(vip).is_err()),
-        "still accepting after SIGTERM"
-    );
-    held.write_all(b"ok").unwrap();
-    let mut b = [0u8; 2];
-    held.read_exact(&mut b).unwrap();
+    let (held, b) = sigterm_with_a_held_connection(&child, vip, T);
     assert_eq!(&b, b"ok");
     assert!(
         child.0.try_wait().unwrap().is_none(),

@@ -62,16 +62,8 @@ fn a_second_signal_ends_a_drain_at_once() {
             "daemon did not come up"
         );
         let pid = Pid::from_raw(child.0.id() as i32);
-        let mut held = held(vip);
-        kill(pid, Signal::SIGTERM).unwrap();
         // Draining: no new connections, the held one still served.
-        assert!(
-            wait_until(T, || TcpStream::connect(vip).is_err()),
-            "still accepting after SIGTERM"
-        );
-        held.write_all(b"ok").unwrap();
-        let mut b = [0u8; 2];
-        held.read_exact(&mut b).unwrap();
+        let (mut held, _) = sigterm_with_a_held_connection(&child, vip, T);
         assert!(
             child.0.try_wait().unwrap().is_none(),
             "exited before the drain"

@@ -1,6 +1,7 @@
 //! The `weir` binary as a child process of a test.
 
-use std::net::{SocketAddr, TcpListener};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -74,4 +75,27 @@ pub fn exit_code_within(child: &mut Child, timeout: Duration) -> Option<i32> {
         let _ = child.wait();
     }
     code
+}
+
+/// SIGTERM to the daemon `child` while `vip` has an established connection:
+/// new connections are refused within `timeout` and the held connection is
+/// still served. The held connection, and the two bytes it echoed for
+/// "ok".
+pub fn sigterm_with_a_held_connection(
+    child: &Proc,
+    vip: SocketAddr,
+    timeout: Duration,
+) -> (TcpStream, [u8; 2]) {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let mut held = super::held(vip);
+    kill(Pid::from_raw(child.0.id() as i32), Signal::SIGTERM).unwrap();
+    assert!(
+        super::wait_until(timeout, || TcpStream::connect(vip).is_err()),
+        "still accepting after SIGTERM"
+    );
+    held.write_all(b"ok").unwrap();
+    let mut b = [0u8; 2];
+    held.read_exact(&mut b).unwrap();
+    (held, b)
 }
