@@ -8,18 +8,14 @@
 //! Its own test binary: the epoch collector is global to the process, and a
 //! test elsewhere that holds a pin would hold recycling up.
 
-use std::net::SocketAddr;
 use std::sync::mpsc::sync_channel;
 
 use weir_flowtable::*;
 
+mod common;
+
 fn key(i: u32) -> FlowKey {
-    FlowKey {
-        tenant: TenantId(1),
-        proto: Proto::Tcp,
-        client: SocketAddr::from(([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 40000)),
-        virt: "127.0.0.1:80".parse().unwrap(),
-    }
+    common::tenant_one_key(i)
 }
 
 /// The daemon's pattern: one thread inserts (a worker accepting), another
@@ -29,22 +25,8 @@ fn churn_with_few_live_entries_keeps_the_arena_small() {
     const LIVE: usize = 100;
     const WARM: u32 = 2_000;
     const CHURN: u32 = 60_000;
-    let table = FlowTable::new(TableConfig {
-        shared_buckets: 1 << 10,
-        memory_budget: 1 << 20,
-        seed: Some(3),
-        ..TableConfig::default()
-    });
-    table
-        .add_tenant(TenantId(1), TenantConfig::default())
-        .unwrap();
-    let init = FlowInit {
-        owner: 0,
-        profile: 0,
-        service: ServiceId(1),
-        backend: BackendId(1),
-        state: FlowState::Established,
-    };
+    let table = common::tenant_one_table(1 << 10, 3);
+    let init = common::one_flow(FlowState::Established);
     let run = |from: u32, to: u32| {
         // The bounded channel keeps at most LIVE entries inserted and not
         // yet removed.

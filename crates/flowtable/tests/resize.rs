@@ -11,7 +11,6 @@
 //! * A batched lookup answers exactly as one-at-a-time lookups.
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
@@ -19,30 +18,14 @@ use std::time::{Duration, Instant};
 
 use weir_flowtable::*;
 
+mod common;
+
 fn key(tenant: u32, i: u32) -> FlowKey {
-    FlowKey {
-        tenant: TenantId(tenant),
-        proto: if i.is_multiple_of(5) {
-            Proto::Udp
-        } else {
-            Proto::Tcp
-        },
-        client: SocketAddr::new(
-            Ipv4Addr::from(0x0a00_0000 | (i >> 8)).into(),
-            (i & 0xff) as u16 + 1024,
-        ),
-        virt: "192.0.2.1:80".parse().unwrap(),
-    }
+    common::spread_key(tenant, i, 5)
 }
 
 fn init(i: u32) -> FlowInit {
-    FlowInit {
-        service: ServiceId(i % 3),
-        backend: BackendId(i % 5),
-        state: FlowState::Established,
-        owner: i,
-        profile: 0,
-    }
+    common::spread_init(i, 3, 5, i)
 }
 
 fn small_table(entries: usize) -> FlowTable {

@@ -8,7 +8,6 @@
 //! `cargo test -p weir-flowtable --release --test stress -- --ignored`.
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread;
@@ -16,30 +15,14 @@ use std::time::{Duration, Instant};
 
 use weir_flowtable::*;
 
+mod common;
+
 fn key(tenant: u32, i: u32) -> FlowKey {
-    FlowKey {
-        tenant: TenantId(tenant),
-        proto: if i.is_multiple_of(3) {
-            Proto::Udp
-        } else {
-            Proto::Tcp
-        },
-        client: SocketAddr::new(
-            Ipv4Addr::from(0x0a00_0000 | (i >> 8)).into(),
-            (i & 0xff) as u16 + 1024,
-        ),
-        virt: "192.0.2.1:80".parse().unwrap(),
-    }
+    common::spread_key(tenant, i, 3)
 }
 
 fn init(i: u32) -> FlowInit {
-    FlowInit {
-        owner: 0,
-        profile: 0,
-        service: ServiceId(i % 4),
-        backend: BackendId(i % 7),
-        state: FlowState::Established,
-    }
+    common::spread_init(i, 4, 7, 0)
 }
 
 /// Stable tenants (1 shared, 2 own) and a churning tenant 3 that is removed

@@ -2,17 +2,12 @@
 //! soak). Its own test binary: `tests/recycle.rs` measures the same table
 //! memory and must not run beside it.
 
-use std::net::SocketAddr;
-
 use weir_flowtable::*;
 
+mod common;
+
 fn key(i: u32) -> FlowKey {
-    FlowKey {
-        tenant: TenantId(1),
-        proto: Proto::Tcp,
-        client: SocketAddr::from(([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 40000)),
-        virt: "127.0.0.1:80".parse().unwrap(),
-    }
+    common::tenant_one_key(i)
 }
 
 /// The expiry wheel gives back a slot's buffer once the slot has passed: it
@@ -22,22 +17,8 @@ fn key(i: u32) -> FlowKey {
 #[test]
 fn passed_wheel_slots_give_their_buffers_back() {
     const PER_SECOND: u32 = 200;
-    let table = FlowTable::new(TableConfig {
-        shared_buckets: 1 << 12,
-        memory_budget: 1 << 20,
-        seed: Some(4),
-        ..TableConfig::default()
-    });
-    table
-        .add_tenant(TenantId(1), TenantConfig::default())
-        .unwrap();
-    let init = FlowInit {
-        owner: 0,
-        profile: 0,
-        service: ServiceId(1),
-        backend: BackendId(1),
-        state: FlowState::Close, // 10 s by default
-    };
+    let table = common::tenant_one_table(1 << 12, 4);
+    let init = common::one_flow(FlowState::Close); // 10 s by default
     let mut out = Vec::new();
     let mut i = 0u32;
     let mut second = |s: u64, out: &mut Vec<FlowSnapshot>| {

@@ -33,7 +33,7 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::time::Duration;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::least::{better, wlc};
 use crate::{BackendAddr, BackendInfo, LoadView, Request};
@@ -121,6 +121,20 @@ impl Table {
         }
         self.entries.insert(key, entry);
     }
+
+    /// A destination with no usable entry: the `wlc` pick, remembered for
+    /// `key` as the one member of a new entry.
+    fn assign<L: LoadView + ?Sized>(
+        &mut self,
+        key: IpAddr,
+        backends: &[BackendInfo],
+        load: &L,
+        now: Duration,
+    ) -> Option<usize> {
+        let i = wlc(backends, load)?;
+        self.insert(key, Entry::new(backends[i].addr, now), now);
+        Some(i)
+    }
 }
 
 fn index_of(backends: &[BackendInfo], addr: BackendAddr) -> Option<usize> {
@@ -140,6 +154,19 @@ fn overloaded<L: LoadView + ?Sized>(i: usize, backends: &[BackendInfo], load: &L
 }
 
 impl Locality {
+    /// The table, locked and swept of expired entries, with the key `req`'s
+    /// destination is filed under and the time of the request.
+    fn swept(
+        &self,
+        req: Request,
+        expiration: Duration,
+    ) -> (MutexGuard<'_, Table>, IpAddr, Duration) {
+        let (key, now) = (req.dest.0.to_canonical(), req.now);
+        let mut t = self.table.lock();
+        t.sweep(now, expiration);
+        (t, key, now)
+    }
+
     pub(crate) fn pick_lblc<L: LoadView + ?Sized>(
         &self,
         backends: &[BackendInfo],
@@ -147,9 +174,7 @@ impl Locality {
         req: Request,
         expiration: Duration,
     ) -> Option<usize> {
-        let (key, now) = (req.dest.0.to_canonical(), req.now);
-        let mut t = self.table.lock();
-        t.sweep(now, expiration);
+        let (mut t, key, now) = self.swept(req, expiration);
         if let Some(e) = t.live(key, now, expiration) {
             e.last_use = now;
             if let Some(i) = e.set.first().and_then(|&a| index_of(backends, a))
@@ -159,9 +184,7 @@ impl Locality {
                 return Some(i);
             }
         }
-        let i = wlc(backends, load)?;
-        t.insert(key, Entry::new(backends[i].addr, now), now);
-        Some(i)
+        t.assign(key, backends, load, now)
     }
 
     pub(crate) fn pick_lblcr<L: LoadView + ?Sized>(
@@ -171,13 +194,9 @@ impl Locality {
         req: Request,
         expiration: Duration,
     ) -> Option<usize> {
-        let (key, now) = (req.dest.0.to_canonical(), req.now);
-        let mut t = self.table.lock();
-        t.sweep(now, expiration);
+        let (mut t, key, now) = self.swept(req, expiration);
         let Some(e) = t.live(key, now, expiration) else {
-            let i = wlc(backends, load)?;
-            t.insert(key, Entry::new(backends[i].addr, now), now);
-            return Some(i);
+            return t.assign(key, backends, load, now);
         };
         e.last_use = now;
         // Members removed from the service leave the set.

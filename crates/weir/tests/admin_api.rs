@@ -527,18 +527,7 @@ fn connections_pages_filters_and_kills() {
     assert_eq!(s, StatusCode::OK);
     assert_eq!(v["connections"].as_array().unwrap().len(), 1);
     let c = &v["connections"][0];
-    for key in [
-        "tenant",
-        "proto",
-        "client",
-        "virtual",
-        "backend",
-        "state",
-        "expires_s",
-        "cookie",
-        "bytes_in",
-        "bytes_out",
-    ] {
+    for key in admin_fake::CONN_KEYS {
         assert!(c.get(key).is_some(), "key {key} missing in {c}");
     }
     for bad in ["limit=0", "limit=10001", "limit=x", "bogus=1", "limit=-1"] {

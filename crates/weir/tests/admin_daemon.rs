@@ -4,23 +4,20 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
-use clap::Parser;
 use serde_json::{Value, json};
 
-use weir::cli::client::{CliError, Client};
-use weir::config::{AdminConfig, Config};
-use weir::daemon::{Daemon, DaemonHandle};
+use weir::cli::client::CliError;
+use weir::config::Config;
 
+mod cli_util;
 mod daemon_util;
-use daemon_util::Echo;
-
-const TOKEN: &str = "daemon-test-token";
+use daemon_util::admin::{Running, TOKEN};
+use daemon_util::{Echo, held, still_echoes};
 
 fn echo_once(addr: SocketAddr, msg: &[u8]) -> Result<(), String> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
@@ -35,21 +32,6 @@ fn echo_once(addr: SocketAddr, msg: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
-/// An established connection through weir that has echoed once.
-fn held(addr: SocketAddr) -> TcpStream {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(b"hi").unwrap();
-    let mut b = [0u8; 2];
-    s.read_exact(&mut b).unwrap();
-    s
-}
-
-fn still_echoes(s: &mut TcpStream) -> bool {
-    let mut b = [0u8; 4];
-    s.write_all(b"ping").is_ok() && s.read_exact(&mut b).is_ok() && &b == b"ping"
-}
-
 fn config(text: &str) -> Config {
     toml::from_str(text).unwrap_or_else(|e| panic!("{e}\n{text}"))
 }
@@ -62,63 +44,6 @@ fn service_toml(name: &str, backends: &[SocketAddr]) -> String {
         s.push_str(&format!("[[service.backend]]\naddress = \"{b}\"\n"));
     }
     s
-}
-
-struct Running {
-    daemon: Option<DaemonHandle>,
-    client: Client,
-    url: String,
-    stop: tokio_util::sync::CancellationToken,
-}
-
-impl Running {
-    fn start(cfg: Config, path: Option<PathBuf>) -> Self {
-        let daemon = Daemon::start(cfg, path).expect("daemon starts");
-        let admin = AdminConfig {
-            listen: "127.0.0.1:0".into(),
-            token: Some(TOKEN.into()),
-            ..AdminConfig::default()
-        };
-        let rt = daemon.runtime();
-        let bound = rt
-            .block_on(weir::admin::bind(&admin, daemon.control()))
-            .expect("admin binds");
-        let url = format!("http://{}", bound.local_addr().unwrap());
-        let stop = tokio_util::sync::CancellationToken::new();
-        rt.spawn(bound.run(stop.clone()));
-        Self {
-            daemon: Some(daemon),
-            client: Client::new(url.clone(), Some(TOKEN.into())),
-            url,
-            stop,
-        }
-    }
-
-    fn d(&self) -> &DaemonHandle {
-        self.daemon.as_ref().unwrap()
-    }
-
-    fn api(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value, CliError> {
-        self.client.send(method, path, body.as_ref())
-    }
-
-    fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        self.api(method, path, body)
-            .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
-    }
-
-    fn shutdown(mut self) {
-        self.stop.cancel();
-        if let Some(d) = self.daemon.take() {
-            d.shutdown();
-        }
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
 }
 
 /// Add, edit, drain and delete a backend 100 times while clients keep
@@ -345,26 +270,10 @@ fn reload_with_a_broken_config_keeps_serving_the_old_one() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[derive(Parser)]
-struct Cli {
-    #[command(subcommand)]
-    cmd: weir::cli::Command,
-}
-
 fn cli(url: &str, args: &[&str]) -> String {
-    let mut argv = vec!["weir"];
-    argv.extend_from_slice(args);
-    argv.extend_from_slice(&["--admin", url, "--token", TOKEN]);
-    let c = Cli::try_parse_from(&argv).unwrap();
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let code = weir::cli::run_with(c.cmd, &mut out, &mut err);
-    assert_eq!(
-        code,
-        ExitCode::SUCCESS,
-        "{argv:?}: {}",
-        String::from_utf8_lossy(&err)
-    );
-    String::from_utf8(out).unwrap()
+    let (code, out, err) = cli_util::run(url, TOKEN, args);
+    assert_eq!(code, ExitCode::SUCCESS, "{args:?}: {err}");
+    out
 }
 
 /// Changes made at runtime survive `weir save` → restart from the saved file.

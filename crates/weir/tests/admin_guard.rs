@@ -188,14 +188,10 @@ token = "t1"
 
 mod daemon_util;
 
-const BIN: &str = env!("CARGO_BIN_EXE_weir");
+use daemon_util::process::BIN;
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    daemon_util::process::free_addr().port()
 }
 
 /// Run `weir ARGS` with `env` and wait (bounded) for it to exit; a daemon
@@ -212,20 +208,8 @@ fn run_weir(args: &[&str], env: &[(&str, &std::path::Path)]) -> (Option<i32>, St
         cmd.env(k, v);
     }
     let mut child = cmd.spawn().unwrap();
-    let mut code = None;
-    let exited = daemon_util::wait_until(std::time::Duration::from_secs(15), || {
-        match child.try_wait() {
-            Ok(Some(s)) => {
-                code = s.code();
-                true
-            }
-            _ => false,
-        }
-    });
-    if !exited {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
+    let code =
+        daemon_util::process::exit_code_within(&mut child, std::time::Duration::from_secs(15));
     let mut err = String::new();
     let _ = child.stderr.take().unwrap().read_to_string(&mut err);
     (code, err)
@@ -358,40 +342,9 @@ fn run_exits_when_the_admin_api_cannot_start() {
 
 // ---- defect 1: slow, idle or oversized clients cannot shut the operator out --
 
-struct Served {
-    _rt: tokio::runtime::Runtime,
-    addr: std::net::SocketAddr,
-    stop: tokio_util::sync::CancellationToken,
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
-}
-
 /// The admin API over real TCP on 127.0.0.1, in front of the fake control.
-fn serve_tcp() -> Served {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let cfg = weir::config::AdminConfig {
-        listen: "127.0.0.1:0".into(),
-        token: Some(FULL.into()),
-        ..Default::default()
-    };
-    let fake: Arc<dyn Control> = Arc::new(Fake::sample());
-    let bound = rt.block_on(admin::bind(&cfg, fake)).expect("bind");
-    let addr = bound.local_addr().unwrap();
-    let stop = tokio_util::sync::CancellationToken::new();
-    rt.spawn(bound.run(stop.clone()));
-    Served {
-        _rt: rt,
-        addr,
-        stop,
-    }
+fn serve_tcp() -> admin_fake::Served {
+    admin_fake::serve(&[admin_fake::admin_config("127.0.0.1:0", FULL)])
 }
 
 /// An authenticated GET that must be answered within `within`.

@@ -11,18 +11,15 @@ mod daemon_util;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use admin_fake::Fake;
-use weir::admin;
+use admin_fake::Served;
 use weir::cli::client::{CliError, Client};
-use weir::control::Control;
 
 const FULL: &str = "full-secret";
-const BIN: &str = env!("CARGO_BIN_EXE_weir");
+use daemon_util::process::BIN;
 
 /// A self-signed certificate for 127.0.0.1 and localhost, and its key, as
 /// PEM files in `dir`.
@@ -36,45 +33,13 @@ fn make_cert(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
     (cert, key)
 }
 
-struct Served {
-    _rt: tokio::runtime::Runtime,
-    addr: SocketAddr,
-    stop: tokio_util::sync::CancellationToken,
-    fake: Arc<Fake>,
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
-}
-
 /// The admin API over TLS on 127.0.0.1, in front of the fake control.
 fn serve_tls(cert: &Path, key: &Path) -> Served {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let cfg = weir::config::AdminConfig {
-        listen: "127.0.0.1:0".into(),
-        token: Some(FULL.into()),
+    admin_fake::serve(&[weir::config::AdminConfig {
         tls_cert: Some(cert.to_owned()),
         tls_key: Some(key.to_owned()),
-        ..Default::default()
-    };
-    let fake = Arc::new(Fake::sample());
-    let control: Arc<dyn Control> = fake.clone();
-    let bound = rt.block_on(admin::bind(&cfg, control)).expect("bind");
-    let addr = bound.local_addr().unwrap();
-    let stop = tokio_util::sync::CancellationToken::new();
-    rt.spawn(bound.run(stop.clone()));
-    Served {
-        _rt: rt,
-        addr,
-        stop,
-        fake,
-    }
+        ..admin_fake::admin_config("127.0.0.1:0", FULL)
+    }])
 }
 
 /// Run the `weir` binary with `args` and `env`, bounded in time: exit code
@@ -92,18 +57,7 @@ fn run_weir(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String
         cmd.env(k, v);
     }
     let mut child = cmd.spawn().unwrap();
-    let mut code = None;
-    let exited = daemon_util::wait_until(Duration::from_secs(30), || match child.try_wait() {
-        Ok(Some(s)) => {
-            code = s.code();
-            true
-        }
-        _ => false,
-    });
-    if !exited {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
+    let code = daemon_util::process::exit_code_within(&mut child, Duration::from_secs(30));
     let (mut out, mut err) = (String::new(), String::new());
     let _ = child.stdout.take().unwrap().read_to_string(&mut out);
     let _ = child.stderr.take().unwrap().read_to_string(&mut err);
@@ -223,29 +177,15 @@ fn plain_http_to_the_tls_port_is_told_to_use_https() {
         other => panic!("expected a 400 naming https://, got {other:?}"),
     }
     // And a TLS client to a plain-HTTP port is told the reverse.
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let cfg = weir::config::AdminConfig {
-        listen: "127.0.0.1:0".into(),
-        token: Some(FULL.into()),
-        ..Default::default()
-    };
-    let bound = rt
-        .block_on(admin::bind(&cfg, Arc::new(Fake::sample())))
-        .unwrap();
-    let addr = bound.local_addr().unwrap();
-    let stop = tokio_util::sync::CancellationToken::new();
-    rt.spawn(bound.run(stop.clone()));
+    let plain = admin_fake::serve(&[admin_fake::admin_config("127.0.0.1:0", FULL)]);
+    let addr = plain.addr;
     let c = Client::with_cacert(format!("https://{addr}"), None, Some(&cert)).unwrap();
     let e = c.call("GET", "/v1/tenants", None).unwrap_err();
     let CliError::Local(m) = e else {
         panic!("{e:?}")
     };
     assert!(m.contains("TLS with the admin API"), "{m}");
-    stop.cancel();
+    drop(plain);
 }
 
 /// A TLS request that must be answered within `within`.

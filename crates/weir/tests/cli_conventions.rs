@@ -15,10 +15,9 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use admin_fake::Fake;
+use admin_fake::{Fake, Served};
 use weir::control::Control;
 
-const BIN: &str = env!("CARGO_BIN_EXE_weir");
 const TOKEN: &str = "conventions-token";
 
 /// The admin API over TCP in front of a [`Fake`]; stopped on drop.
@@ -26,51 +25,23 @@ struct Server {
     fake: Arc<Fake>,
     url: String,
     dir: tempfile::TempDir,
-    stop: tokio_util::sync::CancellationToken,
-    _rt: tokio::runtime::Runtime,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
+    _served: Served,
 }
 
 fn server() -> Server {
-    let fake = Arc::new(Fake::sample());
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let stop = tokio_util::sync::CancellationToken::new();
-    let cfg = weir::config::AdminConfig {
-        listen: "127.0.0.1:0".into(),
-        token: Some(TOKEN.into()),
-        ..Default::default()
-    };
-    let control: Arc<dyn Control> = fake.clone();
-    let bound = rt.block_on(weir::admin::bind(&cfg, control)).expect("bind");
-    let url = format!("http://{}", bound.local_addr().expect("tcp address"));
-    rt.spawn(bound.run(stop.clone()));
+    let served = admin_fake::serve(&[admin_fake::admin_config("127.0.0.1:0", TOKEN)]);
     Server {
-        fake,
-        url,
+        fake: served.fake.clone(),
+        url: served.url(),
         dir: tempfile::tempdir().expect("tempdir"),
-        stop,
-        _rt: rt,
+        _served: served,
     }
 }
 
 /// The binary with no WEIR_* from the caller and HOME in `home`, so no
 /// real token file is read.
 fn weir(home: &Path) -> Command {
-    let mut c = Command::new(BIN);
-    c.env_remove("WEIR_ADMIN")
-        .env_remove("WEIR_TOKEN")
-        .env("HOME", home)
-        .env("XDG_RUNTIME_DIR", home);
-    c
+    admin_fake::weir_command(home)
 }
 
 fn run(home: &Path, args: &[&str]) -> Output {

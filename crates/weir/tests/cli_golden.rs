@@ -5,6 +5,7 @@
 //! and review the diff.
 
 mod admin_fake;
+mod cli_util;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -13,7 +14,8 @@ use std::sync::Arc;
 use clap::Parser;
 use serde_json::Value;
 
-use admin_fake::Fake;
+use admin_fake::{Fake, Served};
+use cli_util::Cli;
 use weir::cli::render::{self, ListMode};
 use weir::control::Control;
 
@@ -160,50 +162,23 @@ fn list_json_has_the_documented_keys() {
 
 // ---- end to end ---------------------------------------------------------
 
-#[derive(Parser)]
-struct Cli {
-    #[command(subcommand)]
-    cmd: weir::cli::Command,
-}
-
 const TOKEN: &str = "cli-test-token";
 
 struct Server {
     fake: Arc<Fake>,
     url: String,
-    stop: tokio_util::sync::CancellationToken,
-    rt: tokio::runtime::Runtime,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
+    _served: Served,
 }
 
 fn server() -> Server {
-    let fake = Arc::new(Fake::sample());
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let cfg = weir::config::AdminConfig {
-        listen: "127.0.0.1:0".into(),
-        token: Some(TOKEN.into()),
+    let served = admin_fake::serve(&[weir::config::AdminConfig {
         readonly_token: Some("ro".into()),
-        ..Default::default()
-    };
-    let control: Arc<dyn Control> = fake.clone();
-    let bound = rt.block_on(weir::admin::bind(&cfg, control)).unwrap();
-    let url = format!("http://{}", bound.local_addr().unwrap());
-    let stop = tokio_util::sync::CancellationToken::new();
-    rt.spawn(bound.run(stop.clone()));
+        ..admin_fake::admin_config("127.0.0.1:0", TOKEN)
+    }]);
     Server {
-        fake,
-        url,
-        stop,
-        rt,
+        fake: served.fake.clone(),
+        url: served.url(),
+        _served: served,
     }
 }
 
@@ -214,18 +189,7 @@ impl Server {
     }
 
     fn weir_as(&self, token: &str, args: &[&str]) -> (ExitCode, String, String) {
-        let mut argv = vec!["weir"];
-        argv.extend_from_slice(args);
-        argv.extend_from_slice(&["--admin", &self.url, "--token", token]);
-        let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
-        let (mut out, mut err) = (Vec::new(), Vec::new());
-        let code = weir::cli::run_with(cli.cmd, &mut out, &mut err);
-        let _ = &self.rt;
-        (
-            code,
-            String::from_utf8(out).unwrap(),
-            String::from_utf8(err).unwrap(),
-        )
+        cli_util::run(&self.url, token, args)
     }
 }
 
@@ -265,18 +229,7 @@ fn e2e_conns_streams_every_page() {
     let mut cookies = std::collections::BTreeSet::new();
     for line in out.lines() {
         let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}"));
-        for key in [
-            "tenant",
-            "proto",
-            "client",
-            "virtual",
-            "backend",
-            "state",
-            "expires_s",
-            "cookie",
-            "bytes_in",
-            "bytes_out",
-        ] {
+        for key in admin_fake::CONN_KEYS {
             assert!(v.get(key).is_some(), "{key} missing: {line}");
         }
         assert_eq!(v["tenant"], "acme");

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use admin_fake::Fake;
+use admin_fake::{Fake, Served};
 use weir::cli::render::{self, ListMode};
 use weir::control::Control;
 
@@ -25,48 +25,23 @@ struct Server {
     dir: tempfile::TempDir,
     sock: PathBuf,
     tcp: String,
-    stop: tokio_util::sync::CancellationToken,
-    _rt: tokio::runtime::Runtime,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
+    _served: Served,
 }
 
 fn server() -> Server {
-    let fake = Arc::new(Fake::sample());
     let dir = tempfile::tempdir().expect("tempdir");
     let sock = dir.path().join("admin.sock");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let stop = tokio_util::sync::CancellationToken::new();
-    let mut tcp = String::new();
-    for listen in [format!("unix:{}", sock.display()), "127.0.0.1:0".into()] {
-        let cfg = weir::config::AdminConfig {
-            listen,
-            token: Some(TOKEN.into()),
-            ..Default::default()
-        };
-        let control: Arc<dyn Control> = fake.clone();
-        let bound = rt.block_on(weir::admin::bind(&cfg, control)).expect("bind");
-        if let Some(a) = bound.local_addr() {
-            tcp = format!("http://{a}");
-        }
-        rt.spawn(bound.run(stop.clone()));
-    }
+    let served = admin_fake::serve(&[
+        admin_fake::admin_config(&format!("unix:{}", sock.display()), TOKEN),
+        admin_fake::admin_config("127.0.0.1:0", TOKEN),
+    ]);
     assert!(sock.exists(), "unix socket bound before bind returned");
     Server {
-        fake,
+        fake: served.fake.clone(),
         dir,
         sock,
-        tcp,
-        stop,
-        _rt: rt,
+        tcp: served.url(),
+        _served: served,
     }
 }
 
@@ -78,12 +53,7 @@ impl Server {
     /// The `weir` binary with a clean environment (no WEIR_*, HOME in the
     /// temp dir so no real token file is read).
     fn cmd(&self) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_weir"));
-        c.env_remove("WEIR_ADMIN")
-            .env_remove("WEIR_TOKEN")
-            .env("HOME", self.dir.path())
-            .env("XDG_RUNTIME_DIR", self.dir.path());
-        c
+        admin_fake::weir_command(self.dir.path())
     }
 
     /// `weir ARGS --admin ADMIN --token TOKEN`.

@@ -10,82 +10,12 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use weir::cli::client::{CliError, Client};
-use weir::config::{AdminConfig, Config, Protocol};
-use weir::daemon::{Daemon, DaemonHandle};
+use weir::config::Protocol;
 
+mod cli_util;
 mod daemon_util;
-use daemon_util::{Echo, backend, config, echo_once, held, service};
-
-const TOKEN: &str = "control-edits-token";
-
-fn still_echoes(s: &mut std::net::TcpStream) -> bool {
-    use std::io::{Read, Write};
-    let mut b = [0u8; 4];
-    s.write_all(b"ping").is_ok() && s.read_exact(&mut b).is_ok() && &b == b"ping"
-}
-
-struct Running {
-    daemon: Option<DaemonHandle>,
-    url: String,
-    client: Client,
-    stop: tokio_util::sync::CancellationToken,
-}
-
-impl Running {
-    fn start(cfg: Config, path: Option<PathBuf>) -> Self {
-        let daemon = Daemon::start(cfg, path).expect("daemon starts");
-        let admin = AdminConfig {
-            listen: "127.0.0.1:0".into(),
-            token: Some(TOKEN.into()),
-            ..AdminConfig::default()
-        };
-        let rt = daemon.runtime();
-        let bound = rt
-            .block_on(weir::admin::bind(&admin, daemon.control()))
-            .expect("admin binds");
-        let url = format!("http://{}", bound.local_addr().unwrap());
-        let stop = tokio_util::sync::CancellationToken::new();
-        rt.spawn(bound.run(stop.clone()));
-        Self {
-            daemon: Some(daemon),
-            client: Client::new(url.clone(), Some(TOKEN.into())),
-            url,
-            stop,
-        }
-    }
-
-    fn d(&self) -> &DaemonHandle {
-        self.daemon.as_ref().unwrap()
-    }
-
-    fn api(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value, CliError> {
-        self.client.send(method, path, body.as_ref())
-    }
-
-    fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        self.api(method, path, body)
-            .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
-    }
-
-    /// The HTTP status of a refused request (panics if it succeeded).
-    fn status(&self, method: &str, path: &str, body: Option<Value>) -> (u16, String) {
-        match self.api(method, path, body) {
-            Err(CliError::Api {
-                status, message, ..
-            }) => (status, message),
-            other => panic!("{method} {path}: expected a refusal, got {other:?}"),
-        }
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        self.stop.cancel();
-        if let Some(d) = self.daemon.take() {
-            d.shutdown();
-        }
-    }
-}
+use daemon_util::admin::{Running, TOKEN};
+use daemon_util::{Echo, backend, config, echo_once, held, service, still_echoes};
 
 /// Defect 2: an edit that moves a service to an address it cannot have is
 /// refused (409 for another weir service's address, 503 for another
@@ -165,27 +95,10 @@ fn default_tenant_cannot_be_deleted() {
     );
 }
 
-#[derive(clap::Parser)]
-struct Cli {
-    #[command(subcommand)]
-    cmd: weir::cli::Command,
-}
-
 impl Running {
     /// Run `weir ARGS --admin URL --token TOKEN`; (exit code, stdout, stderr).
     fn weir(&self, args: &[&str]) -> (std::process::ExitCode, String, String) {
-        use clap::Parser as _;
-        let mut argv = vec!["weir"];
-        argv.extend_from_slice(args);
-        argv.extend_from_slice(&["--admin", &self.url, "--token", TOKEN]);
-        let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
-        let (mut out, mut err) = (Vec::new(), Vec::new());
-        let code = weir::cli::run_with(cli.cmd, &mut out, &mut err);
-        (
-            code,
-            String::from_utf8(out).unwrap(),
-            String::from_utf8(err).unwrap(),
-        )
+        cli_util::run(&self.url, TOKEN, args)
     }
 }
 

@@ -4,14 +4,14 @@
 mod daemon_util;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use daemon_util::process::*;
 use daemon_util::*;
 
-const BIN: &str = env!("CARGO_BIN_EXE_weir");
 const T: Duration = Duration::from_secs(15);
 
 /// A file in `dir` (a test's own temporary directory, removed when the
@@ -31,13 +31,6 @@ fn leftovers(dir: &tempfile::TempDir) -> Vec<String> {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .filter(|n| !n.ends_with(".toml"))
         .collect()
-}
-
-fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
 }
 
 #[test]
@@ -128,46 +121,6 @@ fn run_without_config_points_at_demo_and_example() {
         err.contains("weir demo") && err.contains("examples/weir.toml"),
         "{err}"
     );
-}
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// `weir run --config CONFIG` with HOME and XDG_RUNTIME_DIR set to the
-/// config's directory, so nothing can land in the real home directory.
-fn spawn_run(config: &std::path::Path, nofile: Option<u32>) -> Proc {
-    let home = config.parent().unwrap();
-    let mut cmd = match nofile {
-        // `ulimit -n` lowers soft and hard, so weir cannot raise it back.
-        Some(n) => {
-            let mut c = Command::new("sh");
-            c.arg("-c")
-                .arg(format!("ulimit -n {n} && exec \"$0\" run --config \"$1\""))
-                .arg(BIN)
-                .arg(config);
-            c
-        }
-        None => {
-            let mut c = Command::new(BIN);
-            c.args(["run", "--config"]).arg(config);
-            c
-        }
-    };
-    Proc(
-        cmd.env("RUST_LOG", "info")
-            .env("HOME", home)
-            .env("XDG_RUNTIME_DIR", home)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    )
 }
 
 fn cpu_ticks(pid: u32) -> u64 {
@@ -267,15 +220,7 @@ fn sighup_reloads_and_sigterm_drains() {
     );
     // Drain: an established connection keeps working, new ones are refused,
     // and the process exits once it closes.
-    let mut held = held(vip);
-    kill(pid, Signal::SIGTERM).unwrap();
-    assert!(
-        wait_until(T, || TcpStream::connect(vip).is_err()),
-        "still accepting after SIGTERM"
-    );
-    held.write_all(b"ok").unwrap();
-    let mut b = [0u8; 2];
-    held.read_exact(&mut b).unwrap();
+    let (held, b) = sigterm_with_a_held_connection(&child, vip, T);
     assert_eq!(&b, b"ok");
     assert!(
         child.0.try_wait().unwrap().is_none(),

@@ -38,21 +38,11 @@ fn highest_open_fd() -> u64 {
 /// Bytes waiting in the receive queue of the UDP socket bound to `addr`
 /// (from `/proc/self/net/udp`; 0 if there is none).
 fn rx_queue(addr: std::net::SocketAddr) -> u64 {
-    let std::net::SocketAddr::V4(a) = addr else {
-        panic!("IPv4 only")
-    };
-    let want = format!(
-        "{:08X}:{:04X}",
-        u32::from_le_bytes(a.ip().octets()),
-        a.port()
-    );
-    std::fs::read_to_string("/proc/self/net/udp")
+    proc_net_udp_rows(UdpEnd::Local, addr)
         .unwrap_or_default()
-        .lines()
-        .skip(1)
-        .filter(|l| l.split_whitespace().nth(1) == Some(want.as_str()))
-        .filter_map(|l| {
-            let queues = l.split_whitespace().nth(4)?;
+        .iter()
+        .filter_map(|f| {
+            let queues = f.get(4)?;
             u64::from_str_radix(queues.split(':').nth(1)?, 16).ok()
         })
         .sum()

@@ -3,31 +3,14 @@
 mod daemon_util;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use daemon_util::process::*;
 use daemon_util::*;
 
-const BIN: &str = env!("CARGO_BIN_EXE_weir");
 const T: Duration = Duration::from_secs(15);
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
 
 /// A config with one TCP service `vip` → `backend`, written into `dir`.
 fn write_config(
@@ -61,36 +44,6 @@ fn admin_addr(p: &Path) -> SocketAddr {
         .unwrap()
 }
 
-/// `weir run --config CONFIG` (HOME and XDG_RUNTIME_DIR in the config's
-/// directory), under `ulimit -n NOFILE` when given.
-fn spawn_run(config: &Path, nofile: Option<u32>) -> Proc {
-    let home = config.parent().unwrap();
-    let mut cmd = match nofile {
-        Some(n) => {
-            let mut c = Command::new("sh");
-            c.arg("-c")
-                .arg(format!("ulimit -n {n} && exec \"$0\" run --config \"$1\""))
-                .arg(BIN)
-                .arg(config);
-            c
-        }
-        None => {
-            let mut c = Command::new(BIN);
-            c.args(["run", "--config"]).arg(config);
-            c
-        }
-    };
-    Proc(
-        cmd.env("RUST_LOG", "info")
-            .env("HOME", home)
-            .env("XDG_RUNTIME_DIR", home)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    )
-}
-
 /// docs/daemon.md: SIGINT closes everything now, also while a SIGTERM drain
 /// waits for live connections (it used to be ignored until the drain
 /// timeout); so does a second SIGTERM.
@@ -109,16 +62,8 @@ fn a_second_signal_ends_a_drain_at_once() {
             "daemon did not come up"
         );
         let pid = Pid::from_raw(child.0.id() as i32);
-        let mut held = held(vip);
-        kill(pid, Signal::SIGTERM).unwrap();
         // Draining: no new connections, the held one still served.
-        assert!(
-            wait_until(T, || TcpStream::connect(vip).is_err()),
-            "still accepting after SIGTERM"
-        );
-        held.write_all(b"ok").unwrap();
-        let mut b = [0u8; 2];
-        held.read_exact(&mut b).unwrap();
+        let (mut held, _) = sigterm_with_a_held_connection(&child, vip, T);
         assert!(
             child.0.try_wait().unwrap().is_none(),
             "exited before the drain"
@@ -154,23 +99,47 @@ fn fds_below(pid: u32, limit: u64) -> u64 {
     })
 }
 
+/// `weir run` under `ulimit -n NOFILE` with one TCP service in front of an
+/// echo backend, once the service echoes.
+struct LowFds {
+    vip: SocketAddr,
+    admin: SocketAddr,
+    pid: u32,
+    _child: Proc,
+    _echo: Echo,
+    _dir: tempfile::TempDir,
+}
+
+fn run_with_nofile(nofile: u64) -> LowFds {
+    let e = Echo::start();
+    let vip = free_addr();
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_config(&dir, vip, e.addr, "");
+    let admin = admin_addr(&p);
+    let child = spawn_run(&p, Some(nofile as u32));
+    let pid = child.0.id();
+    assert!(
+        wait_until(T, || echo_once(vip, b"up")),
+        "daemon did not come up"
+    );
+    LowFds {
+        vip,
+        admin,
+        pid,
+        _child: child,
+        _echo: e,
+        _dir: dir,
+    }
+}
+
 /// A client accepted when only one descriptor was left waits for its
 /// backend connect (which failed with EMFILE) to be retried instead of
 /// being reset, and is served once descriptors are free again.
 #[test]
 fn a_backend_connect_out_of_descriptors_waits_instead_of_resetting() {
     const NOFILE: u64 = 64;
-    let e = Echo::start();
-    let vip = free_addr();
-    let dir = tempfile::tempdir().unwrap();
-    let p = write_config(&dir, vip, e.addr, "");
-    let admin = admin_addr(&p);
-    let child = spawn_run(&p, Some(NOFILE as u32));
-    let pid = child.0.id();
-    assert!(
-        wait_until(T, || echo_once(vip, b"up")),
-        "daemon did not come up"
-    );
+    let run = run_with_nofile(NOFILE);
+    let (vip, admin, pid) = (run.vip, run.admin, run.pid);
     let fds_of = |pid| fds_below(pid, NOFILE);
     // Fill descriptors with held connections (two each: client and
     // backend side) until one or two are left.
@@ -209,7 +178,7 @@ fn a_backend_connect_out_of_descriptors_waits_instead_of_resetting() {
     x.read_exact(&mut b)
         .expect("served once descriptors were free");
     assert_eq!(&b, b"xy");
-    drop(child);
+    drop(run);
 }
 
 /// Which of `backends` served one round trip from `127.0.0.<host>`.
@@ -302,17 +271,8 @@ fn admin_get(admin: SocketAddr, path: &str, timeout: Duration) -> Result<String,
 #[test]
 fn the_admin_api_answers_when_descriptors_are_exhausted() {
     const NOFILE: u64 = 64;
-    let e = Echo::start();
-    let vip = free_addr();
-    let dir = tempfile::tempdir().unwrap();
-    let p = write_config(&dir, vip, e.addr, "");
-    let admin = admin_addr(&p);
-    let child = spawn_run(&p, Some(NOFILE as u32));
-    let pid = child.0.id();
-    assert!(
-        wait_until(T, || echo_once(vip, b"up")),
-        "daemon did not come up"
-    );
+    let run = run_with_nofile(NOFILE);
+    let (vip, admin, pid) = (run.vip, run.admin, run.pid);
     assert!(
         admin_get(admin, "/v1/services", T).is_ok_and(|h| h.ends_with("200")),
         "admin API not up"
@@ -341,5 +301,5 @@ fn the_admin_api_answers_when_descriptors_are_exhausted() {
     }
     drop(waiting);
     drop(helds);
-    drop(child);
+    drop(run);
 }

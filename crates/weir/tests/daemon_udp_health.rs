@@ -25,22 +25,10 @@ fn udp_sockets_connected_to(addr: SocketAddr) -> usize {
             Some(link.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
         })
         .collect();
-    let SocketAddr::V4(a) = addr else {
-        panic!("IPv4 only")
-    };
-    let want = format!(
-        "{:08X}:{:04X}",
-        u32::from_le_bytes(a.ip().octets()),
-        a.port()
-    );
-    std::fs::read_to_string("/proc/self/net/udp")
+    proc_net_udp_rows(UdpEnd::Remote, addr)
         .expect("/proc/self/net/udp")
-        .lines()
-        .skip(1)
-        .filter(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            f.get(2) == Some(&want.as_str()) && f.get(9).is_some_and(|i| mine.contains(*i))
-        })
+        .iter()
+        .filter(|f| f.get(9).is_some_and(|i| mine.contains(i)))
         .count()
 }
 

@@ -7,14 +7,11 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use serde_json::Value;
-use weir::cli::client::Client;
-use weir::config::{AdminConfig, Config};
-use weir::daemon::Daemon;
+use weir::config::Config;
 
 mod daemon_util;
 use daemon_util::Echo;
-
-const TOKEN: &str = "grafana-test-token";
+use daemon_util::admin::Running;
 
 /// Metric names a /metrics scrape offers: every sample's name, and for
 /// families without samples yet (e.g. refusals by a reason that never
@@ -237,24 +234,12 @@ fn every_dashboard_query_names_an_exported_metric() {
         e1.addr, e2.addr
     ))
     .unwrap();
-    let daemon = Daemon::start(cfg, None).expect("daemon starts");
-    let admin = AdminConfig {
-        listen: "127.0.0.1:0".into(),
-        token: Some(TOKEN.into()),
-        ..AdminConfig::default()
-    };
-    let rt = daemon.runtime();
-    let bound = rt
-        .block_on(weir::admin::bind(&admin, daemon.control()))
-        .expect("admin binds");
-    let url = format!("http://{}", bound.local_addr().unwrap());
-    let stop = tokio_util::sync::CancellationToken::new();
-    rt.spawn(bound.run(stop.clone()));
-    let text = Client::new(url, Some(TOKEN.into()))
+    let r = Running::start(cfg, None);
+    let text = r
+        .client
         .call("GET", "/metrics", None)
         .expect("GET /metrics");
-    stop.cancel();
-    daemon.shutdown();
+    r.shutdown();
 
     let have = exported(&text);
     let mut used = BTreeSet::new();

@@ -4,33 +4,17 @@
 
 mod daemon_util;
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use daemon_util::process::*;
 use daemon_util::*;
 
-const BIN: &str = env!("CARGO_BIN_EXE_weir");
 const T: Duration = Duration::from_secs(15);
 const TOKEN: &str = "systemd-notify-test-token";
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
 
 fn write_config(path: &Path, admin: SocketAddr, vip: SocketAddr, backends: &[SocketAddr]) {
     let mut text = format!(

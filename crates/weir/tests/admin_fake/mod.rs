@@ -4,9 +4,11 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 
-use weir::config::{BackendSpec, Config, Protocol, ServiceSpec, TenantSpec};
+use tokio_util::sync::CancellationToken;
+use weir::config::{AdminConfig, BackendSpec, Config, Protocol, ServiceSpec, TenantSpec};
 use weir::control::*;
 
 #[derive(Debug, Default)]
@@ -547,3 +549,85 @@ impl Control for Fake {
         }
     }
 }
+
+/// The admin API in front of a [`Fake::sample`] on its own runtime, over
+/// real sockets; stopped when dropped.
+pub struct Served {
+    pub fake: Arc<Fake>,
+    /// The last TCP listener bound.
+    pub addr: SocketAddr,
+    stop: CancellationToken,
+    _rt: tokio::runtime::Runtime,
+}
+
+impl Served {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// An admin listener on `listen` (`127.0.0.1:0`, `unix:PATH`) taking `token`.
+pub fn admin_config(listen: &str, token: &str) -> AdminConfig {
+    AdminConfig {
+        listen: listen.into(),
+        token: Some(token.into()),
+        ..AdminConfig::default()
+    }
+}
+
+/// Serve one [`Fake::sample`] on every listener in `cfgs`, at least one of
+/// them TCP.
+pub fn serve(cfgs: &[AdminConfig]) -> Served {
+    let fake = Arc::new(Fake::sample());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let stop = CancellationToken::new();
+    let mut addr = None;
+    for cfg in cfgs {
+        let control: Arc<dyn Control> = fake.clone();
+        let bound = rt.block_on(weir::admin::bind(cfg, control)).expect("bind");
+        addr = bound.local_addr().or(addr);
+        rt.spawn(bound.run(stop.clone()));
+    }
+    Served {
+        fake,
+        addr: addr.expect("a TCP listener"),
+        stop,
+        _rt: rt,
+    }
+}
+
+/// The `weir` binary with no WEIR_* from the caller and HOME (and
+/// XDG_RUNTIME_DIR) in `home`, so no real token file is read.
+pub fn weir_command(home: &std::path::Path) -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_weir"));
+    c.env_remove("WEIR_ADMIN")
+        .env_remove("WEIR_TOKEN")
+        .env("HOME", home)
+        .env("XDG_RUNTIME_DIR", home);
+    c
+}
+
+/// The keys of every connection the API lists (`GET /v1/connections`,
+/// `weir conns --json`).
+pub const CONN_KEYS: [&str; 10] = [
+    "tenant",
+    "proto",
+    "client",
+    "virtual",
+    "backend",
+    "state",
+    "expires_s",
+    "cookie",
+    "bytes_in",
+    "bytes_out",
+];

@@ -8,6 +8,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
+pub mod admin;
+pub mod process;
+
 use weir::config::{BackendSpec, Config, Protocol, ServiceOptions, ServiceSpec, TenantSpec};
 
 /// Poll `cond` every 20 ms until it holds or `timeout` passes.
@@ -171,4 +174,41 @@ pub fn held(addr: SocketAddr) -> TcpStream {
     let mut b = [0u8; 2];
     s.read_exact(&mut b).unwrap();
     s
+}
+
+/// Whether an open connection still echoes (it was not cut).
+pub fn still_echoes(s: &mut TcpStream) -> bool {
+    let mut b = [0u8; 4];
+    s.write_all(b"ping").is_ok() && s.read_exact(&mut b).is_ok() && &b == b"ping"
+}
+
+/// Which address of a `/proc/self/net/udp` row to match.
+#[derive(Clone, Copy)]
+pub enum UdpEnd {
+    Local,
+    Remote,
+}
+
+/// The rows of `/proc/self/net/udp` whose local or remote address is
+/// `addr` (IPv4), split into their whitespace-separated fields; the error
+/// if the file cannot be read (EMFILE while a test holds every fd).
+pub fn proc_net_udp_rows(end: UdpEnd, addr: SocketAddr) -> std::io::Result<Vec<Vec<String>>> {
+    let SocketAddr::V4(a) = addr else {
+        panic!("IPv4 only")
+    };
+    let want = format!(
+        "{:08X}:{:04X}",
+        u32::from_le_bytes(a.ip().octets()),
+        a.port()
+    );
+    let column = match end {
+        UdpEnd::Local => 1,
+        UdpEnd::Remote => 2,
+    };
+    Ok(std::fs::read_to_string("/proc/self/net/udp")?
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().map(str::to_owned).collect::<Vec<_>>())
+        .filter(|f| f.get(column) == Some(&want))
+        .collect())
 }
