@@ -614,3 +614,73 @@ fn overflowing_durations_are_refused_and_drain_survives_one() {
     // Nothing open: the drain returns at once with nothing forced.
     assert_eq!(d.drain(Duration::MAX), 0);
 }
+
+/// The entry is the connection: the wheel times an idle one out, tells its
+/// task, and the entry is settled exactly once (a second settle would take
+/// the backend's counts below zero, i.e. wrap them). Bytes are counted in
+/// the entry only, and the listing shows them.
+#[test]
+fn an_idle_connection_is_expired_by_the_table_and_settled_once() {
+    let e = Echo::start();
+    let mut tcp = service("t", Protocol::Tcp, "rr", vec![backend(e.addr, 1)]);
+    tcp.tenant = "idle".into();
+    let mut cfg = config(vec![tcp]);
+    cfg.tenants.push(TenantSpec {
+        name: "idle".into(),
+        timeouts: weir::config::TimeoutsSpec {
+            established: Some("1s".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("idle", "t").unwrap();
+    let counts = || {
+        let s = c.services();
+        let b = &s.iter().find(|s| s.name == "t").unwrap().backends[0];
+        (b.active_conns, b.inactive_conns)
+    };
+    let filter = ConnFilter {
+        tenant: Some("idle".into()),
+        ..Default::default()
+    };
+    let mut conns: Vec<TcpStream> = (0..3).map(|_| held(vip)).collect();
+    for s in conns.iter_mut() {
+        assert!(still_echoes(s));
+    }
+    assert!(wait_until(T, || counts() == (3, 0)), "{:?}", counts());
+    let page = c.connections(&filter, None, 100).unwrap();
+    assert_eq!(page.connections.len(), 3);
+    // still_echoes sends and reads back some bytes: counted in the entry.
+    assert!(
+        page.connections
+            .iter()
+            .all(|x| x.bytes_in > 0 && x.bytes_in == x.bytes_out),
+        "{:?}",
+        page.connections
+    );
+    for s in conns.iter_mut() {
+        s.set_read_timeout(Some(T)).unwrap();
+        let mut b = [0u8; 1];
+        let r = s.read(&mut b);
+        assert!(
+            matches!(r, Ok(0))
+                || matches!(&r, Err(e) if e.kind() != std::io::ErrorKind::WouldBlock && e.kind() != std::io::ErrorKind::TimedOut),
+            "{r:?}"
+        );
+    }
+    assert!(wait_until(T, || counts() == (0, 0)), "{:?}", counts());
+    assert!(wait_until(T, || c.global_stats().active_conns == 0));
+    assert!(
+        c.connections(&filter, None, 100)
+            .unwrap()
+            .connections
+            .is_empty()
+    );
+    // The counts were not driven below zero: a new connection counts one.
+    let mut again = held(vip);
+    assert!(still_echoes(&mut again));
+    assert!(wait_until(T, || counts() == (1, 0)), "{:?}", counts());
+    d.shutdown();
+}
