@@ -138,6 +138,12 @@ pub struct Reader<'a> {
 pub const LOOKUP_BATCH: usize = 32;
 
 impl Reader<'_> {
+    /// Like [`FlowTable::lookup`].
+    #[inline]
+    pub fn lookup(&self, key: &FlowKey) -> Option<(Handle, BackendId)> {
+        self.table.lookup_at(&self.guard, key)
+    }
+
     /// Like [`FlowTable::get`].
     #[inline]
     pub fn get(&self, key: &FlowKey) -> Option<FlowSnapshot> {
@@ -620,7 +626,7 @@ impl FlowTable {
     }
 
     #[inline]
-    fn lookup<R>(&self, key: &FlowKey, f: impl FnOnce(&Tenant, &Node) -> R) -> Option<R> {
+    fn lookup_with<R>(&self, key: &FlowKey, f: impl FnOnce(&Tenant, Node<'_>) -> R) -> Option<R> {
         self.lookup_in(&epoch::pin(), key, f)
     }
 
@@ -629,7 +635,7 @@ impl FlowTable {
         &self,
         guard: &Guard,
         key: &FlowKey,
-        f: impl FnOnce(&Tenant, &Node) -> R,
+        f: impl FnOnce(&Tenant, Node<'_>) -> R,
     ) -> Option<R> {
         let map = self.tenants.load(guard);
         let t = map.map.get(&key.tenant.0)?;
@@ -641,30 +647,44 @@ impl FlowTable {
 
     /// The live node a handle names (the caller holds a pin).
     #[inline]
-    fn handle_node(&self, h: Handle) -> Option<&Node> {
+    fn handle_node(&self, h: Handle) -> Option<Node<'_>> {
         let n = self.slab.node_checked(h.idx)?;
         (n.cookie() == h.cookie.0 && n.is_live()).then_some(n)
     }
 
     /// Lock-free lookup; writes nothing shared.
     pub fn get(&self, key: &FlowKey) -> Option<FlowSnapshot> {
-        self.lookup(key, |t, n| n.snapshot(|s, p| t.timeout(s, p)))
+        self.lookup_with(key, |t, n| n.snapshot(|s, p| t.timeout(s, p)))
     }
 
     /// The handle of `key`'s entry, if present.
     pub fn handle(&self, key: &FlowKey) -> Option<Handle> {
-        self.lookup(key, |_, n| n.cookie()).and_then(|c| {
-            let guard = epoch::pin();
-            let map = self.tenants.load(&guard);
-            let t = map.map.get(&key.tenant.0)?;
-            let pk = PackedKey::new(key);
-            let h = t.table.hash(&pk, t.salt);
-            let i = t.table.index(&guard).find(&self.slab, h, &pk)?;
-            (self.slab.node(i).cookie() == c).then_some(Handle {
-                idx: i,
-                cookie: Cookie(c),
-            })
-        })
+        self.lookup(key).map(|(h, _)| h)
+    }
+
+    /// The data path's read: `key`'s entry (as a handle, for later calls
+    /// without hashing) and its backend; reads one cache line of the entry
+    /// and writes nothing shared.
+    #[inline]
+    pub fn lookup(&self, key: &FlowKey) -> Option<(Handle, BackendId)> {
+        self.lookup_at(&epoch::pin(), key)
+    }
+
+    #[inline]
+    fn lookup_at(&self, guard: &Guard, key: &FlowKey) -> Option<(Handle, BackendId)> {
+        let map = self.tenants.load(guard);
+        let t = map.map.get(&key.tenant.0)?;
+        let pk = PackedKey::new(key);
+        let h = t.table.hash(&pk, t.salt);
+        let idx = t.table.index(guard).find(&self.slab, h, &pk)?;
+        let n = self.slab.node(idx);
+        Some((
+            Handle {
+                idx,
+                cookie: Cookie(n.cookie()),
+            },
+            n.backend(),
+        ))
     }
 
     /// Snapshot of the entry a handle names, if it is still there.
@@ -708,7 +728,7 @@ impl FlowTable {
         dir: Dir,
         bytes: u64,
     ) -> Option<(Cookie, BackendId)> {
-        self.lookup(key, |_, n| n.touch(now, dir == Dir::Out, bytes))
+        self.lookup_with(key, |_, n| n.touch(now, dir == Dir::Out, bytes))
     }
 
     /// [`touch`](Self::touch) through a handle: no hashing, no probing.
@@ -802,7 +822,11 @@ impl FlowTable {
         }
     }
 
-    fn remove_where(&self, key: &FlowKey, check: impl Fn(&Node) -> bool) -> Option<FlowSnapshot> {
+    fn remove_where(
+        &self,
+        key: &FlowKey,
+        check: impl Fn(Node<'_>) -> bool,
+    ) -> Option<FlowSnapshot> {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
         let t = map.map.get(&key.tenant.0)?;
@@ -835,7 +859,7 @@ impl FlowTable {
         t: &Tenant,
         idx: u32,
         guard: &Guard,
-        check: impl Fn(&Node) -> bool,
+        check: impl Fn(Node<'_>) -> bool,
     ) -> Unlink {
         let n = self.slab.node(idx);
         if !n.is_live() || n.tenant() != t.id.0 {
@@ -986,7 +1010,7 @@ impl FlowTable {
                     if !n.is_live() || n.tenant() != id || n.filed_slot() != slot {
                         continue; // stale reference
                     }
-                    let deadline = |n: &Node| {
+                    let deadline = |n: Node<'_>| {
                         n.last_active()
                             .saturating_add(t.timeout(n.state(), n.profile()))
                     };

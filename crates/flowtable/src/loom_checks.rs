@@ -18,7 +18,7 @@ use loom::sync::Arc;
 use loom::thread;
 
 use crate::index::{Hash, Index, Put};
-use crate::node::{Node, PackedKey};
+use crate::node::{Arena, NodeVec, PackedKey};
 use crate::types::{BackendId, FlowInit, FlowState, Millis, ServiceId};
 
 /// `loom::model` with at most 3 preemptions unless `LOOM_MAX_PREEMPTIONS`
@@ -33,7 +33,7 @@ fn model(f: impl Fn() + Sync + Send + 'static) {
 }
 
 struct World {
-    nodes: Box<[Node]>,
+    nodes: NodeVec,
     index: Index,
 }
 
@@ -63,14 +63,14 @@ fn init(w: &World, i: u32, cookie: u64) {
         owner: i,
         profile: 0,
     };
-    w.nodes[i as usize].init(&key(i), &init, cookie, Millis(5));
+    w.nodes.node(i).init(&key(i), &init, cookie, Millis(5));
 }
 
 fn insert(w: &World, i: u32) {
     init(w, i, u64::from(i) + 1);
     let h = Hash::new(hash(i));
     let (home, mut l) = w.index.lock_home(h);
-    let r = home.put(&mut l, &*w.nodes, h, Some(&key(i)), i, 64);
+    let r = home.put(&mut l, &w.nodes, h, Some(&key(i)), i, 64);
     assert!(matches!(r, Put::Done(_)), "insert {i}: {r:?}");
 }
 
@@ -78,14 +78,14 @@ fn remove(w: &World, i: u32) {
     let h = Hash::new(hash(i));
     let (home, mut l) = w.index.lock_home(h);
     assert!(home.unput(&mut l, i), "remove {i}");
-    w.nodes[i as usize].clear_live();
+    w.nodes.node(i).clear_live();
 }
 
 /// `nodes` nodes, entries `0..present` inserted before threads start;
 /// `succ` = a two-bucket successor exists (a resize has started).
 fn world(nodes: u32, present: u32, succ: bool) -> Arc<World> {
     let w = World {
-        nodes: (0..nodes).map(|_| Node::default()).collect(),
+        nodes: NodeVec::new(nodes as usize),
         index: Index::try_new(1).unwrap(),
     };
     if succ {
@@ -102,13 +102,13 @@ fn world(nodes: u32, present: u32, succ: bool) -> Arc<World> {
 
 /// A found node must be exactly entry `i`.
 fn check_found(w: &World, i: u32) -> bool {
-    match w.index.find(&*w.nodes, Hash::new(hash(i)), &key(i)) {
+    match w.index.find(&w.nodes, Hash::new(hash(i)), &key(i)) {
         None => false,
         Some(idx) => {
             // `find` compared the whole key already; the cookie and the
             // backend (written before and after it by `init`) must be there.
             assert_eq!(idx, i);
-            let n = &w.nodes[idx as usize];
+            let n = w.nodes.node(idx);
             assert_eq!(n.cookie(), u64::from(i) + 1, "cookie not published");
             assert_eq!(n.backend(), BackendId(100 + i), "backend not published");
             true
@@ -125,7 +125,7 @@ fn check_bucket_read(w: &World) -> Vec<u32> {
         assert!(s.read_bucket(0, &mut ids) && s.read_bucket(1, &mut ids));
     }
     for &i in &ids {
-        let n = &w.nodes[i as usize];
+        let n = w.nodes.node(i);
         assert_eq!(n.key(), key(i), "dump read a torn key");
         assert_eq!(
             n.cookie(),
@@ -212,7 +212,7 @@ pub fn lookup_and_insert_vs_migration() {
         let mv = Arc::clone(&w);
         let mover = thread::spawn(move || {
             assert!(mv.index.claim() == Some(0));
-            mv.index.migrate(0, &*mv.nodes, &hash);
+            mv.index.migrate(0, &mv.nodes, &hash);
         });
         let wr = Arc::clone(&w);
         let writer = thread::spawn(move || insert(&wr, 3));

@@ -1,6 +1,8 @@
 //! Entry layout and the node arena.
 //!
-//! Every entry is a fixed 112-byte [`Node`] made only of atomics, so a
+//! Every entry is a fixed 112-byte [`Node`] (a 64-byte hot part a lookup
+//! reads and a 48-byte cold part of clocks and counters, in two arrays)
+//! made only of atomics, so a
 //! lock-free reader may read any field while a writer changes others,
 //! without a data race and without `unsafe`. The node *is* the flow: key,
 //! service, backend, state, timers, counters each way, the owner's token and
@@ -105,12 +107,12 @@ impl PackedKey {
     }
 }
 
-/// One entry. `repr(C)`: the key, cookie, service and backend fill the
-/// first cache line (all a lookup or a dump filter reads), the clocks and
-/// counters the second.
-#[repr(C)]
+/// The part of an entry a lookup reads: key, cookie, owner, service and
+/// backend, exactly one cache line (the hot array is 64-byte aligned), so a
+/// lookup that finds its entry touches one line of it.
+#[repr(C, align(64))]
 #[derive(Debug, Default)]
-pub(crate) struct Node {
+pub(crate) struct Hot {
     pub(crate) meta: AtomicU32,
     tenant: AtomicU32,
     ports: AtomicU32,
@@ -122,6 +124,12 @@ pub(crate) struct Node {
     cookie: AtomicU64,
     service: AtomicU32,
     backend: AtomicU32,
+}
+
+/// The part the data path writes (clocks and counters) and listings read.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub(crate) struct Cold {
     last_active: AtomicU64,
     bytes: [AtomicU64; 2],
     packets: [AtomicU64; 2],
@@ -133,30 +141,41 @@ pub(crate) struct Node {
 }
 
 #[cfg(not(loom))]
-const _: () = assert!(std::mem::size_of::<Node>() == 112);
+const _: () = assert!(std::mem::size_of::<Hot>() == 64 && std::mem::size_of::<Cold>() == 48);
 
-impl Node {
+/// One entry: 112 bytes made only of atomics, so a lock-free reader may read
+/// any field while a writer changes others, without a data race and without
+/// `unsafe`. Its two parts live in two arrays at the same index (see
+/// [`Slab`]); this is a view of both.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Node<'a> {
+    h: &'a Hot,
+    c: &'a Cold,
+}
+
+impl Node<'_> {
     /// Writes a fresh entry. Only for a node no reader can reach (just
     /// allocated); the writer then publishes it with a Release store.
     pub(crate) fn init(&self, k: &PackedKey, init: &FlowInit, cookie: u64, now: Millis) {
-        self.tenant.store(k.tenant, Relaxed);
-        self.ports.store(k.ports, Relaxed);
-        self.owner.store(init.owner, Relaxed);
-        self.caddr[0].store(k.caddr[0], Relaxed);
-        self.caddr[1].store(k.caddr[1], Relaxed);
-        self.vaddr[0].store(k.vaddr[0], Relaxed);
-        self.vaddr[1].store(k.vaddr[1], Relaxed);
-        self.cookie.store(cookie, Relaxed);
-        self.last_active.store(now.0, Relaxed);
-        self.created_s
+        self.h.tenant.store(k.tenant, Relaxed);
+        self.h.ports.store(k.ports, Relaxed);
+        self.h.owner.store(init.owner, Relaxed);
+        self.h.caddr[0].store(k.caddr[0], Relaxed);
+        self.h.caddr[1].store(k.caddr[1], Relaxed);
+        self.h.vaddr[0].store(k.vaddr[0], Relaxed);
+        self.h.vaddr[1].store(k.vaddr[1], Relaxed);
+        self.h.cookie.store(cookie, Relaxed);
+        self.c.last_active.store(now.0, Relaxed);
+        self.c
+            .created_s
             .store(u32::try_from(now.0 / 1000).unwrap_or(u32::MAX), Relaxed);
-        self.nat.store(0, Relaxed);
-        for c in self.bytes.iter().chain(self.packets.iter()) {
+        self.c.nat.store(0, Relaxed);
+        for c in self.c.bytes.iter().chain(self.c.packets.iter()) {
             c.store(0, Relaxed);
         }
-        self.service.store(init.service.0, Relaxed);
-        self.backend.store(init.backend.0, Relaxed);
-        self.meta.store(
+        self.h.service.store(init.service.0, Relaxed);
+        self.h.backend.store(init.backend.0, Relaxed);
+        self.h.meta.store(
             LIVE | k.bits
                 | (init.state.code() << STATE_SHIFT)
                 | (UNFILED << SLOT_SHIFT)
@@ -165,118 +184,117 @@ impl Node {
         );
     }
 
-    /// Prefetches both cache lines the node may span.
+    /// Prefetches the line a lookup reads.
     #[inline]
     pub(crate) fn prefetch(&self) {
-        crate::raw::prefetch(&self.meta);
-        crate::raw::prefetch(&self.nat);
+        crate::raw::prefetch(self.h);
     }
 
     /// Full key compare, cheapest-to-differ words first.
     #[inline]
     pub(crate) fn matches(&self, k: &PackedKey) -> bool {
-        self.ports.load(Relaxed) == k.ports
-            && self.caddr[1].load(Relaxed) == k.caddr[1]
-            && self.tenant.load(Relaxed) == k.tenant
-            && self.vaddr[1].load(Relaxed) == k.vaddr[1]
-            && self.caddr[0].load(Relaxed) == k.caddr[0]
-            && self.vaddr[0].load(Relaxed) == k.vaddr[0]
-            && self.meta.load(Relaxed) & KEY_BITS == k.bits
+        self.h.ports.load(Relaxed) == k.ports
+            && self.h.caddr[1].load(Relaxed) == k.caddr[1]
+            && self.h.tenant.load(Relaxed) == k.tenant
+            && self.h.vaddr[1].load(Relaxed) == k.vaddr[1]
+            && self.h.caddr[0].load(Relaxed) == k.caddr[0]
+            && self.h.vaddr[0].load(Relaxed) == k.vaddr[0]
+            && self.h.meta.load(Relaxed) & KEY_BITS == k.bits
     }
 
     pub(crate) fn key(&self) -> PackedKey {
         PackedKey {
-            tenant: self.tenant.load(Relaxed),
-            bits: self.meta.load(Relaxed) & KEY_BITS,
-            ports: self.ports.load(Relaxed),
-            caddr: [self.caddr[0].load(Relaxed), self.caddr[1].load(Relaxed)],
-            vaddr: [self.vaddr[0].load(Relaxed), self.vaddr[1].load(Relaxed)],
+            tenant: self.h.tenant.load(Relaxed),
+            bits: self.h.meta.load(Relaxed) & KEY_BITS,
+            ports: self.h.ports.load(Relaxed),
+            caddr: [self.h.caddr[0].load(Relaxed), self.h.caddr[1].load(Relaxed)],
+            vaddr: [self.h.vaddr[0].load(Relaxed), self.h.vaddr[1].load(Relaxed)],
         }
     }
 
     pub(crate) fn tenant(&self) -> u32 {
-        self.tenant.load(Relaxed)
+        self.h.tenant.load(Relaxed)
     }
 
     pub(crate) fn cookie(&self) -> u64 {
-        self.cookie.load(Relaxed)
+        self.h.cookie.load(Relaxed)
     }
 
     pub(crate) fn is_live(&self) -> bool {
-        self.meta.load(Relaxed) & LIVE != 0
+        self.h.meta.load(Relaxed) & LIVE != 0
     }
 
     pub(crate) fn state(&self) -> FlowState {
-        FlowState::from_code((self.meta.load(Relaxed) & STATE_MASK) >> STATE_SHIFT)
+        FlowState::from_code((self.h.meta.load(Relaxed) & STATE_MASK) >> STATE_SHIFT)
     }
 
     /// Timeout profile (see [`crate::TimeoutOverrides`]).
     pub(crate) fn profile(&self) -> u16 {
-        (self.meta.load(Relaxed) >> PROFILE_SHIFT) as u16
+        (self.h.meta.load(Relaxed) >> PROFILE_SHIFT) as u16
     }
 
     pub(crate) fn last_active(&self) -> u64 {
-        self.last_active.load(Relaxed)
+        self.c.last_active.load(Relaxed)
     }
 
     pub(crate) fn backend(&self) -> BackendId {
-        BackendId(self.backend.load(Relaxed))
+        BackendId(self.h.backend.load(Relaxed))
     }
 
     pub(crate) fn service(&self) -> ServiceId {
-        ServiceId(self.service.load(Relaxed))
+        ServiceId(self.h.service.load(Relaxed))
     }
 
     /// Wheel slot this node was last filed in (`UNFILED` if none).
     pub(crate) fn filed_slot(&self) -> u32 {
-        (self.meta.load(Relaxed) >> SLOT_SHIFT) & UNFILED
+        (self.h.meta.load(Relaxed) >> SLOT_SHIFT) & UNFILED
     }
 
     pub(crate) fn owner(&self) -> u32 {
-        self.owner.load(Relaxed)
+        self.h.owner.load(Relaxed)
     }
 
     pub(crate) fn nat(&self) -> u32 {
-        self.nat.load(Relaxed)
+        self.c.nat.load(Relaxed)
     }
 
     pub(crate) fn set_nat(&self, v: u32) {
-        self.nat.store(v, Relaxed);
+        self.c.nat.store(v, Relaxed);
     }
 
     pub(crate) fn set_filed_slot(&self, slot: u32) {
         debug_assert!(slot <= UNFILED);
-        let _ = self.meta.fetch_update(Relaxed, Relaxed, |m| {
+        let _ = self.h.meta.fetch_update(Relaxed, Relaxed, |m| {
             Some((m & !(UNFILED << SLOT_SHIFT)) | (slot << SLOT_SHIFT))
         });
     }
 
     /// Any thread; the last writer wins.
     pub(crate) fn set_state(&self, st: FlowState) {
-        let _ = self.meta.fetch_update(Relaxed, Relaxed, |m| {
+        let _ = self.h.meta.fetch_update(Relaxed, Relaxed, |m| {
             Some((m & !STATE_MASK) | (st.code() << STATE_SHIFT))
         });
     }
 
     /// Under the bucket lock, after unpublishing.
     pub(crate) fn clear_live(&self) {
-        self.meta.fetch_and(!LIVE, Relaxed);
+        self.h.meta.fetch_and(!LIVE, Relaxed);
     }
 
     /// Lock-free hot path; returns (cookie, backend).
     #[inline]
     pub(crate) fn touch(&self, now: Millis, dir_out: bool, bytes: u64) -> (Cookie, BackendId) {
         let d = usize::from(dir_out);
-        self.bytes[d].fetch_add(bytes, Relaxed);
-        self.packets[d].fetch_add(1, Relaxed);
-        if self.last_active.load(Relaxed) < now.0 {
-            self.last_active.fetch_max(now.0, Relaxed);
+        self.c.bytes[d].fetch_add(bytes, Relaxed);
+        self.c.packets[d].fetch_add(1, Relaxed);
+        if self.c.last_active.load(Relaxed) < now.0 {
+            self.c.last_active.fetch_max(now.0, Relaxed);
         }
         (Cookie(self.cookie()), self.backend())
     }
 
     pub(crate) fn bump_last_active(&self, now: Millis) {
-        self.last_active.fetch_max(now.0, Relaxed);
+        self.c.last_active.fetch_max(now.0, Relaxed);
     }
 
     /// Copies the entry; `timeout` maps a state and a timeout profile to
@@ -290,34 +308,57 @@ impl Node {
             service: self.service(),
             backend: self.backend(),
             state,
-            created: Millis(u64::from(self.created_s.load(Relaxed)) * 1000),
+            created: Millis(u64::from(self.c.created_s.load(Relaxed)) * 1000),
             last_active: Millis(last),
             expires_at: Millis(last.saturating_add(timeout(state, self.profile()))),
-            bytes_in: self.bytes[0].load(Relaxed),
-            bytes_out: self.bytes[1].load(Relaxed),
-            packets_in: self.packets[0].load(Relaxed),
-            packets_out: self.packets[1].load(Relaxed),
+            bytes_in: self.c.bytes[0].load(Relaxed),
+            bytes_out: self.c.bytes[1].load(Relaxed),
+            packets_in: self.c.packets[0].load(Relaxed),
+            packets_out: self.c.packets[1].load(Relaxed),
             owner: self.owner(),
         }
     }
 }
 
-/// Something that maps node indices to nodes (the slab, or a plain slice in
+/// Something that maps node indices to nodes (the slab, or plain vectors in
 /// model-checking tests).
 pub(crate) trait Arena {
-    fn node(&self, i: u32) -> &Node;
+    fn node(&self, i: u32) -> Node<'_>;
 }
 
-impl Arena for [Node] {
-    fn node(&self, i: u32) -> &Node {
-        &self[i as usize]
+/// Nodes in two plain vectors (model-checking tests).
+#[cfg(loom)]
+#[derive(Debug)]
+pub(crate) struct NodeVec {
+    hot: Box<[Hot]>,
+    cold: Box<[Cold]>,
+}
+
+#[cfg(loom)]
+impl NodeVec {
+    pub(crate) fn new(n: usize) -> NodeVec {
+        NodeVec {
+            hot: (0..n).map(|_| Hot::default()).collect(),
+            cold: (0..n).map(|_| Cold::default()).collect(),
+        }
+    }
+}
+
+#[cfg(loom)]
+impl Arena for NodeVec {
+    fn node(&self, i: u32) -> Node<'_> {
+        Node {
+            h: &self.hot[i as usize],
+            c: &self.cold[i as usize],
+        }
     }
 }
 
 /// First chunks grow geometrically (1 Ki, 1 Ki, 2 Ki ... 64 Ki nodes) so a
 /// small table stays small; past 128 Ki nodes every chunk holds 128 Ki
-/// nodes = 14 MiB = exactly 7 huge pages (see `raw::HugeArray`), so the last
-/// chunk wastes at most 14 MiB whatever the size.
+/// nodes = 8 MiB of hot parts + 6 MiB of cold parts = exactly 4 + 3 huge
+/// pages (see `raw::HugeArray`), so the last chunk wastes at most 14 MiB
+/// whatever the size.
 /// Indices are 28 bits (the wheel's filing references keep 4 cookie bits
 /// above them), so a `FlowTable` holds at most 2^28 - 1 (~268 M) entries.
 const SMALL: u32 = 1024;
@@ -330,8 +371,39 @@ const CHUNKS: usize = SMALL_CHUNKS + (1 << (IDX_BITS - BIG_SHIFT)) - 1;
 /// table, addressed by 28-bit indices. Index `NIL` is never handed out.
 #[derive(Debug)]
 pub(crate) struct Slab {
-    dir: Box<[OnceLock<HugeArray<Node>>]>,
+    dir: Box<[OnceLock<Chunk>]>,
     high: std::sync::atomic::AtomicU64,
+}
+
+/// One chunk of nodes: the hot parts and the cold parts, same indices.
+#[derive(Debug)]
+struct Chunk {
+    hot: HugeArray<Hot>,
+    cold: HugeArray<Cold>,
+}
+
+impl Chunk {
+    fn zeroed(len: usize) -> Chunk {
+        fn array<T: crate::raw::Zeroable + Default>(len: usize) -> HugeArray<T> {
+            HugeArray::zeroed(len).unwrap_or_else(|| {
+                std::alloc::handle_alloc_error(
+                    std::alloc::Layout::array::<T>(len).expect("chunk layout"),
+                )
+            })
+        }
+        Chunk {
+            hot: array(len),
+            cold: array(len),
+        }
+    }
+
+    #[inline]
+    fn get(&self, off: usize) -> Option<Node<'_>> {
+        Some(Node {
+            h: self.hot.get(off)?,
+            c: self.cold.get(off)?,
+        })
+    }
 }
 
 /// (chunk, offset, chunk length) of an index.
@@ -376,13 +448,7 @@ impl Slab {
         let mut i = start;
         while i < end {
             let (c, off, len) = locate(i);
-            self.dir[c].get_or_init(|| {
-                HugeArray::zeroed(len).unwrap_or_else(|| {
-                    std::alloc::handle_alloc_error(
-                        std::alloc::Layout::array::<Node>(len).expect("chunk layout"),
-                    )
-                })
-            });
+            self.dir[c].get_or_init(|| Chunk::zeroed(len));
             i += (len - off) as u32;
         }
         Some(start..end)
@@ -394,16 +460,16 @@ impl Slab {
             .dir
             .iter()
             .filter_map(|c| c.get())
-            .map(|c| c.bytes())
+            .map(|c| c.hot.bytes() + c.cold.bytes())
             .sum();
-        chunks + self.dir.len() * std::mem::size_of::<OnceLock<HugeArray<Node>>>()
+        chunks + self.dir.len() * std::mem::size_of::<OnceLock<Chunk>>()
     }
 }
 
 impl Slab {
     /// The node at `i` if `i` was ever handed out (for handles, which a
     /// caller could carry from one table to another).
-    pub(crate) fn node_checked(&self, i: u32) -> Option<&Node> {
+    pub(crate) fn node_checked(&self, i: u32) -> Option<Node<'_>> {
         let (c, off, _) = locate(i);
         self.dir.get(c)?.get()?.get(off)
     }
@@ -411,12 +477,16 @@ impl Slab {
 
 impl Arena for Slab {
     #[inline]
-    fn node(&self, i: u32) -> &Node {
+    fn node(&self, i: u32) -> Node<'_> {
         let (c, off, _) = locate(i);
         // Invariant: only indices returned by `alloc_block` (whose chunks are
         // initialised before the index is handed out) are ever linked or
         // filed, so the chunk exists.
-        &self.dir[c].get().expect("node index from alloc_block")[off]
+        let ch = self.dir[c].get().expect("node index from alloc_block");
+        Node {
+            h: &ch.hot[off],
+            c: &ch.cold[off],
+        }
     }
 }
 

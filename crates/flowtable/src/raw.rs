@@ -101,10 +101,14 @@ pub(crate) unsafe trait Zeroable {}
 // SAFETY: an all-zero AtomicU32 is the value 0.
 #[cfg(not(loom))]
 unsafe impl Zeroable for std::sync::atomic::AtomicU32 {}
-// SAFETY: `Node` is `repr(C)` and consists only of std `AtomicU32` and
-// `AtomicU64` fields (and arrays of them), each valid as all zeros.
+// SAFETY: `Hot` and `Cold` are `repr(C)` and consist only of std
+// `AtomicU32` and `AtomicU64` fields (and arrays of them), each valid as all
+// zeros (padding, if any, needs no valid value).
 #[cfg(not(loom))]
-unsafe impl Zeroable for crate::node::Node {}
+unsafe impl Zeroable for crate::node::Hot {}
+// SAFETY: as for `Hot` above.
+#[cfg(not(loom))]
+unsafe impl Zeroable for crate::node::Cold {}
 // SAFETY: `Bucket` is `repr(C)` and consists only of std `AtomicU32` and
 // `AtomicU64` fields (and an array of them), each valid as all zeros (an
 // all-zero bucket is an empty, unlocked one).

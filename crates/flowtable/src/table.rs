@@ -84,7 +84,7 @@ pub(crate) fn ref_idx(r: u32) -> u32 {
 /// Whether `n` (at [`ref_idx`]`(r)`) is live and still the entry `r` was
 /// made for (up to the 4 cookie bits).
 #[inline]
-pub(crate) fn ref_current(r: u32, n: &Node) -> bool {
+pub(crate) fn ref_current(r: u32, n: Node<'_>) -> bool {
     n.is_live() && filing_ref(0, n.cookie()) == r & !NIL
 }
 

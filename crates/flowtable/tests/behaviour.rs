@@ -639,4 +639,12 @@ fn touch_hit_names_the_entry_and_its_owner() {
     assert_eq!(hit.backend, BackendId(2));
     assert_eq!(t.get_handle(h).unwrap().bytes_in, 100);
     assert_eq!(t.touch_hit(&key(1, 2), Millis(5), Dir::In, 1), None);
+    // The read-only lookup: same handle, the backend, nothing counted.
+    assert_eq!(t.lookup(&key(1, 1)), Some((h, BackendId(2))));
+    assert_eq!(t.reader().lookup(&key(1, 1)), Some((h, BackendId(2))));
+    assert_eq!(t.handle(&key(1, 1)), Some(h));
+    assert_eq!(t.lookup(&key(1, 2)), None);
+    assert_eq!(t.get_handle(h).unwrap().packets_in, 1);
+    t.remove_handle(h).unwrap();
+    assert_eq!(t.lookup(&key(1, 1)), None);
 }

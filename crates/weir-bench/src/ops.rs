@@ -37,8 +37,10 @@ pub(crate) struct OpsArgs {
 /// One operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(crate) enum Op {
-    /// `get` of present keys.
+    /// `get` of present keys (a full snapshot).
     Get,
+    /// `lookup` of present keys (handle and backend: the data path's read).
+    Lookup,
     /// `touch` (the data path's lookup, writes counters) of present keys.
     Touch,
     /// `get` of absent keys.
@@ -142,6 +144,7 @@ pub(crate) fn run(a: &OpsArgs) -> Result<()> {
         for j in 0..ops {
             found += u64::from(match op {
                 Op::Get => t.get(&key(mix(j) % n)).is_some(),
+                Op::Lookup => t.lookup(&key(mix(j) % n)).is_some(),
                 Op::Touch => t.touch(&key(mix(j) % n), Millis(1), Dir::In, 10).is_some(),
                 _ => t.get(&key(n + mix(j) % n)).is_some(),
             });
@@ -159,7 +162,7 @@ pub(crate) fn run(a: &OpsArgs) -> Result<()> {
         Ok(())
     };
     match a.op {
-        Op::Get | Op::Touch | Op::Miss => {
+        Op::Get | Op::Lookup | Op::Touch | Op::Miss => {
             let found = lookups(a.op);
             println!("{:?} x {ops}: found {found}", a.op);
         }
@@ -188,7 +191,7 @@ pub(crate) fn run(a: &OpsArgs) -> Result<()> {
         }
         Op::Dump => dumps(&t),
         Op::All => {
-            for op in [Op::Get, Op::Touch, Op::Miss] {
+            for op in [Op::Get, Op::Lookup, Op::Touch, Op::Miss] {
                 let t0 = now();
                 let found = lookups(op);
                 println!(

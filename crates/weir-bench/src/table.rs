@@ -365,7 +365,7 @@ fn reader_lookups(
         let mut ok = 0;
         for b in 0..READER_BATCH {
             let i = pick(0x5eed, th, j * READER_BATCH + b, n) + if hit { 0 } else { n };
-            ok += u64::from(rd.get(&key(TENANT, i)).is_some());
+            ok += u64::from(rd.lookup(&key(TENANT, i)).is_some());
         }
         ok
     });

@@ -73,8 +73,9 @@ impl<T: ConcMap> Ops for &T {
 }
 
 /// weir's flow table with one shared tenant ([`TENANT`](super::TENANT)).
-/// Lookups use `get` (read-only, returns a snapshot) or, with `touch`, the
-/// data path's `touch` (also bumps the entry's counters).
+/// Lookups use `lookup` (read-only; the handle and the backend, as the
+/// peers return one field) or, with `touch`, the data path's `touch` (also
+/// bumps the entry's counters).
 #[derive(Debug)]
 pub(crate) struct Weir {
     pub(crate) table: FlowTable,
@@ -119,7 +120,7 @@ impl ConcMap for Weir {
                 .touch(k, Millis(2), Dir::In, 64)
                 .map(|(_, b)| b.0)
         } else {
-            self.table.get(k).map(|s| s.backend.0)
+            self.table.lookup(k).map(|(_, b)| b.0)
         }
     }
     fn c_remove(&self, k: &Key) -> bool {
