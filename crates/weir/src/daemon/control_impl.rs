@@ -324,13 +324,7 @@ impl ConnMatch {
     /// The entry's service and backend address, if it passes.
     fn check(&self, snap: &FlowSnapshot) -> Option<(&Arc<Service>, Option<String>)> {
         let svc = self.services.get(&snap.service.0)?;
-        let backend = svc
-            .set
-            .read()
-            .backends
-            .iter()
-            .find(|b| b.id == snap.backend.0)
-            .map(|b| b.addr.to_string());
+        let backend = svc.backend(snap.backend.0).map(|b| b.addr.to_string());
         let ok = self
             .service
             .as_ref()

@@ -956,13 +956,7 @@ impl Shared {
                 st.services.values().map(|s| (s.id, s.clone())).collect()
             });
             if let Some(svc) = services.get(&snap.service.0) {
-                let backend = svc
-                    .set
-                    .read()
-                    .backends
-                    .iter()
-                    .find(|b| b.id == snap.backend.0)
-                    .cloned();
+                let backend = svc.backend(snap.backend.0);
                 self.settle(snap, svc, backend.as_ref(), why.name());
             }
         }
@@ -1443,6 +1437,16 @@ impl Drop for ClientSlot {
 }
 
 impl Service {
+    /// The backend with id `id`, if it is still in the service's set.
+    pub(crate) fn backend(&self, id: u32) -> Option<Arc<Backend>> {
+        self.set
+            .read()
+            .backends
+            .iter()
+            .find(|b| b.id == id)
+            .cloned()
+    }
+
     /// A place for one more TCP connection from `client` under the
     /// service's `tcp_max_connections_per_client` (`None`: no limit, nothing
     /// counted), or [`Refusal::TcpClientLimit`]. Connections accepted while
