@@ -411,7 +411,6 @@ impl Control for LiveControl {
         }
         let timeouts = super::resolve_timeouts(&spec)?;
         super::check_fences(&spec)?;
-        *t.timeouts.write() = timeouts;
         *t.spec.write() = spec;
         // Services' own timeouts are profiles over these: they follow.
         let _ = self.0.table.set_timeouts(TenantId(t.id), timeouts);

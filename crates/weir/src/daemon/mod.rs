@@ -478,9 +478,6 @@ pub(crate) struct Tenant {
     pub(crate) stat: Stat,
     /// "own" or "shared" (what the flow table granted).
     pub(crate) placement: String,
-    /// `[tenant.timeouts]` resolved (IPVS defaults for absent keys); the
-    /// TCP proxy reads `established` and `fin_wait`, UDP sessions `udp`.
-    pub(crate) timeouts: RwLock<Timeouts>,
     /// `max_new_per_s`, as a token bucket.
     new_conns: NewConnLimit,
     pub(crate) deleted: CancellationToken,
@@ -1140,7 +1137,6 @@ impl Shared {
         let t = Arc::new(Tenant {
             id,
             placement,
-            timeouts: RwLock::new(timeouts),
             spec: RwLock::new(spec.clone()),
             active: AtomicU64::new(0),
             refused: AtomicU64::new(0),
