@@ -197,7 +197,13 @@ pub fn translate_error(
     t: &Translation,
 ) -> Result<(), RewriteError> {
     let v4 = pkt.version == IpVersion::V4;
-    if frame.len() < pkt.end || emb.l4 + 8 > pkt.end || emb.l3 < pkt.l4 + 8 {
+    let hdr = if v4 { 20 } else { 40 };
+    if frame.len() < pkt.end
+        || emb.l4 + 8 > pkt.end
+        || emb.l3 < pkt.l4 + 8
+        || emb.l4 < emb.l3 + hdr
+        || pkt.l4 < pkt.l3 + hdr
+    {
         return Err(RewriteError::Truncated);
     }
     for a in [t.src, t.dst].into_iter().flatten() {

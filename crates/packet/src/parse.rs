@@ -739,6 +739,8 @@ mod tests {
     }
 
     proptest! {
+        #![proptest_config(ProptestConfig::with_cases(3000))]
+
         /// Arbitrary bytes never panic, and an accepted frame's offsets lie
         /// within it.
         #[test]
@@ -751,11 +753,20 @@ mod tests {
         /// Random corruption of a valid frame (the likelier way to reach
         /// deep code paths) never panics either.
         #[test]
-        fn never_panics_on_corrupted_frames(v6 in any::<bool>(), udp in any::<bool>(),
+        fn never_panics_on_corrupted_frames(v6 in any::<bool>(), kind in 0..3u8,
                                             flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
                                             cut in any::<prop::sample::Index>()) {
             let (s, d) = if v6 { ("[::1]:1", "[::2]:2") } else { ("1.1.1.1:1", "2.2.2.2:2") };
-            let mut f = build(&Spec::new(if udp { IPPROTO_UDP } else { IPPROTO_TCP }, sa(s), sa(d)));
+            let mut f = match kind {
+                0 => build(&Spec::new(IPPROTO_TCP, sa(s), sa(d))),
+                1 => build(&Spec::new(IPPROTO_UDP, sa(s), sa(d))),
+                _ => {
+                    // An ICMP error quoting a TCP packet.
+                    let inner = build(&Spec::new(IPPROTO_TCP, sa(d), sa(s)));
+                    let ty = if v6 { 2 } else { 3 };
+                    crate::testutil::icmp_error(sa(d), sa(s), ty, 4, 1280, &inner[14..])
+                }
+            };
             for (i, b) in flips {
                 let i = i.index(f.len());
                 f[i] = b;
@@ -763,7 +774,23 @@ mod tests {
             let n = cut.index(f.len() + 1);
             if let Ok(p) = parse(&f[..n]) {
                 prop_assert!(p.l3 < p.l4 && p.l4 <= p.end && p.end <= n);
-                let _ = crate::icmp::parse_error(&f[..n], &p);
+                // Whatever parses can be rewritten without a panic.
+                let m = crate::NatMapping {
+                    client: sa(s),
+                    vip: sa(d),
+                    backend: sa(d),
+                    local: Some(sa(s)),
+                };
+                let hop = crate::NextHop { src_mac: [1; 6], dst_mac: [2; 6] };
+                let mut g = f[..n].to_vec();
+                for method in [crate::Method::Dr, crate::Method::Nat, crate::Method::Fnat] {
+                    for dir in [crate::Direction::ToBackend, crate::Direction::ToClient] {
+                        let _ = crate::rewrite(&mut g, &p, method, dir, &m, &hop, crate::CsumMode::Full);
+                        if let Ok(Some(e)) = crate::icmp::parse_error(&g, &p) {
+                            let _ = crate::icmp::rewrite_error(&mut g, &p, &e, method, dir, &m, &hop);
+                        }
+                    }
+                }
             }
         }
     }
