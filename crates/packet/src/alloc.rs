@@ -1,5 +1,5 @@
 //! fnat source-port allocation, one [`PortAllocator`] per (local address,
-//! backend).
+//! backend), and [`FnatPorts`] over all local addresses.
 //!
 //! Under full NAT a flow leaves weir as `local:lport → backend:bport` and the
 //! backend's replies come back to `local:lport`, so `lport` names the flow on
@@ -16,7 +16,10 @@
 //! bytes per released port. It does no I/O and reads no clock or RNG: the
 //! seed is the caller's.
 
-use std::collections::VecDeque;
+use std::collections::hash_map::{DefaultHasher, Entry};
+use std::collections::{HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::net::{IpAddr, SocketAddr};
 use std::ops::RangeInclusive;
 
 /// Why a port could not be allocated or released.
@@ -34,6 +37,9 @@ pub enum PortError {
     /// The range is empty.
     #[error("empty port range")]
     EmptyRange,
+    /// No local address of the backend's address family.
+    #[error("no fnat local address of the backend's address family")]
+    NoLocalAddress,
 }
 
 /// Allocates ports of one range for one (local address, backend).
@@ -148,6 +154,88 @@ impl PortAllocator {
     }
 }
 
+/// fnat ports for every (local address, backend): the local addresses of
+/// `[packet] local_addresses`, one [`PortAllocator`] per pair, created on
+/// first use. A backend gets a port from the first local address of its
+/// family (in rotating order) that has one free.
+#[derive(Debug, Clone)]
+pub struct FnatPorts {
+    locals: Vec<IpAddr>,
+    range: RangeInclusive<u16>,
+    seed: u64,
+    next: usize,
+    pools: HashMap<(IpAddr, SocketAddr), PortAllocator>,
+}
+
+impl FnatPorts {
+    /// Ports of `range` on each of `locals`; `seed` fixes every allocator's
+    /// order (each pair derives its own from it).
+    pub fn new(
+        locals: Vec<IpAddr>,
+        range: RangeInclusive<u16>,
+        seed: u64,
+    ) -> Result<FnatPorts, PortError> {
+        if range.start() > range.end() {
+            return Err(PortError::EmptyRange);
+        }
+        Ok(FnatPorts {
+            locals,
+            range,
+            seed,
+            next: 0,
+            pools: HashMap::new(),
+        })
+    }
+
+    /// A local address and port for a new flow to `backend`.
+    /// [`PortError::NoLocalAddress`] when no local address has the backend's
+    /// family; [`PortError::Exhausted`] when every one of them is out of
+    /// ports for this backend.
+    pub fn allocate(&mut self, backend: SocketAddr) -> Result<SocketAddr, PortError> {
+        let n = self.locals.len();
+        let mut any = false;
+        for i in 0..n {
+            let local = self.locals[(self.next + i) % n];
+            if local.is_ipv4() != backend.is_ipv4() {
+                continue;
+            }
+            any = true;
+            let pool = match self.pools.entry((local, backend)) {
+                Entry::Occupied(e) => e.into_mut(),
+                Entry::Vacant(e) => {
+                    let mut h = DefaultHasher::new();
+                    (self.seed, local, backend).hash(&mut h);
+                    e.insert(PortAllocator::new(self.range.clone(), h.finish())?)
+                }
+            };
+            if let Ok(port) = pool.allocate() {
+                self.next = (self.next + i + 1) % n;
+                return Ok(SocketAddr::new(local, port));
+            }
+        }
+        Err(if any {
+            PortError::Exhausted
+        } else {
+            PortError::NoLocalAddress
+        })
+    }
+
+    /// Releases the mapping `local` of a flow to `backend`.
+    pub fn release(&mut self, local: SocketAddr, backend: SocketAddr) -> Result<(), PortError> {
+        self.pools
+            .get_mut(&(local.ip(), backend))
+            .ok_or(PortError::NotAllocated(local.port()))?
+            .release(local.port())
+    }
+
+    /// Whether `local` is a live mapping towards `backend`.
+    pub fn is_live(&self, local: SocketAddr, backend: SocketAddr) -> bool {
+        self.pools
+            .get(&(local.ip(), backend))
+            .is_some_and(|p| p.is_live(local.port()))
+    }
+}
+
 fn gcd(mut a: u32, mut b: u32) -> u32 {
     while b != 0 {
         (a, b) = (b, a % b);
@@ -240,6 +328,35 @@ mod tests {
         };
         assert_eq!(order(1), order(1));
         assert_ne!(order(1), order(2));
+    }
+
+    #[test]
+    fn fnat_ports_spread_over_local_addresses_of_the_family() {
+        let l1: IpAddr = "10.0.1.1".parse().expect("ip");
+        let l2: IpAddr = "10.0.1.9".parse().expect("ip");
+        let l6: IpAddr = "fd00::1".parse().expect("ip");
+        let b: SocketAddr = "10.0.1.2:80".parse().expect("addr");
+        let b2: SocketAddr = "10.0.1.3:80".parse().expect("addr");
+        let b6: SocketAddr = "[fd00::2]:80".parse().expect("addr");
+        let mut f = FnatPorts::new(vec![l1, l6, l2], 5000..=5001, 1).expect("pool");
+        let mut got = HashSet::new();
+        for _ in 0..4 {
+            let a = f.allocate(b).expect("free");
+            assert!(a.ip() == l1 || a.ip() == l2);
+            assert!(f.is_live(a, b));
+            assert!(got.insert(a), "{a} handed out twice");
+        }
+        assert_eq!(f.allocate(b), Err(PortError::Exhausted));
+        // Ports are per backend: another backend has the whole range.
+        assert!(f.allocate(b2).is_ok());
+        assert_eq!(f.allocate(b6).map(|a| a.ip()), Ok(l6));
+        let a = *got.iter().next().expect("one");
+        f.release(a, b).expect("live");
+        assert!(!f.is_live(a, b));
+        assert_eq!(f.release(a, b), Err(PortError::NotAllocated(a.port())));
+        assert_eq!(f.allocate(b), Ok(a));
+        let mut v4only = FnatPorts::new(vec![l1], 1..=10, 0).expect("pool");
+        assert_eq!(v4only.allocate(b6), Err(PortError::NoLocalAddress));
     }
 
     #[derive(Debug, Clone)]

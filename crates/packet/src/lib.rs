@@ -59,7 +59,7 @@ pub mod tcp_state;
 #[cfg(test)]
 mod testutil;
 
-pub use alloc::{PortAllocator, PortError};
+pub use alloc::{FnatPorts, PortAllocator, PortError};
 pub use checksum::CsumMode;
 pub use icmp::{Embedded, EmbeddedError, ErrorKind};
 pub use parse::{IpVersion, Packet, TcpFlags, Transport, Unhandled, parse};

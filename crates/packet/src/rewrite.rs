@@ -403,6 +403,32 @@ mod tests {
         verify(&f, CsumMode::Full).expect("ip checksum");
     }
 
+    /// A rewrite whose new checksum computes to 0: UDP sends it as 0xffff
+    /// (0 means "no checksum"), TCP as 0.
+    #[test]
+    fn computed_zero_checksum() {
+        let m = mapping4();
+        for (proto, want) in [(IPPROTO_UDP, 0xffff), (IPPROTO_TCP, 0)] {
+            let mut f = build(&Spec::new(proto, m.client, m.vip));
+            let p = parse(&f).expect("valid");
+            let at = p.l4 + l4_csum_offset(proto);
+            let hc = u16::from_be_bytes([f[at], f[at + 1]]);
+            // The port m' with ~HC + ~m + m' = 0xffff, i.e. HC' = 0.
+            let port = !checksum::add(!hc, !m.vip.port());
+            let t = Translation {
+                src: None,
+                dst: Some(SocketAddr::new(m.vip.ip(), port)),
+            };
+            translate(&mut f, &p, &t, CsumMode::Full).expect("translate");
+            assert_eq!(
+                u16::from_be_bytes([f[at], f[at + 1]]),
+                want,
+                "proto {proto}"
+            );
+            verify(&f, CsumMode::Full).expect("checksums");
+        }
+    }
+
     #[test]
     fn partial_mode_ignores_ports_but_folds_addresses() {
         let m = mapping4();
