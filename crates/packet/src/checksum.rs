@@ -59,8 +59,8 @@ pub fn fold(mut sum: u32) -> u16 {
 /// padded with zero), added to `initial`. Returns the unfolded accumulator;
 /// [`fold`] it, or [`finish`] it into a checksum.
 ///
-/// The accumulator cannot overflow for any slice shorter than 128 KiB per
-/// call; callers fold between calls ([`fold`] keeps `u32` headroom).
+/// Accumulates in 64 bits and folds the carries back in, so any slice
+/// length is fine; the result is congruent (mod 0xffff) to the true sum.
 pub fn sum(data: &[u8], initial: u32) -> u32 {
     let mut acc = u64::from(initial);
     let mut chunks = data.chunks_exact(2);

@@ -23,6 +23,7 @@
 use weir_flowtable::FlowState;
 
 use crate::parse::TcpFlags;
+use crate::rewrite::{Direction, Method};
 
 /// The states of the table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -56,6 +57,18 @@ pub enum TcpDir {
     Output,
     /// Client → backend, replies never seen (dr).
     InputOnly,
+}
+
+impl TcpDir {
+    /// The table for a packet of a flow forwarded with `method` travelling
+    /// `direction`: `dr` sees only its input.
+    pub fn of(method: Method, direction: Direction) -> TcpDir {
+        match (method, direction) {
+            (Method::Dr, _) => TcpDir::InputOnly,
+            (_, Direction::ToBackend) => TcpDir::Input,
+            (_, Direction::ToClient) => TcpDir::Output,
+        }
+    }
 }
 
 /// The flag class of a packet, by precedence RST > SYN > FIN > ACK; `None`
@@ -259,6 +272,14 @@ mod tests {
                 assert_eq!(next(s, d, TcpFlags(TcpFlags::PSH)), s);
             }
         }
+    }
+
+    #[test]
+    fn direction_picks_the_table() {
+        use crate::rewrite::{Direction as D, Method as M};
+        assert_eq!(TcpDir::of(M::Dr, D::ToBackend), TcpDir::InputOnly);
+        assert_eq!(TcpDir::of(M::Nat, D::ToBackend), TcpDir::Input);
+        assert_eq!(TcpDir::of(M::Fnat, D::ToClient), TcpDir::Output);
     }
 
     #[test]
