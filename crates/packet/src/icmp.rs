@@ -448,6 +448,47 @@ mod tests {
         assert_eq!(parse_error(&f, &p), Err(EmbeddedError::NotTcpUdp(1)));
     }
 
+    #[test]
+    fn quoted_ipv4_options_are_skipped_by_ihl() {
+        let m = NatMapping {
+            client: sa("192.0.2.7:40000"),
+            vip: sa("10.0.0.100:80"),
+            backend: sa("10.0.1.2:8080"),
+            local: None,
+        };
+        // The quoted reply carries 4 bytes of options (NOP NOP NOP EOL).
+        let plain = quoted(&Spec::new(crate::parse::IPPROTO_UDP, m.vip, m.client));
+        let mut inner = plain[..20].to_vec();
+        inner[0] = 0x46;
+        inner.extend_from_slice(&[1, 1, 1, 0]);
+        inner.extend_from_slice(&plain[20..]);
+        let total = inner.len() as u16;
+        inner[2..4].copy_from_slice(&total.to_be_bytes());
+        inner[10..12].copy_from_slice(&[0, 0]);
+        let c = crate::checksum::ipv4_header_checksum(&inner[..24]);
+        inner[10..12].copy_from_slice(&c.to_be_bytes());
+        let mut f = icmp_error(sa("198.51.100.1:0"), m.vip, 3, 3, 0, &inner);
+        let p = parse(&f).expect("valid");
+        let emb = parse_error(&f, &p).expect("ok").expect("error");
+        assert_eq!(emb.l4 - emb.l3, 24);
+        assert_eq!((emb.tuple.src, emb.tuple.dst), (m.vip, m.client));
+        rewrite_error(
+            &mut f,
+            &p,
+            &emb,
+            Method::Nat,
+            Direction::ToBackend,
+            &m,
+            &HOP,
+        )
+        .expect("translated");
+        verify(&f, CsumMode::Full).expect("checksums, quoted ones included");
+        let e = parse_error(&f, &parse(&f).expect("valid"))
+            .expect("ok")
+            .expect("error");
+        assert_eq!((e.tuple.src, e.tuple.dst), (m.backend, m.client));
+    }
+
     fn endpoint(v6: bool) -> impl Strategy<Value = SocketAddr> {
         (any::<u32>(), any::<u128>(), any::<u16>()).prop_map(move |(a4, a6, port)| {
             if v6 {

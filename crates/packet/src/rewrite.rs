@@ -555,6 +555,7 @@ mod tests {
                     0..=10usize,
                     any::<bool>(),
                     proptest::option::of(0..4096u16),
+                    any::<(u8, u16)>(),
                 )
                     .prop_map(
                         move |(
@@ -565,6 +566,7 @@ mod tests {
                             opts,
                             no_csum,
                             vlan,
+                            (tos, id),
                         )| {
                             let mapping = NatMapping {
                                 client,
@@ -590,6 +592,8 @@ mod tests {
                             };
                             spec.udp_no_csum = no_csum && !partial;
                             spec.vlan = vlan;
+                            spec.tos = tos;
+                            spec.id = id;
                             Case {
                                 spec,
                                 mapping,

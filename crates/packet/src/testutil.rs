@@ -26,6 +26,9 @@ pub(crate) struct Spec {
     pub udp_no_csum: bool,
     /// Trailer bytes after the IP packet (Ethernet padding).
     pub trailer: usize,
+    /// IPv4 TOS / IPv6 traffic class and IPv4 id / IPv6 flow label bits.
+    pub tos: u8,
+    pub id: u16,
 }
 
 impl Spec {
@@ -42,6 +45,8 @@ impl Spec {
             mode: CsumMode::Full,
             udp_no_csum: false,
             trailer: 0,
+            tos: 0,
+            id: 0x1234,
         }
     }
 }
@@ -142,7 +147,18 @@ pub(crate) fn ethernet(ip: &[u8], v6: bool, vlan: Option<u16>, trailer: usize) -
 
 pub(crate) fn build(s: &Spec) -> Vec<u8> {
     let seg = l4_segment(s);
-    let ip = ip_packet(s.src, s.dst, s.proto, s.ttl, &seg);
+    let mut ip = ip_packet(s.src, s.dst, s.proto, s.ttl, &seg);
+    if s.src.is_ipv4() {
+        ip[1] = s.tos;
+        ip[4..6].copy_from_slice(&s.id.to_be_bytes());
+        ip[10..12].copy_from_slice(&[0, 0]);
+        let c = checksum::ipv4_header_checksum(&ip[..20]);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+    } else {
+        ip[0] = 0x60 | (s.tos >> 4);
+        ip[1] = (s.tos << 4) | (s.id >> 12) as u8;
+        ip[2..4].copy_from_slice(&(s.id << 4).to_be_bytes());
+    }
     ethernet(&ip, s.src.is_ipv6(), s.vlan, s.trailer)
 }
 
