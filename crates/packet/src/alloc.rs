@@ -1,0 +1,424 @@
+//! fnat source-port allocation, one [`PortAllocator`] per (local address,
+//! backend), and [`FnatPorts`] over all local addresses.
+//!
+//! Under full NAT a flow leaves weir as `local:lport → backend:bport` and the
+//! backend's replies come back to `local:lport`, so `lport` names the flow on
+//! the backend side: two live flows to the same backend from the same local
+//! address must never share it. Ports are per backend (as DPVS's `sa_pool`),
+//! so each backend can have the whole range.
+//!
+//! The allocator hands out ports of its range in a seeded pseudo-random
+//! order (an off-path observer cannot predict the next port, and tests
+//! replay with the same seed), then reuses released ports oldest first: a
+//! port released long ago is the least likely to still have a TIME_WAIT
+//! socket on the backend. Every operation is O(1) (amortised, for the FIFO
+//! of released ports); memory is one bit per port of the range plus two
+//! bytes per released port. It does no I/O and reads no clock or RNG: the
+//! seed is the caller's.
+
+use std::collections::hash_map::{DefaultHasher, Entry};
+use std::collections::{HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::net::{IpAddr, SocketAddr};
+use std::ops::RangeInclusive;
+
+/// Why a port could not be allocated or released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum PortError {
+    /// Every port of the range is live: refuse the new flow and count it.
+    #[error("all ports of the fnat range are in use")]
+    Exhausted,
+    /// Released a port outside the allocator's range.
+    #[error("port {0} is outside the allocator's range")]
+    OutOfRange(u16),
+    /// Released a port that is not live (a double release).
+    #[error("port {0} is not allocated")]
+    NotAllocated(u16),
+    /// The range is empty.
+    #[error("empty port range")]
+    EmptyRange,
+    /// No local address of the backend's address family.
+    #[error("no fnat local address of the backend's address family")]
+    NoLocalAddress,
+}
+
+/// Allocates ports of one range for one (local address, backend).
+#[derive(Debug, Clone)]
+pub struct PortAllocator {
+    first: u16,
+    size: u32,
+    /// Ports never handed out are visited as `first + (start + i * stride)
+    /// mod size` for `i` in `0..size`: a permutation, since `stride` is
+    /// coprime with `size`.
+    start: u32,
+    stride: u32,
+    fresh: u32,
+    /// Released ports, oldest first.
+    released: VecDeque<u16>,
+    live: Vec<u64>,
+    live_count: u32,
+}
+
+impl PortAllocator {
+    /// An allocator over `range` (e.g. `32768..=60999`); `seed` fixes the
+    /// order in which ports are first handed out.
+    pub fn new(range: RangeInclusive<u16>, seed: u64) -> Result<PortAllocator, PortError> {
+        let (first, last) = (*range.start(), *range.end());
+        if first > last {
+            return Err(PortError::EmptyRange);
+        }
+        let size = u32::from(last - first) + 1;
+        let mut x = seed;
+        let start = (splitmix(&mut x) % u64::from(size)) as u32;
+        let mut stride = (splitmix(&mut x) % u64::from(size)) as u32;
+        // Bounded: consecutive integers are coprime, so at most `size` steps
+        // (in practice a handful) find a stride coprime with `size`.
+        for _ in 0..=size {
+            if stride != 0 && gcd(stride, size) == 1 {
+                break;
+            }
+            stride = (stride + 1) % size;
+        }
+        if size == 1 {
+            stride = 1;
+        }
+        Ok(PortAllocator {
+            first,
+            size,
+            start,
+            stride,
+            fresh: 0,
+            released: VecDeque::new(),
+            live: vec![0; (size as usize).div_ceil(64)],
+            live_count: 0,
+        })
+    }
+
+    /// A free port, now live. [`PortError::Exhausted`] when every port of
+    /// the range is live.
+    pub fn allocate(&mut self) -> Result<u16, PortError> {
+        let port = if self.fresh < self.size {
+            let i = self.fresh;
+            self.fresh += 1;
+            let off = (u64::from(self.start) + u64::from(i) * u64::from(self.stride))
+                % u64::from(self.size);
+            self.first + off as u16
+        } else {
+            self.released.pop_front().ok_or(PortError::Exhausted)?
+        };
+        let (w, b) = self.slot(port);
+        debug_assert!(self.live[w] & b == 0, "allocator handed out a live port");
+        self.live[w] |= b;
+        self.live_count += 1;
+        Ok(port)
+    }
+
+    /// Releases a live port; it is handed out again after every port
+    /// released before it.
+    pub fn release(&mut self, port: u16) -> Result<(), PortError> {
+        if port < self.first || u32::from(port - self.first) >= self.size {
+            return Err(PortError::OutOfRange(port));
+        }
+        let (w, b) = self.slot(port);
+        if self.live[w] & b == 0 {
+            return Err(PortError::NotAllocated(port));
+        }
+        self.live[w] &= !b;
+        self.live_count -= 1;
+        self.released.push_back(port);
+        Ok(())
+    }
+
+    /// Whether `port` is live.
+    pub fn is_live(&self, port: u16) -> bool {
+        if port < self.first || u32::from(port - self.first) >= self.size {
+            return false;
+        }
+        let (w, b) = self.slot(port);
+        self.live[w] & b != 0
+    }
+
+    /// Number of live ports.
+    pub fn live(&self) -> u32 {
+        self.live_count
+    }
+
+    /// Number of ports in the range.
+    pub fn capacity(&self) -> u32 {
+        self.size
+    }
+
+    fn slot(&self, port: u16) -> (usize, u64) {
+        let i = usize::from(port - self.first);
+        (i / 64, 1u64 << (i % 64))
+    }
+}
+
+/// fnat ports for every (local address, backend): the local addresses of
+/// `[packet] local_addresses`, one [`PortAllocator`] per pair, created on
+/// first use. A backend gets a port from the first local address of its
+/// family (in rotating order) that has one free.
+#[derive(Debug, Clone)]
+pub struct FnatPorts {
+    locals: Vec<IpAddr>,
+    range: RangeInclusive<u16>,
+    seed: u64,
+    next: usize,
+    pools: HashMap<(IpAddr, SocketAddr), PortAllocator>,
+}
+
+impl FnatPorts {
+    /// Ports of `range` on each of `locals`; `seed` fixes every allocator's
+    /// order (each pair derives its own from it).
+    pub fn new(
+        locals: Vec<IpAddr>,
+        range: RangeInclusive<u16>,
+        seed: u64,
+    ) -> Result<FnatPorts, PortError> {
+        if range.start() > range.end() {
+            return Err(PortError::EmptyRange);
+        }
+        Ok(FnatPorts {
+            locals,
+            range,
+            seed,
+            next: 0,
+            pools: HashMap::new(),
+        })
+    }
+
+    /// A local address and port for a new flow to `backend`.
+    /// [`PortError::NoLocalAddress`] when no local address has the backend's
+    /// family; [`PortError::Exhausted`] when every one of them is out of
+    /// ports for this backend.
+    pub fn allocate(&mut self, backend: SocketAddr) -> Result<SocketAddr, PortError> {
+        let n = self.locals.len();
+        let mut any = false;
+        for i in 0..n {
+            let local = self.locals[(self.next + i) % n];
+            if local.is_ipv4() != backend.is_ipv4() {
+                continue;
+            }
+            any = true;
+            let pool = match self.pools.entry((local, backend)) {
+                Entry::Occupied(e) => e.into_mut(),
+                Entry::Vacant(e) => {
+                    let mut h = DefaultHasher::new();
+                    (self.seed, local, backend).hash(&mut h);
+                    e.insert(PortAllocator::new(self.range.clone(), h.finish())?)
+                }
+            };
+            if let Ok(port) = pool.allocate() {
+                self.next = (self.next + i + 1) % n;
+                return Ok(SocketAddr::new(local, port));
+            }
+        }
+        Err(if any {
+            PortError::Exhausted
+        } else {
+            PortError::NoLocalAddress
+        })
+    }
+
+    /// Releases the mapping `local` of a flow to `backend`.
+    pub fn release(&mut self, local: SocketAddr, backend: SocketAddr) -> Result<(), PortError> {
+        self.pools
+            .get_mut(&(local.ip(), backend))
+            .ok_or(PortError::NotAllocated(local.port()))?
+            .release(local.port())
+    }
+
+    /// Whether `local` is a live mapping towards `backend`.
+    pub fn is_live(&self, local: SocketAddr, backend: SocketAddr) -> bool {
+        self.pools
+            .get(&(local.ip(), backend))
+            .is_some_and(|p| p.is_live(local.port()))
+    }
+}
+
+fn gcd(mut a: u32, mut b: u32) -> u32 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// SplitMix64: expands the caller's seed (not a source of entropy itself).
+fn splitmix(x: &mut u64) -> u64 {
+    *x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *x;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn hands_out_every_port_once_then_exhausts() {
+        let mut a = PortAllocator::new(1000..=1099, 7).expect("range");
+        let mut seen = HashSet::new();
+        for _ in 0..100 {
+            let p = a.allocate().expect("a free port");
+            assert!((1000..=1099).contains(&p));
+            assert!(seen.insert(p), "port {p} handed out twice");
+        }
+        assert_eq!(a.allocate(), Err(PortError::Exhausted));
+        assert_eq!(a.live(), 100);
+    }
+
+    #[test]
+    fn released_ports_come_back_oldest_first() {
+        let mut a = PortAllocator::new(1..=3, 1).expect("range");
+        let ps = [
+            a.allocate().expect("1"),
+            a.allocate().expect("2"),
+            a.allocate().expect("3"),
+        ];
+        a.release(ps[2]).expect("live");
+        a.release(ps[0]).expect("live");
+        assert_eq!(a.allocate(), Ok(ps[2]));
+        assert_eq!(a.allocate(), Ok(ps[0]));
+        assert_eq!(a.allocate(), Err(PortError::Exhausted));
+    }
+
+    #[test]
+    fn bad_releases_are_errors() {
+        let mut a = PortAllocator::new(10..=20, 0).expect("range");
+        assert_eq!(a.release(9), Err(PortError::OutOfRange(9)));
+        assert_eq!(a.release(21), Err(PortError::OutOfRange(21)));
+        assert_eq!(a.release(15), Err(PortError::NotAllocated(15)));
+        let p = a.allocate().expect("free");
+        a.release(p).expect("live");
+        assert_eq!(a.release(p), Err(PortError::NotAllocated(p)));
+        let (lo, hi) = (5, 4);
+        assert!(matches!(
+            PortAllocator::new(lo..=hi, 0),
+            Err(PortError::EmptyRange)
+        ));
+    }
+
+    #[test]
+    fn full_port_space_and_single_port() {
+        let mut a = PortAllocator::new(0..=u16::MAX, 99).expect("range");
+        assert_eq!(a.capacity(), 65536);
+        let mut seen = vec![false; 65536];
+        for _ in 0..65536 {
+            let p = a.allocate().expect("free");
+            assert!(!seen[usize::from(p)]);
+            seen[usize::from(p)] = true;
+        }
+        assert_eq!(a.allocate(), Err(PortError::Exhausted));
+        let mut one = PortAllocator::new(7..=7, 3).expect("range");
+        assert_eq!(one.allocate(), Ok(7));
+        assert_eq!(one.allocate(), Err(PortError::Exhausted));
+    }
+
+    #[test]
+    fn seed_changes_the_order_and_replays() {
+        let order = |seed| {
+            let mut a = PortAllocator::new(1024..=65535, seed).expect("range");
+            (0..16)
+                .map(|_| a.allocate().expect("free"))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(order(1), order(1));
+        assert_ne!(order(1), order(2));
+    }
+
+    #[test]
+    fn fnat_ports_spread_over_local_addresses_of_the_family() {
+        let l1: IpAddr = "10.0.1.1".parse().expect("ip");
+        let l2: IpAddr = "10.0.1.9".parse().expect("ip");
+        let l6: IpAddr = "fd00::1".parse().expect("ip");
+        let b: SocketAddr = "10.0.1.2:80".parse().expect("addr");
+        let b2: SocketAddr = "10.0.1.3:80".parse().expect("addr");
+        let b6: SocketAddr = "[fd00::2]:80".parse().expect("addr");
+        let mut f = FnatPorts::new(vec![l1, l6, l2], 5000..=5001, 1).expect("pool");
+        let mut got = HashSet::new();
+        for _ in 0..4 {
+            let a = f.allocate(b).expect("free");
+            assert!(a.ip() == l1 || a.ip() == l2);
+            assert!(f.is_live(a, b));
+            assert!(got.insert(a), "{a} handed out twice");
+        }
+        assert_eq!(f.allocate(b), Err(PortError::Exhausted));
+        // Ports are per backend: another backend has the whole range.
+        assert!(f.allocate(b2).is_ok());
+        assert_eq!(f.allocate(b6).map(|a| a.ip()), Ok(l6));
+        let a = *got.iter().next().expect("one");
+        f.release(a, b).expect("live");
+        assert!(!f.is_live(a, b));
+        assert_eq!(f.release(a, b), Err(PortError::NotAllocated(a.port())));
+        assert_eq!(f.allocate(b), Ok(a));
+        let mut v4only = FnatPorts::new(vec![l1], 1..=10, 0).expect("pool");
+        assert_eq!(v4only.allocate(b6), Err(PortError::NoLocalAddress));
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Alloc,
+        Release(usize),
+        ReleaseAny(u16),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => Just(Op::Alloc),
+            2 => any::<usize>().prop_map(Op::Release),
+            1 => any::<u16>().prop_map(Op::ReleaseAny),
+        ]
+    }
+
+    proptest! {
+        /// Against a HashSet model: a port is never handed out while live,
+        /// releases succeed exactly for live ports, and exhaustion happens
+        /// exactly when every port is live.
+        #[test]
+        fn never_hands_out_a_live_port(lo in 0u16..2000, len in 0u16..300, seed in any::<u64>(),
+                                       ops in proptest::collection::vec(op(), 1..600)) {
+            let hi = lo + len;
+            let mut a = PortAllocator::new(lo..=hi, seed).expect("range");
+            let mut live: HashSet<u16> = HashSet::new();
+            let mut order: Vec<u16> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Alloc => match a.allocate() {
+                        Ok(p) => {
+                            prop_assert!((lo..=hi).contains(&p));
+                            prop_assert!(live.insert(p), "port {} handed out while live", p);
+                            order.push(p);
+                        }
+                        Err(e) => {
+                            prop_assert_eq!(e, PortError::Exhausted);
+                            prop_assert_eq!(live.len(), usize::from(len) + 1);
+                        }
+                    },
+                    Op::Release(i) if !order.is_empty() => {
+                        let p = order.swap_remove(i % order.len());
+                        prop_assert!(live.remove(&p));
+                        prop_assert_eq!(a.release(p), Ok(()));
+                    }
+                    Op::Release(_) => {}
+                    Op::ReleaseAny(p) => {
+                        let r = a.release(p);
+                        if live.remove(&p) {
+                            prop_assert_eq!(r, Ok(()));
+                            order.retain(|&q| q != p);
+                        } else {
+                            prop_assert!(r.is_err());
+                        }
+                    }
+                }
+                prop_assert_eq!(a.live() as usize, live.len());
+            }
+            for p in lo..=hi {
+                prop_assert_eq!(a.is_live(p), live.contains(&p));
+            }
+        }
+    }
+}
