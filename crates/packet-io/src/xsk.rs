@@ -1,0 +1,357 @@
+//! AF_XDP sockets driven in batches (the `xdp` crate: pure Rust, MIT/Apache).
+//!
+//! An [`XskSocket`] is bound to one interface queue and owns its UMEM (frames
+//! shared with the kernel) and its four rings. [`XskSocket::run_batch`] is one
+//! turn of the data path: reclaim transmitted frames, refill the fill ring,
+//! receive up to a batch, hand each frame to a callback that may rewrite it in
+//! place and answers [`Verdict`], then transmit the frames to send and kick the
+//! kernel (copy mode, as on veth, transmits inside that `sendto`).
+//!
+//! The socket only receives what the steering program redirects to it: register
+//! it with [`crate::Steering::register_socket`] under the same queue.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::Duration;
+
+use xdp::slab::{HeapSlab, Slab};
+use xdp::socket::{PollTimeout, XdpSocket, XdpSocketBuilder};
+use xdp::umem::UmemCfgBuilder;
+use xdp::{RingConfigBuilder, Umem, WakableRings};
+
+/// What to do with a received frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Send the (rewritten) frame out of the interface it came in on.
+    Transmit,
+    /// Return the frame to the UMEM.
+    Drop,
+}
+
+/// Sizes of one socket's UMEM and rings.
+#[derive(Debug, Clone, Copy)]
+pub struct XskConfig {
+    /// Frames in the UMEM (each 4 KiB). Half stock the fill ring, the rest
+    /// are in flight on rx/tx.
+    pub frames: u32,
+    /// Entries in each ring; a power of two.
+    pub ring_size: u32,
+    /// Most frames handed to the callback per [`XskSocket::run_batch`].
+    pub batch: usize,
+}
+
+impl Default for XskConfig {
+    fn default() -> Self {
+        Self {
+            frames: 4096,
+            ring_size: 2048,
+            batch: 64,
+        }
+    }
+}
+
+/// Errors of [`XskSocket`]'s operations.
+#[derive(Debug, thiserror::Error)]
+pub enum XskError {
+    /// The configuration was refused (sizes not powers of two, zero, too large).
+    #[error("AF_XDP configuration: {0}")]
+    Config(String),
+    /// The interface does not exist (in this network namespace).
+    #[error("no interface {0:?}")]
+    NoInterface(String),
+    /// Mapping the UMEM failed (memory limits).
+    #[error("mapping the AF_XDP UMEM: {0}")]
+    Umem(std::io::Error),
+    /// Creating, setting up or binding the socket failed.
+    #[error(
+        "AF_XDP socket on {interface} queue {queue}: {source} (needs root or CAP_NET_RAW; the queue must exist)"
+    )]
+    Socket {
+        /// The interface.
+        interface: String,
+        /// The queue.
+        queue: u32,
+        /// What the kernel said.
+        source: xdp::socket::SocketError,
+    },
+    /// A ring operation's syscall (poll, wakeup) failed.
+    #[error("AF_XDP ring I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// What one [`XskSocket::run_batch`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Frames received and handed to the callback.
+    pub received: usize,
+    /// Frames queued for transmission.
+    pub transmitted: usize,
+    /// Frames the callback dropped.
+    pub dropped: usize,
+    /// Frames to transmit that found the tx ring full (dropped, counted apart).
+    pub tx_full: usize,
+}
+
+/// One AF_XDP socket bound to an interface queue, with its own UMEM and rings.
+pub struct XskSocket {
+    // Field order is drop order: the rings' mappings and the socket go before
+    // the UMEM their descriptors point into.
+    rings: WakableRings,
+    socket: XdpSocket,
+    rx: HeapSlab,
+    tx: HeapSlab,
+    umem: Umem,
+    batch: usize,
+    zero_copy: bool,
+    interface: String,
+    queue: u32,
+}
+
+impl std::fmt::Debug for XskSocket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("XskSocket")
+            .field("interface", &self.interface)
+            .field("queue", &self.queue)
+            .field("zero_copy", &self.zero_copy)
+            .field("batch", &self.batch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl XskSocket {
+    /// Creates a socket with its UMEM and rings and binds it to `queue` of
+    /// `interface` (in the calling thread's network namespace). The kernel
+    /// picks zero-copy where the driver supports it, copy mode otherwise
+    /// ([`XskSocket::zero_copy`] says which).
+    pub fn bind(interface: &str, queue: u32, config: XskConfig) -> Result<Self, XskError> {
+        if config.batch == 0 || config.batch > config.ring_size as usize {
+            return Err(XskError::Config(format!(
+                "batch {} must be between 1 and the ring size {}",
+                config.batch, config.ring_size
+            )));
+        }
+        let name = std::ffi::CString::new(interface)
+            .map_err(|_| XskError::NoInterface(interface.to_owned()))?;
+        let nic = xdp::nic::NicIndex::lookup_by_name(&name)
+            .ok()
+            .flatten()
+            .ok_or_else(|| XskError::NoInterface(interface.to_owned()))?;
+        let umem_cfg = UmemCfgBuilder {
+            frame_count: config.frames,
+            ..Default::default()
+        }
+        .build()
+        .map_err(|e| XskError::Config(e.to_string()))?;
+        let umem = Umem::map(umem_cfg).map_err(XskError::Umem)?;
+        let ring_cfg = RingConfigBuilder {
+            rx_count: config.ring_size,
+            tx_count: config.ring_size,
+            fill_count: config.ring_size,
+            completion_count: config.ring_size,
+        }
+        .build()
+        .map_err(|e| XskError::Config(e.to_string()))?;
+        let socket_err = |source| XskError::Socket {
+            interface: interface.to_owned(),
+            queue,
+            source,
+        };
+        let mut builder = XdpSocketBuilder::new().map_err(socket_err)?;
+        let (mut rings, flags) = builder
+            .build_wakable_rings(&umem, ring_cfg)
+            .map_err(socket_err)?;
+        let mut umem = umem;
+        // Stock the fill ring before binding so the first packets find frames.
+        // SAFETY: the frames belong to `umem`, which `Self` drops after the
+        // socket and rings (field order), so it outlives every descriptor the
+        // kernel holds.
+        unsafe {
+            rings
+                .fill_ring
+                .enqueue(&mut umem, config.ring_size as usize, false)?;
+        }
+        let socket = builder.bind(nic, queue, flags).map_err(socket_err)?;
+        let zero_copy = is_zero_copy(socket.as_raw_fd());
+        Ok(Self {
+            rings,
+            socket,
+            rx: HeapSlab::with_capacity(config.batch),
+            tx: HeapSlab::with_capacity(config.batch),
+            umem,
+            batch: config.batch,
+            zero_copy,
+            interface: interface.to_owned(),
+            queue,
+        })
+    }
+
+    /// True if the kernel bound the socket in zero-copy mode (false: copy mode,
+    /// as on veth).
+    pub fn zero_copy(&self) -> bool {
+        self.zero_copy
+    }
+
+    /// The queue the socket is bound to.
+    pub fn queue(&self) -> u32 {
+        self.queue
+    }
+
+    /// One turn of the data path: waits up to `timeout` for frames, hands each
+    /// received frame (at most the configured batch) to `f`, which may rewrite
+    /// it in place, then transmits those it answered [`Verdict::Transmit`] for.
+    /// Returns at once with zero counts if nothing arrived in `timeout`.
+    pub fn run_batch(
+        &mut self,
+        timeout: Duration,
+        mut f: impl FnMut(&mut [u8]) -> Verdict,
+    ) -> Result<BatchStats, XskError> {
+        let mut stats = BatchStats::default();
+        self.reclaim()?;
+
+        let mut n = self.recv();
+        if n == 0 {
+            let ms = timeout.min(Duration::from_secs(1));
+            if !self.socket.poll_read(PollTimeout::new(Some(ms)))? {
+                return Ok(stats);
+            }
+            n = self.recv();
+        }
+        stats.received = n;
+
+        while let Some(mut packet) = self.rx.pop_back() {
+            match f(&mut packet) {
+                Verdict::Transmit => {
+                    if let Some(back) = self.tx.push_front(packet) {
+                        // Cannot happen: tx and rx have the same capacity.
+                        self.umem.free_packet(back);
+                        stats.tx_full += 1;
+                    }
+                }
+                Verdict::Drop => {
+                    self.umem.free_packet(packet);
+                    stats.dropped += 1;
+                }
+            }
+        }
+
+        if !self.tx.is_empty() {
+            let want = self.tx.len();
+            let tx = self
+                .rings
+                .tx_ring
+                .as_mut()
+                .expect("built with a tx ring (tx_count > 0)");
+            // SAFETY: the frames are in `self.umem`, which outlives the socket
+            // (field order); the kernel returns them on the completion ring.
+            let sent = unsafe { tx.send(&mut self.tx, false)? };
+            stats.transmitted = sent;
+            if sent > 0 {
+                kick_tx(self.socket.as_raw_fd(), sent)?;
+            }
+            // Ring full: what did not fit is dropped rather than held.
+            while let Some(packet) = self.tx.pop_back() {
+                self.umem.free_packet(packet);
+                stats.tx_full += 1;
+            }
+            debug_assert_eq!(sent + stats.tx_full, want);
+        }
+        Ok(stats)
+    }
+
+    /// Moves up to a batch of received frames into `self.rx`.
+    fn recv(&mut self) -> usize {
+        let rx = self
+            .rings
+            .rx_ring
+            .as_mut()
+            .expect("built with an rx ring (rx_count > 0)");
+        // SAFETY: received packets point into `self.umem`; `run_batch` returns
+        // each to it (free_packet) or moves it into the tx ring within the same
+        // call, so none outlives the UMEM.
+        unsafe { rx.recv(&self.umem, &mut self.rx) }
+    }
+
+    /// Returns transmitted frames to the UMEM and hands free frames to the
+    /// fill ring.
+    fn reclaim(&mut self) -> Result<(), XskError> {
+        let done = self.umem.outstanding();
+        self.rings.completion_ring.dequeue(&mut self.umem, done);
+        let free = self.umem.allocatable();
+        if free > 0 {
+            // SAFETY: as in `bind`: the UMEM outlives the socket.
+            let woken = unsafe { self.rings.fill_ring.enqueue(&mut self.umem, free, true) };
+            match woken {
+                Ok(_) => {}
+                // The frames are on the ring either way; a busy kernel takes
+                // them at its next poll.
+                Err(e) if is_retry(&e) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl AsRawFd for XskSocket {
+    fn as_raw_fd(&self) -> RawFd {
+        self.socket.as_raw_fd()
+    }
+}
+
+/// Kernel answers to a wakeup that mean "busy, call again", not failure.
+fn is_retry(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EAGAIN | libc::EBUSY | libc::ENOBUFS | libc::EINTR)
+    )
+}
+
+/// Most frames the kernel transmits per `sendto` in copy mode
+/// (`MAX_PER_SOCKET_BUDGET` in net/xdp/xsk.c); past it the call says EAGAIN.
+const TX_BUDGET_PER_KICK: usize = 32;
+
+/// Tells the kernel to transmit what is on the tx ring. In copy mode (veth)
+/// the transmission happens inside this `sendto`, at most
+/// [`TX_BUDGET_PER_KICK`] frames per call, so `queued` frames need a few calls;
+/// bounded by that count, and whatever stays queued goes at the next batch.
+fn kick_tx(fd: RawFd, queued: usize) -> Result<(), XskError> {
+    for _ in 0..queued.div_ceil(TX_BUDGET_PER_KICK) + 1 {
+        // SAFETY: a zero-length send with null buffers on a socket we own;
+        // the kernel reads no memory from us.
+        let rc = unsafe {
+            libc::sendto(
+                fd,
+                std::ptr::null(),
+                0,
+                libc::MSG_DONTWAIT,
+                std::ptr::null(),
+                0,
+            )
+        };
+        if rc >= 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if !is_retry(&err) {
+            return Err(err.into());
+        }
+    }
+    Ok(())
+}
+
+/// Asks the kernel whether `fd` is bound in zero-copy mode (`XDP_OPTIONS`).
+fn is_zero_copy(fd: RawFd) -> bool {
+    let mut opts = libc::xdp_options { flags: 0 };
+    let mut len = std::mem::size_of::<libc::xdp_options>() as libc::socklen_t;
+    // SAFETY: `opts` and `len` are live locals of the sizes passed; the kernel
+    // writes at most `len` bytes into `opts`.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_XDP,
+            libc::XDP_OPTIONS,
+            (&mut opts as *mut libc::xdp_options).cast(),
+            &mut len,
+        )
+    };
+    rc == 0 && opts.flags & libc::XDP_OPTIONS_ZEROCOPY != 0
+}
