@@ -156,6 +156,12 @@ impl Steering {
     /// network namespace): native mode if the driver supports it, generic mode
     /// otherwise ([`Steering::mode`] says which).
     pub fn attach(interface: &str) -> Result<Self, SteerError> {
+        Self::attach_with(interface, None)
+    }
+
+    /// As [`Steering::attach`], but only in `mode` when it is given (no
+    /// fallback): for tests of either path and for an operator's choice.
+    pub fn attach_with(interface: &str, mode: Option<AttachMode>) -> Result<Self, SteerError> {
         let mut ebpf = Ebpf::load(PROGRAM).map_err(|e| SteerError::Load(Box::new(e)))?;
         let program_err = |source| SteerError::Program {
             interface: interface.to_owned(),
@@ -167,7 +173,30 @@ impl Steering {
             .try_into()
             .map_err(program_err)?;
         prog.load().map_err(program_err)?;
-        let (link, mode) = match prog.attach(interface, XdpFlags::DRV_MODE) {
+        let (link, mode) = match mode {
+            Some(AttachMode::Native) => (
+                prog.attach(interface, XdpFlags::DRV_MODE)
+                    .map_err(program_err)?,
+                AttachMode::Native,
+            ),
+            Some(AttachMode::Generic) => (
+                prog.attach(interface, XdpFlags::SKB_MODE)
+                    .map_err(program_err)?,
+                AttachMode::Generic,
+            ),
+            None => Self::attach_auto(prog, interface)?,
+        };
+        Ok(Self {
+            ebpf,
+            link: Some(link),
+            interface: interface.to_owned(),
+            mode,
+        })
+    }
+
+    /// Native mode, else generic mode.
+    fn attach_auto(prog: &mut Xdp, interface: &str) -> Result<(XdpLinkId, AttachMode), SteerError> {
+        Ok(match prog.attach(interface, XdpFlags::DRV_MODE) {
             Ok(link) => (link, AttachMode::Native),
             Err(native) => match prog.attach(interface, XdpFlags::SKB_MODE) {
                 Ok(link) => (link, AttachMode::Generic),
@@ -179,12 +208,6 @@ impl Steering {
                     });
                 }
             },
-        };
-        Ok(Self {
-            ebpf,
-            link: Some(link),
-            interface: interface.to_owned(),
-            mode,
         })
     }
 

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use weir_packet_io::{SteerKey, SteerStats, Steering, Verdict, XskConfig, XskSocket};
+use weir_packet_io::{AttachMode, SteerKey, SteerStats, Steering, Verdict, XskConfig, XskSocket};
 
 const DATAGRAMS: usize = 64;
 const VIP_PORT: u16 = 9000;
@@ -321,4 +321,219 @@ fn af_xdp_echoes_vip_traffic_and_the_kernel_keeps_the_rest() {
         weir.program
     );
     assert_eq!(weir.program.no_socket, 0);
+}
+
+/// Generic (skb) mode, no AF_XDP socket: a registered VIP:port with no socket
+/// on the queue falls back to the kernel (counted as `no_socket`), also through
+/// a VLAN tag; `clear` empties the map.
+#[test]
+fn generic_mode_without_a_socket_passes_vip_traffic_to_the_kernel() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping generic_mode_without_a_socket_passes_vip_traffic_to_the_kernel: {why}");
+        return;
+    }
+    let topo = Topology::new("g").expect("build the test topology");
+    // The main thread sends how many hits to expect once the client is done.
+    let (expect_tx, expect_rx) = mpsc::channel::<u64>();
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+    let weir = {
+        let (ns, dev) = (topo.weir.clone(), topo.weir_if.clone());
+        std::thread::spawn(move || -> Result<(SteerStats, usize, usize), String> {
+            let setup = || -> Result<(Steering, UdpSocket), String> {
+                enter(&ns)?;
+                let mut steering = Steering::attach_with(&dev, Some(AttachMode::Generic))
+                    .map_err(|e| e.to_string())?;
+                assert_eq!(steering.mode(), AttachMode::Generic);
+                for vip in [
+                    "192.0.2.2:9000",
+                    "198.51.100.2:9000",
+                    "[2001:db8:10::2]:9000",
+                ] {
+                    let key = SteerKey::udp(vip.parse().expect("literal"));
+                    steering.add(key).map_err(|e| e.to_string())?;
+                }
+                let kernel = UdpSocket::bind(("0.0.0.0", VIP_PORT)).map_err(|e| e.to_string())?;
+                kernel
+                    .set_read_timeout(Some(Duration::from_millis(50)))
+                    .map_err(|e| e.to_string())?;
+                Ok((steering, kernel))
+            };
+            let (mut steering, kernel) = match setup() {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.clone()));
+                    return Err(e);
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let mut buf = [0u8; 256];
+            let mut expect = None;
+            while expect.is_none() && Instant::now() < deadline {
+                if let Ok((n, peer)) = kernel.recv_from(&mut buf) {
+                    let _ = kernel.send_to(&buf[..n], peer);
+                }
+                expect = expect_rx.try_recv().ok();
+            }
+            // The raw frames are processed in the receiver's softirq after
+            // `sendto` returns: wait (bounded) until they are counted.
+            let mut stats = steering.stats().map_err(|e| e.to_string())?;
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while stats.no_socket < expect.unwrap_or(0) && Instant::now() < deadline {
+                std::thread::yield_now();
+                stats = steering.stats().map_err(|e| e.to_string())?;
+            }
+            let before = steering.keys().map_err(|e| e.to_string())?.len();
+            steering.clear().map_err(|e| e.to_string())?;
+            let after = steering.keys().map_err(|e| e.to_string())?.len();
+            Ok((stats, before, after))
+        })
+    };
+    let ready = ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    if let Err(e) = ready {
+        let _ = weir.join();
+        panic!("weir side setup: {e}");
+    }
+
+    let client = {
+        let (ns, dev) = (topo.client.clone(), topo.client_if.clone());
+        std::thread::spawn(move || -> Result<(bool, u64), String> {
+            enter(&ns)?;
+            let sock = UdpSocket::bind("192.0.2.1:0").map_err(|e| e.to_string())?;
+            sock.set_read_timeout(Some(Duration::from_millis(500)))
+                .map_err(|e| e.to_string())?;
+            let mut buf = [0u8; 64];
+            let (mut answered, mut sent) = (false, 0);
+            while !answered && sent < 5 {
+                sock.send_to(b"plain", ("192.0.2.2", VIP_PORT))
+                    .map_err(|e| e.to_string())?;
+                sent += 1;
+                if let Ok((n, _)) = sock.recv_from(&mut buf) {
+                    answered = &buf[..n] == b"plain";
+                }
+            }
+            // Tagged frames, written raw: this kernel may lack 802.1Q
+            // interfaces, and the program must parse the tag either way.
+            for frame in [
+                tagged_udp(0x8100, "198.51.100.2".parse().unwrap(), VIP_PORT),
+                tagged_udp(0x88a8, "198.51.100.2".parse().unwrap(), VIP_PORT),
+                tagged_udp(0x8100, "2001:db8:10::2".parse().unwrap(), VIP_PORT),
+                tagged_udp(0x8100, "198.51.100.2".parse().unwrap(), KERNEL_PORT),
+            ] {
+                raw::send(&dev, &frame)?;
+            }
+            Ok((answered, sent))
+        })
+    };
+    let (answered, sent) = client.join().expect("client thread").unwrap_or_else(|e| {
+        let _ = expect_tx.send(0);
+        panic!("client side: {e}")
+    });
+    let _ = expect_tx.send(sent + 3);
+    let (stats, before, after) = weir.join().expect("weir thread").expect("weir side");
+    drop(topo);
+
+    assert!(
+        answered,
+        "the kernel answered on the VIP: no socket, so XDP_PASS"
+    );
+    assert_eq!(stats.steered, 0, "{stats:?}");
+    // Every plain datagram and the three tagged frames to a registered key
+    // (802.1Q and 802.1ad, IPv4 and IPv6) matched, then fell back to the
+    // kernel; the tagged frame to port 9001 did not match.
+    assert_eq!(stats.no_socket, sent + 3, "{stats:?}");
+    assert_eq!((before, after), (3, 0), "keys before and after clear");
+}
+
+/// An Ethernet frame with one VLAN tag (TPID `tpid`, VLAN 10) carrying a UDP
+/// datagram to `dst:port`, broadcast (the program does not look at MACs).
+fn tagged_udp(tpid: u16, dst: std::net::IpAddr, port: u16) -> Vec<u8> {
+    let payload = b"tagged";
+    let udp_len = (8 + payload.len()) as u16;
+    let mut f = vec![0xff; 6];
+    f.extend_from_slice(&[0x02, 0, 0, 0, 0, 1]);
+    f.extend_from_slice(&tpid.to_be_bytes());
+    f.extend_from_slice(&10u16.to_be_bytes());
+    match dst {
+        std::net::IpAddr::V4(d) => {
+            f.extend_from_slice(&0x0800u16.to_be_bytes());
+            f.extend_from_slice(&[0x45, 0]);
+            f.extend_from_slice(&(20 + udp_len).to_be_bytes());
+            f.extend_from_slice(&[0, 0, 0x40, 0, 64, 17, 0, 0]);
+            f.extend_from_slice(&[198, 51, 100, 1]);
+            f.extend_from_slice(&d.octets());
+        }
+        std::net::IpAddr::V6(d) => {
+            f.extend_from_slice(&0x86ddu16.to_be_bytes());
+            f.extend_from_slice(&[0x60, 0, 0, 0]);
+            f.extend_from_slice(&udp_len.to_be_bytes());
+            f.extend_from_slice(&[17, 64]);
+            f.extend_from_slice(
+                &"2001:db8:10::1"
+                    .parse::<std::net::Ipv6Addr>()
+                    .unwrap()
+                    .octets(),
+            );
+            f.extend_from_slice(&d.octets());
+        }
+    }
+    f.extend_from_slice(&40000u16.to_be_bytes());
+    f.extend_from_slice(&port.to_be_bytes());
+    f.extend_from_slice(&udp_len.to_be_bytes());
+    f.extend_from_slice(&[0, 0]);
+    f.extend_from_slice(payload);
+    f
+}
+
+/// Sending a hand-built frame through an AF_PACKET socket: the only way to
+/// put an 802.1Q header on the wire on a kernel without VLAN interfaces.
+#[allow(unsafe_code)]
+mod raw {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    pub(super) fn send(interface: &str, frame: &[u8]) -> Result<(), String> {
+        let name = std::ffi::CString::new(interface).map_err(|e| e.to_string())?;
+        // SAFETY: `name` is a NUL-terminated string that lives across the call.
+        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+        if ifindex == 0 {
+            return Err(format!("no interface {interface}"));
+        }
+        // SAFETY: plain socket(2); the result is checked before use.
+        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(format!(
+                "AF_PACKET socket: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: sockaddr_ll is plain old data; all zeroes is a valid value.
+        let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        addr.sll_family = libc::AF_PACKET as u16;
+        addr.sll_ifindex = ifindex as i32;
+        addr.sll_halen = 6;
+        addr.sll_addr[..6].copy_from_slice(&frame[..6]);
+        // SAFETY: `frame` and `addr` are live for the call and their lengths
+        // are the ones passed.
+        let rc = unsafe {
+            libc::sendto(
+                fd.as_raw_fd(),
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+                (&addr as *const libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+            )
+        };
+        if rc != frame.len() as isize {
+            return Err(format!(
+                "AF_PACKET send: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        Ok(())
+    }
 }
