@@ -135,13 +135,6 @@ impl XskSocket {
             .ok()
             .flatten()
             .ok_or_else(|| XskError::NoInterface(interface.to_owned()))?;
-        let umem_cfg = UmemCfgBuilder {
-            frame_count: config.frames,
-            ..Default::default()
-        }
-        .build()
-        .map_err(|e| XskError::Config(e.to_string()))?;
-        let umem = Umem::map(umem_cfg).map_err(XskError::Umem)?;
         let ring_cfg = RingConfigBuilder {
             rx_count: config.ring_size,
             tx_count: config.ring_size,
@@ -150,6 +143,13 @@ impl XskSocket {
         }
         .build()
         .map_err(|e| XskError::Config(e.to_string()))?;
+        let umem_cfg = UmemCfgBuilder {
+            frame_count: config.frames,
+            ..Default::default()
+        }
+        .build()
+        .map_err(|e| XskError::Config(e.to_string()))?;
+        let umem = Umem::map(umem_cfg).map_err(XskError::Umem)?;
         let socket_err = |source| XskError::Socket {
             interface: interface.to_owned(),
             queue,
@@ -242,15 +242,17 @@ impl XskSocket {
                 .expect("built with a tx ring (tx_count > 0)");
             // SAFETY: the frames are in `self.umem`, which outlives the socket
             // (field order); the kernel returns them on the completion ring.
-            let sent = unsafe { tx.send(&mut self.tx, false)? };
+            // Without a wakeup the send makes no syscall and cannot fail.
+            let sent = unsafe { tx.send(&mut self.tx, false) }.unwrap_or(0);
             stats.transmitted = sent;
-            if sent > 0 {
-                kick_tx(self.socket.as_raw_fd(), sent)?;
-            }
-            // Ring full: what did not fit is dropped rather than held.
+            // Ring full: what did not fit is dropped rather than held, so no
+            // frame stays in a slab between calls (see `Send` below).
             while let Some(packet) = self.tx.pop_back() {
                 self.umem.free_packet(packet);
                 stats.tx_full += 1;
+            }
+            if sent > 0 {
+                kick_tx(self.socket.as_raw_fd(), sent)?;
             }
             debug_assert_eq!(sent + stats.tx_full, want);
         }
@@ -290,6 +292,14 @@ impl XskSocket {
         Ok(())
     }
 }
+
+// SAFETY: every pointer an `XskSocket` holds points into mappings it owns (the
+// UMEM, the rings) and nothing is tied to the creating thread. The only `!Send`
+// parts are the `Packet`s of the `rx` and `tx` slabs, and those are empty
+// between calls: `run_batch` frees or queues every frame it received before it
+// returns, on every path. So moving the socket to another thread (a worker)
+// moves sole ownership of everything it points to.
+unsafe impl Send for XskSocket {}
 
 impl AsRawFd for XskSocket {
     fn as_raw_fd(&self) -> RawFd {
@@ -354,4 +364,46 @@ fn is_zero_copy(fd: RawFd) -> bool {
         )
     };
     rc == 0 && opts.flags & libc::XDP_OPTIONS_ZEROCOPY != 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_socket_can_move_to_a_worker_thread() {
+        fn send<T: Send>() {}
+        send::<XskSocket>();
+    }
+
+    #[test]
+    fn bad_configurations_are_refused_before_any_syscall() {
+        let err = |cfg| XskSocket::bind("lo", 0, cfg).unwrap_err();
+        let batch0 = XskConfig {
+            batch: 0,
+            ..XskConfig::default()
+        };
+        assert!(matches!(err(batch0), XskError::Config(m) if m.contains("batch 0")));
+        let too_big = XskConfig {
+            batch: 4096,
+            ring_size: 2048,
+            ..XskConfig::default()
+        };
+        assert!(matches!(err(too_big), XskError::Config(_)));
+        let missing = XskSocket::bind("weir-nosuch0", 0, XskConfig::default()).unwrap_err();
+        assert!(matches!(&missing, XskError::NoInterface(n) if n == "weir-nosuch0"));
+        let nul = XskSocket::bind("a\0b", 0, XskConfig::default()).unwrap_err();
+        assert!(matches!(nul, XskError::NoInterface(_)));
+    }
+
+    #[test]
+    fn ring_sizes_that_are_not_powers_of_two_are_refused() {
+        let cfg = XskConfig {
+            ring_size: 1000,
+            batch: 10,
+            ..XskConfig::default()
+        };
+        let err = XskSocket::bind("lo", 0, cfg).unwrap_err();
+        assert!(matches!(err, XskError::Config(_)), "{err:?}");
+    }
 }

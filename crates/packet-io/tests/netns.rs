@@ -537,3 +537,17 @@ mod raw {
         Ok(())
     }
 }
+
+#[test]
+fn attaching_to_a_missing_interface_names_it() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping attaching_to_a_missing_interface_names_it: {why}");
+        return;
+    }
+    let err = Steering::attach("weir-nosuch0").unwrap_err().to_string();
+    assert!(err.contains("weir-nosuch0"), "{err}");
+    assert!(
+        err.contains("native mode") && err.contains("generic mode"),
+        "{err}"
+    );
+}
