@@ -27,6 +27,10 @@ use weir_packet_io::{AttachMode, SteerKey, SteerStats, Steering, Verdict, XskCon
 const DATAGRAMS: usize = 64;
 const VIP_PORT: u16 = 9000;
 const KERNEL_PORT: u16 = 9001;
+const UDP: u8 = 17;
+const TCP: u8 = 6;
+/// Raw tagged frames the generic-mode test sends that match a key.
+const TAGGED_MATCHES: u64 = 4;
 
 /// Why this test cannot run here, if it cannot.
 fn missing_prerequisite() -> Option<String> {
@@ -352,6 +356,8 @@ fn generic_mode_without_a_socket_passes_vip_traffic_to_the_kernel() {
                     let key = SteerKey::udp(vip.parse().expect("literal"));
                     steering.add(key).map_err(|e| e.to_string())?;
                 }
+                let tcp = SteerKey::tcp("198.51.100.2:9000".parse().expect("literal"));
+                steering.add(tcp).map_err(|e| e.to_string())?;
                 let kernel = UdpSocket::bind(("0.0.0.0", VIP_PORT)).map_err(|e| e.to_string())?;
                 kernel
                     .set_read_timeout(Some(Duration::from_millis(50)))
@@ -417,10 +423,14 @@ fn generic_mode_without_a_socket_passes_vip_traffic_to_the_kernel() {
             // Tagged frames, written raw: this kernel may lack 802.1Q
             // interfaces, and the program must parse the tag either way.
             for frame in [
-                tagged_udp(0x8100, "198.51.100.2".parse().unwrap(), VIP_PORT),
-                tagged_udp(0x88a8, "198.51.100.2".parse().unwrap(), VIP_PORT),
-                tagged_udp(0x8100, "2001:db8:10::2".parse().unwrap(), VIP_PORT),
-                tagged_udp(0x8100, "198.51.100.2".parse().unwrap(), KERNEL_PORT),
+                // Matches: UDP over 802.1Q and 802.1ad, IPv4 and IPv6; TCP.
+                tagged(0x8100, UDP, "198.51.100.2".parse().unwrap(), VIP_PORT),
+                tagged(0x88a8, UDP, "198.51.100.2".parse().unwrap(), VIP_PORT),
+                tagged(0x8100, UDP, "2001:db8:10::2".parse().unwrap(), VIP_PORT),
+                tagged(0x8100, TCP, "198.51.100.2".parse().unwrap(), VIP_PORT),
+                // No match: another port; TCP where only UDP is registered.
+                tagged(0x8100, UDP, "198.51.100.2".parse().unwrap(), KERNEL_PORT),
+                tagged(0x8100, TCP, "2001:db8:10::2".parse().unwrap(), VIP_PORT),
             ] {
                 raw::send(&dev, &frame)?;
             }
@@ -431,7 +441,7 @@ fn generic_mode_without_a_socket_passes_vip_traffic_to_the_kernel() {
         let _ = expect_tx.send(0);
         panic!("client side: {e}")
     });
-    let _ = expect_tx.send(sent + 3);
+    let _ = expect_tx.send(sent + TAGGED_MATCHES);
     let (stats, before, after) = weir.join().expect("weir thread").expect("weir side");
     drop(topo);
 
@@ -440,16 +450,17 @@ fn generic_mode_without_a_socket_passes_vip_traffic_to_the_kernel() {
         "the kernel answered on the VIP: no socket, so XDP_PASS"
     );
     assert_eq!(stats.steered, 0, "{stats:?}");
-    // Every plain datagram and the three tagged frames to a registered key
-    // (802.1Q and 802.1ad, IPv4 and IPv6) matched, then fell back to the
-    // kernel; the tagged frame to port 9001 did not match.
-    assert_eq!(stats.no_socket, sent + 3, "{stats:?}");
-    assert_eq!((before, after), (3, 0), "keys before and after clear");
+    // Every plain datagram and the tagged frames to a registered key matched,
+    // then fell back to the kernel; the two others did not match.
+    assert_eq!(stats.no_socket, sent + TAGGED_MATCHES, "{stats:?}");
+    assert_eq!((before, after), (4, 0), "keys before and after clear");
 }
 
-/// An Ethernet frame with one VLAN tag (TPID `tpid`, VLAN 10) carrying a UDP
-/// datagram to `dst:port`, broadcast (the program does not look at MACs).
-fn tagged_udp(tpid: u16, dst: std::net::IpAddr, port: u16) -> Vec<u8> {
+/// An Ethernet frame with one VLAN tag (TPID `tpid`, VLAN 10) carrying an IP
+/// packet of protocol `proto` to `dst:port`, broadcast (the program does not
+/// look at MACs). The transport header is UDP-shaped: for TCP only the ports
+/// matter to the program (the kernel drops the runt segment).
+fn tagged(tpid: u16, proto: u8, dst: std::net::IpAddr, port: u16) -> Vec<u8> {
     let payload = b"tagged";
     let udp_len = (8 + payload.len()) as u16;
     let mut f = vec![0xff; 6];
@@ -461,7 +472,7 @@ fn tagged_udp(tpid: u16, dst: std::net::IpAddr, port: u16) -> Vec<u8> {
             f.extend_from_slice(&0x0800u16.to_be_bytes());
             f.extend_from_slice(&[0x45, 0]);
             f.extend_from_slice(&(20 + udp_len).to_be_bytes());
-            f.extend_from_slice(&[0, 0, 0x40, 0, 64, 17, 0, 0]);
+            f.extend_from_slice(&[0, 0, 0x40, 0, 64, proto, 0, 0]);
             f.extend_from_slice(&[198, 51, 100, 1]);
             f.extend_from_slice(&d.octets());
         }
@@ -469,7 +480,7 @@ fn tagged_udp(tpid: u16, dst: std::net::IpAddr, port: u16) -> Vec<u8> {
             f.extend_from_slice(&0x86ddu16.to_be_bytes());
             f.extend_from_slice(&[0x60, 0, 0, 0]);
             f.extend_from_slice(&udp_len.to_be_bytes());
-            f.extend_from_slice(&[17, 64]);
+            f.extend_from_slice(&[proto, 64]);
             f.extend_from_slice(
                 &"2001:db8:10::1"
                     .parse::<std::net::Ipv6Addr>()
