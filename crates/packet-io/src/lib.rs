@@ -25,4 +25,4 @@ pub mod steer;
 pub mod xsk;
 
 pub use steer::{AttachMode, SteerError, SteerKey, SteerStats, Steering};
-pub use xsk::{BatchStats, Verdict, XskConfig, XskError, XskSocket};
+pub use xsk::{BatchStats, Verdict, XskConfig, XskError, XskSocket, rx_queue_count};

@@ -184,6 +184,15 @@ impl XskSocket {
         })
     }
 
+    /// One socket per rx queue of `interface` ([`rx_queue_count`]), socket `i`
+    /// bound to queue `i`: register each with
+    /// [`crate::Steering::register_socket`] under its [`XskSocket::queue`].
+    pub fn bind_all(interface: &str, config: XskConfig) -> Result<Vec<Self>, XskError> {
+        (0..rx_queue_count(interface)?)
+            .map(|queue| Self::bind(interface, queue, config))
+            .collect()
+    }
+
     /// True if the kernel bound the socket in zero-copy mode (false: copy mode,
     /// as on veth).
     pub fn zero_copy(&self) -> bool {
@@ -307,6 +316,63 @@ impl AsRawFd for XskSocket {
     }
 }
 
+/// The number of rx queues of `interface` (in the calling thread's network
+/// namespace), as `ethtool -l` reports it: rx-only plus combined channels. A
+/// driver without channel support (loopback, for one) has one queue.
+pub fn rx_queue_count(interface: &str) -> Result<u32, XskError> {
+    /// `struct ethtool_channels` (linux/ethtool.h).
+    #[repr(C)]
+    #[derive(Default)]
+    struct EthtoolChannels {
+        cmd: u32,
+        max_rx: u32,
+        max_tx: u32,
+        max_other: u32,
+        max_combined: u32,
+        rx_count: u32,
+        tx_count: u32,
+        other_count: u32,
+        combined_count: u32,
+    }
+    const ETHTOOL_GCHANNELS: u32 = 0x3c;
+
+    let name = interface.as_bytes();
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains(&0) {
+        return Err(XskError::NoInterface(interface.to_owned()));
+    }
+    // SAFETY: plain socket(2); the result is checked before use.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let mut channels = EthtoolChannels {
+        cmd: ETHTOOL_GCHANNELS,
+        ..Default::default()
+    };
+    // SAFETY: `ifreq` is plain old data; all zeroes is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, &src) in ifr.ifr_name.iter_mut().zip(name) {
+        *dst = src as libc::c_char;
+    }
+    ifr.ifr_ifru.ifru_data = (&mut channels as *mut EthtoolChannels).cast();
+    // SAFETY: SIOCETHTOOL reads the NUL-terminated name (checked shorter than
+    // IFNAMSIZ, the rest zero) and writes at most one `ethtool_channels` into
+    // `channels`, which is live and correctly laid out for the call.
+    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCETHTOOL, &mut ifr) };
+    if rc == 0 {
+        return Ok((channels.rx_count + channels.combined_count).max(1));
+    }
+    let err = std::io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::ENODEV) => Err(XskError::NoInterface(interface.to_owned())),
+        // No channel support in the driver: a single queue.
+        Some(libc::EOPNOTSUPP) => Ok(1),
+        _ => Err(err.into()),
+    }
+}
+
 /// Kernel answers to a wakeup that mean "busy, call again", not failure.
 fn is_retry(e: &std::io::Error) -> bool {
     matches!(
@@ -392,6 +458,14 @@ mod tests {
         assert!(matches!(err(too_big), XskError::Config(_)));
         let missing = XskSocket::bind("weir-nosuch0", 0, XskConfig::default()).unwrap_err();
         assert!(matches!(&missing, XskError::NoInterface(n) if n == "weir-nosuch0"));
+        assert!(matches!(
+            rx_queue_count("weir-nosuch0"),
+            Err(XskError::NoInterface(_))
+        ));
+        assert!(matches!(
+            rx_queue_count("a-name-longer-than-ifnamsiz"),
+            Err(XskError::NoInterface(_))
+        ));
         let nul = XskSocket::bind("a\0b", 0, XskConfig::default()).unwrap_err();
         assert!(matches!(nul, XskError::NoInterface(_)));
     }

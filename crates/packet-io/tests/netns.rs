@@ -25,6 +25,10 @@ use std::time::{Duration, Instant};
 use weir_packet_io::{AttachMode, SteerKey, SteerStats, Steering, Verdict, XskConfig, XskSocket};
 
 const DATAGRAMS: usize = 64;
+/// Client sockets per address family in the AF_XDP test.
+const FLOWS: usize = 16;
+/// Queues of each veth.
+const QUEUES: usize = 2;
 const VIP_PORT: u16 = 9000;
 const KERNEL_PORT: u16 = 9001;
 const UDP: u8 = 17;
@@ -86,7 +90,27 @@ impl Topology {
         run(&["ip", "netns", "add", c])?;
         run(&["ip", "netns", "add", w])?;
         run(&[
-            "ip", "link", "add", ci, "netns", c, "type", "veth", "peer", "name", wi, "netns", w,
+            "ip",
+            "link",
+            "add",
+            ci,
+            "netns",
+            c,
+            "numtxqueues",
+            "2",
+            "numrxqueues",
+            "2",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            wi,
+            "netns",
+            w,
+            "numtxqueues",
+            "2",
+            "numrxqueues",
+            "2",
         ])?;
         for (ns, dev, v4, v6) in [
             (c, ci, "192.0.2.1/24", "2001:db8::1/64"),
@@ -147,10 +171,12 @@ fn echo(frame: &mut [u8]) -> Verdict {
 struct WeirSide {
     mode: String,
     zero_copy: bool,
+    queues: usize,
 }
 
 struct WeirResult {
-    echoed: usize,
+    /// Frames each queue's socket echoed.
+    per_queue: Vec<usize>,
     program: SteerStats,
 }
 
@@ -161,14 +187,16 @@ fn weir_side(
     ready: mpsc::Sender<Result<WeirSide, String>>,
     stop: Arc<AtomicBool>,
 ) -> Result<WeirResult, String> {
-    let setup = || -> Result<(Steering, XskSocket, UdpSocket), String> {
+    let setup = || -> Result<(Steering, Vec<XskSocket>, UdpSocket), String> {
         enter(&topo_ns)?;
         let mut steering = Steering::attach(&interface).map_err(|e| e.to_string())?;
-        let xsk =
-            XskSocket::bind(&interface, 0, XskConfig::default()).map_err(|e| e.to_string())?;
-        steering
-            .register_socket(0, &xsk)
-            .map_err(|e| e.to_string())?;
+        let xsks =
+            XskSocket::bind_all(&interface, XskConfig::default()).map_err(|e| e.to_string())?;
+        for xsk in &xsks {
+            steering
+                .register_socket(xsk.queue(), xsk)
+                .map_err(|e| e.to_string())?;
+        }
         for vip in ["192.0.2.2", "[2001:db8::2]"] {
             let addr: SocketAddr = format!("{vip}:{VIP_PORT}").parse().expect("literal");
             steering
@@ -178,11 +206,11 @@ fn weir_side(
         // The kernel's own UDP service on the same interface, not registered.
         let kernel = UdpSocket::bind(("::", KERNEL_PORT)).map_err(|e| e.to_string())?;
         kernel
-            .set_read_timeout(Some(Duration::from_millis(50)))
+            .set_read_timeout(Some(Duration::from_millis(5)))
             .map_err(|e| e.to_string())?;
-        Ok((steering, xsk, kernel))
+        Ok((steering, xsks, kernel))
     };
-    let (steering, mut xsk, kernel) = match setup() {
+    let (steering, mut xsks, kernel) = match setup() {
         Ok(s) => s,
         Err(e) => {
             let _ = ready.send(Err(e.clone()));
@@ -191,25 +219,28 @@ fn weir_side(
     };
     let _ = ready.send(Ok(WeirSide {
         mode: steering.mode().to_string(),
-        zero_copy: xsk.zero_copy(),
+        zero_copy: xsks.iter().any(XskSocket::zero_copy),
+        queues: xsks.len(),
     }));
 
     let deadline = Instant::now() + Duration::from_secs(30);
-    let mut echoed = 0;
+    let mut per_queue = vec![0; xsks.len()];
     let mut buf = [0u8; 2048];
     while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
-        let stats = xsk
-            .run_batch(Duration::from_millis(20), echo)
-            .map_err(|e| e.to_string())?;
-        echoed += stats.transmitted;
+        for (xsk, echoed) in xsks.iter_mut().zip(&mut per_queue) {
+            let stats = xsk
+                .run_batch(Duration::from_millis(2), echo)
+                .map_err(|e| e.to_string())?;
+            *echoed += stats.transmitted;
+        }
         // Serve the kernel socket from the same loop (non-blocking enough:
-        // a 50 ms read timeout).
+        // a 5 ms read timeout).
         if let Ok((n, peer)) = kernel.recv_from(&mut buf) {
             let _ = kernel.send_to(&buf[..n], peer);
         }
     }
     Ok(WeirResult {
-        echoed,
+        per_queue,
         program: steering.stats().map_err(|e| e.to_string())?,
     })
 }
@@ -223,21 +254,31 @@ fn client_side(ns: String) -> Result<(BTreeSet<String>, usize), String> {
         ("192.0.2.1:0", "192.0.2.2"),
         ("[2001:db8::1]:0", "[2001:db8::2]"),
     ] {
-        let sock = UdpSocket::bind(local).map_err(|e| e.to_string())?;
-        sock.set_read_timeout(Some(Duration::from_millis(100)))
+        // Many flows (source ports), so the client's veth spreads them over
+        // its tx queues, which are the weir veth's rx queues.
+        let socks = (0..FLOWS)
+            .map(|_| {
+                let sock = UdpSocket::bind(local)?;
+                sock.set_read_timeout(Some(Duration::from_millis(5)))?;
+                Ok(sock)
+            })
+            .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| e.to_string())?;
         let to: SocketAddr = format!("{vip}:{VIP_PORT}").parse().expect("literal");
         for i in 0..DATAGRAMS {
-            sock.send_to(format!("{vip} #{i}").as_bytes(), to)
+            socks[i % FLOWS]
+                .send_to(format!("{vip} #{i}").as_bytes(), to)
                 .map_err(|e| e.to_string())?;
         }
         let deadline = Instant::now() + Duration::from_secs(10);
         let want = echoed.len() + DATAGRAMS;
         let mut buf = [0u8; 256];
         while echoed.len() < want && Instant::now() < deadline {
-            if let Ok((n, from)) = sock.recv_from(&mut buf) {
-                assert_eq!(from, to, "the echo comes from the VIP:port");
-                echoed.insert(String::from_utf8_lossy(&buf[..n]).into_owned());
+            for sock in &socks {
+                if let Ok((n, from)) = sock.recv_from(&mut buf) {
+                    assert_eq!(from, to, "the echo comes from the VIP:port");
+                    echoed.insert(String::from_utf8_lossy(&buf[..n]).into_owned());
+                }
             }
         }
     }
@@ -284,14 +325,16 @@ fn af_xdp_echoes_vip_traffic_and_the_kernel_keeps_the_rest() {
         }
     };
     eprintln!(
-        "XDP attached in {} mode; AF_XDP {}",
+        "XDP attached in {} mode; {} AF_XDP sockets, {}",
         side.mode,
+        side.queues,
         if side.zero_copy {
             "zero-copy"
         } else {
             "copy mode"
         }
     );
+    assert_eq!(side.queues, QUEUES, "one socket per rx queue");
 
     let client = {
         let ns = topo.client.clone();
@@ -311,7 +354,15 @@ fn af_xdp_echoes_vip_traffic_and_the_kernel_keeps_the_rest() {
         echoed, want,
         "every datagram to a VIP came back from AF_XDP"
     );
-    assert!(weir.echoed >= 2 * DATAGRAMS, "echoed {}", weir.echoed);
+    eprintln!("echoed per queue: {:?}", weir.per_queue);
+    let echoed: usize = weir.per_queue.iter().sum();
+    assert!(echoed >= 2 * DATAGRAMS, "echoed {:?}", weir.per_queue);
+    // 32 flows over 2 queues: all on one queue has odds of 2^-31.
+    assert!(
+        weir.per_queue.iter().all(|&n| n > 0),
+        "every queue's socket echoed some: {:?}",
+        weir.per_queue
+    );
     assert!(
         weir.program.steered >= 2 * DATAGRAMS as u64,
         "program counters {:?}",
