@@ -34,7 +34,7 @@ const KERNEL_PORT: u16 = 9001;
 const UDP: u8 = 17;
 const TCP: u8 = 6;
 /// Raw tagged frames the generic-mode test sends that match a key.
-const TAGGED_MATCHES: u64 = 4;
+const TAGGED_MATCHES: u64 = 5;
 
 /// Why this test cannot run here, if it cannot.
 fn missing_prerequisite() -> Option<String> {
@@ -482,6 +482,20 @@ fn generic_mode_without_a_socket_passes_vip_traffic_to_the_kernel() {
                 // No match: another port; TCP where only UDP is registered.
                 tagged(0x8100, UDP, "198.51.100.2".parse().unwrap(), KERNEL_PORT),
                 tagged(0x8100, TCP, "2001:db8:10::2".parse().unwrap(), VIP_PORT),
+                // Match: IPv4 options, the ports found past them by the IHL.
+                with_ipv4_options(tagged(
+                    0x8100,
+                    UDP,
+                    "198.51.100.2".parse().unwrap(),
+                    VIP_PORT,
+                )),
+                // No match: a non-first fragment (whatever its bytes say).
+                non_first_fragment(tagged(
+                    0x8100,
+                    UDP,
+                    "198.51.100.2".parse().unwrap(),
+                    VIP_PORT,
+                )),
             ] {
                 raw::send(&dev, &frame)?;
             }
@@ -502,7 +516,7 @@ fn generic_mode_without_a_socket_passes_vip_traffic_to_the_kernel() {
     );
     assert_eq!(stats.steered, 0, "{stats:?}");
     // Every plain datagram and the tagged frames to a registered key matched,
-    // then fell back to the kernel; the two others did not match.
+    // then fell back to the kernel; the three others did not match.
     assert_eq!(stats.no_socket, sent + TAGGED_MATCHES, "{stats:?}");
     assert_eq!((before, after), (4, 0), "keys before and after clear");
 }
@@ -546,6 +560,25 @@ fn tagged(tpid: u16, proto: u8, dst: std::net::IpAddr, port: u16) -> Vec<u8> {
     f.extend_from_slice(&udp_len.to_be_bytes());
     f.extend_from_slice(&[0, 0]);
     f.extend_from_slice(payload);
+    f
+}
+
+/// Offset of the IPv4 header in a [`tagged`] frame.
+const TAGGED_L3: usize = 18;
+
+/// Adds 4 bytes of IPv4 options (NOP, NOP, NOP, EOL) to a [`tagged`] IPv4
+/// frame: IHL 6.
+fn with_ipv4_options(mut f: Vec<u8>) -> Vec<u8> {
+    f[TAGGED_L3] = 0x46;
+    let total = u16::from_be_bytes([f[TAGGED_L3 + 2], f[TAGGED_L3 + 3]]) + 4;
+    f[TAGGED_L3 + 2..TAGGED_L3 + 4].copy_from_slice(&total.to_be_bytes());
+    f.splice(TAGGED_L3 + 20..TAGGED_L3 + 20, [1, 1, 1, 0]);
+    f
+}
+
+/// Marks a [`tagged`] IPv4 frame as a fragment at offset 8 bytes (no DF).
+fn non_first_fragment(mut f: Vec<u8>) -> Vec<u8> {
+    f[TAGGED_L3 + 6..TAGGED_L3 + 8].copy_from_slice(&1u16.to_be_bytes());
     f
 }
 
