@@ -646,3 +646,48 @@ fn attaching_to_a_missing_interface_names_it() {
         "{err}"
     );
 }
+
+/// `ip link show` of `dev` in namespace `ns` mentions an XDP program.
+fn xdp_attached(ns: &str, dev: &str) -> Result<bool, String> {
+    let out = Command::new("ip")
+        .args(["-n", ns, "link", "show", "dev", dev])
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).contains("prog/xdp"))
+}
+
+#[test]
+fn dropping_steering_detaches_the_program() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping dropping_steering_detaches_the_program: {why}");
+        return;
+    }
+    let topo = Topology::new("d").expect("build the test topology");
+    let (ns, dev) = (topo.weir.clone(), topo.weir_if.clone());
+    let result = std::thread::spawn(move || -> Result<Vec<bool>, String> {
+        enter(&ns)?;
+        let mut seen = vec![xdp_attached(&ns, &dev)?];
+        let first =
+            Steering::attach_with(&dev, Some(AttachMode::Native)).map_err(|e| e.to_string())?;
+        seen.push(xdp_attached(&ns, &dev)?);
+        // A second program in the same mode is refused while the first holds it.
+        seen.push(Steering::attach_with(&dev, Some(AttachMode::Native)).is_ok());
+        drop(first);
+        seen.push(xdp_attached(&ns, &dev)?);
+        // And once detached, the interface takes a new one.
+        let again =
+            Steering::attach_with(&dev, Some(AttachMode::Native)).map_err(|e| e.to_string())?;
+        seen.push(xdp_attached(&ns, &dev)?);
+        drop(again);
+        Ok(seen)
+    })
+    .join()
+    .expect("weir thread")
+    .expect("weir side");
+    drop(topo);
+    // before, attached, second refused, after drop, attached again
+    assert_eq!(result, [false, true, false, false, true]);
+}
