@@ -12,7 +12,8 @@
 //! `setns(2)`s into its namespace; sockets, interface lookups and the XDP attach
 //! then happen in that namespace, and the test process itself is never moved.
 //!
-//! Needs root and `ip` (iproute2); without them it prints why and returns.
+//! Needs root, `ip` (iproute2) and ethtool; without them it prints why and
+//! returns.
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, UdpSocket};
@@ -40,6 +41,9 @@ const TAGGED_MATCHES: u64 = 5;
 fn missing_prerequisite() -> Option<String> {
     if !nix::unistd::geteuid().is_root() {
         return Some("needs root (network namespaces, XDP, AF_XDP)".into());
+    }
+    if Command::new("ethtool").arg("--version").output().is_err() {
+        return Some("needs ethtool (Debian package ethtool)".into());
     }
     match Command::new("ip").args(["netns", "list"]).output() {
         Ok(out) if out.status.success() => None,
