@@ -1,0 +1,55 @@
+//! Builds the XDP steering program (`bpf/steer.bpf.c`) into `$OUT_DIR/steer.bpf.o`,
+//! which `src/steer.rs` embeds. Needs clang with the BPF target and the kernel and
+//! libbpf headers: on Debian, `apt-get install clang llvm libbpf-dev`.
+//! `WEIR_CLANG` names another compiler.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    let src = "bpf/steer.bpf.c";
+    println!("cargo::rerun-if-changed={src}");
+    println!("cargo::rerun-if-env-changed=WEIR_CLANG");
+    let out =
+        PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR")).join("steer.bpf.o");
+
+    let candidates: Vec<String> = match std::env::var("WEIR_CLANG") {
+        Ok(clang) => vec![clang],
+        Err(_) => vec!["clang-14".into(), "clang".into()],
+    };
+    let Some(clang) = candidates
+        .iter()
+        .find(|c| Command::new(c).arg("--version").output().is_ok())
+    else {
+        fail(&format!(
+            "no C compiler for the XDP program: tried {}. Install Debian's clang, llvm and \
+             libbpf-dev (`apt-get install -y clang llvm libbpf-dev`) or set WEIR_CLANG",
+            candidates.join(", ")
+        ));
+    };
+
+    let mut cmd = Command::new(clang);
+    cmd.args(["-target", "bpf", "-O2", "-g", "-Wall", "-Werror"]);
+    // <linux/types.h> includes <asm/types.h>, which Debian keeps under the
+    // multiarch directory; -target bpf does not search it by itself.
+    let arch = std::env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
+    let multiarch = format!("/usr/include/{arch}-linux-gnu");
+    if std::path::Path::new(&multiarch).is_dir() {
+        cmd.arg(format!("-I{multiarch}"));
+    }
+    cmd.arg("-c").arg(src).arg("-o").arg(&out);
+    match cmd.status() {
+        Ok(status) if status.success() => {}
+        Ok(status) => fail(&format!(
+            "{clang} failed ({status}) compiling {src}; missing headers? \
+             `apt-get install -y clang llvm libbpf-dev` provides <linux/bpf.h> and <bpf/bpf_helpers.h>"
+        )),
+        Err(e) => fail(&format!("cannot run {clang}: {e}")),
+    }
+}
+
+fn fail(msg: &str) -> ! {
+    eprintln!("error: weir-packet-io: {msg}");
+    println!("cargo::error={msg}");
+    std::process::exit(1);
+}

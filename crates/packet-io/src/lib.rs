@@ -1,0 +1,28 @@
+//! Packet I/O for weir's packet mode: the one place for packet-mode `unsafe`.
+//!
+//! Three parts, used together by the data path:
+//!
+//! * [`steer`] — the XDP program (`bpf/steer.bpf.c`, built by `build.rs` with clang)
+//!   and its loader. The program looks up each packet's (destination address,
+//!   protocol, destination port) in a BPF hash map that userspace fills with the
+//!   services' virtual addresses ([`Steering::add`]); a hit is redirected to the
+//!   AF_XDP socket of the receiving queue, everything else is `XDP_PASS`, so SSH,
+//!   the admin API and unrelated traffic on the same interface reach the kernel.
+//! * [`xsk`] — AF_XDP sockets (one per interface queue), each with its own UMEM
+//!   and fill/completion/rx/tx rings, driven in batches: receive a batch, hand each
+//!   frame to a callback that rewrites it in place and answers [`Verdict`], transmit
+//!   the batch.
+//!
+//! The packet core that decides what to rewrite is `weir-packet`; nothing here
+//! parses beyond what steering needs.
+//!
+//! Requirements at run time: root (or `CAP_NET_ADMIN`, `CAP_BPF`, `CAP_NET_RAW`),
+//! a kernel with `CONFIG_XDP_SOCKETS` (5.4 or later for need-wakeup).
+
+#[allow(unsafe_code)]
+pub mod steer;
+#[allow(unsafe_code)]
+pub mod xsk;
+
+pub use steer::{AttachMode, SteerError, SteerKey, SteerStats, Steering};
+pub use xsk::{BatchStats, Verdict, XskConfig, XskError, XskSocket, rx_queue_count};

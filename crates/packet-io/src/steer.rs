@@ -1,0 +1,361 @@
+//! The XDP steering program and its loader (aya).
+//!
+//! [`Steering::attach`] loads the program the build compiled, attaches it to an
+//! interface — native (driver) mode first, generic (skb) mode if the driver
+//! refuses — and detaches it when dropped. The `steer` map holds the
+//! [`SteerKey`]s to redirect; the `xsks` map holds one AF_XDP socket per queue.
+
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsRawFd;
+
+use aya::Ebpf;
+use aya::maps::{HashMap, MapData, PerCpuArray, XskMap};
+use aya::programs::{Xdp, XdpFlags, xdp::XdpLinkId};
+
+/// The steering program as the build compiled it (an ELF object with BTF).
+static PROGRAM: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/steer.bpf.o"));
+
+/// Name of the XDP function in `bpf/steer.bpf.c`.
+const PROGRAM_NAME: &str = "weir_steer";
+
+/// Transport protocols the program steers (IANA numbers, as in the IP header).
+const IPPROTO_TCP: u8 = 6;
+const IPPROTO_UDP: u8 = 17;
+
+/// Errors of [`Steering`]'s operations.
+#[derive(Debug, thiserror::Error)]
+pub enum SteerError {
+    /// The embedded object did not load (a kernel without BPF, or no privilege).
+    #[error("loading the XDP program: {0} (needs root or CAP_BPF and CAP_NET_ADMIN)")]
+    Load(Box<aya::EbpfError>),
+    /// The kernel's verifier or the attach refused the program.
+    #[error("XDP program on {interface}: {source}")]
+    Program {
+        /// The interface named to [`Steering::attach`].
+        interface: String,
+        /// What aya reported.
+        source: Box<aya::programs::ProgramError>,
+    },
+    /// Neither native nor generic mode attached.
+    #[error(
+        "cannot attach XDP to {interface}: native mode: {native}; generic mode: {generic} \
+         (does the interface exist in this network namespace?)"
+    )]
+    Attach {
+        /// The interface named to [`Steering::attach`].
+        interface: String,
+        /// Why native (driver) mode failed.
+        native: Box<aya::programs::ProgramError>,
+        /// Why generic (skb) mode failed.
+        generic: Box<aya::programs::ProgramError>,
+    },
+    /// A map of the program is missing or of the wrong type (a build mismatch).
+    #[error("XDP program map {name}: {source}")]
+    Map {
+        /// The map's name in `bpf/steer.bpf.c`.
+        name: &'static str,
+        /// What aya reported.
+        source: Box<aya::maps::MapError>,
+    },
+    /// The object has no map or program of that name (a build mismatch).
+    #[error("the XDP object has no map or program named {0} (a build mismatch)")]
+    Missing(&'static str),
+    /// Only TCP and UDP are steered.
+    #[error("protocol {0} cannot be steered (only TCP 6 and UDP 17)")]
+    Protocol(u8),
+}
+
+/// How the program is attached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttachMode {
+    /// In the driver (`xdpdrv`): before the kernel allocates an skb.
+    Native,
+    /// Generic (`xdpgeneric`, skb mode): works on any interface, slower.
+    Generic,
+}
+
+impl std::fmt::Display for AttachMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            AttachMode::Native => "native (xdpdrv)",
+            AttachMode::Generic => "generic (xdpgeneric)",
+        })
+    }
+}
+
+/// One steered (destination address, protocol, destination port).
+///
+/// Layout shared with `struct steer_key` in `bpf/steer.bpf.c`: an IPv4 address
+/// is stored IPv4-mapped (`::ffff:a.b.c.d`), the port in network byte order.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SteerKey {
+    addr: [u8; 16],
+    proto: u8,
+    pad: u8,
+    port_be: [u8; 2],
+}
+
+// SAFETY: `SteerKey` is `repr(C)`, `Copy`, 20 bytes with no padding (16 + 1 + 1
+// + 2, alignment 1), and every bit pattern is a valid value, which is what aya
+// requires of a map key it copies to and from the kernel.
+unsafe impl aya::Pod for SteerKey {}
+
+impl SteerKey {
+    /// The key for `protocol` (6 TCP, 17 UDP) to `addr`.
+    pub fn new(addr: SocketAddr, protocol: u8) -> Result<Self, SteerError> {
+        if protocol != IPPROTO_TCP && protocol != IPPROTO_UDP {
+            return Err(SteerError::Protocol(protocol));
+        }
+        let ip = match addr.ip() {
+            IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+            IpAddr::V6(v6) => v6,
+        };
+        Ok(Self {
+            addr: ip.octets(),
+            proto: protocol,
+            pad: 0,
+            port_be: addr.port().to_be_bytes(),
+        })
+    }
+
+    /// A TCP key.
+    pub fn tcp(addr: SocketAddr) -> Self {
+        Self::new(addr, IPPROTO_TCP).expect("TCP is steerable")
+    }
+
+    /// A UDP key.
+    pub fn udp(addr: SocketAddr) -> Self {
+        Self::new(addr, IPPROTO_UDP).expect("UDP is steerable")
+    }
+}
+
+/// The program's packet counters, summed over CPUs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SteerStats {
+    /// Not steered: handed to the kernel (`XDP_PASS`).
+    pub passed: u64,
+    /// Redirected to an AF_XDP socket.
+    pub steered: u64,
+    /// Matched a key but no socket was registered on the receiving queue, so
+    /// passed to the kernel.
+    pub no_socket: u64,
+}
+
+/// The steering program attached to one interface; detached on drop.
+#[derive(Debug)]
+pub struct Steering {
+    ebpf: Ebpf,
+    link: Option<XdpLinkId>,
+    interface: String,
+    mode: AttachMode,
+}
+
+impl Steering {
+    /// Loads the program and attaches it to `interface` (in the calling thread's
+    /// network namespace): native mode if the driver supports it, generic mode
+    /// otherwise ([`Steering::mode`] says which).
+    pub fn attach(interface: &str) -> Result<Self, SteerError> {
+        Self::attach_with(interface, None)
+    }
+
+    /// As [`Steering::attach`], but only in `mode` when it is given (no
+    /// fallback): for tests of either path and for an operator's choice.
+    pub fn attach_with(interface: &str, mode: Option<AttachMode>) -> Result<Self, SteerError> {
+        let mut ebpf = Ebpf::load(PROGRAM).map_err(|e| SteerError::Load(Box::new(e)))?;
+        let program_err = |source| SteerError::Program {
+            interface: interface.to_owned(),
+            source: Box::new(source),
+        };
+        let prog: &mut Xdp = ebpf
+            .program_mut(PROGRAM_NAME)
+            .ok_or(SteerError::Missing(PROGRAM_NAME))?
+            .try_into()
+            .map_err(program_err)?;
+        prog.load().map_err(program_err)?;
+        let (link, mode) = match mode {
+            Some(AttachMode::Native) => (
+                prog.attach(interface, XdpFlags::DRV_MODE)
+                    .map_err(program_err)?,
+                AttachMode::Native,
+            ),
+            Some(AttachMode::Generic) => (
+                prog.attach(interface, XdpFlags::SKB_MODE)
+                    .map_err(program_err)?,
+                AttachMode::Generic,
+            ),
+            None => Self::attach_auto(prog, interface)?,
+        };
+        Ok(Self {
+            ebpf,
+            link: Some(link),
+            interface: interface.to_owned(),
+            mode,
+        })
+    }
+
+    /// Native mode, else generic mode.
+    fn attach_auto(prog: &mut Xdp, interface: &str) -> Result<(XdpLinkId, AttachMode), SteerError> {
+        Ok(match prog.attach(interface, XdpFlags::DRV_MODE) {
+            Ok(link) => (link, AttachMode::Native),
+            Err(native) => match prog.attach(interface, XdpFlags::SKB_MODE) {
+                Ok(link) => (link, AttachMode::Generic),
+                Err(generic) => {
+                    return Err(SteerError::Attach {
+                        interface: interface.to_owned(),
+                        native: Box::new(native),
+                        generic: Box::new(generic),
+                    });
+                }
+            },
+        })
+    }
+
+    /// How the program is attached.
+    pub fn mode(&self) -> AttachMode {
+        self.mode
+    }
+
+    /// The interface it is attached to.
+    pub fn interface(&self) -> &str {
+        &self.interface
+    }
+
+    fn steer_map(&mut self) -> Result<HashMap<&mut MapData, SteerKey, u32>, SteerError> {
+        let map = self
+            .ebpf
+            .map_mut("steer")
+            .ok_or(SteerError::Missing("steer"))?;
+        HashMap::try_from(map).map_err(|source| SteerError::Map {
+            name: "steer",
+            source: Box::new(source),
+        })
+    }
+
+    /// Steers packets matching `key` to the AF_XDP sockets.
+    pub fn add(&mut self, key: SteerKey) -> Result<(), SteerError> {
+        self.steer_map()?
+            .insert(key, 1, 0)
+            .map_err(|source| SteerError::Map {
+                name: "steer",
+                source: Box::new(source),
+            })
+    }
+
+    /// Stops steering `key`; packets matching it go to the kernel again.
+    /// Removing a key that is not there is not an error.
+    pub fn remove(&mut self, key: &SteerKey) -> Result<(), SteerError> {
+        match self.steer_map()?.remove(key) {
+            Ok(()) => Ok(()),
+            // ENOENT: already absent.
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
+            {
+                Ok(())
+            }
+            Err(source) => Err(SteerError::Map {
+                name: "steer",
+                source: Box::new(source),
+            }),
+        }
+    }
+
+    /// The keys currently steered.
+    pub fn keys(&mut self) -> Result<Vec<SteerKey>, SteerError> {
+        let map = self.steer_map()?;
+        map.keys()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|source| SteerError::Map {
+                name: "steer",
+                source: Box::new(source),
+            })
+    }
+
+    /// Removes every key: all traffic goes to the kernel again.
+    pub fn clear(&mut self) -> Result<(), SteerError> {
+        for key in self.keys()? {
+            self.remove(&key)?;
+        }
+        Ok(())
+    }
+
+    /// Registers the AF_XDP socket `socket` for the interface queue `queue`.
+    pub fn register_socket(&mut self, queue: u32, socket: &impl AsRawFd) -> Result<(), SteerError> {
+        let map_err = |source| SteerError::Map {
+            name: "xsks",
+            source: Box::new(source),
+        };
+        let map = self
+            .ebpf
+            .map_mut("xsks")
+            .ok_or(SteerError::Missing("xsks"))?;
+        let mut xsks = XskMap::try_from(map).map_err(map_err)?;
+        xsks.set(queue, socket.as_raw_fd(), 0).map_err(map_err)
+    }
+
+    /// The program's counters, summed over CPUs.
+    pub fn stats(&self) -> Result<SteerStats, SteerError> {
+        let map_err = |source| SteerError::Map {
+            name: "stats",
+            source: Box::new(source),
+        };
+        let map = self.ebpf.map("stats").ok_or(SteerError::Missing("stats"))?;
+        let stats: PerCpuArray<&MapData, u64> = PerCpuArray::try_from(map).map_err(map_err)?;
+        let sum = |i: u32| -> Result<u64, SteerError> {
+            Ok(stats.get(&i, 0).map_err(map_err)?.iter().sum())
+        };
+        Ok(SteerStats {
+            passed: sum(0)?,
+            steered: sum(1)?,
+            no_socket: sum(2)?,
+        })
+    }
+}
+
+impl Drop for Steering {
+    fn drop(&mut self) {
+        if let Some(link) = self.link.take()
+            && let Some(prog) = self.ebpf.program_mut(PROGRAM_NAME)
+            && let Ok(prog) = <&mut Xdp>::try_from(prog)
+        {
+            // Dropping `ebpf` would detach too (the link is owned by the
+            // program); detaching first keeps the order explicit. An error
+            // here (interface already gone) leaves nothing attached.
+            let _ = prog.detach(link);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_layout_matches_the_c_struct() {
+        assert_eq!(std::mem::size_of::<SteerKey>(), 20);
+        let k = SteerKey::udp("192.0.2.7:53".parse().unwrap());
+        assert_eq!(&k.addr[..12], &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff]);
+        assert_eq!(&k.addr[12..], &[192, 0, 2, 7]);
+        assert_eq!((k.proto, k.pad, k.port_be), (17, 0, [0, 53]));
+        let k6 = SteerKey::tcp("[2001:db8::1]:443".parse().unwrap());
+        assert_eq!(k6.addr[0..2], [0x20, 0x01]);
+        assert_eq!((k6.proto, k6.port_be), (6, [1, 0xbb]));
+    }
+
+    #[test]
+    fn only_tcp_and_udp_are_steerable() {
+        let addr = "192.0.2.7:53".parse().unwrap();
+        assert!(matches!(
+            SteerKey::new(addr, 1),
+            Err(SteerError::Protocol(1))
+        ));
+        assert!(SteerKey::new(addr, 6).is_ok());
+    }
+
+    #[test]
+    fn the_embedded_program_is_a_bpf_elf() {
+        assert_eq!(&PROGRAM[..4], b"\x7fELF");
+        // e_machine 247 = EM_BPF (little-endian u16 at offset 18).
+        assert_eq!(u16::from_le_bytes([PROGRAM[18], PROGRAM[19]]), 247);
+    }
+}

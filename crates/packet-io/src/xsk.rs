@@ -1,0 +1,483 @@
+//! AF_XDP sockets driven in batches (the `xdp` crate: pure Rust, MIT/Apache).
+//!
+//! An [`XskSocket`] is bound to one interface queue and owns its UMEM (frames
+//! shared with the kernel) and its four rings. [`XskSocket::run_batch`] is one
+//! turn of the data path: reclaim transmitted frames, refill the fill ring,
+//! receive up to a batch, hand each frame to a callback that may rewrite it in
+//! place and answers [`Verdict`], then transmit the frames to send and kick the
+//! kernel (copy mode, as on veth, transmits inside that `sendto`).
+//!
+//! The socket only receives what the steering program redirects to it: register
+//! it with [`crate::Steering::register_socket`] under the same queue.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::Duration;
+
+use xdp::slab::{HeapSlab, Slab};
+use xdp::socket::{PollTimeout, XdpSocket, XdpSocketBuilder};
+use xdp::umem::UmemCfgBuilder;
+use xdp::{RingConfigBuilder, Umem, WakableRings};
+
+/// What to do with a received frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Send the (rewritten) frame out of the interface it came in on.
+    Transmit,
+    /// Return the frame to the UMEM.
+    Drop,
+}
+
+/// Sizes of one socket's UMEM and rings.
+#[derive(Debug, Clone, Copy)]
+pub struct XskConfig {
+    /// Frames in the UMEM (each 4 KiB). Half stock the fill ring, the rest
+    /// are in flight on rx/tx.
+    pub frames: u32,
+    /// Entries in each ring; a power of two.
+    pub ring_size: u32,
+    /// Most frames handed to the callback per [`XskSocket::run_batch`].
+    pub batch: usize,
+}
+
+impl Default for XskConfig {
+    fn default() -> Self {
+        Self {
+            frames: 4096,
+            ring_size: 2048,
+            batch: 64,
+        }
+    }
+}
+
+/// Errors of [`XskSocket`]'s operations.
+#[derive(Debug, thiserror::Error)]
+pub enum XskError {
+    /// The configuration was refused (sizes not powers of two, zero, too large).
+    #[error("AF_XDP configuration: {0}")]
+    Config(String),
+    /// The interface does not exist (in this network namespace).
+    #[error("no interface {0:?}")]
+    NoInterface(String),
+    /// Mapping the UMEM failed (memory limits).
+    #[error("mapping the AF_XDP UMEM: {0}")]
+    Umem(std::io::Error),
+    /// Creating, setting up or binding the socket failed.
+    #[error(
+        "AF_XDP socket on {interface} queue {queue}: {source} (needs root or CAP_NET_RAW; the queue must exist)"
+    )]
+    Socket {
+        /// The interface.
+        interface: String,
+        /// The queue.
+        queue: u32,
+        /// What the kernel said.
+        source: xdp::socket::SocketError,
+    },
+    /// A ring operation's syscall (poll, wakeup) failed.
+    #[error("AF_XDP ring I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// What one [`XskSocket::run_batch`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Frames received and handed to the callback.
+    pub received: usize,
+    /// Frames queued for transmission.
+    pub transmitted: usize,
+    /// Frames the callback dropped.
+    pub dropped: usize,
+    /// Frames to transmit that found the tx ring full (dropped, counted apart).
+    pub tx_full: usize,
+}
+
+/// One AF_XDP socket bound to an interface queue, with its own UMEM and rings.
+pub struct XskSocket {
+    // Field order is drop order: the rings' mappings and the socket go before
+    // the UMEM their descriptors point into.
+    rings: WakableRings,
+    socket: XdpSocket,
+    rx: HeapSlab,
+    tx: HeapSlab,
+    umem: Umem,
+    batch: usize,
+    zero_copy: bool,
+    interface: String,
+    queue: u32,
+}
+
+impl std::fmt::Debug for XskSocket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("XskSocket")
+            .field("interface", &self.interface)
+            .field("queue", &self.queue)
+            .field("zero_copy", &self.zero_copy)
+            .field("batch", &self.batch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl XskSocket {
+    /// Creates a socket with its UMEM and rings and binds it to `queue` of
+    /// `interface` (in the calling thread's network namespace). The kernel
+    /// picks zero-copy where the driver supports it, copy mode otherwise
+    /// ([`XskSocket::zero_copy`] says which).
+    pub fn bind(interface: &str, queue: u32, config: XskConfig) -> Result<Self, XskError> {
+        if config.batch == 0 || config.batch > config.ring_size as usize {
+            return Err(XskError::Config(format!(
+                "batch {} must be between 1 and the ring size {}",
+                config.batch, config.ring_size
+            )));
+        }
+        let name = std::ffi::CString::new(interface)
+            .map_err(|_| XskError::NoInterface(interface.to_owned()))?;
+        let nic = xdp::nic::NicIndex::lookup_by_name(&name)
+            .ok()
+            .flatten()
+            .ok_or_else(|| XskError::NoInterface(interface.to_owned()))?;
+        let ring_cfg = RingConfigBuilder {
+            rx_count: config.ring_size,
+            tx_count: config.ring_size,
+            fill_count: config.ring_size,
+            completion_count: config.ring_size,
+        }
+        .build()
+        .map_err(|e| XskError::Config(e.to_string()))?;
+        let umem_cfg = UmemCfgBuilder {
+            frame_count: config.frames,
+            ..Default::default()
+        }
+        .build()
+        .map_err(|e| XskError::Config(e.to_string()))?;
+        let umem = Umem::map(umem_cfg).map_err(XskError::Umem)?;
+        let socket_err = |source| XskError::Socket {
+            interface: interface.to_owned(),
+            queue,
+            source,
+        };
+        let mut builder = XdpSocketBuilder::new().map_err(socket_err)?;
+        let (mut rings, flags) = builder
+            .build_wakable_rings(&umem, ring_cfg)
+            .map_err(socket_err)?;
+        let mut umem = umem;
+        // Stock the fill ring before binding so the first packets find frames.
+        // SAFETY: the frames belong to `umem`, which `Self` drops after the
+        // socket and rings (field order), so it outlives every descriptor the
+        // kernel holds.
+        unsafe {
+            rings
+                .fill_ring
+                .enqueue(&mut umem, config.ring_size as usize, false)?;
+        }
+        let socket = builder.bind(nic, queue, flags).map_err(socket_err)?;
+        let zero_copy = is_zero_copy(socket.as_raw_fd());
+        Ok(Self {
+            rings,
+            socket,
+            rx: HeapSlab::with_capacity(config.batch),
+            tx: HeapSlab::with_capacity(config.batch),
+            umem,
+            batch: config.batch,
+            zero_copy,
+            interface: interface.to_owned(),
+            queue,
+        })
+    }
+
+    /// One socket per rx queue of `interface` ([`rx_queue_count`]), socket `i`
+    /// bound to queue `i`: register each with
+    /// [`crate::Steering::register_socket`] under its [`XskSocket::queue`].
+    pub fn bind_all(interface: &str, config: XskConfig) -> Result<Vec<Self>, XskError> {
+        (0..rx_queue_count(interface)?)
+            .map(|queue| Self::bind(interface, queue, config))
+            .collect()
+    }
+
+    /// True if the kernel bound the socket in zero-copy mode (false: copy mode,
+    /// as on veth).
+    pub fn zero_copy(&self) -> bool {
+        self.zero_copy
+    }
+
+    /// The queue the socket is bound to.
+    pub fn queue(&self) -> u32 {
+        self.queue
+    }
+
+    /// One turn of the data path: waits up to `timeout` for frames, hands each
+    /// received frame (at most the configured batch) to `f`, which may rewrite
+    /// it in place, then transmits those it answered [`Verdict::Transmit`] for.
+    /// Returns at once with zero counts if nothing arrived in `timeout`.
+    pub fn run_batch(
+        &mut self,
+        timeout: Duration,
+        mut f: impl FnMut(&mut [u8]) -> Verdict,
+    ) -> Result<BatchStats, XskError> {
+        let mut stats = BatchStats::default();
+        self.reclaim()?;
+
+        let mut n = self.recv();
+        if n == 0 {
+            let ms = timeout.min(Duration::from_secs(1));
+            if !self.socket.poll_read(PollTimeout::new(Some(ms)))? {
+                return Ok(stats);
+            }
+            n = self.recv();
+        }
+        stats.received = n;
+
+        while let Some(mut packet) = self.rx.pop_back() {
+            match f(&mut packet) {
+                Verdict::Transmit => {
+                    if let Some(back) = self.tx.push_front(packet) {
+                        // Cannot happen: tx and rx have the same capacity.
+                        self.umem.free_packet(back);
+                        stats.tx_full += 1;
+                    }
+                }
+                Verdict::Drop => {
+                    self.umem.free_packet(packet);
+                    stats.dropped += 1;
+                }
+            }
+        }
+
+        if !self.tx.is_empty() {
+            let want = self.tx.len();
+            let tx = self
+                .rings
+                .tx_ring
+                .as_mut()
+                .expect("built with a tx ring (tx_count > 0)");
+            // SAFETY: the frames are in `self.umem`, which outlives the socket
+            // (field order); the kernel returns them on the completion ring.
+            // Without a wakeup the send makes no syscall and cannot fail.
+            let sent = unsafe { tx.send(&mut self.tx, false) }.unwrap_or(0);
+            stats.transmitted = sent;
+            // Ring full: what did not fit is dropped rather than held, so no
+            // frame stays in a slab between calls (see `Send` below).
+            while let Some(packet) = self.tx.pop_back() {
+                self.umem.free_packet(packet);
+                stats.tx_full += 1;
+            }
+            if sent > 0 {
+                kick_tx(self.socket.as_raw_fd(), sent)?;
+            }
+            debug_assert_eq!(sent + stats.tx_full, want);
+        }
+        Ok(stats)
+    }
+
+    /// Moves up to a batch of received frames into `self.rx`.
+    fn recv(&mut self) -> usize {
+        let rx = self
+            .rings
+            .rx_ring
+            .as_mut()
+            .expect("built with an rx ring (rx_count > 0)");
+        // SAFETY: received packets point into `self.umem`; `run_batch` returns
+        // each to it (free_packet) or moves it into the tx ring within the same
+        // call, so none outlives the UMEM.
+        unsafe { rx.recv(&self.umem, &mut self.rx) }
+    }
+
+    /// Returns transmitted frames to the UMEM and hands free frames to the
+    /// fill ring.
+    fn reclaim(&mut self) -> Result<(), XskError> {
+        let done = self.umem.outstanding();
+        self.rings.completion_ring.dequeue(&mut self.umem, done);
+        let free = self.umem.allocatable();
+        if free > 0 {
+            // SAFETY: as in `bind`: the UMEM outlives the socket.
+            let woken = unsafe { self.rings.fill_ring.enqueue(&mut self.umem, free, true) };
+            match woken {
+                Ok(_) => {}
+                // The frames are on the ring either way; a busy kernel takes
+                // them at its next poll.
+                Err(e) if is_retry(&e) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+}
+
+// SAFETY: every pointer an `XskSocket` holds points into mappings it owns (the
+// UMEM, the rings) and nothing is tied to the creating thread. The only `!Send`
+// parts are the `Packet`s of the `rx` and `tx` slabs, and those are empty
+// between calls: `run_batch` frees or queues every frame it received before it
+// returns, on every path. So moving the socket to another thread (a worker)
+// moves sole ownership of everything it points to.
+unsafe impl Send for XskSocket {}
+
+impl AsRawFd for XskSocket {
+    fn as_raw_fd(&self) -> RawFd {
+        self.socket.as_raw_fd()
+    }
+}
+
+/// The number of rx queues of `interface` (in the calling thread's network
+/// namespace), as `ethtool -l` reports it: rx-only plus combined channels. A
+/// driver without channel support (loopback, for one) has one queue.
+pub fn rx_queue_count(interface: &str) -> Result<u32, XskError> {
+    /// `struct ethtool_channels` (linux/ethtool.h).
+    #[repr(C)]
+    #[derive(Default)]
+    struct EthtoolChannels {
+        cmd: u32,
+        max_rx: u32,
+        max_tx: u32,
+        max_other: u32,
+        max_combined: u32,
+        rx_count: u32,
+        tx_count: u32,
+        other_count: u32,
+        combined_count: u32,
+    }
+    const ETHTOOL_GCHANNELS: u32 = 0x3c;
+
+    let name = interface.as_bytes();
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains(&0) {
+        return Err(XskError::NoInterface(interface.to_owned()));
+    }
+    // SAFETY: plain socket(2); the result is checked before use.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let mut channels = EthtoolChannels {
+        cmd: ETHTOOL_GCHANNELS,
+        ..Default::default()
+    };
+    // SAFETY: `ifreq` is plain old data; all zeroes is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, &src) in ifr.ifr_name.iter_mut().zip(name) {
+        *dst = src as libc::c_char;
+    }
+    ifr.ifr_ifru.ifru_data = (&mut channels as *mut EthtoolChannels).cast();
+    // SAFETY: SIOCETHTOOL reads the NUL-terminated name (checked shorter than
+    // IFNAMSIZ, the rest zero) and writes at most one `ethtool_channels` into
+    // `channels`, which is live and correctly laid out for the call.
+    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCETHTOOL, &mut ifr) };
+    if rc == 0 {
+        return Ok((channels.rx_count + channels.combined_count).max(1));
+    }
+    let err = std::io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::ENODEV) => Err(XskError::NoInterface(interface.to_owned())),
+        // No channel support in the driver: a single queue.
+        Some(libc::EOPNOTSUPP) => Ok(1),
+        _ => Err(err.into()),
+    }
+}
+
+/// Kernel answers to a wakeup that mean "busy, call again", not failure.
+fn is_retry(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EAGAIN | libc::EBUSY | libc::ENOBUFS | libc::EINTR)
+    )
+}
+
+/// Most frames the kernel transmits per `sendto` in copy mode
+/// (`MAX_PER_SOCKET_BUDGET` in net/xdp/xsk.c); past it the call says EAGAIN.
+const TX_BUDGET_PER_KICK: usize = 32;
+
+/// Tells the kernel to transmit what is on the tx ring. In copy mode (veth)
+/// the transmission happens inside this `sendto`, at most
+/// [`TX_BUDGET_PER_KICK`] frames per call, so `queued` frames need a few calls;
+/// bounded by that count, and whatever stays queued goes at the next batch.
+fn kick_tx(fd: RawFd, queued: usize) -> Result<(), XskError> {
+    for _ in 0..queued.div_ceil(TX_BUDGET_PER_KICK) + 1 {
+        // SAFETY: a zero-length send with null buffers on a socket we own;
+        // the kernel reads no memory from us.
+        let rc = unsafe {
+            libc::sendto(
+                fd,
+                std::ptr::null(),
+                0,
+                libc::MSG_DONTWAIT,
+                std::ptr::null(),
+                0,
+            )
+        };
+        if rc >= 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if !is_retry(&err) {
+            return Err(err.into());
+        }
+    }
+    Ok(())
+}
+
+/// Asks the kernel whether `fd` is bound in zero-copy mode (`XDP_OPTIONS`).
+fn is_zero_copy(fd: RawFd) -> bool {
+    let mut opts = libc::xdp_options { flags: 0 };
+    let mut len = std::mem::size_of::<libc::xdp_options>() as libc::socklen_t;
+    // SAFETY: `opts` and `len` are live locals of the sizes passed; the kernel
+    // writes at most `len` bytes into `opts`.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_XDP,
+            libc::XDP_OPTIONS,
+            (&mut opts as *mut libc::xdp_options).cast(),
+            &mut len,
+        )
+    };
+    rc == 0 && opts.flags & libc::XDP_OPTIONS_ZEROCOPY != 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_socket_can_move_to_a_worker_thread() {
+        fn send<T: Send>() {}
+        send::<XskSocket>();
+    }
+
+    #[test]
+    fn bad_configurations_are_refused_before_any_syscall() {
+        let err = |cfg| XskSocket::bind("lo", 0, cfg).unwrap_err();
+        let batch0 = XskConfig {
+            batch: 0,
+            ..XskConfig::default()
+        };
+        assert!(matches!(err(batch0), XskError::Config(m) if m.contains("batch 0")));
+        let too_big = XskConfig {
+            batch: 4096,
+            ring_size: 2048,
+            ..XskConfig::default()
+        };
+        assert!(matches!(err(too_big), XskError::Config(_)));
+        let missing = XskSocket::bind("weir-nosuch0", 0, XskConfig::default()).unwrap_err();
+        assert!(matches!(&missing, XskError::NoInterface(n) if n == "weir-nosuch0"));
+        assert!(matches!(
+            rx_queue_count("weir-nosuch0"),
+            Err(XskError::NoInterface(_))
+        ));
+        assert!(matches!(
+            rx_queue_count("a-name-longer-than-ifnamsiz"),
+            Err(XskError::NoInterface(_))
+        ));
+        let nul = XskSocket::bind("a\0b", 0, XskConfig::default()).unwrap_err();
+        assert!(matches!(nul, XskError::NoInterface(_)));
+    }
+
+    #[test]
+    fn ring_sizes_that_are_not_powers_of_two_are_refused() {
+        let cfg = XskConfig {
+            ring_size: 1000,
+            batch: 10,
+            ..XskConfig::default()
+        };
+        let err = XskSocket::bind("lo", 0, cfg).unwrap_err();
+        assert!(matches!(err, XskError::Config(_)), "{err:?}");
+    }
+}

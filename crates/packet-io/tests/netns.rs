@@ -1,0 +1,697 @@
+//! The XDP steering program and AF_XDP sockets on a real veth pair, in network
+//! namespaces this test creates and removes.
+//!
+//! Topology: namespace `client` (192.0.2.1, 2001:db8::1) — veth — namespace
+//! `weir` (192.0.2.2, 2001:db8::2). The program is attached on the weir side,
+//! UDP 9000 on both weir addresses is registered, and an AF_XDP loop echoes what
+//! it receives (MACs, addresses and ports swapped: the checksums stay valid).
+//! The client must get every datagram back; UDP 9001 in the weir namespace is
+//! served by an ordinary kernel socket and must still answer (not steered).
+//!
+//! Threads, not helper binaries: each side runs on a dedicated thread that
+//! `setns(2)`s into its namespace; sockets, interface lookups and the XDP attach
+//! then happen in that namespace, and the test process itself is never moved.
+//!
+//! Needs root, `ip` (iproute2) and ethtool; without them it prints why and
+//! returns.
+
+use std::collections::BTreeSet;
+use std::net::{SocketAddr, UdpSocket};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use weir_packet_io::{AttachMode, SteerKey, SteerStats, Steering, Verdict, XskConfig, XskSocket};
+
+const DATAGRAMS: usize = 64;
+/// Client sockets per address family in the AF_XDP test.
+const FLOWS: usize = 16;
+/// Queues of each veth.
+const QUEUES: usize = 2;
+const VIP_PORT: u16 = 9000;
+const KERNEL_PORT: u16 = 9001;
+const UDP: u8 = 17;
+const TCP: u8 = 6;
+/// Raw tagged frames the generic-mode test sends that match a key.
+const TAGGED_MATCHES: u64 = 5;
+
+/// Why this test cannot run here, if it cannot.
+fn missing_prerequisite() -> Option<String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Some("needs root (network namespaces, XDP, AF_XDP)".into());
+    }
+    if Command::new("ethtool").arg("--version").output().is_err() {
+        return Some("needs ethtool (Debian package ethtool)".into());
+    }
+    match Command::new("ip").args(["netns", "list"]).output() {
+        Ok(out) if out.status.success() => None,
+        Ok(out) => Some(format!(
+            "`ip netns list` failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Err(e) => Some(format!("needs `ip` from iproute2: {e}")),
+    }
+}
+
+fn run(args: &[&str]) -> Result<(), String> {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .map_err(|e| format!("{}: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Two namespaces joined by a veth pair; removed on drop, also on failure.
+struct Topology {
+    client: String,
+    weir: String,
+    client_if: String,
+    weir_if: String,
+}
+
+impl Topology {
+    fn new(tag: &str) -> Result<Self, String> {
+        let id = std::process::id();
+        let topo = Topology {
+            client: format!("weirxdp-{tag}-c-{id}"),
+            weir: format!("weirxdp-{tag}-w-{id}"),
+            // Interface names are at most 15 bytes.
+            client_if: format!("xc{tag}{id}"),
+            weir_if: format!("xw{tag}{id}"),
+        };
+        // From here on, a failure drops `topo`, which deletes what exists.
+        let (c, w, ci, wi) = (&topo.client, &topo.weir, &topo.client_if, &topo.weir_if);
+        run(&["ip", "netns", "add", c])?;
+        run(&["ip", "netns", "add", w])?;
+        run(&[
+            "ip",
+            "link",
+            "add",
+            ci,
+            "netns",
+            c,
+            "numtxqueues",
+            "2",
+            "numrxqueues",
+            "2",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            wi,
+            "netns",
+            w,
+            "numtxqueues",
+            "2",
+            "numrxqueues",
+            "2",
+        ])?;
+        for (ns, dev, v4, v6) in [
+            (c, ci, "192.0.2.1/24", "2001:db8::1/64"),
+            (w, wi, "192.0.2.2/24", "2001:db8::2/64"),
+        ] {
+            run(&["ip", "-n", ns, "addr", "add", v4, "dev", dev])?;
+            run(&["ip", "-n", ns, "addr", "add", v6, "dev", dev, "nodad"])?;
+            run(&["ip", "-n", ns, "link", "set", dev, "up"])?;
+            run(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
+        }
+        // A local socket's datagram leaves a veth with a partial checksum
+        // (only the pseudo-header sum); the echo does not finish it, so make
+        // the client's kernel compute full checksums.
+        run(&["ip", "netns", "exec", c, "ethtool", "-K", ci, "tx", "off"])?;
+        Ok(topo)
+    }
+}
+
+impl Drop for Topology {
+    fn drop(&mut self) {
+        // Deleting a namespace destroys the veth in it (and so its peer).
+        for ns in [&self.client, &self.weir] {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
+
+/// Moves the calling thread into namespace `name`.
+fn enter(name: &str) -> Result<(), String> {
+    let file = std::fs::File::open(format!("/var/run/netns/{name}"))
+        .map_err(|e| format!("open netns {name}: {e}"))?;
+    nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET)
+        .map_err(|e| format!("setns {name}: {e}"))
+}
+
+/// Swaps source and destination of an Ethernet + IPv4/IPv6 + UDP frame in
+/// place. Swapping keeps every checksum valid (the sums are commutative).
+fn echo(frame: &mut [u8]) -> Verdict {
+    let Ok(p) = weir_packet::parse(frame) else {
+        return Verdict::Drop;
+    };
+    if !matches!(p.transport, weir_packet::Transport::Udp { .. }) {
+        return Verdict::Drop;
+    }
+    let (dst_mac, src_mac) = frame.split_at_mut(6);
+    dst_mac.swap_with_slice(&mut src_mac[..6]);
+    let (src, len) = match p.version {
+        weir_packet::IpVersion::V4 => (p.l3 + 12, 4),
+        weir_packet::IpVersion::V6 => (p.l3 + 8, 16),
+    };
+    let (a, b) = frame[src..src + 2 * len].split_at_mut(len);
+    a.swap_with_slice(b);
+    let (sport, dport) = frame[p.l4..p.l4 + 4].split_at_mut(2);
+    sport.swap_with_slice(dport);
+    Verdict::Transmit
+}
+
+struct WeirSide {
+    mode: String,
+    zero_copy: bool,
+    queues: usize,
+}
+
+struct WeirResult {
+    /// Frames each queue's socket echoed.
+    per_queue: Vec<usize>,
+    program: SteerStats,
+}
+
+/// The weir side: attach, bind, register, then echo until `stop`.
+fn weir_side(
+    topo_ns: String,
+    interface: String,
+    ready: mpsc::Sender<Result<WeirSide, String>>,
+    stop: Arc<AtomicBool>,
+) -> Result<WeirResult, String> {
+    let setup = || -> Result<(Steering, Vec<XskSocket>, UdpSocket), String> {
+        enter(&topo_ns)?;
+        let mut steering = Steering::attach(&interface).map_err(|e| e.to_string())?;
+        let xsks =
+            XskSocket::bind_all(&interface, XskConfig::default()).map_err(|e| e.to_string())?;
+        for xsk in &xsks {
+            steering
+                .register_socket(xsk.queue(), xsk)
+                .map_err(|e| e.to_string())?;
+        }
+        for vip in ["192.0.2.2", "[2001:db8::2]"] {
+            let addr: SocketAddr = format!("{vip}:{VIP_PORT}").parse().expect("literal");
+            steering
+                .add(SteerKey::udp(addr))
+                .map_err(|e| e.to_string())?;
+        }
+        // The kernel's own UDP service on the same interface, not registered.
+        let kernel = UdpSocket::bind(("::", KERNEL_PORT)).map_err(|e| e.to_string())?;
+        kernel
+            .set_read_timeout(Some(Duration::from_millis(5)))
+            .map_err(|e| e.to_string())?;
+        Ok((steering, xsks, kernel))
+    };
+    let (steering, mut xsks, kernel) = match setup() {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = ready.send(Err(e.clone()));
+            return Err(e);
+        }
+    };
+    let _ = ready.send(Ok(WeirSide {
+        mode: steering.mode().to_string(),
+        zero_copy: xsks.iter().any(XskSocket::zero_copy),
+        queues: xsks.len(),
+    }));
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut per_queue = vec![0; xsks.len()];
+    let mut buf = [0u8; 2048];
+    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+        for (xsk, echoed) in xsks.iter_mut().zip(&mut per_queue) {
+            let stats = xsk
+                .run_batch(Duration::from_millis(2), echo)
+                .map_err(|e| e.to_string())?;
+            *echoed += stats.transmitted;
+        }
+        // Serve the kernel socket from the same loop (non-blocking enough:
+        // a 5 ms read timeout).
+        if let Ok((n, peer)) = kernel.recv_from(&mut buf) {
+            let _ = kernel.send_to(&buf[..n], peer);
+        }
+    }
+    Ok(WeirResult {
+        per_queue,
+        program: steering.stats().map_err(|e| e.to_string())?,
+    })
+}
+
+/// The client side: `DATAGRAMS` datagrams to each VIP, then one to the kernel's
+/// port; returns what came back.
+fn client_side(ns: String) -> Result<(BTreeSet<String>, usize), String> {
+    enter(&ns)?;
+    let mut echoed = BTreeSet::new();
+    for (local, vip) in [
+        ("192.0.2.1:0", "192.0.2.2"),
+        ("[2001:db8::1]:0", "[2001:db8::2]"),
+    ] {
+        // Many flows (source ports), so the client's veth spreads them over
+        // its tx queues, which are the weir veth's rx queues.
+        let socks = (0..FLOWS)
+            .map(|_| {
+                let sock = UdpSocket::bind(local)?;
+                sock.set_read_timeout(Some(Duration::from_millis(5)))?;
+                Ok(sock)
+            })
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(|e| e.to_string())?;
+        let to: SocketAddr = format!("{vip}:{VIP_PORT}").parse().expect("literal");
+        for i in 0..DATAGRAMS {
+            socks[i % FLOWS]
+                .send_to(format!("{vip} #{i}").as_bytes(), to)
+                .map_err(|e| e.to_string())?;
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let want = echoed.len() + DATAGRAMS;
+        let mut buf = [0u8; 256];
+        while echoed.len() < want && Instant::now() < deadline {
+            for sock in &socks {
+                if let Ok((n, from)) = sock.recv_from(&mut buf) {
+                    assert_eq!(from, to, "the echo comes from the VIP:port");
+                    echoed.insert(String::from_utf8_lossy(&buf[..n]).into_owned());
+                }
+            }
+        }
+    }
+
+    // Not registered: the kernel's socket answers, up to 3 tries.
+    let sock = UdpSocket::bind("192.0.2.1:0").map_err(|e| e.to_string())?;
+    sock.set_read_timeout(Some(Duration::from_millis(500)))
+        .map_err(|e| e.to_string())?;
+    let mut kernel_replies = 0;
+    let mut buf = [0u8; 64];
+    for _ in 0..3 {
+        sock.send_to(b"to the kernel", ("192.0.2.2", KERNEL_PORT))
+            .map_err(|e| e.to_string())?;
+        if let Ok((n, _)) = sock.recv_from(&mut buf) {
+            assert_eq!(&buf[..n], b"to the kernel");
+            kernel_replies += 1;
+            break;
+        }
+    }
+    Ok((echoed, kernel_replies))
+}
+
+#[test]
+fn af_xdp_echoes_vip_traffic_and_the_kernel_keeps_the_rest() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping af_xdp_echoes_vip_traffic_and_the_kernel_keeps_the_rest: {why}");
+        return;
+    }
+    let topo = Topology::new("e").expect("build the test topology");
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let weir = {
+        let (ns, dev, stop) = (topo.weir.clone(), topo.weir_if.clone(), stop.clone());
+        std::thread::spawn(move || weir_side(ns, dev, ready_tx, stop))
+    };
+    let side = ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    let side = match side {
+        Ok(side) => side,
+        Err(e) => {
+            let _ = weir.join();
+            panic!("weir side setup: {e}");
+        }
+    };
+    eprintln!(
+        "XDP attached in {} mode; {} AF_XDP sockets, {}",
+        side.mode,
+        side.queues,
+        if side.zero_copy {
+            "zero-copy"
+        } else {
+            "copy mode"
+        }
+    );
+    assert_eq!(side.queues, QUEUES, "one socket per rx queue");
+
+    let client = {
+        let ns = topo.client.clone();
+        std::thread::spawn(move || client_side(ns))
+    };
+    let client = client.join();
+    stop.store(true, Ordering::Relaxed);
+    let weir = weir.join().expect("weir thread").expect("weir side");
+    let (echoed, kernel_replies) = client.expect("client thread").expect("client side");
+    drop(topo);
+
+    let want: BTreeSet<String> = ["192.0.2.2", "[2001:db8::2]"]
+        .iter()
+        .flat_map(|vip| (0..DATAGRAMS).map(move |i| format!("{vip} #{i}")))
+        .collect();
+    assert_eq!(
+        echoed, want,
+        "every datagram to a VIP came back from AF_XDP"
+    );
+    eprintln!("echoed per queue: {:?}", weir.per_queue);
+    let echoed: usize = weir.per_queue.iter().sum();
+    assert!(echoed >= 2 * DATAGRAMS, "echoed {:?}", weir.per_queue);
+    // 32 flows over 2 queues: all on one queue has odds of 2^-31.
+    assert!(
+        weir.per_queue.iter().all(|&n| n > 0),
+        "every queue's socket echoed some: {:?}",
+        weir.per_queue
+    );
+    assert!(
+        weir.program.steered >= 2 * DATAGRAMS as u64,
+        "program counters {:?}",
+        weir.program
+    );
+    assert_eq!(kernel_replies, 1, "the kernel's UDP socket answered");
+    // ARP/ND and the kernel port's datagram at least.
+    assert!(
+        weir.program.passed >= 2,
+        "program counters {:?}",
+        weir.program
+    );
+    assert_eq!(weir.program.no_socket, 0);
+}
+
+/// Generic (skb) mode, no AF_XDP socket: a registered VIP:port with no socket
+/// on the queue falls back to the kernel (counted as `no_socket`), also through
+/// a VLAN tag; `clear` empties the map.
+#[test]
+fn generic_mode_without_a_socket_passes_vip_traffic_to_the_kernel() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping generic_mode_without_a_socket_passes_vip_traffic_to_the_kernel: {why}");
+        return;
+    }
+    let topo = Topology::new("g").expect("build the test topology");
+    // The main thread sends how many hits to expect once the client is done.
+    let (expect_tx, expect_rx) = mpsc::channel::<u64>();
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+    let weir = {
+        let (ns, dev) = (topo.weir.clone(), topo.weir_if.clone());
+        std::thread::spawn(move || -> Result<(SteerStats, usize, usize), String> {
+            let setup = || -> Result<(Steering, UdpSocket), String> {
+                enter(&ns)?;
+                let mut steering = Steering::attach_with(&dev, Some(AttachMode::Generic))
+                    .map_err(|e| e.to_string())?;
+                assert_eq!(steering.mode(), AttachMode::Generic);
+                for vip in [
+                    "192.0.2.2:9000",
+                    "198.51.100.2:9000",
+                    "[2001:db8:10::2]:9000",
+                ] {
+                    let key = SteerKey::udp(vip.parse().expect("literal"));
+                    steering.add(key).map_err(|e| e.to_string())?;
+                }
+                let tcp = SteerKey::tcp("198.51.100.2:9000".parse().expect("literal"));
+                steering.add(tcp).map_err(|e| e.to_string())?;
+                let kernel = UdpSocket::bind(("0.0.0.0", VIP_PORT)).map_err(|e| e.to_string())?;
+                kernel
+                    .set_read_timeout(Some(Duration::from_millis(50)))
+                    .map_err(|e| e.to_string())?;
+                Ok((steering, kernel))
+            };
+            let (mut steering, kernel) = match setup() {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.clone()));
+                    return Err(e);
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let mut buf = [0u8; 256];
+            let mut expect = None;
+            while expect.is_none() && Instant::now() < deadline {
+                if let Ok((n, peer)) = kernel.recv_from(&mut buf) {
+                    let _ = kernel.send_to(&buf[..n], peer);
+                }
+                expect = expect_rx.try_recv().ok();
+            }
+            // The raw frames are processed in the receiver's softirq after
+            // `sendto` returns: wait (bounded) until they are counted.
+            let mut stats = steering.stats().map_err(|e| e.to_string())?;
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while stats.no_socket < expect.unwrap_or(0) && Instant::now() < deadline {
+                std::thread::yield_now();
+                stats = steering.stats().map_err(|e| e.to_string())?;
+            }
+            let before = steering.keys().map_err(|e| e.to_string())?.len();
+            steering.clear().map_err(|e| e.to_string())?;
+            let after = steering.keys().map_err(|e| e.to_string())?.len();
+            Ok((stats, before, after))
+        })
+    };
+    let ready = ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    if let Err(e) = ready {
+        let _ = weir.join();
+        panic!("weir side setup: {e}");
+    }
+
+    let client = {
+        let (ns, dev) = (topo.client.clone(), topo.client_if.clone());
+        std::thread::spawn(move || -> Result<(bool, u64), String> {
+            enter(&ns)?;
+            let sock = UdpSocket::bind("192.0.2.1:0").map_err(|e| e.to_string())?;
+            sock.set_read_timeout(Some(Duration::from_millis(500)))
+                .map_err(|e| e.to_string())?;
+            let mut buf = [0u8; 64];
+            let (mut answered, mut sent) = (false, 0);
+            while !answered && sent < 5 {
+                sock.send_to(b"plain", ("192.0.2.2", VIP_PORT))
+                    .map_err(|e| e.to_string())?;
+                sent += 1;
+                if let Ok((n, _)) = sock.recv_from(&mut buf) {
+                    answered = &buf[..n] == b"plain";
+                }
+            }
+            // Tagged frames, written raw: this kernel may lack 802.1Q
+            // interfaces, and the program must parse the tag either way.
+            for frame in [
+                // Matches: UDP over 802.1Q and 802.1ad, IPv4 and IPv6; TCP.
+                tagged(0x8100, UDP, "198.51.100.2".parse().unwrap(), VIP_PORT),
+                tagged(0x88a8, UDP, "198.51.100.2".parse().unwrap(), VIP_PORT),
+                tagged(0x8100, UDP, "2001:db8:10::2".parse().unwrap(), VIP_PORT),
+                tagged(0x8100, TCP, "198.51.100.2".parse().unwrap(), VIP_PORT),
+                // No match: another port; TCP where only UDP is registered.
+                tagged(0x8100, UDP, "198.51.100.2".parse().unwrap(), KERNEL_PORT),
+                tagged(0x8100, TCP, "2001:db8:10::2".parse().unwrap(), VIP_PORT),
+                // Match: IPv4 options, the ports found past them by the IHL.
+                with_ipv4_options(tagged(
+                    0x8100,
+                    UDP,
+                    "198.51.100.2".parse().unwrap(),
+                    VIP_PORT,
+                )),
+                // No match: a non-first fragment (whatever its bytes say).
+                non_first_fragment(tagged(
+                    0x8100,
+                    UDP,
+                    "198.51.100.2".parse().unwrap(),
+                    VIP_PORT,
+                )),
+            ] {
+                raw::send(&dev, &frame)?;
+            }
+            Ok((answered, sent))
+        })
+    };
+    let (answered, sent) = client.join().expect("client thread").unwrap_or_else(|e| {
+        let _ = expect_tx.send(0);
+        panic!("client side: {e}")
+    });
+    let _ = expect_tx.send(sent + TAGGED_MATCHES);
+    let (stats, before, after) = weir.join().expect("weir thread").expect("weir side");
+    drop(topo);
+
+    assert!(
+        answered,
+        "the kernel answered on the VIP: no socket, so XDP_PASS"
+    );
+    assert_eq!(stats.steered, 0, "{stats:?}");
+    // Every plain datagram and the tagged frames to a registered key matched,
+    // then fell back to the kernel; the three others did not match.
+    assert_eq!(stats.no_socket, sent + TAGGED_MATCHES, "{stats:?}");
+    assert_eq!((before, after), (4, 0), "keys before and after clear");
+}
+
+/// An Ethernet frame with one VLAN tag (TPID `tpid`, VLAN 10) carrying an IP
+/// packet of protocol `proto` to `dst:port`, broadcast (the program does not
+/// look at MACs). The transport header is UDP-shaped: for TCP only the ports
+/// matter to the program (the kernel drops the runt segment).
+fn tagged(tpid: u16, proto: u8, dst: std::net::IpAddr, port: u16) -> Vec<u8> {
+    let payload = b"tagged";
+    let udp_len = (8 + payload.len()) as u16;
+    let mut f = vec![0xff; 6];
+    f.extend_from_slice(&[0x02, 0, 0, 0, 0, 1]);
+    f.extend_from_slice(&tpid.to_be_bytes());
+    f.extend_from_slice(&10u16.to_be_bytes());
+    match dst {
+        std::net::IpAddr::V4(d) => {
+            f.extend_from_slice(&0x0800u16.to_be_bytes());
+            f.extend_from_slice(&[0x45, 0]);
+            f.extend_from_slice(&(20 + udp_len).to_be_bytes());
+            f.extend_from_slice(&[0, 0, 0x40, 0, 64, proto, 0, 0]);
+            f.extend_from_slice(&[198, 51, 100, 1]);
+            f.extend_from_slice(&d.octets());
+        }
+        std::net::IpAddr::V6(d) => {
+            f.extend_from_slice(&0x86ddu16.to_be_bytes());
+            f.extend_from_slice(&[0x60, 0, 0, 0]);
+            f.extend_from_slice(&udp_len.to_be_bytes());
+            f.extend_from_slice(&[proto, 64]);
+            f.extend_from_slice(
+                &"2001:db8:10::1"
+                    .parse::<std::net::Ipv6Addr>()
+                    .unwrap()
+                    .octets(),
+            );
+            f.extend_from_slice(&d.octets());
+        }
+    }
+    f.extend_from_slice(&40000u16.to_be_bytes());
+    f.extend_from_slice(&port.to_be_bytes());
+    f.extend_from_slice(&udp_len.to_be_bytes());
+    f.extend_from_slice(&[0, 0]);
+    f.extend_from_slice(payload);
+    f
+}
+
+/// Offset of the IPv4 header in a [`tagged`] frame.
+const TAGGED_L3: usize = 18;
+
+/// Adds 4 bytes of IPv4 options (NOP, NOP, NOP, EOL) to a [`tagged`] IPv4
+/// frame: IHL 6.
+fn with_ipv4_options(mut f: Vec<u8>) -> Vec<u8> {
+    f[TAGGED_L3] = 0x46;
+    let total = u16::from_be_bytes([f[TAGGED_L3 + 2], f[TAGGED_L3 + 3]]) + 4;
+    f[TAGGED_L3 + 2..TAGGED_L3 + 4].copy_from_slice(&total.to_be_bytes());
+    f.splice(TAGGED_L3 + 20..TAGGED_L3 + 20, [1, 1, 1, 0]);
+    f
+}
+
+/// Marks a [`tagged`] IPv4 frame as a fragment at offset 8 bytes (no DF).
+fn non_first_fragment(mut f: Vec<u8>) -> Vec<u8> {
+    f[TAGGED_L3 + 6..TAGGED_L3 + 8].copy_from_slice(&1u16.to_be_bytes());
+    f
+}
+
+/// Sending a hand-built frame through an AF_PACKET socket: the only way to
+/// put an 802.1Q header on the wire on a kernel without VLAN interfaces.
+#[allow(unsafe_code)]
+mod raw {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    pub(super) fn send(interface: &str, frame: &[u8]) -> Result<(), String> {
+        let name = std::ffi::CString::new(interface).map_err(|e| e.to_string())?;
+        // SAFETY: `name` is a NUL-terminated string that lives across the call.
+        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+        if ifindex == 0 {
+            return Err(format!("no interface {interface}"));
+        }
+        // SAFETY: plain socket(2); the result is checked before use.
+        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(format!(
+                "AF_PACKET socket: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: sockaddr_ll is plain old data; all zeroes is a valid value.
+        let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        addr.sll_family = libc::AF_PACKET as u16;
+        addr.sll_ifindex = ifindex as i32;
+        addr.sll_halen = 6;
+        addr.sll_addr[..6].copy_from_slice(&frame[..6]);
+        // SAFETY: `frame` and `addr` are live for the call and their lengths
+        // are the ones passed.
+        let rc = unsafe {
+            libc::sendto(
+                fd.as_raw_fd(),
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+                (&addr as *const libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+            )
+        };
+        if rc != frame.len() as isize {
+            return Err(format!(
+                "AF_PACKET send: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn attaching_to_a_missing_interface_names_it() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping attaching_to_a_missing_interface_names_it: {why}");
+        return;
+    }
+    let err = Steering::attach("weir-nosuch0").unwrap_err().to_string();
+    assert!(err.contains("weir-nosuch0"), "{err}");
+    assert!(
+        err.contains("native mode") && err.contains("generic mode"),
+        "{err}"
+    );
+}
+
+/// `ip link show` of `dev` in namespace `ns` mentions an XDP program.
+fn xdp_attached(ns: &str, dev: &str) -> Result<bool, String> {
+    let out = Command::new("ip")
+        .args(["-n", ns, "link", "show", "dev", dev])
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).contains("prog/xdp"))
+}
+
+#[test]
+fn dropping_steering_detaches_the_program() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping dropping_steering_detaches_the_program: {why}");
+        return;
+    }
+    let topo = Topology::new("d").expect("build the test topology");
+    let (ns, dev) = (topo.weir.clone(), topo.weir_if.clone());
+    let result = std::thread::spawn(move || -> Result<Vec<bool>, String> {
+        enter(&ns)?;
+        let mut seen = vec![xdp_attached(&ns, &dev)?];
+        let first =
+            Steering::attach_with(&dev, Some(AttachMode::Native)).map_err(|e| e.to_string())?;
+        seen.push(xdp_attached(&ns, &dev)?);
+        // A second program in the same mode is refused while the first holds it.
+        seen.push(Steering::attach_with(&dev, Some(AttachMode::Native)).is_ok());
+        drop(first);
+        seen.push(xdp_attached(&ns, &dev)?);
+        // And once detached, the interface takes a new one.
+        let again =
+            Steering::attach_with(&dev, Some(AttachMode::Native)).map_err(|e| e.to_string())?;
+        seen.push(xdp_attached(&ns, &dev)?);
+        drop(again);
+        Ok(seen)
+    })
+    .join()
+    .expect("weir thread")
+    .expect("weir side");
+    drop(topo);
+    // before, attached, second refused, after drop, attached again
+    assert_eq!(result, [false, true, false, false, true]);
+}
