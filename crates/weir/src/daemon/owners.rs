@@ -68,11 +68,37 @@ impl Close {
     }
 }
 
-const CHUNK_BITS: u32 = 12;
-const CHUNK: usize = 1 << CHUNK_BITS;
+/// Chunks grow geometrically (512, 512, 1 Ki, 2 Ki ... 32 Ki slots), then
+/// hold 64 Ki slots each: an idle daemon holds none, a small one a few
+/// KiB, and at most half of what is allocated is unused.
+const SMALL: u32 = 512;
+const BIG_SHIFT: u32 = 16;
+const BIG: u32 = 1 << BIG_SHIFT;
+const SMALL_CHUNKS: usize = 8;
 /// At most 16 Mi owned flows at once: each holds at least one descriptor,
 /// far below any open-files limit's reach.
 const MAX_SLOTS: u32 = 1 << 24;
+const CHUNKS: usize = SMALL_CHUNKS + ((MAX_SLOTS - BIG) >> BIG_SHIFT) as usize;
+
+/// (chunk, offset, chunk length) of slot `i`.
+fn locate(i: u32) -> (usize, usize, usize) {
+    if i < BIG {
+        let b = i / SMALL;
+        if b == 0 {
+            (0, i as usize, SMALL as usize)
+        } else {
+            let k = 32 - b.leading_zeros();
+            let start = SMALL << (k - 1);
+            (k as usize, (i - start) as usize, start as usize)
+        }
+    } else {
+        (
+            SMALL_CHUNKS - 1 + (i >> BIG_SHIFT) as usize,
+            (i & (BIG - 1)) as usize,
+            BIG as usize,
+        )
+    }
+}
 /// A slot claimed by a task that has no entry yet (between claim and bind,
 /// and between one attempt's entry and the next).
 const UNBOUND: u64 = u64::MAX;
@@ -103,17 +129,18 @@ pub(crate) struct Owners {
 impl Owners {
     pub(crate) fn new(workers: usize) -> Self {
         Owners {
-            dir: (0..(MAX_SLOTS as usize) / CHUNK)
-                .map(|_| OnceLock::new())
-                .collect(),
+            dir: (0..CHUNKS).map(|_| OnceLock::new()).collect(),
             next: AtomicU32::new(0),
             free: (0..workers.max(1)).map(|_| Mutex::default()).collect(),
         }
     }
 
     fn slot(&self, i: u32) -> Option<&Slot> {
-        let chunk = self.dir.get((i >> CHUNK_BITS) as usize)?.get()?;
-        chunk.get(i as usize & (CHUNK - 1))
+        if i >= MAX_SLOTS {
+            return None;
+        }
+        let (c, off, _) = locate(i);
+        self.dir.get(c)?.get()?.get(off)
     }
 
     /// A slot for a new flow on this worker (`None` when all 16 Mi are
@@ -128,8 +155,8 @@ impl Owners {
                     self.next.store(MAX_SLOTS, Release);
                     return None;
                 }
-                self.dir[(i >> CHUNK_BITS) as usize]
-                    .get_or_init(|| (0..CHUNK).map(|_| Slot::default()).collect());
+                let (c, _, len) = locate(i);
+                self.dir[c].get_or_init(|| (0..len).map(|_| Slot::default()).collect());
                 i
             }
         };
@@ -339,6 +366,33 @@ mod tests {
         assert!(held.iter().all(|s| s.told() == Some(Close::Killed)));
         assert_eq!(unbound.told(), None);
         assert_eq!(o.kill_all(Close::Killed), 0);
+    }
+
+    #[test]
+    fn slots_are_contiguous_across_chunks() {
+        let mut expect = (0usize, 0usize);
+        for i in 0..(3 * BIG) {
+            let (c, off, len) = locate(i);
+            if off == 0 && i != 0 {
+                expect = (expect.0 + 1, 0);
+            }
+            assert_eq!((c, off), expect, "slot {i}");
+            assert!(off < len);
+            expect.1 += 1;
+        }
+        assert_eq!(locate(MAX_SLOTS - 1).0, CHUNKS - 1);
+        // Claims past the first chunks land in fresh ones and work.
+        let o = Arc::new(Owners::new(1));
+        let held: Vec<_> = (0..2000u64)
+            .map(|c| {
+                let s = o.claim().unwrap();
+                s.bind(c).unwrap();
+                s
+            })
+            .collect();
+        assert!(o.kill(held[1999].token(), 1999, Close::Killed));
+        assert_eq!(held[1999].told(), Some(Close::Killed));
+        assert_eq!(o.find(1500), Some(held[1500].token()));
     }
 
     #[tokio::test]
