@@ -38,8 +38,17 @@ pub struct Config {
 pub struct DaemonConfig {
     /// Worker threads; 0 = the CPUs available.
     pub workers: usize,
-    /// Buckets of the shared flow table (power of two).
-    pub shared_table_buckets: usize,
+    /// Entries the shared flow table is sized for at first (power of two
+    /// ≤ 2^26); it grows online up to `max_shared_table_entries` and shrinks
+    /// back to this. The file may still say `shared_table_buckets` (this
+    /// key's old name, which was always a count of entries); `weir save`
+    /// writes `shared_table_entries`.
+    #[serde(alias = "shared_table_buckets")]
+    pub shared_table_entries: usize,
+    /// Entries the shared flow table may grow to and hold (inserts past it
+    /// are refused as `table_full`); 0 = the table's maximum, 2^28; else a
+    /// power of two ≥ `shared_table_entries`.
+    pub max_shared_table_entries: usize,
     /// Memory budget in bytes for tenants' own tables; a tenant whose table
     /// would exceed it falls back to the shared table.
     pub own_tables_budget: usize,
@@ -75,7 +84,8 @@ impl Default for DaemonConfig {
     fn default() -> Self {
         Self {
             workers: 0,
-            shared_table_buckets: 1 << 17,
+            shared_table_entries: 1 << 17,
+            max_shared_table_entries: 0,
             own_tables_budget: 1 << 30,
             max_connections: 0,
             buffer_size: 64 * 1024,
@@ -140,9 +150,17 @@ impl Default for AdminConfig {
 pub struct TenantSpec {
     /// Unique name; services refer to it.
     pub name: String,
-    /// 0: share the global flow table; else a power of two ≤ 2^24 (own table).
+    /// 0: share the global flow table; else a power of two ≤ 2^24: the
+    /// entries the tenant's own table is sized for at first (it grows
+    /// online up to `max_table_entries` and shrinks back to this).
     #[serde(default)]
     pub table_entries: usize,
+    /// Own table only: entries it may grow to and hold (inserts past it are
+    /// refused as `table_full`); 0 = the table's maximum, 2^24; else a
+    /// power of two ≥ `table_entries`. Fixed at creation, like
+    /// `table_entries`.
+    #[serde(default, skip_serializing_if = "is_zero_usize")]
+    pub max_table_entries: usize,
     /// Cap on this tenant's connections + sessions; 0 = unlimited.
     #[serde(default)]
     pub max_connections: u64,
@@ -604,6 +622,9 @@ fn default_weight() -> u32 {
 fn is_zero(v: &u64) -> bool {
     *v == 0
 }
+fn is_zero_usize(v: &usize) -> bool {
+    *v == 0
+}
 fn is_false(v: &bool) -> bool {
     !*v
 }
@@ -957,6 +978,86 @@ fn check_admin_transport(a: &AdminConfig) -> Vec<(&'static str, String)> {
     out
 }
 
+/// Largest starting size of a tenant's own flow table, and of its cap, in
+/// entries (the flow table's `MAX_OWN_BUCKETS`).
+pub const MAX_TABLE_ENTRIES: usize = weir_flowtable::MAX_OWN_BUCKETS;
+/// Largest starting size of the shared flow table, in entries (what its
+/// bucket array costs at start: ~11 B per entry, so 2^26 is ~0.7 GiB).
+pub const MAX_SHARED_TABLE_ENTRIES: usize = 1 << 26;
+/// Largest cap of the shared flow table, in entries (the table's maximum).
+pub const MAX_SHARED_TABLE_CAP: usize = 1 << 28;
+
+/// Problems of `[daemon] shared_table_entries` / `max_shared_table_entries`,
+/// as (key, message). Powers of two, as `table_entries`: sizes double and
+/// halve as the table resizes, so a power of two is a size it passes.
+pub fn shared_table_problems(d: &DaemonConfig) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    let start = d.shared_table_entries;
+    if !start.is_power_of_two() || start > MAX_SHARED_TABLE_ENTRIES {
+        out.push((
+            "shared_table_entries",
+            format!("{start} is not a power of two in 1..=2^26; use e.g. 131072"),
+        ));
+    }
+    let cap = d.max_shared_table_entries;
+    if cap != 0 && (!cap.is_power_of_two() || cap > MAX_SHARED_TABLE_CAP) {
+        out.push((
+            "max_shared_table_entries",
+            format!(
+                "{cap} must be 0 (the table's maximum, 2^28) or a power of two up to 2^28 (268435456)"
+            ),
+        ));
+    } else if cap != 0 && cap < start {
+        out.push((
+            "max_shared_table_entries",
+            format!(
+                "{cap} is below shared_table_entries ({start}): the cap must be at least the starting size; raise it or set 0 for no cap below 2^28"
+            ),
+        ));
+    }
+    out
+}
+
+/// Problems of a tenant's `table_entries` / `max_table_entries`, as (key,
+/// message): the config file's validation and the admin API's checks share
+/// them.
+pub fn tenant_table_problems(t: &TenantSpec) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    let (start, cap) = (t.table_entries, t.max_table_entries);
+    if start != 0 && (!start.is_power_of_two() || start > MAX_TABLE_ENTRIES) {
+        out.push((
+            "table_entries",
+            format!("{start} must be 0 (shared table) or a power of two up to 16777216"),
+        ));
+    }
+    if cap == 0 {
+        return out;
+    }
+    if start == 0 {
+        out.push((
+            "max_table_entries",
+            format!(
+                "{cap} caps an own table, but table_entries = 0 shares the global one (capped by [daemon] max_shared_table_entries); set table_entries too, or remove max_table_entries"
+            ),
+        ));
+    } else if !cap.is_power_of_two() || cap > MAX_TABLE_ENTRIES {
+        out.push((
+            "max_table_entries",
+            format!(
+                "{cap} must be 0 (the table's maximum, 16777216) or a power of two up to 16777216"
+            ),
+        ));
+    } else if cap < start {
+        out.push((
+            "max_table_entries",
+            format!(
+                "{cap} is below table_entries ({start}): the cap must be at least the starting size; raise it or set 0 for the table's maximum"
+            ),
+        ));
+    }
+    out
+}
+
 /// Every semantic problem of a parsed configuration (empty = valid).
 pub fn validate(c: &Config) -> Vec<Problem> {
     let mut out = Vec::new();
@@ -968,14 +1069,8 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     };
     let d = &c.daemon;
     let dk = k("daemon");
-    if !d.shared_table_buckets.is_power_of_two() || d.shared_table_buckets > 1 << 26 {
-        err(
-            &[dk.clone(), k("shared_table_buckets")],
-            format!(
-                "{} is not a power of two in 1..=2^26; use e.g. 131072",
-                d.shared_table_buckets
-            ),
-        );
+    for (key, message) in shared_table_problems(d) {
+        err(&[dk.clone(), k(key)], message);
     }
     if !(1024..=16 << 20).contains(&d.buffer_size) {
         err(
@@ -1092,15 +1187,8 @@ pub fn validate(c: &Config) -> Vec<Problem> {
                 }
             }
         }
-        if t.table_entries != 0 && (!t.table_entries.is_power_of_two() || t.table_entries > 1 << 24)
-        {
-            err(
-                &[base[0].clone(), base[1].clone(), k("table_entries")],
-                format!(
-                    "{} must be 0 (shared table) or a power of two up to 16777216",
-                    t.table_entries
-                ),
-            );
+        for (key, message) in tenant_table_problems(t) {
+            err(&[base[0].clone(), base[1].clone(), k(key)], message);
         }
     }
 
@@ -1512,7 +1600,9 @@ enum Kind {
 
 const DAEMON_KEYS: &[(&str, Kind)] = &[
     ("workers", Kind::Int),
+    ("shared_table_entries", Kind::Int),
     ("shared_table_buckets", Kind::Int),
+    ("max_shared_table_entries", Kind::Int),
     ("own_tables_budget", Kind::Int),
     ("max_connections", Kind::Int),
     ("buffer_size", Kind::Int),
@@ -1537,6 +1627,7 @@ const ADMIN_KEYS: &[(&str, Kind)] = &[
 const TENANT_KEYS: &[(&str, Kind)] = &[
     ("name", Kind::Str),
     ("table_entries", Kind::Int),
+    ("max_table_entries", Kind::Int),
     ("max_connections", Kind::Int),
     ("max_new_per_s", Kind::Int),
     ("token", Kind::Str),
@@ -1609,6 +1700,15 @@ fn shape_problems(root: &toml_edit::Table) -> Vec<ShapeProblem> {
     let sub = |key: &str| root.get(key);
     if let Some(t) = sub("daemon").and_then(|i| i.as_table_like()) {
         check_table(t, "daemon", DAEMON_KEYS, &[], &mut out);
+        if t.contains_key("shared_table_entries")
+            && let Some((key, _)) = t.get_key_value("shared_table_buckets")
+        {
+            out.push((
+                "daemon.shared_table_buckets".into(),
+                key.span().map(|s| s.start),
+                "is the old name of shared_table_entries, which is set too; remove shared_table_buckets".into(),
+            ));
+        }
     }
     if let Some(t) = sub("admin").and_then(|i| i.as_table_like()) {
         check_table(t, "admin", ADMIN_KEYS, &[], &mut out);
@@ -1812,6 +1912,7 @@ mod tests {
         };
         let cfg = Config {
             daemon: DaemonConfig {
+                max_shared_table_entries: 1 << 20,
                 estimator_cpu: Some(0),
                 estimator_nice: Some(-3),
                 ..DaemonConfig::default()
@@ -1824,6 +1925,7 @@ mod tests {
             tenants: vec![TenantSpec {
                 name: "t".into(),
                 table_entries: 1024,
+                max_table_entries: 8192,
                 max_connections: 1,
                 max_new_per_s: 1,
                 token: Some("z".into()),
@@ -1958,6 +2060,84 @@ mod tests {
         );
         let plain = parse("[[tenant]]\nname = \"a\"\n", "f.toml").unwrap();
         assert!(!toml::to_string(&plain).unwrap().contains("timeouts"));
+    }
+
+    #[test]
+    fn table_sizes_are_validated_with_line_and_key() {
+        let errors = |text: &str| -> Vec<String> {
+            parse(text, "f.toml")
+                .err()
+                .unwrap_or_default()
+                .iter()
+                .map(ToString::to_string)
+                .collect()
+        };
+        let text = "[daemon]\nshared_table_entries = 1024\nmax_shared_table_entries = 512\n\
+                    [[tenant]]\nname = \"a\"\ntable_entries = 1024\nmax_table_entries = 3000\n\
+                    [[tenant]]\nname = \"b\"\ntable_entries = 4096\nmax_table_entries = 2048\n\
+                    [[tenant]]\nname = \"c\"\nmax_table_entries = 2048\n\
+                    [[tenant]]\nname = \"d\"\ntable_entries = 1024\nmax_table_entries = 33554432\n";
+        let got = errors(text);
+        let want = [
+            "f.toml:3: daemon.max_shared_table_entries: 512 is below shared_table_entries (1024)",
+            "f.toml:7: tenant[0].max_table_entries: 3000 must be 0",
+            "f.toml:11: tenant[1].max_table_entries: 2048 is below table_entries (4096)",
+            "f.toml:14: tenant[2].max_table_entries: 2048 caps an own table, but table_entries = 0",
+            "f.toml:18: tenant[3].max_table_entries: 33554432 must be 0",
+        ];
+        assert_eq!(got.len(), want.len(), "{got:?}");
+        for (g, w) in got.iter().zip(want) {
+            assert!(g.starts_with(w), "{g:?} does not start with {w:?}");
+        }
+        let got = errors("[daemon]\nmax_shared_table_entries = 3\n");
+        assert!(
+            got.len() == 1
+                && got[0].starts_with("f.toml:2: daemon.max_shared_table_entries: 3 must be 0"),
+            "{got:?}"
+        );
+
+        // The old key is still the shared table's starting size; both at
+        // once is an error at the old one. `weir save` writes the new name.
+        let old = parse("[daemon]\nshared_table_buckets = 4096\n", "f.toml").unwrap();
+        assert_eq!(old.daemon.shared_table_entries, 4096);
+        let back = toml::to_string(&old).unwrap();
+        assert!(
+            back.contains("shared_table_entries = 4096\n")
+                && !back.contains("shared_table_buckets"),
+            "{back}"
+        );
+        let got = errors("[daemon]\nshared_table_entries = 1\nshared_table_buckets = 2\n");
+        assert!(
+            got.len() == 1
+                && got[0].starts_with("f.toml:3: daemon.shared_table_buckets: is the old name"),
+            "{got:?}"
+        );
+        let got = errors("[daemon]\nshared_table_buckets = 1000\n");
+        assert!(
+            got.len() == 1
+                && got[0]
+                    .starts_with("f.toml: daemon.shared_table_entries: 1000 is not a power of two"),
+            "{got:?}"
+        );
+
+        // Good values round-trip; a cap of 0 is not written for a tenant.
+        let ok = parse(
+            "[daemon]\nshared_table_entries = 1024\nmax_shared_table_entries = 1048576\n\
+             [[tenant]]\nname = \"a\"\ntable_entries = 1024\nmax_table_entries = 8192\n\
+             [[tenant]]\nname = \"b\"\ntable_entries = 1024\n",
+            "f.toml",
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                ok.tenants[0].max_table_entries,
+                ok.tenants[1].max_table_entries
+            ),
+            (8192, 0)
+        );
+        let back = toml::to_string(&ok).unwrap();
+        assert_eq!(back.matches("max_table_entries").count(), 1, "{back}");
+        assert_eq!(parse(&back, "back.toml").unwrap(), ok);
     }
 
     #[test]

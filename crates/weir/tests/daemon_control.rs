@@ -547,6 +547,31 @@ fn editing_a_tenant_changes_limits_and_timeouts_live() {
         "{err}"
     );
     assert_eq!(spec().table_entries, 1024);
+    // The flow table fixes a table's cap at creation: refused the same way.
+    let mut capped = spec();
+    capped.max_table_entries = 4096;
+    let err = c.edit_tenant("live", capped).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid);
+    assert!(
+        err.message.contains("max_table_entries cannot change") && err.message.contains("delete"),
+        "{err}"
+    );
+    assert_eq!(spec().max_table_entries, 0);
+    // A new tenant's cap is checked as the config file's is.
+    let err = c
+        .add_tenant(TenantSpec {
+            name: "small".into(),
+            table_entries: 4096,
+            max_table_entries: 1024,
+            ..Default::default()
+        })
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid);
+    assert!(
+        err.message
+            .starts_with("max_table_entries: 1024 is below table_entries (4096)"),
+        "{err}"
+    );
     let mut renamed = spec();
     renamed.name = "other".into();
     assert_eq!(

@@ -436,6 +436,7 @@ fn deleting_a_tenant_closes_and_purges_only_its_connections() {
         cfg.tenants.push(TenantSpec {
             name: t.into(),
             table_entries: if t == "a" { 1024 } else { 0 },
+            max_table_entries: 0,
             max_connections: 0,
             max_new_per_s: 0,
             token: None,

@@ -140,8 +140,9 @@ fn a_table_full_refusal_is_counted_once() {
         "rr",
         vec![backend(e.addr, 1)],
     )]);
-    // One bucket: its chain cap (64) is the table's size.
-    cfg.daemon.shared_table_buckets = 1;
+    // A shared table capped at 64 entries.
+    cfg.daemon.shared_table_entries = 1;
+    cfg.daemon.max_shared_table_entries = 64;
     let d = Daemon::start(cfg, None).unwrap();
     let c = d.control();
     let vip = d.service_addr("default", "one").unwrap();

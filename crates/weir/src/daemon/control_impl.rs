@@ -163,6 +163,13 @@ impl LiveControl {
                             t.name, cur.table_entries, t.table_entries
                         ));
                     }
+                    if cur.max_table_entries != t.max_table_entries {
+                        errors.push(format!(
+                            "tenant {}: {}",
+                            t.name,
+                            cap_fixed(cur.max_table_entries, t.max_table_entries)
+                        ));
+                    }
                     if cur != *t {
                         report.changed.push(tenant_id(&t.name));
                     }
@@ -343,6 +350,16 @@ impl ConnMatch {
     }
 }
 
+/// Why a tenant's `max_table_entries` cannot change live: the flow table
+/// fixes a table's cap when it creates the table (`TenantConfig::max_entries`)
+/// and has no call to move it.
+fn cap_fixed(cur: usize, new: usize) -> String {
+    format!(
+        "max_table_entries cannot change on a live tenant: its flow table's cap was fixed at \
+         creation ({cur}); delete the tenant and create it again with max_table_entries = {new}"
+    )
+}
+
 fn tenant_id(name: &str) -> String {
     format!("tenant {name}")
 }
@@ -414,6 +431,10 @@ impl Control for LiveControl {
                  ({cur_entries}); delete the tenant and create it again with table_entries = {}",
                 spec.table_entries
             )));
+        }
+        let cur_cap = t.spec.read().max_table_entries;
+        if spec.max_table_entries != cur_cap {
+            return Err(invalid(cap_fixed(cur_cap, spec.max_table_entries)));
         }
         let timeouts = super::resolve_timeouts(&spec)?;
         super::check_fences(&spec)?;

@@ -165,11 +165,8 @@ impl Daemon {
             state: RwLock::new(State::default()),
             owners: Arc::new(owners::Owners::new(workers)),
             table: FlowTable::new(TableConfig {
-                shared_buckets: config.daemon.shared_table_buckets,
-                // Fixed size, as before the table could resize: the config
-                // keys for a starting size and a cap come with the daemon's
-                // move onto the new table (issue 11).
-                max_shared_entries: config.daemon.shared_table_buckets,
+                shared_buckets: config.daemon.shared_table_entries,
+                max_shared_entries: config.daemon.max_shared_table_entries,
                 memory_budget: config.daemon.own_tables_budget,
                 ..TableConfig::default()
             }),
@@ -370,6 +367,7 @@ fn default_tenant_spec() -> TenantSpec {
     TenantSpec {
         name: DEFAULT_TENANT.into(),
         table_entries: 0,
+        max_table_entries: 0,
         max_connections: 0,
         max_new_per_s: 0,
         token: None,
@@ -1104,12 +1102,10 @@ impl Shared {
                 format!("tenant name: {e}"),
             ));
         }
-        if spec.table_entries != 0
-            && (!spec.table_entries.is_power_of_two() || spec.table_entries > 1 << 24)
-        {
+        if let Some((key, message)) = config::tenant_table_problems(&spec).into_iter().next() {
             return Err(ControlError::new(
                 ErrorKind::Invalid,
-                "table_entries must be 0 or a power of two up to 16777216",
+                format!("{key}: {message}"),
             ));
         }
         let timeouts = resolve_timeouts(&spec)?;
@@ -1128,8 +1124,7 @@ impl Shared {
                 TenantId(id),
                 TenantConfig {
                     own_buckets: spec.table_entries,
-                    // Fixed size for now (see `shared_table_buckets`).
-                    max_entries: spec.table_entries,
+                    max_entries: spec.max_table_entries,
                     timeouts,
                 },
             )

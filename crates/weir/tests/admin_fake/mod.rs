@@ -47,6 +47,7 @@ impl Fake {
                 TenantSpec {
                     name: "default".into(),
                     table_entries: 0,
+                    max_table_entries: 0,
                     max_connections: 0,
                     max_new_per_s: 0,
                     token: None,
@@ -57,6 +58,7 @@ impl Fake {
                 TenantSpec {
                     name: "acme".into(),
                     table_entries: 1024,
+                    max_table_entries: 8192,
                     max_connections: 100,
                     max_new_per_s: 10,
                     token: Some("acme-token".into()),
@@ -67,6 +69,7 @@ impl Fake {
                 TenantSpec {
                     name: "globex".into(),
                     table_entries: 0,
+                    max_table_entries: 0,
                     max_connections: 0,
                     max_new_per_s: 0,
                     token: Some("globex-token".into()),

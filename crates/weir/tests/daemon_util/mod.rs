@@ -140,6 +140,7 @@ pub fn default_tenant(max_connections: u64, max_new_per_s: u64) -> TenantSpec {
     TenantSpec {
         name: "default".into(),
         table_entries: 0,
+        max_table_entries: 0,
         max_connections,
         max_new_per_s,
         token: None,
