@@ -469,9 +469,10 @@ pub struct ServiceSpec {
     pub protocol: Protocol,
     /// Virtual address.
     pub listen: SocketAddr,
-    /// rr wrr lc wlc sed nq sh mh p2c lblc lblcr dh fo ovf.
-    #[serde(default = "default_scheduler")]
-    pub scheduler: String,
+    /// rr wrr lc wlc sed nq sh mh p2c lblc lblcr dh fo ovf (the names are
+    /// the text in the file and the JSON).
+    #[serde(default = "default_scheduler", deserialize_with = "de_scheduler")]
+    pub scheduler: weir_sched::SchedulerKind,
     /// Client affinity timeout, e.g. "300s"; "0s" = off.
     #[serde(default = "default_persistence")]
     pub persistence: String,
@@ -585,7 +586,7 @@ pub struct BackendSpec {
     pub weight: u32,
     /// Send a PROXY protocol header: "v1" or "v2".
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub proxy_protocol: Option<String>,
+    pub proxy_protocol: Option<crate::proxy_protocol::Version>,
     /// Cap on connections to this backend; 0 = unlimited.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub max_connections: u64,
@@ -610,8 +611,31 @@ pub fn sched_flags(s: &ServiceSpec) -> Vec<String> {
 fn default_tenant() -> String {
     "default".into()
 }
-fn default_scheduler() -> String {
-    "wlc".into()
+fn default_scheduler() -> weir_sched::SchedulerKind {
+    weir_sched::SchedulerKind::Wlc
+}
+
+/// `scheduler` from exactly one of [`SCHEDULERS`] (as before the field was
+/// typed: no case folding), with the key in the message, since a JSON body
+/// has no lines to point at.
+fn de_scheduler<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<weir_sched::SchedulerKind, D::Error> {
+    let text = String::deserialize(d)?;
+    parse_scheduler(&text).map_err(|e| serde::de::Error::custom(format!("scheduler: {e}")))
+}
+
+/// A scheduler name, exactly as `ipvsadm -s` spells it (or `p2c`).
+pub fn parse_scheduler(text: &str) -> Result<weir_sched::SchedulerKind, String> {
+    weir_sched::SchedulerKind::ALL
+        .into_iter()
+        .find(|k| k.as_str() == text)
+        .ok_or_else(|| {
+            format!(
+                "unknown scheduler {text:?}; use one of {}",
+                SCHEDULERS.join(" ")
+            )
+        })
 }
 fn default_persistence() -> String {
     "0s".into()
@@ -686,22 +710,35 @@ pub fn load(path: &std::path::Path) -> Result<Config, Vec<ConfigError>> {
 pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
     // Shape pre-pass over the syntax tree: unknown keys, wrong value types
     // and missing required keys, all at once (serde stops at the first).
+    let mut typed = Vec::new();
+    let mut patched = None;
     if let Ok(doc) = toml_edit::Document::parse(text.to_owned()) {
         let shape = shape_problems(doc.as_table());
+        let lines = Lines::new(text);
+        let to_error = |(path, offset, message, _): ShapeProblem| ConfigError {
+            file: file.into(),
+            line: offset.map(|o| lines.line_of(o)),
+            key: path,
+            message,
+        };
+        if shape.iter().any(|p| p.3.is_none()) {
+            return Err(shape.into_iter().map(to_error).collect());
+        }
+        // Only typed values that do not parse: put a valid stand-in in
+        // their place (last first, so earlier spans stay right) and go on,
+        // so the semantic problems of the rest come out too.
         if !shape.is_empty() {
-            let lines = Lines::new(text);
-            return Err(shape
-                .into_iter()
-                .map(|(path, offset, message)| ConfigError {
-                    file: file.into(),
-                    line: offset.map(|o| lines.line_of(o)),
-                    key: path,
-                    message,
-                })
-                .collect());
+            let mut t = text.to_owned();
+            let mut patches: Vec<_> = shape.iter().filter_map(|p| p.3.clone()).collect();
+            patches.sort_by_key(|(span, _)| std::cmp::Reverse(span.start));
+            for (span, stand_in) in patches {
+                t.replace_range(span, stand_in);
+            }
+            patched = Some(t);
+            typed = shape.into_iter().map(to_error).collect();
         }
     }
-    let config: Config = match toml::from_str(text) {
+    let config: Config = match toml::from_str(patched.as_deref().unwrap_or(text)) {
         Ok(c) => c,
         Err(e) => {
             let line = e.span().map(|s| Lines::new(text).line_of(s.start));
@@ -717,23 +754,38 @@ pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
             }]);
         }
     };
-    let problems = validate(&config);
-    if problems.is_empty() {
+    // Problems of a stand-in value, or that depend on a scheduler that did
+    // not parse, are not the user's: the typed error says it all.
+    let problems: Vec<Problem> = validate(&config)
+        .into_iter()
+        .filter(|p| {
+            let at = p.path.to_string();
+            !typed.iter().any(|t| {
+                at == t.key
+                    || t.key.strip_suffix(".scheduler").is_some_and(|svc| {
+                        SCHED_DEPENDENT.iter().any(|k| at == format!("{svc}.{k}"))
+                    })
+            })
+        })
+        .collect();
+    if problems.is_empty() && typed.is_empty() {
         return Ok(config);
     }
     let doc = toml_edit::Document::parse(text.to_owned()).ok();
     let lines = Lines::new(text);
-    Err(problems
+    Err(typed
         .into_iter()
-        .map(|p| ConfigError {
-            file: file.into(),
-            line: doc
-                .as_ref()
-                .and_then(|d| span_of(d.as_table(), &p.path))
-                .map(|off| lines.line_of(off)),
-            key: p.path.to_string(),
-            message: p.message,
-        })
+        .chain(problems.into_iter().map(|p| {
+            ConfigError {
+                file: file.into(),
+                line: doc
+                    .as_ref()
+                    .and_then(|d| span_of(d.as_table(), &p.path))
+                    .map(|off| lines.line_of(off)),
+                key: p.path.to_string(),
+                message: p.message,
+            }
+        }))
         .collect())
 }
 
@@ -1261,16 +1313,6 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
     if let Err(e) = check_name(&s.tenant) {
         err(vec![k("tenant")], e);
     }
-    if !SCHEDULERS.contains(&s.scheduler.as_str()) {
-        err(
-            vec![k("scheduler")],
-            format!(
-                "unknown scheduler {:?}; use one of {}",
-                s.scheduler,
-                SCHEDULERS.join(" ")
-            ),
-        );
-    }
     if let Err(e) = parse_duration_in(&s.persistence, PERSISTENCE_BOUNDS) {
         err(vec![k("persistence")], e);
     }
@@ -1323,7 +1365,7 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
         ("sh_fallback", o.sh_fallback, "sh"),
         ("sh_port", o.sh_port, "sh"),
     ] {
-        if set && s.scheduler != only {
+        if set && s.scheduler.as_str() != only {
             err(
                 vec![k(key)],
                 format!("only applies to scheduler = \"{only}\"; remove it"),
@@ -1421,13 +1463,9 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
                 format!("{} is above 65535 (the IPVS maximum)", b.weight),
             );
         }
-        if let Some(pp) = &b.proxy_protocol {
-            if pp != "v1" && pp != "v2" {
-                err(
-                    bp("proxy_protocol"),
-                    format!("{pp:?} is not a PROXY protocol version; use \"v1\" or \"v2\""),
-                );
-            } else if s.protocol == Protocol::Udp && pp == "v1" {
+        if let Some(pp) = b.proxy_protocol {
+            use crate::proxy_protocol::Version;
+            if s.protocol == Protocol::Udp && pp == Version::V1 {
                 err(
                     bp("proxy_protocol"),
                     "PROXY v1 is TCP-only; remove it for UDP services".into(),
@@ -1596,6 +1634,10 @@ enum Kind {
     Tables,
     /// An array of strings.
     Strs,
+    /// A scheduler name ([`parse_scheduler`]).
+    Sched,
+    /// A PROXY protocol version, "v1" or "v2".
+    ProxyVersion,
 }
 
 const DAEMON_KEYS: &[(&str, Kind)] = &[
@@ -1652,7 +1694,7 @@ const SERVICE_KEYS: &[(&str, Kind)] = &[
     ("name", Kind::Str),
     ("protocol", Kind::Proto),
     ("listen", Kind::Addr),
-    ("scheduler", Kind::Str),
+    ("scheduler", Kind::Sched),
     ("persistence", Kind::Str),
     ("persistence_netmask", Kind::Str),
     ("connect_timeout", Kind::Str),
@@ -1682,11 +1724,30 @@ const HEALTH_KEYS: &[(&str, Kind)] = &[
 const BACKEND_KEYS: &[(&str, Kind)] = &[
     ("address", Kind::Addr),
     ("weight", Kind::U32),
-    ("proxy_protocol", Kind::Str),
+    ("proxy_protocol", Kind::ProxyVersion),
     ("max_connections", Kind::Int),
 ];
 
-type ShapeProblem = (String, Option<usize>, String);
+/// (key path, byte offset, message, patch). A problem with a patch is a
+/// typed value that does not parse (a string where the type wants one of a
+/// few): the patch (its value's span and a valid stand-in) lets parsing go
+/// on to report the semantic problems of the rest of the file as well.
+type ShapeProblem = (
+    String,
+    Option<usize>,
+    String,
+    Option<(std::ops::Range<usize>, &'static str)>,
+);
+
+/// Keys of a service whose problems only mean something with the service's
+/// real scheduler: not reported when the scheduler itself does not parse.
+const SCHED_DEPENDENT: &[&str] = &[
+    "mh_fallback",
+    "mh_port",
+    "mh_table_size",
+    "sh_fallback",
+    "sh_port",
+];
 
 fn shape_problems(root: &toml_edit::Table) -> Vec<ShapeProblem> {
     let mut out = Vec::new();
@@ -1707,6 +1768,7 @@ fn shape_problems(root: &toml_edit::Table) -> Vec<ShapeProblem> {
                 "daemon.shared_table_buckets".into(),
                 key.span().map(|s| s.start),
                 "is the old name of shared_table_entries, which is set too; remove shared_table_buckets".into(),
+                None,
             ));
         }
     }
@@ -1795,10 +1857,27 @@ fn check_table(
                 path(key),
                 offset,
                 format!("unknown key; known keys here: {}", names.join(", ")),
+                None,
             ));
             continue;
         };
         let v = item.as_value();
+        // Typed strings: the right type but a value the type refuses.
+        let typed = match (kind, v.and_then(|v| v.as_str())) {
+            (Kind::Sched, Some(text)) => Some((parse_scheduler(text).err(), "\"wlc\"")),
+            (Kind::ProxyVersion, Some(text)) => Some((
+                crate::proxy_protocol::Version::from_config(text).err(),
+                "\"v2\"",
+            )),
+            _ => None,
+        };
+        if let Some((problem, stand_in)) = typed {
+            if let Some(message) = problem {
+                let span = v.and_then(|v| v.span());
+                out.push((path(key), offset, message, span.map(|s| (s, stand_in))));
+            }
+            continue;
+        }
         let ok = match kind {
             Kind::Int => v.is_some_and(|v| v.as_integer().is_some_and(|i| i >= 0)),
             Kind::U32 => {
@@ -1826,6 +1905,7 @@ fn check_table(
             Kind::Strs => v
                 .and_then(|v| v.as_array())
                 .is_some_and(|a| a.iter().all(|x| x.is_str())),
+            Kind::Sched | Kind::ProxyVersion => v.is_some_and(|v| v.is_str()),
         };
         if !ok {
             let want = match kind {
@@ -1839,8 +1919,10 @@ fn check_table(
                 Kind::Table => "a table, e.g. [section]",
                 Kind::Tables => "an array of tables, e.g. [[section]]",
                 Kind::Strs => "an array of strings, e.g. [\"10.0.0.0/24:80\"]",
+                Kind::Sched => "a scheduler name in quotes, e.g. \"wlc\"",
+                Kind::ProxyVersion => "\"v1\" or \"v2\"",
             };
-            out.push((path(key), offset, format!("expected {want}")));
+            out.push((path(key), offset, format!("expected {want}"), None));
         }
     }
     for r in required {
@@ -1849,6 +1931,7 @@ fn check_table(
                 path(r),
                 table_offset,
                 "required key is missing; see examples/weir.toml".into(),
+                None,
             ));
         }
     }
@@ -1867,7 +1950,7 @@ mod tests {
             name: "s".into(),
             protocol: Protocol::Udp,
             listen: "127.0.0.1:53".parse().unwrap(),
-            scheduler: "mh".into(),
+            scheduler: weir_sched::SchedulerKind::Mh,
             persistence: "10s".into(),
             persistence_netmask: Some("255.255.255.0".into()),
             options: ServiceOptions {
@@ -1900,7 +1983,7 @@ mod tests {
             name: "s2".into(),
             protocol: Protocol::Tcp,
             listen: "127.0.0.1:80".parse().unwrap(),
-            scheduler: "sh".into(),
+            scheduler: weir_sched::SchedulerKind::Sh,
             persistence_netmask: None,
             options: ServiceOptions {
                 sh_fallback: true,
@@ -2138,6 +2221,85 @@ mod tests {
         let back = toml::to_string(&ok).unwrap();
         assert_eq!(back.matches("max_table_entries").count(), 1, "{back}");
         assert_eq!(parse(&back, "back.toml").unwrap(), ok);
+    }
+
+    /// Schedulers and PROXY versions are types from the parse on: a value
+    /// they refuse is reported at its line and key together with the rest
+    /// of the file's problems (but none that only the stand-in caused), the
+    /// admin API's JSON errors name the key, and the text written back is
+    /// the text read.
+    #[test]
+    fn typed_values_report_with_the_rest_and_round_trip() {
+        let text = "[[service]]\nname = \"a\"\nprotocol = \"udp\"\nlisten = \"127.0.0.1:1\"\n\
+                    scheduler = \"Fastest\"\nmh_port = true\n\
+                    [[service.backend]]\naddress = \"10.0.0.1:80\"\nweight = 70000\nproxy_protocol = \"v3\"\n";
+        let got: Vec<String> = parse(text, "f.toml")
+            .unwrap_err()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        let want = [
+            "f.toml:5: service[0].scheduler: unknown scheduler \"Fastest\"; use one of rr wrr",
+            "f.toml:10: service[0].backend[0].proxy_protocol: \"v3\" is not a PROXY protocol version",
+            "f.toml:9: service[0].backend[0].weight: 70000 is above 65535",
+        ];
+        assert_eq!(got.len(), want.len(), "{got:?}");
+        for w in want {
+            assert!(got.iter().any(|g| g.starts_with(w)), "{w:?} not in {got:?}");
+        }
+        // A scheduler that is not a string is a shape error like any other.
+        let got = parse(&text.replace("\"Fastest\"", "3"), "f.toml").unwrap_err();
+        assert!(
+            got.iter().any(|e| e.to_string().starts_with(
+                "f.toml:5: service[0].scheduler: expected a scheduler name in quotes"
+            )),
+            "{got:?}"
+        );
+
+        let json = |body: &str| {
+            serde_json::from_str::<ServiceSpec>(body)
+                .unwrap_err()
+                .to_string()
+        };
+        let e = json(r#"{"name":"a","protocol":"tcp","listen":"127.0.0.1:1","scheduler":"WLC"}"#);
+        assert!(
+            e.starts_with("scheduler: unknown scheduler \"WLC\"; use one of"),
+            "{e}"
+        );
+        let e = serde_json::from_str::<BackendSpec>(
+            r#"{"address":"10.0.0.1:80","proxy_protocol":"1"}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("proxy_protocol: \"1\" is not a PROXY protocol version"),
+            "{e}"
+        );
+
+        let ok = text
+            .replace("\"Fastest\"", "\"mh\"")
+            .replace("udp", "tcp")
+            .replace("70000", "7")
+            .replace("\"v3\"", "\"v2\"");
+        let c = parse(&ok, "f.toml").unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(c.services[0].scheduler, weir_sched::SchedulerKind::Mh);
+        assert_eq!(
+            c.services[0].backends[0].proxy_protocol,
+            Some(crate::proxy_protocol::Version::V2)
+        );
+        let back = toml::to_string(&c).unwrap();
+        assert!(
+            back.contains("scheduler = \"mh\"\n") && back.contains("proxy_protocol = \"v2\"\n"),
+            "{back}"
+        );
+        let j = serde_json::to_value(&c.services[0]).unwrap();
+        assert_eq!(
+            (
+                j["scheduler"].as_str(),
+                j["backend"][0]["proxy_protocol"].as_str()
+            ),
+            (Some("mh"), Some("v2"))
+        );
     }
 
     #[test]
@@ -2429,8 +2591,8 @@ mod tests {
         fn file(services: usize, bad: bool) -> String {
             let mut s = String::with_capacity(services * 160);
             for i in 0..services {
-                // Every other service has a semantic error (unknown scheduler),
-                // or a shape error (unknown key) when `bad`.
+                // Every other service has an unknown scheduler, and a shape
+                // error (unknown key) too when `bad`.
                 let sched = if i % 2 == 0 { "wlc" } else { "nope" };
                 let extra = if bad && i % 2 == 1 { "bogus = 1\n" } else { "" };
                 s.push_str(&format!(
@@ -2449,7 +2611,9 @@ mod tests {
                 .map(|_| {
                     let t = std::time::Instant::now();
                     let errs = parse(&text, "big.toml").unwrap_err();
-                    assert_eq!(errs.len(), n / 2);
+                    // A bad service's unknown scheduler (a typed value)
+                    // is reported with its unknown key.
+                    assert_eq!(errs.len(), if bad { n } else { n / 2 });
                     // The last error is two lines above the end, and says so.
                     assert_eq!(errs.last().unwrap().line, Some(text.lines().count() - 2));
                     t.elapsed()

@@ -113,7 +113,7 @@ fn run_inner(duration: Option<Duration>) -> anyhow::Result<()> {
         name: "demo-tcp".into(),
         protocol: Protocol::Tcp,
         listen: "127.0.0.1:0".parse()?,
-        scheduler: "wrr".into(),
+        scheduler: weir_sched::SchedulerKind::Wrr,
         persistence: "0s".into(),
         persistence_netmask: None,
         options: ServiceOptions::default(),
@@ -124,7 +124,7 @@ fn run_inner(duration: Option<Duration>) -> anyhow::Result<()> {
         name: "demo-udp".into(),
         protocol: Protocol::Udp,
         listen: "127.0.0.1:0".parse()?,
-        scheduler: "rr".into(),
+        scheduler: weir_sched::SchedulerKind::Rr,
         persistence: "0s".into(),
         persistence_netmask: None,
         options: ServiceOptions {

@@ -1021,7 +1021,7 @@ fn openapi_matches_router() {
     full.options.mh_table_size = Some(251);
     full.options.tcp_max_connections_per_client = 2;
     full.options.health = Some(Default::default());
-    full.backends[0].proxy_protocol = Some("v2".into());
+    full.backends[0].proxy_protocol = Some(weir::proxy_protocol::Version::V2);
     full.backends[0].max_connections = 9;
     let full_tenant = f.running_config().tenants.remove(1);
     for (name, sample) in [

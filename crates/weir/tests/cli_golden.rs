@@ -335,7 +335,7 @@ fn e2e_tenant_service_backend_changes() {
     ]));
     let cfg = s.fake.running_config();
     let svc = cfg.services.iter().find(|x| x.name == "tps").unwrap();
-    assert_eq!(svc.scheduler, "mh");
+    assert_eq!(svc.scheduler.as_str(), "mh");
     assert_eq!(svc.persistence, "60s");
     assert_eq!(svc.backends.len(), 2, "edit keeps backends");
 

@@ -65,7 +65,7 @@ fn editing_a_service_keeps_established_connections() {
     assert_eq!(rc.services[0].listen, vip, "the bound port is kept");
     // A new scheduler also keeps the established connection.
     let mut spec = rc.services[0].clone();
-    spec.scheduler = "wlc".into();
+    spec.scheduler = weir_sched::SchedulerKind::Wlc;
     c.edit_service("default", "e", spec).unwrap();
     assert_eq!(c.services()[0].scheduler, "wlc");
     assert!(echo_once(vip, b"after"));

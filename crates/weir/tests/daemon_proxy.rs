@@ -639,9 +639,9 @@ fn proxy_protocol_headers_precede_client_bytes() {
     let (a1, h1) = recorder();
     let (a2, h2) = recorder();
     let mut b1 = backend(a1, 1);
-    b1.proxy_protocol = Some("v1".into());
+    b1.proxy_protocol = Some(weir::proxy_protocol::Version::V1);
     let mut b2 = backend(a2, 1);
-    b2.proxy_protocol = Some("v2".into());
+    b2.proxy_protocol = Some(weir::proxy_protocol::Version::V2);
     let d = Daemon::start(
         config(vec![
             service("p1", Protocol::Tcp, "rr", vec![b1]),

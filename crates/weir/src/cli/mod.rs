@@ -763,7 +763,8 @@ fn service(cmd: ServiceCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
                     .map_err(|_| CliError::Local(format!("listen {l:?} is not IP:PORT")))?;
             }
             if let Some(s) = scheduler {
-                spec.scheduler = s;
+                spec.scheduler = crate::config::parse_scheduler(&s)
+                    .map_err(|e| CliError::Local(format!("--scheduler: {e}")))?;
             }
             if let Some(p) = persistence {
                 spec.persistence = p;

@@ -73,7 +73,7 @@ impl LiveControl {
             name: spec.name.clone(),
             protocol: config::protocol_name(spec.protocol).into(),
             listen: s.listen.to_string(),
-            scheduler: spec.scheduler.clone(),
+            scheduler: spec.scheduler.to_string(),
             persistence: spec.persistence.clone(),
             persistence_netmask: spec.persistence_netmask.clone(),
             sched_flags: config::sched_flags(&spec),
@@ -533,7 +533,7 @@ impl Control for LiveControl {
         let sched_key = |s: &ServiceSpec| {
             let o = &s.options;
             (
-                s.scheduler.clone(),
+                s.scheduler,
                 (o.mh_fallback, o.sh_fallback, o.sh_port, o.mh_port),
                 o.mh_table_size,
                 o.hash_seed.clone(),

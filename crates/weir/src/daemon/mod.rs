@@ -1710,12 +1710,7 @@ pub(crate) fn build_sched(
     backends: &[Arc<Backend>],
 ) -> crate::control::ControlResult<Scheduler> {
     use crate::control::{ControlError, ErrorKind};
-    let kind = spec
-        .scheduler
-        .parse()
-        .map_err(|e: weir_sched::ParseKindError| {
-            ControlError::new(ErrorKind::Invalid, e.to_string())
-        })?;
+    let kind = spec.scheduler;
     let seed = match &spec.options.hash_seed {
         Some(text) => HashSeed::from_text(text),
         None => HashSeed::from_text(&format!("{}/{}", spec.tenant, spec.name)),
@@ -1961,7 +1956,7 @@ mod tests {
             name: name.into(),
             protocol: Protocol::Tcp,
             listen,
-            scheduler: "rr".into(),
+            scheduler: weir_sched::SchedulerKind::Rr,
             persistence: "0s".into(),
             persistence_netmask: None,
             options: ServiceOptions::default(),

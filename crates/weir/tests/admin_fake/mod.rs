@@ -174,7 +174,7 @@ pub fn service(tenant: &str, name: &str, listen: &str, backends: &[&str]) -> Ser
         name: name.into(),
         protocol: Protocol::Tcp,
         listen: listen.parse().unwrap(),
-        scheduler: "wlc".into(),
+        scheduler: weir_sched::SchedulerKind::Wlc,
         persistence: if tenant == "acme" { "300s" } else { "0s" }.into(),
         persistence_netmask: (tenant == "acme").then(|| "255.255.255.0".into()),
         options: Default::default(),
@@ -276,7 +276,7 @@ impl Control for Fake {
                     }
                     .into(),
                     listen: s.listen.to_string(),
-                    scheduler: s.scheduler.clone(),
+                    scheduler: s.scheduler.to_string(),
                     persistence: s.persistence.clone(),
                     persistence_netmask: s.persistence_netmask.clone(),
                     sched_flags: weir::config::sched_flags(s),

@@ -126,7 +126,7 @@ pub fn service(
         name: name.into(),
         protocol: proto,
         listen: "127.0.0.1:0".parse().unwrap(),
-        scheduler: sched.into(),
+        scheduler: weir::config::parse_scheduler(sched).unwrap(),
         persistence: "0s".into(),
         persistence_netmask: None,
         options: ServiceOptions::default(),
