@@ -67,7 +67,7 @@ pub struct DaemonConfig {
     /// kernel's autotuning from the start.
     pub backend_rcvbuf: u32,
     /// SIGTERM drain timeout, e.g. "30s".
-    pub drain_timeout: String,
+    pub drain_timeout: Dur<DrainTimeout>,
     /// One log line per closed connection.
     pub access_log: bool,
     /// Pin the rate-estimator thread to this CPU (0-based); absent = no pinning.
@@ -92,7 +92,7 @@ impl Default for DaemonConfig {
             notsent_lowat: 16 * 1024,
             blocked_window: 64 * 1024,
             backend_rcvbuf: 64 * 1024,
-            drain_timeout: "30s".into(),
+            drain_timeout: Dur::fixed("30s", 30_000),
             access_log: false,
             estimator_cpu: None,
             estimator_nice: None,
@@ -345,34 +345,34 @@ pub fn fence_allows(fence: &[AddrRange], addr: SocketAddr, wildcard_needs_entry:
 pub struct TimeoutsSpec {
     /// ESTABLISHED (IPVS: 900 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub established: Option<String>,
+    pub established: Option<Dur<StateTimeout>>,
     /// SYN_SENT (120 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub syn_sent: Option<String>,
+    pub syn_sent: Option<Dur<StateTimeout>>,
     /// SYN_RECV (60 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub syn_recv: Option<String>,
+    pub syn_recv: Option<Dur<StateTimeout>>,
     /// FIN_WAIT (120 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub fin_wait: Option<String>,
+    pub fin_wait: Option<Dur<StateTimeout>>,
     /// CLOSE_WAIT (60 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub close_wait: Option<String>,
+    pub close_wait: Option<Dur<StateTimeout>>,
     /// LAST_ACK (30 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub last_ack: Option<String>,
+    pub last_ack: Option<Dur<StateTimeout>>,
     /// TIME_WAIT (120 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub time_wait: Option<String>,
+    pub time_wait: Option<Dur<StateTimeout>>,
     /// CLOSE (10 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub close: Option<String>,
+    pub close: Option<Dur<StateTimeout>>,
     /// UDP sessions (300 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub udp: Option<String>,
+    pub udp: Option<Dur<StateTimeout>>,
     /// Persistence templates (300 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub persist: Option<String>,
+    pub persist: Option<Dur<StateTimeout>>,
 }
 
 /// Shortest per-state timeout accepted (the expiry runs once a second).
@@ -387,7 +387,7 @@ impl TimeoutsSpec {
     }
 
     /// (key, value) of every field, in file order.
-    pub fn fields(&self) -> [(&'static str, &Option<String>); 10] {
+    pub fn fields(&self) -> [(&'static str, &Option<Dur<StateTimeout>>); 10] {
         [
             ("established", &self.established),
             ("syn_sent", &self.syn_sent),
@@ -402,28 +402,15 @@ impl TimeoutsSpec {
         ]
     }
 
-    /// The flow table's timeouts: set keys parsed, the rest IPVS defaults.
-    /// Errors are (key, what to do), one per bad key.
+    /// The flow table's timeouts: set keys as given, the rest IPVS
+    /// defaults. Every value was checked when it was parsed, so this cannot
+    /// fail today; the error list (key, what to do) stays for callers.
     pub fn resolve(&self) -> Result<weir_flowtable::Timeouts, Vec<(&'static str, String)>> {
         use weir_flowtable::Millis;
         let mut t = weir_flowtable::Timeouts::default();
-        let mut errors = Vec::new();
         for (key, value) in self.fields() {
-            let Some(text) = value else { continue };
-            let d = match parse_duration(text) {
-                Ok(d) if (MIN_STATE_TIMEOUT..=MAX_STATE_TIMEOUT).contains(&d) => d,
-                Ok(d) => {
-                    errors.push((
-                        key,
-                        format!("{d:?} is outside 1s..=30 days; use e.g. \"900s\", or remove the key for the IPVS default"),
-                    ));
-                    continue;
-                }
-                Err(e) => {
-                    errors.push((key, e));
-                    continue;
-                }
-            };
+            let Some(d) = value else { continue };
+            let d = d.get();
             let ms = Millis(d.as_millis() as u64);
             match key {
                 "established" => t.established = ms,
@@ -438,11 +425,7 @@ impl TimeoutsSpec {
                 _ => t.persist = ms,
             }
         }
-        if errors.is_empty() {
-            Ok(t)
-        } else {
-            Err(errors)
-        }
+        Ok(t)
     }
 }
 
@@ -475,7 +458,7 @@ pub struct ServiceSpec {
     pub scheduler: weir_sched::SchedulerKind,
     /// Client affinity timeout, e.g. "300s"; "0s" = off.
     #[serde(default = "default_persistence")]
-    pub persistence: String,
+    pub persistence: Dur<Persistence>,
     /// Group clients for persistence: IPv4 netmask ("255.255.255.0") or IPv6 prefix length ("64").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub persistence_netmask: Option<String>,
@@ -493,7 +476,7 @@ pub struct ServiceSpec {
 pub struct ServiceOptions {
     /// Backend connect timeout, e.g. "2s" (then the next backend is tried).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub connect_timeout: Option<String>,
+    pub connect_timeout: Option<Dur<ConnectTimeout>>,
     /// Close existing connections to a backend that goes down (IPVS `expire_nodest_conn`).
     pub expire_nodest_conn: bool,
     /// `mh` only: fall back to another backend when the chosen one is unavailable.
@@ -527,7 +510,7 @@ pub struct ServiceOptions {
     pub udp_responses: Option<u32>,
     /// UDP: idle timeout, e.g. "300s".
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub udp_timeout: Option<String>,
+    pub udp_timeout: Option<Dur<UdpTimeout>>,
     /// UDP: cap on sessions per client address; 0 = unlimited.
     #[serde(skip_serializing_if = "is_zero")]
     pub udp_max_sessions_per_client: u64,
@@ -542,9 +525,9 @@ pub struct ServiceOptions {
 #[serde(deny_unknown_fields, default)]
 pub struct HealthSpec {
     /// e.g. "2s".
-    pub interval: String,
+    pub interval: Dur<HealthInterval>,
     /// e.g. "1s".
-    pub timeout: String,
+    pub timeout: Dur<HealthTimeout>,
     /// Consecutive successes to mark a backend up.
     pub rise: u32,
     /// Consecutive failures to mark a backend down.
@@ -564,8 +547,8 @@ pub struct HealthSpec {
 impl Default for HealthSpec {
     fn default() -> Self {
         Self {
-            interval: "2s".into(),
-            timeout: "1s".into(),
+            interval: Dur::fixed("2s", 2_000),
+            timeout: Dur::fixed("1s", 1_000),
             rise: 2,
             fall: 3,
             protocol: None,
@@ -622,7 +605,7 @@ fn de_scheduler<'de, D: serde::Deserializer<'de>>(
     d: D,
 ) -> Result<weir_sched::SchedulerKind, D::Error> {
     let text = String::deserialize(d)?;
-    parse_scheduler(&text).map_err(|e| serde::de::Error::custom(format!("scheduler: {e}")))
+    parse_scheduler(&text).map_err(serde::de::Error::custom)
 }
 
 /// A scheduler name, exactly as `ipvsadm -s` spells it (or `p2c`).
@@ -637,8 +620,8 @@ pub fn parse_scheduler(text: &str) -> Result<weir_sched::SchedulerKind, String> 
             )
         })
 }
-fn default_persistence() -> String {
-    "0s".into()
+fn default_persistence() -> Dur<Persistence> {
+    Dur::fixed("0s", 0)
 }
 fn default_weight() -> u32 {
     1
@@ -732,7 +715,7 @@ pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
             let mut patches: Vec<_> = shape.iter().filter_map(|p| p.3.clone()).collect();
             patches.sort_by_key(|(span, _)| std::cmp::Reverse(span.start));
             for (span, stand_in) in patches {
-                t.replace_range(span, stand_in);
+                t.replace_range(span, &stand_in);
             }
             patched = Some(t);
             typed = shape.into_iter().map(to_error).collect();
@@ -761,10 +744,8 @@ pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
         .filter(|p| {
             let at = p.path.to_string();
             !typed.iter().any(|t| {
-                at == t.key
-                    || t.key.strip_suffix(".scheduler").is_some_and(|svc| {
-                        SCHED_DEPENDENT.iter().any(|k| at == format!("{svc}.{k}"))
-                    })
+                let (table, key) = t.key.rsplit_once('.').unwrap_or(("", &t.key));
+                at == t.key || dependents(key).iter().any(|d| at == format!("{table}.{d}"))
             })
         })
         .collect();
@@ -897,6 +878,145 @@ pub fn parse_duration_in(s: &str, b: DurationBounds) -> Result<std::time::Durati
         humantime::format_duration(b.max),
         b.example
     ))
+}
+
+/// Which duration key a [`Dur`] is: its bounds.
+pub trait DurationKind {
+    /// What the key accepts.
+    const BOUNDS: DurationBounds;
+}
+
+macro_rules! duration_kinds {
+    ($($(#[$doc:meta])* $name:ident = $bounds:expr;)*) => {$(
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum $name {}
+        impl DurationKind for $name {
+            const BOUNDS: DurationBounds = $bounds;
+        }
+    )*};
+}
+
+duration_kinds! {
+    /// `[daemon] drain_timeout`.
+    DrainTimeout = DRAIN_TIMEOUT_BOUNDS;
+    /// `persistence`.
+    Persistence = PERSISTENCE_BOUNDS;
+    /// `connect_timeout`.
+    ConnectTimeout = CONNECT_TIMEOUT_BOUNDS;
+    /// `udp_timeout`.
+    UdpTimeout = UDP_TIMEOUT_BOUNDS;
+    /// `[service.health] interval`.
+    HealthInterval = HEALTH_INTERVAL_BOUNDS;
+    /// `[service.health] timeout`.
+    HealthTimeout = HEALTH_TIMEOUT_BOUNDS;
+    /// `[tenant.timeouts]` keys.
+    StateTimeout = STATE_TIMEOUT_BOUNDS;
+}
+
+/// `[tenant.timeouts]` keys: 1 s (the expiry runs once a second) ..= 30 days.
+pub const STATE_TIMEOUT_BOUNDS: DurationBounds = DurationBounds {
+    min: MIN_STATE_TIMEOUT,
+    max: MAX_STATE_TIMEOUT,
+    example: "900s",
+};
+
+/// A duration key's value, checked against its kind's bounds when parsed
+/// (from the file, a JSON body or [`str::parse`]), so nothing downstream
+/// parses text again. It keeps the text it was written as, which is what
+/// it serialises to: `weir save` and the admin API give back "300s" as
+/// "300s", not "5m".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dur<K> {
+    value: std::time::Duration,
+    text: String,
+    kind: std::marker::PhantomData<fn() -> K>,
+}
+
+impl<K: DurationKind> Dur<K> {
+    /// The duration.
+    pub fn get(&self) -> std::time::Duration {
+        self.value
+    }
+
+    /// The text it was written as.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// A value written in code, known to be in bounds; `text` must say
+    /// `ms` milliseconds (checked in debug builds).
+    pub fn fixed(text: &str, ms: u64) -> Self {
+        let value = std::time::Duration::from_millis(ms);
+        debug_assert_eq!(parse_duration_in(text, K::BOUNDS), Ok(value));
+        Self {
+            value,
+            text: text.to_owned(),
+            kind: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<K: DurationKind> std::str::FromStr for Dur<K> {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        Ok(Self {
+            value: parse_duration_in(text, K::BOUNDS)?,
+            text: text.to_owned(),
+            kind: std::marker::PhantomData,
+        })
+    }
+}
+
+impl<K: DurationKind> std::fmt::Display for Dur<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl<K> Serialize for Dur<K> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.text)
+    }
+}
+
+impl<'de, K: DurationKind> Deserialize<'de> for Dur<K> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// `serde_json::from_value` for the admin API's bodies, whose error starts
+/// with the key path of the value it refused ("backend[0].proxy_protocol:
+/// ..."), as the config file's errors do.
+pub fn from_json<T: serde::de::DeserializeOwned>(
+    v: serde_json::Value,
+) -> Result<T, serde_path_to_error::Error<serde_json::Error>> {
+    serde_path_to_error::deserialize(v)
+}
+
+/// A [`ServiceSpec`] from a JSON body, errors led by the key path. serde
+/// loses the path inside the flattened [`ServiceOptions`], so their typed
+/// values (durations) are checked first, by key.
+pub fn service_from_json(v: serde_json::Value) -> Result<ServiceSpec, String> {
+    let typed: [(&[&str], DurationBounds); 4] = [
+        (&["connect_timeout"], CONNECT_TIMEOUT_BOUNDS),
+        (&["udp_timeout"], UDP_TIMEOUT_BOUNDS),
+        (&["health", "interval"], HEALTH_INTERVAL_BOUNDS),
+        (&["health", "timeout"], HEALTH_TIMEOUT_BOUNDS),
+    ];
+    for (path, b) in typed {
+        let at = path.iter().try_fold(&v, |at, key| at.get(key));
+        if let Some(text) = at.and_then(|t| t.as_str())
+            && let Err(e) = parse_duration_in(text, b)
+        {
+            return Err(format!("{}: {e}", path.join(".")));
+        }
+    }
+    from_json(v).map_err(|e| e.to_string())
 }
 
 /// A persistence netmask: IPv4 dotted mask or IPv6 prefix length.
@@ -1163,9 +1283,6 @@ pub fn validate(c: &Config) -> Vec<Problem> {
             "more than 1024 workers; use 0 for one per CPU".into(),
         );
     }
-    if let Err(e) = parse_duration_in(&d.drain_timeout, DRAIN_TIMEOUT_BOUNDS) {
-        err(&[dk.clone(), k("drain_timeout")], e);
-    }
     if let Some(cpu) = d.estimator_cpu
         && cpu >= MAX_CPUS
     {
@@ -1313,25 +1430,12 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
     if let Err(e) = check_name(&s.tenant) {
         err(vec![k("tenant")], e);
     }
-    if let Err(e) = parse_duration_in(&s.persistence, PERSISTENCE_BOUNDS) {
-        err(vec![k("persistence")], e);
-    }
     if let Some(m) = &s.persistence_netmask
         && let Err(e) = parse_netmask(m)
     {
         err(vec![k("persistence_netmask")], e);
     }
     let o = &s.options;
-    if let Some(t) = &o.connect_timeout
-        && let Err(e) = parse_duration_in(t, CONNECT_TIMEOUT_BOUNDS)
-    {
-        err(vec![k("connect_timeout")], e);
-    }
-    if let Some(t) = &o.udp_timeout
-        && let Err(e) = parse_duration_in(t, UDP_TIMEOUT_BOUNDS)
-    {
-        err(vec![k("udp_timeout")], e);
-    }
     if s.protocol == Protocol::Tcp {
         if o.udp_responses.is_some() {
             err(
@@ -1385,17 +1489,8 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
     }
     if let Some(h) = &o.health {
         let hp = |key: &str| vec![k("health"), k(key)];
-        let iv = parse_duration_in(&h.interval, HEALTH_INTERVAL_BOUNDS);
-        let to = parse_duration_in(&h.timeout, HEALTH_TIMEOUT_BOUNDS);
-        if let Err(e) = &iv {
-            err(hp("interval"), e.clone());
-        }
-        if let Err(e) = &to {
-            err(hp("timeout"), e.clone());
-        }
-        if let (Ok(iv), Ok(to)) = (iv, to)
-            && to > iv
-        {
+        let (iv, to) = (h.interval.get(), h.timeout.get());
+        if to > iv {
             err(
                 hp("timeout"),
                 format!("timeout {to:?} exceeds interval {iv:?}; make it at most the interval"),
@@ -1638,6 +1733,8 @@ enum Kind {
     Sched,
     /// A PROXY protocol version, "v1" or "v2".
     ProxyVersion,
+    /// A duration within these bounds ([`Dur`]).
+    Dur(DurationBounds),
 }
 
 const DAEMON_KEYS: &[(&str, Kind)] = &[
@@ -1651,7 +1748,7 @@ const DAEMON_KEYS: &[(&str, Kind)] = &[
     ("notsent_lowat", Kind::U32),
     ("blocked_window", Kind::U32),
     ("backend_rcvbuf", Kind::U32),
-    ("drain_timeout", Kind::Str),
+    ("drain_timeout", Kind::Dur(DRAIN_TIMEOUT_BOUNDS)),
     ("access_log", Kind::Bool),
     ("estimator_cpu", Kind::Int),
     ("estimator_nice", Kind::SignedInt),
@@ -1678,16 +1775,16 @@ const TENANT_KEYS: &[(&str, Kind)] = &[
     ("allowed_backends", Kind::Strs),
 ];
 const TIMEOUT_KEYS: &[(&str, Kind)] = &[
-    ("established", Kind::Str),
-    ("syn_sent", Kind::Str),
-    ("syn_recv", Kind::Str),
-    ("fin_wait", Kind::Str),
-    ("close_wait", Kind::Str),
-    ("last_ack", Kind::Str),
-    ("time_wait", Kind::Str),
-    ("close", Kind::Str),
-    ("udp", Kind::Str),
-    ("persist", Kind::Str),
+    ("established", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("syn_sent", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("syn_recv", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("fin_wait", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("close_wait", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("last_ack", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("time_wait", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("close", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("udp", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("persist", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
 ];
 const SERVICE_KEYS: &[(&str, Kind)] = &[
     ("tenant", Kind::Str),
@@ -1695,9 +1792,9 @@ const SERVICE_KEYS: &[(&str, Kind)] = &[
     ("protocol", Kind::Proto),
     ("listen", Kind::Addr),
     ("scheduler", Kind::Sched),
-    ("persistence", Kind::Str),
+    ("persistence", Kind::Dur(PERSISTENCE_BOUNDS)),
     ("persistence_netmask", Kind::Str),
-    ("connect_timeout", Kind::Str),
+    ("connect_timeout", Kind::Dur(CONNECT_TIMEOUT_BOUNDS)),
     ("expire_nodest_conn", Kind::Bool),
     ("mh_fallback", Kind::Bool),
     ("sh_fallback", Kind::Bool),
@@ -1707,14 +1804,14 @@ const SERVICE_KEYS: &[(&str, Kind)] = &[
     ("tcp_max_connections_per_client", Kind::Int),
     ("hash_seed", Kind::Str),
     ("udp_responses", Kind::U32),
-    ("udp_timeout", Kind::Str),
+    ("udp_timeout", Kind::Dur(UDP_TIMEOUT_BOUNDS)),
     ("udp_max_sessions_per_client", Kind::Int),
     ("health", Kind::Table),
     ("backend", Kind::Tables),
 ];
 const HEALTH_KEYS: &[(&str, Kind)] = &[
-    ("interval", Kind::Str),
-    ("timeout", Kind::Str),
+    ("interval", Kind::Dur(HEALTH_INTERVAL_BOUNDS)),
+    ("timeout", Kind::Dur(HEALTH_TIMEOUT_BOUNDS)),
     ("rise", Kind::U32),
     ("fall", Kind::U32),
     ("protocol", Kind::Proto),
@@ -1736,18 +1833,25 @@ type ShapeProblem = (
     String,
     Option<usize>,
     String,
-    Option<(std::ops::Range<usize>, &'static str)>,
+    Option<(std::ops::Range<usize>, String)>,
 );
 
-/// Keys of a service whose problems only mean something with the service's
-/// real scheduler: not reported when the scheduler itself does not parse.
-const SCHED_DEPENDENT: &[&str] = &[
-    "mh_fallback",
-    "mh_port",
-    "mh_table_size",
-    "sh_fallback",
-    "sh_port",
-];
+/// Keys next to `key` whose problems only mean something with its real
+/// value: not reported when `key` itself does not parse (a stand-in took
+/// its place).
+fn dependents(key: &str) -> &'static [&'static str] {
+    match key {
+        "scheduler" => &[
+            "mh_fallback",
+            "mh_port",
+            "mh_table_size",
+            "sh_fallback",
+            "sh_port",
+        ],
+        "interval" => &["timeout"],
+        _ => &[],
+    }
+}
 
 fn shape_problems(root: &toml_edit::Table) -> Vec<ShapeProblem> {
     let mut out = Vec::new();
@@ -1864,11 +1968,26 @@ fn check_table(
         let v = item.as_value();
         // Typed strings: the right type but a value the type refuses.
         let typed = match (kind, v.and_then(|v| v.as_str())) {
-            (Kind::Sched, Some(text)) => Some((parse_scheduler(text).err(), "\"wlc\"")),
+            (Kind::Sched, Some(text)) => Some((parse_scheduler(text).err(), "\"wlc\"".to_owned())),
             (Kind::ProxyVersion, Some(text)) => Some((
                 crate::proxy_protocol::Version::from_config(text).err(),
-                "\"v2\"",
+                "\"v2\"".to_owned(),
             )),
+            (Kind::Dur(b), Some(text)) => {
+                let hint = if *b == STATE_TIMEOUT_BOUNDS {
+                    ", or remove the key for the IPVS default"
+                } else {
+                    ""
+                };
+                let problem = parse_duration_in(text, *b).err().map(|e| {
+                    if e.contains(" is outside ") {
+                        format!("{e}{hint}")
+                    } else {
+                        e
+                    }
+                });
+                Some((problem, format!("{:?}", b.example)))
+            }
             _ => None,
         };
         if let Some((problem, stand_in)) = typed {
@@ -1905,7 +2024,7 @@ fn check_table(
             Kind::Strs => v
                 .and_then(|v| v.as_array())
                 .is_some_and(|a| a.iter().all(|x| x.is_str())),
-            Kind::Sched | Kind::ProxyVersion => v.is_some_and(|v| v.is_str()),
+            Kind::Sched | Kind::ProxyVersion | Kind::Dur(_) => v.is_some_and(|v| v.is_str()),
         };
         if !ok {
             let want = match kind {
@@ -1921,6 +2040,7 @@ fn check_table(
                 Kind::Strs => "an array of strings, e.g. [\"10.0.0.0/24:80\"]",
                 Kind::Sched => "a scheduler name in quotes, e.g. \"wlc\"",
                 Kind::ProxyVersion => "\"v1\" or \"v2\"",
+                Kind::Dur(_) => "a duration in quotes, e.g. \"2s\"",
             };
             out.push((path(key), offset, format!("expected {want}"), None));
         }
@@ -1951,17 +2071,17 @@ mod tests {
             protocol: Protocol::Udp,
             listen: "127.0.0.1:53".parse().unwrap(),
             scheduler: weir_sched::SchedulerKind::Mh,
-            persistence: "10s".into(),
+            persistence: "10s".parse().unwrap(),
             persistence_netmask: Some("255.255.255.0".into()),
             options: ServiceOptions {
-                connect_timeout: Some("1s".into()),
+                connect_timeout: Some("1s".parse().unwrap()),
                 expire_nodest_conn: true,
                 mh_fallback: true,
                 mh_port: true,
                 mh_table_size: Some(251),
                 hash_seed: None,
                 udp_responses: Some(1),
-                udp_timeout: Some("5s".into()),
+                udp_timeout: Some("5s".parse().unwrap()),
                 udp_max_sessions_per_client: 3,
                 health: Some(HealthSpec {
                     protocol: Some(Protocol::Udp),
@@ -2013,16 +2133,16 @@ mod tests {
                 max_new_per_s: 1,
                 token: Some("z".into()),
                 timeouts: TimeoutsSpec {
-                    established: Some("1h".into()),
-                    syn_sent: Some("1s".into()),
-                    syn_recv: Some("2s".into()),
-                    fin_wait: Some("3s".into()),
-                    close_wait: Some("4s".into()),
-                    last_ack: Some("5s".into()),
-                    time_wait: Some("6s".into()),
-                    close: Some("7s".into()),
-                    udp: Some("8s".into()),
-                    persist: Some("9s".into()),
+                    established: Some("1h".parse().unwrap()),
+                    syn_sent: Some("1s".parse().unwrap()),
+                    syn_recv: Some("2s".parse().unwrap()),
+                    fin_wait: Some("3s".parse().unwrap()),
+                    close_wait: Some("4s".parse().unwrap()),
+                    last_ack: Some("5s".parse().unwrap()),
+                    time_wait: Some("6s".parse().unwrap()),
+                    close: Some("7s".parse().unwrap()),
+                    udp: Some("8s".parse().unwrap()),
+                    persist: Some("9s".parse().unwrap()),
                 },
                 allowed_listen: vec!["10.0.0.0/24:8000-8100".into(), "[::]:443".into()],
                 allowed_backends: vec!["10.1.0.0/16".into()],
@@ -2112,7 +2232,9 @@ mod tests {
             "{got:?}"
         );
         assert!(
-            got[1].starts_with("f.toml:11: tenant[1].timeouts.close: 0ns is outside 1s..=30 days"),
+            got[1].starts_with(
+                "f.toml:11: tenant[1].timeouts.close: \"0s\" is outside 1s..=30days; use e.g. \"900s\", or remove the key for the IPVS default"
+            ),
             "{got:?}"
         );
         let got = parse(
@@ -2256,23 +2378,28 @@ mod tests {
             "{got:?}"
         );
 
+        // The admin API's JSON errors start with the key path.
         let json = |body: &str| {
-            serde_json::from_str::<ServiceSpec>(body)
-                .unwrap_err()
-                .to_string()
+            let v: serde_json::Value = serde_json::from_str(body).unwrap();
+            service_from_json(v).unwrap_err()
         };
         let e = json(r#"{"name":"a","protocol":"tcp","listen":"127.0.0.1:1","scheduler":"WLC"}"#);
         assert!(
             e.starts_with("scheduler: unknown scheduler \"WLC\"; use one of"),
             "{e}"
         );
-        let e = serde_json::from_str::<BackendSpec>(
-            r#"{"address":"10.0.0.1:80","proxy_protocol":"1"}"#,
-        )
-        .unwrap_err()
-        .to_string();
+        let e = json(
+            r#"{"name":"a","protocol":"tcp","listen":"127.0.0.1:1","backend":[{"address":"10.0.0.1:80","proxy_protocol":"1"}]}"#,
+        );
         assert!(
-            e.starts_with("proxy_protocol: \"1\" is not a PROXY protocol version"),
+            e.starts_with("backend[0].proxy_protocol: \"1\" is not a PROXY protocol version"),
+            "{e}"
+        );
+        let e = json(
+            r#"{"name":"a","protocol":"tcp","listen":"127.0.0.1:1","health":{"interval":"soon"}}"#,
+        );
+        assert!(
+            e.starts_with("health.interval: \"soon\" is not a duration"),
             "{e}"
         );
 
@@ -2574,12 +2701,15 @@ mod tests {
                   protocol = \"udp\"\nsend = \"ping\"\n";
         parse(ok, "f.toml").unwrap_or_else(|e| panic!("{e:?}"));
         parse("[daemon]\ndrain_timeout = \"0s\"\n", "f.toml").unwrap();
-        // The API path (`check_service`) uses the same checks.
-        let mut spec = parse(ok, "f.toml").unwrap().services.remove(0);
-        spec.persistence = huge.into();
-        let problems = service_problems(&spec);
-        assert_eq!(problems.len(), 1, "{problems:?}");
-        assert_eq!(problems[0].path.to_string(), "persistence");
+        // The API path (a JSON body) parses the same types, same bounds.
+        let mut spec =
+            serde_json::to_value(parse(ok, "f.toml").unwrap().services.remove(0)).unwrap();
+        spec["persistence"] = huge.into();
+        let e = serde_json::from_value::<ServiceSpec>(spec)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("is outside 0s..=30days; use e.g."), "{e}");
+        assert!(huge.parse::<Dur<Persistence>>().is_err());
     }
 
     /// Issue 10 #11: reporting every error of a large file took time

@@ -114,7 +114,7 @@ fn run_inner(duration: Option<Duration>) -> anyhow::Result<()> {
         protocol: Protocol::Tcp,
         listen: "127.0.0.1:0".parse()?,
         scheduler: weir_sched::SchedulerKind::Wrr,
-        persistence: "0s".into(),
+        persistence: crate::config::Dur::fixed("0s", 0),
         persistence_netmask: None,
         options: ServiceOptions::default(),
         backends: vec![backend(tcp_b[0], 1), backend(tcp_b[1], 2)],
@@ -125,10 +125,10 @@ fn run_inner(duration: Option<Duration>) -> anyhow::Result<()> {
         protocol: Protocol::Udp,
         listen: "127.0.0.1:0".parse()?,
         scheduler: weir_sched::SchedulerKind::Rr,
-        persistence: "0s".into(),
+        persistence: crate::config::Dur::fixed("0s", 0),
         persistence_netmask: None,
         options: ServiceOptions {
-            udp_timeout: Some("30s".into()),
+            udp_timeout: Some(crate::config::Dur::fixed("30s", 30_000)),
             ..ServiceOptions::default()
         },
         backends: vec![backend(udp_b[0], 1), backend(udp_b[1], 1)],

@@ -62,8 +62,7 @@ impl serde::Serialize for Version {
 impl<'de> serde::Deserialize<'de> for Version {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let text = String::deserialize(d)?;
-        Self::from_config(&text)
-            .map_err(|e| serde::de::Error::custom(format!("proxy_protocol: {e}")))
+        Self::from_config(&text).map_err(serde::de::Error::custom)
     }
 }
 

@@ -240,7 +240,7 @@ fn source_hash_schedulers_and_persistence_keep_a_client_on_one_backend() {
         "rr",
         vec![backend(a.addr, 1), backend(b.addr, 1)],
     );
-    persist.persistence = "60s".into();
+    persist.persistence = "60s".parse().unwrap();
     persist.persistence_netmask = Some("255.255.255.0".into());
     let d = Daemon::start(
         config(vec![
@@ -356,7 +356,7 @@ fn connect_failure_retries_the_next_backend() {
             backend(good.addr, 1),
         ],
     );
-    spec.options.connect_timeout = Some("300ms".into());
+    spec.options.connect_timeout = Some("300ms".parse().unwrap());
     let d = Daemon::start(config(vec![spec]), None).unwrap();
     let vip = d.service_addr("default", "r").unwrap();
     for _ in 0..4 {
@@ -377,8 +377,8 @@ fn health_failover(expire_nodest_conn: bool) {
     );
     spec.options.expire_nodest_conn = expire_nodest_conn;
     spec.options.health = Some(HealthSpec {
-        interval: "100ms".into(),
-        timeout: "100ms".into(),
+        interval: "100ms".parse().unwrap(),
+        timeout: "100ms".parse().unwrap(),
         rise: 1,
         fall: 2,
         ..Default::default()

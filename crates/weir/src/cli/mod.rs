@@ -767,7 +767,9 @@ fn service(cmd: ServiceCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
                     .map_err(|e| CliError::Local(format!("--scheduler: {e}")))?;
             }
             if let Some(p) = persistence {
-                spec.persistence = p;
+                spec.persistence = p
+                    .parse()
+                    .map_err(|e| CliError::Local(format!("--persistence: {e}")))?;
             }
             let body = serde_json::to_value(&spec)
                 .map_err(|e| CliError::Local(format!("encoding the service: {e}")))?;

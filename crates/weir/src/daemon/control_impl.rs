@@ -74,7 +74,7 @@ impl LiveControl {
             protocol: config::protocol_name(spec.protocol).into(),
             listen: s.listen.to_string(),
             scheduler: spec.scheduler.to_string(),
-            persistence: spec.persistence.clone(),
+            persistence: spec.persistence.to_string(),
             persistence_netmask: spec.persistence_netmask.clone(),
             sched_flags: config::sched_flags(&spec),
             backends: set

@@ -182,11 +182,7 @@ impl Daemon {
             control_rt: control_rt.handle().clone(),
             fd_limit: fd_soft,
             epoch: Instant::now(),
-            drain_timeout: config::parse_duration_in(
-                &config.daemon.drain_timeout,
-                config::DRAIN_TIMEOUT_BOUNDS,
-            )
-            .unwrap_or(Duration::from_secs(30)),
+            drain_timeout: config.daemon.drain_timeout.get(),
             runtime_added: Mutex::default(),
             reload_lock: Mutex::new(()),
         });
@@ -1373,12 +1369,7 @@ impl Shared {
             }
             return;
         };
-        let (Ok(interval), Ok(timeout)) = (
-            config::parse_duration_in(&h.interval, config::HEALTH_INTERVAL_BOUNDS),
-            config::parse_duration_in(&h.timeout, config::HEALTH_TIMEOUT_BOUNDS),
-        ) else {
-            return;
-        };
+        let (interval, timeout) = (h.interval.get(), h.timeout.get());
         let params = crate::health::Params {
             interval,
             timeout,
@@ -1672,8 +1663,7 @@ pub(crate) fn resolve_timeouts(spec: &TenantSpec) -> crate::control::ControlResu
 pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResult<ServiceParams> {
     use crate::control::{ControlError, ErrorKind};
     let bad = |m: String| ControlError::new(ErrorKind::Invalid, m);
-    let persistence =
-        config::parse_duration_in(&spec.persistence, config::PERSISTENCE_BOUNDS).map_err(bad)?;
+    let persistence = spec.persistence.get();
     let mask = match &spec.persistence_netmask {
         Some(m) => {
             let n = config::parse_netmask(m).map_err(bad)?;
@@ -1684,14 +1674,11 @@ pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResul
             .map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))?,
     };
     let o = &spec.options;
-    let connect_timeout = match &o.connect_timeout {
-        Some(t) => config::parse_duration_in(t, config::CONNECT_TIMEOUT_BOUNDS).map_err(bad)?,
-        None => CONNECT_TIMEOUT,
-    };
-    let udp_timeout = match &o.udp_timeout {
-        Some(t) => Some(config::parse_duration_in(t, config::UDP_TIMEOUT_BOUNDS).map_err(bad)?),
-        None => None,
-    };
+    let connect_timeout = o
+        .connect_timeout
+        .as_ref()
+        .map_or(CONNECT_TIMEOUT, |t| t.get());
+    let udp_timeout = o.udp_timeout.as_ref().map(|t| t.get());
     Ok(ServiceParams {
         persistence,
         mask,
@@ -1957,7 +1944,7 @@ mod tests {
             protocol: Protocol::Tcp,
             listen,
             scheduler: weir_sched::SchedulerKind::Rr,
-            persistence: "0s".into(),
+            persistence: "0s".parse().unwrap(),
             persistence_netmask: None,
             options: ServiceOptions::default(),
             backends: Vec::new(),

@@ -175,7 +175,9 @@ pub fn service(tenant: &str, name: &str, listen: &str, backends: &[&str]) -> Ser
         protocol: Protocol::Tcp,
         listen: listen.parse().unwrap(),
         scheduler: weir_sched::SchedulerKind::Wlc,
-        persistence: if tenant == "acme" { "300s" } else { "0s" }.into(),
+        persistence: if tenant == "acme" { "300s" } else { "0s" }
+            .parse()
+            .unwrap(),
         persistence_netmask: (tenant == "acme").then(|| "255.255.255.0".into()),
         options: Default::default(),
         backends: backends
@@ -277,7 +279,7 @@ impl Control for Fake {
                     .into(),
                     listen: s.listen.to_string(),
                     scheduler: s.scheduler.to_string(),
-                    persistence: s.persistence.clone(),
+                    persistence: s.persistence.to_string(),
                     persistence_netmask: s.persistence_netmask.clone(),
                     sched_flags: weir::config::sched_flags(s),
                     backends: s

@@ -127,7 +127,7 @@ pub fn service(
         protocol: proto,
         listen: "127.0.0.1:0".parse().unwrap(),
         scheduler: weir::config::parse_scheduler(sched).unwrap(),
-        persistence: "0s".into(),
+        persistence: "0s".parse().unwrap(),
         persistence_netmask: None,
         options: ServiceOptions::default(),
         backends,
