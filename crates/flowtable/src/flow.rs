@@ -557,8 +557,9 @@ impl FlowTable {
 
     /// Inserts a new entry (locks one bucket) and returns a [`Handle`]
     /// through which the caller reaches it again without hashing. Refused
-    /// if the key exists, the tenant does not, or the key's bucket chain
-    /// already holds `max_chain` entries.
+    /// if the key exists, the tenant does not, the key's bucket chain
+    /// already holds `max_chain` entries, or the table holds its cap of
+    /// entries (`max_entries` / `max_shared_entries`).
     pub fn insert_handle(
         &self,
         key: FlowKey,
@@ -570,6 +571,10 @@ impl FlowTable {
         let t = map.map.get(&key.tenant.0).ok_or(InsertError::NoTenant)?;
         if t.removed.load(Relaxed) {
             return Err(InsertError::NoTenant);
+        }
+        if t.table.at_cap(&guard) {
+            t.refused.fetch_add(1, Relaxed);
+            return Err(InsertError::ChainFull);
         }
         let pk = PackedKey::new(&key);
         let h = t.table.hash(&pk, t.salt);

@@ -200,6 +200,8 @@ pub(crate) struct Table {
     entries: Box<[CachePadded<AtomicI64>]>,
     min_buckets: usize,
     max_buckets: usize,
+    /// Entries the table may hold: inserts past it are refused.
+    max_entries: usize,
     /// Serialises starting and finishing resizes.
     resize: Mutex<()>,
     pub(crate) resizes: AtomicU64,
@@ -239,6 +241,7 @@ impl Table {
             entries: (0..NODE_CACHES).map(|_| CachePadded::default()).collect(),
             min_buckets: n,
             max_buckets: buckets_for(max_entries).max(n),
+            max_entries: max_entries.max(entries),
             resize: Mutex::new(()),
             resizes: AtomicU64::new(0),
         })
@@ -270,6 +273,19 @@ impl Table {
 
     pub(crate) fn add_entries(&self, d: i64) {
         self.entries[thread_slot()].fetch_add(d, Relaxed);
+    }
+
+    /// Whether the table holds its cap of entries (`max_entries`, or the
+    /// starting size if larger): an insert must be refused. The shards are
+    /// summed only once the newest index has its largest size (below it the
+    /// table is far from its cap, or still growing), so inserts pay for the
+    /// sum only near the cap. Concurrent inserts may overshoot it by the
+    /// inserts in flight. A table that the memory budget keeps from growing
+    /// is bounded by its chain cap instead.
+    pub(crate) fn at_cap(&self, guard: &Guard) -> bool {
+        let ix = self.index(guard);
+        let newest = ix.successor().map_or(ix.len(), |s| s.len());
+        newest >= self.max_buckets && self.entries() >= self.max_entries as u64
     }
 
     pub(crate) fn entries(&self) -> u64 {

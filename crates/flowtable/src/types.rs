@@ -423,9 +423,10 @@ pub struct TableConfig {
     /// at 6 entries per 8-way bucket line). It grows (and shrinks back to
     /// this) online as its load asks.
     pub shared_buckets: usize,
-    /// Entries the shared table may grow to (its cap); 0 = no cap below the
-    /// table's 2^28. A cap below `shared_buckets` keeps the table at its
-    /// starting size.
+    /// Entries the shared table may grow to and hold (its cap: inserts past
+    /// it are refused with [`InsertError::ChainFull`]); 0 = no cap below
+    /// the table's 2^28. A cap below `shared_buckets` keeps the table at its
+    /// starting size and caps it there.
     pub max_shared_entries: usize,
     /// Longest chain an insert may extend; past it inserts are refused with
     /// [`InsertError::ChainFull`] and counted (hash-flood defence, like
@@ -459,8 +460,10 @@ pub struct TenantConfig {
     /// power of two `<= 2^24`; it grows online up to [`MAX_OWN_BUCKETS`]
     /// entries (while the memory budget allows) and shrinks back to this.
     pub own_buckets: usize,
-    /// Entries the own table may grow to; 0 = [`MAX_OWN_BUCKETS`]. A cap
-    /// below `own_buckets` keeps the table at its starting size.
+    /// Entries the own table may grow to and hold (inserts past it are
+    /// refused with [`InsertError::ChainFull`]); 0 = [`MAX_OWN_BUCKETS`]. A
+    /// cap below `own_buckets` keeps the table at its starting size and
+    /// caps it there.
     pub max_entries: usize,
     /// Idle timeouts for this tenant's entries.
     pub timeouts: Timeouts,
@@ -544,8 +547,10 @@ pub enum InsertError {
     /// The key is present; its cookie.
     #[error("flow exists (cookie {0})")]
     Exists(Cookie),
-    /// The key's chain is at `max_chain` (possible hash flood), or the
-    /// table already holds its maximum of 2^26 - 1 (~67 M) entries.
+    /// The key's chain is at `max_chain` (possible hash flood), the key's
+    /// table holds its cap of entries ([`TenantConfig::max_entries`],
+    /// [`TableConfig::max_shared_entries`]), or the table already holds its
+    /// maximum of 2^26 - 1 (~67 M) entries.
     /// Counted in [`TableStats::refused_inserts`].
     #[error("hash chain full: insert refused")]
     ChainFull,

@@ -353,7 +353,7 @@ fn batched_lookup_matches_single_lookups() {
 }
 
 #[test]
-fn a_cap_stops_growth_and_the_chain_cap_then_refuses() {
+fn a_cap_stops_growth_and_refuses_inserts_past_it() {
     // Shared table capped at its starting size; an own table capped at 4x.
     let t = FlowTable::new(TableConfig {
         shared_buckets: 64,
@@ -401,4 +401,9 @@ fn a_cap_stops_growth_and_the_chain_cap_then_refuses() {
         t.resize_state(TenantId(2)).unwrap().1 >= 1,
         "the own table never grew"
     );
+    // The caps are caps on entries, not only on growth: one thread, so
+    // exactly the cap is held and everything past it was refused.
+    assert_eq!(st.entries, 64, "{st:?}");
+    assert_eq!(own.entries, 4096, "{own:?}");
+    assert_eq!(own.refused_inserts, 10_000 - 4096, "{own:?}");
 }

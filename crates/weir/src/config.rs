@@ -38,8 +38,17 @@ pub struct Config {
 pub struct DaemonConfig {
     /// Worker threads; 0 = the CPUs available.
     pub workers: usize,
-    /// Buckets of the shared flow table (power of two).
-    pub shared_table_buckets: usize,
+    /// Entries the shared flow table is sized for at first (power of two
+    /// ≤ 2^26); it grows online up to `max_shared_table_entries` and shrinks
+    /// back to this. The file may still say `shared_table_buckets` (this
+    /// key's old name, which was always a count of entries); `weir save`
+    /// writes `shared_table_entries`.
+    #[serde(alias = "shared_table_buckets")]
+    pub shared_table_entries: usize,
+    /// Entries the shared flow table may grow to and hold (inserts past it
+    /// are refused as `table_full`); 0 = the table's maximum, 2^28; else a
+    /// power of two ≥ `shared_table_entries`.
+    pub max_shared_table_entries: usize,
     /// Memory budget in bytes for tenants' own tables; a tenant whose table
     /// would exceed it falls back to the shared table.
     pub own_tables_budget: usize,
@@ -58,7 +67,7 @@ pub struct DaemonConfig {
     /// kernel's autotuning from the start.
     pub backend_rcvbuf: u32,
     /// SIGTERM drain timeout, e.g. "30s".
-    pub drain_timeout: String,
+    pub drain_timeout: Dur<DrainTimeout>,
     /// One log line per closed connection.
     pub access_log: bool,
     /// Pin the rate-estimator thread to this CPU (0-based); absent = no pinning.
@@ -75,14 +84,15 @@ impl Default for DaemonConfig {
     fn default() -> Self {
         Self {
             workers: 0,
-            shared_table_buckets: 1 << 17,
+            shared_table_entries: 1 << 17,
+            max_shared_table_entries: 0,
             own_tables_budget: 1 << 30,
             max_connections: 0,
             buffer_size: 64 * 1024,
             notsent_lowat: 16 * 1024,
             blocked_window: 64 * 1024,
             backend_rcvbuf: 64 * 1024,
-            drain_timeout: "30s".into(),
+            drain_timeout: Dur::fixed("30s", 30_000),
             access_log: false,
             estimator_cpu: None,
             estimator_nice: None,
@@ -140,9 +150,17 @@ impl Default for AdminConfig {
 pub struct TenantSpec {
     /// Unique name; services refer to it.
     pub name: String,
-    /// 0: share the global flow table; else a power of two ≤ 2^24 (own table).
+    /// 0: share the global flow table; else a power of two ≤ 2^24: the
+    /// entries the tenant's own table is sized for at first (it grows
+    /// online up to `max_table_entries` and shrinks back to this).
     #[serde(default)]
     pub table_entries: usize,
+    /// Own table only: entries it may grow to and hold (inserts past it are
+    /// refused as `table_full`); 0 = the table's maximum, 2^24; else a
+    /// power of two ≥ `table_entries`. Fixed at creation, like
+    /// `table_entries`.
+    #[serde(default, skip_serializing_if = "is_zero_usize")]
+    pub max_table_entries: usize,
     /// Cap on this tenant's connections + sessions; 0 = unlimited.
     #[serde(default)]
     pub max_connections: u64,
@@ -327,34 +345,34 @@ pub fn fence_allows(fence: &[AddrRange], addr: SocketAddr, wildcard_needs_entry:
 pub struct TimeoutsSpec {
     /// ESTABLISHED (IPVS: 900 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub established: Option<String>,
+    pub established: Option<Dur<StateTimeout>>,
     /// SYN_SENT (120 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub syn_sent: Option<String>,
+    pub syn_sent: Option<Dur<StateTimeout>>,
     /// SYN_RECV (60 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub syn_recv: Option<String>,
+    pub syn_recv: Option<Dur<StateTimeout>>,
     /// FIN_WAIT (120 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub fin_wait: Option<String>,
+    pub fin_wait: Option<Dur<StateTimeout>>,
     /// CLOSE_WAIT (60 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub close_wait: Option<String>,
+    pub close_wait: Option<Dur<StateTimeout>>,
     /// LAST_ACK (30 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub last_ack: Option<String>,
+    pub last_ack: Option<Dur<StateTimeout>>,
     /// TIME_WAIT (120 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub time_wait: Option<String>,
+    pub time_wait: Option<Dur<StateTimeout>>,
     /// CLOSE (10 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub close: Option<String>,
+    pub close: Option<Dur<StateTimeout>>,
     /// UDP sessions (300 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub udp: Option<String>,
+    pub udp: Option<Dur<StateTimeout>>,
     /// Persistence templates (300 s).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub persist: Option<String>,
+    pub persist: Option<Dur<StateTimeout>>,
 }
 
 /// Shortest per-state timeout accepted (the expiry runs once a second).
@@ -369,7 +387,7 @@ impl TimeoutsSpec {
     }
 
     /// (key, value) of every field, in file order.
-    pub fn fields(&self) -> [(&'static str, &Option<String>); 10] {
+    pub fn fields(&self) -> [(&'static str, &Option<Dur<StateTimeout>>); 10] {
         [
             ("established", &self.established),
             ("syn_sent", &self.syn_sent),
@@ -384,28 +402,15 @@ impl TimeoutsSpec {
         ]
     }
 
-    /// The flow table's timeouts: set keys parsed, the rest IPVS defaults.
-    /// Errors are (key, what to do), one per bad key.
+    /// The flow table's timeouts: set keys as given, the rest IPVS
+    /// defaults. Every value was checked when it was parsed, so this cannot
+    /// fail today; the error list (key, what to do) stays for callers.
     pub fn resolve(&self) -> Result<weir_flowtable::Timeouts, Vec<(&'static str, String)>> {
         use weir_flowtable::Millis;
         let mut t = weir_flowtable::Timeouts::default();
-        let mut errors = Vec::new();
         for (key, value) in self.fields() {
-            let Some(text) = value else { continue };
-            let d = match parse_duration(text) {
-                Ok(d) if (MIN_STATE_TIMEOUT..=MAX_STATE_TIMEOUT).contains(&d) => d,
-                Ok(d) => {
-                    errors.push((
-                        key,
-                        format!("{d:?} is outside 1s..=30 days; use e.g. \"900s\", or remove the key for the IPVS default"),
-                    ));
-                    continue;
-                }
-                Err(e) => {
-                    errors.push((key, e));
-                    continue;
-                }
-            };
+            let Some(d) = value else { continue };
+            let d = d.get();
             let ms = Millis(d.as_millis() as u64);
             match key {
                 "established" => t.established = ms,
@@ -420,11 +425,7 @@ impl TimeoutsSpec {
                 _ => t.persist = ms,
             }
         }
-        if errors.is_empty() {
-            Ok(t)
-        } else {
-            Err(errors)
-        }
+        Ok(t)
     }
 }
 
@@ -451,12 +452,13 @@ pub struct ServiceSpec {
     pub protocol: Protocol,
     /// Virtual address.
     pub listen: SocketAddr,
-    /// rr wrr lc wlc sed nq sh mh p2c lblc lblcr dh fo ovf.
-    #[serde(default = "default_scheduler")]
-    pub scheduler: String,
+    /// rr wrr lc wlc sed nq sh mh p2c lblc lblcr dh fo ovf (the names are
+    /// the text in the file and the JSON).
+    #[serde(default = "default_scheduler", deserialize_with = "de_scheduler")]
+    pub scheduler: weir_sched::SchedulerKind,
     /// Client affinity timeout, e.g. "300s"; "0s" = off.
     #[serde(default = "default_persistence")]
-    pub persistence: String,
+    pub persistence: Dur<Persistence>,
     /// Group clients for persistence: IPv4 netmask ("255.255.255.0") or IPv6 prefix length ("64").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub persistence_netmask: Option<String>,
@@ -474,7 +476,7 @@ pub struct ServiceSpec {
 pub struct ServiceOptions {
     /// Backend connect timeout, e.g. "2s" (then the next backend is tried).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub connect_timeout: Option<String>,
+    pub connect_timeout: Option<Dur<ConnectTimeout>>,
     /// Close existing connections to a backend that goes down (IPVS `expire_nodest_conn`).
     pub expire_nodest_conn: bool,
     /// `mh` only: fall back to another backend when the chosen one is unavailable.
@@ -508,7 +510,7 @@ pub struct ServiceOptions {
     pub udp_responses: Option<u32>,
     /// UDP: idle timeout, e.g. "300s".
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub udp_timeout: Option<String>,
+    pub udp_timeout: Option<Dur<UdpTimeout>>,
     /// UDP: cap on sessions per client address; 0 = unlimited.
     #[serde(skip_serializing_if = "is_zero")]
     pub udp_max_sessions_per_client: u64,
@@ -523,9 +525,9 @@ pub struct ServiceOptions {
 #[serde(deny_unknown_fields, default)]
 pub struct HealthSpec {
     /// e.g. "2s".
-    pub interval: String,
+    pub interval: Dur<HealthInterval>,
     /// e.g. "1s".
-    pub timeout: String,
+    pub timeout: Dur<HealthTimeout>,
     /// Consecutive successes to mark a backend up.
     pub rise: u32,
     /// Consecutive failures to mark a backend down.
@@ -545,8 +547,8 @@ pub struct HealthSpec {
 impl Default for HealthSpec {
     fn default() -> Self {
         Self {
-            interval: "2s".into(),
-            timeout: "1s".into(),
+            interval: Dur::fixed("2s", 2_000),
+            timeout: Dur::fixed("1s", 1_000),
             rise: 2,
             fall: 3,
             protocol: None,
@@ -567,7 +569,7 @@ pub struct BackendSpec {
     pub weight: u32,
     /// Send a PROXY protocol header: "v1" or "v2".
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub proxy_protocol: Option<String>,
+    pub proxy_protocol: Option<crate::proxy_protocol::Version>,
     /// Cap on connections to this backend; 0 = unlimited.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub max_connections: u64,
@@ -592,16 +594,42 @@ pub fn sched_flags(s: &ServiceSpec) -> Vec<String> {
 fn default_tenant() -> String {
     "default".into()
 }
-fn default_scheduler() -> String {
-    "wlc".into()
+fn default_scheduler() -> weir_sched::SchedulerKind {
+    weir_sched::SchedulerKind::Wlc
 }
-fn default_persistence() -> String {
-    "0s".into()
+
+/// `scheduler` from exactly one of [`SCHEDULERS`] (as before the field was
+/// typed: no case folding), with the key in the message, since a JSON body
+/// has no lines to point at.
+fn de_scheduler<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<weir_sched::SchedulerKind, D::Error> {
+    let text = String::deserialize(d)?;
+    parse_scheduler(&text).map_err(serde::de::Error::custom)
+}
+
+/// A scheduler name, exactly as `ipvsadm -s` spells it (or `p2c`).
+pub fn parse_scheduler(text: &str) -> Result<weir_sched::SchedulerKind, String> {
+    weir_sched::SchedulerKind::ALL
+        .into_iter()
+        .find(|k| k.as_str() == text)
+        .ok_or_else(|| {
+            format!(
+                "unknown scheduler {text:?}; use one of {}",
+                SCHEDULERS.join(" ")
+            )
+        })
+}
+fn default_persistence() -> Dur<Persistence> {
+    Dur::fixed("0s", 0)
 }
 fn default_weight() -> u32 {
     1
 }
 fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+fn is_zero_usize(v: &usize) -> bool {
     *v == 0
 }
 fn is_false(v: &bool) -> bool {
@@ -665,22 +693,35 @@ pub fn load(path: &std::path::Path) -> Result<Config, Vec<ConfigError>> {
 pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
     // Shape pre-pass over the syntax tree: unknown keys, wrong value types
     // and missing required keys, all at once (serde stops at the first).
+    let mut typed = Vec::new();
+    let mut patched = None;
     if let Ok(doc) = toml_edit::Document::parse(text.to_owned()) {
         let shape = shape_problems(doc.as_table());
+        let lines = Lines::new(text);
+        let to_error = |(path, offset, message, _): ShapeProblem| ConfigError {
+            file: file.into(),
+            line: offset.map(|o| lines.line_of(o)),
+            key: path,
+            message,
+        };
+        if shape.iter().any(|p| p.3.is_none()) {
+            return Err(shape.into_iter().map(to_error).collect());
+        }
+        // Only typed values that do not parse: put a valid stand-in in
+        // their place (last first, so earlier spans stay right) and go on,
+        // so the semantic problems of the rest come out too.
         if !shape.is_empty() {
-            let lines = Lines::new(text);
-            return Err(shape
-                .into_iter()
-                .map(|(path, offset, message)| ConfigError {
-                    file: file.into(),
-                    line: offset.map(|o| lines.line_of(o)),
-                    key: path,
-                    message,
-                })
-                .collect());
+            let mut t = text.to_owned();
+            let mut patches: Vec<_> = shape.iter().filter_map(|p| p.3.clone()).collect();
+            patches.sort_by_key(|(span, _)| std::cmp::Reverse(span.start));
+            for (span, stand_in) in patches {
+                t.replace_range(span, &stand_in);
+            }
+            patched = Some(t);
+            typed = shape.into_iter().map(to_error).collect();
         }
     }
-    let config: Config = match toml::from_str(text) {
+    let config: Config = match toml::from_str(patched.as_deref().unwrap_or(text)) {
         Ok(c) => c,
         Err(e) => {
             let line = e.span().map(|s| Lines::new(text).line_of(s.start));
@@ -696,23 +737,36 @@ pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
             }]);
         }
     };
-    let problems = validate(&config);
-    if problems.is_empty() {
+    // Problems of a stand-in value, or that depend on a scheduler that did
+    // not parse, are not the user's: the typed error says it all.
+    let problems: Vec<Problem> = validate(&config)
+        .into_iter()
+        .filter(|p| {
+            let at = p.path.to_string();
+            !typed.iter().any(|t| {
+                let (table, key) = t.key.rsplit_once('.').unwrap_or(("", &t.key));
+                at == t.key || dependents(key).iter().any(|d| at == format!("{table}.{d}"))
+            })
+        })
+        .collect();
+    if problems.is_empty() && typed.is_empty() {
         return Ok(config);
     }
     let doc = toml_edit::Document::parse(text.to_owned()).ok();
     let lines = Lines::new(text);
-    Err(problems
+    Err(typed
         .into_iter()
-        .map(|p| ConfigError {
-            file: file.into(),
-            line: doc
-                .as_ref()
-                .and_then(|d| span_of(d.as_table(), &p.path))
-                .map(|off| lines.line_of(off)),
-            key: p.path.to_string(),
-            message: p.message,
-        })
+        .chain(problems.into_iter().map(|p| {
+            ConfigError {
+                file: file.into(),
+                line: doc
+                    .as_ref()
+                    .and_then(|d| span_of(d.as_table(), &p.path))
+                    .map(|off| lines.line_of(off)),
+                key: p.path.to_string(),
+                message: p.message,
+            }
+        }))
         .collect())
 }
 
@@ -824,6 +878,145 @@ pub fn parse_duration_in(s: &str, b: DurationBounds) -> Result<std::time::Durati
         humantime::format_duration(b.max),
         b.example
     ))
+}
+
+/// Which duration key a [`Dur`] is: its bounds.
+pub trait DurationKind {
+    /// What the key accepts.
+    const BOUNDS: DurationBounds;
+}
+
+macro_rules! duration_kinds {
+    ($($(#[$doc:meta])* $name:ident = $bounds:expr;)*) => {$(
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum $name {}
+        impl DurationKind for $name {
+            const BOUNDS: DurationBounds = $bounds;
+        }
+    )*};
+}
+
+duration_kinds! {
+    /// `[daemon] drain_timeout`.
+    DrainTimeout = DRAIN_TIMEOUT_BOUNDS;
+    /// `persistence`.
+    Persistence = PERSISTENCE_BOUNDS;
+    /// `connect_timeout`.
+    ConnectTimeout = CONNECT_TIMEOUT_BOUNDS;
+    /// `udp_timeout`.
+    UdpTimeout = UDP_TIMEOUT_BOUNDS;
+    /// `[service.health] interval`.
+    HealthInterval = HEALTH_INTERVAL_BOUNDS;
+    /// `[service.health] timeout`.
+    HealthTimeout = HEALTH_TIMEOUT_BOUNDS;
+    /// `[tenant.timeouts]` keys.
+    StateTimeout = STATE_TIMEOUT_BOUNDS;
+}
+
+/// `[tenant.timeouts]` keys: 1 s (the expiry runs once a second) ..= 30 days.
+pub const STATE_TIMEOUT_BOUNDS: DurationBounds = DurationBounds {
+    min: MIN_STATE_TIMEOUT,
+    max: MAX_STATE_TIMEOUT,
+    example: "900s",
+};
+
+/// A duration key's value, checked against its kind's bounds when parsed
+/// (from the file, a JSON body or [`str::parse`]), so nothing downstream
+/// parses text again. It keeps the text it was written as, which is what
+/// it serialises to: `weir save` and the admin API give back "300s" as
+/// "300s", not "5m".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dur<K> {
+    value: std::time::Duration,
+    text: String,
+    kind: std::marker::PhantomData<fn() -> K>,
+}
+
+impl<K: DurationKind> Dur<K> {
+    /// The duration.
+    pub fn get(&self) -> std::time::Duration {
+        self.value
+    }
+
+    /// The text it was written as.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// A value written in code, known to be in bounds; `text` must say
+    /// `ms` milliseconds (checked in debug builds).
+    pub fn fixed(text: &str, ms: u64) -> Self {
+        let value = std::time::Duration::from_millis(ms);
+        debug_assert_eq!(parse_duration_in(text, K::BOUNDS), Ok(value));
+        Self {
+            value,
+            text: text.to_owned(),
+            kind: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<K: DurationKind> std::str::FromStr for Dur<K> {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        Ok(Self {
+            value: parse_duration_in(text, K::BOUNDS)?,
+            text: text.to_owned(),
+            kind: std::marker::PhantomData,
+        })
+    }
+}
+
+impl<K: DurationKind> std::fmt::Display for Dur<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl<K> Serialize for Dur<K> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.text)
+    }
+}
+
+impl<'de, K: DurationKind> Deserialize<'de> for Dur<K> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// `serde_json::from_value` for the admin API's bodies, whose error starts
+/// with the key path of the value it refused ("backend[0].proxy_protocol:
+/// ..."), as the config file's errors do.
+pub fn from_json<T: serde::de::DeserializeOwned>(
+    v: serde_json::Value,
+) -> Result<T, serde_path_to_error::Error<serde_json::Error>> {
+    serde_path_to_error::deserialize(v)
+}
+
+/// A [`ServiceSpec`] from a JSON body, errors led by the key path. serde
+/// loses the path inside the flattened [`ServiceOptions`], so their typed
+/// values (durations) are checked first, by key.
+pub fn service_from_json(v: serde_json::Value) -> Result<ServiceSpec, String> {
+    let typed: [(&[&str], DurationBounds); 4] = [
+        (&["connect_timeout"], CONNECT_TIMEOUT_BOUNDS),
+        (&["udp_timeout"], UDP_TIMEOUT_BOUNDS),
+        (&["health", "interval"], HEALTH_INTERVAL_BOUNDS),
+        (&["health", "timeout"], HEALTH_TIMEOUT_BOUNDS),
+    ];
+    for (path, b) in typed {
+        let at = path.iter().try_fold(&v, |at, key| at.get(key));
+        if let Some(text) = at.and_then(|t| t.as_str())
+            && let Err(e) = parse_duration_in(text, b)
+        {
+            return Err(format!("{}: {e}", path.join(".")));
+        }
+    }
+    from_json(v).map_err(|e| e.to_string())
 }
 
 /// A persistence netmask: IPv4 dotted mask or IPv6 prefix length.
@@ -957,6 +1150,86 @@ fn check_admin_transport(a: &AdminConfig) -> Vec<(&'static str, String)> {
     out
 }
 
+/// Largest starting size of a tenant's own flow table, and of its cap, in
+/// entries (the flow table's `MAX_OWN_BUCKETS`).
+pub const MAX_TABLE_ENTRIES: usize = weir_flowtable::MAX_OWN_BUCKETS;
+/// Largest starting size of the shared flow table, in entries (what its
+/// bucket array costs at start: ~11 B per entry, so 2^26 is ~0.7 GiB).
+pub const MAX_SHARED_TABLE_ENTRIES: usize = 1 << 26;
+/// Largest cap of the shared flow table, in entries (the table's maximum).
+pub const MAX_SHARED_TABLE_CAP: usize = 1 << 28;
+
+/// Problems of `[daemon] shared_table_entries` / `max_shared_table_entries`,
+/// as (key, message). Powers of two, as `table_entries`: sizes double and
+/// halve as the table resizes, so a power of two is a size it passes.
+pub fn shared_table_problems(d: &DaemonConfig) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    let start = d.shared_table_entries;
+    if !start.is_power_of_two() || start > MAX_SHARED_TABLE_ENTRIES {
+        out.push((
+            "shared_table_entries",
+            format!("{start} is not a power of two in 1..=2^26; use e.g. 131072"),
+        ));
+    }
+    let cap = d.max_shared_table_entries;
+    if cap != 0 && (!cap.is_power_of_two() || cap > MAX_SHARED_TABLE_CAP) {
+        out.push((
+            "max_shared_table_entries",
+            format!(
+                "{cap} must be 0 (the table's maximum, 2^28) or a power of two up to 2^28 (268435456)"
+            ),
+        ));
+    } else if cap != 0 && cap < start {
+        out.push((
+            "max_shared_table_entries",
+            format!(
+                "{cap} is below shared_table_entries ({start}): the cap must be at least the starting size; raise it or set 0 for no cap below 2^28"
+            ),
+        ));
+    }
+    out
+}
+
+/// Problems of a tenant's `table_entries` / `max_table_entries`, as (key,
+/// message): the config file's validation and the admin API's checks share
+/// them.
+pub fn tenant_table_problems(t: &TenantSpec) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    let (start, cap) = (t.table_entries, t.max_table_entries);
+    if start != 0 && (!start.is_power_of_two() || start > MAX_TABLE_ENTRIES) {
+        out.push((
+            "table_entries",
+            format!("{start} must be 0 (shared table) or a power of two up to 16777216"),
+        ));
+    }
+    if cap == 0 {
+        return out;
+    }
+    if start == 0 {
+        out.push((
+            "max_table_entries",
+            format!(
+                "{cap} caps an own table, but table_entries = 0 shares the global one (capped by [daemon] max_shared_table_entries); set table_entries too, or remove max_table_entries"
+            ),
+        ));
+    } else if !cap.is_power_of_two() || cap > MAX_TABLE_ENTRIES {
+        out.push((
+            "max_table_entries",
+            format!(
+                "{cap} must be 0 (the table's maximum, 16777216) or a power of two up to 16777216"
+            ),
+        ));
+    } else if cap < start {
+        out.push((
+            "max_table_entries",
+            format!(
+                "{cap} is below table_entries ({start}): the cap must be at least the starting size; raise it or set 0 for the table's maximum"
+            ),
+        ));
+    }
+    out
+}
+
 /// Every semantic problem of a parsed configuration (empty = valid).
 pub fn validate(c: &Config) -> Vec<Problem> {
     let mut out = Vec::new();
@@ -968,14 +1241,8 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     };
     let d = &c.daemon;
     let dk = k("daemon");
-    if !d.shared_table_buckets.is_power_of_two() || d.shared_table_buckets > 1 << 26 {
-        err(
-            &[dk.clone(), k("shared_table_buckets")],
-            format!(
-                "{} is not a power of two in 1..=2^26; use e.g. 131072",
-                d.shared_table_buckets
-            ),
-        );
+    for (key, message) in shared_table_problems(d) {
+        err(&[dk.clone(), k(key)], message);
     }
     if !(1024..=16 << 20).contains(&d.buffer_size) {
         err(
@@ -1015,9 +1282,6 @@ pub fn validate(c: &Config) -> Vec<Problem> {
             &[dk.clone(), k("workers")],
             "more than 1024 workers; use 0 for one per CPU".into(),
         );
-    }
-    if let Err(e) = parse_duration_in(&d.drain_timeout, DRAIN_TIMEOUT_BOUNDS) {
-        err(&[dk.clone(), k("drain_timeout")], e);
     }
     if let Some(cpu) = d.estimator_cpu
         && cpu >= MAX_CPUS
@@ -1092,15 +1356,8 @@ pub fn validate(c: &Config) -> Vec<Problem> {
                 }
             }
         }
-        if t.table_entries != 0 && (!t.table_entries.is_power_of_two() || t.table_entries > 1 << 24)
-        {
-            err(
-                &[base[0].clone(), base[1].clone(), k("table_entries")],
-                format!(
-                    "{} must be 0 (shared table) or a power of two up to 16777216",
-                    t.table_entries
-                ),
-            );
+        for (key, message) in tenant_table_problems(t) {
+            err(&[base[0].clone(), base[1].clone(), k(key)], message);
         }
     }
 
@@ -1173,35 +1430,12 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
     if let Err(e) = check_name(&s.tenant) {
         err(vec![k("tenant")], e);
     }
-    if !SCHEDULERS.contains(&s.scheduler.as_str()) {
-        err(
-            vec![k("scheduler")],
-            format!(
-                "unknown scheduler {:?}; use one of {}",
-                s.scheduler,
-                SCHEDULERS.join(" ")
-            ),
-        );
-    }
-    if let Err(e) = parse_duration_in(&s.persistence, PERSISTENCE_BOUNDS) {
-        err(vec![k("persistence")], e);
-    }
     if let Some(m) = &s.persistence_netmask
         && let Err(e) = parse_netmask(m)
     {
         err(vec![k("persistence_netmask")], e);
     }
     let o = &s.options;
-    if let Some(t) = &o.connect_timeout
-        && let Err(e) = parse_duration_in(t, CONNECT_TIMEOUT_BOUNDS)
-    {
-        err(vec![k("connect_timeout")], e);
-    }
-    if let Some(t) = &o.udp_timeout
-        && let Err(e) = parse_duration_in(t, UDP_TIMEOUT_BOUNDS)
-    {
-        err(vec![k("udp_timeout")], e);
-    }
     if s.protocol == Protocol::Tcp {
         if o.udp_responses.is_some() {
             err(
@@ -1235,7 +1469,7 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
         ("sh_fallback", o.sh_fallback, "sh"),
         ("sh_port", o.sh_port, "sh"),
     ] {
-        if set && s.scheduler != only {
+        if set && s.scheduler.as_str() != only {
             err(
                 vec![k(key)],
                 format!("only applies to scheduler = \"{only}\"; remove it"),
@@ -1255,17 +1489,8 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
     }
     if let Some(h) = &o.health {
         let hp = |key: &str| vec![k("health"), k(key)];
-        let iv = parse_duration_in(&h.interval, HEALTH_INTERVAL_BOUNDS);
-        let to = parse_duration_in(&h.timeout, HEALTH_TIMEOUT_BOUNDS);
-        if let Err(e) = &iv {
-            err(hp("interval"), e.clone());
-        }
-        if let Err(e) = &to {
-            err(hp("timeout"), e.clone());
-        }
-        if let (Ok(iv), Ok(to)) = (iv, to)
-            && to > iv
-        {
+        let (iv, to) = (h.interval.get(), h.timeout.get());
+        if to > iv {
             err(
                 hp("timeout"),
                 format!("timeout {to:?} exceeds interval {iv:?}; make it at most the interval"),
@@ -1333,13 +1558,9 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
                 format!("{} is above 65535 (the IPVS maximum)", b.weight),
             );
         }
-        if let Some(pp) = &b.proxy_protocol {
-            if pp != "v1" && pp != "v2" {
-                err(
-                    bp("proxy_protocol"),
-                    format!("{pp:?} is not a PROXY protocol version; use \"v1\" or \"v2\""),
-                );
-            } else if s.protocol == Protocol::Udp && pp == "v1" {
+        if let Some(pp) = b.proxy_protocol {
+            use crate::proxy_protocol::Version;
+            if s.protocol == Protocol::Udp && pp == Version::V1 {
                 err(
                     bp("proxy_protocol"),
                     "PROXY v1 is TCP-only; remove it for UDP services".into(),
@@ -1508,18 +1729,26 @@ enum Kind {
     Tables,
     /// An array of strings.
     Strs,
+    /// A scheduler name ([`parse_scheduler`]).
+    Sched,
+    /// A PROXY protocol version, "v1" or "v2".
+    ProxyVersion,
+    /// A duration within these bounds ([`Dur`]).
+    Dur(DurationBounds),
 }
 
 const DAEMON_KEYS: &[(&str, Kind)] = &[
     ("workers", Kind::Int),
+    ("shared_table_entries", Kind::Int),
     ("shared_table_buckets", Kind::Int),
+    ("max_shared_table_entries", Kind::Int),
     ("own_tables_budget", Kind::Int),
     ("max_connections", Kind::Int),
     ("buffer_size", Kind::Int),
     ("notsent_lowat", Kind::U32),
     ("blocked_window", Kind::U32),
     ("backend_rcvbuf", Kind::U32),
-    ("drain_timeout", Kind::Str),
+    ("drain_timeout", Kind::Dur(DRAIN_TIMEOUT_BOUNDS)),
     ("access_log", Kind::Bool),
     ("estimator_cpu", Kind::Int),
     ("estimator_nice", Kind::SignedInt),
@@ -1537,6 +1766,7 @@ const ADMIN_KEYS: &[(&str, Kind)] = &[
 const TENANT_KEYS: &[(&str, Kind)] = &[
     ("name", Kind::Str),
     ("table_entries", Kind::Int),
+    ("max_table_entries", Kind::Int),
     ("max_connections", Kind::Int),
     ("max_new_per_s", Kind::Int),
     ("token", Kind::Str),
@@ -1545,26 +1775,26 @@ const TENANT_KEYS: &[(&str, Kind)] = &[
     ("allowed_backends", Kind::Strs),
 ];
 const TIMEOUT_KEYS: &[(&str, Kind)] = &[
-    ("established", Kind::Str),
-    ("syn_sent", Kind::Str),
-    ("syn_recv", Kind::Str),
-    ("fin_wait", Kind::Str),
-    ("close_wait", Kind::Str),
-    ("last_ack", Kind::Str),
-    ("time_wait", Kind::Str),
-    ("close", Kind::Str),
-    ("udp", Kind::Str),
-    ("persist", Kind::Str),
+    ("established", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("syn_sent", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("syn_recv", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("fin_wait", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("close_wait", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("last_ack", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("time_wait", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("close", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("udp", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
+    ("persist", Kind::Dur(STATE_TIMEOUT_BOUNDS)),
 ];
 const SERVICE_KEYS: &[(&str, Kind)] = &[
     ("tenant", Kind::Str),
     ("name", Kind::Str),
     ("protocol", Kind::Proto),
     ("listen", Kind::Addr),
-    ("scheduler", Kind::Str),
-    ("persistence", Kind::Str),
+    ("scheduler", Kind::Sched),
+    ("persistence", Kind::Dur(PERSISTENCE_BOUNDS)),
     ("persistence_netmask", Kind::Str),
-    ("connect_timeout", Kind::Str),
+    ("connect_timeout", Kind::Dur(CONNECT_TIMEOUT_BOUNDS)),
     ("expire_nodest_conn", Kind::Bool),
     ("mh_fallback", Kind::Bool),
     ("sh_fallback", Kind::Bool),
@@ -1574,14 +1804,14 @@ const SERVICE_KEYS: &[(&str, Kind)] = &[
     ("tcp_max_connections_per_client", Kind::Int),
     ("hash_seed", Kind::Str),
     ("udp_responses", Kind::U32),
-    ("udp_timeout", Kind::Str),
+    ("udp_timeout", Kind::Dur(UDP_TIMEOUT_BOUNDS)),
     ("udp_max_sessions_per_client", Kind::Int),
     ("health", Kind::Table),
     ("backend", Kind::Tables),
 ];
 const HEALTH_KEYS: &[(&str, Kind)] = &[
-    ("interval", Kind::Str),
-    ("timeout", Kind::Str),
+    ("interval", Kind::Dur(HEALTH_INTERVAL_BOUNDS)),
+    ("timeout", Kind::Dur(HEALTH_TIMEOUT_BOUNDS)),
     ("rise", Kind::U32),
     ("fall", Kind::U32),
     ("protocol", Kind::Proto),
@@ -1591,11 +1821,37 @@ const HEALTH_KEYS: &[(&str, Kind)] = &[
 const BACKEND_KEYS: &[(&str, Kind)] = &[
     ("address", Kind::Addr),
     ("weight", Kind::U32),
-    ("proxy_protocol", Kind::Str),
+    ("proxy_protocol", Kind::ProxyVersion),
     ("max_connections", Kind::Int),
 ];
 
-type ShapeProblem = (String, Option<usize>, String);
+/// (key path, byte offset, message, patch). A problem with a patch is a
+/// typed value that does not parse (a string where the type wants one of a
+/// few): the patch (its value's span and a valid stand-in) lets parsing go
+/// on to report the semantic problems of the rest of the file as well.
+type ShapeProblem = (
+    String,
+    Option<usize>,
+    String,
+    Option<(std::ops::Range<usize>, String)>,
+);
+
+/// Keys next to `key` whose problems only mean something with its real
+/// value: not reported when `key` itself does not parse (a stand-in took
+/// its place).
+fn dependents(key: &str) -> &'static [&'static str] {
+    match key {
+        "scheduler" => &[
+            "mh_fallback",
+            "mh_port",
+            "mh_table_size",
+            "sh_fallback",
+            "sh_port",
+        ],
+        "interval" => &["timeout"],
+        _ => &[],
+    }
+}
 
 fn shape_problems(root: &toml_edit::Table) -> Vec<ShapeProblem> {
     let mut out = Vec::new();
@@ -1609,6 +1865,16 @@ fn shape_problems(root: &toml_edit::Table) -> Vec<ShapeProblem> {
     let sub = |key: &str| root.get(key);
     if let Some(t) = sub("daemon").and_then(|i| i.as_table_like()) {
         check_table(t, "daemon", DAEMON_KEYS, &[], &mut out);
+        if t.contains_key("shared_table_entries")
+            && let Some((key, _)) = t.get_key_value("shared_table_buckets")
+        {
+            out.push((
+                "daemon.shared_table_buckets".into(),
+                key.span().map(|s| s.start),
+                "is the old name of shared_table_entries, which is set too; remove shared_table_buckets".into(),
+                None,
+            ));
+        }
     }
     if let Some(t) = sub("admin").and_then(|i| i.as_table_like()) {
         check_table(t, "admin", ADMIN_KEYS, &[], &mut out);
@@ -1695,10 +1961,42 @@ fn check_table(
                 path(key),
                 offset,
                 format!("unknown key; known keys here: {}", names.join(", ")),
+                None,
             ));
             continue;
         };
         let v = item.as_value();
+        // Typed strings: the right type but a value the type refuses.
+        let typed = match (kind, v.and_then(|v| v.as_str())) {
+            (Kind::Sched, Some(text)) => Some((parse_scheduler(text).err(), "\"wlc\"".to_owned())),
+            (Kind::ProxyVersion, Some(text)) => Some((
+                crate::proxy_protocol::Version::from_config(text).err(),
+                "\"v2\"".to_owned(),
+            )),
+            (Kind::Dur(b), Some(text)) => {
+                let hint = if *b == STATE_TIMEOUT_BOUNDS {
+                    ", or remove the key for the IPVS default"
+                } else {
+                    ""
+                };
+                let problem = parse_duration_in(text, *b).err().map(|e| {
+                    if e.contains(" is outside ") {
+                        format!("{e}{hint}")
+                    } else {
+                        e
+                    }
+                });
+                Some((problem, format!("{:?}", b.example)))
+            }
+            _ => None,
+        };
+        if let Some((problem, stand_in)) = typed {
+            if let Some(message) = problem {
+                let span = v.and_then(|v| v.span());
+                out.push((path(key), offset, message, span.map(|s| (s, stand_in))));
+            }
+            continue;
+        }
         let ok = match kind {
             Kind::Int => v.is_some_and(|v| v.as_integer().is_some_and(|i| i >= 0)),
             Kind::U32 => {
@@ -1726,6 +2024,7 @@ fn check_table(
             Kind::Strs => v
                 .and_then(|v| v.as_array())
                 .is_some_and(|a| a.iter().all(|x| x.is_str())),
+            Kind::Sched | Kind::ProxyVersion | Kind::Dur(_) => v.is_some_and(|v| v.is_str()),
         };
         if !ok {
             let want = match kind {
@@ -1739,8 +2038,11 @@ fn check_table(
                 Kind::Table => "a table, e.g. [section]",
                 Kind::Tables => "an array of tables, e.g. [[section]]",
                 Kind::Strs => "an array of strings, e.g. [\"10.0.0.0/24:80\"]",
+                Kind::Sched => "a scheduler name in quotes, e.g. \"wlc\"",
+                Kind::ProxyVersion => "\"v1\" or \"v2\"",
+                Kind::Dur(_) => "a duration in quotes, e.g. \"2s\"",
             };
-            out.push((path(key), offset, format!("expected {want}")));
+            out.push((path(key), offset, format!("expected {want}"), None));
         }
     }
     for r in required {
@@ -1749,6 +2051,7 @@ fn check_table(
                 path(r),
                 table_offset,
                 "required key is missing; see examples/weir.toml".into(),
+                None,
             ));
         }
     }
@@ -1767,18 +2070,18 @@ mod tests {
             name: "s".into(),
             protocol: Protocol::Udp,
             listen: "127.0.0.1:53".parse().unwrap(),
-            scheduler: "mh".into(),
-            persistence: "10s".into(),
+            scheduler: weir_sched::SchedulerKind::Mh,
+            persistence: "10s".parse().unwrap(),
             persistence_netmask: Some("255.255.255.0".into()),
             options: ServiceOptions {
-                connect_timeout: Some("1s".into()),
+                connect_timeout: Some("1s".parse().unwrap()),
                 expire_nodest_conn: true,
                 mh_fallback: true,
                 mh_port: true,
                 mh_table_size: Some(251),
                 hash_seed: None,
                 udp_responses: Some(1),
-                udp_timeout: Some("5s".into()),
+                udp_timeout: Some("5s".parse().unwrap()),
                 udp_max_sessions_per_client: 3,
                 health: Some(HealthSpec {
                     protocol: Some(Protocol::Udp),
@@ -1800,7 +2103,7 @@ mod tests {
             name: "s2".into(),
             protocol: Protocol::Tcp,
             listen: "127.0.0.1:80".parse().unwrap(),
-            scheduler: "sh".into(),
+            scheduler: weir_sched::SchedulerKind::Sh,
             persistence_netmask: None,
             options: ServiceOptions {
                 sh_fallback: true,
@@ -1812,6 +2115,7 @@ mod tests {
         };
         let cfg = Config {
             daemon: DaemonConfig {
+                max_shared_table_entries: 1 << 20,
                 estimator_cpu: Some(0),
                 estimator_nice: Some(-3),
                 ..DaemonConfig::default()
@@ -1824,20 +2128,21 @@ mod tests {
             tenants: vec![TenantSpec {
                 name: "t".into(),
                 table_entries: 1024,
+                max_table_entries: 8192,
                 max_connections: 1,
                 max_new_per_s: 1,
                 token: Some("z".into()),
                 timeouts: TimeoutsSpec {
-                    established: Some("1h".into()),
-                    syn_sent: Some("1s".into()),
-                    syn_recv: Some("2s".into()),
-                    fin_wait: Some("3s".into()),
-                    close_wait: Some("4s".into()),
-                    last_ack: Some("5s".into()),
-                    time_wait: Some("6s".into()),
-                    close: Some("7s".into()),
-                    udp: Some("8s".into()),
-                    persist: Some("9s".into()),
+                    established: Some("1h".parse().unwrap()),
+                    syn_sent: Some("1s".parse().unwrap()),
+                    syn_recv: Some("2s".parse().unwrap()),
+                    fin_wait: Some("3s".parse().unwrap()),
+                    close_wait: Some("4s".parse().unwrap()),
+                    last_ack: Some("5s".parse().unwrap()),
+                    time_wait: Some("6s".parse().unwrap()),
+                    close: Some("7s".parse().unwrap()),
+                    udp: Some("8s".parse().unwrap()),
+                    persist: Some("9s".parse().unwrap()),
                 },
                 allowed_listen: vec!["10.0.0.0/24:8000-8100".into(), "[::]:443".into()],
                 allowed_backends: vec!["10.1.0.0/16".into()],
@@ -1927,7 +2232,9 @@ mod tests {
             "{got:?}"
         );
         assert!(
-            got[1].starts_with("f.toml:11: tenant[1].timeouts.close: 0ns is outside 1s..=30 days"),
+            got[1].starts_with(
+                "f.toml:11: tenant[1].timeouts.close: \"0s\" is outside 1s..=30days; use e.g. \"900s\", or remove the key for the IPVS default"
+            ),
             "{got:?}"
         );
         let got = parse(
@@ -1958,6 +2265,168 @@ mod tests {
         );
         let plain = parse("[[tenant]]\nname = \"a\"\n", "f.toml").unwrap();
         assert!(!toml::to_string(&plain).unwrap().contains("timeouts"));
+    }
+
+    #[test]
+    fn table_sizes_are_validated_with_line_and_key() {
+        let errors = |text: &str| -> Vec<String> {
+            parse(text, "f.toml")
+                .err()
+                .unwrap_or_default()
+                .iter()
+                .map(ToString::to_string)
+                .collect()
+        };
+        let text = "[daemon]\nshared_table_entries = 1024\nmax_shared_table_entries = 512\n\
+                    [[tenant]]\nname = \"a\"\ntable_entries = 1024\nmax_table_entries = 3000\n\
+                    [[tenant]]\nname = \"b\"\ntable_entries = 4096\nmax_table_entries = 2048\n\
+                    [[tenant]]\nname = \"c\"\nmax_table_entries = 2048\n\
+                    [[tenant]]\nname = \"d\"\ntable_entries = 1024\nmax_table_entries = 33554432\n";
+        let got = errors(text);
+        let want = [
+            "f.toml:3: daemon.max_shared_table_entries: 512 is below shared_table_entries (1024)",
+            "f.toml:7: tenant[0].max_table_entries: 3000 must be 0",
+            "f.toml:11: tenant[1].max_table_entries: 2048 is below table_entries (4096)",
+            "f.toml:14: tenant[2].max_table_entries: 2048 caps an own table, but table_entries = 0",
+            "f.toml:18: tenant[3].max_table_entries: 33554432 must be 0",
+        ];
+        assert_eq!(got.len(), want.len(), "{got:?}");
+        for (g, w) in got.iter().zip(want) {
+            assert!(g.starts_with(w), "{g:?} does not start with {w:?}");
+        }
+        let got = errors("[daemon]\nmax_shared_table_entries = 3\n");
+        assert!(
+            got.len() == 1
+                && got[0].starts_with("f.toml:2: daemon.max_shared_table_entries: 3 must be 0"),
+            "{got:?}"
+        );
+
+        // The old key is still the shared table's starting size; both at
+        // once is an error at the old one. `weir save` writes the new name.
+        let old = parse("[daemon]\nshared_table_buckets = 4096\n", "f.toml").unwrap();
+        assert_eq!(old.daemon.shared_table_entries, 4096);
+        let back = toml::to_string(&old).unwrap();
+        assert!(
+            back.contains("shared_table_entries = 4096\n")
+                && !back.contains("shared_table_buckets"),
+            "{back}"
+        );
+        let got = errors("[daemon]\nshared_table_entries = 1\nshared_table_buckets = 2\n");
+        assert!(
+            got.len() == 1
+                && got[0].starts_with("f.toml:3: daemon.shared_table_buckets: is the old name"),
+            "{got:?}"
+        );
+        let got = errors("[daemon]\nshared_table_buckets = 1000\n");
+        assert!(
+            got.len() == 1
+                && got[0]
+                    .starts_with("f.toml: daemon.shared_table_entries: 1000 is not a power of two"),
+            "{got:?}"
+        );
+
+        // Good values round-trip; a cap of 0 is not written for a tenant.
+        let ok = parse(
+            "[daemon]\nshared_table_entries = 1024\nmax_shared_table_entries = 1048576\n\
+             [[tenant]]\nname = \"a\"\ntable_entries = 1024\nmax_table_entries = 8192\n\
+             [[tenant]]\nname = \"b\"\ntable_entries = 1024\n",
+            "f.toml",
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                ok.tenants[0].max_table_entries,
+                ok.tenants[1].max_table_entries
+            ),
+            (8192, 0)
+        );
+        let back = toml::to_string(&ok).unwrap();
+        assert_eq!(back.matches("max_table_entries").count(), 1, "{back}");
+        assert_eq!(parse(&back, "back.toml").unwrap(), ok);
+    }
+
+    /// Schedulers and PROXY versions are types from the parse on: a value
+    /// they refuse is reported at its line and key together with the rest
+    /// of the file's problems (but none that only the stand-in caused), the
+    /// admin API's JSON errors name the key, and the text written back is
+    /// the text read.
+    #[test]
+    fn typed_values_report_with_the_rest_and_round_trip() {
+        let text = "[[service]]\nname = \"a\"\nprotocol = \"udp\"\nlisten = \"127.0.0.1:1\"\n\
+                    scheduler = \"Fastest\"\nmh_port = true\n\
+                    [[service.backend]]\naddress = \"10.0.0.1:80\"\nweight = 70000\nproxy_protocol = \"v3\"\n";
+        let got: Vec<String> = parse(text, "f.toml")
+            .unwrap_err()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        let want = [
+            "f.toml:5: service[0].scheduler: unknown scheduler \"Fastest\"; use one of rr wrr",
+            "f.toml:10: service[0].backend[0].proxy_protocol: \"v3\" is not a PROXY protocol version",
+            "f.toml:9: service[0].backend[0].weight: 70000 is above 65535",
+        ];
+        assert_eq!(got.len(), want.len(), "{got:?}");
+        for w in want {
+            assert!(got.iter().any(|g| g.starts_with(w)), "{w:?} not in {got:?}");
+        }
+        // A scheduler that is not a string is a shape error like any other.
+        let got = parse(&text.replace("\"Fastest\"", "3"), "f.toml").unwrap_err();
+        assert!(
+            got.iter().any(|e| e.to_string().starts_with(
+                "f.toml:5: service[0].scheduler: expected a scheduler name in quotes"
+            )),
+            "{got:?}"
+        );
+
+        // The admin API's JSON errors start with the key path.
+        let json = |body: &str| {
+            let v: serde_json::Value = serde_json::from_str(body).unwrap();
+            service_from_json(v).unwrap_err()
+        };
+        let e = json(r#"{"name":"a","protocol":"tcp","listen":"127.0.0.1:1","scheduler":"WLC"}"#);
+        assert!(
+            e.starts_with("scheduler: unknown scheduler \"WLC\"; use one of"),
+            "{e}"
+        );
+        let e = json(
+            r#"{"name":"a","protocol":"tcp","listen":"127.0.0.1:1","backend":[{"address":"10.0.0.1:80","proxy_protocol":"1"}]}"#,
+        );
+        assert!(
+            e.starts_with("backend[0].proxy_protocol: \"1\" is not a PROXY protocol version"),
+            "{e}"
+        );
+        let e = json(
+            r#"{"name":"a","protocol":"tcp","listen":"127.0.0.1:1","health":{"interval":"soon"}}"#,
+        );
+        assert!(
+            e.starts_with("health.interval: \"soon\" is not a duration"),
+            "{e}"
+        );
+
+        let ok = text
+            .replace("\"Fastest\"", "\"mh\"")
+            .replace("udp", "tcp")
+            .replace("70000", "7")
+            .replace("\"v3\"", "\"v2\"");
+        let c = parse(&ok, "f.toml").unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(c.services[0].scheduler, weir_sched::SchedulerKind::Mh);
+        assert_eq!(
+            c.services[0].backends[0].proxy_protocol,
+            Some(crate::proxy_protocol::Version::V2)
+        );
+        let back = toml::to_string(&c).unwrap();
+        assert!(
+            back.contains("scheduler = \"mh\"\n") && back.contains("proxy_protocol = \"v2\"\n"),
+            "{back}"
+        );
+        let j = serde_json::to_value(&c.services[0]).unwrap();
+        assert_eq!(
+            (
+                j["scheduler"].as_str(),
+                j["backend"][0]["proxy_protocol"].as_str()
+            ),
+            (Some("mh"), Some("v2"))
+        );
     }
 
     #[test]
@@ -2232,12 +2701,15 @@ mod tests {
                   protocol = \"udp\"\nsend = \"ping\"\n";
         parse(ok, "f.toml").unwrap_or_else(|e| panic!("{e:?}"));
         parse("[daemon]\ndrain_timeout = \"0s\"\n", "f.toml").unwrap();
-        // The API path (`check_service`) uses the same checks.
-        let mut spec = parse(ok, "f.toml").unwrap().services.remove(0);
-        spec.persistence = huge.into();
-        let problems = service_problems(&spec);
-        assert_eq!(problems.len(), 1, "{problems:?}");
-        assert_eq!(problems[0].path.to_string(), "persistence");
+        // The API path (a JSON body) parses the same types, same bounds.
+        let mut spec =
+            serde_json::to_value(parse(ok, "f.toml").unwrap().services.remove(0)).unwrap();
+        spec["persistence"] = huge.into();
+        let e = serde_json::from_value::<ServiceSpec>(spec)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("is outside 0s..=30days; use e.g."), "{e}");
+        assert!(huge.parse::<Dur<Persistence>>().is_err());
     }
 
     /// Issue 10 #11: reporting every error of a large file took time
@@ -2249,8 +2721,8 @@ mod tests {
         fn file(services: usize, bad: bool) -> String {
             let mut s = String::with_capacity(services * 160);
             for i in 0..services {
-                // Every other service has a semantic error (unknown scheduler),
-                // or a shape error (unknown key) when `bad`.
+                // Every other service has an unknown scheduler, and a shape
+                // error (unknown key) too when `bad`.
                 let sched = if i % 2 == 0 { "wlc" } else { "nope" };
                 let extra = if bad && i % 2 == 1 { "bogus = 1\n" } else { "" };
                 s.push_str(&format!(
@@ -2269,7 +2741,9 @@ mod tests {
                 .map(|_| {
                     let t = std::time::Instant::now();
                     let errs = parse(&text, "big.toml").unwrap_err();
-                    assert_eq!(errs.len(), n / 2);
+                    // A bad service's unknown scheduler (a typed value)
+                    // is reported with its unknown key.
+                    assert_eq!(errs.len(), if bad { n } else { n / 2 });
                     // The last error is two lines above the end, and says so.
                     assert_eq!(errs.last().unwrap().line, Some(text.lines().count() - 2));
                     t.elapsed()

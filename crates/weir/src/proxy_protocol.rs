@@ -29,6 +29,43 @@ impl std::str::FromStr for Version {
     }
 }
 
+impl Version {
+    /// The name in the configuration and the admin API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::V1 => "v1",
+            Self::V2 => "v2",
+        }
+    }
+
+    /// A backend's `proxy_protocol` value: exactly "v1" or "v2".
+    pub fn from_config(text: &str) -> Result<Self, String> {
+        match text {
+            "v1" => Ok(Self::V1),
+            "v2" => Ok(Self::V2),
+            _ => Err(format!(
+                "{text:?} is not a PROXY protocol version; use \"v1\" or \"v2\""
+            )),
+        }
+    }
+}
+
+impl serde::Serialize for Version {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+/// From "v1" or "v2"; the error names the key, since a JSON body has no
+/// lines to point at (the config file's shape pre-pass reports it first,
+/// with its line and key path).
+impl<'de> serde::Deserialize<'de> for Version {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        Self::from_config(&text).map_err(serde::de::Error::custom)
+    }
+}
+
 /// Transport the header describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transport {

@@ -191,7 +191,10 @@ fn tenants_resource() {
     assert_eq!((t.max_connections, t.max_new_per_s), (5, 10));
     assert_eq!(t.table_entries, 1024);
     assert_eq!(t.token.as_deref(), Some("acme-token"), "kept when omitted");
-    assert_eq!(t.timeouts.established.as_deref(), Some("1h"));
+    assert_eq!(
+        t.timeouts.established.map(|d| d.to_string()).as_deref(),
+        Some("1h")
+    );
     let (s, v) = call(
         &app,
         "PUT",
@@ -971,7 +974,7 @@ fn openapi_matches_router() {
     // acme carries every optional tenant field (timeouts included).
     let mut acme = f.running_config().tenants.remove(1);
     assert_eq!(acme.name, "acme");
-    acme.timeouts.established = Some("1h".into());
+    acme.timeouts.established = Some("1h".parse().unwrap());
     f.edit_tenant("acme", acme).unwrap();
     let svc = f.services().remove(0);
     let conn = f
@@ -1010,9 +1013,9 @@ fn openapi_matches_router() {
     // Request bodies: every field a full spec can carry is documented.
     let mut full = f.running_config().services.remove(0);
     full.persistence_netmask = Some("255.255.255.0".into());
-    full.options.connect_timeout = Some("2s".into());
+    full.options.connect_timeout = Some("2s".parse().unwrap());
     full.options.udp_responses = Some(1);
-    full.options.udp_timeout = Some("30s".into());
+    full.options.udp_timeout = Some("30s".parse().unwrap());
     full.options.udp_max_sessions_per_client = 3;
     full.options.hash_seed = Some("k".into());
     full.options.sh_fallback = true;
@@ -1021,7 +1024,7 @@ fn openapi_matches_router() {
     full.options.mh_table_size = Some(251);
     full.options.tcp_max_connections_per_client = 2;
     full.options.health = Some(Default::default());
-    full.backends[0].proxy_protocol = Some("v2".into());
+    full.backends[0].proxy_protocol = Some(weir::proxy_protocol::Version::V2);
     full.backends[0].max_connections = 9;
     let full_tenant = f.running_config().tenants.remove(1);
     for (name, sample) in [

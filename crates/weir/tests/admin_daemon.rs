@@ -247,7 +247,11 @@ fn reload_with_a_broken_config_keeps_serving_the_old_one() {
         assert!(still_echoes(&mut conn));
         let cfg: Config = serde_json::from_value(r.ok("GET", "/v1/config", None)).unwrap();
         assert_eq!(cfg.services.len(), 1);
-        assert_eq!(cfg.services[0].scheduler, "rr", "running config kept");
+        assert_eq!(
+            cfg.services[0].scheduler.as_str(),
+            "rr",
+            "running config kept"
+        );
     }
     // A good file with a second service reloads.
     let b = Echo::start();

@@ -107,13 +107,13 @@ fn list_shows_sched_flags_and_mask_like_ipvsadm() {
     );
     assert_eq!(v[0]["persistence_netmask"], "255.255.255.0");
     // Without persistence there is no mask; a host mask is not shown.
-    s[0].persistence = "0s".into();
+    s[0].persistence = "0s".parse().unwrap();
     let text = render::render_list(&s, ListMode::Plain, false);
     assert!(
         text.contains("sh (sh-fallback,sh-port) [acme/web]"),
         "{text}"
     );
-    s[0].persistence = "300s".into();
+    s[0].persistence = "300s".parse().unwrap();
     s[0].persistence_netmask = Some("255.255.255.255".into());
     s[0].sched_flags.clear();
     let text = render::render_list(&s, ListMode::Plain, false);
@@ -297,7 +297,10 @@ fn e2e_tenant_service_backend_changes() {
         .unwrap();
     assert_eq!((t.max_connections, t.table_entries), (20, 2048));
     assert_eq!(t.token.as_deref(), Some("ini-token"));
-    assert_eq!(t.timeouts.established.as_deref(), Some("1h"));
+    assert_eq!(
+        t.timeouts.established.map(|d| d.to_string()).as_deref(),
+        Some("1h")
+    );
     assert_eq!(t.timeouts.udp, None, "KEY=default drops the key");
     let r = s.weir(&["tenant", "edit", "initech", "--table-entries", "4096"]);
     assert_eq!(r.0, ExitCode::from(1));
@@ -335,8 +338,8 @@ fn e2e_tenant_service_backend_changes() {
     ]));
     let cfg = s.fake.running_config();
     let svc = cfg.services.iter().find(|x| x.name == "tps").unwrap();
-    assert_eq!(svc.scheduler, "mh");
-    assert_eq!(svc.persistence, "60s");
+    assert_eq!(svc.scheduler.as_str(), "mh");
+    assert_eq!(svc.persistence.as_str(), "60s");
     assert_eq!(svc.backends.len(), 2, "edit keeps backends");
 
     ok(s.weir(&[

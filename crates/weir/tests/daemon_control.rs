@@ -35,7 +35,7 @@ fn editing_a_service_keeps_established_connections() {
     // Replace the backend set: a out, b in; persistence on.
     let mut spec = c.running_config().services[0].clone();
     spec.backends = vec![backend(b.addr, 1)];
-    spec.persistence = "30s".into();
+    spec.persistence = "30s".parse().unwrap();
     c.edit_service("default", "e", spec).unwrap();
     for _ in 0..3 {
         assert!(echo_once(vip, b"new"));
@@ -58,14 +58,14 @@ fn editing_a_service_keeps_established_connections() {
     .unwrap();
     let rc = c.running_config();
     assert_eq!(rc.services.len(), 1);
-    assert_eq!(rc.services[0].persistence, "30s");
+    assert_eq!(rc.services[0].persistence.as_str(), "30s");
     assert_eq!(rc.services[0].backends.len(), 1);
     assert_eq!(rc.services[0].backends[0].address, b.addr);
     assert_eq!(rc.services[0].backends[0].weight, 7);
     assert_eq!(rc.services[0].listen, vip, "the bound port is kept");
     // A new scheduler also keeps the established connection.
     let mut spec = rc.services[0].clone();
-    spec.scheduler = "wlc".into();
+    spec.scheduler = weir_sched::SchedulerKind::Wlc;
     c.edit_service("default", "e", spec).unwrap();
     assert_eq!(c.services()[0].scheduler, "wlc");
     assert!(echo_once(vip, b"after"));
@@ -329,8 +329,10 @@ fn reload_with_a_busy_address_applies_nothing() {
             .find(|t| t.name == "default")
     };
     assert_eq!(
-        dflt().and_then(|t| t.timeouts.fin_wait).as_deref(),
-        Some("9s")
+        dflt()
+            .and_then(|t| t.timeouts.fin_wait)
+            .map(|d| d.to_string()),
+        Some("9s".to_owned())
     );
     std::fs::write(
         &path,
@@ -419,8 +421,8 @@ fn tenant_timeouts_apply_to_connections_and_sessions() {
     udp.tenant = "short".into();
     let mut cfg = config(vec![tcp, udp]);
     let timeouts = weir::config::TimeoutsSpec {
-        established: Some("1s".into()),
-        udp: Some("42s".into()),
+        established: Some("1s".parse().unwrap()),
+        udp: Some("42s".parse().unwrap()),
         ..Default::default()
     };
     cfg.tenants.push(TenantSpec {
@@ -523,7 +525,7 @@ fn editing_a_tenant_changes_limits_and_timeouts_live() {
 
     let mut open = spec();
     open.max_connections = 0;
-    open.timeouts.established = Some("1s".into());
+    open.timeouts.established = Some("1s".parse().unwrap());
     c.edit_tenant("live", open).unwrap();
     let mut conn = held(vip);
     conn.set_read_timeout(Some(T)).unwrap();
@@ -536,7 +538,10 @@ fn editing_a_tenant_changes_limits_and_timeouts_live() {
         t0.elapsed()
     );
     assert!(t0.elapsed() < T, "the 1 s timeout closed it");
-    assert_eq!(spec().timeouts.established.as_deref(), Some("1s"));
+    assert_eq!(
+        spec().timeouts.established.map(|d| d.to_string()),
+        Some("1s".to_owned())
+    );
 
     let mut bigger = spec();
     bigger.table_entries = 2048;
@@ -547,16 +552,46 @@ fn editing_a_tenant_changes_limits_and_timeouts_live() {
         "{err}"
     );
     assert_eq!(spec().table_entries, 1024);
+    // The flow table fixes a table's cap at creation: refused the same way.
+    let mut capped = spec();
+    capped.max_table_entries = 4096;
+    let err = c.edit_tenant("live", capped).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid);
+    assert!(
+        err.message.contains("max_table_entries cannot change") && err.message.contains("delete"),
+        "{err}"
+    );
+    assert_eq!(spec().max_table_entries, 0);
+    // A new tenant's cap is checked as the config file's is.
+    let err = c
+        .add_tenant(TenantSpec {
+            name: "small".into(),
+            table_entries: 4096,
+            max_table_entries: 1024,
+            ..Default::default()
+        })
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Invalid);
+    assert!(
+        err.message
+            .starts_with("max_table_entries: 1024 is below table_entries (4096)"),
+        "{err}"
+    );
     let mut renamed = spec();
     renamed.name = "other".into();
     assert_eq!(
         c.edit_tenant("live", renamed).unwrap_err().kind,
         ErrorKind::Invalid
     );
-    let mut bad = spec();
-    bad.timeouts.udp = Some("forever".into());
-    let err = c.edit_tenant("live", bad).unwrap_err();
-    assert!(err.message.contains("timeouts.udp"), "{err}");
+    // A timeout that is not a duration cannot even be built: the type
+    // refuses it where it is parsed (the file, a JSON body).
+    let mut bad = serde_json::to_value(spec()).unwrap();
+    bad["timeouts"]["udp"] = "forever".into();
+    let err = serde_json::from_value::<TenantSpec>(bad).unwrap_err();
+    assert!(
+        err.to_string().contains("\"forever\" is not a duration"),
+        "{err}"
+    );
     assert_eq!(
         c.edit_tenant("nobody", spec()).unwrap_err().kind,
         ErrorKind::NotFound
@@ -564,51 +599,38 @@ fn editing_a_tenant_changes_limits_and_timeouts_live() {
     d.shutdown();
 }
 
-/// Issue 10 #5: durations that overflow a clock are refused at start and
-/// through `Control` (with the key and the range), and a drain given one
-/// anyway neither panics nor waits (`Instant + Duration` used to overflow on
-/// SIGTERM with `drain_timeout = "500000000000y"`).
+/// Issue 10 #5: durations that overflow a clock are refused where they
+/// are parsed, with the range (`Instant + Duration` used to overflow on
+/// SIGTERM with `drain_timeout = "500000000000y"`), so neither a start nor
+/// `Control` can be given one; and a drain given the longest duration
+/// anyway neither panics nor waits.
 #[test]
 fn overflowing_durations_are_refused_and_drain_survives_one() {
-    use weir::control::ErrorKind;
+    use weir::config::{DrainTimeout, Dur, ServiceSpec};
     let huge = "500000000000y";
     let e = Echo::start();
+    let err = huge.parse::<Dur<DrainTimeout>>().unwrap_err();
+    assert!(err.contains("outside 0s..=1day"), "{err}");
     let mut cfg = config(vec![service(
         "s",
         Protocol::Tcp,
         "rr",
         vec![backend(e.addr, 1)],
     )]);
-    cfg.daemon.drain_timeout = huge.into();
-    let err = Daemon::start(cfg.clone(), None).unwrap_err().to_string();
-    assert!(
-        err.contains("daemon.drain_timeout") && err.contains("outside 0s..=1day"),
-        "{err}"
-    );
-
-    cfg.daemon.drain_timeout = "1day".into();
+    cfg.daemon.drain_timeout = "1day".parse().unwrap();
     let d = Daemon::start(cfg, None).unwrap();
     let c = d.control();
-    let mut health = service("h", Protocol::Tcp, "rr", vec![backend(e.addr, 1)]);
-    health.options.health = Some(weir::config::HealthSpec {
-        interval: huge.into(),
-        ..Default::default()
-    });
-    let mut persist = service("p", Protocol::Tcp, "rr", vec![backend(e.addr, 1)]);
-    persist.persistence = huge.into();
-    for (spec, key) in [(health, "health.interval"), (persist, "persistence")] {
-        let err = c.add_service(spec).unwrap_err();
-        assert_eq!(err.kind, ErrorKind::Invalid, "{err}");
-        assert!(
-            err.message.contains(key) && err.message.contains("is outside"),
-            "{err}"
-        );
+    let spec = serde_json::to_value(c.running_config().services.remove(0)).unwrap();
+    for key in ["persistence", "connect_timeout"] {
+        let mut bad = spec.clone();
+        bad[key] = huge.into();
+        let err = serde_json::from_value::<ServiceSpec>(bad).unwrap_err();
+        assert!(err.to_string().contains("is outside"), "{key}: {err}");
     }
-    assert_eq!(c.running_config().services.len(), 1);
-    let mut edit = c.running_config().services.remove(0);
-    edit.options.connect_timeout = Some(huge.into());
-    let err = c.edit_service("default", "s", edit).unwrap_err();
-    assert!(err.message.contains("connect_timeout"), "{err}");
+    let mut bad = spec.clone();
+    bad["health"] = serde_json::json!({ "interval": huge });
+    let err = serde_json::from_value::<ServiceSpec>(bad).unwrap_err();
+    assert!(err.to_string().contains("outside 1ms..=1h"), "{err}");
     assert!(echo_once(d.service_addr("default", "s").unwrap(), b"still"));
 
     // Nothing open: the drain returns at once with nothing forced.
@@ -628,7 +650,7 @@ fn an_idle_connection_is_expired_by_the_table_and_settled_once() {
     cfg.tenants.push(TenantSpec {
         name: "idle".into(),
         timeouts: weir::config::TimeoutsSpec {
-            established: Some("1s".into()),
+            established: Some("1s".parse().unwrap()),
             ..Default::default()
         },
         ..Default::default()

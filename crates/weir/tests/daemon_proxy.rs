@@ -240,7 +240,7 @@ fn source_hash_schedulers_and_persistence_keep_a_client_on_one_backend() {
         "rr",
         vec![backend(a.addr, 1), backend(b.addr, 1)],
     );
-    persist.persistence = "60s".into();
+    persist.persistence = "60s".parse().unwrap();
     persist.persistence_netmask = Some("255.255.255.0".into());
     let d = Daemon::start(
         config(vec![
@@ -356,7 +356,7 @@ fn connect_failure_retries_the_next_backend() {
             backend(good.addr, 1),
         ],
     );
-    spec.options.connect_timeout = Some("300ms".into());
+    spec.options.connect_timeout = Some("300ms".parse().unwrap());
     let d = Daemon::start(config(vec![spec]), None).unwrap();
     let vip = d.service_addr("default", "r").unwrap();
     for _ in 0..4 {
@@ -377,8 +377,8 @@ fn health_failover(expire_nodest_conn: bool) {
     );
     spec.options.expire_nodest_conn = expire_nodest_conn;
     spec.options.health = Some(HealthSpec {
-        interval: "100ms".into(),
-        timeout: "100ms".into(),
+        interval: "100ms".parse().unwrap(),
+        timeout: "100ms".parse().unwrap(),
         rise: 1,
         fall: 2,
         ..Default::default()
@@ -436,6 +436,7 @@ fn deleting_a_tenant_closes_and_purges_only_its_connections() {
         cfg.tenants.push(TenantSpec {
             name: t.into(),
             table_entries: if t == "a" { 1024 } else { 0 },
+            max_table_entries: 0,
             max_connections: 0,
             max_new_per_s: 0,
             token: None,
@@ -638,9 +639,9 @@ fn proxy_protocol_headers_precede_client_bytes() {
     let (a1, h1) = recorder();
     let (a2, h2) = recorder();
     let mut b1 = backend(a1, 1);
-    b1.proxy_protocol = Some("v1".into());
+    b1.proxy_protocol = Some(weir::proxy_protocol::Version::V1);
     let mut b2 = backend(a2, 1);
-    b2.proxy_protocol = Some("v2".into());
+    b2.proxy_protocol = Some(weir::proxy_protocol::Version::V2);
     let d = Daemon::start(
         config(vec![
             service("p1", Protocol::Tcp, "rr", vec![b1]),

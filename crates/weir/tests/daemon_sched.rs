@@ -140,8 +140,9 @@ fn a_table_full_refusal_is_counted_once() {
         "rr",
         vec![backend(e.addr, 1)],
     )]);
-    // One bucket: its chain cap (64) is the table's size.
-    cfg.daemon.shared_table_buckets = 1;
+    // A shared table capped at 64 entries.
+    cfg.daemon.shared_table_entries = 1;
+    cfg.daemon.max_shared_table_entries = 64;
     let d = Daemon::start(cfg, None).unwrap();
     let c = d.control();
     let vip = d.service_addr("default", "one").unwrap();
@@ -174,7 +175,7 @@ fn a_persistence_template_lives_while_its_connections_do() {
         "rr",
         vec![backend(a.addr, 1), backend(b.addr, 1)],
     );
-    svc.persistence = "1s".into();
+    svc.persistence = "1s".parse().unwrap();
     svc.persistence_netmask = Some("255.255.255.0".into());
     let d = Daemon::start(config(vec![svc]), None).unwrap();
     let vip = d.service_addr("default", "p").unwrap();
@@ -402,7 +403,7 @@ fn list_and_save_carry_scheduler_flags() {
     s.options.sh_fallback = true;
     s.options.sh_port = true;
     s.options.tcp_max_connections_per_client = 7;
-    s.persistence = "300s".into();
+    s.persistence = "300s".parse().unwrap();
     s.persistence_netmask = Some("255.255.255.0".into());
     let mut m = service("maglev", Protocol::Tcp, "mh", vec![backend(e.addr, 1)]);
     m.options.mh_port = true;

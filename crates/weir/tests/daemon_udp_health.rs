@@ -45,7 +45,7 @@ fn health_of(c: &dyn Control, addr: SocketAddr) -> Option<(String, Option<String
 fn udp_session_sockets_close_when_sessions_expire() {
     let b = udp_echo();
     let mut spec = service("u", Protocol::Udp, "rr", vec![backend(b, 1)]);
-    spec.options.udp_timeout = Some("1s".into());
+    spec.options.udp_timeout = Some("1s".parse().unwrap());
     let d = Daemon::start(config(vec![spec]), None).unwrap();
     let vip = d.service_addr("default", "u").unwrap();
     let control = d.control();
@@ -194,8 +194,8 @@ fn udp_health_check_keeps_a_udp_backend_up_and_takes_a_silent_one_down() {
         vec![backend(live, 1), backend(silent, 1)],
     );
     spec.options.health = Some(HealthSpec {
-        interval: "100ms".into(),
-        timeout: "100ms".into(),
+        interval: "100ms".parse().unwrap(),
+        timeout: "100ms".parse().unwrap(),
         rise: 1,
         fall: 2,
         protocol: Some(Protocol::Udp),

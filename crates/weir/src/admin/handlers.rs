@@ -49,9 +49,12 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
             };
             ApiError::new(e.status(), kind, e.body_text())
         })?;
-        serde_json::from_slice(&bytes)
-            .map(JsonBody)
-            .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+        let bad =
+            |e: &dyn std::fmt::Display| ApiError::bad_request(format!("invalid JSON body: {e}"));
+        let mut de = serde_json::Deserializer::from_slice(&bytes);
+        let body = serde_path_to_error::deserialize(&mut de).map_err(|e| bad(&e))?;
+        de.end().map_err(|e| bad(&e))?;
+        Ok(JsonBody(body))
     }
 }
 
@@ -250,7 +253,7 @@ pub(crate) async fn edit_tenant(
         }
     };
     merged.extend(body);
-    let spec: TenantSpec = serde_json::from_value(serde_json::Value::Object(merged))
+    let spec: TenantSpec = crate::config::from_json(serde_json::Value::Object(merged))
         .map_err(|e| ApiError::bad_request(format!("invalid tenant: {e}")))?;
     check_token_unique(&st, &tenant, spec.token.as_deref())?;
     st.control.edit_tenant(&tenant, spec)?;
@@ -325,7 +328,7 @@ pub(crate) async fn add_service(
     {
         obj.insert("tenant".into(), serde_json::Value::String(own.to_owned()));
     }
-    let spec: ServiceSpec = serde_json::from_value(serde_json::Value::Object(obj))
+    let spec: ServiceSpec = crate::config::service_from_json(serde_json::Value::Object(obj))
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
     check_tenant(&access, &spec.tenant)?;
     check_name("service", &spec.name)?;
@@ -376,7 +379,7 @@ pub(crate) async fn edit_service(
             }
         }
     }
-    let spec: ServiceSpec = serde_json::from_value(serde_json::Value::Object(obj))
+    let spec: ServiceSpec = crate::config::service_from_json(serde_json::Value::Object(obj))
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
     let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
     check_fence(&st, &access, &tenant, Some(spec.listen), &backends)?;
@@ -576,7 +579,7 @@ pub(crate) async fn kill_matching(
             )));
         }
     };
-    let filter: ConnFilter = serde_json::from_value(serde_json::Value::Object(obj))
+    let filter: ConnFilter = crate::config::from_json(serde_json::Value::Object(obj))
         .map_err(|e| ApiError::bad_request(format!("invalid filter: {e}")))?;
     if filter == ConnFilter::default() && !all {
         return Err(ApiError::bad_request(

@@ -95,7 +95,7 @@ pub fn document() -> Value {
                      errors(json!({ "201": done() }), WRITE))
         },
         "/v1/tenants/{tenant}": {
-          "put": op("Change a tenant's limits, token or timeouts (full-access token only); keys omitted from the body keep their value, \"token\": null removes the token, timeouts is replaced as a whole. table_entries cannot change (400: delete and re-create the tenant)",
+          "put": op("Change a tenant's limits, token or timeouts (full-access token only); keys omitted from the body keep their value, \"token\": null removes the token, timeouts is replaced as a whole. table_entries and max_table_entries cannot change (400: delete and re-create the tenant)",
                     vec![tenant.clone()], Some(body("TenantSpec")),
                     errors(json!({ "200": ok("updated", json!({ "type": "object",
                       "properties": { "updated": {"type": "string"} } })) }), WRITE)),
@@ -202,6 +202,10 @@ fn schemas() -> Value {
     // Pieces built apart: one json! literal this size hits the macro's
     // recursion limit.
     let boolean = json!({ "type": "boolean" });
+    let table_entries = json!({ "type": "integer", "minimum": 0,
+        "description": "0: share the global flow table; else a power of two <= 16777216, the entries the tenant's own table starts with (it grows and shrinks online)" });
+    let max_table_entries = json!({ "type": "integer", "minimum": 0,
+        "description": "own table only: entries it may grow to and hold (inserts past it are refused as table_full); 0 or absent = 16777216, else a power of two >= table_entries" });
     let sched = json!({ "type": "string", "enum": crate::config::SCHEDULERS });
     let mh_sizes = json!({ "type": "integer", "enum": weir_sched::MhTableSize::PRIMES });
     let service_spec = json!({ "type": "object", "required": ["name", "protocol", "listen"], "properties": {
@@ -222,7 +226,8 @@ fn schemas() -> Value {
       "Totals": totals,
       "Rates": rates,
       "TenantSpec": { "type": "object", "required": ["name"], "properties": {
-        "name": s, "table_entries": int, "max_connections": int, "max_new_per_s": int, "token": s,
+        "name": s, "table_entries": table_entries.clone(), "max_table_entries": max_table_entries.clone(),
+        "max_connections": int, "max_new_per_s": int, "token": s,
         "timeouts": reff("Timeouts"),
         "allowed_listen": { "type": "array", "items": s, "description": "CIDR[:PORT[-PORT]] where this tenant's token may listen; a wildcard needs an entry naming it" },
         "allowed_backends": { "type": "array", "items": s, "description": "CIDR[:PORT[-PORT]] where this tenant's token may point backends" } } },
@@ -231,7 +236,8 @@ fn schemas() -> Value {
         "properties": { "established": s, "syn_sent": s, "syn_recv": s, "fin_wait": s, "close_wait": s,
                         "last_ack": s, "time_wait": s, "close": s, "udp": s, "persist": s } },
       "TenantStatus": { "type": "object", "properties": {
-        "name": s, "table_entries": int, "max_connections": int, "max_new_per_s": int,
+        "name": s, "table_entries": table_entries, "max_table_entries": max_table_entries,
+        "max_connections": int, "max_new_per_s": int,
         "timeouts": reff("Timeouts"),
         "allowed_listen": { "type": "array", "items": s }, "allowed_backends": { "type": "array", "items": s },
         "active_conns": int, "refused": int, "table": { "type": "string", "enum": ["own", "shared"] } } },

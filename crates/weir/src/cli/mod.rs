@@ -763,10 +763,13 @@ fn service(cmd: ServiceCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
                     .map_err(|_| CliError::Local(format!("listen {l:?} is not IP:PORT")))?;
             }
             if let Some(s) = scheduler {
-                spec.scheduler = s;
+                spec.scheduler = crate::config::parse_scheduler(&s)
+                    .map_err(|e| CliError::Local(format!("--scheduler: {e}")))?;
             }
             if let Some(p) = persistence {
-                spec.persistence = p;
+                spec.persistence = p
+                    .parse()
+                    .map_err(|e| CliError::Local(format!("--persistence: {e}")))?;
             }
             let body = serde_json::to_value(&spec)
                 .map_err(|e| CliError::Local(format!("encoding the service: {e}")))?;

@@ -73,8 +73,8 @@ impl LiveControl {
             name: spec.name.clone(),
             protocol: config::protocol_name(spec.protocol).into(),
             listen: s.listen.to_string(),
-            scheduler: spec.scheduler.clone(),
-            persistence: spec.persistence.clone(),
+            scheduler: spec.scheduler.to_string(),
+            persistence: spec.persistence.to_string(),
             persistence_netmask: spec.persistence_netmask.clone(),
             sched_flags: config::sched_flags(&spec),
             backends: set
@@ -161,6 +161,13 @@ impl LiveControl {
                              table was sized at creation ({}); delete the tenant and create it \
                              again with table_entries = {}",
                             t.name, cur.table_entries, t.table_entries
+                        ));
+                    }
+                    if cur.max_table_entries != t.max_table_entries {
+                        errors.push(format!(
+                            "tenant {}: {}",
+                            t.name,
+                            cap_fixed(cur.max_table_entries, t.max_table_entries)
                         ));
                     }
                     if cur != *t {
@@ -337,6 +344,16 @@ impl ConnMatch {
     }
 }
 
+/// Why a tenant's `max_table_entries` cannot change live: the flow table
+/// fixes a table's cap when it creates the table (`TenantConfig::max_entries`)
+/// and has no call to move it.
+fn cap_fixed(cur: usize, new: usize) -> String {
+    format!(
+        "max_table_entries cannot change on a live tenant: its flow table's cap was fixed at \
+         creation ({cur}); delete the tenant and create it again with max_table_entries = {new}"
+    )
+}
+
 fn tenant_id(name: &str) -> String {
     format!("tenant {name}")
 }
@@ -408,6 +425,10 @@ impl Control for LiveControl {
                  ({cur_entries}); delete the tenant and create it again with table_entries = {}",
                 spec.table_entries
             )));
+        }
+        let cur_cap = t.spec.read().max_table_entries;
+        if spec.max_table_entries != cur_cap {
+            return Err(invalid(cap_fixed(cur_cap, spec.max_table_entries)));
         }
         let timeouts = super::resolve_timeouts(&spec)?;
         super::check_fences(&spec)?;
@@ -505,7 +526,7 @@ impl Control for LiveControl {
         let sched_key = |s: &ServiceSpec| {
             let o = &s.options;
             (
-                s.scheduler.clone(),
+                s.scheduler,
                 (o.mh_fallback, o.sh_fallback, o.sh_port, o.mh_port),
                 o.mh_table_size,
                 o.hash_seed.clone(),

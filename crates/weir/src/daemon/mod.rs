@@ -165,11 +165,8 @@ impl Daemon {
             state: RwLock::new(State::default()),
             owners: Arc::new(owners::Owners::new(workers)),
             table: FlowTable::new(TableConfig {
-                shared_buckets: config.daemon.shared_table_buckets,
-                // Fixed size, as before the table could resize: the config
-                // keys for a starting size and a cap come with the daemon's
-                // move onto the new table (issue 11).
-                max_shared_entries: config.daemon.shared_table_buckets,
+                shared_buckets: config.daemon.shared_table_entries,
+                max_shared_entries: config.daemon.max_shared_table_entries,
                 memory_budget: config.daemon.own_tables_budget,
                 ..TableConfig::default()
             }),
@@ -185,11 +182,7 @@ impl Daemon {
             control_rt: control_rt.handle().clone(),
             fd_limit: fd_soft,
             epoch: Instant::now(),
-            drain_timeout: config::parse_duration_in(
-                &config.daemon.drain_timeout,
-                config::DRAIN_TIMEOUT_BOUNDS,
-            )
-            .unwrap_or(Duration::from_secs(30)),
+            drain_timeout: config.daemon.drain_timeout.get(),
             runtime_added: Mutex::default(),
             reload_lock: Mutex::new(()),
         });
@@ -370,6 +363,7 @@ fn default_tenant_spec() -> TenantSpec {
     TenantSpec {
         name: DEFAULT_TENANT.into(),
         table_entries: 0,
+        max_table_entries: 0,
         max_connections: 0,
         max_new_per_s: 0,
         token: None,
@@ -1095,12 +1089,10 @@ impl Shared {
                 format!("tenant name: {e}"),
             ));
         }
-        if spec.table_entries != 0
-            && (!spec.table_entries.is_power_of_two() || spec.table_entries > 1 << 24)
-        {
+        if let Some((key, message)) = config::tenant_table_problems(&spec).into_iter().next() {
             return Err(ControlError::new(
                 ErrorKind::Invalid,
-                "table_entries must be 0 or a power of two up to 16777216",
+                format!("{key}: {message}"),
             ));
         }
         let timeouts = resolve_timeouts(&spec)?;
@@ -1119,8 +1111,7 @@ impl Shared {
                 TenantId(id),
                 TenantConfig {
                     own_buckets: spec.table_entries,
-                    // Fixed size for now (see `shared_table_buckets`).
-                    max_entries: spec.table_entries,
+                    max_entries: spec.max_table_entries,
                     timeouts,
                 },
             )
@@ -1368,12 +1359,7 @@ impl Shared {
             }
             return;
         };
-        let (Ok(interval), Ok(timeout)) = (
-            config::parse_duration_in(&h.interval, config::HEALTH_INTERVAL_BOUNDS),
-            config::parse_duration_in(&h.timeout, config::HEALTH_TIMEOUT_BOUNDS),
-        ) else {
-            return;
-        };
+        let (interval, timeout) = (h.interval.get(), h.timeout.get());
         let params = crate::health::Params {
             interval,
             timeout,
@@ -1677,8 +1663,7 @@ pub(crate) fn resolve_timeouts(spec: &TenantSpec) -> crate::control::ControlResu
 pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResult<ServiceParams> {
     use crate::control::{ControlError, ErrorKind};
     let bad = |m: String| ControlError::new(ErrorKind::Invalid, m);
-    let persistence =
-        config::parse_duration_in(&spec.persistence, config::PERSISTENCE_BOUNDS).map_err(bad)?;
+    let persistence = spec.persistence.get();
     let mask = match &spec.persistence_netmask {
         Some(m) => {
             let n = config::parse_netmask(m).map_err(bad)?;
@@ -1689,14 +1674,11 @@ pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResul
             .map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))?,
     };
     let o = &spec.options;
-    let connect_timeout = match &o.connect_timeout {
-        Some(t) => config::parse_duration_in(t, config::CONNECT_TIMEOUT_BOUNDS).map_err(bad)?,
-        None => CONNECT_TIMEOUT,
-    };
-    let udp_timeout = match &o.udp_timeout {
-        Some(t) => Some(config::parse_duration_in(t, config::UDP_TIMEOUT_BOUNDS).map_err(bad)?),
-        None => None,
-    };
+    let connect_timeout = o
+        .connect_timeout
+        .as_ref()
+        .map_or(CONNECT_TIMEOUT, |t| t.get());
+    let udp_timeout = o.udp_timeout.as_ref().map(|t| t.get());
     Ok(ServiceParams {
         persistence,
         mask,
@@ -1715,12 +1697,7 @@ pub(crate) fn build_sched(
     backends: &[Arc<Backend>],
 ) -> crate::control::ControlResult<Scheduler> {
     use crate::control::{ControlError, ErrorKind};
-    let kind = spec
-        .scheduler
-        .parse()
-        .map_err(|e: weir_sched::ParseKindError| {
-            ControlError::new(ErrorKind::Invalid, e.to_string())
-        })?;
+    let kind = spec.scheduler;
     let seed = match &spec.options.hash_seed {
         Some(text) => HashSeed::from_text(text),
         None => HashSeed::from_text(&format!("{}/{}", spec.tenant, spec.name)),
@@ -1966,8 +1943,8 @@ mod tests {
             name: name.into(),
             protocol: Protocol::Tcp,
             listen,
-            scheduler: "rr".into(),
-            persistence: "0s".into(),
+            scheduler: weir_sched::SchedulerKind::Rr,
+            persistence: "0s".parse().unwrap(),
             persistence_netmask: None,
             options: ServiceOptions::default(),
             backends: Vec::new(),

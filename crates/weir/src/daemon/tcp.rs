@@ -598,8 +598,8 @@ async fn proxy(
     mut backend: TcpStream,
 ) -> &'static str {
     // PROXY protocol header before any client byte.
-    let pp = conn.backend.spec.read().proxy_protocol.clone();
-    if let Some(v) = pp.and_then(|v| v.parse::<crate::proxy_protocol::Version>().ok()) {
+    let pp = conn.backend.spec.read().proxy_protocol;
+    if let Some(v) = pp {
         let local = client.local_addr().unwrap_or(conn.service.listen);
         let hdr = crate::proxy_protocol::header(
             v,

@@ -47,6 +47,7 @@ impl Fake {
                 TenantSpec {
                     name: "default".into(),
                     table_entries: 0,
+                    max_table_entries: 0,
                     max_connections: 0,
                     max_new_per_s: 0,
                     token: None,
@@ -57,6 +58,7 @@ impl Fake {
                 TenantSpec {
                     name: "acme".into(),
                     table_entries: 1024,
+                    max_table_entries: 8192,
                     max_connections: 100,
                     max_new_per_s: 10,
                     token: Some("acme-token".into()),
@@ -67,6 +69,7 @@ impl Fake {
                 TenantSpec {
                     name: "globex".into(),
                     table_entries: 0,
+                    max_table_entries: 0,
                     max_connections: 0,
                     max_new_per_s: 0,
                     token: Some("globex-token".into()),
@@ -171,8 +174,10 @@ pub fn service(tenant: &str, name: &str, listen: &str, backends: &[&str]) -> Ser
         name: name.into(),
         protocol: Protocol::Tcp,
         listen: listen.parse().unwrap(),
-        scheduler: "wlc".into(),
-        persistence: if tenant == "acme" { "300s" } else { "0s" }.into(),
+        scheduler: weir_sched::SchedulerKind::Wlc,
+        persistence: if tenant == "acme" { "300s" } else { "0s" }
+            .parse()
+            .unwrap(),
         persistence_netmask: (tenant == "acme").then(|| "255.255.255.0".into()),
         options: Default::default(),
         backends: backends
@@ -273,8 +278,8 @@ impl Control for Fake {
                     }
                     .into(),
                     listen: s.listen.to_string(),
-                    scheduler: s.scheduler.clone(),
-                    persistence: s.persistence.clone(),
+                    scheduler: s.scheduler.to_string(),
+                    persistence: s.persistence.to_string(),
                     persistence_netmask: s.persistence_netmask.clone(),
                     sched_flags: weir::config::sched_flags(s),
                     backends: s

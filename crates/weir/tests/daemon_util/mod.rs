@@ -126,8 +126,8 @@ pub fn service(
         name: name.into(),
         protocol: proto,
         listen: "127.0.0.1:0".parse().unwrap(),
-        scheduler: sched.into(),
-        persistence: "0s".into(),
+        scheduler: weir::config::parse_scheduler(sched).unwrap(),
+        persistence: "0s".parse().unwrap(),
         persistence_netmask: None,
         options: ServiceOptions::default(),
         backends,
@@ -140,6 +140,7 @@ pub fn default_tenant(max_connections: u64, max_new_per_s: u64) -> TenantSpec {
     TenantSpec {
         name: "default".into(),
         table_entries: 0,
+        max_table_entries: 0,
         max_connections,
         max_new_per_s,
         token: None,
