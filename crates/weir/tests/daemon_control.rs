@@ -238,6 +238,12 @@ fn kill_by_cookie_and_by_filter_close_the_sockets() {
     let mut b = [0u8; 1];
     assert!(matches!(one.read(&mut b), Ok(0) | Err(_)));
     assert!(c.kill(cookie).is_err() || wait_until(T, || c.kill(cookie).is_err()));
+    // Any number is a clear "not found", never a panic (the admin API's
+    // fuzzer found u64::MAX overflowing the owner slots' cookie word).
+    for bogus in [u64::MAX, 1 << 56, 0] {
+        let e = c.kill(bogus).unwrap_err();
+        assert_eq!(e.kind, weir::control::ErrorKind::NotFound, "{bogus}: {e:?}");
+    }
     let n = c
         .kill_matching(&ConnFilter {
             state: Some("established".into()),

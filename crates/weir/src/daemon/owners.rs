@@ -112,8 +112,13 @@ struct Slot {
     notify: Notify,
 }
 
-fn word(cookie: u64) -> u64 {
-    (cookie + 1) << 8
+/// The slot word naming flow `cookie`; `None` for a cookie no flow can have
+/// (2^56 - 1 and above: a caller, e.g. `weir kill`, may pass any number).
+fn word(cookie: u64) -> Option<u64> {
+    cookie
+        .checked_add(1)
+        .filter(|&c| c < 1 << 56)
+        .map(|c| c << 8)
 }
 
 /// The slab of owner slots (one per live proxied flow).
@@ -176,7 +181,9 @@ impl Owners {
         let Some(slot) = token.checked_sub(1).and_then(|i| self.slot(i)) else {
             return false;
         };
-        let open = word(cookie);
+        let Some(open) = word(cookie) else {
+            return false;
+        };
         let told = open | why as u64;
         let mut cur = slot.state.load(Acquire);
         loop {
@@ -216,7 +223,7 @@ impl Owners {
     /// The owner token of the live flow `cookie`, if a task owns it
     /// (O(owned flows): what `kill` by cookie costs without a cookie index).
     pub(crate) fn find(&self, cookie: u64) -> Option<u32> {
-        let w = word(cookie);
+        let w = word(cookie)?;
         let end = self.next.load(Acquire).min(MAX_SLOTS);
         (0..end)
             .find(|&i| {
@@ -251,7 +258,13 @@ impl Owner {
     /// The entry `cookie` now names this owner. `Err` with the reason if it
     /// was told to close before this (then the flow should close at once).
     pub(crate) fn bind(&self, cookie: u64) -> Result<(), Close> {
-        let w = word(cookie);
+        // The table hands out cookies in order from 1: 2^56 of them would
+        // take centuries. Such a flow could not be told by cookie; it keeps
+        // its slot unbound (closed with the daemon only).
+        let Some(w) = word(cookie) else {
+            debug_assert!(false, "cookie {cookie} beyond 2^56");
+            return Ok(());
+        };
         let state = &self.slot().state;
         let mut cur = UNBOUND;
         loop {
@@ -336,6 +349,13 @@ mod tests {
         assert_eq!(b.told(), None);
         assert_eq!(o.find(20), Some(t));
         assert_eq!(o.find(12), None);
+        // Any number a caller passes is safe (the admin API's fuzzer found
+        // `weir kill 18446744073709551615` overflowing here).
+        for c in [u64::MAX, u64::MAX - 1, (1 << 56) - 1, 1 << 56] {
+            assert!(!o.kill(t, c, Close::Killed));
+            assert_eq!(o.find(c), None);
+        }
+        assert_eq!(b.told(), None);
     }
 
     #[test]
