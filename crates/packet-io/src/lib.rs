@@ -24,5 +24,5 @@ pub mod steer;
 #[allow(unsafe_code)]
 pub mod xsk;
 
-pub use steer::{AttachMode, SteerError, SteerKey, SteerStats, Steering};
+pub use steer::{AttachMode, PROGRAM_BUILT, SteerError, SteerKey, SteerStats, Steering};
 pub use xsk::{BatchStats, Verdict, XskConfig, XskError, XskSocket, rx_queue_count};

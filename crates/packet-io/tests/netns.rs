@@ -39,6 +39,9 @@ const TAGGED_MATCHES: u64 = 5;
 
 /// Why this test cannot run here, if it cannot.
 fn missing_prerequisite() -> Option<String> {
+    if !weir_packet_io::PROGRAM_BUILT {
+        return Some("built without the XDP program (no clang at build time)".into());
+    }
     if !nix::unistd::geteuid().is_root() {
         return Some("needs root (network namespaces, XDP, AF_XDP)".into());
     }
