@@ -781,6 +781,28 @@ impl FlowTable {
         self.restate(h.idx, state, now)
     }
 
+    /// Moves the state of the entry a handle names from `s` to `f(s)` in
+    /// one compare-and-swap (`f` returns `None` for no change), refreshing
+    /// `last_active`; returns `(from, to)` if this call moved it. Two
+    /// threads moving the same flow (a packet each way) each see the state
+    /// the other left, so counts kept per state by the caller stay exact,
+    /// and a move racing the entry's removal either shows in the removal's
+    /// snapshot or does not happen.
+    pub fn transition_handle(
+        &self,
+        h: Handle,
+        now: Millis,
+        f: impl Fn(FlowState) -> Option<FlowState>,
+    ) -> Option<(FlowState, FlowState)> {
+        let _guard = epoch::pin();
+        let n = self.handle_node(h)?;
+        let moved = n.transition(f)?;
+        n.bump_last_active(now);
+        let c = n.cookie();
+        self.node_cache().push_new(h.idx, c, &self.slab, 1024);
+        Some(moved)
+    }
+
     fn restate(&self, i: u32, state: FlowState, now: Millis) -> bool {
         let n = self.slab.node(i);
         n.set_state(state);

@@ -276,6 +276,29 @@ impl Node<'_> {
         });
     }
 
+    /// Compare-and-swap of the state of a live entry: `f` maps the current
+    /// state to the next (`None`: no change). Fails once the entry is
+    /// unpublished (its LIVE bit is cleared before its final snapshot), so
+    /// a transition is either in that snapshot or not made at all.
+    pub(crate) fn transition(
+        &self,
+        f: impl Fn(FlowState) -> Option<FlowState>,
+    ) -> Option<(FlowState, FlowState)> {
+        let mut m = self.h.meta.load(Relaxed);
+        loop {
+            if m & LIVE == 0 {
+                return None;
+            }
+            let from = FlowState::from_code((m & STATE_MASK) >> STATE_SHIFT);
+            let to = f(from)?;
+            let new = (m & !STATE_MASK) | (to.code() << STATE_SHIFT);
+            match self.h.meta.compare_exchange_weak(m, new, Relaxed, Relaxed) {
+                Ok(_) => return Some((from, to)),
+                Err(cur) => m = cur,
+            }
+        }
+    }
+
     /// Under the bucket lock, after unpublishing.
     pub(crate) fn clear_live(&self) {
         self.h.meta.fetch_and(!LIVE, Relaxed);
