@@ -978,3 +978,172 @@ fn probe(sock: &UdpSocket, to: SocketAddr, msg: &[u8]) -> Result<Answer, String>
     }
     Ok(Answer::Nobody)
 }
+
+/// MACs the next-hop test gives the two veth ends.
+const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xc1, 0x01];
+const WEIR_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xc1, 0x02];
+
+fn mac_text(mac: [u8; 6]) -> String {
+    mac.map(|b| format!("{b:02x}")).join(":")
+}
+
+/// The resolver in weir's namespace, against the kernel's tables there: a
+/// directly connected neighbour (resolved through the resolver's own
+/// solicitation, IPv4 and IPv6), a destination behind a gateway (the
+/// gateway's MAC), an address nobody holds (unresolved, and the kernel made
+/// an entry for it), unroutable destinations, and the cache answering until
+/// its entry is invalidated.
+#[test]
+fn next_hops_come_from_the_kernels_route_and_neighbour_tables() {
+    use weir_packet_io::{CacheConfig, NoRoute, Resolution, Resolver};
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping next_hops_come_from_the_kernels_route_and_neighbour_tables: {why}");
+        return;
+    }
+    let topo = Topology::new("n").expect("build the test topology");
+    let (c, w, ci, wi) = (&topo.client, &topo.weir, &topo.client_if, &topo.weir_if);
+    for (ns, dev, mac) in [(c, ci, CLIENT_MAC), (w, wi, WEIR_MAC)] {
+        run(&[
+            "ip",
+            "-n",
+            ns,
+            "link",
+            "set",
+            "dev",
+            dev,
+            "address",
+            &mac_text(mac),
+        ])
+        .expect("set the MAC");
+    }
+    for route in [
+        ["203.0.113.0/24", "via", "192.0.2.1"],
+        ["2001:db8:99::/64", "via", "2001:db8::1"],
+    ] {
+        run(&["ip", "-n", w, "route", "add", route[0], route[1], route[2]]).expect("route");
+    }
+    for prefix in ["198.18.1.0/24", "2001:db8:bad::/64"] {
+        run(&["ip", "-n", w, "route", "add", "blackhole", prefix]).expect("blackhole");
+    }
+
+    let (ns, dev) = (w.clone(), wi.clone());
+    let result = std::thread::spawn(move || -> Result<Vec<String>, String> {
+        enter(&ns)?;
+        let weir_ifindex = {
+            let name = std::ffi::CString::new(dev.clone()).map_err(|e| e.to_string())?;
+            nix::net::if_::if_nametoindex(name.as_c_str()).map_err(|e| e.to_string())?
+        };
+        let config = CacheConfig::default();
+        let mut resolver = Resolver::new(config).map_err(|e| e.to_string())?;
+        let mut now = Instant::now();
+        let mut failures = Vec::new();
+        let mut check = |what: &str, ok: bool, got: &dyn std::fmt::Debug| {
+            if !ok {
+                failures.push(format!("{what}: got {got:?}"));
+            }
+        };
+        let ip = |s: &str| -> std::net::IpAddr { s.parse().expect("literal") };
+
+        // Poll (fake clock advanced past the unresolved lifetime each time,
+        // bounded in real time) until `dst` resolves.
+        let mut resolve_within =
+            |resolver: &mut Resolver, dst| -> Result<Vec<Resolution>, String> {
+                let mut seen = Vec::new();
+                let deadline = Instant::now() + Duration::from_secs(5);
+                loop {
+                    let r = resolver.resolve(dst, now).map_err(|e| e.to_string())?;
+                    seen.push(r);
+                    if matches!(r, Resolution::Resolved { .. }) || Instant::now() > deadline {
+                        return Ok(seen);
+                    }
+                    now += config.unresolved_ttl;
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            };
+
+        for (dst, neighbour) in [
+            ("192.0.2.1", "192.0.2.1"),
+            ("2001:db8::1", "2001:db8::1"),
+            ("203.0.113.5", "192.0.2.1"),
+            ("2001:db8:99::5", "2001:db8::1"),
+        ] {
+            let seen = resolve_within(&mut resolver, ip(dst))?;
+            let want = Resolution::Resolved {
+                ifindex: weir_ifindex,
+                neighbour: ip(neighbour),
+                next_hop: weir_packet::NextHop {
+                    src_mac: WEIR_MAC,
+                    dst_mac: CLIENT_MAC,
+                },
+            };
+            check(dst, seen.last() == Some(&want), &seen);
+            // Nothing had talked to the client before: the first answer for
+            // the directly connected neighbour is unresolved, and the
+            // resolver's own solicitation resolved it.
+            if dst == "192.0.2.1" || dst == "2001:db8::1" {
+                check(
+                    &format!("{dst} first unresolved"),
+                    matches!(seen[0], Resolution::Unresolved { neighbour: n, .. } if n == ip(dst)),
+                    &seen,
+                );
+            }
+        }
+
+        // Nobody holds 192.0.2.99 / 2001:db8::99: unresolved, and the kernel
+        // is resolving it because the resolver asked.
+        for dst in ["192.0.2.99", "2001:db8::99"] {
+            let r = resolver.resolve(ip(dst), now).map_err(|e| e.to_string())?;
+            check(
+                dst,
+                r == Resolution::Unresolved {
+                    ifindex: weir_ifindex,
+                    neighbour: ip(dst),
+                },
+                &r,
+            );
+            let out = Command::new("ip")
+                .args(["neigh", "show", "to", dst, "dev", &dev])
+                .output()
+                .map_err(|e| e.to_string())?;
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            check(
+                &format!("{dst} kernel entry"),
+                text.contains("INCOMPLETE") || text.contains("FAILED"),
+                &text,
+            );
+        }
+
+        for (dst, want) in [
+            ("198.18.0.1", NoRoute::Unreachable),
+            ("198.18.1.1", NoRoute::Blackhole),
+            ("192.0.2.2", NoRoute::Local),
+            ("2001:db8:77::1", NoRoute::Unreachable),
+            ("2001:db8:bad::1", NoRoute::Blackhole),
+            ("2001:db8::2", NoRoute::Local),
+        ] {
+            let r = resolver.resolve(ip(dst), now).map_err(|e| e.to_string())?;
+            check(dst, r == Resolution::NoRoute(want), &r);
+        }
+
+        // The cache answers until the entry expires or is invalidated, even
+        // after the kernel forgot the neighbour.
+        let client = ip("192.0.2.1");
+        let cached = resolver.resolve(client, now).map_err(|e| e.to_string())?;
+        run(&["ip", "neigh", "del", "192.0.2.1", "dev", &dev])?;
+        let again = resolver.resolve(client, now).map_err(|e| e.to_string())?;
+        check("cached", again == cached, &again);
+        resolver.cache_mut().invalidate(client);
+        let fresh = resolver.resolve(client, now).map_err(|e| e.to_string())?;
+        check(
+            "after invalidate",
+            matches!(fresh, Resolution::Unresolved { .. }),
+            &fresh,
+        );
+        Ok(failures)
+    })
+    .join()
+    .expect("weir thread");
+    drop(topo);
+    let failures = result.expect("weir side");
+    assert!(failures.is_empty(), "{failures:#?}");
+}
