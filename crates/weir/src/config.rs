@@ -9,7 +9,7 @@
 //! [`validate`](self) functions below the types; parsing alone only checks
 //! the shape.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
@@ -24,6 +24,10 @@ pub struct Config {
     /// The admin API.
     #[serde(default)]
     pub admin: AdminConfig,
+    /// `[packet]`: packet mode's interfaces and addresses; absent = no
+    /// packet mode (every service must then be `forward = "proxy"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub packet: Option<PacketConfig>,
     /// `[[tenant]]` tables.
     #[serde(default, rename = "tenant", skip_serializing_if = "Vec::is_empty")]
     pub tenants: Vec<TenantSpec>,
@@ -141,6 +145,212 @@ impl Default for AdminConfig {
             tls_key: None,
             insecure_plaintext: false,
         }
+    }
+}
+
+/// `[packet]`: where packet mode attaches and the addresses it owns. Read
+/// at start only: a reload that changes it is refused (the data path
+/// attaches to the interfaces when the daemon starts).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PacketConfig {
+    /// Interfaces weir attaches to (names in weir's network namespace);
+    /// traffic weir does not serve passes to the kernel. Required, non-empty.
+    pub interfaces: Vec<String>,
+    /// How packets reach weir.
+    #[serde(default)]
+    pub io: PacketIo,
+    /// `fnat` source addresses (assigned to the backend-side interface);
+    /// `fnat` backends need one of their own family.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub local_addresses: Vec<IpAddr>,
+    /// The ports weir takes for `fnat` on each local address.
+    #[serde(default)]
+    pub fnat_ports: PortRange,
+    /// Packet workers; 0 = as many as `[daemon] workers`.
+    #[serde(default, skip_serializing_if = "is_zero_usize")]
+    pub workers: usize,
+}
+
+/// `[packet] io`: the packet I/O backend.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PacketIo {
+    /// AF_XDP where the program attaches, else AF_PACKET.
+    #[default]
+    Auto,
+    /// AF_XDP only; start fails where XDP cannot attach.
+    Xdp,
+    /// AF_PACKET (TPACKET_V3 rings, fanout) only.
+    Afpacket,
+}
+
+impl PacketIo {
+    /// Every value, in the order the docs list them.
+    pub const ALL: [PacketIo; 3] = [PacketIo::Auto, PacketIo::Xdp, PacketIo::Afpacket];
+
+    /// The text in the file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PacketIo::Auto => "auto",
+            PacketIo::Xdp => "xdp",
+            PacketIo::Afpacket => "afpacket",
+        }
+    }
+}
+
+/// An inclusive port range, "A-B" in the file (1 <= A <= B <= 65535).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PortRange {
+    /// First port.
+    pub lo: u16,
+    /// Last port (inclusive).
+    pub hi: u16,
+}
+
+impl PortRange {
+    /// Whether `port` is in the range.
+    pub fn contains(self, port: u16) -> bool {
+        (self.lo..=self.hi).contains(&port)
+    }
+
+    /// How many ports (at least 1).
+    pub fn len(self) -> u32 {
+        u32::from(self.hi) - u32::from(self.lo) + 1
+    }
+
+    /// Never true (a range holds at least one port); for clippy's `len`
+    /// convention.
+    pub fn is_empty(self) -> bool {
+        false
+    }
+}
+
+impl Default for PortRange {
+    /// 40000-59999, inside Linux's default ephemeral range (32768-60999):
+    /// the range must be reserved from the kernel's own source ports
+    /// (`net.ipv4.ip_local_reserved_ports`) so the two never collide.
+    fn default() -> Self {
+        Self {
+            lo: 40_000,
+            hi: 59_999,
+        }
+    }
+}
+
+impl std::str::FromStr for PortRange {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad =
+            |why: &str| format!("{s:?} is not a port range ({why}); write e.g. \"40000-59999\"");
+        let (lo, hi) = s
+            .trim()
+            .split_once('-')
+            .ok_or_else(|| bad("expected FIRST-LAST"))?;
+        let port = |t: &str| {
+            t.trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(|| bad("ports are 1-65535"))
+        };
+        let (lo, hi) = (port(lo)?, port(hi)?);
+        if lo > hi {
+            return Err(bad("it runs backwards"));
+        }
+        Ok(Self { lo, hi })
+    }
+}
+
+impl std::fmt::Display for PortRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.lo, self.hi)
+    }
+}
+
+impl Serialize for PortRange {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for PortRange {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// `forward`: how a service's traffic reaches its backends.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Forward {
+    /// weir terminates the connection and opens its own to the backend
+    /// (the sockets data path).
+    #[default]
+    Proxy,
+    /// Packet mode, IPVS masquerading: the destination is rewritten to the
+    /// backend; replies come back through weir (the backends' gateway).
+    Nat,
+    /// Packet mode, full NAT: the source is rewritten too, to one of
+    /// `[packet] local_addresses`, so replies come back with no routing change.
+    Fnat,
+    /// Packet mode, direct routing: only the destination MAC changes; the
+    /// backends hold the VIP and answer clients directly.
+    Dr,
+}
+
+impl Forward {
+    /// Every value, in the order the docs list them.
+    pub const ALL: [Forward; 4] = [Forward::Proxy, Forward::Nat, Forward::Fnat, Forward::Dr];
+
+    /// Whether the packet data path serves it (anything but `proxy`).
+    pub fn is_packet(self) -> bool {
+        self != Forward::Proxy
+    }
+
+    /// `proxy` (the default, which `weir save` leaves out).
+    pub fn is_proxy(&self) -> bool {
+        *self == Forward::Proxy
+    }
+
+    /// The text in the file and the JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Forward::Proxy => "proxy",
+            Forward::Nat => "nat",
+            Forward::Fnat => "fnat",
+            Forward::Dr => "dr",
+        }
+    }
+
+    /// ipvsadm's name of the method (`Masq`, `Route`), `FullNat` as DPVS
+    /// prints it, `Proxy` for weir's own.
+    pub fn ipvsadm_name(self) -> &'static str {
+        match self {
+            Forward::Proxy => "Proxy",
+            Forward::Nat => "Masq",
+            Forward::Fnat => "FullNat",
+            Forward::Dr => "Route",
+        }
+    }
+}
+
+impl std::str::FromStr for Forward {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Forward::ALL
+            .into_iter()
+            .find(|f| f.as_str() == s)
+            .ok_or_else(|| format!("unknown forward {s:?}; use one of proxy nat fnat dr"))
+    }
+}
+
+impl std::fmt::Display for Forward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -452,6 +662,10 @@ pub struct ServiceSpec {
     pub protocol: Protocol,
     /// Virtual address.
     pub listen: SocketAddr,
+    /// How traffic reaches the backends: "proxy" (the default; left out by
+    /// `weir save`), or packet mode's "nat", "fnat", "dr" (needs `[packet]`).
+    #[serde(default, skip_serializing_if = "Forward::is_proxy")]
+    pub forward: Forward,
     /// rr wrr lc wlc sed nq sh mh p2c lblc lblcr dh fo ovf (the names are
     /// the text in the file and the JSON).
     #[serde(default = "default_scheduler", deserialize_with = "de_scheduler")]
@@ -517,6 +731,11 @@ pub struct ServiceOptions {
     /// Active health checks; none = backends are always up.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health: Option<HealthSpec>,
+    /// Packet services, TCP: a non-SYN packet with no flow creates one (as
+    /// IPVS's `sloppy_tcp`, e.g. after a failover to this balancer) instead
+    /// of being dropped and counted.
+    #[serde(skip_serializing_if = "is_false")]
+    pub sloppy_tcp: bool,
 }
 
 /// `[service.health]`: active checks, a TCP connect (the default) or a UDP
@@ -1364,6 +1583,13 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     for (path, message) in duplicate_tokens(c) {
         err(&path, message);
     }
+    if let Some(p) = &c.packet {
+        for e in packet_problems(p) {
+            let mut path = vec![k("packet")];
+            path.extend(e.path.0);
+            err(&path, e.message);
+        }
+    }
 
     let mut service_names = std::collections::HashSet::new();
     let mut listens = std::collections::HashMap::new();
@@ -1374,7 +1600,10 @@ pub fn validate(c: &Config) -> Vec<Problem> {
             v.push(k(key));
             v
         };
-        for e in service_problems(s) {
+        for e in service_problems(s)
+            .into_iter()
+            .chain(packet_service_problems(s, c.packet.as_ref()))
+        {
             let mut path = base.clone();
             path.extend(e.path.0);
             err(&path, e.message);
@@ -1534,6 +1763,7 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
             }
         }
     }
+    forward_problems(s, &mut err);
     let mut seen = std::collections::HashSet::new();
     for (j, b) in s.backends.iter().enumerate() {
         let bp = |key: &str| vec![k("backend"), PathSeg::Index(j), k(key)];
@@ -1558,7 +1788,9 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
                 format!("{} is above 65535 (the IPVS maximum)", b.weight),
             );
         }
-        if let Some(pp) = b.proxy_protocol {
+        if let Some(pp) = b.proxy_protocol
+            && !s.forward.is_packet()
+        {
             use crate::proxy_protocol::Version;
             if s.protocol == Protocol::Udp && pp == Version::V1 {
                 err(
@@ -1574,6 +1806,266 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
         }
     }
     out
+}
+
+/// Problems of `[packet]` on its own (paths relative to it), including
+/// interfaces that do not exist in this process's network namespace: `weir
+/// check` on another host (or in another namespace) reports them too.
+pub fn packet_problems(p: &PacketConfig) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let mut err = |path: Vec<PathSeg>, message: String| {
+        out.push(Problem {
+            path: KeyPath(path),
+            message,
+        })
+    };
+    if p.interfaces.is_empty() {
+        err(
+            vec![k("interfaces")],
+            "is empty; name the interfaces weir attaches to, e.g. [\"eth0\"], or remove \
+             [packet] if no service uses packet mode"
+                .into(),
+        );
+    }
+    let mut seen = std::collections::HashSet::new();
+    for (i, name) in p.interfaces.iter().enumerate() {
+        let at = vec![k("interfaces"), PathSeg::Index(i)];
+        if !seen.insert(name.as_str()) {
+            err(
+                at,
+                format!("interface {name:?} is listed twice; remove one"),
+            );
+        } else if let Err(e) = interface_exists(name) {
+            err(at, e);
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    for (i, a) in p.local_addresses.iter().enumerate() {
+        let at = vec![k("local_addresses"), PathSeg::Index(i)];
+        if !seen.insert(*a) {
+            err(at, format!("{a} is listed twice; remove one"));
+        } else if a.is_unspecified() || a.is_multicast() || *a == IpAddr::from([255, 255, 255, 255])
+        {
+            err(
+                at,
+                format!(
+                    "{a} cannot be a source address; give an address assigned to the \
+                     backend-side interface"
+                ),
+            );
+        }
+    }
+    if p.workers > 1024 {
+        err(
+            vec![k("workers")],
+            "more than 1024 packet workers; use 0 for as many as [daemon] workers".into(),
+        );
+    }
+    out
+}
+
+/// Whether interface `name` exists in this process's network namespace;
+/// else what is wrong, in words for `weir check`.
+pub fn interface_exists(name: &str) -> Result<(), String> {
+    // The kernel's dev_valid_name(): 1..=15 bytes, not "." or "..", no
+    // '/', ':' or white space.
+    if name.is_empty()
+        || name.len() > 15
+        || name == "."
+        || name == ".."
+        || name
+            .bytes()
+            .any(|b| b == b'/' || b == b':' || b == 0 || b.is_ascii_whitespace())
+    {
+        return Err(format!(
+            "{name:?} is not an interface name (1-15 bytes, no '/', ':' or spaces); \
+             give a name `ip link` lists, e.g. \"eth0\""
+        ));
+    }
+    match nix::net::if_::if_nametoindex(name) {
+        Ok(_) => Ok(()),
+        Err(nix::errno::Errno::ENODEV) => Err(format!(
+            "interface {name:?} does not exist in this network namespace (interface names \
+             are per network namespace; `ip link` lists this one's); create it, fix the \
+             name, or run weir in the namespace that has it (ip netns exec NS weir ...)"
+        )),
+        Err(e) => Err(format!(
+            "cannot look interface {name:?} up: {e}; check that it exists (`ip link`)"
+        )),
+    }
+}
+
+/// Problems of a packet service (`forward` other than proxy) that depend on
+/// `[packet]` (paths relative to the service); none for a proxy service.
+/// The daemon runs this on every service it adds, with its own `[packet]`.
+pub fn packet_service_problems(s: &ServiceSpec, packet: Option<&PacketConfig>) -> Vec<Problem> {
+    let mut out = Vec::new();
+    if !s.forward.is_packet() {
+        return out;
+    }
+    let mut err = |path: Vec<PathSeg>, message: String| {
+        out.push(Problem {
+            path: KeyPath(path),
+            message,
+        })
+    };
+    let f = s.forward;
+    let Some(p) = packet else {
+        err(
+            vec![k("forward")],
+            format!(
+                "forward = \"{f}\" needs packet mode: add a [packet] section naming the \
+                 interfaces weir attaches to (interfaces = [\"eth0\"]), or remove forward for \
+                 the proxy"
+            ),
+        );
+        return out;
+    };
+    if f == Forward::Fnat {
+        if p.local_addresses.is_empty() {
+            err(
+                vec![k("forward")],
+                "fnat rewrites the source to one of [packet] local_addresses, and there are \
+                 none; add the backend-side addresses, e.g. local_addresses = [\"10.0.1.1\"], \
+                 or use forward = \"nat\""
+                    .into(),
+            );
+        } else {
+            for (j, b) in s.backends.iter().enumerate() {
+                if !p
+                    .local_addresses
+                    .iter()
+                    .any(|a| a.is_ipv4() == b.address.is_ipv4())
+                {
+                    let fam = if b.address.is_ipv4() { "IPv4" } else { "IPv6" };
+                    err(
+                        vec![k("backend"), PathSeg::Index(j), k("address")],
+                        format!(
+                            "fnat to an {fam} backend needs an {fam} address in [packet] \
+                             local_addresses (there is none); add one"
+                        ),
+                    );
+                }
+            }
+        }
+    }
+    if p.local_addresses.contains(&s.listen.ip()) && p.fnat_ports.contains(s.listen.port()) {
+        err(
+            vec![k("listen")],
+            format!(
+                "{} is a [packet] local address and its port is in fnat_ports ({}), which \
+                 fnat takes for its own flows; use another port or address",
+                s.listen, p.fnat_ports
+            ),
+        );
+    }
+    out
+}
+
+/// The per-service rules of packet mode that need no `[packet]` (part of
+/// [`service_problems`]).
+fn forward_problems(s: &ServiceSpec, err: &mut dyn FnMut(Vec<PathSeg>, String)) {
+    let f = s.forward;
+    let o = &s.options;
+    if !f.is_packet() {
+        if o.sloppy_tcp {
+            err(
+                vec![k("sloppy_tcp")],
+                "only applies to packet services (forward = \"nat\", \"fnat\" or \"dr\"): \
+                 the proxy accepts connections, so it never sees a packet without one; remove it"
+                    .into(),
+            );
+        }
+        return;
+    }
+    if s.listen.port() == 0 || s.listen.ip().is_unspecified() {
+        err(
+            vec![k("listen")],
+            format!(
+                "{} is not a virtual address: a packet service matches packets by their \
+                 destination, so it needs a specific IP and a port (e.g. \"10.0.0.100:80\"); \
+                 only the proxy can bind a wildcard or take a free port",
+                s.listen
+            ),
+        );
+    }
+    if o.sloppy_tcp && s.protocol == Protocol::Udp {
+        err(
+            vec![k("sloppy_tcp")],
+            "only applies to protocol = \"tcp\"; remove it".into(),
+        );
+    }
+    // Options of the proxy's own sockets, which packet mode does not have:
+    // it never connects to a backend (the client's SYN goes through, so
+    // the client's own timeout applies), never owns a backend socket to
+    // close after N answers (and replies still in flight need the flow's
+    // mapping), and never writes into the byte stream (a PROXY header
+    // would need the sequence numbers rewritten on every packet).
+    // The others (persistence, limits, per-client caps, health,
+    // expire_nodest_conn, udp_timeout, scheduler options) mean the same for
+    // a flow as for a connection.
+    let proxy_only = [
+        (
+            "connect_timeout",
+            o.connect_timeout.is_some(),
+            "packet mode forwards the client's own SYN and opens no connection",
+        ),
+        (
+            "udp_responses",
+            o.udp_responses.is_some() && s.protocol == Protocol::Udp,
+            "packet mode keeps a UDP flow until its idle timeout (udp_timeout)",
+        ),
+    ];
+    for (key, set, why) in proxy_only {
+        if set {
+            err(
+                vec![k(key)],
+                format!("is a proxy option: {why}; remove it, or use forward = \"proxy\""),
+            );
+        }
+    }
+    for (j, b) in s.backends.iter().enumerate() {
+        let at = |key: &str| vec![k("backend"), PathSeg::Index(j), k(key)];
+        if b.proxy_protocol.is_some() {
+            err(
+                at("proxy_protocol"),
+                format!(
+                    "forward = \"{f}\" forwards packets and cannot insert a PROXY header \
+                     into the byte stream; {}",
+                    if f == Forward::Fnat {
+                        "fnat hides the client's address, so use forward = \"nat\" or \"dr\" \
+                         (the backend sees the client's own address) or \"proxy\" (with the \
+                         header), or remove it"
+                    } else {
+                        "the backend sees the client's own address anyway; remove it"
+                    }
+                ),
+            );
+        }
+        if b.address.is_ipv4() != s.listen.is_ipv4() {
+            err(
+                at("address"),
+                format!(
+                    "{} is not of the VIP's family ({}): packet mode rewrites addresses in \
+                     place and does not translate between IPv4 and IPv6; give a backend of \
+                     the VIP's family, or use forward = \"proxy\"",
+                    b.address, s.listen
+                ),
+            );
+        } else if f == Forward::Dr && b.address.port() != s.listen.port() && s.listen.port() != 0 {
+            err(
+                at("address"),
+                format!(
+                    "dr only rewrites the MAC address, so the backend must listen on the \
+                     VIP's port {} (IPVS's rule), not {}; use port {}, or forward = \"nat\" \
+                     to map ports",
+                    s.listen.port(),
+                    b.address.port(),
+                    s.listen.port()
+                ),
+            );
+        }
+    }
 }
 
 /// "tcp" / "udp".
@@ -1735,6 +2227,14 @@ enum Kind {
     ProxyVersion,
     /// A duration within these bounds ([`Dur`]).
     Dur(DurationBounds),
+    /// A [`Forward`] name.
+    Forward,
+    /// A [`PacketIo`] name.
+    PacketIo,
+    /// A [`PortRange`], "A-B".
+    Ports,
+    /// An array of IP addresses.
+    Ips,
 }
 
 const DAEMON_KEYS: &[(&str, Kind)] = &[
@@ -1791,6 +2291,7 @@ const SERVICE_KEYS: &[(&str, Kind)] = &[
     ("name", Kind::Str),
     ("protocol", Kind::Proto),
     ("listen", Kind::Addr),
+    ("forward", Kind::Forward),
     ("scheduler", Kind::Sched),
     ("persistence", Kind::Dur(PERSISTENCE_BOUNDS)),
     ("persistence_netmask", Kind::Str),
@@ -1807,7 +2308,15 @@ const SERVICE_KEYS: &[(&str, Kind)] = &[
     ("udp_timeout", Kind::Dur(UDP_TIMEOUT_BOUNDS)),
     ("udp_max_sessions_per_client", Kind::Int),
     ("health", Kind::Table),
+    ("sloppy_tcp", Kind::Bool),
     ("backend", Kind::Tables),
+];
+const PACKET_KEYS: &[(&str, Kind)] = &[
+    ("interfaces", Kind::Strs),
+    ("io", Kind::PacketIo),
+    ("local_addresses", Kind::Ips),
+    ("fnat_ports", Kind::Ports),
+    ("workers", Kind::Int),
 ];
 const HEALTH_KEYS: &[(&str, Kind)] = &[
     ("interval", Kind::Dur(HEALTH_INTERVAL_BOUNDS)),
@@ -1849,6 +2358,7 @@ fn dependents(key: &str) -> &'static [&'static str] {
             "sh_port",
         ],
         "interval" => &["timeout"],
+        "forward" => &["sloppy_tcp"],
         _ => &[],
     }
 }
@@ -1858,6 +2368,7 @@ fn shape_problems(root: &toml_edit::Table) -> Vec<ShapeProblem> {
     let root_keys = [
         ("daemon", Kind::Table),
         ("admin", Kind::Table),
+        ("packet", Kind::Table),
         ("tenant", Kind::Tables),
         ("service", Kind::Tables),
     ];
@@ -1878,6 +2389,9 @@ fn shape_problems(root: &toml_edit::Table) -> Vec<ShapeProblem> {
     }
     if let Some(t) = sub("admin").and_then(|i| i.as_table_like()) {
         check_table(t, "admin", ADMIN_KEYS, &[], &mut out);
+    }
+    if let Some(t) = sub("packet").and_then(|i| i.as_table_like()) {
+        check_table(t, "packet", PACKET_KEYS, &["interfaces"], &mut out);
     }
     for (i, t) in tables(sub("tenant")).into_iter().enumerate() {
         check_table(t, &format!("tenant[{i}]"), TENANT_KEYS, &["name"], &mut out);
@@ -1988,6 +2502,20 @@ fn check_table(
                 });
                 Some((problem, format!("{:?}", b.example)))
             }
+            (Kind::Forward, Some(text)) => {
+                Some((text.parse::<Forward>().err(), "\"proxy\"".to_owned()))
+            }
+            (Kind::PacketIo, Some(text)) => Some((
+                PacketIo::ALL
+                    .into_iter()
+                    .all(|io| io.as_str() != text)
+                    .then(|| format!("unknown io {text:?}; use one of auto xdp afpacket")),
+                "\"auto\"".to_owned(),
+            )),
+            (Kind::Ports, Some(text)) => Some((
+                text.parse::<PortRange>().err(),
+                "\"40000-59999\"".to_owned(),
+            )),
             _ => None,
         };
         if let Some((problem, stand_in)) = typed {
@@ -2024,7 +2552,16 @@ fn check_table(
             Kind::Strs => v
                 .and_then(|v| v.as_array())
                 .is_some_and(|a| a.iter().all(|x| x.is_str())),
-            Kind::Sched | Kind::ProxyVersion | Kind::Dur(_) => v.is_some_and(|v| v.is_str()),
+            Kind::Ips => v.and_then(|v| v.as_array()).is_some_and(|a| {
+                a.iter()
+                    .all(|x| x.as_str().is_some_and(|s| s.parse::<IpAddr>().is_ok()))
+            }),
+            Kind::Sched
+            | Kind::ProxyVersion
+            | Kind::Dur(_)
+            | Kind::Forward
+            | Kind::PacketIo
+            | Kind::Ports => v.is_some_and(|v| v.is_str()),
         };
         if !ok {
             let want = match kind {
@@ -2041,6 +2578,10 @@ fn check_table(
                 Kind::Sched => "a scheduler name in quotes, e.g. \"wlc\"",
                 Kind::ProxyVersion => "\"v1\" or \"v2\"",
                 Kind::Dur(_) => "a duration in quotes, e.g. \"2s\"",
+                Kind::Forward => "\"proxy\", \"nat\", \"fnat\" or \"dr\"",
+                Kind::PacketIo => "\"auto\", \"xdp\" or \"afpacket\"",
+                Kind::Ports => "a port range in quotes, e.g. \"40000-59999\"",
+                Kind::Ips => "an array of IP addresses, e.g. [\"10.0.1.1\", \"2001:db8::1\"]",
             };
             out.push((path(key), offset, format!("expected {want}"), None));
         }
@@ -2070,6 +2611,7 @@ mod tests {
             name: "s".into(),
             protocol: Protocol::Udp,
             listen: "127.0.0.1:53".parse().unwrap(),
+            forward: Forward::Proxy,
             scheduler: weir_sched::SchedulerKind::Mh,
             persistence: "10s".parse().unwrap(),
             persistence_netmask: Some("255.255.255.0".into()),
@@ -2113,7 +2655,35 @@ mod tests {
             },
             ..svc.clone()
         };
+        // The packet-only keys, on a third service.
+        let nat_svc = ServiceSpec {
+            name: "s3".into(),
+            protocol: Protocol::Tcp,
+            listen: "10.0.0.100:80".parse().unwrap(),
+            forward: Forward::Fnat,
+            scheduler: weir_sched::SchedulerKind::Wlc,
+            persistence_netmask: None,
+            options: ServiceOptions {
+                sloppy_tcp: true,
+                ..ServiceOptions::default()
+            },
+            backends: vec![BackendSpec {
+                address: "10.0.1.2:8080".parse().unwrap(),
+                weight: 1,
+                proxy_protocol: None,
+                max_connections: 0,
+            }],
+            ..svc.clone()
+        };
         let cfg = Config {
+            packet: Some(PacketConfig {
+                // `lo` exists in every network namespace.
+                interfaces: vec!["lo".into()],
+                io: PacketIo::Afpacket,
+                local_addresses: vec!["10.0.1.1".parse().unwrap(), "2001:db8::1".parse().unwrap()],
+                fnat_ports: "1024-2047".parse().unwrap(),
+                workers: 2,
+            }),
             daemon: DaemonConfig {
                 max_shared_table_entries: 1 << 20,
                 estimator_cpu: Some(0),
@@ -2147,7 +2717,7 @@ mod tests {
                 allowed_listen: vec!["10.0.0.0/24:8000-8100".into(), "[::]:443".into()],
                 allowed_backends: vec!["10.1.0.0/16".into()],
             }],
-            services: vec![svc, sh_svc],
+            services: vec![svc, sh_svc, nat_svc],
         };
         let text = toml::to_string(&cfg).unwrap();
         let parsed = parse(&text, "x.toml").unwrap_or_else(|e| panic!("{e:?}\n{text}"));
@@ -2768,5 +3338,240 @@ mod tests {
                 seen.join(", ")
             );
         }
+    }
+
+    /// A file with `[packet]` and a service of each kind.
+    fn packet_file(packet: &str, services: &str) -> String {
+        format!("{packet}\n{services}")
+    }
+
+    fn svc_text(listen: &str, extra: &str, backends: &[&str]) -> String {
+        // Named after the address, so every service in a test is unique.
+        let name: String = listen
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .collect();
+        let mut t = format!(
+            "[[service]]\nname = \"s{name}\"\nprotocol = \"tcp\"\nlisten = \"{listen}\"\n{extra}\n"
+        );
+        for b in backends {
+            t.push_str(&format!("[[service.backend]]\naddress = \"{b}\"\n"));
+        }
+        t
+    }
+
+    #[test]
+    fn packet_config_as_the_issue_writes_it_parses_and_round_trips() {
+        // Issue 12's example, with `lo` for its interfaces (they must exist).
+        let text = r#"
+[packet]
+interfaces = ["lo"]
+io = "auto"
+local_addresses = ["10.0.1.1"]
+
+[[service]]
+tenant = "default"
+name = "web"
+protocol = "tcp"
+listen = "10.0.0.100:80"
+forward = "nat"
+scheduler = "wlc"
+  [[service.backend]]
+  address = "10.0.1.2:80"
+"#;
+        let c = parse(text, "p.toml").unwrap_or_else(|e| panic!("{e:?}"));
+        let p = c.packet.as_ref().expect("[packet]");
+        assert_eq!(p.interfaces, ["lo"]);
+        assert_eq!(p.io, PacketIo::Auto);
+        assert_eq!(p.local_addresses, ["10.0.1.1".parse::<IpAddr>().unwrap()]);
+        assert_eq!(
+            p.fnat_ports,
+            PortRange {
+                lo: 40_000,
+                hi: 59_999
+            }
+        );
+        assert_eq!(p.workers, 0);
+        assert_eq!(c.services[0].forward, Forward::Nat);
+        assert!(c.services[0].forward.is_packet());
+        assert!(!c.services[0].options.sloppy_tcp);
+        let back = toml::to_string(&c).unwrap();
+        assert_eq!(parse(&back, "back.toml").unwrap(), c, "{back}");
+        // A proxy service does not get `forward` written out.
+        let proxy = parse(&svc_text("127.0.0.1:80", "forward = \"proxy\"", &[]), "x").unwrap();
+        assert_eq!(proxy.services[0].forward, Forward::Proxy);
+        assert!(!toml::to_string(&proxy).unwrap().contains("forward"));
+        assert!(proxy.packet.is_none());
+    }
+
+    #[test]
+    fn forward_and_port_range_text_both_ways() {
+        for f in Forward::ALL {
+            assert_eq!(f.as_str().parse::<Forward>(), Ok(f));
+            assert_eq!(f.is_packet(), f != Forward::Proxy);
+        }
+        assert!(
+            "masq"
+                .parse::<Forward>()
+                .unwrap_err()
+                .contains("proxy nat fnat dr")
+        );
+        let r: PortRange = " 1-65535 ".parse().unwrap();
+        assert_eq!((r.lo, r.hi, r.len()), (1, 65535, 65535));
+        assert_eq!(r.to_string(), "1-65535");
+        assert_eq!("7-7".parse::<PortRange>().unwrap().len(), 1);
+        for bad in ["", "5", "0-10", "10-5", "1-65536", "a-b", "1-2-3"] {
+            let e = bad.parse::<PortRange>().unwrap_err();
+            assert!(e.contains("40000-59999"), "{bad:?}: {e}");
+        }
+    }
+
+    /// Every packet-mode rule at once, each at its key, with what to do.
+    #[test]
+    fn packet_rules_are_all_reported_with_their_keys() {
+        let text = packet_file(
+            "[packet]\ninterfaces = [\"lo\", \"weir-no-such0\", \"lo\", \"bad/name\"]\n\
+             local_addresses = [\"10.0.1.1\", \"0.0.0.0\", \"10.0.1.1\"]\nworkers = 2000\n",
+            &[
+                // 0: dr to another port.
+                svc_text("10.0.0.1:80", "forward = \"dr\"", &["10.0.1.2:8080"]),
+                // 1: a VIP with port 0.
+                svc_text("10.0.0.2:0", "forward = \"nat\"", &["10.0.1.2:80"]),
+                // 2: a wildcard VIP.
+                svc_text("0.0.0.0:80", "forward = \"nat\"", &["10.0.1.2:80"]),
+                // 3: proxy options on a packet service.
+                svc_text(
+                    "10.0.0.3:80",
+                    "forward = \"nat\"\nconnect_timeout = \"1s\"",
+                    &["10.0.1.2:80"],
+                ),
+                // 4: sloppy_tcp on the proxy.
+                svc_text("127.0.0.1:81", "sloppy_tcp = true", &["10.0.1.2:80"]),
+                // 5: fnat to IPv6 with only IPv4 local addresses.
+                svc_text(
+                    "[2001:db8::5]:80",
+                    "forward = \"fnat\"",
+                    &["[2001:db8::6]:80"],
+                ),
+                // 6: nat across families.
+                svc_text("10.0.0.7:80", "forward = \"nat\"", &["[2001:db8::6]:80"]),
+                // 7: a VIP on a local address inside fnat_ports.
+                svc_text("10.0.1.1:45000", "forward = \"nat\"", &["10.0.1.2:80"]),
+            ]
+            .concat(),
+        );
+        let mut text = text;
+        // 8: a PROXY header on a packet service.
+        text.push_str(
+            "[[service]]\nname = \"pp\"\nprotocol = \"tcp\"\nlisten = \"10.0.0.9:80\"\n\
+             forward = \"dr\"\n[[service.backend]]\naddress = \"10.0.1.9:80\"\nproxy_protocol = \"v2\"\n",
+        );
+        let errs = parse(&text, "p.toml").unwrap_err();
+        let has = |key: &str, words: &str| {
+            assert!(
+                errs.iter()
+                    .any(|e| e.key == key && e.message.contains(words) && e.line.is_some()),
+                "no {key}: ...{words}... in\n{}",
+                errs.iter().map(|e| format!("{e}\n")).collect::<String>()
+            )
+        };
+        has("packet.interfaces[1]", "per network namespace");
+        has("packet.interfaces[2]", "listed twice");
+        has("packet.interfaces[3]", "not an interface name");
+        has("packet.local_addresses[1]", "cannot be a source address");
+        has("packet.local_addresses[2]", "listed twice");
+        has("packet.workers", "1024");
+        has("service[0].backend[0].address", "VIP's port 80");
+        has("service[1].listen", "not a virtual address");
+        has("service[2].listen", "not a virtual address");
+        has("service[3].connect_timeout", "proxy option");
+        has("service[4].sloppy_tcp", "only applies to packet services");
+        has(
+            "service[5].backend[0].address",
+            "IPv6 address in [packet] local_addresses",
+        );
+        has(
+            "service[6].backend[0].address",
+            "does not translate between IPv4 and IPv6",
+        );
+        has("service[7].listen", "fnat_ports");
+        has("service[8].backend[0].proxy_protocol", "PROXY header");
+        assert_eq!(errs.len(), 15, "{errs:#?}");
+        // The existing interface is fine.
+        assert!(!errs.iter().any(|e| e.key == "packet.interfaces[0]"));
+    }
+
+    #[test]
+    fn packet_services_need_a_packet_section_and_fnat_its_addresses() {
+        let nat = svc_text("10.0.0.1:80", "forward = \"nat\"", &["10.0.1.2:80"]);
+        let errs = parse(&nat, "p.toml").unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].key, "service[0].forward");
+        assert!(
+            errs[0].message.contains("add a [packet] section"),
+            "{}",
+            errs[0]
+        );
+        assert_eq!(errs[0].line, Some(5));
+
+        let fnat = svc_text("10.0.0.1:80", "forward = \"fnat\"", &["10.0.1.2:80"]);
+        let errs = parse(&packet_file("[packet]\ninterfaces = [\"lo\"]", &fnat), "p").unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].key, "service[0].forward");
+        assert!(errs[0].message.contains("local_addresses"), "{}", errs[0]);
+        // An IPv6 local address with no IPv6 service is fine.
+        let ok = packet_file(
+            "[packet]\ninterfaces = [\"lo\"]\nlocal_addresses = [\"10.0.1.1\", \"2001:db8::1\"]",
+            &fnat,
+        );
+        parse(&ok, "p").unwrap_or_else(|e| panic!("{e:?}"));
+
+        let errs = parse("[packet]\ninterfaces = []\n", "p").unwrap_err();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].key, "packet.interfaces");
+        assert!(errs[0].message.contains("is empty"), "{}", errs[0]);
+        let errs = parse("[packet]\nio = \"xdp\"\n", "p").unwrap_err();
+        assert_eq!(errs[0].key, "packet.interfaces");
+        assert!(errs[0].message.contains("required"), "{}", errs[0]);
+    }
+
+    /// Typed values that do not parse are reported with the rest, and a
+    /// bad `forward` does not also complain about its `sloppy_tcp`.
+    #[test]
+    fn packet_typed_values_report_with_the_rest() {
+        let text = "[packet]\ninterfaces = [\"lo\"]\nio = \"dpdk\"\nfnat_ports = \"5-1\"\n\
+                    local_addresses = [\"nowhere\"]\nbogus = 1\n";
+        let errs = parse(text, "p").unwrap_err();
+        let keys: Vec<&str> = errs.iter().map(|e| e.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "packet.io",
+                "packet.fnat_ports",
+                "packet.local_addresses",
+                "packet.bogus"
+            ],
+            "{errs:?}"
+        );
+        let text = "[packet]\ninterfaces = [\"lo\"]\nio = \"dpdk\"\nfnat_ports = \"5-1\"\n\
+                    [[service]]\nname = \"a\"\nprotocol = \"tcp\"\nlisten = \"10.0.0.1:80\"\n\
+                    forward = \"masq\"\nsloppy_tcp = true\n\
+                    tcp_max_connections_per_client = 0\nmh_port = true\n";
+        let errs = parse(text, "p").unwrap_err();
+        let keys: Vec<(&str, Option<usize>)> =
+            errs.iter().map(|e| (e.key.as_str(), e.line)).collect();
+        assert_eq!(
+            keys,
+            [
+                ("packet.io", Some(3)),
+                ("packet.fnat_ports", Some(4)),
+                ("service[0].forward", Some(9)),
+                ("service[0].mh_port", Some(12)),
+            ],
+            "{errs:?}"
+        );
+        assert!(errs[0].message.contains("auto xdp afpacket"), "{}", errs[0]);
+        assert!(errs[1].message.contains("runs backwards"), "{}", errs[1]);
+        assert!(errs[2].message.contains("proxy nat fnat dr"), "{}", errs[2]);
     }
 }

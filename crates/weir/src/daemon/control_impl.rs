@@ -138,6 +138,14 @@ impl LiveControl {
     fn plan(&self, new: &Config) -> Result<ReloadReport, Vec<String>> {
         let mut errors = Vec::new();
         let mut report = ReloadReport::default();
+        if new.packet != self.0.packet_cfg {
+            errors.push(
+                "[packet] differs from the running daemon's: the packet data path attaches to \
+                 its interfaces and addresses at start, so a reload cannot change it; restart \
+                 weir to apply it (or put the running [packet] back to reload the rest)"
+                    .into(),
+            );
+        }
         let (tenants, services) = {
             let st = self.0.state.read();
             (st.tenants.clone(), st.services.clone())
@@ -183,7 +191,16 @@ impl LiveControl {
         }
         for s in &new.services {
             let id = format!("{}/{}", s.tenant, s.name);
-            if let Err(e) = check_service(s).and_then(|()| service_params(s).map(|_| ())) {
+            if let Err(e) =
+                check_service(s, new.packet.as_ref()).and_then(|()| service_params(s).map(|_| ()))
+            {
+                errors.push(format!("service {id}: {}", e.message));
+            } else if let Some(why) = self.0.packet_mode_unavailable(s) {
+                errors.push(format!("service {id}: {why}"));
+            }
+            if let Some(c) = services.get(&(s.tenant.clone(), s.name.clone()))
+                && let Err(e) = forward_fixed(&c.spec.read(), s)
+            {
                 errors.push(format!("service {id}: {}", e.message));
             }
             if !tenants.contains_key(&s.tenant) && !new.tenants.iter().any(|t| t.name == s.tenant) {
@@ -347,6 +364,31 @@ impl ConnMatch {
 /// Why a tenant's `max_table_entries` cannot change live: the flow table
 /// fixes a table's cap when it creates the table (`TenantConfig::max_entries`)
 /// and has no call to move it.
+/// `forward` cannot change on a live service: a proxy service's flows are
+/// sockets and a packet service's are rewritten packets, and neither can
+/// carry on as the other.
+fn forward_fixed(cur: &ServiceSpec, new: &ServiceSpec) -> ControlResult<()> {
+    if cur.forward == new.forward {
+        return Ok(());
+    }
+    Err(ControlError::new(
+        ErrorKind::Invalid,
+        format!(
+            "forward cannot change on a live service ({} -> {}): its connections are {} and \
+             cannot move to the other data path; delete the service and add it again with \
+             forward = \"{}\"",
+            cur.forward,
+            new.forward,
+            if cur.forward.is_packet() {
+                "forwarded packets"
+            } else {
+                "proxied sockets"
+            },
+            new.forward
+        ),
+    ))
+}
+
 fn cap_fixed(cur: usize, new: usize) -> String {
     format!(
         "max_table_entries cannot change on a live tenant: its flow table's cap was fixed at \
@@ -501,8 +543,9 @@ impl Control for LiveControl {
                 "tenant and name cannot change; delete and add instead",
             ));
         }
-        check_service(&spec)?;
+        check_service(&spec, self.0.packet_cfg.as_ref())?;
         let cur = svc.spec.read().clone();
+        forward_fixed(&cur, &spec)?;
         let new_backends: Vec<String> = spec
             .backends
             .iter()
@@ -582,7 +625,7 @@ impl Control for LiveControl {
         specs.push(spec);
         let mut full = svc.spec.read().clone();
         full.backends = specs.clone();
-        check_service(&full)?;
+        check_service(&full, self.0.packet_cfg.as_ref())?;
         self.set_backends(&svc, &specs)?;
         self.0.start_health(&svc);
         self.added_at_runtime(id);
@@ -774,6 +817,7 @@ impl Control for LiveControl {
         Config {
             daemon: self.0.daemon_cfg.clone(),
             admin: self.0.admin_cfg.clone(),
+            packet: self.0.packet_cfg.clone(),
             tenants: st
                 .tenants
                 .values()

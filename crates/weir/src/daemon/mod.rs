@@ -75,9 +75,14 @@ pub const UDP_TIMEOUT: Duration = Duration::from_secs(300);
 /// Default backend connect timeout.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Every problem of a service spec as one `Invalid` control error.
-pub(crate) fn check_service(spec: &ServiceSpec) -> crate::control::ControlResult<()> {
-    let problems = config::service_problems(spec);
+/// Every problem of a service spec as one `Invalid` control error;
+/// `packet` is the `[packet]` section a packet service is checked against.
+pub(crate) fn check_service(
+    spec: &ServiceSpec,
+    packet: Option<&config::PacketConfig>,
+) -> crate::control::ControlResult<()> {
+    let mut problems = config::service_problems(spec);
+    problems.extend(config::packet_service_problems(spec, packet));
     if problems.is_empty() {
         return Ok(());
     }
@@ -162,6 +167,7 @@ impl Daemon {
             config_path,
             daemon_cfg: config.daemon.clone(),
             admin_cfg: config.admin.clone(),
+            packet_cfg: config.packet.clone(),
             state: RwLock::new(State::default()),
             owners: Arc::new(owners::Owners::new(workers)),
             table: FlowTable::new(TableConfig {
@@ -428,6 +434,8 @@ pub(crate) struct Shared {
     config_path: Option<PathBuf>,
     pub(crate) daemon_cfg: DaemonConfig,
     admin_cfg: crate::config::AdminConfig,
+    /// `[packet]` as the daemon started with it (a reload cannot change it).
+    pub(crate) packet_cfg: Option<config::PacketConfig>,
     pub(crate) state: RwLock<State>,
     /// The tasks that own proxied connections, named by their entries.
     pub(crate) owners: Arc<owners::Owners>,
@@ -1141,6 +1149,22 @@ impl Shared {
 
     // -- services ---------------------------------------------------------
 
+    /// Why this daemon cannot serve `spec` (a valid spec: [`check_service`]
+    /// passed), or `None`. The one place that decides whether a packet
+    /// service (`forward` other than proxy) may be added: every path that
+    /// adds or replaces a service (start, reload, the API) asks it before
+    /// opening anything, so a packet service never gets proxy sockets.
+    pub(crate) fn packet_mode_unavailable(&self, spec: &ServiceSpec) -> Option<String> {
+        // Until the packet data path lands, packet mode does not run.
+        spec.forward.is_packet().then(|| {
+            format!(
+                "forward = \"{}\" needs packet mode, which this daemon does not run yet; \
+                 use forward = \"proxy\" (or leave forward out)",
+                spec.forward
+            )
+        })
+    }
+
     pub(crate) fn add_service(
         self: &Arc<Self>,
         spec: ServiceSpec,
@@ -1159,7 +1183,10 @@ impl Shared {
         replace: bool,
     ) -> crate::control::ControlResult<()> {
         use crate::control::{ControlError, ErrorKind};
-        check_service(&spec)?;
+        check_service(&spec, self.packet_cfg.as_ref())?;
+        if let Some(why) = self.packet_mode_unavailable(&spec) {
+            return Err(ControlError::new(ErrorKind::Unavailable, why));
+        }
         let params = Arc::new(service_params(&spec)?);
         // Before the state lock: the wait may take seconds, and every admin
         // request and new connection's service lookup needs that lock.
@@ -1943,6 +1970,7 @@ mod tests {
             name: name.into(),
             protocol: Protocol::Tcp,
             listen,
+            forward: Default::default(),
             scheduler: weir_sched::SchedulerKind::Rr,
             persistence: "0s".parse().unwrap(),
             persistence_netmask: None,

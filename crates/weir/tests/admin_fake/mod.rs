@@ -174,6 +174,7 @@ pub fn service(tenant: &str, name: &str, listen: &str, backends: &[&str]) -> Ser
         name: name.into(),
         protocol: Protocol::Tcp,
         listen: listen.parse().unwrap(),
+        forward: Default::default(),
         scheduler: weir_sched::SchedulerKind::Wlc,
         persistence: if tenant == "acme" { "300s" } else { "0s" }
             .parse()

@@ -126,6 +126,7 @@ pub fn service(
         name: name.into(),
         protocol: proto,
         listen: "127.0.0.1:0".parse().unwrap(),
+        forward: Default::default(),
         scheduler: weir::config::parse_scheduler(sched).unwrap(),
         persistence: "0s".parse().unwrap(),
         persistence_netmask: None,

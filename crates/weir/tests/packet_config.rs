@@ -1,0 +1,293 @@
+//! Packet mode's configuration and operator surface against the real
+//! daemon (issue 12): `[packet]` survives `weir save` and cannot change by
+//! reload; packet services (`forward` other than proxy) are validated by
+//! the API as by the file, and — until the packet data path runs — refused
+//! by start, reload and the API without a socket opened for them.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use serde_json::json;
+
+use weir::cli::client::CliError;
+use weir::config::{Forward, PacketConfig, PacketIo, Protocol};
+use weir::daemon::Daemon;
+
+mod cli_util;
+mod daemon_util;
+use daemon_util::admin::{Running, TOKEN};
+use daemon_util::{Echo, backend, config, echo_once, service};
+
+/// What the daemon says of a packet service while packet mode does not run.
+const UNAVAILABLE: &str = "needs packet mode, which this daemon does not run yet";
+
+/// `[packet]` on `lo`, which every network namespace has.
+fn packet_on_lo() -> PacketConfig {
+    PacketConfig {
+        interfaces: vec!["lo".into()],
+        io: PacketIo::Afpacket,
+        // Not 127.0.0.1, where the tests' VIPs are (a VIP on a local address
+        // must keep out of fnat_ports).
+        local_addresses: vec!["127.0.0.9".parse().unwrap(), "::1".parse().unwrap()],
+        fnat_ports: "40000-40999".parse().unwrap(),
+        workers: 1,
+    }
+}
+
+/// A loopback address no one listens on (bound once to find it, then freed).
+fn free_addr() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// Nothing accepts on `addr`, and it is free to bind.
+fn nothing_listens(addr: SocketAddr) -> bool {
+    TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_err()
+        && TcpListener::bind(addr).is_ok()
+}
+
+#[test]
+fn start_refuses_a_packet_service_and_opens_nothing() {
+    let echo = Echo::start();
+    let vip = free_addr();
+    let mut nat = service("nat", Protocol::Tcp, "rr", vec![backend(echo.addr, 1)]);
+    nat.listen = vip;
+    nat.forward = Forward::Nat;
+    let mut cfg = config(vec![nat]);
+    cfg.packet = Some(packet_on_lo());
+    let err = Daemon::start(cfg, None).expect_err("a packet service is refused");
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("forward = \"nat\" ") && msg.contains(UNAVAILABLE),
+        "{msg}"
+    );
+    assert!(nothing_listens(vip), "{vip} was opened");
+}
+
+/// `POST /v1/services` runs the file's checks (400, with the key) and the
+/// daemon's refusal (503); nothing of a refused service is left.
+#[test]
+fn api_validates_and_refuses_packet_services() {
+    let echo = Echo::start();
+    let mut cfg = config(vec![service(
+        "web",
+        Protocol::Tcp,
+        "rr",
+        vec![backend(echo.addr, 1)],
+    )]);
+    cfg.packet = Some(packet_on_lo());
+    let r = Running::start(cfg, None);
+    let vip = free_addr();
+    let body = |forward: &str, extra: serde_json::Value| {
+        let mut b = json!({
+            "name": "pkt", "protocol": "tcp", "listen": vip.to_string(),
+            "forward": forward, "scheduler": "rr",
+            "backend": [{ "address": echo.addr.to_string() }],
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let cases = [
+        (body("nat", json!({ "sloppy_tcp": true })), 503, UNAVAILABLE),
+        (body("masq", json!({})), 400, "unknown variant `masq`"),
+        (
+            body("dr", json!({})),
+            400,
+            "backend[0].address: dr only rewrites the MAC address",
+        ),
+        (
+            body("nat", json!({ "connect_timeout": "1s" })),
+            400,
+            "connect_timeout: is a proxy option",
+        ),
+        (
+            body("proxy", json!({ "sloppy_tcp": true })),
+            400,
+            "sloppy_tcp: only applies to packet services",
+        ),
+        (
+            body("nat", json!({ "listen": "0.0.0.0:80" })),
+            400,
+            "listen: 0.0.0.0:80 is not a virtual address",
+        ),
+    ];
+    for (b, want, words) in cases {
+        let (status, message) = r.status("POST", "/v1/services", Some(b.clone()));
+        assert_eq!(status, want, "{b}: {message}");
+        assert!(message.contains(words), "{b}: {message}");
+        assert!(nothing_listens(vip), "{b}: {vip} was opened");
+        let names: Vec<_> = r
+            .ok("GET", "/v1/services", None)
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["name"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(names, ["web"], "{b}");
+    }
+    // `forward` cannot change on a live service (its connections are
+    // sockets); the service and its connections stay as they were.
+    let path = "/v1/services/default/web";
+    let mut spec = r.ok("GET", path, None);
+    assert_eq!(spec.get("forward"), None, "proxy is not written: {spec}");
+    spec["forward"] = json!("fnat");
+    let (status, message) = r.status("PUT", path, Some(spec));
+    assert_eq!(status, 400, "{message}");
+    assert!(
+        message.contains("forward cannot change on a live service"),
+        "{message}"
+    );
+    let web = r.d().service_addr("default", "web").unwrap();
+    assert!(echo_once(web, b"still proxied"));
+}
+
+/// Without `[packet]` the API says what is missing.
+#[test]
+fn api_packet_service_without_packet_section() {
+    let r = Running::start(config(Vec::new()), None);
+    let (status, message) = r.status(
+        "POST",
+        "/v1/services",
+        Some(json!({
+            "name": "pkt", "protocol": "udp", "listen": "127.0.0.1:5353", "forward": "dr",
+            "backend": [{ "address": "127.0.0.2:5353" }],
+        })),
+    );
+    assert_eq!(status, 400, "{message}");
+    assert!(
+        message.contains("forward: forward = \"dr\" needs packet mode: add a [packet] section"),
+        "{message}"
+    );
+}
+
+/// `weir save` writes `[packet]` as the daemon runs it, and the saved file
+/// parses back to the same configuration.
+#[test]
+fn save_round_trips_the_packet_section() {
+    let echo = Echo::start();
+    let mut cfg = config(vec![service(
+        "web",
+        Protocol::Tcp,
+        "rr",
+        vec![backend(echo.addr, 1)],
+    )]);
+    cfg.packet = Some(packet_on_lo());
+    let r = Running::start(cfg.clone(), None);
+    let (code, saved, err) = cli_util::run(&r.url, TOKEN, &["save"]);
+    assert_eq!(code, ExitCode::SUCCESS, "{err}");
+    assert!(saved.contains("[packet]\n"), "{saved}");
+    assert!(saved.contains("fnat_ports = \"40000-40999\""), "{saved}");
+    assert!(!saved.contains("forward"), "proxy is the default: {saved}");
+    let back =
+        weir::config::parse(&saved, "saved.toml").unwrap_or_else(|e| panic!("{e:?}\n{saved}"));
+    assert_eq!(back.packet, cfg.packet, "{saved}");
+    assert_eq!(back.services.len(), 1);
+    assert_eq!(back.services[0].forward, Forward::Proxy);
+}
+
+fn from_file(text: &str) -> (Running, tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("weir.toml");
+    std::fs::write(&path, text).unwrap();
+    let cfg = weir::config::load(&path).unwrap_or_else(|e| panic!("{e:?}\n{text}"));
+    (Running::start(cfg, Some(path.clone())), dir, path)
+}
+
+fn reload_errors(r: &Running) -> Vec<String> {
+    match r.api("POST", "/v1/reload", None) {
+        Err(CliError::Api {
+            status,
+            errors,
+            message,
+        }) => {
+            assert_eq!(status, 400, "{message}");
+            errors
+        }
+        other => panic!("expected a refused reload, got {other:?}"),
+    }
+}
+
+/// A reload may keep `[packet]` as it is (and change the rest), but not
+/// change, add or remove it; nor add a packet service while packet mode
+/// does not run.
+#[test]
+fn reload_refuses_packet_section_changes() {
+    let echo = Echo::start();
+    let packet = "[daemon]\nworkers = 2\n[packet]\ninterfaces = [\"lo\"]\n";
+    let svc = |name: &str, extra: &str| {
+        format!(
+            "[[service]]\nname = \"{name}\"\nprotocol = \"tcp\"\nlisten = \"127.0.0.1:0\"\n{extra}\n\
+             [[service.backend]]\naddress = \"{}\"\n",
+            echo.addr
+        )
+    };
+    let (r, _dir, path) = from_file(&format!("{packet}{}", svc("web", "")));
+    // Unchanged [packet], a new proxy service: applied.
+    std::fs::write(
+        &path,
+        format!("{packet}{}{}", svc("web", ""), svc("two", "")),
+    )
+    .unwrap();
+    let ok = r.ok("POST", "/v1/reload", None);
+    assert_eq!(ok["reloaded"], true, "{ok}");
+    let two = r
+        .d()
+        .service_addr("default", "two")
+        .expect("added by reload");
+    assert!(echo_once(two, b"reloaded"));
+
+    let both = format!("{}{}", svc("web", ""), svc("two", ""));
+    for changed in [
+        "[daemon]\nworkers = 2\n[packet]\ninterfaces = [\"lo\"]\nio = \"xdp\"\n".to_owned(),
+        "[daemon]\nworkers = 2\n".to_owned(),
+    ] {
+        std::fs::write(&path, format!("{changed}{both}{}", svc("three", ""))).unwrap();
+        let errors = reload_errors(&r);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0].contains("[packet] differs") && errors[0].contains("restart weir"),
+            "{errors:?}"
+        );
+        assert_eq!(
+            r.d().service_addr("default", "three"),
+            None,
+            "applied in part"
+        );
+    }
+    // A packet service by reload: refused with the daemon's reason.
+    let vip = free_addr();
+    let nat = format!(
+        "[[service]]\nname = \"nat\"\nprotocol = \"tcp\"\nlisten = \"{vip}\"\nforward = \"nat\"\n\
+         [[service.backend]]\naddress = \"{}\"\n",
+        echo.addr
+    );
+    std::fs::write(&path, format!("{packet}{both}{nat}")).unwrap();
+    let errors = reload_errors(&r);
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("service default/nat") && e.contains(UNAVAILABLE)),
+        "{errors:?}"
+    );
+    assert!(nothing_listens(vip), "{vip} was opened");
+    // Changing a live service's forward by reload: refused as by the API.
+    let web = r.d().service_addr("default", "web").unwrap();
+    let web_nat = format!(
+        "[[service]]\nname = \"web\"\nprotocol = \"tcp\"\nlisten = \"{web}\"\nforward = \"nat\"\n\
+         [[service.backend]]\naddress = \"{}\"\n",
+        echo.addr
+    );
+    std::fs::write(&path, format!("{packet}{web_nat}{}", svc("two", ""))).unwrap();
+    let errors = reload_errors(&r);
+    assert!(
+        errors.iter().any(|e| e.contains("forward cannot change")),
+        "{errors:?}"
+    );
+    assert!(echo_once(two, b"still here") && echo_once(web, b"still proxied"));
+}
