@@ -267,6 +267,9 @@ pub struct PacketStats {
     pub tx: u64,
     /// Flows created.
     pub new_flows: u64,
+    /// ICMP errors about flows, translated and forwarded.
+    #[serde(default)]
+    pub icmp_errors: u64,
     /// Frames dropped, per reason ("fragment", "no_flow", "no_next_hop", ...).
     pub dropped: std::collections::BTreeMap<String, u64>,
 }

@@ -789,6 +789,7 @@ impl Control for LiveControl {
                     rx: s.rx,
                     tx: s.tx,
                     new_flows: s.new_flows,
+                    icmp_errors: s.icmp_errors,
                     dropped: s.dropped,
                 }
             }),

@@ -110,6 +110,18 @@ impl Daemon {
     /// Services listening on port 0 get a free port; [`DaemonHandle::service_addr`]
     /// tells which.
     pub fn start(config: Config, config_path: Option<PathBuf>) -> anyhow::Result<DaemonHandle> {
+        Self::start_inner(config, config_path, true)
+    }
+
+    /// [`Self::start`]; `attach` = false leaves packet mode's interfaces
+    /// alone (no steering, no sockets, no packet workers) while its services
+    /// and shared state exist, so unit tests drive [`packet::Engine`]
+    /// with frames of their own.
+    fn start_inner(
+        config: Config,
+        config_path: Option<PathBuf>,
+        attach: bool,
+    ) -> anyhow::Result<DaemonHandle> {
         let problems = config::validate(&config);
         if !problems.is_empty() {
             let list: Vec<String> = problems
@@ -167,8 +179,8 @@ impl Daemon {
         // Packet workers: one per queue of each `[packet]` interface, each
         // with its own counter shard after the proxy workers'.
         let packet_workers = match &config.packet {
-            Some(p) => packet_run::queue_count(p)?,
-            None => 0,
+            Some(p) if attach => packet_run::queue_count(p)?,
+            _ => 0,
         };
         let rates = Arc::new(stats::RateEngine::new(workers + packet_workers)?);
         let shared = Arc::new(Shared {
@@ -226,7 +238,7 @@ impl Daemon {
                 .map_err(|e| anyhow::anyhow!("{}", e.message))?;
         }
         let est_stop = Arc::new(AtomicBool::new(false));
-        if let Some(p) = &config.packet {
+        if let Some(p) = config.packet.as_ref().filter(|_| attach) {
             let (rt, pkt_threads) = packet_run::start(&shared, p, workers, est_stop.clone())?;
             threads.extend(pkt_threads);
             rt.sync(&shared);

@@ -80,15 +80,17 @@ pub(crate) enum Drop {
     OtherInterface,
     /// TTL / hop limit would reach 0.
     TtlExpired,
-    /// ICMP (errors are not translated yet) and other frames weir forwards
-    /// nothing for.
+    /// ICMP messages other than errors about a flow (echo, redirects,
+    /// neighbour discovery...): weir answers none of them.
     Icmp,
+    /// An ICMP error whose quoted packet is truncated or malformed.
+    IcmpMalformed,
     /// A rewrite refused the frame (inconsistent lengths).
     Rewrite,
 }
 
 impl Drop {
-    pub(crate) const ALL: [Drop; 10] = [
+    pub(crate) const ALL: [Drop; 11] = [
         Drop::NotOurs,
         Drop::NoFlow,
         Drop::Refused,
@@ -98,6 +100,7 @@ impl Drop {
         Drop::OtherInterface,
         Drop::TtlExpired,
         Drop::Icmp,
+        Drop::IcmpMalformed,
         Drop::Rewrite,
     ];
 
@@ -112,6 +115,7 @@ impl Drop {
             Drop::OtherInterface => "other_interface",
             Drop::TtlExpired => "ttl_expired",
             Drop::Icmp => "icmp",
+            Drop::IcmpMalformed => "icmp_malformed",
             Drop::Rewrite => "rewrite",
         }
     }
@@ -124,6 +128,8 @@ pub(crate) struct Counters {
     pub(crate) rx: AtomicU64,
     pub(crate) tx: AtomicU64,
     pub(crate) new_flows: AtomicU64,
+    /// ICMP errors translated and forwarded.
+    pub(crate) icmp_errors: AtomicU64,
     pub(crate) unhandled: [AtomicU64; Unhandled::COUNT],
     pub(crate) dropped: [AtomicU64; Drop::ALL.len()],
 }
@@ -134,6 +140,7 @@ pub(crate) struct CounterSums {
     pub(crate) rx: u64,
     pub(crate) tx: u64,
     pub(crate) new_flows: u64,
+    pub(crate) icmp_errors: u64,
     pub(crate) dropped: std::collections::BTreeMap<String, u64>,
 }
 
@@ -189,6 +196,7 @@ impl PacketPath {
             s.rx += c.rx.load(Relaxed);
             s.tx += c.tx.load(Relaxed);
             s.new_flows += c.new_flows.load(Relaxed);
+            s.icmp_errors += c.icmp_errors.load(Relaxed);
             for (t, v) in unhandled.iter_mut().zip(&c.unhandled) {
                 *t += v.load(Relaxed);
             }
@@ -413,30 +421,15 @@ impl Engine {
                 return Verdict::Drop;
             }
         };
-        let Some(t) = pkt.tuple() else {
-            return self.drop_(Drop::Icmp);
-        };
         let now = Millis(self.shared.now_ms());
+        let Some(t) = pkt.tuple() else {
+            return self.icmp(frame, &pkt, now);
+        };
+        let (vs, found, direction) = match self.find(&t, Some(&pkt), now) {
+            Ok(f) => f,
+            Err(d) => return self.drop_(d),
+        };
         let len = (pkt.end - pkt.l3) as u64;
-        let (vs, found, direction) =
-            if let Some(vs) = self.vips.by_vip.get(&(t.dst.ip(), t.proto, t.dst.port())) {
-                let vs = vs.clone();
-                match self.forward_flow(&vs, &pkt, t.src, t.dst, now) {
-                    Ok(f) => (vs, f, Direction::ToBackend),
-                    Err(d) => return self.drop_(d),
-                }
-            } else if let Some(cands) =
-                self.vips
-                    .by_backend
-                    .get(&(t.src.ip(), t.proto, t.src.port()))
-            {
-                match self.reply_flow(cands, t.proto, t.dst) {
-                    Some((vs, f)) => (vs, f, Direction::ToClient),
-                    None => return self.drop_(Drop::NoFlow),
-                }
-            } else {
-                return self.drop_(Drop::NotOurs);
-            };
         let dir = match direction {
             Direction::ToBackend => Dir::In,
             Direction::ToClient => Dir::Out,
@@ -464,6 +457,44 @@ impl Engine {
                 now,
             );
         }
+        let (mapping, hop) = match self.route(&vs, &found, direction) {
+            Ok(r) => r,
+            Err(d) => return self.drop_(d),
+        };
+        let r = weir_packet::rewrite(frame, &pkt, vs.method, direction, &mapping, &hop, self.csum);
+        self.sent(r)
+    }
+
+    /// The flow of a packet with tuple `t`: by the forward key if it goes to
+    /// a VIP:port (created for a first packet when `first` is given), else
+    /// by the reply key if it comes from a nat/fnat backend.
+    fn find(
+        &mut self,
+        t: &weir_packet::FlowTuple,
+        first: Option<&Packet>,
+        now: Millis,
+    ) -> Result<(VipService, Flow, Direction), Drop> {
+        if let Some(vs) = self.vips.by_vip.get(&(t.dst.ip(), t.proto, t.dst.port())) {
+            let vs = vs.clone();
+            let f = self.forward_flow(&vs, first, t, now)?;
+            return Ok((vs, f, Direction::ToBackend));
+        }
+        let cands = self
+            .vips
+            .by_backend
+            .get(&(t.src.ip(), t.proto, t.src.port()))
+            .ok_or(Drop::NotOurs)?;
+        let (vs, f) = self.reply_flow(cands, t.proto, t.dst).ok_or(Drop::NoFlow)?;
+        Ok((vs, f, Direction::ToClient))
+    }
+
+    /// The endpoints to rewrite a packet of `found` with and its next hop.
+    fn route(
+        &mut self,
+        vs: &VipService,
+        found: &Flow,
+        direction: Direction,
+    ) -> Result<(NatMapping, NextHop), Drop> {
         let mapping = NatMapping {
             client: found.client,
             vip: vs.svc.listen,
@@ -474,13 +505,15 @@ impl Engine {
             Direction::ToBackend => found.backend.addr.ip(),
             Direction::ToClient => found.client.ip(),
         };
-        let Some((ifindex, hop)) = self.hops.next_hop(next) else {
-            return self.drop_(Drop::NoNextHop);
-        };
+        let (ifindex, hop) = self.hops.next_hop(next).ok_or(Drop::NoNextHop)?;
         if ifindex != self.ifindex {
-            return self.drop_(Drop::OtherInterface);
+            return Err(Drop::OtherInterface);
         }
-        match weir_packet::rewrite(frame, &pkt, vs.method, direction, &mapping, &hop, self.csum) {
+        Ok((mapping, hop))
+    }
+
+    fn sent(&self, r: Result<(), weir_packet::RewriteError>) -> Verdict {
+        match r {
             Ok(()) => {
                 self.counters.tx.fetch_add(1, Relaxed);
                 Verdict::Transmit
@@ -490,22 +523,47 @@ impl Engine {
         }
     }
 
+    /// An ICMP or ICMPv6 message. An error about a flow (unreachable,
+    /// fragmentation needed / packet too big, time exceeded) is translated
+    /// like the flow's packets and sent on, so path-MTU discovery works
+    /// through weir; it never creates a flow. Anything else is dropped.
+    fn icmp(&mut self, frame: &mut [u8], pkt: &Packet, now: Millis) -> Verdict {
+        let emb = match weir_packet::icmp::parse_error(frame, pkt) {
+            Ok(Some(e)) => e,
+            Ok(None) => return self.drop_(Drop::Icmp),
+            Err(_) => return self.drop_(Drop::IcmpMalformed),
+        };
+        let (vs, found, direction) = match self.find(&emb.flow_key(), None, now) {
+            Ok(f) => f,
+            Err(d) => return self.drop_(d),
+        };
+        let (mapping, hop) = match self.route(&vs, &found, direction) {
+            Ok(r) => r,
+            Err(d) => return self.drop_(d),
+        };
+        self.counters.icmp_errors.fetch_add(1, Relaxed);
+        let r = weir_packet::icmp::rewrite_error(
+            frame, pkt, &emb, vs.method, direction, &mapping, &hop,
+        );
+        self.sent(r)
+    }
+
     /// The flow of a client → VIP packet: found, or created for a first
     /// packet that may open one.
     fn forward_flow(
         &mut self,
         vs: &VipService,
-        pkt: &Packet,
-        client: SocketAddr,
-        vip: SocketAddr,
+        first: Option<&Packet>,
+        t: &weir_packet::FlowTuple,
         now: Millis,
     ) -> Result<Flow, Drop> {
         let svc = &vs.svc;
+        let client = t.src;
         let key = FlowKey {
             tenant: TenantId(svc.tenant.id),
-            proto: table_proto(pkt.transport.proto()),
+            proto: table_proto(t.proto),
             client,
-            virt: vip,
+            virt: t.dst,
         };
         for _ in 0..2 {
             if let Some((handle, backend)) = self.shared.table.lookup(&key) {
@@ -524,6 +582,9 @@ impl Engine {
                     client,
                 });
             }
+            let Some(pkt) = first else {
+                return Err(Drop::NoFlow);
+            };
             match self.open(vs, pkt, key, now) {
                 // Another worker inserted it first: look again.
                 Err(None) => continue,
@@ -751,5 +812,393 @@ impl Shared {
             return None;
         }
         Some(self.packet.get()?.local_of(snap.nat)?.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The engine with frames of its own: a daemon started with packet
+    //! services but no interfaces attached ([`super::super::Daemon::start_inner`]),
+    //! and a fixed next hop.
+
+    use super::*;
+    use crate::config::Config;
+    use weir_packet::checksum;
+    use weir_sched::RandomSource as _;
+
+    const VIP: &str = "10.0.0.100:80";
+    const B1: &str = "10.0.1.2:8080";
+    const B2: &str = "10.0.1.3:8080";
+    const LOCAL: &str = "10.0.1.1";
+    const HOP: NextHop = NextHop {
+        src_mac: [2, 0, 0, 0, 0, 1],
+        dst_mac: [2, 0, 0, 0, 0, 2],
+    };
+    const SYN: u8 = 0x02;
+    const ACK: u8 = 0x10;
+
+    struct FixedHop;
+    impl NextHops for FixedHop {
+        fn next_hop(&mut self, _dst: IpAddr) -> Option<(u32, NextHop)> {
+            Some((1, HOP))
+        }
+    }
+
+    fn sa(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    fn daemon(forward: &str, extra: &str) -> super::super::DaemonHandle {
+        let port = if forward == "dr" { 80 } else { 8080 };
+        let (b1, b2) = (
+            B1.replace(":8080", &format!(":{port}")),
+            B2.replace(":8080", &format!(":{port}")),
+        );
+        let toml = format!(
+            "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\nlocal_addresses = [\"{LOCAL}\"]\n\
+             [[tenant]]\nname = \"default\"\n{extra}\n\
+             [[service]]\nname = \"web\"\nprotocol = \"tcp\"\nlisten = \"{VIP}\"\nforward = \"{forward}\"\n\
+             scheduler = \"rr\"\n[[service.backend]]\naddress = \"{b1}\"\n[[service.backend]]\naddress = \"{b2}\"\n"
+        );
+        let cfg: Config = toml::from_str(&toml).unwrap();
+        super::super::Daemon::start_inner(cfg, None, false).unwrap()
+    }
+
+    fn engine(d: &super::super::DaemonHandle) -> Engine {
+        let shared = d.shared.clone();
+        let path = shared.packet.get().unwrap().clone();
+        Engine::new(shared, path, Box::new(FixedHop), 1, 7)
+    }
+
+    /// Ethernet + IPv4 + TCP (flags) or UDP (flags = None), checksums full.
+    fn frame(src: SocketAddr, dst: SocketAddr, tcp: Option<u8>, payload: &[u8]) -> Vec<u8> {
+        let (IpAddr::V4(s), IpAddr::V4(d)) = (src.ip(), dst.ip()) else {
+            panic!("v4 only")
+        };
+        let mut l4 = Vec::new();
+        l4.extend_from_slice(&src.port().to_be_bytes());
+        l4.extend_from_slice(&dst.port().to_be_bytes());
+        let (proto, csum_at) = match tcp {
+            Some(flags) => {
+                l4.extend_from_slice(&[
+                    0, 0, 0, 1, 0, 0, 0, 0, 0x50, flags, 0xff, 0xff, 0, 0, 0, 0,
+                ]);
+                (6u8, 16)
+            }
+            None => {
+                l4.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+                l4.extend_from_slice(&[0, 0]);
+                (17u8, 6)
+            }
+        };
+        l4.extend_from_slice(payload);
+        let c = checksum::l4_checksum(&s.octets(), &d.octets(), proto, &l4, csum_at);
+        l4[csum_at..csum_at + 2].copy_from_slice(&c.to_be_bytes());
+        let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, proto, 0, 0];
+        ip[2..4].copy_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
+        ip.extend_from_slice(&s.octets());
+        ip.extend_from_slice(&d.octets());
+        let c = checksum::ipv4_header_checksum(&ip);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+        let mut f = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 9, 0x08, 0x00];
+        f.extend_from_slice(&ip);
+        f.extend_from_slice(&l4);
+        f
+    }
+
+    /// The frame's tuple, after checking every checksum from scratch.
+    fn verified(f: &[u8]) -> weir_packet::FlowTuple {
+        let p = weir_packet::parse(f).expect("still a valid packet");
+        let ip = &f[p.l3..p.l4];
+        assert_eq!(
+            checksum::ipv4_header_checksum(ip).to_be_bytes(),
+            [ip[10], ip[11]],
+            "IPv4 header checksum"
+        );
+        let at = if p.transport.proto() == 6 { 16 } else { 6 };
+        let l4 = &f[p.l4..p.end];
+        let want = checksum::l4_checksum(&ip[12..16], &ip[16..20], p.transport.proto(), l4, at);
+        assert_eq!(want.to_be_bytes(), [l4[at], l4[at + 1]], "L4 checksum");
+        p.tuple().unwrap()
+    }
+
+    fn counted(e: &Engine, why: Drop) -> u64 {
+        e.counters.dropped[why as usize].load(Relaxed)
+    }
+
+    #[test]
+    fn nat_rewrites_both_ways_and_tracks_tcp_states() {
+        let d = daemon("nat", "");
+        let mut e = engine(&d);
+        let client = sa("192.0.2.7:40000");
+        let mut syn = frame(client, sa(VIP), Some(SYN), b"");
+        assert_eq!(e.process(&mut syn), Verdict::Transmit);
+        let t = verified(&syn);
+        assert_eq!((t.src, t.dst), (client, sa(B1)), "rr: the first backend");
+        assert_eq!(
+            &syn[..12],
+            &[2, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 1],
+            "next hop MACs"
+        );
+        // The backend's SYN-ACK comes back from VIP.
+        let mut synack = frame(sa(B1), client, Some(SYN | ACK), b"");
+        assert_eq!(e.process(&mut synack), Verdict::Transmit);
+        let t = verified(&synack);
+        assert_eq!((t.src, t.dst), (sa(VIP), client));
+        let mut ack = frame(client, sa(VIP), Some(ACK), b"hello");
+        assert_eq!(e.process(&mut ack), Verdict::Transmit);
+        let key = FlowKey {
+            tenant: TenantId(e.vips.by_vip.values().next().unwrap().svc.tenant.id),
+            proto: Proto::Tcp,
+            client,
+            virt: sa(VIP),
+        };
+        let snap = d.shared.table.get(&key).unwrap();
+        assert_eq!(snap.state, FlowState::Established);
+        assert_eq!((snap.packets_in, snap.packets_out), (2, 1));
+        let b1 = d
+            .shared
+            .state
+            .read()
+            .services
+            .values()
+            .next()
+            .unwrap()
+            .backend(snap.backend.0)
+            .unwrap();
+        assert_eq!((b1.active.load(Relaxed), b1.inactive.load(Relaxed)), (1, 0));
+        // A second client goes to the other backend.
+        let mut syn2 = frame(sa("192.0.2.8:1234"), sa(VIP), Some(SYN), b"");
+        assert_eq!(e.process(&mut syn2), Verdict::Transmit);
+        assert_eq!(verified(&syn2).dst, sa(B2));
+        assert_eq!(e.counters.new_flows.load(Relaxed), 2);
+    }
+
+    #[test]
+    fn no_flow_without_a_syn_unless_sloppy() {
+        let d = daemon("nat", "");
+        let mut e = engine(&d);
+        let mut ack = frame(sa("192.0.2.7:40000"), sa(VIP), Some(ACK), b"x");
+        assert_eq!(e.process(&mut ack), Verdict::Drop);
+        // A reply nobody asked for.
+        let mut stray = frame(sa(B1), sa("192.0.2.7:40000"), Some(ACK), b"");
+        assert_eq!(e.process(&mut stray), Verdict::Drop);
+        assert_eq!(counted(&e, Drop::NoFlow), 2);
+        assert_eq!(e.counters.new_flows.load(Relaxed), 0);
+        assert_eq!(d.shared.active.load(Relaxed), 0, "nothing admitted");
+
+        let d = daemon("nat", "");
+        {
+            let st = d.shared.state.read();
+            st.services
+                .values()
+                .next()
+                .unwrap()
+                .spec
+                .write()
+                .options
+                .sloppy_tcp = true;
+        }
+        d.shared.services_changed();
+        let mut e = engine(&d);
+        let mut ack = frame(sa("192.0.2.7:40000"), sa(VIP), Some(ACK), b"x");
+        assert_eq!(e.process(&mut ack), Verdict::Transmit);
+        assert_eq!(e.counters.new_flows.load(Relaxed), 1);
+    }
+
+    #[test]
+    fn fnat_maps_a_local_port_and_gives_it_back_when_the_flow_is_killed() {
+        let d = daemon("fnat", "");
+        let mut e = engine(&d);
+        let client = sa("192.0.2.7:40000");
+        let mut syn = frame(client, sa(VIP), Some(SYN), b"");
+        assert_eq!(e.process(&mut syn), Verdict::Transmit);
+        let t = verified(&syn);
+        assert_eq!(t.src.ip(), LOCAL.parse::<IpAddr>().unwrap());
+        assert_eq!(t.dst, sa(B1));
+        let local = t.src;
+        let path = d.shared.packet.get().unwrap().clone();
+        assert!(path.fnat.lock().is_live(local, sa(B1)));
+        // The backend answers the local endpoint; the client sees the VIP.
+        let mut reply = frame(sa(B1), local, Some(SYN | ACK), b"");
+        assert_eq!(e.process(&mut reply), Verdict::Transmit);
+        let r = verified(&reply);
+        assert_eq!((r.src, r.dst), (sa(VIP), client));
+        // weir conns shows the second tuple.
+        let snap = d.shared.table.handle(&FlowKey {
+            tenant: TenantId(e.vips.by_vip.values().next().unwrap().svc.tenant.id),
+            proto: Proto::Tcp,
+            client,
+            virt: sa(VIP),
+        });
+        let snap = d.shared.table.get_handle(snap.unwrap()).unwrap();
+        assert_eq!(d.shared.packet_local(&snap), Some(local.to_string()));
+        // Kill everything: the entry goes, its port and admission slot too.
+        let killed = d.shared.kill_where(
+            super::super::owners::Close::Killed,
+            &weir_flowtable::DumpFilter::default(),
+            |_| true,
+        );
+        assert_eq!(killed, 1);
+        assert!(!path.fnat.lock().is_live(local, sa(B1)));
+        assert_eq!(d.shared.active.load(Relaxed), 0);
+        let mut late = frame(sa(B1), local, Some(ACK), b"");
+        assert_eq!(e.process(&mut late), Verdict::Drop);
+        assert_eq!(counted(&e, Drop::NoFlow), 1);
+    }
+
+    #[test]
+    fn admission_limits_refuse_new_flows_only() {
+        let d = daemon("dr", "max_connections = 1");
+        let mut e = engine(&d);
+        let mut a = frame(sa("192.0.2.7:1"), sa(VIP), Some(SYN), b"");
+        let mut b = frame(sa("192.0.2.7:2"), sa(VIP), Some(SYN), b"");
+        assert_eq!(e.process(&mut a), Verdict::Transmit);
+        // dr: only the MAC changes.
+        assert_eq!(verified(&a).dst, sa(VIP));
+        assert_eq!(&a[..6], &HOP.dst_mac);
+        assert_eq!(e.process(&mut b), Verdict::Drop);
+        assert_eq!(counted(&e, Drop::Refused), 1);
+        assert_eq!(d.shared.refused.snapshot().get("tenant_limit"), Some(&1));
+        // The admitted flow keeps flowing.
+        let mut a2 = frame(sa("192.0.2.7:1"), sa(VIP), Some(ACK), b"again");
+        assert_eq!(e.process(&mut a2), Verdict::Transmit);
+    }
+
+    /// Path-MTU discovery through nat: a router on the backend side says
+    /// "fragmentation needed" about a packet weir forwarded; the client
+    /// gets it from the VIP, quoting its own packet to the VIP.
+    #[test]
+    fn frag_needed_from_the_backend_side_reaches_the_client_translated() {
+        let d = daemon("nat", "");
+        let mut e = engine(&d);
+        let client = sa("192.0.2.7:40000");
+        let mut syn = frame(client, sa(VIP), Some(SYN), b"");
+        assert_eq!(e.process(&mut syn), Verdict::Transmit);
+        // The router quotes the forwarded packet's IP header and 8 bytes.
+        let quote = &syn[14..14 + 28];
+        let router: IpAddr = "10.0.1.254".parse().unwrap();
+        let mut icmp = vec![3, 4, 0, 0, 0, 0, 0x05, 0x78];
+        icmp.extend_from_slice(quote);
+        let c = checksum::finish(checksum::sum(&icmp, 0));
+        icmp[2..4].copy_from_slice(&c.to_be_bytes());
+        let (IpAddr::V4(r), IpAddr::V4(cl)) = (router, client.ip()) else {
+            unreachable!()
+        };
+        let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0, 0, 64, 1, 0, 0];
+        ip[2..4].copy_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
+        ip.extend_from_slice(&r.octets());
+        ip.extend_from_slice(&cl.octets());
+        let c = checksum::ipv4_header_checksum(&ip);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+        let mut f = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 9, 0x08, 0x00];
+        f.extend_from_slice(&ip);
+        f.extend_from_slice(&icmp);
+        assert_eq!(e.process(&mut f), Verdict::Transmit);
+        assert_eq!(e.counters.icmp_errors.load(Relaxed), 1);
+        let p = weir_packet::parse(&f).unwrap();
+        assert_eq!((p.src, p.dst), (sa(VIP).ip(), client.ip()), "outer header");
+        let emb = weir_packet::icmp::parse_error(&f, &p).unwrap().unwrap();
+        assert_eq!(
+            (emb.tuple.src, emb.tuple.dst),
+            (client, sa(VIP)),
+            "the quote"
+        );
+        assert_eq!(
+            checksum::finish(checksum::sum(&f[p.l4..p.end], 0)),
+            0,
+            "ICMP checksum"
+        );
+        let qip = &f[emb.l3..emb.l3 + 20];
+        assert_eq!(
+            checksum::ipv4_header_checksum(qip).to_be_bytes(),
+            [qip[10], qip[11]]
+        );
+        // An error about no flow of ours is dropped and counted.
+        let mut other = f.clone();
+        other[p.l4 + 8 + 12..p.l4 + 8 + 16].copy_from_slice(&[192, 0, 2, 99]);
+        let before = counted(&e, Drop::NoFlow) + counted(&e, Drop::NotOurs);
+        let _ = e.process(&mut other);
+        assert_eq!(
+            counted(&e, Drop::NoFlow) + counted(&e, Drop::NotOurs),
+            before + 1
+        );
+    }
+
+    /// Ten thousand malformed frames (issue 12): none panics, each is
+    /// counted under exactly one reason, none creates a flow.
+    #[test]
+    fn ten_thousand_malformed_frames_are_each_counted() {
+        let d = daemon("nat", "");
+        let mut e = engine(&d);
+        let good = frame(sa("192.0.2.7:40000"), sa(VIP), Some(SYN), b"payload");
+        let mut rng = weir_sched::SplitMix64::new(42);
+        let n = 10_000;
+        for i in 0..n {
+            let mut f = good.clone();
+            let r = rng.next_u64();
+            match i % 8 {
+                // Truncated anywhere.
+                0 => f.truncate((r as usize) % good.len()),
+                // A bad IPv4 total length.
+                1 => f[16..18].copy_from_slice(&(r as u16 | 1).to_be_bytes()),
+                // A bad checksum (header or TCP).
+                2 => f[14 + 10 + (r as usize % 2) * 24] ^= 0x5a,
+                // TTL 1 or 0.
+                3 => f[22] = (r % 2) as u8,
+                // IP options (IHL 6..15).
+                4 => f[14] = 0x40 | (6 + (r % 10) as u8),
+                // A fragment (MF or an offset).
+                5 => f[20..22].copy_from_slice(&[0x20 | (r as u8 & 0x1f), r as u8]),
+                // Random bytes of a random length.
+                6 => {
+                    f = (0..(r % 200) as usize)
+                        .map(|_| rng.next_u64() as u8)
+                        .collect();
+                }
+                // A TCP data offset below 5 or past the end.
+                _ => f[14 + 20 + 12] = ((r % 5) as u8) << 4 | 0xf0 & ((r as u8) << 4),
+            }
+            // Header changes keep a valid header checksum, so they reach the
+            // check they are meant for.
+            if matches!(i % 8, 1 | 3 | 4 | 5) {
+                let ihl = usize::from(f[14] & 0xf) * 4;
+                if f.len() >= 14 + ihl && ihl >= 20 {
+                    let c = checksum::ipv4_header_checksum(&f[14..14 + ihl]);
+                    f[24..26].copy_from_slice(&c.to_be_bytes());
+                }
+            }
+            let _ = e.process(&mut f);
+        }
+        let rx = e.counters.rx.load(Relaxed);
+        let tx = e.counters.tx.load(Relaxed);
+        let drops: u64 = e
+            .counters
+            .dropped
+            .iter()
+            .map(|c| c.load(Relaxed))
+            .sum::<u64>()
+            + e.counters
+                .unhandled
+                .iter()
+                .map(|c| c.load(Relaxed))
+                .sum::<u64>();
+        assert_eq!(rx, n);
+        assert_eq!(tx + drops, rx, "every frame counted once");
+        // A flipped TCP checksum is not weir's to check (the backend's
+        // kernel drops it); everything else must not have been forwarded.
+        assert!(tx < n / 8 + 1, "forwarded {tx}");
+        let sums = d.shared.packet.get().unwrap().sums();
+        for reason in [
+            "fragment",
+            "ipv4_options",
+            "ttl_expired",
+            "bad_ipv4_checksum",
+        ] {
+            assert!(
+                sums.dropped.get(reason).is_some_and(|&c| c > 0),
+                "{reason}: {sums:?}"
+            );
+        }
     }
 }
