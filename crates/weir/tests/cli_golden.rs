@@ -310,6 +310,15 @@ fn e2e_service_add_forward_and_sloppy_tcp() {
     let plain = find("plain");
     assert_eq!(plain.forward, weir::config::Forward::Proxy);
     assert!(!plain.options.sloppy_tcp);
+    // `weir save` writes both (and nothing for the proxy service).
+    let saved = ok(s.weir(&["save"]));
+    let back: weir::config::Config =
+        toml::from_str(&saved).unwrap_or_else(|e| panic!("{e}\n{saved}"));
+    let svc = |name: &str| back.services.iter().find(|x| x.name == name).unwrap();
+    assert_eq!(*svc("pkt"), pkt, "{saved}");
+    assert_eq!(*svc("plain"), plain, "{saved}");
+    assert_eq!(saved.matches("forward = ").count(), 1, "{saved}");
+    assert_eq!(saved.matches("sloppy_tcp = true").count(), 1, "{saved}");
     ok(s.weir(&["service", "edit", "pkt", "--sloppy-tcp", "false"]));
     assert!(!find("pkt").options.sloppy_tcp);
     let out = ok(s.weir(&["list"]));
