@@ -11,8 +11,8 @@ use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
 use crate::cursor::Cursor;
-use crate::index::{Hash, Index, Put};
-use crate::node::{Arena, Node, PackedKey, Slab, UNFILED};
+use crate::index::{Hash, Index, Put, REPLY_WAY};
+use crate::node::{Arena, Node, PackedKey, PackedReply, Slab, UNFILED};
 use crate::raw::EpochCell;
 use crate::table::{FreePool, NODE_CACHES, NodeCache, Table, ref_current, ref_idx, thread_slot};
 use crate::types::*;
@@ -144,6 +144,12 @@ impl Reader<'_> {
         self.table.lookup_at(&self.guard, key)
     }
 
+    /// Like [`FlowTable::lookup_reply`].
+    #[inline]
+    pub fn lookup_reply(&self, key: &ReplyKey) -> Option<Found> {
+        self.table.lookup_reply_at(&self.guard, key)
+    }
+
     /// Like [`FlowTable::get`].
     #[inline]
     pub fn get(&self, key: &FlowKey) -> Option<FlowSnapshot> {
@@ -183,6 +189,66 @@ impl Reader<'_> {
         out.clear();
         for chunk in keys.chunks(LOOKUP_BATCH) {
             self.lookup_chunk(chunk, out);
+        }
+    }
+
+    /// Batched lookup of a mix of forward and reply keys (a ring poll's
+    /// packets from both sides), hashed and prefetched like
+    /// [`lookup_batch`](Self::lookup_batch): `out[i]` is what
+    /// [`FlowTable::lookup`] or [`FlowTable::lookup_reply`] finds for
+    /// `probes[i]`, with the entry's flow key. `out` is cleared first.
+    pub fn lookup_probes(&self, probes: &[Probe], out: &mut Vec<Option<Found>>) {
+        out.clear();
+        for chunk in probes.chunks(LOOKUP_BATCH) {
+            self.probe_chunk(chunk, out);
+        }
+    }
+
+    fn probe_chunk(&self, probes: &[Probe], out: &mut Vec<Option<Found>>) {
+        #[derive(Copy, Clone)]
+        enum P {
+            None,
+            Flow(PackedKey),
+            Reply(PackedReply),
+        }
+        let ft = self.table;
+        let map = ft.tenants.load(&self.guard);
+        let mut st: [(Option<&Index>, Hash, P); LOOKUP_BATCH] =
+            [(None, Hash::new(0), P::None); LOOKUP_BATCH];
+        for (p, s) in probes.iter().zip(st.iter_mut()) {
+            let tenant = match p {
+                Probe::Flow(k) => k.tenant,
+                Probe::Reply(r) => r.tenant,
+            };
+            let Some(t) = map.map.get(&tenant.0) else {
+                continue;
+            };
+            let (h, pk) = match p {
+                Probe::Flow(k) => {
+                    let pk = PackedKey::new(k);
+                    (t.table.hash(&pk, t.salt), P::Flow(pk))
+                }
+                Probe::Reply(r) => {
+                    let pr = PackedReply::new(r);
+                    (t.table.hash(&pr.hash_key(), t.salt), P::Reply(pr))
+                }
+            };
+            let ix = t.table.index(&self.guard);
+            ix.prefetch(h);
+            *s = (Some(ix), h, pk);
+        }
+        for s in st.iter().take(probes.len()) {
+            if let (Some(ix), h, _) = s {
+                ix.prefetch_candidates(&ft.slab, *h);
+            }
+        }
+        for s in st.iter().take(probes.len()) {
+            let i = match s {
+                (Some(ix), h, P::Flow(pk)) => ix.find(&ft.slab, *h, pk),
+                (Some(ix), h, P::Reply(pr)) => ix.find(&ft.slab, *h, pr),
+                _ => None,
+            };
+            out.push(i.map(|i| ft.found(i)));
         }
     }
 
@@ -306,10 +372,30 @@ impl FlowTable {
         splitmix(self.seed ^ 0x7E4A_u64 ^ u64::from(id))
     }
 
-    /// A node's hash in `table` (for moving it during a resize).
-    fn rehash(&self, table: &Table, i: u32) -> u64 {
-        let pk = self.slab.node(i).key();
+    /// The hash in `table` of a way value (for moving it during a resize):
+    /// a node's forward key, or with [`REPLY_WAY`] its reply key.
+    fn rehash(&self, table: &Table, v: u32) -> u64 {
+        let n = self.slab.node(v & !REPLY_WAY);
+        let pk = if v & REPLY_WAY != 0 {
+            n.reply_key().hash_key()
+        } else {
+            n.key()
+        };
         table.hash_raw(&pk, self.salt(pk.tenant))
+    }
+
+    /// What a lookup returns about live node `i`.
+    #[inline]
+    fn found(&self, i: u32) -> Found {
+        let n = self.slab.node(i);
+        Found {
+            handle: Handle {
+                idx: i,
+                cookie: Cookie(n.cookie()),
+            },
+            backend: n.backend(),
+            key: n.key().unpack(),
+        }
     }
 
     /// Reserves `bytes` more of the own tables' budget.
@@ -566,6 +652,42 @@ impl FlowTable {
         init: FlowInit,
         now: Millis,
     ) -> Result<Handle, InsertError> {
+        self.insert_inner(key, init, None, now)
+    }
+
+    /// [`insert_handle`](Self::insert_handle) for a packet-mode nat or fnat
+    /// flow: the entry is also indexed by its reply key, so that
+    /// [`lookup_reply`](Self::lookup_reply) finds it from a backend's reply
+    /// ([`ReplyKey`]: tenant, protocol, backend and, for
+    /// [`ReplyMode::Nat`], the key's client or, for
+    /// [`ReplyMode::FullNat`], the NAT slot, which is stored as the
+    /// entry's [`nat`](Self::nat) and fixed for its life). Still one entry
+    /// (one node, one cookie, one expiry, listed once by dumps) with two
+    /// index entries; every removal (by key, handle or cookie, expiry,
+    /// tenant removal) takes both out, and resizes move both.
+    ///
+    /// All or nothing: lookups by either key find the entry only once both
+    /// index entries are in; if the reply key's chain is full
+    /// ([`InsertError::ChainFull`]) or another entry has the same reply key
+    /// ([`InsertError::ReplyExists`]), nothing is left behind. Locks the
+    /// two home buckets one after the other, never both at once.
+    pub fn insert_reply(
+        &self,
+        key: FlowKey,
+        init: FlowInit,
+        reply: ReplyMode,
+        now: Millis,
+    ) -> Result<Handle, InsertError> {
+        self.insert_inner(key, init, Some(reply), now)
+    }
+
+    fn insert_inner(
+        &self,
+        key: FlowKey,
+        init: FlowInit,
+        reply: Option<ReplyMode>,
+        now: Millis,
+    ) -> Result<Handle, InsertError> {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
         let t = map.map.get(&key.tenant.0).ok_or(InsertError::NoTenant)?;
@@ -586,13 +708,21 @@ impl FlowTable {
             };
             (idx, c.next_cookie(&self.cookies))
         };
-        self.slab.node(idx).init(&pk, &init, cookie, now);
+        let nat = match reply {
+            Some(ReplyMode::FullNat(n)) => n.get(),
+            _ => 0,
+        };
+        // With a reply key the node starts pending (not live) until both
+        // its index entries are in.
+        self.slab
+            .node(idx)
+            .init(&pk, &init, cookie, now, nat, reply.is_some());
         let r = {
             let ix = t.table.index(&guard);
             let (home, mut l) = ix.lock_home(h);
             home.put(&mut l, &self.slab, h, Some(&pk), idx, self.max_chain)
         };
-        let crowded = match r {
+        let mut crowded = match r {
             Put::Done(overflow) => overflow,
             Put::Exists(i) => {
                 self.slab.node(idx).clear_live();
@@ -606,6 +736,35 @@ impl FlowTable {
                 return Err(InsertError::ChainFull);
             }
         };
+        if reply.is_some() {
+            let n = self.slab.node(idx);
+            let rk = n.reply_key();
+            let rh = t.table.hash(&rk.hash_key(), t.salt);
+            let ix = t.table.index(&guard);
+            match ix.publish_reply(&self.slab, rh, &rk, idx, self.max_chain) {
+                Put::Done(overflow) => {
+                    crowded |= overflow;
+                    t.table.add_replies(1);
+                }
+                r => {
+                    // Take the forward entry out again. The node was never
+                    // live, so no lookup returned it, but a reader may hold
+                    // its index: recycle it after a grace period.
+                    let out = ix.unpublish(h, idx);
+                    debug_assert!(out, "a pending forward entry vanished");
+                    self.node_cache().retire(idx, &guard, &self.pool);
+                    return Err(match r {
+                        Put::Exists(i) => {
+                            InsertError::ReplyExists(Cookie(self.slab.node(i).cookie()))
+                        }
+                        _ => {
+                            t.refused.fetch_add(1, Relaxed);
+                            InsertError::ChainFull
+                        }
+                    });
+                }
+            }
+        }
         t.add_entries(1);
         self.node_cache().push_new(idx, cookie, &self.slab, 1024);
         fence(SeqCst);
@@ -690,6 +849,29 @@ impl FlowTable {
             },
             n.backend(),
         ))
+    }
+
+    /// The data path's read of a backend's reply (packet mode's nat and
+    /// fnat): the entry inserted with [`insert_reply`](Self::insert_reply)
+    /// whose reply key is `key`, with its handle (touch it with
+    /// [`Dir::Out`]), backend and flow key (the client and virtual address
+    /// to rewrite the reply back to). Lock-free; reads the bucket line and
+    /// the entry's first cache line, as [`lookup`](Self::lookup). Entries
+    /// inserted without a reply key, and forward keys that happen to look
+    /// alike, are never found this way.
+    #[inline]
+    pub fn lookup_reply(&self, key: &ReplyKey) -> Option<Found> {
+        self.lookup_reply_at(&epoch::pin(), key)
+    }
+
+    #[inline]
+    fn lookup_reply_at(&self, guard: &Guard, key: &ReplyKey) -> Option<Found> {
+        let map = self.tenants.load(guard);
+        let t = map.map.get(&key.tenant.0)?;
+        let pr = PackedReply::new(key);
+        let h = t.table.hash(&pr.hash_key(), t.salt);
+        let idx = t.table.index(guard).find(&self.slab, h, &pr)?;
+        Some(self.found(idx))
     }
 
     /// Snapshot of the entry a handle names, if it is still there.
@@ -781,6 +963,28 @@ impl FlowTable {
         self.restate(h.idx, state, now)
     }
 
+    /// Moves the state of the entry a handle names from `s` to `f(s)` in
+    /// one compare-and-swap (`f` returns `None` for no change), refreshing
+    /// `last_active`; returns `(from, to)` if this call moved it. Two
+    /// threads moving the same flow (a packet each way) each see the state
+    /// the other left, so counts kept per state by the caller stay exact,
+    /// and a move racing the entry's removal either shows in the removal's
+    /// snapshot or does not happen.
+    pub fn transition_handle(
+        &self,
+        h: Handle,
+        now: Millis,
+        f: impl Fn(FlowState) -> Option<FlowState>,
+    ) -> Option<(FlowState, FlowState)> {
+        let _guard = epoch::pin();
+        let n = self.handle_node(h)?;
+        let moved = n.transition(f)?;
+        n.bump_last_active(now);
+        let c = n.cookie();
+        self.node_cache().push_new(h.idx, c, &self.slab, 1024);
+        Some(moved)
+    }
+
     fn restate(&self, i: u32, state: FlowState, now: Millis) -> bool {
         let n = self.slab.node(i);
         n.set_state(state);
@@ -792,10 +996,18 @@ impl FlowTable {
     }
 
     /// Sets the NAT mapping slot of the entry a handle names (packet mode's
-    /// full-NAT source: local address index << 16 | port); `false` if gone.
+    /// full-NAT source: local address index << 16 | port); `false` if gone,
+    /// or if the entry was inserted with [`insert_reply`](Self::insert_reply)
+    /// (its reply key may depend on the slot, so the slot is fixed there).
     pub fn set_nat(&self, h: Handle, nat: u32) -> bool {
         let _guard = epoch::pin();
-        self.handle_node(h).map(|n| n.set_nat(nat)).is_some()
+        match self.handle_node(h) {
+            Some(n) if !n.has_reply() => {
+                n.set_nat(nat);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// The NAT mapping slot of the entry a handle names.
@@ -842,11 +1054,18 @@ impl FlowTable {
             let (home, mut l) = ix.lock_home(h);
             let i = home.find_locked(&l, &self.slab, h, &pk)?;
             let n = self.slab.node(i);
-            if !check(n) || !home.unput(&mut l, i) {
+            // A pending entry (insert_reply still adding its reply key) is
+            // not there yet.
+            if !n.is_live() || !check(n) || !home.unput(&mut l, i) {
                 return None;
             }
-            n.clear_live();
-            drop(l);
+            if n.has_reply() {
+                drop(l);
+                self.retire_reply(t, i, &guard);
+            } else {
+                n.clear_live();
+                drop(l);
+            }
             let snap = n.snapshot(|s, p| t.timeout(s, p));
             self.node_cache().retire(i, &guard, &self.pool);
             snap
@@ -886,12 +1105,28 @@ impl FlowTable {
             if !home.unput(&mut l, idx) {
                 return Unlink::Gone;
             }
-            n.clear_live();
+            if n.has_reply() {
+                drop(l);
+                self.retire_reply(t, idx, guard);
+            } else {
+                n.clear_live();
+            }
         }
         let snap = n.snapshot(|s, p| t.timeout(s, p));
         t.add_entries(-1);
         self.node_cache().retire(idx, guard, &self.pool);
         Unlink::Removed(snap)
+    }
+
+    /// Second half of removing node `idx`, which has a reply key, after its
+    /// forward entry was unpublished (under that lock, which decided the
+    /// removal): unpublishes the reply entry and clears the live bit.
+    fn retire_reply(&self, t: &Tenant, idx: u32, guard: &Guard) {
+        let rk = self.slab.node(idx).reply_key();
+        let h = t.table.hash(&rk.hash_key(), t.salt);
+        let ok = t.table.index(guard).retire_reply(&self.slab, h, idx);
+        debug_assert!(ok, "a live entry's reply index entry was missing");
+        t.table.add_replies(-1);
     }
 
     /// Files every not-yet-filed node in its tenant's wheel.
@@ -1199,8 +1434,9 @@ impl FlowTable {
         Some(TableStats {
             entries: t.entries(),
             table_entries: cs.entries,
+            reply_entries: cs.replies,
             buckets: cs.buckets,
-            load_factor: cs.entries as f64 / slots as f64,
+            load_factor: (cs.entries + cs.replies) as f64 / slots as f64,
             chain_histogram: cs.hist,
             max_chain: cs.max_chain,
             refused_inserts: t.refused.load(Relaxed),

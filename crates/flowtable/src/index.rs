@@ -13,6 +13,16 @@
 //! hash flooding. Overflow lines are never freed before their index: an
 //! emptied one stays linked and is refilled first.
 //!
+//! # Reply entries
+//! A packet-mode entry may have a second index entry under its reply key
+//! (same table, wherever that key hashes): the same node index with
+//! [`REPLY_WAY`] set in its way. A forward lookup skips such ways and a
+//! reply lookup takes only them, so a reply key that collides with a
+//! forward key (tag and bucket) never confuses either. Reply ways count
+//! in the chain like any other (cap and load), move with resizes like any
+//! other (rehashed by their reply key), and are skipped by dump reads so
+//! that a dump lists each entry once.
+//!
 //! # Concurrency
 //! * Readers take no lock and write nothing. They load the header
 //!   (`Acquire`); if the bucket was moved to the successor index (resize),
@@ -43,7 +53,7 @@
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, OnceLock};
 
-use crate::node::{Arena, PackedKey};
+use crate::node::{Arena, NIL, Node, PackedKey, PackedReply};
 use crate::raw::HugeArray;
 use crate::sync::{AtomicU32, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
 
@@ -53,6 +63,9 @@ use crate::sync::{AtomicU32, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Or
 pub(crate) const WAYS: usize = 8;
 #[cfg(loom)]
 pub(crate) const WAYS: usize = 2;
+/// Set in a way's node index for a reply entry (node indices have 28 bits).
+pub(crate) const REPLY_WAY: u32 = 1 << 31;
+const _: () = assert!(REPLY_WAY > NIL);
 const LOCK: u32 = 1;
 const MOVED: u32 = 2;
 const CNT_SHIFT: u32 = 2;
@@ -184,12 +197,44 @@ impl Pool {
     }
 }
 
+/// What an index lookup compares a candidate node with: a forward key, or a
+/// reply key (which only matches reply ways).
+pub(crate) trait Matcher {
+    /// Whether this key lives in reply ways.
+    const REPLY: bool;
+    /// Whether node `n` has this key (live or not: callers check).
+    fn hit(&self, n: Node<'_>) -> bool;
+}
+
+impl Matcher for PackedKey {
+    const REPLY: bool = false;
+    #[inline]
+    fn hit(&self, n: Node<'_>) -> bool {
+        n.matches(self)
+    }
+}
+
+impl Matcher for PackedReply {
+    const REPLY: bool = true;
+    #[inline]
+    fn hit(&self, n: Node<'_>) -> bool {
+        n.matches_reply(self)
+    }
+}
+
+/// The node of way value `v` if it is of the kind `M` looks for.
+#[inline]
+fn way_node<M: Matcher + ?Sized>(v: u32) -> Option<u32> {
+    ((v & REPLY_WAY != 0) == M::REPLY).then_some(v & !REPLY_WAY)
+}
+
 /// Outcome of a locked insert.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Put {
     /// Published; `true` if in an overflow line (the bucket is crowded).
     Done(bool),
-    /// The key is present in this node.
+    /// The key is present in this node (live, or pending: its insert is
+    /// still adding its other index entry).
     Exists(u32),
     /// The chain holds `max_chain` entries (or no overflow line could be had).
     Full,
@@ -295,18 +340,21 @@ impl Index {
         let b = self.bucket(self.bucket_of(h.hi));
         let mut m = match_byte(b.tags.load(Relaxed), h.tag);
         while m != 0 {
-            arena.node(b.ways[way_of(m)].load(Relaxed)).prefetch();
+            arena
+                .node(b.ways[way_of(m)].load(Relaxed) & !REPLY_WAY)
+                .prefetch();
             m &= m - 1;
         }
     }
 
-    /// Lock-free lookup. Follows `MOVED` buckets into successors.
+    /// Lock-free lookup of a live entry (by forward or reply key). Follows
+    /// `MOVED` buckets into successors.
     #[inline]
-    pub(crate) fn find<A: Arena + ?Sized>(
+    pub(crate) fn find<A: Arena + ?Sized, M: Matcher + ?Sized>(
         &self,
         arena: &A,
         h: Hash,
-        key: &PackedKey,
+        key: &M,
     ) -> Option<u32> {
         let mut ix = self;
         loop {
@@ -321,13 +369,13 @@ impl Index {
     }
 
     #[inline]
-    fn find_in<A: Arena + ?Sized>(
+    fn find_in<A: Arena + ?Sized, M: Matcher + ?Sized>(
         &self,
         b: &Bucket,
         hdr: u32,
         arena: &A,
         h: Hash,
-        key: &PackedKey,
+        key: &M,
     ) -> Option<u32> {
         if let Some(i) = scan_line(b, arena, h.tag, key) {
             return Some(i);
@@ -404,17 +452,23 @@ impl Index {
         }
     }
 
-    /// Under the lock: the node holding `key`, if any.
-    pub(crate) fn find_locked<A: Arena + ?Sized>(
+    /// Under the lock: the node holding `key`, if any: live, or pending
+    /// (its insert is still adding its reply entry). Never a removed one:
+    /// removal unpublishes a key under its bucket's lock before or as it
+    /// clears the live bit.
+    pub(crate) fn find_locked<A: Arena + ?Sized, M: Matcher + ?Sized>(
         &self,
         l: &Locked<'_>,
         arena: &A,
         h: Hash,
-        key: &PackedKey,
+        key: &M,
     ) -> Option<u32> {
         let mut found = None;
-        self.for_each(l, |line, w, i| {
-            if (line.tags.load(Relaxed) >> (8 * w)) as u8 == h.tag && arena.node(i).matches(key) {
+        self.for_each(l, |line, w, v| {
+            if (line.tags.load(Relaxed) >> (8 * w)) as u8 == h.tag
+                && let Some(i) = way_node::<M>(v)
+                && key.hit(arena.node(i))
+            {
                 found = Some(i);
                 return false;
             }
@@ -423,14 +477,15 @@ impl Index {
         found
     }
 
-    /// Under the lock: publishes node `idx` (already initialised) with tag
-    /// of `h`. `dup` = check for `key` first; `cap` = chain limit.
-    pub(crate) fn put<A: Arena + ?Sized>(
+    /// Under the lock: publishes way value `idx` (a node index, already
+    /// initialised, with [`REPLY_WAY`] for a reply entry) with tag of `h`.
+    /// `key` = check for it first; `cap` = chain limit.
+    pub(crate) fn put<A: Arena + ?Sized, M: Matcher + ?Sized>(
         &self,
         l: &mut Locked<'_>,
         arena: &A,
         h: Hash,
-        key: Option<&PackedKey>,
+        key: Option<&M>,
         idx: u32,
         cap: usize,
     ) -> Put {
@@ -476,7 +531,49 @@ impl Index {
         }
     }
 
-    /// Under the lock: unpublishes node `idx`; `false` if it is not here.
+    /// Second step of inserting an entry that has a reply key (after its
+    /// forward entry is in): under the lock of the reply key's home bucket,
+    /// publishes the reply way of pending node `idx` (duplicate check and
+    /// chain cap as `put`) and, if that worked, makes the node live, so
+    /// that lookups by either key return it only once both are in.
+    pub(crate) fn publish_reply<A: Arena + ?Sized>(
+        &self,
+        arena: &A,
+        h: Hash,
+        rk: &PackedReply,
+        idx: u32,
+        cap: usize,
+    ) -> Put {
+        let (home, mut l) = self.lock_home(h);
+        let r = home.put(&mut l, arena, h, Some(rk), idx | REPLY_WAY, cap);
+        if matches!(r, Put::Done(_)) {
+            arena.node(idx).set_live();
+        }
+        r
+    }
+
+    /// Unpublishes way value `v` from the home of hash `h` (wherever a
+    /// resize has moved it); `false` if it is not there.
+    pub(crate) fn unpublish(&self, h: Hash, v: u32) -> bool {
+        let (home, mut l) = self.lock_home(h);
+        home.unput(&mut l, v)
+    }
+
+    /// Last step of removing an entry that has a reply key, after its
+    /// forward way was unpublished (which decided the removal, under that
+    /// bucket's lock): under the reply bucket's lock, unpublishes the reply
+    /// way and clears the node's live bit. Until then a reply lookup may
+    /// still find the entry (the removal has not finished); after it, never.
+    /// So a reply bucket holds only reply ways of live or pending nodes.
+    pub(crate) fn retire_reply<A: Arena + ?Sized>(&self, arena: &A, h: Hash, idx: u32) -> bool {
+        let (home, mut l) = self.lock_home(h);
+        let ok = home.unput(&mut l, idx | REPLY_WAY);
+        arena.node(idx).clear_live();
+        ok
+    }
+
+    /// Under the lock: unpublishes way value `idx` (node index, with
+    /// [`REPLY_WAY`] for a reply entry); `false` if it is not here.
     pub(crate) fn unput(&self, l: &mut Locked<'_>, idx: u32) -> bool {
         let mut at = None;
         let mut head = true;
@@ -506,9 +603,10 @@ impl Index {
         (h & MOVED == 0).then_some(((h & CNT_MASK) >> CNT_SHIFT) as usize)
     }
 
-    /// Lock-free: the node indices in bucket `b`'s chain, or `None` if it
-    /// moved (look in the successor). A snapshot of ways taken while writers
-    /// run: an entry present throughout is in it.
+    /// Lock-free: the node indices in bucket `b`'s chain (forward entries
+    /// only: reply ways are skipped, so each entry is read once), or `None`
+    /// if it moved (look in the successor). A snapshot of ways taken while
+    /// writers run: an entry present throughout is in it.
     pub(crate) fn read_bucket(&self, b: usize, out: &mut Vec<u32>) -> bool {
         let bk = self.bucket(b);
         let hdr = bk.hdr.load(Acquire);
@@ -534,13 +632,14 @@ impl Index {
         let mut tags = bk.tags.load(Relaxed);
         while tags != 0 {
             let w = (tags.trailing_zeros() / 8) as usize;
-            arena.node(bk.ways[w].load(Relaxed)).prefetch();
+            arena.node(bk.ways[w].load(Relaxed) & !REPLY_WAY).prefetch();
             tags &= !(0xFFu64 << (8 * w));
         }
     }
 
     /// Moves bucket `b` into the successor (caller claimed it). `rehash`
-    /// gives a node's hash. Returns the entries moved.
+    /// gives a way value's hash (a reply way's by its reply key). Returns
+    /// the entries moved.
     pub(crate) fn migrate<A: Arena + ?Sized>(
         &self,
         b: usize,
@@ -564,7 +663,7 @@ impl Index {
             debug_assert!(!nl.moved());
             // Never refused for the cap: the entry exists already. Only a
             // failed overflow allocation could refuse, and that aborts.
-            let r = succ.put(&mut nl, arena, h, None, i, usize::MAX);
+            let r = succ.put::<_, PackedKey>(&mut nl, arena, h, None, i, usize::MAX);
             assert!(matches!(r, Put::Done(_)), "moving an entry during a resize");
             moved += 1;
         }
@@ -585,14 +684,20 @@ impl Index {
 }
 
 #[inline]
-fn scan_line<A: Arena + ?Sized>(line: &Bucket, arena: &A, tag: u8, key: &PackedKey) -> Option<u32> {
+fn scan_line<A: Arena + ?Sized, M: Matcher + ?Sized>(
+    line: &Bucket,
+    arena: &A,
+    tag: u8,
+    key: &M,
+) -> Option<u32> {
     let mut m = match_byte(line.tags.load(Acquire), tag);
     while m != 0 {
         let w = way_of(m);
-        let i = line.ways[w].load(Acquire);
-        let n = arena.node(i);
-        if n.matches(key) && n.is_live() {
-            return Some(i);
+        if let Some(i) = way_node::<M>(line.ways[w].load(Acquire)) {
+            let n = arena.node(i);
+            if key.hit(n) && n.is_live() {
+                return Some(i);
+            }
         }
         m &= m - 1;
     }
@@ -603,7 +708,10 @@ fn read_line(line: &Bucket, out: &mut Vec<u32>) {
     let tags = line.tags.load(Acquire);
     for w in 0..WAYS {
         if (tags >> (8 * w)) as u8 != 0 {
-            out.push(line.ways[w].load(Acquire));
+            let v = line.ways[w].load(Acquire);
+            if v & REPLY_WAY == 0 {
+                out.push(v);
+            }
         }
     }
 }
@@ -641,6 +749,74 @@ mod tests {
                 assert_eq!(e & (0x80 << (8 * w)) != 0, empty);
             }
         }
+    }
+
+    /// A reply way and a forward way of the same node under the same hash
+    /// (bucket and tag): each kind of lookup takes only its own kind of
+    /// way, even where the node would match the other kind's key.
+    #[test]
+    fn the_reply_bit_is_part_of_the_match() {
+        use crate::node::Slab;
+        use crate::types::*;
+        let slab = Slab::new();
+        let idx = slab.alloc_block(1).unwrap().start;
+        let key = FlowKey {
+            tenant: TenantId(1),
+            proto: Proto::Tcp,
+            client: "10.0.0.1:4000".parse().unwrap(),
+            virt: "10.0.0.100:80".parse().unwrap(),
+        };
+        let init = FlowInit {
+            service: ServiceId(1),
+            backend: BackendId(2),
+            state: FlowState::Established,
+            owner: 0,
+            profile: 0,
+        };
+        let pk = PackedKey::new(&key);
+        let n = slab.node(idx);
+        n.init(&pk, &init, 5, crate::types::Millis(0), 0, true);
+        n.set_live();
+        let rk = n.reply_key();
+        assert_eq!(
+            rk,
+            PackedReply::new(&ReplyKey {
+                tenant: TenantId(1),
+                proto: Proto::Tcp,
+                backend: BackendId(2),
+                dst: ReplyDst::Client(key.client),
+            })
+        );
+        assert!(n.matches(&pk) && n.matches_reply(&rk));
+        let ix = Index::try_new(1).unwrap();
+        let h = Hash::new(0x1234_5678_9abc_def0);
+        // Only the reply way: a forward lookup misses, a reply lookup hits.
+        assert_eq!(ix.publish_reply(&slab, h, &rk, idx, 8), Put::Done(false));
+        assert_eq!(ix.find(&slab, h, &pk), None);
+        assert_eq!(ix.find(&slab, h, &rk), Some(idx));
+        // A second reply way for the same reply key is refused.
+        assert_eq!(ix.publish_reply(&slab, h, &rk, idx, 8), Put::Exists(idx));
+        // Only the forward way: the other way round.
+        assert!(ix.unpublish(h, idx | REPLY_WAY));
+        {
+            let (home, mut l) = ix.lock_home(h);
+            let r = home.put(&mut l, &slab, h, Some(&pk), idx, 8);
+            assert_eq!(r, Put::Done(false));
+        }
+        assert_eq!(ix.find(&slab, h, &rk), None);
+        assert_eq!(ix.find(&slab, h, &pk), Some(idx));
+        // Dump reads list the node once with both ways in.
+        assert_eq!(ix.publish_reply(&slab, h, &rk, idx, 8), Put::Done(false));
+        let mut ids = Vec::new();
+        assert!(ix.read_bucket(0, &mut ids));
+        assert_eq!(ids, [idx]);
+        assert_eq!(ix.count(0), Some(2));
+        // Retiring the reply way clears the live bit: found by neither key.
+        assert!(ix.retire_reply(&slab, h, idx));
+        assert!(!n.is_live());
+        assert_eq!(ix.find(&slab, h, &rk), None);
+        assert_eq!(ix.find(&slab, h, &pk), None);
+        assert_eq!(ix.count(0), Some(1));
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! lock-free reader may read any field while a writer changes others,
 //! without a data race and without `unsafe`. The node *is* the flow: key,
 //! service, backend, state, timers, counters each way, the owner's token and
-//! the NAT mapping slot. Nodes live in a [`Slab`] of never-freed chunks and
+//! the NAT mapping slot. A packet-mode entry may also be indexed under its
+//! reply key ([`PackedReply`], computed from the node's own fields). Nodes live in a [`Slab`] of never-freed chunks and
 //! are named by `u32` index from the bucket index (`index.rs`); an index is
 //! recycled only after an epoch grace period (see `table.rs`), so a reader
 //! never sees a node change identity under its feet.
@@ -15,10 +16,10 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::OnceLock;
 
 use crate::raw::HugeArray;
-use crate::sync::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use crate::sync::{AtomicU32, AtomicU64, Ordering::Relaxed, Ordering::Release};
 use crate::types::{
-    BackendId, Cookie, FlowInit, FlowKey, FlowSnapshot, FlowState, Millis, Proto, ServiceId,
-    TenantId,
+    BackendId, Cookie, FlowInit, FlowKey, FlowSnapshot, FlowState, Millis, Proto, ReplyDst,
+    ReplyKey, ServiceId, TenantId,
 };
 
 /// Bits of a node index; the table holds at most `NIL` (2^28 - 1) entries.
@@ -35,10 +36,19 @@ const KEY_BITS: u32 = UDP | C6 | V6;
 const STATE_SHIFT: u32 = 4;
 const STATE_MASK: u32 = 0xF << STATE_SHIFT;
 const SLOT_SHIFT: u32 = 8;
-/// Wheel slot numbers must fit in 12 bits; this value means "not filed".
-pub(crate) const UNFILED: u32 = 0xFFF;
+/// Wheel slot numbers (0..=1024) must fit in 11 bits; this value means "not
+/// filed".
+pub(crate) const UNFILED: u32 = 0x7FF;
+/// The entry is also indexed under its reply key (packet mode's nat and
+/// fnat); the key follows from the node's tenant, protocol, backend and
+/// client or NAT slot, which never change while it is live.
+const REPLY: u32 = 1 << 19;
 /// The timeout profile, in the top 12 bits.
 const PROFILE_SHIFT: u32 = 20;
+const _: () = assert!(REPLY > UNFILED << SLOT_SHIFT && REPLY < 1 << PROFILE_SHIFT);
+/// Hashed with a reply key so that reply keys and forward keys (which never
+/// have it) hash apart.
+const REPLY_HASH: u32 = 1 << 8;
 const _: () = assert!(crate::types::MAX_PROFILES == 1 << (32 - PROFILE_SHIFT));
 
 /// A key packed the way nodes store it: compared and hashed as words.
@@ -107,7 +117,57 @@ impl PackedKey {
     }
 }
 
-/// The part of an entry a lookup reads: key, cookie, owner, service and
+/// A reply key packed for matching against nodes: what a reply packet of a
+/// packet-mode flow carries, as the caller maps it ([`ReplyKey`]).
+#[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
+pub(crate) struct PackedReply {
+    pub(crate) tenant: u32,
+    /// `UDP`, and `C6` for a client destination.
+    pub(crate) bits: u32,
+    pub(crate) backend: u32,
+    /// The NAT slot (fnat), or 0 for a client destination (nat).
+    pub(crate) nat: u32,
+    /// Client port (nat); 0 for fnat.
+    pub(crate) port: u32,
+    /// Client address (nat); zeros for fnat.
+    pub(crate) caddr: [u64; 2],
+}
+
+impl PackedReply {
+    pub(crate) fn new(k: &ReplyKey) -> PackedReply {
+        let mut r = PackedReply {
+            tenant: k.tenant.0,
+            bits: if k.proto == Proto::Udp { UDP } else { 0 },
+            backend: k.backend.0,
+            ..PackedReply::default()
+        };
+        match k.dst {
+            ReplyDst::Client(c) => {
+                let (a, v6) = pack_ip(c.ip());
+                r.caddr = a;
+                r.port = u32::from(c.port());
+                if v6 {
+                    r.bits |= C6;
+                }
+            }
+            ReplyDst::Nat(n) => r.nat = n.get(),
+        }
+        r
+    }
+
+    /// The words the table's keyed hash takes (`Table::hash`).
+    pub(crate) fn hash_key(&self) -> PackedKey {
+        PackedKey {
+            tenant: self.tenant,
+            bits: self.bits | REPLY_HASH,
+            ports: self.port,
+            caddr: self.caddr,
+            vaddr: [u64::from(self.backend), u64::from(self.nat)],
+        }
+    }
+}
+
+/// The part of an entry a lookup reads: key, cookie, NAT slot, service and
 /// backend, exactly one cache line (the hot array is 64-byte aligned), so a
 /// lookup that finds its entry touches one line of it.
 #[repr(C, align(64))]
@@ -116,9 +176,10 @@ pub(crate) struct Hot {
     pub(crate) meta: AtomicU32,
     tenant: AtomicU32,
     ports: AtomicU32,
-    /// Opaque token of whoever owns the flow (a proxy connection's task);
-    /// expiry and kills hand it back so the owner can be told to close.
-    owner: AtomicU32,
+    /// Packet mode's NAT mapping slot (full-NAT: local address index << 16
+    /// | local port); 0 = none. Here, not with the counters, because an
+    /// fnat reply lookup compares it.
+    nat: AtomicU32,
     caddr: [AtomicU64; 2],
     vaddr: [AtomicU64; 2],
     cookie: AtomicU64,
@@ -135,9 +196,11 @@ pub(crate) struct Cold {
     packets: [AtomicU64; 2],
     /// Insert time in whole seconds of the caller's clock.
     created_s: AtomicU32,
-    /// Packet mode's NAT mapping slot (full-NAT: local address index << 16 |
-    /// local port); 0 = none.
-    nat: AtomicU32,
+    /// Opaque token of whoever owns the flow (a proxy connection's task);
+    /// expiry and kills hand it back so the owner can be told to close.
+    /// (The UDP proxy reads it with `touch_hit`, which writes this line
+    /// anyway.)
+    owner: AtomicU32,
 }
 
 #[cfg(not(loom))]
@@ -156,10 +219,21 @@ pub(crate) struct Node<'a> {
 impl Node<'_> {
     /// Writes a fresh entry. Only for a node no reader can reach (just
     /// allocated); the writer then publishes it with a Release store.
-    pub(crate) fn init(&self, k: &PackedKey, init: &FlowInit, cookie: u64, now: Millis) {
+    /// `reply`: the entry gets a reply index entry; it then starts *pending*
+    /// (not live, so no lookup returns it) until both its index entries are
+    /// in and [`set_live`](Self::set_live) publishes it.
+    pub(crate) fn init(
+        &self,
+        k: &PackedKey,
+        init: &FlowInit,
+        cookie: u64,
+        now: Millis,
+        nat: u32,
+        reply: bool,
+    ) {
         self.h.tenant.store(k.tenant, Relaxed);
         self.h.ports.store(k.ports, Relaxed);
-        self.h.owner.store(init.owner, Relaxed);
+        self.c.owner.store(init.owner, Relaxed);
         self.h.caddr[0].store(k.caddr[0], Relaxed);
         self.h.caddr[1].store(k.caddr[1], Relaxed);
         self.h.vaddr[0].store(k.vaddr[0], Relaxed);
@@ -169,14 +243,16 @@ impl Node<'_> {
         self.c
             .created_s
             .store(u32::try_from(now.0 / 1000).unwrap_or(u32::MAX), Relaxed);
-        self.c.nat.store(0, Relaxed);
+        self.h.nat.store(nat, Relaxed);
         for c in self.c.bytes.iter().chain(self.c.packets.iter()) {
             c.store(0, Relaxed);
         }
         self.h.service.store(init.service.0, Relaxed);
         self.h.backend.store(init.backend.0, Relaxed);
+        let (live, reply) = if reply { (0, REPLY) } else { (LIVE, 0) };
         self.h.meta.store(
-            LIVE | k.bits
+            live | reply
+                | k.bits
                 | (init.state.code() << STATE_SHIFT)
                 | (UNFILED << SLOT_SHIFT)
                 | ((u32::from(init.profile) & 0xFFF) << PROFILE_SHIFT),
@@ -200,6 +276,58 @@ impl Node<'_> {
             && self.h.caddr[0].load(Relaxed) == k.caddr[0]
             && self.h.vaddr[0].load(Relaxed) == k.vaddr[0]
             && self.h.meta.load(Relaxed) & KEY_BITS == k.bits
+    }
+
+    /// Whether this entry's reply key is `r` (live or not: the caller
+    /// checks).
+    #[inline]
+    pub(crate) fn matches_reply(&self, r: &PackedReply) -> bool {
+        let m = self.h.meta.load(Relaxed);
+        if m & REPLY == 0
+            || self.h.nat.load(Relaxed) != r.nat
+            || self.h.backend.load(Relaxed) != r.backend
+            || self.h.tenant.load(Relaxed) != r.tenant
+            || m & UDP != r.bits & UDP
+        {
+            return false;
+        }
+        r.nat != 0
+            || (self.h.ports.load(Relaxed) >> 16 == r.port
+                && self.h.caddr[1].load(Relaxed) == r.caddr[1]
+                && self.h.caddr[0].load(Relaxed) == r.caddr[0]
+                && m & C6 == r.bits & C6)
+    }
+
+    /// Whether the entry has a reply index entry.
+    #[inline]
+    pub(crate) fn has_reply(&self) -> bool {
+        self.h.meta.load(Relaxed) & REPLY != 0
+    }
+
+    /// The reply key of an entry that has one ([`has_reply`](Self::has_reply)):
+    /// from its own fields, so insert, remove and resize always agree.
+    pub(crate) fn reply_key(&self) -> PackedReply {
+        let m = self.h.meta.load(Relaxed);
+        let nat = self.h.nat.load(Relaxed);
+        let mut r = PackedReply {
+            tenant: self.h.tenant.load(Relaxed),
+            bits: m & UDP,
+            backend: self.h.backend.load(Relaxed),
+            nat,
+            ..PackedReply::default()
+        };
+        if nat == 0 {
+            r.bits |= m & C6;
+            r.port = self.h.ports.load(Relaxed) >> 16;
+            r.caddr = [self.h.caddr[0].load(Relaxed), self.h.caddr[1].load(Relaxed)];
+        }
+        r
+    }
+
+    /// Publishes a pending entry (see [`init`](Self::init)) once both its
+    /// index entries are in: from now on lookups return it.
+    pub(crate) fn set_live(&self) {
+        self.h.meta.fetch_or(LIVE, Release);
     }
 
     pub(crate) fn key(&self) -> PackedKey {
@@ -251,15 +379,18 @@ impl Node<'_> {
     }
 
     pub(crate) fn owner(&self) -> u32 {
-        self.h.owner.load(Relaxed)
+        self.c.owner.load(Relaxed)
     }
 
     pub(crate) fn nat(&self) -> u32 {
-        self.c.nat.load(Relaxed)
+        self.h.nat.load(Relaxed)
     }
 
+    /// Only for an entry without a reply index entry (its reply key would
+    /// change).
     pub(crate) fn set_nat(&self, v: u32) {
-        self.c.nat.store(v, Relaxed);
+        debug_assert!(!self.has_reply());
+        self.h.nat.store(v, Relaxed);
     }
 
     pub(crate) fn set_filed_slot(&self, slot: u32) {
@@ -274,6 +405,29 @@ impl Node<'_> {
         let _ = self.h.meta.fetch_update(Relaxed, Relaxed, |m| {
             Some((m & !STATE_MASK) | (st.code() << STATE_SHIFT))
         });
+    }
+
+    /// Compare-and-swap of the state of a live entry: `f` maps the current
+    /// state to the next (`None`: no change). Fails once the entry is
+    /// unpublished (its LIVE bit is cleared before its final snapshot), so
+    /// a transition is either in that snapshot or not made at all.
+    pub(crate) fn transition(
+        &self,
+        f: impl Fn(FlowState) -> Option<FlowState>,
+    ) -> Option<(FlowState, FlowState)> {
+        let mut m = self.h.meta.load(Relaxed);
+        loop {
+            if m & LIVE == 0 {
+                return None;
+            }
+            let from = FlowState::from_code((m & STATE_MASK) >> STATE_SHIFT);
+            let to = f(from)?;
+            let new = (m & !STATE_MASK) | (to.code() << STATE_SHIFT);
+            match self.h.meta.compare_exchange_weak(m, new, Relaxed, Relaxed) {
+                Ok(_) => return Some((from, to)),
+                Err(cur) => m = cur,
+            }
+        }
     }
 
     /// Under the bucket lock, after unpublishing.
@@ -316,6 +470,8 @@ impl Node<'_> {
             packets_in: self.c.packets[0].load(Relaxed),
             packets_out: self.c.packets[1].load(Relaxed),
             owner: self.owner(),
+            nat: self.nat(),
+            reply: self.has_reply(),
         }
     }
 }

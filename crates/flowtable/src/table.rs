@@ -196,8 +196,8 @@ pub(crate) struct Table {
     cur: EpochCell<Arc<Index>>,
     hash: crate::hash::KeyedHash,
     pub(crate) max_chain: usize,
-    /// Entries, one shard per thread slot.
-    entries: Box<[CachePadded<AtomicI64>]>,
+    /// Entries and reply index entries, one shard per thread slot.
+    entries: Box<[CachePadded<[AtomicI64; 2]>]>,
     min_buckets: usize,
     max_buckets: usize,
     /// Entries the table may hold: inserts past it are refused.
@@ -212,6 +212,7 @@ pub(crate) struct Table {
 pub(crate) struct ChainStats {
     pub(crate) hist: Vec<u64>,
     pub(crate) entries: u64,
+    pub(crate) replies: u64,
     pub(crate) max_chain: usize,
     pub(crate) buckets: usize,
 }
@@ -272,7 +273,18 @@ impl Table {
     }
 
     pub(crate) fn add_entries(&self, d: i64) {
-        self.entries[thread_slot()].fetch_add(d, Relaxed);
+        self.entries[thread_slot()][0].fetch_add(d, Relaxed);
+    }
+
+    /// Reply index entries (an entry inserted with a reply key has two
+    /// index entries: they count for the load).
+    pub(crate) fn add_replies(&self, d: i64) {
+        self.entries[thread_slot()][1].fetch_add(d, Relaxed);
+    }
+
+    pub(crate) fn replies(&self) -> u64 {
+        let n: i64 = self.entries.iter().map(|c| c[1].load(Relaxed)).sum();
+        n.max(0) as u64
     }
 
     /// Whether the table holds its cap of entries (`max_entries`, or the
@@ -289,7 +301,7 @@ impl Table {
     }
 
     pub(crate) fn entries(&self) -> u64 {
-        let n: i64 = self.entries.iter().map(|c| c.load(Relaxed)).sum();
+        let n: i64 = self.entries.iter().map(|c| c[0].load(Relaxed)).sum();
         n.max(0) as u64
     }
 
@@ -301,7 +313,7 @@ impl Table {
             return false;
         }
         let n = ix.len();
-        let load = self.entries() as f64 / (n * WAYS) as f64;
+        let load = (self.entries() + self.replies()) as f64 / (n * WAYS) as f64;
         let target = if load > GROW_AT && n < self.max_buckets {
             (n * 2).min(self.max_buckets)
         } else if load < SHRINK_AT && n > self.min_buckets {
@@ -401,6 +413,7 @@ impl Table {
         ChainStats {
             hist,
             entries: self.entries(),
+            replies: self.replies(),
             max_chain,
             buckets,
         }

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::net::SocketAddr;
+use std::num::NonZeroU32;
 use std::str::FromStr;
 
 /// A tenant (think network namespace). Tenants are created with
@@ -49,6 +50,75 @@ pub struct FlowKey {
     pub client: SocketAddr,
     /// Virtual (service) address and port.
     pub virt: SocketAddr,
+}
+
+/// The second key of a packet-mode flow: what a reply from its backend
+/// carries, once the caller has mapped the reply's source address and port
+/// to the backend (and tenant) from its service snapshot. The table never
+/// stores it: it is computed from the entry's own fields (tenant, protocol,
+/// backend, and client or NAT slot), so it cannot get out of step with the
+/// entry. See [`FlowTable::insert_reply`](crate::FlowTable::insert_reply).
+///
+/// The caller must map a reply's source to exactly one [`BackendId`]: two
+/// backends with the same address and port in one tenant (two services
+/// sharing a real server) need the same id, or their replies cannot be told
+/// apart (in nat mode they are the same packets).
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
+pub struct ReplyKey {
+    /// The flow's tenant.
+    pub tenant: TenantId,
+    /// Transport protocol.
+    pub proto: Proto,
+    /// The backend the reply comes from.
+    pub backend: BackendId,
+    /// The reply's destination.
+    pub dst: ReplyDst,
+}
+
+/// Where a reply of a packet-mode flow is addressed.
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
+pub enum ReplyDst {
+    /// nat: the client's address and port (the flow key's `client`).
+    Client(SocketAddr),
+    /// fnat: weir's local address and port, as the entry's NAT slot names
+    /// them (local address index << 16 | local port).
+    Nat(NonZeroU32),
+}
+
+/// How a packet-mode flow's replies come back, for
+/// [`FlowTable::insert_reply`](crate::FlowTable::insert_reply).
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
+pub enum ReplyMode {
+    /// nat: replies are addressed to the client
+    /// ([`ReplyDst::Client`] = the key's `client`).
+    Nat,
+    /// fnat: replies are addressed to weir's local address and port, which
+    /// this NAT slot names (stored as the entry's NAT slot, fixed for its
+    /// life; [`ReplyDst::Nat`]).
+    FullNat(NonZeroU32),
+}
+
+/// One key of a mixed batched lookup
+/// ([`Reader::lookup_probes`](crate::Reader::lookup_probes)).
+#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
+pub enum Probe {
+    /// A packet from the client side: the flow key.
+    Flow(FlowKey),
+    /// A packet from a backend: the reply key.
+    Reply(ReplyKey),
+}
+
+/// What a lookup by reply key (or a mixed batch) found: enough to rewrite
+/// a reply without another read of the entry.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub struct Found {
+    /// The entry, for later calls without hashing.
+    pub handle: Handle,
+    /// Its backend.
+    pub backend: BackendId,
+    /// Its flow key: the client and the virtual address a reply is
+    /// rewritten back to.
+    pub key: FlowKey,
 }
 
 /// Connection state, named like `ipvsadm -Lnc`.
@@ -283,6 +353,12 @@ pub struct FlowSnapshot {
     pub packets_out: u64,
     /// The owner token given at insert ([`FlowInit::owner`]).
     pub owner: u32,
+    /// Packet mode's NAT mapping slot (0 = none): the fnat local address
+    /// index << 16 | local port.
+    pub nat: u32,
+    /// Whether the entry is also indexed by its reply key (nat: `nat` is 0
+    /// and replies go to the client; fnat: replies go to `nat`).
+    pub reply: bool,
 }
 
 /// Direction of traffic for [`FlowTable::touch`](crate::FlowTable::touch).
@@ -544,13 +620,20 @@ pub enum TenantError {
 /// Errors of [`FlowTable::insert`](crate::FlowTable::insert).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum InsertError {
-    /// The key is present; its cookie.
+    /// The key is present; its cookie. (Also while that entry's own insert
+    /// is still adding its reply key, which may yet refuse it.)
     #[error("flow exists (cookie {0})")]
     Exists(Cookie),
-    /// The key's chain is at `max_chain` (possible hash flood), the key's
-    /// table holds its cap of entries ([`TenantConfig::max_entries`],
-    /// [`TableConfig::max_shared_entries`]), or the table already holds its
-    /// maximum of 2^26 - 1 (~67 M) entries.
+    /// [`FlowTable::insert_reply`](crate::FlowTable::insert_reply): another
+    /// entry has the same reply key (same tenant, protocol, backend and
+    /// client or NAT slot); its cookie. Nothing was inserted.
+    #[error("another flow has the same reply key (cookie {0})")]
+    ReplyExists(Cookie),
+    /// The key's chain (or its reply key's) is at `max_chain` (possible
+    /// hash flood), the key's table holds its cap of entries
+    /// ([`TenantConfig::max_entries`], [`TableConfig::max_shared_entries`]),
+    /// or the `FlowTable` already holds its maximum of 2^28 - 1 (~268 M)
+    /// entries.
     /// Counted in [`TableStats::refused_inserts`].
     #[error("hash chain full: insert refused")]
     ChainFull,
@@ -589,9 +672,13 @@ pub struct TableStats {
     pub entries: u64,
     /// Entries of the table the tenant lives in (= `entries` for an own table).
     pub table_entries: u64,
+    /// Reply index entries of that table (entries inserted with a reply
+    /// key): they take index ways, count towards chains and the load, but
+    /// are not entries of their own.
+    pub reply_entries: u64,
     /// Buckets (64-byte lines of 8 ways) of that table's newest index.
     pub buckets: usize,
-    /// Entries per way: `table_entries / (buckets x 8)`.
+    /// Index entries per way: `(table_entries + reply_entries) / (buckets x 8)`.
     pub load_factor: f64,
     /// `chain_histogram[n]` = buckets of that table holding `n` entries in
     /// their chain (head line and overflow lines; trailing zero classes

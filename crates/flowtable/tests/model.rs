@@ -106,6 +106,8 @@ fn expect(k: &FlowKey, m: &M) -> FlowSnapshot {
         packets_in: m.pkts[0],
         packets_out: m.pkts[1],
         owner: 0,
+        nat: 0,
+        reply: false,
     }
 }
 

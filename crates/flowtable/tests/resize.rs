@@ -407,3 +407,53 @@ fn a_cap_stops_growth_and_refuses_inserts_past_it() {
     assert_eq!(own.entries, 4096, "{own:?}");
     assert_eq!(own.refused_inserts, 10_000 - 4096, "{own:?}");
 }
+
+/// `transition_handle` is a compare-and-swap: from many threads, each step
+/// of a chain of states is taken by exactly one caller, and a removed entry
+/// takes none (so per-state counts kept by callers stay exact).
+#[test]
+fn transitions_are_taken_once_and_never_after_removal() {
+    let t = small_table(1024);
+    let h = t.insert_handle(key(1, 9), init(9), Millis(1000)).unwrap();
+    let chain = [
+        FlowState::Established,
+        FlowState::FinWait,
+        FlowState::TimeWait,
+        FlowState::Close,
+    ];
+    let step = |s: FlowState| {
+        let i = chain.iter().position(|&c| c == s)?;
+        chain.get(i + 1).copied()
+    };
+    let taken: Vec<Vec<(FlowState, FlowState)>> = std::thread::scope(|sc| {
+        let ws: Vec<_> = (0..4)
+            .map(|_| {
+                sc.spawn(|| {
+                    let mut mine = Vec::new();
+                    for _ in 0..100 {
+                        if let Some(m) = t.transition_handle(h, Millis(2000), step) {
+                            mine.push(m);
+                        }
+                    }
+                    mine
+                })
+            })
+            .collect();
+        ws.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    let mut all: Vec<_> = taken.into_iter().flatten().collect();
+    all.sort_by_key(|(from, _)| chain.iter().position(|c| c == from));
+    let want: Vec<_> = chain.windows(2).map(|w| (w[0], w[1])).collect();
+    assert_eq!(all, want, "each step exactly once");
+    let s = t.get_handle(h).unwrap();
+    assert_eq!((s.state, s.last_active), (FlowState::Close, Millis(2000)));
+    // No change asked: nothing moves.
+    assert_eq!(t.transition_handle(h, Millis(3000), |_| None), None);
+    // After removal the handle moves nothing.
+    let removed = t.remove_handle(h).unwrap();
+    assert_eq!(removed.state, FlowState::Close);
+    assert_eq!(
+        t.transition_handle(h, Millis(4000), |_| Some(FlowState::Established)),
+        None
+    );
+}

@@ -1,10 +1,17 @@
 // SPDX-License-Identifier: GPL-2.0-only OR MIT
 /*
- * weir's XDP steering program: packets whose (destination address, protocol,
- * destination port) is in the `steer` map go to the AF_XDP socket bound to
- * the receiving queue (the `xsks` map); everything else, and anything this
- * program cannot parse, is XDP_PASS, so SSH, the admin API and unrelated
- * traffic reach the kernel unchanged.
+ * weir's XDP steering program. A packet goes to the AF_XDP socket bound to
+ * the receiving queue (the `xsks` map) when
+ *   - its (destination address, protocol, destination port) is in `steer`
+ *     (a service's virtual address), or
+ *   - its (destination address, protocol) is in `local_ports` and its
+ *     destination port lies in the range stored there (fnat replies to one of
+ *     weir's local addresses; the kernel's own connections from that address
+ *     use ports outside the range), or
+ *   - its (source address, protocol, source port) is in `backends` (nat
+ *     replies from a backend).
+ * Everything else, and anything this program cannot parse, is XDP_PASS, so
+ * SSH, the admin API and unrelated traffic reach the kernel unchanged.
  *
  * Dual licensed GPL-2.0-only OR MIT: the GPL makes the kernel's GPL-only
  * BPF helpers available; MIT matches the rest of weir.
@@ -31,12 +38,28 @@ struct steer_key {
 	__be16 port; /* network byte order */
 };
 
-/* Indexes into `stats` (keep in sync with `Stat` in src/steer.rs). */
+/* Keep in sync with `LocalKey` in src/steer.rs: a local address (IPv4-mapped
+ * like steer_key) and protocol. */
+struct local_key {
+	__u8 addr[16];
+	__u8 proto;
+	__u8 pad[3]; /* always 0 */
+};
+
+/* Keep in sync with `PortRange` in src/steer.rs: inclusive, host byte order. */
+struct port_range {
+	__u16 first;
+	__u16 last;
+};
+
+/* Indexes into `stats` (keep in sync with `SteerStats::read` in src/steer.rs). */
 enum {
-	STAT_PASSED = 0,    /* not ours: handed to the kernel */
-	STAT_STEERED = 1,   /* redirected to an AF_XDP socket */
-	STAT_NO_SOCKET = 2, /* ours, but no socket on that queue: passed */
-	STAT_MAX = 3,
+	STAT_PASSED = 0,        /* not ours: handed to the kernel */
+	STAT_STEERED = 1,       /* redirected to an AF_XDP socket */
+	STAT_NO_SOCKET = 2,     /* ours, but no socket on that queue: passed */
+	STAT_MATCH_BACKEND = 3, /* matched `backends` (nat reply) */
+	STAT_MATCH_LOCAL = 4,   /* matched `local_ports` (fnat reply) */
+	STAT_MAX = 5,
 };
 
 struct {
@@ -45,6 +68,20 @@ struct {
 	__type(key, struct steer_key);
 	__type(value, __u32);
 } steer SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct steer_key); /* source address and port */
+	__type(value, __u32);
+} backends SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, struct local_key);
+	__type(value, struct port_range);
+} local_ports SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_XSKMAP);
@@ -60,12 +97,26 @@ struct {
 	__type(value, __u64);
 } stats SEC(".maps");
 
-static __always_inline int count(__u32 stat, int action)
+static __always_inline void bump(__u32 stat)
 {
 	__u64 *n = bpf_map_lookup_elem(&stats, &stat);
 	if (n)
 		*n += 1;
+}
+
+static __always_inline int count(__u32 stat, int action)
+{
+	bump(stat);
 	return action;
+}
+
+/* Redirects to the socket of the receiving queue. XDP_PASS as the fallback
+ * action: no socket on this queue means the kernel still gets the packet
+ * rather than losing it. */
+static __always_inline int steer_to_socket(struct xdp_md *ctx)
+{
+	int action = bpf_redirect_map(&xsks, ctx->rx_queue_index, XDP_PASS);
+	return count(action == XDP_REDIRECT ? STAT_STEERED : STAT_NO_SOCKET, action);
 }
 
 struct vlan_hdr {
@@ -79,6 +130,9 @@ int weir_steer(struct xdp_md *ctx)
 	void *data = (void *)(long)ctx->data;
 	void *end = (void *)(long)ctx->data_end;
 	struct steer_key key = {};
+	struct steer_key from = {};
+	struct local_key local = {};
+	struct port_range *range;
 	struct ethhdr *eth = data;
 	void *l3;
 	void *l4;
@@ -107,6 +161,9 @@ int weir_steer(struct xdp_md *ctx)
 		key.addr[10] = 0xff;
 		key.addr[11] = 0xff;
 		__builtin_memcpy(&key.addr[12], &ip->daddr, 4);
+		from.addr[10] = 0xff;
+		from.addr[11] = 0xff;
+		__builtin_memcpy(&from.addr[12], &ip->saddr, 4);
 		key.proto = ip->protocol;
 		l4 = (__u8 *)ip + ip->ihl * 4;
 	} else if (proto == bpf_htons(ETH_P_IPV6)) {
@@ -115,6 +172,7 @@ int weir_steer(struct xdp_md *ctx)
 			return count(STAT_PASSED, XDP_PASS);
 		/* Extension headers are not followed (weir-packet refuses them). */
 		__builtin_memcpy(key.addr, &ip6->daddr, 16);
+		__builtin_memcpy(from.addr, &ip6->saddr, 16);
 		key.proto = ip6->nexthdr;
 		l4 = ip6 + 1;
 	} else {
@@ -127,16 +185,34 @@ int weir_steer(struct xdp_md *ctx)
 		if ((void *)(ports + 1) > end)
 			return count(STAT_PASSED, XDP_PASS);
 		key.port = ports->dest;
+		from.port = ports->source;
 	} else {
 		return count(STAT_PASSED, XDP_PASS);
 	}
 
-	if (!bpf_map_lookup_elem(&steer, &key))
-		return count(STAT_PASSED, XDP_PASS);
-	/* XDP_PASS as the fallback action: no socket on this queue means the
-	 * kernel still gets the packet rather than losing it. */
-	int action = bpf_redirect_map(&xsks, ctx->rx_queue_index, XDP_PASS);
-	return count(action == XDP_REDIRECT ? STAT_STEERED : STAT_NO_SOCKET, action);
+	/* To a virtual address: the common case first. */
+	if (bpf_map_lookup_elem(&steer, &key))
+		return steer_to_socket(ctx);
+
+	/* To a local address, inside weir's port range. */
+	__builtin_memcpy(local.addr, key.addr, 16);
+	local.proto = key.proto;
+	range = bpf_map_lookup_elem(&local_ports, &local);
+	if (range) {
+		__u16 port = bpf_ntohs(key.port);
+		if (port >= range->first && port <= range->last) {
+			bump(STAT_MATCH_LOCAL);
+			return steer_to_socket(ctx);
+		}
+	}
+
+	/* From a nat backend. */
+	from.proto = key.proto;
+	if (bpf_map_lookup_elem(&backends, &from)) {
+		bump(STAT_MATCH_BACKEND);
+		return steer_to_socket(ctx);
+	}
+	return count(STAT_PASSED, XDP_PASS);
 }
 
 char LICENSE[] SEC("license") = "Dual MIT/GPL";

@@ -1,6 +1,6 @@
 //! Packet I/O for weir's packet mode: the one place for packet-mode `unsafe`.
 //!
-//! Three parts, used together by the data path:
+//! The parts the data path uses together:
 //!
 //! * [`steer`] — the XDP program (`bpf/steer.bpf.c`, built by `build.rs` with clang)
 //!   and its loader. The program looks up each packet's (destination address,
@@ -13,16 +13,25 @@
 //!   frame to a callback that rewrites it in place and answers [`Verdict`], transmit
 //!   the batch.
 //!
+//! * [`nexthop`] — where a rewritten frame goes: the egress interface, its MAC
+//!   and the next hop's MAC from the kernel's routing and neighbour tables
+//!   (rtnetlink), behind a cache with explicit lifetimes and invalidation.
+//!
 //! The packet core that decides what to rewrite is `weir-packet`; nothing here
 //! parses beyond what steering needs.
 //!
 //! Requirements at run time: root (or `CAP_NET_ADMIN`, `CAP_BPF`, `CAP_NET_RAW`),
 //! a kernel with `CONFIG_XDP_SOCKETS` (5.4 or later for need-wakeup).
 
+pub mod nexthop;
 #[allow(unsafe_code)]
 pub mod steer;
 #[allow(unsafe_code)]
 pub mod xsk;
 
+pub use nexthop::{
+    CacheConfig, Neighbour, Netlink, NextHopCache, NoRoute, Resolution, ResolveError, Resolver,
+    Route,
+};
 pub use steer::{AttachMode, PROGRAM_BUILT, SteerError, SteerKey, SteerStats, Steering};
 pub use xsk::{BatchStats, Verdict, XskConfig, XskError, XskSocket, rx_queue_count};

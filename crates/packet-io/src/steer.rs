@@ -2,10 +2,22 @@
 //!
 //! [`Steering::attach`] loads the program the build compiled, attaches it to an
 //! interface — native (driver) mode first, generic (skb) mode if the driver
-//! refuses — and detaches it when dropped. The `steer` map holds the
-//! [`SteerKey`]s to redirect; the `xsks` map holds one AF_XDP socket per queue.
+//! refuses — and detaches it when dropped. Three maps say what to redirect:
+//!
+//! * `steer` — [`SteerKey`]s matched on a packet's destination: the services'
+//!   virtual addresses ([`Steering::add`]);
+//! * `backends` — [`SteerKey`]s matched on a packet's *source*: nat backends,
+//!   whose replies weir rewrites back to the virtual address
+//!   ([`Steering::add_backend`]);
+//! * `local_ports` — a port range per (local address, protocol), matched on
+//!   the destination: fnat replies to weir's own addresses
+//!   ([`Steering::add_local`]); the kernel's connections from those addresses
+//!   use ports outside the range and keep working.
+//!
+//! The `xsks` map holds one AF_XDP socket per queue.
 
 use std::net::{IpAddr, SocketAddr};
+use std::ops::RangeInclusive;
 use std::os::fd::AsRawFd;
 
 use aya::Ebpf;
@@ -74,6 +86,14 @@ pub enum SteerError {
     /// Only TCP and UDP are steered.
     #[error("protocol {0} cannot be steered (only TCP 6 and UDP 17)")]
     Protocol(u8),
+    /// A local port range that is empty or includes port 0.
+    #[error("local port range {first}-{last} is empty or includes port 0")]
+    PortRange {
+        /// First port of the range as given.
+        first: u16,
+        /// Last port of the range as given.
+        last: u16,
+    },
 }
 
 /// How the program is attached.
@@ -141,16 +161,71 @@ impl SteerKey {
     }
 }
 
+/// One local address and protocol whose port range fnat replies use.
+///
+/// Layout shared with `struct local_key` in `bpf/steer.bpf.c` (address
+/// IPv4-mapped as in [`SteerKey`]).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct LocalKey {
+    addr: [u8; 16],
+    proto: u8,
+    pad: [u8; 3],
+}
+
+// SAFETY: `repr(C)`, `Copy`, 20 bytes with no padding (16 + 1 + 3, alignment
+// 1); every bit pattern is a valid value.
+unsafe impl aya::Pod for LocalKey {}
+
+impl LocalKey {
+    fn new(addr: IpAddr, protocol: u8) -> Result<Self, SteerError> {
+        let k = SteerKey::new(SocketAddr::new(addr, 0), protocol)?;
+        Ok(Self {
+            addr: k.addr,
+            proto: k.proto,
+            pad: [0; 3],
+        })
+    }
+}
+
+/// An inclusive port range in host byte order (`struct port_range`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PortRange {
+    first: u16,
+    last: u16,
+}
+
+// SAFETY: `repr(C)`, `Copy`, two `u16`s (4 bytes, no padding); every bit
+// pattern is a valid value.
+unsafe impl aya::Pod for PortRange {}
+
+impl PortRange {
+    fn new(ports: RangeInclusive<u16>) -> Result<Self, SteerError> {
+        let (first, last) = (*ports.start(), *ports.end());
+        if first == 0 || first > last {
+            return Err(SteerError::PortRange { first, last });
+        }
+        Ok(Self { first, last })
+    }
+}
+
 /// The program's packet counters, summed over CPUs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SteerStats {
     /// Not steered: handed to the kernel (`XDP_PASS`).
     pub passed: u64,
-    /// Redirected to an AF_XDP socket.
+    /// Redirected to an AF_XDP socket (any of the three kinds of match).
     pub steered: u64,
-    /// Matched a key but no socket was registered on the receiving queue, so
+    /// Matched but no socket was registered on the receiving queue, so
     /// passed to the kernel.
     pub no_socket: u64,
+    /// Matched a nat backend's source ([`Steering::add_backend`]); included
+    /// in `steered` or `no_socket`.
+    pub backend_matches: u64,
+    /// Matched a local address's port range ([`Steering::add_local`]);
+    /// included in `steered` or `no_socket`.
+    pub local_matches: u64,
 }
 
 /// The steering program attached to one interface; detached on drop.
@@ -235,31 +310,38 @@ impl Steering {
         &self.interface
     }
 
-    fn steer_map(&mut self) -> Result<HashMap<&mut MapData, SteerKey, u32>, SteerError> {
-        let map = self
-            .ebpf
-            .map_mut("steer")
-            .ok_or(SteerError::Missing("steer"))?;
+    fn hash_map<K: aya::Pod, V: aya::Pod>(
+        &mut self,
+        name: &'static str,
+    ) -> Result<HashMap<&mut MapData, K, V>, SteerError> {
+        let map = self.ebpf.map_mut(name).ok_or(SteerError::Missing(name))?;
         HashMap::try_from(map).map_err(|source| SteerError::Map {
-            name: "steer",
+            name,
             source: Box::new(source),
         })
     }
 
-    /// Steers packets matching `key` to the AF_XDP sockets.
-    pub fn add(&mut self, key: SteerKey) -> Result<(), SteerError> {
-        self.steer_map()?
-            .insert(key, 1, 0)
+    fn insert<K: aya::Pod, V: aya::Pod>(
+        &mut self,
+        name: &'static str,
+        key: K,
+        value: V,
+    ) -> Result<(), SteerError> {
+        self.hash_map::<K, V>(name)?
+            .insert(key, value, 0)
             .map_err(|source| SteerError::Map {
-                name: "steer",
+                name,
                 source: Box::new(source),
             })
     }
 
-    /// Stops steering `key`; packets matching it go to the kernel again.
-    /// Removing a key that is not there is not an error.
-    pub fn remove(&mut self, key: &SteerKey) -> Result<(), SteerError> {
-        match self.steer_map()?.remove(key) {
+    /// Removes `key` from map `name`; an absent key is not an error.
+    fn delete<K: aya::Pod, V: aya::Pod>(
+        &mut self,
+        name: &'static str,
+        key: &K,
+    ) -> Result<(), SteerError> {
+        match self.hash_map::<K, V>(name)?.remove(key) {
             Ok(()) => Ok(()),
             // ENOENT: already absent.
             Err(aya::maps::MapError::SyscallError(e))
@@ -268,27 +350,119 @@ impl Steering {
                 Ok(())
             }
             Err(source) => Err(SteerError::Map {
-                name: "steer",
+                name,
                 source: Box::new(source),
             }),
         }
     }
 
-    /// The keys currently steered.
-    pub fn keys(&mut self) -> Result<Vec<SteerKey>, SteerError> {
-        let map = self.steer_map()?;
-        map.keys()
+    fn entries<K: aya::Pod, V: aya::Pod>(
+        &mut self,
+        name: &'static str,
+    ) -> Result<Vec<(K, V)>, SteerError> {
+        self.hash_map::<K, V>(name)?
+            .iter()
             .collect::<Result<Vec<_>, _>>()
             .map_err(|source| SteerError::Map {
-                name: "steer",
+                name,
                 source: Box::new(source),
             })
     }
 
-    /// Removes every key: all traffic goes to the kernel again.
+    /// Steers packets whose destination matches `key` (a service's virtual
+    /// address) to the AF_XDP sockets.
+    pub fn add(&mut self, key: SteerKey) -> Result<(), SteerError> {
+        self.insert("steer", key, 1u32)
+    }
+
+    /// Stops steering `key`; packets matching it go to the kernel again.
+    /// Removing a key that is not there is not an error.
+    pub fn remove(&mut self, key: &SteerKey) -> Result<(), SteerError> {
+        self.delete::<SteerKey, u32>("steer", key)
+    }
+
+    /// The keys currently steered by destination ([`Steering::add`]).
+    pub fn keys(&mut self) -> Result<Vec<SteerKey>, SteerError> {
+        Ok(self
+            .entries::<SteerKey, u32>("steer")?
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect())
+    }
+
+    /// Steers packets whose *source* matches `key` — a nat backend's address,
+    /// protocol and port, e.g. `SteerKey::tcp(backend)` — to the AF_XDP
+    /// sockets: its replies, which weir rewrites back to the virtual address.
+    /// Add one per (backend, protocol) of every nat service; the same backend
+    /// in two services needs one key.
+    pub fn add_backend(&mut self, key: SteerKey) -> Result<(), SteerError> {
+        self.insert("backends", key, 1u32)
+    }
+
+    /// Stops steering replies from `key`; an absent key is not an error.
+    pub fn remove_backend(&mut self, key: &SteerKey) -> Result<(), SteerError> {
+        self.delete::<SteerKey, u32>("backends", key)
+    }
+
+    /// The nat backends whose replies are steered ([`Steering::add_backend`]).
+    pub fn backends(&mut self) -> Result<Vec<SteerKey>, SteerError> {
+        Ok(self
+            .entries::<SteerKey, u32>("backends")?
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect())
+    }
+
+    /// Steers `protocol` packets to the local (fnat source) address `addr`
+    /// whose destination port lies in `ports` to the AF_XDP sockets: the
+    /// backends' replies to weir's fnat mappings. Packets to `addr` on other
+    /// ports — the kernel's own connections, SSH, the admin API — pass to the
+    /// kernel, so keep `ports` out of the kernel's ephemeral range
+    /// (`net.ipv4.ip_local_reserved_ports`). Replaces the range an earlier
+    /// call set for the same address and protocol.
+    pub fn add_local(
+        &mut self,
+        addr: IpAddr,
+        protocol: u8,
+        ports: RangeInclusive<u16>,
+    ) -> Result<(), SteerError> {
+        let range = PortRange::new(ports)?;
+        let key = LocalKey::new(addr, protocol)?;
+        self.insert("local_ports", key, range)
+    }
+
+    /// Stops steering to the local address `addr` for `protocol`; an absent
+    /// entry is not an error.
+    pub fn remove_local(&mut self, addr: IpAddr, protocol: u8) -> Result<(), SteerError> {
+        let key = LocalKey::new(addr, protocol)?;
+        self.delete::<LocalKey, PortRange>("local_ports", &key)
+    }
+
+    /// The local addresses steered ([`Steering::add_local`]): address,
+    /// protocol and port range (IPv4 addresses as IPv4, not mapped).
+    pub fn locals(&mut self) -> Result<Vec<(IpAddr, u8, RangeInclusive<u16>)>, SteerError> {
+        Ok(self
+            .entries::<LocalKey, PortRange>("local_ports")?
+            .into_iter()
+            .map(|(k, r)| {
+                let v6 = std::net::Ipv6Addr::from(k.addr);
+                let ip = v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4);
+                (ip, k.proto, r.first..=r.last)
+            })
+            .collect())
+    }
+
+    /// Removes every key of the three kinds: all traffic goes to the kernel
+    /// again.
     pub fn clear(&mut self) -> Result<(), SteerError> {
         for key in self.keys()? {
             self.remove(&key)?;
+        }
+        for key in self.backends()? {
+            self.remove_backend(&key)?;
+        }
+        for (addr, proto, _) in self.locals()? {
+            self.remove_local(addr, proto)?;
         }
         Ok(())
     }
@@ -322,6 +496,8 @@ impl Steering {
             passed: sum(0)?,
             steered: sum(1)?,
             no_socket: sum(2)?,
+            backend_matches: sum(3)?,
+            local_matches: sum(4)?,
         })
     }
 }
@@ -354,6 +530,38 @@ mod tests {
         let k6 = SteerKey::tcp("[2001:db8::1]:443".parse().unwrap());
         assert_eq!(k6.addr[0..2], [0x20, 0x01]);
         assert_eq!((k6.proto, k6.port_be), (6, [1, 0xbb]));
+    }
+
+    #[test]
+    fn local_key_layout_matches_the_c_struct() {
+        assert_eq!(std::mem::size_of::<LocalKey>(), 20);
+        assert_eq!(std::mem::size_of::<PortRange>(), 4);
+        let k = LocalKey::new("10.0.1.1".parse().unwrap(), 6).unwrap();
+        assert_eq!(&k.addr[10..], &[0xff, 0xff, 10, 0, 1, 1]);
+        assert_eq!((k.proto, k.pad), (6, [0; 3]));
+        assert!(matches!(
+            LocalKey::new("10.0.1.1".parse().unwrap(), 1),
+            Err(SteerError::Protocol(1))
+        ));
+    }
+
+    #[test]
+    fn local_port_ranges_must_be_non_empty_and_exclude_port_0() {
+        assert_eq!(
+            PortRange::new(61000..=65535).unwrap(),
+            PortRange {
+                first: 61000,
+                last: 65535
+            }
+        );
+        assert!(PortRange::new(7..=7).is_ok());
+        for (a, b) in [(0, 10), (10, 9), (0, 0)] {
+            let err = PortRange::new(a..=b).unwrap_err();
+            assert!(
+                matches!(err, SteerError::PortRange { first, last } if (first, last) == (a, b))
+            );
+            assert!(err.to_string().contains(&format!("{a}-{b}")));
+        }
     }
 
     #[test]

@@ -698,3 +698,452 @@ fn dropping_steering_detaches_the_program() {
     // before, attached, second refused, after drop, attached again
     assert_eq!(result, [false, true, false, false, true]);
 }
+
+/// What the weir thread of the reply-steering test is told to do.
+enum Cmd {
+    /// Remove the backend and local keys, then acknowledge.
+    Remove,
+    /// Return the counters and end.
+    Stop,
+}
+
+/// Who answered a probe: the AF_XDP echo (the datagram came back as sent) or
+/// the kernel's socket (prefixed with `kernel:`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    Xdp,
+    Kernel,
+    Nobody,
+}
+
+/// The UDP port of weir's namespace that nat-reply probes go to.
+const REPLY_PORT: u16 = 5555;
+/// A nat backend's source port, registered with `add_backend`.
+const BACKEND_PORT: u16 = 7000;
+/// weir's fnat port range on its local addresses (UDP and TCP).
+const LOCAL_RANGE: std::ops::RangeInclusive<u16> = 50000..=59999;
+/// The kernel's ephemeral ports in weir's namespace: outside `LOCAL_RANGE`.
+const EPHEMERAL: &str = "40000 49999";
+/// A kernel TCP service on weir's local address (SSH, the admin API).
+const KERNEL_TCP_PORT: u16 = 2222;
+/// The client namespace's TCP listener that weir's kernel connects to.
+const CLIENT_TCP_PORT: u16 = 7100;
+
+/// nat replies (matched on the backend's source) and fnat replies (matched on
+/// a local address's port range) are steered; datagrams from another source
+/// port or to ports outside the range, a TCP connection to the local address's
+/// kernel service and the kernel's own TCP connection from it are not; after
+/// `remove_backend`/`remove_local` the same datagrams reach the kernel.
+#[test]
+fn replies_from_nat_backends_and_to_fnat_local_ports_are_steered() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping replies_from_nat_backends_and_to_fnat_local_ports_are_steered: {why}");
+        return;
+    }
+    let topo = Topology::new("r").expect("build the test topology");
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+    let (cmd_tx, cmd_rx) = mpsc::channel::<Cmd>();
+    let (ack_tx, ack_rx) = mpsc::channel::<Result<(), String>>();
+    let weir = {
+        let (ns, dev) = (topo.weir.clone(), topo.weir_if.clone());
+        std::thread::spawn(move || reply_weir_side(&ns, &dev, ready_tx, cmd_rx, ack_tx))
+    };
+    let ready = ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    if let Err(e) = ready {
+        let _ = weir.join();
+        panic!("weir side setup: {e}");
+    }
+    let client = {
+        let (ns, weir_ns) = (topo.client.clone(), topo.weir.clone());
+        let cmd_tx = cmd_tx.clone();
+        std::thread::spawn(move || reply_client_side(&ns, &weir_ns, &cmd_tx, &ack_rx))
+    };
+    let probes = client.join().expect("client thread");
+    let _ = cmd_tx.send(Cmd::Stop);
+    let stats = weir.join().expect("weir thread");
+    drop(topo);
+    let (with_keys, without_keys, tcp) = probes.expect("client side");
+    let stats = stats.expect("weir side");
+
+    use Answer::{Kernel, Xdp};
+    // Per family: from the backend's port; from another port; to the local
+    // range; below it; above it.
+    let want = [
+        Xdp, Kernel, Xdp, Kernel, Kernel, Xdp, Kernel, Xdp, Kernel, Kernel,
+    ];
+    assert_eq!(with_keys, want, "with the keys");
+    assert_eq!(without_keys, [Kernel; 10], "after removing the keys");
+    assert_eq!(
+        tcp,
+        (true, true),
+        "a TCP connection to the local address's kernel port, and the kernel's own \
+         TCP connection from it"
+    );
+    assert!(stats.backend_matches >= 2, "{stats:?}");
+    assert!(stats.local_matches >= 2, "{stats:?}");
+    assert!(
+        stats.steered >= stats.backend_matches + stats.local_matches,
+        "{stats:?}"
+    );
+    assert_eq!(stats.no_socket, 0, "{stats:?}");
+}
+
+fn reply_weir_side(
+    ns: &str,
+    dev: &str,
+    ready: mpsc::Sender<Result<(), String>>,
+    cmds: mpsc::Receiver<Cmd>,
+    ack: mpsc::Sender<Result<(), String>>,
+) -> Result<SteerStats, String> {
+    let v4: std::net::IpAddr = "192.0.2.2".parse().expect("literal");
+    let v6: std::net::IpAddr = "2001:db8::2".parse().expect("literal");
+    let backends: Vec<SteerKey> = ["192.0.2.1", "[2001:db8::1]"]
+        .iter()
+        .map(|ip| SteerKey::udp(format!("{ip}:{BACKEND_PORT}").parse().expect("literal")))
+        .collect();
+    let setup = || -> Result<_, String> {
+        enter(ns)?;
+        std::fs::write("/proc/sys/net/ipv4/ip_local_port_range", EPHEMERAL)
+            .map_err(|e| format!("setting the ephemeral port range: {e}"))?;
+        let mut steering = Steering::attach(dev).map_err(|e| e.to_string())?;
+        let xsks = XskSocket::bind_all(dev, XskConfig::default()).map_err(|e| e.to_string())?;
+        for xsk in &xsks {
+            steering
+                .register_socket(xsk.queue(), xsk)
+                .map_err(|e| e.to_string())?;
+        }
+        for key in &backends {
+            steering.add_backend(*key).map_err(|e| e.to_string())?;
+        }
+        for ip in [v4, v6] {
+            for proto in [UDP, TCP] {
+                steering
+                    .add_local(ip, proto, LOCAL_RANGE)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        let mut kernel = Vec::new();
+        for port in [
+            REPLY_PORT,
+            *LOCAL_RANGE.start() + 500,
+            *LOCAL_RANGE.start() - 1,
+            *LOCAL_RANGE.end() + 1,
+        ] {
+            let sock = UdpSocket::bind(("::", port)).map_err(|e| e.to_string())?;
+            sock.set_nonblocking(true).map_err(|e| e.to_string())?;
+            kernel.push(sock);
+        }
+        let listener =
+            std::net::TcpListener::bind(("::", KERNEL_TCP_PORT)).map_err(|e| e.to_string())?;
+        Ok((steering, xsks, kernel, listener))
+    };
+    let (mut steering, mut xsks, kernel, _listener) = match setup() {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = ready.send(Err(e.clone()));
+            return Err(e);
+        }
+    };
+    let _ = ready.send(Ok(()));
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut buf = [0u8; 512];
+    while Instant::now() < deadline {
+        for xsk in &mut xsks {
+            xsk.run_batch(Duration::from_millis(1), echo)
+                .map_err(|e| e.to_string())?;
+        }
+        for sock in &kernel {
+            if let Ok((n, peer)) = sock.recv_from(&mut buf) {
+                let mut reply = b"kernel:".to_vec();
+                reply.extend_from_slice(&buf[..n]);
+                let _ = sock.send_to(&reply, peer);
+            }
+        }
+        match cmds.try_recv() {
+            Ok(Cmd::Remove) => {
+                let mut removed = || -> Result<(), String> {
+                    for key in &backends {
+                        steering.remove_backend(key).map_err(|e| e.to_string())?;
+                    }
+                    for ip in [v4, v6] {
+                        for proto in [UDP, TCP] {
+                            steering
+                                .remove_local(ip, proto)
+                                .map_err(|e| e.to_string())?;
+                        }
+                    }
+                    let left = (
+                        steering.backends().map_err(|e| e.to_string())?.len(),
+                        steering.locals().map_err(|e| e.to_string())?.len(),
+                    );
+                    if left != (0, 0) {
+                        return Err(format!("keys left after removal: {left:?}"));
+                    }
+                    Ok(())
+                };
+                let _ = ack.send(removed());
+            }
+            Ok(Cmd::Stop) | Err(mpsc::TryRecvError::Disconnected) => break,
+            Err(mpsc::TryRecvError::Empty) => {}
+        }
+    }
+    steering.stats().map_err(|e| e.to_string())
+}
+
+type ReplyProbes = (Vec<Answer>, Vec<Answer>, (bool, bool));
+
+fn reply_client_side(
+    ns: &str,
+    weir_ns: &str,
+    cmds: &mpsc::Sender<Cmd>,
+    ack: &mpsc::Receiver<Result<(), String>>,
+) -> Result<ReplyProbes, String> {
+    enter(ns)?;
+    let client_listener =
+        std::net::TcpListener::bind(("192.0.2.1", CLIENT_TCP_PORT)).map_err(|e| e.to_string())?;
+    let round = |tag: &str| -> Result<Vec<Answer>, String> {
+        let mut answers = Vec::new();
+        for (client, weir) in [("192.0.2.1", "192.0.2.2"), ("2001:db8::1", "2001:db8::2")] {
+            let weir_ip: std::net::IpAddr = weir.parse().expect("literal");
+            let client_ip: std::net::IpAddr = client.parse().expect("literal");
+            for (from_port, to_port) in [
+                (BACKEND_PORT, REPLY_PORT),
+                (BACKEND_PORT + 1, REPLY_PORT),
+                (0, *LOCAL_RANGE.start() + 500),
+                (0, *LOCAL_RANGE.start() - 1),
+                (0, *LOCAL_RANGE.end() + 1),
+            ] {
+                let sock = UdpSocket::bind(SocketAddr::new(client_ip, from_port))
+                    .map_err(|e| format!("bind {client} {from_port}: {e}"))?;
+                let to = SocketAddr::new(weir_ip, to_port);
+                let msg = format!("{tag} {from_port}->{to}");
+                answers.push(probe(&sock, to, msg.as_bytes())?);
+            }
+        }
+        Ok(answers)
+    };
+    let with_keys = round("keys")?;
+
+    // TCP: to the local address's kernel service (port outside the range),
+    // and from it (the kernel's ephemeral port, outside the range).
+    let to_kernel = std::net::TcpStream::connect_timeout(
+        &SocketAddr::new("192.0.2.2".parse().expect("literal"), KERNEL_TCP_PORT),
+        Duration::from_secs(3),
+    )
+    .is_ok();
+    let from_kernel = {
+        let weir_ns = weir_ns.to_owned();
+        std::thread::spawn(move || -> Result<bool, String> {
+            enter(&weir_ns)?;
+            Ok(std::net::TcpStream::connect_timeout(
+                &SocketAddr::new("192.0.2.1".parse().expect("literal"), CLIENT_TCP_PORT),
+                Duration::from_secs(3),
+            )
+            .is_ok())
+        })
+        .join()
+        .map_err(|_| "the weir-namespace connect thread panicked".to_owned())??
+    };
+    drop(client_listener);
+
+    cmds.send(Cmd::Remove).map_err(|e| e.to_string())?;
+    ack.recv_timeout(Duration::from_secs(10))
+        .map_err(|e| format!("no answer to Remove: {e}"))??;
+    let without_keys = round("nokeys")?;
+    Ok((with_keys, without_keys, (to_kernel, from_kernel)))
+}
+
+/// Sends `msg` to `to` (up to 3 tries, 500 ms each) and says who answered.
+fn probe(sock: &UdpSocket, to: SocketAddr, msg: &[u8]) -> Result<Answer, String> {
+    sock.set_read_timeout(Some(Duration::from_millis(500)))
+        .map_err(|e| e.to_string())?;
+    let mut buf = [0u8; 512];
+    for _ in 0..3 {
+        sock.send_to(msg, to).map_err(|e| e.to_string())?;
+        while let Ok((n, from)) = sock.recv_from(&mut buf) {
+            if from != to {
+                continue;
+            }
+            let got = &buf[..n];
+            if got == msg {
+                return Ok(Answer::Xdp);
+            }
+            if got.strip_prefix(b"kernel:") == Some(msg) {
+                return Ok(Answer::Kernel);
+            }
+        }
+    }
+    Ok(Answer::Nobody)
+}
+
+/// MACs the next-hop test gives the two veth ends.
+const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xc1, 0x01];
+const WEIR_MAC: [u8; 6] = [0x02, 0, 0, 0, 0xc1, 0x02];
+
+fn mac_text(mac: [u8; 6]) -> String {
+    mac.map(|b| format!("{b:02x}")).join(":")
+}
+
+/// The resolver in weir's namespace, against the kernel's tables there: a
+/// directly connected neighbour (resolved through the resolver's own
+/// solicitation, IPv4 and IPv6), a destination behind a gateway (the
+/// gateway's MAC), an address nobody holds (unresolved, and the kernel made
+/// an entry for it), unroutable destinations, and the cache answering until
+/// its entry is invalidated.
+#[test]
+fn next_hops_come_from_the_kernels_route_and_neighbour_tables() {
+    use weir_packet_io::{CacheConfig, NoRoute, Resolution, Resolver};
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping next_hops_come_from_the_kernels_route_and_neighbour_tables: {why}");
+        return;
+    }
+    let topo = Topology::new("n").expect("build the test topology");
+    let (c, w, ci, wi) = (&topo.client, &topo.weir, &topo.client_if, &topo.weir_if);
+    for (ns, dev, mac) in [(c, ci, CLIENT_MAC), (w, wi, WEIR_MAC)] {
+        run(&[
+            "ip",
+            "-n",
+            ns,
+            "link",
+            "set",
+            "dev",
+            dev,
+            "address",
+            &mac_text(mac),
+        ])
+        .expect("set the MAC");
+    }
+    for route in [
+        ["203.0.113.0/24", "via", "192.0.2.1"],
+        ["2001:db8:99::/64", "via", "2001:db8::1"],
+    ] {
+        run(&["ip", "-n", w, "route", "add", route[0], route[1], route[2]]).expect("route");
+    }
+    for prefix in ["198.18.1.0/24", "2001:db8:bad::/64"] {
+        run(&["ip", "-n", w, "route", "add", "blackhole", prefix]).expect("blackhole");
+    }
+
+    let (ns, dev) = (w.clone(), wi.clone());
+    let result = std::thread::spawn(move || -> Result<Vec<String>, String> {
+        enter(&ns)?;
+        let weir_ifindex = {
+            let name = std::ffi::CString::new(dev.clone()).map_err(|e| e.to_string())?;
+            nix::net::if_::if_nametoindex(name.as_c_str()).map_err(|e| e.to_string())?
+        };
+        let config = CacheConfig::default();
+        let mut resolver = Resolver::new(config).map_err(|e| e.to_string())?;
+        let mut now = Instant::now();
+        let mut failures = Vec::new();
+        let mut check = |what: &str, ok: bool, got: &dyn std::fmt::Debug| {
+            if !ok {
+                failures.push(format!("{what}: got {got:?}"));
+            }
+        };
+        let ip = |s: &str| -> std::net::IpAddr { s.parse().expect("literal") };
+
+        // Poll (fake clock advanced past the unresolved lifetime each time,
+        // bounded in real time) until `dst` resolves.
+        let mut resolve_within =
+            |resolver: &mut Resolver, dst| -> Result<Vec<Resolution>, String> {
+                let mut seen = Vec::new();
+                let deadline = Instant::now() + Duration::from_secs(5);
+                loop {
+                    let r = resolver.resolve(dst, now).map_err(|e| e.to_string())?;
+                    seen.push(r);
+                    if matches!(r, Resolution::Resolved { .. }) || Instant::now() > deadline {
+                        return Ok(seen);
+                    }
+                    now += config.unresolved_ttl;
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            };
+
+        for (dst, neighbour) in [
+            ("192.0.2.1", "192.0.2.1"),
+            ("2001:db8::1", "2001:db8::1"),
+            ("203.0.113.5", "192.0.2.1"),
+            ("2001:db8:99::5", "2001:db8::1"),
+        ] {
+            let seen = resolve_within(&mut resolver, ip(dst))?;
+            let want = Resolution::Resolved {
+                ifindex: weir_ifindex,
+                neighbour: ip(neighbour),
+                next_hop: weir_packet::NextHop {
+                    src_mac: WEIR_MAC,
+                    dst_mac: CLIENT_MAC,
+                },
+            };
+            check(dst, seen.last() == Some(&want), &seen);
+            // Nothing had talked to the client before: the first answer for
+            // the directly connected neighbour is unresolved, and the
+            // resolver's own solicitation resolved it.
+            if dst == "192.0.2.1" || dst == "2001:db8::1" {
+                check(
+                    &format!("{dst} first unresolved"),
+                    matches!(seen[0], Resolution::Unresolved { neighbour: n, .. } if n == ip(dst)),
+                    &seen,
+                );
+            }
+        }
+
+        // Nobody holds 192.0.2.99 / 2001:db8::99: unresolved, and the kernel
+        // is resolving it because the resolver asked.
+        for dst in ["192.0.2.99", "2001:db8::99"] {
+            let r = resolver.resolve(ip(dst), now).map_err(|e| e.to_string())?;
+            check(
+                dst,
+                r == Resolution::Unresolved {
+                    ifindex: weir_ifindex,
+                    neighbour: ip(dst),
+                },
+                &r,
+            );
+            let out = Command::new("ip")
+                .args(["neigh", "show", "to", dst, "dev", &dev])
+                .output()
+                .map_err(|e| e.to_string())?;
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            check(
+                &format!("{dst} kernel entry"),
+                text.contains("INCOMPLETE") || text.contains("FAILED"),
+                &text,
+            );
+        }
+
+        for (dst, want) in [
+            ("198.18.0.1", NoRoute::Unreachable),
+            ("198.18.1.1", NoRoute::Blackhole),
+            ("192.0.2.2", NoRoute::Local),
+            ("2001:db8:77::1", NoRoute::Unreachable),
+            ("2001:db8:bad::1", NoRoute::Blackhole),
+            ("2001:db8::2", NoRoute::Local),
+        ] {
+            let r = resolver.resolve(ip(dst), now).map_err(|e| e.to_string())?;
+            check(dst, r == Resolution::NoRoute(want), &r);
+        }
+
+        // The cache answers until the entry expires or is invalidated, even
+        // after the kernel forgot the neighbour.
+        let client = ip("192.0.2.1");
+        let cached = resolver.resolve(client, now).map_err(|e| e.to_string())?;
+        run(&["ip", "neigh", "del", "192.0.2.1", "dev", &dev])?;
+        let again = resolver.resolve(client, now).map_err(|e| e.to_string())?;
+        check("cached", again == cached, &again);
+        resolver.cache_mut().invalidate(client);
+        let fresh = resolver.resolve(client, now).map_err(|e| e.to_string())?;
+        check(
+            "after invalidate",
+            matches!(fresh, Resolution::Unresolved { .. }),
+            &fresh,
+        );
+        Ok(failures)
+    })
+    .join()
+    .expect("weir thread");
+    drop(topo);
+    let failures = result.expect("weir side");
+    assert!(failures.is_empty(), "{failures:#?}");
+}

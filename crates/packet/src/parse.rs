@@ -160,32 +160,34 @@ impl Unhandled {
         }
     }
 
+    /// Every reason's [`name`](Self::name), by [`index`](Self::index).
+    pub const NAMES: [&'static str; Unhandled::COUNT] = [
+        "truncated_ethernet",
+        "truncated_vlan",
+        "stacked_vlan",
+        "not_ip",
+        "bad_ip_version",
+        "truncated_ipv4",
+        "bad_ihl",
+        "bad_ipv4_length",
+        "bad_ipv4_checksum",
+        "ipv4_options",
+        "fragment",
+        "truncated_ipv6",
+        "bad_ipv6_length",
+        "ipv6_extension_header",
+        "ttl_expired",
+        "unsupported_protocol",
+        "truncated_tcp",
+        "bad_tcp_offset",
+        "truncated_udp",
+        "bad_udp_length",
+        "truncated_icmp",
+    ];
+
     /// A stable metric label for the reason.
     pub fn name(&self) -> &'static str {
-        const NAMES: [&str; Unhandled::COUNT] = [
-            "truncated_ethernet",
-            "truncated_vlan",
-            "stacked_vlan",
-            "not_ip",
-            "bad_ip_version",
-            "truncated_ipv4",
-            "bad_ihl",
-            "bad_ipv4_length",
-            "bad_ipv4_checksum",
-            "ipv4_options",
-            "fragment",
-            "truncated_ipv6",
-            "bad_ipv6_length",
-            "ipv6_extension_header",
-            "ttl_expired",
-            "unsupported_protocol",
-            "truncated_tcp",
-            "bad_tcp_offset",
-            "truncated_udp",
-            "bad_udp_length",
-            "truncated_icmp",
-        ];
-        NAMES[self.index()]
+        Self::NAMES[self.index()]
     }
 }
 

@@ -190,6 +190,16 @@ pub struct ConnInfo {
     pub bytes_in: u64,
     /// Bytes backend → client.
     pub bytes_out: u64,
+    /// Packets (proxy: reads) client → backend.
+    #[serde(default)]
+    pub packets_in: u64,
+    /// Packets (proxy: reads) backend → client.
+    #[serde(default)]
+    pub packets_out: u64,
+    /// Packet mode's fnat: weir's local "IP:PORT" the backend sees as the
+    /// client (the second tuple is local → backend).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local: Option<String>,
 }
 
 /// A page of a connection listing.
@@ -244,6 +254,24 @@ pub struct GlobalStats {
     /// Longest estimator tick seen so far in seconds.
     #[serde(default)]
     pub estimator_tick_max_seconds: f64,
+    /// Packet mode's frame counters, when it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub packet: Option<PacketStats>,
+}
+
+/// Packet mode's frame counters, summed over its workers.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PacketStats {
+    /// The packet I/O in use: "xdp" (AF_XDP) or "afpacket".
+    pub io: String,
+    /// Frames received.
+    pub rx: u64,
+    /// Frames rewritten and transmitted.
+    pub tx: u64,
+    /// Flows created.
+    pub new_flows: u64,
+    /// Frames dropped, per reason ("fragment", "no_flow", "no_next_hop", ...).
+    pub dropped: std::collections::BTreeMap<String, u64>,
 }
 
 /// Health of every checked backend.

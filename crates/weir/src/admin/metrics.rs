@@ -270,6 +270,40 @@ fn global_metrics(reg: &mut Registry, g: &GlobalStats) {
         "Connections and sessions refused, by reason",
         refused,
     );
+    if let Some(p) = &g.packet {
+        counter(
+            reg,
+            "weir_packet_received_frames",
+            "Packet mode: frames received from the rings",
+            None,
+            p.rx,
+        );
+        counter(
+            reg,
+            "weir_packet_transmitted_frames",
+            "Packet mode: frames rewritten and transmitted",
+            None,
+            p.tx,
+        );
+        counter(
+            reg,
+            "weir_packet_flows",
+            "Packet mode: flows created",
+            None,
+            p.new_flows,
+        );
+        let dropped = CounterFam::default();
+        for (reason, n) in &p.dropped {
+            dropped
+                .get_or_create(&labels(&[("reason", reason)]))
+                .inc_by(*n);
+        }
+        reg.register(
+            "weir_packet_dropped_frames",
+            "Packet mode: frames dropped, by reason",
+            dropped,
+        );
+    }
     seconds(
         reg,
         "weir_estimator_tick_duration",

@@ -397,6 +397,16 @@ pub fn render_global(g: &GlobalStats, exact: bool) -> String {
             let _ = writeln!(o, "refused {reason}: {n}");
         }
     }
+    if let Some(p) = &g.packet {
+        let _ = writeln!(
+            o,
+            "packet mode ({}): {} frames in, {} out, {} new flows",
+            p.io, p.rx, p.tx, p.new_flows
+        );
+        for (reason, n) in &p.dropped {
+            let _ = writeln!(o, "packet dropped {reason}: {n}");
+        }
+    }
     o
 }
 

@@ -126,6 +126,7 @@ impl LiveControl {
             .collect();
         *svc.set.write() = Arc::new(BackendSet { sched, backends });
         svc.spec.write().backends = specs.to_vec();
+        self.0.services_changed();
         if !removed.is_empty() && svc.params.read().expire_nodest_conn {
             self.0
                 .kill_service(svc, Some(&removed), Close::BackendRemoved);
@@ -332,6 +333,7 @@ impl LiveControl {
     /// many it told.
     fn remove_service(&self, key: &(String, String)) -> Option<u64> {
         let svc = self.0.state.write().services.remove(key)?;
+        self.0.services_changed();
         svc.cancel.cancel();
         Some(self.0.kill_service(&svc, None, Close::ServiceDeleted))
     }
@@ -596,6 +598,7 @@ impl Control for LiveControl {
             };
         }
         self.set_backends(&svc, &backends)?;
+        self.0.services_changed();
         self.0.start_health(&svc);
         new_backends
             .into_iter()
@@ -731,6 +734,9 @@ impl Control for LiveControl {
                     cookie: snap.cookie.0,
                     bytes_in: snap.bytes_in,
                     bytes_out: snap.bytes_out,
+                    packets_in: snap.packets_in,
+                    packets_out: snap.packets_out,
+                    local: self.0.packet_local(snap),
                 })
             })
             .collect();
@@ -743,6 +749,18 @@ impl Control for LiveControl {
     fn kill(&self, cookie: u64) -> ControlResult<()> {
         match self.0.owners.find(cookie) {
             Some(token) if self.0.owners.kill(token, cookie, Close::Killed) => Ok(()),
+            // A packet flow has no owner task: find its entry (a dump of
+            // the packet flows, O(table) — kill by filter is the bulk tool).
+            None if self.0.packet.get().is_some()
+                && self
+                    .0
+                    .kill_where(Close::Killed, &DumpFilter::default(), |s| {
+                        s.cookie.0 == cookie && s.owner == super::packet::PACKET_OWNER
+                    })
+                    > 0 =>
+            {
+                Ok(())
+            }
             _ => Err(not_found(format!("no connection with cookie {cookie}"))),
         }
     }
@@ -765,6 +783,16 @@ impl Control for LiveControl {
             fd_limit: self.0.fd_limit,
             estimator_tick_seconds: self.0.rates.last_tick_ns.load(Relaxed) as f64 / 1e9,
             estimator_tick_max_seconds: self.0.rates.max_tick_ns.load(Relaxed) as f64 / 1e9,
+            packet: self.0.packet.get().map(|p| {
+                let s = p.sums();
+                crate::control::PacketStats {
+                    io: p.io.to_owned(),
+                    rx: s.rx,
+                    tx: s.tx,
+                    new_flows: s.new_flows,
+                    dropped: s.dropped,
+                }
+            }),
         }
     }
 

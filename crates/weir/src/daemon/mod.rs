@@ -37,6 +37,8 @@
 
 mod control_impl;
 pub(crate) mod owners;
+mod packet;
+mod packet_run;
 mod ratelog;
 mod stats;
 mod tcp;
@@ -162,7 +164,13 @@ impl Daemon {
                 .context("spawning a worker thread")?;
             threads.push(t);
         }
-        let rates = Arc::new(stats::RateEngine::new(workers)?);
+        // Packet workers: one per queue of each `[packet]` interface, each
+        // with its own counter shard after the proxy workers'.
+        let packet_workers = match &config.packet {
+            Some(p) => packet_run::queue_count(p)?,
+            None => 0,
+        };
+        let rates = Arc::new(stats::RateEngine::new(workers + packet_workers)?);
         let shared = Arc::new(Shared {
             config_path,
             daemon_cfg: config.daemon.clone(),
@@ -191,11 +199,23 @@ impl Daemon {
             drain_timeout: config.daemon.drain_timeout.get(),
             runtime_added: Mutex::default(),
             reload_lock: Mutex::new(()),
+            services_gen: AtomicU64::new(0),
+            packet: std::sync::OnceLock::new(),
+            packet_rt: std::sync::OnceLock::new(),
         });
         // The implicit default tenant always exists.
         let mut tenants = config.tenants.clone();
         if !tenants.iter().any(|t| t.name == DEFAULT_TENANT) {
             tenants.insert(0, default_tenant_spec());
+        }
+        if let Some(p) = &config.packet {
+            let path = packet::PacketPath::new(
+                p.local_addresses.clone(),
+                p.fnat_ports.lo..=p.fnat_ports.hi,
+                rand::random(),
+                "xdp",
+            )?;
+            let _ = shared.packet.set(Arc::new(path));
         }
         for t in tenants {
             shared.add_tenant(t).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -206,6 +226,12 @@ impl Daemon {
                 .map_err(|e| anyhow::anyhow!("{}", e.message))?;
         }
         let est_stop = Arc::new(AtomicBool::new(false));
+        if let Some(p) = &config.packet {
+            let (rt, pkt_threads) = packet_run::start(&shared, p, workers, est_stop.clone())?;
+            threads.extend(pkt_threads);
+            rt.sync(&shared);
+            let _ = shared.packet_rt.set(rt);
+        }
         // Flow-table expiry: bounded work per step, once a second.
         {
             let weak = Arc::downgrade(&shared);
@@ -463,6 +489,14 @@ pub(crate) struct Shared {
     pub(crate) runtime_added: Mutex<std::collections::BTreeSet<String>>,
     /// Serialises reloads.
     pub(crate) reload_lock: Mutex<()>,
+    /// Moves whenever a service is added, removed or replaced, or a
+    /// service's set of backends changes: packet workers rebuild their
+    /// snapshot of the packet services when it does.
+    pub(crate) services_gen: AtomicU64,
+    /// Packet mode's shared part, when `[packet]` is configured.
+    pub(crate) packet: std::sync::OnceLock<Arc<packet::PacketPath>>,
+    /// Packet mode's attached interfaces.
+    packet_rt: std::sync::OnceLock<Arc<packet_run::PacketRuntime>>,
 }
 
 #[derive(Debug, Default)]
@@ -893,13 +927,8 @@ impl Shared {
         } else {
             backend.inactive.fetch_add(1, Relaxed);
         }
-        let template =
-            (!params.persistence.is_zero()).then(|| template_key(svc, &params, proto, client));
-        if let Some(tpl) = template {
-            let mut live = svc.templates.lock();
-            let slot = live.entry(tpl).or_insert((backend.id, 0));
-            *slot = (backend.id, slot.1 + 1);
-        }
+        let template = (!params.persistence.is_zero())
+            .then(|| self.hold_template(svc, &params, proto, client, backend.id));
         let conn = Conn {
             handle,
             service: svc.clone(),
@@ -944,7 +973,10 @@ impl Shared {
         let mut services: Option<HashMap<u32, Arc<Service>>> = None;
         let mut told = 0;
         for snap in snaps {
-            if snap.owner != 0 && self.owners.kill(snap.owner, snap.cookie.0, why) {
+            if snap.owner == packet::PACKET_OWNER {
+                // No task to tell; settled below.
+                told += 1;
+            } else if snap.owner != 0 && self.owners.kill(snap.owner, snap.cookie.0, why) {
                 told += 1;
             }
             if snap.state == FlowState::Persist {
@@ -957,6 +989,9 @@ impl Shared {
             if let Some(svc) = services.get(&snap.service.0) {
                 let backend = svc.backend(snap.backend.0);
                 self.settle(snap, svc, backend.as_ref(), why.name());
+                if snap.owner == packet::PACKET_OWNER {
+                    self.settle_packet(snap, svc, backend.as_ref());
+                }
             }
         }
         told
@@ -993,10 +1028,37 @@ impl Shared {
         }
     }
 
+    /// A new connection of `client` to backend `backend` holds its
+    /// persistence template (which then does not expire); returns its key.
+    pub(crate) fn hold_template(
+        &self,
+        svc: &Service,
+        params: &ServiceParams,
+        proto: Protocol,
+        client: SocketAddr,
+        backend: u32,
+    ) -> FlowKey {
+        let tpl = template_key(svc, params, proto, client);
+        let mut live = svc.templates.lock();
+        let slot = live.entry(tpl).or_insert((backend, 0));
+        *slot = (backend, slot.1 + 1);
+        tpl
+    }
+
+    /// Services or their backends changed: packet workers take a new
+    /// snapshot, and the steering maps follow.
+    pub(crate) fn services_changed(&self) {
+        self.services_gen
+            .fetch_add(1, std::sync::atomic::Ordering::Release);
+        if let Some(rt) = self.packet_rt.get() {
+            rt.sync(self);
+        }
+    }
+
     /// One connection of template `tpl` ended; after the last one the
     /// template's timeout starts now (it is stored again if the table
     /// expired it meanwhile).
-    fn release_template(&self, svc: &Service, tpl: FlowKey) {
+    pub(crate) fn release_template(&self, svc: &Service, tpl: FlowKey) {
         let mut live = svc.templates.lock();
         let Some(slot) = live.get_mut(&tpl) else {
             return;
@@ -1058,15 +1120,23 @@ impl Shared {
         let mut n = 0;
         let mut cursor = None;
         let mut page = Vec::new();
+        let mut removed = Vec::new();
         loop {
             page.clear();
+            removed.clear();
             let next = self.table.dump(cursor.as_ref(), filter, 4096, &mut page);
             for snap in &page {
-                if snap.owner != 0 && pred(snap) && self.owners.kill(snap.owner, snap.cookie.0, why)
-                {
+                if snap.owner == 0 || !pred(snap) {
+                    continue;
+                }
+                if snap.owner == packet::PACKET_OWNER {
+                    // No task to tell: the packet path's flow ends here.
+                    removed.extend(self.table.remove_cookie(&snap.key, snap.cookie));
+                } else if self.owners.kill(snap.owner, snap.cookie.0, why) {
                     n += 1;
                 }
             }
+            n += self.ended(&removed, why);
             match next {
                 Some(c) => cursor = Some(c),
                 None => return n,
@@ -1155,11 +1225,11 @@ impl Shared {
     /// adds or replaces a service (start, reload, the API) asks it before
     /// opening anything, so a packet service never gets proxy sockets.
     pub(crate) fn packet_mode_unavailable(&self, spec: &ServiceSpec) -> Option<String> {
-        // Until the packet data path lands, packet mode does not run.
-        spec.forward.is_packet().then(|| {
+        (spec.forward.is_packet() && self.packet.get().is_none()).then(|| {
             format!(
-                "forward = \"{}\" needs packet mode, which this daemon does not run yet; \
-                 use forward = \"proxy\" (or leave forward out)",
+                "forward = \"{}\" needs packet mode, and this daemon runs without it: \
+                 add a [packet] section naming its interfaces and restart \
+                 (or use forward = \"proxy\")",
                 spec.forward
             )
         })
@@ -1227,26 +1297,32 @@ impl Shared {
                 format!("{} is used by another service", spec.listen),
             ));
         }
-        let sockets = self
-            .claim_listen(&st, spec.protocol, spec.listen)
-            .and_then(|()| {
-                open_sockets(
-                    spec.protocol,
-                    spec.listen,
-                    self.workers.len(),
-                    self.daemon_cfg.notsent_lowat,
-                )
-            })
-            .map_err(|e| {
-                ControlError::new(
-                    ErrorKind::Unavailable,
-                    format!(
-                        "cannot listen on {} {}: {e}",
-                        config::protocol_name(spec.protocol),
-                        spec.listen
-                    ),
-                )
-            })?;
+        let packet_mode = spec.forward.is_packet();
+        // Packet services own no socket: the steering program hands their
+        // packets to the packet workers.
+        let sockets = if packet_mode {
+            (Vec::new(), spec.listen)
+        } else {
+            self.claim_listen(&st, spec.protocol, spec.listen)
+                .and_then(|()| {
+                    open_sockets(
+                        spec.protocol,
+                        spec.listen,
+                        self.workers.len(),
+                        self.daemon_cfg.notsent_lowat,
+                    )
+                })
+                .map_err(|e| {
+                    ControlError::new(
+                        ErrorKind::Unavailable,
+                        format!(
+                            "cannot listen on {} {}: {e}",
+                            config::protocol_name(spec.protocol),
+                            spec.listen
+                        ),
+                    )
+                })?
+        };
         let listen = sockets.1;
         let backends: Vec<Arc<Backend>> = spec
             .backends
@@ -1289,6 +1365,7 @@ impl Shared {
         tracing::info!(tenant = %spec.tenant, service = %spec.name, %listen, "service up");
         let replaced = st.services.insert(key, svc);
         drop(st);
+        self.services_changed();
         if let Some(old) = replaced {
             old.cancel.cancel();
             self.kill_service(&old, None, Close::ServiceDeleted);

@@ -127,6 +127,9 @@ impl Fake {
                         cookie: 100 + i,
                         bytes_in: 1000 * i,
                         bytes_out: 2000 * i,
+                        packets_in: 0,
+                        packets_out: 0,
+                        local: None,
                     },
                 );
             }
@@ -153,6 +156,9 @@ impl Fake {
                     cookie,
                     bytes_in: i,
                     bytes_out: i,
+                    packets_in: 0,
+                    packets_out: 0,
+                    local: None,
                 },
             );
         }
@@ -498,6 +504,7 @@ impl Control for Fake {
             fd_limit: 1024,
             estimator_tick_seconds: 0.0005,
             estimator_tick_max_seconds: 0.002,
+            packet: None,
         }
     }
 

@@ -1,0 +1,251 @@
+//! Packet mode's moving parts: the steering program on each `[packet]`
+//! interface, one AF_XDP socket and one worker thread per interface queue,
+//! and keeping the steering maps in step with the services.
+//!
+//! The unsafe and the rings are `weir-packet-io`'s; the per-frame work is
+//! [`super::packet::Engine`]'s. This module only wires them.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use parking_lot::Mutex;
+use weir_packet_io::{SteerKey, Steering, XskConfig, XskSocket};
+
+use super::Shared;
+use super::packet::{Engine, NextHops, Verdict};
+use crate::config::PacketConfig;
+
+/// The attached interfaces (their steering programs, detached on drop).
+pub(crate) struct PacketRuntime {
+    steering: Mutex<Vec<Steering>>,
+    /// What the maps hold now, for diffs.
+    steered: Mutex<Steered>,
+}
+
+impl std::fmt::Debug for PacketRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PacketRuntime").finish_non_exhaustive()
+    }
+}
+
+/// Start packet mode: attach to every interface, bind a socket per queue,
+/// spawn a worker per socket. Every failure says what is missing.
+pub(crate) fn start(
+    shared: &Arc<Shared>,
+    cfg: &PacketConfig,
+    first_worker: usize,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<(Arc<PacketRuntime>, Vec<std::thread::JoinHandle<()>>)> {
+    if !weir_packet_io::PROGRAM_BUILT {
+        anyhow::bail!(
+            "packet mode: this weir was built without its XDP program (clang was missing at build time); \
+             install clang and rebuild"
+        );
+    }
+    if !cfg.local_addresses.is_empty() {
+        reserve_ports(cfg.fnat_ports.lo..=cfg.fnat_ports.hi)?;
+    }
+    let mut steering = Vec::new();
+    let mut threads = Vec::new();
+    let mut worker = first_worker;
+    for iface in &cfg.interfaces {
+        let mut st = Steering::attach(iface).with_context(|| {
+            format!("packet mode: attaching to interface {iface:?} (needs root)")
+        })?;
+        let ifindex = ifindex(iface)?;
+        let socks = XskSocket::bind_all(iface, XskConfig::default())
+            .with_context(|| format!("packet mode: AF_XDP sockets on {iface:?}"))?;
+        for sock in socks {
+            st.register_socket(sock.queue(), &sock).with_context(|| {
+                format!("packet mode: registering {iface:?} queue {}", sock.queue())
+            })?;
+            let engine = Engine::new(
+                shared.clone(),
+                shared
+                    .packet
+                    .get()
+                    .expect("packet path set before start")
+                    .clone(),
+                next_hops()?,
+                ifindex,
+                rand::random(),
+            );
+            let stop = stop.clone();
+            let idx = worker;
+            worker += 1;
+            let name = format!("weir-pkt-{iface}-{}", sock.queue());
+            threads.push(
+                std::thread::Builder::new()
+                    .name(name)
+                    .spawn(move || worker_main(engine, sock, idx, stop))
+                    .context("spawning a packet worker")?,
+            );
+        }
+        // fnat: replies to weir's local addresses, on its port range only.
+        for &local in &cfg.local_addresses {
+            for proto in [6, 17] {
+                st.add_local(local, proto, cfg.fnat_ports.lo..=cfg.fnat_ports.hi)
+                    .with_context(|| format!("packet mode: steering fnat replies to {local}"))?;
+            }
+        }
+        tracing::info!(interface = %iface, mode = ?st.mode(), "packet mode attached (AF_XDP)");
+        steering.push(st);
+    }
+    let rt = Arc::new(PacketRuntime {
+        steering: Mutex::new(steering),
+        steered: Mutex::new(Steered::default()),
+    });
+    Ok((rt, threads))
+}
+
+/// Takes fnat's port range out of the kernel's ephemeral ports in this
+/// network namespace (`net.ipv4.ip_local_reserved_ports`, which covers
+/// IPv6 too), so the kernel's own connections from a local address never
+/// pick a port weir maps: its replies would be steered to weir.
+fn reserve_ports(range: std::ops::RangeInclusive<u16>) -> anyhow::Result<()> {
+    const PATH: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
+    let cur = std::fs::read_to_string(PATH).unwrap_or_default();
+    let cur = cur.trim();
+    let ours = format!("{}-{}", range.start(), range.end());
+    if cur.split(',').any(|r| r == ours) {
+        return Ok(());
+    }
+    let new = if cur.is_empty() {
+        ours.clone()
+    } else {
+        format!("{cur},{ours}")
+    };
+    std::fs::write(PATH, &new).with_context(|| {
+        format!("packet mode: reserving fnat ports {ours} in {PATH} (needs root)")
+    })?;
+    tracing::info!(ports = %ours, "fnat ports reserved from the kernel's ephemeral ports");
+    Ok(())
+}
+
+/// Packet workers `cfg` needs: one per receive queue of each interface.
+pub(crate) fn queue_count(cfg: &PacketConfig) -> anyhow::Result<usize> {
+    let mut n = 0;
+    for iface in &cfg.interfaces {
+        n += weir_packet_io::rx_queue_count(iface)
+            .with_context(|| format!("packet mode: interface {iface:?}"))? as usize;
+    }
+    Ok(n)
+}
+
+/// Next hops from the kernel's routing and neighbour tables (netlink),
+/// cached per destination for a second (100 ms while unresolved).
+struct KernelHops(weir_packet_io::Resolver);
+
+impl NextHops for KernelHops {
+    fn next_hop(&mut self, dst: std::net::IpAddr) -> Option<(u32, weir_packet::NextHop)> {
+        match self.0.resolve(dst, std::time::Instant::now()) {
+            Ok(weir_packet_io::Resolution::Resolved {
+                ifindex, next_hop, ..
+            }) => Some((ifindex, next_hop)),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::debug!(%dst, "next hop: {e}");
+                None
+            }
+        }
+    }
+}
+
+fn next_hops() -> anyhow::Result<Box<dyn NextHops>> {
+    let r = weir_packet_io::Resolver::new(weir_packet_io::CacheConfig::default())
+        .context("packet mode: opening a netlink route socket")?;
+    Ok(Box::new(KernelHops(r)))
+}
+
+fn ifindex(iface: &str) -> anyhow::Result<u32> {
+    let path = format!("/sys/class/net/{iface}/ifindex");
+    std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .with_context(|| format!("packet mode: no interface {iface:?} in this network namespace"))
+}
+
+fn worker_main(mut engine: Engine, mut sock: XskSocket, idx: usize, stop: Arc<AtomicBool>) {
+    super::stats::set_worker_index(idx);
+    while !stop.load(Relaxed) {
+        engine.refresh();
+        let r = sock.run_batch(Duration::from_millis(100), |frame| {
+            match engine.process(frame) {
+                Verdict::Transmit => weir_packet_io::Verdict::Transmit,
+                Verdict::Drop => weir_packet_io::Verdict::Drop,
+            }
+        });
+        if let Err(e) = r {
+            tracing::error!("packet worker {idx}: {e}; stopping it");
+            return;
+        }
+    }
+}
+
+impl PacketRuntime {
+    /// Make the steering maps hold exactly what the packet services need:
+    /// their VIPs, and the nat backends (whose replies come back to weir).
+    pub(crate) fn sync(&self, shared: &Shared) {
+        let want = wanted_keys(shared);
+        let mut have = self.steered.lock();
+        let mut steering = self.steering.lock();
+        for st in steering.iter_mut() {
+            let r = (|| {
+                for k in have.vips.iter().filter(|k| !want.vips.contains(k)) {
+                    st.remove(k)?;
+                }
+                for k in have.backends.iter().filter(|k| !want.backends.contains(k)) {
+                    st.remove_backend(k)?;
+                }
+                for k in want.vips.iter().filter(|k| !have.vips.contains(k)) {
+                    st.add(*k)?;
+                }
+                for k in want.backends.iter().filter(|k| !have.backends.contains(k)) {
+                    st.add_backend(*k)?;
+                }
+                Ok::<_, weir_packet_io::SteerError>(())
+            })();
+            if let Err(e) = r {
+                tracing::error!(interface = %st.interface(), "steering: {e}");
+            }
+        }
+        *have = want;
+    }
+}
+
+/// What the steering maps should hold.
+#[derive(Debug, Default)]
+pub(crate) struct Steered {
+    vips: Vec<SteerKey>,
+    backends: Vec<SteerKey>,
+}
+
+fn wanted_keys(shared: &Shared) -> Steered {
+    let st = shared.state.read();
+    let mut want = Steered::default();
+    let key = |p: crate::config::Protocol, a| match p {
+        crate::config::Protocol::Tcp => SteerKey::tcp(a),
+        crate::config::Protocol::Udp => SteerKey::udp(a),
+    };
+    for svc in st.services.values() {
+        let spec = svc.spec.read();
+        let Some(method) = super::packet::method(spec.forward) else {
+            continue;
+        };
+        let k = key(spec.protocol, svc.listen);
+        if !want.vips.contains(&k) {
+            want.vips.push(k);
+        }
+        if method == weir_packet::Method::Nat {
+            for b in svc.set.read().backends.iter() {
+                let k = key(spec.protocol, b.addr);
+                if !want.backends.contains(&k) {
+                    want.backends.push(k);
+                }
+            }
+        }
+    }
+    want
+}
