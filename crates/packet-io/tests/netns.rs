@@ -1147,3 +1147,291 @@ fn next_hops_come_from_the_kernels_route_and_neighbour_tables() {
     let failures = result.expect("weir side");
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// Datagrams of the whole-batch test echoed, and dropped by leaving the
+/// verdict unset; sent interleaved from one socket (one flow, one queue).
+const KEEP: usize = 96;
+const DROP_EVERY: usize = 4;
+
+/// `run_batch_all`: with the datagrams already queued before the first call,
+/// the callback gets full batches (the configured size), oldest first, every
+/// verdict `Drop` until set; frames it leaves at `Drop` are dropped and
+/// counted, the others echoed in order.
+#[test]
+fn run_batch_all_hands_the_callback_whole_batches() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping run_batch_all_hands_the_callback_whole_batches: {why}");
+        return;
+    }
+    let topo = Topology::new("b").expect("build the test topology");
+    let config = XskConfig::default();
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+    let (sent_tx, sent_rx) = mpsc::channel::<()>();
+    let stop = Arc::new(AtomicBool::new(false));
+
+    #[derive(Default, Debug)]
+    struct Seen {
+        sizes: Vec<usize>,
+        /// Sequence numbers in the order the batches held them.
+        order: Vec<usize>,
+        /// Verdicts that were not `Drop` when the callback got them.
+        preset: usize,
+        dropped: usize,
+        transmitted: usize,
+    }
+
+    let weir = {
+        let (ns, dev, stop) = (topo.weir.clone(), topo.weir_if.clone(), stop.clone());
+        std::thread::spawn(move || -> Result<Seen, String> {
+            let setup = || -> Result<(Steering, Vec<XskSocket>), String> {
+                enter(&ns)?;
+                let mut steering = Steering::attach(&dev).map_err(|e| e.to_string())?;
+                let xsks = XskSocket::bind_all(&dev, config).map_err(|e| e.to_string())?;
+                for xsk in &xsks {
+                    steering
+                        .register_socket(xsk.queue(), xsk)
+                        .map_err(|e| e.to_string())?;
+                }
+                let vip = format!("192.0.2.2:{VIP_PORT}").parse().expect("literal");
+                steering
+                    .add(SteerKey::udp(vip))
+                    .map_err(|e| e.to_string())?;
+                Ok((steering, xsks))
+            };
+            let (_steering, mut xsks) = match setup() {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.clone()));
+                    return Err(e);
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            // Let every datagram queue up before the first receive.
+            sent_rx
+                .recv_timeout(Duration::from_secs(30))
+                .map_err(|e| format!("the client never finished sending: {e}"))?;
+            let mut seen = Seen::default();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                for xsk in &mut xsks {
+                    let stats = xsk
+                        .run_batch_all(Duration::from_millis(2), |batch| {
+                            seen.sizes.push(batch.len());
+                            // Parse the whole batch first, as the data path does.
+                            let mut keep = [false; 64];
+                            for (i, keep) in keep.iter_mut().enumerate().take(batch.len()) {
+                                seen.preset += usize::from(batch.verdict(i) != Verdict::Drop);
+                                let frame = batch.frame(i);
+                                let Ok(p) = weir_packet::parse(frame) else {
+                                    continue;
+                                };
+                                let text = String::from_utf8_lossy(&frame[p.l4 + 8..p.end]);
+                                if let Some(n) = text.split('#').nth(1) {
+                                    seen.order.push(n.parse().unwrap_or(usize::MAX));
+                                }
+                                *keep = text.starts_with("keep");
+                            }
+                            for (i, keep) in keep.iter().enumerate().take(batch.len()) {
+                                if *keep {
+                                    let verdict = echo(batch.frame_mut(i));
+                                    batch.set_verdict(i, verdict);
+                                }
+                            }
+                        })
+                        .map_err(|e| e.to_string())?;
+                    seen.dropped += stats.dropped;
+                    seen.transmitted += stats.transmitted;
+                }
+            }
+            Ok(seen)
+        })
+    };
+    let ready = ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    if let Err(e) = ready {
+        let _ = weir.join();
+        panic!("weir side setup: {e}");
+    }
+
+    let client = {
+        let ns = topo.client.clone();
+        std::thread::spawn(move || -> Result<Vec<usize>, String> {
+            enter(&ns)?;
+            let sock = UdpSocket::bind("192.0.2.1:0").map_err(|e| e.to_string())?;
+            sock.set_read_timeout(Some(Duration::from_millis(100)))
+                .map_err(|e| e.to_string())?;
+            let to: SocketAddr = format!("192.0.2.2:{VIP_PORT}").parse().expect("literal");
+            let total = KEEP + KEEP / (DROP_EVERY - 1);
+            let mut kept = 0;
+            for i in 0..total {
+                let label = if i % DROP_EVERY == DROP_EVERY - 1 {
+                    "drop"
+                } else {
+                    kept += 1;
+                    "keep"
+                };
+                sock.send_to(format!("{label} #{i}").as_bytes(), to)
+                    .map_err(|e| e.to_string())?;
+            }
+            assert_eq!(kept, KEEP);
+            let _ = sent_tx.send(());
+            let mut echoed = Vec::new();
+            let mut buf = [0u8; 128];
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while echoed.len() < KEEP && Instant::now() < deadline {
+                if let Ok((n, _)) = sock.recv_from(&mut buf) {
+                    let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+                    let seq = text.split('#').nth(1).and_then(|n| n.parse().ok());
+                    echoed.push(if text.starts_with("keep") {
+                        seq.unwrap_or(usize::MAX)
+                    } else {
+                        usize::MAX
+                    });
+                }
+            }
+            Ok(echoed)
+        })
+    };
+    let echoed = client.join().expect("client thread");
+    stop.store(true, Ordering::Relaxed);
+    let seen = weir.join().expect("weir thread").expect("weir side");
+    drop(topo);
+    let echoed = echoed.expect("client side");
+
+    let total = KEEP + KEEP / (DROP_EVERY - 1);
+    let want: Vec<usize> = (0..total)
+        .filter(|i| i % DROP_EVERY != DROP_EVERY - 1)
+        .collect();
+    assert_eq!(
+        echoed, want,
+        "every kept datagram echoed, in order, no dropped one"
+    );
+    let nonempty: Vec<usize> = seen.sizes.iter().copied().filter(|&n| n > 0).collect();
+    assert_eq!(
+        nonempty.first(),
+        Some(&config.batch),
+        "the first batch is full: {:?}",
+        seen.sizes
+    );
+    assert_eq!(seen.order, (0..total).collect::<Vec<_>>(), "oldest first");
+    assert_eq!(seen.preset, 0, "verdicts start as Drop");
+    assert_eq!(seen.dropped, total - KEEP);
+    assert_eq!(seen.transmitted, KEEP);
+}
+
+/// Datagrams the long-run test echoes: many times the small rings' size.
+const LONG_RUN: usize = 1024;
+/// Datagrams in flight at once in the long-run test.
+const BURST: usize = 16;
+
+/// A socket keeps receiving after many times its fill ring's worth of
+/// frames: received and transmitted frames go back to the fill ring (a ring of
+/// 64 entries and 256 frames, 1,024 datagrams in bursts of 16).
+#[test]
+fn af_xdp_keeps_receiving_past_the_ring_size() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping af_xdp_keeps_receiving_past_the_ring_size: {why}");
+        return;
+    }
+    let topo = Topology::new("l").expect("build the test topology");
+    let config = XskConfig {
+        frames: 256,
+        ring_size: 64,
+        batch: 32,
+    };
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+    let stop = Arc::new(AtomicBool::new(false));
+    let weir = {
+        let (ns, dev, stop) = (topo.weir.clone(), topo.weir_if.clone(), stop.clone());
+        std::thread::spawn(move || -> Result<usize, String> {
+            let setup = || -> Result<(Steering, Vec<XskSocket>), String> {
+                enter(&ns)?;
+                let mut steering = Steering::attach(&dev).map_err(|e| e.to_string())?;
+                let xsks = XskSocket::bind_all(&dev, config).map_err(|e| e.to_string())?;
+                for xsk in &xsks {
+                    steering
+                        .register_socket(xsk.queue(), xsk)
+                        .map_err(|e| e.to_string())?;
+                }
+                let vip = format!("192.0.2.2:{VIP_PORT}").parse().expect("literal");
+                steering
+                    .add(SteerKey::udp(vip))
+                    .map_err(|e| e.to_string())?;
+                Ok((steering, xsks))
+            };
+            let (_steering, mut xsks) = match setup() {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.clone()));
+                    return Err(e);
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            let mut echoed = 0;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                for xsk in &mut xsks {
+                    let stats = xsk
+                        .run_batch(Duration::from_millis(1), echo)
+                        .map_err(|e| e.to_string())?;
+                    echoed += stats.transmitted;
+                }
+            }
+            Ok(echoed)
+        })
+    };
+    let ready = ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    if let Err(e) = ready {
+        let _ = weir.join();
+        panic!("weir side setup: {e}");
+    }
+    let client = {
+        let ns = topo.client.clone();
+        std::thread::spawn(move || -> Result<BTreeSet<usize>, String> {
+            enter(&ns)?;
+            let sock = UdpSocket::bind("192.0.2.1:0").map_err(|e| e.to_string())?;
+            sock.set_read_timeout(Some(Duration::from_millis(200)))
+                .map_err(|e| e.to_string())?;
+            let to: SocketAddr = format!("192.0.2.2:{VIP_PORT}").parse().expect("literal");
+            let mut echoed = BTreeSet::new();
+            let mut buf = [0u8; 64];
+            let deadline = Instant::now() + Duration::from_secs(30);
+            for burst in (0..LONG_RUN).step_by(BURST) {
+                for i in burst..burst + BURST {
+                    sock.send_to(format!("#{i}").as_bytes(), to)
+                        .map_err(|e| e.to_string())?;
+                }
+                // This burst's echoes (a lost one is waited for once, 200 ms).
+                let want = burst + BURST;
+                while echoed.len() < want && Instant::now() < deadline {
+                    match sock.recv_from(&mut buf) {
+                        Ok((n, _)) => {
+                            let text = String::from_utf8_lossy(&buf[..n]);
+                            if let Some(i) = text.strip_prefix('#').and_then(|i| i.parse().ok()) {
+                                echoed.insert(i);
+                            }
+                        }
+                        Err(_) => break,
+                    }
+                }
+            }
+            Ok(echoed)
+        })
+    };
+    let echoed = client.join().expect("client thread");
+    stop.store(true, Ordering::Relaxed);
+    let transmitted = weir.join().expect("weir thread").expect("weir side");
+    drop(topo);
+    let echoed = echoed.expect("client side");
+    assert_eq!(
+        echoed.len(),
+        LONG_RUN,
+        "echoed {} of {LONG_RUN}; first missing: {:?}",
+        echoed.len(),
+        (0..LONG_RUN).find(|i| !echoed.contains(i))
+    );
+    assert_eq!(transmitted, LONG_RUN);
+}
