@@ -1435,3 +1435,216 @@ fn af_xdp_keeps_receiving_past_the_ring_size() {
     );
     assert_eq!(transmitted, LONG_RUN);
 }
+
+/// An Ethernet frame carrying an ICMP (IPv4) or ICMPv6 message of type
+/// `kind` that quotes the start of a `proto` packet `src` -> `dst` (IP header
+/// and the 8 bytes of the transport header the RFCs require). Checksums are
+/// left zero: the program does not read them (the kernel drops the frame).
+fn icmp_error_frame(kind: u8, proto: u8, src: SocketAddr, dst: SocketAddr) -> Vec<u8> {
+    let mut quoted_l4 = Vec::new();
+    quoted_l4.extend_from_slice(&src.port().to_be_bytes());
+    quoted_l4.extend_from_slice(&dst.port().to_be_bytes());
+    quoted_l4.extend_from_slice(&[0, 8, 0, 0]);
+    let mut f = vec![0xff; 6];
+    f.extend_from_slice(&[0x02, 0, 0, 0, 0, 1]);
+    match (src.ip(), dst.ip()) {
+        (std::net::IpAddr::V4(s), std::net::IpAddr::V4(d)) => {
+            let quoted_len = 20 + quoted_l4.len() as u16;
+            f.extend_from_slice(&0x0800u16.to_be_bytes());
+            f.extend_from_slice(&[0x45, 0]);
+            f.extend_from_slice(&(20 + 8 + quoted_len).to_be_bytes());
+            f.extend_from_slice(&[0, 0, 0x40, 0, 64, 1, 0, 0]);
+            f.extend_from_slice(&[192, 0, 2, 1, 192, 0, 2, 2]);
+            f.extend_from_slice(&[kind, 0, 0, 0, 0, 0, 0, 0]);
+            f.extend_from_slice(&[0x45, 0]);
+            f.extend_from_slice(&(quoted_len + 100).to_be_bytes());
+            f.extend_from_slice(&[0, 0, 0x40, 0, 64, proto, 0, 0]);
+            f.extend_from_slice(&s.octets());
+            f.extend_from_slice(&d.octets());
+        }
+        (std::net::IpAddr::V6(s), std::net::IpAddr::V6(d)) => {
+            let quoted_len = 40 + quoted_l4.len() as u16;
+            let router: std::net::Ipv6Addr = "2001:db8::1".parse().expect("literal");
+            let weir: std::net::Ipv6Addr = "2001:db8::2".parse().expect("literal");
+            f.extend_from_slice(&0x86ddu16.to_be_bytes());
+            f.extend_from_slice(&[0x60, 0, 0, 0]);
+            f.extend_from_slice(&(8 + quoted_len).to_be_bytes());
+            f.extend_from_slice(&[58, 64]);
+            f.extend_from_slice(&router.octets());
+            f.extend_from_slice(&weir.octets());
+            f.extend_from_slice(&[kind, 0, 0, 0, 0, 0, 0x05, 0x00]);
+            f.extend_from_slice(&[0x60, 0, 0, 0]);
+            f.extend_from_slice(&108u16.to_be_bytes());
+            f.extend_from_slice(&[proto, 64]);
+            f.extend_from_slice(&s.octets());
+            f.extend_from_slice(&d.octets());
+        }
+        _ => panic!("one family per frame"),
+    }
+    f.extend_from_slice(&quoted_l4);
+    f
+}
+
+/// ICMP and ICMPv6 errors quoting a packet weir sent — from a virtual address,
+/// from a local address inside its range, to a nat backend — are steered
+/// (counted as matches; generic mode with no socket, so they then reach the
+/// kernel); informational messages, errors about other packets and errors
+/// quoting a protocol that is not registered are not.
+#[test]
+fn icmp_errors_about_packets_weir_sent_are_steered() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping icmp_errors_about_packets_weir_sent_are_steered: {why}");
+        return;
+    }
+    let topo = Topology::new("i").expect("build the test topology");
+    let sa = |s: &str| -> SocketAddr { s.parse().expect("literal") };
+    let frames: Vec<(bool, Vec<u8>)> = vec![
+        // About a reply weir sent from the VIP to a client.
+        (
+            true,
+            icmp_error_frame(3, UDP, sa("198.51.100.2:9000"), sa("203.0.113.9:4000")),
+        ),
+        (
+            true,
+            icmp_error_frame(11, UDP, sa("198.51.100.2:9000"), sa("203.0.113.9:4000")),
+        ),
+        (
+            true,
+            icmp_error_frame(
+                2,
+                UDP,
+                sa("[2001:db8:10::2]:9000"),
+                sa("[2001:db8:20::9]:4000"),
+            ),
+        ),
+        // About an fnat packet from a local address inside the range.
+        (
+            true,
+            icmp_error_frame(3, UDP, sa("192.0.2.2:50500"), sa("192.0.2.1:80")),
+        ),
+        // About a nat packet to a backend (the client's address kept).
+        (
+            true,
+            icmp_error_frame(3, UDP, sa("203.0.113.9:4000"), sa("192.0.2.1:7000")),
+        ),
+        (
+            true,
+            icmp_error_frame(
+                1,
+                UDP,
+                sa("[2001:db8:20::9]:4000"),
+                sa("[2001:db8::1]:7000"),
+            ),
+        ),
+        // Not an error: echo request, ICMPv6 echo request.
+        (
+            false,
+            icmp_error_frame(8, UDP, sa("198.51.100.2:9000"), sa("203.0.113.9:4000")),
+        ),
+        (
+            false,
+            icmp_error_frame(
+                128,
+                UDP,
+                sa("[2001:db8:10::2]:9000"),
+                sa("[2001:db8:20::9]:4000"),
+            ),
+        ),
+        // About the kernel's own packet from the local address (outside the range).
+        (
+            false,
+            icmp_error_frame(3, UDP, sa("192.0.2.2:40000"), sa("192.0.2.1:80")),
+        ),
+        // TCP where only UDP is registered; another backend port.
+        (
+            false,
+            icmp_error_frame(3, TCP, sa("198.51.100.2:9000"), sa("203.0.113.9:4000")),
+        ),
+        (
+            false,
+            icmp_error_frame(3, UDP, sa("203.0.113.9:4000"), sa("192.0.2.1:7001")),
+        ),
+    ];
+    let matches = frames.iter().filter(|(m, _)| *m).count() as u64;
+
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+    let (sent_tx, sent_rx) = mpsc::channel::<()>();
+    let weir = {
+        let (ns, dev) = (topo.weir.clone(), topo.weir_if.clone());
+        std::thread::spawn(move || -> Result<SteerStats, String> {
+            let setup = || -> Result<Steering, String> {
+                enter(&ns)?;
+                let mut steering = Steering::attach_with(&dev, Some(AttachMode::Generic))
+                    .map_err(|e| e.to_string())?;
+                for vip in ["198.51.100.2:9000", "[2001:db8:10::2]:9000"] {
+                    steering
+                        .add(SteerKey::udp(vip.parse().expect("literal")))
+                        .map_err(|e| e.to_string())?;
+                }
+                for backend in ["192.0.2.1:7000", "[2001:db8::1]:7000"] {
+                    steering
+                        .add_backend(SteerKey::udp(backend.parse().expect("literal")))
+                        .map_err(|e| e.to_string())?;
+                }
+                steering
+                    .add_local("192.0.2.2".parse().expect("literal"), UDP, LOCAL_RANGE)
+                    .map_err(|e| e.to_string())?;
+                Ok(steering)
+            };
+            let steering = match setup() {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.clone()));
+                    return Err(e);
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            sent_rx
+                .recv_timeout(Duration::from_secs(30))
+                .map_err(|e| format!("the client never sent: {e}"))?;
+            // The frames are counted in the receiver's softirq after `sendto`
+            // returns, in order: wait (bounded) for the last one, a plain
+            // datagram to the VIP (a `no_socket` match that is not ICMP).
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let mut stats = steering.stats().map_err(|e| e.to_string())?;
+            while stats.no_socket < matches + 1 && Instant::now() < deadline {
+                std::thread::yield_now();
+                stats = steering.stats().map_err(|e| e.to_string())?;
+            }
+            Ok(stats)
+        })
+    };
+    let ready = ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    if let Err(e) = ready {
+        let _ = weir.join();
+        panic!("weir side setup: {e}");
+    }
+    let client = {
+        let (ns, dev) = (topo.client.clone(), topo.client_if.clone());
+        let frames: Vec<Vec<u8>> = frames.iter().map(|(_, f)| f.clone()).collect();
+        std::thread::spawn(move || -> Result<(), String> {
+            enter(&ns)?;
+            for frame in &frames {
+                raw::send(&dev, frame)?;
+            }
+            let marker = tagged(0x8100, UDP, "198.51.100.2".parse().expect("literal"), 9000);
+            raw::send(&dev, &marker)
+        })
+    };
+    let sent = client.join().expect("client thread");
+    let _ = sent_tx.send(());
+    let stats = weir.join().expect("weir thread");
+    drop(topo);
+    sent.expect("client side");
+    let stats = stats.expect("weir side");
+    assert_eq!(stats.icmp_matches, matches, "{stats:?}");
+    assert_eq!(stats.no_socket, matches + 1, "{stats:?}");
+    assert_eq!(stats.steered, 0, "{stats:?}");
+    assert_eq!(
+        (stats.backend_matches, stats.local_matches),
+        (0, 0),
+        "{stats:?}"
+    );
+}
