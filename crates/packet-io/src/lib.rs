@@ -16,6 +16,9 @@
 //!   whole to a callback ([`XskSocket::run_batch_all`], a [`Batch`] of frames
 //!   and [`Verdict`]s) or frame by frame ([`XskSocket::run_batch`]), which
 //!   rewrites in place, then transmit the batch.
+//! * [`afpacket`] — the fallback where XDP cannot attach: AF_PACKET sockets
+//!   with a TPACKET_V3 receive ring, `sendmmsg` transmission and
+//!   `PACKET_FANOUT` across workers, driven with the same [`Batch`] callback.
 //! * [`nexthop`] — where a rewritten frame goes: the egress interface, its MAC
 //!   and the next hop's MAC from the kernel's routing and neighbour tables
 //!   (rtnetlink), behind a cache with explicit lifetimes and invalidation.
@@ -26,12 +29,15 @@
 //! Requirements at run time: root (or `CAP_NET_ADMIN`, `CAP_BPF`, `CAP_NET_RAW`),
 //! a kernel with `CONFIG_XDP_SOCKETS` (5.4 or later for need-wakeup).
 
+#[allow(unsafe_code)]
+pub mod afpacket;
 pub mod nexthop;
 #[allow(unsafe_code)]
 pub mod steer;
 #[allow(unsafe_code)]
 pub mod xsk;
 
+pub use afpacket::{PacketConfig, PacketError, PacketSocket};
 pub use nexthop::{
     CacheConfig, Neighbour, Netlink, NextHopCache, NoRoute, Resolution, ResolveError, Resolver,
     Route,

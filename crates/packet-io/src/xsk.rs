@@ -87,29 +87,76 @@ pub enum XskError {
 /// Frames are reached only as byte slices, never as values, so none can be
 /// kept past the callback or moved to another socket's batch.
 pub struct Batch<'a> {
-    frames: &'a mut [Packet],
+    frames: Frames<'a>,
     verdicts: &'a mut [Verdict],
+}
+
+/// Where a batch's frames are: AF_XDP's UMEM, or an AF_PACKET ring.
+enum Frames<'a> {
+    Xdp(&'a mut [Packet]),
+    Ring {
+        frames: &'a mut [&'a mut [u8]],
+        partial: &'a [bool],
+    },
+}
+
+impl<'a> Batch<'a> {
+    /// A batch of frames in an AF_PACKET ring, with their partial-checksum
+    /// flags (same length as `frames`) and verdicts.
+    pub(crate) fn ring(
+        frames: &'a mut [&'a mut [u8]],
+        partial: &'a [bool],
+        verdicts: &'a mut [Verdict],
+    ) -> Self {
+        debug_assert!(frames.len() == partial.len() && frames.len() == verdicts.len());
+        Self {
+            frames: Frames::Ring { frames, partial },
+            verdicts,
+        }
+    }
 }
 
 impl Batch<'_> {
     /// Frames in the batch (1 to the configured batch size).
     pub fn len(&self) -> usize {
-        self.frames.len()
+        match &self.frames {
+            Frames::Xdp(f) => f.len(),
+            Frames::Ring { frames, .. } => frames.len(),
+        }
     }
 
     /// True if the batch holds no frame (never, when the callback runs).
     pub fn is_empty(&self) -> bool {
-        self.frames.is_empty()
+        self.len() == 0
     }
 
     /// Frame `i`'s bytes, from the Ethernet header on.
     pub fn frame(&self, i: usize) -> &[u8] {
-        &self.frames[i]
+        match &self.frames {
+            Frames::Xdp(f) => &f[i],
+            Frames::Ring { frames, .. } => frames[i],
+        }
     }
 
     /// Frame `i`'s bytes, to rewrite in place.
     pub fn frame_mut(&mut self, i: usize) -> &mut [u8] {
-        &mut self.frames[i]
+        match &mut self.frames {
+            Frames::Xdp(f) => &mut f[i],
+            Frames::Ring { frames, .. } => frames[i],
+        }
+    }
+
+    /// True if the kernel says frame `i`'s L4 checksum is only partial
+    /// (`CHECKSUM_PARTIAL`: AF_PACKET's `TP_STATUS_CSUMNOTREADY`; see
+    /// `weir_packet::CsumMode`). Always false on AF_XDP, which does not say.
+    pub fn csum_partial(&self, i: usize) -> bool {
+        match &self.frames {
+            Frames::Xdp(f) => {
+                let _ = &f[i];
+                false
+            }
+            Frames::Ring { partial, .. } => partial[i],
+        }
     }
 
     /// Frame `i`'s verdict ([`Verdict::Drop`] until set).
@@ -124,9 +171,14 @@ impl Batch<'_> {
 
     /// Every frame with its verdict, in order.
     pub fn iter_mut(&mut self) -> impl Iterator<Item = (&mut [u8], &mut Verdict)> {
-        self.frames
-            .iter_mut()
+        // One of the two is empty; chaining them avoids a boxed iterator.
+        let (xdp, ring): (&mut [Packet], &mut [&mut [u8]]) = match &mut self.frames {
+            Frames::Xdp(f) => (&mut **f, &mut []),
+            Frames::Ring { frames, .. } => (&mut [], &mut **frames),
+        };
+        xdp.iter_mut()
             .map(|p| &mut **p)
+            .chain(ring.iter_mut().map(|f| &mut **f))
             .zip(self.verdicts.iter_mut())
     }
 }
@@ -327,7 +379,7 @@ impl XskSocket {
         self.verdicts.clear();
         self.verdicts.resize(self.frames.len(), Verdict::Drop);
         f(&mut Batch {
-            frames: &mut self.frames,
+            frames: Frames::Xdp(&mut self.frames),
             verdicts: &mut self.verdicts,
         });
 
