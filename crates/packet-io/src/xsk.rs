@@ -213,6 +213,9 @@ pub struct XskSocket {
     socket: XdpSocket,
     rx: HeapSlab,
     tx: HeapSlab,
+    /// Frames on `tx` from [`XskSocket::queue_copy`] since the last
+    /// transmission.
+    queued_copies: usize,
     /// The batch handed to the callback, and its verdicts; empty between
     /// calls (capacity kept).
     frames: Vec<Packet>,
@@ -294,7 +297,9 @@ impl XskSocket {
             rings,
             socket,
             rx: HeapSlab::with_capacity(config.batch),
-            tx: HeapSlab::with_capacity(config.batch),
+            // A batch of its own frames plus a batch of copies.
+            tx: HeapSlab::with_capacity(2 * config.batch),
+            queued_copies: 0,
             frames: Vec::with_capacity(config.batch),
             verdicts: Vec::with_capacity(config.batch),
             umem,
@@ -387,7 +392,8 @@ impl XskSocket {
             match verdict {
                 Verdict::Transmit => {
                     if let Some(back) = self.tx.push_front(packet) {
-                        // Cannot happen: tx and rx have the same capacity.
+                        // Cannot happen: tx holds a batch plus a batch of
+                        // copies.
                         self.umem.free_packet(back);
                         stats.tx_full += 1;
                     }
@@ -399,30 +405,84 @@ impl XskSocket {
             }
         }
 
-        if !self.tx.is_empty() {
-            let want = self.tx.len();
-            let tx = self
-                .rings
-                .tx_ring
-                .as_mut()
-                .expect("built with a tx ring (tx_count > 0)");
-            // SAFETY: the frames are in `self.umem`, which outlives the socket
-            // (field order); the kernel returns them on the completion ring.
-            // Without a wakeup the send makes no syscall and cannot fail.
-            let sent = unsafe { tx.send(&mut self.tx, false) }.unwrap_or(0);
-            stats.transmitted = sent;
-            // Ring full: what did not fit is dropped rather than held, so no
-            // frame stays in a slab between calls (see `Send` below).
-            while let Some(packet) = self.tx.pop_back() {
-                self.umem.free_packet(packet);
-                stats.tx_full += 1;
-            }
-            if sent > 0 {
-                kick_tx(self.socket.as_raw_fd(), sent)?;
-            }
-            debug_assert_eq!(sent + stats.tx_full, want);
-        }
+        self.transmit_queued(&mut stats)?;
         Ok(stats)
+    }
+
+    /// Copies `frame` into a free frame of this socket's UMEM and queues it
+    /// for transmission by the next [`XskSocket::flush`] or
+    /// [`XskSocket::run_batch_all`]: for a frame received on another socket
+    /// (another interface, another UMEM) that leaves by this one, e.g. a nat
+    /// packet from the client side going to a backend. Returns false, and
+    /// queues nothing, when the frame is larger than a UMEM frame, no UMEM
+    /// frame is free, or a batch of copies is already queued (flush first).
+    pub fn queue_copy(&mut self, frame: &[u8]) -> bool {
+        if self.queued_copies >= self.batch {
+            return false;
+        }
+        // SAFETY: the packet points into `self.umem`; it is queued on the tx
+        // slab (transmitted or freed by the next flush or batch) or freed
+        // here, so it never outlives the UMEM.
+        let Some(mut packet) = (unsafe { self.umem.alloc() }) else {
+            return false;
+        };
+        if packet.append(frame).is_err() {
+            self.umem.free_packet(packet);
+            return false;
+        }
+        match self.tx.push_front(packet) {
+            None => {
+                self.queued_copies += 1;
+                true
+            }
+            Some(back) => {
+                self.umem.free_packet(back);
+                false
+            }
+        }
+    }
+
+    /// Transmits the frames [`XskSocket::queue_copy`] queued and kicks the
+    /// kernel; also returns completed transmissions to the UMEM.
+    pub fn flush(&mut self) -> Result<BatchStats, XskError> {
+        let done = self.umem.outstanding();
+        self.rings.completion_ring.dequeue(&mut self.umem, done);
+        let mut stats = BatchStats::default();
+        self.transmit_queued(&mut stats)?;
+        Ok(stats)
+    }
+
+    /// Puts the tx slab on the tx ring and kicks the kernel; what does not
+    /// fit is dropped and counted, so the slab is empty afterwards.
+    fn transmit_queued(&mut self, stats: &mut BatchStats) -> Result<(), XskError> {
+        self.queued_copies = 0;
+        if self.tx.is_empty() {
+            return Ok(());
+        }
+        let want = self.tx.len();
+        let tx = self
+            .rings
+            .tx_ring
+            .as_mut()
+            .expect("built with a tx ring (tx_count > 0)");
+        // SAFETY: the frames are in `self.umem`, which outlives the socket
+        // (field order); the kernel returns them on the completion ring.
+        // Without a wakeup the send makes no syscall and cannot fail.
+        let sent = unsafe { tx.send(&mut self.tx, false) }.unwrap_or(0);
+        stats.transmitted += sent;
+        // Ring full: what did not fit is dropped rather than held, so no
+        // frame stays in a slab between calls (see `Send` below).
+        let mut dropped = 0;
+        while let Some(packet) = self.tx.pop_back() {
+            self.umem.free_packet(packet);
+            dropped += 1;
+        }
+        stats.tx_full += dropped;
+        if sent > 0 {
+            kick_tx(self.socket.as_raw_fd(), sent)?;
+        }
+        debug_assert_eq!(sent + dropped, want);
+        Ok(())
     }
 
     /// Moves up to a batch of received frames into `self.rx`.
@@ -486,8 +546,10 @@ const MAX_FILL_TURNS: usize = 64;
 // parts are the `Packet`s of the `rx` and `tx` slabs and of `frames`: pointers
 // into this socket's own UMEM, and no copy of them exists elsewhere (the
 // callback of `run_batch_all` only ever sees byte slices borrowed for the
-// call, never a `Packet`). Between calls those are empty anyway, except after
-// a callback panicked, and the next call frees what such a panic left. So
+// call, never a `Packet`; `queue_copy` copies bytes into a frame of this
+// socket's own UMEM). Between calls `rx` and `frames` are empty, except after
+// a callback panicked (the next call frees what such a panic left), and `tx`
+// holds only copies queued for the next flush. So
 // moving the socket to another thread (a worker) moves sole ownership of
 // everything it points to.
 unsafe impl Send for XskSocket {}

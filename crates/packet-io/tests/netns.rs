@@ -1796,3 +1796,112 @@ fn af_packet_echoes_vip_traffic_with_fanout() {
         "the client sends full checksums (tx offload off)"
     );
 }
+
+/// `queue_copy` + `flush`: every frame one socket receives is echoed through
+/// the *other* socket (another UMEM, as for a frame that leaves by another
+/// interface); the receiving socket transmits nothing itself.
+#[test]
+fn queue_copy_transmits_frames_received_by_another_socket() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping queue_copy_transmits_frames_received_by_another_socket: {why}");
+        return;
+    }
+    let topo = Topology::new("q").expect("build the test topology");
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+    let stop = Arc::new(AtomicBool::new(false));
+    let weir = {
+        let (ns, dev, stop) = (topo.weir.clone(), topo.weir_if.clone(), stop.clone());
+        std::thread::spawn(move || -> Result<(Vec<usize>, usize, usize), String> {
+            let setup = || -> Result<(Steering, Vec<XskSocket>), String> {
+                enter(&ns)?;
+                let mut steering = Steering::attach(&dev).map_err(|e| e.to_string())?;
+                let xsks =
+                    XskSocket::bind_all(&dev, XskConfig::default()).map_err(|e| e.to_string())?;
+                for xsk in &xsks {
+                    steering
+                        .register_socket(xsk.queue(), xsk)
+                        .map_err(|e| e.to_string())?;
+                }
+                for vip in ["192.0.2.2", "[2001:db8::2]"] {
+                    let addr = format!("{vip}:{VIP_PORT}").parse().expect("literal");
+                    steering
+                        .add(SteerKey::udp(addr))
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok((steering, xsks))
+            };
+            let (_steering, mut xsks) = match setup() {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.clone()));
+                    return Err(e);
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            if xsks.len() != 2 {
+                return Err(format!("{} sockets, want 2", xsks.len()));
+            }
+            // Frames each socket sent for the other; frames the receiving
+            // socket sent itself; copies refused.
+            let mut flushed = vec![0; 2];
+            let (mut direct, mut refused) = (0, 0);
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                for rx in 0..2 {
+                    let (a, b) = xsks.split_at_mut(1);
+                    let (receiver, sender) = if rx == 0 {
+                        (&mut a[0], &mut b[0])
+                    } else {
+                        (&mut b[0], &mut a[0])
+                    };
+                    let stats = receiver
+                        .run_batch_all(Duration::from_millis(2), |batch| {
+                            for i in 0..batch.len() {
+                                if echo(batch.frame_mut(i)) == Verdict::Transmit
+                                    && !sender.queue_copy(batch.frame(i))
+                                {
+                                    refused += 1;
+                                }
+                            }
+                        })
+                        .map_err(|e| e.to_string())?;
+                    direct += stats.transmitted;
+                    flushed[1 - rx] += sender.flush().map_err(|e| e.to_string())?.transmitted;
+                }
+            }
+            Ok((flushed, direct, refused))
+        })
+    };
+    let ready = ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    if let Err(e) = ready {
+        let _ = weir.join();
+        panic!("weir side setup: {e}");
+    }
+    let client = {
+        let ns = topo.client.clone();
+        std::thread::spawn(move || client_side(ns))
+    };
+    let client = client.join().expect("client thread");
+    stop.store(true, Ordering::Relaxed);
+    let weir = weir.join().expect("weir thread");
+    drop(topo);
+    let (echoed, _) = client.expect("client side");
+    let (flushed, direct, refused) = weir.expect("weir side");
+    let want: BTreeSet<String> = ["192.0.2.2", "[2001:db8::2]"]
+        .iter()
+        .flat_map(|vip| (0..DATAGRAMS).map(move |i| format!("{vip} #{i}")))
+        .collect();
+    assert_eq!(
+        echoed, want,
+        "every datagram came back through the other socket"
+    );
+    assert_eq!(direct, 0, "the receiving socket transmitted nothing itself");
+    assert_eq!(refused, 0);
+    assert_eq!(flushed.iter().sum::<usize>(), 2 * DATAGRAMS, "{flushed:?}");
+    assert!(
+        flushed.iter().all(|&n| n > 0),
+        "both directions: {flushed:?}"
+    );
+}
