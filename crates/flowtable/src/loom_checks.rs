@@ -13,12 +13,20 @@
 //! lookup racing with a remove finds either the whole entry or nothing; two
 //! writers on one bucket never lose an entry; a bucket read for a dump
 //! holds every entry present throughout.
+//!
+//! Reply keys (packet mode, `FlowTable::insert_reply`): an insert with a
+//! reply key racing with reply lookups and with the removal of another
+//! reply entry in the same bucket — a reply lookup finds a flow only once
+//! it is fully in and live, never after its removal returned, and never a
+//! flow whose insert is refused (rolled back) because its reply key is
+//! taken; a reply way and a forward way with the same tag never match each
+//! other's lookups.
 
 use loom::sync::Arc;
 use loom::thread;
 
 use crate::index::{Hash, Index, Put};
-use crate::node::{Arena, NodeVec, PackedKey};
+use crate::node::{Arena, NodeVec, PackedKey, PackedReply};
 use crate::types::{BackendId, FlowInit, FlowState, Millis, ServiceId};
 
 /// `loom::model` with at most 3 preemptions unless `LOOM_MAX_PREEMPTIONS`
@@ -63,7 +71,9 @@ fn init(w: &World, i: u32, cookie: u64) {
         owner: i,
         profile: 0,
     };
-    w.nodes.node(i).init(&key(i), &init, cookie, Millis(5));
+    w.nodes
+        .node(i)
+        .init(&key(i), &init, cookie, Millis(5), 0, false);
 }
 
 fn insert(w: &World, i: u32) {
@@ -236,5 +246,201 @@ pub fn lookup_and_insert_vs_migration() {
         for i in 0..4 {
             assert!(check_found(&w, i));
         }
+    });
+}
+
+/// Inserts entry `i` (key `k`, backend `backend`) with a nat reply key as
+/// `FlowTable::insert_reply` does: pending node, forward way, then the
+/// reply way (which makes it live), or the forward way taken out again.
+/// The reply way's hash is `hash(rh)`, the same bucket and tag as forward
+/// ways, so the reply bit is what tells them apart. Returns the outcome of
+/// the reply step.
+fn insert_reply(w: &World, i: u32, k: &PackedKey, backend: u32, rh: u32) -> Put {
+    let init = FlowInit {
+        service: ServiceId(i),
+        backend: BackendId(backend),
+        state: FlowState::Established,
+        owner: i,
+        profile: 0,
+    };
+    w.nodes
+        .node(i)
+        .init(k, &init, u64::from(i) + 1, Millis(5), 0, true);
+    let h = Hash::new(hash(i));
+    {
+        let (home, mut l) = w.index.lock_home(h);
+        let r = home.put(&mut l, &w.nodes, h, Some(k), i, 64);
+        assert!(matches!(r, Put::Done(_)), "insert {i}: {r:?}");
+    }
+    let rk = w.nodes.node(i).reply_key();
+    let r = w
+        .index
+        .publish_reply(&w.nodes, Hash::new(hash(rh)), &rk, i, 64);
+    if !matches!(r, Put::Done(_)) {
+        assert!(w.index.unpublish(h, i), "roll back {i}");
+    }
+    r
+}
+
+/// Removes entry `i` (which has a reply key) as `FlowTable` does: the
+/// forward way under its lock decides, then the reply way and the live bit.
+fn remove_reply(w: &World, i: u32, rh: u32) {
+    let h = Hash::new(hash(i));
+    {
+        let (home, mut l) = w.index.lock_home(h);
+        assert!(home.unput(&mut l, i), "remove {i}");
+    }
+    assert!(w.index.retire_reply(&w.nodes, Hash::new(hash(rh)), i));
+}
+
+/// The reply key entry `i` would have (nat: its client, backend 100 + i).
+fn reply_key(i: u32) -> PackedReply {
+    let k = key(i);
+    PackedReply {
+        tenant: k.tenant,
+        bits: 0,
+        backend: 100 + i,
+        nat: 0,
+        port: k.ports >> 16,
+        caddr: k.caddr,
+    }
+}
+
+/// A reply lookup of `rk` (hash of entry `rh`): `None`, or a live,
+/// fully initialised entry with that reply key; its number.
+fn find_reply(w: &World, rk: &PackedReply, rh: u32) -> Option<u32> {
+    let i = w.index.find(&w.nodes, Hash::new(hash(rh)), rk)?;
+    let n = w.nodes.node(i);
+    assert_eq!(n.cookie(), u64::from(i) + 1, "cookie not published");
+    assert_eq!(n.owner(), i, "owner not published");
+    assert_eq!(n.reply_key(), *rk, "found another flow's reply entry");
+    Some(i)
+}
+
+/// `loom::model` with at most `n` preemptions unless `LOOM_MAX_PREEMPTIONS`
+/// says otherwise.
+fn model_bounded(n: usize, f: impl Fn() + Sync + Send + 'static) {
+    let mut b = loom::model::Builder::new();
+    if b.preemption_bound.is_none() {
+        b.preemption_bound = Some(n);
+    }
+    b.check(f);
+}
+
+/// An insert with a reply key races with a reply lookup of a flow present
+/// throughout (always found) and of the flow being inserted (found only
+/// fully in and live).
+pub fn insert_reply_vs_lookup_reply() {
+    model(|| {
+        let w = Arc::new(World {
+            nodes: NodeVec::new(2),
+            index: Index::try_new(1).unwrap(),
+        });
+        assert!(matches!(insert_reply(&w, 0, &key(0), 100, 0), Put::Done(_)));
+        let wr = Arc::clone(&w);
+        let inserter = thread::spawn(move || {
+            assert!(matches!(
+                insert_reply(&wr, 1, &key(1), 101, 1),
+                Put::Done(_)
+            ));
+        });
+        let rd = Arc::clone(&w);
+        let reader = thread::spawn(move || {
+            assert_eq!(
+                find_reply(&rd, &reply_key(0), 0),
+                Some(0),
+                "stable reply missed"
+            );
+            let _ = find_reply(&rd, &reply_key(1), 1);
+            assert!(check_found(&rd, 0), "stable flow missed");
+        });
+        inserter.join().unwrap();
+        reader.join().unwrap();
+        assert_eq!(find_reply(&w, &reply_key(1), 1), Some(1));
+        assert!(check_found(&w, 1));
+    });
+}
+
+/// An insert with a reply key races with reply lookups and with the
+/// removal of another reply flow in the same bucket (three threads: at
+/// most two preemptions, about 3 minutes; three did not end in 20).
+pub fn insert_reply_vs_lookup_reply_vs_remove() {
+    model_bounded(2, || {
+        // Entry 0 (forward + reply way: the head line's two ways) is
+        // removed while entry 1 is inserted with its reply key.
+        let w = Arc::new(World {
+            nodes: NodeVec::new(2),
+            index: Index::try_new(1).unwrap(),
+        });
+        assert!(matches!(insert_reply(&w, 0, &key(0), 100, 0), Put::Done(_)));
+        let wr = Arc::clone(&w);
+        let inserter = thread::spawn(move || {
+            assert!(matches!(
+                insert_reply(&wr, 1, &key(1), 101, 1),
+                Put::Done(_)
+            ));
+        });
+        let rm = Arc::clone(&w);
+        let remover = thread::spawn(move || {
+            remove_reply(&rm, 0, 0);
+            // Once the removal returned, its reply key never finds it.
+            assert_eq!(find_reply(&rm, &reply_key(0), 0), None);
+        });
+        let rd = Arc::clone(&w);
+        let reader = thread::spawn(move || {
+            if let Some(i) = find_reply(&rd, &reply_key(1), 1) {
+                assert_eq!(i, 1);
+            }
+            if let Some(i) = find_reply(&rd, &reply_key(0), 0) {
+                assert_eq!(i, 0);
+            }
+        });
+        inserter.join().unwrap();
+        remover.join().unwrap();
+        reader.join().unwrap();
+        assert_eq!(find_reply(&w, &reply_key(1), 1), Some(1));
+        assert!(check_found(&w, 1));
+        assert_eq!(find_reply(&w, &reply_key(0), 0), None);
+        assert!(!check_found(&w, 0));
+        let ids = check_bucket_read(&w);
+        assert_eq!(ids, [1], "dump reads list each live flow once");
+    });
+}
+
+/// An insert whose reply key is taken is rolled back: no lookup by either
+/// key ever returns it, and the flow holding the reply key is found
+/// throughout.
+pub fn refused_reply_insert_is_never_seen() {
+    model(|| {
+        let w = Arc::new(World {
+            nodes: NodeVec::new(2),
+            index: Index::try_new(1).unwrap(),
+        });
+        assert!(matches!(insert_reply(&w, 0, &key(0), 100, 0), Put::Done(_)));
+        // Entry 1: entry 0's client to another VIP port, same backend, so
+        // the same reply key.
+        let k1 = PackedKey {
+            ports: key(0).ports + 7,
+            ..key(0)
+        };
+        let wr = Arc::clone(&w);
+        let inserter = thread::spawn(move || {
+            assert_eq!(insert_reply(&wr, 1, &k1, 100, 0), Put::Exists(0));
+        });
+        let rd = Arc::clone(&w);
+        let reader = thread::spawn(move || {
+            assert_eq!(
+                rd.index.find(&rd.nodes, Hash::new(hash(1)), &k1),
+                None,
+                "a refused insert was found"
+            );
+            assert_eq!(find_reply(&rd, &reply_key(0), 0), Some(0));
+        });
+        inserter.join().unwrap();
+        reader.join().unwrap();
+        assert_eq!(w.index.find(&w.nodes, Hash::new(hash(1)), &k1), None);
+        assert!(check_found(&w, 0));
+        assert_eq!(check_bucket_read(&w), [0]);
+        assert_eq!(w.index.count(0), Some(2), "the refused insert left a way");
     });
 }

@@ -26,3 +26,18 @@ fn two_writers_and_a_reader() {
 fn lookup_and_insert_vs_migration() {
     loom_checks::lookup_and_insert_vs_migration();
 }
+
+#[test]
+fn insert_reply_vs_lookup_reply() {
+    loom_checks::insert_reply_vs_lookup_reply();
+}
+
+#[test]
+fn insert_reply_vs_lookup_reply_vs_remove() {
+    loom_checks::insert_reply_vs_lookup_reply_vs_remove();
+}
+
+#[test]
+fn refused_reply_insert_is_never_seen() {
+    loom_checks::refused_reply_insert_is_never_seen();
+}

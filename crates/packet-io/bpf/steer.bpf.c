@@ -9,7 +9,13 @@
  *     weir's local addresses; the kernel's own connections from that address
  *     use ports outside the range), or
  *   - its (source address, protocol, source port) is in `backends` (nat
- *     replies from a backend).
+ *     replies from a backend), or
+ *   - it is an ICMP or ICMPv6 error (destination unreachable, packet too
+ *     big, time exceeded) quoting a packet weir sent: from a virtual address
+ *     (`steer`, by the quoted source), from a local address inside its range
+ *     (`local_ports`), or to a nat backend (`backends`, by the quoted
+ *     destination) — so weir can translate it and path-MTU discovery works
+ *     through weir.
  * Everything else, and anything this program cannot parse, is XDP_PASS, so
  * SSH, the admin API and unrelated traffic reach the kernel unchanged.
  *
@@ -59,7 +65,8 @@ enum {
 	STAT_NO_SOCKET = 2,     /* ours, but no socket on that queue: passed */
 	STAT_MATCH_BACKEND = 3, /* matched `backends` (nat reply) */
 	STAT_MATCH_LOCAL = 4,   /* matched `local_ports` (fnat reply) */
-	STAT_MAX = 5,
+	STAT_MATCH_ICMP = 5,    /* an ICMP error about a packet weir sent */
+	STAT_MAX = 6,
 };
 
 struct {
@@ -124,6 +131,92 @@ struct vlan_hdr {
 	__be16 proto;
 };
 
+/* The first four bytes of TCP and UDP. */
+struct ports {
+	__be16 source;
+	__be16 dest;
+};
+
+#define ICMP_DEST_UNREACH 3
+#define ICMP_TIME_EXCEEDED 11
+#define ICMPV6_DEST_UNREACH 1
+#define ICMPV6_PKT_TOOBIG 2
+#define ICMPV6_TIME_EXCEED 3
+#define IPPROTO_ICMPV6_ 58
+
+/* An ICMP (v6 = 0) or ICMPv6 (v6 = 1) message at `l4`: steered if it is an
+ * error quoting a TCP/UDP packet that weir sent — from a virtual address or
+ * from a local address inside its port range, or to a nat backend. */
+static __always_inline int icmp_error(struct xdp_md *ctx, __u8 *icmp, void *end, int v6)
+{
+	struct steer_key src = {};
+	struct steer_key dst = {};
+	struct local_key local = {};
+	struct port_range *range;
+	struct ports *ports;
+	__u8 proto;
+
+	/* Type, code, checksum, 4 bytes, then the quoted packet. */
+	if ((void *)(icmp + 8) > end)
+		return count(STAT_PASSED, XDP_PASS);
+	if (!v6) {
+		struct iphdr *ip = (void *)(icmp + 8);
+		if (icmp[0] != ICMP_DEST_UNREACH && icmp[0] != ICMP_TIME_EXCEEDED)
+			return count(STAT_PASSED, XDP_PASS);
+		if ((void *)(ip + 1) > end || ip->version != 4 || ip->ihl < 5)
+			return count(STAT_PASSED, XDP_PASS);
+		if (ip->frag_off & bpf_htons(0x1fff))
+			return count(STAT_PASSED, XDP_PASS);
+		src.addr[10] = 0xff;
+		src.addr[11] = 0xff;
+		__builtin_memcpy(&src.addr[12], &ip->saddr, 4);
+		dst.addr[10] = 0xff;
+		dst.addr[11] = 0xff;
+		__builtin_memcpy(&dst.addr[12], &ip->daddr, 4);
+		proto = ip->protocol;
+		ports = (void *)((__u8 *)ip + ip->ihl * 4);
+	} else {
+		struct ipv6hdr *ip6 = (void *)(icmp + 8);
+		if (icmp[0] != ICMPV6_DEST_UNREACH && icmp[0] != ICMPV6_PKT_TOOBIG &&
+		    icmp[0] != ICMPV6_TIME_EXCEED)
+			return count(STAT_PASSED, XDP_PASS);
+		if ((void *)(ip6 + 1) > end || ip6->version != 6)
+			return count(STAT_PASSED, XDP_PASS);
+		__builtin_memcpy(src.addr, &ip6->saddr, 16);
+		__builtin_memcpy(dst.addr, &ip6->daddr, 16);
+		proto = ip6->nexthdr;
+		ports = (void *)(ip6 + 1);
+	}
+	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
+		return count(STAT_PASSED, XDP_PASS);
+	if ((void *)(ports + 1) > end)
+		return count(STAT_PASSED, XDP_PASS);
+	src.proto = proto;
+	src.port = ports->source;
+	dst.proto = proto;
+	dst.port = ports->dest;
+
+	/* Weir sent it from a virtual address (to a client). */
+	if (bpf_map_lookup_elem(&steer, &src))
+		goto match;
+	/* From a local address inside the range (fnat, to a backend). */
+	__builtin_memcpy(local.addr, src.addr, 16);
+	local.proto = proto;
+	range = bpf_map_lookup_elem(&local_ports, &local);
+	if (range) {
+		__u16 port = bpf_ntohs(src.port);
+		if (port >= range->first && port <= range->last)
+			goto match;
+	}
+	/* To a nat backend. */
+	if (bpf_map_lookup_elem(&backends, &dst))
+		goto match;
+	return count(STAT_PASSED, XDP_PASS);
+match:
+	bump(STAT_MATCH_ICMP);
+	return steer_to_socket(ctx);
+}
+
 SEC("xdp")
 int weir_steer(struct xdp_md *ctx)
 {
@@ -186,6 +279,10 @@ int weir_steer(struct xdp_md *ctx)
 			return count(STAT_PASSED, XDP_PASS);
 		key.port = ports->dest;
 		from.port = ports->source;
+	} else if (key.proto == IPPROTO_ICMP && proto == bpf_htons(ETH_P_IP)) {
+		return icmp_error(ctx, l4, end, 0);
+	} else if (key.proto == IPPROTO_ICMPV6_ && proto == bpf_htons(ETH_P_IPV6)) {
+		return icmp_error(ctx, l4, end, 1);
 	} else {
 		return count(STAT_PASSED, XDP_PASS);
 	}

@@ -14,6 +14,11 @@
 //!   ([`Steering::add_local`]); the kernel's connections from those addresses
 //!   use ports outside the range and keep working.
 //!
+//! ICMP and ICMPv6 errors (destination unreachable, packet too big, time
+//! exceeded) are steered when the packet they quote is one weir sent: from a
+//! virtual address (`steer`, by the quoted source), from a local address
+//! inside its range, or to a nat backend (by the quoted destination).
+//!
 //! The `xsks` map holds one AF_XDP socket per queue.
 
 use std::net::{IpAddr, SocketAddr};
@@ -226,6 +231,10 @@ pub struct SteerStats {
     /// Matched a local address's port range ([`Steering::add_local`]);
     /// included in `steered` or `no_socket`.
     pub local_matches: u64,
+    /// ICMP or ICMPv6 errors quoting a packet weir sent (from a virtual or a
+    /// local address in its range, or to a nat backend); included in
+    /// `steered` or `no_socket`.
+    pub icmp_matches: u64,
 }
 
 /// The steering program attached to one interface; detached on drop.
@@ -498,6 +507,7 @@ impl Steering {
             no_socket: sum(2)?,
             backend_matches: sum(3)?,
             local_matches: sum(4)?,
+            icmp_matches: sum(5)?,
         })
     }
 }

@@ -1,11 +1,13 @@
 //! AF_XDP sockets driven in batches (the `xdp` crate: pure Rust, MIT/Apache).
 //!
 //! An [`XskSocket`] is bound to one interface queue and owns its UMEM (frames
-//! shared with the kernel) and its four rings. [`XskSocket::run_batch`] is one
-//! turn of the data path: reclaim transmitted frames, refill the fill ring,
-//! receive up to a batch, hand each frame to a callback that may rewrite it in
-//! place and answers [`Verdict`], then transmit the frames to send and kick the
-//! kernel (copy mode, as on veth, transmits inside that `sendto`).
+//! shared with the kernel) and its four rings. [`XskSocket::run_batch_all`] is
+//! one turn of the data path: reclaim transmitted frames, refill the fill ring,
+//! receive up to a batch, hand the whole [`Batch`] to a callback that may
+//! rewrite frames in place and sets a [`Verdict`] per frame, then transmit the
+//! frames to send and kick the kernel (copy mode, as on veth, transmits inside
+//! that `sendto`). [`XskSocket::run_batch`] is the same with a callback per
+//! frame.
 //!
 //! The socket only receives what the steering program redirects to it: register
 //! it with [`crate::Steering::register_socket`] under the same queue.
@@ -16,7 +18,7 @@ use std::time::Duration;
 use xdp::slab::{HeapSlab, Slab};
 use xdp::socket::{PollTimeout, XdpSocket, XdpSocketBuilder};
 use xdp::umem::UmemCfgBuilder;
-use xdp::{RingConfigBuilder, Umem, WakableRings};
+use xdp::{Packet, RingConfigBuilder, Umem, WakableRings};
 
 /// What to do with a received frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,6 +80,118 @@ pub enum XskError {
     Io(#[from] std::io::Error),
 }
 
+/// One received batch, lent to the callback of [`XskSocket::run_batch_all`]:
+/// the frames' bytes and one [`Verdict`] per frame, by index. Indexing past
+/// [`Batch::len`] panics, as slice indexing does.
+///
+/// Frames are reached only as byte slices, never as values, so none can be
+/// kept past the callback or moved to another socket's batch.
+pub struct Batch<'a> {
+    frames: Frames<'a>,
+    verdicts: &'a mut [Verdict],
+}
+
+/// Where a batch's frames are: AF_XDP's UMEM, or an AF_PACKET ring.
+enum Frames<'a> {
+    Xdp(&'a mut [Packet]),
+    Ring {
+        frames: &'a mut [&'a mut [u8]],
+        partial: &'a [bool],
+    },
+}
+
+impl<'a> Batch<'a> {
+    /// A batch of frames in an AF_PACKET ring, with their partial-checksum
+    /// flags (same length as `frames`) and verdicts.
+    pub(crate) fn ring(
+        frames: &'a mut [&'a mut [u8]],
+        partial: &'a [bool],
+        verdicts: &'a mut [Verdict],
+    ) -> Self {
+        debug_assert!(frames.len() == partial.len() && frames.len() == verdicts.len());
+        Self {
+            frames: Frames::Ring { frames, partial },
+            verdicts,
+        }
+    }
+}
+
+impl Batch<'_> {
+    /// Frames in the batch (1 to the configured batch size).
+    pub fn len(&self) -> usize {
+        match &self.frames {
+            Frames::Xdp(f) => f.len(),
+            Frames::Ring { frames, .. } => frames.len(),
+        }
+    }
+
+    /// True if the batch holds no frame (never, when the callback runs).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Frame `i`'s bytes, from the Ethernet header on.
+    pub fn frame(&self, i: usize) -> &[u8] {
+        match &self.frames {
+            Frames::Xdp(f) => &f[i],
+            Frames::Ring { frames, .. } => frames[i],
+        }
+    }
+
+    /// Frame `i`'s bytes, to rewrite in place.
+    pub fn frame_mut(&mut self, i: usize) -> &mut [u8] {
+        match &mut self.frames {
+            Frames::Xdp(f) => &mut f[i],
+            Frames::Ring { frames, .. } => frames[i],
+        }
+    }
+
+    /// True if the kernel says frame `i`'s L4 checksum is only partial
+    /// (`CHECKSUM_PARTIAL`: AF_PACKET's `TP_STATUS_CSUMNOTREADY`; see
+    /// `weir_packet::CsumMode`). Always false on AF_XDP, which does not say.
+    pub fn csum_partial(&self, i: usize) -> bool {
+        match &self.frames {
+            Frames::Xdp(f) => {
+                let _ = &f[i];
+                false
+            }
+            Frames::Ring { partial, .. } => partial[i],
+        }
+    }
+
+    /// Frame `i`'s verdict ([`Verdict::Drop`] until set).
+    pub fn verdict(&self, i: usize) -> Verdict {
+        self.verdicts[i]
+    }
+
+    /// Sets frame `i`'s verdict.
+    pub fn set_verdict(&mut self, i: usize, verdict: Verdict) {
+        self.verdicts[i] = verdict;
+    }
+
+    /// Every frame with its verdict, in order.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (&mut [u8], &mut Verdict)> {
+        // One of the two is empty; chaining them avoids a boxed iterator.
+        let (xdp, ring): (&mut [Packet], &mut [&mut [u8]]) = match &mut self.frames {
+            Frames::Xdp(f) => (&mut **f, &mut []),
+            Frames::Ring { frames, .. } => (&mut [], &mut **frames),
+        };
+        xdp.iter_mut()
+            .map(|p| &mut **p)
+            .chain(ring.iter_mut().map(|f| &mut **f))
+            .zip(self.verdicts.iter_mut())
+    }
+}
+
+impl std::fmt::Debug for Batch<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batch")
+            .field("len", &self.len())
+            .field("verdicts", &self.verdicts)
+            .finish()
+    }
+}
+
 /// What one [`XskSocket::run_batch`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BatchStats {
@@ -99,8 +213,16 @@ pub struct XskSocket {
     socket: XdpSocket,
     rx: HeapSlab,
     tx: HeapSlab,
+    /// Frames on `tx` from [`XskSocket::queue_copy`] since the last
+    /// transmission.
+    queued_copies: usize,
+    /// The batch handed to the callback, and its verdicts; empty between
+    /// calls (capacity kept).
+    frames: Vec<Packet>,
+    verdicts: Vec<Verdict>,
     umem: Umem,
     batch: usize,
+    ring_size: usize,
     zero_copy: bool,
     interface: String,
     queue: u32,
@@ -175,9 +297,14 @@ impl XskSocket {
             rings,
             socket,
             rx: HeapSlab::with_capacity(config.batch),
-            tx: HeapSlab::with_capacity(config.batch),
+            // A batch of its own frames plus a batch of copies.
+            tx: HeapSlab::with_capacity(2 * config.batch),
+            queued_copies: 0,
+            frames: Vec::with_capacity(config.batch),
+            verdicts: Vec::with_capacity(config.batch),
             umem,
             batch: config.batch,
+            ring_size: config.ring_size as usize,
             zero_copy,
             interface: interface.to_owned(),
             queue,
@@ -213,6 +340,25 @@ impl XskSocket {
         timeout: Duration,
         mut f: impl FnMut(&mut [u8]) -> Verdict,
     ) -> Result<BatchStats, XskError> {
+        self.run_batch_all(timeout, |batch| {
+            for (frame, verdict) in batch.iter_mut() {
+                *verdict = f(frame);
+            }
+        })
+    }
+
+    /// As [`XskSocket::run_batch`], but `f` gets the whole [`Batch`] at once —
+    /// the received frames, oldest first, and one verdict per frame, each
+    /// [`Verdict::Drop`] until `f` sets it — so it can parse every frame, look
+    /// the whole batch up in the flow table (hash, prefetch, probe) and then
+    /// rewrite. Transmissions keep the batch's order. Nothing is allocated per
+    /// batch: the frames and verdicts live in the socket. `f` is not called
+    /// when nothing arrived within `timeout`.
+    pub fn run_batch_all(
+        &mut self,
+        timeout: Duration,
+        f: impl FnOnce(&mut Batch<'_>),
+    ) -> Result<BatchStats, XskError> {
         let mut stats = BatchStats::default();
         self.reclaim()?;
 
@@ -226,11 +372,28 @@ impl XskSocket {
         }
         stats.received = n;
 
-        while let Some(mut packet) = self.rx.pop_back() {
-            match f(&mut packet) {
+        // Frames left by a callback that panicked (and was caught) go back
+        // to the UMEM rather than being handed out twice.
+        for packet in self.frames.drain(..) {
+            self.umem.free_packet(packet);
+        }
+        // Oldest first: the slab's back is the first frame the ring held.
+        while let Some(packet) = self.rx.pop_back() {
+            self.frames.push(packet);
+        }
+        self.verdicts.clear();
+        self.verdicts.resize(self.frames.len(), Verdict::Drop);
+        f(&mut Batch {
+            frames: Frames::Xdp(&mut self.frames),
+            verdicts: &mut self.verdicts,
+        });
+
+        for (packet, verdict) in self.frames.drain(..).zip(&self.verdicts) {
+            match verdict {
                 Verdict::Transmit => {
                     if let Some(back) = self.tx.push_front(packet) {
-                        // Cannot happen: tx and rx have the same capacity.
+                        // Cannot happen: tx holds a batch plus a batch of
+                        // copies.
                         self.umem.free_packet(back);
                         stats.tx_full += 1;
                     }
@@ -242,30 +405,84 @@ impl XskSocket {
             }
         }
 
-        if !self.tx.is_empty() {
-            let want = self.tx.len();
-            let tx = self
-                .rings
-                .tx_ring
-                .as_mut()
-                .expect("built with a tx ring (tx_count > 0)");
-            // SAFETY: the frames are in `self.umem`, which outlives the socket
-            // (field order); the kernel returns them on the completion ring.
-            // Without a wakeup the send makes no syscall and cannot fail.
-            let sent = unsafe { tx.send(&mut self.tx, false) }.unwrap_or(0);
-            stats.transmitted = sent;
-            // Ring full: what did not fit is dropped rather than held, so no
-            // frame stays in a slab between calls (see `Send` below).
-            while let Some(packet) = self.tx.pop_back() {
-                self.umem.free_packet(packet);
-                stats.tx_full += 1;
-            }
-            if sent > 0 {
-                kick_tx(self.socket.as_raw_fd(), sent)?;
-            }
-            debug_assert_eq!(sent + stats.tx_full, want);
-        }
+        self.transmit_queued(&mut stats)?;
         Ok(stats)
+    }
+
+    /// Copies `frame` into a free frame of this socket's UMEM and queues it
+    /// for transmission by the next [`XskSocket::flush`] or
+    /// [`XskSocket::run_batch_all`]: for a frame received on another socket
+    /// (another interface, another UMEM) that leaves by this one, e.g. a nat
+    /// packet from the client side going to a backend. Returns false, and
+    /// queues nothing, when the frame is larger than a UMEM frame, no UMEM
+    /// frame is free, or a batch of copies is already queued (flush first).
+    pub fn queue_copy(&mut self, frame: &[u8]) -> bool {
+        if self.queued_copies >= self.batch {
+            return false;
+        }
+        // SAFETY: the packet points into `self.umem`; it is queued on the tx
+        // slab (transmitted or freed by the next flush or batch) or freed
+        // here, so it never outlives the UMEM.
+        let Some(mut packet) = (unsafe { self.umem.alloc() }) else {
+            return false;
+        };
+        if packet.append(frame).is_err() {
+            self.umem.free_packet(packet);
+            return false;
+        }
+        match self.tx.push_front(packet) {
+            None => {
+                self.queued_copies += 1;
+                true
+            }
+            Some(back) => {
+                self.umem.free_packet(back);
+                false
+            }
+        }
+    }
+
+    /// Transmits the frames [`XskSocket::queue_copy`] queued and kicks the
+    /// kernel; also returns completed transmissions to the UMEM.
+    pub fn flush(&mut self) -> Result<BatchStats, XskError> {
+        let done = self.umem.outstanding();
+        self.rings.completion_ring.dequeue(&mut self.umem, done);
+        let mut stats = BatchStats::default();
+        self.transmit_queued(&mut stats)?;
+        Ok(stats)
+    }
+
+    /// Puts the tx slab on the tx ring and kicks the kernel; what does not
+    /// fit is dropped and counted, so the slab is empty afterwards.
+    fn transmit_queued(&mut self, stats: &mut BatchStats) -> Result<(), XskError> {
+        self.queued_copies = 0;
+        if self.tx.is_empty() {
+            return Ok(());
+        }
+        let want = self.tx.len();
+        let tx = self
+            .rings
+            .tx_ring
+            .as_mut()
+            .expect("built with a tx ring (tx_count > 0)");
+        // SAFETY: the frames are in `self.umem`, which outlives the socket
+        // (field order); the kernel returns them on the completion ring.
+        // Without a wakeup the send makes no syscall and cannot fail.
+        let sent = unsafe { tx.send(&mut self.tx, false) }.unwrap_or(0);
+        stats.transmitted += sent;
+        // Ring full: what did not fit is dropped rather than held, so no
+        // frame stays in a slab between calls (see `Send` below).
+        let mut dropped = 0;
+        while let Some(packet) = self.tx.pop_back() {
+            self.umem.free_packet(packet);
+            dropped += 1;
+        }
+        stats.tx_full += dropped;
+        if sent > 0 {
+            kick_tx(self.socket.as_raw_fd(), sent)?;
+        }
+        debug_assert_eq!(sent + dropped, want);
+        Ok(())
     }
 
     /// Moves up to a batch of received frames into `self.rx`.
@@ -286,28 +503,55 @@ impl XskSocket {
     fn reclaim(&mut self) -> Result<(), XskError> {
         let done = self.umem.outstanding();
         self.rings.completion_ring.dequeue(&mut self.umem, done);
-        let free = self.umem.allocatable();
-        if free > 0 {
-            // SAFETY: as in `bind`: the UMEM outlives the socket.
-            let woken = unsafe { self.rings.fill_ring.enqueue(&mut self.umem, free, true) };
-            match woken {
-                Ok(_) => {}
-                // The frames are on the ring either way; a busy kernel takes
-                // them at its next poll.
-                Err(e) if is_retry(&e) => {}
-                Err(e) => return Err(e.into()),
+        // The crate's enqueue is all-or-nothing (libxdp's `reserve`): asking
+        // for more than the ring has room for queues nothing, so ask for what
+        // is free, halving until it fits. Bounded: each turn halves the
+        // request or queues at least one frame of a ring of `ring_size`.
+        let mut want = self.umem.allocatable().min(self.ring_size);
+        let mut queued = 0;
+        for _ in 0..MAX_FILL_TURNS {
+            if want == 0 {
+                break;
             }
+            // SAFETY: as in `bind`: the UMEM outlives the socket. Without a
+            // wakeup the call makes no syscall and cannot fail.
+            let n = unsafe { self.rings.fill_ring.enqueue(&mut self.umem, want, false) }?;
+            if n == 0 {
+                want /= 2;
+            } else {
+                queued += n;
+                want = want.min(self.umem.allocatable());
+            }
+        }
+        // Only zero-copy needs a wakeup for new fill-ring frames: in copy mode
+        // the kernel takes them as packets arrive, and a wakeup `recvfrom`
+        // returns without doing anything (net/xdp/xsk.c, `__xsk_recvmsg`
+        // wakes `xs->zc` sockets only). The `xdp` crate does not expose the
+        // ring's need-wakeup flag, so zero-copy wakes on every refill, with a
+        // zero-timeout poll (which wakes the driver the same way).
+        if queued > 0 && self.zero_copy {
+            self.socket
+                .poll_read(PollTimeout::new(Some(Duration::ZERO)))?;
         }
         Ok(())
     }
 }
 
+/// Bound on the enqueue attempts of one refill: a halving per bit of the
+/// ring size, plus the successful ones.
+const MAX_FILL_TURNS: usize = 64;
+
 // SAFETY: every pointer an `XskSocket` holds points into mappings it owns (the
 // UMEM, the rings) and nothing is tied to the creating thread. The only `!Send`
-// parts are the `Packet`s of the `rx` and `tx` slabs, and those are empty
-// between calls: `run_batch` frees or queues every frame it received before it
-// returns, on every path. So moving the socket to another thread (a worker)
-// moves sole ownership of everything it points to.
+// parts are the `Packet`s of the `rx` and `tx` slabs and of `frames`: pointers
+// into this socket's own UMEM, and no copy of them exists elsewhere (the
+// callback of `run_batch_all` only ever sees byte slices borrowed for the
+// call, never a `Packet`; `queue_copy` copies bytes into a frame of this
+// socket's own UMEM). Between calls `rx` and `frames` are empty, except after
+// a callback panicked (the next call frees what such a panic left), and `tx`
+// holds only copies queued for the next flush. So
+// moving the socket to another thread (a worker) moves sole ownership of
+// everything it points to.
 unsafe impl Send for XskSocket {}
 
 impl AsRawFd for XskSocket {

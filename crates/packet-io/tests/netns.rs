@@ -1147,3 +1147,761 @@ fn next_hops_come_from_the_kernels_route_and_neighbour_tables() {
     let failures = result.expect("weir side");
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// Datagrams of the whole-batch test echoed, and dropped by leaving the
+/// verdict unset; sent interleaved from one socket (one flow, one queue).
+const KEEP: usize = 96;
+const DROP_EVERY: usize = 4;
+
+/// `run_batch_all`: with the datagrams already queued before the first call,
+/// the callback gets full batches (the configured size), oldest first, every
+/// verdict `Drop` until set; frames it leaves at `Drop` are dropped and
+/// counted, the others echoed in order.
+#[test]
+fn run_batch_all_hands_the_callback_whole_batches() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping run_batch_all_hands_the_callback_whole_batches: {why}");
+        return;
+    }
+    let topo = Topology::new("b").expect("build the test topology");
+    let config = XskConfig::default();
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+    let (sent_tx, sent_rx) = mpsc::channel::<()>();
+    let stop = Arc::new(AtomicBool::new(false));
+
+    #[derive(Default, Debug)]
+    struct Seen {
+        sizes: Vec<usize>,
+        /// Sequence numbers in the order the batches held them.
+        order: Vec<usize>,
+        /// Verdicts that were not `Drop` when the callback got them.
+        preset: usize,
+        dropped: usize,
+        transmitted: usize,
+    }
+
+    let weir = {
+        let (ns, dev, stop) = (topo.weir.clone(), topo.weir_if.clone(), stop.clone());
+        std::thread::spawn(move || -> Result<Seen, String> {
+            let setup = || -> Result<(Steering, Vec<XskSocket>), String> {
+                enter(&ns)?;
+                let mut steering = Steering::attach(&dev).map_err(|e| e.to_string())?;
+                let xsks = XskSocket::bind_all(&dev, config).map_err(|e| e.to_string())?;
+                for xsk in &xsks {
+                    steering
+                        .register_socket(xsk.queue(), xsk)
+                        .map_err(|e| e.to_string())?;
+                }
+                let vip = format!("192.0.2.2:{VIP_PORT}").parse().expect("literal");
+                steering
+                    .add(SteerKey::udp(vip))
+                    .map_err(|e| e.to_string())?;
+                Ok((steering, xsks))
+            };
+            let (_steering, mut xsks) = match setup() {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.clone()));
+                    return Err(e);
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            // Let every datagram queue up before the first receive.
+            sent_rx
+                .recv_timeout(Duration::from_secs(30))
+                .map_err(|e| format!("the client never finished sending: {e}"))?;
+            let mut seen = Seen::default();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                for xsk in &mut xsks {
+                    let stats = xsk
+                        .run_batch_all(Duration::from_millis(2), |batch| {
+                            seen.sizes.push(batch.len());
+                            // Parse the whole batch first, as the data path does.
+                            let mut keep = [false; 64];
+                            for (i, keep) in keep.iter_mut().enumerate().take(batch.len()) {
+                                seen.preset += usize::from(batch.verdict(i) != Verdict::Drop);
+                                let frame = batch.frame(i);
+                                let Ok(p) = weir_packet::parse(frame) else {
+                                    continue;
+                                };
+                                let text = String::from_utf8_lossy(&frame[p.l4 + 8..p.end]);
+                                if let Some(n) = text.split('#').nth(1) {
+                                    seen.order.push(n.parse().unwrap_or(usize::MAX));
+                                }
+                                *keep = text.starts_with("keep");
+                            }
+                            for (i, keep) in keep.iter().enumerate().take(batch.len()) {
+                                if *keep {
+                                    let verdict = echo(batch.frame_mut(i));
+                                    batch.set_verdict(i, verdict);
+                                }
+                            }
+                        })
+                        .map_err(|e| e.to_string())?;
+                    seen.dropped += stats.dropped;
+                    seen.transmitted += stats.transmitted;
+                }
+            }
+            Ok(seen)
+        })
+    };
+    let ready = ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    if let Err(e) = ready {
+        let _ = weir.join();
+        panic!("weir side setup: {e}");
+    }
+
+    let client = {
+        let ns = topo.client.clone();
+        std::thread::spawn(move || -> Result<Vec<usize>, String> {
+            enter(&ns)?;
+            let sock = UdpSocket::bind("192.0.2.1:0").map_err(|e| e.to_string())?;
+            sock.set_read_timeout(Some(Duration::from_millis(100)))
+                .map_err(|e| e.to_string())?;
+            let to: SocketAddr = format!("192.0.2.2:{VIP_PORT}").parse().expect("literal");
+            let total = KEEP + KEEP / (DROP_EVERY - 1);
+            let mut kept = 0;
+            for i in 0..total {
+                let label = if i % DROP_EVERY == DROP_EVERY - 1 {
+                    "drop"
+                } else {
+                    kept += 1;
+                    "keep"
+                };
+                sock.send_to(format!("{label} #{i}").as_bytes(), to)
+                    .map_err(|e| e.to_string())?;
+            }
+            assert_eq!(kept, KEEP);
+            let _ = sent_tx.send(());
+            let mut echoed = Vec::new();
+            let mut buf = [0u8; 128];
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while echoed.len() < KEEP && Instant::now() < deadline {
+                if let Ok((n, _)) = sock.recv_from(&mut buf) {
+                    let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+                    let seq = text.split('#').nth(1).and_then(|n| n.parse().ok());
+                    echoed.push(if text.starts_with("keep") {
+                        seq.unwrap_or(usize::MAX)
+                    } else {
+                        usize::MAX
+                    });
+                }
+            }
+            Ok(echoed)
+        })
+    };
+    let echoed = client.join().expect("client thread");
+    stop.store(true, Ordering::Relaxed);
+    let seen = weir.join().expect("weir thread").expect("weir side");
+    drop(topo);
+    let echoed = echoed.expect("client side");
+
+    let total = KEEP + KEEP / (DROP_EVERY - 1);
+    let want: Vec<usize> = (0..total)
+        .filter(|i| i % DROP_EVERY != DROP_EVERY - 1)
+        .collect();
+    assert_eq!(
+        echoed, want,
+        "every kept datagram echoed, in order, no dropped one"
+    );
+    let nonempty: Vec<usize> = seen.sizes.iter().copied().filter(|&n| n > 0).collect();
+    assert_eq!(
+        nonempty.first(),
+        Some(&config.batch),
+        "the first batch is full: {:?}",
+        seen.sizes
+    );
+    assert_eq!(seen.order, (0..total).collect::<Vec<_>>(), "oldest first");
+    assert_eq!(seen.preset, 0, "verdicts start as Drop");
+    assert_eq!(seen.dropped, total - KEEP);
+    assert_eq!(seen.transmitted, KEEP);
+}
+
+/// Datagrams the long-run test echoes: many times the small rings' size.
+const LONG_RUN: usize = 1024;
+/// Datagrams in flight at once in the long-run test.
+const BURST: usize = 16;
+
+/// A socket keeps receiving after many times its fill ring's worth of
+/// frames: received and transmitted frames go back to the fill ring (a ring of
+/// 64 entries and 256 frames, 1,024 datagrams in bursts of 16).
+#[test]
+fn af_xdp_keeps_receiving_past_the_ring_size() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping af_xdp_keeps_receiving_past_the_ring_size: {why}");
+        return;
+    }
+    let topo = Topology::new("l").expect("build the test topology");
+    let config = XskConfig {
+        frames: 256,
+        ring_size: 64,
+        batch: 32,
+    };
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+    let stop = Arc::new(AtomicBool::new(false));
+    let weir = {
+        let (ns, dev, stop) = (topo.weir.clone(), topo.weir_if.clone(), stop.clone());
+        std::thread::spawn(move || -> Result<usize, String> {
+            let setup = || -> Result<(Steering, Vec<XskSocket>), String> {
+                enter(&ns)?;
+                let mut steering = Steering::attach(&dev).map_err(|e| e.to_string())?;
+                let xsks = XskSocket::bind_all(&dev, config).map_err(|e| e.to_string())?;
+                for xsk in &xsks {
+                    steering
+                        .register_socket(xsk.queue(), xsk)
+                        .map_err(|e| e.to_string())?;
+                }
+                let vip = format!("192.0.2.2:{VIP_PORT}").parse().expect("literal");
+                steering
+                    .add(SteerKey::udp(vip))
+                    .map_err(|e| e.to_string())?;
+                Ok((steering, xsks))
+            };
+            let (_steering, mut xsks) = match setup() {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.clone()));
+                    return Err(e);
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            let mut echoed = 0;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                for xsk in &mut xsks {
+                    let stats = xsk
+                        .run_batch(Duration::from_millis(1), echo)
+                        .map_err(|e| e.to_string())?;
+                    echoed += stats.transmitted;
+                }
+            }
+            Ok(echoed)
+        })
+    };
+    let ready = ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    if let Err(e) = ready {
+        let _ = weir.join();
+        panic!("weir side setup: {e}");
+    }
+    let client = {
+        let ns = topo.client.clone();
+        std::thread::spawn(move || -> Result<BTreeSet<usize>, String> {
+            enter(&ns)?;
+            let sock = UdpSocket::bind("192.0.2.1:0").map_err(|e| e.to_string())?;
+            sock.set_read_timeout(Some(Duration::from_millis(200)))
+                .map_err(|e| e.to_string())?;
+            let to: SocketAddr = format!("192.0.2.2:{VIP_PORT}").parse().expect("literal");
+            let mut echoed = BTreeSet::new();
+            let mut buf = [0u8; 64];
+            let deadline = Instant::now() + Duration::from_secs(30);
+            for burst in (0..LONG_RUN).step_by(BURST) {
+                for i in burst..burst + BURST {
+                    sock.send_to(format!("#{i}").as_bytes(), to)
+                        .map_err(|e| e.to_string())?;
+                }
+                // This burst's echoes (a lost one is waited for once, 200 ms).
+                let want = burst + BURST;
+                while echoed.len() < want && Instant::now() < deadline {
+                    match sock.recv_from(&mut buf) {
+                        Ok((n, _)) => {
+                            let text = String::from_utf8_lossy(&buf[..n]);
+                            if let Some(i) = text.strip_prefix('#').and_then(|i| i.parse().ok()) {
+                                echoed.insert(i);
+                            }
+                        }
+                        Err(_) => break,
+                    }
+                }
+            }
+            Ok(echoed)
+        })
+    };
+    let echoed = client.join().expect("client thread");
+    stop.store(true, Ordering::Relaxed);
+    let transmitted = weir.join().expect("weir thread").expect("weir side");
+    drop(topo);
+    let echoed = echoed.expect("client side");
+    assert_eq!(
+        echoed.len(),
+        LONG_RUN,
+        "echoed {} of {LONG_RUN}; first missing: {:?}",
+        echoed.len(),
+        (0..LONG_RUN).find(|i| !echoed.contains(i))
+    );
+    assert_eq!(transmitted, LONG_RUN);
+}
+
+/// An Ethernet frame carrying an ICMP (IPv4) or ICMPv6 message of type
+/// `kind` that quotes the start of a `proto` packet `src` -> `dst` (IP header
+/// and the 8 bytes of the transport header the RFCs require). Checksums are
+/// left zero: the program does not read them (the kernel drops the frame).
+fn icmp_error_frame(kind: u8, proto: u8, src: SocketAddr, dst: SocketAddr) -> Vec<u8> {
+    let mut quoted_l4 = Vec::new();
+    quoted_l4.extend_from_slice(&src.port().to_be_bytes());
+    quoted_l4.extend_from_slice(&dst.port().to_be_bytes());
+    quoted_l4.extend_from_slice(&[0, 8, 0, 0]);
+    let mut f = vec![0xff; 6];
+    f.extend_from_slice(&[0x02, 0, 0, 0, 0, 1]);
+    match (src.ip(), dst.ip()) {
+        (std::net::IpAddr::V4(s), std::net::IpAddr::V4(d)) => {
+            let quoted_len = 20 + quoted_l4.len() as u16;
+            f.extend_from_slice(&0x0800u16.to_be_bytes());
+            f.extend_from_slice(&[0x45, 0]);
+            f.extend_from_slice(&(20 + 8 + quoted_len).to_be_bytes());
+            f.extend_from_slice(&[0, 0, 0x40, 0, 64, 1, 0, 0]);
+            f.extend_from_slice(&[192, 0, 2, 1, 192, 0, 2, 2]);
+            f.extend_from_slice(&[kind, 0, 0, 0, 0, 0, 0, 0]);
+            f.extend_from_slice(&[0x45, 0]);
+            f.extend_from_slice(&(quoted_len + 100).to_be_bytes());
+            f.extend_from_slice(&[0, 0, 0x40, 0, 64, proto, 0, 0]);
+            f.extend_from_slice(&s.octets());
+            f.extend_from_slice(&d.octets());
+        }
+        (std::net::IpAddr::V6(s), std::net::IpAddr::V6(d)) => {
+            let quoted_len = 40 + quoted_l4.len() as u16;
+            let router: std::net::Ipv6Addr = "2001:db8::1".parse().expect("literal");
+            let weir: std::net::Ipv6Addr = "2001:db8::2".parse().expect("literal");
+            f.extend_from_slice(&0x86ddu16.to_be_bytes());
+            f.extend_from_slice(&[0x60, 0, 0, 0]);
+            f.extend_from_slice(&(8 + quoted_len).to_be_bytes());
+            f.extend_from_slice(&[58, 64]);
+            f.extend_from_slice(&router.octets());
+            f.extend_from_slice(&weir.octets());
+            f.extend_from_slice(&[kind, 0, 0, 0, 0, 0, 0x05, 0x00]);
+            f.extend_from_slice(&[0x60, 0, 0, 0]);
+            f.extend_from_slice(&108u16.to_be_bytes());
+            f.extend_from_slice(&[proto, 64]);
+            f.extend_from_slice(&s.octets());
+            f.extend_from_slice(&d.octets());
+        }
+        _ => panic!("one family per frame"),
+    }
+    f.extend_from_slice(&quoted_l4);
+    f
+}
+
+/// ICMP and ICMPv6 errors quoting a packet weir sent — from a virtual address,
+/// from a local address inside its range, to a nat backend — are steered
+/// (counted as matches; generic mode with no socket, so they then reach the
+/// kernel); informational messages, errors about other packets and errors
+/// quoting a protocol that is not registered are not.
+#[test]
+fn icmp_errors_about_packets_weir_sent_are_steered() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping icmp_errors_about_packets_weir_sent_are_steered: {why}");
+        return;
+    }
+    let topo = Topology::new("i").expect("build the test topology");
+    let sa = |s: &str| -> SocketAddr { s.parse().expect("literal") };
+    let frames: Vec<(bool, Vec<u8>)> = vec![
+        // About a reply weir sent from the VIP to a client.
+        (
+            true,
+            icmp_error_frame(3, UDP, sa("198.51.100.2:9000"), sa("203.0.113.9:4000")),
+        ),
+        (
+            true,
+            icmp_error_frame(11, UDP, sa("198.51.100.2:9000"), sa("203.0.113.9:4000")),
+        ),
+        (
+            true,
+            icmp_error_frame(
+                2,
+                UDP,
+                sa("[2001:db8:10::2]:9000"),
+                sa("[2001:db8:20::9]:4000"),
+            ),
+        ),
+        // About an fnat packet from a local address inside the range.
+        (
+            true,
+            icmp_error_frame(3, UDP, sa("192.0.2.2:50500"), sa("192.0.2.1:80")),
+        ),
+        // About a nat packet to a backend (the client's address kept).
+        (
+            true,
+            icmp_error_frame(3, UDP, sa("203.0.113.9:4000"), sa("192.0.2.1:7000")),
+        ),
+        (
+            true,
+            icmp_error_frame(
+                1,
+                UDP,
+                sa("[2001:db8:20::9]:4000"),
+                sa("[2001:db8::1]:7000"),
+            ),
+        ),
+        // Not an error: echo request, ICMPv6 echo request.
+        (
+            false,
+            icmp_error_frame(8, UDP, sa("198.51.100.2:9000"), sa("203.0.113.9:4000")),
+        ),
+        (
+            false,
+            icmp_error_frame(
+                128,
+                UDP,
+                sa("[2001:db8:10::2]:9000"),
+                sa("[2001:db8:20::9]:4000"),
+            ),
+        ),
+        // About the kernel's own packet from the local address (outside the range).
+        (
+            false,
+            icmp_error_frame(3, UDP, sa("192.0.2.2:40000"), sa("192.0.2.1:80")),
+        ),
+        // TCP where only UDP is registered; another backend port.
+        (
+            false,
+            icmp_error_frame(3, TCP, sa("198.51.100.2:9000"), sa("203.0.113.9:4000")),
+        ),
+        (
+            false,
+            icmp_error_frame(3, UDP, sa("203.0.113.9:4000"), sa("192.0.2.1:7001")),
+        ),
+    ];
+    let matches = frames.iter().filter(|(m, _)| *m).count() as u64;
+
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+    let (sent_tx, sent_rx) = mpsc::channel::<()>();
+    let weir = {
+        let (ns, dev) = (topo.weir.clone(), topo.weir_if.clone());
+        std::thread::spawn(move || -> Result<SteerStats, String> {
+            let setup = || -> Result<Steering, String> {
+                enter(&ns)?;
+                let mut steering = Steering::attach_with(&dev, Some(AttachMode::Generic))
+                    .map_err(|e| e.to_string())?;
+                for vip in ["198.51.100.2:9000", "[2001:db8:10::2]:9000"] {
+                    steering
+                        .add(SteerKey::udp(vip.parse().expect("literal")))
+                        .map_err(|e| e.to_string())?;
+                }
+                for backend in ["192.0.2.1:7000", "[2001:db8::1]:7000"] {
+                    steering
+                        .add_backend(SteerKey::udp(backend.parse().expect("literal")))
+                        .map_err(|e| e.to_string())?;
+                }
+                steering
+                    .add_local("192.0.2.2".parse().expect("literal"), UDP, LOCAL_RANGE)
+                    .map_err(|e| e.to_string())?;
+                Ok(steering)
+            };
+            let steering = match setup() {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.clone()));
+                    return Err(e);
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            sent_rx
+                .recv_timeout(Duration::from_secs(30))
+                .map_err(|e| format!("the client never sent: {e}"))?;
+            // The frames are counted in the receiver's softirq after `sendto`
+            // returns, in order: wait (bounded) for the last one, a plain
+            // datagram to the VIP (a `no_socket` match that is not ICMP).
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let mut stats = steering.stats().map_err(|e| e.to_string())?;
+            while stats.no_socket < matches + 1 && Instant::now() < deadline {
+                std::thread::yield_now();
+                stats = steering.stats().map_err(|e| e.to_string())?;
+            }
+            Ok(stats)
+        })
+    };
+    let ready = ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    if let Err(e) = ready {
+        let _ = weir.join();
+        panic!("weir side setup: {e}");
+    }
+    let client = {
+        let (ns, dev) = (topo.client.clone(), topo.client_if.clone());
+        let frames: Vec<Vec<u8>> = frames.iter().map(|(_, f)| f.clone()).collect();
+        std::thread::spawn(move || -> Result<(), String> {
+            enter(&ns)?;
+            for frame in &frames {
+                raw::send(&dev, frame)?;
+            }
+            let marker = tagged(0x8100, UDP, "198.51.100.2".parse().expect("literal"), 9000);
+            raw::send(&dev, &marker)
+        })
+    };
+    let sent = client.join().expect("client thread");
+    let _ = sent_tx.send(());
+    let stats = weir.join().expect("weir thread");
+    drop(topo);
+    sent.expect("client side");
+    let stats = stats.expect("weir side");
+    assert_eq!(stats.icmp_matches, matches, "{stats:?}");
+    assert_eq!(stats.no_socket, matches + 1, "{stats:?}");
+    assert_eq!(stats.steered, 0, "{stats:?}");
+    assert_eq!(
+        (stats.backend_matches, stats.local_matches),
+        (0, 0),
+        "{stats:?}"
+    );
+}
+
+/// The AF_PACKET fallback: two sockets in one fanout group on weir's veth
+/// echo UDP to a routed VIP (not a local address, so weir's kernel drops its
+/// copy) through `run_batch_all`; every datagram of 32 flows, both families,
+/// comes back, and both sockets served some (hash fanout).
+#[test]
+fn af_packet_echoes_vip_traffic_with_fanout() {
+    use weir_packet_io::{PacketConfig, PacketSocket};
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping af_packet_echoes_vip_traffic_with_fanout: {why}");
+        return;
+    }
+    let topo = Topology::new("p").expect("build the test topology");
+    for (prefix, via) in [
+        ("198.51.100.0/24", "192.0.2.2"),
+        ("2001:db8:10::/64", "2001:db8::2"),
+    ] {
+        run(&["ip", "-n", &topo.client, "route", "add", prefix, "via", via]).expect("route");
+    }
+    let vips: [std::net::IpAddr; 2] = [
+        "198.51.100.2".parse().expect("literal"),
+        "2001:db8:10::2".parse().expect("literal"),
+    ];
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+    let stop = Arc::new(AtomicBool::new(false));
+    let weir = {
+        let (ns, dev, stop) = (topo.weir.clone(), topo.weir_if.clone(), stop.clone());
+        std::thread::spawn(move || -> Result<(Vec<usize>, usize), String> {
+            let setup = || -> Result<Vec<PacketSocket>, String> {
+                enter(&ns)?;
+                // Small batches: a block's packets take several calls.
+                let config = PacketConfig {
+                    fanout: Some((std::process::id() & 0xffff) as u16),
+                    batch: 8,
+                    ..PacketConfig::default()
+                };
+                (0..2)
+                    .map(|_| PacketSocket::bind(&dev, config).map_err(|e| e.to_string()))
+                    .collect()
+            };
+            let mut socks = match setup() {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.clone()));
+                    return Err(e);
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            let mut per_socket = vec![0; socks.len()];
+            let mut partial = 0;
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                for (sock, echoed) in socks.iter_mut().zip(&mut per_socket) {
+                    let stats = sock
+                        .run_batch_all(Duration::from_millis(2), |batch| {
+                            for i in 0..batch.len() {
+                                // AF_PACKET sees everything (ARP, ND): only
+                                // the VIP's UDP is echoed.
+                                let ours = weir_packet::parse(batch.frame(i)).is_ok_and(|p| {
+                                    vips.contains(&p.dst)
+                                        && p.tuple().is_some_and(|t| t.dst.port() == VIP_PORT)
+                                });
+                                if ours {
+                                    partial += usize::from(batch.csum_partial(i));
+                                    let verdict = echo(batch.frame_mut(i));
+                                    batch.set_verdict(i, verdict);
+                                }
+                            }
+                        })
+                        .map_err(|e| e.to_string())?;
+                    *echoed += stats.transmitted;
+                }
+            }
+            Ok((per_socket, partial))
+        })
+    };
+    let ready = ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    if let Err(e) = ready {
+        let _ = weir.join();
+        panic!("weir side setup: {e}");
+    }
+    let client = {
+        let ns = topo.client.clone();
+        std::thread::spawn(move || -> Result<BTreeSet<String>, String> {
+            enter(&ns)?;
+            let mut echoed = BTreeSet::new();
+            for (local, vip) in [
+                ("192.0.2.1:0", "198.51.100.2"),
+                ("[2001:db8::1]:0", "[2001:db8:10::2]"),
+            ] {
+                let socks = (0..FLOWS)
+                    .map(|_| {
+                        let sock = UdpSocket::bind(local)?;
+                        sock.set_read_timeout(Some(Duration::from_millis(5)))?;
+                        Ok(sock)
+                    })
+                    .collect::<std::io::Result<Vec<_>>>()
+                    .map_err(|e| e.to_string())?;
+                let to: SocketAddr = format!("{vip}:{VIP_PORT}").parse().expect("literal");
+                for i in 0..DATAGRAMS {
+                    socks[i % FLOWS]
+                        .send_to(format!("{vip} #{i}").as_bytes(), to)
+                        .map_err(|e| e.to_string())?;
+                }
+                let want = echoed.len() + DATAGRAMS;
+                let deadline = Instant::now() + Duration::from_secs(10);
+                let mut buf = [0u8; 256];
+                while echoed.len() < want && Instant::now() < deadline {
+                    for sock in &socks {
+                        if let Ok((n, from)) = sock.recv_from(&mut buf) {
+                            assert_eq!(from, to, "the echo comes from the VIP:port");
+                            echoed.insert(String::from_utf8_lossy(&buf[..n]).into_owned());
+                        }
+                    }
+                }
+            }
+            Ok(echoed)
+        })
+    };
+    let echoed = client.join().expect("client thread");
+    stop.store(true, Ordering::Relaxed);
+    let weir = weir.join().expect("weir thread");
+    drop(topo);
+    let echoed = echoed.expect("client side");
+    let (per_socket, partial) = weir.expect("weir side");
+    let want: BTreeSet<String> = ["198.51.100.2", "[2001:db8:10::2]"]
+        .iter()
+        .flat_map(|vip| (0..DATAGRAMS).map(move |i| format!("{vip} #{i}")))
+        .collect();
+    assert_eq!(
+        echoed, want,
+        "every datagram to a VIP came back over AF_PACKET"
+    );
+    eprintln!("echoed per socket: {per_socket:?}");
+    assert_eq!(
+        per_socket.iter().sum::<usize>(),
+        2 * DATAGRAMS,
+        "{per_socket:?}"
+    );
+    // 32 flows hashed over 2 sockets: all on one has odds of 2^-31.
+    assert!(per_socket.iter().all(|&n| n > 0), "fanout: {per_socket:?}");
+    assert_eq!(
+        partial, 0,
+        "the client sends full checksums (tx offload off)"
+    );
+}
+
+/// `queue_copy` + `flush`: every frame one socket receives is echoed through
+/// the *other* socket (another UMEM, as for a frame that leaves by another
+/// interface); the receiving socket transmits nothing itself.
+#[test]
+fn queue_copy_transmits_frames_received_by_another_socket() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping queue_copy_transmits_frames_received_by_another_socket: {why}");
+        return;
+    }
+    let topo = Topology::new("q").expect("build the test topology");
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+    let stop = Arc::new(AtomicBool::new(false));
+    let weir = {
+        let (ns, dev, stop) = (topo.weir.clone(), topo.weir_if.clone(), stop.clone());
+        std::thread::spawn(move || -> Result<(Vec<usize>, usize, usize), String> {
+            let setup = || -> Result<(Steering, Vec<XskSocket>), String> {
+                enter(&ns)?;
+                let mut steering = Steering::attach(&dev).map_err(|e| e.to_string())?;
+                let xsks =
+                    XskSocket::bind_all(&dev, XskConfig::default()).map_err(|e| e.to_string())?;
+                for xsk in &xsks {
+                    steering
+                        .register_socket(xsk.queue(), xsk)
+                        .map_err(|e| e.to_string())?;
+                }
+                for vip in ["192.0.2.2", "[2001:db8::2]"] {
+                    let addr = format!("{vip}:{VIP_PORT}").parse().expect("literal");
+                    steering
+                        .add(SteerKey::udp(addr))
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok((steering, xsks))
+            };
+            let (_steering, mut xsks) = match setup() {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.clone()));
+                    return Err(e);
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            if xsks.len() != 2 {
+                return Err(format!("{} sockets, want 2", xsks.len()));
+            }
+            // Frames each socket sent for the other; frames the receiving
+            // socket sent itself; copies refused.
+            let mut flushed = vec![0; 2];
+            let (mut direct, mut refused) = (0, 0);
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                for rx in 0..2 {
+                    let (a, b) = xsks.split_at_mut(1);
+                    let (receiver, sender) = if rx == 0 {
+                        (&mut a[0], &mut b[0])
+                    } else {
+                        (&mut b[0], &mut a[0])
+                    };
+                    let stats = receiver
+                        .run_batch_all(Duration::from_millis(2), |batch| {
+                            for i in 0..batch.len() {
+                                if echo(batch.frame_mut(i)) == Verdict::Transmit
+                                    && !sender.queue_copy(batch.frame(i))
+                                {
+                                    refused += 1;
+                                }
+                            }
+                        })
+                        .map_err(|e| e.to_string())?;
+                    direct += stats.transmitted;
+                    flushed[1 - rx] += sender.flush().map_err(|e| e.to_string())?.transmitted;
+                }
+            }
+            Ok((flushed, direct, refused))
+        })
+    };
+    let ready = ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    if let Err(e) = ready {
+        let _ = weir.join();
+        panic!("weir side setup: {e}");
+    }
+    let client = {
+        let ns = topo.client.clone();
+        std::thread::spawn(move || client_side(ns))
+    };
+    let client = client.join().expect("client thread");
+    stop.store(true, Ordering::Relaxed);
+    let weir = weir.join().expect("weir thread");
+    drop(topo);
+    let (echoed, _) = client.expect("client side");
+    let (flushed, direct, refused) = weir.expect("weir side");
+    let want: BTreeSet<String> = ["192.0.2.2", "[2001:db8::2]"]
+        .iter()
+        .flat_map(|vip| (0..DATAGRAMS).map(move |i| format!("{vip} #{i}")))
+        .collect();
+    assert_eq!(
+        echoed, want,
+        "every datagram came back through the other socket"
+    );
+    assert_eq!(direct, 0, "the receiving socket transmitted nothing itself");
+    assert_eq!(refused, 0);
+    assert_eq!(flushed.iter().sum::<usize>(), 2 * DATAGRAMS, "{flushed:?}");
+    assert!(
+        flushed.iter().all(|&n| n > 0),
+        "both directions: {flushed:?}"
+    );
+}

@@ -215,14 +215,8 @@ impl PortRange {
     }
 
     /// How many ports (at least 1).
-    pub fn len(self) -> u32 {
+    pub fn count(self) -> u32 {
         u32::from(self.hi) - u32::from(self.lo) + 1
-    }
-
-    /// Never true (a range holds at least one port); for clippy's `len`
-    /// convention.
-    pub fn is_empty(self) -> bool {
-        false
     }
 }
 
@@ -3417,9 +3411,9 @@ scheduler = "wlc"
                 .contains("proxy nat fnat dr")
         );
         let r: PortRange = " 1-65535 ".parse().unwrap();
-        assert_eq!((r.lo, r.hi, r.len()), (1, 65535, 65535));
+        assert_eq!((r.lo, r.hi, r.count()), (1, 65535, 65535));
         assert_eq!(r.to_string(), "1-65535");
-        assert_eq!("7-7".parse::<PortRange>().unwrap().len(), 1);
+        assert_eq!("7-7".parse::<PortRange>().unwrap().count(), 1);
         for bad in ["", "5", "0-10", "10-5", "1-65536", "a-b", "1-2-3"] {
             let e = bad.parse::<PortRange>().unwrap_err();
             assert!(e.contains("40000-59999"), "{bad:?}: {e}");

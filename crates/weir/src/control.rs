@@ -128,6 +128,9 @@ pub struct ServiceStatus {
     pub protocol: String,
     /// Virtual address.
     pub listen: String,
+    /// How traffic reaches the backends ("proxy", "nat", "fnat", "dr").
+    #[serde(default)]
+    pub forward: crate::config::Forward,
     /// Scheduler name.
     pub scheduler: String,
     /// Persistence timeout ("0s" = off).

@@ -1026,6 +1026,8 @@ fn openapi_matches_router() {
     full.options.health = Some(Default::default());
     full.backends[0].proxy_protocol = Some(weir::proxy_protocol::Version::V2);
     full.backends[0].max_connections = 9;
+    full.forward = weir::config::Forward::Nat;
+    full.options.sloppy_tcp = true;
     let full_tenant = f.running_config().tenants.remove(1);
     for (name, sample) in [
         ("ServiceSpec", serde_json::to_value(&full).unwrap()),

@@ -120,6 +120,30 @@ fn list_shows_sched_flags_and_mask_like_ipvsadm() {
     assert!(text.contains("sh persistent 300 [acme/web]"), "{text}");
 }
 
+/// A packet service says how it forwards in `weir list` (the proxy, the
+/// default, says nothing) and in `--json` (every service).
+#[test]
+fn list_shows_the_forward_method_of_packet_services() {
+    let mut s = Fake::sample().services();
+    s.truncate(2);
+    s[0].forward = weir::config::Forward::Fnat;
+    let text = render::render_list(&s, ListMode::Plain, false);
+    assert!(
+        text.contains("persistent 300 mask 255.255.255.0 forward fnat [acme/web]"),
+        "{text}"
+    );
+    let proxy_line = format!("{} [{}/{}]", s[1].scheduler, s[1].tenant, s[1].name);
+    assert!(
+        text.lines().any(|l| l.ends_with(&proxy_line)),
+        "{proxy_line} in\n{text}"
+    );
+    let v = render::list_json(&s, ListMode::Plain);
+    assert_eq!(
+        (&v[0]["forward"], &v[1]["forward"]),
+        (&serde_json::json!("fnat"), &serde_json::json!("proxy"))
+    );
+}
+
 #[test]
 fn list_json_has_the_documented_keys() {
     let s = Fake::sample().services();
@@ -131,6 +155,7 @@ fn list_json_has_the_documented_keys() {
         "name",
         "protocol",
         "listen",
+        "forward",
         "scheduler",
         "sched_flags",
         "persistence",
@@ -251,6 +276,80 @@ fn e2e_conns_streams_every_page() {
     assert!(out.contains("globex"));
     let out = ok(s.weir(&["conns", "--json", "--max", "5"]));
     assert_eq!(out.lines().count(), 5);
+}
+
+/// `weir service add --forward --sloppy-tcp` sends both; `--forward`
+/// takes only the four methods; `service edit --sloppy-tcp BOOL` changes it.
+#[test]
+fn e2e_service_add_forward_and_sloppy_tcp() {
+    let s = server();
+    ok(s.weir(&[
+        "service",
+        "add",
+        "pkt",
+        "--listen",
+        "10.9.0.1:80",
+        "--forward",
+        "nat",
+        "--sloppy-tcp",
+        "--backend",
+        "10.9.1.1:80",
+    ]));
+    ok(s.weir(&["service", "add", "plain", "--listen", "10.9.0.2:80"]));
+    let find = |name: &str| {
+        s.fake
+            .running_config()
+            .services
+            .into_iter()
+            .find(|x| x.name == name)
+            .unwrap()
+    };
+    let pkt = find("pkt");
+    assert_eq!(pkt.forward, weir::config::Forward::Nat);
+    assert!(pkt.options.sloppy_tcp);
+    let plain = find("plain");
+    assert_eq!(plain.forward, weir::config::Forward::Proxy);
+    assert!(!plain.options.sloppy_tcp);
+    // `weir save` writes both (and nothing for the proxy service).
+    let saved = ok(s.weir(&["save"]));
+    let back: weir::config::Config =
+        toml::from_str(&saved).unwrap_or_else(|e| panic!("{e}\n{saved}"));
+    let svc = |name: &str| back.services.iter().find(|x| x.name == name).unwrap();
+    assert_eq!(*svc("pkt"), pkt, "{saved}");
+    assert_eq!(*svc("plain"), plain, "{saved}");
+    assert_eq!(saved.matches("forward = ").count(), 1, "{saved}");
+    assert_eq!(saved.matches("sloppy_tcp = true").count(), 1, "{saved}");
+    ok(s.weir(&["service", "edit", "pkt", "--sloppy-tcp", "false"]));
+    assert!(!find("pkt").options.sloppy_tcp);
+    let out = ok(s.weir(&["list"]));
+    assert!(
+        out.contains("TCP  10.9.0.1:80 wlc forward nat [default/pkt]"),
+        "{out}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&ok(s.weir(&["list", "--json"]))).unwrap();
+    let fwd: Vec<_> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["name"] == "pkt")
+        .map(|x| x["forward"].clone())
+        .collect();
+    assert_eq!(fwd, [serde_json::json!("nat")]);
+    let argv = [
+        "weir",
+        "service",
+        "add",
+        "x",
+        "--listen",
+        "10.9.0.3:80",
+        "--forward",
+        "masq",
+    ];
+    let e = match Cli::try_parse_from(argv) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("--forward masq was taken"),
+    };
+    assert!(e.contains("proxy nat fnat dr"), "{e}");
 }
 
 #[test]

@@ -208,14 +208,18 @@ fn schemas() -> Value {
         "description": "own table only: entries it may grow to and hold (inserts past it are refused as table_full); 0 or absent = 16777216, else a power of two >= table_entries" });
     let sched = json!({ "type": "string", "enum": crate::config::SCHEDULERS });
     let mh_sizes = json!({ "type": "integer", "enum": weir_sched::MhTableSize::PRIMES });
+    let forward = json!({ "type": "string",
+        "enum": crate::config::Forward::ALL.map(crate::config::Forward::as_str),
+        "description": "proxy (the default): weir's sockets; nat, fnat, dr: packet mode (needs [packet]); cannot change on a live service" });
     let service_spec = json!({ "type": "object", "required": ["name", "protocol", "listen"], "properties": {
         "tenant": s, "name": s, "protocol": { "type": "string", "enum": ["tcp", "udp"] }, "listen": s,
-        "scheduler": sched,
+        "forward": forward.clone(), "scheduler": sched,
         "persistence": s, "persistence_netmask": s, "connect_timeout": s,
         "expire_nodest_conn": { "type": "boolean" }, "mh_fallback": { "type": "boolean" }, "hash_seed": s,
         "sh_fallback": boolean, "sh_port": boolean, "mh_port": boolean, "mh_table_size": mh_sizes,
         "udp_responses": int, "udp_timeout": s, "udp_max_sessions_per_client": int,
         "tcp_max_connections_per_client": int,
+        "sloppy_tcp": { "type": "boolean", "description": "packet TCP services: a non-SYN packet with no flow creates one instead of being dropped" },
         "health": { "type": "object", "properties": { "interval": s, "timeout": s, "rise": int, "fall": int,
             "protocol": { "type": "string", "enum": ["tcp", "udp"] }, "port": int, "send": s } },
         "backend": { "type": "array", "items": { "$ref": "#/components/schemas/BackendSpec" } } } });
@@ -251,7 +255,7 @@ fn schemas() -> Value {
         "health": { "type": "string", "enum": ["up", "down", "unchecked"] },
         "stats": { "$ref": "#/components/schemas/Totals" }, "rates": { "$ref": "#/components/schemas/Rates" } } },
       "ServiceStatus": { "type": "object", "properties": {
-        "tenant": s, "name": s, "protocol": s, "listen": s, "scheduler": s, "persistence": s,
+        "tenant": s, "name": s, "protocol": s, "listen": s, "forward": forward, "scheduler": s, "persistence": s,
         "persistence_netmask": { "type": ["string", "null"] }, "sched_flags": { "type": "array", "items": s },
         "backends": { "type": "array", "items": { "$ref": "#/components/schemas/BackendStatus" } },
         "stats": { "$ref": "#/components/schemas/Totals" }, "rates": { "$ref": "#/components/schemas/Rates" } } },

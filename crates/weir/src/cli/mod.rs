@@ -23,7 +23,7 @@ use std::process::ExitCode;
 use clap::{Args, Subcommand};
 use serde_json::{Value, json};
 
-use crate::config::{Config, Protocol, ServiceSpec};
+use crate::config::{Config, Forward, Protocol, ServiceSpec};
 use crate::control::{
     ConnPage, GlobalStats, HealthEntry, ReloadReport, ServiceStatus, TableReport, TenantStatus,
 };
@@ -303,6 +303,14 @@ pub enum ServiceCmd {
         /// Backend address, optionally with @WEIGHT (10.0.0.2:80@3); repeat for several.
         #[arg(long = "backend", value_name = "IP:PORT[@WEIGHT]")]
         backends: Vec<String>,
+        /// proxy (weir's own sockets), or packet mode's nat, fnat, dr (needs
+        /// [packet] in the daemon's config).
+        #[arg(long, default_value = "proxy")]
+        forward: Forward,
+        /// Packet services, TCP: a non-SYN packet with no flow creates one
+        /// instead of being dropped.
+        #[arg(long)]
+        sloppy_tcp: bool,
     },
     /// Change a service's scheduler, persistence, address or protocol.
     Edit {
@@ -320,6 +328,9 @@ pub enum ServiceCmd {
         /// Persistence timeout.
         #[arg(long)]
         persistence: Option<String>,
+        /// Packet services, TCP: true = a non-SYN packet with no flow creates one.
+        #[arg(long, value_name = "BOOL")]
+        sloppy_tcp: Option<bool>,
     },
     /// Delete a service: stop listening and close its connections.
     Del {
@@ -727,16 +738,26 @@ fn service(cmd: ServiceCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             scheduler,
             persistence,
             backends,
+            forward,
+            sloppy_tcp,
         } => {
             let (tenant, name) = split_service(&service)?;
             let backends = backends
                 .iter()
                 .map(|b| parse_backend(b))
                 .collect::<CliResult<Vec<_>>>()?;
-            let body = json!({
+            let mut body = json!({
                 "tenant": tenant, "name": name, "protocol": protocol, "listen": listen,
                 "scheduler": scheduler, "persistence": persistence, "backend": backends,
             });
+            // Only what differs from the defaults, so a daemon that predates
+            // packet mode still takes a proxy service.
+            if forward.is_packet() {
+                body["forward"] = json!(forward);
+            }
+            if sloppy_tcp {
+                body["sloppy_tcp"] = json!(true);
+            }
             c.send("POST", "/v1/services", Some(&body))?;
             w(out, &format!("service {tenant}/{name} added\n"))
         }
@@ -746,6 +767,7 @@ fn service(cmd: ServiceCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             listen,
             scheduler,
             persistence,
+            sloppy_tcp,
         } => {
             let (tenant, name) = split_service(&service)?;
             let path = format!("/v1/services/{}/{}", seg(&tenant), seg(&name));
@@ -770,6 +792,9 @@ fn service(cmd: ServiceCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
                 spec.persistence = p
                     .parse()
                     .map_err(|e| CliError::Local(format!("--persistence: {e}")))?;
+            }
+            if let Some(on) = sloppy_tcp {
+                spec.options.sloppy_tcp = on;
             }
             let body = serde_json::to_value(&spec)
                 .map_err(|e| CliError::Local(format!("encoding the service: {e}")))?;

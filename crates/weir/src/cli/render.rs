@@ -53,6 +53,9 @@ fn proto(p: &str) -> String {
 /// Service flags as ipvsadm prints them after the scheduler:
 /// ` (sh-fallback,sh-port) persistent 300 mask 255.255.255.0`. The mask is
 /// shown only with persistence and when it groups more than one address.
+/// A packet service then says how it forwards (` forward nat`), which
+/// ipvsadm shows per real server (Masq, Route); the proxy, weir's default,
+/// says nothing.
 fn flags(s: &ServiceStatus) -> String {
     let mut out = String::new();
     if !s.sched_flags.is_empty() {
@@ -77,6 +80,9 @@ fn flags(s: &ServiceStatus) -> String {
         && !matches!(mask.trim(), "255.255.255.255" | "128")
     {
         let _ = write!(out, " mask {mask}");
+    }
+    if s.forward.is_packet() {
+        let _ = write!(out, " forward {}", s.forward);
     }
     out
 }
@@ -183,7 +189,7 @@ fn extend(v: &mut Value, kv: &[(&'static str, u64)]) {
     }
 }
 
-/// `weir list --json`: `[{tenant, name, protocol, listen, scheduler,
+/// `weir list --json`: `[{tenant, name, protocol, listen, forward, scheduler,
 /// sched_flags, persistence, persistence_netmask,
 /// backends: [{address, weight, active_conns, inactive_conns}]}]`, plus
 /// cps/inpps/outpps/inbps/outbps under `--rate` and conns/inpkts/outpkts/
@@ -217,6 +223,7 @@ pub fn list_json(services: &[ServiceStatus], mode: ListMode) -> Value {
                     "name": s.name,
                     "protocol": s.protocol,
                     "listen": s.listen,
+                    "forward": s.forward,
                     "scheduler": s.scheduler,
                     "sched_flags": s.sched_flags,
                     "persistence": s.persistence,

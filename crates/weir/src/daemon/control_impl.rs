@@ -73,6 +73,7 @@ impl LiveControl {
             name: spec.name.clone(),
             protocol: config::protocol_name(spec.protocol).into(),
             listen: s.listen.to_string(),
+            forward: spec.forward,
             scheduler: spec.scheduler.to_string(),
             persistence: spec.persistence.to_string(),
             persistence_netmask: spec.persistence_netmask.clone(),

@@ -285,6 +285,7 @@ impl Control for Fake {
                     }
                     .into(),
                     listen: s.listen.to_string(),
+                    forward: s.forward,
                     scheduler: s.scheduler.to_string(),
                     persistence: s.persistence.to_string(),
                     persistence_netmask: s.persistence_netmask.clone(),
