@@ -786,7 +786,7 @@ impl Control for LiveControl {
             packet: self.0.packet.get().map(|p| {
                 let s = p.sums();
                 crate::control::PacketStats {
-                    io: p.io.to_owned(),
+                    io: p.io.get().cloned().unwrap_or_else(|| "none".into()),
                     rx: s.rx,
                     tx: s.tx,
                     new_flows: s.new_flows,

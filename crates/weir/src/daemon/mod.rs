@@ -179,7 +179,7 @@ impl Daemon {
         // Packet workers: one per queue of each `[packet]` interface, each
         // with its own counter shard after the proxy workers'.
         let packet_workers = match &config.packet {
-            Some(p) if attach => packet_run::queue_count(p)?,
+            Some(p) if attach => packet_run::queue_count(p, workers)?,
             _ => 0,
         };
         let rates = Arc::new(stats::RateEngine::new(workers + packet_workers)?);
@@ -225,7 +225,6 @@ impl Daemon {
                 p.local_addresses.clone(),
                 p.fnat_ports.lo..=p.fnat_ports.hi,
                 rand::random(),
-                "xdp",
             )?;
             let _ = shared.packet.set(Arc::new(path));
         }

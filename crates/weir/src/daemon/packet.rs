@@ -34,13 +34,14 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use parking_lot::Mutex;
 use weir_flowtable::{
-    BackendId, Dir, FlowInit, FlowKey, FlowSnapshot, FlowState, Handle, Millis, Proto, ReplyMode,
-    ServiceId, TenantId,
+    BackendId, Dir, FlowInit, FlowKey, FlowSnapshot, FlowState, Handle, Millis, Probe, Proto,
+    ReplyMode, ServiceId, TenantId,
 };
 use weir_packet::{
     CsumMode, Direction, FnatPorts, Method, NatMapping, NextHop, Packet, TcpDir, TcpState,
     Unhandled,
 };
+use weir_packet_io::Batch;
 
 use super::{Backend, Refusal, Service, Shared};
 use crate::config::Forward;
@@ -160,8 +161,9 @@ pub(crate) struct PacketPath {
     locals: Vec<IpAddr>,
     fnat: Mutex<FnatPorts>,
     counters: Mutex<Vec<Arc<Counters>>>,
-    /// "xdp" or "afpacket": what `io = auto` chose.
-    pub(crate) io: &'static str,
+    /// "xdp", "afpacket" (or "xdp+afpacket" across interfaces): what
+    /// `io` chose, once the interfaces are attached.
+    pub(crate) io: std::sync::OnceLock<String>,
 }
 
 impl PacketPath {
@@ -169,7 +171,6 @@ impl PacketPath {
         locals: Vec<IpAddr>,
         ports: std::ops::RangeInclusive<u16>,
         seed: u64,
-        io: &'static str,
     ) -> anyhow::Result<Self> {
         let fnat = FnatPorts::new(locals.clone(), ports, seed)
             .map_err(|e| anyhow::anyhow!("[packet] fnat_ports: {e}"))?;
@@ -177,7 +178,7 @@ impl PacketPath {
             locals,
             fnat: Mutex::new(fnat),
             counters: Mutex::new(Vec::new()),
-            io,
+            io: std::sync::OnceLock::new(),
         })
     }
 
@@ -258,6 +259,15 @@ struct VipService {
     svc: Arc<Service>,
     method: Method,
     sloppy_tcp: bool,
+    /// The service's backends when the snapshot was taken (a change of the
+    /// set moves [`Shared::services_gen`]): found by id without a lock.
+    backends: Arc<[Arc<Backend>]>,
+}
+
+impl VipService {
+    fn backend(&self, id: BackendId) -> Option<&Arc<Backend>> {
+        self.backends.iter().find(|b| b.id == id.0)
+    }
 }
 
 /// (address, IP protocol, port): a VIP or a backend as packets carry it.
@@ -289,13 +299,15 @@ impl Vips {
                 continue;
             };
             let proto = ip_proto(spec.protocol);
+            let backends: Arc<[Arc<Backend>]> = svc.set.read().backends.clone().into();
             let vs = VipService {
                 svc: svc.clone(),
                 method,
                 sloppy_tcp: spec.options.sloppy_tcp,
+                backends: backends.clone(),
             };
             if method != Method::Dr {
-                for b in svc.set.read().backends.iter() {
+                for b in backends.iter() {
                     v.by_backend
                         .entry((b.addr.ip(), proto, b.addr.port()))
                         .or_default()
@@ -350,7 +362,10 @@ pub(crate) struct Engine {
     rng: weir_sched::SplitMix64,
     /// The interface frames arrive on (and leave by).
     ifindex: u32,
-    csum: CsumMode,
+    /// Per-batch scratch, kept to allocate nothing per batch.
+    parsed: Vec<(Result<Packet, Unhandled>, bool)>,
+    probes: Vec<Probe>,
+    found: Vec<Option<weir_flowtable::Found>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -389,7 +404,9 @@ impl Engine {
             hops,
             rng: weir_sched::SplitMix64::new(seed),
             ifindex,
-            csum: CsumMode::Full,
+            parsed: Vec::new(),
+            probes: Vec::new(),
+            found: Vec::new(),
         }
     }
 
@@ -412,6 +429,7 @@ impl Engine {
 
     /// One received frame: rewritten in place and [`Verdict::Transmit`], or
     /// counted and [`Verdict::Drop`].
+    #[cfg(test)]
     pub(crate) fn process(&mut self, frame: &mut [u8]) -> Verdict {
         self.counters.rx.fetch_add(1, Relaxed);
         let pkt = match weir_packet::parse(frame) {
@@ -422,10 +440,108 @@ impl Engine {
             }
         };
         let now = Millis(self.shared.now_ms());
+        self.process_parsed(frame, &pkt, None, CsumMode::Full, now)
+    }
+
+    /// One ring poll's frames: parse them all, look every flow up in one
+    /// batched lookup (hashes computed and lines prefetched before any is
+    /// probed), then finish each frame in order. A frame the batch did not
+    /// find (a first packet, or one whose flow an earlier frame of the same
+    /// batch created) takes the one-at-a-time path.
+    pub(crate) fn process_batch(&mut self, batch: &mut Batch<'_>) {
+        let n = batch.len();
+        let now = Millis(self.shared.now_ms());
+        self.counters.rx.fetch_add(n as u64, Relaxed);
+        let mut parsed = std::mem::take(&mut self.parsed);
+        let mut probes = std::mem::take(&mut self.probes);
+        let mut found = std::mem::take(&mut self.found);
+        parsed.clear();
+        probes.clear();
+        for i in 0..n {
+            let p = weir_packet::parse(batch.frame(i));
+            let probe = p.as_ref().ok().and_then(|p| self.probe(p));
+            if let Some(pr) = probe {
+                probes.push(pr);
+            }
+            parsed.push((p, probe.is_some()));
+        }
+        self.shared
+            .table
+            .reader()
+            .lookup_probes(&probes, &mut found);
+        let mut k = 0;
+        for (i, (p, probed)) in parsed.iter().enumerate() {
+            let v = match p {
+                Err(u) => {
+                    self.counters.unhandled[u.index()].fetch_add(1, Relaxed);
+                    Verdict::Drop
+                }
+                Ok(pkt) => {
+                    let hint = if *probed {
+                        k += 1;
+                        found.get(k - 1).copied().flatten()
+                    } else {
+                        None
+                    };
+                    let mode = if batch.csum_partial(i) {
+                        CsumMode::Partial
+                    } else {
+                        CsumMode::Full
+                    };
+                    self.process_parsed(batch.frame_mut(i), pkt, hint, mode, now)
+                }
+            };
+            batch.set_verdict(
+                i,
+                match v {
+                    Verdict::Transmit => weir_packet_io::Verdict::Transmit,
+                    Verdict::Drop => weir_packet_io::Verdict::Drop,
+                },
+            );
+        }
+        self.parsed = parsed;
+        self.probes = probes;
+        self.found = found;
+    }
+
+    /// The batched lookup's key for a TCP/UDP packet of ours: the forward
+    /// key to a VIP, or the reply key for the first service the source
+    /// backend serves.
+    fn probe(&self, pkt: &Packet) -> Option<Probe> {
+        let t = pkt.tuple()?;
+        if let Some(vs) = self.vips.by_vip.get(&(t.dst.ip(), t.proto, t.dst.port())) {
+            return Some(Probe::Flow(FlowKey {
+                tenant: TenantId(vs.svc.tenant.id),
+                proto: table_proto(t.proto),
+                client: t.src,
+                virt: t.dst,
+            }));
+        }
+        let (vs, b) = self
+            .vips
+            .by_backend
+            .get(&(t.src.ip(), t.proto, t.src.port()))?
+            .first()?;
+        Some(Probe::Reply(self.reply_key(vs, b, t.proto, t.dst)?))
+    }
+
+    /// A parsed frame, with what the batched lookup found for it if it did.
+    fn process_parsed(
+        &mut self,
+        frame: &mut [u8],
+        pkt: &Packet,
+        hint: Option<weir_flowtable::Found>,
+        mode: CsumMode,
+        now: Millis,
+    ) -> Verdict {
         let Some(t) = pkt.tuple() else {
-            return self.icmp(frame, &pkt, now);
+            return self.icmp(frame, pkt, now);
         };
-        let (vs, found, direction) = match self.find(&t, Some(&pkt), now) {
+        let looked = match hint.and_then(|h| self.from_hint(&t, h)) {
+            Some(r) => r,
+            None => self.find(&t, Some(pkt), now),
+        };
+        let (vs, found, direction) = match looked {
             Ok(f) => f,
             Err(d) => return self.drop_(d),
         };
@@ -461,8 +577,35 @@ impl Engine {
             Ok(r) => r,
             Err(d) => return self.drop_(d),
         };
-        let r = weir_packet::rewrite(frame, &pkt, vs.method, direction, &mapping, &hop, self.csum);
+        let r = weir_packet::rewrite(frame, pkt, vs.method, direction, &mapping, &hop, mode);
         self.sent(r)
+    }
+
+    /// What a batched lookup's hit names, as [`Self::find`] would return it.
+    fn from_hint(
+        &self,
+        t: &weir_packet::FlowTuple,
+        h: weir_flowtable::Found,
+    ) -> Option<Result<(VipService, Flow, Direction), Drop>> {
+        if let Some(vs) = self.vips.by_vip.get(&(t.dst.ip(), t.proto, t.dst.port())) {
+            let f = self.forward_hit(vs, h.handle, h.backend, t.src);
+            return Some(f.map(|f| (vs.clone(), f, Direction::ToBackend)));
+        }
+        let (vs, b) = self
+            .vips
+            .by_backend
+            .get(&(t.src.ip(), t.proto, t.src.port()))?
+            .first()?;
+        Some(Ok((
+            vs.clone(),
+            Flow {
+                handle: h.handle,
+                backend: b.clone(),
+                local: (vs.method == Method::Fnat).then_some(t.dst),
+                client: h.key.client,
+            },
+            Direction::ToClient,
+        )))
     }
 
     /// The flow of a packet with tuple `t`: by the forward key if it goes to
@@ -567,20 +710,7 @@ impl Engine {
         };
         for _ in 0..2 {
             if let Some((handle, backend)) = self.shared.table.lookup(&key) {
-                let b = svc.backend(backend.0).ok_or(Drop::BackendGone)?;
-                let local = match vs.method {
-                    Method::Fnat => {
-                        let slot = self.shared.table.nat(handle).unwrap_or(0);
-                        Some(self.path.local_of(slot).ok_or(Drop::NoFlow)?)
-                    }
-                    _ => None,
-                };
-                return Ok(Flow {
-                    handle,
-                    backend: b,
-                    local,
-                    client,
-                });
+                return self.forward_hit(vs, handle, backend, client);
             }
             let Some(pkt) = first else {
                 return Err(Drop::NoFlow);
@@ -593,6 +723,30 @@ impl Engine {
             }
         }
         Err(Drop::NoFlow)
+    }
+
+    /// The flow a forward lookup found.
+    fn forward_hit(
+        &self,
+        vs: &VipService,
+        handle: Handle,
+        backend: BackendId,
+        client: SocketAddr,
+    ) -> Result<Flow, Drop> {
+        let b = vs.backend(backend).ok_or(Drop::BackendGone)?.clone();
+        let local = match vs.method {
+            Method::Fnat => {
+                let slot = self.shared.table.nat(handle).unwrap_or(0);
+                Some(self.path.local_of(slot).ok_or(Drop::NoFlow)?)
+            }
+            _ => None,
+        };
+        Ok(Flow {
+            handle,
+            backend: b,
+            local,
+            client,
+        })
     }
 
     /// A new flow. `Err(None)`: the key exists (a race with another worker).
@@ -709,21 +863,8 @@ impl Engine {
         dst: SocketAddr,
     ) -> Option<(VipService, Flow)> {
         for (vs, b) in cands {
-            let reply_dst = match vs.method {
-                Method::Nat => weir_flowtable::ReplyDst::Client(dst),
-                Method::Fnat => {
-                    let Some(slot) = std::num::NonZeroU32::new(self.path.slot_of(dst)) else {
-                        continue;
-                    };
-                    weir_flowtable::ReplyDst::Nat(slot)
-                }
-                Method::Dr => continue,
-            };
-            let key = weir_flowtable::ReplyKey {
-                tenant: TenantId(vs.svc.tenant.id),
-                proto: table_proto(ip_proto),
-                backend: BackendId(b.id),
-                dst: reply_dst,
+            let Some(key) = self.reply_key(vs, b, ip_proto, dst) else {
+                continue;
             };
             let Some(found) = self.shared.table.lookup_reply(&key) else {
                 continue;
@@ -742,6 +883,30 @@ impl Engine {
             ));
         }
         None
+    }
+
+    /// The reply key of a packet from backend `b` of `vs` to `dst` (nat:
+    /// the client; fnat: one of weir's local endpoints, else `None`).
+    fn reply_key(
+        &self,
+        vs: &VipService,
+        b: &Backend,
+        ip_proto: u8,
+        dst: SocketAddr,
+    ) -> Option<weir_flowtable::ReplyKey> {
+        let reply_dst = match vs.method {
+            Method::Nat => weir_flowtable::ReplyDst::Client(dst),
+            Method::Fnat => {
+                weir_flowtable::ReplyDst::Nat(std::num::NonZeroU32::new(self.path.slot_of(dst))?)
+            }
+            Method::Dr => return None,
+        };
+        Some(weir_flowtable::ReplyKey {
+            tenant: TenantId(vs.svc.tenant.id),
+            proto: table_proto(ip_proto),
+            backend: BackendId(b.id),
+            dst: reply_dst,
+        })
     }
 
     /// Move a TCP flow along IPVS's state table, keeping its backend's

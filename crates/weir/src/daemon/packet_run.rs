@@ -11,11 +11,13 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use parking_lot::Mutex;
-use weir_packet_io::{SteerKey, Steering, XskConfig, XskSocket};
+use weir_packet_io::{
+    PacketConfig as PacketSocketConfig, PacketSocket, SteerKey, Steering, XskConfig, XskSocket,
+};
 
 use super::Shared;
-use super::packet::{Engine, NextHops, Verdict};
-use crate::config::PacketConfig;
+use super::packet::{Engine, NextHops};
+use crate::config::{PacketConfig, PacketIo};
 
 /// The attached interfaces (their steering programs, detached on drop).
 pub(crate) struct PacketRuntime {
@@ -38,66 +40,133 @@ pub(crate) fn start(
     first_worker: usize,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<(Arc<PacketRuntime>, Vec<std::thread::JoinHandle<()>>)> {
-    if !weir_packet_io::PROGRAM_BUILT {
-        anyhow::bail!(
-            "packet mode: this weir was built without its XDP program (clang was missing at build time); \
-             install clang and rebuild"
-        );
-    }
+    let Some(path) = shared.packet.get().cloned() else {
+        anyhow::bail!("packet mode: the packet path was not set up");
+    };
     if !cfg.local_addresses.is_empty() {
         reserve_ports(cfg.fnat_ports.lo..=cfg.fnat_ports.hi)?;
     }
     let mut steering = Vec::new();
     let mut threads = Vec::new();
+    let mut ios = Vec::new();
     let mut worker = first_worker;
-    for iface in &cfg.interfaces {
-        let mut st = Steering::attach(iface).with_context(|| {
-            format!("packet mode: attaching to interface {iface:?} (needs root)")
-        })?;
+    let mut spawn = |name: String, engine: Engine, sock: Socket| -> anyhow::Result<()> {
+        let stop = stop.clone();
+        let idx = worker;
+        worker += 1;
+        threads.push(
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(move || worker_main(engine, sock, idx, stop))
+                .context("spawning a packet worker")?,
+        );
+        Ok(())
+    };
+    for (n, iface) in cfg.interfaces.iter().enumerate() {
         let ifindex = ifindex(iface)?;
-        let socks = XskSocket::bind_all(iface, XskConfig::default())
-            .with_context(|| format!("packet mode: AF_XDP sockets on {iface:?}"))?;
-        for sock in socks {
-            st.register_socket(sock.queue(), &sock).with_context(|| {
-                format!("packet mode: registering {iface:?} queue {}", sock.queue())
-            })?;
-            let engine = Engine::new(
+        let engine = || -> anyhow::Result<Engine> {
+            Ok(Engine::new(
                 shared.clone(),
-                shared
-                    .packet
-                    .get()
-                    .expect("packet path set before start")
-                    .clone(),
+                path.clone(),
                 next_hops()?,
                 ifindex,
                 rand::random(),
-            );
-            let stop = stop.clone();
-            let idx = worker;
-            worker += 1;
-            let name = format!("weir-pkt-{iface}-{}", sock.queue());
-            threads.push(
-                std::thread::Builder::new()
-                    .name(name)
-                    .spawn(move || worker_main(engine, sock, idx, stop))
-                    .context("spawning a packet worker")?,
-            );
-        }
-        // fnat: replies to weir's local addresses, on its port range only.
-        for &local in &cfg.local_addresses {
-            for proto in [6, 17] {
-                st.add_local(local, proto, cfg.fnat_ports.lo..=cfg.fnat_ports.hi)
-                    .with_context(|| format!("packet mode: steering fnat replies to {local}"))?;
+            ))
+        };
+        let attached = match cfg.io {
+            PacketIo::Afpacket => None,
+            PacketIo::Xdp => Some(attach_xdp(iface)?),
+            PacketIo::Auto => match attach_xdp(iface) {
+                Ok(x) => Some(x),
+                Err(e) => {
+                    tracing::warn!(interface = %iface, "AF_XDP unavailable ({e:#}); using AF_PACKET");
+                    None
+                }
+            },
+        };
+        match attached {
+            Some((mut st, socks)) => {
+                for sock in socks {
+                    st.register_socket(sock.queue(), &sock).with_context(|| {
+                        format!("packet mode: registering {iface:?} queue {}", sock.queue())
+                    })?;
+                    let name = format!("weir-pkt-{iface}-{}", sock.queue());
+                    spawn(name, engine()?, Socket::Xdp(sock))?;
+                }
+                // fnat: replies to weir's local addresses, on its port range only.
+                for &local in &cfg.local_addresses {
+                    for proto in [6, 17] {
+                        st.add_local(local, proto, cfg.fnat_ports.lo..=cfg.fnat_ports.hi)
+                            .with_context(|| {
+                                format!("packet mode: steering fnat replies to {local}")
+                            })?;
+                    }
+                }
+                tracing::info!(interface = %iface, mode = ?st.mode(), "packet mode attached (AF_XDP)");
+                steering.push(st);
+                ios.push("xdp");
+            }
+            None => {
+                let workers = afpacket_workers(cfg, shared);
+                let pcfg = PacketSocketConfig {
+                    // One fanout group per interface (ids are per namespace).
+                    fanout: Some(0x5700 + n as u16),
+                    ..PacketSocketConfig::default()
+                };
+                for q in 0..workers {
+                    let sock = PacketSocket::bind(iface, pcfg).with_context(|| {
+                        format!("packet mode: AF_PACKET socket on {iface:?} (needs root)")
+                    })?;
+                    spawn(
+                        format!("weir-pkt-{iface}-{q}"),
+                        engine()?,
+                        Socket::Packet(sock),
+                    )?;
+                }
+                tracing::info!(interface = %iface, workers, "packet mode attached (AF_PACKET)");
+                ios.push("afpacket");
             }
         }
-        tracing::info!(interface = %iface, mode = ?st.mode(), "packet mode attached (AF_XDP)");
-        steering.push(st);
     }
+    ios.dedup();
+    let _ = path.io.set(ios.join("+"));
     let rt = Arc::new(PacketRuntime {
         steering: Mutex::new(steering),
         steered: Mutex::new(Steered::default()),
     });
     Ok((rt, threads))
+}
+
+/// The steering program on `iface` and an AF_XDP socket on each of its
+/// queues.
+fn attach_xdp(iface: &str) -> anyhow::Result<(Steering, Vec<XskSocket>)> {
+    if !weir_packet_io::PROGRAM_BUILT {
+        anyhow::bail!(
+            "this weir was built without its XDP program (clang was missing at build time; \
+             install clang and rebuild)"
+        );
+    }
+    let st = Steering::attach(iface)
+        .with_context(|| format!("packet mode: attaching to interface {iface:?} (needs root)"))?;
+    let socks = XskSocket::bind_all(iface, XskConfig::default())
+        .with_context(|| format!("packet mode: AF_XDP sockets on {iface:?}"))?;
+    Ok((st, socks))
+}
+
+/// AF_PACKET workers per interface: `[packet] workers`, else `[daemon]
+/// workers`' count.
+fn afpacket_workers(cfg: &PacketConfig, shared: &Shared) -> usize {
+    if cfg.workers > 0 {
+        cfg.workers
+    } else {
+        shared.workers.len().max(1)
+    }
+}
+
+/// A packet worker's socket.
+enum Socket {
+    Xdp(XskSocket),
+    Packet(PacketSocket),
 }
 
 /// Takes fnat's port range out of the kernel's ephemeral ports in this
@@ -124,12 +193,20 @@ fn reserve_ports(range: std::ops::RangeInclusive<u16>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Packet workers `cfg` needs: one per receive queue of each interface.
-pub(crate) fn queue_count(cfg: &PacketConfig) -> anyhow::Result<usize> {
+/// Counter shards packet workers may need: per interface, one per receive
+/// queue (AF_XDP) or `[packet] workers` (AF_PACKET), whichever is more.
+pub(crate) fn queue_count(cfg: &PacketConfig, daemon_workers: usize) -> anyhow::Result<usize> {
     let mut n = 0;
+    let afpacket = if cfg.workers > 0 {
+        cfg.workers
+    } else {
+        daemon_workers.max(1)
+    };
     for iface in &cfg.interfaces {
-        n += weir_packet_io::rx_queue_count(iface)
-            .with_context(|| format!("packet mode: interface {iface:?}"))? as usize;
+        let queues = weir_packet_io::rx_queue_count(iface)
+            .with_context(|| format!("packet mode: interface {iface:?}"))?
+            as usize;
+        n += queues.max(afpacket);
     }
     Ok(n)
 }
@@ -167,16 +244,19 @@ fn ifindex(iface: &str) -> anyhow::Result<u32> {
         .with_context(|| format!("packet mode: no interface {iface:?} in this network namespace"))
 }
 
-fn worker_main(mut engine: Engine, mut sock: XskSocket, idx: usize, stop: Arc<AtomicBool>) {
+fn worker_main(mut engine: Engine, mut sock: Socket, idx: usize, stop: Arc<AtomicBool>) {
     super::stats::set_worker_index(idx);
+    let timeout = Duration::from_millis(100);
     while !stop.load(Relaxed) {
         engine.refresh();
-        let r = sock.run_batch(Duration::from_millis(100), |frame| {
-            match engine.process(frame) {
-                Verdict::Transmit => weir_packet_io::Verdict::Transmit,
-                Verdict::Drop => weir_packet_io::Verdict::Drop,
-            }
-        });
+        let r = match &mut sock {
+            Socket::Xdp(s) => s
+                .run_batch_all(timeout, |b| engine.process_batch(b))
+                .map_err(|e| e.to_string()),
+            Socket::Packet(s) => s
+                .run_batch_all(timeout, |b| engine.process_batch(b))
+                .map_err(|e| e.to_string()),
+        };
         if let Err(e) = r {
             tracing::error!("packet worker {idx}: {e}; stopping it");
             return;
