@@ -537,7 +537,7 @@ impl Engine {
         let Some(t) = pkt.tuple() else {
             return self.icmp(frame, pkt, now);
         };
-        let looked = match hint.and_then(|h| self.from_hint(&t, h)) {
+        let looked = match hint.and_then(|h| self.hinted(&t, h)) {
             Some(r) => r,
             None => self.find(&t, Some(pkt), now),
         };
@@ -582,7 +582,7 @@ impl Engine {
     }
 
     /// What a batched lookup's hit names, as [`Self::find`] would return it.
-    fn from_hint(
+    fn hinted(
         &self,
         t: &weir_packet::FlowTuple,
         h: weir_flowtable::Found,

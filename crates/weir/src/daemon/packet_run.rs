@@ -163,7 +163,9 @@ fn afpacket_workers(cfg: &PacketConfig, shared: &Shared) -> usize {
     }
 }
 
-/// A packet worker's socket.
+/// A packet worker's socket (one per thread, moved in once: its size
+/// does not matter).
+#[allow(clippy::large_enum_variant)]
 enum Socket {
     Xdp(XskSocket),
     Packet(PacketSocket),
