@@ -9,6 +9,9 @@
 //!                        └── veth ── b2 ns: 10.99.0.3 (nginx)
 //! ```
 //!
+//! IPv6 alongside: client fd98::10, weir fd98::1 and fd99::1, backends
+//! fd99::2 and fd99::3, VIP fd99:1::100.
+//!
 //! One L2 segment, two subnets: weir is "one-armed" (IPVS's usual NAT
 //! deployment on a flat network), the VIP 10.99.1.100 is routed to it, and
 //! for nat the backends' default route points at it so their replies come
@@ -22,11 +25,52 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const VIP: &str = "10.99.1.100";
-const CLIENT: &str = "10.98.0.10";
-const WEIR_CLIENT_SIDE: &str = "10.98.0.1";
-const WEIR_BACKEND_SIDE: &str = "10.99.0.1";
-const BACKENDS: [&str; 2] = ["10.99.0.2", "10.99.0.3"];
+/// One address family's plan of the topology.
+struct Fam {
+    vip: &'static str,
+    client: &'static str,
+    weir_client_side: &'static str,
+    weir_backend_side: &'static str,
+    backends: [&'static str; 2],
+    /// Prefix length of the subnets, and of one host.
+    plen: u8,
+    host: u8,
+}
+
+const V4: Fam = Fam {
+    vip: "10.99.1.100",
+    client: "10.98.0.10",
+    weir_client_side: "10.98.0.1",
+    weir_backend_side: "10.99.0.1",
+    backends: ["10.99.0.2", "10.99.0.3"],
+    plen: 24,
+    host: 32,
+};
+
+const V6: Fam = Fam {
+    vip: "fd99:1::100",
+    client: "fd98::10",
+    weir_client_side: "fd98::1",
+    weir_backend_side: "fd99::1",
+    backends: ["fd99::2", "fd99::3"],
+    plen: 64,
+    host: 128,
+};
+
+const MAC_CLIENT: &str = "02:00:00:00:00:0a";
+const MAC_WEIR: &str = "02:00:00:00:00:01";
+const MAC_BACKENDS: [&str; 2] = ["02:00:00:00:00:02", "02:00:00:00:00:03"];
+
+impl Fam {
+    /// "IP:PORT" in URL and config form.
+    fn ep(&self, ip: &str, port: u16) -> String {
+        if ip.contains(':') {
+            format!("[{ip}]:{port}")
+        } else {
+            format!("{ip}:{port}")
+        }
+    }
+}
 
 fn missing_prerequisite() -> Option<String> {
     if rustix::process::geteuid().as_raw() != 0 {
@@ -64,6 +108,13 @@ fn run(args: &[&str]) -> Result<String, String> {
     }
 }
 
+/// `ip` with whitespace-separated arguments.
+fn ip(args: &str) -> Result<String, String> {
+    let mut v = vec!["ip"];
+    v.extend(args.split_whitespace());
+    run(&v)
+}
+
 /// The namespaces and links; everything removed on drop, also on failure.
 struct Topology {
     tag: String,
@@ -84,134 +135,78 @@ impl Topology {
             children: Vec::new(),
         };
         let (sw, c, w) = (topo.ns("sw"), topo.ns("cl"), topo.ns("lb"));
-        let bs: Vec<String> = (1..=BACKENDS.len())
-            .map(|i| topo.ns(&format!("b{i}")))
-            .collect();
+        let bs = [topo.ns("b1"), topo.ns("b2")];
         for ns in [&sw, &c, &w].into_iter().chain(&bs) {
-            run(&["ip", "netns", "add", ns])?;
-            run(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
+            ip(&format!("netns add {ns}"))?;
+            ip(&format!("-n {ns} link set lo up"))?;
         }
-        run(&["ip", "-n", &sw, "link", "add", "br0", "type", "bridge"])?;
-        run(&["ip", "-n", &sw, "link", "set", "br0", "up"])?;
-        // (namespace, device, MAC, addresses)
-        let mut ends = vec![
-            (
-                c.clone(),
-                "eth0",
-                "02:00:00:00:00:0a",
-                vec![format!("{CLIENT}/24")],
-            ),
-            (
-                w.clone(),
-                "lb0",
-                "02:00:00:00:00:01",
-                vec![
-                    format!("{WEIR_CLIENT_SIDE}/24"),
-                    format!("{WEIR_BACKEND_SIDE}/24"),
-                ],
-            ),
-        ];
+        ip(&format!("-n {sw} link add br0 type bridge"))?;
+        ip(&format!("-n {sw} link set br0 up"))?;
+        // (namespace, device, MAC, addresses of both families)
+        let mut ends = vec![(c.clone(), "eth0", MAC_CLIENT, vec![])];
+        ends.push((w.clone(), "lb0", MAC_WEIR, vec![]));
         for (i, b) in bs.iter().enumerate() {
-            ends.push((
-                b.clone(),
-                "eth0",
-                ["02:00:00:00:00:02", "02:00:00:00:00:03"][i],
-                vec![format!("{}/24", BACKENDS[i])],
-            ));
+            ends.push((b.clone(), "eth0", MAC_BACKENDS[i], vec![]));
+        }
+        for f in [&V4, &V6] {
+            ends[0].3.push(format!("{}/{}", f.client, f.plen));
+            ends[1].3.push(format!("{}/{}", f.weir_client_side, f.plen));
+            ends[1]
+                .3
+                .push(format!("{}/{}", f.weir_backend_side, f.plen));
+            for i in 0..2 {
+                ends[2 + i].3.push(format!("{}/{}", f.backends[i], f.plen));
+            }
         }
         for (i, (ns, dev, mac, addrs)) in ends.iter().enumerate() {
-            let port = format!("p{i}");
-            let queues = if *dev == "lb0" { "2" } else { "1" };
-            run(&[
-                "ip",
-                "link",
-                "add",
-                &port,
-                "netns",
-                &sw,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                dev,
-                "netns",
-                ns,
-                "address",
-                mac,
-                "numrxqueues",
-                queues,
-                "numtxqueues",
-                queues,
-            ])?;
-            run(&["ip", "-n", &sw, "link", "set", &port, "master", "br0", "up"])?;
+            let q = if *dev == "lb0" { 2 } else { 1 };
+            ip(&format!(
+                "link add p{i} netns {sw} type veth peer name {dev} netns {ns} address {mac} \
+                 numrxqueues {q} numtxqueues {q}"
+            ))?;
+            ip(&format!("-n {sw} link set p{i} master br0 up"))?;
             for a in addrs {
-                run(&["ip", "-n", ns, "addr", "add", a, "dev", dev])?;
+                ip(&format!("-n {ns} addr add {a} dev {dev} nodad"))?;
             }
-            run(&["ip", "-n", ns, "link", "set", dev, "up"])?;
+            ip(&format!("-n {ns} link set {dev} up"))?;
             // Full checksums on what the test's kernels send (a veth
             // otherwise leaves them partial, to be finished by an offload
             // that an AF_XDP frame never reaches).
             run(&["ip", "netns", "exec", ns, "ethtool", "-K", dev, "tx", "off"])?;
         }
-        // The client reaches the VIP through weir.
-        run(&[
-            "ip",
-            "-n",
-            &c,
-            "route",
-            "add",
-            &format!("{VIP}/32"),
-            "via",
-            WEIR_CLIENT_SIDE,
-        ])?;
-        // Static neighbours: weir knows everyone; everyone knows weir.
-        for (ns, _, mac, addrs) in &ends {
-            let ip = addrs[0].split('/').next().unwrap();
-            if *ns != w {
-                run(&[
-                    "ip",
-                    "-n",
-                    &w,
-                    "neigh",
-                    "replace",
-                    ip,
-                    "lladdr",
-                    mac,
-                    "dev",
-                    "lb0",
-                    "nud",
-                    "permanent",
-                ])?;
-                let (gw, dev) = (
-                    if *ns == c {
-                        WEIR_CLIENT_SIDE
-                    } else {
-                        WEIR_BACKEND_SIDE
-                    },
-                    "eth0",
-                );
-                run(&[
-                    "ip",
-                    "-n",
-                    ns,
-                    "neigh",
-                    "replace",
-                    gw,
-                    "lladdr",
-                    "02:00:00:00:00:01",
-                    "dev",
-                    dev,
-                    "nud",
-                    "permanent",
-                ])?;
+        for f in [&V4, &V6] {
+            // The client reaches the VIP through weir.
+            ip(&format!(
+                "-n {c} route add {}/{} via {}",
+                f.vip, f.host, f.weir_client_side
+            ))?;
+            // Static neighbours: weir knows everyone; everyone knows weir.
+            ip(&format!(
+                "-n {w} neigh replace {} lladdr {MAC_CLIENT} dev lb0 nud permanent",
+                f.client
+            ))?;
+            ip(&format!(
+                "-n {c} neigh replace {} lladdr {MAC_WEIR} dev eth0 nud permanent",
+                f.weir_client_side
+            ))?;
+            for i in 0..2 {
+                ip(&format!(
+                    "-n {w} neigh replace {} lladdr {} dev lb0 nud permanent",
+                    f.backends[i], MAC_BACKENDS[i]
+                ))?;
+                ip(&format!(
+                    "-n {} neigh replace {} lladdr {MAC_WEIR} dev eth0 nud permanent",
+                    bs[i], f.weir_backend_side
+                ))?;
             }
         }
         Ok(topo)
     }
 
-    /// nginx in each backend namespace answering its own name.
+    /// nginx in each backend namespace answering its own name, on every
+    /// address of both families.
     fn start_backends(&mut self) -> Result<(), String> {
-        for (i, ip) in BACKENDS.iter().enumerate() {
+        for (i, addr) in V4.backends.iter().enumerate() {
             let name = format!("b{}", i + 1);
             let d = self.dir.path().join(&name);
             std::fs::create_dir_all(&d).map_err(|e| e.to_string())?;
@@ -224,7 +219,8 @@ impl Topology {
                      error_log {p}/error.log;\nevents {{ worker_connections 256; }}\n\
                      http {{ access_log off; client_body_temp_path {p}/body; proxy_temp_path {p}/proxy;\n\
                      fastcgi_temp_path {p}/fcgi; uwsgi_temp_path {p}/uwsgi; scgi_temp_path {p}/scgi;\n\
-                     server {{ listen 80; location / {{ return 200 \"{name}\\n\"; }} }} }}\n"
+                     server {{ listen 80; listen [::]:80 ipv6only=on; \
+                     location / {{ return 200 \"{name}\\n\"; }} }} }}\n"
                 ),
             )
             .map_err(|e| e.to_string())?;
@@ -236,13 +232,14 @@ impl Topology {
                 .spawn()
                 .map_err(|e| format!("nginx: {e}"))?;
             self.children.push(child);
-            let url = format!("http://{ip}/");
+            let ns = self.ns(&name);
+            let url = format!("http://{addr}/");
             wait_for(&format!("nginx in {name}"), || {
                 run(&[
                     "ip",
                     "netns",
                     "exec",
-                    &self.ns(&name),
+                    &ns,
                     "curl",
                     "-s",
                     "--max-time",
@@ -257,17 +254,38 @@ impl Topology {
 
     /// nat: the backends answer through weir.
     fn route_backends_via_weir(&self) -> Result<(), String> {
-        for i in 1..=BACKENDS.len() {
-            run(&[
-                "ip",
-                "-n",
-                &self.ns(&format!("b{i}")),
-                "route",
-                "add",
-                "default",
-                "via",
-                WEIR_BACKEND_SIDE,
-            ])?;
+        for i in 1..=2 {
+            let ns = self.ns(&format!("b{i}"));
+            ip(&format!(
+                "-n {ns} route add default via {}",
+                V4.weir_backend_side
+            ))?;
+            ip(&format!(
+                "-6 -n {ns} route add default via {}",
+                V6.weir_backend_side
+            ))?;
+        }
+        Ok(())
+    }
+
+    /// dr: each backend holds the VIP on its loopback and reaches the client
+    /// on the shared segment; weir only rewrites the destination MAC.
+    fn backends_hold_the_vip(&self) -> Result<(), String> {
+        for i in 1..=2 {
+            let ns = self.ns(&format!("b{i}"));
+            for f in [&V4, &V6] {
+                ip(&format!("-n {ns} addr add {}/{} dev lo", f.vip, f.host))?;
+                let net = if f.plen == 24 {
+                    "10.98.0.0/24"
+                } else {
+                    "fd98::/64"
+                };
+                ip(&format!("-n {ns} route add {net} dev eth0"))?;
+                ip(&format!(
+                    "-n {ns} neigh replace {} lladdr {MAC_CLIENT} dev eth0 nud permanent",
+                    f.client
+                ))?;
+            }
         }
         Ok(())
     }
@@ -321,6 +339,7 @@ impl Topology {
             "exec",
             &self.ns("cl"),
             "curl",
+            "-g",
             "-s",
             "--max-time",
             "3",
@@ -371,23 +390,28 @@ fn weir(cfg: &Path, args: &[&str]) -> Result<String, String> {
     }
 }
 
-fn web_service(forward: &str) -> String {
+fn web_service(f: &Fam, forward: &str) -> String {
     let mut s = format!(
-        "[[service]]\nname = \"web\"\nprotocol = \"tcp\"\nlisten = \"{VIP}:80\"\nforward = \"{forward}\"\nscheduler = \"rr\"\n"
+        "[[service]]\nname = \"web\"\nprotocol = \"tcp\"\nlisten = \"{}\"\nforward = \"{forward}\"\nscheduler = \"rr\"\n",
+        f.ep(f.vip, 80)
     );
-    for b in BACKENDS {
-        s.push_str(&format!("  [[service.backend]]\n  address = \"{b}:80\"\n"));
+    for b in f.backends {
+        s.push_str(&format!(
+            "  [[service.backend]]\n  address = \"{}\"\n",
+            f.ep(b, 80)
+        ));
     }
     s
 }
 
 /// Ten requests through the VIP: every one answered, by both backends in
-/// turn (rr), and the flows are in weir's table with the right backend.
-fn requests_reach_both_backends(topo: &Topology, cfg: &Path) -> Result<(), String> {
+/// turn (rr); the flows are in weir's table and went through its packet
+/// path.
+fn requests_reach_both_backends(topo: &Topology, f: &Fam, cfg: &Path) -> Result<(), String> {
     let mut seen = Vec::new();
     for i in 0..10 {
         let body = topo
-            .curl(&format!("http://{VIP}/"))
+            .curl(&format!("http://{}/", f.ep(f.vip, 80)))
             .map_err(|e| format!("request {i}: {e}\nweir's log:\n{}", topo.weir_log()))?;
         seen.push(body.trim().to_owned());
     }
@@ -398,20 +422,19 @@ fn requests_reach_both_backends(topo: &Topology, cfg: &Path) -> Result<(), Strin
         }
     }
     let conns = weir(cfg, &["conns", "--json"])?;
-    let flows = conns.lines().filter(|l| l.contains(CLIENT)).count();
+    let flows = conns.lines().filter(|l| l.contains(f.client)).count();
     if flows != 10 {
         return Err(format!(
             "weir conns lists {flows} flows from the client, want 10:\n{conns}"
         ));
     }
-    // The frames went through weir's packet path: ten new flows, and every
-    // frame it received was forwarded (nothing dropped on the way).
+    // The frames went through weir's packet path: ten new flows, and (on
+    // AF_XDP, which gets only what the steering program picks) every frame
+    // it received was forwarded. An AF_PACKET ring sees the interface's
+    // other traffic too (neighbour discovery...), counted and left alone.
     let stats: serde_json::Value =
         serde_json::from_str(&weir(cfg, &["stats", "--json"])?).map_err(|e| e.to_string())?;
     let p = &stats["global"]["packet"];
-    // AF_XDP gets only what the steering program picks; an AF_PACKET ring
-    // sees the interface's other traffic too (neighbour discovery...),
-    // which weir counts and leaves to the kernel.
     let all_forwarded = p["io"] != "xdp" || p["tx"] == p["rx"];
     if p["new_flows"] != 10 || p["tx"].as_u64() < Some(30) || !all_forwarded {
         return Err(format!("packet counters: {p} in {stats}"));
@@ -425,110 +448,77 @@ fn check(r: Result<(), String>) {
     }
 }
 
-#[test]
-fn nat_forwards_http_to_nginx_and_back() {
+/// One end-to-end run: topology, nginx, the method's own setup, weir, ten
+/// requests.
+fn forwards(tag: &str, f: &Fam, forward: &str, packet_extra: &str) {
     if let Some(why) = missing_prerequisite() {
         eprintln!("skipped: {why}");
         return;
     }
     check((|| {
-        let mut topo = Topology::new("nat")?;
+        let mut topo = Topology::new(tag)?;
         topo.start_backends()?;
-        topo.route_backends_via_weir()?;
-        let cfg = topo.start_weir(&web_service("nat"), "")?;
-        requests_reach_both_backends(&topo, &cfg)
-    })());
-}
-
-#[test]
-fn fnat_forwards_without_backend_routes() {
-    if let Some(why) = missing_prerequisite() {
-        eprintln!("skipped: {why}");
-        return;
-    }
-    check((|| {
-        let mut topo = Topology::new("fnat")?;
-        topo.start_backends()?;
-        // No route change on the backends: they answer weir's local address.
-        let cfg = topo.start_weir(
-            &web_service("fnat"),
-            &format!("local_addresses = [\"{WEIR_BACKEND_SIDE}\"]"),
-        )?;
-        requests_reach_both_backends(&topo, &cfg)
-    })());
-}
-
-#[test]
-fn dr_backends_answer_clients_directly() {
-    if let Some(why) = missing_prerequisite() {
-        eprintln!("skipped: {why}");
-        return;
-    }
-    check((|| {
-        let mut topo = Topology::new("dr")?;
-        topo.start_backends()?;
-        // Each backend holds the VIP on its loopback and reaches the client
-        // on the shared segment; weir only rewrites the destination MAC.
-        for i in 1..=BACKENDS.len() {
-            let ns = topo.ns(&format!("b{i}"));
-            run(&[
-                "ip",
-                "-n",
-                &ns,
-                "addr",
-                "add",
-                &format!("{VIP}/32"),
-                "dev",
-                "lo",
-            ])?;
-            run(&[
-                "ip",
-                "-n",
-                &ns,
-                "route",
-                "add",
-                "10.98.0.0/24",
-                "dev",
-                "eth0",
-            ])?;
-            run(&[
-                "ip",
-                "-n",
-                &ns,
-                "neigh",
-                "replace",
-                CLIENT,
-                "lladdr",
-                "02:00:00:00:00:0a",
-                "dev",
-                "eth0",
-                "nud",
-                "permanent",
-            ])?;
+        match forward {
+            "nat" => topo.route_backends_via_weir()?,
+            "dr" => topo.backends_hold_the_vip()?,
+            // fnat: no change on the backends; they answer weir's local address.
+            _ => {}
         }
-        let cfg = topo.start_weir(&web_service("dr"), "")?;
-        requests_reach_both_backends(&topo, &cfg)
-    })());
-}
-
-/// The AF_PACKET path (`io = "afpacket"`, where XDP cannot attach): the same
-/// nat service, frames read from a TPACKET_V3 ring and sent with sendmmsg.
-#[test]
-fn nat_over_af_packet() {
-    if let Some(why) = missing_prerequisite() {
-        eprintln!("skipped: {why}");
-        return;
-    }
-    check((|| {
-        let mut topo = Topology::new("afp")?;
-        topo.start_backends()?;
-        topo.route_backends_via_weir()?;
-        let cfg = topo.start_weir(&web_service("nat"), "io = \"afpacket\"")?;
-        requests_reach_both_backends(&topo, &cfg)?;
-        let stats = weir(&cfg, &["stats"])?;
-        if !stats.contains("packet mode (afpacket)") {
-            return Err(format!("weir stats does not say AF_PACKET:\n{stats}"));
+        let cfg = topo.start_weir(&web_service(f, forward), packet_extra)?;
+        requests_reach_both_backends(&topo, f, &cfg)?;
+        if packet_extra.contains("afpacket") {
+            let stats = weir(&cfg, &["stats"])?;
+            if !stats.contains("packet mode (afpacket)") {
+                return Err(format!("weir stats does not say AF_PACKET:\n{stats}"));
+            }
         }
         Ok(())
     })());
+}
+
+#[test]
+fn nat_v4() {
+    forwards("nat4", &V4, "nat", "");
+}
+
+#[test]
+fn nat_v6() {
+    forwards("nat6", &V6, "nat", "");
+}
+
+#[test]
+fn fnat_v4() {
+    forwards(
+        "fnat4",
+        &V4,
+        "fnat",
+        &format!("local_addresses = [\"{}\"]", V4.weir_backend_side),
+    );
+}
+
+#[test]
+fn fnat_v6() {
+    forwards(
+        "fnat6",
+        &V6,
+        "fnat",
+        &format!("local_addresses = [\"{}\"]", V6.weir_backend_side),
+    );
+}
+
+#[test]
+fn dr_v4() {
+    forwards("dr4", &V4, "dr", "");
+}
+
+#[test]
+fn dr_v6() {
+    forwards("dr6", &V6, "dr", "");
+}
+
+/// The AF_PACKET path (`io = "afpacket"`, where XDP cannot attach): frames
+/// read from a TPACKET_V3 ring and sent with sendmmsg.
+#[test]
+fn nat_v4_over_af_packet() {
+    forwards("afp", &V4, "nat", "io = \"afpacket\"");
 }
