@@ -1,8 +1,12 @@
 //! Packet mode's configuration and operator surface against the real
-//! daemon (issue 12): `[packet]` survives `weir save` and cannot change by
-//! reload; packet services (`forward` other than proxy) are validated by
-//! the API as by the file, and — until the packet data path runs — refused
-//! by start, reload and the API without a socket opened for them.
+//! daemon (issue 12): packet services (`forward` other than proxy) are
+//! validated by start, the API and `weir check` as by the file; `[packet]`
+//! and a packet service's `forward` and `sloppy_tcp` survive `weir save`;
+//! a reload cannot change `[packet]` or a live service's `forward`.
+//!
+//! The tests that run packet mode start the daemon in a network namespace
+//! of their own (its `lo`), so nothing attaches to the host's interfaces;
+//! they need root and skip, saying so, without it.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -20,8 +24,27 @@ mod daemon_util;
 use daemon_util::admin::{Running, TOKEN};
 use daemon_util::{Echo, backend, config, echo_once, service};
 
-/// What the daemon says of a packet service while packet mode does not run.
-const UNAVAILABLE: &str = "needs packet mode, which this daemon does not run yet";
+/// Run `f` on a thread in a new network namespace with its `lo` up (the
+/// daemon's threads, started from it, live there too); `None` (after saying
+/// why) where this process may not make one.
+fn in_own_netns<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    std::thread::spawn(move || {
+        if let Err(e) = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET) {
+            eprintln!("skipped: a network namespace of its own needs root ({e})");
+            return None;
+        }
+        let up = std::process::Command::new("ip")
+            .args(["link", "set", "lo", "up"])
+            .status();
+        if !up.as_ref().is_ok_and(|s| s.success()) {
+            eprintln!("skipped: `ip link set lo up` failed in the new namespace: {up:?}");
+            return None;
+        }
+        Some(f())
+    })
+    .join()
+    .unwrap_or_else(|e| std::panic::resume_unwind(e))
+}
 
 /// `[packet]` on `lo`, which every network namespace has.
 fn packet_on_lo() -> PacketConfig {
@@ -50,28 +73,31 @@ fn nothing_listens(addr: SocketAddr) -> bool {
         && TcpListener::bind(addr).is_ok()
 }
 
+/// Without `[packet]`, a packet service stops the start (nothing opened
+/// for it) with what to add.
 #[test]
-fn start_refuses_a_packet_service_and_opens_nothing() {
+fn start_refuses_a_packet_service_without_packet_section() {
     let echo = Echo::start();
     let vip = free_addr();
     let mut nat = service("nat", Protocol::Tcp, "rr", vec![backend(echo.addr, 1)]);
     nat.listen = vip;
     nat.forward = Forward::Nat;
-    let mut cfg = config(vec![nat]);
-    cfg.packet = Some(packet_on_lo());
-    let err = Daemon::start(cfg, None).expect_err("a packet service is refused");
+    let err = Daemon::start(config(vec![nat]), None).expect_err("a packet service is refused");
     let msg = format!("{err:#}");
     assert!(
-        msg.contains("forward = \"nat\" ") && msg.contains(UNAVAILABLE),
+        msg.contains(
+            "service[0].forward: forward = \"nat\" needs packet mode: add a [packet] section"
+        ),
         "{msg}"
     );
     assert!(nothing_listens(vip), "{vip} was opened");
 }
 
-/// `POST /v1/services` runs the file's checks (400, with the key) and the
-/// daemon's refusal (503); nothing of a refused service is left.
+/// `POST /v1/services` runs the file's checks (400, with the key; here
+/// also that there is no `[packet]`); nothing of a refused service is left.
+/// `PUT` cannot change `forward`.
 #[test]
-fn api_validates_and_refuses_packet_services() {
+fn api_validates_packet_services() {
     let echo = Echo::start();
     let mut cfg = config(vec![service(
         "web",
@@ -79,7 +105,7 @@ fn api_validates_and_refuses_packet_services() {
         "rr",
         vec![backend(echo.addr, 1)],
     )]);
-    cfg.packet = Some(packet_on_lo());
+    cfg.daemon.workers = 1;
     let r = Running::start(cfg, None);
     let vip = free_addr();
     let body = |forward: &str, extra: serde_json::Value| {
@@ -94,7 +120,11 @@ fn api_validates_and_refuses_packet_services() {
         b
     };
     let cases = [
-        (body("nat", json!({ "sloppy_tcp": true })), 503, UNAVAILABLE),
+        (
+            body("nat", json!({ "sloppy_tcp": true })),
+            400,
+            "forward: forward = \"nat\" needs packet mode: add a [packet] section",
+        ),
         (body("masq", json!({})), 400, "unknown variant `masq`"),
         (
             body("dr", json!({})),
@@ -170,25 +200,30 @@ fn api_packet_service_without_packet_section() {
 /// parses back to the same configuration.
 #[test]
 fn save_round_trips_the_packet_section() {
-    let echo = Echo::start();
-    let mut cfg = config(vec![service(
-        "web",
-        Protocol::Tcp,
-        "rr",
-        vec![backend(echo.addr, 1)],
-    )]);
-    cfg.packet = Some(packet_on_lo());
-    let r = Running::start(cfg.clone(), None);
-    let (code, saved, err) = cli_util::run(&r.url, TOKEN, &["save"]);
-    assert_eq!(code, ExitCode::SUCCESS, "{err}");
-    assert!(saved.contains("[packet]\n"), "{saved}");
-    assert!(saved.contains("fnat_ports = \"40000-40999\""), "{saved}");
-    assert!(!saved.contains("forward"), "proxy is the default: {saved}");
-    let back =
-        weir::config::parse(&saved, "saved.toml").unwrap_or_else(|e| panic!("{e:?}\n{saved}"));
-    assert_eq!(back.packet, cfg.packet, "{saved}");
-    assert_eq!(back.services.len(), 1);
-    assert_eq!(back.services[0].forward, Forward::Proxy);
+    in_own_netns(|| {
+        let echo = Echo::start();
+        let mut nat = service("nat", Protocol::Tcp, "rr", vec![backend(echo.addr, 1)]);
+        nat.listen = "127.0.0.1:8080".parse().unwrap();
+        nat.forward = Forward::Nat;
+        nat.options.sloppy_tcp = true;
+        let web = service("web", Protocol::Tcp, "rr", vec![backend(echo.addr, 1)]);
+        let mut cfg = config(vec![nat.clone(), web]);
+        cfg.packet = Some(packet_on_lo());
+        let r = Running::start(cfg.clone(), None);
+        let (code, saved, err) = cli_util::run(&r.url, TOKEN, &["save"]);
+        assert_eq!(code, ExitCode::SUCCESS, "{err}");
+        assert!(saved.contains("[packet]\n"), "{saved}");
+        assert!(saved.contains("fnat_ports = \"40000-40999\""), "{saved}");
+        assert_eq!(saved.matches("forward = \"nat\"").count(), 1, "{saved}");
+        assert_eq!(saved.matches("sloppy_tcp = true").count(), 1, "{saved}");
+        let back =
+            weir::config::parse(&saved, "saved.toml").unwrap_or_else(|e| panic!("{e:?}\n{saved}"));
+        assert_eq!(back.packet, cfg.packet, "{saved}");
+        let find = |name: &str| back.services.iter().find(|s| s.name == name).unwrap();
+        assert_eq!(*find("nat"), nat, "{saved}");
+        assert_eq!(find("web").forward, Forward::Proxy);
+        assert!(!find("web").options.sloppy_tcp);
+    });
 }
 
 fn from_file(text: &str) -> (Running, tempfile::TempDir, PathBuf) {
@@ -214,10 +249,13 @@ fn reload_errors(r: &Running) -> Vec<String> {
 }
 
 /// A reload may keep `[packet]` as it is (and change the rest), but not
-/// change, add or remove it; nor add a packet service while packet mode
-/// does not run.
+/// change, add or remove it, nor a live service's `forward`.
 #[test]
 fn reload_refuses_packet_section_changes() {
+    in_own_netns(reload_refuses_packet_section_changes_here);
+}
+
+fn reload_refuses_packet_section_changes_here() {
     let echo = Echo::start();
     let packet = "[daemon]\nworkers = 2\n[packet]\ninterfaces = [\"lo\"]\n";
     let svc = |name: &str, extra: &str| {
@@ -260,22 +298,6 @@ fn reload_refuses_packet_section_changes() {
             "applied in part"
         );
     }
-    // A packet service by reload: refused with the daemon's reason.
-    let vip = free_addr();
-    let nat = format!(
-        "[[service]]\nname = \"nat\"\nprotocol = \"tcp\"\nlisten = \"{vip}\"\nforward = \"nat\"\n\
-         [[service.backend]]\naddress = \"{}\"\n",
-        echo.addr
-    );
-    std::fs::write(&path, format!("{packet}{both}{nat}")).unwrap();
-    let errors = reload_errors(&r);
-    assert!(
-        errors
-            .iter()
-            .any(|e| e.contains("service default/nat") && e.contains(UNAVAILABLE)),
-        "{errors:?}"
-    );
-    assert!(nothing_listens(vip), "{vip} was opened");
     // Changing a live service's forward by reload: refused as by the API.
     let web = r.d().service_addr("default", "web").unwrap();
     let web_nat = format!(

@@ -261,7 +261,8 @@ fn schemas() -> Value {
         "stats": { "$ref": "#/components/schemas/Totals" }, "rates": { "$ref": "#/components/schemas/Rates" } } },
       "ConnInfo": { "type": "object", "properties": {
         "tenant": s, "service": s, "proto": s, "client": s, "virtual": s, "backend": s, "state": s,
-        "expires_s": int, "cookie": int, "bytes_in": int, "bytes_out": int } },
+        "expires_s": int, "cookie": int, "bytes_in": int, "bytes_out": int,
+        "packets_in": int, "packets_out": int } },
       "ConnPage": { "type": "object", "properties": {
         "connections": { "type": "array", "items": { "$ref": "#/components/schemas/ConnInfo" } },
         "next": { "type": ["string", "null"] } } },

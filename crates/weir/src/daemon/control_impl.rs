@@ -546,9 +546,10 @@ impl Control for LiveControl {
                 "tenant and name cannot change; delete and add instead",
             ));
         }
-        check_service(&spec, self.0.packet_cfg.as_ref())?;
         let cur = svc.spec.read().clone();
+        // First: a new method makes the rest of the spec moot.
         forward_fixed(&cur, &spec)?;
+        check_service(&spec, self.0.packet_cfg.as_ref())?;
         let new_backends: Vec<String> = spec
             .backends
             .iter()
