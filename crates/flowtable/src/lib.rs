@@ -8,7 +8,8 @@
 //! * **Entries** are fixed 112-byte nodes made only of atomics, kept in a
 //!   slab of never-freed chunks and named by `u32` index (`node.rs`). The
 //!   node is the flow: key, service, backend, state, timers, counters each
-//!   way, the owner's token and the NAT slot.
+//!   way, the owner's token and the NAT slot (a reply key costs no node
+//!   bytes, only a second index way).
 //! * **Indexes** (`index.rs`): arrays of 64-byte bucket lines, each with a
 //!   header (lock bit, moved bit, counts), an overflow link, eight one-byte
 //!   tags and eight node indices. A table (`table.rs`) has one index, two
@@ -36,6 +37,19 @@
 //! * A removed node's index is recycled only after an epoch grace period.
 //! * [`Handle`]s (node index + cookie) reach an entry without hashing.
 //! * The protocol is model-checked with loom (`src/loom_checks.rs`).
+//!
+//! # Reply keys (packet mode)
+//! A nat or fnat flow inserted with [`FlowTable::insert_reply`] is also
+//! indexed by its [`ReplyKey`] (tenant, protocol, backend, and the client or
+//! the NAT slot), which [`FlowTable::lookup_reply`] and
+//! [`Reader::lookup_probes`] find from a backend's reply: one lookup per
+//! packet either way. Still one node: the second index entry is the same
+//! node index with a reply bit in its way, which forward lookups skip and
+//! reply lookups require. The reply key is computed from the node's own
+//! fields, so every removal and every resize takes or moves both entries.
+//! The node is pending (not live) until both entries are in, so a refused
+//! insert is never seen; removal takes the forward entry out first (which
+//! decides it), then the reply entry and the live bit.
 //!
 //! # Resize
 //! Online: a successor index is filled one bucket at a time under each

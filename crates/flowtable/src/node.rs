@@ -7,7 +7,8 @@
 //! without a data race and without `unsafe`. The node *is* the flow: key,
 //! service, backend, state, timers, counters each way, the owner's token and
 //! the NAT mapping slot. A packet-mode entry may also be indexed under its
-//! reply key ([`PackedReply`], computed from the node's own fields). Nodes live in a [`Slab`] of never-freed chunks and
+//! reply key ([`PackedReply`], computed from the node's own fields). Nodes
+//! live in a [`Slab`] of never-freed chunks and
 //! are named by `u32` index from the bucket index (`index.rs`); an index is
 //! recycled only after an epoch grace period (see `table.rs`), so a reader
 //! never sees a node change identity under its feet.

@@ -508,7 +508,7 @@ pub struct TableConfig {
     /// [`InsertError::ChainFull`] and counted (hash-flood defence, like
     /// conntrack). Clamped to `1..=1024`.
     pub max_chain: usize,
-    /// Bytes that all tenants' own tables (bucket arrays and lock stripes)
+    /// Bytes that all tenants' own tables (their bucket arrays)
     /// may use together; a tenant whose own table would not fit shares the
     /// global table and [`Placement::Shared`] says why.
     pub memory_budget: usize,

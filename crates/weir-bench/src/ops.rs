@@ -15,8 +15,8 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 
 use weir_flowtable::{
-    BackendId, Dir, DumpFilter, FlowInit, FlowKey, FlowState, FlowTable, Millis, Proto, ServiceId,
-    TableConfig, TenantConfig, TenantId,
+    BackendId, Dir, DumpFilter, FlowInit, FlowKey, FlowState, FlowTable, Millis, Proto, ReplyDst,
+    ReplyKey, ReplyMode, ServiceId, TableConfig, TenantConfig, TenantId,
 };
 
 /// `weir-bench ops`.
@@ -45,6 +45,10 @@ pub(crate) enum Op {
     Touch,
     /// `get` of absent keys.
     Miss,
+    /// `lookup_reply` of present flows (packet mode's read of a backend's
+    /// reply): the table is built with nat reply keys (`insert_reply`), so
+    /// the insert and memory figures include them.
+    Reply,
     /// insert + remove pairs on one thread.
     Churn,
     /// insert + remove pairs on two threads (wall ns per pair).
@@ -76,6 +80,16 @@ fn key(i: u64) -> FlowKey {
             (i % 50_000) as u16 + 1024,
         ),
         virt: SocketAddr::new(Ipv4Addr::new(192, 0, 2, 1).into(), 443),
+    }
+}
+
+/// The nat reply key of flow `i` (backend 2 answering the client).
+fn reply_key(i: u64) -> ReplyKey {
+    ReplyKey {
+        tenant: TENANT,
+        proto: Proto::Tcp,
+        backend: INIT.backend,
+        dst: ReplyDst::Client(key(i).client),
     }
 }
 
@@ -129,8 +143,13 @@ pub(crate) fn run(a: &OpsArgs) -> Result<()> {
         .context("adding the tenant")?;
     let t0 = now();
     for i in 0..n {
-        t.insert(key(i), INIT, Millis(0))
-            .with_context(|| format!("insert {i} of {n}"))?;
+        if a.op == Op::Reply {
+            t.insert_reply(key(i), INIT, ReplyMode::Nat, Millis(0))
+                .map(|_| ())
+        } else {
+            t.insert(key(i), INIT, Millis(0)).map(|_| ())
+        }
+        .with_context(|| format!("insert {i} of {n}"))?;
     }
     println!("entries {n}; figures from this run only (CPU time of this thread)");
     println!("insert        {} /op", per_op(t0, n));
@@ -146,6 +165,7 @@ pub(crate) fn run(a: &OpsArgs) -> Result<()> {
                 Op::Get => t.get(&key(mix(j) % n)).is_some(),
                 Op::Lookup => t.lookup(&key(mix(j) % n)).is_some(),
                 Op::Touch => t.touch(&key(mix(j) % n), Millis(1), Dir::In, 10).is_some(),
+                Op::Reply => t.lookup_reply(&reply_key(mix(j) % n)).is_some(),
                 _ => t.get(&key(n + mix(j) % n)).is_some(),
             });
         }
@@ -165,6 +185,12 @@ pub(crate) fn run(a: &OpsArgs) -> Result<()> {
         Op::Get | Op::Lookup | Op::Touch | Op::Miss => {
             let found = lookups(a.op);
             println!("{:?} x {ops}: found {found}", a.op);
+        }
+        Op::Reply => {
+            let t0 = now();
+            let found = lookups(a.op);
+            println!("reply         {} /op ({found})", per_op(t0, ops));
+            anyhow::ensure!(found == ops, "{} reply lookups missed", ops - found);
         }
         Op::Churn => {
             let t0 = now();
@@ -261,6 +287,7 @@ mod tests {
             Op::Get,
             Op::Touch,
             Op::Miss,
+            Op::Reply,
             Op::Churn,
             Op::Churn2,
             Op::Dump,
