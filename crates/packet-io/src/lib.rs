@@ -43,4 +43,6 @@ pub use nexthop::{
     Route,
 };
 pub use steer::{AttachMode, PROGRAM_BUILT, SteerError, SteerKey, SteerStats, Steering};
-pub use xsk::{Batch, BatchStats, Verdict, XskConfig, XskError, XskSocket, rx_queue_count};
+pub use xsk::{
+    Batch, BatchStats, Verdict, XskConfig, XskError, XskSocket, poll_readable, rx_queue_count,
+};

@@ -560,6 +560,43 @@ impl AsRawFd for XskSocket {
     }
 }
 
+/// Waits up to `timeout` (at most 1 s) until at least one of `fds` (AF_XDP or
+/// AF_PACKET sockets) has something to receive; `ready[i]` says whether
+/// `fds[i]` has. For a worker that serves a queue of several interfaces:
+/// one wait for all, then [`XskSocket::run_batch_all`] with a zero timeout
+/// on the ready ones. An interrupted wait reports nothing ready.
+pub fn poll_readable(
+    fds: &[RawFd],
+    timeout: Duration,
+    ready: &mut Vec<bool>,
+) -> std::io::Result<()> {
+    let mut pfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let ms = timeout.min(Duration::from_secs(1)).as_millis() as libc::c_int;
+    // SAFETY: `pfds` is a live, exclusively borrowed array of `pfds.len()`
+    // initialised `pollfd`s for the duration of the call; poll(2) writes
+    // only their `revents`. A descriptor that is not open is reported as
+    // POLLNVAL, not undefined behaviour.
+    let rc = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
+    ready.clear();
+    if rc < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::Interrupted {
+            ready.resize(fds.len(), false);
+            return Ok(());
+        }
+        return Err(e);
+    }
+    ready.extend(pfds.iter().map(|p| p.revents & libc::POLLIN != 0));
+    Ok(())
+}
+
 /// The number of rx queues of `interface` (in the calling thread's network
 /// namespace), as `ethtool -l` reports it: rx-only plus combined channels. A
 /// driver without channel support (loopback, for one) has one queue.

@@ -55,6 +55,8 @@ pub(crate) const PACKET_OWNER: u32 = u32::MAX;
 pub(crate) enum Verdict {
     /// Rewritten; send it out of the interface it came in on.
     Transmit,
+    /// Rewritten; send it out of interface `.0` (another of this worker's).
+    Egress(u32),
     /// Counted under a [`Drop`] reason (or an [`Unhandled`] one); free it.
     Drop,
 }
@@ -77,8 +79,12 @@ pub(crate) enum Drop {
     FnatPorts,
     /// The kernel has no route or no resolved neighbour for the next hop.
     NoNextHop,
-    /// The next hop is out of another interface than the frame came in on.
+    /// The next hop is out of an interface this worker has no socket on
+    /// (not one of `[packet] interfaces`, or AF_PACKET, which transmits
+    /// only where it receives).
     OtherInterface,
+    /// The other interface's socket had no room for the frame's copy.
+    EgressFull,
     /// TTL / hop limit would reach 0.
     TtlExpired,
     /// ICMP messages other than errors about a flow (echo, redirects,
@@ -91,7 +97,7 @@ pub(crate) enum Drop {
 }
 
 impl Drop {
-    pub(crate) const ALL: [Drop; 11] = [
+    pub(crate) const ALL: [Drop; 12] = [
         Drop::NotOurs,
         Drop::NoFlow,
         Drop::Refused,
@@ -99,6 +105,7 @@ impl Drop {
         Drop::FnatPorts,
         Drop::NoNextHop,
         Drop::OtherInterface,
+        Drop::EgressFull,
         Drop::TtlExpired,
         Drop::Icmp,
         Drop::IcmpMalformed,
@@ -114,6 +121,7 @@ impl Drop {
             Drop::FnatPorts => "fnat_ports_exhausted",
             Drop::NoNextHop => "no_next_hop",
             Drop::OtherInterface => "other_interface",
+            Drop::EgressFull => "egress_full",
             Drop::TtlExpired => "ttl_expired",
             Drop::Icmp => "icmp",
             Drop::IcmpMalformed => "icmp_malformed",
@@ -360,8 +368,10 @@ pub(crate) struct Engine {
     vips: Vips,
     hops: Box<dyn NextHops>,
     rng: weir_sched::SplitMix64,
-    /// The interface frames arrive on (and leave by).
-    ifindex: u32,
+    /// The interface of the frame being processed.
+    rx_ifindex: u32,
+    /// The interfaces this worker can transmit on (it has a socket there).
+    egress: Vec<u32>,
     /// Per-batch scratch, kept to allocate nothing per batch.
     parsed: Vec<(Result<Packet, Unhandled>, bool)>,
     probes: Vec<Probe>,
@@ -371,7 +381,7 @@ pub(crate) struct Engine {
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
-            .field("ifindex", &self.ifindex)
+            .field("egress", &self.egress)
             .finish()
     }
 }
@@ -391,7 +401,7 @@ impl Engine {
         shared: Arc<Shared>,
         path: Arc<PacketPath>,
         hops: Box<dyn NextHops>,
-        ifindex: u32,
+        egress: Vec<u32>,
         seed: u64,
     ) -> Self {
         let counters = path.worker_counters();
@@ -403,7 +413,8 @@ impl Engine {
             vips,
             hops,
             rng: weir_sched::SplitMix64::new(seed),
-            ifindex,
+            rx_ifindex: egress.first().copied().unwrap_or(0),
+            egress,
             parsed: Vec::new(),
             probes: Vec::new(),
             found: Vec::new(),
@@ -448,7 +459,17 @@ impl Engine {
     /// probed), then finish each frame in order. A frame the batch did not
     /// find (a first packet, or one whose flow an earlier frame of the same
     /// batch created) takes the one-at-a-time path.
-    pub(crate) fn process_batch(&mut self, batch: &mut Batch<'_>) {
+    ///
+    /// `rx_ifindex` is the interface the batch came from; a frame whose next
+    /// hop is out of another interface of this worker is handed to `egress`
+    /// (which copies it into that interface's socket, or says it cannot).
+    pub(crate) fn process_batch(
+        &mut self,
+        batch: &mut Batch<'_>,
+        rx_ifindex: u32,
+        egress: &mut dyn FnMut(u32, &[u8]) -> bool,
+    ) {
+        self.rx_ifindex = rx_ifindex;
         let n = batch.len();
         let now = Millis(self.shared.now_ms());
         self.counters.rx.fetch_add(n as u64, Relaxed);
@@ -491,13 +512,20 @@ impl Engine {
                     self.process_parsed(batch.frame_mut(i), pkt, hint, mode, now)
                 }
             };
-            batch.set_verdict(
-                i,
-                match v {
-                    Verdict::Transmit => weir_packet_io::Verdict::Transmit,
-                    Verdict::Drop => weir_packet_io::Verdict::Drop,
-                },
-            );
+            let v = match v {
+                Verdict::Transmit => weir_packet_io::Verdict::Transmit,
+                Verdict::Drop => weir_packet_io::Verdict::Drop,
+                Verdict::Egress(ix) => {
+                    // Copied into the other interface's socket; this
+                    // frame's own slot goes back to its ring.
+                    if !egress(ix, batch.frame(i)) {
+                        self.counters.tx.fetch_sub(1, Relaxed);
+                        self.drop_(Drop::EgressFull);
+                    }
+                    weir_packet_io::Verdict::Drop
+                }
+            };
+            batch.set_verdict(i, v);
         }
         self.parsed = parsed;
         self.probes = probes;
@@ -573,12 +601,12 @@ impl Engine {
                 now,
             );
         }
-        let (mapping, hop) = match self.route(&vs, &found, direction) {
+        let (mapping, hop, out) = match self.route(&vs, &found, direction) {
             Ok(r) => r,
             Err(d) => return self.drop_(d),
         };
         let r = weir_packet::rewrite(frame, pkt, vs.method, direction, &mapping, &hop, mode);
-        self.sent(r)
+        self.sent(r, out)
     }
 
     /// What a batched lookup's hit names, as [`Self::find`] would return it.
@@ -637,7 +665,7 @@ impl Engine {
         vs: &VipService,
         found: &Flow,
         direction: Direction,
-    ) -> Result<(NatMapping, NextHop), Drop> {
+    ) -> Result<(NatMapping, NextHop, Verdict), Drop> {
         let mapping = NatMapping {
             client: found.client,
             vip: vs.svc.listen,
@@ -649,17 +677,21 @@ impl Engine {
             Direction::ToClient => found.client.ip(),
         };
         let (ifindex, hop) = self.hops.next_hop(next).ok_or(Drop::NoNextHop)?;
-        if ifindex != self.ifindex {
+        let out = if ifindex == self.rx_ifindex {
+            Verdict::Transmit
+        } else if self.egress.contains(&ifindex) {
+            Verdict::Egress(ifindex)
+        } else {
             return Err(Drop::OtherInterface);
-        }
-        Ok((mapping, hop))
+        };
+        Ok((mapping, hop, out))
     }
 
-    fn sent(&self, r: Result<(), weir_packet::RewriteError>) -> Verdict {
+    fn sent(&self, r: Result<(), weir_packet::RewriteError>, out: Verdict) -> Verdict {
         match r {
             Ok(()) => {
                 self.counters.tx.fetch_add(1, Relaxed);
-                Verdict::Transmit
+                out
             }
             Err(weir_packet::RewriteError::TtlExpired) => self.drop_(Drop::TtlExpired),
             Err(_) => self.drop_(Drop::Rewrite),
@@ -680,7 +712,7 @@ impl Engine {
             Ok(f) => f,
             Err(d) => return self.drop_(d),
         };
-        let (mapping, hop) = match self.route(&vs, &found, direction) {
+        let (mapping, hop, out) = match self.route(&vs, &found, direction) {
             Ok(r) => r,
             Err(d) => return self.drop_(d),
         };
@@ -688,7 +720,7 @@ impl Engine {
         let r = weir_packet::icmp::rewrite_error(
             frame, pkt, &emb, vs.method, direction, &mapping, &hop,
         );
-        self.sent(r)
+        self.sent(r, out)
     }
 
     /// The flow of a client → VIP packet: found, or created for a first
@@ -1032,7 +1064,7 @@ mod tests {
     fn engine(d: &super::super::DaemonHandle) -> Engine {
         let shared = d.shared.clone();
         let path = shared.packet.get().unwrap().clone();
-        Engine::new(shared, path, Box::new(FixedHop), 1, 7)
+        Engine::new(shared, path, Box::new(FixedHop), vec![1], 7)
     }
 
     /// Ethernet + IPv4 + TCP (flags) or UDP (flags = None), checksums full.

@@ -5,6 +5,7 @@
 //! The unsafe and the rings are `weir-packet-io`'s; the per-frame work is
 //! [`super::packet::Engine`]'s. This module only wires them.
 
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::Duration;
@@ -47,32 +48,15 @@ pub(crate) fn start(
         reserve_ports(cfg.fnat_ports.lo..=cfg.fnat_ports.hi)?;
     }
     let mut steering = Vec::new();
-    let mut threads = Vec::new();
     let mut ios = Vec::new();
-    let mut worker = first_worker;
-    let mut spawn = |name: String, engine: Engine, sock: Socket| -> anyhow::Result<()> {
-        let stop = stop.clone();
-        let idx = worker;
-        worker += 1;
-        threads.push(
-            std::thread::Builder::new()
-                .name(name)
-                .spawn(move || worker_main(engine, sock, idx, stop))
-                .context("spawning a packet worker")?,
-        );
-        Ok(())
-    };
+    // Workers: AF_XDP queue q of every interface that has one goes to the
+    // same worker, so a frame that arrives on one interface and leaves by
+    // another (client and backend sides apart) is copied between two
+    // sockets of one thread. An AF_PACKET socket is a worker of its own.
+    let mut xdp_workers: Vec<Vec<(u32, XskSocket)>> = Vec::new();
+    let mut packet_workers: Vec<(u32, String, PacketSocket)> = Vec::new();
     for (n, iface) in cfg.interfaces.iter().enumerate() {
         let ifindex = ifindex(iface)?;
-        let engine = || -> anyhow::Result<Engine> {
-            Ok(Engine::new(
-                shared.clone(),
-                path.clone(),
-                next_hops()?,
-                ifindex,
-                rand::random(),
-            ))
-        };
         let attached = match cfg.io {
             PacketIo::Afpacket => None,
             PacketIo::Xdp => Some(attach_xdp(iface)?),
@@ -90,8 +74,11 @@ pub(crate) fn start(
                     st.register_socket(sock.queue(), &sock).with_context(|| {
                         format!("packet mode: registering {iface:?} queue {}", sock.queue())
                     })?;
-                    let name = format!("weir-pkt-{iface}-{}", sock.queue());
-                    spawn(name, engine()?, Socket::Xdp(sock))?;
+                    let q = sock.queue() as usize;
+                    if xdp_workers.len() <= q {
+                        xdp_workers.resize_with(q + 1, Vec::new);
+                    }
+                    xdp_workers[q].push((ifindex, sock));
                 }
                 // fnat: replies to weir's local addresses, on its port range only.
                 for &local in &cfg.local_addresses {
@@ -117,16 +104,43 @@ pub(crate) fn start(
                     let sock = PacketSocket::bind(iface, pcfg).with_context(|| {
                         format!("packet mode: AF_PACKET socket on {iface:?} (needs root)")
                     })?;
-                    spawn(
-                        format!("weir-pkt-{iface}-{q}"),
-                        engine()?,
-                        Socket::Packet(sock),
-                    )?;
+                    packet_workers.push((ifindex, format!("weir-pkt-{iface}-{q}"), sock));
                 }
                 tracing::info!(interface = %iface, workers, "packet mode attached (AF_PACKET)");
                 ios.push("afpacket");
             }
         }
+    }
+    let mut threads = Vec::new();
+    let mut worker = first_worker;
+    let mut spawn = |name: String, egress: Vec<u32>, socks: Socks| -> anyhow::Result<()> {
+        let engine = Engine::new(
+            shared.clone(),
+            path.clone(),
+            next_hops()?,
+            egress,
+            rand::random(),
+        );
+        let stop = stop.clone();
+        let idx = worker;
+        worker += 1;
+        threads.push(
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(move || worker_main(engine, socks, idx, stop))
+                .context("spawning a packet worker")?,
+        );
+        Ok(())
+    };
+    for (q, socks) in xdp_workers.into_iter().enumerate() {
+        if socks.is_empty() {
+            continue;
+        }
+        let egress = socks.iter().map(|(ix, _)| *ix).collect();
+        spawn(format!("weir-pkt-q{q}"), egress, Socks::Xdp(socks))?;
+    }
+    for (ix, name, sock) in packet_workers {
+        spawn(name, vec![ix], Socks::Packet(ix, sock))?;
     }
     ios.dedup();
     let _ = path.io.set(ios.join("+"));
@@ -163,12 +177,11 @@ fn afpacket_workers(cfg: &PacketConfig, shared: &Shared) -> usize {
     }
 }
 
-/// A packet worker's socket (one per thread, moved in once: its size
-/// does not matter).
-#[allow(clippy::large_enum_variant)]
-enum Socket {
-    Xdp(XskSocket),
-    Packet(PacketSocket),
+/// A packet worker's sockets: AF_XDP on one queue of one or more
+/// interfaces (by ifindex), or one AF_PACKET socket.
+enum Socks {
+    Xdp(Vec<(u32, XskSocket)>),
+    Packet(u32, PacketSocket),
 }
 
 /// Takes fnat's port range out of the kernel's ephemeral ports in this
@@ -246,24 +259,69 @@ fn ifindex(iface: &str) -> anyhow::Result<u32> {
         .with_context(|| format!("packet mode: no interface {iface:?} in this network namespace"))
 }
 
-fn worker_main(mut engine: Engine, mut sock: Socket, idx: usize, stop: Arc<AtomicBool>) {
+fn worker_main(mut engine: Engine, mut socks: Socks, idx: usize, stop: Arc<AtomicBool>) {
     super::stats::set_worker_index(idx);
+    if let Err(e) = run_worker(&mut engine, &mut socks, &stop) {
+        tracing::error!("packet worker {idx}: {e}; stopping it");
+    }
+}
+
+fn run_worker(engine: &mut Engine, socks: &mut Socks, stop: &AtomicBool) -> Result<(), String> {
     let timeout = Duration::from_millis(100);
-    while !stop.load(Relaxed) {
-        engine.refresh();
-        let r = match &mut sock {
-            Socket::Xdp(s) => s
-                .run_batch_all(timeout, |b| engine.process_batch(b))
-                .map_err(|e| e.to_string()),
-            Socket::Packet(s) => s
-                .run_batch_all(timeout, |b| engine.process_batch(b))
-                .map_err(|e| e.to_string()),
-        };
-        if let Err(e) = r {
-            tracing::error!("packet worker {idx}: {e}; stopping it");
-            return;
+    let mut no_egress = |_: u32, _: &[u8]| false;
+    match socks {
+        Socks::Packet(ix, s) => {
+            let ix = *ix;
+            while !stop.load(Relaxed) {
+                engine.refresh();
+                s.run_batch_all(timeout, |b| engine.process_batch(b, ix, &mut no_egress))
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        Socks::Xdp(v) if v.len() == 1 => {
+            let (ix, s) = &mut v[0];
+            let ix = *ix;
+            while !stop.load(Relaxed) {
+                engine.refresh();
+                s.run_batch_all(timeout, |b| engine.process_batch(b, ix, &mut no_egress))
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        Socks::Xdp(v) => {
+            let fds: Vec<_> = v.iter().map(|(_, s)| s.as_raw_fd()).collect();
+            let mut ready = Vec::new();
+            while !stop.load(Relaxed) {
+                engine.refresh();
+                weir_packet_io::poll_readable(&fds, timeout, &mut ready)
+                    .map_err(|e| e.to_string())?;
+                for k in 0..v.len() {
+                    if !ready.get(k).copied().unwrap_or(false) {
+                        continue;
+                    }
+                    let (before, rest) = v.split_at_mut(k);
+                    let Some(((ix, cur), after)) = rest.split_first_mut() else {
+                        break;
+                    };
+                    let mut egress = |to: u32, frame: &[u8]| {
+                        before
+                            .iter_mut()
+                            .chain(after.iter_mut())
+                            .find(|(i, _)| *i == to)
+                            .is_some_and(|(_, s)| s.queue_copy(frame))
+                    };
+                    cur.run_batch_all(Duration::ZERO, |b| {
+                        engine.process_batch(b, *ix, &mut egress)
+                    })
+                    .map_err(|e| e.to_string())?;
+                }
+                // Send what was copied to the other interfaces.
+                for (_, s) in v.iter_mut() {
+                    s.flush().map_err(|e| e.to_string())?;
+                }
+            }
         }
     }
+    Ok(())
 }
 
 impl PacketRuntime {
