@@ -9,12 +9,14 @@
  *     weir's local addresses; the kernel's own connections from that address
  *     use ports outside the range), or
  *   - its (source address, protocol, source port) is in `backends` (nat
- *     replies from a backend), or
+ *     replies from a backend) and its destination is not in `host` (an
+ *     address of this host: the kernel's own connections to a backend, such
+ *     as weir's health checks, get their answers), or
  *   - it is an ICMP or ICMPv6 error (destination unreachable, packet too
  *     big, time exceeded) quoting a packet weir sent: from a virtual address
  *     (`steer`, by the quoted source), from a local address inside its range
  *     (`local_ports`), or to a nat backend (`backends`, by the quoted
- *     destination) — so weir can translate it and path-MTU discovery works
+ *     destination, unless the quoted source is in `host`) — so weir can translate it and path-MTU discovery works
  *     through weir.
  * Everything else, and anything this program cannot parse, is XDP_PASS, so
  * SSH, the admin API and unrelated traffic reach the kernel unchanged.
@@ -89,6 +91,21 @@ struct {
 	__type(key, struct local_key);
 	__type(value, struct port_range);
 } local_ports SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct local_key); /* proto 0: any */
+	__type(value, __u32);
+} host SEC(".maps");
+
+/* Whether `addr` (16 bytes, IPv4-mapped) is one of this host's addresses. */
+static __always_inline int is_host(const __u8 *addr)
+{
+	struct local_key k = {};
+	__builtin_memcpy(k.addr, addr, 16);
+	return bpf_map_lookup_elem(&host, &k) != 0;
+}
 
 struct {
 	__uint(type, BPF_MAP_TYPE_XSKMAP);
@@ -208,8 +225,8 @@ static __always_inline int icmp_error(struct xdp_md *ctx, __u8 *icmp, void *end,
 		if (port >= range->first && port <= range->last)
 			goto match;
 	}
-	/* To a nat backend. */
-	if (bpf_map_lookup_elem(&backends, &dst))
+	/* To a nat backend, from a client (not from this host). */
+	if (bpf_map_lookup_elem(&backends, &dst) && !is_host(src.addr))
 		goto match;
 	return count(STAT_PASSED, XDP_PASS);
 match:
@@ -303,9 +320,9 @@ int weir_steer(struct xdp_md *ctx)
 		}
 	}
 
-	/* From a nat backend. */
+	/* From a nat backend, to a client (not to this host). */
 	from.proto = key.proto;
-	if (bpf_map_lookup_elem(&backends, &from)) {
+	if (bpf_map_lookup_elem(&backends, &from) && !is_host(key.addr)) {
 		bump(STAT_MATCH_BACKEND);
 		return steer_to_socket(ctx);
 	}

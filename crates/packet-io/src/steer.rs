@@ -422,6 +422,35 @@ impl Steering {
             .collect())
     }
 
+    /// Marks `addr` as an address of this host: a reply from a nat backend
+    /// to it (the kernel's own connection, e.g. a health check) and an ICMP
+    /// error about a packet it sent to a backend are left to the kernel.
+    /// Add every address of the interfaces weir attaches to.
+    pub fn add_host(&mut self, addr: IpAddr) -> Result<(), SteerError> {
+        let mut key = LocalKey::new(addr, IPPROTO_TCP)?;
+        key.proto = 0;
+        self.insert("host", key, 1u32)
+    }
+
+    /// Forgets a host address ([`Steering::add_host`]); absent is not an error.
+    pub fn remove_host(&mut self, addr: IpAddr) -> Result<(), SteerError> {
+        let mut key = LocalKey::new(addr, IPPROTO_TCP)?;
+        key.proto = 0;
+        self.delete::<LocalKey, u32>("host", &key)
+    }
+
+    /// The host addresses registered ([`Steering::add_host`]).
+    pub fn hosts(&mut self) -> Result<Vec<IpAddr>, SteerError> {
+        Ok(self
+            .entries::<LocalKey, u32>("host")?
+            .into_iter()
+            .map(|(k, _)| {
+                let v6 = std::net::Ipv6Addr::from(k.addr);
+                v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4)
+            })
+            .collect())
+    }
+
     /// Steers `protocol` packets to the local (fnat source) address `addr`
     /// whose destination port lies in `ports` to the AF_XDP sockets: the
     /// backends' replies to weir's fnat mappings. Packets to `addr` on other
@@ -472,6 +501,9 @@ impl Steering {
         }
         for (addr, proto, _) in self.locals()? {
             self.remove_local(addr, proto)?;
+        }
+        for addr in self.hosts()? {
+            self.remove_host(addr)?;
         }
         Ok(())
     }

@@ -59,6 +59,8 @@ const V6: Fam = Fam {
 
 const MAC_CLIENT: &str = "02:00:00:00:00:0a";
 const MAC_WEIR: &str = "02:00:00:00:00:01";
+/// weir's second interface (lb1) when it is two-armed.
+const MAC_WEIR2: &str = "02:00:00:00:00:11";
 const MAC_BACKENDS: [&str; 2] = ["02:00:00:00:00:02", "02:00:00:00:00:03"];
 
 impl Fam {
@@ -120,6 +122,8 @@ struct Topology {
     tag: String,
     dir: tempfile::TempDir,
     children: Vec<Child>,
+    /// `[packet] interfaces` for weir.
+    interfaces: &'static str,
 }
 
 impl Topology {
@@ -127,12 +131,19 @@ impl Topology {
         format!("{}{}", name, self.tag)
     }
 
-    fn new(method: &str) -> Result<Self, String> {
+    /// `two_armed`: weir's lb0 on the clients' bridge and lb1 on a second
+    /// bridge with the backends (the issue's `interfaces = ["lb0", "lb1"]`).
+    fn build(method: &str, two_armed: bool) -> Result<Self, String> {
         let tag = format!("-{}-{}", std::process::id() % 100_000, method);
         let topo = Topology {
             tag,
             dir: tempfile::tempdir().map_err(|e| e.to_string())?,
             children: Vec::new(),
+            interfaces: if two_armed {
+                "\"lb0\", \"lb1\""
+            } else {
+                "\"lb0\""
+            },
         };
         let (sw, c, w) = (topo.ns("sw"), topo.ns("cl"), topo.ns("lb"));
         let bs = [topo.ns("b1"), topo.ns("b2")];
@@ -140,31 +151,43 @@ impl Topology {
             ip(&format!("netns add {ns}"))?;
             ip(&format!("-n {ns} link set lo up"))?;
         }
-        ip(&format!("-n {sw} link add br0 type bridge"))?;
-        ip(&format!("-n {sw} link set br0 up"))?;
-        // (namespace, device, MAC, addresses of both families)
-        let mut ends = vec![(c.clone(), "eth0", MAC_CLIENT, vec![])];
-        ends.push((w.clone(), "lb0", MAC_WEIR, vec![]));
-        for (i, b) in bs.iter().enumerate() {
-            ends.push((b.clone(), "eth0", MAC_BACKENDS[i], vec![]));
+        for br in ["br0", "br1"] {
+            ip(&format!("-n {sw} link add {br} type bridge"))?;
+            ip(&format!("-n {sw} link set {br} up"))?;
         }
+        // The backends' bridge, and weir's device and MAC on it.
+        let (bbr, wdev, wmac) = if two_armed {
+            ("br1", "lb1", MAC_WEIR2)
+        } else {
+            ("br0", "lb0", MAC_WEIR)
+        };
+        // (namespace, device, MAC, bridge, addresses of both families)
+        let mut ends = vec![(c.clone(), "eth0", MAC_CLIENT, "br0", vec![])];
+        ends.push((w.clone(), "lb0", MAC_WEIR, "br0", vec![]));
+        for (i, b) in bs.iter().enumerate() {
+            ends.push((b.clone(), "eth0", MAC_BACKENDS[i], bbr, vec![]));
+        }
+        if two_armed {
+            ends.push((w.clone(), "lb1", MAC_WEIR2, "br1", vec![]));
+        }
+        let wb = if two_armed { 4 } else { 1 };
         for f in [&V4, &V6] {
-            ends[0].3.push(format!("{}/{}", f.client, f.plen));
-            ends[1].3.push(format!("{}/{}", f.weir_client_side, f.plen));
-            ends[1]
-                .3
+            ends[0].4.push(format!("{}/{}", f.client, f.plen));
+            ends[1].4.push(format!("{}/{}", f.weir_client_side, f.plen));
+            ends[wb]
+                .4
                 .push(format!("{}/{}", f.weir_backend_side, f.plen));
             for i in 0..2 {
-                ends[2 + i].3.push(format!("{}/{}", f.backends[i], f.plen));
+                ends[2 + i].4.push(format!("{}/{}", f.backends[i], f.plen));
             }
         }
-        for (i, (ns, dev, mac, addrs)) in ends.iter().enumerate() {
-            let q = if *dev == "lb0" { 2 } else { 1 };
+        for (i, (ns, dev, mac, br, addrs)) in ends.iter().enumerate() {
+            let q = if dev.starts_with("lb") { 2 } else { 1 };
             ip(&format!(
                 "link add p{i} netns {sw} type veth peer name {dev} netns {ns} address {mac} \
                  numrxqueues {q} numtxqueues {q}"
             ))?;
-            ip(&format!("-n {sw} link set p{i} master br0 up"))?;
+            ip(&format!("-n {sw} link set p{i} master {br} up"))?;
             for a in addrs {
                 ip(&format!("-n {ns} addr add {a} dev {dev} nodad"))?;
             }
@@ -191,11 +214,11 @@ impl Topology {
             ))?;
             for i in 0..2 {
                 ip(&format!(
-                    "-n {w} neigh replace {} lladdr {} dev lb0 nud permanent",
+                    "-n {w} neigh replace {} lladdr {} dev {wdev} nud permanent",
                     f.backends[i], MAC_BACKENDS[i]
                 ))?;
                 ip(&format!(
-                    "-n {} neigh replace {} lladdr {MAC_WEIR} dev eth0 nud permanent",
+                    "-n {} neigh replace {} lladdr {wmac} dev eth0 nud permanent",
                     bs[i], f.weir_backend_side
                 ))?;
             }
@@ -298,8 +321,9 @@ impl Topology {
             &cfg,
             format!(
                 "[daemon]\nworkers = 1\n\n[admin]\nlisten = \"unix:{}/admin.sock\"\ntoken = \"packet-mode-test-token\"\n\n\
-                 [packet]\ninterfaces = [\"lb0\"]\n{packet_extra}\n\n{service}\n",
-                dir.display()
+                 [packet]\ninterfaces = [{}]\n{packet_extra}\n\n{service}\n",
+                dir.display(),
+                self.interfaces
             ),
         )
         .map_err(|e| e.to_string())?;
@@ -451,12 +475,16 @@ fn check(r: Result<(), String>) {
 /// One end-to-end run: topology, nginx, the method's own setup, weir, ten
 /// requests.
 fn forwards(tag: &str, f: &Fam, forward: &str, packet_extra: &str) {
+    forwards_on(tag, f, forward, packet_extra, false)
+}
+
+fn forwards_on(tag: &str, f: &Fam, forward: &str, packet_extra: &str, two_armed: bool) {
     if let Some(why) = missing_prerequisite() {
         eprintln!("skipped: {why}");
         return;
     }
     check((|| {
-        let mut topo = Topology::new(tag)?;
+        let mut topo = Topology::build(tag, two_armed)?;
         topo.start_backends()?;
         match forward {
             "nat" => topo.route_backends_via_weir()?,
@@ -521,4 +549,181 @@ fn dr_v6() {
 #[test]
 fn nat_v4_over_af_packet() {
     forwards("afp", &V4, "nat", "io = \"afpacket\"");
+}
+
+/// Two-armed: clients on lb0, backends on lb1 (two bridges, weir the only
+/// path between them). Every frame is received on one interface and sent
+/// from the other: the worker copies it between its two AF_XDP sockets.
+#[test]
+fn nat_v4_two_armed() {
+    forwards_on("nat2", &V4, "nat", "", true);
+}
+
+#[test]
+fn fnat_v6_two_armed() {
+    forwards_on(
+        "fnat2",
+        &V6,
+        "fnat",
+        &format!("local_addresses = [\"{}\"]", V6.weir_backend_side),
+        true,
+    );
+}
+
+fn skip() -> bool {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipped: {why}");
+        return true;
+    }
+    false
+}
+
+/// Which backend answered each of `n` requests to the v4 VIP.
+fn answers(topo: &Topology, n: usize) -> Result<Vec<String>, String> {
+    (0..n)
+        .map(|i| {
+            topo.curl(&format!("http://{}/", V4.ep(V4.vip, 80)))
+                .map(|b| b.trim().to_owned())
+                .map_err(|e| format!("request {i}: {e}\nweir's log:\n{}", topo.weir_log()))
+        })
+        .collect()
+}
+
+/// Persistence (IPVS -p) in packet mode: every flow of a client goes to
+/// the backend its first one got, through the same template as the proxy's.
+#[test]
+fn persistence_keeps_a_client_on_one_backend() {
+    if skip() {
+        return;
+    }
+    check((|| {
+        let mut topo = Topology::build("persist", false)?;
+        topo.start_backends()?;
+        topo.route_backends_via_weir()?;
+        let svc = web_service(&V4, "nat").replace(
+            "scheduler = \"rr\"\n",
+            "scheduler = \"rr\"\npersistence = \"60s\"\n",
+        );
+        let _cfg = topo.start_weir(&svc, "")?;
+        let seen = answers(&topo, 6)?;
+        if seen.iter().any(|b| *b != seen[0]) {
+            return Err(format!("persistence: one client spread over {seen:?}"));
+        }
+        Ok(())
+    })());
+}
+
+/// A backend that stops answering health checks leaves the scheduler; with
+/// `expire_nodest_conn` its flows end; new flows all go to the other one.
+#[test]
+fn a_failed_backend_leaves_and_its_flows_end() {
+    if skip() {
+        return;
+    }
+    check((|| {
+        let mut topo = Topology::build("health", false)?;
+        topo.start_backends()?;
+        topo.route_backends_via_weir()?;
+        let svc = web_service(&V4, "nat").replace(
+            "scheduler = \"rr\"\n",
+            "scheduler = \"rr\"\nexpire_nodest_conn = true\n\
+             health = { interval = \"200ms\", timeout = \"200ms\", rise = 1, fall = 1 }\n",
+        );
+        let cfg = topo.start_weir(&svc, "")?;
+        let both = answers(&topo, 4)?;
+        if !both.contains(&"b2".to_owned()) {
+            return Err(format!("b2 never answered before its failure: {both:?}"));
+        }
+        // Stop b2's nginx (children: b1's nginx, b2's nginx, weir).
+        let _ = topo.children[1].kill();
+        let _ = topo.children[1].wait();
+        wait_for("weir to mark b2 down", || {
+            weir(&cfg, &["health"]).is_ok_and(|h| {
+                h.lines()
+                    .any(|l| l.contains(V4.backends[1]) && l.contains("down"))
+            })
+        })?;
+        // b2's flows were ended (expire_nodest_conn).
+        let conns = weir(&cfg, &["conns", "--json"])?;
+        if conns.lines().any(|l| l.contains(V4.backends[1])) {
+            return Err(format!("flows to the failed backend remain:\n{conns}"));
+        }
+        let after = answers(&topo, 4)?;
+        if after.iter().any(|b| b != "b1") {
+            return Err(format!("requests after b2 failed: {after:?}"));
+        }
+        Ok(())
+    })());
+}
+
+/// `weir kill` ends packet flows (there is no task: the entry goes, with
+/// its admission slot), and tenants are fenced: another tenant's service
+/// and flows are neither listed nor killed, and deleting a tenant ends its
+/// flows while the other's keep forwarding.
+#[test]
+fn kill_and_tenant_isolation() {
+    if skip() {
+        return;
+    }
+    check((|| {
+        let mut topo = Topology::build("tenants", false)?;
+        topo.start_backends()?;
+        topo.route_backends_via_weir()?;
+        let vip2 = "10.99.1.101";
+        ip(&format!(
+            "-n {} route add {vip2}/32 via {}",
+            topo.ns("cl"),
+            V4.weir_client_side
+        ))?;
+        let a = web_service(&V4, "nat").replace("name = \"web\"", "tenant = \"a\"\nname = \"web\"");
+        let b = web_service(&V4, "nat")
+            .replace("name = \"web\"", "tenant = \"b\"\nname = \"web\"")
+            .replace(V4.vip, vip2);
+        let tenants =
+            "[[tenant]]\nname = \"a\"\ntable_entries = 1024\n\n[[tenant]]\nname = \"b\"\n";
+        let cfg = topo.start_weir(&format!("{a}\n{b}"), tenants)?;
+        for vip in [V4.vip, vip2] {
+            for _ in 0..3 {
+                topo.curl(&format!("http://{vip}/"))?;
+            }
+        }
+        let count = |args: &[&str]| -> Result<usize, String> {
+            Ok(weir(&cfg, args)?
+                .lines()
+                .filter(|l| l.contains(V4.client))
+                .count())
+        };
+        if (
+            count(&["conns", "--json", "--tenant", "a"])?,
+            count(&["conns", "--json", "--tenant", "b"])?,
+        ) != (3, 3)
+        {
+            return Err(format!("per-tenant listings:\n{}", weir(&cfg, &["conns"])?));
+        }
+        weir(&cfg, &["kill", "--tenant", "a"])?;
+        if (
+            count(&["conns", "--json", "--tenant", "a"])?,
+            count(&["conns", "--json", "--tenant", "b"])?,
+        ) != (0, 3)
+        {
+            return Err(format!(
+                "after killing tenant a's flows:\n{}",
+                weir(&cfg, &["conns"])?
+            ));
+        }
+        // a's service still forwards new flows; b's too.
+        topo.curl(&format!("http://{}/", V4.vip))?;
+        weir(&cfg, &["tenant", "del", "b"])?;
+        if count(&["conns", "--json"])? != 1 {
+            return Err(format!(
+                "after deleting tenant b:\n{}",
+                weir(&cfg, &["conns"])?
+            ));
+        }
+        if topo.curl(&format!("http://{vip2}/")).is_ok() {
+            return Err("tenant b's VIP still answers after its deletion".into());
+        }
+        topo.curl(&format!("http://{}/", V4.vip))?;
+        Ok(())
+    })());
 }

@@ -80,6 +80,12 @@ pub(crate) fn start(
                     }
                     xdp_workers[q].push((ifindex, sock));
                 }
+                // The host's own addresses: backends' answers to the kernel's
+                // connections (health checks) stay the kernel's.
+                for addr in host_addrs() {
+                    st.add_host(addr)
+                        .with_context(|| format!("packet mode: registering host address {addr}"))?;
+                }
                 // fnat: replies to weir's local addresses, on its port range only.
                 for &local in &cfg.local_addresses {
                     for proto in [6, 17] {
@@ -224,6 +230,24 @@ pub(crate) fn queue_count(cfg: &PacketConfig, daemon_workers: usize) -> anyhow::
         n += queues.max(afpacket);
     }
     Ok(n)
+}
+
+/// Every address of every interface in this network namespace.
+fn host_addrs() -> Vec<std::net::IpAddr> {
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
+        return Vec::new();
+    };
+    let mut out: Vec<std::net::IpAddr> = addrs
+        .filter_map(|a| {
+            let a = a.address?;
+            a.as_sockaddr_in()
+                .map(|s| std::net::IpAddr::V4(s.ip()))
+                .or_else(|| a.as_sockaddr_in6().map(|s| std::net::IpAddr::V6(s.ip())))
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// Next hops from the kernel's routing and neighbour tables (netlink),
