@@ -981,6 +981,13 @@ impl Shared {
     /// connection and session and tell its owner to close. Returns how many
     /// owners it told.
     pub(crate) fn ended(&self, snaps: &[FlowSnapshot], why: Close) -> u64 {
+        self.ended_in(snaps, why, None)
+    }
+
+    /// [`Self::ended`], for entries of `gone` too: a service already taken
+    /// out of the state whose entries are being ended (its packet flows
+    /// still give back their admission slots and ports).
+    fn ended_in(&self, snaps: &[FlowSnapshot], why: Close, gone: Option<&Arc<Service>>) -> u64 {
         let mut services: Option<HashMap<u32, Arc<Service>>> = None;
         let mut told = 0;
         for snap in snaps {
@@ -995,13 +1002,17 @@ impl Shared {
             }
             let services = services.get_or_insert_with(|| {
                 let st = self.state.read();
-                st.services.values().map(|s| (s.id, s.clone())).collect()
+                st.services
+                    .values()
+                    .chain(gone)
+                    .map(|s| (s.id, s.clone()))
+                    .collect()
             });
             if let Some(svc) = services.get(&snap.service.0) {
                 let backend = svc.backend(snap.backend.0);
                 self.settle(snap, svc, backend.as_ref(), why.name());
                 if snap.owner == packet::PACKET_OWNER {
-                    self.settle_packet(snap, svc, backend.as_ref());
+                    self.settle_packet(snap, svc);
                 }
             }
         }
@@ -1128,6 +1139,16 @@ impl Shared {
         filter: &DumpFilter,
         pred: impl Fn(&FlowSnapshot) -> bool,
     ) -> u64 {
+        self.kill_where_in(why, filter, pred, None)
+    }
+
+    fn kill_where_in(
+        &self,
+        why: Close,
+        filter: &DumpFilter,
+        pred: impl Fn(&FlowSnapshot) -> bool,
+        gone: Option<&Arc<Service>>,
+    ) -> u64 {
         let mut n = 0;
         let mut cursor = None;
         let mut page = Vec::new();
@@ -1147,7 +1168,7 @@ impl Shared {
                     n += 1;
                 }
             }
-            n += self.ended(&removed, why);
+            n += self.ended_in(&removed, why, gone);
             match next {
                 Some(c) => cursor = Some(c),
                 None => return n,
@@ -1157,15 +1178,23 @@ impl Shared {
 
     /// [`Self::kill_where`] for one service's entries (all, or those of
     /// the backends `backends` lists).
-    pub(crate) fn kill_service(&self, svc: &Service, backends: Option<&[u32]>, why: Close) -> u64 {
+    pub(crate) fn kill_service(
+        &self,
+        svc: &Arc<Service>,
+        backends: Option<&[u32]>,
+        why: Close,
+    ) -> u64 {
         let filter = DumpFilter {
             tenant: Some(TenantId(svc.tenant.id)),
             service: Some(ServiceId(svc.id)),
             ..DumpFilter::default()
         };
-        self.kill_where(why, &filter, |s| {
-            backends.is_none_or(|b| b.contains(&s.backend.0))
-        })
+        self.kill_where_in(
+            why,
+            &filter,
+            |s| backends.is_none_or(|b| b.contains(&s.backend.0)),
+            Some(svc),
+        )
     }
 
     // -- tenants ----------------------------------------------------------
