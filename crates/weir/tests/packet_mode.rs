@@ -727,3 +727,126 @@ fn kill_and_tenant_isolation() {
         Ok(())
     })());
 }
+
+/// Whether `tool` runs here (these tests skip without it, saying so).
+fn have(tool: &str) -> bool {
+    Command::new(tool).arg("--version").output().is_ok()
+        || Command::new(tool).arg("-v").output().is_ok()
+}
+
+/// Bulk TCP and UDP through nat with iperf3 (its control connection is TCP,
+/// its UDP test datagrams take the UDP service on the same VIP:port), and
+/// many short HTTP connections with wrk (`Connection: close`).
+#[test]
+fn iperf3_and_wrk_through_nat() {
+    if skip() {
+        return;
+    }
+    for tool in ["iperf3", "wrk"] {
+        if !have(tool) {
+            eprintln!("skipped: needs {tool} (Debian package {tool})");
+            return;
+        }
+    }
+    check((|| {
+        let mut topo = Topology::build("bulk", false)?;
+        topo.start_backends()?;
+        topo.route_backends_via_weir()?;
+        let b1 = V4.backends[0];
+        let iperf = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &topo.ns("b1"),
+                "iperf3",
+                "-s",
+                "-B",
+                b1,
+                "-p",
+                "5201",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("iperf3 -s: {e}"))?;
+        topo.children.push(iperf);
+        let mut services = web_service(&V4, "nat");
+        for proto in ["tcp", "udp"] {
+            services.push_str(&format!(
+                "\n[[service]]\nname = \"iperf-{proto}\"\nprotocol = \"{proto}\"\nlisten = \"{}:5201\"\n\
+                 forward = \"nat\"\n  [[service.backend]]\n  address = \"{b1}:5201\"\n",
+                V4.vip
+            ));
+        }
+        let cfg = topo.start_weir(&services, "")?;
+        let cl = topo.ns("cl");
+        let iperf3 = |extra: &[&str]| -> Result<serde_json::Value, String> {
+            let mut args = vec![
+                "netns", "exec", &cl, "iperf3", "-c", V4.vip, "-p", "5201", "-t", "2", "-J",
+            ];
+            args.extend_from_slice(extra);
+            let mut last = String::new();
+            // The server may still be starting: a few tries, bounded.
+            for _ in 0..20 {
+                match run(&[&["ip"], args.as_slice()].concat()) {
+                    Ok(out) => return serde_json::from_str(&out).map_err(|e| e.to_string()),
+                    Err(e) => last = e,
+                }
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            Err(format!(
+                "iperf3 {extra:?}: {last}\nweir's log:\n{}",
+                topo.weir_log()
+            ))
+        };
+        let tcp = iperf3(&[])?;
+        let got = tcp["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
+        if got < 1_000_000 {
+            return Err(format!("iperf3 TCP moved {got} bytes"));
+        }
+        let udp = iperf3(&["-u", "-b", "20M"])?;
+        let sum = &udp["end"]["sum"];
+        let (packets, lost) = (
+            sum["packets"].as_u64().unwrap_or(0),
+            sum["lost_packets"].as_u64().unwrap_or(u64::MAX),
+        );
+        if packets < 1000 || lost * 100 > packets {
+            return Err(format!("iperf3 UDP: {packets} packets, {lost} lost"));
+        }
+        let out = run(&[
+            "ip",
+            "netns",
+            "exec",
+            &cl,
+            "wrk",
+            "-t1",
+            "-c8",
+            "-d2s",
+            "-H",
+            "Connection: close",
+            &format!("http://{}/", V4.vip),
+        ])?;
+        let requests = out
+            .lines()
+            .find_map(|l| {
+                l.trim()
+                    .split_once(" requests in ")
+                    .map(|(n, _)| n.trim().parse::<u64>())
+            })
+            .and_then(Result::ok)
+            .unwrap_or(0);
+        if requests < 100 || out.contains("Non-2xx") || out.contains("Socket errors") {
+            return Err(format!("wrk through nat:\n{out}"));
+        }
+        let stats = weir(&cfg, &["stats", "--json"])?;
+        let v: serde_json::Value = serde_json::from_str(&stats).map_err(|e| e.to_string())?;
+        // Every frame weir received was forwarded. (Flows may be fewer than
+        // wrk's connections: a client port reused while its old flow is in
+        // TIME_WAIT takes that flow again, as in IPVS.)
+        let p = &v["global"]["packet"];
+        if p["rx"] != p["tx"] || p["new_flows"].as_u64() < Some(requests / 2) {
+            return Err(format!("packet counters after iperf3 and wrk: {p}"));
+        }
+        Ok(())
+    })());
+}
