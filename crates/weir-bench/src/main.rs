@@ -12,6 +12,7 @@ use clap::{Args, Parser, Subcommand};
 
 mod dump;
 mod ops;
+mod packet;
 mod proxy;
 mod rate;
 mod report;
@@ -35,6 +36,9 @@ enum Suite {
     Rate(Common),
     /// Proxy: weir vs HAProxy and nginx stream (CPS, RPS, throughput, memory, slow readers, UDP).
     Proxy(Common),
+    /// Packet mode: weir nat/fnat/dr vs kernel forwarding and nftables DNAT
+    /// in network namespaces (root, trafgen, nft; not part of `all`).
+    Packet(Common),
     /// Every suite in turn; one JSON object keyed by suite.
     All(Common),
     /// Soak: TCP and UDP churn through one daemon with runtime edits and
@@ -74,6 +78,7 @@ fn main() -> Result<()> {
         Suite::Dump(c) => (c, vec![("dump", dump::dump)]),
         Suite::Rate(c) => (c, vec![("rate", rate::rate)]),
         Suite::Proxy(c) => (c, vec![("proxy", proxy::run)]),
+        Suite::Packet(c) => (c, vec![("packet", packet::run)]),
         Suite::Soak(a) => return soak::run(&a),
         Suite::Ops(a) => return ops::run(&a),
         Suite::All(c) => (
