@@ -1995,11 +1995,9 @@ fn forward_problems(s: &ServiceSpec, err: &mut dyn FnMut(Vec<PathSeg>, String)) 
     // close after N answers (and replies still in flight need the flow's
     // mapping), and never writes into the byte stream (a PROXY header
     // would need the sequence numbers rewritten on every packet).
-    // The per-client caps are not counted for packet flows yet (their count
-    // must be given back when the table ends a flow), so they are refused
-    // rather than silently ignored. The others (persistence, tenant and
-    // backend limits, health, expire_nodest_conn, udp_timeout, scheduler
-    // options) mean the same for a flow as for a connection.
+    // The others (persistence, tenant, backend and per-client limits,
+    // health, expire_nodest_conn, udp_timeout, scheduler options) mean the
+    // same for a flow as for a connection.
     let proxy_only = [
         (
             "connect_timeout",
@@ -2010,18 +2008,6 @@ fn forward_problems(s: &ServiceSpec, err: &mut dyn FnMut(Vec<PathSeg>, String)) 
             "udp_responses",
             o.udp_responses.is_some() && s.protocol == Protocol::Udp,
             "packet mode keeps a UDP flow until its idle timeout (udp_timeout)",
-        ),
-        (
-            "tcp_max_connections_per_client",
-            o.tcp_max_connections_per_client > 0,
-            "packet mode does not count flows per client yet (tenant max_connections \
-             and backend max_connections apply)",
-        ),
-        (
-            "udp_max_sessions_per_client",
-            o.udp_max_sessions_per_client > 0,
-            "packet mode does not count flows per client yet (tenant max_connections \
-             and backend max_connections apply)",
         ),
     ];
     for (key, set, why) in proxy_only {

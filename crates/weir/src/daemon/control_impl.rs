@@ -756,7 +756,7 @@ impl Control for LiveControl {
                 && self
                     .0
                     .kill_where(Close::Killed, &DumpFilter::default(), |s| {
-                        s.cookie.0 == cookie && s.owner == super::packet::PACKET_OWNER
+                        s.cookie.0 == cookie && super::packet::is_packet_owner(s.owner)
                     })
                     > 0 =>
             {

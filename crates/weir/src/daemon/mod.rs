@@ -991,7 +991,7 @@ impl Shared {
         let mut services: Option<HashMap<u32, Arc<Service>>> = None;
         let mut told = 0;
         for snap in snaps {
-            if snap.owner == packet::PACKET_OWNER {
+            if packet::is_packet_owner(snap.owner) {
                 // No task to tell; settled below.
                 told += 1;
             } else if snap.owner != 0 && self.owners.kill(snap.owner, snap.cookie.0, why) {
@@ -1011,7 +1011,7 @@ impl Shared {
             if let Some(svc) = services.get(&snap.service.0) {
                 let backend = svc.backend(snap.backend.0);
                 self.settle(snap, svc, backend.as_ref(), why.name());
-                if snap.owner == packet::PACKET_OWNER {
+                if packet::is_packet_owner(snap.owner) {
                     self.settle_packet(snap, svc);
                 }
             }
@@ -1161,7 +1161,7 @@ impl Shared {
                 if snap.owner == 0 || !pred(snap) {
                     continue;
                 }
-                if snap.owner == packet::PACKET_OWNER {
+                if packet::is_packet_owner(snap.owner) {
                     // No task to tell: the packet path's flow ends here.
                     removed.extend(self.table.remove_cookie(&snap.key, snap.cookie));
                 } else if self.owners.kill(snap.owner, snap.cookie.0, why) {
@@ -1596,6 +1596,41 @@ impl Service {
             svc: self.clone(),
             ip,
         }))
+    }
+
+    /// One more packet flow from `client` under the cap `max` of its
+    /// protocol's per-client map (the proxy's maps: a client's proxied
+    /// connections and packet flows count together); false at the cap.
+    pub(crate) fn take_client_place(&self, proto: Protocol, client: IpAddr, max: u64) -> bool {
+        let ip = client.to_canonical();
+        let mut counts = match proto {
+            Protocol::Tcp => self.tcp_per_client.lock(),
+            Protocol::Udp => self.udp_per_client.lock(),
+        };
+        let n = counts.entry(ip).or_insert(0);
+        if *n >= max {
+            if *n == 0 {
+                counts.remove(&ip);
+            }
+            return false;
+        }
+        *n += 1;
+        true
+    }
+
+    /// Give back a place [`Self::take_client_place`] took.
+    pub(crate) fn give_client_place(&self, proto: Protocol, client: IpAddr) {
+        let ip = client.to_canonical();
+        let mut counts = match proto {
+            Protocol::Tcp => self.tcp_per_client.lock(),
+            Protocol::Udp => self.udp_per_client.lock(),
+        };
+        if let Some(n) = counts.get_mut(&ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                counts.remove(&ip);
+            }
+        }
     }
 
     /// Rebuild the scheduler from the backends' current weight and health.

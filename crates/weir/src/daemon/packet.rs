@@ -47,8 +47,20 @@ use super::{Backend, Refusal, Service, Shared};
 use crate::config::Forward;
 
 /// The owner token of packet flows: the packet path owns them, no task
-/// does. [`super::owners::Owners`] never hands out this token.
+/// does. [`super::owners::Owners`] never hands out this token (nor
+/// [`PACKET_OWNER_COUNTED`]).
 pub(crate) const PACKET_OWNER: u32 = u32::MAX;
+
+/// The owner token of a packet flow counted against its client's cap
+/// (`tcp_max_connections_per_client` / `udp_max_sessions_per_client` was
+/// set when it opened), so its end gives that place back — and a flow
+/// opened while the cap was 0 gives back nothing it did not take.
+pub(crate) const PACKET_OWNER_COUNTED: u32 = u32::MAX - 1;
+
+/// Whether an entry's owner is the packet path (no task to tell).
+pub(crate) fn is_packet_owner(owner: u32) -> bool {
+    owner >= PACKET_OWNER_COUNTED
+}
 
 /// What the engine did with a frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -830,19 +842,50 @@ impl Engine {
             }
         }
         let shared = &*self.shared;
-        if let Err(why) = shared.admit(&svc.tenant) {
-            shared.refuse(Some(&svc.tenant), why);
-            return Err(Some(Drop::Refused));
-        }
         let proto = match key.proto {
             Proto::Tcp => crate::config::Protocol::Tcp,
             Proto::Udp => crate::config::Protocol::Udp,
         };
+        let params = svc.params.read().clone();
+        let cap = match proto {
+            crate::config::Protocol::Tcp => params.tcp_max_per_client,
+            crate::config::Protocol::Udp => params.udp_max_per_client,
+        };
+        // Taken before admission so a refused client takes no tenant slot.
+        let counted = if cap == 0 {
+            false
+        } else if svc.take_client_place(proto, key.client.ip(), cap) {
+            true
+        } else {
+            let why = match proto {
+                crate::config::Protocol::Tcp => Refusal::TcpClientLimit,
+                crate::config::Protocol::Udp => Refusal::ClientLimit,
+            };
+            shared.refuse(Some(&svc.tenant), why);
+            return Err(Some(Drop::Refused));
+        };
+        // Everything taken so far, given back if the flow does not open.
+        let give_back = |nat: u32, backend: Option<u32>| {
+            shared.release(&svc.tenant);
+            if counted {
+                svc.give_client_place(proto, key.client.ip());
+            }
+            if let (true, Some(b)) = (nat != 0, backend) {
+                self.path.release_port(nat, b);
+            }
+        };
+        if let Err(why) = shared.admit(&svc.tenant) {
+            if counted {
+                svc.give_client_place(proto, key.client.ip());
+            }
+            shared.refuse(Some(&svc.tenant), why);
+            return Err(Some(Drop::Refused));
+        }
         let backend = match svc.choose(shared, proto, key.client, key.virt.ip(), &[], &mut self.rng)
         {
             Ok(b) => b,
             Err(why) => {
-                shared.release(&svc.tenant);
+                give_back(0, None);
                 shared.refuse(Some(&svc.tenant), why);
                 return Err(Some(Drop::Refused));
             }
@@ -851,7 +894,7 @@ impl Engine {
             match self.path.take_port(&backend) {
                 Some(l) => Some(l),
                 None => {
-                    shared.release(&svc.tenant);
+                    give_back(0, None);
                     return Err(Some(Drop::FnatPorts));
                 }
             }
@@ -860,12 +903,15 @@ impl Engine {
         };
         let nat = local.map_or(0, |l| self.path.slot_of(l));
         let state = first_state(pkt, vs.method);
-        let params = svc.params.read().clone();
         let init = FlowInit {
             service: ServiceId(svc.id),
             backend: BackendId(backend.id),
             state,
-            owner: PACKET_OWNER,
+            owner: if counted {
+                PACKET_OWNER_COUNTED
+            } else {
+                PACKET_OWNER
+            },
             profile: params.profile,
         };
         let reply = match (vs.method, std::num::NonZeroU32::new(nat)) {
@@ -874,7 +920,7 @@ impl Engine {
             (Method::Fnat, Some(slot)) => Some(ReplyMode::FullNat(slot)),
             // Cannot happen (`local` is one of ours), but never panic.
             (Method::Fnat, None) => {
-                shared.release(&svc.tenant);
+                give_back(0, None);
                 return Err(Some(Drop::FnatPorts));
             }
         };
@@ -885,10 +931,7 @@ impl Engine {
         let handle = match inserted {
             Ok(h) => h,
             Err(e) => {
-                shared.release(&svc.tenant);
-                if nat != 0 {
-                    self.path.release_port(nat, backend.id);
-                }
+                give_back(nat, Some(backend.id));
                 if matches!(e, weir_flowtable::InsertError::Exists(_)) {
                     return Err(None);
                 }
@@ -1016,12 +1059,15 @@ impl Shared {
         {
             path.release_port(snap.nat, snap.backend.0);
         }
+        let proto = match snap.key.proto {
+            Proto::Tcp => crate::config::Protocol::Tcp,
+            Proto::Udp => crate::config::Protocol::Udp,
+        };
+        if snap.owner == PACKET_OWNER_COUNTED {
+            svc.give_client_place(proto, snap.key.client.ip());
+        }
         let params = svc.params.read().clone();
         if !params.persistence.is_zero() {
-            let proto = match snap.key.proto {
-                Proto::Tcp => crate::config::Protocol::Tcp,
-                Proto::Udp => crate::config::Protocol::Udp,
-            };
             let tpl = super::template_key(svc, &params, proto, snap.key.client);
             self.release_template(svc, tpl);
         }
@@ -1031,7 +1077,7 @@ impl Shared {
 impl Shared {
     /// fnat's local endpoint of a packet flow, for listings.
     pub(crate) fn packet_local(&self, snap: &FlowSnapshot) -> Option<String> {
-        if snap.owner != PACKET_OWNER || snap.nat == 0 {
+        if !is_packet_owner(snap.owner) || snap.nat == 0 {
             return None;
         }
         Some(self.packet.get()?.local_of(snap.nat)?.to_string())
@@ -1072,6 +1118,11 @@ mod tests {
     }
 
     fn daemon(forward: &str, extra: &str) -> super::super::DaemonHandle {
+        daemon_with(forward, extra, "")
+    }
+
+    /// [`daemon`] with `svc_extra` in the service's table.
+    fn daemon_with(forward: &str, extra: &str, svc_extra: &str) -> super::super::DaemonHandle {
         let port = if forward == "dr" { 80 } else { 8080 };
         let (b1, b2) = (
             B1.replace(":8080", &format!(":{port}")),
@@ -1081,7 +1132,7 @@ mod tests {
             "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\nlocal_addresses = [\"{LOCAL}\"]\n\
              [[tenant]]\nname = \"default\"\n{extra}\n\
              [[service]]\nname = \"web\"\nprotocol = \"tcp\"\nlisten = \"{VIP}\"\nforward = \"{forward}\"\n\
-             scheduler = \"rr\"\n[[service.backend]]\naddress = \"{b1}\"\n[[service.backend]]\naddress = \"{b2}\"\n"
+             scheduler = \"rr\"\n{svc_extra}\n[[service.backend]]\naddress = \"{b1}\"\n[[service.backend]]\naddress = \"{b2}\"\n"
         );
         let cfg: Config = toml::from_str(&toml).unwrap();
         super::super::Daemon::start_inner(cfg, None, false).unwrap()
@@ -1286,6 +1337,56 @@ mod tests {
         // The admitted flow keeps flowing.
         let mut a2 = frame(sa("192.0.2.7:1"), sa(VIP), Some(ACK), b"again");
         assert_eq!(e.process(&mut a2), Verdict::Transmit);
+    }
+
+    /// `tcp_max_connections_per_client` counts a client's packet flows
+    /// from their first packet to their end: the client at its cap has new
+    /// flows refused (others do not), and a flow's end gives its place back.
+    #[test]
+    fn per_client_cap_counts_flows_until_they_end() {
+        let d = daemon_with("nat", "", "tcp_max_connections_per_client = 2");
+        let mut e = engine(&d);
+        let syn = |c: &str| frame(sa(c), sa(VIP), Some(SYN), b"");
+        for c in ["192.0.2.7:1", "192.0.2.7:2"] {
+            assert_eq!(e.process(&mut syn(c)), Verdict::Transmit, "{c}");
+        }
+        assert_eq!(e.process(&mut syn("192.0.2.7:3")), Verdict::Drop);
+        assert_eq!(counted(&e, Drop::Refused), 1);
+        assert_eq!(
+            d.shared.refused.snapshot().get("tcp_client_limit"),
+            Some(&1)
+        );
+        // Another client is not held back; the capped one's flows still flow.
+        assert_eq!(e.process(&mut syn("192.0.2.8:1")), Verdict::Transmit);
+        let mut more = frame(sa("192.0.2.7:1"), sa(VIP), Some(ACK), b"x");
+        assert_eq!(e.process(&mut more), Verdict::Transmit);
+        // One of its flows ends: one new flow fits again, not two.
+        let killed = d.shared.kill_where(
+            super::super::owners::Close::Killed,
+            &weir_flowtable::DumpFilter::default(),
+            |s| s.key.client == sa("192.0.2.7:1"),
+        );
+        assert_eq!(killed, 1);
+        assert_eq!(e.process(&mut syn("192.0.2.7:4")), Verdict::Transmit);
+        assert_eq!(e.process(&mut syn("192.0.2.7:5")), Verdict::Drop);
+        assert_eq!(counted(&e, Drop::Refused), 2);
+        // All gone: nothing stays counted.
+        d.shared.kill_where(
+            super::super::owners::Close::Killed,
+            &weir_flowtable::DumpFilter::default(),
+            |_| true,
+        );
+        let svc = d
+            .shared
+            .state
+            .read()
+            .services
+            .values()
+            .next()
+            .unwrap()
+            .clone();
+        assert!(svc.tcp_per_client.lock().is_empty());
+        assert_eq!(d.shared.active.load(Relaxed), 0);
     }
 
     /// Path-MTU discovery through nat: a router on the backend side says
