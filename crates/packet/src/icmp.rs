@@ -330,6 +330,113 @@ impl Csum {
     }
 }
 
+/// The most of an ICMP error's IP packet (RFC 1812 4.3.2.3: an IPv4 error
+/// should not exceed 576 bytes; RFC 4443 2.4(c): an ICMPv6 error must not
+/// exceed the minimum IPv6 MTU).
+const ERROR_MAX_V4: usize = 576;
+const ERROR_MAX_V6: usize = 1280;
+
+/// What [`too_big`] made of a packet larger than the next hop's MTU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TooBig {
+    /// The frame now holds an ICMP "fragmentation needed" (IPv4, DF set) or
+    /// ICMPv6 "packet too big" to the packet's sender, `len` bytes long from
+    /// the Ethernet header on; send it back out of the interface the packet
+    /// came in on (its MAC addresses are swapped).
+    Answer {
+        /// The ICMP frame's length: the caller shrinks the frame to it.
+        len: usize,
+    },
+    /// An IPv4 packet without DF: a router would fragment it; weir does not
+    /// fragment, so it is dropped (and nothing is sent).
+    NoDf,
+}
+
+/// Turn `frame` (a TCP/UDP packet `pkt` too big for the next hop's `mtu`,
+/// not yet rewritten) into the ICMP error a router sends about it: from
+/// `src` (the router's address on the way back) to the packet's source,
+/// quoting as much of the packet as the limits allow. The quote is the
+/// packet as its sender sent it, so the sender's stack recognises it and
+/// lowers its path MTU. The frame shrinks (the answer is at most 576 /
+/// 1280 bytes of IP), never grows: everything is built inside it.
+pub fn too_big(
+    frame: &mut [u8],
+    pkt: &Packet,
+    mtu: u32,
+    src: IpAddr,
+) -> Result<TooBig, RewriteError> {
+    let (l3, end) = (pkt.l3, pkt.end);
+    if frame.len() < end || l3 < 12 {
+        return Err(RewriteError::Truncated);
+    }
+    let orig_len = end - l3;
+    let (hdr, max) = match pkt.version {
+        IpVersion::V4 => (28, ERROR_MAX_V4),
+        IpVersion::V6 => (48, ERROR_MAX_V6),
+    };
+    // Too big for an `mtu` of at least 68 (IPv4's minimum), so the frame
+    // holds the headers: the quote is what fits after them, within both.
+    let quote = orig_len.saturating_sub(hdr).min(max - hdr);
+    if quote < 8 {
+        return Err(RewriteError::Truncated);
+    }
+    let (s4, s6) = match (pkt.version, src) {
+        (IpVersion::V4, IpAddr::V4(a)) => (Some(a), None),
+        (IpVersion::V6, IpAddr::V6(a)) => (None, Some(a)),
+        _ => return Err(RewriteError::FamilyMismatch),
+    };
+    if let Some(s) = s4 {
+        let df = frame[l3 + 6] & 0x40 != 0;
+        if !df {
+            return Ok(TooBig::NoDf);
+        }
+        let IpAddr::V4(dst) = pkt.src else {
+            return Err(RewriteError::FamilyMismatch);
+        };
+        // Overlapping move: the quote starts where the packet did.
+        frame.copy_within(l3..l3 + quote, l3 + hdr);
+        let total = (hdr + quote) as u16;
+        let ip = &mut frame[l3..l3 + 20];
+        ip.copy_from_slice(&[0x45, 0xc0, 0, 0, 0, 0, 0, 0, 64, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        ip[2..4].copy_from_slice(&total.to_be_bytes());
+        ip[12..16].copy_from_slice(&s.octets());
+        ip[16..20].copy_from_slice(&dst.octets());
+        let c = checksum::ipv4_header_checksum(ip);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+        let icmp = &mut frame[l3 + 20..l3 + hdr + quote];
+        let m = u16::try_from(mtu).unwrap_or(u16::MAX);
+        icmp[..8].copy_from_slice(&[3, 4, 0, 0, 0, 0, 0, 0]);
+        icmp[6..8].copy_from_slice(&m.to_be_bytes());
+        let c = checksum::finish(checksum::sum(icmp, 0));
+        icmp[2..4].copy_from_slice(&c.to_be_bytes());
+    } else if let Some(s) = s6 {
+        let IpAddr::V6(dst) = pkt.src else {
+            return Err(RewriteError::FamilyMismatch);
+        };
+        frame.copy_within(l3..l3 + quote, l3 + hdr);
+        let payload = (8 + quote) as u16;
+        let ip = &mut frame[l3..l3 + 40];
+        ip[..8].copy_from_slice(&[0x60, 0, 0, 0, 0, 0, 58, 64]);
+        ip[4..6].copy_from_slice(&payload.to_be_bytes());
+        ip[8..24].copy_from_slice(&s.octets());
+        ip[24..40].copy_from_slice(&dst.octets());
+        let icmp = &mut frame[l3 + 40..l3 + hdr + quote];
+        icmp[..8].copy_from_slice(&[2, 0, 0, 0, 0, 0, 0, 0]);
+        icmp[4..8].copy_from_slice(&mtu.to_be_bytes());
+        let c = checksum::l4_checksum(&s.octets(), &dst.octets(), 58, icmp, 2);
+        icmp[2..4].copy_from_slice(&c.to_be_bytes());
+    }
+    // Back to the neighbour it came from.
+    let (dst_mac, src_mac) = (
+        <[u8; 6]>::try_from(&frame[6..12]).map_err(|_| RewriteError::Truncated)?,
+        <[u8; 6]>::try_from(&frame[0..6]).map_err(|_| RewriteError::Truncated)?,
+    );
+    set_macs(frame, &NextHop { src_mac, dst_mac })?;
+    Ok(TooBig::Answer {
+        len: l3 + hdr + quote,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -497,6 +604,58 @@ mod tests {
                 SocketAddr::new(IpAddr::V4(Ipv4Addr::from(a4)), port)
             }
         })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(500))]
+
+        /// A packet too big for the next hop becomes, inside its own frame,
+        /// the ICMP error a router sends: back to its sender's MAC, from the
+        /// given address, at most 576 / 1280 bytes of IP, the sender's packet
+        /// quoted as sent (the parser finds its tuple and the MTU), every
+        /// checksum from scratch; IPv4 without DF is refused instead.
+        #[test]
+        fn too_big_answers_verify(v6 in any::<bool>(), udp in any::<bool>(), vlan in any::<bool>(),
+                                  df in any::<bool>(), len in 1281usize..3000, mtu in 1280u32..1500,
+                                  trailer in 0usize..8, eps in [endpoint(false), endpoint(false), endpoint(false)],
+                                  eps6 in [endpoint(true), endpoint(true), endpoint(true)]) {
+            let [client, vip, router] = if v6 { eps6 } else { eps };
+            let proto = if udp { crate::parse::IPPROTO_UDP } else { IPPROTO_TCP };
+            let mut spec = Spec::new(proto, client, vip);
+            spec.payload = vec![0x5a; len];
+            spec.vlan = vlan.then_some(7);
+            spec.trailer = trailer;
+            let mut f = crate::testutil::build(&spec);
+            let pkt = parse(&f).expect("valid");
+            if !v6 && !df {
+                f[pkt.l3 + 6] &= !0x40;
+                f[pkt.l3 + 10..pkt.l3 + 12].copy_from_slice(&[0, 0]);
+                let c = checksum::ipv4_header_checksum(&f[pkt.l3..pkt.l3 + 20]);
+                f[pkt.l3 + 10..pkt.l3 + 12].copy_from_slice(&c.to_be_bytes());
+                prop_assert_eq!(too_big(&mut f, &pkt, mtu, router.ip()), Ok(TooBig::NoDf));
+                return Ok(());
+            }
+            let orig = f.clone();
+            let Ok(TooBig::Answer { len: n }) = too_big(&mut f, &pkt, mtu, router.ip()) else {
+                return Err(TestCaseError::fail("no answer"));
+            };
+            f.truncate(n);
+            let max = if v6 { 1280 } else { 576 };
+            prop_assert!(n - pkt.l3 <= max, "{} bytes of IP", n - pkt.l3);
+            prop_assert_eq!(&f[..6], &orig[6..12]);
+            prop_assert_eq!(&f[6..12], &orig[..6]);
+            verify(&f, CsumMode::Full).map_err(TestCaseError::fail)?;
+            let p = parse(&f).expect("an ICMP packet");
+            prop_assert_eq!(p.src, router.ip());
+            prop_assert_eq!(p.dst, client.ip());
+            prop_assert_eq!(p.vlan, spec.vlan);
+            let e = parse_error(&f, &p).expect("well formed").expect("an error");
+            prop_assert_eq!(e.kind, ErrorKind::PacketTooBig { mtu });
+            prop_assert_eq!(e.tuple.src, client);
+            prop_assert_eq!(e.tuple.dst, vip);
+            // The quote is the sender's packet, byte for byte, as far as it goes.
+            prop_assert_eq!(&f[e.l3..], &orig[pkt.l3..pkt.l3 + (n - e.l3)]);
+        }
     }
 
     proptest! {

@@ -99,7 +99,7 @@ mod testutil;
 
 pub use alloc::{FnatPorts, PortAllocator, PortError};
 pub use checksum::CsumMode;
-pub use icmp::{Embedded, EmbeddedError, ErrorKind};
+pub use icmp::{Embedded, EmbeddedError, ErrorKind, TooBig};
 pub use parse::{IpVersion, Packet, TcpFlags, Transport, Unhandled, parse};
 pub use rewrite::{
     Direction, Mac, Method, NatMapping, NextHop, RewriteError, Translation, rewrite,

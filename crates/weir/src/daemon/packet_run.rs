@@ -25,7 +25,13 @@ pub(crate) struct PacketRuntime {
     steering: Mutex<Vec<Steering>>,
     /// What the maps hold now, for diffs.
     steered: Mutex<Steered>,
+    /// The host addresses the steering programs hold (see [`Self::sync_hosts`]).
+    hosts: Mutex<Vec<std::net::IpAddr>>,
 }
+
+/// How often the host's addresses are read again: an address added later
+/// is the kernel's (its backends' answers pass to the kernel) within this.
+const HOSTS_EVERY: Duration = Duration::from_secs(1);
 
 impl std::fmt::Debug for PacketRuntime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -49,6 +55,7 @@ pub(crate) fn start(
     }
     let mut steering = Vec::new();
     let mut ios = Vec::new();
+    let hosts = host_addrs();
     // Workers: AF_XDP queue q of every interface that has one goes to the
     // same worker, so a frame that arrives on one interface and leaves by
     // another (client and backend sides apart) is copied between two
@@ -81,8 +88,9 @@ pub(crate) fn start(
                     xdp_workers[q].push((ifindex, sock));
                 }
                 // The host's own addresses: backends' answers to the kernel's
-                // connections (health checks) stay the kernel's.
-                for addr in host_addrs() {
+                // connections (health checks) stay the kernel's. Kept in
+                // step afterwards by `sync_hosts`.
+                for &addr in &hosts {
                     st.add_host(addr)
                         .with_context(|| format!("packet mode: registering host address {addr}"))?;
                 }
@@ -150,10 +158,31 @@ pub(crate) fn start(
     }
     ios.dedup();
     let _ = path.io.set(ios.join("+"));
+    let xdp = !steering.is_empty();
     let rt = Arc::new(PacketRuntime {
         steering: Mutex::new(steering),
         steered: Mutex::new(Steered::default()),
+        hosts: Mutex::new(hosts),
     });
+    if xdp {
+        let rt = rt.clone();
+        threads.push(
+            std::thread::Builder::new()
+                .name("weir-pkt-hosts".into())
+                .spawn(move || {
+                    let mut last = std::time::Instant::now();
+                    while !stop.load(Relaxed) {
+                        // Short naps so shutdown never waits a whole period.
+                        std::thread::sleep(Duration::from_millis(100));
+                        if last.elapsed() >= HOSTS_EVERY {
+                            last = std::time::Instant::now();
+                            rt.sync_hosts(&host_addrs());
+                        }
+                    }
+                })
+                .context("spawning the host address watcher")?,
+        );
+    }
     Ok((rt, threads))
 }
 
@@ -349,6 +378,37 @@ fn run_worker(engine: &mut Engine, socks: &mut Socks, stop: &AtomicBool) -> Resu
 }
 
 impl PacketRuntime {
+    /// Make the steering programs' host addresses `now`'s: an address
+    /// added to the host after start becomes the kernel's (a backend's
+    /// answer to it passes to the kernel, not to weir), a removed one stops
+    /// being. A map that cannot be updated is logged and retried next time.
+    pub(crate) fn sync_hosts(&self, now: &[std::net::IpAddr]) {
+        let mut have = self.hosts.lock();
+        if *have == now {
+            return;
+        }
+        let mut ok = true;
+        for st in self.steering.lock().iter_mut() {
+            let r = (|| {
+                for a in have.iter().filter(|a| !now.contains(a)) {
+                    st.remove_host(*a)?;
+                }
+                for a in now.iter().filter(|a| !have.contains(a)) {
+                    st.add_host(*a)?;
+                }
+                Ok::<_, weir_packet_io::SteerError>(())
+            })();
+            if let Err(e) = r {
+                ok = false;
+                tracing::error!(interface = %st.interface(), "steering host addresses: {e}");
+            }
+        }
+        if ok {
+            tracing::info!(addresses = now.len(), "packet mode: host addresses changed");
+            *have = now.to_vec();
+        }
+    }
+
     /// Make the steering maps hold exactly what the packet services need:
     /// their VIPs, and the nat backends (whose replies come back to weir).
     pub(crate) fn sync(&self, shared: &Shared) {
