@@ -110,6 +110,8 @@ pub struct PacketSocket {
     /// partial-checksum flag; the verdicts; `sendmmsg`'s vectors.
     offsets: Vec<(usize, usize)>,
     partial: Vec<bool>,
+    /// Each frame's length to send (a callback may shrink a frame).
+    lens: Vec<usize>,
     verdicts: Vec<Verdict>,
     iovecs: Vec<libc::iovec>,
     msgs: Vec<libc::mmsghdr>,
@@ -220,6 +222,7 @@ impl PacketSocket {
             interface: interface.to_owned(),
             offsets: Vec::with_capacity(config.batch),
             partial: Vec::with_capacity(config.batch),
+            lens: Vec::with_capacity(config.batch),
             verdicts: Vec::with_capacity(config.batch),
             iovecs: Vec::with_capacity(config.batch),
             msgs: Vec::with_capacity(config.batch),
@@ -303,11 +306,18 @@ impl PacketSocket {
                 // die at the end of this function).
                 *slot = unsafe { std::slice::from_raw_parts_mut(base.add(offset), len) };
             }
+            self.lens.clear();
+            self.lens.extend(self.offsets.iter().map(|&(_, len)| len));
             f(&mut Batch::ring(
                 &mut slots[..n],
                 &self.partial,
+                &mut self.lens,
                 &mut self.verdicts,
             ));
+            // Frames the callback shrank (`Batch::truncate`) are sent shorter.
+            for (&cut, (_, len)) in self.lens.iter().zip(self.offsets.iter_mut()) {
+                *len = (*len).min(cut);
+            }
             self.transmit(&mut stats)?;
         }
         if self.left == 0 {

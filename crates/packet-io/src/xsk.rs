@@ -97,6 +97,8 @@ enum Frames<'a> {
     Ring {
         frames: &'a mut [&'a mut [u8]],
         partial: &'a [bool],
+        /// Each frame's length to send (shrunk by [`Batch::truncate`]).
+        lens: &'a mut [usize],
     },
 }
 
@@ -106,11 +108,17 @@ impl<'a> Batch<'a> {
     pub(crate) fn ring(
         frames: &'a mut [&'a mut [u8]],
         partial: &'a [bool],
+        lens: &'a mut [usize],
         verdicts: &'a mut [Verdict],
     ) -> Self {
         debug_assert!(frames.len() == partial.len() && frames.len() == verdicts.len());
+        debug_assert!(frames.len() == lens.len());
         Self {
-            frames: Frames::Ring { frames, partial },
+            frames: Frames::Ring {
+                frames,
+                partial,
+                lens,
+            },
             verdicts,
         }
     }
@@ -143,6 +151,28 @@ impl Batch<'_> {
         match &mut self.frames {
             Frames::Xdp(f) => &mut f[i],
             Frames::Ring { frames, .. } => frames[i],
+        }
+    }
+
+    /// Shrinks frame `i` to its first `len` bytes (what is sent if its
+    /// verdict is [`Verdict::Transmit`]); false, and unchanged, if `len` is
+    /// not shorter than the frame.
+    pub fn truncate(&mut self, i: usize, len: usize) -> bool {
+        let cur = self.frame(i).len();
+        if len >= cur {
+            return false;
+        }
+        match &mut self.frames {
+            Frames::Xdp(f) => {
+                let by = i32::try_from(cur - len).unwrap_or(i32::MAX);
+                f[i].adjust_tail(-by).is_ok()
+            }
+            Frames::Ring { frames, lens, .. } => {
+                let whole = std::mem::take(&mut frames[i]);
+                frames[i] = &mut whole[..len];
+                lens[i] = len;
+                true
+            }
         }
     }
 
@@ -716,6 +746,24 @@ fn is_zero_copy(fd: RawFd) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A ring batch's frame shrinks to what `truncate` says (and the
+    /// length to send follows); a length not shorter changes nothing.
+    #[test]
+    fn truncate_shrinks_a_ring_frame_and_its_length_to_send() {
+        let (mut a, mut b) = ([1u8; 100], [2u8; 60]);
+        let mut frames: [&mut [u8]; 2] = [&mut a, &mut b];
+        let partial = [false, false];
+        let mut lens = [100, 60];
+        let mut verdicts = [Verdict::Drop; 2];
+        let mut batch = Batch::ring(&mut frames, &partial, &mut lens, &mut verdicts);
+        assert!(batch.truncate(0, 42));
+        assert!(!batch.truncate(1, 60));
+        assert!(!batch.truncate(1, 61));
+        assert_eq!(batch.frame(0), &[1u8; 42][..]);
+        assert_eq!(batch.frame(1).len(), 60);
+        assert_eq!(lens, [42, 60]);
+    }
 
     #[test]
     fn a_socket_can_move_to_a_worker_thread() {

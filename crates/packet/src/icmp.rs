@@ -397,7 +397,9 @@ pub fn too_big(
         frame.copy_within(l3..l3 + quote, l3 + hdr);
         let total = (hdr + quote) as u16;
         let ip = &mut frame[l3..l3 + 20];
-        ip.copy_from_slice(&[0x45, 0xc0, 0, 0, 0, 0, 0, 0, 64, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        ip.copy_from_slice(&[
+            0x45, 0xc0, 0, 0, 0, 0, 0, 0, 64, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        ]);
         ip[2..4].copy_from_slice(&total.to_be_bytes());
         ip[12..16].copy_from_slice(&s.octets());
         ip[16..20].copy_from_slice(&dst.octets());

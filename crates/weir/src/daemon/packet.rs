@@ -69,6 +69,9 @@ pub(crate) enum Verdict {
     Transmit,
     /// Rewritten; send it out of interface `.0` (another of this worker's).
     Egress(u32),
+    /// Answered: the frame now holds an ICMP error to its sender, `.0`
+    /// bytes long; send it back out of the interface it came in on.
+    Answer(usize),
     /// Counted under a [`Drop`] reason (or an [`Unhandled`] one); free it.
     Drop,
 }
@@ -106,10 +109,17 @@ pub(crate) enum Drop {
     IcmpMalformed,
     /// A rewrite refused the frame (inconsistent lengths).
     Rewrite,
+    /// Larger than the next hop's MTU: answered with ICMP "fragmentation
+    /// needed" (IPv4 with DF) or "packet too big" (IPv6), as a router
+    /// would; an IPv4 packet without DF is dropped (weir does not fragment).
+    TooBig,
+    /// A first packet while the daemon drains (no new flows; the live ones
+    /// go on until they end or the drain timeout).
+    Draining,
 }
 
 impl Drop {
-    pub(crate) const ALL: [Drop; 12] = [
+    pub(crate) const ALL: [Drop; 14] = [
         Drop::NotOurs,
         Drop::NoFlow,
         Drop::Refused,
@@ -122,6 +132,8 @@ impl Drop {
         Drop::Icmp,
         Drop::IcmpMalformed,
         Drop::Rewrite,
+        Drop::TooBig,
+        Drop::Draining,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -138,6 +150,8 @@ impl Drop {
             Drop::Icmp => "icmp",
             Drop::IcmpMalformed => "icmp_malformed",
             Drop::Rewrite => "rewrite",
+            Drop::TooBig => "too_big",
+            Drop::Draining => "draining",
         }
     }
 }
@@ -171,7 +185,25 @@ pub(crate) trait NextHops: Send {
     /// The next hop towards `dst`, or `None` while the kernel has no route
     /// or no resolved neighbour (the frame is dropped and counted).
     fn next_hop(&mut self, dst: IpAddr) -> Option<(u32, NextHop)>;
+
+    /// The host's interfaces now (asked about once a second).
+    fn links(&mut self) -> Vec<Link> {
+        Vec::new()
+    }
 }
+
+/// One of the host's interfaces, as the packet path needs it: a router's
+/// MTU check and the address its ICMP errors come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Link {
+    pub(crate) ifindex: u32,
+    pub(crate) mtu: u32,
+    pub(crate) v4: Option<std::net::Ipv4Addr>,
+    pub(crate) v6: Option<std::net::Ipv6Addr>,
+}
+
+/// How often a worker asks [`NextHops::links`] again.
+const LINKS_EVERY_MS: u64 = 1000;
 
 /// fnat's ports, and the address of every backend a port was taken for
 /// (a flow that outlives its backend in the service still gives its port
@@ -415,6 +447,9 @@ pub(crate) struct Engine {
     rx_ifindex: u32,
     /// The interfaces this worker can transmit on (it has a socket there).
     egress: Vec<u32>,
+    /// The interfaces' MTUs and addresses, and when they were read (ms).
+    links: Vec<Link>,
+    links_at: Option<u64>,
     /// Per-batch scratch, kept to allocate nothing per batch.
     parsed: Vec<(Result<Packet, Unhandled>, bool)>,
     probes: Vec<Probe>,
@@ -458,6 +493,8 @@ impl Engine {
             rng: weir_sched::SplitMix64::new(seed),
             rx_ifindex: egress.first().copied().unwrap_or(0),
             egress,
+            links: Vec::new(),
+            links_at: None,
             parsed: Vec::new(),
             probes: Vec::new(),
             found: Vec::new(),
@@ -473,6 +510,17 @@ impl Engine {
             != self.vips.generation
         {
             self.vips = Vips::build(&self.shared);
+        }
+    }
+
+    /// Read the interfaces again if the last read is a second old.
+    fn refresh_links(&mut self, now: Millis) {
+        if self
+            .links_at
+            .is_none_or(|t| now.0.saturating_sub(t) >= LINKS_EVERY_MS)
+        {
+            self.links = self.hops.links();
+            self.links_at = Some(now.0);
         }
     }
 
@@ -494,6 +542,7 @@ impl Engine {
             }
         };
         let now = Millis(self.shared.now_ms());
+        self.refresh_links(now);
         self.process_parsed(frame, &pkt, None, CsumMode::Full, now)
     }
 
@@ -515,6 +564,7 @@ impl Engine {
         self.rx_ifindex = rx_ifindex;
         let n = batch.len();
         let now = Millis(self.shared.now_ms());
+        self.refresh_links(now);
         self.counters.rx.fetch_add(n as u64, Relaxed);
         let mut parsed = std::mem::take(&mut self.parsed);
         let mut probes = std::mem::take(&mut self.probes);
@@ -557,6 +607,10 @@ impl Engine {
             };
             let v = match v {
                 Verdict::Transmit => weir_packet_io::Verdict::Transmit,
+                Verdict::Answer(len) => {
+                    batch.truncate(i, len);
+                    weir_packet_io::Verdict::Transmit
+                }
                 Verdict::Drop => weir_packet_io::Verdict::Drop,
                 Verdict::Egress(ix) => {
                     // Copied into the other interface's socket; this
@@ -648,8 +702,39 @@ impl Engine {
             Ok(r) => r,
             Err(d) => return self.drop_(d),
         };
+        if let Some(v) = self.too_big(frame, pkt, out) {
+            return v;
+        }
         let r = weir_packet::rewrite(frame, pkt, vs.method, direction, &mapping, &hop, mode);
         self.sent(r, out)
+    }
+
+    /// A router's MTU check: `None` if the packet fits the interface `out`
+    /// sends it from; else the frame answered (or dropped) as too big.
+    fn too_big(&mut self, frame: &mut [u8], pkt: &Packet, out: Verdict) -> Option<Verdict> {
+        let ix = match out {
+            Verdict::Egress(ix) => ix,
+            _ => self.rx_ifindex,
+        };
+        let mtu = self.links.iter().find(|l| l.ifindex == ix)?.mtu;
+        if (pkt.end - pkt.l3) as u64 <= u64::from(mtu) {
+            return None;
+        }
+        // From weir's address on the way back, as a router's; the packet's
+        // own destination (the VIP...) if that interface has none.
+        let back = self.links.iter().find(|l| l.ifindex == self.rx_ifindex);
+        let src = match pkt.dst {
+            IpAddr::V4(d) => IpAddr::V4(back.and_then(|l| l.v4).unwrap_or(d)),
+            IpAddr::V6(d) => IpAddr::V6(back.and_then(|l| l.v6).unwrap_or(d)),
+        };
+        Some(match weir_packet::icmp::too_big(frame, pkt, mtu, src) {
+            Ok(weir_packet::TooBig::Answer { len }) => {
+                self.drop_(Drop::TooBig);
+                Verdict::Answer(len)
+            }
+            Ok(weir_packet::TooBig::NoDf) => self.drop_(Drop::TooBig),
+            Err(_) => self.drop_(Drop::Rewrite),
+        })
     }
 
     /// What a batched lookup's hit names, as [`Self::find`] would return it.
@@ -842,6 +927,9 @@ impl Engine {
             }
         }
         let shared = &*self.shared;
+        if shared.stop_accept.is_cancelled() {
+            return Err(Some(Drop::Draining));
+        }
         let proto = match key.proto {
             Proto::Tcp => crate::config::Protocol::Tcp,
             Proto::Udp => crate::config::Protocol::Udp,
@@ -1337,6 +1425,69 @@ mod tests {
         // The admitted flow keeps flowing.
         let mut a2 = frame(sa("192.0.2.7:1"), sa(VIP), Some(ACK), b"again");
         assert_eq!(e.process(&mut a2), Verdict::Transmit);
+    }
+
+    /// Next hops out of interface 1, whose MTU is 1280.
+    struct SmallMtu;
+    impl NextHops for SmallMtu {
+        fn next_hop(&mut self, _dst: IpAddr) -> Option<(u32, NextHop)> {
+            Some((1, HOP))
+        }
+        fn links(&mut self) -> Vec<Link> {
+            vec![Link {
+                ifindex: 1,
+                mtu: 1280,
+                v4: Some("10.0.0.1".parse().unwrap()),
+                v6: None,
+            }]
+        }
+    }
+
+    /// A router's MTU check: a packet of a flow larger than the next hop's
+    /// MTU is answered with "fragmentation needed" from weir's address,
+    /// quoting the client's packet as it sent it; one that fits goes on.
+    #[test]
+    fn too_big_for_the_next_hop_is_answered_as_a_router_would() {
+        let d = daemon("nat", "");
+        let shared = d.shared.clone();
+        let path = shared.packet.get().unwrap().clone();
+        let mut e = Engine::new(shared, path, Box::new(SmallMtu), vec![1], 7);
+        let client = sa("192.0.2.7:5555");
+        let mut syn = frame(client, sa(VIP), Some(SYN), b"");
+        assert_eq!(e.process(&mut syn), Verdict::Transmit);
+        let big = frame(client, sa(VIP), Some(ACK), &[7; 1400]);
+        let mut f = big.clone();
+        let Verdict::Answer(len) = e.process(&mut f) else {
+            panic!("expected an ICMP answer");
+        };
+        f.truncate(len);
+        assert_eq!(counted(&e, Drop::TooBig), 1);
+        let p = weir_packet::parse(&f).expect("an ICMP packet");
+        assert_eq!(p.src, "10.0.0.1".parse::<IpAddr>().unwrap());
+        assert_eq!(p.dst, client.ip());
+        let emb = weir_packet::icmp::parse_error(&f, &p).unwrap().unwrap();
+        assert_eq!(emb.kind, weir_packet::ErrorKind::PacketTooBig { mtu: 1280 });
+        assert_eq!((emb.tuple.src, emb.tuple.dst), (client, sa(VIP)));
+        assert_eq!(&f[..6], &big[6..12], "back to the sender's MAC");
+        // A packet that fits is forwarded.
+        let mut small = frame(client, sa(VIP), Some(ACK), &[7; 1200]);
+        assert_eq!(e.process(&mut small), Verdict::Transmit);
+        assert_eq!(counted(&e, Drop::TooBig), 1);
+    }
+
+    /// While the daemon drains, first packets open no flow; live flows go on.
+    #[test]
+    fn draining_refuses_new_flows_only() {
+        let d = daemon("nat", "");
+        let mut e = engine(&d);
+        let mut syn = frame(sa("192.0.2.7:1"), sa(VIP), Some(SYN), b"");
+        assert_eq!(e.process(&mut syn), Verdict::Transmit);
+        d.shared.stop_accept.cancel();
+        let mut other = frame(sa("192.0.2.7:2"), sa(VIP), Some(SYN), b"");
+        assert_eq!(e.process(&mut other), Verdict::Drop);
+        assert_eq!(counted(&e, Drop::Draining), 1);
+        let mut more = frame(sa("192.0.2.7:1"), sa(VIP), Some(ACK), b"x");
+        assert_eq!(e.process(&mut more), Verdict::Transmit);
     }
 
     /// `tcp_max_connections_per_client` counts a client's packet flows

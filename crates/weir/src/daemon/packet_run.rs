@@ -154,7 +154,7 @@ pub(crate) fn start(
         spawn(format!("weir-pkt-q{q}"), egress, Socks::Xdp(socks))?;
     }
     for (ix, name, sock) in packet_workers {
-        spawn(name, vec![ix], Socks::Packet(ix, sock))?;
+        spawn(name, vec![ix], Socks::Packet(ix, Box::new(sock)))?;
     }
     ios.dedup();
     let _ = path.io.set(ios.join("+"));
@@ -216,7 +216,7 @@ fn afpacket_workers(cfg: &PacketConfig, shared: &Shared) -> usize {
 /// interfaces (by ifindex), or one AF_PACKET socket.
 enum Socks {
     Xdp(Vec<(u32, XskSocket)>),
-    Packet(u32, PacketSocket),
+    Packet(u32, Box<PacketSocket>),
 }
 
 /// Takes fnat's port range out of the kernel's ephemeral ports in this
@@ -279,11 +279,63 @@ fn host_addrs() -> Vec<std::net::IpAddr> {
     out
 }
 
+/// Every interface with an address: its index, MTU (sysfs) and first IPv4
+/// and first non-link-local IPv6 address.
+fn links() -> Vec<super::packet::Link> {
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
+        return Vec::new();
+    };
+    let mut out: Vec<(String, super::packet::Link)> = Vec::new();
+    for a in addrs {
+        let at = match out.iter().position(|(n, _)| *n == a.interface_name) {
+            Some(i) => i,
+            None => {
+                let name = a.interface_name.clone();
+                let Some(ifindex) = read_sys(&name, "ifindex") else {
+                    continue;
+                };
+                let mtu = read_sys(&name, "mtu").unwrap_or(u32::MAX);
+                out.push((
+                    name,
+                    super::packet::Link {
+                        ifindex,
+                        mtu,
+                        v4: None,
+                        v6: None,
+                    },
+                ));
+                out.len() - 1
+            }
+        };
+        let link = &mut out[at].1;
+        if let Some(s) = a.address.as_ref().and_then(|s| s.as_sockaddr_in()) {
+            link.v4.get_or_insert(s.ip());
+        } else if let Some(s) = a.address.as_ref().and_then(|s| s.as_sockaddr_in6())
+            && !s.ip().is_unicast_link_local()
+        {
+            link.v6.get_or_insert(s.ip());
+        }
+    }
+    out.into_iter().map(|(_, l)| l).collect()
+}
+
+fn read_sys(iface: &str, what: &str) -> Option<u32> {
+    std::fs::read_to_string(format!("/sys/class/net/{iface}/{what}"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// Next hops from the kernel's routing and neighbour tables (netlink),
 /// cached per destination for a second (100 ms while unresolved).
 struct KernelHops(weir_packet_io::Resolver);
 
 impl NextHops for KernelHops {
+    fn links(&mut self) -> Vec<super::packet::Link> {
+        links()
+    }
+
     fn next_hop(&mut self, dst: std::net::IpAddr) -> Option<(u32, weir_packet::NextHop)> {
         match self.0.resolve(dst, std::time::Instant::now()) {
             Ok(weir_packet_io::Resolution::Resolved {
