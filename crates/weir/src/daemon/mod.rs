@@ -388,6 +388,9 @@ impl DaemonHandle {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+        if let Some(rt) = self.shared.packet_rt.get() {
+            rt.release();
+        }
         if let Some(rt) = self.control_rt.take() {
             rt.shutdown_timeout(Duration::from_secs(1));
         }

@@ -27,6 +27,85 @@ pub(crate) struct PacketRuntime {
     steered: Mutex<Steered>,
     /// The host addresses the steering programs hold (see [`Self::sync_hosts`]).
     hosts: Mutex<Vec<std::net::IpAddr>>,
+    /// fnat over AF_PACKET: the nftables table that keeps the kernel from
+    /// answering replies to the fnat ports (deleted on drop).
+    fnat_guard: Mutex<Option<FnatGuard>>,
+}
+
+/// An nftables table (`inet weir_fnat_<pid>`) dropping, on input, TCP and
+/// UDP to the fnat local addresses' port range. AF_PACKET only copies
+/// frames: without it the kernel, which has no socket on those ports,
+/// answers each backend reply with a RST or a port unreachable (AF_XDP
+/// takes the frames away from the kernel instead).
+#[derive(Debug)]
+struct FnatGuard {
+    table: String,
+}
+
+impl FnatGuard {
+    fn install(cfg: &PacketConfig) -> anyhow::Result<Self> {
+        let table = format!("weir_fnat_{}", std::process::id());
+        let (mut v4, mut v6) = (Vec::new(), Vec::new());
+        for a in &cfg.local_addresses {
+            match a {
+                std::net::IpAddr::V4(a) => v4.push(a.to_string()),
+                std::net::IpAddr::V6(a) => v6.push(a.to_string()),
+            }
+        }
+        let ports = format!("{}-{}", cfg.fnat_ports.lo, cfg.fnat_ports.hi);
+        let mut rules = format!(
+            "table inet {table} {{\n chain input {{\n  type filter hook input priority -300; policy accept;\n"
+        );
+        for (fam, addrs) in [("ip", &v4), ("ip6", &v6)] {
+            if !addrs.is_empty() {
+                rules += &format!(
+                    "  {fam} daddr {{ {} }} meta l4proto {{ tcp, udp }} th dport {ports} drop\n",
+                    addrs.join(", ")
+                );
+            }
+        }
+        rules += " }\n}\n";
+        nft(&rules).context(
+            "packet mode: fnat over AF_PACKET needs an nftables rule so the kernel does not \
+             answer backend replies to the fnat ports (install nftables, or use io = \"xdp\")",
+        )?;
+        tracing::info!(%table, %ports, "fnat over AF_PACKET: nftables drops the fnat ports on input");
+        Ok(Self { table })
+    }
+}
+
+impl Drop for FnatGuard {
+    fn drop(&mut self) {
+        if let Err(e) = nft(&format!("delete table inet {}\n", self.table)) {
+            tracing::warn!(table = %self.table, "removing the fnat nftables table: {e:#}");
+        }
+    }
+}
+
+/// Runs `nft -f -` with `rules`.
+fn nft(rules: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("running nft")?;
+    child
+        .stdin
+        .take()
+        .context("nft's stdin")?
+        .write_all(rules.as_bytes())
+        .context("writing to nft")?;
+    let out = child.wait_with_output().context("waiting for nft")?;
+    if !out.status.success() {
+        anyhow::bail!(
+            "nft failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
 }
 
 /// How often the host's addresses are read again: an address added later
@@ -159,10 +238,16 @@ pub(crate) fn start(
     ios.dedup();
     let _ = path.io.set(ios.join("+"));
     let xdp = !steering.is_empty();
+    let fnat_guard = if ios.contains(&"afpacket") && !cfg.local_addresses.is_empty() {
+        Some(FnatGuard::install(cfg)?)
+    } else {
+        None
+    };
     let rt = Arc::new(PacketRuntime {
         steering: Mutex::new(steering),
         steered: Mutex::new(Steered::default()),
         hosts: Mutex::new(hosts),
+        fnat_guard: Mutex::new(fnat_guard),
     });
     if xdp {
         let rt = rt.clone();
@@ -430,6 +515,12 @@ fn run_worker(engine: &mut Engine, socks: &mut Socks, stop: &AtomicBool) -> Resu
 }
 
 impl PacketRuntime {
+    /// Undo what was set up outside the process (the fnat nftables table):
+    /// the daemon is stopping.
+    pub(crate) fn release(&self) {
+        drop(self.fnat_guard.lock().take());
+    }
+
     /// Make the steering programs' host addresses `now`'s: an address
     /// added to the host after start becomes the kernel's (a backend's
     /// answer to it passes to the kernel, not to weir), a removed one stops
