@@ -551,6 +551,21 @@ fn nat_v4_over_af_packet() {
     forwards("afp", &V4, "nat", "io = \"afpacket\"");
 }
 
+/// fnat over AF_PACKET: the kernel sees the backends' replies to the fnat
+/// ports too; weir's nftables table keeps it from answering them with a RST.
+#[test]
+fn fnat_v4_over_af_packet() {
+    forwards(
+        "afpf",
+        &V4,
+        "fnat",
+        &format!(
+            "io = \"afpacket\"\nlocal_addresses = [\"{}\"]",
+            V4.weir_backend_side
+        ),
+    );
+}
+
 /// Two-armed: clients on lb0, backends on lb1 (two bridges, weir the only
 /// path between them). Every frame is received on one interface and sent
 /// from the other: the worker copies it between its two AF_XDP sockets.
