@@ -566,6 +566,113 @@ fn fnat_v4_over_af_packet() {
     );
 }
 
+/// An address added to weir's host after start is the kernel's: a nat
+/// backend's answer to it (here curl from that address; in production a
+/// health check) passes to the kernel instead of being taken by weir,
+/// within the second in which weir reads the host's addresses again.
+#[test]
+fn an_address_added_after_start_stays_the_kernels() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    check((|| {
+        let mut topo = Topology::build("hosts", false)?;
+        topo.start_backends()?;
+        topo.route_backends_via_weir()?;
+        let cfg = topo.start_weir(&web_service(&V4, "nat"), "")?;
+        requests_reach_both_backends(&topo, &V4, &cfg)?;
+        let lb = topo.ns("lb");
+        ip(&format!("-n {lb} addr add 10.99.0.50/24 dev lb0 nodad"))?;
+        let url = format!("http://{}/", V4.backends[0]);
+        wait_for("an answer to the new address", || {
+            run(&[
+                "ip",
+                "netns",
+                "exec",
+                &lb,
+                "curl",
+                "-s",
+                "--max-time",
+                "1",
+                "--interface",
+                "10.99.0.50",
+                &url,
+            ])
+            .is_ok_and(|b| b.trim() == "b1")
+        })
+        .map_err(|e| format!("{e}\nweir's log:\n{}", topo.weir_log()))
+    })());
+}
+
+/// weir as a router: its backend-side interface (lb1) has MTU 1280, the
+/// client's 1500. The backends' route back is clamped to 1280 too but
+/// still advertises a 1500-byte MSS, so the client sends full-size
+/// segments: weir must answer them with "fragmentation needed" / "packet
+/// too big" for the client to lower its path MTU, or the upload stalls.
+#[test]
+fn uploads_complete_when_the_backend_link_has_a_smaller_mtu() {
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    for f in [&V4, &V6] {
+        let tag = if f.plen == 24 { "mtu4" } else { "mtu6" };
+        check((|| {
+            let mut topo = Topology::build(tag, true)?;
+            topo.start_backends()?;
+            let advmss = if f.plen == 24 { 1460 } else { 1440 };
+            for i in 1..=2 {
+                let ns = topo.ns(&format!("b{i}"));
+                let six = if f.plen == 24 { "" } else { "-6 " };
+                ip(&format!(
+                    "{six}-n {ns} route add default via {} mtu lock 1280 advmss {advmss}",
+                    f.weir_backend_side
+                ))?;
+            }
+            ip(&format!("-n {} link set lb1 mtu 1280", topo.ns("lb")))?;
+            let cfg = topo.start_weir(&web_service(f, "nat"), "")?;
+            let body = topo.dir.path().join("upload");
+            std::fs::write(&body, vec![b'x'; 300_000]).map_err(|e| e.to_string())?;
+            let out = run(&[
+                "ip",
+                "netns",
+                "exec",
+                &topo.ns("cl"),
+                "curl",
+                "-g",
+                "-s",
+                "--max-time",
+                "10",
+                "--data-binary",
+                &format!("@{}", body.display()),
+                &format!("http://{}/", f.ep(f.vip, 80)),
+            ])
+            .map_err(|e| format!("upload through a 1280 link: {e}"))?;
+            if !out.starts_with('b') {
+                return Err(format!("upload answered {out:?}"));
+            }
+            let stats: serde_json::Value = serde_json::from_str(&weir(&cfg, &["stats", "--json"])?)
+                .map_err(|e| e.to_string())?;
+            let p = &stats["global"]["packet"];
+            if p["dropped"]["too_big"].as_u64().unwrap_or(0) == 0 {
+                return Err(format!("no too_big answer counted: {p}"));
+            }
+            // The whole body went through weir to the backend.
+            let list: serde_json::Value =
+                serde_json::from_str(&weir(&cfg, &["list", "--stats", "--json"])?)
+                    .map_err(|e| e.to_string())?;
+            let bytes_in = list[0]["inbytes"].as_u64().unwrap_or(0);
+            if bytes_in < 300_000 {
+                return Err(format!(
+                    "only {bytes_in} bytes reached the backends: {list}"
+                ));
+            }
+            Ok(())
+        })());
+    }
+}
+
 /// Two-armed: clients on lb0, backends on lb1 (two bridges, weir the only
 /// path between them). Every frame is received on one interface and sent
 /// from the other: the worker copies it between its two AF_XDP sockets.
