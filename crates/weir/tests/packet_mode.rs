@@ -1173,24 +1173,24 @@ fn iperf3_tcp_and_udp(topo: &Topology, f: &Fam) -> Result<(), String> {
     }
     let udp = iperf3_client(topo, f, &["-u", "-b", "20M", "-t", "1"])?;
     // `sum_received` is the server's count (iperf3 exchanges results at the
-    // end): by the datagrams' sequence numbers, the highest seen and the
-    // gaps.
-    let (end, sent) = (&udp["end"], udp["end"]["sum_sent"]["packets"].as_u64());
+    // end), by the datagrams' sequence numbers: the highest seen and the
+    // gaps below it (`lost_packets`). Datagrams still in flight when the
+    // end-of-test message arrives are in neither, so the server's count is
+    // compared with itself, not with the sender's; that weir dropped none
+    // of what it got is the caller's rx = tx check.
+    let end = &udp["end"];
     let (seen, lost) = (
         end["sum_received"]["packets"].as_u64().unwrap_or(0),
         end["sum_received"]["lost_packets"]
             .as_u64()
             .unwrap_or(u64::MAX),
     );
-    let received = seen.saturating_sub(lost);
-    let sent = sent.unwrap_or(0);
-    // 20 Mbit/s of ~1,450-byte datagrams for 1 s is ~1,700; a veth path
-    // this slow loses none unless something drops them (1% slack for a
-    // loaded CI machine's queues).
-    if sent < 1000 || received.saturating_mul(100) < sent * 99 {
+    // 20 Mbit/s of ~1,450-byte datagrams for 1 s is ~1,700 (fewer when a
+    // loaded machine slows the sender); a veth path this slow loses none
+    // unless something drops them (1% slack for a loaded machine's queues).
+    if seen < 100 || lost.saturating_mul(100) > seen {
         return Err(format!(
-            "iperf3 UDP through {}: {sent} datagrams sent, the server received {received} \
-             ({lost} lost): {end}",
+            "iperf3 UDP through {}: the server saw {seen} datagrams, {lost} lost: {end}",
             f.vip
         ));
     }
