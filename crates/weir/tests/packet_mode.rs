@@ -18,8 +18,14 @@
 //! back through it. Neighbours are static (`ip neigh ... permanent`) so a
 //! test never waits on ARP.
 //!
+//! The path-MTU tests add a router namespace on br0 (10.99.0.4, fd99::4)
+//! and a backend b3 behind it (10.97.0.2, fd97::2) on a link whose router
+//! end has MTU 1280 (`Topology::add_router_hop`).
+//!
 //! Needs root, iproute2, ethtool, nginx and curl, and a weir built with its
-//! XDP program; without them each test prints why and returns.
+//! XDP program; without them each test prints why and returns. wrk, iperf3,
+//! redis-server and redis-tools drive the other clients; a test (or its
+//! part) that needs a missing one says so and skips it.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
