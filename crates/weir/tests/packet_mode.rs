@@ -18,8 +18,14 @@
 //! back through it. Neighbours are static (`ip neigh ... permanent`) so a
 //! test never waits on ARP.
 //!
+//! The path-MTU tests add a router namespace on br0 (10.99.0.4, fd99::4)
+//! and a backend b3 behind it (10.97.0.2, fd97::2) on a link whose router
+//! end has MTU 1280 (`Topology::add_router_hop`).
+//!
 //! Needs root, iproute2, ethtool, nginx and curl, and a weir built with its
-//! XDP program; without them each test prints why and returns.
+//! XDP program; without them each test prints why and returns. wrk, iperf3,
+//! redis-server and redis-tools drive the other clients; a test (or its
+//! part) that needs a missing one says so and skips it.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -62,6 +68,15 @@ const MAC_WEIR: &str = "02:00:00:00:00:01";
 /// weir's second interface (lb1) when it is two-armed.
 const MAC_WEIR2: &str = "02:00:00:00:00:11";
 const MAC_BACKENDS: [&str; 2] = ["02:00:00:00:00:02", "02:00:00:00:00:03"];
+
+/// The router hop (`add_router_hop`): the router on the backends' bridge,
+/// its end of the small-MTU link, and the backend behind it (IPv4, IPv6).
+const ROUTER: (&str, &str) = ("10.99.0.4/24", "fd99::4/64");
+const ROUTER2: (&str, &str) = ("10.97.0.1/24", "fd97::1/64");
+const B3: (&str, &str) = ("10.97.0.2/24", "fd97::2/64");
+const MAC_ROUTER: &str = "02:00:00:00:00:04";
+const MAC_ROUTER2: &str = "02:00:00:00:00:14";
+const MAC_B3: &str = "02:00:00:00:00:05";
 
 impl Fam {
     /// "IP:PORT" in URL and config form.
@@ -315,19 +330,9 @@ impl Topology {
 
     /// weir in its namespace with `service` (a `[[service]]` table).
     fn start_weir(&mut self, service: &str, packet_extra: &str) -> Result<PathBuf, String> {
-        let dir = self.dir.path();
-        let cfg = dir.join("weir.toml");
-        std::fs::write(
-            &cfg,
-            format!(
-                "[daemon]\nworkers = 1\n\n[admin]\nlisten = \"unix:{}/admin.sock\"\ntoken = \"packet-mode-test-token\"\n\n\
-                 [packet]\ninterfaces = [{}]\n{packet_extra}\n\n{service}\n",
-                dir.display(),
-                self.interfaces
-            ),
-        )
-        .map_err(|e| e.to_string())?;
-        let log = std::fs::File::create(dir.join("weir.log")).map_err(|e| e.to_string())?;
+        let cfg = self.write_config(service, packet_extra)?;
+        let log =
+            std::fs::File::create(self.dir.path().join("weir.log")).map_err(|e| e.to_string())?;
         let child = Command::new("ip")
             .args([
                 "netns",
@@ -352,8 +357,180 @@ impl Topology {
         Ok(cfg)
     }
 
+    /// weir's config file (`start_weir` runs it; a reload re-reads it).
+    fn write_config(&self, service: &str, packet_extra: &str) -> Result<PathBuf, String> {
+        let dir = self.dir.path();
+        let cfg = dir.join("weir.toml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "[daemon]\nworkers = 1\n\n[admin]\nlisten = \"unix:{}/admin.sock\"\ntoken = \"packet-mode-test-token\"\n\n\
+                 [packet]\ninterfaces = [{}]\n{packet_extra}\n\n{service}\n",
+                dir.display(),
+                self.interfaces
+            ),
+        )
+        .map_err(|e| e.to_string())?;
+        Ok(cfg)
+    }
+
     fn weir_log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("weir.log")).unwrap_or_default()
+    }
+
+    /// A router namespace ("rt") on the backends' bridge and a third backend
+    /// ("b3") behind it, on a link whose router end has MTU 1280 while b3's
+    /// end keeps 1500: b3 announces an MSS for 1500, so a full-size segment
+    /// towards it reaches the router, which must answer the sender with
+    /// ICMP "fragmentation needed" / ICMPv6 "packet too big". weir routes
+    /// 10.97.0.0/24 and fd97::/64 via the router; the router's default
+    /// route is weir (the nat backends' replies, and ICMP to the client).
+    fn add_router_hop(&self) -> Result<(), String> {
+        let (sw, w, rt, b3) = (self.ns("sw"), self.ns("lb"), self.ns("rt"), self.ns("b3"));
+        for ns in [&rt, &b3] {
+            ip(&format!("netns add {ns}"))?;
+            ip(&format!("-n {ns} link set lo up"))?;
+        }
+        ip(&format!(
+            "link add p9 netns {sw} type veth peer name eth0 netns {rt} address {MAC_ROUTER}"
+        ))?;
+        ip(&format!("-n {sw} link set p9 master br0 up"))?;
+        ip(&format!(
+            "link add eth1 netns {rt} address {MAC_ROUTER2} type veth peer name eth0 netns {b3} \
+             address {MAC_B3}"
+        ))?;
+        ip(&format!("-n {rt} link set eth1 mtu 1280"))?;
+        for (ns, dev, addrs) in [
+            (&rt, "eth0", [ROUTER.0, ROUTER.1]),
+            (&rt, "eth1", [ROUTER2.0, ROUTER2.1]),
+            (&b3, "eth0", [B3.0, B3.1]),
+        ] {
+            for a in addrs {
+                ip(&format!("-n {ns} addr add {a} dev {dev} nodad"))?;
+            }
+            ip(&format!("-n {ns} link set {dev} up"))?;
+            run(&["ip", "netns", "exec", ns, "ethtool", "-K", dev, "tx", "off"])?;
+        }
+        for key in ["net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"] {
+            run(&[
+                "ip",
+                "netns",
+                "exec",
+                &rt,
+                "sysctl",
+                "-qw",
+                &format!("{key}=1"),
+            ])?;
+        }
+        let host = |cidr: &'static str| cidr.split('/').next().unwrap_or(cidr);
+        for (fam, r, r2, net) in [
+            (&V4, ROUTER.0, ROUTER2.0, "10.97.0.0/24"),
+            (&V6, ROUTER.1, ROUTER2.1, "fd97::/64"),
+        ] {
+            let (r, r2) = (host(r), host(r2));
+            ip(&format!("-n {w} route add {net} via {r}"))?;
+            ip(&format!(
+                "-n {w} neigh replace {r} lladdr {MAC_ROUTER} dev lb0 nud permanent"
+            ))?;
+            ip(&format!(
+                "-n {rt} route add default via {}",
+                fam.weir_backend_side
+            ))?;
+            ip(&format!(
+                "-n {rt} neigh replace {} lladdr {MAC_WEIR} dev eth0 nud permanent",
+                fam.weir_backend_side
+            ))?;
+            let b = if fam.plen == 24 {
+                host(B3.0)
+            } else {
+                host(B3.1)
+            };
+            ip(&format!(
+                "-n {rt} neigh replace {b} lladdr {MAC_B3} dev eth1 nud permanent"
+            ))?;
+            ip(&format!("-n {b3} route add default via {r2}"))?;
+            ip(&format!(
+                "-n {b3} neigh replace {r2} lladdr {MAC_ROUTER2} dev eth0 nud permanent"
+            ))?;
+        }
+        Ok(())
+    }
+
+    /// `args` run in the namespace `name` (short name: "cl", "b1", ...).
+    fn exec(&self, name: &str, args: &[&str]) -> Result<String, String> {
+        let ns = self.ns(name);
+        run(&[&["ip", "netns", "exec", ns.as_str()], args].concat())
+    }
+
+    /// `args` started in the namespace `name`, killed when the topology goes.
+    fn spawn(&mut self, name: &str, args: &[&str]) -> Result<(), String> {
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.ns(name)])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("{}: {e}", args.join(" ")))?;
+        self.children.push(child);
+        Ok(())
+    }
+
+    /// Waits until something in namespace `name` listens on `proto` ("t" or
+    /// "u") port `port` (ss, iproute2).
+    fn wait_listening(&self, name: &str, proto: &str, port: u16) -> Result<(), String> {
+        let filter = format!("sport = :{port}");
+        let flags = format!("-Hln{proto}");
+        wait_for(
+            &format!("a listener on {proto} port {port} in {name}"),
+            || {
+                self.exec(name, &["ss", &flags, &filter])
+                    .is_ok_and(|o| !o.trim().is_empty())
+            },
+        )
+    }
+
+    /// An iperf3 server in namespace `name` on port 5201 of `bind`, or of
+    /// every address. dr needs it bound to the VIP: a UDP server on the
+    /// wildcard address answers from the interface's address (iperf3 picks
+    /// no source), which the client does not take as the VIP's answer.
+    fn start_iperf3(&mut self, name: &str, bind: Option<&str>) -> Result<(), String> {
+        let mut args = vec!["iperf3", "-s", "-p", "5201"];
+        if let Some(b) = bind {
+            args.extend(["-B", b]);
+        }
+        self.spawn(name, &args)?;
+        self.wait_listening(name, "t", 5201)
+    }
+
+    /// redis-server in each of the namespaces `names`, on every address,
+    /// port 6379, nothing written to disk.
+    fn start_redis(&mut self, names: &[&str]) -> Result<(), String> {
+        let dir = self.dir.path().display().to_string();
+        for name in names {
+            self.spawn(
+                name,
+                &[
+                    "redis-server",
+                    "--port",
+                    "6379",
+                    "--bind",
+                    "0.0.0.0",
+                    "::",
+                    "--protected-mode",
+                    "no",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--daemonize",
+                    "no",
+                    "--dir",
+                    &dir,
+                ],
+            )?;
+            self.wait_listening(name, "t", 6379)?;
+        }
+        Ok(())
     }
 
     fn curl(&self, url: &str) -> Result<String, String> {
@@ -379,7 +556,7 @@ impl Drop for Topology {
             let _ = c.wait();
         }
         // Deleting a namespace destroys its veth ends (and their peers).
-        for n in ["cl", "lb", "b1", "b2", "sw"] {
+        for n in ["cl", "lb", "b1", "b2", "sw", "rt", "b3"] {
             let _ = Command::new("ip")
                 .args(["netns", "del", &self.ns(n)])
                 .output();
@@ -473,16 +650,48 @@ fn check(r: Result<(), String>) {
 }
 
 /// One end-to-end run: topology, nginx, the method's own setup, weir, ten
-/// requests.
+/// requests; then every other client through the same weir (wrk, iperf3
+/// TCP and UDP, redis-benchmark; each skipped with a message when its tool
+/// is missing).
 fn forwards(tag: &str, f: &Fam, forward: &str, packet_extra: &str) {
-    forwards_on(tag, f, forward, packet_extra, false)
+    forwards_on(tag, f, forward, packet_extra, false, true)
 }
 
-fn forwards_on(tag: &str, f: &Fam, forward: &str, packet_extra: &str, two_armed: bool) {
+/// The clients a run can use besides curl, and the Debian package of each
+/// tool they need.
+const CLIENT_TOOLS: [(&str, &str); 4] = [
+    ("wrk", "wrk"),
+    ("iperf3", "iperf3"),
+    ("redis-server", "redis-server"),
+    ("redis-benchmark", "redis-tools"),
+];
+
+fn forwards_on(
+    tag: &str,
+    f: &Fam,
+    forward: &str,
+    packet_extra: &str,
+    two_armed: bool,
+    all_clients: bool,
+) {
     if let Some(why) = missing_prerequisite() {
         eprintln!("skipped: {why}");
         return;
     }
+    let mut clients = Vec::new();
+    if all_clients {
+        for (tool, pkg) in CLIENT_TOOLS {
+            if have(tool) {
+                clients.push(tool);
+            } else {
+                eprintln!("skipped its {tool} part: needs {tool} (Debian package {pkg})");
+            }
+        }
+    }
+    let (iperf, redis) = (
+        clients.contains(&"iperf3"),
+        clients.contains(&"redis-server") && clients.contains(&"redis-benchmark"),
+    );
     check((|| {
         let mut topo = Topology::build(tag, two_armed)?;
         topo.start_backends()?;
@@ -492,8 +701,40 @@ fn forwards_on(tag: &str, f: &Fam, forward: &str, packet_extra: &str, two_armed:
             // fnat: no change on the backends; they answer weir's local address.
             _ => {}
         }
-        let cfg = topo.start_weir(&web_service(f, forward), packet_extra)?;
+        let mut services = web_service(f, forward);
+        if iperf {
+            topo.start_iperf3("b1", (forward == "dr").then_some(f.vip))?;
+            services.push_str(&iperf_services(f, forward, f.backends[0]));
+        }
+        if redis {
+            topo.start_redis(&["b1", "b2"])?;
+            // Like web (rr over both backends), on port 6379.
+            services.push_str(
+                &web_service(f, forward)
+                    .replace("\"web\"", "\"redis\"")
+                    .replace(":80\"", ":6379\""),
+            );
+        }
+        let cfg = topo.start_weir(&services, packet_extra)?;
         requests_reach_both_backends(&topo, f, &cfg)?;
+        if clients.contains(&"wrk") {
+            wrk_through(&topo, f)?;
+        }
+        if iperf {
+            iperf3_tcp_and_udp(&topo, f)?;
+        }
+        if redis {
+            redis_benchmark(&topo, f)?;
+        }
+        if !clients.is_empty() {
+            // After all of them: on AF_XDP every frame weir got was forwarded.
+            let stats: serde_json::Value = serde_json::from_str(&weir(&cfg, &["stats", "--json"])?)
+                .map_err(|e| e.to_string())?;
+            let p = &stats["global"]["packet"];
+            if p["io"] == "xdp" && p["rx"] != p["tx"] {
+                return Err(format!("packet counters after every client: {p}"));
+            }
+        }
         if packet_extra.contains("afpacket") {
             let stats = weir(&cfg, &["stats"])?;
             if !stats.contains("packet mode (afpacket)") {
@@ -548,7 +789,7 @@ fn dr_v6() {
 /// read from a TPACKET_V3 ring and sent with sendmmsg.
 #[test]
 fn nat_v4_over_af_packet() {
-    forwards("afp", &V4, "nat", "io = \"afpacket\"");
+    forwards_on("afp", &V4, "nat", "io = \"afpacket\"", false, false);
 }
 
 /// fnat over AF_PACKET: the kernel sees the backends' replies to the fnat
@@ -678,7 +919,7 @@ fn uploads_complete_when_the_backend_link_has_a_smaller_mtu() {
 /// from the other: the worker copies it between its two AF_XDP sockets.
 #[test]
 fn nat_v4_two_armed() {
-    forwards_on("nat2", &V4, "nat", "", true);
+    forwards_on("nat2", &V4, "nat", "", true, false);
 }
 
 #[test]
@@ -689,6 +930,7 @@ fn fnat_v6_two_armed() {
         "fnat",
         &format!("local_addresses = [\"{}\"]", V6.weir_backend_side),
         true,
+        false,
     );
 }
 
@@ -968,6 +1210,490 @@ fn iperf3_and_wrk_through_nat() {
         let p = &v["global"]["packet"];
         if p["rx"] != p["tx"] || p["new_flows"].as_u64() < Some(requests / 2) {
             return Err(format!("packet counters after iperf3 and wrk: {p}"));
+        }
+        Ok(())
+    })());
+}
+
+/// iperf3's TCP and UDP services on the VIP's port 5201, to `backend`.
+fn iperf_services(f: &Fam, forward: &str, backend: &str) -> String {
+    let mut s = String::new();
+    for proto in ["tcp", "udp"] {
+        s.push_str(&format!(
+            "\n[[service]]\nname = \"iperf-{proto}\"\nprotocol = \"{proto}\"\nlisten = \"{}\"\n\
+             forward = \"{forward}\"\n  [[service.backend]]\n  address = \"{}\"\n",
+            f.ep(f.vip, 5201),
+            f.ep(backend, 5201)
+        ));
+    }
+    s
+}
+
+/// wrk for 1 s with `Connection: close` (a new flow per request): some
+/// requests made, all answered 2xx, no socket error.
+fn wrk_through(topo: &Topology, f: &Fam) -> Result<u64, String> {
+    let url = format!("http://{}/", f.ep(f.vip, 80));
+    let out = topo.exec(
+        "cl",
+        &[
+            "timeout",
+            "20",
+            "wrk",
+            "-t1",
+            "-c8",
+            "-d1s",
+            "-H",
+            "Connection: close",
+            &url,
+        ],
+    )?;
+    let requests = out
+        .lines()
+        .find_map(|l| {
+            l.trim()
+                .split_once(" requests in ")
+                .map(|(n, _)| n.trim().parse::<u64>())
+        })
+        .and_then(Result::ok)
+        .unwrap_or(0);
+    if requests == 0 || out.contains("Non-2xx") || out.contains("Socket errors") {
+        return Err(format!(
+            "wrk through {url}:\n{out}\nweir's log:\n{}",
+            topo.weir_log()
+        ));
+    }
+    Ok(requests)
+}
+
+/// The iperf3 client in the client namespace against the VIP's port 5201
+/// (`--json`, bounded by `timeout`).
+fn iperf3_client(topo: &Topology, f: &Fam, extra: &[&str]) -> Result<serde_json::Value, String> {
+    let mut args = vec![
+        "timeout",
+        "30",
+        "iperf3",
+        "-c",
+        f.vip,
+        "-p",
+        "5201",
+        "--connect-timeout",
+        "3000",
+        "-J",
+    ];
+    args.extend_from_slice(extra);
+    let out = topo
+        .exec("cl", &args)
+        .map_err(|e| format!("iperf3 {extra:?}: {e}\nweir's log:\n{}", topo.weir_log()))?;
+    serde_json::from_str(&out).map_err(|e| format!("iperf3 {extra:?}: {e}: {out}"))
+}
+
+/// iperf3 TCP for 1 s, then UDP for 1 s at 20 Mbit/s, with the server's own
+/// counts: the TCP bytes the server received, the UDP datagrams it
+/// received and lost.
+fn iperf3_tcp_and_udp(topo: &Topology, f: &Fam) -> Result<(), String> {
+    let tcp = iperf3_client(topo, f, &["-t", "1"])?;
+    let got = tcp["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
+    if got < 1_000_000 {
+        return Err(format!(
+            "iperf3 TCP through {}: the server received {got} bytes",
+            f.vip
+        ));
+    }
+    let udp = iperf3_client(topo, f, &["-u", "-b", "20M", "-t", "1"])?;
+    // `sum_received` is the server's count (iperf3 exchanges results at the
+    // end), by the datagrams' sequence numbers: the highest seen and the
+    // gaps below it (`lost_packets`). Datagrams still in flight when the
+    // end-of-test message arrives are in neither, so the server's count is
+    // compared with itself, not with the sender's; that weir dropped none
+    // of what it got is the caller's rx = tx check.
+    let end = &udp["end"];
+    let (seen, lost) = (
+        end["sum_received"]["packets"].as_u64().unwrap_or(0),
+        end["sum_received"]["lost_packets"]
+            .as_u64()
+            .unwrap_or(u64::MAX),
+    );
+    // 20 Mbit/s of ~1,450-byte datagrams for 1 s is ~1,700 (fewer when a
+    // loaded machine slows the sender); a veth path this slow loses none
+    // unless something drops them (1% slack for a loaded machine's queues).
+    if seen < 100 || lost.saturating_mul(100) > seen {
+        return Err(format!(
+            "iperf3 UDP through {}: the server saw {seen} datagrams, {lost} lost: {end}",
+            f.vip
+        ));
+    }
+    Ok(())
+}
+
+/// redis-benchmark SET and GET against redis-server on both backends
+/// through the VIP's port 6379: both complete and report requests/s.
+fn redis_benchmark(topo: &Topology, f: &Fam) -> Result<(), String> {
+    let out = topo
+        .exec(
+            "cl",
+            &[
+                "timeout",
+                "30",
+                "redis-benchmark",
+                "-h",
+                f.vip,
+                "-p",
+                "6379",
+                "-n",
+                "2000",
+                "-t",
+                "set,get",
+                "-q",
+            ],
+        )
+        .map_err(|e| format!("redis-benchmark: {e}\nweir's log:\n{}", topo.weir_log()))?;
+    for test in ["SET", "GET"] {
+        // "SET: 24390.24 requests per second, p50=..." after "\r" progress.
+        let rps = out
+            .split(['\r', '\n'])
+            .find_map(|l| {
+                l.trim()
+                    .strip_prefix(&format!("{test}: "))?
+                    .split_once(" requests per second")
+                    .map(|(n, _)| n.trim().parse::<f64>())
+            })
+            .and_then(Result::ok)
+            .unwrap_or(0.0);
+        if rps <= 0.0 {
+            return Err(format!("redis-benchmark {test} through {}:\n{out}", f.vip));
+        }
+    }
+    Ok(())
+}
+
+/// wrr with weights 3:1. IPVS's wrr (crates/sched, `wrr_sequence_over_one_cycle_is_exact`)
+/// repeats one sequence of 3 + 1 = 4 picks (b1 b1 b1 b2), so any 40
+/// consecutive new flows hold exactly 10 whole cycles, whatever the
+/// cursor's phase: 30 and 10, no tolerance needed. Each curl is a new flow
+/// and nothing else asks the scheduler (no health checks, no persistence).
+#[test]
+fn wrr_splits_new_flows_by_weight() {
+    if skip() {
+        return;
+    }
+    check((|| {
+        let mut topo = Topology::build("wrr", false)?;
+        topo.start_backends()?;
+        topo.route_backends_via_weir()?;
+        let mut svc = web_service(&V4, "nat").replace("\"rr\"", "\"wrr\"");
+        for (b, w) in [(V4.backends[0], 3), (V4.backends[1], 1)] {
+            let line = format!("address = \"{b}:80\"\n");
+            svc = svc.replace(&line, &format!("{line}  weight = {w}\n"));
+        }
+        let cfg = topo.start_weir(&svc, "")?;
+        let seen = answers(&topo, 40)?;
+        let n = |name: &str| seen.iter().filter(|s| *s == name).count();
+        if (n("b1"), n("b2")) != (30, 10) {
+            return Err(format!(
+                "wrr 3:1 over 40 new flows: b1 {}, b2 {}: {seen:?}\n{}",
+                n("b1"),
+                n("b2"),
+                weir(&cfg, &["list"])?
+            ));
+        }
+        Ok(())
+    })());
+}
+
+/// Path MTU through a router hop: an 8 MB upload from the client to b3
+/// (behind a router whose link towards b3 has MTU 1280) through weir. The
+/// client's full-size segments (DF set) are refused by the router; its
+/// ICMP error quotes the packet weir rewrote, reaches weir and must be
+/// translated back to the client's view (the VIP), or the upload stalls.
+fn path_mtu_through(tag: &str, f: &Fam, forward: &str, packet_extra: &str) {
+    if skip() {
+        return;
+    }
+    if !have("iperf3") {
+        eprintln!("skipped: needs iperf3 (Debian package iperf3)");
+        return;
+    }
+    let redis = have("redis-server") && have("redis-cli");
+    if !redis {
+        eprintln!(
+            "skipped its redis part: needs redis-server and redis-cli (redis-server, redis-tools)"
+        );
+    }
+    check((|| {
+        let mut topo = Topology::build(tag, false)?;
+        topo.add_router_hop()?;
+        topo.start_iperf3("b3", None)?;
+        let b3 = if f.plen == 24 { B3.0 } else { B3.1 };
+        let b3 = b3.split('/').next().unwrap_or(b3);
+        let mut services = iperf_services(f, forward, b3);
+        if redis {
+            topo.start_redis(&["b3"])?;
+            services.push_str(&format!(
+                "\n[[service]]\nname = \"redis\"\nprotocol = \"tcp\"\nlisten = \"{}\"\n\
+                 forward = \"{forward}\"\n  [[service.backend]]\n  address = \"{}\"\n",
+                f.ep(f.vip, 6379),
+                f.ep(b3, 6379)
+            ));
+        }
+        let cfg = topo.start_weir(&services, packet_extra)?;
+        let context = |topo: &Topology| {
+            format!(
+                "the client's route: {}\nweir's stats: {}\nweir's log:\n{}",
+                topo.exec("cl", &["ip", "route", "get", f.vip])
+                    .unwrap_or_else(|e| e)
+                    .trim(),
+                weir(&cfg, &["stats", "--json"]).unwrap_or_else(|e| e),
+                topo.weir_log()
+            )
+        };
+        // First (while the client still assumes MTU 1500): an 8 MiB value
+        // stored in redis on b3, whose own count of the bytes it got is
+        // the proof that the whole upload arrived.
+        if redis {
+            let size = 8 << 20;
+            let value = topo.dir.path().join("value");
+            std::fs::write(&value, vec![b'x'; size]).map_err(|e| e.to_string())?;
+            let stdin = std::fs::File::open(&value).map_err(|e| e.to_string())?;
+            let out = Command::new("ip")
+                .args([
+                    "netns",
+                    "exec",
+                    &topo.ns("cl"),
+                    "timeout",
+                    "20",
+                    "redis-cli",
+                ])
+                .args(["-h", f.vip, "-p", "6379", "-x", "set", "big"])
+                .stdin(stdin)
+                .output()
+                .map_err(|e| format!("redis-cli: {e}"))?;
+            let len = topo.exec(
+                "cl",
+                &[
+                    "timeout",
+                    "5",
+                    "redis-cli",
+                    "-h",
+                    f.vip,
+                    "-p",
+                    "6379",
+                    "strlen",
+                    "big",
+                ],
+            );
+            if !out.status.success() || len.as_deref().map(str::trim) != Ok(&size.to_string()) {
+                return Err(format!(
+                    "8 MiB upload to redis through the router hop: {} {}, strlen {len:?}\n{}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stdout).trim(),
+                    context(&topo)
+                ));
+            }
+        }
+        // The client learnt the path's MTU for the VIP (from the
+        // translated ICMP error: nothing else tells it).
+        let route = topo.exec("cl", &["ip", "route", "get", f.vip])?;
+        if redis && !route.contains("mtu 1280") {
+            return Err(format!(
+                "the client's route to the VIP has no learnt MTU\n{}",
+                context(&topo)
+            ));
+        }
+        // iperf3 uploading 8 MiB completes (bounded: `timeout` 30 s). Its
+        // server's byte count is not the proof: it stops counting at the
+        // client's end-of-test message, which can overtake data still
+        // queued, so the sender's count is what is checked here.
+        let started = Instant::now();
+        let up = iperf3_client(&topo, f, &["-n", "8M"])?;
+        let sent = up["end"]["sum_sent"]["bytes"].as_u64().unwrap_or(0);
+        // (-n rounds up to whole 128 KiB writes: at least 8 MiB.)
+        if sent < 8 << 20 {
+            return Err(format!(
+                "iperf3 upload through the router hop: sent {sent} bytes in {:?}\n{}",
+                started.elapsed(),
+                context(&topo)
+            ));
+        }
+        if !topo
+            .exec("cl", &["ip", "route", "get", f.vip])?
+            .contains("mtu 1280")
+        {
+            return Err(format!(
+                "the client's route to the VIP has no learnt MTU\n{}",
+                context(&topo)
+            ));
+        }
+        let stats: serde_json::Value =
+            serde_json::from_str(&weir(&cfg, &["stats", "--json"])?).map_err(|e| e.to_string())?;
+        let p = &stats["global"]["packet"];
+        if p["icmp_errors"].as_u64().unwrap_or(0) == 0 {
+            return Err(format!("no translated ICMP error counted: {p}"));
+        }
+        eprintln!(
+            "8 MB upload through the MTU-1280 hop in {:?}",
+            started.elapsed()
+        );
+        Ok(())
+    })());
+}
+
+#[test]
+fn path_mtu_nat_v4() {
+    path_mtu_through("pmtu4", &V4, "nat", "");
+}
+
+#[test]
+fn path_mtu_nat_v6() {
+    path_mtu_through("pmtu6", &V6, "nat", "");
+}
+
+#[test]
+fn path_mtu_fnat_v4() {
+    path_mtu_through(
+        "pmtuf4",
+        &V4,
+        "fnat",
+        &format!("local_addresses = [\"{}\"]", V4.weir_backend_side),
+    );
+}
+
+#[test]
+fn path_mtu_fnat_v6() {
+    path_mtu_through(
+        "pmtuf6",
+        &V6,
+        "fnat",
+        &format!("local_addresses = [\"{}\"]", V6.weir_backend_side),
+    );
+}
+
+/// A TCP flow through nat keeps going while the service is edited at
+/// runtime (a backend added, the scheduler changed) and the config is
+/// reloaded with a changed weight and scheduler: iperf3 finishes with every
+/// byte it sent received, and no frame of it was dropped as `no_flow`.
+/// Meanwhile `weir stats table` shows the tenant's table holding exactly
+/// the live flows `weir conns` lists.
+#[test]
+fn runtime_edits_and_reload_keep_a_live_flow() {
+    if skip() {
+        return;
+    }
+    if !have("iperf3") {
+        eprintln!("skipped: needs iperf3 (Debian package iperf3)");
+        return;
+    }
+    check((|| {
+        let mut topo = Topology::build("edits", false)?;
+        topo.start_backends()?;
+        topo.route_backends_via_weir()?;
+        topo.start_iperf3("b1", None)?;
+        let services = format!(
+            "{}{}",
+            web_service(&V4, "nat"),
+            iperf_services(&V4, "nat", V4.backends[0])
+        );
+        let cfg = topo.start_weir(&services, "")?;
+        // 4 s paced at 50 Mbit/s: long enough for the edits below.
+        let out_path = topo.dir.path().join("iperf3.json");
+        let out = std::fs::File::create(&out_path).map_err(|e| e.to_string())?;
+        let child = Command::new("ip")
+            .args(["netns", "exec", &topo.ns("cl"), "timeout", "30", "iperf3"])
+            .args(["-c", V4.vip, "-p", "5201", "-t", "4", "-b", "50M", "-J"])
+            .stdout(out)
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("iperf3 -c: {e}"))?;
+        topo.children.push(child);
+        let client = topo.children.len() - 1;
+        let flows = || -> Result<usize, String> {
+            Ok(weir(&cfg, &["conns", "--json"])?
+                .lines()
+                .filter(|l| l.contains(":5201"))
+                .count())
+        };
+        // iperf3's control and data connections.
+        wait_for("iperf3's two flows", || flows().is_ok_and(|n| n == 2))?;
+        let mut last = String::new();
+        wait_for("weir stats table to show the live flows", || {
+            let before = flows();
+            let table = weir(&cfg, &["stats", "table", "--json"]).unwrap_or_default();
+            let after = flows();
+            let entries = serde_json::from_str::<serde_json::Value>(&table)
+                .ok()
+                .and_then(|t| {
+                    t.as_array()?.iter().find(|r| r["tenant"] == "default")?["entries"].as_u64()
+                });
+            last = table;
+            matches!((before, after, entries), (Ok(b), Ok(a), Some(e)) if b == a && e == b as u64)
+        })
+        .map_err(|e| format!("{e}: {last}"))?;
+        let b2 = format!("{}:5201", V4.backends[1]);
+        weir(&cfg, &["backend", "add", "iperf-tcp", &b2])?;
+        weir(
+            &cfg,
+            &["service", "edit", "iperf-tcp", "--scheduler", "wlc"],
+        )?;
+        // The file now: both backends, b1 weighted 2, scheduler lc.
+        let edited = services.replacen(
+            &format!("  address = \"{}:5201\"\n", V4.backends[0]),
+            &format!("  address = \"{}:5201\"\n  weight = 2\n  [[service.backend]]\n  address = \"{b2}\"\n", V4.backends[0]),
+            1,
+        );
+        let edited = edited.replacen(
+            "name = \"iperf-tcp\"\n",
+            "name = \"iperf-tcp\"\nscheduler = \"lc\"\n",
+            1,
+        );
+        topo.write_config(&edited, "")?;
+        let reloaded = weir(&cfg, &["reload"])?;
+        if !reloaded.contains("iperf-tcp") {
+            return Err(format!("the reload did not change iperf-tcp:\n{reloaded}"));
+        }
+        let listed = weir(&cfg, &["list"])?;
+        if !listed.contains(" lc ") || !listed.contains(&b2) {
+            return Err(format!("after the reload:\n{listed}"));
+        }
+        // The edits happened while the flow was live.
+        if topo.children[client]
+            .try_wait()
+            .map_err(|e| e.to_string())?
+            .is_some()
+        {
+            return Err("iperf3 ended before the edits were done".into());
+        }
+        let mut status = None;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while status.is_none() && Instant::now() < deadline {
+            status = topo.children[client]
+                .try_wait()
+                .map_err(|e| e.to_string())?;
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let json = std::fs::read_to_string(&out_path).map_err(|e| e.to_string())?;
+        if !status.is_some_and(|s| s.success()) {
+            return Err(format!(
+                "iperf3 ({status:?}):\n{json}\nweir's log:\n{}",
+                topo.weir_log()
+            ));
+        }
+        let v: serde_json::Value =
+            serde_json::from_str(&json).map_err(|e| format!("{e}: {json}"))?;
+        let (sent, received) = (
+            v["end"]["sum_sent"]["bytes"].as_u64().unwrap_or(0),
+            v["end"]["sum_received"]["bytes"]
+                .as_u64()
+                .unwrap_or(u64::MAX),
+        );
+        if sent < 10_000_000 || sent != received {
+            return Err(format!(
+                "iperf3 across the edits: sent {sent}, received {received}"
+            ));
+        }
+        let stats: serde_json::Value =
+            serde_json::from_str(&weir(&cfg, &["stats", "--json"])?).map_err(|e| e.to_string())?;
+        let p = &stats["global"]["packet"];
+        if p["dropped"]["no_flow"].as_u64().unwrap_or(0) != 0 || p["rx"] != p["tx"] {
+            return Err(format!("frames of the live flow were not forwarded: {p}"));
         }
         Ok(())
     })());
