@@ -316,19 +316,9 @@ fn reload_refuses_packet_section_changes_here() {
 
 /// Run the `weir` binary with `args`; (exit code, stdout, stderr).
 fn run_weir(args: &[&str]) -> (Option<i32>, String, String) {
-    use std::io::Read as _;
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_weir"))
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let code = daemon_util::process::exit_code_within(&mut child, Duration::from_secs(30));
-    let (mut out, mut err) = (String::new(), String::new());
-    let _ = child.stdout.take().unwrap().read_to_string(&mut out);
-    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
-    (code, out, err)
+    let mut argv = vec![env!("CARGO_BIN_EXE_weir")];
+    argv.extend_from_slice(args);
+    run_cmd(&argv)
 }
 
 /// `weir check` names the interface that is missing (and that names are
@@ -378,4 +368,75 @@ fn check_reports_packet_problems_with_lines() {
         out.contains("OK (0 tenant(s), 1 service(s), 1 backend(s))"),
         "{out}"
     );
+}
+
+/// Without root (here: as `nobody`, through `setpriv`, when the test runs
+/// as root), `weir run` with packet services fails and says what is
+/// missing, rather than starting half of packet mode.
+#[test]
+fn run_without_root_says_what_is_missing() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let root = rustix::process::geteuid().is_root();
+    if root
+        && std::process::Command::new("setpriv")
+            .arg("--version")
+            .output()
+            .is_err()
+    {
+        eprintln!("skipped: needs setpriv (util-linux) to drop root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let cfg = dir.path().join("weir.toml");
+    std::fs::write(
+        &cfg,
+        "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\n\
+         [[service]]\nname = \"web\"\nprotocol = \"tcp\"\nlisten = \"10.0.0.100:80\"\n\
+         forward = \"nat\"\n[[service.backend]]\naddress = \"10.0.1.2:80\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&cfg, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let weir = env!("CARGO_BIN_EXE_weir");
+    let cfg = cfg.to_str().unwrap();
+    let (code, _out, err) = if root {
+        run_cmd(&[
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            weir,
+            "run",
+            "--config",
+            cfg,
+        ])
+    } else {
+        run_weir(&["run", "--config", cfg])
+    };
+    assert_ne!(code, Some(0), "weir run succeeded without root:\n{err}");
+    assert!(
+        code.is_some(),
+        "weir run did not exit within the bound:\n{err}"
+    );
+    assert!(
+        err.contains("weir run: packet mode:") && err.contains("needs root"),
+        "the error does not say what is missing:\n{err}"
+    );
+}
+
+/// [`run_weir`] for any command.
+fn run_cmd(argv: &[&str]) -> (Option<i32>, String, String) {
+    use std::io::Read as _;
+    let mut child = std::process::Command::new(argv[0])
+        .args(&argv[1..])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let code = daemon_util::process::exit_code_within(&mut child, Duration::from_secs(30));
+    let (mut out, mut err) = (String::new(), String::new());
+    let _ = child.stdout.take().unwrap().read_to_string(&mut out);
+    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+    (code, out, err)
 }
