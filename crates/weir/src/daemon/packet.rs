@@ -356,13 +356,17 @@ impl VipService {
 /// (address, IP protocol, port): a VIP or a backend as packets carry it.
 type Endpoint = (IpAddr, u8, u16);
 
+/// The snapshot's maps, looked up per packet: keyed from the config (no
+/// peer chooses their keys), so a fast hash rather than SipHash.
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
 /// A worker's snapshot of the packet services: by VIP:port, and the
 /// nat/fnat backends by their address (their replies' source).
 #[derive(Debug, Default)]
 pub(crate) struct Vips {
     generation: u64,
-    by_vip: HashMap<Endpoint, VipService>,
-    by_backend: HashMap<Endpoint, Vec<(VipService, Arc<Backend>)>>,
+    by_vip: FastMap<Endpoint, VipService>,
+    by_backend: FastMap<Endpoint, Vec<(VipService, Arc<Backend>)>>,
 }
 
 impl Vips {
@@ -451,7 +455,7 @@ pub(crate) struct Engine {
     links: Vec<Link>,
     links_at: Option<u64>,
     /// Per-batch scratch, kept to allocate nothing per batch.
-    parsed: Vec<(Result<Packet, Unhandled>, bool)>,
+    parsed: Vec<(Result<Packet, Unhandled>, Option<Matched>)>,
     probes: Vec<Probe>,
     found: Vec<Option<weir_flowtable::Found>>,
 }
@@ -462,6 +466,14 @@ impl std::fmt::Debug for Engine {
             .field("egress", &self.egress)
             .finish()
     }
+}
+
+/// The service a frame's probe matched: by its VIP:port, or as a reply
+/// from one of its backends.
+#[derive(Debug)]
+enum Matched {
+    Vip(VipService),
+    Reply(VipService, Arc<Backend>),
 }
 
 /// A looked-up or new flow.
@@ -574,29 +586,28 @@ impl Engine {
         for i in 0..n {
             let p = weir_packet::parse(batch.frame(i));
             let probe = p.as_ref().ok().and_then(|p| self.probe(p));
-            if let Some(pr) = probe {
+            let matched = probe.map(|(pr, m)| {
                 probes.push(pr);
-            }
-            parsed.push((p, probe.is_some()));
+                m
+            });
+            parsed.push((p, matched));
         }
         self.shared
             .table
             .reader()
             .lookup_probes(&probes, &mut found);
         let mut k = 0;
-        for (i, (p, probed)) in parsed.iter().enumerate() {
+        for (i, (p, matched)) in parsed.iter_mut().enumerate() {
             let v = match p {
                 Err(u) => {
                     self.counters.unhandled[u.index()].fetch_add(1, Relaxed);
                     Verdict::Drop
                 }
                 Ok(pkt) => {
-                    let hint = if *probed {
+                    let hint = matched.take().and_then(|m| {
                         k += 1;
-                        found.get(k - 1).copied().flatten()
-                    } else {
-                        None
-                    };
+                        Some((m, found.get(k - 1).copied().flatten()?))
+                    });
                     let mode = if batch.csum_partial(i) {
                         CsumMode::Partial
                     } else {
@@ -632,22 +643,24 @@ impl Engine {
     /// The batched lookup's key for a TCP/UDP packet of ours: the forward
     /// key to a VIP, or the reply key for the first service the source
     /// backend serves.
-    fn probe(&self, pkt: &Packet) -> Option<Probe> {
+    fn probe(&self, pkt: &Packet) -> Option<(Probe, Matched)> {
         let t = pkt.tuple()?;
         if let Some(vs) = self.vips.by_vip.get(&(t.dst.ip(), t.proto, t.dst.port())) {
-            return Some(Probe::Flow(FlowKey {
+            let key = FlowKey {
                 tenant: TenantId(vs.svc.tenant.id),
                 proto: table_proto(t.proto),
                 client: t.src,
                 virt: t.dst,
-            }));
+            };
+            return Some((Probe::Flow(key), Matched::Vip(vs.clone())));
         }
         let (vs, b) = self
             .vips
             .by_backend
             .get(&(t.src.ip(), t.proto, t.src.port()))?
             .first()?;
-        Some(Probe::Reply(self.reply_key(vs, b, t.proto, t.dst)?))
+        let key = self.reply_key(vs, b, t.proto, t.dst)?;
+        Some((Probe::Reply(key), Matched::Reply(vs.clone(), b.clone())))
     }
 
     /// A parsed frame, with what the batched lookup found for it if it did.
@@ -655,15 +668,15 @@ impl Engine {
         &mut self,
         frame: &mut [u8],
         pkt: &Packet,
-        hint: Option<weir_flowtable::Found>,
+        hint: Option<(Matched, weir_flowtable::Found)>,
         mode: CsumMode,
         now: Millis,
     ) -> Verdict {
         let Some(t) = pkt.tuple() else {
             return self.icmp(frame, pkt, now);
         };
-        let looked = match hint.and_then(|h| self.hinted(&t, h)) {
-            Some(r) => r,
+        let looked = match hint {
+            Some((m, h)) => self.hinted(&t, m, h),
             None => self.find(&t, Some(pkt), now),
         };
         let (vs, found, direction) = match looked {
@@ -737,31 +750,33 @@ impl Engine {
         })
     }
 
-    /// What a batched lookup's hit names, as [`Self::find`] would return it.
+    /// What a batched lookup's hit names, as [`Self::find`] would return
+    /// it (the probe pass matched the service already).
     fn hinted(
         &self,
         t: &weir_packet::FlowTuple,
+        m: Matched,
         h: weir_flowtable::Found,
-    ) -> Option<Result<(VipService, Flow, Direction), Drop>> {
-        if let Some(vs) = self.vips.by_vip.get(&(t.dst.ip(), t.proto, t.dst.port())) {
-            let f = self.forward_hit(vs, h.handle, h.backend, t.src);
-            return Some(f.map(|f| (vs.clone(), f, Direction::ToBackend)));
+    ) -> Result<(VipService, Flow, Direction), Drop> {
+        match m {
+            Matched::Vip(vs) => {
+                let f = self.forward_hit(&vs, h.handle, h.backend, t.src)?;
+                Ok((vs, f, Direction::ToBackend))
+            }
+            Matched::Reply(vs, backend) => {
+                let local = (vs.method == Method::Fnat).then_some(t.dst);
+                Ok((
+                    vs,
+                    Flow {
+                        handle: h.handle,
+                        backend,
+                        local,
+                        client: h.key.client,
+                    },
+                    Direction::ToClient,
+                ))
+            }
         }
-        let (vs, b) = self
-            .vips
-            .by_backend
-            .get(&(t.src.ip(), t.proto, t.src.port()))?
-            .first()?;
-        Some(Ok((
-            vs.clone(),
-            Flow {
-                handle: h.handle,
-                backend: b.clone(),
-                local: (vs.method == Method::Fnat).then_some(t.dst),
-                client: h.key.client,
-            },
-            Direction::ToClient,
-        )))
     }
 
     /// The flow of a packet with tuple `t`: by the forward key if it goes to
