@@ -195,10 +195,10 @@ fn table(impls: &[Impl], col: &[Sample], test: Test) -> Vec<serde_json::Value> {
         .collect();
     let nft = impls.iter().position(|&i| i == Impl::NftDnat);
     let (nft_rate, nft_cpu) = nft.map_or((0.0, None), |n| figs[n]);
-    let (what, unit, cpu_unit, scale) = match test {
-        Test::Cps => ("TCP connections/s", "conn/s", "CPU-µs/conn", 1e6),
+    let (what, unit, errors, cpu_unit, scale) = match test {
+        Test::Cps => ("TCP connections/s", "conn/s", "errors", "CPU-µs/conn", 1e6),
         // Seconds per byte to seconds per GB.
-        Test::Iperf(_) => ("iperf3", "Gbit/s", "CPU-s/GB", 1e9),
+        Test::Iperf(_) => ("iperf3", "Gbit/s", "retransmits", "CPU-s/GB", 1e9),
     };
     match test {
         Test::Cps => println!("#### {what}\n"),
@@ -208,7 +208,7 @@ fn table(impls: &[Impl], col: &[Sample], test: Test) -> Vec<serde_json::Value> {
         "impl",
         "workers",
         unit,
-        "errors",
+        errors,
         &format!("{cpu_unit} (forwarding)"),
         "vs nft",
         "per CPU vs nft",
@@ -234,7 +234,11 @@ fn table(impls: &[Impl], col: &[Sample], test: Test) -> Vec<serde_json::Value> {
             imp.workers().to_string(),
             rate_s,
             s.errors.to_string(),
-            cpu.map_or("-".into(), |c| format!("{:.3}", c * scale)),
+            match cpu {
+                _ if cal => "(calibration)".into(),
+                Some(c) => format!("{:.3}", c * scale),
+                None => "-".into(),
+            },
             vs,
             per_cpu,
         ]);
@@ -274,6 +278,10 @@ fn one_run(
     test: Test,
     secs: u32,
 ) -> Result<Sample> {
+    // Let the previous run's closing connections and queued frames settle
+    // first: measured right after a run, the "idle" softirq read up to 0.7
+    // of a core.
+    std::thread::sleep(Duration::from_millis(500));
     let b0 = softirq_seconds()?;
     let t0 = Instant::now();
     std::thread::sleep(Duration::from_millis(500));
