@@ -103,12 +103,18 @@ impl Sample {
     }
 
     /// Forwarding CPU seconds per op: softirq minus the idle rate minus the
-    /// endpoints' share, plus weir's own. `None` when nothing was done.
+    /// endpoints' share, plus weir's own. `None` when nothing was done or
+    /// when the softirq share came out below the idle and calibration
+    /// baselines: other load (another engineer's packet bench) moved them
+    /// more than this row's forwarding did, so there is no figure.
     fn forwarding_per_op(&self, endpoint_per_op: f64) -> Option<f64> {
         if self.ops == 0 {
             return None;
         }
-        let soft = (self.soft_s - self.idle_soft_s - endpoint_per_op * self.ops as f64).max(0.0);
+        let soft = self.soft_s - self.idle_soft_s - endpoint_per_op * self.ops as f64;
+        if soft < 0.0 {
+            return None;
+        }
         Some((soft + self.weir_cpu_s) / self.ops as f64)
     }
 }
@@ -135,7 +141,8 @@ pub(crate) fn tcp_rows(
         "### TCP: wrk -t{WRK_THREADS} -c{WRK_CONNS} (Connection: close) against nginx on both \
          backends; iperf3 -P 1 and -P 8 to b1; {rounds} round(s) of {secs} s each\n"
     );
-    let ends = Endpoints::start(topo, dir).context("starting nginx and iperf3 on the backends")?;
+    let mut ends =
+        Endpoints::start(topo, dir).context("starting nginx and iperf3 on the backends")?;
     let impls = Impl::all();
     let mut sums = vec![[Sample::default(); 3]; impls.len()];
     for round in 0..rounds {
@@ -144,7 +151,7 @@ pub(crate) fn tcp_rows(
             let setup = TcpSetup::new(topo, bin, dir, imp)
                 .with_context(|| format!("{} (round {})", imp.name(), round + 1))?;
             for (t, &test) in Test::ALL.iter().enumerate() {
-                let s = one_run(topo, &setup, &ends, test, secs)
+                let s = one_run(topo, &setup, &mut ends, test, secs)
                     .with_context(|| format!("{} {test:?} (round {})", imp.name(), round + 1))?;
                 eprintln!(
                     "  round {} {} {test:?}: {} ops in {:.1} s, {} errors, {:.2} softirq s (idle {:.2}), {:.2} weir s",
@@ -266,7 +273,10 @@ fn table(impls: &[Impl], col: &[Sample], test: Test) -> Vec<serde_json::Value> {
         Test::Cps => format!("{:.3} CPU-µs of softirq per connection", endpoint * 1e6),
         Test::Iperf(_) => format!("{:.3} CPU-s of softirq per GB", endpoint * 1e9),
     };
-    println!("endpoints (direct calibration): {e}\n");
+    println!(
+        "endpoints (direct calibration): {e}; \"-\" CPU: softirq below the idle and \
+         calibration baselines (other load on the machine), no figure\n"
+    );
     out
 }
 
@@ -274,7 +284,7 @@ fn table(impls: &[Impl], col: &[Sample], test: Test) -> Vec<serde_json::Value> {
 fn one_run(
     topo: &Topo,
     setup: &TcpSetup,
-    ends: &Endpoints,
+    ends: &mut Endpoints,
     test: Test,
     secs: u32,
 ) -> Result<Sample> {
@@ -348,7 +358,7 @@ fn iperf3(
     streams: u32,
     secs: u32,
     limit: &str,
-    ends: &Endpoints,
+    ends: &mut Endpoints,
 ) -> Result<String> {
     let mut last = String::new();
     for _ in 0..10 {
@@ -429,6 +439,11 @@ impl Endpoints {
         let mut ends = Endpoints {
             servers: Vec::new(),
         };
+        // The client reaches the bulk VIP through weir's namespace too.
+        let cl = topo.ns("cl");
+        ip(&format!(
+            "-n {cl} route add {VIP_BULK}/32 via {WEIR_CLIENT_SIDE}"
+        ))?;
         for (i, b) in ["b1", "b2"].iter().enumerate() {
             let ns = topo.ns(b);
             for vip in [VIP, VIP_BULK] {
@@ -496,13 +511,10 @@ impl Endpoints {
         Ok(ends)
     }
 
-    fn check(&self) -> Result<()> {
-        // check_alive needs &mut; a dead server shows as a failed run anyway,
-        // so only say which one died.
-        for s in &self.servers {
-            if !Path::new(&format!("/proc/{}", s.pid())).exists() {
-                bail!("a backend server exited; log:\n{}", s.log_tail());
-            }
+    /// Fails, with its log, if a server has exited.
+    fn check(&mut self) -> Result<()> {
+        for s in &mut self.servers {
+            s.check_alive()?;
         }
         Ok(())
     }
@@ -564,12 +576,6 @@ impl<'a> TcpSetup<'a> {
                 s.weir = Some((start_weir(topo, bin, dir, &cfg)?, cfg));
             }
         }
-        // The client reaches the bulk VIP through weir's namespace too
-        // (added once; later rows find it there).
-        let cl = topo.ns("cl");
-        let _ = ip(&format!(
-            "-n {cl} route replace {VIP_BULK}/32 via {WEIR_CLIENT_SIDE}"
-        ));
         Ok(s)
     }
 
@@ -749,8 +755,8 @@ mod tests {
         // (5 - 1 - 2000 * 1e-3 + 2) / 2000.
         let got = s.forwarding_per_op(1e-3).unwrap();
         assert!((got - 2e-3).abs() < 1e-12, "{got}");
-        // Never negative softirq; no ops, no figure.
-        assert_eq!(s.forwarding_per_op(1.0), Some(1e-3));
+        // Softirq below the baselines, or no ops: no figure.
+        assert_eq!(s.forwarding_per_op(1.0), None);
         assert_eq!(Sample::default().forwarding_per_op(0.0), None);
     }
 
