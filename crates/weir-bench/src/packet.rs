@@ -37,6 +37,7 @@ use crate::proxy::peers::weir_bin;
 use crate::proxy::sys::Server;
 use crate::report::{Table, ratio};
 
+pub(crate) mod tcp;
 pub(crate) mod topo;
 
 use topo::{
@@ -51,7 +52,7 @@ const FIRST_SPORT: u32 = 10_000;
 const FRAME: usize = 60;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Impl {
+pub(crate) enum Impl {
     Direct,
     Kernel,
     NftDnat,
@@ -60,7 +61,7 @@ enum Impl {
 }
 
 impl Impl {
-    fn name(self) -> String {
+    pub(crate) fn name(self) -> String {
         match self {
             Impl::Direct => "direct (calibration)".into(),
             Impl::Kernel => "kernel forwarding (ceiling)".into(),
@@ -70,7 +71,7 @@ impl Impl {
         }
     }
 
-    fn workers(self) -> u32 {
+    pub(crate) fn workers(self) -> u32 {
         match self {
             Impl::Weir(_, w) => w,
             Impl::WeirProxy => 1,
@@ -78,7 +79,7 @@ impl Impl {
         }
     }
 
-    fn all() -> Vec<Impl> {
+    pub(crate) fn all() -> Vec<Impl> {
         let mut v = vec![Impl::Direct, Impl::Kernel, Impl::NftDnat];
         for w in [1, 2] {
             for m in ["nat", "fnat", "dr"] {
@@ -132,8 +133,21 @@ pub(crate) fn run(c: &Common) -> Result<serde_json::Value> {
     let (rounds, secs) = if c.quick { (1, 3.0) } else { (3, 8.0) };
     let topo = Topo::new().context("building the topology")?;
     let dir = tempfile::tempdir()?;
-    let udp = udp_rows(&topo, &bin, dir.path(), rounds, secs)?;
-    Ok(json!({ "udp": udp }))
+    let want = |row: &str| c.only.is_empty() || c.only.iter().any(|o| o == row);
+    let mut out = serde_json::Map::new();
+    if want("udp") {
+        out.insert(
+            "udp".into(),
+            udp_rows(&topo, &bin, dir.path(), rounds, secs)?,
+        );
+    }
+    if want("tcp") {
+        out.insert(
+            "tcp".into(),
+            tcp::tcp_rows(&topo, &bin, dir.path(), c.quick)?,
+        );
+    }
+    Ok(serde_json::Value::Object(out))
 }
 
 /// Row a: 64-byte UDP over [`FLOWS`] flows, every implementation in turn.
@@ -443,7 +457,7 @@ fn write_weir_conf(dir: &Path, packet: Option<(&str, u32)>) -> Result<std::path:
     Ok(cfg)
 }
 
-fn start_weir(topo: &Topo, bin: &Path, dir: &Path, cfg: &Path) -> Result<Server> {
+pub(crate) fn start_weir(topo: &Topo, bin: &Path, dir: &Path, cfg: &Path) -> Result<Server> {
     let mut cmd = Command::new("ip");
     cmd.args(["netns", "exec", &topo.ns("lb")])
         .arg(bin)
@@ -464,7 +478,7 @@ fn start_weir(topo: &Topo, bin: &Path, dir: &Path, cfg: &Path) -> Result<Server>
     }
 }
 
-fn weir_cli(cfg: &Path, args: &[&str]) -> Result<String> {
+pub(crate) fn weir_cli(cfg: &Path, args: &[&str]) -> Result<String> {
     let bin = weir_bin()?;
     let out = Command::new(bin)
         .args(args)
@@ -518,7 +532,7 @@ fn trafgen_conf(dmac: &str, smac: &str, saddr: &str, daddr: &str) -> String {
 }
 
 /// irq + softirq seconds of the whole machine since boot (`/proc/stat`).
-fn softirq_seconds() -> Result<f64> {
+pub(crate) fn softirq_seconds() -> Result<f64> {
     let text = std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
     let ticks = parse_proc_stat_softirq(&text).context("no cpu line in /proc/stat")?;
     Ok(ticks as f64 / clock_ticks())
