@@ -37,6 +37,7 @@ use crate::proxy::peers::weir_bin;
 use crate::proxy::sys::Server;
 use crate::report::{Table, ratio};
 
+pub(crate) mod scale;
 pub(crate) mod topo;
 
 use topo::{
@@ -48,7 +49,7 @@ use topo::{
 const FLOWS: u32 = 1024;
 const FIRST_SPORT: u32 = 10_000;
 /// Frame length without FCS (64 bytes on the wire).
-const FRAME: usize = 60;
+pub(crate) const FRAME: usize = 60;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Impl {
@@ -92,15 +93,15 @@ impl Impl {
 
 /// What one timed run measured.
 #[derive(Debug, Clone, Copy, Default)]
-struct Sample {
-    secs: f64,
-    sent: u64,
-    delivered: u64,
+pub(crate) struct Sample {
+    pub(crate) secs: f64,
+    pub(crate) sent: u64,
+    pub(crate) delivered: u64,
     /// Machine irq + softirq seconds over the run, and over the same time idle.
-    soft_s: f64,
-    idle_soft_s: f64,
+    pub(crate) soft_s: f64,
+    pub(crate) idle_soft_s: f64,
     /// The weir process's CPU seconds (weir rows only).
-    weir_cpu_s: f64,
+    pub(crate) weir_cpu_s: f64,
 }
 
 impl Sample {
@@ -132,8 +133,18 @@ pub(crate) fn run(c: &Common) -> Result<serde_json::Value> {
     let (rounds, secs) = if c.quick { (1, 3.0) } else { (3, 8.0) };
     let topo = Topo::new().context("building the topology")?;
     let dir = tempfile::tempdir()?;
-    let udp = udp_rows(&topo, &bin, dir.path(), rounds, secs)?;
-    Ok(json!({ "udp": udp }))
+    let want = |s: &str| c.only.is_empty() || c.only.iter().any(|o| o == s);
+    let mut out = serde_json::Map::new();
+    if want("udp") {
+        out.insert(
+            "udp".into(),
+            udp_rows(&topo, &bin, dir.path(), rounds, secs)?,
+        );
+    }
+    if want("scale") {
+        out.insert("scale".into(), scale::run(c, &topo, &bin, dir.path())?);
+    }
+    Ok(serde_json::Value::Object(out))
 }
 
 /// Row a: 64-byte UDP over [`FLOWS`] flows, every implementation in turn.
@@ -235,7 +246,7 @@ fn udp_rows(
 /// Forwarding CPU seconds per million delivered packets: softirq time minus
 /// the idle baseline minus the generator's share of what was sent, plus
 /// weir's own CPU. `None` when nothing was delivered.
-fn forwarding_cpu_per_mpkt(s: &Sample, gen_per_sent: f64) -> Option<f64> {
+pub(crate) fn forwarding_cpu_per_mpkt(s: &Sample, gen_per_sent: f64) -> Option<f64> {
     if s.delivered == 0 {
         return None;
     }
@@ -311,7 +322,7 @@ fn one_udp_run(topo: &Topo, bin: &Path, dir: &Path, imp: Impl, secs: f64) -> Res
 
 /// Stops a child that leads its own process group and every process of the
 /// group: SIGINT (trafgen then stops its senders), up to 3 s, then SIGKILL.
-fn stop_group(child: &mut std::process::Child) {
+pub(crate) fn stop_group(child: &mut std::process::Child) {
     use nix::sys::signal::{Signal, killpg};
     let Ok(raw) = i32::try_from(child.id()) else {
         return;
@@ -443,7 +454,7 @@ fn write_weir_conf(dir: &Path, packet: Option<(&str, u32)>) -> Result<std::path:
     Ok(cfg)
 }
 
-fn start_weir(topo: &Topo, bin: &Path, dir: &Path, cfg: &Path) -> Result<Server> {
+pub(crate) fn start_weir(topo: &Topo, bin: &Path, dir: &Path, cfg: &Path) -> Result<Server> {
     let mut cmd = Command::new("ip");
     cmd.args(["netns", "exec", &topo.ns("lb")])
         .arg(bin)
@@ -464,7 +475,7 @@ fn start_weir(topo: &Topo, bin: &Path, dir: &Path, cfg: &Path) -> Result<Server>
     }
 }
 
-fn weir_cli(cfg: &Path, args: &[&str]) -> Result<String> {
+pub(crate) fn weir_cli(cfg: &Path, args: &[&str]) -> Result<String> {
     let bin = weir_bin()?;
     let out = Command::new(bin)
         .args(args)
@@ -484,7 +495,7 @@ fn weir_cli(cfg: &Path, args: &[&str]) -> Result<String> {
 /// nftables as kube-proxy's nftables mode builds a UDP ClusterIP service with
 /// two endpoints: a `service-ips` verdict map from the VIP to the service
 /// chain, `numgen random mod 2` to endpoint chains, each a DNAT (conntrack).
-fn kube_proxy_ruleset() -> String {
+pub(crate) fn kube_proxy_ruleset() -> String {
     let mut eps = String::new();
     let mut vmap = Vec::new();
     for (i, b) in BACKENDS.iter().enumerate() {
@@ -518,7 +529,7 @@ fn trafgen_conf(dmac: &str, smac: &str, saddr: &str, daddr: &str) -> String {
 }
 
 /// irq + softirq seconds of the whole machine since boot (`/proc/stat`).
-fn softirq_seconds() -> Result<f64> {
+pub(crate) fn softirq_seconds() -> Result<f64> {
     let text = std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
     let ticks = parse_proc_stat_softirq(&text).context("no cpu line in /proc/stat")?;
     Ok(ticks as f64 / clock_ticks())
