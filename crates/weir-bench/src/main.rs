@@ -64,7 +64,8 @@ pub(crate) struct Common {
     pub(crate) siphash: bool,
     /// table: run only these sections (comma-separated: noisy, churn,
     /// lookup, big, resize, memory); `big` = weir alone at 100M entries
-    /// (lookup and memory rows), even with --quick.
+    /// (lookup and memory rows), even with --quick. packet: rows udp (a),
+    /// tcp (b), scale (c, d, memory and the 10M-flow daemon checks).
     #[arg(long, value_delimiter = ',', value_name = "SECTIONS")]
     pub(crate) only: Vec<String>,
 }

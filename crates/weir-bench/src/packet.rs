@@ -37,6 +37,7 @@ use crate::proxy::peers::weir_bin;
 use crate::proxy::sys::Server;
 use crate::report::{Table, ratio};
 
+pub(crate) mod scale;
 pub(crate) mod tcp;
 pub(crate) mod topo;
 
@@ -49,7 +50,7 @@ use topo::{
 const FLOWS: u32 = 1024;
 const FIRST_SPORT: u32 = 10_000;
 /// Frame length without FCS (64 bytes on the wire).
-const FRAME: usize = 60;
+pub(crate) const FRAME: usize = 60;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Impl {
@@ -93,15 +94,15 @@ impl Impl {
 
 /// What one timed run measured.
 #[derive(Debug, Clone, Copy, Default)]
-struct Sample {
-    secs: f64,
-    sent: u64,
-    delivered: u64,
+pub(crate) struct Sample {
+    pub(crate) secs: f64,
+    pub(crate) sent: u64,
+    pub(crate) delivered: u64,
     /// Machine irq + softirq seconds over the run, and over the same time idle.
-    soft_s: f64,
-    idle_soft_s: f64,
+    pub(crate) soft_s: f64,
+    pub(crate) idle_soft_s: f64,
     /// The weir process's CPU seconds (weir rows only).
-    weir_cpu_s: f64,
+    pub(crate) weir_cpu_s: f64,
 }
 
 impl Sample {
@@ -146,6 +147,11 @@ pub(crate) fn run(c: &Common) -> Result<serde_json::Value> {
             "tcp".into(),
             tcp::tcp_rows(&topo, &bin, dir.path(), c.quick)?,
         );
+    }
+    // Last: row b leaves the backends' VIPs and routes in place, which the
+    // scale rows' UDP sink does not mind.
+    if want("scale") {
+        out.insert("scale".into(), scale::run(c, &topo, &bin, dir.path())?);
     }
     Ok(serde_json::Value::Object(out))
 }
@@ -249,7 +255,7 @@ fn udp_rows(
 /// Forwarding CPU seconds per million delivered packets: softirq time minus
 /// the idle baseline minus the generator's share of what was sent, plus
 /// weir's own CPU. `None` when nothing was delivered.
-fn forwarding_cpu_per_mpkt(s: &Sample, gen_per_sent: f64) -> Option<f64> {
+pub(crate) fn forwarding_cpu_per_mpkt(s: &Sample, gen_per_sent: f64) -> Option<f64> {
     if s.delivered == 0 {
         return None;
     }
@@ -325,7 +331,7 @@ fn one_udp_run(topo: &Topo, bin: &Path, dir: &Path, imp: Impl, secs: f64) -> Res
 
 /// Stops a child that leads its own process group and every process of the
 /// group: SIGINT (trafgen then stops its senders), up to 3 s, then SIGKILL.
-fn stop_group(child: &mut std::process::Child) {
+pub(crate) fn stop_group(child: &mut std::process::Child) {
     use nix::sys::signal::{Signal, killpg};
     let Ok(raw) = i32::try_from(child.id()) else {
         return;
@@ -498,7 +504,7 @@ pub(crate) fn weir_cli(cfg: &Path, args: &[&str]) -> Result<String> {
 /// nftables as kube-proxy's nftables mode builds a UDP ClusterIP service with
 /// two endpoints: a `service-ips` verdict map from the VIP to the service
 /// chain, `numgen random mod 2` to endpoint chains, each a DNAT (conntrack).
-fn kube_proxy_ruleset() -> String {
+pub(crate) fn kube_proxy_ruleset() -> String {
     let mut eps = String::new();
     let mut vmap = Vec::new();
     for (i, b) in BACKENDS.iter().enumerate() {
