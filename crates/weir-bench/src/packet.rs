@@ -431,8 +431,11 @@ impl Drop for Setup<'_> {
     }
 }
 
-fn write_weir_conf(dir: &Path, packet: Option<(&str, u32)>) -> Result<std::path::PathBuf> {
-    let cfg = dir.join("weir.toml");
+/// The part of weir's config every packet row shares: `[daemon]`, the
+/// admin socket in `dir`, and `[packet]` on lb0 for a packet method
+/// (`packet` = (method, workers); `None`: proxy). Returns it and the
+/// services' `forward`.
+pub(crate) fn conf_head<'a>(dir: &Path, packet: Option<(&'a str, u32)>) -> (String, &'a str) {
     let workers = packet.map_or(1, |p| p.1);
     let mut s = format!(
         "[daemon]\nworkers = {workers}\n\n[admin]\nlisten = \"unix:{}/admin.sock\"\n\
@@ -450,6 +453,12 @@ fn write_weir_conf(dir: &Path, packet: Option<(&str, u32)>) -> Result<std::path:
     } else {
         "proxy"
     };
+    (s, forward)
+}
+
+fn write_weir_conf(dir: &Path, packet: Option<(&str, u32)>) -> Result<std::path::PathBuf> {
+    let cfg = dir.join("weir.toml");
+    let (mut s, forward) = conf_head(dir, packet);
     s.push_str(&format!(
         "\n[[service]]\nname = \"udp\"\nprotocol = \"udp\"\nlisten = \"{VIP}:{PORT}\"\n\
          forward = \"{forward}\"\nscheduler = \"rr\"\n"

@@ -648,23 +648,7 @@ impl Drop for TcpSetup<'_> {
 /// weir's config: the HTTP service over both backends, the bulk service to b1.
 fn write_conf(dir: &Path, packet: Option<(&str, u32)>) -> Result<std::path::PathBuf> {
     let cfg = dir.join("weir-tcp.toml");
-    let workers = packet.map_or(1, |p| p.1);
-    let mut s = format!(
-        "[daemon]\nworkers = {workers}\n\n[admin]\nlisten = \"unix:{}/admin.sock\"\n\
-         token = \"weir-bench-packet-token\"\n\n",
-        dir.display()
-    );
-    let forward = if let Some((method, w)) = packet {
-        s.push_str(&format!(
-            "[packet]\ninterfaces = [\"lb0\"]\nworkers = {w}\nio = \"xdp\"\n"
-        ));
-        if method == "fnat" {
-            s.push_str(&format!("local_addresses = [\"{WEIR_BACKEND_SIDE}\"]\n"));
-        }
-        method
-    } else {
-        "proxy"
-    };
+    let (mut s, forward) = super::conf_head(dir, packet);
     s.push_str(&format!(
         "\n[[service]]\nname = \"http\"\nprotocol = \"tcp\"\nlisten = \"{VIP}:{HTTP_PORT}\"\n\
          forward = \"{forward}\"\nscheduler = \"rr\"\n"
