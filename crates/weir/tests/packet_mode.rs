@@ -674,8 +674,7 @@ fn forwards_on(
     two_armed: bool,
     all_clients: bool,
 ) {
-    if let Some(why) = missing_prerequisite() {
-        eprintln!("skipped: {why}");
+    if skip() {
         return;
     }
     let mut clients = Vec::new();
@@ -813,8 +812,7 @@ fn fnat_v4_over_af_packet() {
 /// within the second in which weir reads the host's addresses again.
 #[test]
 fn an_address_added_after_start_stays_the_kernels() {
-    if let Some(why) = missing_prerequisite() {
-        eprintln!("skipped: {why}");
+    if skip() {
         return;
     }
     check((|| {
@@ -853,8 +851,7 @@ fn an_address_added_after_start_stays_the_kernels() {
 /// too big" for the client to lower its path MTU, or the upload stalls.
 #[test]
 fn uploads_complete_when_the_backend_link_has_a_smaller_mtu() {
-    if let Some(why) = missing_prerequisite() {
-        eprintln!("skipped: {why}");
+    if skip() {
         return;
     }
     for f in [&V4, &V6] {
