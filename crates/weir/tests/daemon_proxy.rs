@@ -341,10 +341,8 @@ fn weight_zero_quiesces_without_dropping_established() {
 fn connect_failure_retries_the_next_backend() {
     // A port with nothing listening refuses at once; a non-routable address
     // times out after connect_timeout. Either way the next backend is tried.
-    let dead = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let refusing = RefusingPort::new();
+    let dead = refusing.addr;
     let good = Echo::start();
     let mut spec = service(
         "r",

@@ -3,7 +3,7 @@
 
 mod daemon_util;
 
-use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::net::{SocketAddr, UdpSocket};
 use std::time::Duration;
 
 use daemon_util::*;
@@ -127,10 +127,8 @@ fn metrics_count_udp_sessions_as_inactive_and_say_so() {
 #[test]
 fn rr_retries_keep_the_rotation_and_a_failing_backend_is_taken_out() {
     // A port nothing listens on: connects are refused.
-    let dead = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let refusing = RefusingPort::new();
+    let dead = refusing.addr;
     let good = Echo::start();
     let d = Daemon::start(
         config(vec![service(

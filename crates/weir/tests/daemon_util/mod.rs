@@ -27,6 +27,27 @@ pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// A local TCP port that refuses every connect for as long as this value
+/// lives: the socket is bound but never listens, so the kernel answers SYNs
+/// with a reset and no other socket (another test's echo server, say) can be
+/// given the port meanwhile. (A listener bound and dropped frees its port,
+/// and a test running alongside may take it and accept.)
+pub struct RefusingPort {
+    pub addr: SocketAddr,
+    _sock: socket2::Socket,
+}
+
+impl RefusingPort {
+    pub fn new() -> Self {
+        use socket2::{Domain, Socket, Type};
+        let sock = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        sock.bind(&any.into()).unwrap();
+        let addr = sock.local_addr().unwrap().as_socket().unwrap();
+        Self { addr, _sock: sock }
+    }
+}
+
 /// A TCP echo backend; stops accepting when dropped (listener closed).
 pub struct Echo {
     pub addr: SocketAddr,
