@@ -65,7 +65,8 @@ pub(crate) struct Common {
     /// table: run only these sections (comma-separated: noisy, churn,
     /// lookup, big, resize, memory); `big` = weir alone at 100M entries
     /// (lookup and memory rows), even with --quick. packet: rows udp (a),
-    /// tcp (b), scale (c, d, memory and the 10M-flow daemon checks).
+    /// tcp (b), scale (c, d, memory and the 10M-flow daemon checks). proxy:
+    /// phases memory, slow, load.
     #[arg(long, value_delimiter = ',', value_name = "SECTIONS")]
     pub(crate) only: Vec<String>,
 }

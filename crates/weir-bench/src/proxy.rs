@@ -286,8 +286,18 @@ impl Queues {
     }
 }
 
+/// Phases `--only` may name: idle memory, slow readers, the load rows.
+const PHASES: [&str; 3] = ["memory", "slow", "load"];
+
 /// Runs the suite; returns `{proxy: [...], memory: [...], lowat: {...}}`.
 pub(crate) fn run(c: &Common) -> Result<Value> {
+    if let Some(o) = c.only.iter().find(|o| !PHASES.contains(&o.as_str())) {
+        bail!(
+            "--only: unknown proxy phase {o:?} (one of {})",
+            PHASES.join(", ")
+        );
+    }
+    let on = |name: &str| c.only.is_empty() || c.only.iter().any(|o| o == name);
     let plan = Plan::new(c.quick);
     let nofile = sys::raise_nofile()?;
     sys::stop_servers_on_signal()?;
@@ -345,9 +355,17 @@ pub(crate) fn run(c: &Common) -> Result<Value> {
         proxy_side: HashMap::new(),
         errors: Vec::new(),
     };
-    ctx.memory_phase();
-    let (lowat, slow_detail) = ctx.lowat_phase();
-    ctx.load_phase();
+    if on("memory") {
+        ctx.memory_phase();
+    }
+    let (lowat, slow_detail) = if on("slow") {
+        ctx.lowat_phase()
+    } else {
+        (serde_json::Map::new(), Vec::new())
+    };
+    if on("load") {
+        ctx.load_phase();
+    }
     ctx.report(&lowat);
 
     if ctx.rows.is_empty() && ctx.memory.is_empty() && lowat.values().all(Value::is_null) {

@@ -47,12 +47,17 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
                     continue;
                 }
                 let seed = weir_sched::RandomSource::next_u64(&mut rng);
-                let conn = handle(shared.clone(), svc.clone(), stream, peer, seed);
-                tokio::spawn(async move {
-                    // The client's place is held until the connection ends.
-                    let _slot = slot;
-                    conn.await
-                });
+                // The future is made here and moved into the task as is: one
+                // awaited inside a wrapping `async` block is stored twice in
+                // the task (docs/BENCHMARKS.md, idle memory).
+                tokio::spawn(handle(
+                    shared.clone(),
+                    svc.clone(),
+                    stream,
+                    peer,
+                    seed,
+                    slot,
+                ));
             }
             Err(e) if is_fd_exhaustion(&e) => {
                 // Out of descriptors: the pending connection stays in the
@@ -111,14 +116,17 @@ fn reset(s: &TcpStream) {
 }
 
 /// Serves one accepted connection that [`Shared::admit`] has admitted
-/// (released here).
+/// (released here); the task of that connection. The client's place
+/// (`slot`) is held until the connection ends.
 async fn handle(
     shared: Arc<Shared>,
     svc: Arc<Service>,
     client: TcpStream,
     peer: SocketAddr,
     seed: u64,
+    slot: Option<super::ClientSlot>,
 ) {
+    let _slot = slot;
     let tenant = svc.tenant.clone();
     match shared.owners.claim() {
         Some(owner) => serve(&shared, &svc, &owner, client, peer, seed).await,
@@ -140,6 +148,33 @@ async fn serve(
     peer: SocketAddr,
     seed: u64,
 ) {
+    // The connect phase is a future of its own, so that none of its state
+    // (the attempt's timer, the tried list, the service's parameters) stays
+    // in this task while the connection sits idle in `proxy`: the task is
+    // most of an idle connection's memory (docs/BENCHMARKS.md).
+    let Some((backend_stream, conn)) = connect_any(shared, svc, owner, &client, peer, seed).await
+    else {
+        reset(&client);
+        return;
+    };
+    conn.set_state(shared, ConnState::Established);
+    let reason = proxy(shared, &conn, owner, client, backend_stream).await;
+    // No CLOSE state in the table: the entry goes right away, and `close`
+    // settles the backend's counts from its last state.
+    shared.close(&conn, reason);
+}
+
+/// Opens the connection's entry and connects to a backend, trying the
+/// next one when a connect fails; `None` when none could be reached (the
+/// refusal is counted here, the client is the caller's to reset).
+async fn connect_any(
+    shared: &Shared,
+    svc: &Arc<Service>,
+    owner: &Owner,
+    client: &TcpStream,
+    peer: SocketAddr,
+    seed: u64,
+) -> Option<(TcpStream, Conn)> {
     let tenant = &svc.tenant;
     // Set once the connection was counted as refused, so it is counted
     // under one reason only.
@@ -237,18 +272,10 @@ async fn serve(
         shared.close(&conn, reason);
         owner.unbind();
     }
-    let Some((backend_stream, conn)) = connected else {
-        if !tried.is_empty() && !refused && !killed {
-            shared.refused.add(Refusal::BackendUnreachable);
-        }
-        reset(&client);
-        return;
-    };
-    conn.set_state(shared, ConnState::Established);
-    let reason = proxy(shared, &conn, owner, client, backend_stream).await;
-    // No CLOSE state in the table: the entry goes right away, and `close`
-    // settles the backend's counts from its last state.
-    shared.close(&conn, reason);
+    if connected.is_none() && !tried.is_empty() && !refused && !killed {
+        shared.refused.add(Refusal::BackendUnreachable);
+    }
+    connected
 }
 
 async fn connect(shared: &Shared, addr: SocketAddr) -> io::Result<TcpStream> {
@@ -664,6 +691,24 @@ async fn proxy(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The size of the future `f` returns, without calling it.
+    fn future_size<A, B, C, D, E, G, F: std::future::Future>(
+        _: impl FnOnce(A, B, C, D, E, G) -> F,
+    ) -> usize {
+        std::mem::size_of::<F>()
+    }
+
+    /// An idle connection's memory is mostly its task: tokio's task cell,
+    /// this future plus a header of about 100 B, in 128-byte steps. Awaited
+    /// inside a wrapping `async` block the future was stored twice (a
+    /// 3,840-B cell), and with the connect phase's state beside `proxy`'s
+    /// it was 1,968 B; idle in `proxy` it holds only what proxying needs.
+    #[test]
+    fn a_connection_task_holds_only_what_proxying_needs() {
+        let size = future_size(handle);
+        assert!(size <= 1_536, "connection task future {size} B");
+    }
 
     #[test]
     fn fd_backoff_doubles_and_is_bounded() {
