@@ -19,6 +19,12 @@
 //!    A's last packet;
 //! 6. `weir tenant del a` is timed (O(its flows)).
 //!
+//! Steps 1, 3 and 4 run in rounds (3; 1 with `--quick`), each sample right
+//! after a reference sample of the kernel forwarding straight to a backend,
+//! and report medians of packets/s, of packets/s over the reference, and of
+//! weir's own CPU per packet (see [`Rounds`]): rows c and d compare samples
+//! taken minutes apart on a shared machine.
+//!
 //! Then, with weir stopped, the same counts through nftables DNAT
 //! (kube-proxy's ruleset) with conntrack: packets/s (side view) and kernel
 //! memory per entry (`/proc/meminfo` Slab growth plus the hash table).
@@ -199,6 +205,96 @@ fn cpu_ns(s: &Sample, gen_per_sent: f64) -> Option<f64> {
     forwarding_cpu_per_mpkt(s, gen_per_sent).map(|v| v * 1e3)
 }
 
+/// Rounds of one measurement, each right after a reference sample: the
+/// kernel forwarding [`direct_conf`]'s traffic straight to a backend (weir
+/// not in the path). The machine is shared: its speed drifts over the
+/// minutes between the samples a row compares (before and after a fill of
+/// millions of flows), and a bare packets/s ratio then measures the
+/// neighbours' builds. Dividing each sample by the reference taken just
+/// before it cancels that drift to first order; the median of the rounds
+/// drops an outlier.
+struct Rounds {
+    samples: Vec<Sample>,
+    /// The reference's packets/s before each sample.
+    refs: Vec<f64>,
+}
+
+impl Rounds {
+    fn run(
+        topo: &Topo,
+        dir: &Path,
+        conf: &str,
+        secs: f64,
+        weir: &Server,
+        rounds: usize,
+    ) -> Result<Rounds> {
+        let mut r = Rounds {
+            samples: Vec::new(),
+            refs: Vec::new(),
+        };
+        for _ in 0..rounds {
+            r.refs
+                .push(pps(&timed(topo, dir, &direct_conf(), secs, None)?));
+            r.samples.push(timed(topo, dir, conf, secs, Some(weir))?);
+        }
+        Ok(r)
+    }
+
+    /// Median packets/s.
+    fn pps(&self) -> f64 {
+        median(self.samples.iter().map(pps))
+    }
+
+    /// Median of packets/s over the reference's packets/s.
+    fn norm(&self) -> f64 {
+        median(
+            self.samples
+                .iter()
+                .zip(&self.refs)
+                .map(|(s, r)| pps(s) / r.max(1.0)),
+        )
+    }
+
+    /// Median weir CPU (its process's user + system time) per delivered
+    /// packet, in ns: what a packet costs weir, whatever its share of the
+    /// cores.
+    fn weir_ns(&self) -> Option<f64> {
+        let v: Vec<f64> = self
+            .samples
+            .iter()
+            .filter(|s| s.delivered > 0)
+            .map(|s| s.weir_cpu_s / s.delivered as f64 * 1e9)
+            .collect();
+        (!v.is_empty()).then(|| median(v.into_iter()))
+    }
+
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "pps": self.pps().round(),
+            "norm": self.norm(),
+            "weir_cpu_ns": self.weir_ns(),
+            "rounds": self.samples.iter().zip(&self.refs).map(|(s, r)| json!({
+                "pps": pps(s).round(), "ref_pps": r.round(),
+                "weir_cpu_s": s.weir_cpu_s, "delivered": s.delivered,
+            })).collect::<Vec<_>>(),
+        })
+    }
+}
+
+fn median(v: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = v.collect();
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
 /// Entries in tenant `t`'s table (`weir stats table --json`).
 fn table_entries(cfg: &Path, t: &str) -> Result<Option<u64>> {
     let out = weir_cli(cfg, &["stats", "table", "--json"])?;
@@ -349,6 +445,8 @@ pub(crate) fn run(
         vec![4, 6, 7]
     };
     let secs = if c.quick { 3.0 } else { 8.0 };
+    // Rounds per measured point of rows c and d (see [`Rounds`]).
+    let rounds = if c.quick { 1 } else { 3 };
     println!("### Rows c, d, memory: weir nat (1 worker) with 10^{ks:?} live flows\n");
     topo.set_queues(1)?;
     let cl = topo.ns("cl");
@@ -383,7 +481,7 @@ pub(crate) fn run(
         };
         let cfg = scale_conf(dir, &a_udp)?;
         let mut weir = start_weir(topo, bin, dir, &cfg)?;
-        let b_idle = timed(topo, dir, &b_conf(), secs, Some(&weir))?;
+        let b_idle = Rounds::run(topo, dir, &b_conf(), secs, &weir, rounds)?;
         let rss0 = weir.rss();
         let fill_s = fill(
             topo,
@@ -396,33 +494,44 @@ pub(crate) fn run(
         weir.check_alive()?;
         let rss1 = weir.rss();
         let per_flow = rss1.saturating_sub(rss0) as f64 / n as f64;
-        let a = timed(
+        let a = Rounds::run(
             topo,
             dir,
             &tuples_conf(MAC_WEIR, VIP_A, k),
             secs,
-            Some(&weir),
+            &weir,
+            rounds,
         )?;
         let a_stopped = Instant::now();
-        let b_full = timed(topo, dir, &b_conf(), secs, Some(&weir))?;
+        let b_full = Rounds::run(topo, dir, &b_conf(), secs, &weir, rounds)?;
         let held = table_entries(&cfg, "a")?.unwrap_or(0);
         if held != n {
             bail!("tenant a holds {held} flows after the runs, expected {n}");
         }
         eprintln!(
-            "    A {:.0} pps, B idle-A {:.0} pps, B full-A {:.0} pps, {per_flow:.0} B/flow",
-            pps(&a),
-            pps(&b_idle),
-            pps(&b_full)
+            "    A {:.0} pps ({:.3} of the reference), B idle-A {:.0} pps ({:.3}), B full-A {:.0} pps ({:.3}), {per_flow:.0} B/flow",
+            a.pps(),
+            a.norm(),
+            b_idle.pps(),
+            b_idle.norm(),
+            b_full.pps(),
+            b_full.norm()
         );
-        pps_rows.push(
-            json!({"flows": n, "pps": pps(&a).round(), "cpu_ns": cpu_ns(&a, gen_per_sent),
-            "weir_cpu_ns": (a.delivered > 0).then(|| a.weir_cpu_s / a.delivered as f64 * 1e9),
-            "sent": a.sent, "delivered": a.delivered, "fill_secs": fill_s}),
-        );
+        let mut row = a.json();
+        row["flows"] = json!(n);
+        row["fill_secs"] = json!(fill_s);
+        pps_rows.push(row);
         mem_rows.push((n, per_flow, rss0, rss1));
-        noisy.push(json!({"a_flows": n, "b_pps_a_empty": pps(&b_idle).round(),
-            "b_pps_a_full": pps(&b_full).round(), "ratio": pps(&b_full) / pps(&b_idle).max(1.0)}));
+        noisy.push(
+            json!({"a_flows": n, "a_empty": b_idle.json(), "a_full": b_full.json(),
+            "b_pps_a_empty": b_idle.pps().round(), "b_pps_a_full": b_full.pps().round(),
+            "ratio": b_full.pps() / b_idle.pps().max(1.0),
+            "norm_ratio": b_full.norm() / b_idle.norm().max(1e-9),
+            "cpu_ratio": match (b_idle.weir_ns(), b_full.weir_ns()) {
+                (Some(i), Some(f)) => Some(i / f),
+                _ => None,
+            }}),
+        );
         if k == largest {
             let conf = tuples_conf(MAC_WEIR, VIP_A, k);
             let (list_s, listed, dups) = list_all(topo, dir, &cfg, &conf)?;
@@ -493,25 +602,32 @@ pub(crate) fn run(
     let mut t = Table::new([
         "flows",
         "weir pps",
-        "weir CPU ns/pkt",
+        "weir pps / reference",
+        "weir CPU ns/pkt (own process)",
         "nft pps",
         "nft CPU ns/pkt",
-        "vs 10K",
+        "vs 10K (pps)",
+        "vs 10K (normalised)",
+        "vs 10K (per weir CPU-s)",
     ]);
-    let base = pps_rows
-        .first()
-        .and_then(|r| r["pps"].as_f64())
-        .unwrap_or(0.0);
+    let first = pps_rows.first().cloned().unwrap_or_default();
+    let num = |v: &serde_json::Value| v.as_f64().unwrap_or(0.0);
     for (r, c) in pps_rows.iter().zip(&ct) {
-        let p = r["pps"].as_f64().unwrap_or(0.0);
         let f = |v: &serde_json::Value| v.as_f64().map_or("-".into(), |x| format!("{x:.0}"));
+        let per_cpu = match (r["weir_cpu_ns"].as_f64(), first["weir_cpu_ns"].as_f64()) {
+            (Some(x), Some(base)) if x > 0.0 => format!("{:.2}x", base / x),
+            _ => "-".into(),
+        };
         t.row([
             r["flows"].to_string(),
-            format!("{p:.0}"),
-            f(&r["cpu_ns"]),
+            f(&r["pps"]),
+            format!("{:.3}", num(&r["norm"])),
+            f(&r["weir_cpu_ns"]),
             f(&c["pps"]),
             f(&c["cpu_ns"]),
-            format!("{:.2}x", p / base.max(1.0)),
+            format!("{:.2}x", num(&r["pps"]) / num(&first["pps"]).max(1.0)),
+            format!("{:.2}x", num(&r["norm"]) / num(&first["norm"]).max(1e-9)),
+            per_cpu,
         ]);
     }
     t.print();
@@ -544,14 +660,20 @@ pub(crate) fn run(
         "A's flows (idle)",
         "B pps, A empty",
         "B pps, A full",
-        "ratio",
+        "ratio (pps)",
+        "ratio (normalised)",
+        "ratio (per weir CPU-s)",
     ]);
     for r in &noisy {
         tn.row([
             r["a_flows"].to_string(),
             r["b_pps_a_empty"].to_string(),
             r["b_pps_a_full"].to_string(),
-            format!("{:.3}", r["ratio"].as_f64().unwrap_or(0.0)),
+            format!("{:.3}", num(&r["ratio"])),
+            format!("{:.3}", num(&r["norm_ratio"])),
+            r["cpu_ratio"]
+                .as_f64()
+                .map_or("-".into(), |x| format!("{x:.3}")),
         ]);
     }
     tn.print();
@@ -693,6 +815,13 @@ mod tests {
             "{c}"
         );
         assert!(c.contains("fill(0x00, 18)"), "{c}");
+    }
+
+    #[test]
+    fn median_of_odd_even_and_no_values() {
+        assert_eq!(median([3.0, 1.0, 2.0].into_iter()), 2.0);
+        assert_eq!(median([4.0, 1.0, 3.0, 2.0].into_iter()), 2.5);
+        assert_eq!(median(std::iter::empty()), 0.0);
     }
 
     #[test]
