@@ -297,14 +297,28 @@ fn median(v: impl Iterator<Item = f64>) -> f64 {
 
 /// Entries in tenant `t`'s table (`weir stats table --json`).
 fn table_entries(cfg: &Path, t: &str) -> Result<Option<u64>> {
+    Ok(table_row(cfg, t)?.and_then(|r| r["entries"].as_u64()))
+}
+
+/// Tenant `t`'s row of `weir stats table --json`.
+fn table_row(cfg: &Path, t: &str) -> Result<Option<serde_json::Value>> {
     let out = weir_cli(cfg, &["stats", "table", "--json"])?;
     let v: serde_json::Value = serde_json::from_str(&out).context("weir stats table --json")?;
     Ok(v.as_array()
         .into_iter()
         .flatten()
         .find(|r| r["tenant"] == t)
-        .and_then(|r| r["entries"].as_u64()))
+        .cloned())
 }
+
+/// A flow-table node: a 64-byte hot line (key, reply key, service, backend,
+/// state) and a 48-byte cold part (clocks, counters), in two arrays
+/// (weir-flowtable `node.rs`).
+const NODE_BYTES: f64 = 112.0;
+/// A bucket line of the index: eight ways of a one-byte tag and a `u32`
+/// node index, a header and an overflow link. A nat flow takes two ways (its
+/// key and its reply key).
+const BUCKET_BYTES: f64 = 64.0;
 
 /// Runs `conf` until `count()` reaches `n` (bounded by `limit`); then the
 /// count must stay exactly `n` (the tuple set has exactly `n` members).
@@ -494,6 +508,11 @@ pub(crate) fn run(
         weir.check_alive()?;
         let rss1 = weir.rss();
         let per_flow = rss1.saturating_sub(rss0) as f64 / n as f64;
+        // Where the bytes go: the index's head lines as `weir stats table`
+        // counts them (overflow lines not included), the nodes by size.
+        let buckets = table_row(&cfg, "a")?
+            .and_then(|r| r["buckets"].as_u64())
+            .unwrap_or(0);
         let a = Rounds::run(
             topo,
             dir,
@@ -521,7 +540,7 @@ pub(crate) fn run(
         row["flows"] = json!(n);
         row["fill_secs"] = json!(fill_s);
         pps_rows.push(row);
-        mem_rows.push((n, per_flow, rss0, rss1));
+        mem_rows.push((n, per_flow, rss0, rss1, buckets));
         noisy.push(
             json!({"a_flows": n, "a_empty": b_idle.json(), "a_full": b_full.json(),
             "b_pps_a_empty": b_idle.pps().round(), "b_pps_a_full": b_full.pps().round(),
@@ -635,15 +654,22 @@ pub(crate) fn run(
     let mut tm = Table::new([
         "flows",
         "weir B/flow",
+        "of it: nodes",
+        "index",
+        "the rest",
         "conntrack B/entry (slab+hash)",
         "slabinfo nf_conntrack B/entry",
         "weir/conntrack",
     ]);
-    for ((n, w, rss0, rss1), c) in mem_rows.iter().zip(&ct) {
+    for ((n, w, rss0, rss1, buckets), c) in mem_rows.iter().zip(&ct) {
         let ctb = c["bytes_per_flow"].as_f64().unwrap_or(0.0);
+        let index = *buckets as f64 * BUCKET_BYTES / *n as f64;
         tm.row([
             n.to_string(),
             format!("{w:.0}"),
+            format!("{NODE_BYTES:.0}"),
+            format!("{index:.1} ({buckets} lines)"),
+            format!("{:.1}", w - NODE_BYTES - index),
             format!("{ctb:.0}"),
             c["slabinfo_bytes_per_flow"]
                 .as_f64()
@@ -652,7 +678,8 @@ pub(crate) fn run(
         ]);
         memory.push(
             json!({"flows": n, "weir_bytes_per_flow": w, "weir_rss_before": rss0,
-            "weir_rss_after": rss1, "conntrack_bytes_per_flow": ctb, "conntrack": c}),
+            "weir_rss_after": rss1, "index_buckets": buckets,
+            "index_bytes_per_flow": index, "conntrack_bytes_per_flow": ctb, "conntrack": c}),
         );
     }
     tm.print();
