@@ -146,10 +146,7 @@ fn fd_exhaustion_backs_off_and_recovers() {
     let dir = tempfile::tempdir().unwrap();
     let p = tmp_file(&dir, "fd.toml", &run_config(vip, e.addr, ""));
     let mut child = spawn_run(&p, Some(48));
-    assert!(
-        wait_until(T, || echo_once(vip, b"up")),
-        "daemon did not come up"
-    );
+    wait_up(&mut child, vip, T);
     // Far more connections than descriptors: accepts hit EMFILE.
     let mut clients = Vec::new();
     for _ in 0..40 {
@@ -203,7 +200,7 @@ fn sighup_reloads_and_sigterm_drains() {
     let text = run_config(vip, e.addr, "").replace("[admin]", "access_log = true\n[admin]");
     std::fs::write(&p, &text).unwrap();
     let mut child = spawn_run(&p, None);
-    assert!(wait_until(T, || echo_once(vip, b"up")));
+    wait_up(&mut child, vip, T);
     let pid = Pid::from_raw(child.0.id() as i32);
     // Reload with a second service.
     let vip2 = free_addr();

@@ -57,10 +57,7 @@ fn a_second_signal_ends_a_drain_at_once() {
         let dir = tempfile::tempdir().unwrap();
         let p = write_config(&dir, vip, e.addr, "drain_timeout = \"300s\"");
         let mut child = spawn_run(&p, None);
-        assert!(
-            wait_until(T, || echo_once(vip, b"up")),
-            "daemon did not come up"
-        );
+        wait_up(&mut child, vip, T);
         let pid = Pid::from_raw(child.0.id() as i32);
         // Draining: no new connections, the held one still served.
         let (mut held, _) = sigterm_with_a_held_connection(&child, vip, T);
@@ -116,12 +113,9 @@ fn run_with_nofile(nofile: u64) -> LowFds {
     let dir = tempfile::tempdir().unwrap();
     let p = write_config(&dir, vip, e.addr, "");
     let admin = admin_addr(&p);
-    let child = spawn_run(&p, Some(nofile as u32));
+    let mut child = spawn_run(&p, Some(nofile as u32));
     let pid = child.0.id();
-    assert!(
-        wait_until(T, || echo_once(vip, b"up")),
-        "daemon did not come up"
-    );
+    wait_up(&mut child, vip, T);
     LowFds {
         vip,
         admin,

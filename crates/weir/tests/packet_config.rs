@@ -22,6 +22,7 @@ use weir::daemon::Daemon;
 mod cli_util;
 mod daemon_util;
 use daemon_util::admin::{Running, TOKEN};
+use daemon_util::process::free_addr;
 use daemon_util::{Echo, backend, config, echo_once, service};
 
 /// Run `f` on a thread in a new network namespace with its `lo` up (the
@@ -60,13 +61,6 @@ fn packet_on_lo() -> PacketConfig {
 }
 
 /// A loopback address no one listens on (bound once to find it, then freed).
-fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
 /// Nothing accepts on `addr`, and it is free to bind.
 fn nothing_listens(addr: SocketAddr) -> bool {
     TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_err()

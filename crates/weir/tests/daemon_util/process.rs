@@ -18,12 +18,44 @@ impl Drop for Proc {
     }
 }
 
-/// An address on 127.0.0.1 that was free a moment ago.
+/// An address on 127.0.0.1 that was free (TCP and UDP) a moment ago, for a
+/// child daemon to bind. The port is taken below the kernel's ephemeral
+/// range (`net.ipv4.ip_local_port_range`, 32768 and up by default), where
+/// no `bind(0)` or `connect()` of a test running alongside is ever given a
+/// port: a port from `bind(0)`, released, can be handed to one of those
+/// before the daemon binds it. Ports are stepped through from a
+/// per-process start, so two calls in one test binary never return the
+/// same port.
 pub fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = std::process::id().wrapping_mul(2_654_435_761) % SPAN;
+    for _ in 0..SPAN {
+        let port = LOW + (start + NEXT.fetch_add(1, Relaxed)) % SPAN;
+        let addr = SocketAddr::from(([127, 0, 0, 1], port as u16));
+        if TcpListener::bind(addr).is_ok() && std::net::UdpSocket::bind(addr).is_ok() {
+            return addr;
+        }
+    }
+    panic!("no free port in {LOW}..{}", LOW + SPAN);
+}
+
+/// Waits (bounded) until `vip` echoes through the daemon `child`; if it
+/// does not, kills it and panics with what it wrote on stderr, so a daemon
+/// that failed to start says why.
+pub fn wait_up(child: &mut Proc, vip: SocketAddr, timeout: Duration) {
+    if super::wait_until(timeout, || super::echo_once(vip, b"up")) {
+        return;
+    }
+    let _ = child.0.kill();
+    let _ = child.0.wait();
+    let mut err = String::new();
+    if let Some(mut e) = child.0.stderr.take() {
+        let _ = e.read_to_string(&mut err);
+    }
+    panic!("the daemon did not serve {vip} within {timeout:?}; its stderr:\n{err}");
 }
 
 /// `weir run --config CONFIG` with HOME and XDG_RUNTIME_DIR set to the
