@@ -300,6 +300,41 @@ fn table_entries(cfg: &Path, t: &str) -> Result<Option<u64>> {
     Ok(table_row(cfg, t)?.and_then(|r| r["entries"].as_u64()))
 }
 
+/// The `packet` part of `weir stats --json`: frames received, sent, flows
+/// created and drops per reason, since the daemon started.
+fn packet_stats(cfg: &Path) -> Result<serde_json::Value> {
+    let out = weir_cli(cfg, &["stats", "--json"])?;
+    let v: serde_json::Value = serde_json::from_str(&out).context("weir stats --json")?;
+    Ok(v["packet"].clone())
+}
+
+/// Where a fill's frames went: sent by the generator, received by weir (the
+/// rest were lost before weir: the veth or the AF_XDP ring), transmitted,
+/// new flows, and weir's drops per reason, all as differences over the
+/// fill.
+fn fill_frames(
+    sent: u64,
+    before: &serde_json::Value,
+    after: &serde_json::Value,
+) -> serde_json::Value {
+    let d = |k: &str| {
+        let n = |v: &serde_json::Value| v[k].as_u64().unwrap_or(0);
+        n(after).saturating_sub(n(before))
+    };
+    let mut dropped = serde_json::Map::new();
+    if let Some(m) = after["dropped"].as_object() {
+        for (k, v) in m {
+            let was = before["dropped"][k].as_u64().unwrap_or(0);
+            let n = v.as_u64().unwrap_or(0).saturating_sub(was);
+            if n > 0 {
+                dropped.insert(k.clone(), json!(n));
+            }
+        }
+    }
+    json!({"sent": sent, "rx": d("rx"), "tx": d("tx"), "new_flows": d("new_flows"),
+        "dropped": dropped})
+}
+
 /// Tenant `t`'s row of `weir stats table --json`.
 fn table_row(cfg: &Path, t: &str) -> Result<Option<serde_json::Value>> {
     let out = weir_cli(cfg, &["stats", "table", "--json"])?;
@@ -497,6 +532,7 @@ pub(crate) fn run(
         let mut weir = start_weir(topo, bin, dir, &cfg)?;
         let b_idle = Rounds::run(topo, dir, &b_conf(), secs, &weir, rounds)?;
         let rss0 = weir.rss();
+        let (sent0, stats0) = (topo.sent()?, packet_stats(&cfg)?);
         let fill_s = fill(
             topo,
             dir,
@@ -506,6 +542,8 @@ pub(crate) fn run(
             || table_entries(&cfg, "a")?.context("tenant a has no table"),
         )?;
         weir.check_alive()?;
+        let frames = fill_frames(topo.sent()? - sent0, &stats0, &packet_stats(&cfg)?);
+        eprintln!("    fill frames: {frames}");
         let rss1 = weir.rss();
         let per_flow = rss1.saturating_sub(rss0) as f64 / n as f64;
         // Where the bytes go: the index's head lines as `weir stats table`
@@ -539,6 +577,7 @@ pub(crate) fn run(
         let mut row = a.json();
         row["flows"] = json!(n);
         row["fill_secs"] = json!(fill_s);
+        row["fill_frames"] = frames;
         pps_rows.push(row);
         mem_rows.push((n, per_flow, rss0, rss1, buckets));
         noisy.push(
@@ -842,6 +881,20 @@ mod tests {
             "{c}"
         );
         assert!(c.contains("fill(0x00, 18)"), "{c}");
+    }
+
+    #[test]
+    fn fill_frames_are_differences_over_the_fill() {
+        let before = json!({"rx": 10, "tx": 9, "new_flows": 5,
+            "dropped": {"no_flow": 1, "too_big": 2}});
+        let after = json!({"rx": 110, "tx": 100, "new_flows": 95,
+            "dropped": {"no_flow": 1, "too_big": 4, "ring_full": 3}});
+        let f = fill_frames(120, &before, &after);
+        assert_eq!(
+            f,
+            json!({"sent": 120, "rx": 100, "tx": 91, "new_flows": 90,
+                "dropped": {"too_big": 2, "ring_full": 3}})
+        );
     }
 
     #[test]
