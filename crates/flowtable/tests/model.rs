@@ -60,6 +60,8 @@ enum Op {
     Expire(usize),
     Dump(usize, Option<u8>, Option<u32>, Option<FlowState>),
     RemoveTenant(u8),
+    /// Tenant, and per state: its default timeout times 1/100, 1/10, 1 or 2.
+    SetTimeouts(u8, [u8; 10]),
 }
 
 fn arb_op() -> impl Strategy<Value = Op> {
@@ -74,6 +76,7 @@ fn arb_op() -> impl Strategy<Value = Op> {
         1 => (1usize..6, proptest::option::of(0u8..3), proptest::option::of(0u32..3), proptest::option::of(arb_state()))
             .prop_map(|(p, t, s, st)| Op::Dump(p, t, s, st)),
         1 => (0u8..3).prop_map(Op::RemoveTenant),
+        1 => (0u8..3, proptest::array::uniform10(0u8..4)).prop_map(|(t, s)| Op::SetTimeouts(t, s)),
     ]
 }
 
@@ -89,7 +92,9 @@ struct M {
     pkts: [u64; 2],
 }
 
-fn expect(k: &FlowKey, m: &M) -> FlowSnapshot {
+type Tmo = HashMap<u32, Timeouts>;
+
+fn expect(k: &FlowKey, m: &M, tmo: &Tmo) -> FlowSnapshot {
     let last = m.last;
     FlowSnapshot {
         key: *k,
@@ -100,7 +105,7 @@ fn expect(k: &FlowKey, m: &M) -> FlowSnapshot {
         // The table keeps creation times in whole seconds.
         created: Millis(m.created / 1000 * 1000),
         last_active: Millis(last),
-        expires_at: Millis(last + Timeouts::default().get(m.state).0),
+        expires_at: Millis(last + tmo[&k.tenant.0].get(m.state).0),
         bytes_in: m.bytes[0],
         bytes_out: m.bytes[1],
         packets_in: m.pkts[0],
@@ -133,6 +138,10 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     let mut model: HashMap<FlowKey, M> = HashMap::new();
     let mut now = 1_000u64;
     let mut cookies = std::collections::HashSet::new();
+    let mut tmo: Tmo = TENANTS
+        .iter()
+        .map(|&(id, _)| (id, Timeouts::default()))
+        .collect();
     for op in ops {
         match op {
             Op::Insert(k, s, b, st) => {
@@ -173,11 +182,11 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let key = k.key();
                 let r = t.remove(&key);
                 let m = model.remove(&key);
-                prop_assert_eq!(r, m.map(|m| expect(&key, &m)));
+                prop_assert_eq!(r, m.map(|m| expect(&key, &m, &tmo)));
             }
             Op::Get(k) => {
                 let key = k.key();
-                prop_assert_eq!(t.get(&key), model.get(&key).map(|m| expect(&key, m)));
+                prop_assert_eq!(t.get(&key), model.get(&key).map(|m| expect(&key, m, &tmo)));
             }
             Op::Touch(k, out, bytes) => {
                 let key = k.key();
@@ -215,7 +224,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     let m = model.remove(&s.key);
                     prop_assert!(m.is_some(), "expired entry not in model");
                     let m = m.unwrap();
-                    prop_assert_eq!(s, expect(&s.key, &m));
+                    prop_assert_eq!(s, expect(&s.key, &m, &tmo));
                     prop_assert!(
                         now >= s.expires_at.0,
                         "expired early: now {} deadline {}",
@@ -248,7 +257,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 }
                 let mut want: Vec<FlowSnapshot> = model
                     .iter()
-                    .map(|(k, m)| expect(k, m))
+                    .map(|(k, m)| expect(k, m, &tmo))
                     .filter(|s| filter.matches(s))
                     .collect();
                 want.sort_by_key(|s| s.cookie);
@@ -265,7 +274,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let mut want: Vec<FlowSnapshot> = model
                     .iter()
                     .filter(|(k, _)| k.tenant.0 == id)
-                    .map(|(k, m)| expect(k, m))
+                    .map(|(k, m)| expect(k, m, &tmo))
                     .collect();
                 model.retain(|k, _| k.tenant.0 != id);
                 want.sort_by_key(|s| s.cookie);
@@ -273,6 +282,34 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 prop_assert_eq!(out, want);
                 prop_assert_eq!(t.tenant_stats(TenantId(id)), None);
                 t.add_tenant(TenantId(id), tenant_cfg(own)).unwrap();
+                tmo.insert(id, Timeouts::default());
+            }
+            Op::SetTimeouts(i, scale) => {
+                let id = TENANTS[usize::from(i)].0;
+                let d = Timeouts::default();
+                let mut a = FlowState::ALL.map(|s| d.get(s).0);
+                for (v, s) in a.iter_mut().zip(scale) {
+                    *v = match s {
+                        0 => *v / 100,
+                        1 => *v / 10,
+                        2 => *v,
+                        _ => *v * 2,
+                    };
+                }
+                let new = Timeouts {
+                    syn_sent: Millis(a[0]),
+                    syn_recv: Millis(a[1]),
+                    established: Millis(a[2]),
+                    fin_wait: Millis(a[3]),
+                    close_wait: Millis(a[4]),
+                    last_ack: Millis(a[5]),
+                    time_wait: Millis(a[6]),
+                    close: Millis(a[7]),
+                    udp: Millis(a[8]),
+                    persist: Millis(a[9]),
+                };
+                t.set_timeouts(TenantId(id), new).unwrap();
+                tmo.insert(id, new);
             }
         }
         // Stats agree with the model at every step.
@@ -283,6 +320,39 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             prop_assert_eq!(st.chain_histogram.iter().sum::<u64>(), st.buckets as u64);
         }
     }
+    // Every timeout cut to 1 s: the retime pass brings all entries, filed
+    // under whatever timeouts, due within the next two seconds (one tick
+    // late at most) — one `expire` call takes them all.
+    let second = Timeouts {
+        syn_sent: Millis(1_000),
+        syn_recv: Millis(1_000),
+        established: Millis(1_000),
+        fin_wait: Millis(1_000),
+        close_wait: Millis(1_000),
+        last_ack: Millis(1_000),
+        time_wait: Millis(1_000),
+        close: Millis(1_000),
+        udp: Millis(1_000),
+        persist: Millis(1_000),
+    };
+    for (id, _) in TENANTS {
+        t.set_timeouts(TenantId(id), second).unwrap();
+        tmo.insert(id, second);
+    }
+    now += 2_000;
+    let mut out = Vec::new();
+    t.expire(Millis(now), usize::MAX, &mut out);
+    for s in out {
+        let m = model.remove(&s.key);
+        prop_assert!(m.is_some(), "expired entry not in model");
+        prop_assert_eq!(s, expect(&s.key, &m.unwrap(), &tmo));
+        prop_assert!(now >= s.expires_at.0);
+    }
+    prop_assert!(
+        model.is_empty(),
+        "entries not expired two seconds after a cut to 1 s: {:?}",
+        model.keys().collect::<Vec<_>>()
+    );
     // Eventually everything expires, and never early.
     for _ in 0..3 {
         now += 1_000_000;
