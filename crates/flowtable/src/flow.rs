@@ -686,7 +686,7 @@ impl FlowTable {
         init: FlowInit,
         now: Millis,
     ) -> Result<Handle, InsertError> {
-        self.insert_inner(key, init, None, now)
+        self.insert_inner(key, init, None, false, now)
     }
 
     /// [`insert_handle`](Self::insert_handle) for a packet-mode nat or fnat
@@ -712,7 +712,64 @@ impl FlowTable {
         reply: ReplyMode,
         now: Millis,
     ) -> Result<Handle, InsertError> {
-        self.insert_inner(key, init, Some(reply), now)
+        self.insert_inner(key, init, Some(reply), false, now)
+    }
+
+    /// Inserts a persistence template already held once (see
+    /// [`hold`](Self::hold)): the entry is published with its count at 1,
+    /// so no expiry can ever see it unheld before the caller's connection
+    /// is counted. The state is [`FlowState::Persist`] whatever
+    /// `init.state` says. On [`InsertError::Exists`] another thread stored
+    /// the template first: [`hold`](Self::hold) that one instead.
+    pub fn insert_held(
+        &self,
+        key: FlowKey,
+        init: FlowInit,
+        now: Millis,
+    ) -> Result<Handle, InsertError> {
+        let init = FlowInit {
+            state: FlowState::Persist,
+            ..init
+        };
+        self.insert_inner(key, init, None, true, now)
+    }
+
+    /// One more connection holds the persistence template `key` (IPVS's
+    /// `n_control`): while any does, expiry never removes the template
+    /// (it is refiled a timeout later instead). Returns the template's
+    /// backend, or `None` (nothing held) if there is no live entry for
+    /// `key` in state [`FlowState::Persist`]. Locks the key's bucket, as
+    /// expiry's final check does, so a hold either counts before expiry
+    /// looks (which then keeps the template) or finds it gone, never both.
+    /// Explicit removals (`remove*`, [`remove_tenant`](Self::remove_tenant))
+    /// take a template whatever its count; the removal's snapshot shows
+    /// the count ([`FlowSnapshot::held`]).
+    pub fn hold(&self, key: &FlowKey) -> Option<BackendId> {
+        self.with_locked(key, |n| n.hold_locked().then(|| n.backend()))
+    }
+
+    /// One connection holding the persistence template `key` ended: the
+    /// count drops by one, and at 0 the template's timeout starts from
+    /// `now` (`last_active = max(last_active, now)`). Returns the holds
+    /// left, or `None` (nothing changed) if `key` has no live template or
+    /// it is not held. Locks the key's bucket.
+    pub fn release(&self, key: &FlowKey, now: Millis) -> Option<u32> {
+        self.with_locked(key, |n| n.release_locked(now))
+            .map(|left| u32::try_from(left).unwrap_or(u32::MAX))
+    }
+
+    /// Runs `f` on `key`'s node under its bucket lock (live or pending:
+    /// `f` checks).
+    fn with_locked<R>(&self, key: &FlowKey, f: impl FnOnce(Node<'_>) -> Option<R>) -> Option<R> {
+        let guard = epoch::pin();
+        let map = self.tenants.load(&guard);
+        let t = map.map.get(&key.tenant.0)?;
+        let pk = PackedKey::new(key);
+        let h = t.table.hash(&pk, t.salt);
+        let ix = t.table.index(&guard);
+        let (home, l) = ix.lock_home(h);
+        let i = home.find_locked(&l, &self.slab, h, &pk)?;
+        f(self.slab.node(i))
     }
 
     fn insert_inner(
@@ -720,6 +777,7 @@ impl FlowTable {
         key: FlowKey,
         init: FlowInit,
         reply: Option<ReplyMode>,
+        held: bool,
         now: Millis,
     ) -> Result<Handle, InsertError> {
         let guard = epoch::pin();
@@ -751,6 +809,10 @@ impl FlowTable {
         self.slab
             .node(idx)
             .init(&pk, &init, cookie, now, nat, reply.is_some());
+        if held {
+            // Before the node is published.
+            self.slab.node(idx).init_held(1);
+        }
         let r = {
             let ix = t.table.index(&guard);
             let (home, mut l) = ix.lock_home(h);
@@ -1311,7 +1373,8 @@ impl FlowTable {
                     let mut refile = true;
                     if now >= deadline(n) {
                         match self.unlink_node(t, idx, &guard, |n| {
-                            n.filed_slot() == slot && now >= deadline(n)
+                            n.filed_slot() == slot
+                                && n.expirable(now, t.timeout(n.state(), n.profile()))
                         }) {
                             Unlink::Removed(s) => {
                                 out.push(s);
@@ -1323,7 +1386,18 @@ impl FlowTable {
                         }
                     }
                     if refile {
-                        let s = w.file(idx, deadline(n), now);
+                        let mut d = deadline(n);
+                        if n.held() > 0 {
+                            // A held template: look again a timeout from
+                            // now (at least a tick, so never overdue
+                            // again in this call). Its last release
+                            // restarts the timeout from the release time,
+                            // so the real deadline comes no earlier (give
+                            // or take the two callers' clocks).
+                            let tmo = t.timeout(n.state(), n.profile());
+                            d = d.max(now.saturating_add(tmo.max(crate::wheel::TICK_MS)));
+                        }
+                        let s = w.file(idx, d, now);
                         n.set_filed_slot(s);
                     }
                 }

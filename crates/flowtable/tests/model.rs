@@ -62,6 +62,9 @@ enum Op {
     RemoveTenant(u8),
     /// Tenant, and per state: its default timeout times 1/100, 1/10, 1 or 2.
     SetTimeouts(u8, [u8; 10]),
+    Hold(K),
+    Release(K),
+    InsertHeld(K, u32, u32),
 }
 
 fn arb_op() -> impl Strategy<Value = Op> {
@@ -77,6 +80,9 @@ fn arb_op() -> impl Strategy<Value = Op> {
             .prop_map(|(p, t, s, st)| Op::Dump(p, t, s, st)),
         1 => (0u8..3).prop_map(Op::RemoveTenant),
         1 => (0u8..3, proptest::array::uniform10(0u8..4)).prop_map(|(t, s)| Op::SetTimeouts(t, s)),
+        2 => arb_key().prop_map(Op::Hold),
+        2 => arb_key().prop_map(Op::Release),
+        1 => (arb_key(), 0u32..3, 0u32..3).prop_map(|(k, s, b)| Op::InsertHeld(k, s, b)),
     ]
 }
 
@@ -88,8 +94,20 @@ struct M {
     state: FlowState,
     created: u64,
     last: u64,
+    /// Bytes in and out; on a template (state Persist) the second word is
+    /// the hold count, as in the table.
     bytes: [u64; 2],
     pkts: [u64; 2],
+}
+
+impl M {
+    fn template(&self) -> bool {
+        self.state == FlowState::Persist
+    }
+
+    fn held(&self) -> u64 {
+        if self.template() { self.bytes[1] } else { 0 }
+    }
 }
 
 type Tmo = HashMap<u32, Timeouts>;
@@ -107,7 +125,8 @@ fn expect(k: &FlowKey, m: &M, tmo: &Tmo) -> FlowSnapshot {
         last_active: Millis(last),
         expires_at: Millis(last + tmo[&k.tenant.0].get(m.state).0),
         bytes_in: m.bytes[0],
-        bytes_out: m.bytes[1],
+        bytes_out: if m.template() { 0 } else { m.bytes[1] },
+        held: m.held() as u32,
         packets_in: m.pkts[0],
         packets_out: m.pkts[1],
         owner: 0,
@@ -195,7 +214,10 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 match model.get_mut(&key) {
                     Some(m) => {
                         prop_assert_eq!(r, Some((m.cookie, BackendId(m.backend))));
-                        m.bytes[usize::from(out)] += bytes;
+                        // Never bytes out on a template (its hold count).
+                        if !(out && m.template()) {
+                            m.bytes[usize::from(out)] += bytes;
+                        }
                         m.pkts[usize::from(out)] += 1;
                         m.last = now;
                     }
@@ -224,6 +246,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     let m = model.remove(&s.key);
                     prop_assert!(m.is_some(), "expired entry not in model");
                     let m = m.unwrap();
+                    prop_assert!(m.held() == 0, "a held template expired");
                     prop_assert_eq!(s, expect(&s.key, &m, &tmo));
                     prop_assert!(
                         now >= s.expires_at.0,
@@ -311,6 +334,65 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 t.set_timeouts(TenantId(id), new).unwrap();
                 tmo.insert(id, new);
             }
+            Op::Hold(k) => {
+                let key = k.key();
+                let r = t.hold(&key);
+                match model.get_mut(&key) {
+                    Some(m) if m.template() => {
+                        prop_assert_eq!(r, Some(BackendId(m.backend)));
+                        m.bytes[1] += 1;
+                    }
+                    _ => prop_assert_eq!(r, None),
+                }
+            }
+            Op::Release(k) => {
+                let key = k.key();
+                let r = t.release(&key, Millis(now));
+                match model.get_mut(&key) {
+                    Some(m) if m.held() > 0 => {
+                        m.bytes[1] -= 1;
+                        prop_assert_eq!(r, Some(m.bytes[1] as u32));
+                        if m.bytes[1] == 0 {
+                            m.last = now;
+                        }
+                    }
+                    _ => prop_assert_eq!(r, None),
+                }
+            }
+            Op::InsertHeld(k, s, b) => {
+                let key = k.key();
+                let init = FlowInit {
+                    owner: 0,
+                    profile: 0,
+                    service: ServiceId(s),
+                    backend: BackendId(b),
+                    // Ignored: a held insert is a template.
+                    state: FlowState::Udp,
+                };
+                let r = t.insert_held(key, init, Millis(now));
+                match model.get(&key) {
+                    Some(m) => {
+                        prop_assert_eq!(r.map(|h| h.cookie), Err(InsertError::Exists(m.cookie)))
+                    }
+                    None => {
+                        let h = r.map_err(|e| TestCaseError::fail(format!("insert_held: {e}")))?;
+                        prop_assert!(cookies.insert(h.cookie.0), "cookies unique");
+                        model.insert(
+                            key,
+                            M {
+                                cookie: h.cookie,
+                                service: s,
+                                backend: b,
+                                state: FlowState::Persist,
+                                created: now,
+                                last: now,
+                                bytes: [0, 1],
+                                pkts: [0; 2],
+                            },
+                        );
+                    }
+                }
+            }
         }
         // Stats agree with the model at every step.
         for (id, _) in TENANTS {
@@ -319,6 +401,19 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             prop_assert_eq!(st.entries, n);
             prop_assert_eq!(st.chain_histogram.iter().sum::<u64>(), st.buckets as u64);
         }
+    }
+    // Held templates wait for their connections: release every hold.
+    let held: Vec<(FlowKey, u64)> = model.iter().map(|(k, m)| (*k, m.held())).collect();
+    for (k, n) in held {
+        for left in (0..n).rev() {
+            prop_assert_eq!(t.release(&k, Millis(now)), Some(left as u32));
+        }
+        let m = model.get_mut(&k).unwrap();
+        if n > 0 {
+            m.bytes[1] = 0;
+            m.last = now;
+        }
+        prop_assert_eq!(t.release(&k, Millis(now)), None);
     }
     // Every timeout cut to 1 s: the retime pass brings all entries, filed
     // under whatever timeouts, due within the next two seconds (one tick
