@@ -137,6 +137,11 @@ pub struct Reader<'a> {
 /// Keys a batched lookup hashes and prefetches before probing any.
 pub const LOOKUP_BATCH: usize = 32;
 
+/// Wheel references one [`FlowTable::expire`] call examines at most for
+/// retime passes (all tenants together): about 25 ms of cache misses at
+/// worst, so a 10M-entry tenant is retimed in about 40 calls.
+pub const RETIME_REFS: usize = 1 << 18;
+
 impl Reader<'_> {
     /// Like [`FlowTable::lookup`].
     #[inline]
@@ -564,16 +569,29 @@ impl FlowTable {
         Ok(())
     }
 
-    /// Replaces a tenant's timeouts. Longer timeouts apply at once; a
-    /// shorter one applies to an already-filed entry when its current wheel
-    /// slot comes due (at most the old timeout later) or at its next
-    /// `set_state`.
+    /// Replaces a tenant's timeouts (and so those of its profiles, except
+    /// where they override a state). A longer timeout applies at once. A
+    /// shorter one starts a retime pass over the tenant's expiry wheel,
+    /// which [`expire`](Self::expire) carries out [`RETIME_REFS`] wheel
+    /// references per call at most: every filed entry whose deadline under
+    /// the new timeouts comes before its wheel slot is refiled earlier. An
+    /// entry then expires at its new deadline or, if that passed before the
+    /// pass reached it, by the end of the pass, plus one tick and the
+    /// caller's period; never early. The pass walks the slots in deadline
+    /// order from the current tick, so refiled entries land behind it and
+    /// it ends within `ceil(wheel references / RETIME_REFS) + 1` `expire`
+    /// calls. Another shortening during a pass extends it to a full lap
+    /// from where it is; entries it moved ahead of its cursor are then
+    /// looked at twice, so it ends within `ceil(2 * wheel references /
+    /// RETIME_REFS) + 1` calls after the last shortening.
     pub fn set_timeouts(&self, id: TenantId, t: Timeouts) -> Result<(), TenantError> {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
         let ten = map.map.get(&id.0).ok_or(TenantError::NoTenant(id))?;
+        let new = t.to_array();
         let mut p = ten.profiles.write();
-        for (a, v) in ten.timeouts.iter().zip(t.to_array()) {
+        let shorter = ten.base().iter().zip(new).any(|(&old, new)| new < old);
+        for (a, v) in ten.timeouts.iter().zip(new) {
             a.store(v, Relaxed);
         }
         let Profiles {
@@ -581,9 +599,25 @@ impl FlowTable {
             resolved,
         } = &mut *p;
         for (o, r) in overrides.iter().zip(resolved.iter_mut()) {
-            *r = o.apply(t.to_array());
+            *r = o.apply(new);
+        }
+        // `expire` takes the wheel lock before the profiles': drop ours
+        // first. The pass reads the timeouts stored above.
+        drop(p);
+        if shorter {
+            ten.wheel.lock().start_retime();
         }
         Ok(())
+    }
+
+    /// Whether tenant `id`'s wheel has a retime pass under way, and the
+    /// wheel references its last step examined (at most [`RETIME_REFS`]).
+    #[doc(hidden)]
+    pub fn retime_state(&self, id: TenantId) -> Option<(bool, usize)> {
+        let guard = epoch::pin();
+        let map = self.tenants.load(&guard);
+        let w = map.map.get(&id.0)?.wheel.lock();
+        Some((w.retiming(), w.retime_last()))
     }
 
     /// The number of the timeout profile with these overrides for tenant
@@ -652,7 +686,7 @@ impl FlowTable {
         init: FlowInit,
         now: Millis,
     ) -> Result<Handle, InsertError> {
-        self.insert_inner(key, init, None, now)
+        self.insert_inner(key, init, None, false, now)
     }
 
     /// [`insert_handle`](Self::insert_handle) for a packet-mode nat or fnat
@@ -678,7 +712,64 @@ impl FlowTable {
         reply: ReplyMode,
         now: Millis,
     ) -> Result<Handle, InsertError> {
-        self.insert_inner(key, init, Some(reply), now)
+        self.insert_inner(key, init, Some(reply), false, now)
+    }
+
+    /// Inserts a persistence template already held once (see
+    /// [`hold`](Self::hold)): the entry is published with its count at 1,
+    /// so no expiry can ever see it unheld before the caller's connection
+    /// is counted. The state is [`FlowState::Persist`] whatever
+    /// `init.state` says. On [`InsertError::Exists`] another thread stored
+    /// the template first: [`hold`](Self::hold) that one instead.
+    pub fn insert_held(
+        &self,
+        key: FlowKey,
+        init: FlowInit,
+        now: Millis,
+    ) -> Result<Handle, InsertError> {
+        let init = FlowInit {
+            state: FlowState::Persist,
+            ..init
+        };
+        self.insert_inner(key, init, None, true, now)
+    }
+
+    /// One more connection holds the persistence template `key` (IPVS's
+    /// `n_control`): while any does, expiry never removes the template
+    /// (it is refiled a timeout later instead). Returns the template's
+    /// backend, or `None` (nothing held) if there is no live entry for
+    /// `key` in state [`FlowState::Persist`]. Locks the key's bucket, as
+    /// expiry's final check does, so a hold either counts before expiry
+    /// looks (which then keeps the template) or finds it gone, never both.
+    /// Explicit removals (`remove*`, [`remove_tenant`](Self::remove_tenant))
+    /// take a template whatever its count; the removal's snapshot shows
+    /// the count ([`FlowSnapshot::held`]).
+    pub fn hold(&self, key: &FlowKey) -> Option<BackendId> {
+        self.with_locked(key, |n| n.hold_locked().then(|| n.backend()))
+    }
+
+    /// One connection holding the persistence template `key` ended: the
+    /// count drops by one, and at 0 the template's timeout starts from
+    /// `now` (`last_active = max(last_active, now)`). Returns the holds
+    /// left, or `None` (nothing changed) if `key` has no live template or
+    /// it is not held. Locks the key's bucket.
+    pub fn release(&self, key: &FlowKey, now: Millis) -> Option<u32> {
+        self.with_locked(key, |n| n.release_locked(now))
+            .map(|left| u32::try_from(left).unwrap_or(u32::MAX))
+    }
+
+    /// Runs `f` on `key`'s node under its bucket lock (live or pending:
+    /// `f` checks).
+    fn with_locked<R>(&self, key: &FlowKey, f: impl FnOnce(Node<'_>) -> Option<R>) -> Option<R> {
+        let guard = epoch::pin();
+        let map = self.tenants.load(&guard);
+        let t = map.map.get(&key.tenant.0)?;
+        let pk = PackedKey::new(key);
+        let h = t.table.hash(&pk, t.salt);
+        let ix = t.table.index(&guard);
+        let (home, l) = ix.lock_home(h);
+        let i = home.find_locked(&l, &self.slab, h, &pk)?;
+        f(self.slab.node(i))
     }
 
     fn insert_inner(
@@ -686,6 +777,7 @@ impl FlowTable {
         key: FlowKey,
         init: FlowInit,
         reply: Option<ReplyMode>,
+        held: bool,
         now: Millis,
     ) -> Result<Handle, InsertError> {
         let guard = epoch::pin();
@@ -717,6 +809,10 @@ impl FlowTable {
         self.slab
             .node(idx)
             .init(&pk, &init, cookie, now, nat, reply.is_some());
+        if held {
+            // Before the node is published.
+            self.slab.node(idx).init_held(1);
+        }
         let r = {
             let ix = t.table.index(&guard);
             let (home, mut l) = ix.lock_home(h);
@@ -1212,7 +1308,9 @@ impl FlowTable {
     /// Call it periodically (e.g. every second); an entry is removed at most
     /// one wheel tick (1 s) plus the call period after its deadline if the
     /// budget keeps up, never before. Round-robin over tenants when the
-    /// budget runs out.
+    /// budget runs out. A retime pass (see
+    /// [`set_timeouts`](Self::set_timeouts)) adds at most [`RETIME_REFS`]
+    /// wheel references per call, over all tenants.
     pub fn expire(&self, now: Millis, max: usize, out: &mut Vec<FlowSnapshot>) -> usize {
         if max == 0 {
             return 0;
@@ -1232,12 +1330,30 @@ impl FlowTable {
         ids.sort_unstable();
         let start = ids.partition_point(|&i| i < m.next_tenant);
         let mut budget = max.saturating_mul(16).saturating_add(1024);
+        let mut retime_budget = RETIME_REFS;
         let mut removed = 0;
         for k in 0..ids.len() {
             let id = ids[(start + k) % ids.len()];
             let Some(t) = map.map.get(&id) else { continue };
             let mut w = t.wheel.lock();
             w.start(now);
+            // Before the due slots, so that entries the pass finds overdue
+            // go in this same call. (Without a pass: a no-op.)
+            {
+                let slab = &self.slab;
+                retime_budget -= w.retime(
+                    retime_budget,
+                    now,
+                    |slot, i| {
+                        let n = slab.node(i);
+                        (n.is_live() && n.tenant() == id && n.filed_slot() == slot).then(|| {
+                            n.last_active()
+                                .saturating_add(t.timeout(n.state(), n.profile()))
+                        })
+                    },
+                    |i, s| slab.node(i).set_filed_slot(s),
+                );
+            }
             while let Some(slot) = w.due_slot(now) {
                 while let Some(idx) = w.pop(slot) {
                     if removed == max || budget == 0 {
@@ -1257,7 +1373,8 @@ impl FlowTable {
                     let mut refile = true;
                     if now >= deadline(n) {
                         match self.unlink_node(t, idx, &guard, |n| {
-                            n.filed_slot() == slot && now >= deadline(n)
+                            n.filed_slot() == slot
+                                && n.expirable(now, t.timeout(n.state(), n.profile()))
                         }) {
                             Unlink::Removed(s) => {
                                 out.push(s);
@@ -1269,14 +1386,26 @@ impl FlowTable {
                         }
                     }
                     if refile {
-                        let s = w.file(idx, deadline(n), now);
+                        let mut d = deadline(n);
+                        if n.held() > 0 {
+                            // A held template: look again a timeout from
+                            // now (at least a tick, so never overdue
+                            // again in this call). Its last release
+                            // restarts the timeout from the release time,
+                            // so the real deadline comes no earlier (give
+                            // or take the two callers' clocks).
+                            let tmo = t.timeout(n.state(), n.profile());
+                            d = d.max(now.saturating_add(tmo.max(crate::wheel::TICK_MS)));
+                        }
+                        let s = w.file(idx, d, now);
                         n.set_filed_slot(s);
                     }
                 }
             }
             // Stale references (removed entries) outnumber live ones:
             // compact some slots with what is left of the budget.
-            if w.refs() > 2 * t.entries() as usize + 4096 {
+            // (Not while a retime pass runs: it drops them itself.)
+            if !w.retiming() && w.refs() > 2 * t.entries() as usize + 4096 {
                 let slab = &self.slab;
                 budget = budget.saturating_sub(w.compact(budget, |slot, i| {
                     let n = slab.node(i);

@@ -63,7 +63,9 @@
 //! slot comes due each entry in it is re-checked and either removed or
 //! refiled (lazy rescheduling). [`FlowTable::expire`] does bounded work per
 //! call; entries go at most one tick (1 s) plus the caller's period late,
-//! never early.
+//! never early. A shortened timeout ([`FlowTable::set_timeouts`]) starts a
+//! retime pass that moves already-filed entries to earlier slots, at most
+//! [`RETIME_REFS`] wheel references per `expire` call.
 //!
 //! # Dumps
 //! [`FlowTable::dump`] pages through tables (shared first, then own tables by
@@ -88,7 +90,7 @@ mod types;
 mod wheel;
 
 pub use cursor::Cursor;
-pub use flow::{FlowTable, LOOKUP_BATCH, Reader};
+pub use flow::{FlowTable, LOOKUP_BATCH, RETIME_REFS, Reader};
 pub use types::*;
 
 #[cfg(loom)]

@@ -21,6 +21,12 @@
 //! flow whose insert is refused (rolled back) because its reply key is
 //! taken; a reply way and a forward way with the same tag never match each
 //! other's lookups.
+//!
+//! Held templates (`FlowTable::hold`, `release`, `insert_held`): holds and
+//! releases racing with expiry's final check, all under the bucket lock —
+//! a template is never removed by expiry while a hold is counted, a hold
+//! either counts before expiry looks or finds the template gone, and the
+//! last release restarts the timeout so a racing expiry keeps it.
 
 use loom::sync::Arc;
 use loom::thread;
@@ -442,5 +448,139 @@ pub fn refused_reply_insert_is_never_seen() {
         assert!(check_found(&w, 0));
         assert_eq!(check_bucket_read(&w), [0]);
         assert_eq!(w.index.count(0), Some(2), "the refused insert left a way");
+    });
+}
+
+/// Template `i` (state Persist, last active at 5 ms) held `held` times,
+/// in a one-bucket index.
+fn template_world(i: u32, held: u64) -> Arc<World> {
+    let w = World {
+        nodes: NodeVec::new(i as usize + 1),
+        index: Index::try_new(1).unwrap(),
+    };
+    let init = FlowInit {
+        service: ServiceId(i),
+        backend: BackendId(100 + i),
+        state: FlowState::Persist,
+        owner: 0,
+        profile: 0,
+    };
+    let n = w.nodes.node(i);
+    n.init(&key(i), &init, u64::from(i) + 1, Millis(5), 0, false);
+    n.init_held(held);
+    let h = Hash::new(hash(i));
+    let (home, mut l) = w.index.lock_home(h);
+    assert!(matches!(
+        home.put(&mut l, &w.nodes, h, Some(&key(i)), i, 64),
+        Put::Done(_)
+    ));
+    drop(l);
+    Arc::new(w)
+}
+
+/// `FlowTable::hold`: under the bucket lock.
+fn hold(w: &World, i: u32) -> bool {
+    let h = Hash::new(hash(i));
+    let (home, l) = w.index.lock_home(h);
+    home.find_locked(&l, &w.nodes, h, &key(i))
+        .is_some_and(|idx| w.nodes.node(idx).hold_locked())
+}
+
+/// `FlowTable::release`: under the bucket lock.
+fn release(w: &World, i: u32, now: u64) -> Option<u64> {
+    let h = Hash::new(hash(i));
+    let (home, l) = w.index.lock_home(h);
+    let idx = home.find_locked(&l, &w.nodes, h, &key(i))?;
+    w.nodes.node(idx).release_locked(Millis(now))
+}
+
+/// Expiry's final step (`FlowTable::unlink_node` with expire's check):
+/// under the bucket lock, remove the entry if it is expirable.
+fn expire_locked(w: &World, i: u32, now: u64, timeout: u64) -> bool {
+    let h = Hash::new(hash(i));
+    let (home, mut l) = w.index.lock_home(h);
+    let Some(idx) = home.find_locked(&l, &w.nodes, h, &key(i)) else {
+        return false;
+    };
+    let n = w.nodes.node(idx);
+    if !n.is_live() || !n.expirable(now, timeout) {
+        return false;
+    }
+    assert!(home.unput(&mut l, idx));
+    n.clear_live();
+    true
+}
+
+/// Held templates (IPVS's `n_control`): a hold and then a release (at
+/// 100 ms) racing with the expiry (at 50 ms, timeout 10 ms) of an idle,
+/// unheld template. Exactly one wins: either the hold finds the template
+/// and expiry leaves it (the release restarted its timeout at 100 ms), or
+/// expiry took it and the hold finds nothing. A lock-free reader sees a
+/// count of 0 or 1, never a torn one.
+pub fn hold_release_vs_expiry() {
+    model(|| {
+        let w = template_world(0, 0);
+        let a = {
+            let w = Arc::clone(&w);
+            thread::spawn(move || {
+                if !hold(&w, 0) {
+                    return false;
+                }
+                assert_eq!(release(&w, 0, 100), Some(0));
+                true
+            })
+        };
+        let b = {
+            let w = Arc::clone(&w);
+            thread::spawn(move || expire_locked(&w, 0, 50, 10))
+        };
+        if let Some(idx) = w.index.find(&w.nodes, Hash::new(hash(0)), &key(0)) {
+            assert!(w.nodes.node(idx).held() <= 1);
+        }
+        let held = a.join().unwrap();
+        let expired = b.join().unwrap();
+        assert!(held != expired, "held {held}, expired {expired}");
+        match w.index.find(&w.nodes, Hash::new(hash(0)), &key(0)) {
+            Some(idx) => {
+                let n = w.nodes.node(idx);
+                assert!(held);
+                assert_eq!((n.held(), n.last_active()), (0, 100));
+            }
+            None => assert!(expired),
+        }
+    });
+}
+
+/// A template stored held once (`FlowTable::insert_held`): its connection
+/// ends (release at 100 ms) while another connection holds it and the
+/// expiry (at 200 ms, timeout 10 ms) looks. A hold that succeeds keeps the
+/// template to the end; expiry only ever removes it after the release and
+/// before that hold, and then the hold finds nothing.
+pub fn release_and_hold_vs_expiry() {
+    model(|| {
+        let w = template_world(0, 1);
+        let a = {
+            let w = Arc::clone(&w);
+            thread::spawn(move || release(&w, 0, 100))
+        };
+        let b = {
+            let w = Arc::clone(&w);
+            thread::spawn(move || hold(&w, 0))
+        };
+        let expired = expire_locked(&w, 0, 200, 10);
+        let released = a.join().unwrap();
+        let held = b.join().unwrap();
+        // The release always finds the template: it holds it until then.
+        assert!(released.is_some());
+        assert!(!(held && expired), "expired while held");
+        match w.index.find(&w.nodes, Hash::new(hash(0)), &key(0)) {
+            Some(idx) => {
+                assert!(!expired);
+                // Unheld and idle since 100 ms, expiry at 200 ms would
+                // have taken it: it ran while a hold was counted.
+                assert_eq!(w.nodes.node(idx).held(), u64::from(held));
+            }
+            None => assert!(expired && !held && released == Some(0)),
+        }
     });
 }

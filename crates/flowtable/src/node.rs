@@ -193,6 +193,11 @@ pub(crate) struct Hot {
 #[derive(Debug, Default)]
 pub(crate) struct Cold {
     last_active: AtomicU64,
+    /// Bytes in, bytes out. A persistence template (state `Persist`)
+    /// carries no traffic, so its bytes-out word is free: there it counts
+    /// the connections holding the template (IPVS's `n_control`, see
+    /// [`Node::hold_locked`]), at no extra memory per entry. `touch` never
+    /// adds bytes out to a template, so the word holds only holds there.
     bytes: [AtomicU64; 2],
     packets: [AtomicU64; 2],
     /// Insert time in whole seconds of the caller's clock.
@@ -436,16 +441,78 @@ impl Node<'_> {
         self.h.meta.fetch_and(!LIVE, Relaxed);
     }
 
-    /// Lock-free hot path; returns (cookie, backend).
+    /// Lock-free hot path; returns (cookie, backend). Bytes out are not
+    /// counted on a template (the word is its hold count).
     #[inline]
     pub(crate) fn touch(&self, now: Millis, dir_out: bool, bytes: u64) -> (Cookie, BackendId) {
         let d = usize::from(dir_out);
-        self.c.bytes[d].fetch_add(bytes, Relaxed);
+        if bytes != 0 && !(dir_out && self.is_template()) {
+            self.c.bytes[d].fetch_add(bytes, Relaxed);
+        }
         self.c.packets[d].fetch_add(1, Relaxed);
         if self.c.last_active.load(Relaxed) < now.0 {
             self.c.last_active.fetch_max(now.0, Relaxed);
         }
         (Cookie(self.cookie()), self.backend())
+    }
+
+    /// Whether the entry is a persistence template (state `Persist`).
+    #[inline]
+    pub(crate) fn is_template(&self) -> bool {
+        self.h.meta.load(Relaxed) & STATE_MASK == FlowState::Persist.code() << STATE_SHIFT
+    }
+
+    /// Connections holding this template (0 for any other entry).
+    pub(crate) fn held(&self) -> u64 {
+        if self.is_template() {
+            self.c.bytes[1].load(Relaxed)
+        } else {
+            0
+        }
+    }
+
+    /// A fresh template's hold count, before it is published (see
+    /// [`init`](Self::init)).
+    pub(crate) fn init_held(&self, n: u64) {
+        self.c.bytes[1].store(n, Relaxed);
+    }
+
+    /// Under the entry's bucket lock: one more connection holds this
+    /// template. `false` (nothing changed) unless it is a live template.
+    ///
+    /// Holds, releases and expiry's [`expirable`](Self::expirable) check
+    /// all run under the bucket lock, so a hold either lands before the
+    /// expiry looks (which then keeps the entry) or finds it gone.
+    pub(crate) fn hold_locked(&self) -> bool {
+        if !self.is_live() || !self.is_template() {
+            return false;
+        }
+        self.c.bytes[1].fetch_add(1, Relaxed);
+        true
+    }
+
+    /// Under the entry's bucket lock: one connection holding this template
+    /// ended; at the last one its timeout starts from `now`. The holds
+    /// left, or `None` (nothing changed) unless it is a live, held template.
+    pub(crate) fn release_locked(&self, now: Millis) -> Option<u64> {
+        if !self.is_live() || !self.is_template() {
+            return None;
+        }
+        let n = self.c.bytes[1].load(Relaxed);
+        if n == 0 {
+            return None;
+        }
+        if n == 1 {
+            self.bump_last_active(now);
+        }
+        self.c.bytes[1].store(n - 1, Relaxed);
+        Some(n - 1)
+    }
+
+    /// Under the bucket lock: whether expiry may remove the entry at `now`
+    /// with idle timeout `timeout` (a held template never goes).
+    pub(crate) fn expirable(&self, now: u64, timeout: u64) -> bool {
+        now >= self.last_active().saturating_add(timeout) && self.held() == 0
     }
 
     pub(crate) fn bump_last_active(&self, now: Millis) {
@@ -467,7 +534,16 @@ impl Node<'_> {
             last_active: Millis(last),
             expires_at: Millis(last.saturating_add(timeout(state, self.profile()))),
             bytes_in: self.c.bytes[0].load(Relaxed),
-            bytes_out: self.c.bytes[1].load(Relaxed),
+            bytes_out: if state == FlowState::Persist {
+                0
+            } else {
+                self.c.bytes[1].load(Relaxed)
+            },
+            held: if state == FlowState::Persist {
+                u32::try_from(self.c.bytes[1].load(Relaxed)).unwrap_or(u32::MAX)
+            } else {
+                0
+            },
             packets_in: self.c.packets[0].load(Relaxed),
             packets_out: self.c.packets[1].load(Relaxed),
             owner: self.owner(),

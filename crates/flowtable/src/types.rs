@@ -359,6 +359,10 @@ pub struct FlowSnapshot {
     /// Whether the entry is also indexed by its reply key (nat: `nat` is 0
     /// and replies go to the client; fnat: replies go to `nat`).
     pub reply: bool,
+    /// A persistence template's hold count: the connections it placed that
+    /// are still alive ([`FlowTable::hold`](crate::FlowTable::hold)); 0 for
+    /// every other entry. (`bytes_out` is always 0 on a template.)
+    pub held: u32,
 }
 
 /// Direction of traffic for [`FlowTable::touch`](crate::FlowTable::touch).

@@ -15,6 +15,22 @@
 //! it has a deadline `< now`. Entries found already due when filed go to an
 //! extra overdue slot processed at once. So an entry expires at most one tick
 //! (plus the caller's period between `expire` calls) late, never early.
+//!
+//! # Retiming
+//! Lazy rescheduling only ever files an entry *later*; a shortened timeout
+//! would reach an entry filed under the old one only when that slot comes
+//! due. So a shortening starts a retime pass ([`Wheel::start_retime`]): one
+//! lap over the slots in tick order from the current tick (so refiled
+//! entries land behind the cursor), from a cursor (slot, position), at most `budget`
+//! references per step ([`Wheel::retime`]), refiling every entry whose real
+//! deadline under the new timeouts falls in an earlier tick than its slot,
+//! and dropping stale references on the way. An entry is only ever moved
+//! earlier and still re-checked against its real deadline when its new slot
+//! comes due, so retiming never expires anything early. Another shortening
+//! during a pass extends it to a full lap from where it is, which covers
+//! every slot again under the newest timeouts. Incremental compaction is
+//! suspended meanwhile (its `retain` would shift references under the
+//! cursor; the pass drops stale references itself).
 
 /// Wheel granularity.
 pub(crate) const TICK_MS: u64 = 1000;
@@ -31,6 +47,19 @@ pub(crate) struct Wheel {
     refs: usize,
     /// Next slot the incremental compaction looks at.
     compact_next: usize,
+    /// The retime pass under way, if any.
+    retime: Option<Retime>,
+    /// References the last retime step examined (introspection).
+    retime_last: usize,
+}
+
+/// Cursor of a retime pass: the slot and position it continues from, and
+/// how many slots (this one included) the lap still has to visit.
+#[derive(Debug, Clone, Copy)]
+struct Retime {
+    slot: usize,
+    pos: usize,
+    left: usize,
 }
 
 impl Wheel {
@@ -41,6 +70,8 @@ impl Wheel {
             started: false,
             refs: 0,
             compact_next: 0,
+            retime: None,
+            retime_last: 0,
         }
     }
 
@@ -137,6 +168,86 @@ impl Wheel {
         seen
     }
 
+    /// Starts a retime pass (a timeout got shorter), or extends the one
+    /// under way to a full lap from its cursor.
+    pub(crate) fn start_retime(&mut self) {
+        let slot = match self.retime {
+            Some(r) => r.slot,
+            None => (self.cur % SLOTS) as usize,
+        };
+        let pos = self.retime.map_or(0, |r| r.pos);
+        self.retime = Some(Retime {
+            slot,
+            pos,
+            left: SLOTS as usize,
+        });
+    }
+
+    /// Whether a retime pass is under way.
+    pub(crate) fn retiming(&self) -> bool {
+        self.retime.is_some()
+    }
+
+    /// References the last [`retime`](Self::retime) step examined.
+    pub(crate) fn retime_last(&self) -> usize {
+        self.retime_last
+    }
+
+    /// One step of the retime pass: examines at most `budget` references
+    /// from the cursor on. `deadline(slot, idx)` is the entry's real
+    /// deadline, or `None` for a stale reference (dropped); an entry due in
+    /// an earlier tick than its slot's is refiled there and `moved(idx,
+    /// new_slot)` records it in the node. Returns the references examined.
+    /// Call after [`start`](Self::start); the overdue slot is not visited
+    /// (it is processed at once anyway).
+    pub(crate) fn retime(
+        &mut self,
+        budget: usize,
+        now: u64,
+        mut deadline: impl FnMut(u32, u32) -> Option<u64>,
+        mut moved: impl FnMut(u32, u32),
+    ) -> usize {
+        let Some(mut r) = self.retime else {
+            self.retime_last = 0;
+            return 0;
+        };
+        let mut seen = 0;
+        while r.left > 0 && seen < budget {
+            // Tick the slot stands for: the one in [cur, cur + SLOTS).
+            let tick = self.cur + (r.slot as u64 + SLOTS - self.cur % SLOTS) % SLOTS;
+            while r.pos < self.slots[r.slot].len() && seen < budget {
+                seen += 1;
+                let idx = self.slots[r.slot][r.pos];
+                let keep_here = match deadline(r.slot as u32, idx) {
+                    None => false,
+                    Some(d) => {
+                        let earlier = d <= now || (d / TICK_MS).max(self.cur) < tick;
+                        if earlier {
+                            let s = self.file(idx, d, now);
+                            moved(idx, s);
+                        }
+                        !earlier
+                    }
+                };
+                if keep_here {
+                    r.pos += 1;
+                } else {
+                    // The last reference takes this place: look at it next.
+                    self.slots[r.slot].swap_remove(r.pos);
+                    self.refs -= 1;
+                }
+            }
+            if r.pos >= self.slots[r.slot].len() {
+                r.slot = (r.slot + 1) % SLOTS as usize;
+                r.pos = 0;
+                r.left -= 1;
+            }
+        }
+        self.retime = (r.left > 0).then_some(r);
+        self.retime_last = seen;
+        seen
+    }
+
     /// Everything filed (for tenant removal).
     pub(crate) fn drain_all(&mut self) -> Vec<u32> {
         let mut v = Vec::new();
@@ -144,6 +255,7 @@ impl Wheel {
             v.append(s);
         }
         self.refs = 0;
+        self.retime = None;
         v
     }
 

@@ -41,3 +41,13 @@ fn insert_reply_vs_lookup_reply_vs_remove() {
 fn refused_reply_insert_is_never_seen() {
     loom_checks::refused_reply_insert_is_never_seen();
 }
+
+#[test]
+fn hold_release_vs_expiry() {
+    loom_checks::hold_release_vs_expiry();
+}
+
+#[test]
+fn release_and_hold_vs_expiry() {
+    loom_checks::release_and_hold_vs_expiry();
+}

@@ -60,6 +60,11 @@ enum Op {
     Expire(usize),
     Dump(usize, Option<u8>, Option<u32>, Option<FlowState>),
     RemoveTenant(u8),
+    /// Tenant, and per state: its default timeout times 1/100, 1/10, 1 or 2.
+    SetTimeouts(u8, [u8; 10]),
+    Hold(K),
+    Release(K),
+    InsertHeld(K, u32, u32),
 }
 
 fn arb_op() -> impl Strategy<Value = Op> {
@@ -74,6 +79,10 @@ fn arb_op() -> impl Strategy<Value = Op> {
         1 => (1usize..6, proptest::option::of(0u8..3), proptest::option::of(0u32..3), proptest::option::of(arb_state()))
             .prop_map(|(p, t, s, st)| Op::Dump(p, t, s, st)),
         1 => (0u8..3).prop_map(Op::RemoveTenant),
+        1 => (0u8..3, proptest::array::uniform10(0u8..4)).prop_map(|(t, s)| Op::SetTimeouts(t, s)),
+        2 => arb_key().prop_map(Op::Hold),
+        2 => arb_key().prop_map(Op::Release),
+        1 => (arb_key(), 0u32..3, 0u32..3).prop_map(|(k, s, b)| Op::InsertHeld(k, s, b)),
     ]
 }
 
@@ -85,11 +94,25 @@ struct M {
     state: FlowState,
     created: u64,
     last: u64,
+    /// Bytes in and out; on a template (state Persist) the second word is
+    /// the hold count, as in the table.
     bytes: [u64; 2],
     pkts: [u64; 2],
 }
 
-fn expect(k: &FlowKey, m: &M) -> FlowSnapshot {
+impl M {
+    fn template(&self) -> bool {
+        self.state == FlowState::Persist
+    }
+
+    fn held(&self) -> u64 {
+        if self.template() { self.bytes[1] } else { 0 }
+    }
+}
+
+type Tmo = HashMap<u32, Timeouts>;
+
+fn expect(k: &FlowKey, m: &M, tmo: &Tmo) -> FlowSnapshot {
     let last = m.last;
     FlowSnapshot {
         key: *k,
@@ -100,9 +123,10 @@ fn expect(k: &FlowKey, m: &M) -> FlowSnapshot {
         // The table keeps creation times in whole seconds.
         created: Millis(m.created / 1000 * 1000),
         last_active: Millis(last),
-        expires_at: Millis(last + Timeouts::default().get(m.state).0),
+        expires_at: Millis(last + tmo[&k.tenant.0].get(m.state).0),
         bytes_in: m.bytes[0],
-        bytes_out: m.bytes[1],
+        bytes_out: if m.template() { 0 } else { m.bytes[1] },
+        held: m.held() as u32,
         packets_in: m.pkts[0],
         packets_out: m.pkts[1],
         owner: 0,
@@ -133,6 +157,10 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     let mut model: HashMap<FlowKey, M> = HashMap::new();
     let mut now = 1_000u64;
     let mut cookies = std::collections::HashSet::new();
+    let mut tmo: Tmo = TENANTS
+        .iter()
+        .map(|&(id, _)| (id, Timeouts::default()))
+        .collect();
     for op in ops {
         match op {
             Op::Insert(k, s, b, st) => {
@@ -173,11 +201,11 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let key = k.key();
                 let r = t.remove(&key);
                 let m = model.remove(&key);
-                prop_assert_eq!(r, m.map(|m| expect(&key, &m)));
+                prop_assert_eq!(r, m.map(|m| expect(&key, &m, &tmo)));
             }
             Op::Get(k) => {
                 let key = k.key();
-                prop_assert_eq!(t.get(&key), model.get(&key).map(|m| expect(&key, m)));
+                prop_assert_eq!(t.get(&key), model.get(&key).map(|m| expect(&key, m, &tmo)));
             }
             Op::Touch(k, out, bytes) => {
                 let key = k.key();
@@ -186,7 +214,10 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 match model.get_mut(&key) {
                     Some(m) => {
                         prop_assert_eq!(r, Some((m.cookie, BackendId(m.backend))));
-                        m.bytes[usize::from(out)] += bytes;
+                        // Never bytes out on a template (its hold count).
+                        if !(out && m.template()) {
+                            m.bytes[usize::from(out)] += bytes;
+                        }
                         m.pkts[usize::from(out)] += 1;
                         m.last = now;
                     }
@@ -215,7 +246,8 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     let m = model.remove(&s.key);
                     prop_assert!(m.is_some(), "expired entry not in model");
                     let m = m.unwrap();
-                    prop_assert_eq!(s, expect(&s.key, &m));
+                    prop_assert!(m.held() == 0, "a held template expired");
+                    prop_assert_eq!(s, expect(&s.key, &m, &tmo));
                     prop_assert!(
                         now >= s.expires_at.0,
                         "expired early: now {} deadline {}",
@@ -248,7 +280,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 }
                 let mut want: Vec<FlowSnapshot> = model
                     .iter()
-                    .map(|(k, m)| expect(k, m))
+                    .map(|(k, m)| expect(k, m, &tmo))
                     .filter(|s| filter.matches(s))
                     .collect();
                 want.sort_by_key(|s| s.cookie);
@@ -265,7 +297,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let mut want: Vec<FlowSnapshot> = model
                     .iter()
                     .filter(|(k, _)| k.tenant.0 == id)
-                    .map(|(k, m)| expect(k, m))
+                    .map(|(k, m)| expect(k, m, &tmo))
                     .collect();
                 model.retain(|k, _| k.tenant.0 != id);
                 want.sort_by_key(|s| s.cookie);
@@ -273,6 +305,93 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 prop_assert_eq!(out, want);
                 prop_assert_eq!(t.tenant_stats(TenantId(id)), None);
                 t.add_tenant(TenantId(id), tenant_cfg(own)).unwrap();
+                tmo.insert(id, Timeouts::default());
+            }
+            Op::SetTimeouts(i, scale) => {
+                let id = TENANTS[usize::from(i)].0;
+                let d = Timeouts::default();
+                let mut a = FlowState::ALL.map(|s| d.get(s).0);
+                for (v, s) in a.iter_mut().zip(scale) {
+                    *v = match s {
+                        0 => *v / 100,
+                        1 => *v / 10,
+                        2 => *v,
+                        _ => *v * 2,
+                    };
+                }
+                let new = Timeouts {
+                    syn_sent: Millis(a[0]),
+                    syn_recv: Millis(a[1]),
+                    established: Millis(a[2]),
+                    fin_wait: Millis(a[3]),
+                    close_wait: Millis(a[4]),
+                    last_ack: Millis(a[5]),
+                    time_wait: Millis(a[6]),
+                    close: Millis(a[7]),
+                    udp: Millis(a[8]),
+                    persist: Millis(a[9]),
+                };
+                t.set_timeouts(TenantId(id), new).unwrap();
+                tmo.insert(id, new);
+            }
+            Op::Hold(k) => {
+                let key = k.key();
+                let r = t.hold(&key);
+                match model.get_mut(&key) {
+                    Some(m) if m.template() => {
+                        prop_assert_eq!(r, Some(BackendId(m.backend)));
+                        m.bytes[1] += 1;
+                    }
+                    _ => prop_assert_eq!(r, None),
+                }
+            }
+            Op::Release(k) => {
+                let key = k.key();
+                let r = t.release(&key, Millis(now));
+                match model.get_mut(&key) {
+                    Some(m) if m.held() > 0 => {
+                        m.bytes[1] -= 1;
+                        prop_assert_eq!(r, Some(m.bytes[1] as u32));
+                        if m.bytes[1] == 0 {
+                            m.last = now;
+                        }
+                    }
+                    _ => prop_assert_eq!(r, None),
+                }
+            }
+            Op::InsertHeld(k, s, b) => {
+                let key = k.key();
+                let init = FlowInit {
+                    owner: 0,
+                    profile: 0,
+                    service: ServiceId(s),
+                    backend: BackendId(b),
+                    // Ignored: a held insert is a template.
+                    state: FlowState::Udp,
+                };
+                let r = t.insert_held(key, init, Millis(now));
+                match model.get(&key) {
+                    Some(m) => {
+                        prop_assert_eq!(r.map(|h| h.cookie), Err(InsertError::Exists(m.cookie)))
+                    }
+                    None => {
+                        let h = r.map_err(|e| TestCaseError::fail(format!("insert_held: {e}")))?;
+                        prop_assert!(cookies.insert(h.cookie.0), "cookies unique");
+                        model.insert(
+                            key,
+                            M {
+                                cookie: h.cookie,
+                                service: s,
+                                backend: b,
+                                state: FlowState::Persist,
+                                created: now,
+                                last: now,
+                                bytes: [0, 1],
+                                pkts: [0; 2],
+                            },
+                        );
+                    }
+                }
             }
         }
         // Stats agree with the model at every step.
@@ -283,6 +402,52 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             prop_assert_eq!(st.chain_histogram.iter().sum::<u64>(), st.buckets as u64);
         }
     }
+    // Held templates wait for their connections: release every hold.
+    let held: Vec<(FlowKey, u64)> = model.iter().map(|(k, m)| (*k, m.held())).collect();
+    for (k, n) in held {
+        for left in (0..n).rev() {
+            prop_assert_eq!(t.release(&k, Millis(now)), Some(left as u32));
+        }
+        let m = model.get_mut(&k).unwrap();
+        if n > 0 {
+            m.bytes[1] = 0;
+            m.last = now;
+        }
+        prop_assert_eq!(t.release(&k, Millis(now)), None);
+    }
+    // Every timeout cut to 1 s: the retime pass brings all entries, filed
+    // under whatever timeouts, due within the next two seconds (one tick
+    // late at most) — one `expire` call takes them all.
+    let second = Timeouts {
+        syn_sent: Millis(1_000),
+        syn_recv: Millis(1_000),
+        established: Millis(1_000),
+        fin_wait: Millis(1_000),
+        close_wait: Millis(1_000),
+        last_ack: Millis(1_000),
+        time_wait: Millis(1_000),
+        close: Millis(1_000),
+        udp: Millis(1_000),
+        persist: Millis(1_000),
+    };
+    for (id, _) in TENANTS {
+        t.set_timeouts(TenantId(id), second).unwrap();
+        tmo.insert(id, second);
+    }
+    now += 2_000;
+    let mut out = Vec::new();
+    t.expire(Millis(now), usize::MAX, &mut out);
+    for s in out {
+        let m = model.remove(&s.key);
+        prop_assert!(m.is_some(), "expired entry not in model");
+        prop_assert_eq!(s, expect(&s.key, &m.unwrap(), &tmo));
+        prop_assert!(now >= s.expires_at.0);
+    }
+    prop_assert!(
+        model.is_empty(),
+        "entries not expired two seconds after a cut to 1 s: {:?}",
+        model.keys().collect::<Vec<_>>()
+    );
     // Eventually everything expires, and never early.
     for _ in 0..3 {
         now += 1_000_000;
