@@ -590,7 +590,7 @@ pub(crate) struct Steered {
 }
 
 fn wanted_keys(shared: &Shared) -> Steered {
-    let st = shared.state.read();
+    let st = shared.model.state.read();
     let mut want = Steered::default();
     let key = |p: crate::config::Protocol, a| match p {
         crate::config::Protocol::Tcp => SteerKey::tcp(a),
