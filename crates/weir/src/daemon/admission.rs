@@ -225,7 +225,7 @@ impl Service {
         self: &Arc<Self>,
         client: IpAddr,
     ) -> Result<Option<ClientSlot>, Refusal> {
-        let max = self.params.read().tcp_max_per_client;
+        let max = self.params.load().tcp_max_per_client;
         if max == 0 {
             return Ok(None);
         }

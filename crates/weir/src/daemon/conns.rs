@@ -131,7 +131,7 @@ impl Shared {
         owner: &owners::Owner,
     ) -> Result<Conn, Refusal> {
         let key = flow_key(svc, proto, client);
-        let params = svc.params.read().clone();
+        let params = svc.params.load_full();
         let init = FlowInit {
             owner: owner.token(),
             profile: params.profile,
@@ -223,7 +223,7 @@ impl Shared {
                 continue;
             }
             let services = services.get_or_insert_with(|| {
-                let st = self.model.state.read();
+                let st = self.model.load();
                 st.services
                     .values()
                     .chain(gone)

@@ -23,8 +23,7 @@ impl LiveControl {
     fn service(&self, tenant: &str, name: &str) -> ControlResult<Arc<Service>> {
         self.0
             .model
-            .state
-            .read()
+            .load()
             .services
             .get(&(tenant.to_owned(), name.to_owned()))
             .cloned()
@@ -35,7 +34,7 @@ impl LiveControl {
     /// (service, backend) on each entry.
     fn conn_filter(&self, f: &ConnFilter) -> ControlResult<(DumpFilter, ConnMatch)> {
         let invalid = |m: String| ControlError::new(ErrorKind::Invalid, m);
-        let st = self.0.model.state.read();
+        let st = self.0.model.load();
         let mut df = DumpFilter::default();
         if let Some(t) = &f.tenant {
             let Some(ten) = st.tenants.get(t) else {
@@ -67,7 +66,7 @@ impl LiveControl {
 
     fn status(&self, s: &Service) -> ServiceStatus {
         let spec = s.spec.read().clone();
-        let set = s.set.read().clone();
+        let set = s.set.load_full();
         let (stats, rates) = s.stat.read();
         ServiceStatus {
             tenant: spec.tenant.clone(),
@@ -102,7 +101,7 @@ impl LiveControl {
 
     /// Replace a service's backend set (keeping live backends by address).
     fn set_backends(&self, svc: &Arc<Service>, specs: &[BackendSpec]) -> ControlResult<()> {
-        let old = svc.set.read().clone();
+        let old = svc.set.load_full();
         let mut backends = Vec::with_capacity(specs.len());
         for spec in specs {
             match old.backends.iter().find(|b| b.addr == spec.address) {
@@ -125,10 +124,10 @@ impl LiveControl {
             .filter(|b| !specs.iter().any(|s| s.address == b.addr))
             .map(|b| b.id)
             .collect();
-        *svc.set.write() = Arc::new(BackendSet { sched, backends });
+        svc.set.store(Arc::new(BackendSet { sched, backends }));
         svc.spec.write().backends = specs.to_vec();
         self.0.services_changed();
-        if !removed.is_empty() && svc.params.read().expire_nodest_conn {
+        if !removed.is_empty() && svc.params.load().expire_nodest_conn {
             self.0
                 .kill_service(svc, Some(&removed), Close::BackendRemoved);
         }
@@ -150,7 +149,7 @@ impl LiveControl {
             );
         }
         let (tenants, services) = {
-            let st = self.0.model.state.read();
+            let st = self.0.model.load();
             (st.tenants.clone(), st.services.clone())
         };
         for t in &new.tenants {
@@ -268,9 +267,9 @@ impl LiveControl {
     fn apply(&self, new: &Config) -> Vec<String> {
         let mut errors = Vec::new();
         // Tenants: add new, edit existing, delete missing (after services).
-        let live: Vec<String> = self.0.model.state.read().tenants.keys().cloned().collect();
+        let live: Vec<String> = self.0.model.load().tenants.keys().cloned().collect();
         for t in &new.tenants {
-            let existing = self.0.model.state.read().tenants.get(&t.name).cloned();
+            let existing = self.0.model.load().tenants.get(&t.name).cloned();
             let r = match existing {
                 Some(cur) if *cur.spec.read() == *t => Ok(()),
                 Some(_) => self.edit_tenant(&t.name, t.clone()),
@@ -281,7 +280,7 @@ impl LiveControl {
             }
         }
         let live_svcs: Vec<(String, String)> =
-            self.0.model.state.read().services.keys().cloned().collect();
+            self.0.model.load().services.keys().cloned().collect();
         for key in &live_svcs {
             if !new
                 .services
@@ -334,7 +333,7 @@ impl LiveControl {
     /// Removes a service and tells its connections to close; returns how
     /// many it told.
     fn remove_service(&self, key: &(String, String)) -> Option<u64> {
-        let svc = self.0.model.state.write().services.remove(key)?;
+        let svc = self.0.model.write().services.remove(key)?;
         self.0.services_changed();
         svc.cancel.cancel();
         Some(self.0.kill_service(&svc, None, Close::ServiceDeleted))
@@ -431,8 +430,7 @@ impl Control for LiveControl {
     fn tenants(&self) -> Vec<TenantStatus> {
         self.0
             .model
-            .state
-            .read()
+            .load()
             .tenants
             .values()
             .map(|t| {
@@ -457,7 +455,7 @@ impl Control for LiveControl {
 
     fn edit_tenant(&self, tenant: &str, spec: TenantSpec) -> ControlResult<()> {
         let invalid = |m: String| ControlError::new(ErrorKind::Invalid, m);
-        let Some(t) = self.0.model.state.read().tenants.get(tenant).cloned() else {
+        let Some(t) = self.0.model.load().tenants.get(tenant).cloned() else {
             return Err(not_found(format!("tenant {tenant:?} does not exist")));
         };
         if spec.name != tenant {
@@ -501,7 +499,7 @@ impl Control for LiveControl {
             ));
         }
         let keys: Vec<_> = {
-            let st = self.0.model.state.read();
+            let st = self.0.model.load();
             if !st.tenants.contains_key(tenant) {
                 return Err(not_found(format!("tenant {tenant:?} does not exist")));
             }
@@ -515,7 +513,7 @@ impl Control for LiveControl {
         for k in &keys {
             closed += self.remove_service(k).unwrap_or(0);
         }
-        let Some(t) = self.0.model.state.write().tenants.remove(tenant) else {
+        let Some(t) = self.0.model.write().tenants.remove(tenant) else {
             return Err(not_found(format!("tenant {tenant:?} does not exist")));
         };
         t.deleted.cancel();
@@ -534,15 +532,7 @@ impl Control for LiveControl {
     }
 
     fn services(&self) -> Vec<ServiceStatus> {
-        let svcs: Vec<_> = self
-            .0
-            .model
-            .state
-            .read()
-            .services
-            .values()
-            .cloned()
-            .collect();
+        let svcs: Vec<_> = self.0.model.load().services.values().cloned().collect();
         svcs.iter().map(|s| self.status(s)).collect()
     }
 
@@ -597,14 +587,14 @@ impl Control for LiveControl {
         if sched_key(&cur) != sched_key(&spec) {
             // A new algorithm: a fresh scheduler over the same live backends
             // (no history to carry over); connections are untouched.
-            let old = svc.set.read().clone();
+            let old = svc.set.load_full();
             let sched = super::build_sched(&spec, &old.backends)?;
-            *svc.set.write() = Arc::new(BackendSet {
+            svc.set.store(Arc::new(BackendSet {
                 sched,
                 backends: old.backends.clone(),
-            });
+            }));
         }
-        *svc.params.write() = Arc::new(params);
+        svc.params.store(Arc::new(params));
         let backends = spec.backends.clone();
         {
             let mut s = svc.spec.write();
@@ -679,7 +669,7 @@ impl Control for LiveControl {
         if drain {
             let ids: Vec<u32> = svc
                 .set
-                .read()
+                .load()
                 .backends
                 .iter()
                 .filter(|b| b.addr == addr)
@@ -722,8 +712,7 @@ impl Control for LiveControl {
         let tenants: HashMap<u32, String> = self
             .0
             .model
-            .state
-            .read()
+            .load()
             .tenants
             .values()
             .map(|t| (t.id, t.spec.read().name.clone()))
@@ -820,15 +809,7 @@ impl Control for LiveControl {
     }
 
     fn table(&self) -> Vec<TableReport> {
-        let tenants: Vec<_> = self
-            .0
-            .model
-            .state
-            .read()
-            .tenants
-            .values()
-            .cloned()
-            .collect();
+        let tenants: Vec<_> = self.0.model.load().tenants.values().cloned().collect();
         tenants
             .iter()
             .filter_map(|t| {
@@ -851,19 +832,11 @@ impl Control for LiveControl {
     }
 
     fn health(&self) -> Vec<HealthEntry> {
-        let svcs: Vec<_> = self
-            .0
-            .model
-            .state
-            .read()
-            .services
-            .values()
-            .cloned()
-            .collect();
+        let svcs: Vec<_> = self.0.model.load().services.values().cloned().collect();
         let mut out = Vec::new();
         for s in svcs {
             let spec = s.spec.read().clone();
-            for b in s.set.read().backends.iter() {
+            for b in s.set.load().backends.iter() {
                 out.push(HealthEntry {
                     tenant: spec.tenant.clone(),
                     service: spec.name.clone(),
@@ -881,7 +854,7 @@ impl Control for LiveControl {
     }
 
     fn running_config(&self) -> Config {
-        let st = self.0.model.state.read();
+        let st = self.0.model.load();
         Config {
             daemon: self.0.daemon_cfg.clone(),
             admin: self.0.admin_cfg.clone(),
@@ -906,7 +879,7 @@ impl Control for LiveControl {
                 .values()
                 .map(|s| {
                     let mut spec = s.spec.read().clone();
-                    let set = s.set.read();
+                    let set = s.set.load();
                     for b in spec.backends.iter_mut() {
                         if let Some(live) = set.backends.iter().find(|x| x.addr == b.address) {
                             b.weight = live.weight.load(Relaxed);

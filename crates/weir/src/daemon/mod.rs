@@ -325,8 +325,7 @@ impl DaemonHandle {
     pub fn service_addr(&self, tenant: &str, name: &str) -> Option<SocketAddr> {
         self.shared
             .model
-            .state
-            .read()
+            .load()
             .services
             .get(&(tenant.to_owned(), name.to_owned()))
             .map(|s| s.listen)
@@ -381,7 +380,7 @@ impl DaemonHandle {
         self.shared.conns.kill_all.cancel();
         self.shared.conns.owners.kill_all(Close::Killed);
         // Health checks and admin tasks run on the control runtime.
-        for svc in self.shared.model.state.read().services.values() {
+        for svc in self.shared.model.load().services.values() {
             svc.cancel.cancel();
         }
         self.stop_workers.cancel();
@@ -654,6 +653,50 @@ pub(crate) fn rng_seed() -> u64 {
 mod tests {
     use super::*;
 
+    /// The model is a snapshot: a writer's change is invisible until its
+    /// guard drops, readers load without waiting for it, a snapshot once
+    /// loaded never changes, a write that changes nothing publishes nothing,
+    /// and concurrent writers lose none of each other's changes.
+    #[test]
+    fn model_writes_publish_whole_snapshots_and_readers_never_wait() {
+        let mut cfg = Config::default();
+        cfg.daemon.workers = 1;
+        let d = Daemon::start(cfg, None).unwrap();
+        let model = &d.shared.model;
+        let before = arc_swap::Guard::into_inner(model.load());
+        let default = before.tenants[DEFAULT_TENANT].clone();
+        {
+            let w = model.write();
+            assert!(w.tenants.contains_key(DEFAULT_TENANT));
+        }
+        assert!(
+            Arc::ptr_eq(&before, &model.load()),
+            "a read-only write published"
+        );
+        let mut w = model.write();
+        w.tenants.remove(DEFAULT_TENANT);
+        assert!(!w.tenants.contains_key(DEFAULT_TENANT));
+        assert!(model.load().tenants.contains_key(DEFAULT_TENANT));
+        drop(w);
+        assert!(!model.load().tenants.contains_key(DEFAULT_TENANT));
+        assert!(before.tenants.contains_key(DEFAULT_TENANT));
+        std::thread::scope(|s| {
+            for i in 0..4 {
+                let default = default.clone();
+                s.spawn(move || {
+                    for j in 0..50 {
+                        model
+                            .write()
+                            .tenants
+                            .insert(format!("t{i}-{j}"), default.clone());
+                    }
+                });
+            }
+        });
+        assert_eq!(model.load().tenants.len(), 200);
+        d.shutdown();
+    }
+
     /// Adding a service on the address of one this daemon just removed waits
     /// (up to 2 s) for the old sockets to close; meanwhile the state lock,
     /// which every admin request needs, stays free. It used to be held for
@@ -682,11 +725,11 @@ mod tests {
             .add_service(spec("old", "127.0.0.1:0".parse().unwrap()))
             .unwrap();
         let key = ("default".to_string(), "old".to_string());
-        let addr = shared.model.state.read().services[&key].listen;
+        let addr = shared.model.load().services[&key].listen;
         // Remove it, but keep it alive the way a worker still closing its
         // listener does; and take its address meanwhile, standing in for
         // that listener.
-        let old = shared.model.state.write().services.remove(&key).unwrap();
+        let old = shared.model.write().services.remove(&key).unwrap();
         old.cancel.cancel();
         let deadline = Instant::now() + Duration::from_secs(10);
         let holder = loop {
@@ -706,7 +749,6 @@ mod tests {
             assert!(
                 shared
                     .model
-                    .state
                     .try_write_for(Duration::from_millis(500))
                     .is_some(),
                 "the state lock was held while add_service waited"

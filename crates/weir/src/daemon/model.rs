@@ -12,7 +12,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use parking_lot::{Mutex, RwLock};
+use arc_swap::ArcSwap;
+use parking_lot::{Mutex, MutexGuard, RwLock};
 use tokio_util::sync::CancellationToken;
 use weir_flowtable::{
     BackendId, Dir, FlowInit, FlowKey, FlowState, Millis, Proto, ServiceId, TenantConfig, TenantId,
@@ -28,11 +29,17 @@ use super::{
 };
 use crate::config::{self, BackendSpec, Protocol, ServiceSpec, TenantSpec};
 
-/// Tenants and services by name, and what their changes are serialised and
-/// announced with.
+/// Tenants and services by name, published as immutable snapshots, and
+/// what their changes are serialised and announced with.
 #[derive(Debug)]
 pub(crate) struct Model {
-    pub(crate) state: RwLock<State>,
+    /// The current snapshot. Readers (the data path, listings, the expiry
+    /// thread) [`Model::load`] it without a lock; writers replace it whole
+    /// through [`Model::write`].
+    state: ArcSwap<State>,
+    /// Serialises writers: each copies the snapshot, changes the copy and
+    /// stores it, so no change is lost to a concurrent one.
+    writer: Mutex<()>,
     /// Ids of tenants and services (unique for the daemon's life).
     next_id: AtomicU32,
     /// Objects added through the API since the start or the last reload
@@ -54,7 +61,8 @@ pub(crate) struct Model {
 impl Model {
     pub(super) fn new() -> Self {
         Self {
-            state: RwLock::new(State::default()),
+            state: ArcSwap::from_pointee(State::default()),
+            writer: Mutex::new(()),
             next_id: AtomicU32::new(1),
             runtime_added: Mutex::default(),
             reload_lock: Mutex::new(()),
@@ -62,9 +70,75 @@ impl Model {
             listen_groups: Mutex::new(Vec::new()),
         }
     }
+
+    /// The current snapshot, without a lock. It stays as it is while held
+    /// (a change publishes a new one); hold it for one operation, not for
+    /// a connection's life.
+    pub(crate) fn load(&self) -> arc_swap::Guard<Arc<State>> {
+        self.state.load()
+    }
+
+    /// Change the model: waits for other writers, then gives the current
+    /// snapshot; the first mutable use copies it, and the copy is published
+    /// when the guard drops. Readers never wait for it.
+    pub(crate) fn write(&self) -> StateWrite<'_> {
+        self.write_with(self.writer.lock())
+    }
+
+    /// [`Self::write`] if no other writer holds the model for `timeout`.
+    #[cfg(test)]
+    pub(crate) fn try_write_for(&self, timeout: Duration) -> Option<StateWrite<'_>> {
+        let writer = self.writer.try_lock_for(timeout)?;
+        Some(self.write_with(writer))
+    }
+
+    fn write_with<'a>(&'a self, writer: MutexGuard<'a, ()>) -> StateWrite<'a> {
+        StateWrite {
+            current: self.state.load_full(),
+            next: None,
+            model: self,
+            _writer: writer,
+        }
+    }
 }
 
-#[derive(Debug, Default)]
+/// A change of the model in progress ([`Model::write`]): reads see the
+/// snapshot (or the change so far), the first write copies it, and the copy
+/// is published on drop — then, and only if something was written.
+pub(crate) struct StateWrite<'a> {
+    current: Arc<State>,
+    next: Option<State>,
+    model: &'a Model,
+    _writer: MutexGuard<'a, ()>,
+}
+
+impl std::ops::Deref for StateWrite<'_> {
+    type Target = State;
+
+    fn deref(&self) -> &State {
+        self.next.as_ref().unwrap_or(&self.current)
+    }
+}
+
+impl std::ops::DerefMut for StateWrite<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        let current = &self.current;
+        self.next.get_or_insert_with(|| State::clone(current))
+    }
+}
+
+impl Drop for StateWrite<'_> {
+    fn drop(&mut self) {
+        // Still under the writers' lock (fields drop after this).
+        if let Some(next) = self.next.take() {
+            self.model.state.store(Arc::new(next));
+        }
+    }
+}
+
+/// One version of the model. Cloning it copies the maps, not the tenants
+/// and services (they are shared between versions).
+#[derive(Debug, Default, Clone)]
 pub(crate) struct State {
     pub(crate) tenants: BTreeMap<String, Arc<Tenant>>,
     pub(crate) services: BTreeMap<(String, String), Arc<Service>>,
@@ -89,11 +163,13 @@ pub(crate) struct Service {
     pub(crate) id: u32,
     pub(crate) tenant: Arc<Tenant>,
     pub(crate) spec: RwLock<ServiceSpec>,
-    /// Parsed settings, replaced as a whole on edit.
-    pub(crate) params: RwLock<Arc<ServiceParams>>,
+    /// Parsed settings, replaced as a whole on edit; read without a lock.
+    pub(crate) params: ArcSwap<ServiceParams>,
     /// Actual listen address (port 0 resolved).
     pub(crate) listen: SocketAddr,
-    pub(crate) set: RwLock<Arc<BackendSet>>,
+    /// The backends and their scheduler, replaced as a whole when they or
+    /// their weight or health change; read without a lock.
+    pub(crate) set: ArcSwap<BackendSet>,
     pub(crate) stat: Stat,
     /// Cancels listeners and health checks.
     pub(crate) cancel: CancellationToken,
@@ -265,7 +341,7 @@ impl Shared {
         } else {
             let init = FlowInit {
                 owner: 0,
-                profile: svc.params.read().profile,
+                profile: svc.params.load().profile,
                 service: ServiceId(svc.id),
                 backend: BackendId(backend),
                 state: FlowState::Persist,
@@ -292,7 +368,7 @@ impl Shared {
         }
         let timeouts = resolve_timeouts(&spec)?;
         check_fences(&spec)?;
-        let mut st = self.model.state.write();
+        let mut st = self.model.write();
         if st.tenants.contains_key(&spec.name) {
             return Err(ControlError::new(
                 ErrorKind::Conflict,
@@ -379,7 +455,7 @@ impl Shared {
         // Before the state lock: the wait may take seconds, and every admin
         // request and new connection's service lookup needs that lock.
         self.wait_for_own_release(spec.protocol, spec.listen);
-        let mut st = self.model.state.write();
+        let mut st = self.model.write();
         let Some(tenant) = st.tenants.get(&spec.tenant).cloned() else {
             return Err(ControlError::new(
                 ErrorKind::NotFound,
@@ -457,9 +533,9 @@ impl Shared {
                 listen,
                 ..spec.clone()
             }),
-            params: RwLock::new(params),
+            params: ArcSwap::new(params),
             listen,
-            set: RwLock::new(Arc::new(BackendSet { sched, backends })),
+            set: ArcSwap::from_pointee(BackendSet { sched, backends }),
             stat: self.accounting.rates.stat(),
             cancel: CancellationToken::new(),
             udp_per_client: Mutex::new(HashMap::new()),
@@ -536,7 +612,7 @@ impl Shared {
                 .iter()
                 .any(|(p, a, s)| *p == proto && overlaps(*a, addr) && s.strong_count() > 0);
             if !ours_closing
-                || serves_overlapping(&self.model.state.read(), proto, addr)
+                || serves_overlapping(&self.model.load(), proto, addr)
                 || !matches!(probe_free(proto, addr), Err(e) if e.kind() == std::io::ErrorKind::AddrInUse)
                 || Instant::now() >= deadline
             {
@@ -577,7 +653,7 @@ impl Shared {
         let old = std::mem::replace(&mut *svc.health_cancel.lock(), token.clone());
         old.cancel();
         let Some(h) = svc.spec.read().options.health.clone() else {
-            for b in svc.set.read().backends.iter() {
+            for b in svc.set.load().backends.iter() {
                 b.checked.store(false, Relaxed);
                 b.up.store(true, Relaxed);
             }
@@ -597,7 +673,7 @@ impl Shared {
             },
         };
         let _guard = self.control_rt.enter();
-        for b in svc.set.read().backends.iter() {
+        for b in svc.set.load().backends.iter() {
             b.checked.store(true, Relaxed);
             let weak_shared = Arc::downgrade(self);
             let weak_svc = Arc::downgrade(svc);
@@ -614,7 +690,7 @@ impl Shared {
                 b.up.store(up, Relaxed);
                 *b.last_error.lock() = err;
                 svc.rebuild_sched();
-                if !up && svc.params.read().expire_nodest_conn {
+                if !up && svc.params.load().expire_nodest_conn {
                     shared.kill_service(&svc, Some(&[b.id]), Close::BackendDown);
                 }
             });
@@ -626,7 +702,7 @@ impl Service {
     /// The backend with id `id`, if it is still in the service's set.
     pub(crate) fn backend(&self, id: u32) -> Option<Arc<Backend>> {
         self.set
-            .read()
+            .load()
             .backends
             .iter()
             .find(|b| b.id == id)
@@ -634,18 +710,22 @@ impl Service {
     }
 
     /// Rebuild the scheduler from the backends' current weight and health.
+    /// Concurrent rebuilds and set changes each see the other's result
+    /// (`rcu` retries on a race); readers never wait.
     pub(crate) fn rebuild_sched(&self) {
-        let mut set = self.set.write();
-        let infos: Vec<BackendInfo> = set.backends.iter().map(|b| b.info()).collect();
-        match set.sched.rebuild(&infos) {
-            Ok(sched) => {
-                *set = Arc::new(BackendSet {
+        self.set.rcu(|set| {
+            let infos: Vec<BackendInfo> = set.backends.iter().map(|b| b.info()).collect();
+            match set.sched.rebuild(&infos) {
+                Ok(sched) => Arc::new(BackendSet {
                     sched,
                     backends: set.backends.clone(),
-                })
+                }),
+                Err(e) => {
+                    tracing::error!("scheduler rebuild failed: {e}");
+                    Arc::clone(set)
+                }
             }
-            Err(e) => tracing::error!("scheduler rebuild failed: {e}"),
-        }
+        });
     }
 
     /// Choose a backend for `client`, honouring persistence and backend
@@ -662,8 +742,8 @@ impl Service {
         skip: &[SocketAddr],
         rng: &mut weir_sched::SplitMix64,
     ) -> Result<Arc<Backend>, Refusal> {
-        let set = self.set.read().clone();
-        let params = self.params.read().clone();
+        let set = self.set.load_full();
+        let params = self.params.load_full();
         let usable = |b: &Backend| {
             let max = b.spec.read().max_connections;
             b.up.load(Relaxed)

@@ -380,14 +380,14 @@ impl Vips {
             generation,
             ..Vips::default()
         };
-        let st = shared.model.state.read();
+        let st = shared.model.load();
         for svc in st.services.values() {
             let spec = svc.spec.read();
             let Some(method) = method(spec.forward) else {
                 continue;
             };
             let proto = ip_proto(spec.protocol);
-            let backends: Arc<[Arc<Backend>]> = svc.set.read().backends.clone().into();
+            let backends: Arc<[Arc<Backend>]> = svc.set.load().backends.clone().into();
             let vs = VipService {
                 svc: svc.clone(),
                 method,
@@ -955,7 +955,7 @@ impl Engine {
             Proto::Tcp => crate::config::Protocol::Tcp,
             Proto::Udp => crate::config::Protocol::Udp,
         };
-        let params = svc.params.read().clone();
+        let params = svc.params.load_full();
         let cap = match proto {
             crate::config::Protocol::Tcp => params.tcp_max_per_client,
             crate::config::Protocol::Udp => params.udp_max_per_client,
@@ -1177,7 +1177,7 @@ impl Shared {
         if snap.owner == PACKET_OWNER_COUNTED {
             svc.give_client_place(proto, snap.key.client.ip());
         }
-        let params = svc.params.read().clone();
+        let params = svc.params.load_full();
         if !params.persistence.is_zero() {
             let tpl = super::template_key(svc, &params, proto, snap.key.client);
             self.release_template(svc, tpl);
@@ -1344,8 +1344,7 @@ mod tests {
         let b1 = d
             .shared
             .model
-            .state
-            .read()
+            .load()
             .services
             .values()
             .next()
@@ -1379,7 +1378,7 @@ mod tests {
 
         let d = daemon("nat", "");
         {
-            let st = d.shared.model.state.read();
+            let st = d.shared.model.load();
             st.services
                 .values()
                 .next()
@@ -1565,8 +1564,7 @@ mod tests {
         let svc = d
             .shared
             .model
-            .state
-            .read()
+            .load()
             .services
             .values()
             .next()
@@ -1707,11 +1705,11 @@ mod tests {
     fn fnat_ports_come_back_when_the_backend_is_removed() {
         let d = daemon("fnat", "");
         {
-            let st = d.shared.model.state.read();
+            let st = d.shared.model.load();
             let svc = st.services.values().next().unwrap();
-            let mut p = (**svc.params.read()).clone();
+            let mut p = (**svc.params.load()).clone();
             p.expire_nodest_conn = true;
-            *svc.params.write() = Arc::new(p);
+            svc.params.store(Arc::new(p));
         }
         let mut e = engine(&d);
         let mut syn = frame(sa("192.0.2.7:40000"), sa(VIP), Some(SYN), b"");

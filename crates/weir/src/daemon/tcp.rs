@@ -179,10 +179,10 @@ async fn connect_any(
     // Set once the connection was counted as refused, so it is counted
     // under one reason only.
     let mut refused = false;
-    let params = svc.params.read().clone();
+    let params = svc.params.load_full();
     let mut rng = weir_sched::SplitMix64::new(seed);
     let mut tried: Vec<SocketAddr> = Vec::new();
-    let max_tries = svc.set.read().backends.len().max(1);
+    let max_tries = svc.set.load().backends.len().max(1);
     let mut connected = None;
     let mut killed = false;
     let mut fd_backoff = FdBackoff::default();

@@ -123,7 +123,7 @@ fn new_session(
     rng: &mut weir_sched::SplitMix64,
 ) -> Option<Arc<Session>> {
     let tenant = svc.tenant.clone();
-    let params = svc.params.read().clone();
+    let params = svc.params.load_full();
     if params.udp_max_per_client != 0 {
         let n = svc
             .udp_per_client
