@@ -22,8 +22,8 @@ fn not_found(m: String) -> ControlError {
 impl LiveControl {
     fn service(&self, tenant: &str, name: &str) -> ControlResult<Arc<Service>> {
         self.0
-            .state
-            .read()
+            .model
+            .load()
             .services
             .get(&(tenant.to_owned(), name.to_owned()))
             .cloned()
@@ -34,7 +34,7 @@ impl LiveControl {
     /// (service, backend) on each entry.
     fn conn_filter(&self, f: &ConnFilter) -> ControlResult<(DumpFilter, ConnMatch)> {
         let invalid = |m: String| ControlError::new(ErrorKind::Invalid, m);
-        let st = self.0.state.read();
+        let st = self.0.model.load();
         let mut df = DumpFilter::default();
         if let Some(t) = &f.tenant {
             let Some(ten) = st.tenants.get(t) else {
@@ -66,7 +66,7 @@ impl LiveControl {
 
     fn status(&self, s: &Service) -> ServiceStatus {
         let spec = s.spec.read().clone();
-        let set = s.set.read().clone();
+        let set = s.set.load_full();
         let (stats, rates) = s.stat.read();
         ServiceStatus {
             tenant: spec.tenant.clone(),
@@ -101,7 +101,7 @@ impl LiveControl {
 
     /// Replace a service's backend set (keeping live backends by address).
     fn set_backends(&self, svc: &Arc<Service>, specs: &[BackendSpec]) -> ControlResult<()> {
-        let old = svc.set.read().clone();
+        let old = svc.set.load_full();
         let mut backends = Vec::with_capacity(specs.len());
         for spec in specs {
             match old.backends.iter().find(|b| b.addr == spec.address) {
@@ -110,7 +110,7 @@ impl LiveControl {
                     *b.spec.write() = spec.clone();
                     backends.push(b.clone());
                 }
-                None => backends.push(Backend::new(spec.clone(), &self.0.rates)),
+                None => backends.push(Backend::new(spec.clone(), &self.0.accounting.rates)),
             }
         }
         let infos: Vec<_> = backends.iter().map(|b| b.info()).collect();
@@ -124,10 +124,10 @@ impl LiveControl {
             .filter(|b| !specs.iter().any(|s| s.address == b.addr))
             .map(|b| b.id)
             .collect();
-        *svc.set.write() = Arc::new(BackendSet { sched, backends });
+        svc.set.store(Arc::new(BackendSet { sched, backends }));
         svc.spec.write().backends = specs.to_vec();
         self.0.services_changed();
-        if !removed.is_empty() && svc.params.read().expire_nodest_conn {
+        if !removed.is_empty() && svc.params.load().expire_nodest_conn {
             self.0
                 .kill_service(svc, Some(&removed), Close::BackendRemoved);
         }
@@ -149,7 +149,7 @@ impl LiveControl {
             );
         }
         let (tenants, services) = {
-            let st = self.0.state.read();
+            let st = self.0.model.load();
             (st.tenants.clone(), st.services.clone())
         };
         for t in &new.tenants {
@@ -267,9 +267,9 @@ impl LiveControl {
     fn apply(&self, new: &Config) -> Vec<String> {
         let mut errors = Vec::new();
         // Tenants: add new, edit existing, delete missing (after services).
-        let live: Vec<String> = self.0.state.read().tenants.keys().cloned().collect();
+        let live: Vec<String> = self.0.model.load().tenants.keys().cloned().collect();
         for t in &new.tenants {
-            let existing = self.0.state.read().tenants.get(&t.name).cloned();
+            let existing = self.0.model.load().tenants.get(&t.name).cloned();
             let r = match existing {
                 Some(cur) if *cur.spec.read() == *t => Ok(()),
                 Some(_) => self.edit_tenant(&t.name, t.clone()),
@@ -280,7 +280,7 @@ impl LiveControl {
             }
         }
         let live_svcs: Vec<(String, String)> =
-            self.0.state.read().services.keys().cloned().collect();
+            self.0.model.load().services.keys().cloned().collect();
         for key in &live_svcs {
             if !new
                 .services
@@ -316,7 +316,7 @@ impl LiveControl {
 
     /// Remember that `id` was added through the API (see [`ReloadOptions::force`]).
     fn added_at_runtime(&self, id: String) {
-        self.0.runtime_added.lock().insert(id);
+        self.0.model.runtime_added.lock().insert(id);
     }
 
     /// Forget `id` and every object whose name starts with `scope`
@@ -324,6 +324,7 @@ impl LiveControl {
     /// reload removes them.
     fn forget_runtime(&self, id: &str, scope: &str) {
         self.0
+            .model
             .runtime_added
             .lock()
             .retain(|x| x != id && !x.split_once(' ').is_some_and(|(_, n)| n.starts_with(scope)));
@@ -332,7 +333,7 @@ impl LiveControl {
     /// Removes a service and tells its connections to close; returns how
     /// many it told.
     fn remove_service(&self, key: &(String, String)) -> Option<u64> {
-        let svc = self.0.state.write().services.remove(key)?;
+        let svc = self.0.model.write().services.remove(key)?;
         self.0.services_changed();
         svc.cancel.cancel();
         Some(self.0.kill_service(&svc, None, Close::ServiceDeleted))
@@ -428,8 +429,8 @@ fn health_name(b: &Backend) -> &'static str {
 impl Control for LiveControl {
     fn tenants(&self) -> Vec<TenantStatus> {
         self.0
-            .state
-            .read()
+            .model
+            .load()
             .tenants
             .values()
             .map(|t| {
@@ -454,7 +455,7 @@ impl Control for LiveControl {
 
     fn edit_tenant(&self, tenant: &str, spec: TenantSpec) -> ControlResult<()> {
         let invalid = |m: String| ControlError::new(ErrorKind::Invalid, m);
-        let Some(t) = self.0.state.read().tenants.get(tenant).cloned() else {
+        let Some(t) = self.0.model.load().tenants.get(tenant).cloned() else {
             return Err(not_found(format!("tenant {tenant:?} does not exist")));
         };
         if spec.name != tenant {
@@ -479,7 +480,7 @@ impl Control for LiveControl {
         super::check_fences(&spec)?;
         *t.spec.write() = spec;
         // Services' own timeouts are profiles over these: they follow.
-        let _ = self.0.table.set_timeouts(TenantId(t.id), timeouts);
+        let _ = self.0.conns.table.set_timeouts(TenantId(t.id), timeouts);
         tracing::info!(tenant, "tenant updated");
         Ok(())
     }
@@ -498,7 +499,7 @@ impl Control for LiveControl {
             ));
         }
         let keys: Vec<_> = {
-            let st = self.0.state.read();
+            let st = self.0.model.load();
             if !st.tenants.contains_key(tenant) {
                 return Err(not_found(format!("tenant {tenant:?} does not exist")));
             }
@@ -512,14 +513,18 @@ impl Control for LiveControl {
         for k in &keys {
             closed += self.remove_service(k).unwrap_or(0);
         }
-        let Some(t) = self.0.state.write().tenants.remove(tenant) else {
+        let Some(t) = self.0.model.write().tenants.remove(tenant) else {
             return Err(not_found(format!("tenant {tenant:?} does not exist")));
         };
         t.deleted.cancel();
         // Purge the tenant from the flow table (O(its entries)); close the
         // connections and sessions those entries belong to.
         let mut purged = Vec::new();
-        let _ = self.0.table.remove_tenant(TenantId(t.id), &mut purged);
+        let _ = self
+            .0
+            .conns
+            .table
+            .remove_tenant(TenantId(t.id), &mut purged);
         // Entries whose owners were told above are counted there.
         closed += self.0.ended(&purged, Close::TenantDeleted);
         self.forget_runtime(&tenant_id(tenant), &format!("{tenant}/"));
@@ -527,7 +532,7 @@ impl Control for LiveControl {
     }
 
     fn services(&self) -> Vec<ServiceStatus> {
-        let svcs: Vec<_> = self.0.state.read().services.values().cloned().collect();
+        let svcs: Vec<_> = self.0.model.load().services.values().cloned().collect();
         svcs.iter().map(|s| self.status(s)).collect()
     }
 
@@ -582,14 +587,14 @@ impl Control for LiveControl {
         if sched_key(&cur) != sched_key(&spec) {
             // A new algorithm: a fresh scheduler over the same live backends
             // (no history to carry over); connections are untouched.
-            let old = svc.set.read().clone();
+            let old = svc.set.load_full();
             let sched = super::build_sched(&spec, &old.backends)?;
-            *svc.set.write() = Arc::new(BackendSet {
+            svc.set.store(Arc::new(BackendSet {
                 sched,
                 backends: old.backends.clone(),
-            });
+            }));
         }
-        *svc.params.write() = Arc::new(params);
+        svc.params.store(Arc::new(params));
         let backends = spec.backends.clone();
         {
             let mut s = svc.spec.write();
@@ -664,7 +669,7 @@ impl Control for LiveControl {
         if drain {
             let ids: Vec<u32> = svc
                 .set
-                .read()
+                .load()
                 .backends
                 .iter()
                 .filter(|b| b.addr == addr)
@@ -686,7 +691,7 @@ impl Control for LiveControl {
         self.set_backends(&svc, &specs)?;
         self.0.start_health(&svc);
         let id = format!("backend {tenant}/{service}/{address}");
-        self.0.runtime_added.lock().remove(&id);
+        self.0.model.runtime_added.lock().remove(&id);
         Ok(())
     }
 
@@ -706,8 +711,8 @@ impl Control for LiveControl {
         };
         let tenants: HashMap<u32, String> = self
             .0
-            .state
-            .read()
+            .model
+            .load()
             .tenants
             .values()
             .map(|t| (t.id, t.spec.read().name.clone()))
@@ -716,7 +721,11 @@ impl Control for LiveControl {
         let limit = limit.clamp(1, 100_000);
         let now = self.0.now_ms();
         let mut snaps = Vec::with_capacity(limit.min(4096));
-        let next = self.0.table.dump(cursor.as_ref(), &df, limit, &mut snaps);
+        let next = self
+            .0
+            .conns
+            .table
+            .dump(cursor.as_ref(), &df, limit, &mut snaps);
         let connections = snaps
             .iter()
             .filter_map(|snap| {
@@ -748,8 +757,8 @@ impl Control for LiveControl {
     }
 
     fn kill(&self, cookie: u64) -> ControlResult<()> {
-        match self.0.owners.find(cookie) {
-            Some(token) if self.0.owners.kill(token, cookie, Close::Killed) => Ok(()),
+        match self.0.conns.owners.find(cookie) {
+            Some(token) if self.0.conns.owners.kill(token, cookie, Close::Killed) => Ok(()),
             // A packet flow has no owner task: find its entry (a dump of
             // the packet flows, O(table) — kill by filter is the bulk tool).
             None if self.0.packet.get().is_some()
@@ -774,16 +783,17 @@ impl Control for LiveControl {
     }
 
     fn global_stats(&self) -> GlobalStats {
-        let (stats, rates) = self.0.stat.read();
+        let (stats, rates) = self.0.accounting.stat.read();
         GlobalStats {
             stats,
             rates,
-            active_conns: self.0.active.load(Relaxed),
-            refused: self.0.refused.snapshot(),
+            active_conns: self.0.admission.active.load(Relaxed),
+            refused: self.0.admission.refused.snapshot(),
             open_fds: super::open_fds(),
-            fd_limit: self.0.fd_limit,
-            estimator_tick_seconds: self.0.rates.last_tick_ns.load(Relaxed) as f64 / 1e9,
-            estimator_tick_max_seconds: self.0.rates.max_tick_ns.load(Relaxed) as f64 / 1e9,
+            fd_limit: self.0.admission.fd_limit,
+            estimator_tick_seconds: self.0.accounting.rates.last_tick_ns.load(Relaxed) as f64 / 1e9,
+            estimator_tick_max_seconds: self.0.accounting.rates.max_tick_ns.load(Relaxed) as f64
+                / 1e9,
             packet: self.0.packet.get().map(|p| {
                 let s = p.sums();
                 crate::control::PacketStats {
@@ -799,11 +809,11 @@ impl Control for LiveControl {
     }
 
     fn table(&self) -> Vec<TableReport> {
-        let tenants: Vec<_> = self.0.state.read().tenants.values().cloned().collect();
+        let tenants: Vec<_> = self.0.model.load().tenants.values().cloned().collect();
         tenants
             .iter()
             .filter_map(|t| {
-                let st = self.0.table.tenant_stats(TenantId(t.id))?;
+                let st = self.0.conns.table.tenant_stats(TenantId(t.id))?;
                 Some(TableReport {
                     tenant: t.spec.read().name.clone(),
                     placement: match st.placement {
@@ -822,11 +832,11 @@ impl Control for LiveControl {
     }
 
     fn health(&self) -> Vec<HealthEntry> {
-        let svcs: Vec<_> = self.0.state.read().services.values().cloned().collect();
+        let svcs: Vec<_> = self.0.model.load().services.values().cloned().collect();
         let mut out = Vec::new();
         for s in svcs {
             let spec = s.spec.read().clone();
-            for b in s.set.read().backends.iter() {
+            for b in s.set.load().backends.iter() {
                 out.push(HealthEntry {
                     tenant: spec.tenant.clone(),
                     service: spec.name.clone(),
@@ -844,7 +854,7 @@ impl Control for LiveControl {
     }
 
     fn running_config(&self) -> Config {
-        let st = self.0.state.read();
+        let st = self.0.model.load();
         Config {
             daemon: self.0.daemon_cfg.clone(),
             admin: self.0.admin_cfg.clone(),
@@ -869,7 +879,7 @@ impl Control for LiveControl {
                 .values()
                 .map(|s| {
                     let mut spec = s.spec.read().clone();
-                    let set = s.set.read();
+                    let set = s.set.load();
                     for b in spec.backends.iter_mut() {
                         if let Some(live) = set.backends.iter().find(|x| x.addr == b.address) {
                             b.weight = live.weight.load(Relaxed);
@@ -888,7 +898,7 @@ impl Control for LiveControl {
             ]);
         };
         // Reloads one at a time; parsing happens before any state lock.
-        let _one = self.0.reload_lock.lock();
+        let _one = self.0.model.reload_lock.lock();
         let text = std::fs::read_to_string(&path)
             .map_err(|e| vec![format!("cannot read {}: {e}", path.display())])?;
         if text.trim().is_empty() {
@@ -902,7 +912,7 @@ impl Control for LiveControl {
             .map_err(|errs| errs.iter().map(ToString::to_string).collect::<Vec<_>>())?;
         let mut report = self.plan(&new)?;
         let runtime: Vec<String> = {
-            let added = self.0.runtime_added.lock();
+            let added = self.0.model.runtime_added.lock();
             report
                 .removed
                 .iter()
@@ -933,7 +943,7 @@ impl Control for LiveControl {
         } else {
             "serving; last reload had errors (see the log)"
         });
-        self.0.runtime_added.lock().clear();
+        self.0.model.runtime_added.lock().clear();
         if errors.is_empty() {
             tracing::info!(
                 path = %path.display(),

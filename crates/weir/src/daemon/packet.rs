@@ -373,20 +373,21 @@ impl Vips {
     fn build(shared: &Shared) -> Vips {
         // Read the generation first: a change after it is seen next time.
         let generation = shared
+            .model
             .services_gen
             .load(std::sync::atomic::Ordering::Acquire);
         let mut v = Vips {
             generation,
             ..Vips::default()
         };
-        let st = shared.state.read();
+        let st = shared.model.load();
         for svc in st.services.values() {
             let spec = svc.spec.read();
             let Some(method) = method(spec.forward) else {
                 continue;
             };
             let proto = ip_proto(spec.protocol);
-            let backends: Arc<[Arc<Backend>]> = svc.set.read().backends.clone().into();
+            let backends: Arc<[Arc<Backend>]> = svc.set.load().backends.clone().into();
             let vs = VipService {
                 svc: svc.clone(),
                 method,
@@ -517,6 +518,7 @@ impl Engine {
     pub(crate) fn refresh(&mut self) {
         if self
             .shared
+            .model
             .services_gen
             .load(std::sync::atomic::Ordering::Acquire)
             != self.vips.generation
@@ -593,6 +595,7 @@ impl Engine {
             parsed.push((p, matched));
         }
         self.shared
+            .conns
             .table
             .reader()
             .lookup_probes(&probes, &mut found);
@@ -688,9 +691,12 @@ impl Engine {
             Direction::ToBackend => Dir::In,
             Direction::ToClient => Dir::Out,
         };
-        self.shared.table.touch_handle(found.handle, now, dir, len);
+        self.shared
+            .conns
+            .table
+            .touch_handle(found.handle, now, dir, len);
         let stats = [
-            &self.shared.stat,
+            &self.shared.accounting.stat,
             &vs.svc.tenant.stat,
             &vs.svc.stat,
             &found.backend.stat,
@@ -884,7 +890,7 @@ impl Engine {
             virt: t.dst,
         };
         for _ in 0..2 {
-            if let Some((handle, backend)) = self.shared.table.lookup(&key) {
+            if let Some((handle, backend)) = self.shared.conns.table.lookup(&key) {
                 return self.forward_hit(vs, handle, backend, client);
             }
             let Some(pkt) = first else {
@@ -911,7 +917,7 @@ impl Engine {
         let b = vs.backend(backend).ok_or(Drop::BackendGone)?.clone();
         let local = match vs.method {
             Method::Fnat => {
-                let slot = self.shared.table.nat(handle).unwrap_or(0);
+                let slot = self.shared.conns.table.nat(handle).unwrap_or(0);
                 Some(self.path.local_of(slot).ok_or(Drop::NoFlow)?)
             }
             _ => None,
@@ -942,14 +948,14 @@ impl Engine {
             }
         }
         let shared = &*self.shared;
-        if shared.stop_accept.is_cancelled() {
+        if shared.admission.stop_accept.is_cancelled() {
             return Err(Some(Drop::Draining));
         }
         let proto = match key.proto {
             Proto::Tcp => crate::config::Protocol::Tcp,
             Proto::Udp => crate::config::Protocol::Udp,
         };
-        let params = svc.params.read().clone();
+        let params = svc.params.load_full();
         let cap = match proto {
             crate::config::Protocol::Tcp => params.tcp_max_per_client,
             crate::config::Protocol::Udp => params.udp_max_per_client,
@@ -964,12 +970,12 @@ impl Engine {
                 crate::config::Protocol::Tcp => Refusal::TcpClientLimit,
                 crate::config::Protocol::Udp => Refusal::ClientLimit,
             };
-            shared.refuse(Some(&svc.tenant), why);
+            shared.admission.refuse(Some(&svc.tenant), why);
             return Err(Some(Drop::Refused));
         };
         // Everything taken so far, given back if the flow does not open.
         let give_back = |nat: u32, backend: Option<u32>| {
-            shared.release(&svc.tenant);
+            shared.admission.release(&svc.tenant);
             if counted {
                 svc.give_client_place(proto, key.client.ip());
             }
@@ -977,11 +983,11 @@ impl Engine {
                 self.path.release_port(nat, b);
             }
         };
-        if let Err(why) = shared.admit(&svc.tenant) {
+        if let Err(why) = shared.admission.admit(&svc.tenant, shared.now_ns()) {
             if counted {
                 svc.give_client_place(proto, key.client.ip());
             }
-            shared.refuse(Some(&svc.tenant), why);
+            shared.admission.refuse(Some(&svc.tenant), why);
             return Err(Some(Drop::Refused));
         }
         let backend = match svc.choose(shared, proto, key.client, key.virt.ip(), &[], &mut self.rng)
@@ -989,7 +995,7 @@ impl Engine {
             Ok(b) => b,
             Err(why) => {
                 give_back(0, None);
-                shared.refuse(Some(&svc.tenant), why);
+                shared.admission.refuse(Some(&svc.tenant), why);
                 return Err(Some(Drop::Refused));
             }
         };
@@ -1028,8 +1034,8 @@ impl Engine {
             }
         };
         let inserted = match reply {
-            None => shared.table.insert_handle(key, init, now),
-            Some(mode) => shared.table.insert_reply(key, init, mode, now),
+            None => shared.conns.table.insert_handle(key, init, now),
+            Some(mode) => shared.conns.table.insert_reply(key, init, mode, now),
         };
         let handle = match inserted {
             Ok(h) => h,
@@ -1038,7 +1044,9 @@ impl Engine {
                 if matches!(e, weir_flowtable::InsertError::Exists(_)) {
                     return Err(None);
                 }
-                shared.refuse(Some(&svc.tenant), Refusal::TableFull);
+                shared
+                    .admission
+                    .refuse(Some(&svc.tenant), Refusal::TableFull);
                 return Err(Some(Drop::Refused));
             }
         };
@@ -1051,7 +1059,7 @@ impl Engine {
             shared.hold_template(svc, &params, proto, key.client, backend.id);
         }
         self.counters.new_flows.fetch_add(1, Relaxed);
-        shared.stat.conn();
+        shared.accounting.stat.conn();
         svc.tenant.stat.conn();
         svc.stat.conn();
         backend.stat.conn();
@@ -1075,7 +1083,7 @@ impl Engine {
             let Some(key) = self.reply_key(vs, b, ip_proto, dst) else {
                 continue;
             };
-            let Some(found) = self.shared.table.lookup_reply(&key) else {
+            let Some(found) = self.shared.conns.table.lookup_reply(&key) else {
                 continue;
             };
             let handle = found.handle;
@@ -1131,7 +1139,7 @@ impl Engine {
         now: Millis,
     ) {
         let dir = TcpDir::of(method, direction);
-        let moved = self.shared.table.transition_handle(h, now, |s| {
+        let moved = self.shared.conns.table.transition_handle(h, now, |s| {
             let cur = TcpState::from_flow_state(s)?;
             let next = weir_packet::tcp_state::next(cur, dir, flags).to_flow_state()?;
             (next != s).then_some(next)
@@ -1156,7 +1164,7 @@ impl Shared {
     /// A packet flow's entry is gone (`snap`): give back its admission slot,
     /// its fnat port and its hold on the persistence template.
     pub(crate) fn settle_packet(&self, snap: &FlowSnapshot, svc: &Arc<Service>) {
-        self.release(&svc.tenant);
+        self.admission.release(&svc.tenant);
         if let Some(path) = self.packet.get()
             && snap.nat != 0
         {
@@ -1169,7 +1177,7 @@ impl Shared {
         if snap.owner == PACKET_OWNER_COUNTED {
             svc.give_client_place(proto, snap.key.client.ip());
         }
-        let params = svc.params.read().clone();
+        let params = svc.params.load_full();
         if !params.persistence.is_zero() {
             let tpl = super::template_key(svc, &params, proto, snap.key.client);
             self.release_template(svc, tpl);
@@ -1330,13 +1338,13 @@ mod tests {
             client,
             virt: sa(VIP),
         };
-        let snap = d.shared.table.get(&key).unwrap();
+        let snap = d.shared.conns.table.get(&key).unwrap();
         assert_eq!(snap.state, FlowState::Established);
         assert_eq!((snap.packets_in, snap.packets_out), (2, 1));
         let b1 = d
             .shared
-            .state
-            .read()
+            .model
+            .load()
             .services
             .values()
             .next()
@@ -1362,11 +1370,15 @@ mod tests {
         assert_eq!(e.process(&mut stray), Verdict::Drop);
         assert_eq!(counted(&e, Drop::NoFlow), 2);
         assert_eq!(e.counters.new_flows.load(Relaxed), 0);
-        assert_eq!(d.shared.active.load(Relaxed), 0, "nothing admitted");
+        assert_eq!(
+            d.shared.admission.active.load(Relaxed),
+            0,
+            "nothing admitted"
+        );
 
         let d = daemon("nat", "");
         {
-            let st = d.shared.state.read();
+            let st = d.shared.model.load();
             st.services
                 .values()
                 .next()
@@ -1402,13 +1414,13 @@ mod tests {
         let r = verified(&reply);
         assert_eq!((r.src, r.dst), (sa(VIP), client));
         // weir conns shows the second tuple.
-        let snap = d.shared.table.handle(&FlowKey {
+        let snap = d.shared.conns.table.handle(&FlowKey {
             tenant: TenantId(e.vips.by_vip.values().next().unwrap().svc.tenant.id),
             proto: Proto::Tcp,
             client,
             virt: sa(VIP),
         });
-        let snap = d.shared.table.get_handle(snap.unwrap()).unwrap();
+        let snap = d.shared.conns.table.get_handle(snap.unwrap()).unwrap();
         assert_eq!(d.shared.packet_local(&snap), Some(local.to_string()));
         // Kill everything: the entry goes, its port and admission slot too.
         let killed = d.shared.kill_where(
@@ -1418,7 +1430,7 @@ mod tests {
         );
         assert_eq!(killed, 1);
         assert!(!path.port_is_live(local, sa(B1)));
-        assert_eq!(d.shared.active.load(Relaxed), 0);
+        assert_eq!(d.shared.admission.active.load(Relaxed), 0);
         let mut late = frame(sa(B1), local, Some(ACK), b"");
         assert_eq!(e.process(&mut late), Verdict::Drop);
         assert_eq!(counted(&e, Drop::NoFlow), 1);
@@ -1436,7 +1448,10 @@ mod tests {
         assert_eq!(&a[..6], &HOP.dst_mac);
         assert_eq!(e.process(&mut b), Verdict::Drop);
         assert_eq!(counted(&e, Drop::Refused), 1);
-        assert_eq!(d.shared.refused.snapshot().get("tenant_limit"), Some(&1));
+        assert_eq!(
+            d.shared.admission.refused.snapshot().get("tenant_limit"),
+            Some(&1)
+        );
         // The admitted flow keeps flowing.
         let mut a2 = frame(sa("192.0.2.7:1"), sa(VIP), Some(ACK), b"again");
         assert_eq!(e.process(&mut a2), Verdict::Transmit);
@@ -1497,7 +1512,7 @@ mod tests {
         let mut e = engine(&d);
         let mut syn = frame(sa("192.0.2.7:1"), sa(VIP), Some(SYN), b"");
         assert_eq!(e.process(&mut syn), Verdict::Transmit);
-        d.shared.stop_accept.cancel();
+        d.shared.admission.stop_accept.cancel();
         let mut other = frame(sa("192.0.2.7:2"), sa(VIP), Some(SYN), b"");
         assert_eq!(e.process(&mut other), Verdict::Drop);
         assert_eq!(counted(&e, Drop::Draining), 1);
@@ -1519,7 +1534,11 @@ mod tests {
         assert_eq!(e.process(&mut syn("192.0.2.7:3")), Verdict::Drop);
         assert_eq!(counted(&e, Drop::Refused), 1);
         assert_eq!(
-            d.shared.refused.snapshot().get("tcp_client_limit"),
+            d.shared
+                .admission
+                .refused
+                .snapshot()
+                .get("tcp_client_limit"),
             Some(&1)
         );
         // Another client is not held back; the capped one's flows still flow.
@@ -1544,15 +1563,15 @@ mod tests {
         );
         let svc = d
             .shared
-            .state
-            .read()
+            .model
+            .load()
             .services
             .values()
             .next()
             .unwrap()
             .clone();
         assert!(svc.tcp_per_client.lock().is_empty());
-        assert_eq!(d.shared.active.load(Relaxed), 0);
+        assert_eq!(d.shared.admission.active.load(Relaxed), 0);
     }
 
     /// Path-MTU discovery through nat: a router on the backend side says
@@ -1642,7 +1661,7 @@ mod tests {
             assert_eq!(e.process(&mut f), Verdict::Transmit, "flow {i}");
         }
         assert_eq!(e.counters.new_flows.load(Relaxed), u64::from(n));
-        assert_eq!(d.shared.active.load(Relaxed), u64::from(n));
+        assert_eq!(d.shared.admission.active.load(Relaxed), u64::from(n));
         // Page through every flow while more arrive between pages: each
         // flow present for the whole listing is listed exactly once.
         let control = d.control();
@@ -1672,11 +1691,11 @@ mod tests {
         }
         assert!(seen.values().all(|&c| c == 1), "a flow listed twice");
         let total = u64::from(extra);
-        assert_eq!(d.shared.active.load(Relaxed), total);
+        assert_eq!(d.shared.admission.active.load(Relaxed), total);
         // The tenant goes with all its flows, each settled once.
         let closed = control.delete_tenant("big").unwrap();
         assert_eq!(closed, total);
-        assert_eq!(d.shared.active.load(Relaxed), 0);
+        assert_eq!(d.shared.admission.active.load(Relaxed), 0);
     }
 
     /// A backend removed with `expire_nodest_conn`: its fnat flows end and
@@ -1686,11 +1705,11 @@ mod tests {
     fn fnat_ports_come_back_when_the_backend_is_removed() {
         let d = daemon("fnat", "");
         {
-            let st = d.shared.state.read();
+            let st = d.shared.model.load();
             let svc = st.services.values().next().unwrap();
-            let mut p = (**svc.params.read()).clone();
+            let mut p = (**svc.params.load()).clone();
             p.expire_nodest_conn = true;
-            *svc.params.write() = Arc::new(p);
+            svc.params.store(Arc::new(p));
         }
         let mut e = engine(&d);
         let mut syn = frame(sa("192.0.2.7:40000"), sa(VIP), Some(SYN), b"");
@@ -1701,7 +1720,7 @@ mod tests {
         assert!(path.port_is_live(t.src, sa(B1)));
         d.control().delete_backend("default", "web", B1).unwrap();
         assert!(!path.port_is_live(t.src, sa(B1)), "port leaked");
-        assert_eq!(d.shared.active.load(Relaxed), 0);
+        assert_eq!(d.shared.admission.active.load(Relaxed), 0);
     }
 
     /// Ten thousand malformed frames (issue 12): none panics, each is

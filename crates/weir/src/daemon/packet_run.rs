@@ -590,7 +590,7 @@ pub(crate) struct Steered {
 }
 
 fn wanted_keys(shared: &Shared) -> Steered {
-    let st = shared.state.read();
+    let st = shared.model.load();
     let mut want = Steered::default();
     let key = |p: crate::config::Protocol, a| match p {
         crate::config::Protocol::Tcp => SteerKey::tcp(a),
@@ -606,7 +606,7 @@ fn wanted_keys(shared: &Shared) -> Steered {
             want.vips.push(k);
         }
         if method == weir_packet::Method::Nat {
-            for b in svc.set.read().backends.iter() {
+            for b in svc.set.load().backends.iter() {
                 let k = key(spec.protocol, b.addr);
                 if !want.backends.contains(&k) {
                     want.backends.push(k);

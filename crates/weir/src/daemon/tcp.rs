@@ -25,7 +25,7 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
     loop {
         let accepted = tokio::select! {
             _ = svc.cancel.cancelled() => return,
-            _ = shared.stop_accept.cancelled() => return,
+            _ = shared.admission.stop_accept.cancelled() => return,
             r = listener.accept() => r,
         };
         match accepted {
@@ -36,13 +36,13 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
                 let slot = match svc.tcp_client_slot(peer.ip()) {
                     Ok(slot) => slot,
                     Err(why) => {
-                        shared.refuse(Some(&svc.tenant), why);
+                        shared.admission.refuse(Some(&svc.tenant), why);
                         reset(&stream);
                         continue;
                     }
                 };
-                if let Err(why) = shared.admit(&svc.tenant) {
-                    shared.refuse(Some(&svc.tenant), why);
+                if let Err(why) = shared.admission.admit(&svc.tenant, shared.now_ns()) {
+                    shared.admission.refuse(Some(&svc.tenant), why);
                     reset(&stream);
                     continue;
                 }
@@ -62,7 +62,7 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
             Err(e) if is_fd_exhaustion(&e) => {
                 // Out of descriptors: the pending connection stays in the
                 // backlog; back off instead of spinning on accept.
-                shared.refused.add(Refusal::FdExhausted);
+                shared.admission.refused.add(Refusal::FdExhausted);
                 // Every listener of every worker gets here while fds are
                 // short: one line a second with a count.
                 static GATE: super::ratelog::RateLimited = super::ratelog::RateLimited::new(1000);
@@ -72,7 +72,7 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
                 );
                 tokio::select! {
                     _ = svc.cancel.cancelled() => return,
-                    _ = shared.stop_accept.cancelled() => return,
+                    _ = shared.admission.stop_accept.cancelled() => return,
                     _ = tokio::time::sleep(backoff) => {}
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(1));
@@ -128,14 +128,14 @@ async fn handle(
 ) {
     let _slot = slot;
     let tenant = svc.tenant.clone();
-    match shared.owners.claim() {
+    match shared.conns.owners.claim() {
         Some(owner) => serve(&shared, &svc, &owner, client, peer, seed).await,
         None => {
-            shared.refuse(Some(&tenant), Refusal::TableFull);
+            shared.admission.refuse(Some(&tenant), Refusal::TableFull);
             reset(&client);
         }
     }
-    shared.release(&tenant);
+    shared.admission.release(&tenant);
 }
 
 /// Connects `client` to a backend (retrying others) and proxies; the
@@ -179,10 +179,10 @@ async fn connect_any(
     // Set once the connection was counted as refused, so it is counted
     // under one reason only.
     let mut refused = false;
-    let params = svc.params.read().clone();
+    let params = svc.params.load_full();
     let mut rng = weir_sched::SplitMix64::new(seed);
     let mut tried: Vec<SocketAddr> = Vec::new();
-    let max_tries = svc.set.read().backends.len().max(1);
+    let max_tries = svc.set.load().backends.len().max(1);
     let mut connected = None;
     let mut killed = false;
     let mut fd_backoff = FdBackoff::default();
@@ -197,7 +197,7 @@ async fn connect_any(
             Ok(b) => b,
             Err(why) => {
                 if tried.is_empty() {
-                    shared.refuse(Some(tenant), why);
+                    shared.admission.refuse(Some(tenant), why);
                     refused = true;
                 }
                 break;
@@ -214,7 +214,7 @@ async fn connect_any(
         ) {
             Ok(c) => c,
             Err(why) => {
-                shared.refuse(Some(tenant), why);
+                shared.admission.refuse(Some(tenant), why);
                 refused = true;
                 break;
             }
@@ -246,7 +246,7 @@ async fn connect_any(
                 tried.pop();
                 tracing::debug!(backend = %backend.addr, "connect: {e}; retrying");
                 tokio::select! {
-                    _ = shared.kill_all.cancelled() => break,
+                    _ = shared.conns.kill_all.cancelled() => break,
                     _ = tokio::time::sleep(pause) => {}
                 }
                 continue;
@@ -273,7 +273,7 @@ async fn connect_any(
         owner.unbind();
     }
     if connected.is_none() && !tried.is_empty() && !refused && !killed {
-        shared.refused.add(Refusal::BackendUnreachable);
+        shared.admission.refused.add(Refusal::BackendUnreachable);
     }
     connected
 }

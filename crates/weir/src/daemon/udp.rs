@@ -76,7 +76,7 @@ pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Ar
     loop {
         let (n, peer) = tokio::select! {
             _ = svc.cancel.cancelled() => return,
-            _ = shared.kill_all.cancelled() => return,
+            _ = shared.conns.kill_all.cancelled() => return,
             r = listen.recv_from(&mut buf) => match r {
                 Ok(v) => v,
                 Err(e) => {
@@ -90,6 +90,7 @@ pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Ar
         // token the session itself.
         let key = super::flow_key(&svc, Protocol::Udp, peer);
         let hit = shared
+            .conns
             .table
             .touch_hit(&key, Millis(shared.now_ms()), Dir::In, n as u64);
         let existing = hit.and_then(|h| {
@@ -98,7 +99,7 @@ pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Ar
         let (sess, touched) = match existing {
             Some(s) => (s, true),
             None => {
-                if shared.stop_accept.is_cancelled() {
+                if shared.admission.stop_accept.is_cancelled() {
                     continue;
                 }
                 match new_session(&shared, &svc, &listen, peer, &mut rng) {
@@ -122,7 +123,7 @@ fn new_session(
     rng: &mut weir_sched::SplitMix64,
 ) -> Option<Arc<Session>> {
     let tenant = svc.tenant.clone();
-    let params = svc.params.read().clone();
+    let params = svc.params.load_full();
     if params.udp_max_per_client != 0 {
         let n = svc
             .udp_per_client
@@ -131,17 +132,17 @@ fn new_session(
             .copied()
             .unwrap_or(0);
         if n >= params.udp_max_per_client {
-            shared.refuse(Some(&tenant), Refusal::ClientLimit);
+            shared.admission.refuse(Some(&tenant), Refusal::ClientLimit);
             return None;
         }
     }
-    if let Err(why) = shared.admit(&tenant) {
-        shared.refuse(Some(&tenant), why);
+    if let Err(why) = shared.admission.admit(&tenant, shared.now_ns()) {
+        shared.admission.refuse(Some(&tenant), why);
         return None;
     }
     let refuse = |why| {
-        shared.refuse(Some(&tenant), why);
-        shared.release(&tenant);
+        shared.admission.refuse(Some(&tenant), why);
+        shared.admission.release(&tenant);
         None
     };
     let backend = match svc.choose(shared, Protocol::Udp, peer, svc.listen.ip(), &[], rng) {
@@ -167,11 +168,11 @@ fn new_session(
             // second with a count, not one per datagram.
             static GATE: super::ratelog::RateLimited = super::ratelog::RateLimited::new(1000);
             super::ratelog::warn(&GATE, format_args!("udp session socket: {e}"));
-            shared.release(&tenant);
+            shared.admission.release(&tenant);
             return None;
         }
     };
-    let Some(owner) = shared.owners.claim() else {
+    let Some(owner) = shared.conns.owners.claim() else {
         return refuse(Refusal::TableFull);
     };
     let conn = match shared.open(svc, &backend, Protocol::Udp, peer, ConnState::Udp, &owner) {
@@ -247,7 +248,7 @@ async fn session_task(
         }
     }
     shared.close(conn, reason);
-    shared.release(&svc.tenant);
+    shared.admission.release(&svc.tenant);
     let _ = Close::Killed;
 }
 

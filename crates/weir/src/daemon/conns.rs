@@ -1,0 +1,344 @@
+//! The connections: the flow table, whose entry *is* the connection
+//! (backend, state, timers, byte counters), and the owner slots through
+//! which an entry names the task holding its sockets. Opening a connection
+//! (insert, backend counts), closing it, settling a removed entry (backend
+//! counts, access log) and telling owners to close (kill by filter, a
+//! service's or backend's connections) are here.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+
+use tokio_util::sync::CancellationToken;
+use weir_flowtable::{
+    BackendId, DumpFilter, FlowInit, FlowKey, FlowSnapshot, FlowState, FlowTable, Handle, Millis,
+    Proto, ServiceId, TenantId,
+};
+
+use super::owners::{self, Close};
+use super::{Backend, Refusal, Service, Shared, flow_key, packet};
+use crate::config::Protocol;
+
+/// The connection table and the tasks that own its entries.
+#[derive(Debug)]
+pub(crate) struct Conns {
+    /// The flow table: connections, UDP sessions and persistence templates.
+    pub(crate) table: FlowTable,
+    /// The tasks that own proxied connections, named by their entries.
+    pub(crate) owners: Arc<owners::Owners>,
+    /// Cancelled when the daemon stops: a connection opened after that
+    /// closes at once.
+    pub(crate) kill_all: CancellationToken,
+}
+
+impl Conns {
+    /// `table`, with owner slots for `workers` proxy workers.
+    pub(super) fn new(table: FlowTable, workers: usize) -> Self {
+        Self {
+            table,
+            owners: Arc::new(owners::Owners::new(workers)),
+            kill_all: CancellationToken::new(),
+        }
+    }
+}
+
+/// Connection states as `weir conns` prints them (IPVS names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum ConnState {
+    SynRecv = 0,
+    Established = 1,
+    FinWait = 2,
+    Close = 3,
+    Udp = 4,
+}
+
+impl ConnState {
+    fn flow(self) -> FlowState {
+        match self {
+            Self::SynRecv => FlowState::SynRecv,
+            Self::Established => FlowState::Established,
+            Self::FinWait => FlowState::FinWait,
+            Self::Close => FlowState::Close,
+            Self::Udp => FlowState::Udp,
+        }
+    }
+
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => Self::SynRecv,
+            1 => Self::Established,
+            2 => Self::FinWait,
+            4 => Self::Udp,
+            _ => Self::Close,
+        }
+    }
+}
+
+/// A live connection or UDP session as its task holds it: where its entry
+/// is, and what its bytes count against. Everything that changes (state,
+/// timers, counters) is in the entry; this is the task's own, never shared.
+#[derive(Debug)]
+pub(crate) struct Conn {
+    pub(crate) handle: Handle,
+    pub(crate) service: Arc<Service>,
+    pub(crate) backend: Arc<Backend>,
+    pub(crate) client: SocketAddr,
+    /// The state this task last gave the entry (it alone changes it), for
+    /// the backend's active/inactive counts.
+    state: AtomicU8,
+    /// The persistence template this connection holds, if any.
+    template: Option<FlowKey>,
+}
+
+impl Conn {
+    /// Move the entry to `s`, keeping the backend's active/inactive counts
+    /// in step (nothing if the entry is gone: its remover settled it).
+    pub(crate) fn set_state(&self, shared: &Shared, s: ConnState) {
+        if !shared
+            .conns
+            .table
+            .set_state_handle(self.handle, s.flow(), Millis(shared.now_ms()))
+        {
+            return;
+        }
+        let old = ConnState::from_u8(self.state.swap(s as u8, Relaxed));
+        let was_active = old == ConnState::Established;
+        let is_active = s == ConnState::Established;
+        if was_active != is_active {
+            if is_active {
+                self.backend.active.fetch_add(1, Relaxed);
+                self.backend.inactive.fetch_sub(1, Relaxed);
+            } else {
+                self.backend.active.fetch_sub(1, Relaxed);
+                self.backend.inactive.fetch_add(1, Relaxed);
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// Put a new connection or session in the flow table, owned by `owner`
+    /// (counted on its backend as active when ESTABLISHED, else inactive).
+    pub(crate) fn open(
+        &self,
+        svc: &Arc<Service>,
+        backend: &Arc<Backend>,
+        proto: Protocol,
+        client: SocketAddr,
+        state: ConnState,
+        owner: &owners::Owner,
+    ) -> Result<Conn, Refusal> {
+        let key = flow_key(svc, proto, client);
+        let params = svc.params.load_full();
+        let init = FlowInit {
+            owner: owner.token(),
+            profile: params.profile,
+            service: ServiceId(svc.id),
+            backend: BackendId(backend.id),
+            state: state.flow(),
+        };
+        let now = Millis(self.now_ms());
+        let handle = match self.conns.table.insert_handle(key, init, now) {
+            Ok(h) => h,
+            Err(weir_flowtable::InsertError::Exists(_)) => {
+                // A stale entry for the same 4-tuple (its task is ending):
+                // settle it, tell its owner, and take the key over.
+                if let Some(old) = self.conns.table.remove(&key) {
+                    self.ended(std::slice::from_ref(&old), Close::Replaced);
+                }
+                self.conns
+                    .table
+                    .insert_handle(key, init, now)
+                    .map_err(|_| Refusal::TableFull)?
+            }
+            Err(_) => return Err(Refusal::TableFull),
+        };
+        if state == ConnState::Established {
+            backend.active.fetch_add(1, Relaxed);
+        } else {
+            backend.inactive.fetch_add(1, Relaxed);
+        }
+        let template = (!params.persistence.is_zero())
+            .then(|| self.hold_template(svc, &params, proto, client, backend.id));
+        let conn = Conn {
+            handle,
+            service: svc.clone(),
+            backend: backend.clone(),
+            client,
+            state: AtomicU8::new(state as u8),
+            template,
+        };
+        // Told to close before it could listen (a kill racing the insert),
+        // or opened while the daemon was stopping: it closes at once.
+        let told = owner.bind(handle.cookie.0).err();
+        if told.is_some() || self.conns.kill_all.is_cancelled() {
+            self.conns.owners.kill(
+                owner.token(),
+                handle.cookie.0,
+                told.unwrap_or(Close::Killed),
+            );
+        }
+        self.accounting.stat.conn();
+        svc.tenant.stat.conn();
+        svc.stat.conn();
+        backend.stat.conn();
+        Ok(conn)
+    }
+
+    /// The task of `conn` is done with it (`reason` for the access log):
+    /// remove its entry and settle it, unless the wheel or a tenant's
+    /// deletion removed (and settled) it already.
+    pub(crate) fn close(&self, conn: &Conn, reason: &str) {
+        if let Some(snap) = self.conns.table.remove_handle(conn.handle) {
+            self.settle(&snap, &conn.service, Some(&conn.backend), reason);
+        }
+        if let Some(tpl) = conn.template {
+            self.release_template(&conn.service, tpl);
+        }
+    }
+
+    /// Entries removed by the wheel or a tenant's deletion: settle each
+    /// connection and session and tell its owner to close. Returns how many
+    /// owners it told.
+    pub(crate) fn ended(&self, snaps: &[FlowSnapshot], why: Close) -> u64 {
+        self.ended_in(snaps, why, None)
+    }
+
+    /// [`Self::ended`], for entries of `gone` too: a service already taken
+    /// out of the state whose entries are being ended (its packet flows
+    /// still give back their admission slots and ports).
+    fn ended_in(&self, snaps: &[FlowSnapshot], why: Close, gone: Option<&Arc<Service>>) -> u64 {
+        let mut services: Option<HashMap<u32, Arc<Service>>> = None;
+        let mut told = 0;
+        for snap in snaps {
+            if packet::is_packet_owner(snap.owner) {
+                // No task to tell; settled below.
+                told += 1;
+            } else if snap.owner != 0 && self.conns.owners.kill(snap.owner, snap.cookie.0, why) {
+                told += 1;
+            }
+            if snap.state == FlowState::Persist {
+                continue;
+            }
+            let services = services.get_or_insert_with(|| {
+                let st = self.model.load();
+                st.services
+                    .values()
+                    .chain(gone)
+                    .map(|s| (s.id, s.clone()))
+                    .collect()
+            });
+            if let Some(svc) = services.get(&snap.service.0) {
+                let backend = svc.backend(snap.backend.0);
+                self.settle(snap, svc, backend.as_ref(), why.name());
+                if packet::is_packet_owner(snap.owner) {
+                    self.settle_packet(snap, svc);
+                }
+            }
+        }
+        told
+    }
+
+    /// A removed entry's last word: the backend's counts and the access log.
+    fn settle(&self, snap: &FlowSnapshot, svc: &Service, b: Option<&Arc<Backend>>, reason: &str) {
+        if let Some(b) = b {
+            if snap.state == FlowState::Established {
+                b.active.fetch_sub(1, Relaxed);
+            } else {
+                b.inactive.fetch_sub(1, Relaxed);
+            }
+        }
+        if self.daemon_cfg.access_log {
+            let now = self.now_ms();
+            tracing::info!(
+                target: "weir::access",
+                tenant = %svc.tenant.spec.read().name,
+                service = %svc.spec.read().name,
+                proto = match snap.key.proto {
+                    Proto::Tcp => "tcp",
+                    Proto::Udp => "udp",
+                },
+                client = %snap.key.client,
+                backend = %b.map_or_else(|| "-".to_owned(), |b| b.addr.to_string()),
+                bytes_in = snap.bytes_in,
+                bytes_out = snap.bytes_out,
+                // The entry keeps its start in whole seconds.
+                duration_s = now.saturating_sub(snap.created.0) / 1000,
+                reason,
+                "closed"
+            );
+        }
+    }
+
+    /// Tell the owner of every entry `filter` and `pred` select to close;
+    /// returns how many were told. An exact dump of the table (or of one
+    /// tenant's), page by page.
+    pub(crate) fn kill_where(
+        &self,
+        why: Close,
+        filter: &DumpFilter,
+        pred: impl Fn(&FlowSnapshot) -> bool,
+    ) -> u64 {
+        self.kill_where_in(why, filter, pred, None)
+    }
+
+    fn kill_where_in(
+        &self,
+        why: Close,
+        filter: &DumpFilter,
+        pred: impl Fn(&FlowSnapshot) -> bool,
+        gone: Option<&Arc<Service>>,
+    ) -> u64 {
+        let mut n = 0;
+        let mut cursor = None;
+        let mut page = Vec::new();
+        let mut removed = Vec::new();
+        loop {
+            page.clear();
+            removed.clear();
+            let next = self
+                .conns
+                .table
+                .dump(cursor.as_ref(), filter, 4096, &mut page);
+            for snap in &page {
+                if snap.owner == 0 || !pred(snap) {
+                    continue;
+                }
+                if packet::is_packet_owner(snap.owner) {
+                    // No task to tell: the packet path's flow ends here.
+                    removed.extend(self.conns.table.remove_cookie(&snap.key, snap.cookie));
+                } else if self.conns.owners.kill(snap.owner, snap.cookie.0, why) {
+                    n += 1;
+                }
+            }
+            n += self.ended_in(&removed, why, gone);
+            match next {
+                Some(c) => cursor = Some(c),
+                None => return n,
+            }
+        }
+    }
+
+    /// [`Self::kill_where`] for one service's entries (all, or those of
+    /// the backends `backends` lists).
+    pub(crate) fn kill_service(
+        &self,
+        svc: &Arc<Service>,
+        backends: Option<&[u32]>,
+        why: Close,
+    ) -> u64 {
+        let filter = DumpFilter {
+            tenant: Some(TenantId(svc.tenant.id)),
+            service: Some(ServiceId(svc.id)),
+            ..DumpFilter::default()
+        };
+        self.kill_where_in(
+            why,
+            &filter,
+            |s| backends.is_none_or(|b| b.contains(&s.backend.0)),
+            Some(svc),
+        )
+    }
+}

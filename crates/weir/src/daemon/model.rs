@@ -1,0 +1,995 @@
+//! The model: tenants, services and their backends, what the control path
+//! (the admin API, reloads, health checks) changes and the data path reads
+//! to place a connection. Its CRUD (add a tenant, add or replace a service
+//! and open its sockets, health checks, persistence templates) and the
+//! scheduling of a connection onto a backend ([`Service::choose`]) are here.
+//! Nothing per connection lives in the model: a connection is its entry in
+//! the table ([`super::conns`]).
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use parking_lot::{Mutex, MutexGuard, RwLock};
+use tokio_util::sync::CancellationToken;
+use weir_flowtable::{
+    BackendId, Dir, FlowInit, FlowKey, FlowState, Millis, Proto, ServiceId, TenantConfig, TenantId,
+    TimeoutOverrides, Timeouts,
+};
+use weir_sched::{AffinityMask, BackendInfo, HashSeed, Load, SchedConfig, Scheduler};
+
+use super::owners::Close;
+use super::stats::{self, Stat};
+use super::{
+    CONNECT_TIMEOUT, NewConnLimit, Refusal, Shared, WorkerCmd, check_service, open_sockets,
+    probe_free,
+};
+use crate::config::{self, BackendSpec, Protocol, ServiceSpec, TenantSpec};
+
+/// Tenants and services by name, published as immutable snapshots, and
+/// what their changes are serialised and announced with.
+#[derive(Debug)]
+pub(crate) struct Model {
+    /// The current snapshot. Readers (the data path, listings, the expiry
+    /// thread) [`Model::load`] it without a lock; writers replace it whole
+    /// through [`Model::write`].
+    state: ArcSwap<State>,
+    /// Serialises writers: each copies the snapshot, changes the copy and
+    /// stores it, so no change is lost to a concurrent one.
+    writer: Mutex<()>,
+    /// Ids of tenants and services (unique for the daemon's life).
+    next_id: AtomicU32,
+    /// Objects added through the API since the start or the last reload
+    /// ("tenant T", "service T/S", "backend T/S/ADDR"): a reload that would
+    /// remove them needs `force`.
+    pub(super) runtime_added: Mutex<std::collections::BTreeSet<String>>,
+    /// Serialises reloads.
+    pub(super) reload_lock: Mutex<()>,
+    /// Moves whenever a service is added, removed or replaced, or a
+    /// service's set of backends changes: packet workers rebuild their
+    /// snapshot of the packet services when it does.
+    pub(super) services_gen: AtomicU64,
+    /// Every service that opened listeners, while it lives: a service
+    /// address still held by a removed one of ours is waited for, not
+    /// mistaken for another process's.
+    listen_groups: Mutex<Vec<(Protocol, SocketAddr, Weak<Service>)>>,
+}
+
+impl Model {
+    pub(super) fn new() -> Self {
+        Self {
+            state: ArcSwap::from_pointee(State::default()),
+            writer: Mutex::new(()),
+            next_id: AtomicU32::new(1),
+            runtime_added: Mutex::default(),
+            reload_lock: Mutex::new(()),
+            services_gen: AtomicU64::new(0),
+            listen_groups: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The current snapshot, without a lock. It stays as it is while held
+    /// (a change publishes a new one); hold it for one operation, not for
+    /// a connection's life.
+    pub(crate) fn load(&self) -> arc_swap::Guard<Arc<State>> {
+        self.state.load()
+    }
+
+    /// Change the model: waits for other writers, then gives the current
+    /// snapshot; the first mutable use copies it, and the copy is published
+    /// when the guard drops. Readers never wait for it.
+    pub(crate) fn write(&self) -> StateWrite<'_> {
+        self.write_with(self.writer.lock())
+    }
+
+    /// [`Self::write`] if no other writer holds the model for `timeout`.
+    #[cfg(test)]
+    pub(crate) fn try_write_for(&self, timeout: Duration) -> Option<StateWrite<'_>> {
+        let writer = self.writer.try_lock_for(timeout)?;
+        Some(self.write_with(writer))
+    }
+
+    fn write_with<'a>(&'a self, writer: MutexGuard<'a, ()>) -> StateWrite<'a> {
+        StateWrite {
+            current: self.state.load_full(),
+            next: None,
+            model: self,
+            _writer: writer,
+        }
+    }
+}
+
+/// A change of the model in progress ([`Model::write`]): reads see the
+/// snapshot (or the change so far), the first write copies it, and the copy
+/// is published on drop — then, and only if something was written.
+pub(crate) struct StateWrite<'a> {
+    current: Arc<State>,
+    next: Option<State>,
+    model: &'a Model,
+    _writer: MutexGuard<'a, ()>,
+}
+
+impl std::ops::Deref for StateWrite<'_> {
+    type Target = State;
+
+    fn deref(&self) -> &State {
+        self.next.as_ref().unwrap_or(&self.current)
+    }
+}
+
+impl std::ops::DerefMut for StateWrite<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        let current = &self.current;
+        self.next.get_or_insert_with(|| State::clone(current))
+    }
+}
+
+impl Drop for StateWrite<'_> {
+    fn drop(&mut self) {
+        // Still under the writers' lock (fields drop after this).
+        if let Some(next) = self.next.take() {
+            self.model.state.store(Arc::new(next));
+        }
+    }
+}
+
+/// One version of the model. Cloning it copies the maps, not the tenants
+/// and services (they are shared between versions).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct State {
+    pub(crate) tenants: BTreeMap<String, Arc<Tenant>>,
+    pub(crate) services: BTreeMap<(String, String), Arc<Service>>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Tenant {
+    pub(crate) id: u32,
+    pub(crate) spec: RwLock<TenantSpec>,
+    pub(crate) active: AtomicU64,
+    pub(crate) refused: AtomicU64,
+    pub(crate) stat: Stat,
+    /// "own" or "shared" (what the flow table granted).
+    pub(crate) placement: String,
+    /// `max_new_per_s`, as a token bucket.
+    pub(super) new_conns: NewConnLimit,
+    pub(crate) deleted: CancellationToken,
+}
+
+#[derive(Debug)]
+pub(crate) struct Service {
+    pub(crate) id: u32,
+    pub(crate) tenant: Arc<Tenant>,
+    pub(crate) spec: RwLock<ServiceSpec>,
+    /// Parsed settings, replaced as a whole on edit; read without a lock.
+    pub(crate) params: ArcSwap<ServiceParams>,
+    /// Actual listen address (port 0 resolved).
+    pub(crate) listen: SocketAddr,
+    /// The backends and their scheduler, replaced as a whole when they or
+    /// their weight or health change; read without a lock.
+    pub(crate) set: ArcSwap<BackendSet>,
+    pub(crate) stat: Stat,
+    /// Cancels listeners and health checks.
+    pub(crate) cancel: CancellationToken,
+    /// UDP sessions per client IP (for `udp_max_sessions_per_client`).
+    pub(crate) udp_per_client: Mutex<HashMap<IpAddr, u64>>,
+    /// Open TCP connections per client IP (for
+    /// `tcp_max_connections_per_client`); an IP leaves when its count is 0.
+    pub(super) tcp_per_client: Mutex<HashMap<IpAddr, u64>>,
+    /// Persistence templates with live connections: template key →
+    /// (backend id, connections). Such a template does not expire (IPVS
+    /// keeps a template while it controls connections); when its last
+    /// connection ends, its timeout starts over.
+    templates: Mutex<HashMap<FlowKey, (u32, u64)>>,
+    health_cancel: Mutex<CancellationToken>,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct ServiceParams {
+    pub(crate) persistence: Duration,
+    pub(crate) mask: AffinityMask,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) expire_nodest_conn: bool,
+    /// The service's own `udp_timeout`; `None` = its tenant's `udp` timeout.
+    pub(crate) udp_timeout: Option<Duration>,
+    pub(crate) udp_responses: Option<u32>,
+    pub(crate) udp_max_per_client: u64,
+    /// `tcp_max_connections_per_client`; 0 = unlimited.
+    pub(crate) tcp_max_per_client: u64,
+    /// The flow table's timeout profile for these timeouts (see
+    /// [`Shared::with_profile`]); 0 until then.
+    pub(crate) profile: u16,
+}
+
+#[derive(Debug)]
+pub(crate) struct BackendSet {
+    pub(crate) sched: Scheduler,
+    pub(crate) backends: Vec<Arc<Backend>>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Backend {
+    /// Flow-table id (unique for the daemon's life).
+    pub(crate) id: u32,
+    pub(crate) addr: SocketAddr,
+    pub(crate) spec: RwLock<BackendSpec>,
+    pub(crate) weight: AtomicU32,
+    pub(crate) up: AtomicBool,
+    pub(crate) checked: AtomicBool,
+    pub(crate) last_error: Mutex<Option<String>>,
+    /// The passive check (failed connects in a row), and why it last took
+    /// the backend out.
+    pub(crate) passive: crate::health::Passive,
+    pub(crate) passive_error: Mutex<Option<String>>,
+    pub(crate) active: AtomicU64,
+    pub(crate) inactive: AtomicU64,
+    pub(crate) stat: Stat,
+}
+
+impl Backend {
+    pub(crate) fn new(spec: BackendSpec, rates: &stats::RateEngine) -> Arc<Self> {
+        static NEXT: AtomicU32 = AtomicU32::new(1);
+        Arc::new(Self {
+            id: NEXT.fetch_add(1, Relaxed),
+            addr: spec.address,
+            weight: AtomicU32::new(spec.weight),
+            spec: RwLock::new(spec),
+            up: AtomicBool::new(true),
+            checked: AtomicBool::new(false),
+            last_error: Mutex::new(None),
+            passive: Default::default(),
+            passive_error: Mutex::new(None),
+            active: AtomicU64::new(0),
+            inactive: AtomicU64::new(0),
+            stat: rates.stat(),
+        })
+    }
+
+    pub(super) fn info(&self) -> BackendInfo {
+        BackendInfo {
+            addr: self.addr.into(),
+            weight: self.weight.load(Relaxed),
+            up: self.up.load(Relaxed) && !self.passive.is_down(),
+        }
+    }
+
+    pub(crate) fn conns(&self) -> u64 {
+        self.active.load(Relaxed) + self.inactive.load(Relaxed)
+    }
+}
+
+impl Shared {
+    /// The passive check: a connect to `b` failed with `why`. A streak of
+    /// failures takes the backend out of `svc`'s scheduler for
+    /// [`crate::health::PASSIVE_HOLD`], then it is tried again.
+    pub(crate) fn connect_failed(&self, svc: &Arc<Service>, b: &Arc<Backend>, why: &str) {
+        use crate::health::{PASSIVE_FALL, PASSIVE_HOLD};
+        if !b.passive.on_failure() {
+            return;
+        }
+        let n = b.passive.failures().max(PASSIVE_FALL);
+        let msg = format!(
+            "passive check: {n} connects in a row failed (last: {why}); out for {}s, then tried again",
+            PASSIVE_HOLD.as_secs()
+        );
+        tracing::warn!(backend = %b.addr, "{msg}");
+        *b.passive_error.lock() = Some(msg);
+        svc.rebuild_sched();
+        let (weak_svc, weak_b) = (Arc::downgrade(svc), Arc::downgrade(b));
+        let cancel = svc.cancel.clone();
+        self.control_rt.spawn(async move {
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                _ = tokio::time::sleep(PASSIVE_HOLD) => {
+                    if let (Some(svc), Some(b)) = (weak_svc.upgrade(), weak_b.upgrade()) {
+                        b.passive.restore();
+                        svc.rebuild_sched();
+                    }
+                }
+            }
+        });
+    }
+
+    /// A new connection of `client` to backend `backend` holds its
+    /// persistence template (which then does not expire); returns its key.
+    pub(crate) fn hold_template(
+        &self,
+        svc: &Service,
+        params: &ServiceParams,
+        proto: Protocol,
+        client: SocketAddr,
+        backend: u32,
+    ) -> FlowKey {
+        let tpl = template_key(svc, params, proto, client);
+        let mut live = svc.templates.lock();
+        let slot = live.entry(tpl).or_insert((backend, 0));
+        *slot = (backend, slot.1 + 1);
+        tpl
+    }
+
+    /// Services or their backends changed: packet workers take a new
+    /// snapshot, and the steering maps follow.
+    pub(crate) fn services_changed(&self) {
+        self.model
+            .services_gen
+            .fetch_add(1, std::sync::atomic::Ordering::Release);
+        if let Some(rt) = self.packet_rt.get() {
+            rt.sync(self);
+        }
+    }
+
+    /// One connection of template `tpl` ended; after the last one the
+    /// template's timeout starts now (it is stored again if the table
+    /// expired it meanwhile).
+    pub(crate) fn release_template(&self, svc: &Service, tpl: FlowKey) {
+        let mut live = svc.templates.lock();
+        let Some(slot) = live.get_mut(&tpl) else {
+            return;
+        };
+        slot.1 -= 1;
+        if slot.1 > 0 {
+            return;
+        }
+        let backend = slot.0;
+        live.remove(&tpl);
+        drop(live);
+        let now = Millis(self.now_ms());
+        if self.conns.table.get(&tpl).is_some() {
+            self.conns.table.touch(&tpl, now, Dir::In, 0);
+        } else {
+            let init = FlowInit {
+                owner: 0,
+                profile: svc.params.load().profile,
+                service: ServiceId(svc.id),
+                backend: BackendId(backend),
+                state: FlowState::Persist,
+            };
+            let _ = self.conns.table.insert(tpl, init, now);
+        }
+    }
+
+    // -- tenants ----------------------------------------------------------
+
+    pub(crate) fn add_tenant(&self, spec: TenantSpec) -> crate::control::ControlResult<()> {
+        use crate::control::{ControlError, ErrorKind};
+        if let Err(e) = config::check_name(&spec.name) {
+            return Err(ControlError::new(
+                ErrorKind::Invalid,
+                format!("tenant name: {e}"),
+            ));
+        }
+        if let Some((key, message)) = config::tenant_table_problems(&spec).into_iter().next() {
+            return Err(ControlError::new(
+                ErrorKind::Invalid,
+                format!("{key}: {message}"),
+            ));
+        }
+        let timeouts = resolve_timeouts(&spec)?;
+        check_fences(&spec)?;
+        let mut st = self.model.write();
+        if st.tenants.contains_key(&spec.name) {
+            return Err(ControlError::new(
+                ErrorKind::Conflict,
+                format!("tenant {:?} exists", spec.name),
+            ));
+        }
+        let id = self.model.next_id.fetch_add(1, Relaxed);
+        let placement = self
+            .conns
+            .table
+            .add_tenant(
+                TenantId(id),
+                TenantConfig {
+                    own_buckets: spec.table_entries,
+                    max_entries: spec.max_table_entries,
+                    timeouts,
+                },
+            )
+            .map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))?;
+        let placement = match placement {
+            weir_flowtable::Placement::Own { .. } => "own".to_owned(),
+            weir_flowtable::Placement::Shared { requested, reason } => {
+                if requested != 0 {
+                    tracing::warn!(tenant = %spec.name, requested, %reason, "tenant shares the global flow table");
+                }
+                "shared".to_owned()
+            }
+        };
+        let t = Arc::new(Tenant {
+            id,
+            placement,
+            spec: RwLock::new(spec.clone()),
+            active: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            stat: self.accounting.rates.stat(),
+            new_conns: NewConnLimit::default(),
+            deleted: CancellationToken::new(),
+        });
+        st.tenants.insert(spec.name, t);
+        Ok(())
+    }
+
+    // -- services ---------------------------------------------------------
+
+    /// Why this daemon cannot serve `spec` (a valid spec: [`check_service`]
+    /// passed), or `None`. The one place that decides whether a packet
+    /// service (`forward` other than proxy) may be added: every path that
+    /// adds or replaces a service (start, reload, the API) asks it before
+    /// opening anything, so a packet service never gets proxy sockets.
+    pub(crate) fn packet_mode_unavailable(&self, spec: &ServiceSpec) -> Option<String> {
+        (spec.forward.is_packet() && self.packet.get().is_none()).then(|| {
+            format!(
+                "forward = \"{}\" needs packet mode, and this daemon runs without it: \
+                 add a [packet] section naming its interfaces and restart \
+                 (or use forward = \"proxy\")",
+                spec.forward
+            )
+        })
+    }
+
+    pub(crate) fn add_service(
+        self: &Arc<Self>,
+        spec: ServiceSpec,
+    ) -> crate::control::ControlResult<()> {
+        self.put_service(spec, false)
+    }
+
+    /// Add `spec`, or with `replace` swap it in for the live service of the
+    /// same tenant and name (a new address or protocol). Every check runs
+    /// and the new sockets are open before anything changes, so on any
+    /// error the running service is untouched; on success the replaced
+    /// service stops listening and its connections close.
+    pub(crate) fn put_service(
+        self: &Arc<Self>,
+        spec: ServiceSpec,
+        replace: bool,
+    ) -> crate::control::ControlResult<()> {
+        use crate::control::{ControlError, ErrorKind};
+        check_service(&spec, self.packet_cfg.as_ref())?;
+        if let Some(why) = self.packet_mode_unavailable(&spec) {
+            return Err(ControlError::new(ErrorKind::Unavailable, why));
+        }
+        let params = Arc::new(service_params(&spec)?);
+        // Before the state lock: the wait may take seconds, and every admin
+        // request and new connection's service lookup needs that lock.
+        self.wait_for_own_release(spec.protocol, spec.listen);
+        let mut st = self.model.write();
+        let Some(tenant) = st.tenants.get(&spec.tenant).cloned() else {
+            return Err(ControlError::new(
+                ErrorKind::NotFound,
+                format!("tenant {:?} does not exist; create it first", spec.tenant),
+            ));
+        };
+        let key = (spec.tenant.clone(), spec.name.clone());
+        let old_id = st.services.get(&key).map(|s| s.id);
+        match (old_id, replace) {
+            (Some(_), false) => {
+                return Err(ControlError::new(
+                    ErrorKind::Conflict,
+                    format!("service {}/{} exists", spec.tenant, spec.name),
+                ));
+            }
+            (None, true) => {
+                return Err(ControlError::new(
+                    ErrorKind::NotFound,
+                    format!("service {}/{} does not exist", spec.tenant, spec.name),
+                ));
+            }
+            _ => {}
+        }
+        if spec.listen.port() != 0
+            && st.services.values().any(|s| {
+                Some(s.id) != old_id
+                    && s.listen == spec.listen
+                    && s.spec.read().protocol == spec.protocol
+            })
+        {
+            return Err(ControlError::new(
+                ErrorKind::Conflict,
+                format!("{} is used by another service", spec.listen),
+            ));
+        }
+        let packet_mode = spec.forward.is_packet();
+        // Packet services own no socket: the steering program hands their
+        // packets to the packet workers.
+        let sockets = if packet_mode {
+            (Vec::new(), spec.listen)
+        } else {
+            self.claim_listen(&st, spec.protocol, spec.listen)
+                .and_then(|()| {
+                    open_sockets(
+                        spec.protocol,
+                        spec.listen,
+                        self.workers.len(),
+                        self.daemon_cfg.notsent_lowat,
+                    )
+                })
+                .map_err(|e| {
+                    ControlError::new(
+                        ErrorKind::Unavailable,
+                        format!(
+                            "cannot listen on {} {}: {e}",
+                            config::protocol_name(spec.protocol),
+                            spec.listen
+                        ),
+                    )
+                })?
+        };
+        let listen = sockets.1;
+        let backends: Vec<Arc<Backend>> = spec
+            .backends
+            .iter()
+            .cloned()
+            .map(|b| Backend::new(b, &self.accounting.rates))
+            .collect();
+        let sched = build_sched(&spec, &backends)?;
+        let params = Arc::new(self.with_profile(&tenant, (*params).clone())?);
+        let svc = Arc::new(Service {
+            id: self.model.next_id.fetch_add(1, Relaxed),
+            tenant,
+            spec: RwLock::new(ServiceSpec {
+                listen,
+                ..spec.clone()
+            }),
+            params: ArcSwap::new(params),
+            listen,
+            set: ArcSwap::from_pointee(BackendSet { sched, backends }),
+            stat: self.accounting.rates.stat(),
+            cancel: CancellationToken::new(),
+            udp_per_client: Mutex::new(HashMap::new()),
+            tcp_per_client: Mutex::new(HashMap::new()),
+            templates: Mutex::new(HashMap::new()),
+            health_cancel: Mutex::new(CancellationToken::new()),
+        });
+        {
+            let mut groups = self.model.listen_groups.lock();
+            groups.retain(|(_, _, s)| s.strong_count() > 0);
+            groups.push((spec.protocol, listen, Arc::downgrade(&svc)));
+        }
+        for (tx, sock) in self.workers.iter().zip(sockets.0) {
+            let _ = tx.send(WorkerCmd::Listen {
+                shared: self.clone(),
+                service: svc.clone(),
+                socket: sock,
+            });
+        }
+        self.start_health(&svc);
+        tracing::info!(tenant = %spec.tenant, service = %spec.name, %listen, "service up");
+        let replaced = st.services.insert(key, svc);
+        drop(st);
+        self.services_changed();
+        if let Some(old) = replaced {
+            old.cancel.cancel();
+            self.kill_service(&old, None, Close::ServiceDeleted);
+        }
+        Ok(())
+    }
+
+    /// Makes sure no other process serves `addr` before weir opens its
+    /// `SO_REUSEPORT` group there: the kernel would let a second group of the
+    /// same user join and take a share of the connections. A service of this
+    /// daemon on an overlapping address (a wildcard and a specific one) is
+    /// not probed. Does not wait: a just removed service's sockets are
+    /// waited for by [`Self::wait_for_own_release`], without the state lock.
+    ///
+    /// A process that binds between this probe and the group's bind can
+    /// still join it; the window is one system call wide.
+    fn claim_listen(&self, st: &State, proto: Protocol, addr: SocketAddr) -> std::io::Result<()> {
+        if addr.port() == 0 || serves_overlapping(st, proto, addr) {
+            return Ok(());
+        }
+        match probe_free(proto, addr) {
+            Err(err) if err.kind() == std::io::ErrorKind::AddrInUse => Err(std::io::Error::new(
+                err.kind(),
+                format!(
+                    "{err}: another process serves this address \
+                         (weir does not share a service address with other listeners)"
+                ),
+            )),
+            r => r,
+        }
+    }
+
+    /// Waits (up to 2 s) while `addr` is taken and a service of this daemon
+    /// that was removed or replaced on an overlapping address still holds
+    /// its sockets: its workers close them asynchronously, and deleting a
+    /// service and adding one on the same address is a normal edit. Returns
+    /// at once when the address is free, served by a live service, or taken
+    /// by someone else; [`Self::claim_listen`] then decides. Takes the state
+    /// lock only for reads between probes.
+    fn wait_for_own_release(&self, proto: Protocol, addr: SocketAddr) {
+        if addr.port() == 0 {
+            return;
+        }
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            let ours_closing = self
+                .model
+                .listen_groups
+                .lock()
+                .iter()
+                .any(|(p, a, s)| *p == proto && overlaps(*a, addr) && s.strong_count() > 0);
+            if !ours_closing
+                || serves_overlapping(&self.model.load(), proto, addr)
+                || !matches!(probe_free(proto, addr), Err(e) if e.kind() == std::io::ErrorKind::AddrInUse)
+                || Instant::now() >= deadline
+            {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// `params` with the number of the flow table's timeout profile for
+    /// its service's own timeouts (connect, UDP, persistence) in `tenant`.
+    pub(crate) fn with_profile(
+        &self,
+        tenant: &Tenant,
+        mut params: ServiceParams,
+    ) -> crate::control::ControlResult<ServiceParams> {
+        let ms = |d: Duration| Millis(d.as_millis() as u64);
+        let mut o = TimeoutOverrides::NONE.with(FlowState::SynRecv, ms(params.connect_timeout));
+        if let Some(u) = params.udp_timeout {
+            o = o.with(FlowState::Udp, ms(u));
+        }
+        if !params.persistence.is_zero() {
+            o = o.with(FlowState::Persist, ms(params.persistence));
+        }
+        params.profile = self
+            .conns
+            .table
+            .timeout_profile(TenantId(tenant.id), &o)
+            .map_err(|e| {
+                crate::control::ControlError::new(crate::control::ErrorKind::Invalid, e.to_string())
+            })?;
+        Ok(params)
+    }
+
+    /// (Re)start the health checks of `svc`'s current backends.
+    pub(crate) fn start_health(self: &Arc<Self>, svc: &Arc<Service>) {
+        let token = svc.cancel.child_token();
+        let old = std::mem::replace(&mut *svc.health_cancel.lock(), token.clone());
+        old.cancel();
+        let Some(h) = svc.spec.read().options.health.clone() else {
+            for b in svc.set.load().backends.iter() {
+                b.checked.store(false, Relaxed);
+                b.up.store(true, Relaxed);
+            }
+            return;
+        };
+        let (interval, timeout) = (h.interval.get(), h.timeout.get());
+        let params = crate::health::Params {
+            interval,
+            timeout,
+            rise: h.rise,
+            fall: h.fall,
+            probe: match h.protocol {
+                Some(Protocol::Udp) => {
+                    crate::health::Probe::Udp(h.send.clone().unwrap_or_default().into_bytes())
+                }
+                _ => crate::health::Probe::Tcp,
+            },
+        };
+        let _guard = self.control_rt.enter();
+        for b in svc.set.load().backends.iter() {
+            b.checked.store(true, Relaxed);
+            let weak_shared = Arc::downgrade(self);
+            let weak_svc = Arc::downgrade(svc);
+            let backend = Arc::downgrade(b);
+            // `port` checks another port of the same host.
+            let target = SocketAddr::new(b.addr.ip(), h.port.unwrap_or(b.addr.port()));
+            crate::health::spawn(target, params.clone(), token.clone(), move |up, err| {
+                let (Some(shared), Some(svc), Some(b)) =
+                    (weak_shared.upgrade(), weak_svc.upgrade(), backend.upgrade())
+                else {
+                    return;
+                };
+                tracing::warn!(backend = %b.addr, up, error = ?err, "health state changed");
+                b.up.store(up, Relaxed);
+                *b.last_error.lock() = err;
+                svc.rebuild_sched();
+                if !up && svc.params.load().expire_nodest_conn {
+                    shared.kill_service(&svc, Some(&[b.id]), Close::BackendDown);
+                }
+            });
+        }
+    }
+}
+
+impl Service {
+    /// The backend with id `id`, if it is still in the service's set.
+    pub(crate) fn backend(&self, id: u32) -> Option<Arc<Backend>> {
+        self.set
+            .load()
+            .backends
+            .iter()
+            .find(|b| b.id == id)
+            .cloned()
+    }
+
+    /// Rebuild the scheduler from the backends' current weight and health.
+    /// Concurrent rebuilds and set changes each see the other's result
+    /// (`rcu` retries on a race); readers never wait.
+    pub(crate) fn rebuild_sched(&self) {
+        self.set.rcu(|set| {
+            let infos: Vec<BackendInfo> = set.backends.iter().map(|b| b.info()).collect();
+            match set.sched.rebuild(&infos) {
+                Ok(sched) => Arc::new(BackendSet {
+                    sched,
+                    backends: set.backends.clone(),
+                }),
+                Err(e) => {
+                    tracing::error!("scheduler rebuild failed: {e}");
+                    Arc::clone(set)
+                }
+            }
+        });
+    }
+
+    /// Choose a backend for `client`, honouring persistence and backend
+    /// limits; `skip` lists backends that already failed for this connection.
+    /// `local` is the address the client connected to (the service's
+    /// address unless it listens on a wildcard one), the destination that
+    /// `lblc`, `lblcr` and `dh` key on.
+    pub(crate) fn choose(
+        &self,
+        shared: &Shared,
+        proto: Protocol,
+        client: SocketAddr,
+        local: IpAddr,
+        skip: &[SocketAddr],
+        rng: &mut weir_sched::SplitMix64,
+    ) -> Result<Arc<Backend>, Refusal> {
+        let set = self.set.load_full();
+        let params = self.params.load_full();
+        let usable = |b: &Backend| {
+            let max = b.spec.read().max_connections;
+            b.up.load(Relaxed)
+                && !b.passive.is_down()
+                && b.weight.load(Relaxed) > 0
+                && !skip.contains(&b.addr)
+                && (max == 0 || b.conns() < max)
+        };
+        let now = shared.now_ms();
+        let persist_ms = params.persistence.as_millis() as u64;
+        let tpl_key = template_key(self, &params, proto, client);
+        // A template with live connections holds whatever its age.
+        let held = (persist_ms > 0)
+            .then(|| self.templates.lock().get(&tpl_key).map(|&(id, _)| id))
+            .flatten();
+        if let Some(id) = held
+            && let Some(b) = set.backends.iter().find(|b| b.id == id)
+            && usable(b)
+        {
+            return Ok(b.clone());
+        }
+        if persist_ms > 0
+            && let Some(tpl) = shared.conns.table.get(&tpl_key)
+            && tpl.state == FlowState::Persist
+            && tpl.last_active.0 + persist_ms > now
+            && let Some(b) = set.backends.iter().find(|b| b.id == tpl.backend.0)
+            && usable(b)
+        {
+            shared.conns.table.touch(&tpl_key, Millis(now), Dir::In, 0);
+            return Ok(b.clone());
+        }
+        let load = |i: usize| {
+            set.backends.get(i).map_or(Load::default(), |b| {
+                Load::new(b.active.load(Relaxed), b.inactive.load(Relaxed))
+            })
+        };
+        // `sh` / `mh` without fallback place a client on one backend only,
+        // `dh` a destination, and `ovf` refuses when every backend is full:
+        // when the choice cannot take it (down, weight 0, at its limit, or it
+        // already failed this connection) the client is refused, as
+        // docs/sched.md says, instead of piling every displaced client onto
+        // the first usable backend.
+        let cfg = set.sched.config();
+        let pinned = cfg.pinned();
+        // Another backend when the scheduler's cannot serve: `fo` keeps its
+        // rule (the highest usable weight); the others take the next usable
+        // one in list order from `start`.
+        let substitute = |start: usize| {
+            if cfg.kind == weir_sched::SchedulerKind::Fo {
+                return set.backends.iter().filter(|b| usable(b)).fold(
+                    None::<&Arc<Backend>>,
+                    |best, b| match best {
+                        Some(x) if x.weight.load(Relaxed) >= b.weight.load(Relaxed) => best,
+                        _ => Some(b),
+                    },
+                );
+            }
+            let n = set.backends.len();
+            (0..n)
+                .map(|k| &set.backends[(start + k) % n])
+                .find(|b| usable(b))
+        };
+        let picked = match skip.last() {
+            // A retry after a failed connect: the next usable backend after
+            // the one that failed, in list order, without asking the
+            // scheduler, so a retry does not move rr's rotation (which would
+            // put the failing backend first again for the next client).
+            Some(&failed) if !pinned => {
+                let at = set.backends.iter().position(|b| b.addr == failed);
+                substitute(at.map_or(0, |i| i + 1))
+            }
+            _ => {
+                let req = weir_sched::Request::new(client, local, Duration::from_millis(now));
+                match set
+                    .sched
+                    .pick_for(req, &load, rng)
+                    .and_then(|i| set.backends.get(i))
+                {
+                    Some(b) if usable(b) => Some(b),
+                    _ if pinned => None,
+                    _ => substitute(0),
+                }
+            }
+        }
+        .cloned();
+        let Some(b) = picked else {
+            let any_full = set.backends.iter().any(|b| {
+                let max = b.spec.read().max_connections;
+                max != 0 && b.conns() >= max
+            });
+            return Err(if any_full {
+                Refusal::BackendLimit
+            } else {
+                Refusal::NoBackend
+            });
+        };
+        if persist_ms > 0 {
+            // The template (IPVS -p): client group -> backend, FlowState::Persist.
+            shared.conns.table.remove(&tpl_key);
+            let init = FlowInit {
+                owner: 0,
+                profile: params.profile,
+                service: ServiceId(self.id),
+                backend: BackendId(b.id),
+                state: FlowState::Persist,
+            };
+            if shared
+                .conns
+                .table
+                .insert(tpl_key, init, Millis(now))
+                .is_err()
+            {
+                tracing::debug!("persistence template not stored (table full)");
+            }
+        }
+        Ok(b)
+    }
+}
+
+/// The flow-table key of the persistence template for `client` (IPVS: the
+/// client group, port 0).
+pub(super) fn template_key(
+    svc: &Service,
+    params: &ServiceParams,
+    proto: Protocol,
+    client: SocketAddr,
+) -> FlowKey {
+    FlowKey {
+        client: SocketAddr::new(params.mask.group(client.ip()), 0),
+        ..flow_key(svc, proto, client)
+    }
+}
+
+/// The flow-table key of a connection or session.
+pub(crate) fn flow_key(svc: &Service, proto: Protocol, client: SocketAddr) -> FlowKey {
+    FlowKey {
+        tenant: TenantId(svc.tenant.id),
+        proto: match proto {
+            Protocol::Tcp => Proto::Tcp,
+            Protocol::Udp => Proto::Udp,
+        },
+        client,
+        virt: svc.listen,
+    }
+}
+
+/// A tenant's `allowed_listen` / `allowed_backends` entries all parse, or
+/// an Invalid error naming every bad one.
+pub(crate) fn check_fences(spec: &TenantSpec) -> crate::control::ControlResult<()> {
+    let mut errors = Vec::new();
+    for (key, list) in [
+        ("allowed_listen", &spec.allowed_listen),
+        ("allowed_backends", &spec.allowed_backends),
+    ] {
+        if let Err(e) = config::parse_fence(key, list) {
+            errors.extend(e);
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(crate::control::ControlError::new(
+            crate::control::ErrorKind::Invalid,
+            errors.join("; "),
+        ))
+    }
+}
+
+/// A tenant's `[tenant.timeouts]` for the flow table, or an Invalid error
+/// naming every bad key.
+pub(crate) fn resolve_timeouts(spec: &TenantSpec) -> crate::control::ControlResult<Timeouts> {
+    spec.timeouts.resolve().map_err(|errors| {
+        let list: Vec<String> = errors
+            .iter()
+            .map(|(key, message)| format!("timeouts.{key}: {message}"))
+            .collect();
+        crate::control::ControlError::new(crate::control::ErrorKind::Invalid, list.join("; "))
+    })
+}
+
+pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResult<ServiceParams> {
+    use crate::control::{ControlError, ErrorKind};
+    let bad = |m: String| ControlError::new(ErrorKind::Invalid, m);
+    let persistence = spec.persistence.get();
+    let mask = match &spec.persistence_netmask {
+        Some(m) => {
+            let n = config::parse_netmask(m).map_err(bad)?;
+            AffinityMask::new(n.v4_prefix, n.v6_prefix)
+                .map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))?
+        }
+        None => AffinityMask::new(32, 128)
+            .map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))?,
+    };
+    let o = &spec.options;
+    let connect_timeout = o
+        .connect_timeout
+        .as_ref()
+        .map_or(CONNECT_TIMEOUT, |t| t.get());
+    let udp_timeout = o.udp_timeout.as_ref().map(|t| t.get());
+    Ok(ServiceParams {
+        persistence,
+        mask,
+        connect_timeout,
+        expire_nodest_conn: o.expire_nodest_conn,
+        udp_timeout,
+        udp_responses: o.udp_responses,
+        udp_max_per_client: o.udp_max_sessions_per_client,
+        tcp_max_per_client: o.tcp_max_connections_per_client,
+        profile: 0,
+    })
+}
+
+pub(crate) fn build_sched(
+    spec: &ServiceSpec,
+    backends: &[Arc<Backend>],
+) -> crate::control::ControlResult<Scheduler> {
+    use crate::control::{ControlError, ErrorKind};
+    let kind = spec.scheduler;
+    let seed = match &spec.options.hash_seed {
+        Some(text) => HashSeed::from_text(text),
+        None => HashSeed::from_text(&format!("{}/{}", spec.tenant, spec.name)),
+    };
+    let o = &spec.options;
+    let mut cfg = SchedConfig::new(kind, seed);
+    // `weir check` refuses each flag on a scheduler it does not apply to.
+    cfg.fallback = o.mh_fallback || o.sh_fallback;
+    cfg.hash_port = o.mh_port || o.sh_port;
+    if let Some(size) = o.mh_table_size {
+        cfg.mh_table_size = weir_sched::MhTableSize::new(size)
+            .map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))?;
+    }
+    let infos: Vec<BackendInfo> = backends.iter().map(|b| b.info()).collect();
+    Scheduler::new(cfg, &infos).map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))
+}
+
+/// Whether two service addresses of one protocol take the same port (the
+/// same address, or one of them a wildcard of the same family).
+fn overlaps(a: SocketAddr, b: SocketAddr) -> bool {
+    a.port() == b.port()
+        && a.is_ipv6() == b.is_ipv6()
+        && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+}
+
+/// Whether a live service of `proto` listens on an address overlapping `addr`.
+fn serves_overlapping(st: &State, proto: Protocol, addr: SocketAddr) -> bool {
+    st.services
+        .values()
+        .any(|s| overlaps(s.listen, addr) && s.spec.read().protocol == proto)
+}
