@@ -758,6 +758,18 @@ impl FlowTable {
             .map(|left| u32::try_from(left).unwrap_or(u32::MAX))
     }
 
+    /// Points the persistence template `key` at `backend` (a new choice for
+    /// its client group: the old backend is gone, down or full), keeping
+    /// its holds, and restarts its timeout from `now`. `false` (nothing
+    /// changed) if `key` has no live template. Locks the key's bucket, so
+    /// a concurrent [`hold`](Self::hold) sees the old backend or the new
+    /// one, never a mix, and no hold or release is lost to the change (a
+    /// remove and insert would drop the count).
+    pub fn rebind(&self, key: &FlowKey, backend: BackendId, now: Millis) -> bool {
+        self.with_locked(key, |n| n.rebind_locked(backend, now).then_some(()))
+            .is_some()
+    }
+
     /// Runs `f` on `key`'s node under its bucket lock (live or pending:
     /// `f` checks).
     fn with_locked<R>(&self, key: &FlowKey, f: impl FnOnce(Node<'_>) -> Option<R>) -> Option<R> {

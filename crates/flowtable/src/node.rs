@@ -509,6 +509,19 @@ impl Node<'_> {
         Some(n - 1)
     }
 
+    /// Under the entry's bucket lock: a live template now places its
+    /// client group on `backend`, its timeout restarted from `now`; its
+    /// hold count is kept. `false` (nothing changed) unless it is a live
+    /// template.
+    pub(crate) fn rebind_locked(&self, backend: BackendId, now: Millis) -> bool {
+        if !self.is_live() || !self.is_template() {
+            return false;
+        }
+        self.h.backend.store(backend.0, Relaxed);
+        self.bump_last_active(now);
+        true
+    }
+
     /// Under the bucket lock: whether expiry may remove the entry at `now`
     /// with idle timeout `timeout` (a held template never goes).
     pub(crate) fn expirable(&self, now: u64, timeout: u64) -> bool {

@@ -40,7 +40,8 @@ fn a_held_template_outlives_its_timeout_and_restarts_it_at_the_last_release() {
     // One template held twice: stored held once, then held again.
     t.insert_held(key(1), tpl(7), Millis(1_000)).unwrap();
     assert_eq!(
-        t.insert_held(key(1), tpl(8), Millis(1_000)).map(|h| h.cookie),
+        t.insert_held(key(1), tpl(8), Millis(1_000))
+            .map(|h| h.cookie),
         Err(InsertError::Exists(t.get(&key(1)).unwrap().cookie))
     );
     assert_eq!(t.hold(&key(1)), Some(BackendId(7)));
@@ -166,4 +167,34 @@ fn a_template_is_never_expired_while_held_under_threads() {
     t.expire(Millis(u64::MAX / 2), usize::MAX, &mut out);
     assert!(out.iter().all(|s| s.held == 0));
     assert_eq!(t.tenant_stats(TenantId(1)).unwrap().entries, 0);
+}
+
+/// `rebind` moves a template to another backend and restarts its timeout,
+/// keeping its holds (a remove and insert would lose them); it touches
+/// nothing but a live template.
+#[test]
+fn a_rebound_template_keeps_its_holds() {
+    let t = common::tenant_one_table(64, 3);
+    t.set_timeouts(TenantId(1), persist(10_000)).unwrap();
+    assert!(!t.rebind(&key(1), BackendId(9), Millis(0)));
+    t.insert(key(2), common::one_flow(FlowState::Established), Millis(0))
+        .unwrap();
+    assert!(!t.rebind(&key(2), BackendId(9), Millis(0)));
+    assert_eq!(
+        t.get(&key(2)).unwrap().backend,
+        common::one_flow(FlowState::Established).backend
+    );
+    t.insert_held(key(1), tpl(7), Millis(1_000)).unwrap();
+    assert_eq!(t.hold(&key(1)), Some(BackendId(7)));
+    assert!(t.rebind(&key(1), BackendId(8), Millis(5_000)));
+    let s = t.get(&key(1)).unwrap();
+    assert_eq!(
+        (s.backend, s.held, s.last_active),
+        (BackendId(8), 2, Millis(5_000))
+    );
+    assert_eq!(t.hold(&key(1)), Some(BackendId(8)));
+    for left in [2, 1, 0] {
+        assert_eq!(t.release(&key(1), Millis(6_000)), Some(left));
+    }
+    assert_eq!(t.get(&key(1)).unwrap().expires_at, Millis(16_000));
 }

@@ -65,6 +65,7 @@ enum Op {
     Hold(K),
     Release(K),
     InsertHeld(K, u32, u32),
+    Rebind(K, u32),
 }
 
 fn arb_op() -> impl Strategy<Value = Op> {
@@ -83,6 +84,7 @@ fn arb_op() -> impl Strategy<Value = Op> {
         2 => arb_key().prop_map(Op::Hold),
         2 => arb_key().prop_map(Op::Release),
         1 => (arb_key(), 0u32..3, 0u32..3).prop_map(|(k, s, b)| Op::InsertHeld(k, s, b)),
+        1 => (arb_key(), 0u32..3).prop_map(|(k, b)| Op::Rebind(k, b)),
     ]
 }
 
@@ -343,6 +345,18 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                         m.bytes[1] += 1;
                     }
                     _ => prop_assert_eq!(r, None),
+                }
+            }
+            Op::Rebind(k, b) => {
+                let key = k.key();
+                let r = t.rebind(&key, BackendId(b), Millis(now));
+                match model.get_mut(&key) {
+                    Some(m) if m.template() => {
+                        prop_assert!(r);
+                        m.backend = b;
+                        m.last = m.last.max(now);
+                    }
+                    _ => prop_assert!(!r),
                 }
             }
             Op::Release(k) => {

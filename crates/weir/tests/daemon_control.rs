@@ -518,7 +518,7 @@ fn editing_a_tenant_changes_limits_and_timeouts_live() {
     let mut one = spec();
     one.max_connections = 1;
     c.edit_tenant("live", one).unwrap();
-    let _first = held(vip);
+    let mut first = held(vip);
     assert!(!echo_once(vip, b"2nd"), "the cap of 1 refuses a second");
     let refused = |c: &std::sync::Arc<dyn weir::control::Control>| {
         c.tenants()
@@ -533,6 +533,7 @@ fn editing_a_tenant_changes_limits_and_timeouts_live() {
     open.max_connections = 0;
     open.timeouts.established = Some("1s".parse().unwrap());
     c.edit_tenant("live", open).unwrap();
+    let edited = Instant::now();
     let mut conn = held(vip);
     conn.set_read_timeout(Some(T)).unwrap();
     let t0 = Instant::now();
@@ -544,6 +545,17 @@ fn editing_a_tenant_changes_limits_and_timeouts_live() {
         t0.elapsed()
     );
     assert!(t0.elapsed() < T, "the 1 s timeout closed it");
+    // The first connection was filed under the old timeout (900 s): the
+    // shortened one reaches it too (the table retimes filed entries), so
+    // it closes within the same bound.
+    first.set_read_timeout(Some(T)).unwrap();
+    let r = first.read(&mut b);
+    assert!(
+        matches!(r, Ok(0)) || r.is_err() && edited.elapsed() < T,
+        "{r:?} {:?} after the edit",
+        edited.elapsed()
+    );
+    assert!(edited.elapsed() < T, "the edit's 1 s timeout closed it");
     assert_eq!(
         spec().timeouts.established.map(|d| d.to_string()),
         Some("1s".to_owned())

@@ -161,7 +161,8 @@ impl Shared {
             backend.inactive.fetch_add(1, Relaxed);
         }
         let template = (!params.persistence.is_zero())
-            .then(|| self.hold_template(svc, &params, proto, client, backend.id));
+            .then(|| self.hold_template(svc, &params, proto, client, backend.id))
+            .flatten();
         let conn = Conn {
             handle,
             service: svc.clone(),
@@ -195,7 +196,7 @@ impl Shared {
             self.settle(&snap, &conn.service, Some(&conn.backend), reason);
         }
         if let Some(tpl) = conn.template {
-            self.release_template(&conn.service, tpl);
+            self.release_template(tpl);
         }
     }
 

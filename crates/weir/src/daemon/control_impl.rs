@@ -336,7 +336,9 @@ impl LiveControl {
         let svc = self.0.model.write().services.remove(key)?;
         self.0.services_changed();
         svc.cancel.cancel();
-        Some(self.0.kill_service(&svc, None, Close::ServiceDeleted))
+        let told = self.0.kill_service(&svc, None, Close::ServiceDeleted);
+        self.0.drop_templates(&svc);
+        Some(told)
     }
 }
 
@@ -594,7 +596,13 @@ impl Control for LiveControl {
                 backends: old.backends.clone(),
             }));
         }
-        svc.params.store(Arc::new(params));
+        let (mask, persists) = (params.mask, !params.persistence.is_zero());
+        let old = svc.params.swap(Arc::new(params));
+        if old.mask != mask || (!old.persistence.is_zero() && !persists) {
+            // The client groups changed, or persistence is off: the old
+            // templates place no one any more.
+            self.0.drop_templates(&svc);
+        }
         let backends = spec.backends.clone();
         {
             let mut s = svc.spec.write();

@@ -178,11 +178,6 @@ pub(crate) struct Service {
     /// Open TCP connections per client IP (for
     /// `tcp_max_connections_per_client`); an IP leaves when its count is 0.
     pub(super) tcp_per_client: Mutex<HashMap<IpAddr, u64>>,
-    /// Persistence templates with live connections: template key →
-    /// (backend id, connections). Such a template does not expire (IPVS
-    /// keeps a template while it controls connections); when its last
-    /// connection ends, its timeout starts over.
-    templates: Mutex<HashMap<FlowKey, (u32, u64)>>,
     health_cancel: Mutex<CancellationToken>,
 }
 
@@ -293,7 +288,11 @@ impl Shared {
     }
 
     /// A new connection of `client` to backend `backend` holds its
-    /// persistence template (which then does not expire); returns its key.
+    /// persistence template (IPVS's `n_control`: the table never expires
+    /// a held template), storing it held if there is none; returns its
+    /// key, or `None` if it holds nothing (the table is full, or the
+    /// service's persistence changed meanwhile). Every `Some` must be
+    /// given back with [`Self::release_template`].
     pub(crate) fn hold_template(
         &self,
         svc: &Service,
@@ -301,12 +300,61 @@ impl Shared {
         proto: Protocol,
         client: SocketAddr,
         backend: u32,
-    ) -> FlowKey {
+    ) -> Option<FlowKey> {
         let tpl = template_key(svc, params, proto, client);
-        let mut live = svc.templates.lock();
-        let slot = live.entry(tpl).or_insert((backend, 0));
-        *slot = (backend, slot.1 + 1);
-        tpl
+        let table = &self.conns.table;
+        let now = Millis(self.now_ms());
+        let mut held = false;
+        // Two rounds: a template expired or stored by another connection
+        // between our hold and our insert is found the second time.
+        for _ in 0..2 {
+            match table.hold(&tpl) {
+                Some(b) => {
+                    if b.0 != backend {
+                        // Another connection of the group moved it
+                        // meanwhile; the latest placement wins, as in IPVS.
+                        table.rebind(&tpl, BackendId(backend), now);
+                    }
+                    held = true;
+                    break;
+                }
+                None => {
+                    let init = FlowInit {
+                        owner: 0,
+                        profile: params.profile,
+                        service: ServiceId(svc.id),
+                        backend: BackendId(backend),
+                        state: FlowState::Persist,
+                    };
+                    match table.insert_held(tpl, init, now) {
+                        Ok(_) => {
+                            held = true;
+                            break;
+                        }
+                        Err(weir_flowtable::InsertError::Exists(_)) => continue,
+                        Err(_) => {
+                            tracing::debug!("persistence template not stored (table full)");
+                            return None;
+                        }
+                    }
+                }
+            }
+        }
+        if !held {
+            return None;
+        }
+        // An edit that changes the template's key (mask) or turns
+        // persistence off stores the new parameters, then drops the
+        // service's templates: if it stored them before this load, give
+        // the hold back now (its release would compute another key); if
+        // after, its drop takes this template, so the hold cannot outlive
+        // the key its release computes.
+        let cur = svc.params.load();
+        if cur.persistence.is_zero() || cur.mask != params.mask {
+            table.release(&tpl, now);
+            return None;
+        }
+        Some(tpl)
     }
 
     /// Services or their backends changed: packet workers take a new
@@ -320,33 +368,35 @@ impl Shared {
         }
     }
 
-    /// One connection of template `tpl` ended; after the last one the
-    /// template's timeout starts now (it is stored again if the table
-    /// expired it meanwhile).
-    pub(crate) fn release_template(&self, svc: &Service, tpl: FlowKey) {
-        let mut live = svc.templates.lock();
-        let Some(slot) = live.get_mut(&tpl) else {
-            return;
+    /// A connection holding template `tpl` ([`Self::hold_template`])
+    /// ended; after the last one the template's timeout starts now.
+    pub(crate) fn release_template(&self, tpl: FlowKey) {
+        self.conns.table.release(&tpl, Millis(self.now_ms()));
+    }
+
+    /// Removes the persistence templates of `svc` (its mask changed,
+    /// persistence was turned off, or it was deleted): clients are placed
+    /// afresh, and a hold taken under the old parameters ends with its
+    /// template (see [`Self::hold_template`]).
+    pub(crate) fn drop_templates(&self, svc: &Service) -> u64 {
+        let filter = weir_flowtable::DumpFilter {
+            tenant: Some(TenantId(svc.tenant.id)),
+            service: Some(ServiceId(svc.id)),
+            state: Some(FlowState::Persist),
+            ..Default::default()
         };
-        slot.1 -= 1;
-        if slot.1 > 0 {
-            return;
-        }
-        let backend = slot.0;
-        live.remove(&tpl);
-        drop(live);
-        let now = Millis(self.now_ms());
-        if self.conns.table.get(&tpl).is_some() {
-            self.conns.table.touch(&tpl, now, Dir::In, 0);
-        } else {
-            let init = FlowInit {
-                owner: 0,
-                profile: svc.params.load().profile,
-                service: ServiceId(svc.id),
-                backend: BackendId(backend),
-                state: FlowState::Persist,
-            };
-            let _ = self.conns.table.insert(tpl, init, now);
+        let table = &self.conns.table;
+        let (mut cursor, mut page, mut n) = (None, Vec::new(), 0);
+        loop {
+            page.clear();
+            let next = table.dump(cursor.as_ref(), &filter, 4096, &mut page);
+            for s in &page {
+                n += u64::from(table.remove_cookie(&s.key, s.cookie).is_some());
+            }
+            match next {
+                Some(c) => cursor = Some(c),
+                None => return n,
+            }
         }
     }
 
@@ -540,7 +590,6 @@ impl Shared {
             cancel: CancellationToken::new(),
             udp_per_client: Mutex::new(HashMap::new()),
             tcp_per_client: Mutex::new(HashMap::new()),
-            templates: Mutex::new(HashMap::new()),
             health_cancel: Mutex::new(CancellationToken::new()),
         });
         {
@@ -755,20 +804,12 @@ impl Service {
         let now = shared.now_ms();
         let persist_ms = params.persistence.as_millis() as u64;
         let tpl_key = template_key(self, &params, proto, client);
-        // A template with live connections holds whatever its age.
-        let held = (persist_ms > 0)
-            .then(|| self.templates.lock().get(&tpl_key).map(|&(id, _)| id))
-            .flatten();
-        if let Some(id) = held
-            && let Some(b) = set.backends.iter().find(|b| b.id == id)
-            && usable(b)
-        {
-            return Ok(b.clone());
-        }
+        // The client group's template, if it is fresh or held by live
+        // connections (a held one places whatever its age).
         if persist_ms > 0
             && let Some(tpl) = shared.conns.table.get(&tpl_key)
             && tpl.state == FlowState::Persist
-            && tpl.last_active.0 + persist_ms > now
+            && (tpl.held > 0 || tpl.last_active.0 + persist_ms > now)
             && let Some(b) = set.backends.iter().find(|b| b.id == tpl.backend.0)
             && usable(b)
         {
@@ -840,9 +881,15 @@ impl Service {
                 Refusal::NoBackend
             });
         };
-        if persist_ms > 0 {
+        if persist_ms > 0
+            && !shared
+                .conns
+                .table
+                .rebind(&tpl_key, BackendId(b.id), Millis(now))
+        {
             // The template (IPVS -p): client group -> backend, FlowState::Persist.
-            shared.conns.table.remove(&tpl_key);
+            // An existing one is moved (`rebind`), keeping the holds of
+            // the connections it placed before.
             let init = FlowInit {
                 owner: 0,
                 profile: params.profile,
@@ -856,7 +903,9 @@ impl Service {
                 .insert(tpl_key, init, Millis(now))
                 .is_err()
             {
-                tracing::debug!("persistence template not stored (table full)");
+                // Full, or another connection of the group stored one
+                // first (it wins, as a rebind would have).
+                tracing::debug!("persistence template not stored");
             }
         }
         Ok(b)

@@ -47,19 +47,43 @@ use super::{Backend, Refusal, Service, Shared};
 use crate::config::Forward;
 
 /// The owner token of packet flows: the packet path owns them, no task
-/// does. [`super::owners::Owners`] never hands out this token (nor
-/// [`PACKET_OWNER_COUNTED`]).
+/// does. It is `u32::MAX` less the flow's [`PacketOwner`] flags, four
+/// tokens that [`super::owners::Owners`] never hands out (its tokens stay
+/// below 2^24).
 pub(crate) const PACKET_OWNER: u32 = u32::MAX;
 
-/// The owner token of a packet flow counted against its client's cap
-/// (`tcp_max_connections_per_client` / `udp_max_sessions_per_client` was
-/// set when it opened), so its end gives that place back — and a flow
-/// opened while the cap was 0 gives back nothing it did not take.
-pub(crate) const PACKET_OWNER_COUNTED: u32 = u32::MAX - 1;
+/// What a packet flow took that its end gives back, kept in its owner
+/// token (the entry is the flow: there is nowhere else to keep it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PacketOwner {
+    /// Counted against its client's cap (`tcp_max_connections_per_client`
+    /// / `udp_max_sessions_per_client` was set when it opened), so its end
+    /// gives that place back — and a flow opened while the cap was 0 gives
+    /// back nothing it did not take.
+    pub(crate) counted: bool,
+    /// Holds its persistence template ([`Shared::hold_template`]), so its
+    /// end releases it — whatever the service's persistence is by then.
+    pub(crate) held: bool,
+}
+
+impl PacketOwner {
+    pub(crate) fn token(self) -> u32 {
+        PACKET_OWNER - u32::from(self.counted) - 2 * u32::from(self.held)
+    }
+
+    /// The flags of a packet flow's owner token; `None` for a task's.
+    pub(crate) fn of(owner: u32) -> Option<Self> {
+        let flags = PACKET_OWNER.checked_sub(owner).filter(|f| *f <= 3)?;
+        Some(Self {
+            counted: flags & 1 != 0,
+            held: flags & 2 != 0,
+        })
+    }
+}
 
 /// Whether an entry's owner is the packet path (no task to tell).
 pub(crate) fn is_packet_owner(owner: u32) -> bool {
-    owner >= PACKET_OWNER_COUNTED
+    PacketOwner::of(owner).is_some()
 }
 
 /// What the engine did with a frame.
@@ -1012,15 +1036,20 @@ impl Engine {
         };
         let nat = local.map_or(0, |l| self.path.slot_of(l));
         let state = first_state(pkt, vs.method);
+        // Held before the flow is stored, so its entry says whether its end
+        // releases a template; given back if the insert fails.
+        let template = (!params.persistence.is_zero())
+            .then(|| shared.hold_template(svc, &params, proto, key.client, backend.id))
+            .flatten();
         let init = FlowInit {
             service: ServiceId(svc.id),
             backend: BackendId(backend.id),
             state,
-            owner: if counted {
-                PACKET_OWNER_COUNTED
-            } else {
-                PACKET_OWNER
-            },
+            owner: PacketOwner {
+                counted,
+                held: template.is_some(),
+            }
+            .token(),
             profile: params.profile,
         };
         let reply = match (vs.method, std::num::NonZeroU32::new(nat)) {
@@ -1041,6 +1070,9 @@ impl Engine {
             Ok(h) => h,
             Err(e) => {
                 give_back(nat, Some(backend.id));
+                if let Some(tpl) = template {
+                    shared.release_template(tpl);
+                }
                 if matches!(e, weir_flowtable::InsertError::Exists(_)) {
                     return Err(None);
                 }
@@ -1054,9 +1086,6 @@ impl Engine {
             backend.active.fetch_add(1, Relaxed);
         } else {
             backend.inactive.fetch_add(1, Relaxed);
-        }
-        if !params.persistence.is_zero() {
-            shared.hold_template(svc, &params, proto, key.client, backend.id);
         }
         self.counters.new_flows.fetch_add(1, Relaxed);
         shared.accounting.stat.conn();
@@ -1174,13 +1203,19 @@ impl Shared {
             Proto::Tcp => crate::config::Protocol::Tcp,
             Proto::Udp => crate::config::Protocol::Udp,
         };
-        if snap.owner == PACKET_OWNER_COUNTED {
+        let flags = PacketOwner::of(snap.owner);
+        if flags.is_some_and(|f| f.counted) {
             svc.give_client_place(proto, snap.key.client.ip());
         }
-        let params = svc.params.load_full();
-        if !params.persistence.is_zero() {
-            let tpl = super::template_key(svc, &params, proto, snap.key.client);
-            self.release_template(svc, tpl);
+        if flags.is_some_and(|f| f.held) {
+            // The key under the current parameters: an edit that changed
+            // it dropped the service's templates, this one's included (see
+            // `hold_template`), so no hold outlives its flow. After such an
+            // edit the release finds nothing, or at worst ends one hold of
+            // the new key's template early (it may then expire while a flow
+            // it placed lives: the group is placed afresh, never stuck).
+            let params = svc.params.load();
+            self.release_template(super::template_key(svc, &params, proto, snap.key.client));
         }
     }
 }
@@ -1571,6 +1606,81 @@ mod tests {
             .unwrap()
             .clone();
         assert!(svc.tcp_per_client.lock().is_empty());
+        assert_eq!(d.shared.admission.active.load(Relaxed), 0);
+    }
+
+    /// Packet flows hold their client group's persistence template (the
+    /// entry's owner token says so), so it cannot expire while they live;
+    /// their end releases it whatever the service's persistence is by
+    /// then, and turning persistence off drops the templates.
+    #[test]
+    fn packet_flows_hold_their_persistence_template() {
+        use crate::control::Control as _;
+        let d = daemon_with("nat", "", "persistence = \"1s\"");
+        let mut e = engine(&d);
+        let syn = |c: &str| frame(sa(c), sa(VIP), Some(SYN), b"");
+        for c in ["192.0.2.7:1", "192.0.2.7:2"] {
+            assert_eq!(e.process(&mut syn(c)), Verdict::Transmit, "{c}");
+        }
+        let svc = d
+            .shared
+            .model
+            .load()
+            .services
+            .values()
+            .next()
+            .unwrap()
+            .clone();
+        let tpl = super::super::template_key(
+            &svc,
+            &svc.params.load(),
+            crate::config::Protocol::Tcp,
+            sa("192.0.2.7:1"),
+        );
+        let table = &d.shared.conns.table;
+        let t = table.get(&tpl).expect("the template");
+        assert_eq!((t.state, t.held), (FlowState::Persist, 2));
+        let mut flows = Vec::new();
+        table.dump(
+            None,
+            &weir_flowtable::DumpFilter::default(),
+            100,
+            &mut flows,
+        );
+        flows.retain(|s| s.state != FlowState::Persist);
+        assert_eq!(flows.len(), 2);
+        for f in &flows {
+            assert_eq!(f.backend, t.backend, "persistence placed {f:?}");
+            let owner = PacketOwner::of(f.owner).expect("a packet flow");
+            assert!(owner.held && !owner.counted, "{owner:?}");
+        }
+        // A longer persistence keeps the key: the templates stay, and the
+        // flows' ends release them.
+        let mut spec = svc.spec.read().clone();
+        spec.persistence = "5s".parse().unwrap();
+        d.control()
+            .edit_service("default", "web", spec.clone())
+            .unwrap();
+        let kill = |port: u16| {
+            d.shared.kill_where(
+                super::super::owners::Close::Killed,
+                &weir_flowtable::DumpFilter::default(),
+                |s| s.key.client == sa(&format!("192.0.2.7:{port}")),
+            )
+        };
+        assert_eq!(kill(1), 1);
+        assert_eq!(table.get(&tpl).map(|t| t.held), Some(1));
+        assert_eq!(kill(2), 1);
+        assert_eq!(table.get(&tpl).map(|t| t.held), Some(0));
+        // A third flow holds it again; persistence off drops it, and the
+        // flow's end then releases nothing.
+        assert_eq!(e.process(&mut syn("192.0.2.7:3")), Verdict::Transmit);
+        assert_eq!(table.get(&tpl).map(|t| t.held), Some(1));
+        spec.persistence = "0s".parse().unwrap();
+        d.control().edit_service("default", "web", spec).unwrap();
+        assert_eq!(table.get(&tpl), None);
+        assert_eq!(kill(3), 1);
+        assert_eq!(table.get(&tpl), None);
         assert_eq!(d.shared.admission.active.load(Relaxed), 0);
     }
 
