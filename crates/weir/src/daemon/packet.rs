@@ -1615,7 +1615,6 @@ mod tests {
     /// then, and turning persistence off drops the templates.
     #[test]
     fn packet_flows_hold_their_persistence_template() {
-        use crate::control::Control as _;
         let d = daemon_with("nat", "", "persistence = \"1s\"");
         let mut e = engine(&d);
         let syn = |c: &str| frame(sa(c), sa(VIP), Some(SYN), b"");
