@@ -610,6 +610,16 @@ impl FlowTable {
         Ok(())
     }
 
+    /// Whether any tenant's wheel has a retime pass under way (a timeout
+    /// was shortened): each [`expire`](Self::expire) call advances it by at
+    /// most [`RETIME_REFS`] references, so a caller with time to spare may
+    /// call again.
+    pub fn retiming(&self) -> bool {
+        let guard = epoch::pin();
+        let map = self.tenants.load(&guard);
+        map.map.values().any(|t| t.wheel.lock().retiming())
+    }
+
     /// Whether tenant `id`'s wheel has a retime pass under way, and the
     /// wheel references its last step examined (at most [`RETIME_REFS`]).
     #[doc(hidden)]
