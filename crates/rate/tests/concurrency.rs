@@ -17,10 +17,6 @@ fn cfg() -> Config {
 
 /// Runs a ticker with a fake clock advancing one slot per call until `stop`
 /// (at most `max_ticks` calls). Returns how many ticks ran estimators.
-fn ticker(engine: Engine, stop: Arc<AtomicBool>, max_ticks: u64) -> thread::JoinHandle<u64> {
-    ticker_counting(engine, stop, max_ticks, Arc::new(AtomicU64::new(0)))
-}
-
 fn ticker_counting(
     engine: Engine,
     stop: Arc<AtomicBool>,
@@ -139,7 +135,24 @@ fn add_and_remove_from_threads_while_ticking() {
     let engine = Engine::new(2, cfg()).unwrap();
     let stable: Vec<_> = (0..500).map(|_| engine.add()).collect();
     let stop = Arc::new(AtomicBool::new(false));
-    let t = ticker(engine.clone(), Arc::clone(&stop), 10_000_000);
+    let ticks = Arc::new(AtomicU64::new(0));
+    let t = ticker_counting(
+        engine.clone(),
+        Arc::clone(&stop),
+        10_000_000,
+        Arc::clone(&ticks),
+    );
+    // The churn must overlap ticking: on a loaded machine the ticker thread
+    // may not have run at all before the churners finish (CI saw
+    // `next_due()` still None below). Bounded wait for its first tick.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while ticks.load(Ordering::Acquire) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the ticker never ticked"
+        );
+        thread::yield_now();
+    }
     let churners: Vec<_> = (0..2)
         .map(|w| {
             let engine = engine.clone();
