@@ -306,7 +306,14 @@ fn table_entries(cfg: &Path, t: &str) -> Result<Option<u64>> {
 fn packet_stats(cfg: &Path) -> Result<serde_json::Value> {
     let out = weir_cli(cfg, &["stats", "--json"])?;
     let v: serde_json::Value = serde_json::from_str(&out).context("weir stats --json")?;
-    Ok(v["packet"].clone())
+    packet_of(&v).context("weir stats --json has no global.packet")
+}
+
+/// The packet-mode counters in `weir stats --json`: `global.packet`.
+fn packet_of(stats: &serde_json::Value) -> Option<serde_json::Value> {
+    stats["global"]["packet"]
+        .is_object()
+        .then(|| stats["global"]["packet"].clone())
 }
 
 /// Where a fill's frames went: sent by the generator, received by weir (the
@@ -877,6 +884,15 @@ mod tests {
             "{c}"
         );
         assert!(c.contains("fill(0x00, 18)"), "{c}");
+    }
+
+    /// The counters are read where `weir stats --json` puts them (the
+    /// first recorded run read `packet` at the top and got zeros).
+    #[test]
+    fn packet_counters_come_from_global_packet() {
+        let stats = json!({"global": {"packet": {"rx": 7, "new_flows": 3}}, "services": []});
+        assert_eq!(packet_of(&stats), Some(json!({"rx": 7, "new_flows": 3})));
+        assert_eq!(packet_of(&json!({"packet": {"rx": 7}})), None);
     }
 
     #[test]
