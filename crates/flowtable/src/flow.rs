@@ -14,7 +14,10 @@ use crate::cursor::Cursor;
 use crate::index::{Hash, Index, Put, REPLY_WAY};
 use crate::node::{Arena, Node, PackedKey, PackedReply, Slab, UNFILED};
 use crate::raw::EpochCell;
-use crate::table::{FreePool, NODE_CACHES, NodeCache, Table, ref_current, ref_idx, thread_slot};
+use crate::table::{
+    FreePool, NODE_CACHES, NodeCache, Table, cookie_idx, next_cookie, ref_current, ref_idx,
+    thread_slot,
+};
 use crate::types::*;
 use crate::wheel::Wheel;
 
@@ -304,7 +307,6 @@ pub struct FlowTable {
     pool: Arc<FreePool>,
     /// Per-thread-slot node caches (never held while a bucket is locked).
     caches: Box<[CachePadded<Mutex<NodeCache>>]>,
-    cookies: CachePadded<AtomicU64>,
     shared: Arc<Table>,
     tenants: EpochCell<TenantMap>,
     maint: Mutex<Maint>,
@@ -361,7 +363,6 @@ impl FlowTable {
             slab: Slab::new(),
             pool: Arc::new(FreePool::default()),
             caches: (0..NODE_CACHES).map(|_| CachePadded::default()).collect(),
-            cookies: CachePadded::new(AtomicU64::new(1)),
             shared: Arc::new(shared),
             tenants: EpochCell::new(TenantMap::default()),
             maint: Mutex::new(Maint::default()),
@@ -820,7 +821,9 @@ impl FlowTable {
                 t.refused.fetch_add(1, Relaxed);
                 return Err(InsertError::ChainFull);
             };
-            (idx, c.next_cookie(&self.cookies))
+            // The node is ours until it is published: its last cookie
+            // (kept when it was freed) gives the next one.
+            (idx, next_cookie(self.slab.node(idx).cookie(), idx))
         };
         let nat = match reply {
             Some(ReplyMode::FullNat(n)) => n.get(),
@@ -932,6 +935,24 @@ impl FlowTable {
     fn handle_node(&self, h: Handle) -> Option<Node<'_>> {
         let n = self.slab.node_checked(h.idx)?;
         (n.cookie() == h.cookie.0 && n.is_live()).then_some(n)
+    }
+
+    /// The handle of the entry named by `cookie` (a cookie names its node:
+    /// see [`Cookie`]). Like any handle it may be stale: the reads and
+    /// removals that take it check the node's cookie and live bit, so an
+    /// entry that ended, or a cookie that never was, finds nothing.
+    pub fn handle_of(cookie: Cookie) -> Handle {
+        Handle {
+            idx: cookie_idx(cookie.0),
+            cookie,
+        }
+    }
+
+    /// The entry named by `cookie`, if it is live: one node read, no
+    /// search ([`get_handle`](Self::get_handle) of
+    /// [`handle_of`](Self::handle_of)).
+    pub fn get_cookie(&self, cookie: Cookie) -> Option<FlowSnapshot> {
+        self.get_handle(Self::handle_of(cookie))
     }
 
     /// Lock-free lookup; writes nothing shared.

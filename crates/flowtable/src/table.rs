@@ -25,11 +25,9 @@ pub(crate) struct FreePool {
 const BATCH: usize = 64;
 /// Node caches per `FlowTable` (threads map onto them round-robin).
 pub(crate) const NODE_CACHES: usize = 8;
-/// Cookies a node cache reserves from the global counter at once.
-const COOKIE_BLOCK: u64 = 256;
 
 /// A thread's cache of free node indices, of removed nodes waiting for their
-/// grace period, of cookies, and of inserted nodes not yet filed in their
+/// grace period, and of inserted nodes not yet filed in their
 /// tenant's expiry wheel. One per thread slot ([`thread_slot`]): a freed
 /// node is reused a grace period plus at most 2 x 64 of the thread's own
 /// operations later, while its lines are still cached.
@@ -37,8 +35,6 @@ const COOKIE_BLOCK: u64 = 256;
 pub(crate) struct NodeCache {
     free: Vec<u32>,
     pending: Vec<u32>,
-    cookie_next: u64,
-    cookie_end: u64,
     /// Inserted (or re-stated) nodes not yet filed, as [`filing_ref`]s.
     pub(crate) new_nodes: Vec<u32>,
     compact_at: usize,
@@ -49,8 +45,6 @@ impl Default for NodeCache {
         NodeCache {
             free: Vec::new(),
             pending: Vec::new(),
-            cookie_next: 0,
-            cookie_end: 0,
             new_nodes: Vec::new(),
             compact_at: 1024,
         }
@@ -72,7 +66,29 @@ pub(crate) fn thread_slot() -> usize {
 /// reference, which expiry tolerates (slot check).
 #[inline]
 pub(crate) fn filing_ref(idx: u32, cookie: u64) -> u32 {
-    idx | ((cookie as u32) << IDX_BITS)
+    idx | (((cookie >> IDX_BITS) as u32) << IDX_BITS)
+}
+
+/// Uses of one node a cookie counts before it wraps (2^28 - 1).
+const COOKIE_USES: u64 = (1 << 28) - 1;
+
+/// The cookie of the next entry at node `idx`, whose previous entry had
+/// cookie `prev` (0 for a node never used): the node's index in the low 28
+/// bits and the node's use count (1 ..= 2^28 - 1) above them. So a cookie
+/// names its node ([`cookie_idx`]: `weir kill COOKIE` is one node read, not
+/// a search), it is never 0, it stays below 2^56 (the daemon's owner word
+/// keeps 8 bits beside it), and it is unique until one node has been used
+/// 268 million times.
+pub(crate) fn next_cookie(prev: u64, idx: u32) -> u64 {
+    let uses = (prev >> IDX_BITS) % COOKIE_USES + 1;
+    uses << IDX_BITS | u64::from(idx)
+}
+
+/// The node a cookie was made for (see [`next_cookie`]); the node's own
+/// cookie and live bit say whether the entry is still there.
+#[inline]
+pub(crate) fn cookie_idx(cookie: u64) -> u32 {
+    (cookie as u32) & NIL
 }
 
 /// The node index of a [`filing_ref`].
@@ -132,18 +148,6 @@ impl NodeCache {
             // not held here.
             guard.flush();
         }
-    }
-
-    /// Next cookie: unique across the whole `FlowTable` (blocks come from one
-    /// counter), never 0.
-    pub(crate) fn next_cookie(&mut self, global: &AtomicU64) -> u64 {
-        if self.cookie_next == self.cookie_end {
-            self.cookie_next = global.fetch_add(COOKIE_BLOCK, Relaxed);
-            self.cookie_end = self.cookie_next + COOKIE_BLOCK;
-        }
-        let c = self.cookie_next;
-        self.cookie_next += 1;
-        c
     }
 
     /// Records node `idx` (entry `cookie`) for filing in its tenant's wheel.

@@ -233,8 +233,10 @@ impl Millis {
     }
 }
 
-/// Per-entry id, never 0, unique for the table's lifetime (never reused),
-/// increasing in insertion order within one hash chain.
+/// Per-entry id, never 0, below 2^56: the entry's node index (low 28 bits)
+/// and that node's use count (above), so a cookie names its node
+/// ([`FlowTable::handle_of`](crate::FlowTable::handle_of)) and is unique
+/// until one node is reused 2^28 - 1 times.
 #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
 pub struct Cookie(pub u64);
 

@@ -208,6 +208,10 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Get(k) => {
                 let key = k.key();
                 prop_assert_eq!(t.get(&key), model.get(&key).map(|m| expect(&key, m, &tmo)));
+                // A cookie names its entry: the same snapshot, one read.
+                if let Some(m) = model.get(&key) {
+                    prop_assert_eq!(t.get_cookie(m.cookie), Some(expect(&key, m, &tmo)));
+                }
             }
             Op::Touch(k, out, bytes) => {
                 let key = k.key();
@@ -414,6 +418,16 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             let n = model.keys().filter(|k| k.tenant.0 == id).count() as u64;
             prop_assert_eq!(st.entries, n);
             prop_assert_eq!(st.chain_histogram.iter().sum::<u64>(), st.buckets as u64);
+        }
+    }
+    // Every cookie ever handed out reaches its entry while it lives and
+    // nothing once it ended (its node may hold a newer entry by now).
+    let live: HashMap<u64, FlowKey> = model.iter().map(|(k, m)| (m.cookie.0, *k)).collect();
+    for &c in &cookies {
+        let got = t.get_cookie(Cookie(c));
+        match live.get(&c) {
+            Some(k) => prop_assert_eq!(got, Some(expect(k, &model[k], &tmo))),
+            None => prop_assert_eq!(got, None, "ended cookie {:x} still found", c),
         }
     }
     // Held templates wait for their connections: release every hold.

@@ -381,8 +381,9 @@ pub trait Control: Send + Sync + 'static {
         cursor: Option<&str>,
         limit: usize,
     ) -> ControlResult<ConnPage>;
-    /// Kill one connection by cookie.
-    fn kill(&self, cookie: u64) -> ControlResult<()>;
+    /// Kill one connection (or packet flow) by cookie; with `tenant`, only
+    /// if it is that tenant's (a tenant-scoped caller), else NotFound.
+    fn kill(&self, cookie: u64, tenant: Option<&str>) -> ControlResult<()>;
     /// Kill every connection matching the filter; returns how many.
     fn kill_matching(&self, filter: &ConnFilter) -> ControlResult<u64>;
 

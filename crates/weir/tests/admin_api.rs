@@ -1117,8 +1117,8 @@ fn control_panics_become_500_not_a_dead_connection() {
         ) -> weir::control::ControlResult<weir::control::ConnPage> {
             self.0.connections(f, c, l)
         }
-        fn kill(&self, c: u64) -> weir::control::ControlResult<()> {
-            self.0.kill(c)
+        fn kill(&self, c: u64, t: Option<&str>) -> weir::control::ControlResult<()> {
+            self.0.kill(c, t)
         }
         fn kill_matching(
             &self,

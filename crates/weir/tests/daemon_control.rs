@@ -234,14 +234,26 @@ fn kill_by_cookie_and_by_filter_close_the_sockets() {
         .find(|x| x.client == mine)
         .unwrap()
         .cookie;
-    c.kill(cookie).unwrap();
+    // A tenant-scoped kill reaches only that tenant's connections.
+    c.add_tenant(TenantSpec {
+        name: "other".into(),
+        ..Default::default()
+    })
+    .unwrap();
+    for t in ["other", "nosuch"] {
+        let e = c.kill(cookie, Some(t)).unwrap_err();
+        assert_eq!(e.kind, weir::control::ErrorKind::NotFound, "{t}: {e:?}");
+    }
+    let live = c.connections(&ConnFilter::default(), None, 10).unwrap();
+    assert!(live.connections.iter().any(|x| x.cookie == cookie));
+    c.kill(cookie, Some("default")).unwrap();
     let mut b = [0u8; 1];
     assert!(matches!(one.read(&mut b), Ok(0) | Err(_)));
-    assert!(c.kill(cookie).is_err() || wait_until(T, || c.kill(cookie).is_err()));
+    assert!(c.kill(cookie, None).is_err() || wait_until(T, || c.kill(cookie, None).is_err()));
     // Any number is a clear "not found", never a panic (the admin API's
     // fuzzer found u64::MAX overflowing the owner slots' cookie word).
     for bogus in [u64::MAX, 1 << 56, 0] {
-        let e = c.kill(bogus).unwrap_err();
+        let e = c.kill(bogus, None).unwrap_err();
         assert_eq!(e.kind, weir::control::ErrorKind::NotFound, "{bogus}: {e:?}");
     }
     let n = c

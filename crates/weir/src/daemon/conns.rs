@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 
 use tokio_util::sync::CancellationToken;
 use weir_flowtable::{
-    BackendId, DumpFilter, FlowInit, FlowKey, FlowSnapshot, FlowState, FlowTable, Handle, Millis,
-    Proto, ServiceId, TenantId,
+    BackendId, Cookie, DumpFilter, FlowInit, FlowKey, FlowSnapshot, FlowState, FlowTable, Handle,
+    Millis, Proto, ServiceId, TenantId,
 };
 
 use super::owners::{self, Close};
@@ -319,6 +319,31 @@ impl Shared {
                 Some(c) => cursor = Some(c),
                 None => return n,
             }
+        }
+    }
+
+    /// Ends the connection or packet flow named by `cookie` (its node, one
+    /// read: see [`weir_flowtable::Cookie`]): a connection's task is told,
+    /// a packet flow's entry is removed and settled here. `false` if no
+    /// live connection or flow has that cookie (a persistence template is
+    /// not one), or it is not tenant `only`'s.
+    pub(crate) fn kill_cookie(&self, cookie: Cookie, only: Option<TenantId>, why: Close) -> bool {
+        let table = &self.conns.table;
+        let Some(snap) = table.get_cookie(cookie) else {
+            return false;
+        };
+        if snap.owner == 0 || only.is_some_and(|t| t != snap.key.tenant) {
+            return false;
+        }
+        if !packet::is_packet_owner(snap.owner) {
+            return self.conns.owners.kill(snap.owner, cookie.0, why);
+        }
+        match table.remove_handle(FlowTable::handle_of(cookie)) {
+            Some(gone) => {
+                self.ended(std::slice::from_ref(&gone), why);
+                true
+            }
+            None => false,
         }
     }
 

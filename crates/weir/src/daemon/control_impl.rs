@@ -764,22 +764,21 @@ impl Control for LiveControl {
         })
     }
 
-    fn kill(&self, cookie: u64) -> ControlResult<()> {
-        match self.0.conns.owners.find(cookie) {
-            Some(token) if self.0.conns.owners.kill(token, cookie, Close::Killed) => Ok(()),
-            // A packet flow has no owner task: find its entry (a dump of
-            // the packet flows, O(table) — kill by filter is the bulk tool).
-            None if self.0.packet.get().is_some()
-                && self
-                    .0
-                    .kill_where(Close::Killed, &DumpFilter::default(), |s| {
-                        s.cookie.0 == cookie && super::packet::is_packet_owner(s.owner)
-                    })
-                    > 0 =>
-            {
-                Ok(())
-            }
-            _ => Err(not_found(format!("no connection with cookie {cookie}"))),
+    fn kill(&self, cookie: u64, tenant: Option<&str>) -> ControlResult<()> {
+        let only = match tenant {
+            Some(t) => match self.0.model.load().tenants.get(t) {
+                Some(t) => Some(weir_flowtable::TenantId(t.id)),
+                None => return Err(not_found(format!("tenant {t:?} does not exist"))),
+            },
+            None => None,
+        };
+        if self
+            .0
+            .kill_cookie(weir_flowtable::Cookie(cookie), only, Close::Killed)
+        {
+            Ok(())
+        } else {
+            Err(not_found(format!("no connection with cookie {cookie}")))
         }
     }
 

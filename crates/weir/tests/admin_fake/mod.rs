@@ -464,12 +464,17 @@ impl Control for Fake {
         })
     }
 
-    fn kill(&self, cookie: u64) -> ControlResult<()> {
+    fn kill(&self, cookie: u64, tenant: Option<&str>) -> ControlResult<()> {
         let mut st = self.st.lock().unwrap();
-        st.conns
-            .remove(&cookie)
-            .map(|_| ())
-            .ok_or_else(|| nf(format!("no connection {cookie}")))
+        if st
+            .conns
+            .get(&cookie)
+            .is_none_or(|c| tenant.is_some_and(|t| t != c.tenant))
+        {
+            return Err(nf(format!("no connection {cookie}")));
+        }
+        st.conns.remove(&cookie);
+        Ok(())
     }
 
     fn kill_matching(&self, filter: &ConnFilter) -> ControlResult<u64> {
