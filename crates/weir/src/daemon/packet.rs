@@ -140,10 +140,13 @@ pub(crate) enum Drop {
     /// A first packet while the daemon drains (no new flows; the live ones
     /// go on until they end or the drain timeout).
     Draining,
+    /// Too big, and not answered: the worker's budget for the ICMP errors
+    /// it sends ([`IcmpBudget`]) is spent for now.
+    IcmpLimited,
 }
 
 impl Drop {
-    pub(crate) const ALL: [Drop; 14] = [
+    pub(crate) const ALL: [Drop; 15] = [
         Drop::NotOurs,
         Drop::NoFlow,
         Drop::Refused,
@@ -158,6 +161,7 @@ impl Drop {
         Drop::Rewrite,
         Drop::TooBig,
         Drop::Draining,
+        Drop::IcmpLimited,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -176,7 +180,47 @@ impl Drop {
             Drop::Rewrite => "rewrite",
             Drop::TooBig => "too_big",
             Drop::Draining => "draining",
+            Drop::IcmpLimited => "icmp_limited",
         }
+    }
+}
+
+/// The ICMP errors a worker sends (`too_big` answers): a token bucket of
+/// [`IcmpBudget::PER_SEC`] a second and bursts of [`IcmpBudget::BURST`],
+/// Linux's defaults for the same job (`net.ipv4.icmp_msgs_per_sec`,
+/// `icmp_msgs_burst`). Each answer is smaller than the packet it answers,
+/// but a peer sending oversized packets on its flow at line rate would
+/// otherwise have weir spend a rewrite and a transmit on every one.
+#[derive(Debug)]
+pub(crate) struct IcmpBudget {
+    tokens: u64,
+    /// When the tokens were last topped up (ms on the daemon's clock).
+    at: u64,
+}
+
+impl IcmpBudget {
+    pub(crate) const PER_SEC: u64 = 1_000;
+    pub(crate) const BURST: u64 = 50;
+
+    fn new() -> Self {
+        Self {
+            tokens: Self::BURST,
+            at: 0,
+        }
+    }
+
+    /// Takes a token if there is one at `now` (ms).
+    fn take(&mut self, now: u64) -> bool {
+        let earned = now.saturating_sub(self.at).saturating_mul(Self::PER_SEC) / 1_000;
+        if earned > 0 {
+            self.tokens = (self.tokens + earned).min(Self::BURST);
+            self.at = now;
+        }
+        if self.tokens == 0 {
+            return false;
+        }
+        self.tokens -= 1;
+        true
     }
 }
 
@@ -479,6 +523,8 @@ pub(crate) struct Engine {
     /// The interfaces' MTUs and addresses, and when they were read (ms).
     links: Vec<Link>,
     links_at: Option<u64>,
+    /// What is left of this worker's budget for the ICMP errors it sends.
+    icmp_budget: IcmpBudget,
     /// Per-batch scratch, kept to allocate nothing per batch.
     parsed: Vec<(Result<Packet, Unhandled>, Option<Matched>)>,
     probes: Vec<Probe>,
@@ -532,6 +578,7 @@ impl Engine {
             egress,
             links: Vec::new(),
             links_at: None,
+            icmp_budget: IcmpBudget::new(),
             parsed: Vec::new(),
             probes: Vec::new(),
             found: Vec::new(),
@@ -571,6 +618,13 @@ impl Engine {
     /// counted and [`Verdict::Drop`].
     #[cfg(test)]
     pub(crate) fn process(&mut self, frame: &mut [u8]) -> Verdict {
+        let now = Millis(self.shared.now_ms());
+        self.process_at(frame, now)
+    }
+
+    /// [`Self::process`] at `now` on the daemon's clock.
+    #[cfg(test)]
+    pub(crate) fn process_at(&mut self, frame: &mut [u8], now: Millis) -> Verdict {
         self.counters.rx.fetch_add(1, Relaxed);
         let pkt = match weir_packet::parse(frame) {
             Ok(p) => p,
@@ -579,7 +633,6 @@ impl Engine {
                 return Verdict::Drop;
             }
         };
-        let now = Millis(self.shared.now_ms());
         self.refresh_links(now);
         self.process_parsed(frame, &pkt, None, CsumMode::Full, now)
     }
@@ -745,7 +798,7 @@ impl Engine {
             Ok(r) => r,
             Err(d) => return self.drop_(d),
         };
-        if let Some(v) = self.too_big(frame, pkt, out) {
+        if let Some(v) = self.too_big(frame, pkt, out, now) {
             return v;
         }
         let r = weir_packet::rewrite(frame, pkt, vs.method, direction, &mapping, &hop, mode);
@@ -754,7 +807,13 @@ impl Engine {
 
     /// A router's MTU check: `None` if the packet fits the interface `out`
     /// sends it from; else the frame answered (or dropped) as too big.
-    fn too_big(&mut self, frame: &mut [u8], pkt: &Packet, out: Verdict) -> Option<Verdict> {
+    fn too_big(
+        &mut self,
+        frame: &mut [u8],
+        pkt: &Packet,
+        out: Verdict,
+        now: Millis,
+    ) -> Option<Verdict> {
         let ix = match out {
             Verdict::Egress(ix) => ix,
             _ => self.rx_ifindex,
@@ -771,6 +830,11 @@ impl Engine {
             IpAddr::V6(d) => IpAddr::V6(back.and_then(|l| l.v6).unwrap_or(d)),
         };
         Some(match weir_packet::icmp::too_big(frame, pkt, mtu, src) {
+            // The answer is written over the frame; past the budget it is
+            // not sent (the frame is dropped all the same).
+            Ok(weir_packet::TooBig::Answer { .. }) if !self.icmp_budget.take(now.0) => {
+                self.drop_(Drop::IcmpLimited)
+            }
             Ok(weir_packet::TooBig::Answer { len }) => {
                 self.drop_(Drop::TooBig);
                 Verdict::Answer(len)
@@ -1538,6 +1602,72 @@ mod tests {
         let mut small = frame(client, sa(VIP), Some(ACK), &[7; 1200]);
         assert_eq!(e.process(&mut small), Verdict::Transmit);
         assert_eq!(counted(&e, Drop::TooBig), 1);
+    }
+
+    /// `weir kill COOKIE` of a packet flow: the cookie names its entry (one
+    /// node read, no search), which is removed and settled — admission
+    /// slot and template hold given back. A second kill, another tenant's
+    /// kill and a persistence template's cookie find nothing.
+    #[test]
+    fn a_packet_flow_is_killed_by_its_cookie() {
+        let d = daemon_with("nat", "", "persistence = \"1s\"");
+        let mut e = engine(&d);
+        let mut syn = frame(sa("192.0.2.7:1"), sa(VIP), Some(SYN), b"");
+        assert_eq!(e.process(&mut syn), Verdict::Transmit);
+        let table = &d.shared.conns.table;
+        let mut all = Vec::new();
+        table.dump(None, &weir_flowtable::DumpFilter::default(), 100, &mut all);
+        let (tpl, flow): (Vec<_>, Vec<_>) =
+            all.into_iter().partition(|s| s.state == FlowState::Persist);
+        let (tpl, flow) = (&tpl[0], &flow[0]);
+        assert_eq!(tpl.held, 1);
+        let c = d.control();
+        let not_found = |r: crate::control::ControlResult<()>| matches!(r, Err(e) if e.kind == crate::control::ErrorKind::NotFound);
+        assert!(
+            not_found(c.kill(tpl.cookie.0, None)),
+            "a template is no connection"
+        );
+        assert!(not_found(c.kill(flow.cookie.0, Some("nosuch"))));
+        assert_eq!(d.shared.admission.active.load(Relaxed), 1);
+        c.kill(flow.cookie.0, Some("default")).unwrap();
+        assert_eq!(table.get_cookie(flow.cookie), None);
+        assert_eq!(d.shared.admission.active.load(Relaxed), 0);
+        assert_eq!(table.get(&tpl.key).map(|t| t.held), Some(0));
+        assert!(not_found(c.kill(flow.cookie.0, None)));
+    }
+
+    /// The ICMP errors a worker sends are rate-limited as Linux limits its
+    /// own: a burst of 50, then one per millisecond; an oversized packet
+    /// past the budget is dropped unanswered and counted.
+    #[test]
+    fn too_big_answers_are_rate_limited() {
+        let d = daemon("nat", "");
+        let shared = d.shared.clone();
+        let path = shared.packet.get().unwrap().clone();
+        let mut e = Engine::new(shared, path, Box::new(SmallMtu), vec![1], 7);
+        let client = sa("192.0.2.7:5555");
+        let t0 = d.shared.now_ms();
+        let at = |ms: u64| Millis(t0 + ms);
+        let mut syn = frame(client, sa(VIP), Some(SYN), b"");
+        assert_eq!(e.process_at(&mut syn, at(0)), Verdict::Transmit);
+        let big = frame(client, sa(VIP), Some(ACK), &[7; 1400]);
+        let answered = |e: &mut Engine, n: u64, now: Millis| {
+            (0..n)
+                .filter(|_| matches!(e.process_at(&mut big.clone(), now), Verdict::Answer(_)))
+                .count() as u64
+        };
+        let burst = IcmpBudget::BURST;
+        assert_eq!(answered(&mut e, burst + 20, at(0)), burst);
+        assert_eq!(counted(&e, Drop::IcmpLimited), 20);
+        // 5 ms later: 5 more tokens, no more.
+        assert_eq!(answered(&mut e, 20, at(5)), 5);
+        // A quiet second refills the burst, not more.
+        assert_eq!(answered(&mut e, burst + 20, at(2_000)), burst);
+        assert_eq!(counted(&e, Drop::IcmpLimited), 20 + 15 + 20);
+        assert_eq!(counted(&e, Drop::TooBig), 2 * burst + 5);
+        // Packets that fit are not held back by a spent budget.
+        let mut small = frame(client, sa(VIP), Some(ACK), &[7; 1200]);
+        assert_eq!(e.process_at(&mut small, at(2_000)), Verdict::Transmit);
     }
 
     /// While the daemon drains, first packets open no flow; live flows go on.
