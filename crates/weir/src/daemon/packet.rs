@@ -1348,6 +1348,18 @@ mod tests {
         super::super::Daemon::start_inner(cfg, None, false).unwrap()
     }
 
+    /// The test daemon's one service.
+    fn the_service(d: &super::super::DaemonHandle) -> Arc<Service> {
+        d.shared
+            .model
+            .load()
+            .services
+            .values()
+            .next()
+            .unwrap()
+            .clone()
+    }
+
     fn engine(d: &super::super::DaemonHandle) -> Engine {
         let shared = d.shared.clone();
         let path = shared.packet.get().unwrap().clone();
@@ -1440,16 +1452,7 @@ mod tests {
         let snap = d.shared.conns.table.get(&key).unwrap();
         assert_eq!(snap.state, FlowState::Established);
         assert_eq!((snap.packets_in, snap.packets_out), (2, 1));
-        let b1 = d
-            .shared
-            .model
-            .load()
-            .services
-            .values()
-            .next()
-            .unwrap()
-            .backend(snap.backend.0)
-            .unwrap();
+        let b1 = the_service(&d).backend(snap.backend.0).unwrap();
         assert_eq!((b1.active.load(Relaxed), b1.inactive.load(Relaxed)), (1, 0));
         // A second client goes to the other backend.
         let mut syn2 = frame(sa("192.0.2.8:1234"), sa(VIP), Some(SYN), b"");
@@ -1476,17 +1479,7 @@ mod tests {
         );
 
         let d = daemon("nat", "");
-        {
-            let st = d.shared.model.load();
-            st.services
-                .values()
-                .next()
-                .unwrap()
-                .spec
-                .write()
-                .options
-                .sloppy_tcp = true;
-        }
+        the_service(&d).spec.write().options.sloppy_tcp = true;
         d.shared.services_changed();
         let mut e = engine(&d);
         let mut ack = frame(sa("192.0.2.7:40000"), sa(VIP), Some(ACK), b"x");
@@ -1726,15 +1719,7 @@ mod tests {
             &weir_flowtable::DumpFilter::default(),
             |_| true,
         );
-        let svc = d
-            .shared
-            .model
-            .load()
-            .services
-            .values()
-            .next()
-            .unwrap()
-            .clone();
+        let svc = the_service(&d);
         assert!(svc.tcp_per_client.lock().is_empty());
         assert_eq!(d.shared.admission.active.load(Relaxed), 0);
     }
@@ -1751,15 +1736,7 @@ mod tests {
         for c in ["192.0.2.7:1", "192.0.2.7:2"] {
             assert_eq!(e.process(&mut syn(c)), Verdict::Transmit, "{c}");
         }
-        let svc = d
-            .shared
-            .model
-            .load()
-            .services
-            .values()
-            .next()
-            .unwrap()
-            .clone();
+        let svc = the_service(&d);
         let tpl = super::super::template_key(
             &svc,
             &svc.params.load(),
@@ -1944,8 +1921,7 @@ mod tests {
     fn fnat_ports_come_back_when_the_backend_is_removed() {
         let d = daemon("fnat", "");
         {
-            let st = d.shared.model.load();
-            let svc = st.services.values().next().unwrap();
+            let svc = the_service(&d);
             let mut p = (**svc.params.load()).clone();
             p.expire_nodest_conn = true;
             svc.params.store(Arc::new(p));
