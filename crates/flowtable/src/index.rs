@@ -273,12 +273,33 @@ impl Drop for Locked<'_> {
     }
 }
 
+/// Bytes of bucket arrays of every index alive in the process: each
+/// table's current one, a resize's successor, and replaced ones whose
+/// grace period has not ended (see [`index_bytes_alive`]).
+static INDEX_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Bytes of index bucket arrays alive in this process, whatever table
+/// holds them: lets a test check that a resize frees the index it replaced
+/// (tests/index_reclaim.rs).
+#[doc(hidden)]
+pub fn index_bytes_alive() -> usize {
+    INDEX_BYTES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+impl Drop for Index {
+    fn drop(&mut self) {
+        INDEX_BYTES.fetch_sub(self.buckets.bytes(), std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 impl Index {
     /// An index of `n` buckets (`1..=2^32`); `None` if the allocation fails.
     pub(crate) fn try_new(n: usize) -> Option<Index> {
         let n = n.clamp(1, 1 << 32);
+        let buckets = HugeArray::zeroed(n)?;
+        INDEX_BYTES.fetch_add(buckets.bytes(), std::sync::atomic::Ordering::Relaxed);
         Some(Index {
-            buckets: HugeArray::zeroed(n)?,
+            buckets,
             n: n as u64,
             pool: Pool::new(),
             successor: OnceLock::new(),

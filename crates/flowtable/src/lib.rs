@@ -91,6 +91,8 @@ mod wheel;
 
 pub use cursor::Cursor;
 pub use flow::{FlowTable, LOOKUP_BATCH, RETIME_REFS, Reader};
+#[doc(hidden)]
+pub use index::index_bytes_alive;
 pub use types::*;
 
 #[cfg(loom)]
