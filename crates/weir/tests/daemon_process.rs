@@ -223,10 +223,9 @@ fn sh_and_mh_map_clients_alike_across_restarts() {
     let mut maps = Vec::new();
     for _run in 0..2 {
         let mut child = spawn_run(&p, None);
-        assert!(
-            wait_until(T, || vips.iter().all(|v| echo_once(*v, b"up"))),
-            "daemon did not come up"
-        );
+        for vip in &vips {
+            wait_up(&mut child, *vip, T);
+        }
         let map: Vec<Option<usize>> = vips
             .iter()
             .flat_map(|vip| (10..60u8).map(|h| served_by(h, *vip, &backends)))
