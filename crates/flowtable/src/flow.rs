@@ -69,15 +69,17 @@ struct Tenant {
 impl Tenant {
     #[inline]
     fn timeout(&self, st: FlowState, profile: u16) -> u64 {
-        if profile == 0 {
-            return self.timeouts[st.code() as usize].load(Relaxed);
-        }
-        let p = self.profiles.read();
-        match p.resolved.get(usize::from(profile) - 1) {
-            Some(r) => r[st.code() as usize],
-            // Not a profile of this tenant: its own timeouts.
-            None => self.timeouts[st.code() as usize].load(Relaxed),
-        }
+        let t = if profile == 0 {
+            self.timeouts[st.code() as usize].load(Relaxed)
+        } else {
+            let p = self.profiles.read();
+            match p.resolved.get(usize::from(profile) - 1) {
+                Some(r) => r[st.code() as usize],
+                // Not a profile of this tenant: its own timeouts.
+                None => self.timeouts[st.code() as usize].load(Relaxed),
+            }
+        };
+        t.min(crate::types::MAX_TIMEOUT_MS)
     }
 
     fn base(&self) -> [u64; 10] {
@@ -161,8 +163,9 @@ impl Reader<'_> {
     /// Like [`FlowTable::get`].
     #[inline]
     pub fn get(&self, key: &FlowKey) -> Option<FlowSnapshot> {
-        self.table
-            .lookup_in(&self.guard, key, |t, n| n.snapshot(|s, p| t.timeout(s, p)))
+        self.table.lookup_in(&self.guard, key, |t, n| {
+            n.snapshot(self.table.near(), |s, p| t.timeout(s, p))
+        })
     }
 
     /// Like [`FlowTable::touch`].
@@ -315,6 +318,25 @@ pub struct FlowTable {
     /// Bytes own tables hold now (bucket lines), for the budget.
     own_bytes: AtomicUsize,
     seed: u64,
+    /// The latest `now` an insert or an expiry call passed: what listings
+    /// widen entries' 32-bit activity times against (`node::widen`).
+    clock: AtomicU64,
+}
+
+impl FlowTable {
+    /// Notes a caller's `now` (see `clock`).
+    #[inline]
+    fn saw(&self, now: Millis) {
+        if self.clock.load(Relaxed) < now.0 {
+            self.clock.fetch_max(now.0, Relaxed);
+        }
+    }
+
+    /// A time near now, to widen entries' activity times against.
+    #[inline]
+    pub(crate) fn near(&self) -> u64 {
+        self.clock.load(Relaxed)
+    }
 }
 
 fn splitmix(mut x: u64) -> u64 {
@@ -370,6 +392,7 @@ impl FlowTable {
             memory_budget: cfg.memory_budget,
             own_bytes: AtomicUsize::new(0),
             seed,
+            clock: AtomicU64::new(0),
         }
     }
 
@@ -765,6 +788,7 @@ impl FlowTable {
     /// left, or `None` (nothing changed) if `key` has no live template or
     /// it is not held. Locks the key's bucket.
     pub fn release(&self, key: &FlowKey, now: Millis) -> Option<u32> {
+        self.saw(now);
         self.with_locked(key, |n| n.release_locked(now))
             .map(|left| u32::try_from(left).unwrap_or(u32::MAX))
     }
@@ -777,6 +801,7 @@ impl FlowTable {
     /// one, never a mix, and no hold or release is lost to the change (a
     /// remove and insert would drop the count).
     pub fn rebind(&self, key: &FlowKey, backend: BackendId, now: Millis) -> bool {
+        self.saw(now);
         self.with_locked(key, |n| n.rebind_locked(backend, now).then_some(()))
             .is_some()
     }
@@ -803,6 +828,7 @@ impl FlowTable {
         held: bool,
         now: Millis,
     ) -> Result<Handle, InsertError> {
+        self.saw(now);
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
         let t = map.map.get(&key.tenant.0).ok_or(InsertError::NoTenant)?;
@@ -957,7 +983,7 @@ impl FlowTable {
 
     /// Lock-free lookup; writes nothing shared.
     pub fn get(&self, key: &FlowKey) -> Option<FlowSnapshot> {
-        self.lookup_with(key, |t, n| n.snapshot(|s, p| t.timeout(s, p)))
+        self.lookup_with(key, |t, n| n.snapshot(self.near(), |s, p| t.timeout(s, p)))
     }
 
     /// The handle of `key`'s entry, if present.
@@ -1019,7 +1045,7 @@ impl FlowTable {
         let n = self.handle_node(h)?;
         let map = self.tenants.load(&guard);
         let t = map.map.get(&n.tenant())?;
-        let s = n.snapshot(|s, p| t.timeout(s, p));
+        let s = n.snapshot(self.near(), |s, p| t.timeout(s, p));
         (s.cookie == h.cookie).then_some(s)
     }
 
@@ -1205,7 +1231,7 @@ impl FlowTable {
                 n.clear_live();
                 drop(l);
             }
-            let snap = n.snapshot(|s, p| t.timeout(s, p));
+            let snap = n.snapshot(self.near(), |s, p| t.timeout(s, p));
             self.node_cache().retire(i, &guard, &self.pool);
             snap
         };
@@ -1251,7 +1277,7 @@ impl FlowTable {
                 n.clear_live();
             }
         }
-        let snap = n.snapshot(|s, p| t.timeout(s, p));
+        let snap = n.snapshot(self.near(), |s, p| t.timeout(s, p));
         t.add_entries(-1);
         self.node_cache().retire(idx, guard, &self.pool);
         Unlink::Removed(snap)
@@ -1296,7 +1322,7 @@ impl FlowTable {
                 }
                 if let Some((t, w)) = cur.as_mut() {
                     let deadline = n
-                        .last_active()
+                        .last_active(now)
                         .saturating_add(t.timeout(n.state(), n.profile()));
                     let slot = w.file(idx, deadline, now);
                     n.set_filed_slot(slot);
@@ -1355,6 +1381,7 @@ impl FlowTable {
     /// [`set_timeouts`](Self::set_timeouts)) adds at most [`RETIME_REFS`]
     /// wheel references per call, over all tenants.
     pub fn expire(&self, now: Millis, max: usize, out: &mut Vec<FlowSnapshot>) -> usize {
+        self.saw(now);
         if max == 0 {
             return 0;
         }
@@ -1390,7 +1417,7 @@ impl FlowTable {
                     |slot, i| {
                         let n = slab.node(i);
                         (n.is_live() && n.tenant() == id && n.filed_slot() == slot).then(|| {
-                            n.last_active()
+                            n.last_active(now)
                                 .saturating_add(t.timeout(n.state(), n.profile()))
                         })
                     },
@@ -1410,7 +1437,7 @@ impl FlowTable {
                         continue; // stale reference
                     }
                     let deadline = |n: Node<'_>| {
-                        n.last_active()
+                        n.last_active(now)
                             .saturating_add(t.timeout(n.state(), n.profile()))
                     };
                     let mut refile = true;
@@ -1584,7 +1611,7 @@ impl FlowTable {
                     continue;
                 }
                 if let Some(t) = map.map.get(&n.tenant()) {
-                    out.push(n.snapshot(|s, p| t.timeout(s, p)));
+                    out.push(n.snapshot(self.near(), |s, p| t.timeout(s, p)));
                     emitted += 1;
                 }
                 if emitted >= limit {
@@ -1752,7 +1779,7 @@ impl<'a> Dumper<'a, '_> {
             self.cached = self.map.map.get(&tid);
         }
         let Some(t) = self.cached else { return false };
-        let s = n.snapshot(|s, p| t.timeout(s, p));
+        let s = n.snapshot(self.ft.near(), |s, p| t.timeout(s, p));
         if s.cookie.0 != cookie {
             return false; // recycled under us
         }

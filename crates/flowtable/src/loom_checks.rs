@@ -69,6 +69,12 @@ fn hash(i: u32) -> u64 {
     (hi << 32) | u64::from(i % 2)
 }
 
+/// The cookie of node `i`'s first entry (use count 1): an unpublished node
+/// reads as use count 0, so comparing with this catches a torn publish.
+fn cookie_of(i: u32) -> u64 {
+    crate::table::next_cookie(0, i)
+}
+
 fn init(w: &World, i: u32, cookie: u64) {
     let init = FlowInit {
         service: ServiceId(i),
@@ -83,7 +89,7 @@ fn init(w: &World, i: u32, cookie: u64) {
 }
 
 fn insert(w: &World, i: u32) {
-    init(w, i, u64::from(i) + 1);
+    init(w, i, cookie_of(i));
     let h = Hash::new(hash(i));
     let (home, mut l) = w.index.lock_home(h);
     let r = home.put(&mut l, &w.nodes, h, Some(&key(i)), i, 64);
@@ -125,7 +131,7 @@ fn check_found(w: &World, i: u32) -> bool {
             // backend (written before and after it by `init`) must be there.
             assert_eq!(idx, i);
             let n = w.nodes.node(idx);
-            assert_eq!(n.cookie(), u64::from(i) + 1, "cookie not published");
+            assert_eq!(n.cookie(), cookie_of(i), "cookie not published");
             assert_eq!(n.backend(), BackendId(100 + i), "backend not published");
             true
         }
@@ -143,11 +149,7 @@ fn check_bucket_read(w: &World) -> Vec<u32> {
     for &i in &ids {
         let n = w.nodes.node(i);
         assert_eq!(n.key(), key(i), "dump read a torn key");
-        assert_eq!(
-            n.cookie(),
-            u64::from(i) + 1,
-            "dump read an unpublished cookie"
-        );
+        assert_eq!(n.cookie(), cookie_of(i), "dump read an unpublished cookie");
     }
     ids
 }
@@ -271,7 +273,7 @@ fn insert_reply(w: &World, i: u32, k: &PackedKey, backend: u32, rh: u32) -> Put 
     };
     w.nodes
         .node(i)
-        .init(k, &init, u64::from(i) + 1, Millis(5), 0, true);
+        .init(k, &init, cookie_of(i), Millis(5), 0, true);
     let h = Hash::new(hash(i));
     {
         let (home, mut l) = w.index.lock_home(h);
@@ -317,7 +319,7 @@ fn reply_key(i: u32) -> PackedReply {
 fn find_reply(w: &World, rk: &PackedReply, rh: u32) -> Option<u32> {
     let i = w.index.find(&w.nodes, Hash::new(hash(rh)), rk)?;
     let n = w.nodes.node(i);
-    assert_eq!(n.cookie(), u64::from(i) + 1, "cookie not published");
+    assert_eq!(n.cookie(), cookie_of(i), "cookie not published");
     assert_eq!(n.owner(), i, "owner not published");
     assert_eq!(n.reply_key(), *rk, "found another flow's reply entry");
     Some(i)
@@ -466,7 +468,7 @@ fn template_world(i: u32, held: u64) -> Arc<World> {
         profile: 0,
     };
     let n = w.nodes.node(i);
-    n.init(&key(i), &init, u64::from(i) + 1, Millis(5), 0, false);
+    n.init(&key(i), &init, cookie_of(i), Millis(5), 0, false);
     n.init_held(held);
     let h = Hash::new(hash(i));
     let (home, mut l) = w.index.lock_home(h);
@@ -544,7 +546,7 @@ pub fn hold_release_vs_expiry() {
             Some(idx) => {
                 let n = w.nodes.node(idx);
                 assert!(held);
-                assert_eq!((n.held(), n.last_active()), (0, 100));
+                assert_eq!((n.held(), n.last_active(100)), (0, 100));
             }
             None => assert!(expired),
         }

@@ -1,7 +1,7 @@
 //! Entry layout and the node arena.
 //!
-//! Every entry is a fixed 112-byte [`Node`] (a 64-byte hot part a lookup
-//! reads and a 48-byte cold part of clocks and counters, in two arrays)
+//! Every entry is a fixed 104-byte [`Node`] (a 64-byte hot part a lookup
+//! reads and a 40-byte cold part of clocks and counters, in two arrays)
 //! made only of atomics, so a
 //! lock-free reader may read any field while a writer changes others,
 //! without a data race and without `unsafe`. The node *is* the flow: key,
@@ -183,7 +183,13 @@ pub(crate) struct Hot {
     nat: AtomicU32,
     caddr: [AtomicU64; 2],
     vaddr: [AtomicU64; 2],
-    cookie: AtomicU64,
+    /// The node's use count: with the node's index it makes the entry's
+    /// cookie (see `table::next_cookie`), so the cookie costs 4 bytes.
+    uses: AtomicU32,
+    /// Opaque token of whoever owns the flow (a proxy connection's task);
+    /// expiry and kills hand it back so the owner can be told to close.
+    /// (The UDP proxy reads it with `touch_hit`.)
+    owner: AtomicU32,
     service: AtomicU32,
     backend: AtomicU32,
 }
@@ -192,7 +198,12 @@ pub(crate) struct Hot {
 #[repr(C)]
 #[derive(Debug, Default)]
 pub(crate) struct Cold {
-    last_active: AtomicU64,
+    /// The low 32 bits of the last activity's time in ms; [`widen`] gives
+    /// back the full time from any time near it (as conntrack keeps its
+    /// timeout in 32-bit jiffies).
+    last_active: AtomicU32,
+    /// Insert time in whole seconds of the caller's clock.
+    created_s: AtomicU32,
     /// Bytes in, bytes out. A persistence template (state `Persist`)
     /// carries no traffic, so its bytes-out word is free: there it counts
     /// the connections holding the template (IPVS's `n_control`, see
@@ -200,19 +211,36 @@ pub(crate) struct Cold {
     /// adds bytes out to a template, so the word holds only holds there.
     bytes: [AtomicU64; 2],
     packets: [AtomicU64; 2],
-    /// Insert time in whole seconds of the caller's clock.
-    created_s: AtomicU32,
-    /// Opaque token of whoever owns the flow (a proxy connection's task);
-    /// expiry and kills hand it back so the owner can be told to close.
-    /// (The UDP proxy reads it with `touch_hit`, which writes this line
-    /// anyway.)
-    owner: AtomicU32,
 }
 
 #[cfg(not(loom))]
-const _: () = assert!(std::mem::size_of::<Hot>() == 64 && std::mem::size_of::<Cold>() == 48);
+const _: () = assert!(std::mem::size_of::<Hot>() == 64 && std::mem::size_of::<Cold>() == 40);
 
-/// One entry: 112 bytes made only of atomics, so a lock-free reader may read
+/// How far (ms) a stored activity time may be *ahead* of the time it is
+/// widened against: threads touch with their own `now`, and listings widen
+/// against the table's latest clock. 2^30 ms is 12.4 days.
+const AHEAD: u64 = 1 << 30;
+
+/// The longest idle time the 32-bit activity clock can represent: a
+/// stored time is read back exactly while it lies in
+/// `(near + AHEAD - 2^32, near + AHEAD]`, i.e. up to ~37.3 days before the
+/// time it is widened against. Timeouts are capped below it
+/// ([`crate::types::MAX_TIMEOUT_MS`]), and expiry runs long before an entry
+/// gets that idle, so a live entry's time is always read back exactly.
+pub(crate) const MAX_IDLE_MS: u64 = (1 << 32) - AHEAD;
+// A day of slack for expiry running late.
+const _: () = assert!(crate::types::MAX_TIMEOUT_MS + 86_400_000 < MAX_IDLE_MS);
+
+/// The full time (ms) whose low 32 bits are `stored`, taken in the window
+/// `(near + AHEAD - 2^32, near + AHEAD]`.
+#[inline]
+pub(crate) fn widen(stored: u32, near: u64) -> u64 {
+    let top = near.saturating_add(AHEAD);
+    let back = (top as u32).wrapping_sub(stored);
+    top.saturating_sub(u64::from(back))
+}
+
+/// One entry: 104 bytes made only of atomics, so a lock-free reader may read
 /// any field while a writer changes others, without a data race and without
 /// `unsafe`. Its two parts live in two arrays at the same index (see
 /// [`Slab`]); this is a view of both.
@@ -220,6 +248,8 @@ const _: () = assert!(std::mem::size_of::<Hot>() == 64 && std::mem::size_of::<Co
 pub(crate) struct Node<'a> {
     h: &'a Hot,
     c: &'a Cold,
+    /// The node's index (part of its cookie).
+    idx: u32,
 }
 
 impl Node<'_> {
@@ -239,13 +269,14 @@ impl Node<'_> {
     ) {
         self.h.tenant.store(k.tenant, Relaxed);
         self.h.ports.store(k.ports, Relaxed);
-        self.c.owner.store(init.owner, Relaxed);
+        self.h.owner.store(init.owner, Relaxed);
         self.h.caddr[0].store(k.caddr[0], Relaxed);
         self.h.caddr[1].store(k.caddr[1], Relaxed);
         self.h.vaddr[0].store(k.vaddr[0], Relaxed);
         self.h.vaddr[1].store(k.vaddr[1], Relaxed);
-        self.h.cookie.store(cookie, Relaxed);
-        self.c.last_active.store(now.0, Relaxed);
+        debug_assert_eq!(crate::table::cookie_idx(cookie), self.idx);
+        self.h.uses.store((cookie >> IDX_BITS) as u32, Relaxed);
+        self.c.last_active.store(now.0 as u32, Relaxed);
         self.c
             .created_s
             .store(u32::try_from(now.0 / 1000).unwrap_or(u32::MAX), Relaxed);
@@ -351,7 +382,7 @@ impl Node<'_> {
     }
 
     pub(crate) fn cookie(&self) -> u64 {
-        self.h.cookie.load(Relaxed)
+        u64::from(self.h.uses.load(Relaxed)) << IDX_BITS | u64::from(self.idx)
     }
 
     pub(crate) fn is_live(&self) -> bool {
@@ -367,8 +398,10 @@ impl Node<'_> {
         (self.h.meta.load(Relaxed) >> PROFILE_SHIFT) as u16
     }
 
-    pub(crate) fn last_active(&self) -> u64 {
-        self.c.last_active.load(Relaxed)
+    /// The last activity's time, widened against `near` (see [`widen`]):
+    /// the caller's `now`, or the table's latest clock for listings.
+    pub(crate) fn last_active(&self, near: u64) -> u64 {
+        widen(self.c.last_active.load(Relaxed), near)
     }
 
     pub(crate) fn backend(&self) -> BackendId {
@@ -385,7 +418,7 @@ impl Node<'_> {
     }
 
     pub(crate) fn owner(&self) -> u32 {
-        self.c.owner.load(Relaxed)
+        self.h.owner.load(Relaxed)
     }
 
     pub(crate) fn nat(&self) -> u32 {
@@ -450,9 +483,7 @@ impl Node<'_> {
             self.c.bytes[d].fetch_add(bytes, Relaxed);
         }
         self.c.packets[d].fetch_add(1, Relaxed);
-        if self.c.last_active.load(Relaxed) < now.0 {
-            self.c.last_active.fetch_max(now.0, Relaxed);
-        }
+        self.bump_last_active(now);
         (Cookie(self.cookie()), self.backend())
     }
 
@@ -525,18 +556,33 @@ impl Node<'_> {
     /// Under the bucket lock: whether expiry may remove the entry at `now`
     /// with idle timeout `timeout` (a held template never goes).
     pub(crate) fn expirable(&self, now: u64, timeout: u64) -> bool {
-        now >= self.last_active().saturating_add(timeout) && self.held() == 0
+        now >= self.last_active(now).saturating_add(timeout) && self.held() == 0
     }
 
+    /// Moves the activity time forward to `now` (never back: threads touch
+    /// with their own clocks). The common case, a time already at `now`,
+    /// is one load.
+    #[inline]
     pub(crate) fn bump_last_active(&self, now: Millis) {
-        self.c.last_active.fetch_max(now.0, Relaxed);
+        let cur = self.c.last_active.load(Relaxed);
+        if widen(cur, now.0) < now.0 {
+            let _ = self.c.last_active.fetch_update(Relaxed, Relaxed, |c| {
+                (widen(c, now.0) < now.0).then_some(now.0 as u32)
+            });
+        }
     }
 
     /// Copies the entry; `timeout` maps a state and a timeout profile to
     /// the idle timeout.
-    pub(crate) fn snapshot(&self, timeout: impl Fn(FlowState, u16) -> u64) -> FlowSnapshot {
+    /// `near`: a time near now (the table's latest clock), to widen the
+    /// 32-bit activity time against.
+    pub(crate) fn snapshot(
+        &self,
+        near: u64,
+        timeout: impl Fn(FlowState, u16) -> u64,
+    ) -> FlowSnapshot {
         let state = self.state();
-        let last = self.last_active();
+        let last = self.last_active(near);
         FlowSnapshot {
             key: self.key().unpack(),
             cookie: Cookie(self.cookie()),
@@ -596,15 +642,16 @@ impl Arena for NodeVec {
         Node {
             h: &self.hot[i as usize],
             c: &self.cold[i as usize],
+            idx: i,
         }
     }
 }
 
 /// First chunks grow geometrically (1 Ki, 1 Ki, 2 Ki ... 64 Ki nodes) so a
 /// small table stays small; past 128 Ki nodes every chunk holds 128 Ki
-/// nodes = 8 MiB of hot parts + 6 MiB of cold parts = exactly 4 + 3 huge
-/// pages (see `raw::HugeArray`), so the last chunk wastes at most 14 MiB
-/// whatever the size.
+/// nodes = 8 MiB of hot parts + 5 MiB of cold parts (see
+/// `raw::HugeArray`: pages are backed as they are first written, so the
+/// last chunk's unused tail costs address space, not memory).
 /// Indices are 28 bits (the wheel's filing references keep 4 cookie bits
 /// above them), so a `FlowTable` holds at most 2^28 - 1 (~268 M) entries.
 const SMALL: u32 = 1024;
@@ -644,10 +691,11 @@ impl Chunk {
     }
 
     #[inline]
-    fn get(&self, off: usize) -> Option<Node<'_>> {
+    fn get(&self, off: usize, idx: u32) -> Option<Node<'_>> {
         Some(Node {
             h: self.hot.get(off)?,
             c: self.cold.get(off)?,
+            idx,
         })
     }
 }
@@ -717,7 +765,7 @@ impl Slab {
     /// caller could carry from one table to another).
     pub(crate) fn node_checked(&self, i: u32) -> Option<Node<'_>> {
         let (c, off, _) = locate(i);
-        self.dir.get(c)?.get()?.get(off)
+        self.dir.get(c)?.get()?.get(off, i)
     }
 }
 
@@ -732,6 +780,7 @@ impl Arena for Slab {
         Node {
             h: &ch.hot[off],
             c: &ch.cold[off],
+            idx: i,
         }
     }
 }
@@ -753,6 +802,24 @@ mod tests {
             expect.1 += 1;
         }
         assert_eq!(locate(NIL - 1).0, CHUNKS - 1);
+    }
+
+    #[test]
+    fn widen_reads_back_every_time_in_its_window() {
+        for near in [0u64, 1_000, (1 << 32) - 1, 1 << 32, (1 << 40) + 12_345] {
+            for back in [0u64, 1, 999, 30 * 86_400_000, MAX_IDLE_MS - 1] {
+                let Some(t) = near.checked_sub(back) else {
+                    continue;
+                };
+                assert_eq!(widen(t as u32, near), t, "{t} near {near}");
+            }
+            for ahead in [1u64, 1_000, AHEAD] {
+                let t = near + ahead;
+                assert_eq!(widen(t as u32, near), t, "{t} near {near}");
+            }
+        }
+        // Near the start of the clock nothing reads as negative.
+        assert_eq!(widen(u32::MAX, 0), 0);
     }
 
     #[test]

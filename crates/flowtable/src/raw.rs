@@ -127,14 +127,31 @@ unsafe impl Zeroable for crate::index::Bucket {}
 unsafe impl<T: Default> Zeroable for T {}
 
 const HUGE: usize = 2 << 20;
+const PAGE: usize = 4096;
 
 /// A fixed-length heap array of zero-initialised `T`, huge-page backed when
 /// it is at least 2 MiB.
+///
+/// An array of 2 MiB or more is its own anonymous mapping (2 MiB aligned,
+/// `MADV_HUGEPAGE`): the kernel's zero pages make it zeroed without writing
+/// it, so memory is taken only as parts of it are first written — a slab
+/// chunk or an index half filled costs half its size, not all of it.
+/// Smaller arrays come from the allocator and are zeroed by it.
 #[cfg(not(loom))]
 pub(crate) struct HugeArray<T: Zeroable> {
     ptr: NonNull<T>,
     len: usize,
-    layout: Layout,
+    /// Bytes asked for (what [`bytes`](Self::bytes) reports).
+    size: usize,
+    backing: Backing,
+}
+
+#[cfg(not(loom))]
+enum Backing {
+    /// From the global allocator with this layout.
+    Heap(Layout),
+    /// A mapping of this many bytes at `ptr` (page-rounded `size`).
+    Map(usize),
 }
 
 #[cfg(not(loom))]
@@ -145,34 +162,80 @@ impl<T: Zeroable> HugeArray<T> {
         if size == 0 {
             return None;
         }
-        let align = if size >= HUGE {
-            HUGE
-        } else {
-            std::mem::align_of::<T>()
-        };
-        let layout = Layout::from_size_align(size, align).ok()?;
-        // SAFETY: `layout` has a non-zero size (checked above).
-        let p = unsafe { std::alloc::alloc(layout) };
-        let ptr = NonNull::new(p.cast::<T>())?;
-        #[cfg(target_os = "linux")]
-        if align == HUGE {
-            // SAFETY: `[p, p + size)` is the allocation we own; MADV_HUGEPAGE
-            // only changes how the kernel backs it. Failure is harmless
-            // (e.g. THP disabled), so the result is ignored.
-            unsafe {
-                libc::madvise(p.cast(), size, libc::MADV_HUGEPAGE);
-            }
+        if size < HUGE || std::mem::align_of::<T>() > PAGE {
+            let layout = Layout::from_size_align(size, std::mem::align_of::<T>()).ok()?;
+            // SAFETY: `layout` has a non-zero size (checked above); zero
+            // bytes are a valid `T` (`Zeroable`), so the array is fully
+            // initialised.
+            let p = unsafe { std::alloc::alloc_zeroed(layout) };
+            let ptr = NonNull::new(p.cast::<T>())?;
+            return Some(HugeArray {
+                ptr,
+                len,
+                size,
+                backing: Backing::Heap(layout),
+            });
         }
-        // SAFETY: `p` is valid for writes of `size` bytes; zero bytes are a
-        // valid `T` (`Zeroable`), so the array is fully initialised after.
-        unsafe { std::ptr::write_bytes(p, 0, size) };
-        Some(HugeArray { ptr, len, layout })
+        let (ptr, map) = map_zeroed(size)?;
+        Some(HugeArray {
+            ptr: ptr.cast::<T>(),
+            len,
+            size,
+            backing: Backing::Map(map),
+        })
     }
 
-    /// Bytes allocated.
+    /// Bytes allocated (address space: untouched pages of a mapped array
+    /// take no memory).
     pub(crate) fn bytes(&self) -> usize {
-        self.layout.size()
+        self.size
     }
+}
+
+/// A fresh anonymous mapping of at least `size` bytes, 2 MiB aligned and
+/// advised to be backed by huge pages: (start, mapped length).
+#[cfg(not(loom))]
+fn map_zeroed(size: usize) -> Option<(NonNull<u8>, usize)> {
+    let map = size.checked_next_multiple_of(PAGE)?;
+    let over = map.checked_add(HUGE)?;
+    // SAFETY: a fresh private anonymous mapping: no existing memory is
+    // named or changed. Its pages read as zero until written.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            over,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return None;
+    }
+    let base = p as usize;
+    let start = base.next_multiple_of(HUGE);
+    let (head, tail) = (start - base, over - (start - base) - map);
+    // SAFETY: `[base, start)` and `[start + map, base + over)` lie inside
+    // the mapping just made and nothing refers to them; unmapping them
+    // leaves exactly `[start, start + map)`. `head` and `tail` are page
+    // multiples (`base`, `HUGE` and `map` are). Failure would only leave
+    // address space mapped, so results are ignored.
+    unsafe {
+        if head > 0 {
+            libc::munmap(p, head);
+        }
+        if tail > 0 {
+            libc::munmap((start + map) as *mut libc::c_void, tail);
+        }
+    }
+    // SAFETY: `[start, start + map)` is the mapping we own; MADV_HUGEPAGE
+    // only changes how the kernel backs it. Failure is harmless (e.g. THP
+    // disabled), so the result is ignored.
+    unsafe {
+        libc::madvise(start as *mut libc::c_void, map, libc::MADV_HUGEPAGE);
+    }
+    Some((NonNull::new(start as *mut u8)?, map))
 }
 
 #[cfg(not(loom))]
@@ -190,14 +253,19 @@ impl<T: Zeroable> std::ops::Deref for HugeArray<T> {
 impl<T: Zeroable> Drop for HugeArray<T> {
     fn drop(&mut self) {
         // SAFETY: the `len` values are initialised and dropped exactly once
-        // here; then the memory is returned with the layout it was
-        // allocated with.
+        // here; then the memory is returned the way it was obtained (the
+        // allocator with its layout, or the whole mapping from `zeroed`).
         unsafe {
             std::ptr::drop_in_place(std::ptr::slice_from_raw_parts_mut(
                 self.ptr.as_ptr(),
                 self.len,
             ));
-            std::alloc::dealloc(self.ptr.as_ptr().cast(), self.layout);
+            match self.backing {
+                Backing::Heap(layout) => std::alloc::dealloc(self.ptr.as_ptr().cast(), layout),
+                Backing::Map(map) => {
+                    libc::munmap(self.ptr.as_ptr().cast(), map);
+                }
+            }
         }
     }
 }
@@ -236,5 +304,63 @@ impl<T> std::ops::Deref for HugeArray<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
         &self.0
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+
+    /// Every size class (allocator-backed, exactly 2 MiB, mapped with a
+    /// tail that is not a page multiple) reads as zeros, holds what is
+    /// written to every element, and a mapped one is 2 MiB aligned.
+    #[test]
+    fn huge_arrays_are_zeroed_writable_and_aligned() {
+        for len in [
+            1,
+            1000,
+            HUGE / 4 - 1,
+            HUGE / 4,
+            HUGE / 4 + 1,
+            3 * HUGE / 4 + 3,
+        ] {
+            let a = HugeArray::<AtomicU32>::zeroed(len).expect("allocation");
+            assert_eq!(a.len(), len);
+            assert_eq!(a.bytes(), len * 4);
+            if len * 4 >= HUGE {
+                assert_eq!(a.as_ptr() as usize % HUGE, 0, "len {len}");
+            }
+            assert!(a.iter().all(|x| x.load(Relaxed) == 0), "len {len}");
+            for (i, x) in a.iter().enumerate() {
+                x.store(i as u32 ^ 0x5555_5555, Relaxed);
+            }
+            for (i, x) in a.iter().enumerate() {
+                assert_eq!(x.load(Relaxed), i as u32 ^ 0x5555_5555);
+            }
+        }
+        assert!(HugeArray::<AtomicU32>::zeroed(0).is_none());
+    }
+
+    /// A mapped array takes memory only where it is written: an untouched
+    /// 64 MiB array costs (almost) no RSS (it cost all 64 MiB when arrays
+    /// were zeroed by writing).
+    #[test]
+    fn an_untouched_mapped_array_takes_no_memory() {
+        fn rss() -> usize {
+            let s = std::fs::read_to_string("/proc/self/statm").unwrap();
+            s.split_whitespace()
+                .nth(1)
+                .unwrap()
+                .parse::<usize>()
+                .unwrap()
+                * 4096
+        }
+        let before = rss();
+        let a = HugeArray::<AtomicU32>::zeroed(16 << 20).expect("allocation");
+        let after = rss();
+        // Other test threads allocate too; 8 MiB of slack out of 64 MiB.
+        assert!(after < before + (8 << 20), "{before} -> {after}");
+        drop(a);
     }
 }

@@ -376,7 +376,15 @@ pub enum Dir {
     Out,
 }
 
-/// Per-state idle timeouts, in milliseconds. `Default` is IPVS's defaults.
+/// The longest idle timeout the table applies (31 days): a longer one is
+/// treated as this. An entry's activity time is kept in 32 bits of
+/// milliseconds and read back exactly up to ~37 days of idleness (as
+/// conntrack keeps its timeouts in 32-bit jiffies), so every live entry
+/// expires well inside that range.
+pub const MAX_TIMEOUT_MS: u64 = 31 * 86_400_000;
+
+/// Per-state idle timeouts, in milliseconds (each capped at
+/// [`MAX_TIMEOUT_MS`] when applied). `Default` is IPVS's defaults.
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
 pub struct Timeouts {
     /// SYN_SENT (IPVS default 120 s).

@@ -409,7 +409,7 @@ fn memory_is_accounted() {
             .unwrap();
     }
     let after = t.memory_bytes();
-    assert!(after >= before + 5000 * 112, "{before} -> {after}");
+    assert!(after >= before + 5000 * 104, "{before} -> {after}");
 }
 
 #[test]

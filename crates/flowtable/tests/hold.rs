@@ -3,7 +3,7 @@
 //! are alive, with a fake clock and under threads racing the expiry.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
 use weir_flowtable::*;
 
@@ -112,12 +112,15 @@ fn a_template_is_never_expired_while_held_under_threads() {
     let t = Arc::new(common::tenant_one_table(64, 5));
     t.set_timeouts(TenantId(1), persist(1)).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
+    // One clock for all threads, as in the daemon: the expirer moves it a
+    // second per round, so every released template is due at once.
+    let clock = Arc::new(AtomicU64::new(0));
     let expirer = {
-        let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
+        let (t, stop, clock) = (Arc::clone(&t), Arc::clone(&stop), Arc::clone(&clock));
         std::thread::spawn(move || {
-            let (mut now, mut out, mut expired) = (0, Vec::new(), 0u64);
+            let (mut out, mut expired) = (Vec::new(), 0u64);
             while !stop.load(Relaxed) {
-                now += 1_000;
+                let now = clock.fetch_add(1_000, Relaxed) + 1_000;
                 out.clear();
                 t.expire(Millis(now), 1_000, &mut out);
                 for s in &out {
@@ -130,7 +133,7 @@ fn a_template_is_never_expired_while_held_under_threads() {
     };
     let workers: Vec<_> = (0..THREADS)
         .map(|w| {
-            let t = Arc::clone(&t);
+            let (t, clock) = (Arc::clone(&t), Arc::clone(&clock));
             std::thread::spawn(move || {
                 for r in 0..ROUNDS {
                     let k = key(r % 4);
@@ -141,7 +144,7 @@ fn a_template_is_never_expired_while_held_under_threads() {
                         if let Some(b) = t.hold(&k) {
                             break b;
                         }
-                        match t.insert_held(k, tpl(w), Millis(0)) {
+                        match t.insert_held(k, tpl(w), Millis(clock.load(Relaxed))) {
                             Ok(_) => break BackendId(w),
                             Err(InsertError::Exists(_)) => continue,
                             Err(e) => panic!("insert_held: {e}"),
@@ -149,7 +152,7 @@ fn a_template_is_never_expired_while_held_under_threads() {
                     };
                     let s = t.get(&k).expect("a held template is gone");
                     assert!(s.held >= 1 && s.backend == backend, "{s:?}");
-                    assert!(t.release(&k, Millis(0)).is_some());
+                    assert!(t.release(&k, Millis(clock.load(Relaxed))).is_some());
                 }
             })
         })
@@ -164,7 +167,7 @@ fn a_template_is_never_expired_while_held_under_threads() {
     eprintln!("templates expired between holds: {expired}");
     // Everything is released: the rest goes at the next expiry.
     let mut out = Vec::new();
-    t.expire(Millis(u64::MAX / 2), usize::MAX, &mut out);
+    t.expire(Millis(clock.load(Relaxed) + 10_000), usize::MAX, &mut out);
     assert!(out.iter().all(|s| s.held == 0));
     assert_eq!(t.tenant_stats(TenantId(1)).unwrap().entries, 0);
 }
