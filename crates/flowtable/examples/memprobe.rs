@@ -40,7 +40,12 @@ fn main() {
             IpAddr::V4(Ipv4Addr::from(0x0a00_0000 | (i >> 8 & 0xffff) << 8 | 2)),
             1024 + (i & 0xff) as u16 * 200 + (i >> 24) as u16,
         );
-        let key = FlowKey { tenant: t, proto: Proto::Udp, client, virt };
+        let key = FlowKey {
+            tenant: t,
+            proto: Proto::Udp,
+            client,
+            virt,
+        };
         let init = FlowInit {
             service: ServiceId(1),
             backend: BackendId(i % 3),
@@ -48,7 +53,8 @@ fn main() {
             owner: 0,
             profile: 0,
         };
-        ft.insert_reply(key, init, ReplyMode::Nat, Millis(1)).unwrap();
+        ft.insert_reply(key, init, ReplyMode::Nat, Millis(1))
+            .unwrap();
         if i % 4096 == 0 {
             ft.maintain();
         }
