@@ -171,39 +171,52 @@ fn match_byte32(tags: u32, tag: u8) -> u32 {
     x.wrapping_sub(LO32) & !x & USED_HI
 }
 
-/// Both words' match masks as one candidate mask: the low word's flags
-/// stay at bits `8w + 7`, the high word's go to bits `8j + 6` (shifted
-/// down one), so one loop over the set bits visits the candidates of both
-/// (in the order 8, 0, 9, 1, 10, 2, 3, ...: order does not matter, a key
-/// is in at most one way of each kind). [`way_of`] names the way.
-#[inline]
-fn merge(lo: u64, hi: u32) -> u64 {
-    lo | (u64::from(hi) >> 1)
-}
-
-/// The way of the lowest candidate in a [`merge`]d mask: bit `8w + 7` is
-/// way `w`, bit `8j + 6` way `LO_WAYS + j`.
-#[inline]
-fn way_of(mask: u64) -> usize {
-    let tz = mask.trailing_zeros() as usize;
-    tz / 8 + (!tz & 1) * LO_WAYS
+/// Visits the ways flagged in a line's two match masks (`lo` from
+/// [`match_byte`], `hi` from [`match_byte32`]), the low word's first, in
+/// way order: `f(way)` until it returns `Some`. Two plain loops: a way of
+/// the low word is its flag's byte (`tz / 8`, as with one word), one of
+/// the high word `LO_WAYS` + its byte. (One loop over the two masks merged
+/// into one `u64` needed 7 more instructions per candidate to tell the
+/// words apart.)
+#[inline(always)]
+fn each_way<T>(lo: u64, hi: u32, mut f: impl FnMut(usize) -> Option<T>) -> Option<T> {
+    let mut m = lo;
+    while m != 0 {
+        if let Some(t) = f((m.trailing_zeros() / 8) as usize) {
+            return Some(t);
+        }
+        m &= m - 1;
+    }
+    let mut m = hi;
+    while m != 0 {
+        // The high word's top flagged bit or'ed in bounds the byte below
+        // HI_WAYS for the compiler (no bounds check on `ways`); it changes
+        // nothing, as `m` has a flag at or below it.
+        let j = (m | 1 << (8 * HI_WAYS - 1)).trailing_zeros() / 8;
+        if let Some(t) = f(LO_WAYS + j as usize) {
+            return Some(t);
+        }
+        m &= m - 1;
+    }
+    None
 }
 
 impl Bucket {
-    /// Candidate ways for `tag` in this line, both tag words loaded with
-    /// `o` (see [`merge`]; `tag` 0 gives exactly the empty ways).
+    /// Match masks for `tag` of this line's two tag words, each loaded with
+    /// `o` (`tag` 0 gives exactly the empty ways); see [`each_way`].
     #[inline]
-    fn matches(&self, tag: u8, o: Ordering) -> u64 {
-        merge(
+    fn matches(&self, tag: u8, o: Ordering) -> (u64, u32) {
+        (
             match_byte(self.tags.load(o), tag),
             match_byte32(self.tags_hi.load(o), tag),
         )
     }
 
-    /// The ways holding an entry, as a [`merge`]d mask (exact).
+    /// The ways holding an entry, as masks like [`matches`](Self::matches)
+    /// (exact).
     #[inline]
-    fn occupied(&self, o: Ordering) -> u64 {
-        merge(
+    fn occupied(&self, o: Ordering) -> (u64, u32) {
+        (
             !match_byte(self.tags.load(o), 0) & USED,
             !match_byte32(self.tags_hi.load(o), 0) & USED_HI,
         )
@@ -461,13 +474,11 @@ impl Index {
     #[inline]
     pub(crate) fn prefetch_candidates<A: Arena + ?Sized>(&self, arena: &A, h: Hash) {
         let b = self.bucket(self.bucket_of(h.hi));
-        let mut m = b.matches(h.tag, Relaxed);
-        while m != 0 {
-            arena
-                .node(b.ways[way_of(m)].load(Relaxed) & !REPLY_WAY)
-                .prefetch();
-            m &= m - 1;
-        }
+        let (lo, hi) = b.matches(h.tag, Relaxed);
+        each_way::<()>(lo, hi, |w| {
+            arena.node(b.ways[w].load(Relaxed) & !REPLY_WAY).prefetch();
+            None
+        });
     }
 
     /// Lock-free lookup of a live entry (by forward or reply key). Follows
@@ -561,13 +572,12 @@ impl Index {
     fn for_each<'a>(&'a self, l: &Locked<'a>, mut f: impl FnMut(&'a Bucket, usize, u32) -> bool) {
         let mut line = l.b;
         loop {
-            let mut m = line.occupied(Relaxed);
-            while m != 0 {
-                let w = way_of(m);
-                if !f(line, w, line.ways[w].load(Relaxed)) {
-                    return;
-                }
-                m &= m - 1;
+            let (lo, hi) = line.occupied(Relaxed);
+            let stop = each_way(lo, hi, |w| {
+                (!f(line, w, line.ways[w].load(Relaxed))).then_some(())
+            });
+            if stop.is_some() {
+                return;
             }
             let n = line.next.load(Relaxed);
             if n == 0 {
@@ -626,9 +636,8 @@ impl Index {
         let mut line = l.b;
         let mut head = true;
         loop {
-            let empty = line.matches(0, Relaxed);
-            if empty != 0 {
-                let w = way_of(empty);
+            let (lo, hi) = line.matches(0, Relaxed);
+            if let Some(w) = each_way(lo, hi, Some) {
                 line.ways[w].store(idx, Release);
                 line.set_tag(w, h.tag);
                 l.hdr += 1 << CNT_SHIFT;
@@ -751,13 +760,11 @@ impl Index {
     #[inline]
     pub(crate) fn prefetch_nodes<A: Arena + ?Sized>(&self, arena: &A, b: usize) {
         let bk = self.bucket(b);
-        let mut m = bk.occupied(Relaxed);
-        while m != 0 {
-            arena
-                .node(bk.ways[way_of(m)].load(Relaxed) & !REPLY_WAY)
-                .prefetch();
-            m &= m - 1;
-        }
+        let (lo, hi) = bk.occupied(Relaxed);
+        each_way::<()>(lo, hi, |w| {
+            arena.node(bk.ways[w].load(Relaxed) & !REPLY_WAY).prefetch();
+            None
+        });
     }
 
     /// Moves bucket `b` into the successor (caller claimed it). `rehash`
@@ -813,29 +820,23 @@ fn scan_line<A: Arena + ?Sized, M: Matcher + ?Sized>(
     tag: u8,
     key: &M,
 ) -> Option<u32> {
-    let mut m = line.matches(tag, Acquire);
-    while m != 0 {
-        let w = way_of(m);
-        if let Some(i) = way_node::<M>(line.ways[w].load(Acquire)) {
-            let n = arena.node(i);
-            if key.hit(n) && n.is_live() {
-                return Some(i);
-            }
-        }
-        m &= m - 1;
-    }
-    None
+    let (lo, hi) = line.matches(tag, Acquire);
+    each_way(lo, hi, |w| {
+        let i = way_node::<M>(line.ways[w].load(Acquire))?;
+        let n = arena.node(i);
+        (key.hit(n) && n.is_live()).then_some(i)
+    })
 }
 
 fn read_line(line: &Bucket, out: &mut Vec<u32>) {
-    let mut m = line.occupied(Acquire);
-    while m != 0 {
-        let v = line.ways[way_of(m)].load(Acquire);
+    let (lo, hi) = line.occupied(Acquire);
+    each_way::<()>(lo, hi, |w| {
+        let v = line.ways[w].load(Acquire);
         if v & REPLY_WAY == 0 {
             out.push(v);
         }
-        m &= m - 1;
-    }
+        None
+    });
 }
 
 #[cfg(test)]
@@ -915,9 +916,10 @@ mod tests {
         }
     }
 
-    /// The merged mask names every flagged way of both words once.
+    /// `each_way` visits every flagged way of both words once, the low
+    /// word's first, in way order.
     #[test]
-    fn merged_masks_name_the_ways_of_both_words() {
+    fn each_way_visits_the_ways_of_both_words_in_order() {
         for lo in 0..1u64 << LO_WAYS {
             for hi in 0..1u32 << HI_WAYS {
                 let mut lm = 0u64;
@@ -932,13 +934,12 @@ mod tests {
                         hm |= 0x80 << (8 * j);
                     }
                 }
-                let mut m = merge(lm, hm);
                 let mut got = Vec::new();
-                while m != 0 {
-                    got.push(way_of(m));
-                    m &= m - 1;
-                }
-                got.sort_unstable();
+                let none = each_way::<()>(lm, hm, |w| {
+                    got.push(w);
+                    None
+                });
+                assert_eq!(none, None);
                 let want: Vec<usize> = (0..WAYS)
                     .filter(|&w| {
                         if w < LO_WAYS {
@@ -949,6 +950,15 @@ mod tests {
                     })
                     .collect();
                 assert_eq!(got, want, "lo {lo:#b} hi {hi:#b}");
+                // It stops at the first `Some`.
+                if let Some(&last) = want.last() {
+                    let mut seen = 0;
+                    let r = each_way(lm, hm, |w| {
+                        seen += 1;
+                        (w == last).then_some(w)
+                    });
+                    assert_eq!((r, seen), (Some(last), want.len()));
+                }
             }
         }
     }
