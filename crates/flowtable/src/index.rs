@@ -1,14 +1,17 @@
 //! The bucket index of one table: which node holds which key.
 //!
 //! # Layout
-//! An array of 64-byte [`Bucket`]s, one cache line each: a header word, a
-//! link to an overflow line, eight one-byte tags and eight `u32` node
-//! indices. A key's hash gives a tag (its low byte with the top bit set, so
+//! An array of 64-byte [`Bucket`]s, one cache line each, of [`WAYS`] = 11
+//! ways: a header word, a link to an overflow line, eleven one-byte tags in
+//! two words (ways 0..8 in a `u64`, ways 8..11 in the low three bytes of a
+//! `u32` whose top byte stays 0) and eleven `u32` node indices: 4 + 4 + 8 +
+//! 4 + 44 = 64 bytes, none unused (with 8 ways, 16 bytes of every line
+//! were). A key's hash gives a tag (its low byte with the top bit set, so
 //! a tag is never 0 = empty) and a bucket: `(hash >> 32) * buckets >> 32`
 //! ("fastrange"), which keeps buckets in the order of the hash's top 32
 //! bits for every bucket count. That order is what dumps walk (`flow.rs`),
 //! so a dump's position means the same thing before, during and after a
-//! resize. A bucket whose eight ways are taken chains overflow lines (same
+//! resize. A bucket whose ways are all taken chains overflow lines (same
 //! layout) from a per-index pool; the chain is capped (`max_chain`) against
 //! hash flooding. Overflow lines are never freed before their index: an
 //! emptied one stays linked and is refilled first.
@@ -26,15 +29,31 @@
 //! # Concurrency
 //! * Readers take no lock and write nothing. They load the header
 //!   (`Acquire`); if the bucket was moved to the successor index (resize),
-//!   they look there instead. Otherwise they match the tag word against the
-//!   key's tag (SWAR, all eight ways at once), load each candidate's node
-//!   index (`Acquire`) and compare the full key in the node. Overflow lines
-//!   are visited only if the header counts entries in them.
+//!   they look there instead. Otherwise they load both tag words
+//!   (`Acquire`, two independent loads from the line already being read)
+//!   and match them against the key's tag (SWAR, eight ways at once in the
+//!   `u64`, three in the `u32`), load each candidate's node index
+//!   (`Acquire`) and compare the full key in the node. Overflow lines are
+//!   visited only if the header counts entries in them.
 //! * Writers set the header's lock bit (a spin lock per bucket: no shared
 //!   stripe, no lock line shared by unrelated buckets). An insert stores the
-//!   node index (`Release`), then its tag (`Release`); a remove clears the
-//!   tag. Entries never move between ways, so an entry present throughout a
-//!   lookup is found. Unlock stores the new entry counts with `Release`.
+//!   node index (`Release`), then its tag (`Release`, a store of the tag
+//!   word that holds the way's byte); a remove clears the tag. Entries
+//!   never move between ways, so an entry present throughout a lookup is
+//!   found. Unlock stores the new entry counts with `Release`.
+//! * Two tag words, one argument per way. Every claim above is about one
+//!   way at a time: the way's node index is stored before its tag
+//!   (`Release`), so a reader whose `Acquire` load of the word holding that
+//!   tag sees it also sees the index (or a later one, checked by key and
+//!   live bit); a present entry's tag stays in its byte of its word for as
+//!   long as it is present. A writer changes one byte of one word per store
+//!   (under the lock, so no other writer's byte is lost). So a reader that
+//!   loads the two words at different instants gets, for each way, what a
+//!   load of that way's tag alone would give: nothing in the protocol needs
+//!   the ways' tags to be read at one instant (with one word they were, but
+//!   no argument used it). An entry present throughout is in its word at
+//!   both loads and found; an entry being inserted or removed is seen
+//!   whole or not at all, whichever word holds it.
 //! * Node indices are recycled only after an epoch grace period (caller),
 //!   so a reader holding a stale way still reads a node that is not reused;
 //!   it checks the node's live bit and full key.
@@ -55,14 +74,20 @@ use std::sync::{Arc, OnceLock};
 
 use crate::node::{Arena, NIL, Node, PackedKey, PackedReply};
 use crate::raw::HugeArray;
-use crate::sync::{AtomicU32, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
+use crate::sync::{
+    AtomicU32, AtomicU64, Ordering, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+};
 
 /// Ways (entry slots) per bucket line. Two under loom, so that a model
 /// check reaches overflow lines with three entries.
-#[cfg(not(loom))]
-pub(crate) const WAYS: usize = 8;
-#[cfg(loom)]
-pub(crate) const WAYS: usize = 2;
+pub(crate) const WAYS: usize = if cfg!(loom) { 2 } else { 11 };
+/// Ways whose tags are in the low tag word (`tags`); the others' are in
+/// `tags_hi`. Under loom one in each, so the model checks take both words.
+const LO_WAYS: usize = if cfg!(loom) { 1 } else { 8 };
+/// Ways whose tags are in the high tag word (its low bytes; its top byte
+/// is never used, so it stays 0).
+const HI_WAYS: usize = WAYS - LO_WAYS;
+const _: () = assert!(LO_WAYS >= 1 && LO_WAYS <= 8 && HI_WAYS <= 3);
 /// Set in a way's node index for a reply entry (node indices have 28 bits).
 pub(crate) const REPLY_WAY: u32 = 1 << 31;
 const _: () = assert!(REPLY_WAY > NIL);
@@ -74,12 +99,16 @@ const OVF_SHIFT: u32 = 16;
 const OVF_MASK: u32 = 0x3FFF << OVF_SHIFT;
 const LO: u64 = 0x0101_0101_0101_0101;
 const HI: u64 = 0x8080_8080_8080_8080;
-/// The top bits of the tag bytes that exist.
-const USED: u64 = if WAYS == 8 {
+const LO32: u32 = 0x0101_0101;
+const HI32: u32 = 0x8080_8080;
+/// The top bits of the tag bytes that exist in the low tag word.
+const USED: u64 = if LO_WAYS == 8 {
     HI
 } else {
-    HI & ((1 << (8 * WAYS)) - 1)
+    HI & ((1 << (8 * LO_WAYS)) - 1)
 };
+/// The top bits of the tag bytes that exist in the high tag word.
+const USED_HI: u32 = HI32 & ((1 << (8 * HI_WAYS)) - 1);
 
 /// One bucket line (or overflow line).
 #[repr(C, align(64))]
@@ -89,8 +118,11 @@ pub(crate) struct Bucket {
     hdr: AtomicU32,
     /// Overflow line number + 1 in the index's pool; 0 = none.
     next: AtomicU32,
-    /// Way `w`'s tag in byte `w`; 0 = empty.
+    /// Way `w < LO_WAYS`'s tag in byte `w`; 0 = empty.
     tags: AtomicU64,
+    /// Way `LO_WAYS + j`'s tag in byte `j` (`j < HI_WAYS`); 0 = empty. The
+    /// top byte is always 0.
+    tags_hi: AtomicU32,
     ways: [AtomicU32; WAYS],
     /// Under loom the lock bit's waiting is done by a loom mutex: loom
     /// cannot explore a spin loop (every spin is a branch). The bit is still
@@ -121,19 +153,102 @@ impl Hash {
     }
 }
 
-/// Bytes of `tags` equal to `tag`, as a mask with the top bit of each such
-/// byte set. May also flag a byte just above a true match (borrow), never
-/// misses one: candidates are confirmed by the full key. Exact for `tag` 0
-/// because real tags have their top bit set.
+/// Bytes of `tags` (the low tag word) equal to `tag`, as a mask with the
+/// top bit of each such byte set (only bytes of ways that exist). May also
+/// flag a byte just above a true match (borrow), never misses one:
+/// candidates are confirmed by the full key. Exact for `tag` 0 because
+/// real tags have their top bit set.
 #[inline]
 fn match_byte(tags: u64, tag: u8) -> u64 {
     let x = tags ^ (LO * u64::from(tag));
     x.wrapping_sub(LO) & !x & USED
 }
 
+/// [`match_byte`] for the high tag word (bytes of its `HI_WAYS` ways).
 #[inline]
-fn way_of(mask: u64) -> usize {
-    (mask.trailing_zeros() / 8) as usize
+fn match_byte32(tags: u32, tag: u8) -> u32 {
+    let x = tags ^ (LO32 * u32::from(tag));
+    x.wrapping_sub(LO32) & !x & USED_HI
+}
+
+/// Visits the ways flagged in a line's two match masks (`lo` from
+/// [`match_byte`], `hi` from [`match_byte32`]), the low word's first, in
+/// way order: `f(way)` until it returns `Some`. Two plain loops: a way of
+/// the low word is its flag's byte (`tz / 8`, as with one word), one of
+/// the high word `LO_WAYS` + its byte. (One loop over the two masks merged
+/// into one `u64` needed 7 more instructions per candidate to tell the
+/// words apart.)
+#[inline(always)]
+fn each_way<T>(lo: u64, hi: u32, mut f: impl FnMut(usize) -> Option<T>) -> Option<T> {
+    let mut m = lo;
+    while m != 0 {
+        if let Some(t) = f((m.trailing_zeros() / 8) as usize) {
+            return Some(t);
+        }
+        m &= m - 1;
+    }
+    let mut m = hi;
+    while m != 0 {
+        // The high word's top flagged bit or'ed in bounds the byte below
+        // HI_WAYS for the compiler (no bounds check on `ways`); it changes
+        // nothing, as `m` has a flag at or below it.
+        let j = (m | 1 << (8 * HI_WAYS - 1)).trailing_zeros() / 8;
+        if let Some(t) = f(LO_WAYS + j as usize) {
+            return Some(t);
+        }
+        m &= m - 1;
+    }
+    None
+}
+
+impl Bucket {
+    /// Match masks for `tag` of this line's two tag words, each loaded with
+    /// `o` (`tag` 0 gives exactly the empty ways); see [`each_way`].
+    #[inline]
+    fn matches(&self, tag: u8, o: Ordering) -> (u64, u32) {
+        (
+            match_byte(self.tags.load(o), tag),
+            match_byte32(self.tags_hi.load(o), tag),
+        )
+    }
+
+    /// The ways holding an entry, as masks like [`matches`](Self::matches)
+    /// (exact).
+    #[inline]
+    fn occupied(&self, o: Ordering) -> (u64, u32) {
+        (
+            !match_byte(self.tags.load(o), 0) & USED,
+            !match_byte32(self.tags_hi.load(o), 0) & USED_HI,
+        )
+    }
+
+    /// Way `w`'s tag (0 = empty).
+    #[inline]
+    fn tag(&self, w: usize, o: Ordering) -> u8 {
+        if w < LO_WAYS {
+            (self.tags.load(o) >> (8 * w)) as u8
+        } else {
+            (self.tags_hi.load(o) >> (8 * (w - LO_WAYS))) as u8
+        }
+    }
+
+    /// Under the bucket's lock: sets way `w`'s tag (0 = clears it) with one
+    /// `Release` store of the word that holds it; the other ways' bytes are
+    /// kept (only the lock holder writes tags).
+    #[inline]
+    fn set_tag(&self, w: usize, tag: u8) {
+        if w < LO_WAYS {
+            let s = 8 * w;
+            let t = self.tags.load(Relaxed);
+            self.tags
+                .store(t & !(0xFF << s) | u64::from(tag) << s, Release);
+        } else {
+            let s = 8 * (w - LO_WAYS);
+            let t = self.tags_hi.load(Relaxed);
+            self.tags_hi
+                .store(t & !(0xFF << s) | u32::from(tag) << s, Release);
+        }
+    }
 }
 
 /// Overflow lines: chunks of 64 << k lines, allocated on demand.
@@ -359,13 +474,11 @@ impl Index {
     #[inline]
     pub(crate) fn prefetch_candidates<A: Arena + ?Sized>(&self, arena: &A, h: Hash) {
         let b = self.bucket(self.bucket_of(h.hi));
-        let mut m = match_byte(b.tags.load(Relaxed), h.tag);
-        while m != 0 {
-            arena
-                .node(b.ways[way_of(m)].load(Relaxed) & !REPLY_WAY)
-                .prefetch();
-            m &= m - 1;
-        }
+        let (lo, hi) = b.matches(h.tag, Relaxed);
+        each_way::<()>(lo, hi, |w| {
+            arena.node(b.ways[w].load(Relaxed) & !REPLY_WAY).prefetch();
+            None
+        });
     }
 
     /// Lock-free lookup of a live entry (by forward or reply key). Follows
@@ -459,11 +572,12 @@ impl Index {
     fn for_each<'a>(&'a self, l: &Locked<'a>, mut f: impl FnMut(&'a Bucket, usize, u32) -> bool) {
         let mut line = l.b;
         loop {
-            let tags = line.tags.load(Relaxed);
-            for w in 0..WAYS {
-                if (tags >> (8 * w)) as u8 != 0 && !f(line, w, line.ways[w].load(Relaxed)) {
-                    return;
-                }
+            let (lo, hi) = line.occupied(Relaxed);
+            let stop = each_way(lo, hi, |w| {
+                (!f(line, w, line.ways[w].load(Relaxed))).then_some(())
+            });
+            if stop.is_some() {
+                return;
             }
             let n = line.next.load(Relaxed);
             if n == 0 {
@@ -486,7 +600,7 @@ impl Index {
     ) -> Option<u32> {
         let mut found = None;
         self.for_each(l, |line, w, v| {
-            if (line.tags.load(Relaxed) >> (8 * w)) as u8 == h.tag
+            if line.tag(w, Relaxed) == h.tag
                 && let Some(i) = way_node::<M>(v)
                 && key.hit(arena.node(i))
             {
@@ -522,13 +636,10 @@ impl Index {
         let mut line = l.b;
         let mut head = true;
         loop {
-            let tags = line.tags.load(Relaxed);
-            let empty = match_byte(tags, 0);
-            if empty != 0 {
-                let w = way_of(empty);
+            let (lo, hi) = line.matches(0, Relaxed);
+            if let Some(w) = each_way(lo, hi, Some) {
                 line.ways[w].store(idx, Release);
-                line.tags
-                    .store(tags | (u64::from(h.tag) << (8 * w)), Release);
+                line.set_tag(w, h.tag);
                 l.hdr += 1 << CNT_SHIFT;
                 if !head {
                     l.hdr += 1 << OVF_SHIFT;
@@ -609,8 +720,7 @@ impl Index {
         let Some((line, w)) = at else {
             return false;
         };
-        let tags = line.tags.load(Relaxed);
-        line.tags.store(tags & !(0xFF << (8 * w)), Release);
+        line.set_tag(w, 0);
         l.hdr -= 1 << CNT_SHIFT;
         if !head {
             l.hdr -= 1 << OVF_SHIFT;
@@ -650,12 +760,11 @@ impl Index {
     #[inline]
     pub(crate) fn prefetch_nodes<A: Arena + ?Sized>(&self, arena: &A, b: usize) {
         let bk = self.bucket(b);
-        let mut tags = bk.tags.load(Relaxed);
-        while tags != 0 {
-            let w = (tags.trailing_zeros() / 8) as usize;
+        let (lo, hi) = bk.occupied(Relaxed);
+        each_way::<()>(lo, hi, |w| {
             arena.node(bk.ways[w].load(Relaxed) & !REPLY_WAY).prefetch();
-            tags &= !(0xFFu64 << (8 * w));
-        }
+            None
+        });
     }
 
     /// Moves bucket `b` into the successor (caller claimed it). `rehash`
@@ -711,47 +820,47 @@ fn scan_line<A: Arena + ?Sized, M: Matcher + ?Sized>(
     tag: u8,
     key: &M,
 ) -> Option<u32> {
-    let mut m = match_byte(line.tags.load(Acquire), tag);
-    while m != 0 {
-        let w = way_of(m);
-        if let Some(i) = way_node::<M>(line.ways[w].load(Acquire)) {
-            let n = arena.node(i);
-            if key.hit(n) && n.is_live() {
-                return Some(i);
-            }
-        }
-        m &= m - 1;
-    }
-    None
+    let (lo, hi) = line.matches(tag, Acquire);
+    each_way(lo, hi, |w| {
+        let i = way_node::<M>(line.ways[w].load(Acquire))?;
+        let n = arena.node(i);
+        (key.hit(n) && n.is_live()).then_some(i)
+    })
 }
 
 fn read_line(line: &Bucket, out: &mut Vec<u32>) {
-    let tags = line.tags.load(Acquire);
-    for w in 0..WAYS {
-        if (tags >> (8 * w)) as u8 != 0 {
-            let v = line.ways[w].load(Acquire);
-            if v & REPLY_WAY == 0 {
-                out.push(v);
-            }
+    let (lo, hi) = line.occupied(Acquire);
+    each_way::<()>(lo, hi, |w| {
+        let v = line.ways[w].load(Acquire);
+        if v & REPLY_WAY == 0 {
+            out.push(v);
         }
-    }
+        None
+    });
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// xorshift64.
+    fn next(x: &mut u64) -> u64 {
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        *x
+    }
+
     #[test]
     fn match_byte_finds_every_match_and_empties_exactly() {
         let mut x = 0x9E37_79B9_7F4A_7C15u64;
         for _ in 0..10_000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = next(&mut x);
             let tags = x | HI; // every byte a real tag
             let tag = (x >> 8) as u8 | 0x80;
             let m = match_byte(tags, tag);
-            for w in 0..8 {
+            assert_eq!(m & !USED, 0, "only bytes of ways that exist");
+            for w in 0..LO_WAYS {
                 if (tags >> (8 * w)) as u8 == tag {
                     assert!(m & (0x80 << (8 * w)) != 0);
                 }
@@ -765,11 +874,183 @@ mod tests {
                 }
             }
             let e = match_byte(t2, 0);
-            for w in 0..8 {
+            for w in 0..LO_WAYS {
                 let empty = (t2 >> (8 * w)) as u8 == 0;
                 assert_eq!(e & (0x80 << (8 * w)) != 0, empty);
             }
         }
+    }
+
+    #[test]
+    fn match_byte32_finds_every_match_and_empties_exactly() {
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        for _ in 0..10_000 {
+            let x = next(&mut x);
+            // Real tags in the bytes of ways that exist, the top byte 0 as
+            // in a bucket line.
+            let tags = (x as u32 | HI32) & !(0xFF << 24);
+            let tag = (x >> 40) as u8 | 0x80;
+            let m = match_byte32(tags, tag);
+            assert_eq!(m & !USED_HI, 0, "only bytes of ways that exist");
+            for j in 0..HI_WAYS {
+                if (tags >> (8 * j)) as u8 == tag {
+                    assert!(m & (0x80 << (8 * j)) != 0);
+                }
+            }
+            // A tag that is certainly present: found.
+            let t0 = tags as u8;
+            assert!(match_byte32(tags, t0) & 0x80 != 0);
+            let clear = (x >> 48) as u32 & 0x7;
+            let mut t2 = tags;
+            for j in 0..3 {
+                if clear & (1 << j) != 0 {
+                    t2 &= !(0xFF << (8 * j));
+                }
+            }
+            let e = match_byte32(t2, 0);
+            for j in 0..HI_WAYS {
+                let empty = (t2 >> (8 * j)) as u8 == 0;
+                assert_eq!(e & (0x80 << (8 * j)) != 0, empty);
+            }
+            assert_eq!(e & !USED_HI, 0);
+        }
+    }
+
+    /// `each_way` visits every flagged way of both words once, the low
+    /// word's first, in way order.
+    #[test]
+    fn each_way_visits_the_ways_of_both_words_in_order() {
+        for lo in 0..1u64 << LO_WAYS {
+            for hi in 0..1u32 << HI_WAYS {
+                let mut lm = 0u64;
+                for w in 0..LO_WAYS {
+                    if lo & (1 << w) != 0 {
+                        lm |= 0x80 << (8 * w);
+                    }
+                }
+                let mut hm = 0u32;
+                for j in 0..HI_WAYS {
+                    if hi & (1 << j) != 0 {
+                        hm |= 0x80 << (8 * j);
+                    }
+                }
+                let mut got = Vec::new();
+                let none = each_way::<()>(lm, hm, |w| {
+                    got.push(w);
+                    None
+                });
+                assert_eq!(none, None);
+                let want: Vec<usize> = (0..WAYS)
+                    .filter(|&w| {
+                        if w < LO_WAYS {
+                            lo & (1 << w) != 0
+                        } else {
+                            hi & (1 << (w - LO_WAYS)) != 0
+                        }
+                    })
+                    .collect();
+                assert_eq!(got, want, "lo {lo:#b} hi {hi:#b}");
+                // It stops at the first `Some`.
+                if let Some(&last) = want.last() {
+                    let mut seen = 0;
+                    let r = each_way(lm, hm, |w| {
+                        seen += 1;
+                        (w == last).then_some(w)
+                    });
+                    assert_eq!((r, seen), (Some(last), want.len()));
+                }
+            }
+        }
+    }
+
+    /// One bucket, more entries than it has ways, some sharing a tag: every
+    /// one is found (in the head line, both tag words, or the overflow
+    /// line), removed ones are not, freed ways are reused.
+    #[test]
+    fn a_full_bucket_uses_every_way_of_both_tag_words() {
+        use crate::node::Slab;
+        use crate::types::*;
+        let slab = Slab::new();
+        let n = (WAYS + 5) as u32;
+        let start = slab.alloc_block(n).unwrap().start;
+        let key = |i: u32| {
+            PackedKey::new(&FlowKey {
+                tenant: TenantId(1),
+                proto: Proto::Tcp,
+                client: std::net::SocketAddr::from(([10, 0, 0, 1], 4000 + i as u16)),
+                virt: "10.0.0.100:80".parse().unwrap(),
+            })
+        };
+        let init = FlowInit {
+            service: ServiceId(1),
+            backend: BackendId(2),
+            state: FlowState::Established,
+            owner: 0,
+            profile: 0,
+        };
+        // Same bucket (one-bucket index); tags 0x80 + i % 7: entries i and
+        // i + 7 share a tag.
+        let hash = |i: u32| Hash::new(u64::from(i) << 40 | u64::from(i % 7));
+        let ix = Index::try_new(1).unwrap();
+        for i in 0..n {
+            let idx = start + i;
+            let node = slab.node(idx);
+            node.init(&key(i), &init, u64::from(idx), Millis(0), 0, false);
+            node.set_live();
+            let (home, mut l) = ix.lock_home(hash(i));
+            let r = home.put(&mut l, &slab, hash(i), Some(&key(i)), idx, 64);
+            assert_eq!(r, Put::Done(i as usize >= WAYS), "entry {i}");
+        }
+        let b = ix.bucket(0);
+        // The head line is full: every byte of both words holds a real tag,
+        // the high word's top byte none.
+        assert_eq!(b.tags.load(Relaxed) & USED, USED);
+        assert_eq!(b.tags_hi.load(Relaxed) & USED_HI, USED_HI);
+        assert_eq!(b.tags_hi.load(Relaxed) >> (8 * HI_WAYS), 0);
+        for w in 0..WAYS {
+            assert_eq!(b.tag(w, Relaxed), hash(b.ways[w].load(Relaxed) - start).tag);
+        }
+        assert_eq!(ix.count(0), Some(WAYS + 5));
+        for i in 0..n {
+            assert_eq!(ix.find(&slab, hash(i), &key(i)), Some(start + i), "{i}");
+            // Under another tag it is not there (the candidates for that
+            // tag are other keys).
+            assert_eq!(ix.find(&slab, hash(i + 1), &key(i)), None, "{i}");
+        }
+        let mut ids = Vec::new();
+        assert!(ix.read_bucket(0, &mut ids));
+        ids.sort_unstable();
+        assert_eq!(ids, (start..start + n).collect::<Vec<_>>());
+        // Remove the entries in the high word's ways and two others, one of
+        // them in the overflow line.
+        let in_way = |w: usize| b.ways[w].load(Relaxed) - start;
+        let mut gone: Vec<u32> = (LO_WAYS..WAYS).map(in_way).collect();
+        gone.extend([in_way(0), n - 1]);
+        for &i in &gone {
+            assert!(ix.unpublish(hash(i), start + i), "{i}");
+            assert!(!ix.unpublish(hash(i), start + i), "{i} twice");
+        }
+        assert_eq!(b.tags_hi.load(Relaxed), 0);
+        assert_eq!(ix.count(0), Some(WAYS + 5 - gone.len()));
+        for i in 0..n {
+            let want = (!gone.contains(&i)).then_some(start + i);
+            assert_eq!(ix.find(&slab, hash(i), &key(i)), want, "{i}");
+        }
+        // Put them back: they refill the head line's free ways first.
+        for &i in &gone {
+            let (home, mut l) = ix.lock_home(hash(i));
+            let r = home.put(&mut l, &slab, hash(i), Some(&key(i)), start + i, 64);
+            assert!(matches!(r, Put::Done(_)), "{i}: {r:?}");
+        }
+        assert_eq!(b.tags_hi.load(Relaxed) & USED_HI, USED_HI);
+        for i in 0..n {
+            assert_eq!(ix.find(&slab, hash(i), &key(i)), Some(start + i), "{i}");
+            // Already there: refused.
+            let (home, mut l) = ix.lock_home(hash(i));
+            let r = home.put(&mut l, &slab, hash(i), Some(&key(i)), start + i, 64);
+            assert_eq!(r, Put::Exists(start + i));
+        }
+        assert_eq!(ix.count(0), Some(WAYS + 5));
     }
 
     /// A reply way and a forward way of the same node under the same hash

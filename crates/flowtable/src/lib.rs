@@ -11,9 +11,10 @@
 //!   way, the owner's token and the NAT slot (a reply key costs no node
 //!   bytes, only a second index way).
 //! * **Indexes** (`index.rs`): arrays of 64-byte bucket lines, each with a
-//!   header (lock bit, moved bit, counts), an overflow link, eight one-byte
-//!   tags and eight node indices. A table (`table.rs`) has one index, two
-//!   while it resizes. There is one shared table; a tenant may own one.
+//!   header (lock bit, moved bit, counts), an overflow link, eleven one-byte
+//!   tags (in a `u64` and a `u32`) and eleven node indices
+//!   ([`BUCKET_WAYS`]). A table (`table.rs`) has one index, two while it
+//!   resizes. There is one shared table; a tenant may own one.
 //! * **Tenants** (`flow.rs`): a copy-on-write directory read through an
 //!   epoch-protected pointer (`raw.rs`, the crate's only `unsafe`). Each tenant
 //!   has its timeouts, entry counters and its own expiry wheel.
@@ -30,8 +31,9 @@
 //!
 //! # Concurrency
 //! * Lookups take no lock and write no shared cache line: a SWAR match of
-//!   the key's tag against the bucket's eight tags, then the candidates'
-//!   nodes. A hit costs the bucket line and the node; a miss the line.
+//!   the key's tag against the bucket's eleven tags (two words of the same
+//!   line), then the candidates' nodes. A hit costs the bucket line and the
+//!   node; a miss the line.
 //!   [`Reader::lookup_batch`] hashes and prefetches a batch before probing.
 //! * Writers lock one bucket with a bit in its header.
 //! * A removed node's index is recycled only after an epoch grace period.
@@ -94,6 +96,11 @@ pub use flow::{FlowTable, LOOKUP_BATCH, RETIME_REFS, Reader};
 #[doc(hidden)]
 pub use index::index_bytes_alive;
 pub use types::*;
+
+/// Index entries (ways) per 64-byte bucket line: an entry takes one, a
+/// packet-mode entry with a reply key two. Tables are sized for a load of
+/// 0.75 of them (`TableStats::load_factor` counts per way).
+pub const BUCKET_WAYS: usize = index::WAYS;
 
 #[cfg(loom)]
 #[doc(hidden)]

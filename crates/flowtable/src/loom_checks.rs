@@ -155,7 +155,8 @@ fn check_bucket_read(w: &World) -> Vec<u32> {
 }
 
 /// Lookup and dump read racing with an insert into an overflow line (two
-/// ways per line under loom).
+/// ways per line under loom, one in each tag word, so every line read
+/// loads both words).
 pub fn lookup_vs_insert_into_overflow() {
     model(|| {
         // 0, 1 fill the head line, 2 sits in an overflow line (present

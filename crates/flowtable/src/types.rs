@@ -510,8 +510,8 @@ pub const MAX_PROFILES: usize = 4096;
 #[derive(Clone, Debug)]
 pub struct TableConfig {
     /// Entries the shared table is sized for at first (`1..=2^28`, clamped;
-    /// at 6 entries per 8-way bucket line). It grows (and shrinks back to
-    /// this) online as its load asks.
+    /// at a load of 0.75: 8.25 entries per 11-way bucket line). It grows
+    /// (and shrinks back to this) online as its load asks.
     pub shared_buckets: usize,
     /// Entries the shared table may grow to and hold (its cap: inserts past
     /// it are refused with [`InsertError::ChainFull`]); 0 = no cap below
@@ -690,9 +690,11 @@ pub struct TableStats {
     /// key): they take index ways, count towards chains and the load, but
     /// are not entries of their own.
     pub reply_entries: u64,
-    /// Buckets (64-byte lines of 8 ways) of that table's newest index.
+    /// Buckets (64-byte lines of [`BUCKET_WAYS`](crate::BUCKET_WAYS) = 11
+    /// ways) of that table's newest index.
     pub buckets: usize,
-    /// Index entries per way: `(table_entries + reply_entries) / (buckets x 8)`.
+    /// Index entries per way:
+    /// `(table_entries + reply_entries) / (buckets x BUCKET_WAYS)`.
     pub load_factor: f64,
     /// `chain_histogram[n]` = buckets of that table holding `n` entries in
     /// their chain (head line and overflow lines; trailing zero classes

@@ -433,7 +433,7 @@ fn resizes_move_both_entries_and_count_them() {
     // The load counts both index entries: the table grew for 2n of them.
     assert!(st.load_factor <= 0.9, "{st:?}");
     assert!(
-        st.buckets as u64 * 8 >= 2 * u64::from(n),
+        (st.buckets * BUCKET_WAYS) as u64 >= 2 * u64::from(n),
         "{} buckets for {} index entries",
         st.buckets,
         2 * n
@@ -445,11 +445,11 @@ fn resizes_move_both_entries_and_count_them() {
         st.buckets,
         pst.buckets
     );
-    // memory_bytes holds the bigger index: at least a way's worth (8 B
-    // of a 64-byte line of 8) per reply entry more than the plain table.
+    // memory_bytes holds the bigger index: at least a way's worth (64 B
+    // / BUCKET_WAYS) per reply entry more than the plain table.
     let extra = t.memory_bytes() as i64 - plain.memory_bytes() as i64;
     assert!(
-        extra >= 8 * i64::from(n),
+        extra >= 64 * i64::from(n) / BUCKET_WAYS as i64,
         "{extra} B more for {n} reply entries"
     );
     for i in 0..n {
