@@ -222,7 +222,9 @@ pub struct TableReport {
     pub entries: u64,
     /// Buckets of the table the tenant lives in.
     pub buckets: u64,
-    /// entries / buckets of that table.
+    /// Index entries per way of that table: (entries + reply entries) /
+    /// (buckets x 11 ways); for a tenant token on a shared table, the
+    /// tenant's own entries per way.
     pub load_factor: f64,
     /// Longest chain.
     pub max_chain: u64,

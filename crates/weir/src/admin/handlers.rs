@@ -780,10 +780,11 @@ fn own_figures_only(r: &mut TableReport) {
     if r.placement == "own" {
         return;
     }
+    // Index entries per way, as the table's own figure is.
     r.load_factor = if r.buckets == 0 {
         0.0
     } else {
-        r.entries as f64 / r.buckets as f64
+        r.entries as f64 / (r.buckets as f64 * weir_flowtable::BUCKET_WAYS as f64)
     };
     r.max_chain = 0;
     r.chain_histogram.clear();

@@ -389,7 +389,7 @@ pub fn render(control: &dyn Control) -> Result<String, std::fmt::Error> {
     let tb_load = FloatFam::default();
     reg.register(
         "weir_table_load_factor",
-        "Entries per bucket of the flow table this tenant lives in",
+        "Index entries per way (11 a bucket) of the flow table this tenant lives in",
         tb_load.clone(),
     );
     let tb_refused = counter(
