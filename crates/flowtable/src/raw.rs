@@ -14,7 +14,9 @@
 //! * [`prefetch`]: a cache hint.
 #![allow(unsafe_code)]
 
+#[cfg(not(loom))]
 use std::alloc::Layout;
+#[cfg(not(loom))]
 use std::ptr::NonNull;
 
 use crossbeam_epoch::{Atomic, Guard, Owned};
@@ -126,7 +128,9 @@ unsafe impl Zeroable for crate::index::Bucket {}
 #[cfg(loom)]
 unsafe impl<T: Default> Zeroable for T {}
 
+#[cfg(not(loom))]
 const HUGE: usize = 2 << 20;
+#[cfg(not(loom))]
 const PAGE: usize = 4096;
 
 /// A fixed-length heap array of zero-initialised `T`, huge-page backed when
