@@ -1077,7 +1077,14 @@ mod tests {
         };
         let pk = PackedKey::new(&key);
         let n = slab.node(idx);
-        n.init(&pk, &init, 5, crate::types::Millis(0), 0, true);
+        n.init(
+            &pk,
+            &init,
+            crate::table::next_cookie(0, idx),
+            crate::types::Millis(0),
+            0,
+            true,
+        );
         n.set_live();
         let rk = n.reply_key();
         assert_eq!(
