@@ -211,10 +211,14 @@ fn sighup_reloads_and_sigterm_drains() {
     ));
     std::fs::write(&p, text).unwrap();
     kill(pid, Signal::SIGHUP).unwrap();
-    assert!(
-        wait_until(T, || echo_once(vip2, b"new")),
-        "reload did not add the service"
-    );
+    if !wait_until(T, || echo_once(vip2, b"new")) {
+        // Say why: the daemon logs a reload it refused (e.g. a listen
+        // address another test took after `free_addr` released it).
+        let _ = child.0.kill();
+        let mut err = String::new();
+        let _ = child.0.stderr.take().unwrap().read_to_string(&mut err);
+        panic!("reload did not add the service on {vip2}; daemon stderr:\n{err}");
+    }
     // Drain: an established connection keeps working, new ones are refused,
     // and the process exits once it closes.
     let (held, b) = sigterm_with_a_held_connection(&child, vip, T);
