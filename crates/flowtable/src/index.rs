@@ -483,23 +483,42 @@ impl Index {
 
     /// Lock-free lookup of a live entry (by forward or reply key). Follows
     /// `MOVED` buckets into successors.
-    #[inline]
+    ///
+    /// The common case — a home bucket that has not moved and has no
+    /// overflow lines — is inlined into the caller: one line read, one tag
+    /// match. The rest is out of line, so the inlined part stays small.
+    #[inline(always)]
     pub(crate) fn find<A: Arena + ?Sized, M: Matcher + ?Sized>(
         &self,
         arena: &A,
         h: Hash,
         key: &M,
     ) -> Option<u32> {
-        let mut ix = self;
-        loop {
-            let b = ix.bucket(ix.bucket_of(h.hi));
-            let hdr = b.hdr.load(Acquire);
-            if hdr & MOVED != 0 {
-                ix = ix.successor()?;
-                continue;
-            }
-            return ix.find_in(b, hdr, arena, h, key);
+        let b = self.bucket(self.bucket_of(h.hi));
+        let hdr = b.hdr.load(Acquire);
+        if hdr & (MOVED | OVF_MASK) == 0 {
+            return scan_line(b, arena, h.tag, key);
         }
+        self.find_slow(b, hdr, arena, h, key)
+    }
+
+    /// [`find`](Self::find) from a home bucket that moved or overflowed.
+    #[inline(never)]
+    fn find_slow<'a, A: Arena + ?Sized, M: Matcher + ?Sized>(
+        &'a self,
+        mut b: &'a Bucket,
+        mut hdr: u32,
+        arena: &A,
+        h: Hash,
+        key: &M,
+    ) -> Option<u32> {
+        let mut ix = self;
+        while hdr & MOVED != 0 {
+            ix = ix.successor()?;
+            b = ix.bucket(ix.bucket_of(h.hi));
+            hdr = b.hdr.load(Acquire);
+        }
+        ix.find_in(b, hdr, arena, h, key)
     }
 
     #[inline]
@@ -813,7 +832,7 @@ impl Index {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn scan_line<A: Arena + ?Sized, M: Matcher + ?Sized>(
     line: &Bucket,
     arena: &A,
