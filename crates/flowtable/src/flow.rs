@@ -913,7 +913,7 @@ impl FlowTable {
             }
         }
         t.add_entries(1);
-        self.node_cache().push_new(idx, cookie, &self.slab, 1024);
+        self.node_cache().push_new(idx, cookie, &self.slab);
         fence(SeqCst);
         if t.removed.load(Relaxed) {
             // Lost the race with remove_tenant, which may not have seen our
@@ -1146,7 +1146,7 @@ impl FlowTable {
         let moved = n.transition(f)?;
         n.bump_last_active(now);
         let c = n.cookie();
-        self.node_cache().push_new(h.idx, c, &self.slab, 1024);
+        self.node_cache().push_refile(h.idx, c, &self.slab);
         Some(moved)
     }
 
@@ -1156,7 +1156,7 @@ impl FlowTable {
         n.bump_last_active(now);
         // Refile so that a shorter timeout for the new state takes effect.
         let c = n.cookie();
-        self.node_cache().push_new(i, c, &self.slab, 1024);
+        self.node_cache().push_refile(i, c, &self.slab);
         true
     }
 

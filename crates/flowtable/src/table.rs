@@ -38,6 +38,8 @@ pub(crate) struct NodeCache {
     /// Inserted (or re-stated) nodes not yet filed, as [`filing_ref`]s.
     pub(crate) new_nodes: Vec<u32>,
     compact_at: usize,
+    /// A refile was pushed since the list was last sorted or taken.
+    maybe_dups: bool,
 }
 
 impl Default for NodeCache {
@@ -47,6 +49,7 @@ impl Default for NodeCache {
             pending: Vec::new(),
             new_nodes: Vec::new(),
             compact_at: 1024,
+            maybe_dups: false,
         }
     }
 }
@@ -150,26 +153,57 @@ impl NodeCache {
         }
     }
 
-    /// Records node `idx` (entry `cookie`) for filing in its tenant's wheel.
-    /// Amortised O(1), and the list stays O(live entries) even if expiry
-    /// never runs: at `compact_at` references, stale ones are dropped (and
-    /// duplicates, if still needed); the next check is at least twice the
-    /// compacted length (and `floor`) away.
-    pub(crate) fn push_new(&mut self, idx: u32, cookie: u64, slab: &Slab, floor: usize) {
+    /// Records a new entry (node `idx`, `cookie`) for filing in its
+    /// tenant's wheel. See [`compact`](Self::compact) for the list's bound.
+    #[inline]
+    pub(crate) fn push_new(&mut self, idx: u32, cookie: u64, slab: &Slab) {
         self.new_nodes.push(filing_ref(idx, cookie));
         if self.new_nodes.len() >= self.compact_at {
-            self.new_nodes
-                .retain(|&r| ref_current(r, slab.node(ref_idx(r))));
-            if self.new_nodes.len() >= floor {
-                self.new_nodes.sort_unstable();
-                self.new_nodes.dedup();
-            }
-            self.compact_at = (self.new_nodes.len() * 2).max(floor).max(1024);
+            self.compact(slab);
         }
+    }
+
+    /// Records an entry already filed, or already on a list, for filing
+    /// again (its state, hence its timeout, changed): the one way a list
+    /// gets duplicate references.
+    #[inline]
+    pub(crate) fn push_refile(&mut self, idx: u32, cookie: u64, slab: &Slab) {
+        self.maybe_dups = true;
+        self.push_new(idx, cookie, slab);
+    }
+
+    /// Keeps the list O(live entries) if expiry does not run for a while
+    /// (amortised O(1) per push): stale references are dropped, then
+    /// duplicates (a sort) if refiles may have made some and dropping stale
+    /// ones did not halve the list; the next compaction is at twice the
+    /// length left (at least 1024).
+    ///
+    /// The bound. A compaction that halves the list moves the next one no
+    /// further out. One that sorts leaves at most one reference per live
+    /// node. One that does neither ran with no refile since the last sort:
+    /// each node's references since then come from distinct inserts, whose
+    /// 4 cookie bits ([`filing_ref`]) differ for 16 in a row, so at most
+    /// `1 + n/16` of a node's `n` references look current; then at most 2 x
+    /// live + length / 16 remain, and the length stays under ~4.6 x live +
+    /// 1024. Under churn with no expiry pass (most references stale, as
+    /// in `weir-bench table`'s churn) this never sorts; sorting the list of
+    /// a million-entry table at every doubling was ~25% of an insert +
+    /// remove pair's instructions.
+    fn compact(&mut self, slab: &Slab) {
+        let before = self.new_nodes.len();
+        self.new_nodes
+            .retain(|&r| ref_current(r, slab.node(ref_idx(r))));
+        if self.maybe_dups && self.new_nodes.len() > before / 2 {
+            self.new_nodes.sort_unstable();
+            self.new_nodes.dedup();
+            self.maybe_dups = false;
+        }
+        self.compact_at = (self.new_nodes.len() * 2).max(1024);
     }
 
     pub(crate) fn take_new(&mut self) -> Vec<u32> {
         self.compact_at = 1024;
+        self.maybe_dups = false;
         std::mem::take(&mut self.new_nodes)
     }
 
