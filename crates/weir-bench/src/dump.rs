@@ -162,6 +162,24 @@ struct Speed {
 /// Rounds per speed figure; the median is reported.
 const ROUNDS: usize = 3;
 
+/// Finishes a resize the fill left running, as the daemon's once-a-second
+/// `maintain` (through `expire`) would: a quiet table is one whose resizes
+/// are done. The cursor dump is exact either way; the naive offset resume
+/// reads only the current index and would skip the buckets already moved
+/// to its successor.
+fn settle(table: &FlowTable) -> Result<()> {
+    let tenant = TenantId(TENANT);
+    // Each call moves up to 4,096 buckets; a 10M-entry index has ~1.2M.
+    for _ in 0..10_000 {
+        match table.resize_state(tenant) {
+            Some((false, _)) => return Ok(()),
+            Some((true, _)) => table.maintain(),
+            None => bail!("dump: tenant {TENANT} vanished"),
+        }
+    }
+    bail!("dump: a resize did not finish in 10,000 maintenance calls")
+}
+
 /// Whole-table dump speed. Each (size, bucket count) table is built once;
 /// then every (page, algorithm) pair is dumped round-robin, `ROUNDS` times.
 fn speed_section(plan: &Plan) -> Result<Vec<Speed>> {
@@ -181,6 +199,7 @@ fn speed_section(plan: &Plan) -> Result<Vec<Speed>> {
                 );
                 continue;
             }
+            settle(&table)?;
             let mut samples: Vec<Vec<Speed>> = vec![Vec::new(); PAGES.len() * 2];
             for _ in 0..ROUNDS {
                 for (pi, page) in PAGES.into_iter().enumerate() {
@@ -472,7 +491,9 @@ pub(crate) fn dump(c: &Common) -> Result<Value> {
     println!(
         "Noisy machine: 2 cores shared with other engineers' builds; only ratios within this run mean anything.\n\
          `weir` = FlowTable::dump (cursor = table, bucket, last cookie); `naive-offset` = \
-         FlowTable::dump_naive_offset (resume at bucket, offset within the bucket: /proc/net/tcp 2010-2021).\n"
+         FlowTable::dump_naive_offset (resume at bucket, offset within the bucket: /proc/net/tcp 2010-2021).\n\
+         `buckets` is the entry count the shared index starts sized for (`shared_buckets`): 2^16 means \
+         the table grew online to its size (resizes finished before the dumps), 2^24 that it was presized.\n"
     );
     let speed = speed_section(&plan)?;
     println!(
