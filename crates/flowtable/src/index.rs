@@ -781,7 +781,9 @@ impl Index {
         let bk = self.bucket(b);
         let (lo, hi) = bk.occupied(Relaxed);
         each_way::<()>(lo, hi, |w| {
-            arena.node(bk.ways[w].load(Relaxed) & !REPLY_WAY).prefetch();
+            arena
+                .node(bk.ways[w].load(Relaxed) & !REPLY_WAY)
+                .prefetch_all();
             None
         });
     }
