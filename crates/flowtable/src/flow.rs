@@ -321,7 +321,13 @@ pub struct FlowTable {
     /// The latest `now` an insert or an expiry call passed: what listings
     /// widen entries' 32-bit activity times against (`node::widen`).
     clock: AtomicU64,
+    /// Unique per table in this process: tells a thread's dump scratch
+    /// ([`DumpScratch`]) which table its remembered hashes belong to.
+    id: u64,
 }
+
+/// Source of [`FlowTable`]'s `id`s (0 is never handed out).
+static NEXT_TABLE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl FlowTable {
     /// Notes a caller's `now` (see `clock`).
@@ -393,6 +399,7 @@ impl FlowTable {
             own_bytes: AtomicUsize::new(0),
             seed,
             clock: AtomicU64::new(0),
+            id: NEXT_TABLE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }
     }
 
@@ -1550,6 +1557,12 @@ impl FlowTable {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
         let tables = self.dump_tables(map, filter.tenant)?;
+        let mut scratch = DUMP_SCRATCH.take().unwrap_or_default();
+        if scratch.table != self.id {
+            scratch.table = self.id;
+            scratch.known.clear();
+            scratch.prefetched = (0, 0);
+        }
         let mut d = Dumper {
             ft: self,
             map,
@@ -1558,9 +1571,9 @@ impl FlowTable {
             out,
             emitted: 0,
             cached: None,
-            ids: Vec::with_capacity(16),
-            items: Vec::with_capacity(16),
+            s: &mut scratch,
         };
+        let mut next = None;
         for table in tables {
             if table.order < start.order {
                 continue;
@@ -1571,14 +1584,16 @@ impl FlowTable {
                 (0, 0)
             };
             if let Some((hi, cookie)) = d.table(table, &guard, after) {
-                return Some(Cursor {
+                next = Some(Cursor {
                     order: table.order,
                     bucket: hi,
                     cookie,
                 });
+                break;
             }
         }
-        None
+        DUMP_SCRATCH.set(Some(scratch));
+        next
     }
 
     /// The pre-2021 `/proc/net/tcp` resume algorithm, as a contrast for
@@ -1684,9 +1699,40 @@ struct Dumper<'a, 'o> {
     out: &'o mut Vec<FlowSnapshot>,
     emitted: usize,
     cached: Option<&'a Arc<Tenant>>,
+    s: &'o mut DumpScratch,
+}
+
+/// One thread's dump buffers, kept between calls, and the hash positions of
+/// the entries of the bucket the thread's last page ended in.
+///
+/// Why: a page ends inside a bucket, and the next call must find its place
+/// there in hash order, which means the hash of every entry of the bucket;
+/// with pages of one entry, each of the ~8 entries of a bucket was rehashed
+/// ~8 times. Remembering them is safe because they are facts, not a copy of
+/// the bucket: an entry's (node, cookie) names it for its whole life (a
+/// cookie is unique until its node has been reused 2^28 times) and its key,
+/// hence its hash, never changes. The bucket itself is read afresh on every
+/// call, so entries added since are seen and rehashed, and removed ones are
+/// not listed; the dump's guarantees are those of the bucket read.
+#[derive(Default)]
+struct DumpScratch {
+    /// The [`FlowTable`] `known` belongs to (its `id`; 0 for none).
+    table: u64,
+    /// (node, cookie, top 32 bits of the hash) of the entries of the
+    /// bucket where the thread's last page ended.
+    known: Vec<(u32, u64, u32)>,
+    /// The same, for the bucket being read.
+    fresh: Vec<(u32, u64, u32)>,
     ids: Vec<u32>,
     /// (hash hi, cookie, node) of one bucket, sorted.
     items: Vec<(u32, u64, u32)>,
+    /// (index address, bucket) whose lookahead was last prefetched.
+    prefetched: (usize, usize),
+}
+
+thread_local! {
+    static DUMP_SCRATCH: std::cell::Cell<Option<Box<DumpScratch>>> =
+        const { std::cell::Cell::new(None) };
 }
 
 impl<'a> Dumper<'a, '_> {
@@ -1717,18 +1763,24 @@ impl<'a> Dumper<'a, '_> {
             ix.bucket_of(hi as u32) + 1
         };
         for b in b0..b1.min(ix.len()) {
-            if b + PREFETCH_AHEAD < ix.len() {
-                crate::raw::prefetch(ix.bucket(b + PREFETCH_AHEAD));
-            }
-            if b + PREFETCH_AHEAD / 2 < ix.len() {
-                ix.prefetch_nodes(&self.ft.slab, b + PREFETCH_AHEAD / 2);
+            // Pages that end inside a bucket come back to it: prefetch what
+            // lies ahead of a bucket once, not on every call.
+            let at = (std::ptr::from_ref(ix) as usize, b);
+            if self.s.prefetched != at {
+                self.s.prefetched = at;
+                if b + PREFETCH_AHEAD < ix.len() {
+                    crate::raw::prefetch(ix.bucket(b + PREFETCH_AHEAD));
+                }
+                if b + PREFETCH_AHEAD / 2 < ix.len() {
+                    ix.prefetch_nodes(&self.ft.slab, b + PREFETCH_AHEAD / 2);
+                }
             }
             let (blo, bhi) = (ix.bucket_start(b).max(lo), ix.bucket_start(b + 1).min(hi));
             if blo >= bhi {
                 continue;
             }
-            self.ids.clear();
-            if !ix.read_bucket(b, &mut self.ids) {
+            self.s.ids.clear();
+            if !ix.read_bucket(b, &mut self.s.ids) {
                 let succ = ix
                     .successor()
                     .expect("a moved bucket's index has a successor");
@@ -1739,23 +1791,49 @@ impl<'a> Dumper<'a, '_> {
                 }
                 continue;
             }
-            self.items.clear();
-            for &i in &self.ids {
+            let s = &mut *self.s;
+            s.items.clear();
+            s.fresh.clear();
+            // Only the first bucket of a call can be the one the last page
+            // ended in.
+            let resume = b == b0 && !s.known.is_empty();
+            // `known` is in the order the bucket was read in last time: when
+            // the bucket has not changed, each entry is the next one there.
+            let mut next_known = 0;
+            for &i in &s.ids {
                 let n = self.ft.slab.node(i);
                 if !n.is_live() {
                     continue;
                 }
-                let h = u64::from((self.ft.rehash(table, i) >> 32) as u32);
                 let c = n.cookie();
+                let known = if !resume {
+                    None
+                } else if s
+                    .known
+                    .get(next_known)
+                    .is_some_and(|k| k.0 == i && k.1 == c)
+                {
+                    next_known += 1;
+                    Some(&s.known[next_known - 1])
+                } else {
+                    s.known.iter().find(|k| k.0 == i && k.1 == c)
+                };
+                let h = match known {
+                    Some(k) => k.2,
+                    None => (self.ft.rehash(table, i) >> 32) as u32,
+                };
+                s.fresh.push((i, c, h));
+                let h = u64::from(h);
                 if h < blo || h >= bhi || (h, c) <= after {
                     continue;
                 }
-                self.items.push((h as u32, c, i));
+                s.items.push((h as u32, c, i));
             }
-            self.items.sort_unstable();
-            for k in 0..self.items.len() {
-                let (h, c, i) = self.items[k];
+            s.items.sort_unstable();
+            for k in 0..self.s.items.len() {
+                let (h, c, i) = self.s.items[k];
                 if self.emit(i, c) {
+                    std::mem::swap(&mut self.s.known, &mut self.s.fresh);
                     return Some((u64::from(h), c));
                 }
             }
