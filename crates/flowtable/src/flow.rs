@@ -1228,7 +1228,7 @@ impl FlowTable {
             let n = self.slab.node(i);
             // A pending entry (insert_reply still adding its reply key) is
             // not there yet.
-            if !n.is_live() || !check(n) || !home.unput(&mut l, i) {
+            if !n.is_live() || !check(n) || !home.unput(&mut l, h, i) {
                 return None;
             }
             if n.has_reply() {
@@ -1274,7 +1274,7 @@ impl FlowTable {
             if !check(n) {
                 return Unlink::Kept;
             }
-            if !home.unput(&mut l, idx) {
+            if !home.unput(&mut l, h, idx) {
                 return Unlink::Gone;
             }
             if n.has_reply() {

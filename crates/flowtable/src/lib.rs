@@ -102,6 +102,10 @@ pub use types::*;
 /// 0.75 of them (`TableStats::load_factor` counts per way).
 pub const BUCKET_WAYS: usize = index::WAYS;
 
+/// Index bytes per bucket: its 64-byte line and its 8-byte summary
+/// (overflow lines not included).
+pub const BUCKET_BYTES: usize = index::BUCKET_BYTES;
+
 #[cfg(loom)]
 #[doc(hidden)]
 pub mod loom_checks;

@@ -29,6 +29,7 @@
 //! last release restarts the timeout so a racing expiry keeps it.
 
 use loom::sync::Arc;
+use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::thread;
 
 use crate::index::{Hash, Index, Put};
@@ -63,10 +64,17 @@ fn key(i: u32) -> PackedKey {
 
 /// Entry `i`'s hash: every entry lands in bucket 0 of a one-bucket index;
 /// in a two-bucket successor, even entries go to bucket 0, odd to 1. Tags
-/// repeat (i % 2) so tag matches that are not key matches are explored.
+/// of entries 0..4 repeat (i % 2) so tag matches that are not key matches
+/// are explored; entries from 4 on have a tag of their own (one no summary
+/// admits unless it holds that entry, or its bucket moved).
 fn hash(i: u32) -> u64 {
-    let hi: u64 = if i % 2 == 0 { 0x1000_0000 } else { 0x9000_0000 };
-    (hi << 32) | u64::from(i % 2)
+    let hi: u64 = if i.is_multiple_of(2) {
+        0x1000_0000
+    } else {
+        0x9000_0000
+    };
+    let tag = if i < 4 { i % 2 } else { i };
+    (hi << 32) | u64::from(tag)
 }
 
 /// The cookie of node `i`'s first entry (use count 1): an unpublished node
@@ -99,7 +107,7 @@ fn insert(w: &World, i: u32) {
 fn remove(w: &World, i: u32) {
     let h = Hash::new(hash(i));
     let (home, mut l) = w.index.lock_home(h);
-    assert!(home.unput(&mut l, i), "remove {i}");
+    assert!(home.unput(&mut l, h, i), "remove {i}");
     w.nodes.node(i).clear_live();
 }
 
@@ -175,6 +183,34 @@ pub fn lookup_vs_insert_into_overflow() {
     });
 }
 
+/// Once an insert has returned, every lookup finds its entry, also one
+/// that read the bucket's summary before any way: the insert's summary
+/// bits go in before its tag, so a lookup that saw the insert finished
+/// (here a flag the writer sets after it) sees them.
+pub fn completed_insert_is_found() {
+    model(|| {
+        let w = world(2, 1, false);
+        let done = Arc::new(AtomicBool::new(false));
+        let (wr, d) = (Arc::clone(&w), Arc::clone(&done));
+        let writer = thread::spawn(move || {
+            insert(&wr, 1);
+            d.store(true, Ordering::Release);
+        });
+        let (rd, d) = (Arc::clone(&w), Arc::clone(&done));
+        let reader = thread::spawn(move || {
+            let seen = check_found(&rd, 1);
+            if d.load(Ordering::Acquire) {
+                assert!(check_found(&rd, 1), "a finished insert missed");
+            }
+            if seen {
+                assert!(check_found(&rd, 1), "found, then missed");
+            }
+        });
+        writer.join().unwrap();
+        reader.join().unwrap();
+    });
+}
+
 /// Lookup and dump read racing with a remove from the head line.
 pub fn lookup_vs_remove() {
     model(|| {
@@ -224,23 +260,36 @@ pub fn two_writers_and_a_reader() {
 }
 
 /// A resize moves the bucket while a reader looks up and a writer inserts
-/// (its home decided under the old bucket's lock).
+/// (its home decided under the old bucket's lock) an entry whose tag no
+/// other entry has, so only the moved bucket's all-ones summary lets a
+/// lookup through the old index once the insert went to the successor.
 pub fn lookup_and_insert_vs_migration() {
     model(|| {
-        let w = world(4, 3, true);
+        let w = world(5, 3, true);
         let mv = Arc::clone(&w);
         let mover = thread::spawn(move || {
             assert!(mv.index.claim() == Some(0));
             mv.index.migrate(0, &mv.nodes, &hash);
         });
-        let wr = Arc::clone(&w);
-        let writer = thread::spawn(move || insert(&wr, 3));
-        let rd = Arc::clone(&w);
+        let done = Arc::new(AtomicBool::new(false));
+        let (wr, d) = (Arc::clone(&w), Arc::clone(&done));
+        let writer = thread::spawn(move || {
+            insert(&wr, 4);
+            d.store(true, Ordering::Release);
+        });
+        let (rd, d) = (Arc::clone(&w), Arc::clone(&done));
         let reader = thread::spawn(move || {
             // 2 sits in the old index's overflow line (two ways per line).
             assert!(check_found(&rd, 2), "entry 2 missed during the move");
             assert!(check_found(&rd, 1), "entry 1 missed during the move");
-            let _ = check_found(&rd, 3);
+            // Once the insert returned (into either index), the old
+            // bucket's summary admits it: all ones before MOVED.
+            let finished = d.load(Ordering::Acquire);
+            let found = check_found(&rd, 4);
+            assert!(
+                found || !finished,
+                "a finished insert missed during the move"
+            );
         });
         mover.join().unwrap();
         writer.join().unwrap();
@@ -251,8 +300,8 @@ pub fn lookup_and_insert_vs_migration() {
         let mut ids = Vec::new();
         assert!(s.read_bucket(0, &mut ids) && s.read_bucket(1, &mut ids));
         ids.sort_unstable();
-        assert_eq!(ids, [0, 1, 2, 3]);
-        for i in 0..4 {
+        assert_eq!(ids, [0, 1, 2, 4]);
+        for i in [0, 1, 2, 4] {
             assert!(check_found(&w, i));
         }
     });
@@ -297,7 +346,7 @@ fn remove_reply(w: &World, i: u32, rh: u32) {
     let h = Hash::new(hash(i));
     {
         let (home, mut l) = w.index.lock_home(h);
-        assert!(home.unput(&mut l, i), "remove {i}");
+        assert!(home.unput(&mut l, h, i), "remove {i}");
     }
     assert!(w.index.retire_reply(&w.nodes, Hash::new(hash(rh)), i));
 }
@@ -509,7 +558,7 @@ fn expire_locked(w: &World, i: u32, now: u64, timeout: u64) -> bool {
     if !n.is_live() || !n.expirable(now, timeout) {
         return false;
     }
-    assert!(home.unput(&mut l, idx));
+    assert!(home.unput(&mut l, h, idx));
     n.clear_live();
     true
 }

@@ -110,6 +110,9 @@ pub(crate) unsafe trait Zeroable {}
 // SAFETY: an all-zero AtomicU32 is the value 0.
 #[cfg(not(loom))]
 unsafe impl Zeroable for std::sync::atomic::AtomicU32 {}
+// SAFETY: an all-zero AtomicU64 is the value 0.
+#[cfg(not(loom))]
+unsafe impl Zeroable for std::sync::atomic::AtomicU64 {}
 // SAFETY: `Hot` and `Cold` are `repr(C)` and consist only of std
 // `AtomicU32` and `AtomicU64` fields (and arrays of them), each valid as all
 // zeros (padding, if any, needs no valid value).

@@ -11,7 +11,7 @@ use crossbeam_epoch::Guard;
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
-use crate::index::{Hash, Index, WAYS};
+use crate::index::{BUCKET_BYTES, Hash, Index, WAYS};
 use crate::node::{Arena, IDX_BITS, NIL, Node, PackedKey, Slab};
 use crate::raw::EpochCell;
 
@@ -258,7 +258,7 @@ pub(crate) struct ChainStats {
 impl Table {
     /// Bytes a table sized for `entries` needs at first.
     pub(crate) fn bytes_for(entries: usize) -> usize {
-        buckets_for(entries) * 64
+        buckets_for(entries) * BUCKET_BYTES
     }
 
     /// A table sized for `entries` that may grow to `max_entries`; `None` if
@@ -359,7 +359,7 @@ impl Table {
         } else {
             return false;
         };
-        if target > n && !grow_ok((target - n) * 64) {
+        if target > n && !grow_ok((target - n) * BUCKET_BYTES) {
             return false;
         }
         self.start_resize(guard, target)

@@ -44,7 +44,7 @@ fn a_grown_table_keeps_only_its_current_index() {
     }
     let (resizing, resizes) = t.resize_state(TenantId(1)).unwrap();
     assert!(!resizing && resizes >= 4, "grew through {resizes} resizes");
-    let current = 64 * t.tenant_stats(TenantId(1)).unwrap().buckets;
+    let current = BUCKET_BYTES * t.tenant_stats(TenantId(1)).unwrap().buckets;
     // The replaced indexes go once the grace period ends; lookups (which
     // pin) move the epoch on. Bounded.
     let mut alive = index_bytes_alive();

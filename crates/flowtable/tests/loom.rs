@@ -13,6 +13,11 @@ fn lookup_vs_insert_into_overflow() {
 }
 
 #[test]
+fn completed_insert_is_found() {
+    loom_checks::completed_insert_is_found();
+}
+
+#[test]
 fn lookup_vs_remove() {
     loom_checks::lookup_vs_remove();
 }
