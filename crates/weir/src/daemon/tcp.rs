@@ -181,6 +181,9 @@ async fn connect_any(
     let mut refused = false;
     let params = svc.params.load_full();
     let mut rng = weir_sched::SplitMix64::new(seed);
+    // The backends that failed this connection; a backend goes in only
+    // once its attempt failed, so a connection that gets through on the
+    // first try allocates nothing here.
     let mut tried: Vec<SocketAddr> = Vec::new();
     let max_tries = svc.set.load().backends.len().max(1);
     let mut connected = None;
@@ -203,7 +206,6 @@ async fn connect_any(
                 break;
             }
         };
-        tried.push(backend.addr);
         let conn = match shared.open(
             svc,
             &backend,
@@ -241,9 +243,9 @@ async fn connect_any(
                 owner.unbind();
                 let Some(pause) = fd_backoff.next() else {
                     tracing::debug!(backend = %backend.addr, "connect: {e}; giving up");
+                    tried.push(backend.addr);
                     break;
                 };
-                tried.pop();
                 tracing::debug!(backend = %backend.addr, "connect: {e}; retrying");
                 tokio::select! {
                     _ = shared.conns.kill_all.cancelled() => break,
@@ -269,6 +271,7 @@ async fn connect_any(
                 break;
             }
         };
+        tried.push(backend.addr);
         shared.close(&conn, reason);
         owner.unbind();
     }
