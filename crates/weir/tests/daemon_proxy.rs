@@ -86,6 +86,56 @@ fn tcp_large_transfers_both_ways_with_half_close() {
 }
 
 #[test]
+fn a_backend_answer_with_its_fin_passes_on_and_the_client_may_still_send() {
+    // The backend answers at once and half-closes, so its last bytes and
+    // its FIN usually reach weir together: weir then sends them on with the
+    // FIN in one segment. The client must still get every byte, then EOF,
+    // and its own bytes sent after that must still reach the backend.
+    // Sizes: below, at and above the 64 KiB copy buffer.
+    for len in [5usize, 64 * 1024, 200_000] {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let baddr = l.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.set_read_timeout(Some(T)).unwrap();
+            s.write_all(&pattern(len, 9)).unwrap();
+            s.shutdown(Shutdown::Write).unwrap();
+            let mut got = Vec::new();
+            s.read_to_end(&mut got).unwrap();
+            got
+        });
+        let d = Daemon::start(
+            config(vec![service(
+                "t",
+                Protocol::Tcp,
+                "rr",
+                vec![backend(baddr, 1)],
+            )]),
+            None,
+        )
+        .unwrap();
+        let vip = d.service_addr("default", "t").unwrap();
+        let mut c = TcpStream::connect(vip).unwrap();
+        c.set_read_timeout(Some(T)).unwrap();
+        let mut down = Vec::new();
+        c.read_to_end(&mut down).unwrap();
+        assert_eq!(down.len(), len);
+        assert!(
+            down == pattern(len, 9),
+            "downstream bytes corrupted ({len})"
+        );
+        c.write_all(b"after the backend's FIN").unwrap();
+        c.shutdown(Shutdown::Write).unwrap();
+        let got = server.join().unwrap();
+        assert_eq!(got, b"after the backend's FIN", "({len})");
+        let control = d.control();
+        assert!(wait_until(T, || control.global_stats().active_conns == 0));
+        assert_eq!(control.global_stats().stats.outbytes, len as u64);
+        d.shutdown();
+    }
+}
+
+#[test]
 fn many_small_round_trips_never_stall_and_close_cleanly() {
     // Request/response traffic is where weir skips the read that would
     // only return EAGAIN after a short read: a lost wakeup there shows up

@@ -334,6 +334,7 @@ pub(crate) fn tune_listener(s: &socket2::Socket, notsent_lowat: u32) -> io::Resu
 }
 
 /// How one direction ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum End {
     /// Read EOF; the FIN was passed on.
     Eof,
@@ -476,6 +477,19 @@ fn clamp_window(s: &TcpStream, bytes: u32) -> Option<u32> {
     Some(old)
 }
 
+/// Whether `s`'s readiness, as tokio last saw it, says its peer sent a FIN
+/// (and no error or hang-up came with it). Never waits: the readiness is
+/// read, not awaited.
+fn fin_seen(s: &TcpStream) -> bool {
+    use std::task::{Context, Poll, Waker};
+    let all = Interest::READABLE | Interest::WRITABLE | Interest::ERROR;
+    let ready = std::pin::pin!(s.ready(all));
+    match ready.poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(Ok(r)) => r.is_read_closed() && !r.is_write_closed() && !r.is_error(),
+        _ => false,
+    }
+}
+
 async fn pump(
     from: &mut tokio::net::tcp::ReadHalf<'_>,
     to: &mut tokio::net::tcp::WriteHalf<'_>,
@@ -502,7 +516,7 @@ async fn pump(
                 buf.insert(pool::take(p.buf_size))
             }
         };
-        let n = match from.try_read(b) {
+        let mut n = match from.try_read(b) {
             Ok(0) => {
                 pool::give(buf.take());
                 // When the other direction has already ended, both sockets
@@ -523,8 +537,28 @@ async fn pump(
                 return End::Error;
             }
         };
-        let drained = n < b.len();
-        if drained {
+        let mut drained = n < b.len();
+        // How this direction ends once these bytes are written, when the
+        // source's FIN is already known: then the last bytes go out with
+        // `MSG_MORE` and the shutdown that follows carries them, so they
+        // and the FIN leave in one segment (one ACK instead of two), as
+        // HAProxy's do; otherwise the read of the EOF came after the write.
+        let mut end = None;
+        if drained && fin_seen(from.as_ref()) {
+            // The FIN came in order after every byte, so this read returns
+            // the EOF, or bytes the short read stopped before (urgent data)
+            // and then the EOF on a later round.
+            match from.try_read(&mut b[n..]) {
+                Ok(0) => end = Some(End::Eof),
+                Ok(k) => {
+                    n += k;
+                    drained = n < b.len();
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(_) => end = Some(End::Error),
+            }
+        }
+        if drained && end.is_none() {
             // A short read drained the socket (nginx assumes the same under
             // edge-triggered epoll): forget the readiness now, before any
             // await lets the driver record newer events, instead of paying
@@ -542,7 +576,14 @@ async fn pump(
         let mut off = 0;
         let mut waited = false;
         while off < n {
-            match to.as_ref().try_write(&b[off..n]) {
+            let sent = match end {
+                Some(End::Eof) => to.as_ref().try_io(Interest::WRITABLE, || {
+                    SockRef::from(to.as_ref())
+                        .send_with_flags(&b[off..n], libc::MSG_MORE | libc::MSG_NOSIGNAL)
+                }),
+                _ => to.as_ref().try_write(&b[off..n]),
+            };
+            match sent {
                 Ok(0) => {
                     pool::give(buf.take());
                     return End::Error;
@@ -569,6 +610,19 @@ async fn pump(
                     return End::Error;
                 }
             }
+        }
+        if let Some(end) = end {
+            pool::give(buf.take());
+            if matches!(end, End::Eof) {
+                // As on a read of the EOF above; when the other direction
+                // has ended too, closing the socket sends the bytes held by
+                // `MSG_MORE` with the FIN.
+                if !p.peer_eof.load(Relaxed) {
+                    let _ = to.shutdown().await;
+                }
+                p.my_eof.store(true, Relaxed);
+            }
+            return end;
         }
         if !waited {
             match policy.on_free_write() {
