@@ -711,12 +711,18 @@ async fn proxy(
         };
         let c2b = pump(&mut cr, &mut bw, pipe(true, &c_eof, &b_eof));
         let b2c = pump(&mut br, &mut cw, pipe(false, &b_eof, &c_eof));
-        tokio::pin!(c2b, b2c);
+        // Made once: made in the loop, it took the owner slot's waiter
+        // lock twice per round (register, and unregister when a pump won).
+        let closed = owner.closed();
+        tokio::pin!(c2b, b2c, closed);
         let (mut c2b_done, mut b2c_done) = (false, false);
         // No timer here: the entry's idle timeout (per state) is the
         // table's wheel's to enforce; it tells `owner`.
         loop {
             tokio::select! {
+                // In order: a pump completes once, so no branch can
+                // starve the others; a random start only costs a draw.
+                biased;
                 r = &mut c2b, if !c2b_done => {
                     c2b_done = true;
                     match r {
@@ -733,7 +739,7 @@ async fn proxy(
                         End::Eof => conn.set_state(shared, ConnState::FinWait),
                     }
                 }
-                why = owner.closed() => break why.name(),
+                why = &mut closed => break why.name(),
             }
         }
     };
