@@ -1160,21 +1160,7 @@ mod tests {
         let slab = Slab::new();
         let n = (WAYS + 5) as u32;
         let start = slab.alloc_block(n).unwrap().start;
-        let key = |i: u32| {
-            PackedKey::new(&FlowKey {
-                tenant: TenantId(1),
-                proto: Proto::Tcp,
-                client: std::net::SocketAddr::from(([10, 0, 0, 1], 4000 + i as u16)),
-                virt: "10.0.0.100:80".parse().unwrap(),
-            })
-        };
-        let init = FlowInit {
-            service: ServiceId(1),
-            backend: BackendId(2),
-            state: FlowState::Established,
-            owner: 0,
-            profile: 0,
-        };
+        let (key, init) = (test_key, test_init());
         // Same bucket (one-bucket index); tags 0x80 + i % 7: entries i and
         // i + 7 share a tag.
         let hash = |i: u32| Hash::new(u64::from(i) << 40 | u64::from(i % 7));
@@ -1244,6 +1230,29 @@ mod tests {
         assert_eq!(summary_of_chain(&ix, 0), ix.summary[0].load(Relaxed));
     }
 
+    /// Entry `i`'s key in the tests that fill an index by hand.
+    fn test_key(i: u32) -> PackedKey {
+        use crate::types::*;
+        PackedKey::new(&FlowKey {
+            tenant: TenantId(1),
+            proto: Proto::Tcp,
+            client: std::net::SocketAddr::from(([10, 0, 0, 1], 4000 + i as u16)),
+            virt: "10.0.0.100:80".parse().unwrap(),
+        })
+    }
+
+    /// What those tests' nodes hold besides their key.
+    fn test_init() -> crate::types::FlowInit {
+        use crate::types::*;
+        FlowInit {
+            service: ServiceId(1),
+            backend: BackendId(2),
+            state: FlowState::Established,
+            owner: 0,
+            profile: 0,
+        }
+    }
+
     /// The union of the summary bits of bucket `b`'s chain, read way by way
     /// (single-threaded tests only).
     fn summary_of_chain(ix: &Index, b: usize) -> u64 {
@@ -1291,21 +1300,7 @@ mod tests {
         const KEYS: u32 = 1100; // ~17 per bucket at the peak: overflow lines
         let slab = Slab::new();
         let start = slab.alloc_block(KEYS).unwrap().start;
-        let key = |i: u32| {
-            PackedKey::new(&FlowKey {
-                tenant: TenantId(1),
-                proto: Proto::Udp,
-                client: std::net::SocketAddr::from(([10, 0, 0, 1], i as u16)),
-                virt: "10.0.0.100:53".parse().unwrap(),
-            })
-        };
-        let init = FlowInit {
-            service: ServiceId(1),
-            backend: BackendId(2),
-            state: FlowState::Established,
-            owner: 0,
-            profile: 0,
-        };
+        let (key, init) = (test_key, test_init());
         // splitmix64's finaliser: well spread over buckets and tags.
         let mix = |i: u32| {
             let mut z = u64::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15);
