@@ -1771,6 +1771,20 @@ struct Resume {
     pos: usize,
 }
 
+impl Resume {
+    fn new(table: &Table, ix: &Index, bucket: usize, hi: u64, at: (u64, u64), pos: usize) -> Self {
+        Resume {
+            order: table.order,
+            ix: std::ptr::from_ref(ix) as usize,
+            len: ix.len(),
+            bucket,
+            hi,
+            at,
+            pos,
+        }
+    }
+}
+
 thread_local! {
     static DUMP_SCRATCH: std::cell::Cell<Option<Box<DumpScratch>>> =
         const { std::cell::Cell::new(None) };
@@ -1884,15 +1898,7 @@ impl<'a> Dumper<'a, '_> {
                 if self.emit(i, c) {
                     std::mem::swap(&mut self.s.known, &mut self.s.fresh);
                     let at = (u64::from(h), c);
-                    self.s.resume = Some(Resume {
-                        order: table.order,
-                        ix: std::ptr::from_ref(ix) as usize,
-                        len: ix.len(),
-                        bucket: b,
-                        hi,
-                        at,
-                        pos: k + 1,
-                    });
+                    self.s.resume = Some(Resume::new(table, ix, b, hi, at, k + 1));
                     return Some(at);
                 }
             }
@@ -1914,16 +1920,7 @@ impl<'a> Dumper<'a, '_> {
         let Some(r) = self.s.resume else {
             return Resumed::No;
         };
-        let here = Resume {
-            order: table.order,
-            ix: std::ptr::from_ref(ix) as usize,
-            len: ix.len(),
-            bucket: b,
-            hi,
-            at: after,
-            pos: r.pos,
-        };
-        if r != here {
+        if r != Resume::new(table, ix, b, hi, after, r.pos) {
             return Resumed::No;
         }
         for k in r.pos..self.s.items.len() {
