@@ -2596,6 +2596,19 @@ fn check_table(
 mod tests {
     use super::*;
 
+    /// Found by `cargo fuzz run config` (CI, session 14): toml_edit 0.23's
+    /// parser panicked ("all items have spans") on this text, so `weir
+    /// check`, `weir run` and a reload of such a file panicked instead of
+    /// reporting a syntax error. Fixed by toml_edit 0.25; kept as a seed in
+    /// `fuzz/seeds/config/` too.
+    #[test]
+    fn malformed_inline_table_then_dotted_key_is_an_error_not_a_panic() {
+        let text = "listen={=k[]e=\"\nlisten.";
+        let errors = parse(text, "t.toml").expect_err("not a valid config");
+        assert!(!errors.is_empty());
+        assert!(errors.iter().all(|e| e.file == "t.toml"), "{errors:?}");
+    }
+
     /// Every field of the config structs must be known to the shape
     /// pre-pass: serialise a config with every option set and parse it back.
     #[test]
