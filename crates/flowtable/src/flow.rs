@@ -11,7 +11,7 @@ use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
 use crate::cursor::Cursor;
-use crate::index::{Hash, Index, Put, REPLY_WAY};
+use crate::index::{Hash, Index, Put, REPLY_WAY, WAY_IDX};
 use crate::node::{Arena, Node, PackedKey, PackedReply, Slab, UNFILED};
 use crate::raw::EpochCell;
 use crate::table::{
@@ -411,7 +411,7 @@ impl FlowTable {
     /// The hash in `table` of a way value (for moving it during a resize):
     /// a node's forward key, or with [`REPLY_WAY`] its reply key.
     fn rehash(&self, table: &Table, v: u32) -> u64 {
-        let n = self.slab.node(v & !REPLY_WAY);
+        let n = self.slab.node(v & WAY_IDX);
         let pk = if v & REPLY_WAY != 0 {
             n.reply_key().hash_key()
         } else {
