@@ -32,6 +32,10 @@ pub(crate) struct OpsArgs {
     /// for churn2); 0 builds the table only.
     #[arg(long, default_value_t = 2_000_000)]
     pub(crate) ops: u64,
+    /// `--op dump` only: dump at this page size alone (default: 1, 100
+    /// and 10 000 in turn), e.g. to profile one page size.
+    #[arg(long)]
+    pub(crate) page: Option<usize>,
 }
 
 /// One operation.
@@ -157,6 +161,15 @@ pub(crate) fn run(a: &OpsArgs) -> Result<()> {
         "memory        {:7.1} B/entry",
         t.memory_bytes() as f64 / n as f64
     );
+    if let Some(st) = t.tenant_stats(TENANT) {
+        println!(
+            "index         {} buckets, load {:.3} ({:.2} per bucket), longest chain {}",
+            st.buckets,
+            st.load_factor,
+            (st.table_entries + st.reply_entries) as f64 / st.buckets.max(1) as f64,
+            st.max_chain
+        );
+    }
     let ops = a.ops;
     let lookups = |op: Op| -> u64 {
         let mut found = 0u64;
@@ -183,8 +196,13 @@ pub(crate) fn run(a: &OpsArgs) -> Result<()> {
     };
     match a.op {
         Op::Get | Op::Lookup | Op::Touch | Op::Miss => {
+            let t0 = now();
             let found = lookups(a.op);
-            println!("{:?} x {ops}: found {found}", a.op);
+            println!(
+                "{:<13} {} /op ({ops} ops, found {found})",
+                format!("{:?}", a.op).to_lowercase(),
+                per_op(t0, ops)
+            );
         }
         Op::Reply => {
             let t0 = now();
@@ -215,7 +233,7 @@ pub(crate) fn run(a: &OpsArgs) -> Result<()> {
             let wall = t0.elapsed().as_nanos() as f64 / (2 * pairs).max(1) as f64;
             println!("churn2 pair   {wall:7.1} wall-ns per pair (2 threads)");
         }
-        Op::Dump => dumps(&t),
+        Op::Dump => dumps(&t, a.page),
         Op::All => {
             for op in [Op::Get, Op::Lookup, Op::Touch, Op::Miss] {
                 let t0 = now();
@@ -229,7 +247,7 @@ pub(crate) fn run(a: &OpsArgs) -> Result<()> {
             let t0 = now();
             churn(ops / 2, 0, 1)?;
             println!("churn pair    {} /pair", per_op(t0, ops / 2));
-            dumps(&t);
+            dumps(&t, a.page);
             let t0 = now();
             let mut out = Vec::new();
             let mut expired = 0;
@@ -252,8 +270,12 @@ pub(crate) fn run(a: &OpsArgs) -> Result<()> {
 }
 
 /// Full dumps at three page sizes.
-fn dumps(t: &FlowTable) {
-    for page in [1usize, 100, 10_000] {
+fn dumps(t: &FlowTable, only: Option<usize>) {
+    let pages = match only {
+        Some(p) => vec![p.max(1)],
+        None => vec![1, 100, 10_000],
+    };
+    for page in pages {
         let t0 = now();
         let mut out = Vec::with_capacity(page);
         let mut cur = None;
@@ -297,6 +319,7 @@ mod tests {
                 op,
                 entries: 1_000,
                 ops: 3_000,
+                page: None,
             };
             run(&a).unwrap_or_else(|e| panic!("{op:?}: {e:#}"));
         }
