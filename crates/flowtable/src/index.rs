@@ -28,15 +28,16 @@
 //!
 //! # Summaries
 //! Beside the lines, one `u64` per bucket summarises its chain: the OR of
-//! three bits (of 64) per way's tag ([`tag_bits`]). A lookup reads it first
+//! three bits (of 64) per way, chosen by its tag and check bits (ten bits
+//! of the hash, [`sum_bits`]). A lookup reads it first
 //! and stops if the key's three bits are not all set — a miss that never
 //! reads the bucket line. The summaries are 8 B per bucket (~1 B per
 //! entry at the target load: 1 MB at 1M entries, where the lines are
 //! 7.8 MB), so a miss reads a word from an array that stays in cache where
 //! the lines do not, as a SwissTable miss reads only its control bytes.
-//! At 8.25 entries per bucket ~10% of absent keys still pass (6% are tag
-//! collisions, which the line's tags could not tell apart either).
-//! A summary is derived from the tags alone, so a writer can remake it
+//! At 8.25 entries per bucket ~4% of absent keys still pass (with the tag
+//! alone it was ~10%, 6% of them tag collisions).
+//! A summary is derived from the line alone (tags and way values), so a writer can remake it
 //! from the lines it holds locked. What readers rely on: it holds the bits
 //! of every way present (a superset is safe: an extra bit only sends a
 //! reader on to the line). Writers keep it under the bucket's lock:
@@ -259,40 +260,48 @@ fn each_way<T>(lo: u64, hi: u32, mut f: impl FnMut(usize) -> Option<T>) -> Optio
     None
 }
 
-/// Summary bits by tag byte: three distinct bits of 64 for each tag (a tag
-/// has its top bit set: entries 128..256), none for 0 (an empty way), so a
-/// line's summary is the OR over its tag bytes with no test for empties.
-const TAG_BITS: [u64; 256] = {
-    let mut t = [0u64; 256];
+/// Summary bits by (check bits, tag byte), index `check << 8 | tag`: three
+/// distinct bits of 64 for each tag (a tag has its top bit set: entries
+/// 128..256 of each group of 256), none for 0 (an empty way), so a line's
+/// summary is the OR over its ways with no test for empties. Within a group
+/// (one value of the check bits) no two tags share a mask.
+const SUM_BITS: [u64; 2048] = {
+    let mut t = [0u64; 2048];
     let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut i = 128;
-    while i < 256 {
-        let mut m = 0u64;
-        while m.count_ones() < 3 {
-            // xorshift64*: any fixed, well-spread choice of bits works.
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            m |= 1 << (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 58);
+    let mut g = 0;
+    while g < 8 {
+        let mut i = 128;
+        while i < 256 {
+            let mut m = 0u64;
+            while m.count_ones() < 3 {
+                // xorshift64*: any fixed, well-spread choice of bits works.
+                x ^= x >> 12;
+                x ^= x << 25;
+                x ^= x >> 27;
+                m |= 1 << (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 58);
+            }
+            // Distinct masks in a group (two tags with one mask are never
+            // told apart).
+            let mut j = 128;
+            while j < i && t[g * 256 + j] != m {
+                j += 1;
+            }
+            if j < i {
+                continue;
+            }
+            t[g * 256 + i] = m;
+            i += 1;
         }
-        // Distinct masks only (two tags with one mask are never told apart).
-        let mut j = 128;
-        while j < i && t[j] != m {
-            j += 1;
-        }
-        if j < i {
-            continue;
-        }
-        t[i] = m;
-        i += 1;
+        g += 1;
     }
     t
 };
 
-/// The summary bits of `tag` (none for 0).
+/// The summary bits of a way with tag `tag` whose way value is `v` (only
+/// its check bits count; none for an empty way, tag 0).
 #[inline(always)]
-fn tag_bits(tag: u8) -> u64 {
-    TAG_BITS[usize::from(tag)]
+fn sum_bits(tag: u8, v: u32) -> u64 {
+    SUM_BITS[((v & CHECK_MASK) >> CHECK_SHIFT) as usize * 256 + usize::from(tag)]
 }
 
 impl Bucket {
@@ -316,18 +325,18 @@ impl Bucket {
         )
     }
 
-    /// Under the bucket's lock: the union of [`tag_bits`] of this line's
-    /// ways (a fixed OR over the tag bytes; empty ones add nothing).
+    /// Under the bucket's lock: the union of [`sum_bits`] of this line's
+    /// ways (a fixed OR over the ways; empty ones add nothing).
     #[inline]
     fn summary_bits(&self) -> u64 {
         let lo = self.tags.load(Relaxed).to_le_bytes();
         let hi = self.tags_hi.load(Relaxed).to_le_bytes();
         let mut m = 0;
-        for t in &lo[..LO_WAYS] {
-            m |= tag_bits(*t);
+        for (w, t) in lo[..LO_WAYS].iter().enumerate() {
+            m |= sum_bits(*t, self.ways[w].load(Relaxed));
         }
-        for t in &hi[..HI_WAYS] {
-            m |= tag_bits(*t);
+        for (w, t) in hi[..HI_WAYS].iter().enumerate() {
+            m |= sum_bits(*t, self.ways[LO_WAYS + w].load(Relaxed));
         }
         m
     }
@@ -469,7 +478,7 @@ pub(crate) enum Put {
 #[derive(Debug)]
 pub(crate) struct Index {
     buckets: HugeArray<Bucket>,
-    /// Per bucket: the union of [`tag_bits`] of every way in its chain (a
+    /// Per bucket: the union of [`sum_bits`] of every way in its chain (a
     /// superset while a remove is under way), or all ones once it moved.
     /// See "Summaries" in the module docs.
     summary: HugeArray<AtomicU64>,
@@ -598,8 +607,8 @@ impl Index {
     /// Whether bucket `b`'s summary admits a way with `tag` (`false`: no
     /// such way in its chain, nor did it move). `Acquire`: see "Summaries".
     #[inline(always)]
-    fn admits(&self, b: usize, tag: u8) -> bool {
-        let m = tag_bits(tag);
+    fn admits(&self, b: usize, h: Hash) -> bool {
+        let m = sum_bits(h.tag, h.check);
         self.summary[b].load(Acquire) & m == m
     }
 
@@ -608,7 +617,7 @@ impl Index {
     #[inline]
     pub(crate) fn prefetch_candidates<A: Arena + ?Sized>(&self, arena: &A, h: Hash) {
         let bi = self.bucket_of(h.hi);
-        if !self.admits(bi, h.tag) {
+        if !self.admits(bi, h) {
             return;
         }
         let b = self.bucket(bi);
@@ -636,7 +645,7 @@ impl Index {
         key: &M,
     ) -> Option<u32> {
         let bi = self.bucket_of(h.hi);
-        if !self.admits(bi, h.tag) {
+        if !self.admits(bi, h) {
             return None;
         }
         let b = self.bucket(bi);
@@ -785,7 +794,7 @@ impl Index {
         }
     }
 
-    /// Under the lock: the union of [`tag_bits`] over the ways of the
+    /// Under the lock: the union of [`sum_bits`] over the ways of the
     /// chain headed by `head`.
     fn chain_bits(&self, head: &Bucket) -> u64 {
         let mut m = 0;
@@ -847,7 +856,7 @@ impl Index {
                 // bits of entries removed since: removes leave it alone
                 // (a stale bit only sends a reader on to the line), and the
                 // store needs no load of the old value first.
-                self.summary[l.at].store(self.chain_bits(l.b) | tag_bits(h.tag), Release);
+                self.summary[l.at].store(self.chain_bits(l.b) | sum_bits(h.tag, h.check), Release);
                 line.ways[w].store(idx & !CHECK_MASK | h.check, Release);
                 line.set_tag(w, h.tag);
                 l.hdr += 1 << CNT_SHIFT;
@@ -1296,7 +1305,7 @@ mod tests {
             for w in 0..WAYS {
                 let t = line.tag(w, Relaxed);
                 if t != 0 {
-                    m |= tag_bits(t);
+                    m |= sum_bits(t, line.ways[w].load(Relaxed));
                 }
             }
             match line.next.load(Relaxed) {
@@ -1307,16 +1316,27 @@ mod tests {
     }
 
     #[test]
-    fn tag_bits_are_three_bits_for_tags_and_none_for_empty_ways() {
-        for t in 0..=255u8 {
-            let want = if t & 0x80 != 0 { 3 } else { 0 };
-            assert_eq!(tag_bits(t).count_ones(), want, "tag {t:#x}");
+    fn sum_bits_are_three_bits_for_tags_and_none_for_empty_ways() {
+        for g in 0..8u32 {
+            let v = g << CHECK_SHIFT | 5;
+            for t in 0..=255u8 {
+                let want = if t & 0x80 != 0 { 3 } else { 0 };
+                assert_eq!(sum_bits(t, v).count_ones(), want, "tag {t:#x}, check {g}");
+            }
+            // Distinct tags, distinct bits (else they never tell apart).
+            let mut seen: Vec<u64> = (0x80..=0xFF).map(|t| sum_bits(t, v)).collect();
+            seen.sort_unstable();
+            seen.dedup();
+            assert_eq!(seen.len(), 128, "check {g}");
         }
-        // Distinct tags, distinct bits (else they never tell apart).
-        let mut seen: Vec<u64> = (0x80..=0xFF).map(tag_bits).collect();
+        // The check bits choose the mask too: a tag collision is told
+        // apart by the summary seven times in eight.
+        let mut seen: Vec<u64> = (0..8u32)
+            .map(|g| sum_bits(0x85, g << CHECK_SHIFT))
+            .collect();
         seen.sort_unstable();
         seen.dedup();
-        assert_eq!(seen.len(), 128);
+        assert_eq!(seen.len(), 8);
     }
 
     /// Model test of the summaries: through random inserts and removes
@@ -1413,14 +1433,14 @@ mod tests {
         let admitted = (0..probes)
             .filter(|&p| {
                 let h = Hash::new(mix(KEYS + p));
-                full.admits(full.bucket_of(h.hi), h.tag)
+                full.admits(full.bucket_of(h.hi), h)
             })
             .count();
-        // ~10% expected (6% of them tag collisions, which the line's tags
-        // could not tell apart either); a summary that stopped narrowing
-        // would admit far more.
+        // ~4% expected (a summary of the tags alone admits ~10%, 6% of
+        // them tag collisions); one that stopped narrowing would admit far
+        // more.
         assert!(
-            admitted < probes as usize / 5,
+            admitted < probes as usize * 7 / 100,
             "{admitted} of {probes} absent keys admitted"
         );
     }
