@@ -412,11 +412,18 @@ impl FlowTable {
     /// a node's forward key, or with [`REPLY_WAY`] its reply key.
     fn rehash(&self, table: &Table, v: u32) -> u64 {
         let n = self.slab.node(v & WAY_IDX);
-        let pk = if v & REPLY_WAY != 0 {
-            n.reply_key().hash_key()
+        if v & REPLY_WAY != 0 {
+            let pk = n.reply_key().hash_key();
+            table.hash_raw(&pk, self.salt(pk.tenant))
         } else {
-            n.key()
-        };
+            self.hash_forward(table, &n)
+        }
+    }
+
+    /// The hash in `table` of node `n`'s forward key.
+    #[inline]
+    fn hash_forward(&self, table: &Table, n: &Node<'_>) -> u64 {
+        let pk = n.key();
         table.hash_raw(&pk, self.salt(pk.tenant))
     }
 
@@ -1892,7 +1899,7 @@ impl<'a> Dumper<'a, '_> {
                 };
                 let h = match known {
                     Some(k) => k.2,
-                    None => (self.ft.rehash(table, i) >> 32) as u32,
+                    None => (self.ft.hash_forward(table, &n) >> 32) as u32,
                 };
                 s.fresh.push((i, c, h));
                 let h = u64::from(h);
@@ -1904,7 +1911,7 @@ impl<'a> Dumper<'a, '_> {
             s.items.sort_unstable();
             for k in 0..self.s.items.len() {
                 let (h, c, i) = self.s.items[k];
-                if self.emit(i, c) {
+                if self.emit(self.ft.slab.node(i), c) {
                     std::mem::swap(&mut self.s.known, &mut self.s.fresh);
                     let at = (u64::from(h), c);
                     self.s.resume = Some(Resume::new(table, ix, b, hi, at, k + 1));
@@ -1934,10 +1941,11 @@ impl<'a> Dumper<'a, '_> {
         }
         for k in r.pos..self.s.items.len() {
             let (h, c, i) = self.s.items[k];
-            if !self.ft.slab.node(i).is_live() {
+            let n = self.ft.slab.node(i);
+            if !n.is_live() {
                 continue; // removed since the bucket was sorted
             }
-            if self.emit(i, c) {
+            if self.emit(n, c) {
                 let at = (u64::from(h), c);
                 self.s.resume = Some(Resume {
                     at,
@@ -1951,9 +1959,8 @@ impl<'a> Dumper<'a, '_> {
         Resumed::Done
     }
 
-    /// Emits node `i` if it passes the filter; `true` when the page is full.
-    fn emit(&mut self, i: u32, cookie: u64) -> bool {
-        let n = self.ft.slab.node(i);
+    /// Emits node `n` if it passes the filter; `true` when the page is full.
+    fn emit(&mut self, n: Node<'a>, cookie: u64) -> bool {
         let tid = n.tenant();
         let f = self.filter;
         if f.tenant.is_some_and(|t| t.0 != tid)
