@@ -92,7 +92,7 @@ impl Default for DaemonConfig {
             max_shared_table_entries: 0,
             own_tables_budget: 1 << 30,
             max_connections: 0,
-            buffer_size: 64 * 1024,
+            buffer_size: 32 * 1024,
             notsent_lowat: 16 * 1024,
             blocked_window: 64 * 1024,
             backend_rcvbuf: 64 * 1024,
@@ -1461,7 +1461,7 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         err(
             &[dk.clone(), k("buffer_size")],
             format!(
-                "{} is outside 1024..=16777216 bytes; use e.g. 65536",
+                "{} is outside 1024..=16777216 bytes; use e.g. 32768",
                 d.buffer_size
             ),
         );

@@ -91,8 +91,9 @@ fn a_backend_answer_with_its_fin_passes_on_and_the_client_may_still_send() {
     // its FIN usually reach weir together: weir then sends them on with the
     // FIN in one segment. The client must still get every byte, then EOF,
     // and its own bytes sent after that must still reach the backend.
-    // Sizes: below, at and above the 64 KiB copy buffer.
-    for len in [5usize, 64 * 1024, 200_000] {
+    // Sizes: below, at and above the 32 KiB copy buffer, and at the 64
+    // KiB loopback segment.
+    for len in [5usize, 32 * 1024, 64 * 1024, 200_000] {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let baddr = l.local_addr().unwrap();
         let server = std::thread::spawn(move || {
@@ -158,7 +159,8 @@ fn many_small_round_trips_never_stall_and_close_cleanly() {
         c.set_read_timeout(Some(T)).unwrap();
         let mut buf = vec![0u8; 70 * 1024];
         for i in 0..750usize {
-            // 1 byte .. 69 KiB: below, at and above the 64 KiB copy buffer.
+            // 1 byte .. 69 KiB: below, at and above the 32 KiB copy buffer
+            // and the 64 KiB loopback segment.
             let len = 1 + (i * 7919 + conn as usize * 104_729) % (69 * 1024);
             let msg = pattern(len, i as u8);
             c.write_all(&msg).unwrap();
