@@ -585,7 +585,7 @@ impl FlowTable {
         }
         refs.extend(t.wheel.lock().drain_all());
         for idx in refs {
-            if let Unlink::Removed(s) = self.unlink_node(&t, idx, &guard, |_| true) {
+            if let Unlink::Removed(s) = self.unlink_node(&t, idx, &guard, |_, _| true) {
                 out.push(s);
             }
         }
@@ -932,7 +932,7 @@ impl FlowTable {
         if t.removed.load(Relaxed) {
             // Lost the race with remove_tenant, which may not have seen our
             // filing reference: undo.
-            self.unlink_node(t, idx, &guard, |n| n.cookie() == cookie);
+            self.unlink_node(t, idx, &guard, |n, _| n.cookie() == cookie);
             return Err(InsertError::NoTenant);
         }
         // An entry that had to go to an overflow line says the bucket is
@@ -1212,7 +1212,7 @@ impl FlowTable {
         let n = self.handle_node(h)?;
         let map = self.tenants.load(&guard);
         let t = map.map.get(&n.tenant())?;
-        match self.unlink_node(t, h.idx, &guard, |n| n.cookie() == h.cookie.0) {
+        match self.unlink_node(t, h.idx, &guard, |n, _| n.cookie() == h.cookie.0) {
             Unlink::Removed(s) => Some(s),
             _ => None,
         }
@@ -1262,7 +1262,7 @@ impl FlowTable {
         t: &Tenant,
         idx: u32,
         guard: &Guard,
-        check: impl Fn(Node<'_>) -> bool,
+        check: impl Fn(Node<'_>, &FlowSnapshot) -> bool,
     ) -> Unlink {
         let n = self.slab.node(idx);
         if !n.is_live() || n.tenant() != t.id.0 {
@@ -1272,13 +1272,19 @@ impl FlowTable {
         // then it is not in the bucket we lock and `unput` finds nothing.
         let pk = n.key();
         let h = t.table.hash(&pk, t.salt);
-        {
+        let snap = {
             let ix = t.table.index(guard);
             let (home, mut l) = ix.lock_home(h);
             if !n.is_live() || n.tenant() != t.id.0 || !n.matches(&pk) {
                 return Unlink::Gone;
             }
-            if !check(n) {
+            // Taken before the check and handed to it, so that a removal
+            // decided on the entry's values (expiry) reports those values:
+            // the data path updates an entry without this lock, and a
+            // snapshot taken later could show an update that raced with
+            // the decision (an expired entry whose deadline lies ahead).
+            let snap = n.snapshot(self.near(), |s, p| t.timeout(s, p));
+            if !check(n, &snap) {
                 return Unlink::Kept;
             }
             if !home.unput(&mut l, h, idx) {
@@ -1290,8 +1296,8 @@ impl FlowTable {
             } else {
                 n.clear_live();
             }
-        }
-        let snap = n.snapshot(self.near(), |s, p| t.timeout(s, p));
+            snap
+        };
         t.add_entries(-1);
         self.node_cache().retire(idx, guard, &self.pool);
         Unlink::Removed(snap)
@@ -1456,9 +1462,11 @@ impl FlowTable {
                     };
                     let mut refile = true;
                     if now >= deadline(n) {
-                        match self.unlink_node(t, idx, &guard, |n| {
-                            n.filed_slot() == slot
-                                && n.expirable(now, t.timeout(n.state(), n.profile()))
+                        // Decided on the snapshot the removal reports: its
+                        // deadline has passed, whatever the data path
+                        // writes meanwhile.
+                        match self.unlink_node(t, idx, &guard, |n, s| {
+                            n.filed_slot() == slot && now >= s.expires_at.0 && n.held() == 0
                         }) {
                             Unlink::Removed(s) => {
                                 out.push(s);

@@ -564,6 +564,7 @@ impl Node<'_> {
 
     /// Under the bucket lock: whether expiry may remove the entry at `now`
     /// with idle timeout `timeout` (a held template never goes).
+    #[cfg(loom)]
     pub(crate) fn expirable(&self, now: u64, timeout: u64) -> bool {
         now >= self.last_active(now).saturating_add(timeout) && self.held() == 0
     }
