@@ -115,6 +115,9 @@ pub struct PacketSocket {
     verdicts: Vec<Verdict>,
     iovecs: Vec<libc::iovec>,
     msgs: Vec<libc::mmsghdr>,
+    /// Frames the kernel dropped (ring full) so far: `PACKET_STATISTICS`
+    /// resets its counters on every read, so they are summed here.
+    ring_drops: u64,
 }
 
 impl std::fmt::Debug for PacketSocket {
@@ -226,6 +229,7 @@ impl PacketSocket {
             verdicts: Vec::with_capacity(config.batch),
             iovecs: Vec::with_capacity(config.batch),
             msgs: Vec::with_capacity(config.batch),
+            ring_drops: 0,
         };
 
         // weir's own transmissions are not received back.
@@ -252,6 +256,38 @@ impl PacketSocket {
             setsockopt(raw, libc::PACKET_FANOUT, &arg).map_err(|()| err("PACKET_FANOUT"))?;
         }
         Ok(sock)
+    }
+
+    /// What the kernel dropped for this socket so far: frames that found
+    /// the receive ring full (`PACKET_STATISTICS`' `tp_drops`, summed over
+    /// the reads, since each read resets it).
+    pub fn kernel_drops(&mut self) -> Result<crate::KernelDrops, PacketError> {
+        let mut st = libc::tpacket_stats_v3 {
+            tp_packets: 0,
+            tp_drops: 0,
+            tp_freeze_q_cnt: 0,
+        };
+        let mut len = std::mem::size_of::<libc::tpacket_stats_v3>() as libc::socklen_t;
+        // SAFETY: `st` is a live `tpacket_stats_v3` and `len` its size; the
+        // kernel writes at most `len` bytes into it (a TPACKET_V3 socket's
+        // statistics are exactly this struct) and stores the length written.
+        let rc = unsafe {
+            libc::getsockopt(
+                self.fd.as_raw_fd(),
+                libc::SOL_PACKET,
+                libc::PACKET_STATISTICS,
+                (&mut st as *mut libc::tpacket_stats_v3).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(PacketError::Io(std::io::Error::last_os_error()));
+        }
+        self.ring_drops += u64::from(st.tp_drops);
+        Ok(crate::KernelDrops {
+            rx_ring_full: self.ring_drops,
+            ..crate::KernelDrops::default()
+        })
     }
 
     /// One turn of the data path: waits up to `timeout` (capped at 1 s) for a

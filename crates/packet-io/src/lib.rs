@@ -44,5 +44,6 @@ pub use nexthop::{
 };
 pub use steer::{AttachMode, PROGRAM_BUILT, SteerError, SteerKey, SteerStats, Steering};
 pub use xsk::{
-    Batch, BatchStats, Verdict, XskConfig, XskError, XskSocket, poll_readable, rx_queue_count,
+    Batch, BatchStats, KernelDrops, Verdict, XskConfig, XskError, XskSocket, poll_readable,
+    rx_queue_count,
 };

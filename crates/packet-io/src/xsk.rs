@@ -80,6 +80,30 @@ pub enum XskError {
     Io(#[from] std::io::Error),
 }
 
+/// Frames the kernel dropped for one socket before weir saw them, or
+/// refused as invalid, since the socket was bound (AF_XDP's
+/// `XDP_STATISTICS`, AF_PACKET's `PACKET_STATISTICS`). weir's own counters
+/// cannot see these: the frames never reach a batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KernelDrops {
+    /// The socket's receive ring was full: weir did not keep up.
+    pub rx_ring_full: u64,
+    /// No free frame to receive into (AF_XDP's fill ring was empty), or the
+    /// frame was larger than a UMEM frame.
+    pub rx_no_frame: u64,
+    /// Descriptors the kernel refused as invalid, receive and transmit
+    /// (weir handing the kernel a bad frame address or length: a bug).
+    pub invalid_descs: u64,
+}
+
+impl std::ops::AddAssign for KernelDrops {
+    fn add_assign(&mut self, o: Self) {
+        self.rx_ring_full += o.rx_ring_full;
+        self.rx_no_frame += o.rx_no_frame;
+        self.invalid_descs += o.invalid_descs;
+    }
+}
+
 /// One received batch, lent to the callback of [`XskSocket::run_batch_all`]:
 /// the frames' bytes and one [`Verdict`] per frame, by index. Indexing past
 /// [`Batch::len`] panics, as slice indexing does.
@@ -354,6 +378,20 @@ impl XskSocket {
     /// as on veth).
     pub fn zero_copy(&self) -> bool {
         self.zero_copy
+    }
+
+    /// What the kernel dropped for this socket so far (`XDP_STATISTICS`;
+    /// cumulative, one `getsockopt`).
+    pub fn kernel_drops(&self) -> Result<KernelDrops, XskError> {
+        let s = self
+            .socket
+            .statistics()
+            .map_err(|e| XskError::Io(std::io::Error::other(e.to_string())))?;
+        Ok(KernelDrops {
+            rx_ring_full: s.rx_ring_full,
+            rx_no_frame: s.rx_dropped,
+            invalid_descs: s.rx_invalid_descs + s.tx_invalid_descs,
+        })
     }
 
     /// The queue the socket is bound to.

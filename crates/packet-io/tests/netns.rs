@@ -1905,3 +1905,249 @@ fn queue_copy_transmits_frames_received_by_another_socket() {
         "both directions: {flushed:?}"
     );
 }
+
+/// Datagrams the kernel-drop tests send while their socket reads nothing.
+const FLOOD: usize = 300;
+
+/// The MAC address of `dev` in namespace `ns`.
+fn mac_of(ns: &str, dev: &str) -> Result<String, String> {
+    let out = Command::new("ip")
+        .args(["netns", "exec", ns, "cat"])
+        .arg(format!("/sys/class/net/{dev}/address"))
+        .output()
+        .map_err(|e| e.to_string())?;
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// The client of the kernel-drop tests: a permanent neighbour entry for the
+/// weir side (so no datagram waits for, or is lost to, address resolution),
+/// then [`FLOOD`] datagrams to the VIP as fast as the socket takes them.
+fn flood_vip(topo: &Topology) -> Result<(), String> {
+    let mac = mac_of(&topo.weir, &topo.weir_if)?;
+    run(&[
+        "ip",
+        "-n",
+        &topo.client,
+        "neigh",
+        "replace",
+        "192.0.2.2",
+        "lladdr",
+        &mac,
+        "dev",
+        &topo.client_if,
+        "nud",
+        "permanent",
+    ])?;
+    let ns = topo.client.clone();
+    std::thread::spawn(move || -> Result<(), String> {
+        enter(&ns)?;
+        let sock = UdpSocket::bind("192.0.2.1:0").map_err(|e| e.to_string())?;
+        let to: SocketAddr = format!("192.0.2.2:{VIP_PORT}").parse().expect("literal");
+        for i in 0..FLOOD {
+            sock.send_to(format!("#{i}").as_bytes(), to)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    })
+    .join()
+    .map_err(|_| "client thread panicked".to_owned())?
+}
+
+/// A socket that does not keep up loses frames in the kernel, where weir's
+/// own counters never see them; `XskSocket::kernel_drops` reads them
+/// (`XDP_STATISTICS`). Exact: every frame the program steered to a socket
+/// was either received or counted as dropped.
+#[test]
+fn af_xdp_counts_the_frames_the_kernel_drops_for_a_full_socket() {
+    use weir_packet_io::KernelDrops;
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping af_xdp_counts_the_frames_the_kernel_drops_for_a_full_socket: {why}");
+        return;
+    }
+    let topo = Topology::new("k").expect("build the test topology");
+    // 32 frames stock the fill ring: the flood overruns it many times.
+    let config = XskConfig {
+        frames: 64,
+        ring_size: 32,
+        batch: 32,
+    };
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let weir = {
+        let (ns, dev) = (topo.weir.clone(), topo.weir_if.clone());
+        std::thread::spawn(move || -> Result<(u64, u64, KernelDrops), String> {
+            let setup = || -> Result<(Steering, Vec<XskSocket>), String> {
+                enter(&ns)?;
+                let mut steering = Steering::attach(&dev).map_err(|e| e.to_string())?;
+                let xsks = XskSocket::bind_all(&dev, config).map_err(|e| e.to_string())?;
+                for xsk in &xsks {
+                    steering
+                        .register_socket(xsk.queue(), xsk)
+                        .map_err(|e| e.to_string())?;
+                }
+                let vip = format!("192.0.2.2:{VIP_PORT}").parse().expect("literal");
+                steering
+                    .add(SteerKey::udp(vip))
+                    .map_err(|e| e.to_string())?;
+                Ok((steering, xsks))
+            };
+            let (steering, mut xsks) = match setup() {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.clone()));
+                    return Err(e);
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            // Nothing is read until the client has sent everything.
+            go_rx.recv().map_err(|e| e.to_string())?;
+            let mut received = 0u64;
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let mut got = 0;
+                for xsk in &mut xsks {
+                    got += xsk
+                        .run_batch(Duration::from_millis(10), |_| Verdict::Drop)
+                        .map_err(|e| e.to_string())?
+                        .received;
+                }
+                received += got as u64;
+                let steered = steering.stats().map_err(|e| e.to_string())?.steered;
+                let mut drops = KernelDrops::default();
+                for xsk in &xsks {
+                    drops += xsk.kernel_drops().map_err(|e| e.to_string())?;
+                }
+                // Frames still on their way through the veth land later;
+                // stop once a pass brings nothing and every steered frame
+                // is accounted for (or at the deadline, for the asserts).
+                let accounted = received + drops.rx_ring_full + drops.rx_no_frame;
+                if (got == 0 && accounted == steered) || Instant::now() > deadline {
+                    return Ok((steered, received, drops));
+                }
+            }
+        })
+    };
+    let ready = ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    if let Err(e) = ready {
+        let _ = weir.join();
+        panic!("weir side setup: {e}");
+    }
+    let sent = flood_vip(&topo);
+    let _ = go_tx.send(());
+    let result = weir.join().expect("weir thread");
+    drop(topo);
+    sent.expect("client side");
+    let (steered, received, drops) = result.expect("weir side");
+    assert!(
+        steered > u64::from(config.frames) && steered <= FLOOD as u64,
+        "the program steered {steered} of {FLOOD} datagrams (more than the socket's {} frames expected)",
+        config.frames
+    );
+    assert!(
+        drops.rx_ring_full + drops.rx_no_frame > 0,
+        "no kernel drops counted: {drops:?}, received {received} of {steered}"
+    );
+    assert_eq!(
+        received + drops.rx_ring_full + drops.rx_no_frame,
+        steered,
+        "steered frames not accounted for: received {received}, kernel drops {drops:?}"
+    );
+    assert_eq!(drops.invalid_descs, 0, "{drops:?}");
+}
+
+/// The same for AF_PACKET (`PACKET_STATISTICS`, which resets on every
+/// read: `kernel_drops` keeps the running sum). Not exact like AF_XDP's:
+/// the socket also sees (and may drop) the interface's other frames.
+#[test]
+fn af_packet_counts_the_frames_the_kernel_drops_for_a_full_ring() {
+    use weir_packet_io::{PacketConfig, PacketSocket};
+    if let Some(why) = missing_prerequisite() {
+        eprintln!("skipping af_packet_counts_the_frames_the_kernel_drops_for_a_full_ring: {why}");
+        return;
+    }
+    let topo = Topology::new("q").expect("build the test topology");
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let weir = {
+        let (ns, dev) = (topo.weir.clone(), topo.weir_if.clone());
+        std::thread::spawn(move || -> Result<(u64, u64, u64), String> {
+            let setup = || -> Result<PacketSocket, String> {
+                enter(&ns)?;
+                // One page-sized block: a few dozen small frames.
+                let config = PacketConfig {
+                    block_size: 4096,
+                    block_count: 1,
+                    ..PacketConfig::default()
+                };
+                PacketSocket::bind(&dev, config).map_err(|e| e.to_string())
+            };
+            let mut sock = match setup() {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.clone()));
+                    return Err(e);
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            go_rx.recv().map_err(|e| e.to_string())?;
+            let first = sock.kernel_drops().map_err(|e| e.to_string())?;
+            // A second read must not lose what the first reported.
+            let second = sock.kernel_drops().map_err(|e| e.to_string())?;
+            if second.rx_ring_full < first.rx_ring_full {
+                return Err(format!("drops went back: {first:?} then {second:?}"));
+            }
+            let mut vip_frames = 0u64;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let mut n = 0;
+                let st = sock
+                    .run_batch_all(Duration::from_millis(20), |b| {
+                        for i in 0..b.len() {
+                            let f = b.frame(i);
+                            if weir_packet::parse(f).is_ok_and(|p| {
+                                p.transport.proto() == UDP
+                                    && p.transport.ports().is_some_and(|(_, d)| d == VIP_PORT)
+                            }) {
+                                n += 1;
+                            }
+                        }
+                    })
+                    .map_err(|e| e.to_string())?;
+                vip_frames += n;
+                if st.received == 0 || Instant::now() > deadline {
+                    break;
+                }
+            }
+            let last = sock.kernel_drops().map_err(|e| e.to_string())?;
+            Ok((first.rx_ring_full, vip_frames, last.rx_ring_full))
+        })
+    };
+    let ready = ready_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    if let Err(e) = ready {
+        let _ = weir.join();
+        panic!("weir side setup: {e}");
+    }
+    let sent = flood_vip(&topo);
+    let _ = go_tx.send(());
+    let result = weir.join().expect("weir thread");
+    drop(topo);
+    sent.expect("client side");
+    let (first, vip_frames, last) = result.expect("weir side");
+    assert!(
+        first > 0,
+        "no kernel drops counted after a flood of {FLOOD}"
+    );
+    assert!(last >= first, "drops went back: {first} then {last}");
+    assert!(
+        vip_frames < FLOOD as u64,
+        "the one-block ring took all {FLOOD} datagrams"
+    );
+    assert!(
+        vip_frames + last >= FLOOD as u64,
+        "{FLOOD} sent, {vip_frames} received and {last} dropped"
+    );
+}

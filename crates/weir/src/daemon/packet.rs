@@ -235,6 +235,30 @@ pub(crate) struct Counters {
     pub(crate) icmp_errors: AtomicU64,
     pub(crate) unhandled: [AtomicU64; Unhandled::COUNT],
     pub(crate) dropped: [AtomicU64; Drop::ALL.len()],
+    /// What the kernel dropped for this worker's sockets before weir saw
+    /// the frames (cumulative, stored by the worker from the sockets'
+    /// statistics; [`KERNEL_DROPS`] names them).
+    pub(crate) kernel: [AtomicU64; KERNEL_DROPS.len()],
+}
+
+/// The `dropped` names of [`Counters::kernel`], in its order: frames lost
+/// in the kernel because the socket's receive ring was full (weir did not
+/// keep up), for want of a free frame to receive into, and descriptors the
+/// kernel refused as invalid.
+pub(crate) const KERNEL_DROPS: [&str; 3] = [
+    "kernel_rx_ring_full",
+    "kernel_rx_no_frame",
+    "kernel_invalid_descs",
+];
+
+impl Counters {
+    /// Publishes the worker's sockets' kernel drop counts (their sums).
+    pub(crate) fn set_kernel_drops(&self, d: weir_packet_io::KernelDrops) {
+        let v = [d.rx_ring_full, d.rx_no_frame, d.invalid_descs];
+        for (c, v) in self.kernel.iter().zip(v) {
+            c.store(v, Relaxed);
+        }
+    }
 }
 
 /// Sums of every worker's [`Counters`], by name.
@@ -325,6 +349,7 @@ impl PacketPath {
         let mut s = CounterSums::default();
         let mut unhandled = [0u64; Unhandled::COUNT];
         let mut dropped = [0u64; Drop::ALL.len()];
+        let mut kernel = [0u64; KERNEL_DROPS.len()];
         for c in self.counters.lock().iter() {
             s.rx += c.rx.load(Relaxed);
             s.tx += c.tx.load(Relaxed);
@@ -335,6 +360,14 @@ impl PacketPath {
             }
             for (t, v) in dropped.iter_mut().zip(&c.dropped) {
                 *t += v.load(Relaxed);
+            }
+            for (t, v) in kernel.iter_mut().zip(&c.kernel) {
+                *t += v.load(Relaxed);
+            }
+        }
+        for (name, n) in KERNEL_DROPS.into_iter().zip(kernel) {
+            if n > 0 {
+                s.dropped.insert(name.to_owned(), n);
             }
         }
         for (i, n) in unhandled.into_iter().enumerate() {
@@ -583,6 +616,11 @@ impl Engine {
             probes: Vec::new(),
             found: Vec::new(),
         }
+    }
+
+    /// This worker's counters.
+    pub(crate) fn counters(&self) -> &Counters {
+        &self.counters
     }
 
     /// Rebuild the service snapshot if services changed since.
@@ -2013,5 +2051,32 @@ mod tests {
                 "{reason}: {sums:?}"
             );
         }
+    }
+
+    #[test]
+    fn kernel_drops_are_summed_over_workers_and_named_in_the_stats() {
+        use weir_packet_io::KernelDrops;
+        let path = PacketPath::new(Vec::new(), 40000..=40099, 1).unwrap();
+        let (a, b) = (path.worker_counters(), path.worker_counters());
+        a.set_kernel_drops(KernelDrops {
+            rx_ring_full: 5,
+            rx_no_frame: 2,
+            invalid_descs: 0,
+        });
+        b.set_kernel_drops(KernelDrops {
+            rx_ring_full: 1,
+            ..KernelDrops::default()
+        });
+        // A worker publishes its sockets' running totals: a newer figure
+        // replaces the older one, it does not add to it.
+        a.set_kernel_drops(KernelDrops {
+            rx_ring_full: 7,
+            rx_no_frame: 2,
+            invalid_descs: 0,
+        });
+        let d = path.sums().dropped;
+        assert_eq!(d.get("kernel_rx_ring_full"), Some(&8), "{d:?}");
+        assert_eq!(d.get("kernel_rx_no_frame"), Some(&2), "{d:?}");
+        assert_eq!(d.get("kernel_invalid_descs"), None, "zero counts are left out: {d:?}");
     }
 }

@@ -456,58 +456,115 @@ fn worker_main(mut engine: Engine, mut socks: Socks, idx: usize, stop: Arc<Atomi
     }
 }
 
+/// How often a worker reads its sockets' kernel drop counts.
+const KERNEL_DROPS_EVERY: Duration = Duration::from_secs(1);
+
+impl Socks {
+    /// The sums of the sockets' kernel drop counts.
+    fn kernel_drops(&mut self) -> Result<weir_packet_io::KernelDrops, String> {
+        let mut sum = weir_packet_io::KernelDrops::default();
+        match self {
+            Socks::Packet(_, s) => sum += s.kernel_drops().map_err(|e| e.to_string())?,
+            Socks::Xdp(v) => {
+                for (_, s) in v.iter() {
+                    sum += s.kernel_drops().map_err(|e| e.to_string())?;
+                }
+            }
+        }
+        Ok(sum)
+    }
+}
+
+/// Publishes the sockets' kernel drop counts in the worker's counters at
+/// most every [`KERNEL_DROPS_EVERY`] (and when `force`).
+fn publish_kernel_drops(
+    engine: &Engine,
+    socks: &mut Socks,
+    last: &mut std::time::Instant,
+    force: bool,
+) -> Result<(), String> {
+    let now = std::time::Instant::now();
+    if force || now.duration_since(*last) >= KERNEL_DROPS_EVERY {
+        *last = now;
+        engine.counters().set_kernel_drops(socks.kernel_drops()?);
+    }
+    Ok(())
+}
+
 fn run_worker(engine: &mut Engine, socks: &mut Socks, stop: &AtomicBool) -> Result<(), String> {
+    let mut last = std::time::Instant::now();
+    let r = run_loop(engine, socks, stop, &mut last);
+    // The last figures, also when the loop failed.
+    let _ = publish_kernel_drops(engine, socks, &mut last, true);
+    r
+}
+
+fn run_loop(
+    engine: &mut Engine,
+    socks: &mut Socks,
+    stop: &AtomicBool,
+    last: &mut std::time::Instant,
+) -> Result<(), String> {
+    let fds: Vec<_> = match socks {
+        Socks::Xdp(v) if v.len() > 1 => v.iter().map(|(_, s)| s.as_raw_fd()).collect(),
+        _ => Vec::new(),
+    };
+    let mut ready = Vec::new();
+    while !stop.load(Relaxed) {
+        engine.refresh();
+        turn(engine, socks, &fds, &mut ready)?;
+        publish_kernel_drops(engine, socks, last, false)?;
+    }
+    Ok(())
+}
+
+/// One turn of a worker: wait up to 100 ms for frames, process and send a
+/// batch (of each ready socket, when the worker has several).
+fn turn(
+    engine: &mut Engine,
+    socks: &mut Socks,
+    fds: &[std::os::fd::RawFd],
+    ready: &mut Vec<bool>,
+) -> Result<(), String> {
     let timeout = Duration::from_millis(100);
     let mut no_egress = |_: u32, _: &[u8]| false;
     match socks {
         Socks::Packet(ix, s) => {
             let ix = *ix;
-            while !stop.load(Relaxed) {
-                engine.refresh();
-                s.run_batch_all(timeout, |b| engine.process_batch(b, ix, &mut no_egress))
-                    .map_err(|e| e.to_string())?;
-            }
+            s.run_batch_all(timeout, |b| engine.process_batch(b, ix, &mut no_egress))
+                .map_err(|e| e.to_string())?;
         }
         Socks::Xdp(v) if v.len() == 1 => {
             let (ix, s) = &mut v[0];
             let ix = *ix;
-            while !stop.load(Relaxed) {
-                engine.refresh();
-                s.run_batch_all(timeout, |b| engine.process_batch(b, ix, &mut no_egress))
-                    .map_err(|e| e.to_string())?;
-            }
+            s.run_batch_all(timeout, |b| engine.process_batch(b, ix, &mut no_egress))
+                .map_err(|e| e.to_string())?;
         }
         Socks::Xdp(v) => {
-            let fds: Vec<_> = v.iter().map(|(_, s)| s.as_raw_fd()).collect();
-            let mut ready = Vec::new();
-            while !stop.load(Relaxed) {
-                engine.refresh();
-                weir_packet_io::poll_readable(&fds, timeout, &mut ready)
-                    .map_err(|e| e.to_string())?;
-                for k in 0..v.len() {
-                    if !ready.get(k).copied().unwrap_or(false) {
-                        continue;
-                    }
-                    let (before, rest) = v.split_at_mut(k);
-                    let Some(((ix, cur), after)) = rest.split_first_mut() else {
-                        break;
-                    };
-                    let mut egress = |to: u32, frame: &[u8]| {
-                        before
-                            .iter_mut()
-                            .chain(after.iter_mut())
-                            .find(|(i, _)| *i == to)
-                            .is_some_and(|(_, s)| s.queue_copy(frame))
-                    };
-                    cur.run_batch_all(Duration::ZERO, |b| {
-                        engine.process_batch(b, *ix, &mut egress)
-                    })
-                    .map_err(|e| e.to_string())?;
+            weir_packet_io::poll_readable(fds, timeout, ready).map_err(|e| e.to_string())?;
+            for k in 0..v.len() {
+                if !ready.get(k).copied().unwrap_or(false) {
+                    continue;
                 }
-                // Send what was copied to the other interfaces.
-                for (_, s) in v.iter_mut() {
-                    s.flush().map_err(|e| e.to_string())?;
-                }
+                let (before, rest) = v.split_at_mut(k);
+                let Some(((ix, cur), after)) = rest.split_first_mut() else {
+                    break;
+                };
+                let mut egress = |to: u32, frame: &[u8]| {
+                    before
+                        .iter_mut()
+                        .chain(after.iter_mut())
+                        .find(|(i, _)| *i == to)
+                        .is_some_and(|(_, s)| s.queue_copy(frame))
+                };
+                cur.run_batch_all(Duration::ZERO, |b| {
+                    engine.process_batch(b, *ix, &mut egress)
+                })
+                .map_err(|e| e.to_string())?;
+            }
+            // Send what was copied to the other interfaces.
+            for (_, s) in v.iter_mut() {
+                s.flush().map_err(|e| e.to_string())?;
             }
         }
     }
