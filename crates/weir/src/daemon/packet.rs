@@ -2077,6 +2077,10 @@ mod tests {
         let d = path.sums().dropped;
         assert_eq!(d.get("kernel_rx_ring_full"), Some(&8), "{d:?}");
         assert_eq!(d.get("kernel_rx_no_frame"), Some(&2), "{d:?}");
-        assert_eq!(d.get("kernel_invalid_descs"), None, "zero counts are left out: {d:?}");
+        assert_eq!(
+            d.get("kernel_invalid_descs"),
+            None,
+            "zero counts are left out: {d:?}"
+        );
     }
 }

@@ -475,27 +475,41 @@ impl Socks {
     }
 }
 
-/// Publishes the sockets' kernel drop counts in the worker's counters at
-/// most every [`KERNEL_DROPS_EVERY`] (and when `force`).
-fn publish_kernel_drops(
-    engine: &Engine,
-    socks: &mut Socks,
-    last: &mut std::time::Instant,
-    force: bool,
-) -> Result<(), String> {
-    let now = std::time::Instant::now();
-    if force || now.duration_since(*last) >= KERNEL_DROPS_EVERY {
-        *last = now;
-        engine.counters().set_kernel_drops(socks.kernel_drops()?);
+/// When a worker last read its sockets' kernel drop counts.
+struct DropReader {
+    last: std::time::Instant,
+    warned: bool,
+}
+
+impl DropReader {
+    /// Publishes the sockets' kernel drop counts in the worker's counters
+    /// at most every [`KERNEL_DROPS_EVERY`] (always when `force`). A failed
+    /// read is logged once and never stops the data path.
+    fn publish(&mut self, engine: &Engine, socks: &mut Socks, force: bool) {
+        let now = std::time::Instant::now();
+        if !force && now.duration_since(self.last) < KERNEL_DROPS_EVERY {
+            return;
+        }
+        self.last = now;
+        match socks.kernel_drops() {
+            Ok(d) => engine.counters().set_kernel_drops(d),
+            Err(e) if !self.warned => {
+                self.warned = true;
+                tracing::warn!("packet worker: cannot read its sockets' kernel drop counts: {e}");
+            }
+            Err(_) => {}
+        }
     }
-    Ok(())
 }
 
 fn run_worker(engine: &mut Engine, socks: &mut Socks, stop: &AtomicBool) -> Result<(), String> {
-    let mut last = std::time::Instant::now();
-    let r = run_loop(engine, socks, stop, &mut last);
+    let mut drops = DropReader {
+        last: std::time::Instant::now(),
+        warned: false,
+    };
+    let r = run_loop(engine, socks, stop, &mut drops);
     // The last figures, also when the loop failed.
-    let _ = publish_kernel_drops(engine, socks, &mut last, true);
+    drops.publish(engine, socks, true);
     r
 }
 
@@ -503,7 +517,7 @@ fn run_loop(
     engine: &mut Engine,
     socks: &mut Socks,
     stop: &AtomicBool,
-    last: &mut std::time::Instant,
+    drops: &mut DropReader,
 ) -> Result<(), String> {
     let fds: Vec<_> = match socks {
         Socks::Xdp(v) if v.len() > 1 => v.iter().map(|(_, s)| s.as_raw_fd()).collect(),
@@ -513,7 +527,7 @@ fn run_loop(
     while !stop.load(Relaxed) {
         engine.refresh();
         turn(engine, socks, &fds, &mut ready)?;
-        publish_kernel_drops(engine, socks, last, false)?;
+        drops.publish(engine, socks, false);
     }
     Ok(())
 }
