@@ -153,6 +153,29 @@ fn enter(name: &str) -> Result<(), String> {
         .map_err(|e| format!("setns {name}: {e}"))
 }
 
+/// In namespace `ns` (the calling thread moves there): the steering program
+/// on `dev`, one AF_XDP socket per queue registered with it, and UDP to
+/// 192.0.2.2:[`VIP_PORT`] steered to them.
+fn steered_sockets(
+    ns: &str,
+    dev: &str,
+    config: XskConfig,
+) -> Result<(Steering, Vec<XskSocket>), String> {
+    enter(ns)?;
+    let mut steering = Steering::attach(dev).map_err(|e| e.to_string())?;
+    let xsks = XskSocket::bind_all(dev, config).map_err(|e| e.to_string())?;
+    for xsk in &xsks {
+        steering
+            .register_socket(xsk.queue(), xsk)
+            .map_err(|e| e.to_string())?;
+    }
+    let vip = format!("192.0.2.2:{VIP_PORT}").parse().expect("literal");
+    steering
+        .add(SteerKey::udp(vip))
+        .map_err(|e| e.to_string())?;
+    Ok((steering, xsks))
+}
+
 /// Swaps source and destination of an Ethernet + IPv4/IPv6 + UDP frame in
 /// place. Swapping keeps every checksum valid (the sums are commutative).
 fn echo(frame: &mut [u8]) -> Verdict {
@@ -1183,21 +1206,7 @@ fn run_batch_all_hands_the_callback_whole_batches() {
     let weir = {
         let (ns, dev, stop) = (topo.weir.clone(), topo.weir_if.clone(), stop.clone());
         std::thread::spawn(move || -> Result<Seen, String> {
-            let setup = || -> Result<(Steering, Vec<XskSocket>), String> {
-                enter(&ns)?;
-                let mut steering = Steering::attach(&dev).map_err(|e| e.to_string())?;
-                let xsks = XskSocket::bind_all(&dev, config).map_err(|e| e.to_string())?;
-                for xsk in &xsks {
-                    steering
-                        .register_socket(xsk.queue(), xsk)
-                        .map_err(|e| e.to_string())?;
-                }
-                let vip = format!("192.0.2.2:{VIP_PORT}").parse().expect("literal");
-                steering
-                    .add(SteerKey::udp(vip))
-                    .map_err(|e| e.to_string())?;
-                Ok((steering, xsks))
-            };
+            let setup = || steered_sockets(&ns, &dev, config);
             let (_steering, mut xsks) = match setup() {
                 Ok(s) => s,
                 Err(e) => {
@@ -1345,21 +1354,7 @@ fn af_xdp_keeps_receiving_past_the_ring_size() {
     let weir = {
         let (ns, dev, stop) = (topo.weir.clone(), topo.weir_if.clone(), stop.clone());
         std::thread::spawn(move || -> Result<usize, String> {
-            let setup = || -> Result<(Steering, Vec<XskSocket>), String> {
-                enter(&ns)?;
-                let mut steering = Steering::attach(&dev).map_err(|e| e.to_string())?;
-                let xsks = XskSocket::bind_all(&dev, config).map_err(|e| e.to_string())?;
-                for xsk in &xsks {
-                    steering
-                        .register_socket(xsk.queue(), xsk)
-                        .map_err(|e| e.to_string())?;
-                }
-                let vip = format!("192.0.2.2:{VIP_PORT}").parse().expect("literal");
-                steering
-                    .add(SteerKey::udp(vip))
-                    .map_err(|e| e.to_string())?;
-                Ok((steering, xsks))
-            };
+            let setup = || steered_sockets(&ns, &dev, config);
             let (_steering, mut xsks) = match setup() {
                 Ok(s) => s,
                 Err(e) => {
@@ -1976,21 +1971,7 @@ fn af_xdp_counts_the_frames_the_kernel_drops_for_a_full_socket() {
     let weir = {
         let (ns, dev) = (topo.weir.clone(), topo.weir_if.clone());
         std::thread::spawn(move || -> Result<(u64, u64, KernelDrops), String> {
-            let setup = || -> Result<(Steering, Vec<XskSocket>), String> {
-                enter(&ns)?;
-                let mut steering = Steering::attach(&dev).map_err(|e| e.to_string())?;
-                let xsks = XskSocket::bind_all(&dev, config).map_err(|e| e.to_string())?;
-                for xsk in &xsks {
-                    steering
-                        .register_socket(xsk.queue(), xsk)
-                        .map_err(|e| e.to_string())?;
-                }
-                let vip = format!("192.0.2.2:{VIP_PORT}").parse().expect("literal");
-                steering
-                    .add(SteerKey::udp(vip))
-                    .map_err(|e| e.to_string())?;
-                Ok((steering, xsks))
-            };
+            let setup = || steered_sockets(&ns, &dev, config);
             let (steering, mut xsks) = match setup() {
                 Ok(s) => s,
                 Err(e) => {
