@@ -49,11 +49,24 @@ impl Table {
 }
 
 #[allow(dead_code)] // used by the suites as they land
-/// `a / b` formatted as a ratio, or "-" when `b` is zero.
+/// `a / b` formatted as a ratio, or "-" when `b` is zero or not finite.
 pub(crate) fn ratio(a: f64, b: f64) -> String {
-    if b > 0.0 {
+    if b > 0.0 && b.is_finite() {
         format!("{:.2}x", a / b)
     } else {
         "-".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ratio;
+
+    #[test]
+    fn a_ratio_needs_a_reference() {
+        assert_eq!(ratio(118.0, 175.0), "0.67x");
+        assert_eq!(ratio(118.0, f64::INFINITY), "-", "no peer measured");
+        assert_eq!(ratio(118.0, 0.0), "-");
+        assert_eq!(ratio(118.0, f64::NAN), "-");
     }
 }
