@@ -908,31 +908,29 @@ impl Ctx {
             }
         }
         t.print();
-        // Idle memory.
-        println!("\n### Memory per idle proxied connection (one worker)\n");
-        let mut m = Table::new(["impl", "conns", "bytes per conn", "vs best peer"]);
+        // Idle memory (a phase of its own: nothing to print when it did not run).
         let best = self
             .memory
             .iter()
             .filter(|(i, _, _)| i.is_peer())
             .map(|(_, _, b)| *b)
             .fold(f64::INFINITY, f64::min);
-        for (imp, conns, b) in &self.memory {
-            m.row([
-                imp.name().to_string(),
-                conns.to_string(),
-                format!("{b:.0}"),
-                if best.is_finite() {
-                    ratio(*b, best)
-                } else {
-                    "-".into()
-                },
-            ]);
+        if !self.memory.is_empty() || !self.available(Impl::Weir) {
+            println!("\n### Memory per idle proxied connection (one worker)\n");
+            let mut m = Table::new(["impl", "conns", "bytes per conn", "vs best peer"]);
+            for (imp, conns, b) in &self.memory {
+                m.row([
+                    imp.name().to_string(),
+                    conns.to_string(),
+                    format!("{b:.0}"),
+                    ratio(*b, best),
+                ]);
+            }
+            if !self.available(Impl::Weir) {
+                m.row(["weir", "-", "not available (daemon not landed)", "-"]);
+            }
+            m.print();
         }
-        if !self.available(Impl::Weir) {
-            m.row(["weir", "-", "not available (daemon not landed)", "-"]);
-        }
-        m.print();
         self.goals(lowat, &best_peer, best);
     }
 
