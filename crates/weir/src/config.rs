@@ -170,6 +170,28 @@ pub struct PacketConfig {
     /// Packet workers; 0 = as many as `[daemon] workers`.
     #[serde(default, skip_serializing_if = "is_zero_usize")]
     pub workers: usize,
+    /// Entries in each AF_XDP ring of each interface queue (fill,
+    /// completion, receive, transmit); the queue's UMEM holds twice as many
+    /// 4 KiB frames. A power of two, 64 to 32768. A bigger ring absorbs a
+    /// longer burst (or a longer stall of its worker) before the kernel
+    /// drops frames (`kernel_rx_ring_full`), at 8 KiB of memory per entry.
+    /// AF_PACKET does not use it.
+    #[serde(
+        default = "default_xdp_ring_size",
+        skip_serializing_if = "is_default_xdp_ring_size"
+    )]
+    pub xdp_ring_size: u32,
+}
+
+/// `[packet] xdp_ring_size` when not given.
+pub const DEFAULT_XDP_RING_SIZE: u32 = 2048;
+
+fn default_xdp_ring_size() -> u32 {
+    DEFAULT_XDP_RING_SIZE
+}
+
+fn is_default_xdp_ring_size(v: &u32) -> bool {
+    *v == DEFAULT_XDP_RING_SIZE
 }
 
 /// `[packet] io`: the packet I/O backend.
@@ -1855,6 +1877,15 @@ pub fn packet_problems(p: &PacketConfig) -> Vec<Problem> {
             "more than 1024 packet workers; use 0 for as many as [daemon] workers".into(),
         );
     }
+    if !p.xdp_ring_size.is_power_of_two() || !(64..=32768).contains(&p.xdp_ring_size) {
+        err(
+            vec![k("xdp_ring_size")],
+            format!(
+                "{} is not a power of two from 64 to 32768 (default {DEFAULT_XDP_RING_SIZE})",
+                p.xdp_ring_size
+            ),
+        );
+    }
     out
 }
 
@@ -2311,6 +2342,7 @@ const PACKET_KEYS: &[(&str, Kind)] = &[
     ("local_addresses", Kind::Ips),
     ("fnat_ports", Kind::Ports),
     ("workers", Kind::Int),
+    ("xdp_ring_size", Kind::U32),
 ];
 const HEALTH_KEYS: &[(&str, Kind)] = &[
     ("interval", Kind::Dur(HEALTH_INTERVAL_BOUNDS)),
@@ -2690,6 +2722,7 @@ mod tests {
                 local_addresses: vec!["10.0.1.1".parse().unwrap(), "2001:db8::1".parse().unwrap()],
                 fnat_ports: "1024-2047".parse().unwrap(),
                 workers: 2,
+                xdp_ring_size: 4096,
             }),
             daemon: DaemonConfig {
                 max_shared_table_entries: 1 << 20,
@@ -3433,12 +3466,39 @@ scheduler = "wlc"
         }
     }
 
+    /// `xdp_ring_size`: 2048 when absent (and then not written by `save`),
+    /// any power of two from 64 to 32768, nothing else.
+    #[test]
+    fn xdp_ring_size_defaults_bounds_and_round_trip() {
+        let file =
+            |extra: &str| packet_file(&format!("[packet]\ninterfaces = [\"lo\"]\n{extra}"), "");
+        let cfg = parse(&file(""), "p.toml").unwrap();
+        let p = cfg.packet.as_ref().unwrap();
+        assert_eq!(p.xdp_ring_size, DEFAULT_XDP_RING_SIZE);
+        assert!(!toml::to_string(&cfg).unwrap().contains("xdp_ring_size"));
+        for ok in [64, 4096, 32768] {
+            let cfg = parse(&file(&format!("xdp_ring_size = {ok}\n")), "p.toml").unwrap();
+            assert_eq!(cfg.packet.as_ref().unwrap().xdp_ring_size, ok);
+            let again: Config = toml::from_str(&toml::to_string(&cfg).unwrap()).unwrap();
+            assert_eq!(again.packet, cfg.packet, "{ok} survives a save");
+        }
+        for bad in [0, 32, 100, 65536] {
+            let errs = parse(&file(&format!("xdp_ring_size = {bad}\n")), "p.toml").unwrap_err();
+            assert!(
+                errs.iter()
+                    .any(|e| e.key == "packet.xdp_ring_size" && e.line.is_some()),
+                "{bad}: {errs:?}"
+            );
+        }
+    }
+
     /// Every packet-mode rule at once, each at its key, with what to do.
     #[test]
     fn packet_rules_are_all_reported_with_their_keys() {
         let text = packet_file(
             "[packet]\ninterfaces = [\"lo\", \"weir-no-such0\", \"lo\", \"bad/name\"]\n\
-             local_addresses = [\"10.0.1.1\", \"0.0.0.0\", \"10.0.1.1\"]\nworkers = 2000\n",
+             local_addresses = [\"10.0.1.1\", \"0.0.0.0\", \"10.0.1.1\"]\nworkers = 2000\n\
+             xdp_ring_size = 3000\n",
             &[
                 // 0: dr to another port.
                 svc_text("10.0.0.1:80", "forward = \"dr\"", &["10.0.1.2:8080"]),
@@ -3488,6 +3548,10 @@ scheduler = "wlc"
         has("packet.local_addresses[1]", "cannot be a source address");
         has("packet.local_addresses[2]", "listed twice");
         has("packet.workers", "1024");
+        has(
+            "packet.xdp_ring_size",
+            "not a power of two from 64 to 32768",
+        );
         has("service[0].backend[0].address", "VIP's port 80");
         has("service[1].listen", "not a virtual address");
         has("service[2].listen", "not a virtual address");
@@ -3503,7 +3567,7 @@ scheduler = "wlc"
         );
         has("service[7].listen", "fnat_ports");
         has("service[8].backend[0].proxy_protocol", "PROXY header");
-        assert_eq!(errs.len(), 15, "{errs:#?}");
+        assert_eq!(errs.len(), 16, "{errs:#?}");
         // The existing interface is fine.
         assert!(!errs.iter().any(|e| e.key == "packet.interfaces[0]"));
     }

@@ -57,6 +57,7 @@ fn packet_on_lo() -> PacketConfig {
         local_addresses: vec!["127.0.0.9".parse().unwrap(), "::1".parse().unwrap()],
         fnat_ports: "40000-40999".parse().unwrap(),
         workers: 1,
+        xdp_ring_size: weir::config::DEFAULT_XDP_RING_SIZE,
     }
 }
 

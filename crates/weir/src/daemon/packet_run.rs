@@ -145,8 +145,8 @@ pub(crate) fn start(
         let ifindex = ifindex(iface)?;
         let attached = match cfg.io {
             PacketIo::Afpacket => None,
-            PacketIo::Xdp => Some(attach_xdp(iface)?),
-            PacketIo::Auto => match attach_xdp(iface) {
+            PacketIo::Xdp => Some(attach_xdp(iface, cfg.xdp_ring_size)?),
+            PacketIo::Auto => match attach_xdp(iface, cfg.xdp_ring_size) {
                 Ok(x) => Some(x),
                 Err(e) => {
                     tracing::warn!(interface = %iface, "AF_XDP unavailable ({e:#}); using AF_PACKET");
@@ -272,8 +272,9 @@ pub(crate) fn start(
 }
 
 /// The steering program on `iface` and an AF_XDP socket on each of its
-/// queues.
-fn attach_xdp(iface: &str) -> anyhow::Result<(Steering, Vec<XskSocket>)> {
+/// queues, with rings of `ring_size` entries (`[packet] xdp_ring_size`) and
+/// twice as many UMEM frames.
+fn attach_xdp(iface: &str, ring_size: u32) -> anyhow::Result<(Steering, Vec<XskSocket>)> {
     if !weir_packet_io::PROGRAM_BUILT {
         anyhow::bail!(
             "this weir was built without its XDP program (clang was missing at build time; \
@@ -282,7 +283,12 @@ fn attach_xdp(iface: &str) -> anyhow::Result<(Steering, Vec<XskSocket>)> {
     }
     let st = Steering::attach(iface)
         .with_context(|| format!("packet mode: attaching to interface {iface:?} (needs root)"))?;
-    let socks = XskSocket::bind_all(iface, XskConfig::default())
+    let xsk = XskConfig {
+        frames: 2 * ring_size,
+        ring_size,
+        ..XskConfig::default()
+    };
+    let socks = XskSocket::bind_all(iface, xsk)
         .with_context(|| format!("packet mode: AF_XDP sockets on {iface:?}"))?;
     Ok((st, socks))
 }
