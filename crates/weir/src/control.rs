@@ -277,6 +277,30 @@ pub struct PacketStats {
     pub icmp_errors: u64,
     /// Frames dropped, per reason ("fragment", "no_flow", "no_next_hop", ...).
     pub dropped: std::collections::BTreeMap<String, u64>,
+    /// The same figures per packet worker (one per AF_XDP queue, or per
+    /// AF_PACKET socket): which queue receives, which one drops.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub workers: Vec<PacketWorkerStats>,
+}
+
+/// One packet worker's frame counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PacketWorkerStats {
+    /// The worker's name, as its thread's: `weir-pkt-q0` serves receive
+    /// queue 0 of every AF_XDP interface, `weir-pkt-eth0-1` the second
+    /// AF_PACKET socket on `eth0`.
+    pub worker: String,
+    /// Frames received.
+    pub rx: u64,
+    /// Frames rewritten and transmitted.
+    pub tx: u64,
+    /// Flows created.
+    pub new_flows: u64,
+    /// ICMP errors about flows, translated and forwarded.
+    #[serde(default)]
+    pub icmp_errors: u64,
+    /// Frames dropped, per reason (as [`PacketStats::dropped`]).
+    pub dropped: std::collections::BTreeMap<String, u64>,
 }
 
 /// Health of every checked backend.

@@ -85,6 +85,50 @@ fn golden_conns_table_tenants_health_top() {
     );
 }
 
+/// Packet mode's counters in `weir stats`: the sums, then one line per
+/// worker (which queue receives, which one drops).
+#[test]
+fn golden_stats_global_with_packet_workers() {
+    use weir::control::{PacketStats, PacketWorkerStats};
+    let mut g = Fake::sample().global_stats();
+    let worker = |name: &str, rx, tx, flows, dropped: &[(&str, u64)]| PacketWorkerStats {
+        worker: name.into(),
+        rx,
+        tx,
+        new_flows: flows,
+        icmp_errors: 0,
+        dropped: dropped.iter().map(|&(r, n)| (r.to_owned(), n)).collect(),
+    };
+    g.packet = Some(PacketStats {
+        io: "xdp".into(),
+        rx: 1500,
+        tx: 1480,
+        new_flows: 12,
+        icmp_errors: 0,
+        dropped: [
+            ("kernel_rx_ring_full".to_owned(), 15),
+            ("no_flow".to_owned(), 5),
+        ]
+        .into_iter()
+        .collect(),
+        workers: vec![
+            worker("weir-pkt-q0", 1000, 995, 8, &[("no_flow", 5)]),
+            worker("weir-pkt-q1", 500, 485, 4, &[("kernel_rx_ring_full", 15)]),
+        ],
+    });
+    golden("stats_global_packet.txt", &render::render_global(&g, false));
+    // The API's JSON carries the breakdown; without workers it has no key.
+    let v = serde_json::to_value(g.packet.as_ref().unwrap()).unwrap();
+    assert_eq!(v["workers"][1]["worker"], "weir-pkt-q1");
+    assert_eq!(v["workers"][1]["dropped"]["kernel_rx_ring_full"], 15);
+    let mut bare = g.packet.clone().unwrap();
+    bare.workers.clear();
+    let v = serde_json::to_value(&bare).unwrap();
+    assert!(v.get("workers").is_none(), "{v}");
+    let back: PacketStats = serde_json::from_value(v).unwrap();
+    assert_eq!(back, bare, "an older daemon's stats still parse");
+}
+
 /// `weir list` prints scheduler flags and the persistence mask as
 /// `ipvsadm -Ln` does; `--json` carries them as fields.
 #[test]

@@ -733,6 +733,22 @@ fn forwards_on(
             if p["io"] == "xdp" && p["rx"] != p["tx"] {
                 return Err(format!("packet counters after every client: {p}"));
             }
+            // The per-worker breakdown names every worker and adds up to
+            // the sums.
+            let workers = p["workers"].as_array().cloned().unwrap_or_default();
+            let per = |k: &str| workers.iter().filter_map(|w| w[k].as_u64()).sum::<u64>();
+            let named = workers.iter().all(|w| {
+                w["worker"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("weir-pkt-"))
+            });
+            if workers.is_empty()
+                || !named
+                || Some(per("rx")) != p["rx"].as_u64()
+                || Some(per("tx")) != p["tx"].as_u64()
+            {
+                return Err(format!("per-worker packet counters: {p}"));
+            }
         }
         if packet_extra.contains("afpacket") {
             let stats = weir(&cfg, &["stats"])?;

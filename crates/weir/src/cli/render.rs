@@ -406,6 +406,18 @@ pub fn render_global(g: &GlobalStats, exact: bool) -> String {
         for (reason, n) in &p.dropped {
             let _ = writeln!(o, "packet dropped {reason}: {n}");
         }
+        for w in &p.workers {
+            let _ = write!(
+                o,
+                "packet worker {}: {} frames in, {} out, {} new flows",
+                w.worker, w.rx, w.tx, w.new_flows
+            );
+            for (i, (reason, n)) in w.dropped.iter().enumerate() {
+                let sep = if i == 0 { "; dropped" } else { "," };
+                let _ = write!(o, "{sep} {reason} {n}");
+            }
+            o.push('\n');
+        }
     }
     o
 }

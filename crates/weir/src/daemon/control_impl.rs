@@ -810,6 +810,7 @@ impl Control for LiveControl {
                     new_flows: s.new_flows,
                     icmp_errors: s.icmp_errors,
                     dropped: s.dropped,
+                    workers: s.workers,
                 }
             }),
         }

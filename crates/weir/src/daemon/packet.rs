@@ -228,6 +228,10 @@ impl IcmpBudget {
 /// share their lines); the daemon sums them for `weir stats`.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
+    /// The worker's name (its thread's: `weir-pkt-q0` serves queue 0 of
+    /// every AF_XDP interface, `weir-pkt-eth0-1` an AF_PACKET socket), so
+    /// an operator can tell which queue drops.
+    pub(crate) worker: String,
     pub(crate) rx: AtomicU64,
     pub(crate) tx: AtomicU64,
     pub(crate) new_flows: AtomicU64,
@@ -252,6 +256,30 @@ pub(crate) const KERNEL_DROPS: [&str; 3] = [
 ];
 
 impl Counters {
+    /// This worker's figures; drop reasons with a count of 0 are left out.
+    fn read(&self) -> crate::control::PacketWorkerStats {
+        let mut dropped = std::collections::BTreeMap::new();
+        let named = KERNEL_DROPS
+            .into_iter()
+            .zip(&self.kernel)
+            .chain(Unhandled::NAMES.into_iter().zip(&self.unhandled))
+            .chain(Drop::ALL.iter().map(|d| d.name()).zip(&self.dropped));
+        for (name, n) in named {
+            let n = n.load(Relaxed);
+            if n > 0 {
+                dropped.insert(name.to_owned(), n);
+            }
+        }
+        crate::control::PacketWorkerStats {
+            worker: self.worker.clone(),
+            rx: self.rx.load(Relaxed),
+            tx: self.tx.load(Relaxed),
+            new_flows: self.new_flows.load(Relaxed),
+            icmp_errors: self.icmp_errors.load(Relaxed),
+            dropped,
+        }
+    }
+
     /// Publishes the worker's sockets' kernel drop counts (their sums).
     pub(crate) fn set_kernel_drops(&self, d: weir_packet_io::KernelDrops) {
         let v = [d.rx_ring_full, d.rx_no_frame, d.invalid_descs];
@@ -261,7 +289,7 @@ impl Counters {
     }
 }
 
-/// Sums of every worker's [`Counters`], by name.
+/// Sums of every worker's [`Counters`], by name, and each worker's own.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub(crate) struct CounterSums {
     pub(crate) rx: u64,
@@ -269,6 +297,8 @@ pub(crate) struct CounterSums {
     pub(crate) new_flows: u64,
     pub(crate) icmp_errors: u64,
     pub(crate) dropped: std::collections::BTreeMap<String, u64>,
+    /// The same figures per worker, in the order the workers started.
+    pub(crate) workers: Vec<crate::control::PacketWorkerStats>,
 }
 
 /// Where packets of a rewritten flow go next: the kernel's route and
@@ -338,47 +368,29 @@ impl PacketPath {
         })
     }
 
-    /// Counters for one more worker.
-    pub(crate) fn worker_counters(&self) -> Arc<Counters> {
-        let c = Arc::new(Counters::default());
+    /// Counters for one more worker, named `worker` (see [`Counters::worker`]).
+    pub(crate) fn worker_counters(&self, worker: &str) -> Arc<Counters> {
+        let c = Arc::new(Counters {
+            worker: worker.to_owned(),
+            ..Counters::default()
+        });
         self.counters.lock().push(c.clone());
         c
     }
 
+    /// Every worker's figures, and their sums.
     pub(crate) fn sums(&self) -> CounterSums {
         let mut s = CounterSums::default();
-        let mut unhandled = [0u64; Unhandled::COUNT];
-        let mut dropped = [0u64; Drop::ALL.len()];
-        let mut kernel = [0u64; KERNEL_DROPS.len()];
         for c in self.counters.lock().iter() {
-            s.rx += c.rx.load(Relaxed);
-            s.tx += c.tx.load(Relaxed);
-            s.new_flows += c.new_flows.load(Relaxed);
-            s.icmp_errors += c.icmp_errors.load(Relaxed);
-            for (t, v) in unhandled.iter_mut().zip(&c.unhandled) {
-                *t += v.load(Relaxed);
+            let w = c.read();
+            s.rx += w.rx;
+            s.tx += w.tx;
+            s.new_flows += w.new_flows;
+            s.icmp_errors += w.icmp_errors;
+            for (reason, n) in &w.dropped {
+                *s.dropped.entry(reason.clone()).or_default() += n;
             }
-            for (t, v) in dropped.iter_mut().zip(&c.dropped) {
-                *t += v.load(Relaxed);
-            }
-            for (t, v) in kernel.iter_mut().zip(&c.kernel) {
-                *t += v.load(Relaxed);
-            }
-        }
-        for (name, n) in KERNEL_DROPS.into_iter().zip(kernel) {
-            if n > 0 {
-                s.dropped.insert(name.to_owned(), n);
-            }
-        }
-        for (i, n) in unhandled.into_iter().enumerate() {
-            if n > 0 {
-                s.dropped.insert(Unhandled::NAMES[i].to_owned(), n);
-            }
-        }
-        for (d, n) in Drop::ALL.into_iter().zip(dropped) {
-            if n > 0 {
-                s.dropped.insert(d.name().to_owned(), n);
-            }
+            s.workers.push(w);
         }
         s
     }
@@ -597,8 +609,9 @@ impl Engine {
         hops: Box<dyn NextHops>,
         egress: Vec<u32>,
         seed: u64,
+        name: &str,
     ) -> Self {
-        let counters = path.worker_counters();
+        let counters = path.worker_counters(name);
         let vips = Vips::build(&shared);
         Self {
             shared,
@@ -1401,7 +1414,14 @@ mod tests {
     fn engine(d: &super::super::DaemonHandle) -> Engine {
         let shared = d.shared.clone();
         let path = shared.packet.get().unwrap().clone();
-        Engine::new(shared, path, Box::new(FixedHop), vec![1], 7)
+        Engine::new(
+            shared,
+            path,
+            Box::new(FixedHop),
+            vec![1],
+            7,
+            "weir-pkt-test",
+        )
     }
 
     /// Ethernet + IPv4 + TCP (flags) or UDP (flags = None), checksums full.
@@ -1611,7 +1631,14 @@ mod tests {
         let d = daemon("nat", "");
         let shared = d.shared.clone();
         let path = shared.packet.get().unwrap().clone();
-        let mut e = Engine::new(shared, path, Box::new(SmallMtu), vec![1], 7);
+        let mut e = Engine::new(
+            shared,
+            path,
+            Box::new(SmallMtu),
+            vec![1],
+            7,
+            "weir-pkt-test",
+        );
         let client = sa("192.0.2.7:5555");
         let mut syn = frame(client, sa(VIP), Some(SYN), b"");
         assert_eq!(e.process(&mut syn), Verdict::Transmit);
@@ -1675,7 +1702,14 @@ mod tests {
         let d = daemon("nat", "");
         let shared = d.shared.clone();
         let path = shared.packet.get().unwrap().clone();
-        let mut e = Engine::new(shared, path, Box::new(SmallMtu), vec![1], 7);
+        let mut e = Engine::new(
+            shared,
+            path,
+            Box::new(SmallMtu),
+            vec![1],
+            7,
+            "weir-pkt-test",
+        );
         let client = sa("192.0.2.7:5555");
         let t0 = d.shared.now_ms();
         let at = |ms: u64| Millis(t0 + ms);
@@ -2057,7 +2091,7 @@ mod tests {
     fn kernel_drops_are_summed_over_workers_and_named_in_the_stats() {
         use weir_packet_io::KernelDrops;
         let path = PacketPath::new(Vec::new(), 40000..=40099, 1).unwrap();
-        let (a, b) = (path.worker_counters(), path.worker_counters());
+        let (a, b) = (path.worker_counters("w0"), path.worker_counters("w1"));
         a.set_kernel_drops(KernelDrops {
             rx_ring_full: 5,
             rx_no_frame: 2,
@@ -2082,5 +2116,62 @@ mod tests {
             None,
             "zero counts are left out: {d:?}"
         );
+    }
+
+    /// Which queue drops: each worker's own figures come with the sums,
+    /// under the worker's name, and add up to them.
+    #[test]
+    fn stats_break_the_counters_down_by_worker() {
+        use weir_packet_io::KernelDrops;
+        let path = PacketPath::new(Vec::new(), 40000..=40099, 1).unwrap();
+        let (a, b) = (
+            path.worker_counters("weir-pkt-q0"),
+            path.worker_counters("weir-pkt-q1"),
+        );
+        a.rx.store(100, Relaxed);
+        a.tx.store(90, Relaxed);
+        a.new_flows.store(4, Relaxed);
+        a.dropped[Drop::NoFlow as usize].store(10, Relaxed);
+        b.rx.store(7, Relaxed);
+        b.tx.store(7, Relaxed);
+        b.icmp_errors.store(1, Relaxed);
+        b.unhandled[0].store(3, Relaxed);
+        b.set_kernel_drops(KernelDrops {
+            rx_ring_full: 5,
+            ..KernelDrops::default()
+        });
+        let s = path.sums();
+        let names: Vec<&str> = s.workers.iter().map(|w| w.worker.as_str()).collect();
+        assert_eq!(names, ["weir-pkt-q0", "weir-pkt-q1"]);
+        let (w0, w1) = (&s.workers[0], &s.workers[1]);
+        assert_eq!(
+            (w0.rx, w0.tx, w0.new_flows, w0.icmp_errors),
+            (100, 90, 4, 0)
+        );
+        assert_eq!((w1.rx, w1.tx, w1.new_flows, w1.icmp_errors), (7, 7, 0, 1));
+        let no_flow = Drop::NoFlow.name();
+        let first_unhandled = weir_packet::Unhandled::NAMES[0];
+        assert_eq!(
+            w0.dropped,
+            [(no_flow.to_owned(), 10)].into_iter().collect(),
+            "only the first worker dropped for want of a flow"
+        );
+        assert_eq!(
+            w1.dropped,
+            [
+                (first_unhandled.to_owned(), 3),
+                ("kernel_rx_ring_full".to_owned(), 5)
+            ]
+            .into_iter()
+            .collect(),
+            "the second worker's kernel and parser drops are its own"
+        );
+        // The sums are the workers' figures added up.
+        assert_eq!((s.rx, s.tx, s.new_flows, s.icmp_errors), (107, 97, 4, 1));
+        for (reason, n) in &s.dropped {
+            let per: u64 = s.workers.iter().filter_map(|w| w.dropped.get(reason)).sum();
+            assert_eq!(*n, per, "{reason}");
+        }
+        assert_eq!(s.dropped.len(), 3, "{:?}", s.dropped);
     }
 }

@@ -213,6 +213,7 @@ pub(crate) fn start(
             next_hops()?,
             egress,
             rand::random(),
+            &name,
         );
         let stop = stop.clone();
         let idx = worker;
