@@ -324,6 +324,9 @@ pub struct FlowTable {
     /// Unique per table in this process: tells a thread's dump scratch
     /// ([`DumpScratch`]) which table its remembered hashes belong to.
     id: u64,
+    /// Dumps started so far: the next one is numbered `dumps + 1`
+    /// ([`Cursor`]'s `dump`).
+    dumps: AtomicU64,
 }
 
 /// Source of [`FlowTable`]'s `id`s (0 is never handed out).
@@ -400,6 +403,7 @@ impl FlowTable {
             seed,
             clock: AtomicU64::new(0),
             id: NEXT_TABLE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            dumps: AtomicU64::new(0),
         }
     }
 
@@ -1565,7 +1569,14 @@ impl FlowTable {
         limit: usize,
         out: &mut Vec<FlowSnapshot>,
     ) -> Option<Cursor> {
-        let start = cursor.copied().unwrap_or(Cursor::START);
+        let start = match cursor {
+            Some(&c) => c,
+            None if limit == 0 => return Some(Cursor::START),
+            None => Cursor {
+                dump: self.dumps.fetch_add(1, Relaxed) + 1,
+                ..Cursor::START
+            },
+        };
         if limit == 0 {
             return Some(start);
         }
@@ -1587,6 +1598,7 @@ impl FlowTable {
             out,
             emitted: 0,
             cached: None,
+            dump: start.dump,
             s: &mut scratch,
         };
         let mut next = None;
@@ -1605,6 +1617,7 @@ impl FlowTable {
                     order: table.order,
                     bucket: hi,
                     cookie,
+                    dump: start.dump,
                 });
                 break;
             }
@@ -1716,6 +1729,8 @@ struct Dumper<'a, 'o> {
     out: &'o mut Vec<FlowSnapshot>,
     emitted: usize,
     cached: Option<&'a Arc<Tenant>>,
+    /// The dump's number ([`Cursor`]'s `dump`; 0: unknown).
+    dump: u64,
     s: &'o mut DumpScratch,
 }
 
@@ -1766,23 +1781,30 @@ struct DumpScratch {
     resume: Option<Resume>,
 }
 
-/// The last page ended at `items[pos - 1]` of bucket `bucket` of the index
-/// at address `ix` with `len` buckets in the table of dump order `order`
-/// (the range's end was `hi`).
+/// Dump number `dump`'s last page ended at `items[pos - 1]` of bucket
+/// `bucket` of the index at address `ix` with `len` buckets in the table of
+/// dump order `order` (the range's end was `hi`).
 ///
 /// Why: with pages of one entry, every call re-read the bucket, checked
 /// each of its ~8 nodes and sorted them to find the next one (~2,800
-/// instructions per entry). The next call at the same position goes on
-/// from `items[pos]` instead. That lists every entry the full path would
-/// have to: an entry present since the bucket was read is in `items` (the
-/// bucket's entries after the cursor then, sorted by (hash, cookie); those
-/// before `pos` are at or before the cursor), and the bucket number and
-/// count name the same hash range in any index of that address and size.
-/// Entries removed since are skipped (not live, or their node now shows
-/// another cookie, see [`Dumper::emit`]); entries added since are not
-/// listed, which the dump allows.
+/// instructions per entry). The next call of the same dump at the same
+/// position goes on from `items[pos]` instead. That lists every entry the
+/// full path would have to: an entry present since the bucket was read is
+/// in `items` (the bucket's entries after the cursor then, sorted by
+/// (hash, cookie); those before `pos` are at or before the cursor), and the
+/// bucket number and count name the same hash range in any index of that
+/// address and size. Entries removed since are skipped (not live, or their
+/// node now shows another cookie, see [`Dumper::emit`]); entries added
+/// since are not listed, which the dump allows because the read happened
+/// during this dump. That is why the dump's number must match: another
+/// dump whose page ends on the same entry may have started after the read,
+/// and an entry added in between is present for its whole run
+/// (`tests/dump_resume.rs`, `a_dump_never_goes_on_from_a_bucket_read_before_it_started`).
+/// A dump of unknown number (0: a `c2.` cursor) never goes on from one.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 struct Resume {
+    /// The dump that read the bucket ([`Cursor`]'s `dump`, never 0).
+    dump: u64,
     /// The table's dump order.
     order: u64,
     ix: usize,
@@ -1795,8 +1817,17 @@ struct Resume {
 }
 
 impl Resume {
-    fn new(table: &Table, ix: &Index, bucket: usize, hi: u64, at: (u64, u64), pos: usize) -> Self {
+    fn new(
+        dump: u64,
+        table: &Table,
+        ix: &Index,
+        bucket: usize,
+        hi: u64,
+        at: (u64, u64),
+        pos: usize,
+    ) -> Self {
         Resume {
+            dump,
             order: table.order,
             ix: std::ptr::from_ref(ix) as usize,
             len: ix.len(),
@@ -1922,7 +1953,8 @@ impl<'a> Dumper<'a, '_> {
                 if self.emit(self.ft.slab.node(i), c) {
                     std::mem::swap(&mut self.s.known, &mut self.s.fresh);
                     let at = (u64::from(h), c);
-                    self.s.resume = Some(Resume::new(table, ix, b, hi, at, k + 1));
+                    self.s.resume = (self.dump != 0)
+                        .then(|| Resume::new(self.dump, table, ix, b, hi, at, k + 1));
                     return at;
                 }
             }
@@ -1944,7 +1976,7 @@ impl<'a> Dumper<'a, '_> {
         let Some(r) = self.s.resume else {
             return Resumed::No;
         };
-        if r != Resume::new(table, ix, b, hi, after, r.pos) {
+        if r != Resume::new(self.dump, table, ix, b, hi, after, r.pos) {
             return Resumed::No;
         }
         for k in r.pos..self.s.items.len() {

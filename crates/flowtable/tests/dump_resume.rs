@@ -149,3 +149,129 @@ proptest! {
         }
     }
 }
+
+/// The position in hash order a cursor names: (top 32 bits of the hash,
+/// cookie), read back from its string form
+/// `c3.<table>.<hash>.<cookie>.<dump>`.
+fn position(c: &Cursor) -> (u64, u64) {
+    let s = c.to_string();
+    let f: Vec<u64> = s
+        .split('.')
+        .skip(2)
+        .take(2)
+        .map(|p| u64::from_str_radix(p, 16).unwrap())
+        .collect();
+    (f[0], f[1])
+}
+
+/// Pages of one through the whole table on a thread of its own (a fresh
+/// dump scratch): every entry's (cookie, position).
+fn positions(t: &FlowTable) -> Vec<(u64, (u64, u64))> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let (mut out, mut all, mut cur) = (Vec::new(), Vec::new(), None);
+            loop {
+                out.clear();
+                cur = t.dump(cur.as_ref(), &DumpFilter::default(), 1, &mut out);
+                let Some(c) = cur else { return all };
+                all.extend(out.iter().map(|s| (s.cookie.0, position(&c))));
+            }
+        })
+        .join()
+        .unwrap()
+    })
+}
+
+/// A thread remembers where its last page ended inside a bucket, and the
+/// bucket's sorted entries as it read them. That list is complete only for
+/// a dump that was already running when it was read: a dump that started
+/// later, whose page ends on the same entry (same filter and page sizes, or
+/// pages of one), must read the bucket itself, or it misses entries
+/// inserted in between although they were present for its whole run.
+#[test]
+fn a_dump_never_goes_on_from_a_bucket_read_before_it_started() {
+    let t = FlowTable::new(TableConfig {
+        shared_buckets: 1024,
+        max_shared_entries: 0,
+        max_chain: 1024,
+        memory_budget: 1 << 24,
+        seed: Some(7),
+    });
+    t.add_tenant(TenantId(1), TenantConfig::default()).unwrap();
+    let mut cookies = HashSet::new();
+    for i in 0..200 {
+        cookies.insert(t.insert(key(i), init(i), Millis(0)).unwrap().0);
+    }
+    let n = t.tenant_stats(TenantId(1)).unwrap().buckets;
+    let bucket_of = |p: (u64, u64)| (p.0 * n as u64) >> 32;
+    // x: an entry with two more after it in its bucket.
+    let old = positions(&t);
+    let k = (0..old.len() - 2)
+        .find(|&k| bucket_of(old[k].1) == bucket_of(old[k + 2].1))
+        .expect("a bucket of three entries");
+    let (x, last) = (old[k].1, old[k + 2].1);
+    // Dump 1, on this thread: pages of one, up to and including x (it reads
+    // x's bucket, sorted, and remembers its place there).
+    let f = DumpFilter::default();
+    let mut out = Vec::new();
+    let mut cur = None;
+    for _ in 0..=k {
+        out.clear();
+        cur = t.dump(cur.as_ref(), &f, 1, &mut out);
+    }
+    assert_eq!(cur.map(|c| position(&c)), Some(x));
+    // Entries inserted after dump 1 read x's bucket; dump 2 starts after.
+    let mut added = HashSet::new();
+    for i in 200..1200 {
+        added.insert(t.insert(key(i), init(i), Millis(0)).unwrap().0);
+    }
+    cookies.extend(&added);
+    // The case this test is about: no resize since, and entries added
+    // between x and the bucket's last entry as dump 1 read it.
+    assert_eq!(
+        t.tenant_stats(TenantId(1)).unwrap().buckets,
+        n,
+        "a resize would make this another case"
+    );
+    let between = positions(&t)
+        .iter()
+        .filter(|&&(c, p)| added.contains(&c) && x < p && p < last)
+        .count();
+    assert!(
+        between > 0,
+        "no entry added between x and {last:?}: the test needs one"
+    );
+    // Dump 2, on another thread, pages of one, until it has listed x.
+    let (at, mut seen) = std::thread::scope(|s| {
+        s.spawn(|| {
+            let (mut out, mut seen, mut cur) = (Vec::new(), Vec::new(), None);
+            loop {
+                out.clear();
+                cur = t.dump(cur.as_ref(), &f, 1, &mut out);
+                seen.extend(out.iter().map(|s| s.cookie.0));
+                match cur {
+                    Some(c) if position(&c) != x => {}
+                    _ => return (cur, seen),
+                }
+            }
+        })
+        .join()
+        .unwrap()
+    });
+    assert_eq!(at.map(|c| position(&c)), Some(x), "dump 2 lists x too");
+    // Dump 2 goes on here, where dump 1's page ended at x.
+    let mut cur = at;
+    while cur.is_some() {
+        out.clear();
+        cur = t.dump(cur.as_ref(), &f, 1, &mut out);
+        seen.extend(out.iter().map(|s| s.cookie.0));
+    }
+    let listed: HashSet<u64> = seen.iter().copied().collect();
+    assert_eq!(listed.len(), seen.len(), "an entry listed twice");
+    let missed = cookies.difference(&listed).count();
+    assert_eq!(
+        missed, 0,
+        "dump 2 missed {missed} entries present for its whole run"
+    );
+    assert_eq!(listed, cookies);
+}
