@@ -1611,7 +1611,10 @@ impl FlowTable {
             } else {
                 (0, 0)
             };
-            let (hi, cookie) = d.table(table, &guard, after);
+            let (hi, cookie) = match d.resume_here(table, after) {
+                Ok(p) => p,
+                Err(after) => d.table(table, &guard, after),
+            };
             if cookie != 0 {
                 next = Some(Cursor {
                     order: table.order,
@@ -1960,6 +1963,56 @@ impl<'a> Dumper<'a, '_> {
             }
         }
         NOT_FULL
+    }
+
+    /// The O(1) resume straight from the cursor, before any of the walk's
+    /// set-up: when this dump's last page on this thread ended at `after`
+    /// in `table`,
+    /// lists on from there through the rest of that bucket's sorted
+    /// entries (see [`Resume`]). A page of one entry is then a pin, a
+    /// check and a snapshot (-10 ns of ~135 per entry at 10M).
+    ///
+    /// Why the index need not be the one the bucket was read from: the
+    /// order is by (hash, cookie), the same in every index, and the rest
+    /// of the sorted list holds every entry of that hash range after
+    /// `after` that was present when it was read. So listing it is exact
+    /// across a resize too, and where it ends the walk resumes by hash.
+    ///
+    /// `Ok`: the page filled, at this position. `Err`: go on with the walk
+    /// after this position (`after`, or the last entry listed here; the
+    /// remembered position then stands at the bucket's end, so the walk
+    /// moves straight to the next bucket when the index is the same).
+    fn resume_here(&mut self, table: &Table, after: (u64, u64)) -> Result<(u64, u64), (u64, u64)> {
+        let Some(r) = self.s.resume else {
+            return Err(after);
+        };
+        if r.dump != self.dump || r.order != table.order || r.at != after {
+            return Err(after);
+        }
+        let mut at = after;
+        for k in r.pos..self.s.items.len() {
+            let (h, c, i) = self.s.items[k];
+            let n = self.ft.slab.node(i);
+            if !n.is_live() {
+                continue; // removed since the bucket was sorted
+            }
+            if self.emit(n, c) {
+                let at = (u64::from(h), c);
+                self.s.resume = Some(Resume {
+                    at,
+                    pos: k + 1,
+                    ..r
+                });
+                return Ok(at);
+            }
+            at = (u64::from(h), c);
+        }
+        self.s.resume = Some(Resume {
+            at,
+            pos: self.s.items.len(),
+            ..r
+        });
+        Err(at)
     }
 
     /// The O(1) resume (see [`Resume`]): if the last page ended in bucket
