@@ -1989,15 +1989,23 @@ impl<'a> Dumper<'a, '_> {
         if r.dump != self.dump || r.order != table.order || r.at != after {
             return Err(after);
         }
-        let mut at = after;
+        self.list_from(r)
+    }
+
+    /// Lists the remembered bucket's sorted entries from `r.pos` on and
+    /// keeps the remembered place up to date. `Ok`: the page filled, at
+    /// this position. `Err`: the list ran out, after this position (the
+    /// remembered place then stands at its end).
+    fn list_from(&mut self, r: Resume) -> Result<(u64, u64), (u64, u64)> {
+        let mut at = r.at;
         for k in r.pos..self.s.items.len() {
             let (h, c, i) = self.s.items[k];
             let n = self.ft.slab.node(i);
             if !n.is_live() {
                 continue; // removed since the bucket was sorted
             }
+            at = (u64::from(h), c);
             if self.emit(n, c) {
-                let at = (u64::from(h), c);
                 self.s.resume = Some(Resume {
                     at,
                     pos: k + 1,
@@ -2005,7 +2013,6 @@ impl<'a> Dumper<'a, '_> {
                 });
                 return Ok(at);
             }
-            at = (u64::from(h), c);
         }
         self.s.resume = Some(Resume {
             at,
@@ -2032,24 +2039,10 @@ impl<'a> Dumper<'a, '_> {
         if r != Resume::new(self.dump, table, ix, b, hi, after, r.pos) {
             return Resumed::No;
         }
-        for k in r.pos..self.s.items.len() {
-            let (h, c, i) = self.s.items[k];
-            let n = self.ft.slab.node(i);
-            if !n.is_live() {
-                continue; // removed since the bucket was sorted
-            }
-            if self.emit(n, c) {
-                let at = (u64::from(h), c);
-                self.s.resume = Some(Resume {
-                    at,
-                    pos: k + 1,
-                    ..r
-                });
-                return Resumed::Full(at);
-            }
+        match self.list_from(r) {
+            Ok(at) => Resumed::Full(at),
+            Err(_) => Resumed::Done,
         }
-        self.s.resume = None;
-        Resumed::Done
     }
 
     /// Emits node `n` if it passes the filter; `true` when the page is full.

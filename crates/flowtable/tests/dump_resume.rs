@@ -164,18 +164,23 @@ fn position(c: &Cursor) -> (u64, u64) {
     (f[0], f[1])
 }
 
+/// More calls than any dump of the tests below needs (pages of one over
+/// at most 1,200 entries): a dump that has not ended by then fails.
+const CALLS: usize = 10_000;
+
 /// Pages of one through the whole table on a thread of its own (a fresh
 /// dump scratch): every entry's (cookie, position).
 fn positions(t: &FlowTable) -> Vec<(u64, (u64, u64))> {
     std::thread::scope(|s| {
         s.spawn(|| {
             let (mut out, mut all, mut cur) = (Vec::new(), Vec::new(), None);
-            loop {
+            for _ in 0..CALLS {
                 out.clear();
                 cur = t.dump(cur.as_ref(), &DumpFilter::default(), 1, &mut out);
                 let Some(c) = cur else { return all };
                 all.extend(out.iter().map(|s| (s.cookie.0, position(&c))));
             }
+            panic!("a dump of pages of one did not end in {CALLS} calls");
         })
         .join()
         .unwrap()
@@ -245,7 +250,7 @@ fn a_dump_never_goes_on_from_a_bucket_read_before_it_started() {
     let (at, mut seen) = std::thread::scope(|s| {
         s.spawn(|| {
             let (mut out, mut seen, mut cur) = (Vec::new(), Vec::new(), None);
-            loop {
+            for _ in 0..CALLS {
                 out.clear();
                 cur = t.dump(cur.as_ref(), &f, 1, &mut out);
                 seen.extend(out.iter().map(|s| s.cookie.0));
@@ -254,6 +259,7 @@ fn a_dump_never_goes_on_from_a_bucket_read_before_it_started() {
                     _ => return (cur, seen),
                 }
             }
+            panic!("dump 2 did not reach x in {CALLS} calls");
         })
         .join()
         .unwrap()
@@ -261,11 +267,15 @@ fn a_dump_never_goes_on_from_a_bucket_read_before_it_started() {
     assert_eq!(at.map(|c| position(&c)), Some(x), "dump 2 lists x too");
     // Dump 2 goes on here, where dump 1's page ended at x.
     let mut cur = at;
-    while cur.is_some() {
+    for _ in 0..CALLS {
         out.clear();
         cur = t.dump(cur.as_ref(), &f, 1, &mut out);
         seen.extend(out.iter().map(|s| s.cookie.0));
+        if cur.is_none() {
+            break;
+        }
     }
+    assert!(cur.is_none(), "dump 2 did not end in {CALLS} calls");
     let listed: HashSet<u64> = seen.iter().copied().collect();
     assert_eq!(listed.len(), seen.len(), "an entry listed twice");
     let missed = cookies.difference(&listed).count();
