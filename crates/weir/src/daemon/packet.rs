@@ -1412,16 +1412,14 @@ mod tests {
     }
 
     fn engine(d: &super::super::DaemonHandle) -> Engine {
+        engine_with(d, Box::new(FixedHop))
+    }
+
+    /// An engine of `d`'s packet path whose next hops are `hops`.
+    fn engine_with(d: &super::super::DaemonHandle, hops: Box<dyn NextHops>) -> Engine {
         let shared = d.shared.clone();
         let path = shared.packet.get().unwrap().clone();
-        Engine::new(
-            shared,
-            path,
-            Box::new(FixedHop),
-            vec![1],
-            7,
-            "weir-pkt-test",
-        )
+        Engine::new(shared, path, hops, vec![1], 7, "weir-pkt-test")
     }
 
     /// Ethernet + IPv4 + TCP (flags) or UDP (flags = None), checksums full.
@@ -1629,16 +1627,7 @@ mod tests {
     #[test]
     fn too_big_for_the_next_hop_is_answered_as_a_router_would() {
         let d = daemon("nat", "");
-        let shared = d.shared.clone();
-        let path = shared.packet.get().unwrap().clone();
-        let mut e = Engine::new(
-            shared,
-            path,
-            Box::new(SmallMtu),
-            vec![1],
-            7,
-            "weir-pkt-test",
-        );
+        let mut e = engine_with(&d, Box::new(SmallMtu));
         let client = sa("192.0.2.7:5555");
         let mut syn = frame(client, sa(VIP), Some(SYN), b"");
         assert_eq!(e.process(&mut syn), Verdict::Transmit);
@@ -1700,16 +1689,7 @@ mod tests {
     #[test]
     fn too_big_answers_are_rate_limited() {
         let d = daemon("nat", "");
-        let shared = d.shared.clone();
-        let path = shared.packet.get().unwrap().clone();
-        let mut e = Engine::new(
-            shared,
-            path,
-            Box::new(SmallMtu),
-            vec![1],
-            7,
-            "weir-pkt-test",
-        );
+        let mut e = engine_with(&d, Box::new(SmallMtu));
         let client = sa("192.0.2.7:5555");
         let t0 = d.shared.now_ms();
         let at = |ms: u64| Millis(t0 + ms);
