@@ -1531,21 +1531,35 @@ impl FlowTable {
         Some(self.caches.iter().map(|c| c.lock().new_nodes.len()).sum())
     }
 
-    /// Tables in dump order, restricted to one tenant's table if asked.
+    /// Tables in dump order from dump order `from` on, restricted to one
+    /// tenant's table if asked.
+    ///
+    /// Why the own tables before `from` are skipped by a binary search
+    /// rather than walked past: a page that resumes in the last of 10,000
+    /// own tables walked the 9,999 before it, ~3.4 µs per page; a dump in
+    /// pages of one entry cost 34 µs per entry instead of ~0.2, O(tenants)
+    /// per page where the dump promises O(entries + buckets) in all.
     fn dump_tables<'a>(
         &'a self,
         map: &'a TenantMap,
         tenant: Option<TenantId>,
+        from: u64,
     ) -> Option<impl Iterator<Item = &'a Table> + 'a> {
-        let (single, all) = match tenant {
-            Some(id) => (Some(&*map.map.get(&id.0)?.table), false),
-            None => (None, true),
+        let (single, own) = match tenant {
+            Some(id) => (Some(&*map.map.get(&id.0)?.table), &[][..]),
+            None => {
+                // `own` is sorted by tenant id, so by dump order.
+                let at = map.own.partition_point(|t| t.table.order < from);
+                (None, &map.own[at..])
+            }
         };
+        let shared = (tenant.is_none() && self.shared.order >= from).then_some(&*self.shared);
         Some(
             single
                 .into_iter()
-                .chain(all.then_some(&*self.shared))
-                .chain(map.own.iter().filter(move |_| all).map(|t| &*t.table)),
+                .chain(shared)
+                .chain(own.iter().map(|t| &*t.table))
+                .filter(move |t| t.order >= from),
         )
     }
 
@@ -1578,7 +1592,7 @@ impl FlowTable {
         });
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
-        let tables = self.dump_tables(map, filter.tenant)?;
+        let tables = self.dump_tables(map, filter.tenant, start.order)?;
         let mut scratch = DUMP_SCRATCH.take().unwrap_or_default();
         if scratch.table != self.id {
             scratch.table = self.id;
@@ -1599,9 +1613,6 @@ impl FlowTable {
         };
         let mut next = None;
         for table in tables {
-            if table.order < start.order {
-                continue;
-            }
             let after = if table.order == start.order {
                 (start.bucket, start.cookie)
             } else {

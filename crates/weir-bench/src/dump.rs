@@ -5,6 +5,8 @@
 //! Sections (JSON keys in brackets):
 //! - speed [`dump[]`]: whole-table dumps of 1M and 10M entries, page sizes 1,
 //!   100 and 10,000, the same entries in 2^16 and 2^24 buckets;
+//! - own tables [`tenants[]`]: whole dumps of a table whose entries sit in
+//!   1,000 and 10,000 tenants' own tables, pages of 1 and 100;
 //! - exactness under churn [`exactness`]: at least 100 whole dumps of a table
 //!   whose stable entries must each appear exactly once while another thread
 //!   inserts and removes other entries as fast as it can. The naive resume is
@@ -44,6 +46,8 @@ struct Plan {
     exact_dumps: usize,
     naive_dumps: usize,
     exact_limit: Duration,
+    /// Tenant counts of the own-table rows (each tenant: its own table).
+    tenant_counts: Vec<u32>,
 }
 
 impl Plan {
@@ -59,6 +63,7 @@ impl Plan {
                 exact_dumps: 100,
                 naive_dumps: 20,
                 exact_limit: Duration::from_secs(15),
+                tenant_counts: vec![100, 1_000],
             }
         } else {
             Self {
@@ -71,6 +76,7 @@ impl Plan {
                 exact_dumps: 100,
                 naive_dumps: 20,
                 exact_limit: Duration::from_secs(240),
+                tenant_counts: vec![1_000, 10_000],
             }
         }
     }
@@ -423,6 +429,98 @@ fn check_dump(seen: &mut Vec<u64>, d0: &[u64], d1: &[u64], per: u64) -> Result<V
     })
 }
 
+/// Entries per tenant in the own-table rows.
+const PER_TENANT: u64 = 8;
+
+/// One own-table row: a table whose entries sit in `tenants` own tables.
+#[derive(Debug, Clone)]
+struct TenantsRow {
+    tenants: u32,
+    page: usize,
+    ns_per_entry: f64,
+    complete: bool,
+}
+
+/// Dumps of a table whose entries are spread over many tenants' own tables
+/// (`PER_TENANT` each), pages of 1 and 100. A page finds its cursor's table
+/// by a binary search; walking past the tables before it made a dump in
+/// pages of one O(tenants) per entry (34 µs per entry at 10,000 tenants,
+/// against 0.36 µs now). The per-entry cost should not depend on the count.
+fn tenants_section(plan: &Plan) -> Result<Vec<TenantsRow>> {
+    let mut rows = Vec::new();
+    for &count in &plan.tenant_counts {
+        let table = FlowTable::new(TableConfig {
+            seed: Some(0xd0_0d),
+            ..TableConfig::default()
+        });
+        for id in 1..=count {
+            table.add_tenant(
+                TenantId(id),
+                TenantConfig {
+                    own_buckets: PER_TENANT as usize,
+                    ..TenantConfig::default()
+                },
+            )?;
+            for i in 0..PER_TENANT {
+                let v = PeerVal::for_idx(i);
+                table
+                    .insert(key(id, i), flow_init(&v), Millis(1))
+                    .map_err(|e| anyhow::anyhow!("dump: tenant {id} insert: {e:?}"))?;
+            }
+        }
+        let n = u64::from(count) * PER_TENANT;
+        for page in [1, 100] {
+            let mut v = Vec::new();
+            for _ in 0..ROUNDS {
+                let start = Instant::now();
+                let (got, complete) =
+                    walk(&table, Algo::Cursor, page, start + plan.dump_limit, |p| {
+                        std::hint::black_box(p);
+                    });
+                let secs = start.elapsed().as_secs_f64();
+                if complete && got != n {
+                    bail!("dump over {count} own tables returned {got} of {n} entries");
+                }
+                v.push(TenantsRow {
+                    tenants: count,
+                    page,
+                    ns_per_entry: if got > 0 {
+                        secs * 1e9 / got as f64
+                    } else {
+                        f64::INFINITY
+                    },
+                    complete,
+                });
+            }
+            v.sort_by(|a, b| a.ns_per_entry.total_cmp(&b.ns_per_entry));
+            let complete = v.iter().all(|r| r.complete);
+            rows.push(TenantsRow {
+                complete,
+                ..v[v.len() / 2].clone()
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// The own-table check: page 1's cost per entry at the most tenants
+/// against the fewest (not a goal of the issue: seed 002's bound, O(entries
+/// + buckets) per dump, whatever the number of tables).
+fn tenants_goal(rows: &[TenantsRow]) -> Option<Goal> {
+    let p1: Vec<&TenantsRow> = rows.iter().filter(|r| r.page == 1).collect();
+    let (lo, hi) = (p1.first()?, p1.last()?);
+    let x = hi.ns_per_entry / lo.ns_per_entry;
+    Some((
+        format!(
+            "page-1 cost per entry at {} own tables <= 2x at {} (seed 002's O(entries + buckets))",
+            si(f64::from(hi.tenants)),
+            si(f64::from(lo.tenants))
+        ),
+        format!("{x:.2}x"),
+        (lo.complete && hi.complete).then_some(x <= 2.0),
+    ))
+}
+
 fn dump_goals(plan: &Plan, speed: &[Speed], ex: &Exact) -> Vec<Goal> {
     let mut g = Vec::new();
     let top = plan.sizes.iter().copied().max().unwrap_or(0);
@@ -626,13 +724,56 @@ pub(crate) fn dump(c: &Common) -> Result<Value> {
     }
     t.print();
 
-    print_goals(&dump_goals(&plan, &speed, &ex));
+    let tenants = tenants_section(&plan)?;
+    println!(
+        "### Dumps over many tenants' own tables\n\n\
+         Each tenant has its own table of {PER_TENANT} entries; whole dumps, median of {ROUNDS} rounds. \
+         The cost per entry should not grow with the number of tables.\n"
+    );
+    let mut t = Table::new([
+        "tenants",
+        "entries",
+        "page",
+        "ns/entry",
+        "vs fewest tenants",
+        "complete",
+    ]);
+    for r in &tenants {
+        let base = tenants
+            .iter()
+            .find(|o| o.page == r.page)
+            .map_or(0.0, |o| o.ns_per_entry);
+        t.row([
+            si(f64::from(r.tenants)),
+            si((u64::from(r.tenants) * PER_TENANT) as f64),
+            r.page.to_string(),
+            format!("{:.1}", r.ns_per_entry),
+            ratio(r.ns_per_entry, base),
+            if r.complete {
+                "yes".into()
+            } else {
+                format!("no ({}s limit)", plan.dump_limit.as_secs())
+            },
+        ]);
+    }
+    t.print();
+
+    let mut goals = dump_goals(&plan, &speed, &ex);
+    goals.extend(tenants_goal(&tenants));
+    print_goals(&goals);
 
     Ok(json!({
         "dump": speed.iter().map(|r| json!({
             "impl": r.algo.name(),
             "entries": r.entries,
             "buckets": r.buckets,
+            "page": r.page,
+            "ns_per_entry": r.ns_per_entry,
+            "complete": r.complete,
+        })).collect::<Vec<_>>(),
+        "tenants": tenants.iter().map(|r| json!({
+            "tenants": r.tenants,
+            "entries_per_tenant": PER_TENANT,
             "page": r.page,
             "ns_per_entry": r.ns_per_entry,
             "complete": r.complete,
@@ -661,7 +802,21 @@ mod tests {
             exact_dumps: 6,
             naive_dumps: 6,
             exact_limit: Duration::from_secs(20),
+            tenant_counts: vec![3, 30],
         }
+    }
+
+    #[test]
+    fn own_table_rows_list_every_entry_at_every_tenant_count() {
+        let rows = tenants_section(&tiny()).unwrap();
+        assert_eq!(rows.len(), 4);
+        assert!(
+            rows.iter()
+                .all(|r| r.complete && r.ns_per_entry.is_finite())
+        );
+        let g = tenants_goal(&rows).unwrap();
+        assert!(g.0.contains("30 own tables"), "{}", g.0);
+        assert!(g.2.is_some());
     }
 
     #[test]
