@@ -67,6 +67,22 @@ struct Tenant {
 }
 
 impl Tenant {
+    /// This tenant's introspection, given its table's chain statistics.
+    fn stats(&self, cs: &crate::table::ChainStats) -> TableStats {
+        let slots = cs.buckets * crate::index::WAYS;
+        TableStats {
+            entries: self.entries(),
+            table_entries: cs.entries,
+            reply_entries: cs.replies,
+            buckets: cs.buckets,
+            load_factor: (cs.entries + cs.replies) as f64 / slots as f64,
+            chain_histogram: cs.hist.clone(),
+            max_chain: cs.max_chain,
+            refused_inserts: self.refused.load(Relaxed),
+            placement: self.placement,
+        }
+    }
+
     #[inline]
     fn timeout(&self, st: FlowState, profile: u16) -> u64 {
         let t = if profile == 0 {
@@ -327,6 +343,8 @@ pub struct FlowTable {
     /// Dumps started so far: the next one is numbered `dumps + 1`
     /// ([`Cursor`]'s `dump`).
     dumps: AtomicU64,
+    /// Tables introspection has read the buckets of ([`FlowTable::chain_scans`]).
+    chain_scans: AtomicU64,
 }
 
 /// Source of [`FlowTable`]'s `id`s (0 is never handed out).
@@ -404,6 +422,7 @@ impl FlowTable {
             clock: AtomicU64::new(0),
             id: NEXT_TABLE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             dumps: AtomicU64::new(0),
+            chain_scans: AtomicU64::new(0),
         }
     }
 
@@ -1683,19 +1702,50 @@ impl FlowTable {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
         let t = map.map.get(&id.0)?;
-        let cs = t.table.chain_stats(&guard);
-        let slots = cs.buckets * crate::index::WAYS;
-        Some(TableStats {
-            entries: t.entries(),
-            table_entries: cs.entries,
-            reply_entries: cs.replies,
-            buckets: cs.buckets,
-            load_factor: (cs.entries + cs.replies) as f64 / slots as f64,
-            chain_histogram: cs.hist,
-            max_chain: cs.max_chain,
-            refused_inserts: t.refused.load(Relaxed),
-            placement: t.placement,
-        })
+        self.chain_scans.fetch_add(1, Relaxed);
+        Some(t.stats(&t.table.chain_stats(&guard)))
+    }
+
+    /// [`tenant_stats`](Self::tenant_stats) of every tenant, by tenant id,
+    /// reading each table's buckets once: the shared table's once for all
+    /// the tenants that share it.
+    ///
+    /// Why: asking each tenant in turn read the shared table's (up to
+    /// 2^20) bucket headers again for every tenant that shares it; the
+    /// daemon's `/v1/table` took 1.4 s at 10,000 tenants and 1M flows,
+    /// 19.5 s at 8M (measured), where once is ~1 ms.
+    pub fn all_tenant_stats(&self) -> Vec<(TenantId, TableStats)> {
+        let guard = epoch::pin();
+        let map = self.tenants.load(&guard);
+        let mut shared = None;
+        let mut out: Vec<(TenantId, TableStats)> = map
+            .map
+            .values()
+            .map(|t| {
+                let own;
+                let cs = if Arc::ptr_eq(&t.table, &self.shared) {
+                    shared.get_or_insert_with(|| {
+                        self.chain_scans.fetch_add(1, Relaxed);
+                        self.shared.chain_stats(&guard)
+                    })
+                } else {
+                    self.chain_scans.fetch_add(1, Relaxed);
+                    own = t.table.chain_stats(&guard);
+                    &own
+                };
+                (t.id, t.stats(cs))
+            })
+            .collect();
+        out.sort_unstable_by_key(|(id, _)| id.0);
+        out
+    }
+
+    /// Tables whose buckets introspection has read (one per table per
+    /// [`tenant_stats`](Self::tenant_stats) or
+    /// [`all_tenant_stats`](Self::all_tenant_stats)), for tests.
+    #[doc(hidden)]
+    pub fn chain_scans(&self) -> u64 {
+        self.chain_scans.load(Relaxed)
     }
 
     /// Existing tenants, sorted.

@@ -421,6 +421,14 @@ pub trait Control: Send + Sync + 'static {
     fn health(&self) -> Vec<HealthEntry>;
     /// The running state in config-file form (`weir save`).
     fn running_config(&self) -> Config;
+    /// Calls `f(tenant, token)` for every tenant with a non-empty admin
+    /// token. The admin API runs it for every request that presents a
+    /// token other than the full and read-only ones, before it knows who is
+    /// asking, so it must cost O(tenants) and copy nothing; reading the
+    /// tokens out of [`running_config`](Self::running_config) copied every
+    /// service, tens of ms per request at 100,000 services, for any bogus
+    /// token.
+    fn for_each_tenant_token(&self, f: &mut dyn FnMut(&str, &str));
     /// Re-read the file the daemon was started with: validate all of it
     /// (including what cannot change live), then apply all of it; on any
     /// error apply nothing and return every error. An empty file is refused,

@@ -108,15 +108,12 @@ impl Tokens {
         // first in some order.
         let mut found = None;
         let mut matches = 0u32;
-        for t in control.running_config().tenants {
-            if let Some(tok) = &t.token
-                && !tok.is_empty()
-                && ct_eq(presented.as_bytes(), tok.as_bytes())
-            {
+        control.for_each_tenant_token(&mut |tenant, tok| {
+            if !tok.is_empty() && ct_eq(presented.as_bytes(), tok.as_bytes()) {
                 matches += 1;
-                found = Some(Access::Tenant(t.name.clone()));
+                found = Some(Access::Tenant(tenant.to_string()));
             }
-        }
+        });
         if matches > 1 {
             tracing::warn!(
                 matches,

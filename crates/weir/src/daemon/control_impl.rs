@@ -818,10 +818,20 @@ impl Control for LiveControl {
 
     fn table(&self) -> Vec<TableReport> {
         let tenants: Vec<_> = self.0.model.load().tenants.values().cloned().collect();
+        // One read of each table's buckets for all tenants (the shared
+        // table's once, not once per tenant that shares it).
+        let mut stats: std::collections::HashMap<u32, _> = self
+            .0
+            .conns
+            .table
+            .all_tenant_stats()
+            .into_iter()
+            .map(|(id, st)| (id.0, st))
+            .collect();
         tenants
             .iter()
             .filter_map(|t| {
-                let st = self.0.conns.table.tenant_stats(TenantId(t.id))?;
+                let st = stats.remove(&t.id)?;
                 Some(TableReport {
                     tenant: t.spec.read().name.clone(),
                     placement: match st.placement {
@@ -859,6 +869,15 @@ impl Control for LiveControl {
             }
         }
         out
+    }
+
+    fn for_each_tenant_token(&self, f: &mut dyn FnMut(&str, &str)) {
+        for t in self.0.model.load().tenants.values() {
+            let spec = t.spec.read();
+            if let Some(tok) = spec.token.as_deref().filter(|t| !t.is_empty()) {
+                f(&spec.name, tok);
+            }
+        }
     }
 
     fn running_config(&self) -> Config {

@@ -22,6 +22,9 @@ pub struct FakeState {
     pub reloads: u64,
     /// `health()` panics (a bug in a Control, for the panic-catching tests).
     pub panic_in_health: bool,
+    /// Calls of `running_config` (a copy of everything: authentication
+    /// must not need one).
+    pub running_config_calls: u64,
 }
 
 #[derive(Debug, Default)]
@@ -553,7 +556,18 @@ impl Control for Fake {
     }
 
     fn running_config(&self) -> Config {
-        self.st.lock().unwrap().config.clone()
+        let mut st = self.st.lock().unwrap();
+        st.running_config_calls += 1;
+        st.config.clone()
+    }
+
+    fn for_each_tenant_token(&self, f: &mut dyn FnMut(&str, &str)) {
+        let st = self.st.lock().unwrap();
+        for t in &st.config.tenants {
+            if let Some(tok) = &t.token {
+                f(&t.name, tok);
+            }
+        }
     }
 
     fn reload(&self, opts: ReloadOptions) -> Result<ReloadReport, Vec<String>> {
