@@ -5,6 +5,8 @@
 //! The unsafe and the rings are `weir-packet-io`'s; the per-frame work is
 //! [`super::packet::Engine`]'s. This module only wires them.
 
+use std::collections::HashSet;
+use std::hash::Hash;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -608,14 +610,15 @@ impl PacketRuntime {
         if *have == now {
             return;
         }
+        let (gone, new) = (missing(&have, now), missing(now, &have));
         let mut ok = true;
         for st in self.steering.lock().iter_mut() {
             let r = (|| {
-                for a in have.iter().filter(|a| !now.contains(a)) {
-                    st.remove_host(*a)?;
+                for a in &gone {
+                    st.remove_host(**a)?;
                 }
-                for a in now.iter().filter(|a| !have.contains(a)) {
-                    st.add_host(*a)?;
+                for a in &new {
+                    st.add_host(**a)?;
                 }
                 Ok::<_, weir_packet_io::SteerError>(())
             })();
@@ -635,20 +638,25 @@ impl PacketRuntime {
     pub(crate) fn sync(&self, shared: &Shared) {
         let want = wanted_keys(shared);
         let mut have = self.steered.lock();
+        // Diffed once, whatever the number of interfaces.
+        let gone_vips = missing(&have.vips, &want.vips);
+        let gone_backends = missing(&have.backends, &want.backends);
+        let new_vips = missing(&want.vips, &have.vips);
+        let new_backends = missing(&want.backends, &have.backends);
         let mut steering = self.steering.lock();
         for st in steering.iter_mut() {
             let r = (|| {
-                for k in have.vips.iter().filter(|k| !want.vips.contains(k)) {
+                for k in &gone_vips {
                     st.remove(k)?;
                 }
-                for k in have.backends.iter().filter(|k| !want.backends.contains(k)) {
+                for k in &gone_backends {
                     st.remove_backend(k)?;
                 }
-                for k in want.vips.iter().filter(|k| !have.vips.contains(k)) {
-                    st.add(*k)?;
+                for k in &new_vips {
+                    st.add(**k)?;
                 }
-                for k in want.backends.iter().filter(|k| !have.backends.contains(k)) {
-                    st.add_backend(*k)?;
+                for k in &new_backends {
+                    st.add_backend(**k)?;
                 }
                 Ok::<_, weir_packet_io::SteerError>(())
             })();
@@ -660,7 +668,26 @@ impl PacketRuntime {
     }
 }
 
-/// What the steering maps should hold.
+/// The items of `from` that are not in `other`, in `from`'s order.
+///
+/// Through a hash set: `other.contains` per item made a steering sync,
+/// run on the admin request of every service change, O(VIPs²) — 1.4 s +
+/// 6.5 s per edit at 65,536 VIPs (the steering map's cap), 32 + 153 ms at
+/// 10,000.
+fn missing<'a, T: Eq + Hash>(from: &'a [T], other: &[T]) -> Vec<&'a T> {
+    let other: HashSet<&T> = other.iter().collect();
+    from.iter().filter(|x| !other.contains(x)).collect()
+}
+
+/// `items` without repeats, each where it first was; through a hash set
+/// for the same reason as [`missing`].
+fn dedup_in_order<T: Copy + Eq + Hash>(mut items: Vec<T>) -> Vec<T> {
+    let mut seen = HashSet::with_capacity(items.len());
+    items.retain(|x| seen.insert(*x));
+    items
+}
+
+/// What the steering maps should hold, each key once.
 #[derive(Debug, Default)]
 pub(crate) struct Steered {
     vips: Vec<SteerKey>,
@@ -679,18 +706,120 @@ fn wanted_keys(shared: &Shared) -> Steered {
         let Some(method) = super::packet::method(spec.forward) else {
             continue;
         };
-        let k = key(spec.protocol, svc.listen);
-        if !want.vips.contains(&k) {
-            want.vips.push(k);
-        }
+        want.vips.push(key(spec.protocol, svc.listen));
         if method == weir_packet::Method::Nat {
-            for b in svc.set.load().backends.iter() {
-                let k = key(spec.protocol, b.addr);
-                if !want.backends.contains(&k) {
-                    want.backends.push(k);
-                }
-            }
+            let backends = svc.set.load();
+            want.backends
+                .extend(backends.backends.iter().map(|b| key(spec.protocol, b.addr)));
         }
     }
+    want.vips = dedup_in_order(want.vips);
+    want.backends = dedup_in_order(want.backends);
     want
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use super::*;
+
+    /// Distinct TCP keys, one per `i`.
+    fn key(i: usize) -> SteerKey {
+        SteerKey::tcp(SocketAddr::from((
+            [10, (i >> 16) as u8, (i >> 8) as u8, i as u8],
+            80,
+        )))
+    }
+
+    /// The steering diff of two large, overlapping key lists with repeats
+    /// is the set difference, in the first list's order, repeats kept (as
+    /// the quadratic filter it replaced gave, which took seconds at the
+    /// steering map's cap of 65,536 VIPs). The expected lists are built
+    /// from the indexes, not by another diff.
+    #[test]
+    fn missing_is_the_difference_in_order_for_large_lists() {
+        // 20,000 entries over 15,000 keys (5,000 repeated), scrambled.
+        let have: Vec<usize> = (0..20_000).map(|j| (j * 7919) % 15_000).collect();
+        // 20,000 entries over keys 10,000..25,000.
+        let want: Vec<usize> = (0..20_000).map(|j| 10_000 + (j * 7919) % 15_000).collect();
+        let (have_k, want_k): (Vec<_>, Vec<_>) = (
+            have.iter().map(|&i| key(i)).collect(),
+            want.iter().map(|&i| key(i)).collect(),
+        );
+        let gone: Vec<SteerKey> = missing(&have_k, &want_k).into_iter().copied().collect();
+        let expect: Vec<SteerKey> = have
+            .iter()
+            .filter(|&&i| i < 10_000)
+            .map(|&i| key(i))
+            .collect();
+        assert_eq!(gone.len(), expect.len());
+        assert!(gone == expect, "removed keys, in order");
+        let new: Vec<SteerKey> = missing(&want_k, &have_k).into_iter().copied().collect();
+        let expect: Vec<SteerKey> = want
+            .iter()
+            .filter(|&&i| i >= 15_000)
+            .map(|&i| key(i))
+            .collect();
+        assert_eq!(new.len(), expect.len());
+        assert!(new == expect, "added keys, in order");
+        assert!(missing(&have_k, &have_k).is_empty());
+        assert_eq!(missing(&have_k, &[]).len(), have_k.len());
+    }
+
+    /// Deduplicating a large key list keeps each key's first place.
+    #[test]
+    fn dedup_keeps_the_first_of_each_in_order_for_large_lists() {
+        // 7919 is prime to 12,000: the first 12,000 entries are each key
+        // once, the other 8,000 repeat the first 8,000.
+        let keys: Vec<SteerKey> = (0..20_000).map(|j| key((j * 7919) % 12_000)).collect();
+        let once = dedup_in_order(keys.clone());
+        assert_eq!(once.len(), 12_000);
+        assert!(once[..] == keys[..12_000], "first places, in order");
+    }
+
+    /// The keys a daemon's packet services want: each VIP once in service
+    /// order, and each nat backend once (a backend of two services too),
+    /// by protocol; dr backends' replies are not weir's.
+    #[test]
+    fn wanted_keys_lists_each_key_once_in_service_order() {
+        let svc = |name: &str, proto: &str, listen: &str, fwd: &str, backends: &[&str]| {
+            let mut s = format!(
+                "[[service]]\nname = \"{name}\"\nprotocol = \"{proto}\"\nlisten = \"{listen}\"\n\
+                 forward = \"{fwd}\"\nscheduler = \"rr\"\n"
+            );
+            for b in backends {
+                s += &format!("[[service.backend]]\naddress = \"{b}\"\n");
+            }
+            s
+        };
+        let (b1, b2, b3) = ("10.0.1.2:8080", "10.0.1.3:8080", "10.0.1.4:8080");
+        let toml = [
+            "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\n\
+             local_addresses = [\"10.0.1.1\"]\n[[tenant]]\nname = \"default\"\n"
+                .to_owned(),
+            svc("a", "tcp", "10.0.0.1:80", "nat", &[b1, b2]),
+            svc("b", "tcp", "10.0.0.2:80", "nat", &[b2, b3, b1]),
+            svc("c", "udp", "10.0.0.1:80", "nat", &[b1]),
+            svc("d", "tcp", "10.0.0.3:80", "dr", &["10.0.1.9:80"]),
+        ]
+        .concat();
+        let cfg: crate::config::Config = toml::from_str(&toml).unwrap();
+        let d = super::super::Daemon::start_inner(cfg, None, false).unwrap();
+        let want = wanted_keys(&d.shared);
+        let (tcp, udp) = (
+            |a: &str| SteerKey::tcp(a.parse().unwrap()),
+            |a: &str| SteerKey::udp(a.parse().unwrap()),
+        );
+        assert_eq!(
+            want.vips,
+            [
+                tcp("10.0.0.1:80"),
+                tcp("10.0.0.2:80"),
+                udp("10.0.0.1:80"),
+                tcp("10.0.0.3:80")
+            ]
+        );
+        assert_eq!(want.backends, [tcp(b1), tcp(b2), tcp(b3), udp(b1)]);
+    }
 }
