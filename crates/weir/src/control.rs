@@ -429,6 +429,13 @@ pub trait Control: Send + Sync + 'static {
     /// service, tens of ms per request at 100,000 services, for any bogus
     /// token.
     fn for_each_tenant_token(&self, f: &mut dyn FnMut(&str, &str));
+    /// One tenant's settings as `running_config` would give them (the
+    /// implicit default tenant's too), or `None`. For requests about one
+    /// tenant: a look-up, not a copy of the whole configuration.
+    fn tenant_spec(&self, tenant: &str) -> Option<TenantSpec>;
+    /// One service as `running_config` would give it (live weights), or
+    /// `None`; a look-up, as [`tenant_spec`](Self::tenant_spec).
+    fn service_spec(&self, tenant: &str, service: &str) -> Option<ServiceSpec>;
     /// Re-read the file the daemon was started with: validate all of it
     /// (including what cannot change live), then apply all of it; on any
     /// error apply nothing and return every error. An empty file is refused,

@@ -280,7 +280,7 @@ impl Fake {
 
 #[test]
 fn services_resource() {
-    let (_, app) = app();
+    let (fake, app) = app();
     let (s, v) = call(&app, "GET", "/v1/services", Some(FULL), None);
     assert_eq!(s, StatusCode::OK);
     assert_eq!(v.as_array().unwrap().len(), 2);
@@ -363,6 +363,9 @@ fn services_resource() {
     assert_eq!(s, StatusCode::NOT_FOUND);
     let (s, _) = call(&app, "GET", "/v1/services/acme/api", Some(FULL), None);
     assert_eq!(s, StatusCode::NOT_FOUND);
+    // Requests about one tenant or service read that one: never a copy of
+    // the whole configuration (O(all services) per request before).
+    assert_eq!(fake.st.lock().unwrap().running_config_calls, 0);
 }
 
 #[test]
@@ -764,7 +767,10 @@ fn tenant_tokens_see_and_change_only_their_tenant() {
     );
     assert_eq!(s, StatusCode::FORBIDDEN, "{v}");
     assert_eq!(
-        fake.running_config()
+        fake.st
+            .lock()
+            .unwrap()
+            .config
             .tenants
             .iter()
             .find(|x| x.name == "acme")
@@ -863,6 +869,9 @@ fn tenant_tokens_see_and_change_only_their_tenant() {
     assert_eq!(s, StatusCode::OK);
     assert_eq!(v["killed"], 1);
     assert!(fake.st.lock().unwrap().conns.contains_key(&102));
+    // Requests about one tenant or service read that one: never a copy of
+    // the whole configuration (O(all services) per request before).
+    assert_eq!(fake.st.lock().unwrap().running_config_calls, 0);
 }
 
 #[test]
@@ -1144,6 +1153,12 @@ fn control_panics_become_500_not_a_dead_connection() {
         }
         fn for_each_tenant_token(&self, f: &mut dyn FnMut(&str, &str)) {
             self.0.for_each_tenant_token(f)
+        }
+        fn tenant_spec(&self, t: &str) -> Option<weir::config::TenantSpec> {
+            self.0.tenant_spec(t)
+        }
+        fn service_spec(&self, t: &str, s: &str) -> Option<weir::config::ServiceSpec> {
+            self.0.service_spec(t, s)
         }
         fn reload(
             &self,

@@ -110,13 +110,7 @@ fn check_fence(
     if access.tenant().is_none() {
         return Ok(());
     }
-    let spec = st
-        .control
-        .running_config()
-        .tenants
-        .into_iter()
-        .find(|t| t.name == tenant)
-        .unwrap_or_default();
+    let spec = st.control.tenant_spec(tenant).unwrap_or_default();
     let parse = |key: &str, list: &[String]| {
         crate::config::parse_fence(key, list)
             .map_err(|e| internal(format!("tenant {tenant:?}: {}", e.join("; "))))
@@ -228,11 +222,9 @@ pub(crate) async fn edit_tenant(
             "body name {name} differs from the path's {tenant:?}: a tenant cannot be renamed"
         )));
     }
-    let cfg = st.control.running_config();
-    let current = cfg
-        .tenants
-        .into_iter()
-        .find(|t| t.name == tenant)
+    let current = st
+        .control
+        .tenant_spec(&tenant)
         .or_else(|| {
             // The implicit default tenant is only in running_config when it
             // carries settings.
@@ -270,12 +262,13 @@ fn check_token_unique(st: &AppState, tenant: &str, token: Option<&str>) -> ApiRe
     let clash = if let Some(role) = st.tokens.role_of(token) {
         Some(role.to_owned())
     } else {
-        let cfg = st.control.running_config();
-        cfg.tenants
-            .iter()
-            .filter(|t| t.name != tenant)
-            .find(|t| t.token.as_deref().map(str::trim) == Some(token))
-            .map(|t| format!("tenant {:?}'s token", t.name))
+        let mut clash = None;
+        st.control.for_each_tenant_token(&mut |name, tok| {
+            if name != tenant && clash.is_none() && tok.trim() == token {
+                clash = Some(format!("tenant {name:?}'s token"));
+            }
+        });
+        clash
     };
     match clash {
         Some(what) => Err(ApiError::new(
@@ -345,10 +338,8 @@ pub(crate) async fn get_service(
     PathParams((tenant, service)): PathParams<(String, String)>,
 ) -> ApiResult<Json<ServiceSpec>> {
     check_tenant(&access, &tenant)?;
-    let cfg = st.control.running_config();
-    cfg.services
-        .into_iter()
-        .find(|s| s.tenant == tenant && s.name == service)
+    st.control
+        .service_spec(&tenant, &service)
         .map(Json)
         .ok_or_else(|| ApiError::not_found(format!("no service {tenant}/{service}")))
 }

@@ -372,6 +372,19 @@ impl ConnMatch {
     }
 }
 
+/// A service's spec with its backends' live weights (set through the API
+/// since the spec was written).
+fn live_spec(s: &Service) -> ServiceSpec {
+    let mut spec = s.spec.read().clone();
+    let set = s.set.load();
+    for b in spec.backends.iter_mut() {
+        if let Some(live) = set.backends.iter().find(|x| x.addr == b.address) {
+            b.weight = live.weight.load(Relaxed);
+        }
+    }
+    spec
+}
+
 /// Why a tenant's `max_table_entries` cannot change live: the flow table
 /// fixes a table's cap when it creates the table (`TenantConfig::max_entries`)
 /// and has no call to move it.
@@ -900,21 +913,18 @@ impl Control for LiveControl {
                             }
                 })
                 .collect(),
-            services: st
-                .services
-                .values()
-                .map(|s| {
-                    let mut spec = s.spec.read().clone();
-                    let set = s.set.load();
-                    for b in spec.backends.iter_mut() {
-                        if let Some(live) = set.backends.iter().find(|x| x.addr == b.address) {
-                            b.weight = live.weight.load(Relaxed);
-                        }
-                    }
-                    spec
-                })
-                .collect(),
+            services: st.services.values().map(|s| live_spec(s)).collect(),
         }
+    }
+
+    fn tenant_spec(&self, tenant: &str) -> Option<TenantSpec> {
+        Some(self.0.model.load().tenants.get(tenant)?.spec.read().clone())
+    }
+
+    fn service_spec(&self, tenant: &str, service: &str) -> Option<ServiceSpec> {
+        let st = self.0.model.load();
+        let s = st.services.get(&(tenant.to_owned(), service.to_owned()))?;
+        Some(live_spec(s))
     }
 
     fn reload(&self, opts: ReloadOptions) -> Result<ReloadReport, Vec<String>> {

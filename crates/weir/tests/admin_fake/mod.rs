@@ -561,6 +561,20 @@ impl Control for Fake {
         st.config.clone()
     }
 
+    fn tenant_spec(&self, tenant: &str) -> Option<TenantSpec> {
+        let st = self.st.lock().unwrap();
+        st.config.tenants.iter().find(|t| t.name == tenant).cloned()
+    }
+
+    fn service_spec(&self, tenant: &str, service: &str) -> Option<ServiceSpec> {
+        let st = self.st.lock().unwrap();
+        st.config
+            .services
+            .iter()
+            .find(|s| s.tenant == tenant && s.name == service)
+            .cloned()
+    }
+
     fn for_each_tenant_token(&self, f: &mut dyn FnMut(&str, &str)) {
         let st = self.st.lock().unwrap();
         for t in &st.config.tenants {
