@@ -419,6 +419,21 @@ pub trait Control: Send + Sync + 'static {
     fn table(&self) -> Vec<TableReport>;
     /// Health-check state of every backend.
     fn health(&self) -> Vec<HealthEntry>;
+    /// [`services`](Self::services) of one tenant (what its token may
+    /// see), in the same order, without computing every other tenant's
+    /// (the daemon reads a range of its services by (tenant, name)).
+    fn services_of(&self, tenant: &str) -> Vec<ServiceStatus> {
+        let mut v = self.services();
+        v.retain(|s| s.tenant == tenant);
+        v
+    }
+    /// [`health`](Self::health) of one tenant's backends, as
+    /// [`services_of`](Self::services_of).
+    fn health_of(&self, tenant: &str) -> Vec<HealthEntry> {
+        let mut v = self.health();
+        v.retain(|e| e.tenant == tenant);
+        v
+    }
     /// The running state in config-file form (`weir save`).
     fn running_config(&self) -> Config;
     /// Calls `f(tenant, token)` for every tenant with a non-empty admin

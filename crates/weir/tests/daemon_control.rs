@@ -795,3 +795,56 @@ fn listing_one_service_of_a_tenant_fills_every_page() {
     );
     d.shutdown();
 }
+
+/// One tenant's services and backends' health, as a tenant's token sees
+/// them, are the all-tenant lists filtered to it, in the same order: also
+/// for tenants whose names extend one another ("a", "ab") and a tenant
+/// with no service.
+#[test]
+fn one_tenants_services_and_health_are_the_filtered_lists() {
+    let e = udp_echo();
+    let mut services = Vec::new();
+    for (tenant, name) in [("a", "x"), ("a", "y"), ("ab", "x"), ("default", "z")] {
+        let mut s = service(name, Protocol::Udp, "rr", vec![backend(e, 1)]);
+        s.tenant = tenant.into();
+        services.push(s);
+    }
+    let mut cfg = config(services);
+    for t in ["a", "ab", "empty"] {
+        cfg.tenants.push(TenantSpec {
+            name: t.into(),
+            ..Default::default()
+        });
+    }
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+    let all = c.services();
+    let health = c.health();
+    assert_eq!(all.len(), 4);
+    for t in ["a", "ab", "default", "empty", "nobody"] {
+        let mine: Vec<_> = c
+            .services_of(t)
+            .into_iter()
+            .map(|s| (s.tenant, s.name))
+            .collect();
+        let want: Vec<_> = all
+            .iter()
+            .filter(|s| s.tenant == t)
+            .map(|s| (s.tenant.clone(), s.name.clone()))
+            .collect();
+        assert_eq!(mine, want, "services of {t:?}");
+        let mine: Vec<_> = c
+            .health_of(t)
+            .into_iter()
+            .map(|h| (h.service, h.backend))
+            .collect();
+        let want: Vec<_> = health
+            .iter()
+            .filter(|h| h.tenant == t)
+            .map(|h| (h.service.clone(), h.backend.clone()))
+            .collect();
+        assert_eq!(mine, want, "health of {t:?}");
+    }
+    assert_eq!(c.services_of("a").len(), 2);
+    d.shutdown();
+}

@@ -296,13 +296,20 @@ pub(crate) async fn delete_tenant(
 
 // ---- services ---------------------------------------------------------------
 
+/// The services `access` may see: a tenant token's tenant's alone, computed
+/// alone (not every tenant's, then filtered).
+fn visible_services(st: &AppState, access: &Access) -> Vec<ServiceStatus> {
+    match access.tenant() {
+        Some(t) => st.control.services_of(t),
+        None => st.control.services(),
+    }
+}
+
 pub(crate) async fn list_services(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
 ) -> ApiResult<Json<Vec<ServiceStatus>>> {
-    let mut ss = st.control.services();
-    ss.retain(|s| access.may_touch(&s.tenant));
-    Ok(Json(ss))
+    Ok(Json(visible_services(&st, &access)))
 }
 
 pub(crate) async fn add_service(
@@ -680,8 +687,7 @@ fn figures(
     want_stats: bool,
     want_rates: bool,
 ) -> ApiResult<Response> {
-    let mut services = st.control.services();
-    services.retain(|s| access.may_touch(&s.tenant));
+    let services = visible_services(st, access);
     let mut tenants = st.control.tenants();
     tenants.retain(|t| access.may_touch(&t.spec.name));
     let sums = tenant_sums(&services);
@@ -785,9 +791,10 @@ pub(crate) async fn health(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
 ) -> ApiResult<Json<Vec<HealthEntry>>> {
-    let mut h = st.control.health();
-    h.retain(|e| access.may_touch(&e.tenant));
-    Ok(Json(h))
+    Ok(Json(match access.tenant() {
+        Some(t) => st.control.health_of(t),
+        None => st.control.health(),
+    }))
 }
 
 /// `GET /v1/whoami`: the role of the token presented, so a client (the

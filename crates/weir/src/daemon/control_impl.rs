@@ -372,6 +372,40 @@ impl ConnMatch {
     }
 }
 
+/// One tenant's services, in (tenant, name) order: a range of the model's
+/// map, not a walk of every tenant's.
+fn tenant_services<'a>(
+    st: &'a super::model::State,
+    tenant: &'a str,
+) -> impl Iterator<Item = &'a Arc<Service>> + 'a {
+    st.services
+        .range((tenant.to_owned(), String::new())..)
+        .take_while(move |((t, _), _)| t == tenant)
+        .map(|(_, s)| s)
+}
+
+/// The health of the backends of `svcs`, service by service.
+fn health_entries<'a>(svcs: impl Iterator<Item = &'a Arc<Service>>) -> Vec<HealthEntry> {
+    let mut out = Vec::new();
+    for s in svcs {
+        let spec = s.spec.read().clone();
+        for b in s.set.load().backends.iter() {
+            out.push(HealthEntry {
+                tenant: spec.tenant.clone(),
+                service: spec.name.clone(),
+                backend: b.addr.to_string(),
+                state: health_name(b).into(),
+                last_error: if b.passive.is_down() {
+                    b.passive_error.lock().clone()
+                } else {
+                    b.last_error.lock().clone()
+                },
+            });
+        }
+    }
+    out
+}
+
 /// A service's spec with its backends' live weights (set through the API
 /// since the spec was written).
 fn live_spec(s: &Service) -> ServiceSpec {
@@ -861,26 +895,21 @@ impl Control for LiveControl {
             .collect()
     }
 
+    fn services_of(&self, tenant: &str) -> Vec<ServiceStatus> {
+        let st = self.0.model.load();
+        tenant_services(&st, tenant)
+            .map(|s| self.status(s))
+            .collect()
+    }
+
     fn health(&self) -> Vec<HealthEntry> {
-        let svcs: Vec<_> = self.0.model.load().services.values().cloned().collect();
-        let mut out = Vec::new();
-        for s in svcs {
-            let spec = s.spec.read().clone();
-            for b in s.set.load().backends.iter() {
-                out.push(HealthEntry {
-                    tenant: spec.tenant.clone(),
-                    service: spec.name.clone(),
-                    backend: b.addr.to_string(),
-                    state: health_name(b).into(),
-                    last_error: if b.passive.is_down() {
-                        b.passive_error.lock().clone()
-                    } else {
-                        b.last_error.lock().clone()
-                    },
-                });
-            }
-        }
-        out
+        let st = self.0.model.load();
+        health_entries(st.services.values())
+    }
+
+    fn health_of(&self, tenant: &str) -> Vec<HealthEntry> {
+        let st = self.0.model.load();
+        health_entries(tenant_services(&st, tenant))
     }
 
     fn for_each_tenant_token(&self, f: &mut dyn FnMut(&str, &str)) {
