@@ -419,6 +419,13 @@ pub trait Control: Send + Sync + 'static {
     fn table(&self) -> Vec<TableReport>;
     /// Health-check state of every backend.
     fn health(&self) -> Vec<HealthEntry>;
+    /// [`tenants`](Self::tenants) as a tenant's token sees it: its own
+    /// status alone (none for an unknown name), read alone.
+    fn tenant_status(&self, tenant: &str) -> Vec<TenantStatus> {
+        let mut v = self.tenants();
+        v.retain(|t| t.spec.name == tenant);
+        v
+    }
     /// [`services`](Self::services) of one tenant (what its token may
     /// see), in the same order, without computing every other tenant's
     /// (the daemon reads a range of its services by (tenant, name)).

@@ -796,12 +796,12 @@ fn listing_one_service_of_a_tenant_fills_every_page() {
     d.shutdown();
 }
 
-/// One tenant's services and backends' health, as a tenant's token sees
-/// them, are the all-tenant lists filtered to it, in the same order: also
+/// One tenant's status, services and backends' health, as a tenant's token
+/// sees them, are the all-tenant lists filtered to it, in the same order: also
 /// for tenants whose names extend one another ("a", "ab") and a tenant
 /// with no service.
 #[test]
-fn one_tenants_services_and_health_are_the_filtered_lists() {
+fn one_tenants_status_services_and_health_are_the_filtered_lists() {
     let e = udp_echo();
     let mut services = Vec::new();
     for (tenant, name) in [("a", "x"), ("a", "y"), ("ab", "x"), ("default", "z")] {
@@ -820,6 +820,7 @@ fn one_tenants_services_and_health_are_the_filtered_lists() {
     let c = d.control();
     let all = c.services();
     let health = c.health();
+    let tenants = c.tenants();
     assert_eq!(all.len(), 4);
     for t in ["a", "ab", "default", "empty", "nobody"] {
         let mine: Vec<_> = c
@@ -844,6 +845,17 @@ fn one_tenants_services_and_health_are_the_filtered_lists() {
             .map(|h| (h.service.clone(), h.backend.clone()))
             .collect();
         assert_eq!(mine, want, "health of {t:?}");
+        let mine: Vec<_> = c
+            .tenant_status(t)
+            .into_iter()
+            .map(|x| x.spec.name)
+            .collect();
+        let want: Vec<_> = tenants
+            .iter()
+            .filter(|x| x.spec.name == t)
+            .map(|x| x.spec.name.clone())
+            .collect();
+        assert_eq!(mine, want, "status of {t:?}");
     }
     assert_eq!(c.services_of("a").len(), 2);
     d.shutdown();

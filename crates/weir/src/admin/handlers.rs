@@ -179,8 +179,7 @@ pub(crate) async fn list_tenants(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
 ) -> ApiResult<Json<Vec<TenantStatus>>> {
-    let mut ts = st.control.tenants();
-    ts.retain(|t| access.may_touch(&t.spec.name));
+    let mut ts = visible_tenants(&st, &access);
     for t in &mut ts {
         t.spec.token = None;
     }
@@ -295,6 +294,14 @@ pub(crate) async fn delete_tenant(
 }
 
 // ---- services ---------------------------------------------------------------
+
+/// The tenants `access` may see: a tenant token's own, read alone.
+fn visible_tenants(st: &AppState, access: &Access) -> Vec<TenantStatus> {
+    match access.tenant() {
+        Some(t) => st.control.tenant_status(t),
+        None => st.control.tenants(),
+    }
+}
 
 /// The services `access` may see: a tenant token's tenant's alone, computed
 /// alone (not every tenant's, then filtered).
@@ -688,8 +695,7 @@ fn figures(
     want_rates: bool,
 ) -> ApiResult<Response> {
     let services = visible_services(st, access);
-    let mut tenants = st.control.tenants();
-    tenants.retain(|t| access.may_touch(&t.spec.name));
+    let tenants = visible_tenants(st, access);
     let sums = tenant_sums(&services);
     let pick_t = |t: Totals| want_stats.then_some(t);
     let pick_r = |r: Rates| want_rates.then_some(r);

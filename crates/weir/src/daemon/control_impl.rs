@@ -372,6 +372,18 @@ impl ConnMatch {
     }
 }
 
+/// A tenant's status (its token left out).
+fn tenant_status(t: &super::Tenant) -> TenantStatus {
+    let mut spec = t.spec.read().clone();
+    spec.token = None;
+    TenantStatus {
+        table: t.placement.clone(),
+        spec,
+        active_conns: t.active.load(Relaxed),
+        refused: t.refused.load(Relaxed),
+    }
+}
+
 /// One tenant's services, in (tenant, name) order: a range of the model's
 /// map, not a walk of every tenant's.
 fn tenant_services<'a>(
@@ -487,16 +499,18 @@ impl Control for LiveControl {
             .load()
             .tenants
             .values()
-            .map(|t| {
-                let mut spec = t.spec.read().clone();
-                spec.token = None;
-                TenantStatus {
-                    table: t.placement.clone(),
-                    spec,
-                    active_conns: t.active.load(Relaxed),
-                    refused: t.refused.load(Relaxed),
-                }
-            })
+            .map(|t| tenant_status(t))
+            .collect()
+    }
+
+    fn tenant_status(&self, tenant: &str) -> Vec<TenantStatus> {
+        self.0
+            .model
+            .load()
+            .tenants
+            .get(tenant)
+            .map(|t| tenant_status(t))
+            .into_iter()
             .collect()
     }
 
