@@ -453,6 +453,12 @@ impl Shared {
             .services_gen
             .fetch_add(1, std::sync::atomic::Ordering::Release);
         if let Some(rt) = self.packet_rt.get() {
+            // Build the workers' new snapshot here, once, so that none of
+            // them stalls its receive ring building it (at start-up, before
+            // the workers run, the first of them builds it once instead).
+            if let Some(path) = self.packet.get() {
+                path.vips(self);
+            }
             rt.sync(self);
         }
     }

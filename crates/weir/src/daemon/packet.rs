@@ -12,7 +12,8 @@
 //!    reason and dropped (fragments, IP options, extension headers, TTL ≤ 1…);
 //! 2. classify: to a packet service's VIP:port (client → backend), or from
 //!    a nat/fnat backend (its reply), from the worker's snapshot of the
-//!    services ([`Vips`], rebuilt when [`Shared::services_gen`] moves);
+//!    services ([`Vips`], one for all workers, rebuilt once when
+//!    [`Shared::services_gen`] moves);
 //! 3. look the flow up: one flow-table lookup, by the forward key or by the
 //!    reply key; a first packet goes through the proxy's admission
 //!    ([`Shared::admit`]), scheduler and persistence ([`Service::choose`]),
@@ -347,6 +348,17 @@ pub(crate) struct PacketPath {
     /// "xdp", "afpacket" (or "xdp+afpacket" across interfaces): what
     /// `io` chose, once the interfaces are attached.
     pub(crate) io: std::sync::OnceLock<String>,
+    /// The packet services' snapshot every worker reads ([`Vips`]): built
+    /// once per change of the services, by whoever asks first
+    /// ([`Self::vips`]; the control side right after a change, once the
+    /// workers run), under `vips_build`.
+    ///
+    /// Why shared: each worker used to build its own after every change
+    /// (of any service, proxy ones too), a walk of every service and
+    /// backend on the packet path itself: ~10-20 ms per worker at 100,000
+    /// services, long enough for a receive ring to overflow.
+    vips: arc_swap::ArcSwap<Vips>,
+    vips_build: Mutex<()>,
 }
 
 impl PacketPath {
@@ -365,7 +377,27 @@ impl PacketPath {
             }),
             counters: Mutex::new(Vec::new()),
             io: std::sync::OnceLock::new(),
+            vips: arc_swap::ArcSwap::from_pointee(Vips::default()),
+            vips_build: Mutex::new(()),
         })
+    }
+
+    /// The services' snapshot of the current [`Shared::services_gen`]:
+    /// the one built already, or built now (once, whoever asks).
+    pub(crate) fn vips(&self, shared: &Shared) -> Arc<Vips> {
+        let _one = self.vips_build.lock();
+        // Read the generation first: a change after it is seen next time.
+        let generation = shared
+            .model
+            .services_gen
+            .load(std::sync::atomic::Ordering::Acquire);
+        let cur = self.vips.load_full();
+        if cur.generation == generation {
+            return cur;
+        }
+        let v = Arc::new(Vips::build(shared, generation));
+        self.vips.store(v.clone());
+        v
     }
 
     /// Counters for one more worker, named `worker` (see [`Counters::worker`]).
@@ -508,12 +540,9 @@ pub(crate) struct Vips {
 }
 
 impl Vips {
-    fn build(shared: &Shared) -> Vips {
-        // Read the generation first: a change after it is seen next time.
-        let generation = shared
-            .model
-            .services_gen
-            .load(std::sync::atomic::Ordering::Acquire);
+    /// The snapshot of `shared`'s services, as of `generation` of
+    /// [`Shared::services_gen`] or later (read the generation first).
+    fn build(shared: &Shared, generation: u64) -> Vips {
         let mut v = Vips {
             generation,
             ..Vips::default()
@@ -584,7 +613,7 @@ pub(crate) struct Engine {
     shared: Arc<Shared>,
     path: Arc<PacketPath>,
     counters: Arc<Counters>,
-    vips: Vips,
+    vips: Arc<Vips>,
     hops: Box<dyn NextHops>,
     rng: weir_sched::SplitMix64,
     /// The interface of the frame being processed.
@@ -638,7 +667,7 @@ impl Engine {
         name: &str,
     ) -> Self {
         let counters = path.worker_counters(name);
-        let vips = Vips::build(&shared);
+        let vips = path.vips(&shared);
         Self {
             shared,
             path,
@@ -671,7 +700,7 @@ impl Engine {
             .load(std::sync::atomic::Ordering::Acquire)
             != self.vips.generation
         {
-            self.vips = Vips::build(&self.shared);
+            self.vips = self.path.vips(&self.shared);
         }
     }
 
@@ -1866,6 +1895,30 @@ mod tests {
         assert_eq!(kill(3), 1);
         assert_eq!(table.get(&tpl), None);
         assert_eq!(d.shared.admission.active.load(Relaxed), 0);
+    }
+
+    /// Every worker reads one snapshot of the packet services, built once
+    /// per change of them: each worker used to build its own, a walk of
+    /// every service and backend on the packet path itself.
+    #[test]
+    fn workers_share_one_services_snapshot_built_once_per_change() {
+        let d = daemon("nat", "");
+        let (mut a, mut b) = (engine(&d), engine(&d));
+        assert!(Arc::ptr_eq(&a.vips, &b.vips));
+        a.refresh();
+        assert!(Arc::ptr_eq(&a.vips, &b.vips), "no change, no new one");
+        let before = a.vips.clone();
+        let mut spec = the_service(&d).spec.read().clone();
+        spec.name = "web2".into();
+        spec.listen = sa("10.0.0.101:80");
+        d.control().add_service(spec).unwrap();
+        a.refresh();
+        b.refresh();
+        assert!(!Arc::ptr_eq(&a.vips, &before), "a new one after a change");
+        assert!(Arc::ptr_eq(&a.vips, &b.vips), "one for both workers");
+        let vip = sa("10.0.0.101:80");
+        assert!(a.vips.by_vip.contains_key(&(vip.ip(), 6, vip.port())));
+        assert_eq!(a.vips.by_vip.len(), 2);
     }
 
     /// Path-MTU discovery through nat: a router on the backend side says
