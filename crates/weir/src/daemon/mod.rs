@@ -799,22 +799,13 @@ mod tests {
     /// the whole wait.
     #[test]
     fn add_service_waits_for_a_removed_address_without_the_state_lock() {
-        use crate::config::{Config, ServiceOptions, ServiceSpec};
+        use crate::config::Config;
         use crate::control::ErrorKind;
         let mut cfg = Config::default();
         cfg.daemon.workers = 1;
         let d = Daemon::start(cfg, None).unwrap();
-        let spec = |name: &str, listen: SocketAddr| ServiceSpec {
-            tenant: "default".into(),
-            name: name.into(),
-            protocol: Protocol::Tcp,
-            listen,
-            forward: Default::default(),
-            scheduler: weir_sched::SchedulerKind::Rr,
-            persistence: "0s".parse().unwrap(),
-            persistence_netmask: None,
-            options: ServiceOptions::default(),
-            backends: Vec::new(),
+        let spec = |name: &str, listen: SocketAddr| {
+            super::model::tests::test_spec("default", name, Protocol::Tcp, listen)
         };
         let shared = d.shared.clone();
         shared

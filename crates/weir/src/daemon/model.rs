@@ -1139,16 +1139,26 @@ fn serves_overlapping(st: &State, proto: Protocol, addr: SocketAddr) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::config::{Config, ServiceOptions};
 
     fn spec(tenant: &str, name: &str, protocol: Protocol) -> ServiceSpec {
+        test_spec(tenant, name, protocol, "127.0.0.1:0".parse().unwrap())
+    }
+
+    /// A round-robin service with no backends (for the daemon's tests).
+    pub(crate) fn test_spec(
+        tenant: &str,
+        name: &str,
+        protocol: Protocol,
+        listen: SocketAddr,
+    ) -> ServiceSpec {
         ServiceSpec {
             tenant: tenant.into(),
             name: name.into(),
             protocol,
-            listen: "127.0.0.1:0".parse().unwrap(),
+            listen,
             forward: Default::default(),
             scheduler: weir_sched::SchedulerKind::Rr,
             persistence: "0s".parse().unwrap(),
