@@ -163,6 +163,17 @@ impl Wheel {
         self.refs
     }
 
+    /// Calls `f(slot, idx)` for every reference held, live or stale (the
+    /// caller tells them apart as `expire` does: a live node of this
+    /// tenant that records `slot`).
+    pub(crate) fn for_each_ref(&self, mut f: impl FnMut(u32, u32)) {
+        for (s, v) in self.slots.iter().enumerate() {
+            for &i in v {
+                f(s as u32, i);
+            }
+        }
+    }
+
     /// Drops stale references (`keep(slot, idx)` false) from whole slots,
     /// starting where the last call stopped, until about `budget`
     /// references were examined. Removed entries leave a stale reference

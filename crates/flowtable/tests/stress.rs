@@ -25,8 +25,9 @@ fn init(i: u32) -> FlowInit {
     common::spread_init(i, 4, 7, 0)
 }
 
-/// Stable tenants (1 shared, 2 own) and a churning tenant 3 that is removed
-/// and re-added.
+/// Stable tenants (1 shared, 2 own, and 4 shared but small, so that its
+/// listings read its own references instead of walking the table) and a
+/// churning tenant 3 that is removed and re-added.
 /// `buckets`: few buckets give long chains (harder for the cursor), many
 /// keep the long run fast. Per-thread operation caps scale with `duration`.
 fn run(duration: Duration, stable: u32, dumps_max: usize, buckets: usize) {
@@ -51,12 +52,17 @@ fn run(duration: Duration, stable: u32, dumps_max: usize, buckets: usize) {
     t.add_tenant(TenantId(1), own(0)).unwrap();
     t.add_tenant(TenantId(2), own(256)).unwrap();
     t.add_tenant(TenantId(3), TenantConfig::default()).unwrap();
+    t.add_tenant(TenantId(4), own(0)).unwrap();
     let mut want = HashMap::new();
     for i in 0..stable {
         for tn in [1, 2] {
             let c = t.insert(key(tn, i), init(i), Millis(0)).unwrap();
             want.insert(c, key(tn, i));
         }
+    }
+    for i in 0..stable / 64 {
+        let c = t.insert(key(4, i), init(i), Millis(0)).unwrap();
+        want.insert(c, key(4, i));
     }
     let want = Arc::new(want);
     let stop = Arc::new(AtomicBool::new(false));
@@ -74,7 +80,12 @@ fn run(duration: Duration, stable: u32, dumps_max: usize, buckets: usize) {
                 x ^= x << 13;
                 x ^= x >> 17;
                 x ^= x << 5;
-                let tn = [1, 2, 3][(x % 3) as usize];
+                // Tenant 4 churns little, so it stays a small part of the table.
+                let tn = if x % 16 == 5 {
+                    4
+                } else {
+                    [1, 2, 3][(x % 3) as usize]
+                };
                 let i = 1_000_000 + (w << 20) + (x & 0xffff);
                 let ms = Millis(now.load(Ordering::Relaxed));
                 match t.insert(key(tn, i), init(i), ms) {
@@ -136,11 +147,16 @@ fn run(duration: Duration, stable: u32, dumps_max: usize, buckets: usize) {
     // Dumpers with varying page sizes and filters.
     let mut dumps = 0;
     let mut page = 1usize;
+    let mut by_refs = 0;
     while Instant::now() < deadline && dumps < dumps_max {
-        let filter = match dumps % 3 {
+        let filter = match dumps % 4 {
             0 => DumpFilter::default(),
             1 => DumpFilter {
                 tenant: Some(TenantId(2)),
+                ..Default::default()
+            },
+            2 => DumpFilter {
+                tenant: Some(TenantId(4)),
                 ..Default::default()
             },
             _ => DumpFilter {
@@ -152,6 +168,7 @@ fn run(duration: Duration, stable: u32, dumps_max: usize, buckets: usize) {
         let mut cur: Option<Cursor> = None;
         let mut out = Vec::new();
         let mut calls = 0u64;
+        let work = FlowTable::dump_work_on_this_thread();
         loop {
             out.clear();
             let next = t.dump(cur.as_ref(), &filter, page, &mut out);
@@ -165,6 +182,9 @@ fn run(duration: Duration, stable: u32, dumps_max: usize, buckets: usize) {
                 Some(c) => cur = Some(c),
                 None => break,
             }
+        }
+        if FlowTable::dump_work_on_this_thread().1 > work.1 {
+            by_refs += 1;
         }
         for (c, n) in &seen {
             assert_eq!(*n, 1, "cookie {c} returned {n} times");
@@ -180,7 +200,8 @@ fn run(duration: Duration, stable: u32, dumps_max: usize, buckets: usize) {
     stop.store(true, Ordering::Relaxed);
     let counts: Vec<u64> = hs.into_iter().map(|h| h.join().unwrap()).collect();
     eprintln!("dumps {dumps}, worker ops {counts:?}");
-    assert!(dumps >= 3, "too few dumps: {dumps}");
+    assert!(dumps >= 4, "too few dumps: {dumps}");
+    assert!(by_refs > 0, "no dump listed tenant 4 from its references");
     assert!(
         counts.iter().all(|&n| n > 0),
         "a worker made no progress: {counts:?}"
