@@ -231,10 +231,14 @@ impl Daemon {
         for t in tenants {
             shared.add_tenant(t).map_err(|e| anyhow::anyhow!("{e}"))?;
         }
-        for s in config.services.clone() {
-            shared
-                .add_service(s)
-                .map_err(|e| anyhow::anyhow!("{}", e.message))?;
+        // All in one change of the model (one copy of it, not one per
+        // service); the first service that cannot be added fails the start.
+        if let Some((_, e)) = shared
+            .add_services(config.services.clone(), true)
+            .into_iter()
+            .next()
+        {
+            anyhow::bail!("{}", e.message);
         }
         let est_stop = Arc::new(AtomicBool::new(false));
         if let Some(p) = config.packet.as_ref().filter(|_| attach) {

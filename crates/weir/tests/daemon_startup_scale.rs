@@ -1,0 +1,84 @@
+//! Measurement for docs/BENCHMARKS.md ("Startup with thousands of
+//! services"): how long `Daemon::start` takes to have N UDP services
+//! listening, and a reload that adds N services to a daemon that has none.
+//! Prints figures, asserts only that every service is up.
+//!
+//! `cargo test --release -p weir --test daemon_startup_scale -- --ignored --nocapture`
+//! (`WEIR_SCALE_N=1000,4000` picks the counts; `WEIR_SCALE_PORT=20000`
+//! listens on ports from 20000 up instead of port 0).
+
+mod daemon_util;
+
+use std::time::Instant;
+
+use daemon_util::*;
+use weir::config::{Protocol, ServiceSpec};
+use weir::daemon::Daemon;
+
+fn counts() -> Vec<usize> {
+    std::env::var("WEIR_SCALE_N")
+        .unwrap_or_else(|_| "1000,4000".into())
+        .split(',')
+        .map(|n| {
+            n.trim()
+                .parse()
+                .expect("WEIR_SCALE_N: counts, comma-separated")
+        })
+        .collect()
+}
+
+/// `n` UDP services without backends, on port 0 or on consecutive ports
+/// from `WEIR_SCALE_PORT`.
+fn services(n: usize) -> Vec<ServiceSpec> {
+    let base: Option<u16> = std::env::var("WEIR_SCALE_PORT")
+        .ok()
+        .map(|p| p.parse().expect("WEIR_SCALE_PORT: a port"));
+    (0..n)
+        .map(|i| {
+            let mut s = service(&format!("s{i}"), Protocol::Udp, "rr", Vec::new());
+            if let Some(b) = base {
+                s.listen.set_port(b + i as u16);
+            }
+            s
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "measurement, prints figures"]
+fn startup_and_reload_with_many_services() {
+    for n in counts() {
+        let t = Instant::now();
+        let d = Daemon::start(config(services(n)), None).unwrap();
+        let start = t.elapsed();
+        assert!(d.service_addr("default", &format!("s{}", n - 1)).is_some());
+        d.shutdown();
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("weir.toml");
+        std::fs::write(&path, "").unwrap();
+        let d = Daemon::start(config(Vec::new()), Some(path.clone())).unwrap();
+        let mut cfg = d.control().running_config();
+        cfg.services = services(n);
+        std::fs::write(&path, toml::to_string(&cfg).unwrap()).unwrap();
+        let t = Instant::now();
+        let report = d.control().reload(Default::default());
+        let reload = t.elapsed();
+        let report = report.unwrap();
+        assert_eq!(report.added.len(), n);
+        assert!(d.service_addr("default", &format!("s{}", n - 1)).is_some());
+        // Once more, the file unchanged: nothing to do.
+        let t = Instant::now();
+        let report = d.control().reload(Default::default()).unwrap();
+        let again = t.elapsed();
+        assert!(report.added.is_empty() && report.changed.is_empty());
+        d.shutdown();
+        println!(
+            "{n} UDP services: start {:.3} s, reload adding them {:.3} s, \
+             reload unchanged {:.3} s",
+            start.as_secs_f64(),
+            reload.as_secs_f64(),
+            again.as_secs_f64()
+        );
+    }
+}
