@@ -576,12 +576,40 @@ pub(crate) fn probe_free(proto: Protocol, addr: SocketAddr) -> std::io::Result<(
     s.bind(&addr.into())
 }
 
-/// One `SO_REUSEPORT` socket per worker on `addr`; port 0 is resolved by
-/// the first socket and reused by the others.
-/// `n` sockets bound to `addr` with `SO_REUSEPORT` (one per worker); TCP
-/// ones get the options accepted sockets inherit (`notsent_lowat` as in
-/// `[daemon]`).
+/// `n` sockets bound to `addr` with `SO_REUSEPORT` (one per worker), and
+/// the address they are bound to (port 0: a port of their own, the same
+/// for all); TCP ones get the options accepted sockets inherit
+/// (`notsent_lowat` as in `[daemon]`).
 pub(crate) fn open_sockets(
+    proto: Protocol,
+    addr: SocketAddr,
+    n: usize,
+    notsent_lowat: u32,
+) -> std::io::Result<(Vec<ListenSocket>, SocketAddr)> {
+    if proto == Protocol::Udp && addr.port() == 0 {
+        // For UDP the kernel's choice of a port for port 0 may be a port
+        // that other sockets with SO_REUSEADDR / SO_REUSEPORT hold: it
+        // counts them as willing to share (3,000 such binds here got 2,861
+        // ports). Another of our port-0 UDP services is such a socket, and
+        // joining its group would hand each service the other's
+        // datagrams. A socket without those options is given a port no
+        // one holds: learn one that way, then bind the group to it. If
+        // something takes it in between, try another.
+        let mut tries = 0;
+        loop {
+            let port = std::net::UdpSocket::bind(addr)?.local_addr()?.port();
+            match open_socket_group(proto, SocketAddr::new(addr.ip(), port), n, notsent_lowat) {
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 8 => tries += 1,
+                r => return r,
+            }
+        }
+    }
+    open_socket_group(proto, addr, n, notsent_lowat)
+}
+
+/// [`open_sockets`]' group of `n` sockets on `addr` (port 0: the port the
+/// first one is given).
+fn open_socket_group(
     proto: Protocol,
     addr: SocketAddr,
     n: usize,

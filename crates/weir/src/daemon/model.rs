@@ -197,10 +197,11 @@ pub(crate) struct Services {
     by_name: BTreeMap<(String, String), Arc<Service>>,
     by_id: HashMap<u32, Arc<Service>>,
     /// The services on each (protocol, IP, port) of their actual address:
-    /// one, as a rule, but the kernel can give two port-0 UDP services the
-    /// same port, and port 0 is never checked for conflicts. (By IP and
-    /// port rather than `SocketAddr`: an IPv6 address's scope id does not
-    /// make a separate port, see [`overlaps`].)
+    /// one, as a rule (port-0 services get a port of their own, see
+    /// `open_sockets`), but a list, as the index must not lose a service
+    /// whatever the kernel did. (By IP and port rather than `SocketAddr`:
+    /// an IPv6 address's scope id does not make a separate port, see
+    /// [`overlaps`].)
     by_addr: HashMap<(Protocol, IpAddr, u16), Vec<Arc<Service>>>,
     /// How many services listen on each (protocol, IPv6?, port): whether a
     /// wildcard address overlaps one of them.
@@ -1535,8 +1536,7 @@ pub(crate) mod tests {
     /// the model a fixed number of times whatever S: one copy for all the
     /// services. Each add used to copy it (every service in it), O(S^2) in
     /// all: 2 s to start 4,000 UDP services. The address index agrees
-    /// with the services after each (port 0: the kernel may give two UDP
-    /// services one port, which the index keeps both of).
+    /// with the services after each.
     #[test]
     fn adding_many_services_copies_the_model_a_fixed_number_of_times() {
         let start = |n: usize| {
@@ -1571,6 +1571,27 @@ pub(crate) mod tests {
         };
         assert_eq!(reload(300), 1);
         assert_eq!(reload(1), 1);
+    }
+
+    /// UDP services on port 0 each get a port no other socket holds. With
+    /// `SO_REUSEADDR` / `SO_REUSEPORT` set, the kernel's port-0 choice for
+    /// UDP could be a port one of our other services held (2,000 services
+    /// got ~70 shared ports), and the two services then shared one
+    /// reuseport group: each was handed the other's datagrams.
+    #[test]
+    fn port_zero_udp_services_get_ports_of_their_own() {
+        let n = 2_000;
+        let d = daemon(udp_services(n), None);
+        let ports: std::collections::HashSet<u16> = d
+            .shared
+            .model
+            .load()
+            .services
+            .values()
+            .map(|s| s.listen.port())
+            .collect();
+        assert_eq!(ports.len(), n, "services share ports");
+        d.shutdown();
     }
 
     /// The address index answers what the scans it replaced answered: the
