@@ -417,6 +417,15 @@ pub trait Control: Send + Sync + 'static {
     fn global_stats(&self) -> GlobalStats;
     /// Flow-table figures per tenant.
     fn table(&self) -> Vec<TableReport>;
+    /// [`table`](Self::table) of one tenant (what its token may see), none
+    /// for an unknown name. The daemon reads that tenant's table alone:
+    /// `table` reads every table, so a tenant's request cost what every
+    /// tenant's tables hold.
+    fn table_of(&self, tenant: &str) -> Vec<TableReport> {
+        let mut v = self.table();
+        v.retain(|r| r.tenant == tenant);
+        v
+    }
     /// Health-check state of every backend.
     fn health(&self) -> Vec<HealthEntry>;
     /// [`tenants`](Self::tenants) as a tenant's token sees it: its own

@@ -754,6 +754,12 @@ fn tenant_tokens_see_and_change_only_their_tenant() {
     assert_eq!(v["services"].as_array().unwrap().len(), 1);
     let (_, v) = call(&app, "GET", "/v1/table", t, None);
     assert_eq!(v.as_array().unwrap().len(), 1);
+    assert_eq!(v[0]["tenant"], "acme");
+    assert_eq!(
+        fake.st.lock().unwrap().table_calls,
+        0,
+        "a tenant's table request read every tenant's tables"
+    );
     let (_, v) = call(&app, "GET", "/v1/health", t, None);
     assert!(v.as_array().unwrap().iter().all(|h| h["tenant"] == "acme"));
 

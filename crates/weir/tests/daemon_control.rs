@@ -821,8 +821,11 @@ fn one_tenants_status_services_and_health_are_the_filtered_lists() {
     let all = c.services();
     let health = c.health();
     let tenants = c.tenants();
+    let table = c.table();
     assert_eq!(all.len(), 4);
     for t in ["a", "ab", "default", "empty", "nobody"] {
+        let want: Vec<_> = table.iter().filter(|r| r.tenant == t).cloned().collect();
+        assert_eq!(c.table_of(t), want, "table of {t:?}");
         let mine: Vec<_> = c
             .services_of(t)
             .into_iter()
@@ -858,5 +861,6 @@ fn one_tenants_status_services_and_health_are_the_filtered_lists() {
         assert_eq!(mine, want, "status of {t:?}");
     }
     assert_eq!(c.services_of("a").len(), 2);
+    assert_eq!(c.table_of("ab").len(), 1);
     d.shutdown();
 }

@@ -764,7 +764,10 @@ pub(crate) async fn table(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
 ) -> ApiResult<Json<Vec<TableReport>>> {
-    let mut t = st.control.table();
+    let mut t = match access.tenant() {
+        Some(name) => st.control.table_of(name),
+        None => st.control.table(),
+    };
     t.retain(|r| access.may_touch(&r.tenant));
     if access.tenant().is_some() {
         for r in &mut t {

@@ -357,6 +357,23 @@ impl LiveControl {
     }
 }
 
+/// A tenant's `GET /v1/table` row from its flow-table figures.
+fn table_report(tenant: String, st: weir_flowtable::TableStats) -> TableReport {
+    TableReport {
+        tenant,
+        placement: match st.placement {
+            weir_flowtable::Placement::Own { .. } => "own".into(),
+            weir_flowtable::Placement::Shared { .. } => "shared".into(),
+        },
+        entries: st.entries,
+        buckets: st.buckets as u64,
+        load_factor: st.load_factor,
+        max_chain: st.max_chain as u64,
+        chain_histogram: st.chain_histogram,
+        refused_inserts: st.refused_inserts,
+    }
+}
+
 /// The (tenant, name) of every service of `c`: a reload asks whether each
 /// live service is in the file, and searching the file's list for each
 /// (O(S^2) name comparisons) was the largest cost of reloading 8,000
@@ -916,21 +933,21 @@ impl Control for LiveControl {
         tenants
             .iter()
             .filter_map(|t| {
-                let st = stats.remove(&t.id)?;
-                Some(TableReport {
-                    tenant: t.spec.read().name.clone(),
-                    placement: match st.placement {
-                        weir_flowtable::Placement::Own { .. } => "own".into(),
-                        weir_flowtable::Placement::Shared { .. } => "shared".into(),
-                    },
-                    entries: st.entries,
-                    buckets: st.buckets as u64,
-                    load_factor: st.load_factor,
-                    max_chain: st.max_chain as u64,
-                    chain_histogram: st.chain_histogram,
-                    refused_inserts: st.refused_inserts,
-                })
+                Some(table_report(
+                    t.spec.read().name.clone(),
+                    stats.remove(&t.id)?,
+                ))
             })
+            .collect()
+    }
+
+    fn table_of(&self, tenant: &str) -> Vec<TableReport> {
+        let Some(t) = self.0.model.load().tenants.get(tenant).cloned() else {
+            return Vec::new();
+        };
+        let st = self.0.conns.table.tenant_stats(TenantId(t.id));
+        st.map(|st| table_report(tenant.to_string(), st))
+            .into_iter()
             .collect()
     }
 

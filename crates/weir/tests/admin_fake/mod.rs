@@ -25,6 +25,9 @@ pub struct FakeState {
     /// Calls of `running_config` (a copy of everything: authentication
     /// must not need one).
     pub running_config_calls: u64,
+    /// Calls of `table` (every tenant's tables: a tenant token's request
+    /// must read its own alone, `table_of`).
+    pub table_calls: u64,
 }
 
 #[derive(Debug, Default)]
@@ -517,23 +520,12 @@ impl Control for Fake {
     }
 
     fn table(&self) -> Vec<TableReport> {
-        self.tenants()
-            .into_iter()
-            .map(|t| TableReport {
-                tenant: t.spec.name.clone(),
-                placement: t.table.clone(),
-                entries: t.active_conns,
-                buckets: if t.spec.table_entries > 0 {
-                    t.spec.table_entries as u64
-                } else {
-                    131_072
-                },
-                load_factor: 0.25,
-                max_chain: 3,
-                chain_histogram: vec![900, 100, 20, 4],
-                refused_inserts: 0,
-            })
-            .collect()
+        self.st.lock().unwrap().table_calls += 1;
+        table_rows(self, None)
+    }
+
+    fn table_of(&self, tenant: &str) -> Vec<TableReport> {
+        table_rows(self, Some(tenant))
     }
 
     fn health(&self) -> Vec<HealthEntry> {
@@ -678,3 +670,25 @@ pub const CONN_KEYS: [&str; 10] = [
     "bytes_in",
     "bytes_out",
 ];
+
+/// The fake's `GET /v1/table` rows: every tenant's, or `only` one's.
+fn table_rows(f: &Fake, only: Option<&str>) -> Vec<TableReport> {
+    f.tenants()
+        .into_iter()
+        .filter(|t| only.is_none_or(|n| t.spec.name == n))
+        .map(|t| TableReport {
+            tenant: t.spec.name.clone(),
+            placement: t.table.clone(),
+            entries: t.active_conns,
+            buckets: if t.spec.table_entries > 0 {
+                t.spec.table_entries as u64
+            } else {
+                131_072
+            },
+            load_factor: 0.25,
+            max_chain: 3,
+            chain_histogram: vec![900, 100, 20, 4],
+            refused_inserts: 0,
+        })
+        .collect()
+}
