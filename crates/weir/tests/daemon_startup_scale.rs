@@ -1,7 +1,9 @@
 //! Measurement for docs/BENCHMARKS.md ("Startup with thousands of
 //! services"): how long `Daemon::start` takes to have N UDP services
-//! listening, and a reload that adds N services to a daemon that has none.
-//! Prints figures, asserts only that every service is up.
+//! listening, and a reload that adds N services to a daemon that has none;
+//! and how long deleting a tenant with N services, and a reload removing
+//! N services, take. Prints figures, asserts only that every service is up
+//! (or gone).
 //!
 //! `cargo test --release -p weir --test daemon_startup_scale -- --ignored --nocapture`
 //! (`WEIR_SCALE_N=1000,4000` picks the counts; `WEIR_SCALE_PORT=20000`
@@ -12,7 +14,7 @@ mod daemon_util;
 use std::time::Instant;
 
 use daemon_util::*;
-use weir::config::{Protocol, ServiceSpec};
+use weir::config::{Protocol, ServiceSpec, TenantSpec};
 use weir::daemon::Daemon;
 
 fn counts() -> Vec<usize> {
@@ -79,6 +81,51 @@ fn startup_and_reload_with_many_services() {
             start.as_secs_f64(),
             reload.as_secs_f64(),
             again.as_secs_f64()
+        );
+    }
+}
+
+#[test]
+#[ignore = "measurement, prints figures"]
+fn delete_tenant_and_reload_removing_many_services() {
+    for n in counts() {
+        let mut cfg = config(
+            services(n)
+                .into_iter()
+                .map(|mut s| {
+                    s.tenant = "t".into();
+                    s
+                })
+                .collect(),
+        );
+        cfg.tenants.push(TenantSpec {
+            name: "t".into(),
+            ..Default::default()
+        });
+        let d = Daemon::start(cfg, None).unwrap();
+        assert!(d.service_addr("t", &format!("s{}", n - 1)).is_some());
+        let t = Instant::now();
+        d.control().delete_tenant("t").unwrap();
+        let delete = t.elapsed();
+        assert!(d.service_addr("t", "s0").is_none());
+        d.shutdown();
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("weir.toml");
+        let d = Daemon::start(config(services(n)), Some(path.clone())).unwrap();
+        let mut cfg = d.control().running_config();
+        cfg.services.clear();
+        std::fs::write(&path, toml::to_string(&cfg).unwrap()).unwrap();
+        let t = Instant::now();
+        let report = d.control().reload(Default::default());
+        let reload = t.elapsed();
+        assert_eq!(report.unwrap().removed.len(), n);
+        assert!(d.service_addr("default", "s0").is_none());
+        d.shutdown();
+        println!(
+            "{n} UDP services: delete their tenant {:.3} s, reload removing them {:.3} s",
+            delete.as_secs_f64(),
+            reload.as_secs_f64()
         );
     }
 }

@@ -281,11 +281,13 @@ impl LiveControl {
         let live_svcs: Vec<(String, String)> =
             self.0.model.load().services.keys().cloned().collect();
         let in_file = service_names(new);
-        for key in &live_svcs {
-            if !in_file.contains(&(key.0.as_str(), key.1.as_str())) {
-                self.remove_service(key);
-            }
-        }
+        // Removed as one change of the model (one copy of it, not one per
+        // service), before any edit or add: as one at a time did.
+        let gone: Vec<(String, String)> = live_svcs
+            .into_iter()
+            .filter(|(t, n)| !in_file.contains(&(t.as_str(), n.as_str())))
+            .collect();
+        self.0.remove_services(&gone);
         // New services are added in batches (one copy of the model for a
         // batch, not one per service), each batch before the next edit:
         // in file order, as one at a time, since an edit can free an
@@ -346,14 +348,12 @@ impl LiveControl {
     }
 
     /// Removes a service and tells its connections to close; returns how
-    /// many it told.
+    /// many it told ([`Shared::remove_services`] with a batch of one).
     fn remove_service(&self, key: &(String, String)) -> Option<u64> {
-        let svc = self.0.model.write().services.remove(key)?;
-        self.0.services_changed();
-        svc.cancel.cancel();
-        let told = self.0.kill_service(&svc, None, Close::ServiceDeleted);
-        self.0.drop_templates(&svc);
-        Some(told)
+        self.0
+            .remove_services(std::slice::from_ref(key))
+            .pop()
+            .flatten()
     }
 }
 
@@ -613,16 +613,17 @@ impl Control for LiveControl {
             if !st.tenants.contains_key(tenant) {
                 return Err(not_found(format!("tenant {tenant:?} does not exist")));
             }
+            // A range of the map, not a walk of every tenant's services.
             st.services
-                .keys()
-                .filter(|(t, _)| t == tenant)
+                .range((tenant.to_owned(), String::new())..)
+                .map(|(k, _)| k)
+                .take_while(|(t, _)| t == tenant)
                 .cloned()
                 .collect()
         };
-        let mut closed = 0;
-        for k in &keys {
-            closed += self.remove_service(k).unwrap_or(0);
-        }
+        // Its services go as one change of the model (one copy of it, not
+        // one per service), then the tenant.
+        let mut closed: u64 = self.0.remove_services(&keys).into_iter().flatten().sum();
         let Some(t) = self.0.model.write().tenants.remove(tenant) else {
             return Err(not_found(format!("tenant {tenant:?} does not exist")));
         };

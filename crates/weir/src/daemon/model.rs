@@ -818,6 +818,45 @@ impl Shared {
         errors
     }
 
+    /// Removes the services under `keys` (those that exist) as one change
+    /// of the model, then, service by service, stops it (its listeners and
+    /// health checks end with its cancel token), tells its connections to
+    /// close ([`Close::ServiceDeleted`]) and drops its persistence
+    /// templates. Returns, per key, how many connections it told, or `None`
+    /// for a key no service had.
+    ///
+    /// As for one removal, every service leaves the model (and the packet
+    /// workers' snapshot, [`Self::services_changed`]) before its sockets
+    /// close and its connections are told. Removing them one write at a
+    /// time copied the whole model per service: deleting a tenant with k
+    /// services, or a reload removing k, was O(k x services)
+    /// (docs/BENCHMARKS.md, "Startup with thousands of services").
+    pub(crate) fn remove_services(&self, keys: &[(String, String)]) -> Vec<Option<u64>> {
+        let removed: Vec<Option<Arc<Service>>> = {
+            let mut st = self.model.write();
+            keys.iter()
+                .map(|k| {
+                    // Only a key that is there copies the model.
+                    st.services.get(k)?;
+                    st.services.remove(k)
+                })
+                .collect()
+        };
+        if removed.iter().any(Option::is_some) {
+            self.services_changed();
+        }
+        removed
+            .into_iter()
+            .map(|svc| {
+                let svc = svc?;
+                svc.cancel.cancel();
+                let told = self.kill_service(&svc, None, Close::ServiceDeleted);
+                self.drop_templates(&svc);
+                Some(told)
+            })
+            .collect()
+    }
+
     /// What [`Self::put_services`] checks of a spec before the writers'
     /// lock: it is valid, and this daemon can serve it. Returns its
     /// parameters.
@@ -1571,6 +1610,160 @@ pub(crate) mod tests {
         };
         assert_eq!(reload(300), 1);
         assert_eq!(reload(1), 1);
+    }
+
+    /// `n` UDP services of `tenant` on port 0 (named `s0`...).
+    fn tenant_udp_services(tenant: &str, n: usize) -> Vec<ServiceSpec> {
+        (0..n)
+            .map(|i| spec(tenant, &format!("s{i}"), Protocol::Udp))
+            .collect()
+    }
+
+    /// A daemon with one worker, tenants `tenants` and these services.
+    fn daemon_with_tenants(
+        tenants: &[&str],
+        services: Vec<ServiceSpec>,
+    ) -> crate::daemon::DaemonHandle {
+        let mut cfg = Config::default();
+        cfg.daemon.workers = 1;
+        cfg.tenants = tenants
+            .iter()
+            .map(|t| TenantSpec {
+                name: (*t).into(),
+                ..Default::default()
+            })
+            .collect();
+        cfg.services = services;
+        crate::daemon::Daemon::start(cfg, None).unwrap()
+    }
+
+    /// Deleting a tenant with k services, and a reload removing k services,
+    /// copy the model a fixed number of times whatever k: one copy for all
+    /// the services (and, for the tenant, one more for the tenant itself).
+    /// Each removal used to copy it (every service in it), O(k x S) in
+    /// all. The other services stay, and the address index agrees.
+    #[test]
+    fn removing_many_services_copies_the_model_a_fixed_number_of_times() {
+        let delete_tenant = |n: usize| {
+            let mut services = tenant_udp_services("t", n);
+            services.extend(udp_services(3));
+            let d = daemon_with_tenants(&["t"], services);
+            assert_eq!(d.shared.model.load().services.len(), n + 3);
+            let before = d.shared.model.copies.load(Relaxed);
+            d.control().delete_tenant("t").unwrap();
+            let copies = d.shared.model.copies.load(Relaxed) - before;
+            let st = d.shared.model.load();
+            assert_eq!(st.services.len(), 3);
+            assert!(st.services.keys().all(|(t, _)| t == "default"));
+            assert!(!st.tenants.contains_key("t"));
+            st.services.assert_index_agrees();
+            drop(st);
+            d.shutdown();
+            copies
+        };
+        // The services as one change, then the tenant.
+        assert_eq!(delete_tenant(300), 2);
+        assert_eq!(delete_tenant(1), 2);
+
+        let reload = |n: usize| {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("weir.toml");
+            let d = daemon(udp_services(n + 3), Some(&path));
+            let mut cfg = d.control().running_config();
+            // Keep s0..s2, remove the rest.
+            cfg.services
+                .retain(|s| ["s0", "s1", "s2"].contains(&s.name.as_str()));
+            std::fs::write(&path, toml::to_string(&cfg).unwrap()).unwrap();
+            let kept: Vec<Arc<Service>> = (0..3)
+                .map(|i| d.shared.model.load().services[&key("default", &format!("s{i}"))].clone())
+                .collect();
+            let before = d.shared.model.copies.load(Relaxed);
+            let report = d.control().reload(Default::default()).unwrap();
+            let copies = d.shared.model.copies.load(Relaxed) - before;
+            assert_eq!(report.removed.len(), n);
+            let st = d.shared.model.load();
+            assert_eq!(st.services.len(), 3);
+            for k in &kept {
+                assert!(Arc::ptr_eq(
+                    &st.services[&key("default", &k.spec.read().name)],
+                    k
+                ));
+                assert!(!k.cancel.is_cancelled());
+            }
+            st.services.assert_index_agrees();
+            drop(st);
+            d.shutdown();
+            copies
+        };
+        assert_eq!(reload(300), 1);
+        assert_eq!(reload(1), 1);
+    }
+
+    /// Deleting a tenant (its services removed as one batch) takes every
+    /// service of it out of the model and closes its listeners: TCP
+    /// connects to them are refused, and their UDP ports can be bound
+    /// again. Another tenant's services are the same services, still
+    /// listening.
+    #[test]
+    fn deleting_a_tenant_closes_each_of_its_services_and_only_those() {
+        let mut services = tenant_udp_services("a", 300);
+        services.extend(tenant_udp_services("b", 3));
+        for t in ["a", "b"] {
+            services.extend((0..3).map(|i| spec(t, &format!("tcp{i}"), Protocol::Tcp)));
+        }
+        let d = daemon_with_tenants(&["a", "b"], services);
+        let st = arc_swap::Guard::into_inner(d.shared.model.load());
+        assert_eq!(st.services.len(), 309);
+        let of = |t: &str| -> Vec<Arc<Service>> {
+            st.services
+                .iter()
+                .filter(|((x, _), _)| x == t)
+                .map(|(_, s)| s.clone())
+                .collect()
+        };
+        let (a, b) = (of("a"), of("b"));
+        assert_eq!((a.len(), b.len()), (303, 6));
+
+        d.control().delete_tenant("a").unwrap();
+
+        let now = d.shared.model.load();
+        assert!(!now.tenants.contains_key("a"));
+        assert_eq!(now.services.len(), 6);
+        now.services.assert_index_agrees();
+        for s in &a {
+            assert!(s.cancel.is_cancelled());
+            assert!(now.services.by_id(s.id).is_none());
+            assert!(
+                !now.services
+                    .serves_overlapping(s.spec.read().protocol, s.listen)
+            );
+        }
+        for s in &b {
+            assert!(Arc::ptr_eq(
+                &now.services[&key("b", &s.spec.read().name)],
+                s
+            ));
+            assert!(!s.cancel.is_cancelled());
+        }
+        drop(now);
+        // Closed: refused / bindable (the listeners close as their tasks
+        // see the cancel, so this waits for them).
+        let closed = |s: &Service| match s.spec.read().protocol {
+            Protocol::Tcp => std::net::TcpStream::connect(s.listen).is_err(),
+            _ => std::net::UdpSocket::bind(s.listen).is_ok(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut open: Vec<_> = a.iter().collect();
+        while !open.is_empty() && Instant::now() < deadline {
+            open.retain(|s| !closed(s));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(open.is_empty(), "{} services of a still listen", open.len());
+        // Still open.
+        for s in &b {
+            assert!(!closed(s), "{} of b closed", s.spec.read().name);
+        }
+        d.shutdown();
     }
 
     /// UDP services on port 0 each get a port no other socket holds. With
