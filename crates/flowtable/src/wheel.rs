@@ -36,13 +36,29 @@
 pub(crate) const TICK_MS: u64 = 1000;
 /// Slots (horizon = 1024 s; longer deadlines are refiled at the horizon).
 pub(crate) const SLOTS: u64 = 1024;
+/// Slots per chunk: one word of the occupancy bitmap.
+const CHUNK: usize = 64;
+/// Chunks (and bitmap words) of the `SLOTS` regular slots.
+const CHUNKS: usize = SLOTS as usize / CHUNK;
+const _WHOLE_CHUNKS: () = assert!((SLOTS as usize).is_multiple_of(CHUNK));
+
+type Chunk = [Vec<u32>; CHUNK];
 
 #[derive(Debug)]
 pub(crate) struct Wheel {
-    /// `SLOTS + 1` slots while the wheel holds references, none while it
-    /// holds none: 1,025 empty vectors are ~25 KB, which every tenant
-    /// paid whether it had entries or not (250 MB at 10,000 tenants).
-    slots: Box<[Vec<u32>]>,
+    /// The regular slots, 64 to a chunk, a chunk made when a slot of it is
+    /// first filed and given back when all of its slots are empty. They
+    /// were all made at once: 1,025 slot headers, ~25 KB for every tenant
+    /// with any entry (2.5 GB at 100,000 tenants of one entry each).
+    chunks: [Option<Box<Chunk>>; CHUNKS],
+    /// Bit `s` is set while regular slot `s` holds references (set when
+    /// filed, cleared when emptied; a set bit may also be an emptied slot
+    /// not yet passed, which [`due_slot`](Self::due_slot) then clears). A
+    /// chunk whose word is zero is all empty. The next slot to come due is
+    /// a few word reads away: [`next_visit`](Self::next_visit).
+    occupied: [u64; CHUNKS],
+    /// Slot `SLOTS`: entries already due when filed.
+    overdue: Vec<u32>,
     /// Next tick to process.
     cur: u64,
     started: bool,
@@ -54,6 +70,10 @@ pub(crate) struct Wheel {
     retime: Option<Retime>,
     /// References the last retime step examined (introspection).
     retime_last: usize,
+    /// The tick under which the flow table's due index holds this wheel's
+    /// tenant, if it does (kept by the flow table, under its maintenance
+    /// lock).
+    pub(crate) due_key: Option<u64>,
 }
 
 /// Cursor of a retime pass: the slot and position it continues from, and
@@ -68,13 +88,16 @@ struct Retime {
 impl Wheel {
     pub(crate) fn new() -> Wheel {
         Wheel {
-            slots: Box::new([]),
+            chunks: Default::default(),
+            occupied: [0; CHUNKS],
+            overdue: Vec::new(),
             cur: 0,
             started: false,
             refs: 0,
             compact_next: 0,
             retime: None,
             retime_last: 0,
+            due_key: None,
         }
     }
 
@@ -85,39 +108,137 @@ impl Wheel {
         }
     }
 
-    /// The slots, made when the first reference comes.
-    fn slots_mut(&mut self) -> &mut [Vec<u32>] {
-        if self.slots.is_empty() {
-            self.slots = (0..=SLOTS).map(|_| Vec::new()).collect();
+    /// Slot `s`'s references (none for a slot whose chunk is not made).
+    fn slot(&self, s: usize) -> &[u32] {
+        if s == SLOTS as usize {
+            return &self.overdue;
         }
-        &mut self.slots
+        match &self.chunks[s / CHUNK] {
+            Some(c) => &c[s % CHUNK],
+            None => &[],
+        }
+    }
+
+    /// Slot `s`'s vector, its chunk made if need be.
+    fn slot_mut(&mut self, s: usize) -> &mut Vec<u32> {
+        if s == SLOTS as usize {
+            return &mut self.overdue;
+        }
+        let c = self.chunks[s / CHUNK]
+            .get_or_insert_with(|| Box::new(std::array::from_fn(|_| Vec::new())));
+        &mut c[s % CHUNK]
+    }
+
+    /// Files a reference in slot `s` (marked as holding references).
+    fn push(&mut self, s: usize, idx: u32) {
+        self.slot_mut(s).push(idx);
+        if s < SLOTS as usize {
+            self.occupied[s / CHUNK] |= 1 << (s % CHUNK);
+        }
+        self.refs += 1;
+    }
+
+    /// Slot `s` is empty: its buffer goes, its bit is cleared, and its
+    /// chunk goes with its last occupied slot. (A passed slot is filed into
+    /// again a whole turn, `SLOTS` ticks, later at the earliest: keeping its
+    /// buffer saves nothing. Kept buffers, all up to 256 references once,
+    /// added up over one turn to 1 KiB a slot, 1 MiB a tenant: the slow RSS
+    /// creep of the 30-minute soak in docs/BENCHMARKS.md.)
+    fn emptied(&mut self, s: usize) {
+        debug_assert!(self.slot(s).is_empty());
+        if s == SLOTS as usize {
+            self.overdue = Vec::new();
+            return;
+        }
+        let w = s / CHUNK;
+        self.occupied[w] &= !(1 << (s % CHUNK));
+        if self.occupied[w] == 0 {
+            self.chunks[w] = None;
+        } else if let Some(c) = &mut self.chunks[w] {
+            c[s % CHUNK] = Vec::new();
+        }
+    }
+
+    /// Distance in ticks from tick `from` to the next marked regular slot
+    /// (0 if `from`'s own slot is marked), within one turn.
+    fn next_marked(&self, from: u64) -> Option<u64> {
+        let start = (from % SLOTS) as usize;
+        let (w0, b0) = (start / CHUNK, start % CHUNK);
+        for k in 0..=CHUNKS {
+            let w = (w0 + k) % CHUNKS;
+            let bits = match k {
+                0 => self.occupied[w] & (!0u64 << b0),
+                // Wrapped round to the start word: the bits below `b0`.
+                CHUNKS => self.occupied[w] & ((1u64 << b0) - 1),
+                _ => self.occupied[w],
+            };
+            if bits != 0 {
+                let s = w * CHUNK + bits.trailing_zeros() as usize;
+                return Some(((s + SLOTS as usize - start) % SLOTS as usize) as u64);
+            }
+        }
+        None
+    }
+
+    /// The tick from which an `expire` call at tick `now / TICK_MS >=` it
+    /// has work here: 0 (at once) while a retime pass runs or entries are
+    /// overdue, else one past the tick of the next slot that comes due;
+    /// `None` when the wheel holds no references.
+    pub(crate) fn next_visit(&self) -> Option<u64> {
+        if self.retime.is_some() || !self.overdue.is_empty() {
+            return Some(0);
+        }
+        if self.refs == 0 {
+            return None;
+        }
+        self.next_marked(self.cur).map(|d| self.cur + d + 1)
+    }
+
+    /// The tick from which slot `s` (as just filed) is due: see
+    /// [`next_visit`](Self::next_visit).
+    pub(crate) fn visit_for(&self, s: u32) -> u64 {
+        if u64::from(s) == SLOTS {
+            return 0;
+        }
+        let d = (u64::from(s) + SLOTS - self.cur % SLOTS) % SLOTS;
+        self.cur + d + 1
     }
 
     /// Files `idx` for `deadline`; returns the slot to record in the node.
     /// Entries already due at `now` go to the overdue list (slot `SLOTS`),
     /// which the same `expire` call processes first.
     pub(crate) fn file(&mut self, idx: u32, deadline: u64, now: u64) -> u32 {
+        if self.refs == 0 && self.retime.is_none() {
+            // Nothing filed: every tick before now has passed empty. (An
+            // `expire` call visits only wheels with something due, so
+            // this one's current tick may be far behind.)
+            self.cur = self.cur.max(now / TICK_MS);
+        }
         let s = if deadline <= now {
             SLOTS
         } else {
             (deadline / TICK_MS).clamp(self.cur, self.cur + SLOTS - 1) % SLOTS
         };
-        self.slots_mut()[s as usize].push(idx);
-        self.refs += 1;
+        self.push(s as usize, idx);
         s as u32
     }
 
     /// The next due, non-empty slot, advancing `cur` past empty due ticks.
-    /// O(min(elapsed ticks, SLOTS)).
+    /// O(bitmap words + emptied slots passed).
     pub(crate) fn due_slot(&mut self, now: u64) -> Option<u32> {
         let now_t = now / TICK_MS;
-        if self.slots.is_empty() {
+        if !self.overdue.is_empty() {
+            return Some(SLOTS as u32);
+        }
+        if self.refs == 0 {
             // Nothing filed: every tick before now has passed empty.
             self.cur = self.cur.max(now_t);
+            if self.retime.is_none() {
+                self.chunks = Default::default();
+                self.occupied = [0; CHUNKS];
+                self.compact_next = 0;
+            }
             return None;
-        }
-        if !self.slots[SLOTS as usize].is_empty() {
-            return Some(SLOTS as u32);
         }
         if now_t > self.cur + SLOTS {
             // Far behind: every slot is due; reinterpreting is harmless
@@ -125,37 +246,36 @@ impl Wheel {
             self.cur = now_t - SLOTS;
         }
         while self.cur < now_t {
+            match self.next_marked(self.cur) {
+                Some(d) if d < now_t - self.cur => self.cur += d,
+                _ => {
+                    self.cur = now_t;
+                    break;
+                }
+            }
             let s = (self.cur % SLOTS) as usize;
-            if !self.slots[s].is_empty() {
+            if !self.slot(s).is_empty() {
                 return Some(s as u32);
             }
-            // A passed slot is filed into again a whole turn (SLOTS ticks)
-            // later at the earliest: keeping its buffer saves nothing. Kept
-            // buffers (all up to 256 references used to be) added up over
-            // one turn to 1 KiB a slot, 1 MiB a tenant: the slow RSS creep
-            // of the 30-minute soak (docs/BENCHMARKS.md).
-            if self.slots[s].capacity() > 0 {
-                self.slots[s] = Vec::new();
-            }
+            self.emptied(s);
             self.cur += 1;
-        }
-        if self.refs == 0 && self.retime.is_none() {
-            // Every slot is empty: give them back until the next file.
-            self.slots = Box::new([]);
-            self.compact_next = 0;
         }
         None
     }
 
     pub(crate) fn pop(&mut self, slot: u32) -> Option<u32> {
-        let r = self.slots[slot as usize].pop();
+        let s = slot as usize;
+        let v = self.slot_mut(s);
+        let r = v.pop();
+        if v.is_empty() {
+            self.emptied(s);
+        }
         self.refs -= usize::from(r.is_some());
         r
     }
 
     pub(crate) fn push_back(&mut self, slot: u32, idx: u32) {
-        self.slots_mut()[slot as usize].push(idx);
-        self.refs += 1;
+        self.push(slot as usize, idx);
     }
 
     /// References held, live or stale.
@@ -165,12 +285,20 @@ impl Wheel {
 
     /// Calls `f(slot, idx)` for every reference held, live or stale (the
     /// caller tells them apart as `expire` does: a live node of this
-    /// tenant that records `slot`).
+    /// tenant that records `slot`). Reads only the occupied slots.
     pub(crate) fn for_each_ref(&self, mut f: impl FnMut(u32, u32)) {
-        for (s, v) in self.slots.iter().enumerate() {
-            for &i in v {
-                f(s as u32, i);
+        for (w, &bits) in self.occupied.iter().enumerate() {
+            let mut bits = bits;
+            while bits != 0 {
+                let s = w * CHUNK + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                for &i in self.slot(s) {
+                    f(s as u32, i);
+                }
             }
+        }
+        for &i in &self.overdue {
+            f(SLOTS as u32, i);
         }
     }
 
@@ -182,30 +310,41 @@ impl Wheel {
     /// references outnumber live entries. Returns the references examined.
     pub(crate) fn compact(&mut self, budget: usize, keep: impl Fn(u32, u32) -> bool) -> usize {
         let mut seen = 0;
-        for _ in 0..self.slots.len() {
+        let all = SLOTS as usize + 1;
+        for _ in 0..all {
             if seen >= budget {
                 break;
             }
             let s = self.compact_next;
-            self.compact_next = (s + 1) % self.slots.len();
-            let v = &mut self.slots[s];
+            self.compact_next = (s + 1) % all;
+            if self.slot(s).is_empty() {
+                continue;
+            }
+            let v = self.slot_mut(s);
             seen += v.len();
             let before = v.len();
             v.retain(|&i| keep(s as u32, i));
-            self.refs -= before - v.len();
+            let dropped = before - v.len();
             if v.capacity() > 2 * v.len() + 256 {
                 v.shrink_to_fit();
+            }
+            let empty = v.is_empty();
+            self.refs -= dropped;
+            if empty {
+                self.emptied(s);
             }
         }
         seen
     }
 
     /// Starts a retime pass (a timeout got shorter), or extends the one
-    /// under way to a full lap from its cursor.
-    pub(crate) fn start_retime(&mut self) {
-        if self.slots.is_empty() {
-            return; // nothing filed, nothing to move
+    /// under way to a full lap from its cursor. Returns whether a pass
+    /// started that was not under way.
+    pub(crate) fn start_retime(&mut self) -> bool {
+        if self.refs == 0 {
+            return false; // nothing filed, nothing to move
         }
+        let was = self.retime.is_some();
         let slot = match self.retime {
             Some(r) => r.slot,
             None => (self.cur % SLOTS) as usize,
@@ -216,6 +355,7 @@ impl Wheel {
             pos,
             left: SLOTS as usize,
         });
+        !was
     }
 
     /// Whether a retime pass is under way.
@@ -250,9 +390,9 @@ impl Wheel {
         while r.left > 0 && seen < budget {
             // Tick the slot stands for: the one in [cur, cur + SLOTS).
             let tick = self.cur + (r.slot as u64 + SLOTS - self.cur % SLOTS) % SLOTS;
-            while r.pos < self.slots[r.slot].len() && seen < budget {
+            while r.pos < self.slot(r.slot).len() && seen < budget {
                 seen += 1;
-                let idx = self.slots[r.slot][r.pos];
+                let idx = self.slot(r.slot)[r.pos];
                 let keep_here = match deadline(r.slot as u32, idx) {
                     None => false,
                     Some(d) => {
@@ -268,11 +408,14 @@ impl Wheel {
                     r.pos += 1;
                 } else {
                     // The last reference takes this place: look at it next.
-                    self.slots[r.slot].swap_remove(r.pos);
+                    self.slot_mut(r.slot).swap_remove(r.pos);
                     self.refs -= 1;
                 }
             }
-            if r.pos >= self.slots[r.slot].len() {
+            if r.pos >= self.slot(r.slot).len() {
+                if self.slot(r.slot).is_empty() {
+                    self.emptied(r.slot);
+                }
                 r.slot = (r.slot + 1) % SLOTS as usize;
                 r.pos = 0;
                 r.left -= 1;
@@ -285,20 +428,23 @@ impl Wheel {
 
     /// Everything filed (for tenant removal).
     pub(crate) fn drain_all(&mut self) -> Vec<u32> {
-        let mut v = Vec::new();
-        for s in self.slots.iter_mut() {
-            v.append(s);
-        }
+        let mut v = Vec::with_capacity(self.refs);
+        self.for_each_ref(|_, i| v.push(i));
+        self.chunks = Default::default();
+        self.occupied = [0; CHUNKS];
+        self.overdue = Vec::new();
         self.refs = 0;
         self.retime = None;
-        self.slots = Box::new([]);
         self.compact_next = 0;
         v
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.slots.len() * std::mem::size_of::<Vec<u32>>()
-            + self.slots.iter().map(|s| s.capacity() * 4).sum::<usize>()
+        let chunk = std::mem::size_of::<Chunk>();
+        let made = self.chunks.iter().flatten();
+        made.map(|c| chunk + c.iter().map(|v| v.capacity() * 4).sum::<usize>())
+            .sum::<usize>()
+            + self.overdue.capacity() * 4
     }
 }
 
@@ -320,7 +466,9 @@ mod tests {
         assert!(!w.retiming(), "nothing to retime");
 
         let s = w.file(7, 10_000, 5_000);
-        assert!(w.memory_bytes() >= (SLOTS as usize + 1) * std::mem::size_of::<Vec<u32>>());
+        // One chunk of slots, not all of them.
+        let chunk = std::mem::size_of::<Chunk>();
+        assert!(w.memory_bytes() >= chunk && w.memory_bytes() < 2 * chunk);
         assert_eq!(w.due_slot(9_000), None, "not due yet: the slots stay");
         assert!(w.memory_bytes() > 0);
         assert_eq!(w.due_slot(11_000), Some(s));
