@@ -63,8 +63,9 @@ pub(crate) struct Common {
     #[arg(long)]
     pub(crate) siphash: bool,
     /// table: run only these sections (comma-separated: noisy, churn,
-    /// lookup, big, resize, memory); `big` = weir alone at 100M entries
-    /// (lookup and memory rows), even with --quick. packet: rows udp (a),
+    /// lookup, big, resize, memory, tenants); `big` = weir alone at 100M
+    /// entries (lookup and memory rows), even with --quick; `tenants` =
+    /// weir's expire with 1 to 100k tenants (10k with --quick). packet: rows udp (a),
     /// tcp (b), scale (c, d, memory and the 10M-flow daemon checks). proxy:
     /// phases memory, slow, load.
     #[arg(long, value_delimiter = ',', value_name = "SECTIONS")]

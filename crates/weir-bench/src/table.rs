@@ -10,6 +10,12 @@
 //! - resize [`resize`] — lookup latency percentiles while the table grows
 //!   online from `from` to `to` entries, and a paged dump across the growth
 //!   checked for duplicates and misses (weir only);
+//! - tenants [`tenants[]`] — expire cost with 1 to 100,000 tenants sharing
+//!   the table, one UDP entry each: `add_tenants` (and `add_tenant` one at a
+//!   time up to 10,000), the first expire call, idle expire calls (nothing
+//!   due: flat in tenants, no wheel visited), due expire per entry, bytes
+//!   per tenant (weir only; about 1 s, so in every run, with `--quick` at
+//!   up to 10,000 tenants);
 //! - memory [`memory[]`] — bytes per entry, each implementation built in a
 //!   fresh child process (this binary re-run with `WEIR_BENCH_MEMORY_CHILD`)
 //!   so one map's freed memory never hides the next one's footprint; the full
@@ -36,8 +42,9 @@ use serde_json::{Value, json};
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use weir_flowtable::{
-    Cursor, DumpFilter, FlowKey, FlowTable, InsertError, LOOKUP_BATCH, Millis, Placement,
-    TableConfig, TenantConfig, TenantId,
+    BackendId, Cursor, DumpFilter, FlowInit, FlowKey, FlowState, FlowTable, InsertError,
+    LOOKUP_BATCH, Millis, Placement, Proto, ServiceId, TableConfig, TenantConfig, TenantId,
+    Timeouts,
 };
 
 use crate::Common;
@@ -261,6 +268,8 @@ struct Plan {
     memory_big: Option<u64>,
     /// Resize row: (starting size, entries filled to).
     resize: (u64, u64),
+    /// Tenants section (weir alone): its tenant counts; empty = skipped.
+    tenants: Vec<u32>,
 }
 
 impl Plan {
@@ -278,6 +287,7 @@ impl Plan {
                 lookup_big: None,
                 memory_big: None,
                 resize: (1 << 16, 1 << 20),
+                tenants: TENANTS_QUICK.to_vec(),
             }
         } else {
             Self {
@@ -292,6 +302,7 @@ impl Plan {
                 lookup_big: Some(BIG),
                 memory_big: Some(BIG),
                 resize: (1_000_000, 16_000_000),
+                tenants: TENANTS_FULL.to_vec(),
             }
         }
     }
@@ -1323,6 +1334,344 @@ fn print_resize(r: &ResizeRow) {
     );
 }
 
+/// Tenant counts of the tenants section (`--quick`: [`TENANTS_QUICK`]).
+const TENANTS_FULL: [u32; 4] = [1, 1_000, 10_000, 100_000];
+const TENANTS_QUICK: [u32; 3] = [1, 1_000, 10_000];
+/// Largest tenant count at which `add_tenant` one at a time is timed too:
+/// O(T^2), about a minute at 100,000.
+const ONE_AT_A_TIME_MAX: u32 = 10_000;
+/// The one-at-a-time loop gives up after this long (a regression shows as
+/// `null` and a note rather than a run that never ends).
+const ONE_AT_A_TIME_LIMIT: Duration = Duration::from_secs(20);
+/// Each tenant's UDP timeout: its one entry (last active at 1 s) comes due at 61 s.
+const TENANTS_UDP_MS: u64 = 60_000;
+const TENANTS_INSERT_MS: u64 = 1_000;
+/// `max` of every expire call, as the daemon passes it.
+const TENANTS_EXPIRE_MAX: usize = 4096;
+/// Idle expire calls (nothing due): every `STEP` ms of simulated time from
+/// 2 s up to (not including) 60 s.
+const TENANTS_IDLE_FROM_MS: u64 = 2_000;
+const TENANTS_IDLE_TO_MS: u64 = 60_000;
+const TENANTS_IDLE_STEP_MS: u64 = 100;
+/// First due expire call; then one per simulated second.
+const TENANTS_DUE_FROM_MS: u64 = 61_500;
+
+/// One row of the tenants section: N tenants sharing the table, one UDP
+/// entry each.
+#[derive(Debug, Clone)]
+struct TenantsRow {
+    tenants: u32,
+    /// `add_tenants` of all N (one batch).
+    add_ms: f64,
+    /// `add_tenant` N times on a fresh table (`None` above
+    /// [`ONE_AT_A_TIME_MAX`] or past [`ONE_AT_A_TIME_LIMIT`]).
+    add_one_at_a_time_ms: Option<f64>,
+    /// The one-at-a-time loop gave up after this many tenants.
+    one_at_a_time_gave_up: Option<u32>,
+    /// The first expire call, which files every entry (nothing due).
+    first_expire_ms: f64,
+    /// Idle expire calls (each followed by `retiming()`), in ns.
+    idle: Latency,
+    /// Tenant wheels the idle calls visited (`wheel_visits()` delta).
+    wheel_visits: u64,
+    /// Entries the idle calls removed (must be 0: nothing is due).
+    idle_removed: u64,
+    /// Due expire calls until all N are expired: total time / N.
+    due_ns_per_entry: f64,
+    due_calls: u32,
+    /// Simulated time of the first due call that removed anything.
+    first_removal_ms: Option<u64>,
+    expired: u64,
+    /// Tenant wheels the due calls visited.
+    due_wheel_visits: u64,
+    /// (`memory_bytes()` after filing - `memory_bytes()` before any tenant) / N.
+    bytes_per_tenant: f64,
+    /// Same, with the tenants added but no entry inserted yet.
+    bytes_per_tenant_no_entry: f64,
+}
+
+fn tenants_cfg() -> TenantConfig {
+    TenantConfig {
+        timeouts: Timeouts {
+            udp: Millis(TENANTS_UDP_MS),
+            ..Timeouts::default()
+        },
+        ..TenantConfig::default()
+    }
+}
+
+/// A table for `n` tenants sharing it, presized for their `n` entries so
+/// that no resize runs during the measured expire calls (`expire` moves
+/// a running resize along).
+fn tenants_table(n: u32) -> FlowTable {
+    FlowTable::new(TableConfig {
+        shared_buckets: (n as usize).max(1 << 12),
+        seed: Some(7),
+        ..TableConfig::default()
+    })
+}
+
+/// `add_tenant` one at a time for tenants `1..=n` on a fresh table: the
+/// time, or the count reached when [`ONE_AT_A_TIME_LIMIT`] ran out.
+fn add_one_at_a_time(n: u32) -> Result<std::result::Result<Duration, u32>> {
+    let t = tenants_table(n);
+    let start = Instant::now();
+    for id in 1..=n {
+        t.add_tenant(TenantId(id), tenants_cfg())
+            .with_context(|| format!("add_tenant {id}"))?;
+        if id % 256 == 0 && start.elapsed() > ONE_AT_A_TIME_LIMIT {
+            return Ok(Err(id));
+        }
+    }
+    Ok(Ok(start.elapsed()))
+}
+
+/// Builds the table of one row: adds `n` tenants in one batch, inserts one
+/// UDP entry per tenant at 1 s and files them with a first expire call.
+fn tenants_build(n: u32) -> Result<(FlowTable, TenantsRow)> {
+    let t = tenants_table(n);
+    let bare = t.memory_bytes();
+    let batch: Vec<_> = (1..=n).map(|id| (TenantId(id), tenants_cfg())).collect();
+    let start = Instant::now();
+    let res = t.add_tenants(&batch);
+    let add = start.elapsed();
+    drop(batch);
+    if res.len() != n as usize {
+        bail!("add_tenants: {} results for {n} tenants", res.len());
+    }
+    if let Some((i, e)) = res
+        .iter()
+        .enumerate()
+        .find_map(|(i, r)| r.as_ref().err().map(|e| (i, e)))
+    {
+        bail!("add_tenants: tenant {}: {e}", i + 1);
+    }
+    let no_entry = t.memory_bytes();
+    let init = FlowInit {
+        service: ServiceId(0),
+        backend: BackendId(0),
+        state: FlowState::Udp,
+        owner: 0,
+        profile: 0,
+    };
+    for id in 1..=n {
+        let k = FlowKey {
+            proto: Proto::Udp,
+            ..key(id, u64::from(id))
+        };
+        t.insert(k, init, Millis(TENANTS_INSERT_MS))
+            .with_context(|| format!("insert tenant {id}'s entry"))?;
+    }
+    let mut out = Vec::with_capacity(TENANTS_EXPIRE_MAX);
+    let start = Instant::now();
+    let removed = t.expire(
+        Millis(TENANTS_INSERT_MS + 500),
+        TENANTS_EXPIRE_MAX,
+        &mut out,
+    );
+    let first = start.elapsed();
+    std::hint::black_box(t.retiming());
+    if removed != 0 {
+        bail!("first expire call at {n} tenants removed {removed} entries, none due");
+    }
+    // Presized, but make sure: a resize running would be moved along by
+    // every idle call.
+    let until = Instant::now() + Duration::from_secs(10);
+    while t.resize_state(TenantId(1)).is_some_and(|(r, _)| r) && Instant::now() < until {
+        t.maintain();
+    }
+    let filed = t.memory_bytes();
+    let per = |b: usize| b.saturating_sub(bare) as f64 / f64::from(n);
+    let row = TenantsRow {
+        tenants: n,
+        add_ms: add.as_secs_f64() * 1e3,
+        add_one_at_a_time_ms: None,
+        one_at_a_time_gave_up: None,
+        first_expire_ms: first.as_secs_f64() * 1e3,
+        idle: Latency::default(),
+        wheel_visits: 0,
+        idle_removed: 0,
+        due_ns_per_entry: 0.0,
+        due_calls: 0,
+        first_removal_ms: None,
+        expired: 0,
+        due_wheel_visits: 0,
+        bytes_per_tenant: per(filed),
+        bytes_per_tenant_no_entry: per(no_entry),
+    };
+    Ok((t, row))
+}
+
+/// Expire calls on `t` from [`TENANTS_DUE_FROM_MS`], one per simulated
+/// second with `max` [`TENANTS_EXPIRE_MAX`], until all `row.tenants`
+/// entries are expired (at most N / max + 10 calls).
+fn tenants_due(t: &FlowTable, row: &mut TenantsRow) {
+    let n = u64::from(row.tenants);
+    let max_calls = row.tenants as usize / TENANTS_EXPIRE_MAX + 10;
+    let mut out = Vec::with_capacity(TENANTS_EXPIRE_MAX);
+    let visits = t.wheel_visits();
+    let mut total = Duration::ZERO;
+    let mut now = TENANTS_DUE_FROM_MS;
+    while row.expired < n && (row.due_calls as usize) < max_calls {
+        out.clear();
+        let start = Instant::now();
+        let removed = t.expire(Millis(now), TENANTS_EXPIRE_MAX, &mut out) as u64;
+        std::hint::black_box(t.retiming());
+        total += start.elapsed();
+        if removed > 0 && row.first_removal_ms.is_none() {
+            row.first_removal_ms = Some(now);
+        }
+        row.expired += removed;
+        row.due_calls += 1;
+        now += 1000;
+    }
+    row.due_ns_per_entry = total.as_nanos() as f64 / n as f64;
+    row.due_wheel_visits = t.wheel_visits() - visits;
+}
+
+/// The tenants section (weir only): for each tenant count, a table whose
+/// tenants each share it with one UDP entry. The idle expire calls are
+/// measured with every row's table alive, round-robin per simulated step,
+/// so a busy spell of the machine hits all rows alike.
+fn tenants_section(sizes: &[u32]) -> Result<Vec<TenantsRow>> {
+    let mut built = Vec::with_capacity(sizes.len());
+    for &n in sizes {
+        let (t, mut row) = tenants_build(n).with_context(|| format!("{n} tenants"))?;
+        if n <= ONE_AT_A_TIME_MAX {
+            match add_one_at_a_time(n)? {
+                Ok(d) => row.add_one_at_a_time_ms = Some(d.as_secs_f64() * 1e3),
+                Err(at) => row.one_at_a_time_gave_up = Some(at),
+            }
+        }
+        built.push((t, row));
+    }
+
+    let steps = ((TENANTS_IDLE_TO_MS - TENANTS_IDLE_FROM_MS) / TENANTS_IDLE_STEP_MS) as usize;
+    let mut samples: Vec<Vec<u32>> = vec![Vec::with_capacity(steps); built.len()];
+    let visits: Vec<u64> = built.iter().map(|(t, _)| t.wheel_visits()).collect();
+    let mut removed = vec![0u64; built.len()];
+    let mut out = Vec::with_capacity(TENANTS_EXPIRE_MAX);
+    let k = built.len();
+    for (step, now) in (TENANTS_IDLE_FROM_MS..TENANTS_IDLE_TO_MS)
+        .step_by(TENANTS_IDLE_STEP_MS as usize)
+        .enumerate()
+    {
+        for j in (0..k).map(|j| (j + step) % k) {
+            let t = &built[j].0;
+            out.clear();
+            let start = Instant::now();
+            removed[j] += t.expire(Millis(now), TENANTS_EXPIRE_MAX, &mut out) as u64;
+            std::hint::black_box(t.retiming());
+            let ns = start.elapsed().as_nanos();
+            samples[j].push(u32::try_from(ns).unwrap_or(u32::MAX));
+        }
+    }
+    let mut rows = Vec::with_capacity(k);
+    for (((t, mut row), s), (v, r)) in built
+        .into_iter()
+        .zip(samples)
+        .zip(visits.into_iter().zip(removed))
+    {
+        row.idle = Latency::of(s);
+        row.wheel_visits = t.wheel_visits() - v;
+        row.idle_removed = r;
+        tenants_due(&t, &mut row);
+        if row.expired != u64::from(row.tenants) {
+            bail!(
+                "{} tenants: {} of the entries expired after {} due calls",
+                row.tenants,
+                row.expired,
+                row.due_calls
+            );
+        }
+        drop(t);
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+fn print_tenants(rows: &[TenantsRow]) {
+    println!(
+        "### Tenants: expire with many tenants (weir)\n\n\
+         N tenants share the table, one UDP entry each (inserted at 1 s, tenant UDP timeout \
+         {} s: all due at {} s). add: `add_tenants` of all N in one batch, and `add_tenant` \
+         one at a time on a fresh table (O(N^2); up to {} tenants). First expire: the call \
+         that files every entry. Idle: {} expire calls every {} ms of simulated time from {} s \
+         to {} s (nothing due), each followed by `retiming()`; all rows' tables alive and \
+         called round-robin. Due: calls from {:.1} s, one per simulated second, max {}, \
+         until all N are expired; time / N (calls in brackets, including any that found \
+         nothing due yet). bytes/tenant: (`memory_bytes()` after filing - \
+         `memory_bytes()` before adding tenants) / N (in brackets: with the tenants added \
+         but no entry yet); the shared bucket array is presized for max(N, 4096) entries, \
+         so it is part of neither.\n",
+        TENANTS_UDP_MS / 1000,
+        (TENANTS_INSERT_MS + TENANTS_UDP_MS) / 1000,
+        si(f64::from(ONE_AT_A_TIME_MAX)),
+        (TENANTS_IDLE_TO_MS - TENANTS_IDLE_FROM_MS) / TENANTS_IDLE_STEP_MS,
+        TENANTS_IDLE_STEP_MS,
+        TENANTS_IDLE_FROM_MS / 1000,
+        TENANTS_IDLE_TO_MS / 1000,
+        TENANTS_DUE_FROM_MS as f64 / 1000.0,
+        TENANTS_EXPIRE_MAX,
+    );
+    let base = rows
+        .iter()
+        .find(|r| r.tenants == 1)
+        .and_then(|r| r.idle.p50)
+        .unwrap_or(0);
+    let ns = |x: Option<u64>| x.map_or("-".into(), |v| v.to_string());
+    let mut t = Table::new([
+        "tenants",
+        "add_tenants ms",
+        "add_tenant x N ms",
+        "first expire ms",
+        "idle expire p50 ns",
+        "idle p99 ns",
+        "idle p50 vs 1 tenant",
+        "wheel visits (idle)",
+        "due ns/entry (calls)",
+        "bytes/tenant",
+    ]);
+    for r in rows {
+        t.row([
+            si(f64::from(r.tenants)),
+            format!("{:.3}", r.add_ms),
+            match (r.add_one_at_a_time_ms, r.one_at_a_time_gave_up) {
+                (Some(ms), _) => format!("{ms:.3}"),
+                (None, Some(at)) => format!(
+                    "> {} s (at {})",
+                    ONE_AT_A_TIME_LIMIT.as_secs(),
+                    si(f64::from(at))
+                ),
+                (None, None) => "skipped".into(),
+            },
+            format!("{:.3}", r.first_expire_ms),
+            ns(r.idle.p50),
+            ns(r.idle.p99),
+            ratio(r.idle.p50.unwrap_or(0) as f64, base as f64),
+            r.wheel_visits.to_string(),
+            format!("{:.0} ({})", r.due_ns_per_entry, r.due_calls),
+            format!(
+                "{:.0} ({:.0})",
+                r.bytes_per_tenant, r.bytes_per_tenant_no_entry
+            ),
+        ]);
+    }
+    t.print();
+}
+
+/// Idle expire p50 at the largest tenant count over its p50 at one
+/// tenant: (largest N, ratio, ns at N, ns at 1).
+fn tenants_flatness(rows: &[TenantsRow]) -> Option<(u32, f64, u64, u64)> {
+    let one = rows.iter().find(|r| r.tenants == 1)?.idle.p50?;
+    let big = rows
+        .iter()
+        .filter(|r| r.tenants > 1)
+        .max_by_key(|r| r.tenants)?;
+    let at = big.idle.p50?;
+    (one > 0).then(|| (big.tenants, at as f64 / one as f64, at, one))
+}
+
 /// One goal of the issue: what was asked, what this run measured, and whether it is met
 /// (`None` when this run could not measure it).
 pub(crate) type Goal = (String, String, Option<bool>);
@@ -1382,6 +1731,7 @@ fn table_goals(
     lookup: &[Row],
     mem: &[Mem],
     resize: Option<&ResizeRow>,
+    tenants: &[TenantsRow],
 ) -> Vec<Goal> {
     let mut g = Vec::new();
     let planned = plan.noisy.last().copied().unwrap_or(0);
@@ -1495,6 +1845,31 @@ fn table_goals(
             Some(r.dump_duplicates == 0 && r.dump_misses == 0 && r.dump_resizes > 0),
         ));
     }
+    let flat = tenants_flatness(tenants);
+    g.push((
+        "tenants: idle expire (p50) at the largest N <= 2x at 1 tenant".into(),
+        flat.map_or("-".into(), |(n, x, at, one)| {
+            format!("{x:.2}x at {} ({at} ns vs {one} ns)", si(f64::from(n)))
+        }),
+        flat.map(|(_, x, _, _)| x <= 2.0),
+    ));
+    let visits: u64 = tenants.iter().map(|r| r.wheel_visits).sum();
+    let removed: u64 = tenants.iter().map(|r| r.idle_removed).sum();
+    g.push((
+        "tenants: idle expire calls visit no tenant wheel".into(),
+        if tenants.is_empty() {
+            "-".into()
+        } else {
+            format!(
+                "{visits} visits over {} calls (largest N {})",
+                tenants.iter().map(|r| r.idle.samples).sum::<usize>(),
+                si(f64::from(
+                    tenants.iter().map(|r| r.tenants).max().unwrap_or(0)
+                ))
+            )
+        },
+        (!tenants.is_empty()).then_some(visits == 0 && removed == 0),
+    ));
     g
 }
 
@@ -1511,7 +1886,9 @@ pub(crate) fn table(c: &Common) -> Result<Value> {
 }
 
 /// Sections `--only` may name.
-const SECTIONS: [&str; 6] = ["noisy", "churn", "lookup", "big", "resize", "memory"];
+const SECTIONS: [&str; 7] = [
+    "noisy", "churn", "lookup", "big", "resize", "memory", "tenants",
+];
 
 /// The `table` suite with the peers hashing with `S`. The SipHash view
 /// (`--siphash`) runs only the sections with peers.
@@ -1536,6 +1913,9 @@ fn table_with<S: PeerHasher>(c: &Common) -> Result<Value> {
     }
     if !all || !on("noisy") {
         plan.noisy.clear();
+    }
+    if !all || !on("tenants") {
+        plan.tenants.clear();
     }
     println!(
         "Noisy machine: 2 cores shared with other engineers' builds; only ratios within this run mean anything.\n\
@@ -1626,6 +2006,14 @@ fn table_with<S: PeerHasher>(c: &Common) -> Result<Value> {
         None
     };
 
+    let tenants = if plan.tenants.is_empty() {
+        Vec::new()
+    } else {
+        let r = tenants_section(&plan.tenants).context("tenants section")?;
+        print_tenants(&r);
+        r
+    };
+
     let mem = memory_section::<S>(&plan, on("memory"))?;
     println!(
         "### Memory: bytes per entry\n\n\
@@ -1666,6 +2054,7 @@ fn table_with<S: PeerHasher>(c: &Common) -> Result<Value> {
         &lookup_rows,
         &mem,
         resize.as_ref(),
+        &tenants,
     ));
 
     let noisy_json = |rows: &[NoisyRow]| -> Vec<Value> {
@@ -1703,6 +2092,24 @@ fn table_with<S: PeerHasher>(c: &Common) -> Result<Value> {
             "dump_resizes": r.dump_resizes,
             "lookup_misses": r.lookup_misses,
         })),
+        "tenants": tenants.iter().map(|r| json!({
+            "tenants": r.tenants,
+            "add_ms": r.add_ms,
+            "add_one_at_a_time_ms": r.add_one_at_a_time_ms,
+            "add_one_at_a_time_gave_up_at": r.one_at_a_time_gave_up,
+            "first_expire_ms": r.first_expire_ms,
+            "idle_expire_ns_p50": r.idle.p50,
+            "idle_expire_ns_p99": r.idle.p99,
+            "idle_calls": r.idle.samples,
+            "wheel_visits": r.wheel_visits,
+            "due_expire_ns_per_entry": r.due_ns_per_entry,
+            "due_calls": r.due_calls,
+            "first_removal_ms": r.first_removal_ms,
+            "due_wheel_visits": r.due_wheel_visits,
+            "expired": r.expired,
+            "bytes_per_tenant": r.bytes_per_tenant,
+            "bytes_per_tenant_no_entry": r.bytes_per_tenant_no_entry,
+        })).collect::<Vec<_>>(),
     }))
 }
 
@@ -1841,10 +2248,32 @@ mod tests {
         assert_eq!(v["resize"]["dump_duplicates"], 0);
         assert_eq!(v["resize"]["dump_misses"], 0);
         assert!(v["resize"]["p99_ns_steady"].as_u64().is_some());
-        for other in ["churn", "lookup", "memory"] {
+        for other in ["churn", "lookup", "memory", "tenants"] {
             assert_eq!(v[other].as_array().map(Vec::len), Some(0), "{other} ran");
         }
         assert_eq!(v["noisy"]["own"].as_array().map(Vec::len), Some(0));
+    }
+
+    #[test]
+    fn tenants_rows_expire_everything_and_idle_calls_visit_nothing() {
+        let rows = tenants_section(&[1, 300]).expect("tenants rows");
+        assert_eq!(rows.len(), 2);
+        for r in &rows {
+            assert_eq!(r.expired, u64::from(r.tenants), "{r:?}");
+            assert_eq!((r.wheel_visits, r.idle_removed), (0, 0), "{r:?}");
+            assert!(r.due_wheel_visits >= u64::from(r.tenants), "{r:?}");
+            assert!(r.add_one_at_a_time_ms.is_some());
+            assert!(r.idle.samples > 0 && r.idle.p50.is_some());
+            assert!(r.bytes_per_tenant > r.bytes_per_tenant_no_entry);
+        }
+        let (n, ..) = tenants_flatness(&rows).expect("ratio");
+        assert_eq!(n, 300);
+        let goals = table_goals(&Plan::new(true), &[], &[], &[], &[], None, &rows);
+        assert!(
+            goals
+                .iter()
+                .any(|g| g.0.contains("visit no tenant wheel") && g.2 == Some(true))
+        );
     }
 
     #[test]
