@@ -186,8 +186,9 @@ impl LiveControl {
                 }
             }
         }
+        let tenants_in_file = tenant_names(new);
         for name in tenants.keys() {
-            if name != config::DEFAULT_TENANT && !new.tenants.iter().any(|t| t.name == *name) {
+            if name != config::DEFAULT_TENANT && !tenants_in_file.contains(name.as_str()) {
                 report.removed.push(tenant_id(name));
             }
         }
@@ -205,7 +206,7 @@ impl LiveControl {
             {
                 errors.push(format!("service {id}: {}", e.message));
             }
-            if !tenants.contains_key(&s.tenant) && !new.tenants.iter().any(|t| t.name == s.tenant) {
+            if !tenants.contains_key(&s.tenant) && !tenants_in_file.contains(s.tenant.as_str()) {
                 errors.push(format!(
                     "service {id}: tenant {:?} does not exist; add a [[tenant]] for it",
                     s.tenant
@@ -264,20 +265,40 @@ impl LiveControl {
     /// Apply a config that [`Self::plan`] accepted; returns what still
     /// failed (e.g. an address taken between the check and now).
     fn apply(&self, new: &Config) -> Vec<String> {
-        let mut errors = Vec::new();
         // Tenants: add new, edit existing, delete missing (after services).
         let live: Vec<String> = self.0.model.load().tenants.keys().cloned().collect();
-        for t in &new.tenants {
+        // The new ones are added as one batch (one copy of the model and of
+        // the flow table's tenant directory, not one per tenant); edits
+        // change a live tenant in place. Neither touches another tenant,
+        // so only the errors need putting back in file order.
+        let mut tenant_errors: Vec<(usize, String)> = Vec::new();
+        let mut to_add = Vec::new();
+        let mut add_at = Vec::new();
+        for (i, t) in new.tenants.iter().enumerate() {
             let existing = self.0.model.load().tenants.get(&t.name).cloned();
             let r = match existing {
                 Some(cur) if *cur.spec.read() == *t => Ok(()),
                 Some(_) => self.edit_tenant(&t.name, t.clone()),
-                None => self.0.add_tenant(t.clone()),
+                None => {
+                    to_add.push(t.clone());
+                    add_at.push(i);
+                    Ok(())
+                }
             };
             if let Err(e) = r {
-                errors.push(format!("tenant {}: {}", t.name, e.message));
+                tenant_errors.push((i, e.message));
             }
         }
+        if !to_add.is_empty() {
+            for (j, e) in self.0.add_tenants(to_add) {
+                tenant_errors.push((add_at[j], e.message));
+            }
+        }
+        tenant_errors.sort_by_key(|(i, _)| *i);
+        let mut errors: Vec<String> = tenant_errors
+            .into_iter()
+            .map(|(i, m)| format!("tenant {}: {m}", new.tenants[i].name))
+            .collect();
         let live_svcs: Vec<(String, String)> =
             self.0.model.load().services.keys().cloned().collect();
         let in_file = service_names(new);
@@ -308,8 +329,9 @@ impl LiveControl {
             }
         }
         self.add_batch(&mut adds, &mut errors);
+        let in_file = tenant_names(new);
         for name in live {
-            if name != config::DEFAULT_TENANT && !new.tenants.iter().any(|t| t.name == name) {
+            if name != config::DEFAULT_TENANT && !in_file.contains(name.as_str()) {
                 let _ = self.delete_tenant(&name);
             }
         }
@@ -372,6 +394,13 @@ fn table_report(tenant: String, st: weir_flowtable::TableStats) -> TableReport {
         chain_histogram: st.chain_histogram,
         refused_inserts: st.refused_inserts,
     }
+}
+
+/// The name of every tenant of `c`: a reload asks whether each live tenant,
+/// and each service's tenant, is in the file, and searching the file's list
+/// for each was O(T^2) name comparisons for T tenants.
+fn tenant_names(c: &Config) -> std::collections::HashSet<&str> {
+    c.tenants.iter().map(|t| t.name.as_str()).collect()
 }
 
 /// The (tenant, name) of every service of `c`: a reload asks whether each

@@ -228,8 +228,11 @@ impl Daemon {
             )?;
             let _ = shared.packet.set(Arc::new(path));
         }
-        for t in tenants {
-            shared.add_tenant(t).map_err(|e| anyhow::anyhow!("{e}"))?;
+        // All in one change of the model and of the flow table's tenant
+        // directory (one copy of each, not one per tenant); the first
+        // tenant that cannot be added fails the start.
+        if let Some((_, e)) = shared.add_tenants(tenants).into_iter().next() {
+            anyhow::bail!("{e}");
         }
         // All in one change of the model (one copy of it, not one per
         // service); the first service that cannot be added fails the start.
