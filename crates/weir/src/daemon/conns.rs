@@ -203,7 +203,21 @@ impl Shared {
     /// connection and session and tell its owner to close. Returns how many
     /// owners it told.
     pub(crate) fn ended(&self, snaps: &[FlowSnapshot], why: Close) -> u64 {
-        self.ended_in(snaps, why, None)
+        self.ended_in(snaps, why, &[])
+    }
+
+    /// [`Self::ended`], for entries of the services `gone` too (sorted by
+    /// id): services already taken out of the model, such as a deleted
+    /// tenant's, whose connections are still told and settled (and whose
+    /// packet flows still give back their admission slots and ports).
+    pub(crate) fn ended_among(
+        &self,
+        snaps: &[FlowSnapshot],
+        why: Close,
+        gone: &[Arc<Service>],
+    ) -> u64 {
+        debug_assert!(gone.is_sorted_by_key(|s| s.id));
+        self.ended_in(snaps, why, gone)
     }
 
     /// [`Self::ended`], for entries of `gone` too: a service already taken
@@ -216,7 +230,7 @@ impl Shared {
     /// 1.2 ms for an expiry batch's own work) on every expiry batch, packet
     /// flow kill and stale key a new connection replaces. An entry of a
     /// service no longer in the state (and not `gone`) is not settled.
-    fn ended_in(&self, snaps: &[FlowSnapshot], why: Close, gone: Option<&Arc<Service>>) -> u64 {
+    fn ended_in(&self, snaps: &[FlowSnapshot], why: Close, gone: &[Arc<Service>]) -> u64 {
         // One snapshot for the whole batch, loaded when first needed.
         let mut st: Option<Arc<super::model::State>> = None;
         let mut told = 0;
@@ -231,9 +245,9 @@ impl Shared {
                 continue;
             }
             let id = snap.service.0;
-            let svc = match gone.filter(|g| g.id == id) {
-                Some(g) => Some(g),
-                None => st
+            let svc = match gone.binary_search_by_key(&id, |g| g.id) {
+                Ok(at) => Some(&gone[at]),
+                Err(_) => st
                     .get_or_insert_with(|| arc_swap::Guard::into_inner(self.model.load()))
                     .services
                     .by_id(id),
@@ -289,7 +303,7 @@ impl Shared {
         filter: &DumpFilter,
         pred: impl Fn(&FlowSnapshot) -> bool,
     ) -> u64 {
-        self.kill_where_in(why, filter, pred, None)
+        self.kill_where_in(why, filter, pred, &[])
     }
 
     fn kill_where_in(
@@ -297,7 +311,7 @@ impl Shared {
         why: Close,
         filter: &DumpFilter,
         pred: impl Fn(&FlowSnapshot) -> bool,
-        gone: Option<&Arc<Service>>,
+        gone: &[Arc<Service>],
     ) -> u64 {
         let mut n = 0;
         let mut cursor = None;
@@ -371,7 +385,7 @@ impl Shared {
             why,
             &filter,
             |s| backends.is_none_or(|b| b.contains(&s.backend.0)),
-            Some(svc),
+            std::slice::from_ref(svc),
         )
     }
 }
@@ -456,7 +470,7 @@ mod tests {
         shared.ended(&late, Close::IdleTimeout);
         assert_eq!((counts(&x), counts(&y)), ((0, 0), (0, 1)));
         // ... unless it is the `gone` service being ended.
-        shared.ended_in(&late[..1], Close::ServiceDeleted, Some(&y));
+        shared.ended_in(&late[..1], Close::ServiceDeleted, std::slice::from_ref(&y));
         assert_eq!(counts(&y), (0, 0));
 
         // x replaced (same name, new address: a new service, a new id): the

@@ -651,22 +651,26 @@ impl Control for LiveControl {
                 .collect()
         };
         // Its services go as one change of the model (one copy of it, not
-        // one per service), then the tenant.
-        let mut closed: u64 = self.0.remove_services(&keys).into_iter().flatten().sum();
+        // one per service) and stop listening, then the tenant.
+        let mut gone: Vec<_> = self.0.take_services(&keys).into_iter().flatten().collect();
+        gone.sort_by_key(|s| s.id);
         let Some(t) = self.0.model.write().tenants.remove(tenant) else {
             return Err(not_found(format!("tenant {tenant:?} does not exist")));
         };
         t.deleted.cancel();
-        // Purge the tenant from the flow table (O(its entries)); close the
-        // connections and sessions those entries belong to.
+        // Purge the tenant from the flow table (O(its entries)), then tell
+        // the connections and sessions those entries belong to, and settle
+        // them on the services just taken out. One pass for the tenant:
+        // killing service by service paged through the tenant's table once
+        // per service (and once more for its templates), O(services x
+        // entries) before this purge removed them all anyway.
         let mut purged = Vec::new();
         let _ = self
             .0
             .conns
             .table
             .remove_tenant(TenantId(t.id), &mut purged);
-        // Entries whose owners were told above are counted there.
-        closed += self.0.ended(&purged, Close::TenantDeleted);
+        let closed = self.0.ended_among(&purged, Close::TenantDeleted, &gone);
         self.forget_runtime(&tenant_id(tenant), &format!("{tenant}/"));
         Ok(closed)
     }

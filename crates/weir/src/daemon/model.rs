@@ -878,6 +878,23 @@ impl Shared {
     /// services, or a reload removing k, was O(k x services)
     /// (docs/BENCHMARKS.md, "Startup with thousands of services").
     pub(crate) fn remove_services(&self, keys: &[(String, String)]) -> Vec<Option<u64>> {
+        self.take_services(keys)
+            .into_iter()
+            .map(|svc| {
+                let svc = svc?;
+                let told = self.kill_service(&svc, None, Close::ServiceDeleted);
+                self.drop_templates(&svc);
+                Some(told)
+            })
+            .collect()
+    }
+
+    /// Takes the services `keys` name out of the model in one change (see
+    /// [`Self::remove_services`]) and stops them (their listeners and
+    /// sockets close), but leaves their flow-table entries alone: for a
+    /// caller that removes those another way (a tenant's deletion purges
+    /// its whole table at once). Returns each service taken, or `None`.
+    pub(crate) fn take_services(&self, keys: &[(String, String)]) -> Vec<Option<Arc<Service>>> {
         let removed: Vec<Option<Arc<Service>>> = {
             let mut st = self.model.write();
             keys.iter()
@@ -891,16 +908,10 @@ impl Shared {
         if removed.iter().any(Option::is_some) {
             self.services_changed();
         }
+        for svc in removed.iter().flatten() {
+            svc.cancel.cancel();
+        }
         removed
-            .into_iter()
-            .map(|svc| {
-                let svc = svc?;
-                svc.cancel.cancel();
-                let told = self.kill_service(&svc, None, Close::ServiceDeleted);
-                self.drop_templates(&svc);
-                Some(told)
-            })
-            .collect()
     }
 
     /// What [`Self::put_services`] checks of a spec before the writers'
@@ -1627,16 +1638,12 @@ pub(crate) mod tests {
         services: Vec<ServiceSpec>,
         path: Option<&std::path::Path>,
     ) -> crate::daemon::DaemonHandle {
-        let mut cfg = Config::default();
-        cfg.daemon.workers = 1;
-        cfg.services = services;
-        crate::daemon::Daemon::start(cfg, path.map(Into::into)).unwrap()
+        daemon_with(&[], services, path)
     }
 
+    /// `n` UDP services of the default tenant on port 0 (named `s0`...).
     fn udp_services(n: usize) -> Vec<ServiceSpec> {
-        (0..n)
-            .map(|i| spec("default", &format!("s{i}"), Protocol::Udp))
-            .collect()
+        tenant_udp_services("default", n)
     }
 
     /// Starting with S services, and a reload that adds S services, copy
@@ -1692,6 +1699,16 @@ pub(crate) mod tests {
         tenants: &[&str],
         services: Vec<ServiceSpec>,
     ) -> crate::daemon::DaemonHandle {
+        daemon_with(tenants, services, None)
+    }
+
+    /// A daemon with one worker, tenants `tenants`, these services and a
+    /// config file `path` to reload, if given.
+    fn daemon_with(
+        tenants: &[&str],
+        services: Vec<ServiceSpec>,
+        path: Option<&std::path::Path>,
+    ) -> crate::daemon::DaemonHandle {
         let mut cfg = Config::default();
         cfg.daemon.workers = 1;
         cfg.tenants = tenants
@@ -1702,7 +1719,7 @@ pub(crate) mod tests {
             })
             .collect();
         cfg.services = services;
-        crate::daemon::Daemon::start(cfg, None).unwrap()
+        crate::daemon::Daemon::start(cfg, path.map(Into::into)).unwrap()
     }
 
     /// Deleting a tenant with k services, and a reload removing k services,
@@ -1710,6 +1727,64 @@ pub(crate) mod tests {
     /// the services (and, for the tenant, one more for the tenant itself).
     /// Each removal used to copy it (every service in it), O(k x S) in
     /// all. The other services stay, and the address index agrees.
+    /// Deleting a tenant purges its flow-table entries in one pass, without
+    /// paging through its table: it used to kill each service's entries
+    /// and drop each one's templates by a dump of the tenant (two per
+    /// service), O(services x entries), before purging them all anyway.
+    /// Every entry of the tenant goes, the other tenant's stay.
+    #[test]
+    fn deleting_a_tenant_reads_none_of_its_table() {
+        const SERVICES: usize = 40;
+        const PER_SERVICE: u32 = 50;
+        let mut services = tenant_udp_services("t", SERVICES);
+        services.extend(udp_services(1));
+        let d = daemon_with_tenants(&["t"], services);
+        let st = d.shared.model.load();
+        let table = &d.shared.conns.table;
+        let mut n = 0u32;
+        for svc in st.services.values() {
+            for i in 0..PER_SERVICE {
+                n += 1;
+                let client = SocketAddr::from(([10, 1, (n >> 8) as u8, n as u8], 2000));
+                let init = FlowInit {
+                    owner: 0,
+                    profile: 0,
+                    service: ServiceId(svc.id),
+                    backend: BackendId(0),
+                    state: if i % 5 == 0 {
+                        FlowState::Persist
+                    } else {
+                        FlowState::Udp
+                    },
+                };
+                table
+                    .insert(
+                        flow_key(svc, Protocol::Udp, client),
+                        init,
+                        Millis(d.shared.now_ms()),
+                    )
+                    .unwrap();
+            }
+        }
+        let t = TenantId(st.tenants["t"].id);
+        let default = TenantId(st.tenants["default"].id);
+        drop(st);
+        let entries = |id| table.tenant_stats(id).map(|s| s.entries);
+        assert_eq!(entries(t), Some(SERVICES as u64 * u64::from(PER_SERVICE)));
+        assert_eq!(entries(default), Some(u64::from(PER_SERVICE)));
+        let before = weir_flowtable::FlowTable::dump_work_on_this_thread();
+        d.control().delete_tenant("t").unwrap();
+        let work = weir_flowtable::FlowTable::dump_work_on_this_thread();
+        assert_eq!(
+            (work.0 - before.0, work.1 - before.1),
+            (0, 0),
+            "(bucket reads, references read) by listings of the tenant"
+        );
+        assert_eq!(entries(t), None);
+        assert_eq!(entries(default), Some(u64::from(PER_SERVICE)));
+        d.shutdown();
+    }
+
     #[test]
     fn removing_many_services_copies_the_model_a_fixed_number_of_times() {
         let delete_tenant = |n: usize| {
