@@ -14,10 +14,12 @@
 //!   together: [`model`] (tenants, services, backends and their schedulers),
 //!   [`admission`] (limits and refusals), [`accounting`] (counters and rate
 //!   estimators) and [`conns`] (the flow table and the owners of its
-//!   entries). Tenants and services sit in one `RwLock`'d map consulted
-//!   only on control operations; each service holds its backend set and its
-//!   scheduler behind an `RwLock<Arc<..>>` that a new connection clones once,
-//!   so edits apply to the next connection and never disturb established ones.
+//!   entries). Tenants and services are an immutable snapshot (arc-swap)
+//!   that readers load without a lock and writers copy, change and publish
+//!   under one writers' lock (batches of adds and removals make one copy);
+//!   each service holds its backend set and its scheduler behind an
+//!   `RwLock<Arc<..>>` that a new connection clones once, so edits apply to
+//!   the next connection and never disturb established ones.
 //! * **Flow table.** Every TCP connection, UDP session and persistence
 //!   template is an entry of `weir-flowtable` (per-tenant own tables,
 //!   bounded expiry, exact resumable dumps for listings).
@@ -215,6 +217,20 @@ impl Daemon {
             packet: std::sync::OnceLock::new(),
             packet_rt: std::sync::OnceLock::new(),
         });
+        // From here on a handle owns what runs: on any error below,
+        // dropping it stops the workers (closing the listeners of the
+        // services added so far), the threads and the control runtime. An
+        // early return used to leave them running: the workers' listen
+        // tasks hold the state, which holds the workers' channels, so
+        // nothing ever stopped them (for a library caller; the binary
+        // exits on a failed start).
+        let mut handle = DaemonHandle {
+            shared: Arc::clone(&shared),
+            control_rt: Some(control_rt),
+            threads,
+            stop_workers,
+            est_stop: Arc::new(AtomicBool::new(false)),
+        };
         // The implicit default tenant always exists.
         let mut tenants = config.tenants.clone();
         if !tenants.iter().any(|t| t.name == DEFAULT_TENANT) {
@@ -243,10 +259,10 @@ impl Daemon {
         {
             anyhow::bail!("{}", e.message);
         }
-        let est_stop = Arc::new(AtomicBool::new(false));
+        let est_stop = handle.est_stop.clone();
         if let Some(p) = config.packet.as_ref().filter(|_| attach) {
             let (rt, pkt_threads) = packet_run::start(&shared, p, workers, est_stop.clone())?;
-            threads.extend(pkt_threads);
+            handle.threads.extend(pkt_threads);
             rt.sync(&shared);
             let _ = shared.packet_rt.set(rt);
         }
@@ -254,7 +270,7 @@ impl Daemon {
         {
             let weak = Arc::downgrade(&shared);
             let stop = est_stop.clone();
-            threads.push(
+            handle.threads.push(
                 std::thread::Builder::new()
                     .name("weir-expiry".into())
                     .spawn(move || expiry_main(weak, stop))
@@ -271,7 +287,7 @@ impl Daemon {
                 nice: config.daemon.estimator_nice,
             };
             let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
-            threads.push(
+            handle.threads.push(
                 std::thread::Builder::new()
                     .name("weir-estimator".into())
                     .spawn(move || stats::estimator_main(rates, stop, placement, ready_tx))
@@ -281,34 +297,17 @@ impl Daemon {
                 .recv()
                 .map_err(|_| anyhow::anyhow!("the estimator thread ended before starting"))
                 .and_then(|r| r.map_err(|e| anyhow::anyhow!("{e}")));
-            match started {
-                Ok(s) => tracing::info!(
-                    tid = s.tid,
-                    cpu = ?placement.cpu,
-                    nice = ?placement.nice.filter(|_| s.nice_applied),
-                    cost_ns = s.cost_ns,
-                    "rate estimator calibrated"
-                ),
-                Err(e) => {
-                    // Stop what was started, then report.
-                    drop(DaemonHandle {
-                        shared,
-                        control_rt: Some(control_rt),
-                        threads,
-                        stop_workers,
-                        est_stop,
-                    });
-                    return Err(e);
-                }
-            }
+            // On an error the handle stops what was started.
+            let s = started?;
+            tracing::info!(
+                tid = s.tid,
+                cpu = ?placement.cpu,
+                nice = ?placement.nice.filter(|_| s.nice_applied),
+                cost_ns = s.cost_ns,
+                "rate estimator calibrated"
+            );
         }
-        Ok(DaemonHandle {
-            shared,
-            control_rt: Some(control_rt),
-            threads,
-            stop_workers,
-            est_stop,
-        })
+        Ok(handle)
     }
 }
 
