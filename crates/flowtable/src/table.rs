@@ -243,6 +243,9 @@ pub(crate) struct Table {
     /// Serialises starting and finishing resizes.
     resize: Mutex<()>,
     pub(crate) resizes: AtomicU64,
+    /// An own table is on the flow table's maintenance queue (written to
+    /// since `maintain` last looked at it, or resizing).
+    pub(crate) queued: std::sync::atomic::AtomicBool,
 }
 
 /// Snapshot of chain statistics.
@@ -283,6 +286,7 @@ impl Table {
             max_entries: max_entries.max(entries),
             resize: Mutex::new(()),
             resizes: AtomicU64::new(0),
+            queued: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
