@@ -688,67 +688,124 @@ impl FlowTable {
 
     /// Removes a tenant and all its entries (appended to `out`). Cost
     /// O(its entries + wheel slots + entries inserted by anyone since the
-    /// last [`expire`](Self::expire)) — never a walk of the shared table.
-    /// Concurrent inserts for the tenant fail with `NoTenant`.
+    /// last [`expire`](Self::expire)) — never a walk of the shared table —
+    /// plus a copy of the tenant directory: to remove many, use
+    /// [`remove_tenants`](Self::remove_tenants). Concurrent inserts for the
+    /// tenant fail with `NoTenant`.
     pub fn remove_tenant(
         &self,
         id: TenantId,
         out: &mut Vec<FlowSnapshot>,
     ) -> Result<(), TenantError> {
+        self.remove_tenants(&[id], out)
+            .pop()
+            .expect("one result per tenant")
+            .map(|_| ())
+    }
+
+    /// Removes tenants as [`remove_tenant`](Self::remove_tenant) does, each
+    /// exactly as a lone call would (in order: an id not present, or
+    /// earlier in the batch, fails with [`TenantError::NoTenant`]), with one
+    /// copy of the tenant directory and one pass over the filing lists for
+    /// the batch: removing T of many tenants one at a time is O(T x
+    /// tenants). Appends each tenant's entries to `out` in turn and returns,
+    /// per tenant in order, how many it appended.
+    pub fn remove_tenants(
+        &self,
+        ids: &[TenantId],
+        out: &mut Vec<FlowSnapshot>,
+    ) -> Vec<Result<usize, TenantError>> {
         let mut m = self.maint.lock();
         let guard = epoch::pin();
         let cur = self.tenants.load(&guard);
-        let t = Arc::clone(cur.map.get(&id.0).ok_or(TenantError::NoTenant(id))?);
-        let mut next = cur.clone();
-        next.map.remove(&id.0);
-        next.own.retain(|o| o.id != id);
+        let mut next: Option<TenantMap> = None;
+        let mut gone: Vec<Option<Arc<Tenant>>> = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let dir = next.as_mut();
+            let t = match dir {
+                Some(n) => n.map.remove(&id.0),
+                None => cur.map.get(&id.0).map(|t| {
+                    let mut n = cur.clone();
+                    n.map.remove(&id.0);
+                    next = Some(n);
+                    Arc::clone(t)
+                }),
+            };
+            gone.push(t);
+        }
+        let Some(mut next) = next else {
+            return ids
+                .iter()
+                .map(|&id| Err(TenantError::NoTenant(id)))
+                .collect();
+        };
+        let removed: IdMap<usize> = gone
+            .iter()
+            .enumerate()
+            .filter_map(|(k, t)| Some((t.as_ref()?.id.0, k)))
+            .collect();
+        next.own.retain(|o| !removed.contains_key(&o.id.0));
         self.tenants.replace(next, &guard);
-        t.removed.store(true, SeqCst);
+        for t in gone.iter().flatten() {
+            t.removed.store(true, SeqCst);
+        }
         fence(SeqCst);
         // Every insert pushes its node to a filing list, then (after a
         // SeqCst fence) checks `removed` and undoes itself if set: so each
-        // insert for this tenant either sees `removed` or is in a list here.
-        let mut refs = Vec::new();
+        // insert for these tenants either sees `removed` or is in a list
+        // here.
+        let mut refs: Vec<Vec<u32>> = vec![Vec::new(); ids.len()];
         for c in self.caches.iter() {
             let mut c = c.lock();
             c.new_nodes.retain(|&r| {
                 let i = ref_idx(r);
-                let mine = self.slab.node(i).tenant() == id.0;
-                if mine {
-                    refs.push(i);
+                match removed.get(&self.slab.node(i).tenant()) {
+                    Some(&k) => {
+                        refs[k].push(i);
+                        false
+                    }
+                    None => true,
                 }
-                !mine
             });
         }
-        {
-            let mut w = t.wheel.lock();
-            m.index(id.0, &mut w, None);
-            if w.retiming() {
-                self.retiming_tenants.fetch_sub(1, Relaxed);
+        let mut results = Vec::with_capacity(ids.len());
+        for ((t, mut refs), &id) in gone.iter().zip(refs).zip(ids) {
+            let Some(t) = t else {
+                results.push(Err(TenantError::NoTenant(id)));
+                continue;
+            };
+            {
+                let mut w = t.wheel.lock();
+                m.index(id.0, &mut w, None);
+                if w.retiming() {
+                    self.retiming_tenants.fetch_sub(1, Relaxed);
+                }
+                refs.extend(w.drain_all());
             }
-            refs.extend(w.drain_all());
-        }
-        for idx in refs {
-            if let Unlink::Removed(s) = self.unlink_node(&t, idx, &guard, |_, _| true) {
-                out.push(s);
+            let before = out.len();
+            for idx in refs {
+                if let Unlink::Removed(s) = self.unlink_node(t, idx, &guard, |_, _| true) {
+                    out.push(s);
+                }
             }
-        }
-        if t.own_bytes != 0 {
-            self.own_bytes.fetch_sub(
-                t.table
-                    .memory_bytes(&guard)
-                    .min(self.own_bytes.load(Relaxed)),
-                Relaxed,
-            );
+            if t.own_bytes != 0 {
+                self.own_bytes.fetch_sub(
+                    t.table
+                        .memory_bytes(&guard)
+                        .min(self.own_bytes.load(Relaxed)),
+                    Relaxed,
+                );
+            }
+            results.push(Ok(out.len() - before));
         }
         drop(m);
         drop(guard);
-        // The old directory holds the last reference to the tenant (and its
-        // own table, megabytes to gigabytes): free it now rather than when
-        // this thread's bag of deferred frees happens to fill up.
-        drop(t);
+        // The old directory holds the last references to the tenants (and
+        // their own tables, megabytes to gigabytes): free them now rather
+        // than when this thread's bag of deferred frees happens to fill up.
+        drop(gone);
         reclaim_now();
-        Ok(())
+        results
     }
 
     /// Replaces a tenant's timeouts (and so those of its profiles, except

@@ -399,3 +399,104 @@ fn maintain_looks_only_at_own_tables_written_to_or_resizing() {
     assert!(!resizing && resizes > done + 1, "{resizes} resizes");
     assert_eq!(buckets(7), small);
 }
+
+/// A batch of removals removes each tenant and its entries, filed in its
+/// wheel or still on a filing list, exactly as lone `remove_tenant` calls
+/// would (an id absent, or removed earlier in the batch, fails), in one
+/// copy of the directory; the other tenants and their entries stay, and
+/// the removed own tables' budget comes back.
+#[test]
+fn remove_tenants_removes_each_as_remove_tenant_would() {
+    let own = |b: usize| TenantConfig {
+        own_buckets: b,
+        ..TenantConfig::default()
+    };
+    let build = || {
+        let t = FlowTable::new(TableConfig {
+            shared_buckets: 1 << 12,
+            memory_budget: 3 * (1 << 16) * 64,
+            seed: Some(3),
+            ..TableConfig::default()
+        });
+        let specs = [
+            (TenantId(1), shared(60, 900)),
+            (TenantId(2), own(1 << 16)),
+            (TenantId(3), shared(60, 900)),
+            (TenantId(4), own(1 << 10)),
+        ];
+        assert!(t.add_tenants(&specs).iter().all(Result::is_ok));
+        let mut out = Vec::new();
+        for id in 1..=4 {
+            for i in 0..200 {
+                t.insert(key(id, i, Proto::Udp), flow(FlowState::Udp), Millis(1_000))
+                    .unwrap();
+            }
+            if id == 2 {
+                // Filed: tenants 1 and 2's first 200 are in their wheels.
+                t.expire(Millis(1_000), usize::MAX, &mut out);
+            }
+        }
+        for id in 1..=4 {
+            for i in 200..300 {
+                t.insert(key(id, i, Proto::Udp), flow(FlowState::Udp), Millis(2_000))
+                    .unwrap();
+            }
+        }
+        t
+    };
+    let ids = [
+        TenantId(3),
+        TenantId(1),
+        TenantId(3),
+        TenantId(99),
+        TenantId(2),
+    ];
+    let (lone, batched) = (build(), build());
+    let mut lone_out = Vec::new();
+    let mut want = Vec::new();
+    for &id in &ids {
+        let before = lone_out.len();
+        want.push(
+            lone.remove_tenant(id, &mut lone_out)
+                .map(|()| lone_out.len() - before),
+        );
+    }
+    let mut out = Vec::new();
+    let got = batched.remove_tenants(&ids, &mut out);
+    assert_eq!(got, want);
+    assert_eq!(
+        got,
+        vec![
+            Ok(300),
+            Ok(300),
+            Err(TenantError::NoTenant(TenantId(3))),
+            Err(TenantError::NoTenant(TenantId(99))),
+            Ok(300)
+        ]
+    );
+    let keys = |v: &[FlowSnapshot]| v.iter().map(|s| s.key).collect::<Vec<_>>();
+    assert_eq!(
+        keys(&out),
+        keys(&lone_out),
+        "the same entries, in tenant order"
+    );
+    for t in [&lone, &batched] {
+        assert_eq!(t.tenants(), vec![TenantId(4)]);
+        assert_eq!(t.tenant_stats(TenantId(4)).unwrap().entries, 300);
+        assert!(t.get(&key(4, 7, Proto::Udp)).is_some());
+        // Tenant 2's own table gave its budget back: room for it again.
+        assert!(matches!(
+            t.add_tenant(TenantId(2), own(1 << 16)),
+            Ok(Placement::Own { .. })
+        ));
+        // And nothing of the removed tenants expires later.
+        let mut later = Vec::new();
+        t.expire(Millis(400_000), usize::MAX, &mut later);
+        assert!(later.iter().all(|s| s.key.tenant == TenantId(4)));
+        assert_eq!(later.len(), 300);
+    }
+    assert_eq!(
+        batched.remove_tenants(&[TenantId(1)], &mut out),
+        vec![Err(TenantError::NoTenant(TenantId(1)))]
+    );
+}
