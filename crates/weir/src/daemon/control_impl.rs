@@ -330,11 +330,12 @@ impl LiveControl {
         }
         self.add_batch(&mut adds, &mut errors);
         let in_file = tenant_names(new);
-        for name in live {
-            if name != config::DEFAULT_TENANT && !in_file.contains(name.as_str()) {
-                let _ = self.delete_tenant(&name);
-            }
-        }
+        let gone: Vec<String> = live
+            .into_iter()
+            .filter(|name| name != config::DEFAULT_TENANT && !in_file.contains(name.as_str()))
+            .collect();
+        // As one batch: one pass for them all, not one per tenant.
+        let _ = self.delete_tenants(&gone);
         errors
     }
 
@@ -361,6 +362,113 @@ impl LiveControl {
     /// Forget `id` and every object whose name starts with `scope`
     /// ("TENANT/" or "TENANT/SERVICE/"): deleted through the API, so no
     /// reload removes them.
+    /// Deletes the tenants `names` with their services, each as a lone
+    /// [`Control::delete_tenant`] would (the default tenant, a tenant that
+    /// does not exist or was named earlier in the batch fail), in one pass:
+    /// their services leave the model in one change and stop listening,
+    /// then the tenants in another, and the flow table purges them in one
+    /// batch ([`weir_flowtable::FlowTable::remove_tenants`]: one copy of
+    /// its directory; one at a time was O(T x tenants) for a reload
+    /// deleting T). The purged entries' connections and sessions are told
+    /// and settled on the services just taken out. Killing service by
+    /// service, as this did, paged through the tenant's table once per
+    /// service (and once more for its templates), O(services x entries)
+    /// before the purge removed them all anyway. Returns, per name, how
+    /// many connections and flows were told to close.
+    pub(super) fn delete_tenants(&self, names: &[String]) -> Vec<ControlResult<u64>> {
+        let mut results: Vec<Option<ControlResult<u64>>> = names.iter().map(|_| None).collect();
+        let mut valid: Vec<usize> = Vec::new();
+        let keys: Vec<(String, String)> = {
+            let st = self.0.model.load();
+            let mut seen = std::collections::HashSet::new();
+            for (i, name) in names.iter().enumerate() {
+                if name == config::DEFAULT_TENANT {
+                    // Every config without [[tenant]] sections, and every
+                    // service without `tenant =`, needs it: a reload would
+                    // fail afterwards.
+                    results[i] = Some(Err(ControlError::new(
+                        ErrorKind::Conflict,
+                        format!(
+                            "the {:?} tenant cannot be deleted: services without a tenant \
+                             belong to it and every reload needs it; delete its services instead",
+                            config::DEFAULT_TENANT
+                        ),
+                    )));
+                } else if !st.tenants.contains_key(name) || !seen.insert(name.as_str()) {
+                    results[i] = Some(Err(not_found(format!("tenant {name:?} does not exist"))));
+                } else {
+                    valid.push(i);
+                }
+            }
+            // Ranges of the map, not a walk of every tenant's services.
+            valid
+                .iter()
+                .flat_map(|&i| {
+                    let name = &names[i];
+                    st.services
+                        .range((name.clone(), String::new())..)
+                        .map(|(k, _)| k)
+                        .take_while(move |(t, _)| t == name)
+                        .cloned()
+                })
+                .collect()
+        };
+        let mut gone: Vec<_> = self.0.take_services(&keys).into_iter().flatten().collect();
+        gone.sort_by_key(|s| s.id);
+        let removed: Vec<(usize, Arc<super::model::Tenant>)> = {
+            let mut st = self.0.model.write();
+            valid
+                .iter()
+                .filter_map(|&i| Some((i, st.tenants.remove(&names[i])?)))
+                .collect()
+        };
+        for &i in &valid {
+            // Unless removed below (else someone deleted it meanwhile).
+            results[i] = Some(Err(not_found(format!(
+                "tenant {:?} does not exist",
+                names[i]
+            ))));
+        }
+        let ids: Vec<TenantId> = removed.iter().map(|(_, t)| TenantId(t.id)).collect();
+        for (_, t) in &removed {
+            t.deleted.cancel();
+        }
+        let mut purged = Vec::new();
+        let counts = self.0.conns.table.remove_tenants(&ids, &mut purged);
+        let mut at = 0;
+        for ((i, _), n) in removed.iter().zip(counts) {
+            let n = n.unwrap_or(0);
+            let closed = self
+                .0
+                .ended_among(&purged[at..at + n], Close::TenantDeleted, &gone);
+            at += n;
+            results[*i] = Some(Ok(closed));
+        }
+        let deleted: std::collections::HashSet<&str> =
+            removed.iter().map(|(i, _)| names[*i].as_str()).collect();
+        self.forget_tenants(&deleted);
+        results
+            .into_iter()
+            .map(|r| r.expect("every name has a result"))
+            .collect()
+    }
+
+    /// [`Self::forget_runtime`] for tenants `names` and everything in them.
+    fn forget_tenants(&self, names: &std::collections::HashSet<&str>) {
+        if names.is_empty() {
+            return;
+        }
+        // "tenant NAME", or "KIND NAME/...": one pass for the batch.
+        self.0.model.runtime_added.lock().retain(|x| {
+            let Some((kind, rest)) = x.split_once(' ') else {
+                return true;
+            };
+            let the_tenant = kind == "tenant" && names.contains(rest);
+            let in_it = rest.split_once('/').is_some_and(|(t, _)| names.contains(t));
+            !the_tenant && !in_it
+        });
+    }
+
     fn forget_runtime(&self, id: &str, scope: &str) {
         self.0
             .model
@@ -625,54 +733,9 @@ impl Control for LiveControl {
     }
 
     fn delete_tenant(&self, tenant: &str) -> ControlResult<u64> {
-        if tenant == config::DEFAULT_TENANT {
-            // Every config without [[tenant]] sections, and every service
-            // without `tenant =`, needs it: a reload would fail afterwards.
-            return Err(ControlError::new(
-                ErrorKind::Conflict,
-                format!(
-                    "the {:?} tenant cannot be deleted: services without a tenant belong to it \
-                     and every reload needs it; delete its services instead",
-                    config::DEFAULT_TENANT
-                ),
-            ));
-        }
-        let keys: Vec<_> = {
-            let st = self.0.model.load();
-            if !st.tenants.contains_key(tenant) {
-                return Err(not_found(format!("tenant {tenant:?} does not exist")));
-            }
-            // A range of the map, not a walk of every tenant's services.
-            st.services
-                .range((tenant.to_owned(), String::new())..)
-                .map(|(k, _)| k)
-                .take_while(|(t, _)| t == tenant)
-                .cloned()
-                .collect()
-        };
-        // Its services go as one change of the model (one copy of it, not
-        // one per service) and stop listening, then the tenant.
-        let mut gone: Vec<_> = self.0.take_services(&keys).into_iter().flatten().collect();
-        gone.sort_by_key(|s| s.id);
-        let Some(t) = self.0.model.write().tenants.remove(tenant) else {
-            return Err(not_found(format!("tenant {tenant:?} does not exist")));
-        };
-        t.deleted.cancel();
-        // Purge the tenant from the flow table (O(its entries)), then tell
-        // the connections and sessions those entries belong to, and settle
-        // them on the services just taken out. One pass for the tenant:
-        // killing service by service paged through the tenant's table once
-        // per service (and once more for its templates), O(services x
-        // entries) before this purge removed them all anyway.
-        let mut purged = Vec::new();
-        let _ = self
-            .0
-            .conns
-            .table
-            .remove_tenant(TenantId(t.id), &mut purged);
-        let closed = self.0.ended_among(&purged, Close::TenantDeleted, &gone);
-        self.forget_runtime(&tenant_id(tenant), &format!("{tenant}/"));
-        Ok(closed)
+        self.delete_tenants(&[tenant.to_owned()])
+            .pop()
+            .expect("one result per tenant")
     }
 
     fn services(&self) -> Vec<ServiceStatus> {

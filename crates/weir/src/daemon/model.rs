@@ -2114,6 +2114,146 @@ pub(crate) mod tests {
     /// flow table's tenant directory, O(T^2) in all (301 copies against 2
     /// to start 300 tenants or 1). Every tenant is in the model and the
     /// flow table.
+    /// A reload that deletes T tenants copies the model a fixed number of
+    /// times whatever T (their services in one change, the tenants in
+    /// another: it was one or two copies per tenant, and one copy of the
+    /// flow table's tenant directory each), and leaves the flow table with
+    /// exactly the model's tenants.
+    #[test]
+    fn a_reload_deleting_many_tenants_copies_the_model_a_fixed_number_of_times() {
+        let reload = |n: usize| {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("weir.toml");
+            let mut cfg = Config::default();
+            cfg.daemon.workers = 1;
+            cfg.tenants = tenant_specs(n);
+            cfg.tenants.push(tenant("stays"));
+            cfg.services = (0..n)
+                .map(|i| spec(&format!("t{i}"), "s", Protocol::Udp))
+                .collect();
+            cfg.services.push(spec("stays", "s", Protocol::Udp));
+            let d = crate::daemon::Daemon::start(cfg, Some(path.clone())).unwrap();
+            let mut cfg = d.control().running_config();
+            cfg.tenants.retain(|t| t.name == "stays");
+            cfg.services.retain(|s| s.tenant == "stays");
+            std::fs::write(&path, toml::to_string(&cfg).unwrap()).unwrap();
+            let before = d.shared.model.copies.load(Relaxed);
+            let report = d.control().reload(Default::default()).unwrap();
+            let copies = d.shared.model.copies.load(Relaxed) - before;
+            assert_eq!(report.removed.len(), 2 * n, "{:?}", report.removed);
+            let st = d.shared.model.load();
+            let mut names: Vec<_> = st.tenants.keys().cloned().collect();
+            names.sort();
+            assert_eq!(names, ["default", "stays"]);
+            assert_eq!(st.services.len(), 1);
+            drop(st);
+            assert_table_has_the_model_tenants(&d.shared);
+            d.shutdown();
+            copies
+        };
+        assert_eq!(reload(300), reload(1));
+        assert_eq!(reload(1), 2);
+    }
+
+    /// A batch of tenant deletions fails each name as a lone deletion
+    /// would (the default tenant, a name that does not exist or came
+    /// earlier in the batch) and deletes the others with their services and
+    /// flow-table entries; the other tenants keep theirs.
+    #[test]
+    fn a_batch_of_tenant_deletions_fails_each_as_one_deletion_would() {
+        use crate::control::ErrorKind;
+        let d = daemon_with_tenants(
+            &["a", "b", "c"],
+            vec![
+                spec("a", "s", Protocol::Udp),
+                spec("b", "s", Protocol::Udp),
+                spec("c", "s", Protocol::Udp),
+            ],
+        );
+        let st = d.shared.model.load();
+        let table = &d.shared.conns.table;
+        for svc in st.services.values() {
+            for i in 0..10u8 {
+                let init = FlowInit {
+                    owner: 0,
+                    profile: 0,
+                    service: ServiceId(svc.id),
+                    backend: BackendId(0),
+                    state: FlowState::Udp,
+                };
+                let client = SocketAddr::from(([10, 2, 0, i], 3000));
+                table
+                    .insert(
+                        flow_key(svc, Protocol::Udp, client),
+                        init,
+                        Millis(d.shared.now_ms()),
+                    )
+                    .unwrap();
+            }
+        }
+        let id = |n: &str| TenantId(st.tenants[n].id);
+        let (a, b, c) = (id("a"), id("b"), id("c"));
+        drop(st);
+        let names: Vec<String> = ["a", "default", "a", "nope", "b"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let got = super::super::control_impl::LiveControl(d.shared.clone()).delete_tenants(&names);
+        let kinds: Vec<_> = got.iter().map(|r| r.as_ref().map_err(|e| e.kind)).collect();
+        assert_eq!(
+            kinds,
+            [
+                Ok(&0),
+                Err(ErrorKind::Conflict),
+                Err(ErrorKind::NotFound),
+                Err(ErrorKind::NotFound),
+                Ok(&0)
+            ]
+        );
+        let st = d.shared.model.load();
+        let mut left: Vec<_> = st.tenants.keys().cloned().collect();
+        left.sort();
+        assert_eq!(left, ["c", "default"]);
+        assert_eq!(
+            st.services.keys().cloned().collect::<Vec<_>>(),
+            [key("c", "s")]
+        );
+        drop(st);
+        assert_eq!(table.tenant_stats(a), None);
+        assert_eq!(table.tenant_stats(b), None);
+        assert_eq!(table.tenant_stats(c).map(|s| s.entries), Some(10));
+        assert_table_has_the_model_tenants(&d.shared);
+        // Added at runtime, then deleted in a batch: forgotten, with what is
+        // in them; another runtime tenant stays remembered.
+        let control = d.control();
+        for t in ["rt1", "rt2", "rt3"] {
+            control.add_tenant(tenant(t)).unwrap();
+            control.add_service(spec(t, "s", Protocol::Udp)).unwrap();
+        }
+        let remembered = || {
+            let mut v: Vec<String> = d
+                .shared
+                .model
+                .runtime_added
+                .lock()
+                .iter()
+                .cloned()
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(remembered().len(), 6);
+        let lc = super::super::control_impl::LiveControl(d.shared.clone());
+        let got = lc.delete_tenants(&["rt1".to_string(), "rt3".to_string()]);
+        assert!(got.iter().all(Result::is_ok));
+        assert_eq!(remembered(), ["service rt2/s", "tenant rt2"]);
+        // A lone deletion of each fails the same way.
+        for (name, kind) in [("default", ErrorKind::Conflict), ("a", ErrorKind::NotFound)] {
+            assert_eq!(d.control().delete_tenant(name).unwrap_err().kind, kind);
+        }
+        d.shutdown();
+    }
+
     #[test]
     fn adding_many_tenants_copies_the_model_a_fixed_number_of_times() {
         let start = |n: usize| {
