@@ -175,13 +175,23 @@ fn startup_and_reload_with_many_tenants() {
         let report = d.control().reload(Default::default()).unwrap();
         let again = t.elapsed();
         assert!(report.added.is_empty() && report.changed.is_empty());
+        // And a reload deleting them all.
+        let mut cfg = d.control().running_config();
+        cfg.tenants.retain(|t| t.name == "default");
+        std::fs::write(&path, toml::to_string(&cfg).unwrap()).unwrap();
+        let t = Instant::now();
+        let report = d.control().reload(Default::default()).unwrap();
+        let delete = t.elapsed();
+        assert_eq!(report.removed.len(), n);
+        assert_eq!(d.control().tenants().len(), 1);
         d.shutdown();
         println!(
             "{n} tenants: start {:.3} s, reload adding them {:.3} s, \
-             reload unchanged {:.3} s",
+             reload unchanged {:.3} s, reload deleting them {:.3} s",
             start.as_secs_f64(),
             reload.as_secs_f64(),
-            again.as_secs_f64()
+            again.as_secs_f64(),
+            delete.as_secs_f64()
         );
     }
 }
