@@ -82,6 +82,10 @@ pub struct DaemonConfig {
     /// daemon logs a warning and keeps the inherited value.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub estimator_nice: Option<i32>,
+    /// Which workers take new TCP connections: "spread" (the default)
+    /// leaves it to the kernel's hash over all of them, "adaptive" packs
+    /// them on the fewest workers that keep up.
+    pub accept_steering: AcceptSteering,
 }
 
 impl Default for DaemonConfig {
@@ -100,6 +104,7 @@ impl Default for DaemonConfig {
             access_log: false,
             estimator_cpu: None,
             estimator_nice: None,
+            accept_steering: AcceptSteering::Spread,
         }
     }
 }
@@ -217,6 +222,32 @@ impl PacketIo {
             PacketIo::Auto => "auto",
             PacketIo::Xdp => "xdp",
             PacketIo::Afpacket => "afpacket",
+        }
+    }
+}
+
+/// `[daemon] accept_steering`: which workers' listeners take new TCP
+/// connections (docs/daemon.md, "Accept steering").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AcceptSteering {
+    /// The fewest workers that keep up, more as they saturate while CPUs
+    /// are idle.
+    Adaptive,
+    /// All workers, by the kernel's hash of each connection.
+    #[default]
+    Spread,
+}
+
+impl AcceptSteering {
+    /// Every value, in the order the docs list them.
+    pub const ALL: [AcceptSteering; 2] = [AcceptSteering::Spread, AcceptSteering::Adaptive];
+
+    /// The text in the file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AcceptSteering::Adaptive => "adaptive",
+            AcceptSteering::Spread => "spread",
         }
     }
 }
@@ -2256,6 +2287,8 @@ enum Kind {
     Forward,
     /// A [`PacketIo`] name.
     PacketIo,
+    /// An [`AcceptSteering`] name.
+    Steering,
     /// A [`PortRange`], "A-B".
     Ports,
     /// An array of IP addresses.
@@ -2277,6 +2310,7 @@ const DAEMON_KEYS: &[(&str, Kind)] = &[
     ("access_log", Kind::Bool),
     ("estimator_cpu", Kind::Int),
     ("estimator_nice", Kind::SignedInt),
+    ("accept_steering", Kind::Steering),
 ];
 const ADMIN_KEYS: &[(&str, Kind)] = &[
     ("listen", Kind::Str),
@@ -2538,6 +2572,15 @@ fn check_table(
                     .then(|| format!("unknown io {text:?}; use one of auto xdp afpacket")),
                 "\"auto\"".to_owned(),
             )),
+            (Kind::Steering, Some(text)) => Some((
+                AcceptSteering::ALL
+                    .into_iter()
+                    .all(|m| m.as_str() != text)
+                    .then(|| {
+                        format!("unknown accept_steering {text:?}; use one of spread adaptive")
+                    }),
+                "\"spread\"".to_owned(),
+            )),
             (Kind::Ports, Some(text)) => Some((
                 text.parse::<PortRange>().err(),
                 "\"40000-59999\"".to_owned(),
@@ -2587,6 +2630,7 @@ fn check_table(
             | Kind::Dur(_)
             | Kind::Forward
             | Kind::PacketIo
+            | Kind::Steering
             | Kind::Ports => v.is_some_and(|v| v.is_str()),
         };
         if !ok {
@@ -2606,6 +2650,7 @@ fn check_table(
                 Kind::Dur(_) => "a duration in quotes, e.g. \"2s\"",
                 Kind::Forward => "\"proxy\", \"nat\", \"fnat\" or \"dr\"",
                 Kind::PacketIo => "\"auto\", \"xdp\" or \"afpacket\"",
+                Kind::Steering => "\"spread\" or \"adaptive\"",
                 Kind::Ports => "a port range in quotes, e.g. \"40000-59999\"",
                 Kind::Ips => "an array of IP addresses, e.g. [\"10.0.1.1\", \"2001:db8::1\"]",
             };
@@ -2762,6 +2807,32 @@ mod tests {
         let text = toml::to_string(&cfg).unwrap();
         let parsed = parse(&text, "x.toml").unwrap_or_else(|e| panic!("{e:?}\n{text}"));
         assert_eq!(parsed, cfg);
+    }
+
+    /// `accept_steering` takes its two names; anything else is an error
+    /// at its line, with both names in it; absent, the kernel's spread.
+    #[test]
+    fn accept_steering_is_one_of_its_names() {
+        assert_eq!(
+            parse("", "f.toml").unwrap().daemon.accept_steering,
+            AcceptSteering::Spread
+        );
+        for m in AcceptSteering::ALL {
+            let text = format!("[daemon]\naccept_steering = \"{}\"\n", m.as_str());
+            assert_eq!(parse(&text, "f.toml").unwrap().daemon.accept_steering, m);
+        }
+        for bad in ["\"packed\"", "1", "true"] {
+            let text = format!("[daemon]\nworkers = 2\naccept_steering = {bad}\n");
+            let errs = parse(&text, "f.toml").unwrap_err();
+            let got: Vec<String> = errs.iter().map(ToString::to_string).collect();
+            assert!(
+                got.len() == 1
+                    && got[0].starts_with("f.toml:3: daemon.accept_steering: ")
+                    && got[0].contains("spread")
+                    && got[0].contains("adaptive"),
+                "{bad}: {got:?}"
+            );
+        }
     }
 
     #[test]

@@ -259,6 +259,21 @@ pub struct GlobalStats {
     /// Packet mode's frame counters, when it runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub packet: Option<PacketStats>,
+    /// The proxy workers and accept steering.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workers: Option<WorkerStats>,
+}
+
+/// The proxy workers: which take new TCP connections (`[daemon]
+/// accept_steering`) and how many each accepted.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerStats {
+    /// "adaptive" or "spread".
+    pub steering: String,
+    /// Workers taking new TCP connections now (the first ones).
+    pub accepting: u64,
+    /// TCP connections each worker accepted, by worker index.
+    pub accepted: Vec<u64>,
 }
 
 /// Packet mode's frame counters, summed over its workers.

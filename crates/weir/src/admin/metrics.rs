@@ -33,6 +33,8 @@
 //! | `weir_packet_worker_{received,transmitted}_frames_total` | counter | worker |
 //! | `weir_packet_worker_dropped_frames_total` | counter | worker, reason |
 //! | `weir_estimator_tick_duration_seconds`, `weir_estimator_tick_max_duration_seconds` | gauge | — |
+//! | `weir_workers_accepting` (proxy workers taking new TCP connections) | gauge | — |
+//! | `weir_worker_accepted_connections_total` | counter | worker |
 //! | `process_open_fds`, `process_max_fds` | gauge | — |
 
 use std::sync::atomic::AtomicU64;
@@ -355,6 +357,25 @@ fn global_metrics(reg: &mut Registry, g: &GlobalStats) {
         "Longest rate-estimator tick since start",
         g.estimator_tick_max_seconds,
     );
+    if let Some(w) = &g.workers {
+        gauge(
+            reg,
+            "weir_workers_accepting",
+            "Proxy workers taking new TCP connections now (accept steering)",
+            w.accepting,
+        );
+        let accepted = CounterFam::default();
+        for (i, n) in w.accepted.iter().enumerate() {
+            accepted
+                .get_or_create(&labels(&[("worker", &i.to_string())]))
+                .inc_by(*n);
+        }
+        reg.register(
+            "weir_worker_accepted_connections",
+            "TCP connections each proxy worker accepted",
+            accepted,
+        );
+    }
     gauge(
         reg,
         "process_open_fds",

@@ -384,6 +384,17 @@ pub fn render_global(g: &GlobalStats, exact: bool) -> String {
     let _ = writeln!(o, "{:<14}{}", "rate", rates_cols(&g.rates, exact));
     let _ = writeln!(o, "active connections: {}", g.active_conns);
     let _ = writeln!(o, "open fds: {} of {}", g.open_fds, g.fd_limit);
+    if let Some(w) = &g.workers {
+        let accepted: Vec<String> = w.accepted.iter().map(|n| n.to_string()).collect();
+        let _ = writeln!(
+            o,
+            "workers: {}, {} taking new connections ({}); accepted {}",
+            w.accepted.len(),
+            w.accepting,
+            w.steering,
+            accepted.join(" / ")
+        );
+    }
     let _ = writeln!(
         o,
         "estimator tick: {:.3} ms (max {:.3} ms)",

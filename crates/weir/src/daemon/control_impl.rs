@@ -1000,6 +1000,7 @@ impl Control for LiveControl {
             estimator_tick_seconds: self.0.accounting.rates.last_tick_ns.load(Relaxed) as f64 / 1e9,
             estimator_tick_max_seconds: self.0.accounting.rates.max_tick_ns.load(Relaxed) as f64
                 / 1e9,
+            workers: Some(self.0.steering.stats()),
             packet: self.0.packet.get().map(|p| {
                 let s = p.sums();
                 crate::control::PacketStats {

@@ -5,8 +5,10 @@
 //!
 //! * **Workers.** `daemon.workers` OS threads (default: the CPUs available),
 //!   each running its own current-thread tokio runtime. Every TCP and UDP
-//!   service has one `SO_REUSEPORT` socket *per worker*, so the kernel spreads
-//!   accepts (and UDP clients) across workers and no accept queue is shared.
+//!   service has one `SO_REUSEPORT` socket *per worker*, so no accept queue
+//!   is shared: the kernel spreads UDP clients by its hash, and new TCP
+//!   connections go to the workers [`steering`] picks (by default the
+//!   fewest that keep up).
 //!   Sockets are created on the control side (so "address in use" is reported
 //!   synchronously to the caller of `add_service`) and handed to each worker
 //!   through its command channel.
@@ -51,6 +53,7 @@ mod packet;
 mod packet_run;
 mod ratelog;
 mod stats;
+mod steering;
 mod tcp;
 mod udp;
 
@@ -160,6 +163,10 @@ impl Daemon {
             .build()
             .context("building the control runtime")?;
 
+        let steering = Arc::new(steering::Steering::new(
+            config.daemon.accept_steering,
+            workers,
+        ));
         let mut worker_txs = Vec::with_capacity(workers);
         let mut threads = Vec::with_capacity(workers + 1);
         let stop_workers = CancellationToken::new();
@@ -167,13 +174,22 @@ impl Daemon {
             let (tx, rx) = mpsc::unbounded_channel();
             worker_txs.push(tx);
             let stop = stop_workers.clone();
+            let steer = steering.clone();
             let t = std::thread::Builder::new()
                 .name(format!("weir-worker-{i}"))
                 .spawn(move || {
-                    let rt = match tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                    {
+                    let mut rt = tokio::runtime::Builder::new_current_thread();
+                    rt.enable_all();
+                    if steer.steers() {
+                        // The share of time each worker runs: what accept
+                        // steering decides by (`steering`). Two clock reads
+                        // per wait for events, none per connection.
+                        let (a, b) = (steer.clone(), steer.clone());
+                        rt.on_thread_unpark(move || a.unparked(i))
+                            .on_thread_park(move || b.parked(i));
+                        steer.unparked(i);
+                    }
+                    let rt = match rt.build() {
                         Ok(rt) => rt,
                         Err(e) => {
                             tracing::error!(worker = i, "cannot build worker runtime: {e}");
@@ -211,6 +227,7 @@ impl Daemon {
                 workers,
             ),
             workers: worker_txs,
+            steering: steering.clone(),
             control_rt: control_rt.handle().clone(),
             epoch: Instant::now(),
             drain_timeout: config.daemon.drain_timeout.get(),
@@ -224,6 +241,9 @@ impl Daemon {
         // tasks hold the state, which holds the workers' channels, so
         // nothing ever stopped them (for a library caller; the binary
         // exits on a failed start).
+        if steering.steers() {
+            control_rt.spawn(steering.clone().run());
+        }
         let mut handle = DaemonHandle {
             shared: Arc::clone(&shared),
             control_rt: Some(control_rt),
@@ -527,6 +547,8 @@ pub(crate) struct Shared {
     /// The connection table and the tasks owning its entries ([`conns`]).
     pub(crate) conns: Conns,
     workers: Vec<mpsc::UnboundedSender<WorkerCmd>>,
+    /// Which workers take new TCP connections ([`steering`]).
+    pub(crate) steering: Arc<steering::Steering>,
     control_rt: tokio::runtime::Handle,
     epoch: Instant,
     drain_timeout: Duration,

@@ -19,18 +19,55 @@ use super::owners::Owner;
 use super::{Conn, ConnState, Refusal, Service, Shared};
 use crate::config::Protocol;
 
+/// The next `k` accept steering publishes, for a listener that applies
+/// it; never, for one that does not.
+async fn steer_changed(rx: &mut Option<tokio::sync::watch::Receiver<usize>>) -> Option<usize> {
+    if let Some(rx) = rx
+        && rx.changed().await.is_ok()
+    {
+        return Some(*rx.borrow_and_update());
+    }
+    std::future::pending().await
+}
+
+/// Points `listener`'s group at the first `k` workers. A failure leaves the
+/// group as it was (every connection still lands on some worker's
+/// listener): logged, not fatal.
+fn steer_group(shared: &Shared, svc: &Service, listener: &TcpListener, k: usize) {
+    if let Err(e) = shared.steering.apply(listener, k) {
+        static GATE: super::ratelog::RateLimited = super::ratelog::RateLimited::new(1000);
+        super::ratelog::warn(
+            &GATE,
+            format_args!("accept steering on {}: {e}", svc.listen),
+        );
+    }
+}
+
 pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener: TcpListener) {
     let mut backoff = Duration::from_millis(10);
     let mut rng = weir_sched::SplitMix64::new(super::rng_seed());
+    // One listener of each group (worker 0's) points the group at the
+    // workers accept steering chose, now and whenever that changes.
+    let worker = super::stats::worker_index();
+    let mut steer = shared.steering.watcher(worker);
+    if let Some(rx) = &mut steer {
+        let k = *rx.borrow_and_update();
+        steer_group(&shared, &svc, &listener, k);
+    }
     loop {
         let accepted = tokio::select! {
             _ = svc.cancel.cancelled() => return,
             _ = shared.admission.stop_accept.cancelled() => return,
+            Some(k) = steer_changed(&mut steer) => {
+                steer_group(&shared, &svc, &listener, k);
+                continue;
+            }
             r = listener.accept() => r,
         };
         match accepted {
             Ok((stream, peer)) => {
                 backoff = Duration::from_millis(10);
+                shared.steering.accepted(worker);
                 // Admission before spawning: a refused connection (a flood
                 // over a limit) costs no task.
                 let slot = match svc.tcp_client_slot(peer.ip()) {

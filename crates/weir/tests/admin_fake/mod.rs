@@ -516,6 +516,11 @@ impl Control for Fake {
             estimator_tick_seconds: 0.0005,
             estimator_tick_max_seconds: 0.002,
             packet: None,
+            workers: Some(weir::control::WorkerStats {
+                steering: "adaptive".into(),
+                accepting: 1,
+                accepted: vec![40, 2],
+            }),
         }
     }
 
