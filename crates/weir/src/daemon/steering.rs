@@ -16,10 +16,10 @@
 //! (`/proc/stat`), by the rules of [`Policy`]: one more worker when every
 //! active one is saturated and a CPU is free for another, one fewer when
 //! the load would fit. A connection stays on the worker that accepted it.
-//! Measured against spread (docs/BENCHMARKS.md, "Accept steering"), it
-//! saves CPU per connection where a spare CPU is rare and costs
-//! connections/s where the workers could have taken CPU time from other
-//! processes, so it is not the default.
+//! Measured against spread (docs/BENCHMARKS.md, "Accept steering") it
+//! gave no consistent gain (0.93x the connections/s at 1.07x the CPU per
+//! connection at 32 concurrent clients, 1.08x at 0.91x at 4), so it is
+//! not the default.
 //!
 //! The program picks a listener by its index in the group, which is the
 //! order the workers' sockets started listening ([`super::open_sockets`]
