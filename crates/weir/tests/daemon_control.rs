@@ -370,6 +370,66 @@ fn reload_with_a_busy_address_applies_nothing() {
     d.shutdown();
 }
 
+/// `[daemon]` and `[admin]` apply at start. A reload that changes them is
+/// refused with the keys that differ (values for `[daemon]`, never for
+/// `[admin]`, which holds tokens), applying nothing; it used to apply the
+/// rest and leave those changes silently unapplied. A duration written
+/// another way is the same value.
+#[test]
+fn reload_refuses_daemon_and_admin_changes() {
+    let e = Echo::start();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("r.toml");
+    let svc = |name: &str| {
+        format!(
+            "[[service]]\nname = \"{name}\"\nprotocol = \"tcp\"\nlisten = \"127.0.0.1:0\"\n  \
+             [[service.backend]]\n  address = \"{}\"\n",
+            e.addr
+        )
+    };
+    let admin = "[admin]\ntoken = \"secret-a\"\n";
+    let daemon = "[daemon]\nworkers = 1\ndrain_timeout = \"30s\"\n";
+    std::fs::write(&path, format!("{daemon}{admin}{}", svc("one"))).unwrap();
+    let d = Daemon::start(weir::config::load(&path).unwrap(), Some(path.clone())).unwrap();
+    let c = d.control();
+    std::fs::write(
+        &path,
+        format!(
+            "[daemon]\nworkers = 2\naccept_steering = \"adaptive\"\ndrain_timeout = \"30s\"\n\
+             [admin]\ntoken = \"secret-b\"\n{}{}",
+            svc("one"),
+            svc("two")
+        ),
+    )
+    .unwrap();
+    let errs = c.reload(Default::default()).unwrap_err();
+    assert_eq!(errs.len(), 2, "{errs:?}");
+    assert!(
+        errs[0].starts_with("[daemon] differs from the running daemon's (accept_steering \"spread\" -> \"adaptive\", workers 1 -> 2)")
+            && errs[0].contains("restart weir"),
+        "{errs:?}"
+    );
+    assert!(
+        errs[1].starts_with("[admin] differs from the running daemon's (token)")
+            && !errs[1].contains("secret"),
+        "{errs:?}"
+    );
+    assert_eq!(d.service_addr("default", "two"), None, "applied in part");
+    // The same settings, a duration written another way: applied.
+    std::fs::write(
+        &path,
+        format!(
+            "[daemon]\nworkers = 1\ndrain_timeout = \"30000ms\"\n{admin}{}{}",
+            svc("one"),
+            svc("two")
+        ),
+    )
+    .unwrap();
+    c.reload(Default::default()).unwrap();
+    assert!(echo_once(d.service_addr("default", "two").unwrap(), b"two"));
+    d.shutdown();
+}
+
 #[test]
 fn many_udp_clients_across_workers() {
     let (b1, b2) = (udp_echo(), udp_echo());

@@ -149,6 +149,29 @@ impl LiveControl {
                     .into(),
             );
         }
+        // [daemon] and [admin] apply at start: a reload that changes them
+        // would leave the change unapplied without a word (it used to).
+        // Durations compare by value ("30s" is "30000ms").
+        let mut daemon = new.daemon.clone();
+        if daemon.drain_timeout.get() == self.0.daemon_cfg.drain_timeout.get() {
+            daemon.drain_timeout = self.0.daemon_cfg.drain_timeout.clone();
+        }
+        for (section, changed) in [
+            ("daemon", section_changes(&self.0.daemon_cfg, &daemon, true)),
+            (
+                "admin",
+                section_changes(&self.0.admin_cfg, &new.admin, false),
+            ),
+        ] {
+            if !changed.is_empty() {
+                errors.push(format!(
+                    "[{section}] differs from the running daemon's ({}): it applies at start, \
+                     so a reload cannot change it; restart weir to apply it (or put the \
+                     running values back to reload the rest)",
+                    changed.join(", ")
+                ));
+            }
+        }
         // The snapshot itself, not a copy of its maps (O(services)).
         let st = arc_swap::Guard::into_inner(self.0.model.load());
         let (tenants, services) = (&st.tenants, &st.services);
@@ -608,6 +631,31 @@ fn live_spec(s: &Service) -> ServiceSpec {
         }
     }
     spec
+}
+
+/// The keys whose values differ between two versions of a config section,
+/// as `key old -> new` (`show` = false: the key alone, for sections with
+/// secrets). A key present in one only counts as a difference.
+fn section_changes<T: serde::Serialize>(running: &T, new: &T, show: bool) -> Vec<String> {
+    let as_map = |v: &T| match serde_json::to_value(v) {
+        Ok(serde_json::Value::Object(m)) => m,
+        _ => serde_json::Map::new(),
+    };
+    let (a, b) = (as_map(running), as_map(new));
+    let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    let none = serde_json::Value::Null;
+    keys.into_iter()
+        .filter_map(|k| {
+            let (x, y) = (a.get(k).unwrap_or(&none), b.get(k).unwrap_or(&none));
+            (x != y).then(|| {
+                if show {
+                    format!("{k} {x} -> {y}")
+                } else {
+                    k.clone()
+                }
+            })
+        })
+        .collect()
 }
 
 /// Why a tenant's `max_table_entries` cannot change live: the flow table
