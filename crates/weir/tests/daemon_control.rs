@@ -415,7 +415,8 @@ fn reload_refuses_daemon_and_admin_changes() {
         "{errs:?}"
     );
     assert_eq!(d.service_addr("default", "two"), None, "applied in part");
-    // The same settings, a duration written another way: applied.
+    // The same settings, a duration written another way: applied, and no
+    // [daemon] key reported changed.
     std::fs::write(
         &path,
         format!(
@@ -425,8 +426,46 @@ fn reload_refuses_daemon_and_admin_changes() {
         ),
     )
     .unwrap();
-    c.reload(Default::default()).unwrap();
-    assert!(echo_once(d.service_addr("default", "two").unwrap(), b"two"));
+    let report = c.reload(Default::default()).unwrap();
+    assert_eq!(report.changed, Vec::<String>::new());
+    let two = d.service_addr("default", "two").unwrap();
+    assert!(echo_once(two, b"two"));
+    // The keys a reload applies live: max_connections, access_log and
+    // drain_timeout, reported as changed and in force at once.
+    std::fs::write(
+        &path,
+        format!(
+            "[daemon]\nworkers = 1\ndrain_timeout = \"5s\"\nmax_connections = 1\n\
+             access_log = true\n{admin}{}{}",
+            svc("one"),
+            svc("two")
+        ),
+    )
+    .unwrap();
+    let report = c.reload(Default::default()).unwrap();
+    assert_eq!(
+        report.changed,
+        [
+            "daemon access_log",
+            "daemon drain_timeout",
+            "daemon max_connections"
+        ]
+    );
+    assert_eq!(d.drain_timeout(), Duration::from_secs(5));
+    let running = c.running_config().daemon;
+    assert_eq!(
+        (running.max_connections, running.access_log),
+        (1, true),
+        "weir save would write the old values"
+    );
+    // One connection held: a second is refused (closed unanswered).
+    let mut first = held(two);
+    assert!(still_echoes(&mut first));
+    assert!(!echo_once(two, b"over the limit"));
+    drop(first);
+    assert!(wait_until(Duration::from_secs(5), || echo_once(
+        two, b"again"
+    )));
     d.shutdown();
 }
 

@@ -16,8 +16,8 @@ use crate::config::Protocol;
 /// Live connections against the limits, and the refusals.
 #[derive(Debug)]
 pub(crate) struct Admission {
-    /// `[daemon] max_connections`; 0 = unlimited.
-    max_connections: u64,
+    /// `[daemon] max_connections`; 0 = unlimited. A reload may change it.
+    max_connections: AtomicU64,
     /// Live connections + sessions + packet flows.
     pub(crate) active: AtomicU64,
     pub(crate) refused: RefusalCounts,
@@ -30,12 +30,23 @@ pub(crate) struct Admission {
 impl Admission {
     pub(super) fn new(max_connections: u64, fd_limit: u64) -> Self {
         Self {
-            max_connections,
+            max_connections: AtomicU64::new(max_connections),
             active: AtomicU64::new(0),
             refused: RefusalCounts::default(),
             fd_limit,
             stop_accept: CancellationToken::new(),
         }
+    }
+
+    /// `[daemon] max_connections` now.
+    pub(crate) fn max_connections(&self) -> u64 {
+        self.max_connections.load(Relaxed)
+    }
+
+    /// A reload's new `max_connections`: for the next admissions (live
+    /// connections over it stay).
+    pub(crate) fn set_max_connections(&self, max: u64) {
+        self.max_connections.store(max, Relaxed);
     }
 
     /// Count a refusal under `why`, and against `tenant` if known.
@@ -50,7 +61,7 @@ impl Admission {
     /// limits at `now_ns` (the daemon's clock, [`Shared::now_ns`]); on
     /// success the caller must eventually call [`Self::release`].
     pub(crate) fn admit(&self, tenant: &Tenant, now_ns: u64) -> Result<(), Refusal> {
-        let max = self.max_connections;
+        let max = self.max_connections.load(Relaxed);
         let prev = self.active.fetch_add(1, Relaxed);
         if max != 0 && prev >= max {
             self.active.fetch_sub(1, Relaxed);

@@ -272,7 +272,7 @@ impl Shared {
                 b.inactive.fetch_sub(1, Relaxed);
             }
         }
-        if self.daemon_cfg.access_log {
+        if self.access_log.load(Relaxed) {
             let now = self.now_ms();
             tracing::info!(
                 target: "weir::access",

@@ -149,20 +149,31 @@ impl LiveControl {
                     .into(),
             );
         }
-        // [daemon] and [admin] apply at start: a reload that changes them
-        // would leave the change unapplied without a word (it used to).
+        // [admin] and most of [daemon] apply at start: a reload that
+        // changes them would leave the change unapplied without a word (it
+        // used to). The live keys of [daemon] are applied and reported.
         // Durations compare by value ("30s" is "30000ms").
+        let running = self.0.daemon_now();
         let mut daemon = new.daemon.clone();
-        if daemon.drain_timeout.get() == self.0.daemon_cfg.drain_timeout.get() {
-            daemon.drain_timeout = self.0.daemon_cfg.drain_timeout.clone();
+        if daemon.drain_timeout.get() == running.drain_timeout.get() {
+            daemon.drain_timeout = running.drain_timeout.clone();
         }
-        for (section, changed) in [
-            ("daemon", section_changes(&self.0.daemon_cfg, &daemon, true)),
-            (
-                "admin",
-                section_changes(&self.0.admin_cfg, &new.admin, false),
-            ),
-        ] {
+        let (live, fixed): (Vec<_>, Vec<_>) = section_changes(&running, &daemon)
+            .into_iter()
+            .partition(|(k, _, _)| super::LIVE_DAEMON_KEYS.contains(&k.as_str()));
+        report
+            .changed
+            .extend(live.into_iter().map(|(k, _, _)| format!("daemon {k}")));
+        let fixed: Vec<String> = fixed
+            .into_iter()
+            .map(|(k, x, y)| format!("{k} {x} -> {y}"))
+            .collect();
+        // Key names only for [admin]: it holds tokens.
+        let admin: Vec<String> = section_changes(&self.0.admin_cfg, &new.admin)
+            .into_iter()
+            .map(|(k, _, _)| k)
+            .collect();
+        for (section, changed) in [("daemon", fixed), ("admin", admin)] {
             if !changed.is_empty() {
                 errors.push(format!(
                     "[{section}] differs from the running daemon's ({}): it applies at start, \
@@ -288,6 +299,8 @@ impl LiveControl {
     /// Apply a config that [`Self::plan`] accepted; returns what still
     /// failed (e.g. an address taken between the check and now).
     fn apply(&self, new: &Config) -> Vec<String> {
+        // plan() refused any other [daemon] change.
+        self.0.set_live_daemon(&new.daemon);
         // Tenants: add new, edit existing, delete missing (after services).
         let live: Vec<String> = self.0.model.load().tenants.keys().cloned().collect();
         // The new ones are added as one batch (one copy of the model and of
@@ -634,9 +647,12 @@ fn live_spec(s: &Service) -> ServiceSpec {
 }
 
 /// The keys whose values differ between two versions of a config section,
-/// as `key old -> new` (`show` = false: the key alone, for sections with
-/// secrets). A key present in one only counts as a difference.
-fn section_changes<T: serde::Serialize>(running: &T, new: &T, show: bool) -> Vec<String> {
+/// with both values, in key order. A key present in one only counts as a
+/// difference.
+fn section_changes<T: serde::Serialize>(
+    running: &T,
+    new: &T,
+) -> Vec<(String, serde_json::Value, serde_json::Value)> {
     let as_map = |v: &T| match serde_json::to_value(v) {
         Ok(serde_json::Value::Object(m)) => m,
         _ => serde_json::Map::new(),
@@ -647,13 +663,7 @@ fn section_changes<T: serde::Serialize>(running: &T, new: &T, show: bool) -> Vec
     keys.into_iter()
         .filter_map(|k| {
             let (x, y) = (a.get(k).unwrap_or(&none), b.get(k).unwrap_or(&none));
-            (x != y).then(|| {
-                if show {
-                    format!("{k} {x} -> {y}")
-                } else {
-                    k.clone()
-                }
-            })
+            (x != y).then(|| (k.clone(), x.clone(), y.clone()))
         })
         .collect()
 }
@@ -1126,7 +1136,7 @@ impl Control for LiveControl {
     fn running_config(&self) -> Config {
         let st = self.0.model.load();
         Config {
-            daemon: self.0.daemon_cfg.clone(),
+            daemon: self.0.daemon_now(),
             admin: self.0.admin_cfg.clone(),
             packet: self.0.packet_cfg.clone(),
             tenants: st

@@ -230,7 +230,8 @@ impl Daemon {
             steering: steering.clone(),
             control_rt: control_rt.handle().clone(),
             epoch: Instant::now(),
-            drain_timeout: config.daemon.drain_timeout.get(),
+            access_log: AtomicBool::new(config.daemon.access_log),
+            drain_timeout: parking_lot::Mutex::new(config.daemon.drain_timeout.clone()),
             packet: std::sync::OnceLock::new(),
             packet_rt: std::sync::OnceLock::new(),
         });
@@ -393,7 +394,7 @@ impl DaemonHandle {
 
     /// The drain timeout from `[daemon]`.
     pub fn drain_timeout(&self) -> Duration {
-        self.shared.drain_timeout
+        self.shared.drain_timeout.lock().get()
     }
 
     /// Close everything now and stop.
@@ -551,7 +552,11 @@ pub(crate) struct Shared {
     pub(crate) steering: Arc<steering::Steering>,
     control_rt: tokio::runtime::Handle,
     epoch: Instant,
-    drain_timeout: Duration,
+    /// `[daemon] access_log`, `drain_timeout` (and admission's
+    /// `max_connections`): the `[daemon]` keys a reload changes live
+    /// ([`Shared::daemon_now`]).
+    pub(crate) access_log: AtomicBool,
+    drain_timeout: parking_lot::Mutex<config::Dur<config::DrainTimeout>>,
     /// Packet mode's shared part, when `[packet]` is configured.
     pub(crate) packet: std::sync::OnceLock<Arc<packet::PacketPath>>,
     /// Packet mode's attached interfaces.
@@ -561,6 +566,24 @@ pub(crate) struct Shared {
 impl Shared {
     pub(crate) fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// `[daemon]` as it applies now: as the daemon started with it, with
+    /// the keys a reload changes live ([`LIVE_DAEMON_KEYS`]) as they are.
+    pub(crate) fn daemon_now(&self) -> DaemonConfig {
+        DaemonConfig {
+            max_connections: self.admission.max_connections(),
+            access_log: self.access_log.load(Relaxed),
+            drain_timeout: self.drain_timeout.lock().clone(),
+            ..self.daemon_cfg.clone()
+        }
+    }
+
+    /// Applies a reload's values of [`LIVE_DAEMON_KEYS`].
+    pub(crate) fn set_live_daemon(&self, d: &DaemonConfig) {
+        self.admission.set_max_connections(d.max_connections);
+        self.access_log.store(d.access_log, Relaxed);
+        *self.drain_timeout.lock() = d.drain_timeout.clone();
     }
 
     /// The daemon's clock in nanoseconds (what admission's rate limits use).
@@ -672,6 +695,10 @@ fn open_socket_group(
     }
     Ok((out, bound))
 }
+
+/// The `[daemon]` keys a reload applies live; any other differing
+/// `[daemon]` key refuses the reload (they take effect at start).
+pub(crate) const LIVE_DAEMON_KEYS: [&str; 3] = ["max_connections", "access_log", "drain_timeout"];
 
 /// See `worker_main`.
 const HEARTBEAT: Duration = Duration::from_millis(500);
