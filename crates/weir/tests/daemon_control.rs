@@ -6,7 +6,7 @@
 mod daemon_util;
 
 use std::io::{Read, Write};
-use std::net::{TcpStream, UdpSocket};
+use std::net::{SocketAddr, TcpStream, UdpSocket};
 use std::time::{Duration, Instant};
 
 use daemon_util::*;
@@ -466,6 +466,119 @@ fn reload_refuses_daemon_and_admin_changes() {
     assert!(wait_until(Duration::from_secs(5), || echo_once(
         two, b"again"
     )));
+    d.shutdown();
+}
+
+/// The daemon's own end of a proxied connection, found among this
+/// process's descriptors (the daemon runs in the test's process): the
+/// socket whose local and peer addresses are the given ones (`None`: any).
+fn own_socket(local: Option<SocketAddr>, peer: SocketAddr) -> Option<std::os::fd::RawFd> {
+    use nix::sys::socket::{SockaddrStorage, getpeername, getsockname};
+    let as_addr = |a: SockaddrStorage| {
+        a.as_sockaddr_in()
+            .map(|v4| SocketAddr::from((v4.ip(), v4.port())))
+    };
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .find(|&fd| {
+            getpeername::<SockaddrStorage>(fd).ok().and_then(as_addr) == Some(peer)
+                && local.is_none_or(|l| {
+                    getsockname::<SockaddrStorage>(fd).ok().and_then(as_addr) == Some(l)
+                })
+        })
+}
+
+/// `TCP_NOTSENT_LOWAT` and `SO_RCVBUF` of this process's socket `fd`,
+/// read through a duplicate of it (`pidfd_getfd` on our own process: no
+/// borrowing of a raw descriptor). The caller holds the connection open.
+fn lowat_and_rcvbuf(fd: std::os::fd::RawFd) -> (u32, usize) {
+    use rustix::process::{PidfdFlags, PidfdGetfdFlags, getpid, pidfd_getfd, pidfd_open};
+    let me = pidfd_open(getpid(), PidfdFlags::empty()).unwrap();
+    let dup = pidfd_getfd(&me, fd, PidfdGetfdFlags::empty()).unwrap();
+    let s = socket2::SockRef::from(&dup);
+    (
+        s.tcp_notsent_lowat().unwrap(),
+        s.recv_buffer_size().unwrap(),
+    )
+}
+
+/// A reload changes `[daemon]`'s buffer and socket options for the
+/// connections opened after it (also on sockets accepted from listeners
+/// opened before it); open connections keep theirs.
+#[test]
+fn reload_applies_socket_options_to_new_connections() {
+    let e = Echo::start();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.toml");
+    let write = |daemon: &str| {
+        let svc = format!(
+            "[[service]]\nname = \"t\"\nprotocol = \"tcp\"\nlisten = \"127.0.0.1:0\"\n  \
+             [[service.backend]]\n  address = \"{}\"\n",
+            e.addr
+        );
+        std::fs::write(&path, format!("[daemon]\nworkers = 1\n{daemon}{svc}")).unwrap();
+    };
+    write("notsent_lowat = 16384\nbackend_rcvbuf = 16384\n");
+    let d = Daemon::start(weir::config::load(&path).unwrap(), Some(path.clone())).unwrap();
+    let vip = d.service_addr("default", "t").unwrap();
+    // The daemon's two sockets of a held connection: (client side, backend side).
+    let ends = |s: &TcpStream| {
+        let client = own_socket(Some(vip), s.local_addr().unwrap()).expect("client side");
+        // One connection held at a time per check: the daemon's only
+        // socket connected to the echo server is this connection's.
+        let backend = own_socket(None, e.addr).expect("backend side");
+        (lowat_and_rcvbuf(client), lowat_and_rcvbuf(backend))
+    };
+    let mut old = held(vip);
+    let (c, b) = ends(&old);
+    assert_eq!(c.0, 16384);
+    // The kernel doubles what SO_RCVBUF asks for (its bookkeeping share).
+    assert_eq!(b, (16384, 2 * 16384));
+
+    write("notsent_lowat = 32768\nbackend_rcvbuf = 0\nbuffer_size = 8192\nblocked_window = 4096\n");
+    let report = d.control().reload(Default::default()).unwrap();
+    assert_eq!(
+        report.changed,
+        [
+            "daemon backend_rcvbuf",
+            "daemon blocked_window",
+            "daemon buffer_size",
+            "daemon notsent_lowat"
+        ]
+    );
+    let running = d.control().running_config().daemon;
+    assert_eq!(
+        (
+            running.notsent_lowat,
+            running.backend_rcvbuf,
+            running.buffer_size,
+            running.blocked_window
+        ),
+        (32768, 0, 8192, 4096),
+        "weir save would write the old values"
+    );
+    // The open connection keeps what it started with.
+    let (c, b) = ends(&old);
+    assert_eq!((c.0, b), (16384, (16384, 2 * 16384)));
+    assert!(still_echoes(&mut old));
+    drop(old);
+    assert!(wait_until(Duration::from_secs(5), || own_socket(
+        None, e.addr
+    )
+    .is_none()));
+    // A new one, accepted from the same listener (opened with 16384): the
+    // new values, and the backend's buffer left to the kernel's autotuning
+    // (tcp_rmem's default, above what 16384 gave).
+    let mut new = held(vip);
+    let (c, b) = ends(&new);
+    assert_eq!((c.0, b.0), (32768, 32768));
+    assert!(
+        b.1 > 2 * 16384,
+        "backend SO_RCVBUF {} still the old fixed size",
+        b.1
+    );
+    assert!(still_echoes(&mut new));
     d.shutdown();
 }
 

@@ -59,7 +59,7 @@ mod udp;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -232,6 +232,7 @@ impl Daemon {
             epoch: Instant::now(),
             access_log: AtomicBool::new(config.daemon.access_log),
             drain_timeout: parking_lot::Mutex::new(config.daemon.drain_timeout.clone()),
+            tuning: Tuning::new(&config.daemon),
             packet: std::sync::OnceLock::new(),
             packet_rt: std::sync::OnceLock::new(),
         });
@@ -557,6 +558,9 @@ pub(crate) struct Shared {
     /// ([`Shared::daemon_now`]).
     pub(crate) access_log: AtomicBool,
     drain_timeout: parking_lot::Mutex<config::Dur<config::DrainTimeout>>,
+    /// The proxy's buffer and socket options, read per new connection:
+    /// a reload changes them for connections opened after it.
+    pub(crate) tuning: Tuning,
     /// Packet mode's shared part, when `[packet]` is configured.
     pub(crate) packet: std::sync::OnceLock<Arc<packet::PacketPath>>,
     /// Packet mode's attached interfaces.
@@ -571,10 +575,15 @@ impl Shared {
     /// `[daemon]` as it applies now: as the daemon started with it, with
     /// the keys a reload changes live ([`LIVE_DAEMON_KEYS`]) as they are.
     pub(crate) fn daemon_now(&self) -> DaemonConfig {
+        let t = self.tuning.get();
         DaemonConfig {
             max_connections: self.admission.max_connections(),
             access_log: self.access_log.load(Relaxed),
             drain_timeout: self.drain_timeout.lock().clone(),
+            buffer_size: t.buffer_size as usize,
+            notsent_lowat: t.notsent_lowat,
+            blocked_window: t.blocked_window,
+            backend_rcvbuf: t.backend_rcvbuf,
             ..self.daemon_cfg.clone()
         }
     }
@@ -584,6 +593,7 @@ impl Shared {
         self.admission.set_max_connections(d.max_connections);
         self.access_log.store(d.access_log, Relaxed);
         *self.drain_timeout.lock() = d.drain_timeout.clone();
+        self.tuning.set(d);
     }
 
     /// The daemon's clock in nanoseconds (what admission's rate limits use).
@@ -698,7 +708,77 @@ fn open_socket_group(
 
 /// The `[daemon]` keys a reload applies live; any other differing
 /// `[daemon]` key refuses the reload (they take effect at start).
-pub(crate) const LIVE_DAEMON_KEYS: [&str; 3] = ["max_connections", "access_log", "drain_timeout"];
+pub(crate) const LIVE_DAEMON_KEYS: [&str; 7] = [
+    "max_connections",
+    "access_log",
+    "drain_timeout",
+    "buffer_size",
+    "notsent_lowat",
+    "blocked_window",
+    "backend_rcvbuf",
+];
+
+/// `[daemon]`'s buffer and socket options for proxied TCP connections,
+/// read once per new connection ([`Tuning::get`]: four relaxed loads), so
+/// that a reload applies to the connections opened after it; connections
+/// already open keep what they started with. Listening sockets keep the
+/// `notsent_lowat` they were opened with (`Service::listener_lowat`): a
+/// connection accepted after a change gets the new value set on it.
+#[derive(Debug)]
+pub(crate) struct Tuning {
+    buffer_size: AtomicU32,
+    notsent_lowat: AtomicU32,
+    blocked_window: AtomicU32,
+    backend_rcvbuf: AtomicU32,
+}
+
+/// [`Tuning`]'s values as one connection uses them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TcpTuning {
+    /// Each direction's copy buffer, in bytes (at most 16 MiB).
+    pub(crate) buffer_size: u32,
+    /// `TCP_NOTSENT_LOWAT` for both sockets; 0 = not set.
+    pub(crate) notsent_lowat: u32,
+    /// The receive window a blocked direction's source is clamped to; 0 =
+    /// no clamp.
+    pub(crate) blocked_window: u32,
+    /// A backend socket's starting `SO_RCVBUF`; 0 = the kernel's autotuning.
+    pub(crate) backend_rcvbuf: u32,
+}
+
+/// `buffer_size` as stored: config validation keeps it within 16 MiB.
+fn buffer_size(d: &DaemonConfig) -> u32 {
+    u32::try_from(d.buffer_size).unwrap_or(u32::MAX)
+}
+
+impl Tuning {
+    fn new(d: &DaemonConfig) -> Self {
+        Self {
+            buffer_size: AtomicU32::new(buffer_size(d)),
+            notsent_lowat: AtomicU32::new(d.notsent_lowat),
+            blocked_window: AtomicU32::new(d.blocked_window),
+            backend_rcvbuf: AtomicU32::new(d.backend_rcvbuf),
+        }
+    }
+
+    fn set(&self, d: &DaemonConfig) {
+        self.buffer_size.store(buffer_size(d), Relaxed);
+        self.notsent_lowat.store(d.notsent_lowat, Relaxed);
+        self.blocked_window.store(d.blocked_window, Relaxed);
+        self.backend_rcvbuf.store(d.backend_rcvbuf, Relaxed);
+    }
+
+    /// The values for one new connection. Four words, so that a connection
+    /// task holding them stays small (an idle connection's memory).
+    pub(crate) fn get(&self) -> TcpTuning {
+        TcpTuning {
+            buffer_size: self.buffer_size.load(Relaxed),
+            notsent_lowat: self.notsent_lowat.load(Relaxed),
+            blocked_window: self.blocked_window.load(Relaxed),
+            backend_rcvbuf: self.backend_rcvbuf.load(Relaxed),
+        }
+    }
+}
 
 /// See `worker_main`.
 const HEARTBEAT: Duration = Duration::from_millis(500);

@@ -380,6 +380,9 @@ pub(crate) struct Service {
     pub(crate) params: ArcSwap<ServiceParams>,
     /// Actual listen address (port 0 resolved).
     pub(crate) listen: SocketAddr,
+    /// The `TCP_NOTSENT_LOWAT` its TCP listening sockets were opened with
+    /// (accepted sockets inherit it); see `Tuning`.
+    pub(crate) listener_lowat: u32,
     /// The backends and their scheduler, replaced as a whole when they or
     /// their weight or health change; read without a lock.
     pub(crate) set: ArcSwap<BackendSet>,
@@ -978,6 +981,7 @@ impl Shared {
         let packet_mode = spec.forward.is_packet();
         // Packet services own no socket: the steering program hands their
         // packets to the packet workers.
+        let listener_lowat = self.tuning.get().notsent_lowat;
         let (sockets, listen) = if packet_mode {
             (Vec::new(), spec.listen)
         } else {
@@ -987,7 +991,7 @@ impl Shared {
                         spec.protocol,
                         spec.listen,
                         self.workers.len(),
-                        self.daemon_cfg.notsent_lowat,
+                        listener_lowat,
                     )
                 })
                 .map_err(|e| {
@@ -1016,6 +1020,7 @@ impl Shared {
             spec: RwLock::new(ServiceSpec { listen, ..spec }),
             params: ArcSwap::new(params),
             listen,
+            listener_lowat,
             set: ArcSwap::from_pointee(BackendSet { sched, backends }),
             stat: self.accounting.rates.stat(),
             cancel: CancellationToken::new(),

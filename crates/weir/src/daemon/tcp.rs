@@ -16,7 +16,7 @@ use tokio::net::{TcpListener, TcpStream};
 use weir_flowtable::Dir;
 
 use super::owners::Owner;
-use super::{Conn, ConnState, Refusal, Service, Shared};
+use super::{Conn, ConnState, Refusal, Service, Shared, TcpTuning};
 use crate::config::Protocol;
 
 /// The next `k` accept steering publishes, for a listener that applies
@@ -194,13 +194,25 @@ async fn serve(
     // (the attempt's timer, the tried list, the service's parameters) stays
     // in this task while the connection sits idle in `proxy`: the task is
     // most of an idle connection's memory (docs/BENCHMARKS.md).
-    let Some((backend_stream, conn)) = connect_any(shared, svc, owner, &client, peer, seed).await
+    // Read once: the connection keeps these whatever a reload sets later.
+    let tuning = shared.tuning.get();
+    if tuning.notsent_lowat != svc.listener_lowat {
+        // Changed by a reload since the listener was opened: the accepted
+        // socket inherited the old value.
+        let _ = SockRef::from(&client).set_tcp_notsent_lowat(tuning.notsent_lowat);
+    }
+    // Whether the backend socket starts small, as it is connected; the
+    // rest of `tuning` is not kept here past the connect (this task's size
+    // is an idle connection's memory).
+    let small_rcvbuf = tuning.backend_rcvbuf != 0;
+    let Some((backend_stream, conn)) =
+        connect_any(shared, svc, owner, &client, peer, seed, tuning).await
     else {
         reset(&client);
         return;
     };
     conn.set_state(shared, ConnState::Established);
-    let reason = proxy(shared, &conn, owner, client, backend_stream).await;
+    let reason = proxy(shared, &conn, owner, client, backend_stream, small_rcvbuf).await;
     // No CLOSE state in the table: the entry goes right away, and `close`
     // settles the backend's counts from its last state.
     shared.close(&conn, reason);
@@ -216,6 +228,7 @@ async fn connect_any(
     client: &TcpStream,
     peer: SocketAddr,
     seed: u64,
+    tuning: TcpTuning,
 ) -> Option<(TcpStream, Conn)> {
     let tenant = &svc.tenant;
     // Set once the connection was counted as refused, so it is counted
@@ -268,7 +281,7 @@ async fn connect_any(
         // wheel's backstop.)
         let attempt = tokio::select! {
             why = owner.closed() => Err(why),
-            r = tokio::time::timeout(params.connect_timeout, connect(shared, backend.addr)) => Ok(r),
+            r = tokio::time::timeout(params.connect_timeout, connect(backend.addr, &tuning)) => Ok(r),
         };
         let reason = match attempt {
             Ok(Ok(Ok(s))) => {
@@ -323,7 +336,7 @@ async fn connect_any(
     connected
 }
 
-async fn connect(shared: &Shared, addr: SocketAddr) -> io::Result<TcpStream> {
+async fn connect(addr: SocketAddr, tuning: &TcpTuning) -> io::Result<TcpStream> {
     use socket2::{Domain, Socket, Type};
     // Non-blocking and close-on-exec from the start: no fcntl.
     let sock = Socket::new(
@@ -334,14 +347,14 @@ async fn connect(shared: &Shared, addr: SocketAddr) -> io::Result<TcpStream> {
     // Set before connect so they cost no extra call per connection later;
     // the client side inherits the same options from the listener.
     let _ = sock.set_tcp_nodelay(true);
-    let lowat = shared.daemon_cfg.notsent_lowat;
+    let lowat = tuning.notsent_lowat;
     if lowat != 0 {
         let _ = sock.set_tcp_notsent_lowat(lowat);
     }
     // Start small (see `ClampPolicy`): until its client proves to read
     // fast, a backend gets little window, so the bytes of a slow reader
     // wait in the backend's own send queue rather than in weir's.
-    let rcv = shared.daemon_cfg.backend_rcvbuf;
+    let rcv = tuning.backend_rcvbuf;
     if rcv != 0 {
         let _ = sock.set_recv_buffer_size(rcv as usize);
     }
@@ -389,6 +402,11 @@ struct Pipe<'a> {
     shared: &'a Shared,
     conn: &'a Conn,
     buf_size: usize,
+    /// `[daemon] blocked_window` as the connection started.
+    blocked_window: u32,
+    /// The backend socket started with a small fixed `SO_RCVBUF`
+    /// (`[daemon] backend_rcvbuf` was set when it connected).
+    small_rcvbuf: bool,
     /// Client to backend (bytes counted "in").
     inbound: bool,
     /// Set when this direction has passed its EOF on.
@@ -542,8 +560,8 @@ async fn pump(
     // soon as the socket is drained, so idle connections hold none
     // (HAProxy's model) and a busy one never holds more than one per
     // direction.
-    let clamp_to = p.shared.daemon_cfg.blocked_window;
-    let mut policy = ClampPolicy::new(!p.inbound && p.shared.daemon_cfg.backend_rcvbuf != 0);
+    let clamp_to = p.blocked_window;
+    let mut policy = ClampPolicy::new(!p.inbound && p.small_rcvbuf);
     let mut buf: Option<Vec<u8>> = None;
     loop {
         let b = match buf.as_mut() {
@@ -722,6 +740,7 @@ async fn proxy(
     owner: &Owner,
     mut client: TcpStream,
     mut backend: TcpStream,
+    small_rcvbuf: bool,
 ) -> &'static str {
     // PROXY protocol header before any client byte.
     let pp = conn.backend.spec.read().proxy_protocol;
@@ -738,7 +757,11 @@ async fn proxy(
             return "backend_error";
         }
     }
-    let buf = shared.daemon_cfg.buffer_size;
+    let TcpTuning {
+        buffer_size: buf,
+        blocked_window,
+        ..
+    } = shared.tuning.get();
     let reason = {
         let (mut cr, mut cw) = client.split();
         let (mut br, mut bw) = backend.split();
@@ -746,7 +769,9 @@ async fn proxy(
         let pipe = |inbound, my_eof, peer_eof| Pipe {
             shared,
             conn,
-            buf_size: buf,
+            buf_size: buf as usize,
+            blocked_window,
+            small_rcvbuf,
             inbound,
             my_eof,
             peer_eof,
