@@ -3,13 +3,14 @@
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{
-    AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst, fence,
+    AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst, fence,
 };
 
 use crossbeam_epoch::{self as epoch, Guard};
 use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 
+use crate::counts::{Counts, TenantCount};
 use crate::cursor::Cursor;
 use crate::index::{Hash, Index, Put, REPLY_WAY, WAY_IDX};
 use crate::node::{Arena, Node, PackedKey, PackedReply, Slab, UNFILED};
@@ -59,8 +60,8 @@ struct Tenant {
     /// Timeout profiles 1.. (0 is `timeouts` itself).
     profiles: parking_lot::RwLock<Profiles>,
     removed: AtomicBool,
-    /// Entry count, one cache-padded shard per thread slot.
-    entries: Box<[CachePadded<AtomicI64>]>,
+    /// Entry count, one counter per thread slot ([`crate::counts`]).
+    entries: TenantCount,
     refused: AtomicU64,
     wheel: Mutex<Wheel>,
     own_bytes: usize,
@@ -114,13 +115,12 @@ struct Profiles {
 
 impl Tenant {
     fn add_entries(&self, d: i64) {
-        self.entries[thread_slot()].fetch_add(d, Relaxed);
+        self.entries.add(d);
         self.table.add_entries(d);
     }
 
     fn entries(&self) -> u64 {
-        let n: i64 = self.entries.iter().map(|c| c.load(Relaxed)).sum();
-        n.max(0) as u64
+        self.entries.get()
     }
 }
 
@@ -367,6 +367,8 @@ pub struct FlowTable {
     pool: Arc<FreePool>,
     /// Per-thread-slot node caches (never held while a bucket is locked).
     caches: Box<[CachePadded<Mutex<NodeCache>>]>,
+    /// The tenants' entry counts ([`crate::counts`]).
+    counts: Arc<Counts>,
     shared: Arc<Table>,
     tenants: EpochCell<TenantMap>,
     maint: Mutex<Maint>,
@@ -462,6 +464,7 @@ impl FlowTable {
             slab: Slab::new(),
             pool: Arc::new(FreePool::default()),
             caches: (0..NODE_CACHES).map(|_| CachePadded::default()).collect(),
+            counts: Arc::default(),
             shared: Arc::new(shared),
             tenants: EpochCell::new(TenantMap::default()),
             maint: Mutex::new(Maint::default()),
@@ -678,7 +681,7 @@ impl FlowTable {
             timeouts: cfg.timeouts.to_array().map(AtomicU64::new),
             profiles: parking_lot::RwLock::default(),
             removed: AtomicBool::new(false),
-            entries: (0..NODE_CACHES).map(|_| CachePadded::default()).collect(),
+            entries: self.counts.take(),
             refused: AtomicU64::new(0),
             wheel: Mutex::new(Wheel::new()),
             own_bytes,
@@ -2125,11 +2128,10 @@ impl FlowTable {
                 .caches
                 .iter()
                 .map(|c| c.lock().memory_bytes())
-                .sum::<usize>();
+                .sum::<usize>()
+            + self.counts.memory_bytes();
         for t in map.map.values() {
-            b += t.wheel.lock().memory_bytes()
-                + std::mem::size_of::<Tenant>()
-                + std::mem::size_of_val(&*t.entries);
+            b += t.wheel.lock().memory_bytes() + std::mem::size_of::<Tenant>();
         }
         for t in &map.own {
             b += t.table.memory_bytes(&guard);

@@ -80,6 +80,7 @@
 
 #![warn(missing_docs)]
 
+mod counts;
 mod cursor;
 mod flow;
 mod hash;
