@@ -720,7 +720,7 @@ fn forwards_on(
             wrk_through(&topo, f)?;
         }
         if iperf {
-            iperf3_tcp_and_udp(&topo, f)?;
+            iperf3_tcp_and_udp(&topo, f, &cfg)?;
         }
         if redis {
             redis_benchmark(&topo, f)?;
@@ -1324,10 +1324,56 @@ fn iperf3_client(topo: &Topology, f: &Fam, extra: &[&str]) -> Result<serde_json:
     serde_json::from_str(&out).map_err(|e| format!("iperf3 {extra:?}: {e}: {out}"))
 }
 
+/// Datagrams dropped so far by queues that overflow when the machine is
+/// too busy to drain them: the ones weir's packet sockets report (the
+/// kernel's ring was full, or had no free frame), the UDP receive buffers
+/// of the backend `b1` (iperf3's server not scheduled in time), and this
+/// host's input backlogs (`/proc/net/softnet_stat`, all CPUs).
+fn overflow_drops(topo: &Topology, cfg: &Path) -> Result<u64, String> {
+    let stats: serde_json::Value =
+        serde_json::from_str(&weir(cfg, &["stats", "--json"])?).map_err(|e| e.to_string())?;
+    let kernel: u64 = stats["global"]["packet"]["dropped"]
+        .as_object()
+        .map(|d| {
+            d.iter()
+                .filter(|(k, _)| k.starts_with("kernel_"))
+                .filter_map(|(_, v)| v.as_u64())
+                .sum()
+        })
+        .unwrap_or(0);
+    // `Udp: ... RcvbufErrors ...` over a line of values (snmp), and
+    // `Udp6RcvbufErrors N` (snmp6).
+    let field = |text: &str, head: &str, name: &str| -> u64 {
+        let mut lines = text.lines().filter(|l| l.starts_with(head));
+        let (Some(names), Some(values)) = (lines.next(), lines.next()) else {
+            return 0;
+        };
+        let i = names.split_whitespace().position(|n| n == name);
+        i.and_then(|i| values.split_whitespace().nth(i)?.parse().ok())
+            .unwrap_or(0)
+    };
+    let snmp = topo.exec("b1", &["cat", "/proc/net/snmp"])?;
+    let snmp6 = topo
+        .exec("b1", &["cat", "/proc/net/snmp6"])
+        .unwrap_or_default();
+    let rcvbuf = field(&snmp, "Udp:", "RcvbufErrors")
+        + snmp6
+            .lines()
+            .find_map(|l| l.strip_prefix("Udp6RcvbufErrors"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+    let backlog: u64 = std::fs::read_to_string("/proc/net/softnet_stat")
+        .map_err(|e| e.to_string())?
+        .lines()
+        .filter_map(|l| u64::from_str_radix(l.split_whitespace().nth(1)?, 16).ok())
+        .sum();
+    Ok(kernel + rcvbuf + backlog)
+}
+
 /// iperf3 TCP for 1 s, then UDP for 1 s at 20 Mbit/s, with the server's own
 /// counts: the TCP bytes the server received, the UDP datagrams it
 /// received and lost.
-fn iperf3_tcp_and_udp(topo: &Topology, f: &Fam) -> Result<(), String> {
+fn iperf3_tcp_and_udp(topo: &Topology, f: &Fam, cfg: &Path) -> Result<(), String> {
     let tcp = iperf3_client(topo, f, &["-t", "1"])?;
     let got = tcp["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
     if got < 1_000_000 {
@@ -1336,6 +1382,7 @@ fn iperf3_tcp_and_udp(topo: &Topology, f: &Fam) -> Result<(), String> {
             f.vip
         ));
     }
+    let overflowed = overflow_drops(topo, cfg)?;
     let udp = iperf3_client(topo, f, &["-u", "-b", "20M", "-t", "1"])?;
     // `sum_received` is the server's count (iperf3 exchanges results at the
     // end), by the datagrams' sequence numbers: the highest seen and the
@@ -1353,13 +1400,34 @@ fn iperf3_tcp_and_udp(topo: &Topology, f: &Fam) -> Result<(), String> {
     // 20 Mbit/s of ~1,450-byte datagrams for 1 s is ~1,700 (fewer when a
     // loaded machine slows the sender); a veth path this slow loses none
     // unless something drops them (1% slack for a loaded machine's queues).
-    if seen < 100 || lost.saturating_mul(100) > seen {
+    if seen < 100 {
         return Err(format!(
-            "iperf3 UDP through {}: the server saw {seen} datagrams, {lost} lost: {end}",
+            "iperf3 UDP through {}: the server saw {seen} datagrams: {end}",
             f.vip
         ));
     }
-    Ok(())
+    if lost.saturating_mul(100) <= seen {
+        return Ok(());
+    }
+    // More lost than that (seen with the 2 CPUs shared by other test
+    // suites: 38 of 1,725 on AF_PACKET): only as many as queues that
+    // overflowed meanwhile dropped, which weir's packet sockets publish
+    // within a second.
+    let unexplained = lost - seen / 100;
+    let mut drops = 0;
+    let explained = wait_for("the overflow counts", || {
+        drops = overflow_drops(topo, cfg)
+            .unwrap_or(0)
+            .saturating_sub(overflowed);
+        drops >= unexplained
+    });
+    explained.map_err(|_| {
+        format!(
+            "iperf3 UDP through {}: the server saw {seen} datagrams, {lost} lost, \
+             {drops} dropped by full queues meanwhile: {end}",
+            f.vip
+        )
+    })
 }
 
 /// redis-benchmark SET and GET against redis-server on both backends
