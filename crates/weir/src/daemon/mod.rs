@@ -180,10 +180,11 @@ impl Daemon {
                 .spawn(move || {
                     let mut rt = tokio::runtime::Builder::new_current_thread();
                     rt.enable_all();
-                    if steer.steers() {
+                    if steer.can_steer() {
                         // The share of time each worker runs: what accept
                         // steering decides by (`steering`). Two clock reads
-                        // per wait for events, none per connection.
+                        // per wait for events when adaptive (one relaxed
+                        // load when spread), none per connection.
                         let (a, b) = (steer.clone(), steer.clone());
                         rt.on_thread_unpark(move || a.unparked(i))
                             .on_thread_park(move || b.parked(i));
@@ -243,7 +244,7 @@ impl Daemon {
         // tasks hold the state, which holds the workers' channels, so
         // nothing ever stopped them (for a library caller; the binary
         // exits on a failed start).
-        if steering.steers() {
+        if steering.can_steer() {
             control_rt.spawn(steering.clone().run());
         }
         let mut handle = DaemonHandle {
@@ -584,6 +585,7 @@ impl Shared {
             notsent_lowat: t.notsent_lowat,
             blocked_window: t.blocked_window,
             backend_rcvbuf: t.backend_rcvbuf,
+            accept_steering: self.steering.mode(),
             ..self.daemon_cfg.clone()
         }
     }
@@ -594,6 +596,7 @@ impl Shared {
         self.access_log.store(d.access_log, Relaxed);
         *self.drain_timeout.lock() = d.drain_timeout.clone();
         self.tuning.set(d);
+        self.steering.set_mode(d.accept_steering);
     }
 
     /// The daemon's clock in nanoseconds (what admission's rate limits use).
@@ -708,7 +711,7 @@ fn open_socket_group(
 
 /// The `[daemon]` keys a reload applies live; any other differing
 /// `[daemon]` key refuses the reload (they take effect at start).
-pub(crate) const LIVE_DAEMON_KEYS: [&str; 7] = [
+pub(crate) const LIVE_DAEMON_KEYS: [&str; 8] = [
     "max_connections",
     "access_log",
     "drain_timeout",
@@ -716,6 +719,7 @@ pub(crate) const LIVE_DAEMON_KEYS: [&str; 7] = [
     "notsent_lowat",
     "blocked_window",
     "backend_rcvbuf",
+    "accept_steering",
 ];
 
 /// `[daemon]`'s buffer and socket options for proxied TCP connections,

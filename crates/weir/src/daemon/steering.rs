@@ -28,10 +28,17 @@
 //! order; then a worker other than the one measured may take the packed
 //! share until the service is next opened: a wrong guess, never a lost
 //! connection.
+//!
+//! A reload switches the mode live ([`Steering::set_mode`]): to adaptive,
+//! `k` starts again at 1 and the controller from a fresh policy; to
+//! spread, worker 0's listeners take their groups' programs off. With more
+//! than one worker the controller, the workers' park hooks and worker 0's
+//! watch of `k` therefore exist in either mode; in spread mode the hooks
+//! return after one relaxed load and the controller reads nothing.
 
 use std::io;
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
@@ -76,7 +83,10 @@ struct WorkerClock {
 /// loops and the controller.
 #[derive(Debug)]
 pub(crate) struct Steering {
-    mode: AcceptSteering,
+    /// The mode is adaptive (else spread); a reload may change it.
+    adaptive: AtomicBool,
+    /// Bumped by every change of mode: the controller starts over.
+    mode_changes: AtomicU64,
     origin: Instant,
     clocks: Box<[WorkerClock]>,
     /// `k`: how many workers (the first ones) take new connections.
@@ -95,7 +105,8 @@ impl Steering {
             workers
         };
         Self {
-            mode,
+            adaptive: AtomicBool::new(mode == AcceptSteering::Adaptive),
+            mode_changes: AtomicU64::new(0),
             origin: Instant::now(),
             clocks,
             active: watch::Sender::new(start),
@@ -107,10 +118,47 @@ impl Steering {
         self.clocks.len()
     }
 
-    /// Whether a controller runs and listeners get a program: adaptive
-    /// mode with more than one worker.
+    /// Whether the controller moves `k` and listeners get a program:
+    /// adaptive mode with more than one worker.
     pub(crate) fn steers(&self) -> bool {
-        self.mode == AcceptSteering::Adaptive && self.workers() > 1
+        self.adaptive.load(Relaxed) && self.workers() > 1
+    }
+
+    /// Whether the controller, the park hooks and worker 0's watch of `k`
+    /// exist: more than one worker, in either mode (a reload may switch).
+    pub(crate) fn can_steer(&self) -> bool {
+        self.workers() > 1
+    }
+
+    /// The mode in force.
+    pub(crate) fn mode(&self) -> AcceptSteering {
+        if self.adaptive.load(Relaxed) {
+            AcceptSteering::Adaptive
+        } else {
+            AcceptSteering::Spread
+        }
+    }
+
+    /// Switches the mode (a reload): adaptive starts again from one
+    /// worker, spread gives every worker its share by the kernel's hash.
+    /// Worker 0's accept loops apply it to their groups as they see the
+    /// `k` published here.
+    pub(crate) fn set_mode(&self, mode: AcceptSteering) {
+        if mode == self.mode() {
+            return;
+        }
+        let adaptive = mode == AcceptSteering::Adaptive;
+        if adaptive {
+            // Stretches begun while spread were not timed: start clean.
+            for c in self.clocks.iter() {
+                c.since.store(0, Relaxed);
+            }
+        }
+        self.adaptive.store(adaptive, Relaxed);
+        self.mode_changes.fetch_add(1, Relaxed);
+        // Published after the mode: a loop that sees this `k` sees the mode.
+        self.active
+            .send_replace(if adaptive { 1 } else { self.workers() });
     }
 
     /// How many workers take new connections now.
@@ -125,6 +173,9 @@ impl Steering {
     /// Worker `i` starts running tasks (tokio's `on_thread_unpark`, and
     /// once when the worker starts).
     pub(crate) fn unparked(&self, i: usize) {
+        if !self.steers() {
+            return;
+        }
         if let Some(c) = self.clocks.get(i) {
             c.since.store(self.now_ns() + 1, Relaxed);
         }
@@ -132,6 +183,9 @@ impl Steering {
 
     /// Worker `i` is about to wait for events (`on_thread_park`).
     pub(crate) fn parked(&self, i: usize) {
+        if !self.steers() {
+            return;
+        }
         if let Some(c) = self.clocks.get(i) {
             let since = c.since.swap(0, Relaxed);
             if since != 0 {
@@ -161,12 +215,17 @@ impl Steering {
     /// listener, if this worker is the one that does (worker 0; the
     /// program is the group's, so one listener of each group is enough).
     pub(crate) fn watcher(&self, worker: usize) -> Option<watch::Receiver<usize>> {
-        (self.steers() && worker == 0).then(|| self.active.subscribe())
+        (self.can_steer() && worker == 0).then(|| self.active.subscribe())
     }
 
-    /// Points `listener`'s reuseport group at its first `k` sockets.
+    /// Points `listener`'s reuseport group at its first `k` sockets when
+    /// steering, else takes the group's program off (the kernel's hash).
     pub(crate) fn apply(&self, listener: &impl AsFd, k: usize) -> io::Result<()> {
-        attach(listener, &program(k, self.workers()))?;
+        if self.steers() {
+            attach(listener, &program(k, self.workers()))?;
+        } else {
+            detach(listener)?;
+        }
         self.applied.fetch_add(1, Relaxed);
         Ok(())
     }
@@ -202,7 +261,7 @@ impl Steering {
     /// What `weir stats` and the metrics show.
     pub(crate) fn stats(&self) -> crate::control::WorkerStats {
         crate::control::WorkerStats {
-            steering: self.mode.as_str().into(),
+            steering: self.mode().as_str().into(),
             accepting: self.active() as u64,
             accepted: self.accepted_by_worker(),
         }
@@ -220,13 +279,24 @@ impl Steering {
         let mut policy = Policy::new(n);
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
-        let mut last = self.sample(read_cpu());
+        let mut changes = self.mode_changes.load(Relaxed);
+        let mut last: Option<Sample> = None;
         loop {
             tick.tick().await;
+            let c = self.mode_changes.load(Relaxed);
+            if c != changes || !self.steers() {
+                // Spread reads nothing; a change of mode starts over from
+                // the next sample with a fresh policy (k = 1, as published).
+                changes = c;
+                policy = Policy::new(n);
+                last = None;
+                continue;
+            }
             let now = self.sample(read_cpu());
-            let (busy, idle) = now.since(&last);
-            last = now;
+            let Some(before) = last.replace(now) else {
+                continue;
+            };
+            let (busy, idle) = last.as_ref().expect("just set").since(&before);
             let before = policy.k;
             let k = policy.tick(&busy, idle);
             // Published only when the policy moves it.
@@ -398,6 +468,26 @@ pub(crate) fn program(k: usize, n: usize) -> Vec<libc::sock_filter> {
             // the socket at index A
             op(libc::BPF_RET | libc::BPF_A, 0),
         ]
+    }
+}
+
+// nix's own macro for a socket option it has no type for.
+use nix::{setsockopt_impl, sockopt_impl};
+sockopt_impl!(
+    /// `SO_DETACH_REUSEPORT_BPF`: takes a reuseport group's program off.
+    DetachReusePortBpf,
+    SetOnly,
+    libc::SOL_SOCKET,
+    libc::SO_DETACH_REUSEPORT_BPF,
+    libc::c_int
+);
+
+/// Takes the program off the reuseport group of `sock` (none there is
+/// fine): the kernel hashes again.
+pub(crate) fn detach(sock: &impl AsFd) -> io::Result<()> {
+    match nix::sys::socket::setsockopt(sock, DetachReusePortBpf, &0) {
+        Err(nix::errno::Errno::ENOENT) => Ok(()),
+        r => r.map_err(io::Error::from),
     }
 }
 
@@ -666,6 +756,44 @@ mod tests {
         let got = s.accepted_by_worker();
         assert_eq!(got.iter().sum::<u64>(), 180, "{got:?}");
         assert!(got[0] > 60 && got[1] > 0 && got[2] == 0, "{got:?}");
+    }
+
+    /// A reload switches the mode live: a spread daemon set to adaptive
+    /// sends the next connections all to worker 0 (k starts at 1), and set
+    /// back to spread takes the program off, so the kernel's hash gives
+    /// every worker some again.
+    #[test]
+    fn the_mode_switches_live() {
+        let (d, addr) = daemon(3, AcceptSteering::Spread);
+        let s = d.shared.steering.clone();
+        let since = |before: &[u64]| -> Vec<u64> {
+            s.accepted_by_worker()
+                .iter()
+                .zip(before)
+                .map(|(a, b)| a - b)
+                .collect()
+        };
+        round_trips(addr, 60);
+        let spread = s.accepted_by_worker();
+        // 60 connections by the hash missing one of three workers: a
+        // chance of 3 * (2/3)^60.
+        assert!(spread.iter().all(|c| *c > 0), "{spread:?}");
+        assert_eq!(s.applied(), 0);
+
+        s.set_mode(AcceptSteering::Adaptive);
+        assert_eq!((s.mode(), s.active()), (AcceptSteering::Adaptive, 1));
+        wait_applied(&s, 1);
+        round_trips(addr, 60);
+        assert_eq!(since(&spread), [60, 0, 0]);
+        assert_eq!(s.stats().steering, "adaptive");
+
+        let packed = s.accepted_by_worker();
+        s.set_mode(AcceptSteering::Spread);
+        assert_eq!((s.mode(), s.active()), (AcceptSteering::Spread, 3));
+        wait_applied(&s, 2);
+        round_trips(addr, 60);
+        let got = since(&packed);
+        assert!(got.iter().all(|c| *c > 0), "{got:?}");
     }
 
     /// "spread": no program, the kernel's hash over every worker.

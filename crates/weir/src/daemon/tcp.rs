@@ -52,7 +52,10 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
     let mut steer = shared.steering.watcher(worker);
     if let Some(rx) = &mut steer {
         let k = *rx.borrow_and_update();
-        steer_group(&shared, &svc, &listener, k);
+        // Spread at start: no program to take off.
+        if shared.steering.steers() {
+            steer_group(&shared, &svc, &listener, k);
+        }
     }
     loop {
         let accepted = tokio::select! {
