@@ -462,7 +462,11 @@ impl AddrRange {
     /// range. A wildcard address (0.0.0.0, ::) is inside only an entry that
     /// names the wildcard itself (full-length prefix): "0.0.0.0/0" allows
     /// every specific IPv4 address, not a bind that captures them all.
+    /// An IPv4-mapped IPv6 address (`[::ffff:10.0.0.5]:80`) is the IPv4
+    /// address it maps to: a socket connects to that, so an IPv6 entry
+    /// ("::/0") must not let it past the IPv4 entries.
     pub fn contains(&self, a: SocketAddr) -> bool {
+        let a = SocketAddr::new(a.ip().to_canonical(), a.port());
         let in_net = match (self.net, a.ip()) {
             (std::net::IpAddr::V4(n), std::net::IpAddr::V4(ip)) => {
                 let mask = u32::MAX
@@ -581,6 +585,7 @@ pub fn parse_fence(key: &str, list: &[String]) -> Result<Vec<AddrRange>, Vec<Str
 /// Whether `addr` passes a fence: an empty fence allows every specific
 /// address but no wildcard when `wildcard_needs_entry`.
 pub fn fence_allows(fence: &[AddrRange], addr: SocketAddr, wildcard_needs_entry: bool) -> bool {
+    let addr = SocketAddr::new(addr.ip().to_canonical(), addr.port());
     if fence.is_empty() {
         return !(wildcard_needs_entry && addr.ip().is_unspecified());
     }
@@ -3145,6 +3150,17 @@ mod tests {
         assert!(fence_allows(&[], a("10.0.0.1:1"), true));
         assert!(!fence_allows(&[], a("0.0.0.0:1"), true));
         assert!(fence_allows(&[], a("0.0.0.0:1"), false));
+        // An IPv4-mapped address is its IPv4 address.
+        let any6 = r("::/0");
+        assert!(
+            !any6.contains(a("[::ffff:127.0.0.1]:22")),
+            "v4-mapped is IPv4"
+        );
+        assert!(host.contains(a("[::ffff:10.0.0.5]:1")));
+        assert!(
+            !fence_allows(&[], a("[::ffff:0.0.0.0]:1"), true),
+            "mapped wildcard"
+        );
     }
 
     /// Found by the config fuzz target: a service with no backends is

@@ -54,6 +54,10 @@ impl std::error::Error for ControlError {}
 /// Result of a control request.
 pub type ControlResult<T> = Result<T, ControlError>;
 
+/// Names the admin API's role ("the full-access token", "the read-only
+/// token") that holds a token, if one does (see [`Control::reserve_tokens`]).
+pub type TokenRoles = std::sync::Arc<dyn Fn(&str) -> Option<&'static str> + Send + Sync>;
+
 /// IPVS-style cumulative counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Totals {
@@ -467,6 +471,11 @@ pub trait Control: Send + Sync + 'static {
     }
     /// The running state in config-file form (`weir save`).
     fn running_config(&self) -> Config;
+    /// The admin API's own tokens, given once as it starts, so that a
+    /// reload (`POST /v1/reload` or SIGHUP) refuses a tenant token one of
+    /// them already is: the API refuses such a token (409) and `weir run`
+    /// at start, but only the API knows a `token_file`'s contents.
+    fn reserve_tokens(&self, _roles: TokenRoles) {}
     /// Calls `f(tenant, token)` for every tenant with a non-empty admin
     /// token. The admin API runs it for every request that presents a
     /// token other than the full and read-only ones, before it knows who is

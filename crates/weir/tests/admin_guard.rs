@@ -487,3 +487,41 @@ fn oversized_content_length_is_refused_up_front() {
     let resp = String::from_utf8_lossy(&buf[..n]);
     assert!(resp.starts_with("HTTP/1.1 413"), "{resp}");
 }
+
+/// A keep-alive connection that made one request with `token` and read its answer.
+fn authed_keepalive(addr: std::net::SocketAddr, token: &str) -> std::net::TcpStream {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    write!(
+        s,
+        "GET /v1/whoami HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n"
+    )
+    .unwrap();
+    let mut buf = [0u8; 4096];
+    let n = s.read(&mut buf).unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    s
+}
+
+/// A tenant token must not shut the operator out: 16 idle keep-alive
+/// connections that authenticated with a tenant token hold a source's
+/// every place (every local client is 127.0.0.1), and the operator's
+/// request from there still gets in (a tenant's connection gives way once
+/// no unauthenticated one is left; the operator's never do).
+#[test]
+fn tenant_keepalives_do_not_shut_out_the_operator() {
+    let srv = serve_tcp();
+    // The per-source cap is 16.
+    let held: Vec<std::net::TcpStream> = (0..16)
+        .map(|_| authed_keepalive(srv.addr, "acme-token"))
+        .collect();
+    let resp = operator_get(srv.addr, std::time::Duration::from_secs(3));
+    assert!(
+        resp.as_ref().is_ok_and(|r| r.starts_with("HTTP/1.1 200")),
+        "the operator is shut out by a tenant's 16 idle keep-alive connections: {resp:?}"
+    );
+    drop(held);
+}

@@ -15,7 +15,7 @@ use weir::config::Protocol;
 mod cli_util;
 mod daemon_util;
 use daemon_util::admin::{Running, TOKEN};
-use daemon_util::{Echo, backend, config, echo_once, held, service, still_echoes};
+use daemon_util::{Echo, backend, config, echo_once, held, service, still_echoes, wait_until};
 
 /// Defect 2: an edit that moves a service to an address it cannot have is
 /// refused (409 for another weir service's address, 503 for another
@@ -633,4 +633,167 @@ fn a_slow_reload_does_not_stall_other_requests() {
         "a GET took {slowest:?} during a {took:?} reload"
     );
     assert!(r.d().service_addr("default", "web").is_some());
+}
+
+/// A health check's `port` makes another port of each backend's host a
+/// target: fenced as the backends are, or a tenant could port-scan past
+/// its `allowed_backends` through `/v1/health` (state, last_error).
+#[test]
+fn health_port_cannot_leave_the_backend_fence() {
+    let echo = Echo::start();
+    // A port on the same host that the fence does not allow.
+    let secret = TcpListener::bind("127.0.0.1:0").unwrap();
+    let secret_port = secret.local_addr().unwrap().port();
+    let (r, _dir, _path) = from_file(&tenant_toml(
+        "acme",
+        &format!(
+            "token = \"acme-tok\"\nallowed_listen = [\"127.0.0.0/8\"]\nallowed_backends = [\"{}\"]",
+            echo.addr
+        ),
+    ));
+    let acme = Client::new(r.url.clone(), Some("acme-tok".into()));
+    // A port nothing listens on.
+    let closed_port = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let body = |name: &str, listen: &str, port: u16| {
+        json!({
+            "tenant": "acme", "name": name, "protocol": "tcp", "listen": listen,
+            "backend": [{ "address": echo.addr.to_string() }],
+            "health": { "interval": "100ms", "timeout": "100ms", "rise": 1, "fall": 1,
+                        "port": port },
+        })
+    };
+    let res = acme.send(
+        "POST",
+        "/v1/services",
+        Some(&body("open", "127.0.0.2:0", secret_port)),
+    );
+    if res.is_ok() {
+        // Show what the tenant learns: the checker connects to ports
+        // outside allowed_backends and tells open from closed.
+        acme.send(
+            "POST",
+            "/v1/services",
+            Some(&body("closed", "127.0.0.3:0", closed_port)),
+        )
+        .expect("second probe");
+        let mut seen = Value::Null;
+        wait_until(Duration::from_secs(5), || {
+            seen = acme.send("GET", "/v1/health", None).unwrap();
+            let by = |n: &str| {
+                seen.as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|e| e["service"] == n)
+                    .map(|e| e["state"].clone())
+            };
+            by("open") == Some(json!("up")) && by("closed") == Some(json!("down"))
+        });
+        panic!(
+            "a tenant token whose allowed_backends is only {} made the health checker probe \
+             {}:{secret_port} (open) and {}:{closed_port} (closed): /v1/health says {seen}",
+            echo.addr,
+            echo.addr.ip(),
+            echo.addr.ip()
+        );
+    }
+    match res {
+        Err(CliError::Api {
+            status, message, ..
+        }) => {
+            assert_eq!(status, 403, "{message}");
+            assert!(message.contains("allowed_backends"), "{message}");
+        }
+        other => panic!("expected 403, got {other:?}"),
+    }
+}
+
+/// An IPv4-mapped IPv6 backend (`[::ffff:A.B.C.D]:P`) is the IPv4 backend
+/// the kernel connects to: an IPv6 fence entry (`::/0`) must not let it
+/// past the IPv4 entries.
+#[test]
+fn v4_mapped_backend_cannot_leave_the_ipv4_fence() {
+    // On 127.0.0.1, which the fence does not allow.
+    let echo = Echo::start();
+    let (r, _dir, _path) = from_file(
+        "[[tenant]]\nname = \"acme\"\ntoken = \"acme-tok\"\n\
+         allowed_listen = [\"127.0.0.0/8\"]\n\
+         allowed_backends = [\"192.0.2.0/24\", \"::/0\"]\n",
+    );
+    let acme = Client::new(r.url.clone(), Some("acme-tok".into()));
+    // Written plainly, the backend is outside the fence (as it should be).
+    let plain = json!({
+        "tenant": "acme", "name": "plain", "protocol": "tcp", "listen": "127.0.0.2:0",
+        "backend": [{ "address": echo.addr.to_string() }],
+    });
+    assert!(matches!(
+        acme.send("POST", "/v1/services", Some(&plain)),
+        Err(CliError::Api { status: 403, .. })
+    ));
+    // The same backend, v4-mapped.
+    let mapped = format!("[::ffff:{}]:{}", echo.addr.ip(), echo.addr.port());
+    let body = json!({
+        "tenant": "acme", "name": "mapped", "protocol": "tcp", "listen": "127.0.0.3:0",
+        "backend": [{ "address": mapped }],
+    });
+    let res = acme.send("POST", "/v1/services", Some(&body));
+    if res.is_ok() {
+        let vip: SocketAddr = r.d().service_addr("acme", "mapped").unwrap();
+        let reached = echo_once(vip, b"outside the fence");
+        panic!(
+            "backend {mapped} (= {}) accepted although allowed_backends has no IPv4 entry for it; \
+             traffic reaches it: {reached}",
+            echo.addr
+        );
+    }
+    match res {
+        Err(CliError::Api {
+            status, message, ..
+        }) => {
+            assert_eq!(status, 403, "{message}");
+        }
+        other => panic!("expected 403, got {other:?}"),
+    }
+}
+
+/// One token, one role, through a reload too: the API refuses (409) a
+/// tenant token that is the full-access token and `weir run` refuses one
+/// at start, but a reload (or SIGHUP) from a file applied it, and whoever
+/// held the tenant's token then had full access. The reload is refused,
+/// nothing applied, the tenant's token still a tenant's.
+#[test]
+fn a_reload_cannot_give_a_tenant_the_full_access_token() {
+    let (r, _dir, path) = from_file(&tenant_toml("acme", "token = \"acme-tok\""));
+    let (status, _) = r.status("PUT", "/v1/tenants/acme", Some(json!({ "token": TOKEN })));
+    assert_eq!(status, 409);
+    std::fs::write(
+        &path,
+        format!(
+            "[daemon]\nworkers = 2\n{}",
+            tenant_toml("acme", &format!("token = \"{TOKEN}\""))
+        ),
+    )
+    .unwrap();
+    match r.api("POST", "/v1/reload", None) {
+        Err(CliError::Api {
+            status: 400,
+            errors,
+            ..
+        }) => assert!(
+            errors.len() == 1
+                && errors[0]
+                    .contains("tenant acme: its token is the same as the full-access token"),
+            "{errors:?}"
+        ),
+        other => panic!("the reload was not refused: {other:?}"),
+    }
+    let whoami = |token: &str| {
+        Client::new(r.url.clone(), Some(token.into()))
+            .send("GET", "/v1/whoami", None)
+            .unwrap()
+    };
+    assert_eq!(whoami(TOKEN)["role"], "full");
+    assert_eq!(whoami("acme-tok")["tenant"], "acme");
 }

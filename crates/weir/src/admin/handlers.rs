@@ -99,13 +99,16 @@ fn require_global(access: &Access, what: &str) -> ApiResult<()> {
 /// `allowed_backends` (backends are also the health-check targets): a
 /// service listens, and its backends point, only inside them, and a
 /// wildcard listen (0.0.0.0, ::) needs an entry naming it even when
-/// `allowed_listen` is empty. Other tokens are not fenced.
+/// `allowed_listen` is empty. A health check's `port` (another port of
+/// each backend's host) is a target too, fenced as the backends are.
+/// Other tokens are not fenced.
 fn check_fence(
     st: &AppState,
     access: &Access,
     tenant: &str,
     listen: Option<std::net::SocketAddr>,
     backends: &[std::net::SocketAddr],
+    health_port: Option<u16>,
 ) -> ApiResult<()> {
     if access.tenant().is_none() {
         return Ok(());
@@ -138,6 +141,15 @@ fn check_fence(
                 "backend {b} is outside tenant {tenant:?}'s allowed_backends ({}): ask the operator",
                 shown(&spec.allowed_backends)
             )));
+        }
+        if let Some(port) = health_port {
+            let target = std::net::SocketAddr::new(b.ip(), port);
+            if !crate::config::fence_allows(&backend_fence, target, false) {
+                return Err(ApiError::forbidden(format!(
+                    "health check port {port} makes {target} a target, outside tenant {tenant:?}'s allowed_backends ({}): ask the operator",
+                    shown(&spec.allowed_backends)
+                )));
+            }
         }
     }
     Ok(())
@@ -340,7 +352,15 @@ pub(crate) async fn add_service(
     check_tenant(&access, &spec.tenant)?;
     check_name("service", &spec.name)?;
     let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
-    check_fence(&st, &access, &spec.tenant, Some(spec.listen), &backends)?;
+    let health_port = spec.options.health.as_ref().and_then(|h| h.port);
+    check_fence(
+        &st,
+        &access,
+        &spec.tenant,
+        Some(spec.listen),
+        &backends,
+        health_port,
+    )?;
     let id = format!("{}/{}", spec.tenant, spec.name);
     st.control.add_service(spec)?;
     Ok(created(id))
@@ -387,7 +407,15 @@ pub(crate) async fn edit_service(
     let spec: ServiceSpec = crate::config::service_from_json(serde_json::Value::Object(obj))
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
     let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
-    check_fence(&st, &access, &tenant, Some(spec.listen), &backends)?;
+    let health_port = spec.options.health.as_ref().and_then(|h| h.port);
+    check_fence(
+        &st,
+        &access,
+        &tenant,
+        Some(spec.listen),
+        &backends,
+        health_port,
+    )?;
     st.control.edit_service(&tenant, &service, spec)?;
     Ok(ok_json(
         serde_json::json!({ "updated": format!("{tenant}/{service}") }),
@@ -415,7 +443,17 @@ pub(crate) async fn add_backend(
     JsonBody(spec): JsonBody<BackendSpec>,
 ) -> ApiResult<Response> {
     check_tenant(&access, &tenant)?;
-    check_fence(&st, &access, &tenant, None, &[spec.address])?;
+    // The service's health check, if it names a port, targets that port
+    // of the new backend's host too.
+    let health_port = if access.tenant().is_some() {
+        st.control
+            .service_spec(&tenant, &service)
+            .and_then(|s| s.options.health)
+            .and_then(|h| h.port)
+    } else {
+        None
+    };
+    check_fence(&st, &access, &tenant, None, &[spec.address], health_port)?;
     let addr = spec.address.to_string();
     st.control.add_backend(&tenant, &service, spec)?;
     Ok(created(format!("{tenant}/{service}/{addr}")))

@@ -9,8 +9,10 @@
 //! * when the places are taken, a new connection evicts the oldest one that
 //!   has not yet presented a valid token (of its own source first when the
 //!   per-source cap is the one reached); connections whose request passed
-//!   authentication are never evicted. A new connection is refused only when
-//!   every place is held by authenticated ones. An operator's connection
+//!   authentication with the full-access or read-only token are never
+//!   evicted, and those of a tenant token only when no unauthenticated one
+//!   is left (a tenant's idle keep-alives must not shut the operator out).
+//!   A new connection is refused only when every place is the operator's. An operator's connection
 //!   sends its head at once, so a flood would have to open more than
 //!   [`MAX_ADMIN_CONNECTIONS`] connections in that moment to shut it out;
 //! * with TLS (`[admin] tls_cert`), the handshake runs after admission, on
@@ -33,7 +35,7 @@ use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -342,14 +344,27 @@ where
     drop(place);
 }
 
+/// A connection that has not presented a valid token.
+const UNAUTHENTICATED: u8 = 0;
+/// A connection whose request presented a tenant token.
+const TENANT: u8 = 1;
+/// A connection whose request presented the full-access or read-only token.
+const OPERATOR: u8 = 2;
+
 /// Marks a connection's request as authenticated (a request extension the
-/// auth middleware sets); such a connection is never evicted.
+/// auth middleware sets). An operator's connection (full-access or
+/// read-only token) is never evicted; a tenant's only when no
+/// unauthenticated connection is left to evict, so tenants (who may not be
+/// trusted with the operator's access) cannot hold every place against
+/// the operator with idle keep-alive connections.
 #[derive(Debug, Clone)]
-pub(crate) struct Authed(Arc<AtomicBool>);
+pub(crate) struct Authed(Arc<AtomicU8>);
 
 impl Authed {
-    pub(crate) fn mark(&self) {
-        self.0.store(true, Relaxed);
+    /// `tenant`: the token was a tenant's.
+    pub(crate) fn mark(&self, tenant: bool) {
+        self.0
+            .fetch_max(if tenant { TENANT } else { OPERATOR }, Relaxed);
     }
 }
 
@@ -365,7 +380,7 @@ struct Places {
 #[derive(Debug)]
 struct Entry {
     source: Option<IpAddr>,
-    authed: Arc<AtomicBool>,
+    authed: Arc<AtomicU8>,
     evict: CancellationToken,
 }
 
@@ -374,7 +389,7 @@ struct Entry {
 struct Place {
     places: Arc<Places>,
     id: u64,
-    authed: Arc<AtomicBool>,
+    authed: Arc<AtomicU8>,
     evicted: CancellationToken,
 }
 
@@ -410,7 +425,7 @@ impl Places {
             return None;
         }
         let id = self.next.fetch_add(1, Relaxed);
-        let authed = Arc::new(AtomicBool::new(false));
+        let authed = Arc::new(AtomicU8::new(UNAUTHENTICATED));
         let evicted = CancellationToken::new();
         m.insert(
             id,
@@ -429,11 +444,15 @@ impl Places {
     }
 }
 
+/// Evicts the oldest unauthenticated connection that `pick` picks, else
+/// the oldest tenant-authenticated one; never an operator's.
 fn evict_oldest(m: &mut BTreeMap<u64, Entry>, pick: impl Fn(&Entry) -> bool) -> bool {
-    let victim = m
-        .iter()
-        .find(|(_, e)| !e.authed.load(Relaxed) && pick(e))
-        .map(|(id, _)| *id);
+    let oldest = |level: u8| {
+        m.iter()
+            .find(|(_, e)| e.authed.load(Relaxed) == level && pick(e))
+            .map(|(id, _)| *id)
+    };
+    let victim = oldest(UNAUTHENTICATED).or_else(|| oldest(TENANT));
     match victim.and_then(|id| m.remove(&id)) {
         Some(e) => {
             e.evict.cancel();
@@ -543,7 +562,7 @@ mod tests {
         let a: IpAddr = "192.0.2.1".parse().unwrap();
         let b: IpAddr = "192.0.2.2".parse().unwrap();
         let a1 = p.admit(Some(a)).unwrap();
-        a1.authed.store(true, Relaxed);
+        a1.authed.store(OPERATOR, Relaxed);
         let a2 = p.admit(Some(a)).unwrap();
         // Per-source cap: a's third evicts a2 (a1 is authenticated).
         let a3 = p.admit(Some(a)).unwrap();
@@ -555,10 +574,28 @@ mod tests {
         assert!(b1.evicted.is_cancelled() || p.inner.lock().len() <= 3);
         // All places authenticated: refused.
         for e in p.inner.lock().values() {
-            e.authed.store(true, Relaxed);
+            e.authed.store(OPERATOR, Relaxed);
         }
         assert!(p.admit(None).is_none());
         drop(a1);
         assert!(p.admit(None).is_some());
+    }
+
+    #[test]
+    fn tenant_connections_give_way_after_unauthenticated_ones() {
+        let p = Places::new(3, 3);
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
+        let t1 = p.admit(Some(a)).unwrap();
+        Authed(t1.authed.clone()).mark(true);
+        let u1 = p.admit(Some(a)).unwrap();
+        let o1 = p.admit(Some(a)).unwrap();
+        Authed(o1.authed.clone()).mark(false);
+        // The unauthenticated one goes first, though younger.
+        let n1 = p.admit(Some(a)).unwrap();
+        assert!(u1.evicted.is_cancelled() && !t1.evicted.is_cancelled());
+        Authed(n1.authed.clone()).mark(false);
+        // Then the tenant's; never an operator's.
+        let _n2 = p.admit(Some(a)).unwrap();
+        assert!(t1.evicted.is_cancelled() && !o1.evicted.is_cancelled());
     }
 }

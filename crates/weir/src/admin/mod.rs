@@ -106,6 +106,10 @@ pub async fn bind(cfg: &AdminConfig, control: Arc<dyn Control>) -> anyhow::Resul
             );
         }
     }
+    {
+        let tokens = tokens.clone();
+        control.reserve_tokens(Arc::new(move |tok: &str| tokens.role_of(tok)));
+    }
     let app = router(control, tokens, cfg.metrics_public);
     let listener = if let Some(path) = cfg.listen.strip_prefix("unix:") {
         let path = std::path::PathBuf::from(path);
@@ -416,7 +420,7 @@ async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) 
             .into_response();
     }
     if let Some(a) = req.extensions().get::<limit::Authed>() {
-        a.mark();
+        a.mark(matches!(access, Access::Tenant(_)));
     }
     req.extensions_mut().insert(access);
     next.run(req).await

@@ -183,6 +183,19 @@ impl LiveControl {
                 ));
             }
         }
+        // One token, one role: the API and `weir run` refuse a tenant token
+        // that is the full-access or read-only token; so does a reload.
+        if let Some(roles) = self.0.reserved_tokens.0.get() {
+            for t in &new.tenants {
+                if let Some(role) = t.token.as_deref().and_then(|tok| roles(tok.trim())) {
+                    errors.push(format!(
+                        "tenant {}: its token is the same as {role}: a token may hold one \
+                         role only; give each its own",
+                        t.name
+                    ));
+                }
+            }
+        }
         // The snapshot itself, not a copy of its maps (O(services)).
         let st = arc_swap::Guard::into_inner(self.0.model.load());
         let (tenants, services) = (&st.tenants, &st.services);
@@ -1131,6 +1144,10 @@ impl Control for LiveControl {
                 f(&spec.name, tok);
             }
         }
+    }
+
+    fn reserve_tokens(&self, roles: crate::control::TokenRoles) {
+        let _ = self.0.reserved_tokens.0.set(roles);
     }
 
     fn running_config(&self) -> Config {

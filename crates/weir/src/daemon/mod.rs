@@ -234,6 +234,7 @@ impl Daemon {
             access_log: AtomicBool::new(config.daemon.access_log),
             drain_timeout: parking_lot::Mutex::new(config.daemon.drain_timeout.clone()),
             tuning: Tuning::new(&config.daemon),
+            reserved_tokens: ReservedTokens::default(),
             packet: std::sync::OnceLock::new(),
             packet_rt: std::sync::OnceLock::new(),
         });
@@ -562,6 +563,9 @@ pub(crate) struct Shared {
     /// The proxy's buffer and socket options, read per new connection:
     /// a reload changes them for connections opened after it.
     pub(crate) tuning: Tuning,
+    /// The admin API's tokens, which no tenant token may be
+    /// ([`crate::control::Control::reserve_tokens`]).
+    pub(crate) reserved_tokens: ReservedTokens,
     /// Packet mode's shared part, when `[packet]` is configured.
     pub(crate) packet: std::sync::OnceLock<Arc<packet::PacketPath>>,
     /// Packet mode's attached interfaces.
@@ -721,6 +725,18 @@ pub(crate) const LIVE_DAEMON_KEYS: [&str; 8] = [
     "backend_rcvbuf",
     "accept_steering",
 ];
+
+/// [`Shared::reserved_tokens`]: set once, by the admin API as it starts.
+#[derive(Default)]
+pub(crate) struct ReservedTokens(pub(crate) std::sync::OnceLock<crate::control::TokenRoles>);
+
+impl std::fmt::Debug for ReservedTokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the tokens themselves.
+        let set = self.0.get().is_some();
+        f.debug_struct("ReservedTokens").field("set", &set).finish()
+    }
+}
 
 /// `[daemon]`'s buffer and socket options for proxied TCP connections,
 /// read once per new connection ([`Tuning::get`]: four relaxed loads), so
