@@ -461,6 +461,19 @@ impl Table {
         }
     }
 
+    /// [`chain_stats`](Self::chain_stats) without reading a bucket: the
+    /// counts and the bucket count only (no histogram, `max_chain` 0).
+    pub(crate) fn counts_only(&self, guard: &Guard) -> ChainStats {
+        let ix = self.index(guard);
+        ChainStats {
+            hist: Vec::new(),
+            entries: self.entries(),
+            replies: self.replies(),
+            max_chain: 0,
+            buckets: ix.len(),
+        }
+    }
+
     pub(crate) fn memory_bytes(&self, guard: &Guard) -> usize {
         let ix = self.index(guard);
         ix.bytes() + ix.successor().map_or(0, |s| s.bytes())

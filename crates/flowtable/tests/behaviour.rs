@@ -796,3 +796,46 @@ fn touch_hit_names_the_entry_and_its_owner() {
     t.remove_handle(h).unwrap();
     assert_eq!(t.lookup(&key(1, 1)), None);
 }
+
+/// A tenant's own view of its stats reads no bucket of the shared table
+/// (O(1) whatever the table holds): the same counts, bucket count and
+/// placement as `tenant_stats`, without the chain figures, which are
+/// every tenant's load. An own table's tenant gets `tenant_stats`.
+#[test]
+fn tenant_own_stats_read_no_shared_bucket() {
+    let t = table_with(&[(1, 0), (2, 0), (3, 16)], cfg(64, 64));
+    for tn in 1..=3u32 {
+        for i in 0..5u16 {
+            t.insert(key(tn, i), init(FlowState::Udp), Millis(0))
+                .unwrap();
+        }
+    }
+    let before = t.chain_scans();
+    let own = t.tenant_own_stats(TenantId(1)).unwrap();
+    assert_eq!(
+        t.chain_scans(),
+        before,
+        "the shared table's buckets were read"
+    );
+    let full = t.tenant_stats(TenantId(1)).unwrap();
+    assert_eq!(
+        (own.entries, own.table_entries, own.buckets, own.placement),
+        (
+            full.entries,
+            full.table_entries,
+            full.buckets,
+            full.placement
+        )
+    );
+    assert_eq!(own.load_factor, full.load_factor);
+    assert!(own.chain_histogram.is_empty() && own.max_chain == 0);
+    assert!(!full.chain_histogram.is_empty());
+    let before = t.chain_scans();
+    assert_eq!(t.tenant_own_stats(TenantId(3)), t.tenant_stats(TenantId(3)));
+    assert_eq!(
+        t.chain_scans() - before,
+        2,
+        "an own table is read as before"
+    );
+    assert_eq!(t.tenant_own_stats(TenantId(9)), None);
+}

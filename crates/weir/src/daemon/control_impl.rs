@@ -1114,7 +1114,9 @@ impl Control for LiveControl {
         let Some(t) = self.0.model.load().tenants.get(tenant).cloned() else {
             return Vec::new();
         };
-        let st = self.0.conns.table.tenant_stats(TenantId(t.id));
+        // What the tenant may see: a tenant sharing the table does not get
+        // (nor pay for) the shared table's chain figures.
+        let st = self.0.conns.table.tenant_own_stats(TenantId(t.id));
         st.map(|st| table_report(tenant.to_string(), st))
             .into_iter()
             .collect()
