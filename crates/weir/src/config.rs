@@ -424,6 +424,11 @@ pub struct TenantSpec {
     /// Cap on new connections + sessions per second; 0 = unlimited.
     #[serde(default)]
     pub max_new_per_s: u64,
+    /// Cap on this tenant's services (each holds a socket per worker of
+    /// the daemon's descriptors, shared by every tenant); 0 = unlimited.
+    /// Adding one past it is refused, whoever adds it (API, reload, start).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub max_services: u64,
     /// Tenant-scoped admin token: sees and changes only this tenant.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
@@ -901,6 +906,9 @@ fn is_zero(v: &u64) -> bool {
     *v == 0
 }
 fn is_zero_usize(v: &usize) -> bool {
+    *v == 0
+}
+fn is_zero_u64(v: &u64) -> bool {
     *v == 0
 }
 fn is_false(v: &bool) -> bool {
@@ -1630,6 +1638,19 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         for (key, message) in tenant_table_problems(t) {
             err(&[base[0].clone(), base[1].clone(), k(key)], message);
         }
+        if t.max_services > 0 {
+            let n = c.services.iter().filter(|s| s.tenant == t.name).count() as u64;
+            if n > t.max_services {
+                err(
+                    &[base[0].clone(), base[1].clone(), k("max_services")],
+                    format!(
+                        "tenant {:?} has {n} services in this file, over its max_services ({}): \
+                         raise it or remove services",
+                        t.name, t.max_services
+                    ),
+                );
+            }
+        }
     }
 
     for (path, message) in duplicate_tokens(c) {
@@ -2333,6 +2354,7 @@ const TENANT_KEYS: &[(&str, Kind)] = &[
     ("max_table_entries", Kind::Int),
     ("max_connections", Kind::Int),
     ("max_new_per_s", Kind::Int),
+    ("max_services", Kind::Int),
     ("token", Kind::Str),
     ("timeouts", Kind::Table),
     ("allowed_listen", Kind::Strs),
@@ -2791,6 +2813,7 @@ mod tests {
                 max_table_entries: 8192,
                 max_connections: 1,
                 max_new_per_s: 1,
+                max_services: 0,
                 token: Some("z".into()),
                 timeouts: TimeoutsSpec {
                     established: Some("1h".parse().unwrap()),

@@ -797,3 +797,90 @@ fn a_reload_cannot_give_a_tenant_the_full_access_token() {
     assert_eq!(whoami(TOKEN)["role"], "full");
     assert_eq!(whoami("acme-tok")["tenant"], "acme");
 }
+
+/// `max_services`: each service holds a socket per worker of the daemon's
+/// descriptors, which every tenant shares, so a tenant token could add
+/// services until no one could accept. A tenant holds at most its
+/// `max_services`, whoever adds them (its token, the operator, a reload);
+/// one deleted makes room; a lowered cap keeps what is there.
+#[test]
+fn a_tenant_holds_at_most_its_max_services() {
+    let echo = Echo::start();
+    let (r, _dir, path) = from_file(&tenant_toml(
+        "acme",
+        "token = \"acme-tok\"\nmax_services = 2",
+    ));
+    let acme = Client::new(r.url.clone(), Some("acme-tok".into()));
+    let body = |name: &str| {
+        json!({
+            "tenant": "acme", "name": name, "protocol": "tcp", "listen": "127.0.0.1:0",
+            "backend": [{ "address": echo.addr.to_string() }],
+        })
+    };
+    for name in ["s1", "s2"] {
+        acme.send("POST", "/v1/services", Some(&body(name)))
+            .unwrap_or_else(|e| panic!("{name}: {e:?}"));
+    }
+    for client in [&acme, &r.client] {
+        match client.send("POST", "/v1/services", Some(&body("s3"))) {
+            Err(CliError::Api {
+                status: 409,
+                message,
+                ..
+            }) => assert!(
+                message.contains("tenant \"acme\" holds 2 services, its max_services (2)"),
+                "{message}"
+            ),
+            other => panic!("a third service: {other:?}"),
+        }
+    }
+    // Another tenant is not counted against acme, nor acme against it.
+    let mut other = body("s3");
+    other["tenant"] = json!("default");
+    r.client.send("POST", "/v1/services", Some(&other)).unwrap();
+    // Edited in place: still two.
+    let mut s1 = body("s1");
+    s1["scheduler"] = json!("wrr");
+    acme.send("PUT", "/v1/services/acme/s1", Some(&s1)).unwrap();
+    acme.send("DELETE", "/v1/services/acme/s2", None).unwrap();
+    acme.send("POST", "/v1/services", Some(&body("s3")))
+        .unwrap();
+    let vip = r.d().service_addr("acme", "s3").unwrap();
+    assert!(echo_once(vip, b"room again"));
+    // A reload giving acme a third service is refused, nothing applied
+    // (the file's own check; the API's additions are in it).
+    write(
+        &path,
+        &format!(
+            "{}{}{}{}{}",
+            tenant_toml("acme", "token = \"acme-tok\"\nmax_services = 2"),
+            service_toml("default", "s3", &[echo.addr]),
+            service_toml("acme", "s1", &[echo.addr]),
+            service_toml("acme", "s3", &[echo.addr]),
+            service_toml("acme", "s4", &[echo.addr]),
+        ),
+    );
+    let reload = r.api("POST", "/v1/reload", None);
+    assert!(
+        matches!(
+            &reload,
+            Err(CliError::Api { status: 400, errors, .. })
+                if errors.len() == 1 && errors[0].contains("has 3 services in this file, over its max_services (2)")
+        ),
+        "the reload was not refused: {reload:?}"
+    );
+    assert_eq!(r.d().service_addr("acme", "s4"), None, "applied in part");
+    // Lowered to 1: both stay, a new one is refused.
+    r.client
+        .send(
+            "PUT",
+            "/v1/tenants/acme",
+            Some(&json!({ "max_services": 1 })),
+        )
+        .unwrap();
+    assert!(r.d().service_addr("acme", "s1").is_some());
+    assert!(matches!(
+        acme.send("POST", "/v1/services", Some(&body("s5"))),
+        Err(CliError::Api { status: 409, .. })
+    ));
+}

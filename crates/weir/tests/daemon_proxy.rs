@@ -489,6 +489,7 @@ fn deleting_a_tenant_closes_and_purges_only_its_connections() {
             max_table_entries: 0,
             max_connections: 0,
             max_new_per_s: 0,
+            max_services: 0,
             token: None,
             timeouts: Default::default(),
             allowed_listen: Vec::new(),

@@ -244,6 +244,9 @@ pub enum TenantCmd {
         /// Cap on new connections + sessions per second; 0 = unlimited.
         #[arg(long, default_value_t = 0)]
         max_new_per_s: u64,
+        /// Cap on this tenant's services; 0 = unlimited.
+        #[arg(long, default_value_t = 0)]
+        max_services: u64,
         /// Tenant-scoped admin token.
         #[arg(long)]
         tenant_token: Option<String>,
@@ -259,6 +262,10 @@ pub enum TenantCmd {
         /// Cap on new connections + sessions per second; 0 = unlimited.
         #[arg(long)]
         max_new_per_s: Option<u64>,
+        /// Cap on this tenant's services; 0 = unlimited (services it holds
+        /// beyond a lowered cap stay).
+        #[arg(long)]
+        max_services: Option<u64>,
         /// New tenant-scoped admin token.
         #[arg(long, conflicts_with = "no_tenant_token")]
         tenant_token: Option<String>,
@@ -615,11 +622,13 @@ fn tenant(cmd: TenantCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             table_entries,
             max_connections,
             max_new_per_s,
+            max_services,
             tenant_token,
         } => {
             let mut body = json!({
                 "name": name, "table_entries": table_entries,
                 "max_connections": max_connections, "max_new_per_s": max_new_per_s,
+                "max_services": max_services,
             });
             if let Some(t) = tenant_token {
                 body["token"] = json!(t);
@@ -631,6 +640,7 @@ fn tenant(cmd: TenantCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             name,
             max_connections,
             max_new_per_s,
+            max_services,
             tenant_token,
             no_tenant_token,
             timeouts,
@@ -642,6 +652,9 @@ fn tenant(cmd: TenantCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             }
             if let Some(v) = max_new_per_s {
                 body.insert("max_new_per_s".into(), json!(v));
+            }
+            if let Some(v) = max_services {
+                body.insert("max_services".into(), json!(v));
             }
             if let Some(t) = tenant_token {
                 body.insert("token".into(), json!(t));

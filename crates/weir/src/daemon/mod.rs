@@ -442,6 +442,7 @@ fn default_tenant_spec() -> TenantSpec {
         max_table_entries: 0,
         max_connections: 0,
         max_new_per_s: 0,
+        max_services: 0,
         token: None,
         timeouts: Default::default(),
         allowed_listen: Vec::new(),

@@ -414,6 +414,47 @@ pub(crate) struct ServiceParams {
     pub(crate) profile: u16,
 }
 
+/// Refuses a new service `spec` when its tenant holds its `max_services`
+/// already. `held` caches each tenant's count for a batch (counted from
+/// the model once, O(its services); the caller adds each service it
+/// opens). A service that exists, or a tenant that does not, is left to
+/// `open_service`'s own errors.
+fn service_quota(
+    st: &State,
+    spec: &ServiceSpec,
+    held: &mut HashMap<String, u64>,
+) -> crate::control::ControlResult<()> {
+    use crate::control::{ControlError, ErrorKind};
+    let Some(t) = st.tenants.get(&spec.tenant) else {
+        return Ok(());
+    };
+    let max = t.spec.read().max_services;
+    if max == 0
+        || st
+            .services
+            .contains_key(&(spec.tenant.clone(), spec.name.clone()))
+    {
+        return Ok(());
+    }
+    let n = *held.entry(spec.tenant.clone()).or_insert_with(|| {
+        st.services
+            .range((spec.tenant.clone(), String::new())..)
+            .take_while(|((t, _), _)| *t == spec.tenant)
+            .count() as u64
+    });
+    if n >= max {
+        return Err(ControlError::new(
+            ErrorKind::Conflict,
+            format!(
+                "tenant {:?} holds {n} services, its max_services ({max}): delete one first, \
+                 or raise the tenant's max_services",
+                spec.tenant
+            ),
+        ));
+    }
+    Ok(())
+}
+
 #[derive(Debug)]
 pub(crate) struct BackendSet {
     pub(crate) sched: Scheduler,
@@ -751,6 +792,7 @@ impl Shared {
         self: &Arc<Self>,
         spec: ServiceSpec,
     ) -> crate::control::ControlResult<()> {
+        // (`max_services` is checked in `put_services`.)
         self.put_service(spec, false)
     }
 
@@ -822,9 +864,21 @@ impl Shared {
             .lock()
             .retain(|(_, _, s)| s.strong_count() > 0);
         let mut opened = Vec::new();
+        // Services each tenant of the batch holds, counted when a tenant
+        // with a `max_services` first adds one, then kept up to date.
+        let mut held: HashMap<String, u64> = HashMap::new();
         for (i, r) in checked {
-            match r.and_then(|(spec, params)| self.open_service(&st, spec, params, replace)) {
+            let r = r.and_then(|(spec, params)| {
+                if !replace {
+                    service_quota(&st, &spec, &mut held)?;
+                }
+                self.open_service(&st, spec, params, replace)
+            });
+            match r {
                 Ok(Opened { key, svc, sockets }) => {
+                    if let Some(n) = held.get_mut(&key.0) {
+                        *n += 1;
+                    }
                     let replaced = st.services.insert(key, svc.clone());
                     opened.push((svc, sockets, replaced));
                 }
