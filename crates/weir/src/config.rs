@@ -429,6 +429,15 @@ pub struct TenantSpec {
     /// Adding one past it is refused, whoever adds it (API, reload, start).
     #[serde(default, skip_serializing_if = "is_zero_u64")]
     pub max_services: u64,
+    /// Shortest `[service.health] interval` this tenant's token may give
+    /// one of the tenant's services (checks/s = services x backends /
+    /// interval, run on the admin/health runtime every tenant shares);
+    /// absent = [`DEFAULT_MIN_HEALTH_INTERVAL`]. A check that omits its
+    /// interval counts with the default it gets. The full-access token and
+    /// the config file are not held to it (the operator is trusted); a
+    /// changed floor leaves the services already there as they are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_health_interval: Option<Dur<HealthInterval>>,
     /// Tenant-scoped admin token: sees and changes only this tenant.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
@@ -445,6 +454,19 @@ pub struct TenantSpec {
     /// token may use; empty = any.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allowed_backends: Vec<String>,
+}
+
+/// `[[tenant]] min_health_interval` when absent.
+pub const DEFAULT_MIN_HEALTH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl TenantSpec {
+    /// The shortest health-check interval this tenant's token may set:
+    /// `min_health_interval`, or [`DEFAULT_MIN_HEALTH_INTERVAL`].
+    pub fn health_interval_floor(&self) -> std::time::Duration {
+        self.min_health_interval
+            .as_ref()
+            .map_or(DEFAULT_MIN_HEALTH_INTERVAL, Dur::get)
+    }
 }
 
 /// A fence entry of `allowed_listen` / `allowed_backends`: `CIDR[:PORTS]`,
@@ -2355,6 +2377,7 @@ const TENANT_KEYS: &[(&str, Kind)] = &[
     ("max_connections", Kind::Int),
     ("max_new_per_s", Kind::Int),
     ("max_services", Kind::Int),
+    ("min_health_interval", Kind::Dur(HEALTH_INTERVAL_BOUNDS)),
     ("token", Kind::Str),
     ("timeouts", Kind::Table),
     ("allowed_listen", Kind::Strs),
@@ -2814,6 +2837,7 @@ mod tests {
                 max_connections: 1,
                 max_new_per_s: 1,
                 max_services: 0,
+                min_health_interval: Some("250ms".parse().unwrap()),
                 token: Some("z".into()),
                 timeouts: TimeoutsSpec {
                     established: Some("1h".parse().unwrap()),
@@ -3430,6 +3454,68 @@ mod tests {
             .to_string();
         assert!(e.contains("is outside 0s..=30days; use e.g."), "{e}");
         assert!(huge.parse::<Dur<Persistence>>().is_err());
+    }
+
+    /// `[[tenant]] min_health_interval`: a duration with the health
+    /// interval's bounds, named by its key path when it does not parse or
+    /// is out of bounds; absent, the tenant's floor is 1s.
+    #[test]
+    fn min_health_interval_is_a_bounded_duration() {
+        let tenant = |extra: &str| format!("[[tenant]]\nname = \"acme\"\n{extra}");
+        let c = parse(&tenant(""), "f.toml").unwrap();
+        assert_eq!(c.tenants[0].min_health_interval, None);
+        assert_eq!(
+            c.tenants[0].health_interval_floor(),
+            std::time::Duration::from_secs(1)
+        );
+        let c = parse(&tenant("min_health_interval = \"250ms\"\n"), "f.toml").unwrap();
+        assert_eq!(
+            c.tenants[0].health_interval_floor(),
+            std::time::Duration::from_millis(250)
+        );
+        // It serialises as written.
+        assert!(
+            toml::to_string(&c)
+                .unwrap()
+                .contains("min_health_interval = \"250ms\""),
+        );
+        // The edges of the health interval's bounds are accepted.
+        for edge in ["1ms", "1h"] {
+            parse(
+                &tenant(&format!("min_health_interval = \"{edge}\"\n")),
+                "f.toml",
+            )
+            .unwrap_or_else(|e| panic!("{edge}: {e:?}"));
+        }
+        for (value, hint) in [
+            ("\"soon\"", "is not a duration"),
+            ("\"0s\"", "is outside 1ms..=1h; use e.g."),
+            ("\"2h\"", "is outside 1ms..=1h; use e.g."),
+            ("5", "expected"),
+        ] {
+            let got = parse(
+                &tenant(&format!("min_health_interval = {value}\n")),
+                "f.toml",
+            )
+            .unwrap_err();
+            assert!(
+                got.len() == 1
+                    && got[0].key == "tenant[0].min_health_interval"
+                    && got[0].line == Some(3)
+                    && got[0].message.contains(hint),
+                "{value}: {got:?}"
+            );
+        }
+        // The admin API's tenant body parses the same type, same bounds.
+        let e = from_json::<TenantSpec>(
+            serde_json::json!({ "name": "acme", "min_health_interval": "0s" }),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("min_health_interval: ") && e.contains("is outside 1ms..=1h"),
+            "{e}"
+        );
     }
 
     /// Issue 10 #11: reporting every error of a large file took time

@@ -407,6 +407,8 @@ fn e2e_tenant_service_backend_changes() {
         "2048",
         "--max-connections",
         "9",
+        "--min-health-interval",
+        "2s",
     ]));
     let out = ok(s.weir(&["tenant", "list"]));
     assert!(out.contains("initech"), "{out}");
@@ -428,6 +430,8 @@ fn e2e_tenant_service_backend_changes() {
         "established=1h",
         "--timeout",
         "udp=60s",
+        "--min-health-interval",
+        "5s",
     ]));
     assert_eq!(out, "tenant initech updated\n");
     ok(s.weir(&["tenant", "edit", "initech", "--timeout", "udp=default"]));
@@ -445,6 +449,34 @@ fn e2e_tenant_service_backend_changes() {
         Some("1h")
     );
     assert_eq!(t.timeouts.udp, None, "KEY=default drops the key");
+    assert_eq!(
+        t.min_health_interval.map(|d| d.to_string()).as_deref(),
+        Some("5s")
+    );
+    // Parsed as the key is, with the health interval's bounds: a bad
+    // value is a usage error naming the option.
+    for (bad, why) in [
+        ("0s", "is outside 1ms..=1h"),
+        ("2h", "is outside 1ms..=1h"),
+        ("soon", "is not a duration"),
+    ] {
+        let argv = [
+            "weir",
+            "tenant",
+            "edit",
+            "initech",
+            "--min-health-interval",
+            bad,
+        ];
+        let e = match <cli_util::Cli as clap::Parser>::try_parse_from(argv) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{bad} was accepted"),
+        };
+        assert!(
+            e.contains("--min-health-interval") && e.contains(why),
+            "{bad}: {e}"
+        );
+    }
     let r = s.weir(&["tenant", "edit", "initech", "--table-entries", "4096"]);
     assert_eq!(r.0, ExitCode::from(1));
     assert!(r.2.contains("table_entries cannot change"), "{}", r.2);

@@ -647,7 +647,8 @@ fn health_port_cannot_leave_the_backend_fence() {
     let (r, _dir, _path) = from_file(&tenant_toml(
         "acme",
         &format!(
-            "token = \"acme-tok\"\nallowed_listen = [\"127.0.0.0/8\"]\nallowed_backends = [\"{}\"]",
+            "token = \"acme-tok\"\nallowed_listen = [\"127.0.0.0/8\"]\nallowed_backends = [\"{}\"]\n\
+             min_health_interval = \"100ms\"",
             echo.addr
         ),
     ));
@@ -796,6 +797,189 @@ fn a_reload_cannot_give_a_tenant_the_full_access_token() {
     };
     assert_eq!(whoami(TOKEN)["role"], "full");
     assert_eq!(whoami("acme-tok")["tenant"], "acme");
+}
+
+/// `min_health_interval`: health checks run on the admin/health runtime
+/// every tenant shares, at services x backends / interval checks a second,
+/// so a tenant token setting `interval = "1ms"` would take it from the
+/// others. A tenant token may not give its tenant's services a check whose
+/// effective interval (the default "2s" when the request names none) is
+/// below the floor (default 1s), adding or editing; the operator may; a
+/// raised floor leaves what is there, and keeping it is not shortening it.
+#[test]
+fn a_tenant_token_keeps_health_checks_above_its_floor() {
+    let echo = Echo::start();
+    let (r, _dir, _path) = from_file(&format!(
+        "{}{}",
+        tenant_toml(
+            "acme",
+            "token = \"acme-tok\"\nmin_health_interval = \"500ms\""
+        ),
+        tenant_toml("globex", "token = \"globex-tok\""),
+    ));
+    let acme = Client::new(r.url.clone(), Some("acme-tok".into()));
+    let globex = Client::new(r.url.clone(), Some("globex-tok".into()));
+    let body = |tenant: &str, name: &str, health: Option<Value>| {
+        let mut b = json!({
+            "tenant": tenant, "name": name, "protocol": "tcp", "listen": "127.0.0.1:0",
+            "backend": [{ "address": echo.addr.to_string() }],
+        });
+        if let Some(h) = health {
+            b["health"] = h;
+        }
+        b
+    };
+    let every = |iv: &str| Some(json!({ "interval": iv, "timeout": "50ms" }));
+    let refused = |res: Result<Value, CliError>, want: &[&str]| match res {
+        Err(CliError::Api {
+            status, message, ..
+        }) => {
+            assert_eq!(status, 403, "{message}");
+            for w in want {
+                assert!(message.contains(w), "{w:?} not in {message}");
+            }
+        }
+        other => panic!("not refused: {other:?}"),
+    };
+    let listed = |c: &Client| -> Vec<String> {
+        let mut v: Vec<String> = c
+            .send("GET", "/v1/services", None)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                format!(
+                    "{}/{}",
+                    s["tenant"].as_str().unwrap(),
+                    s["name"].as_str().unwrap()
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let interval = |tenant: &str, name: &str| {
+        r.ok("GET", &format!("/v1/services/{tenant}/{name}"), None)["health"]["interval"].clone()
+    };
+
+    // Below the floor: refused, naming the key, the interval and the
+    // floor; nothing added.
+    refused(
+        acme.send(
+            "POST",
+            "/v1/services",
+            Some(&body("acme", "fast", every("100ms"))),
+        ),
+        &[
+            "min_health_interval",
+            "100ms",
+            "500ms",
+            "tenant \"acme\"",
+            "ask the operator",
+        ],
+    );
+    assert!(listed(&acme).is_empty(), "{:?}", listed(&acme));
+    assert_eq!(r.d().service_addr("acme", "fast"), None);
+    // A tenant without the key has the default floor, 1s.
+    refused(
+        globex.send(
+            "POST",
+            "/v1/services",
+            Some(&body("globex", "fast", every("999ms"))),
+        ),
+        &["min_health_interval", "999ms", "1s, the default"],
+    );
+    assert!(listed(&globex).is_empty());
+    globex
+        .send(
+            "POST",
+            "/v1/services",
+            Some(&body("globex", "web", every("1s"))),
+        )
+        .unwrap();
+    // At the floor: accepted.
+    acme.send(
+        "POST",
+        "/v1/services",
+        Some(&body("acme", "web", every("500ms"))),
+    )
+    .unwrap();
+    assert_eq!(listed(&acme), ["acme/web"]);
+
+    // Edited in place below the floor: refused, the service unchanged.
+    let path = "/v1/services/acme/web";
+    let before = r.ok("GET", path, None);
+    refused(
+        acme.send("PUT", path, Some(&body("acme", "web", every("200ms")))),
+        &["min_health_interval", "200ms", "500ms"],
+    );
+    assert_eq!(r.ok("GET", path, None), before);
+    acme.send("PUT", path, Some(&body("acme", "web", every("1s"))))
+        .unwrap();
+    assert_eq!(interval("acme", "web"), "1s");
+
+    // The operator raises the floor: what is there stays.
+    r.client
+        .send(
+            "PUT",
+            "/v1/tenants/acme",
+            Some(&json!({ "min_health_interval": "5s" })),
+        )
+        .unwrap();
+    assert_eq!(
+        acme.send("GET", "/v1/tenants", None).unwrap()[0]["min_health_interval"],
+        "5s"
+    );
+    assert_eq!(interval("acme", "web"), "1s");
+    // The effective interval counts: a check naming no interval gets the
+    // default, 2s, below the new floor.
+    refused(
+        acme.send(
+            "POST",
+            "/v1/services",
+            Some(&body("acme", "dflt", Some(json!({})))),
+        ),
+        &["min_health_interval", "2s (the default", "5s"],
+    );
+    assert_eq!(listed(&acme), ["acme/web"]);
+    // No health check at all runs no checks.
+    acme.send("POST", "/v1/services", Some(&body("acme", "plain", None)))
+        .unwrap();
+    acme.send(
+        "POST",
+        "/v1/services",
+        Some(&body("acme", "slow", Some(json!({ "interval": "5s" })))),
+    )
+    .unwrap();
+    // Editing web keeps its 1s (below the raised floor, but not shorter
+    // than it was): passes; shortening it is refused.
+    let mut wrr = body("acme", "web", every("1s"));
+    wrr["scheduler"] = json!("wrr");
+    acme.send("PUT", path, Some(&wrr)).unwrap();
+    refused(
+        acme.send("PUT", path, Some(&body("acme", "web", every("900ms")))),
+        &["min_health_interval", "900ms", "5s"],
+    );
+    assert_eq!(interval("acme", "web"), "1s");
+
+    // The operator's token is not held to the floor, adding or editing.
+    r.client
+        .send(
+            "POST",
+            "/v1/services",
+            Some(&body("acme", "op", every("100ms"))),
+        )
+        .unwrap();
+    r.client
+        .send("PUT", path, Some(&body("acme", "web", every("100ms"))))
+        .unwrap();
+    assert_eq!(interval("acme", "op"), "100ms");
+    assert_eq!(interval("acme", "web"), "100ms");
+    assert_eq!(
+        listed(&acme),
+        ["acme/op", "acme/plain", "acme/slow", "acme/web"]
+    );
 }
 
 /// `max_services`: each service holds a socket per worker of the daemon's

@@ -155,6 +155,67 @@ fn check_fence(
     Ok(())
 }
 
+/// A tenant token may not make a service's health checks run more often
+/// than its tenant's `min_health_interval`: checks/s = services x backends
+/// / interval, all on the admin/health runtime every tenant shares. The
+/// effective interval counts: a check that omits `interval` gets the
+/// default. An edit that does not shorten the service's current interval
+/// (one the operator set below the floor, or set before the floor was
+/// raised) passes: a floor does not touch the services already there.
+/// `interval_given`: whether the request named the interval (for the
+/// message). Other tokens are not held to it.
+fn check_health_floor(
+    st: &AppState,
+    access: &Access,
+    tenant: &str,
+    editing: Option<&str>,
+    health: Option<&crate::config::HealthSpec>,
+    interval_given: bool,
+) -> ApiResult<()> {
+    let Some(h) = health else {
+        return Ok(());
+    };
+    if access.tenant().is_none() {
+        return Ok(());
+    }
+    let spec = st.control.tenant_spec(tenant).unwrap_or_default();
+    let floor = spec.health_interval_floor();
+    let interval = h.interval.get();
+    if interval >= floor {
+        return Ok(());
+    }
+    let current = editing
+        .and_then(|name| st.control.service_spec(tenant, name))
+        .and_then(|s| s.options.health)
+        .map(|c| c.interval.get());
+    if current.is_some_and(|c| c <= interval) {
+        return Ok(());
+    }
+    let requested = if interval_given {
+        format!("health interval {}", h.interval)
+    } else {
+        format!(
+            "health interval {} (the default, as the request gives none)",
+            h.interval
+        )
+    };
+    let floor_shown = match &spec.min_health_interval {
+        Some(d) => d.to_string(),
+        None => format!("{}, the default", humantime::format_duration(floor)),
+    };
+    Err(ApiError::forbidden(format!(
+        "{requested} is below tenant {tenant:?}'s min_health_interval ({floor_shown}): give an interval of at least {}, or ask the operator",
+        humantime::format_duration(floor)
+    )))
+}
+
+/// Whether a service body names its health check's `interval`.
+fn names_health_interval(obj: &serde_json::Map<String, serde_json::Value>) -> bool {
+    obj.get("health")
+        .and_then(|h| h.get("interval"))
+        .is_some_and(|v| !v.is_null())
+}
+
 /// Names appear in URL paths: keep them to a safe alphabet.
 fn check_name(what: &str, name: &str) -> ApiResult<()> {
     let ok = !name.is_empty()
@@ -347,6 +408,7 @@ pub(crate) async fn add_service(
     {
         obj.insert("tenant".into(), serde_json::Value::String(own.to_owned()));
     }
+    let interval_given = names_health_interval(&obj);
     let spec: ServiceSpec = crate::config::service_from_json(serde_json::Value::Object(obj))
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
     check_tenant(&access, &spec.tenant)?;
@@ -360,6 +422,14 @@ pub(crate) async fn add_service(
         Some(spec.listen),
         &backends,
         health_port,
+    )?;
+    check_health_floor(
+        &st,
+        &access,
+        &spec.tenant,
+        None,
+        spec.options.health.as_ref(),
+        interval_given,
     )?;
     let id = format!("{}/{}", spec.tenant, spec.name);
     st.control.add_service(spec)?;
@@ -404,6 +474,7 @@ pub(crate) async fn edit_service(
             }
         }
     }
+    let interval_given = names_health_interval(&obj);
     let spec: ServiceSpec = crate::config::service_from_json(serde_json::Value::Object(obj))
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
     let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
@@ -415,6 +486,14 @@ pub(crate) async fn edit_service(
         Some(spec.listen),
         &backends,
         health_port,
+    )?;
+    check_health_floor(
+        &st,
+        &access,
+        &tenant,
+        Some(&service),
+        spec.options.health.as_ref(),
+        interval_given,
     )?;
     st.control.edit_service(&tenant, &service, spec)?;
     Ok(ok_json(

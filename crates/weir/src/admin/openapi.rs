@@ -195,6 +195,8 @@ pub fn document() -> Value {
 fn schemas() -> Value {
     let int = json!({ "type": "integer", "minimum": 0 });
     let s = json!({ "type": "string" });
+    let min_health_interval = json!({ "type": "string",
+        "description": "shortest [service.health] interval this tenant's token may set, e.g. \"5s\" (1ms..=1h; absent = 1s); an omitted interval counts as its default; the full-access token is not held to it" });
     let totals = json!({ "type": "object", "properties": {
         "conns": int, "inpkts": int, "outpkts": int, "inbytes": int, "outbytes": int } });
     let rates = json!({ "type": "object", "properties": {
@@ -231,7 +233,8 @@ fn schemas() -> Value {
       "Rates": rates,
       "TenantSpec": { "type": "object", "required": ["name"], "properties": {
         "name": s, "table_entries": table_entries.clone(), "max_table_entries": max_table_entries.clone(),
-        "max_connections": int, "max_new_per_s": int, "max_services": int, "token": s,
+        "max_connections": int, "max_new_per_s": int, "max_services": int,
+        "min_health_interval": min_health_interval.clone(), "token": s,
         "timeouts": reff("Timeouts"),
         "allowed_listen": { "type": "array", "items": s, "description": "CIDR[:PORT[-PORT]] where this tenant's token may listen; a wildcard needs an entry naming it" },
         "allowed_backends": { "type": "array", "items": s, "description": "CIDR[:PORT[-PORT]] where this tenant's token may point backends" } } },
@@ -242,6 +245,7 @@ fn schemas() -> Value {
       "TenantStatus": { "type": "object", "properties": {
         "name": s, "table_entries": table_entries, "max_table_entries": max_table_entries,
         "max_connections": int, "max_new_per_s": int, "max_services": int,
+        "min_health_interval": min_health_interval,
         "timeouts": reff("Timeouts"),
         "allowed_listen": { "type": "array", "items": s }, "allowed_backends": { "type": "array", "items": s },
         "active_conns": int, "refused": int, "table": { "type": "string", "enum": ["own", "shared"] } } },

@@ -23,7 +23,7 @@ use std::process::ExitCode;
 use clap::{Args, Subcommand};
 use serde_json::{Value, json};
 
-use crate::config::{Config, Forward, Protocol, ServiceSpec};
+use crate::config::{Config, Dur, Forward, HealthInterval, Protocol, ServiceSpec};
 use crate::control::{
     ConnPage, GlobalStats, HealthEntry, ReloadReport, ServiceStatus, TableReport, TenantStatus,
 };
@@ -247,6 +247,10 @@ pub enum TenantCmd {
         /// Cap on this tenant's services; 0 = unlimited.
         #[arg(long, default_value_t = 0)]
         max_services: u64,
+        /// Shortest health-check interval the tenant's token may set, e.g.
+        /// 5s (1ms..=1h); the daemon's default is 1s.
+        #[arg(long, value_name = "DURATION")]
+        min_health_interval: Option<Dur<HealthInterval>>,
         /// Tenant-scoped admin token.
         #[arg(long)]
         tenant_token: Option<String>,
@@ -266,6 +270,10 @@ pub enum TenantCmd {
         /// beyond a lowered cap stay).
         #[arg(long)]
         max_services: Option<u64>,
+        /// Shortest health-check interval the tenant's token may set, e.g.
+        /// 5s (1ms..=1h); services already there keep theirs.
+        #[arg(long, value_name = "DURATION")]
+        min_health_interval: Option<Dur<HealthInterval>>,
         /// New tenant-scoped admin token.
         #[arg(long, conflicts_with = "no_tenant_token")]
         tenant_token: Option<String>,
@@ -623,6 +631,7 @@ fn tenant(cmd: TenantCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             max_connections,
             max_new_per_s,
             max_services,
+            min_health_interval,
             tenant_token,
         } => {
             let mut body = json!({
@@ -630,6 +639,9 @@ fn tenant(cmd: TenantCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
                 "max_connections": max_connections, "max_new_per_s": max_new_per_s,
                 "max_services": max_services,
             });
+            if let Some(d) = min_health_interval {
+                body["min_health_interval"] = json!(d);
+            }
             if let Some(t) = tenant_token {
                 body["token"] = json!(t);
             }
@@ -641,6 +653,7 @@ fn tenant(cmd: TenantCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             max_connections,
             max_new_per_s,
             max_services,
+            min_health_interval,
             tenant_token,
             no_tenant_token,
             timeouts,
@@ -655,6 +668,9 @@ fn tenant(cmd: TenantCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             }
             if let Some(v) = max_services {
                 body.insert("max_services".into(), json!(v));
+            }
+            if let Some(d) = min_health_interval {
+                body.insert("min_health_interval".into(), json!(d));
             }
             if let Some(t) = tenant_token {
                 body.insert("token".into(), json!(t));
