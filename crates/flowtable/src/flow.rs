@@ -1895,13 +1895,7 @@ impl FlowTable {
             return self.dump_by_refs(t, map, start, filter, limit, out);
         }
         let tables = self.dump_tables(map, filter.tenant, start.order)?;
-        let mut scratch = DUMP_SCRATCH.take().unwrap_or_default();
-        if scratch.table != self.id {
-            scratch.table = self.id;
-            scratch.known.clear();
-            scratch.prefetched = (0, 0);
-            scratch.resume = None;
-        }
+        let mut scratch = self.dump_scratch();
         let mut d = Dumper {
             ft: self,
             map,
@@ -1962,7 +1956,7 @@ impl FlowTable {
         } else {
             (0, 0)
         };
-        let mut scratch = DUMP_SCRATCH.take().unwrap_or_default();
+        let mut scratch = self.dump_scratch();
         let mut d = Dumper {
             ft: self,
             map,
@@ -1986,6 +1980,19 @@ impl FlowTable {
             cookie,
             dump: start.dump,
         })
+    }
+
+    /// This thread's dump scratch, emptied of what it knew of another
+    /// table (node indices mean nothing in another table's slab).
+    fn dump_scratch(&self) -> Box<DumpScratch> {
+        let mut scratch = DUMP_SCRATCH.take().unwrap_or_default();
+        if scratch.table != self.id {
+            scratch.table = self.id;
+            scratch.known.clear();
+            scratch.prefetched = (0, 0);
+            scratch.resume = None;
+        }
+        scratch
     }
 
     /// Whether a page of tenant `t`, which shares the table, is listed
