@@ -296,3 +296,113 @@ fn the_admin_api_answers_when_descriptors_are_exhausted() {
     drop(helds);
     drop(run);
 }
+
+/// `POST /v1/reload` to the daemon whose admin API is `admin`: (status,
+/// body).
+fn admin_reload(admin: SocketAddr) -> (u16, String) {
+    let mut s = TcpStream::connect(admin).unwrap();
+    s.set_read_timeout(Some(T)).unwrap();
+    write!(
+        s,
+        "POST /v1/reload HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer daemon-process-test-token\r\n\
+         Content-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut r = String::new();
+    s.read_to_string(&mut r).unwrap();
+    let status = r[9..12].parse().unwrap();
+    let body = r.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+    (status, body)
+}
+
+/// Thread `tid` of process `pid`: (its `Cpus_allowed_list`, its nice value).
+fn thread_placement(pid: u32, tid: u32) -> (String, i32) {
+    let base = format!("/proc/{pid}/task/{tid}");
+    let status = std::fs::read_to_string(format!("{base}/status")).unwrap();
+    let cpus = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap()
+        .trim()
+        .to_owned();
+    let stat = std::fs::read_to_string(format!("{base}/stat")).unwrap();
+    // The command name (field 2) may hold spaces: count after its ')'.
+    let nice = stat[stat.rfind(')').unwrap() + 2..]
+        .split(' ')
+        .nth(16)
+        .unwrap()
+        .parse()
+        .unwrap();
+    (cpus, nice)
+}
+
+/// `[daemon] estimator_cpu` / `estimator_nice` apply on reload: the
+/// estimator thread moves to the new CPU and nice value, goes back to what
+/// it inherited when the keys are removed, and a CPU the process may not
+/// run on refuses the whole reload. (They needed a restart: a reload that
+/// changed them was refused.)
+#[test]
+fn a_reload_moves_the_estimator_thread() {
+    let e = Echo::start();
+    let vip = free_addr();
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_config(&dir, vip, e.addr, "estimator_cpu = 0\nestimator_nice = 5");
+    let admin = admin_addr(&p);
+    let mut child = spawn_run(&p, None);
+    wait_up(&mut child, vip, T);
+    let pid = child.0.id();
+    let tid: u32 = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .map(|t| t.unwrap().file_name().to_string_lossy().parse().unwrap())
+        .find(|tid| {
+            std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+                .is_ok_and(|c| c.trim() == "weir-estimator")
+        })
+        .expect("an estimator thread");
+    // What the thread inherited: the main thread's.
+    let inherited = thread_placement(pid, pid);
+    assert_eq!(thread_placement(pid, tid), ("0".to_owned(), 5));
+    let rewrite = |daemon: &str| {
+        let text = std::fs::read_to_string(&p).unwrap();
+        let rest = text.split_once("\n[admin]").unwrap().1;
+        std::fs::write(
+            &p,
+            format!("[daemon]\nworkers = 1\n{daemon}\n[admin]{rest}"),
+        )
+        .unwrap();
+    };
+
+    rewrite("estimator_cpu = 1\nestimator_nice = 9");
+    let (status, body) = admin_reload(admin);
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("daemon estimator_cpu") && body.contains("daemon estimator_nice"),
+        "{body}"
+    );
+    assert_eq!(thread_placement(pid, tid), ("1".to_owned(), 9));
+
+    // A CPU this process may not run on: refused, nothing applied.
+    rewrite("estimator_cpu = 1023\nestimator_nice = 3");
+    let (status, body) = admin_reload(admin);
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body.contains("nothing was applied") && body.contains("estimator_cpu = 1023"),
+        "{body}"
+    );
+    assert_eq!(thread_placement(pid, tid), ("1".to_owned(), 9));
+
+    // Keys removed: back to what it inherited (lowering nice back needs
+    // CAP_SYS_NICE, which the tests have as root).
+    rewrite("");
+    let (status, body) = admin_reload(admin);
+    assert_eq!(status, 200, "{body}");
+    if rustix::process::geteuid().is_root() {
+        assert_eq!(thread_placement(pid, tid), inherited);
+    } else {
+        assert_eq!(thread_placement(pid, tid).0, inherited.0);
+    }
+    // Still serving.
+    assert!(echo_once(vip, b"after"));
+    let _ = child.0.kill();
+    let _ = child.0.wait();
+}

@@ -17,6 +17,8 @@ pub(crate) struct Accounting {
     /// The daemon's totals.
     pub(crate) stat: Stat,
     pub(crate) rates: Arc<stats::RateEngine>,
+    /// The thread that ticks `rates`, once started (a reload moves it).
+    pub(crate) estimator: std::sync::OnceLock<stats::EstimatorThread>,
 }
 
 impl Accounting {
@@ -24,6 +26,7 @@ impl Accounting {
         Self {
             stat: rates.stat(),
             rates,
+            estimator: std::sync::OnceLock::new(),
         }
     }
 }

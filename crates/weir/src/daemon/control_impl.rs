@@ -164,6 +164,9 @@ impl LiveControl {
         report
             .changed
             .extend(live.into_iter().map(|(k, _, _)| format!("daemon {k}")));
+        if let Some(e) = self.0.refuses_live_daemon(&daemon) {
+            errors.push(format!("[daemon] {e}"));
+        }
         let fixed: Vec<String> = fixed
             .into_iter()
             .map(|(k, x, y)| format!("{k} {x} -> {y}"))
@@ -313,7 +316,7 @@ impl LiveControl {
     /// failed (e.g. an address taken between the check and now).
     fn apply(&self, new: &Config) -> Vec<String> {
         // plan() refused any other [daemon] change.
-        self.0.set_live_daemon(&new.daemon);
+        let daemon_error = self.0.set_live_daemon(&new.daemon).err();
         // Tenants: add new, edit existing, delete missing (after services).
         let live: Vec<String> = self.0.model.load().tenants.keys().cloned().collect();
         // The new ones are added as one batch (one copy of the model and of
@@ -344,10 +347,15 @@ impl LiveControl {
             }
         }
         tenant_errors.sort_by_key(|(i, _)| *i);
-        let mut errors: Vec<String> = tenant_errors
+        let mut errors: Vec<String> = daemon_error
+            .map(|e| format!("[daemon] {e}"))
             .into_iter()
-            .map(|(i, m)| format!("tenant {}: {m}", new.tenants[i].name))
             .collect();
+        errors.extend(
+            tenant_errors
+                .into_iter()
+                .map(|(i, m)| format!("tenant {}: {m}", new.tenants[i].name)),
+        );
         let live_svcs: Vec<(String, String)> =
             self.0.model.load().services.keys().cloned().collect();
         let in_file = service_names(new);

@@ -323,6 +323,10 @@ impl Daemon {
                 .and_then(|r| r.map_err(|e| anyhow::anyhow!("{e}")));
             // On an error the handle stops what was started.
             let s = started?;
+            let _ = shared
+                .accounting
+                .estimator
+                .set(stats::EstimatorThread::new(&s, placement));
             tracing::info!(
                 tid = s.tid,
                 cpu = ?placement.cpu,
@@ -592,17 +596,50 @@ impl Shared {
             blocked_window: t.blocked_window,
             backend_rcvbuf: t.backend_rcvbuf,
             accept_steering: self.steering.mode(),
+            estimator_cpu: self.estimator_placement().cpu,
+            estimator_nice: self.estimator_placement().nice,
             ..self.daemon_cfg.clone()
         }
     }
 
-    /// Applies a reload's values of [`LIVE_DAEMON_KEYS`].
-    pub(crate) fn set_live_daemon(&self, d: &DaemonConfig) {
+    /// The estimator thread's placement now (as started before it runs).
+    fn estimator_placement(&self) -> stats::Placement {
+        self.accounting.estimator.get().map_or(
+            stats::Placement {
+                cpu: self.daemon_cfg.estimator_cpu,
+                nice: self.daemon_cfg.estimator_nice,
+            },
+            stats::EstimatorThread::placement,
+        )
+    }
+
+    /// Why a reload's `[daemon]` values of [`LIVE_DAEMON_KEYS`] cannot be
+    /// applied, if they cannot (checked before anything is applied).
+    pub(crate) fn refuses_live_daemon(&self, d: &DaemonConfig) -> Option<String> {
+        self.accounting.estimator.get()?.refuses(stats::Placement {
+            cpu: d.estimator_cpu,
+            nice: d.estimator_nice,
+        })
+    }
+
+    /// Applies a reload's values of [`LIVE_DAEMON_KEYS`]; an error names
+    /// what could not be applied (the rest is).
+    pub(crate) fn set_live_daemon(&self, d: &DaemonConfig) -> Result<(), String> {
         self.admission.set_max_connections(d.max_connections);
         self.access_log.store(d.access_log, Relaxed);
         *self.drain_timeout.lock() = d.drain_timeout.clone();
         self.tuning.set(d);
         self.steering.set_mode(d.accept_steering);
+        match self.accounting.estimator.get() {
+            Some(e) => e.place(
+                stats::Placement {
+                    cpu: d.estimator_cpu,
+                    nice: d.estimator_nice,
+                },
+                &self.accounting.rates,
+            ),
+            None => Ok(()),
+        }
     }
 
     /// The daemon's clock in nanoseconds (what admission's rate limits use).
@@ -717,7 +754,7 @@ fn open_socket_group(
 
 /// The `[daemon]` keys a reload applies live; any other differing
 /// `[daemon]` key refuses the reload (they take effect at start).
-pub(crate) const LIVE_DAEMON_KEYS: [&str; 8] = [
+pub(crate) const LIVE_DAEMON_KEYS: [&str; 10] = [
     "max_connections",
     "access_log",
     "drain_timeout",
@@ -726,6 +763,8 @@ pub(crate) const LIVE_DAEMON_KEYS: [&str; 8] = [
     "blocked_window",
     "backend_rcvbuf",
     "accept_steering",
+    "estimator_cpu",
+    "estimator_nice",
 ];
 
 /// [`Shared::reserved_tokens`]: set once, by the admin API as it starts.

@@ -51,6 +51,8 @@ pub(crate) struct RateEngine {
     /// Last and longest tick duration, in nanoseconds.
     pub(crate) last_tick_ns: AtomicU64,
     pub(crate) max_tick_ns: AtomicU64,
+    /// Set when a reload moved the estimator thread: it calibrates again.
+    recalibrate: AtomicBool,
 }
 
 impl RateEngine {
@@ -65,6 +67,7 @@ impl RateEngine {
             other: workers,
             last_tick_ns: AtomicU64::new(0),
             max_tick_ns: AtomicU64::new(0),
+            recalibrate: AtomicBool::new(false),
         })
     }
 
@@ -139,7 +142,7 @@ impl Stat {
 }
 
 /// Where the estimator thread runs (`[daemon] estimator_cpu`, `estimator_nice`).
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Placement {
     /// Pin to this CPU.
     pub(crate) cpu: Option<usize>,
@@ -148,7 +151,7 @@ pub(crate) struct Placement {
 }
 
 /// What the estimator thread did when it started.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Started {
     /// Its kernel thread id.
     pub(crate) tid: i32,
@@ -156,37 +159,119 @@ pub(crate) struct Started {
     pub(crate) cost_ns: f64,
     /// Whether the nice value was applied (false: not asked, or refused).
     pub(crate) nice_applied: bool,
+    /// The CPUs and nice value it inherited, before its placement.
+    pub(crate) inherited: Inherited,
 }
 
-/// Apply `placement` to the calling thread. An affinity failure is an
-/// error; a refused nice value is a warning (returns false).
-fn apply_placement(p: Placement) -> Result<bool, String> {
-    if let Some(cpu) = p.cpu {
-        let mut set = nix::sched::CpuSet::new();
-        set.set(cpu)
-            .map_err(|e| format!("estimator_cpu = {cpu}: {e}"))?;
-        // Pid 0 = the calling thread.
-        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).map_err(|e| {
-            format!(
-                "estimator_cpu = {cpu}: cannot pin the estimator thread ({e}); \
-                 give a CPU this process may run on (see `nproc`, taskset) or remove the key"
-            )
-        })?;
+/// The CPUs and nice value the estimator thread inherited from the process:
+/// what a placement key removed by a reload puts back.
+#[derive(Debug, Clone)]
+pub(crate) struct Inherited {
+    cpus: nix::sched::CpuSet,
+    nice: i32,
+}
+
+impl Inherited {
+    /// The calling thread's.
+    fn of_this_thread() -> Result<Self, String> {
+        let cpus = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0))
+            .map_err(|e| format!("reading the estimator thread's CPUs: {e}"))?;
+        let nice = rustix::process::getpriority_process(Some(rustix::thread::gettid()))
+            .map_err(|e| format!("reading the estimator thread's nice value: {e}"))?;
+        Ok(Self { cpus, nice })
     }
-    let Some(nice) = p.nice else {
-        return Ok(false);
+
+    /// Whether the process may run on `cpu` (an `estimator_cpu` that can
+    /// be applied).
+    pub(crate) fn allows(&self, cpu: usize) -> bool {
+        self.cpus.is_set(cpu).unwrap_or(false)
+    }
+}
+
+/// Apply `placement` to thread `tid`; an absent key puts back what the
+/// thread inherited. An affinity failure is an error; a refused nice value
+/// is a warning (returns false). Linux applies both per thread, so another
+/// thread may place this one (a reload does).
+fn apply_placement(tid: i32, p: Placement, inherited: &Inherited) -> Result<bool, String> {
+    let pid = nix::unistd::Pid::from_raw(tid);
+    match p.cpu {
+        Some(cpu) => {
+            let mut set = nix::sched::CpuSet::new();
+            set.set(cpu)
+                .map_err(|e| format!("estimator_cpu = {cpu}: {e}"))?;
+            nix::sched::sched_setaffinity(pid, &set).map_err(|e| {
+                format!(
+                    "estimator_cpu = {cpu}: cannot pin the estimator thread ({e}); \
+                     give a CPU this process may run on (see `nproc`, taskset) or remove the key"
+                )
+            })?;
+        }
+        None => nix::sched::sched_setaffinity(pid, &inherited.cpus)
+            .map_err(|e| format!("giving the estimator thread its CPUs back: {e}"))?,
+    }
+    let nice = p.nice.unwrap_or(inherited.nice);
+    let Some(t) = rustix::thread::Pid::from_raw(tid) else {
+        return Err(format!("no thread {tid}"));
     };
-    let tid = rustix::thread::gettid();
-    match rustix::process::setpriority_process(Some(tid), nice) {
-        Ok(()) => Ok(true),
+    match rustix::process::setpriority_process(Some(t), nice) {
+        Ok(()) => Ok(p.nice.is_some()),
         Err(e) => {
             tracing::warn!(
                 estimator_nice = nice,
-                "cannot set the estimator thread's nice value ({e}); keeping the inherited one \
+                "cannot set the estimator thread's nice value ({e}); keeping the one it has \
                  (a lower nice needs CAP_SYS_NICE or RLIMIT_NICE)"
             );
             Ok(false)
         }
+    }
+}
+
+/// The running estimator thread, for a reload to move it
+/// (`estimator_cpu` / `estimator_nice` are live keys).
+#[derive(Debug)]
+pub(crate) struct EstimatorThread {
+    tid: i32,
+    inherited: Inherited,
+    placement: parking_lot::Mutex<Placement>,
+}
+
+impl EstimatorThread {
+    pub(crate) fn new(started: &Started, placement: Placement) -> Self {
+        Self {
+            tid: started.tid,
+            inherited: started.inherited.clone(),
+            placement: parking_lot::Mutex::new(placement),
+        }
+    }
+
+    /// Its placement now (the keys as last applied).
+    pub(crate) fn placement(&self) -> Placement {
+        *self.placement.lock()
+    }
+
+    /// Why `p` cannot be applied, if it cannot: a CPU the process may not
+    /// run on (the check a reload makes before applying anything).
+    pub(crate) fn refuses(&self, p: Placement) -> Option<String> {
+        let cpu = p.cpu?;
+        (!self.inherited.allows(cpu)).then(|| {
+            format!(
+                "estimator_cpu = {cpu}: this process may not run on CPU {cpu}; give one it may \
+                 (see `nproc`, taskset) or remove the key"
+            )
+        })
+    }
+
+    /// Moves the thread to `p` (a reload) and has it calibrate its cost per
+    /// estimator again where it now runs.
+    pub(crate) fn place(&self, p: Placement, rates: &RateEngine) -> Result<(), String> {
+        let mut cur = self.placement.lock();
+        if *cur == p {
+            return Ok(());
+        }
+        apply_placement(self.tid, p, &self.inherited)?;
+        *cur = p;
+        rates.recalibrate.store(true, Relaxed);
+        Ok(())
     }
 }
 
@@ -199,8 +284,12 @@ pub(crate) fn estimator_main(
     placement: Placement,
     ready: std::sync::mpsc::SyncSender<Result<Started, String>>,
 ) {
-    let nice_applied = match apply_placement(placement) {
-        Ok(applied) => applied,
+    let tid = rustix::thread::gettid().as_raw_nonzero().get();
+    let placed = Inherited::of_this_thread().and_then(|inherited| {
+        apply_placement(tid, placement, &inherited).map(|applied| (applied, inherited))
+    });
+    let (nice_applied, inherited) = match placed {
+        Ok(p) => p,
         Err(e) => {
             let _ = ready.send(Err(e));
             return;
@@ -208,13 +297,18 @@ pub(crate) fn estimator_main(
     };
     let cost_ns = rates.calibrate();
     let _ = ready.send(Ok(Started {
-        tid: rustix::thread::gettid().as_raw_nonzero().get(),
+        tid,
         cost_ns,
         nice_applied,
+        inherited,
     }));
     drop(ready);
     let start = Instant::now();
     while !stop.load(Relaxed) {
+        if rates.recalibrate.swap(false, Relaxed) {
+            // Moved by a reload: measure again where it runs now.
+            rates.calibrate();
+        }
         let t0 = Instant::now();
         let r = rates.engine.tick(start.elapsed());
         let took = t0.elapsed();
@@ -306,6 +400,78 @@ mod tests {
         assert!(started.cost_ns > 0.0 && started.cost_ns < 1e6);
         assert_ne!(started.cost_ns, default_cost);
         assert_eq!(r.engine.stats().cost_ns, started.cost_ns);
+        stop.store(true, Relaxed);
+        t.join().unwrap();
+    }
+
+    /// A reload moves the running thread (another thread places it by its
+    /// id), refuses a CPU the process may not run on before applying, puts
+    /// back what the thread inherited when the keys go, and has the thread
+    /// calibrate again where it now runs.
+    #[test]
+    fn a_placed_thread_moves_and_calibrates_again() {
+        let r = Arc::new(RateEngine::new(1).unwrap());
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let first = Placement {
+            cpu: Some(0),
+            nice: Some(3),
+        };
+        let t = {
+            let (r, stop) = (r.clone(), stop.clone());
+            std::thread::spawn(move || estimator_main(r, stop, first, tx))
+        };
+        let started = rx.recv_timeout(Duration::from_secs(30)).unwrap().unwrap();
+        let tid = started.tid;
+        let inherited = (
+            task_status(
+                rustix::thread::gettid().as_raw_nonzero().get(),
+                "Cpus_allowed_list",
+            ),
+            task_nice(rustix::thread::gettid().as_raw_nonzero().get()),
+        );
+        let e = EstimatorThread::new(&started, first);
+        assert!(
+            e.refuses(Placement {
+                cpu: Some(1023),
+                nice: None
+            })
+            .is_some()
+        );
+        assert_eq!(
+            e.refuses(Placement {
+                cpu: Some(0),
+                nice: None
+            }),
+            None
+        );
+        // The highest CPU this process may run on.
+        let last = (0..1024)
+            .rev()
+            .find(|&c| started.inherited.allows(c))
+            .unwrap();
+        let moved = Placement {
+            cpu: Some(last),
+            nice: Some(6),
+        };
+        e.place(moved, &r).unwrap();
+        assert_eq!(e.placement(), moved);
+        assert_eq!(task_status(tid, "Cpus_allowed_list"), last.to_string());
+        assert_eq!(task_nice(tid), 6);
+        // The thread saw the move: it clears the flag as it calibrates.
+        let t0 = Instant::now();
+        while r.recalibrate.load(Relaxed) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "never calibrated again"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        e.place(Placement::default(), &r).unwrap();
+        assert_eq!(task_status(tid, "Cpus_allowed_list"), inherited.0);
+        if rustix::process::geteuid().is_root() {
+            assert_eq!(task_nice(tid), inherited.1);
+        }
         stop.store(true, Relaxed);
         t.join().unwrap();
     }
