@@ -1099,3 +1099,75 @@ fn one_tenants_status_services_and_health_are_the_filtered_lists() {
     assert_eq!(c.table_of("ab").len(), 1);
     d.shutdown();
 }
+
+/// Concurrent backend changes to one service lose none: each is a
+/// read-modify-write of the service's backend list, and two adds that read
+/// the same list used to each write back the list with their own backend
+/// only, so one vanished although both were answered "created".
+#[test]
+fn concurrent_backend_adds_to_one_service_all_land() {
+    let e = Echo::start();
+    let d = Daemon::start(
+        config(vec![service(
+            "e",
+            Protocol::Tcp,
+            "rr",
+            vec![backend(e.addr, 1)],
+        )]),
+        None,
+    )
+    .unwrap();
+    let c = d.control();
+    const THREADS: u16 = 4;
+    const EACH: u16 = 50;
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let c = &c;
+            s.spawn(move || {
+                for i in 0..EACH {
+                    let addr: SocketAddr =
+                        format!("127.0.0.{}:{}", 2 + t, 1000 + i).parse().unwrap();
+                    c.add_backend("default", "e", backend(addr, 1)).unwrap();
+                }
+            });
+        }
+    });
+    // Deletes of half of them, concurrently with edits of the other half.
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let c = &c;
+            s.spawn(move || {
+                for i in 0..EACH {
+                    let addr = format!("127.0.0.{}:{}", 2 + t, 1000 + i);
+                    if i % 2 == 0 {
+                        c.delete_backend("default", "e", &addr).unwrap();
+                    } else {
+                        c.edit_backend(
+                            "default",
+                            "e",
+                            &addr,
+                            BackendPatch {
+                                weight: Some(3),
+                                drain: None,
+                            },
+                        )
+                        .unwrap();
+                    }
+                }
+            });
+        }
+    });
+    let svc = &c.running_config().services[0];
+    let want = 1 + usize::from(THREADS * EACH / 2);
+    assert_eq!(svc.backends.len(), want, "backends lost or kept");
+    assert!(
+        svc.backends
+            .iter()
+            .filter(|b| b.address != e.addr)
+            .all(|b| b.weight == 3),
+        "an edit was lost"
+    );
+    // The data path's set agrees with the spec.
+    assert_eq!(c.services()[0].backends.len(), want);
+    d.shutdown();
+}

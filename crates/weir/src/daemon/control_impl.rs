@@ -830,6 +830,7 @@ impl Control for LiveControl {
     }
 
     fn edit_service(&self, tenant: &str, name: &str, spec: ServiceSpec) -> ControlResult<()> {
+        let _one = self.0.model.edits.lock();
         let svc = self.service(tenant, name)?;
         if spec.tenant != tenant || spec.name != name {
             return Err(ControlError::new(
@@ -905,6 +906,7 @@ impl Control for LiveControl {
     }
 
     fn delete_service(&self, tenant: &str, name: &str) -> ControlResult<()> {
+        let _one = self.0.model.edits.lock();
         self.remove_service(&(tenant.to_owned(), name.to_owned()))
             .ok_or_else(|| not_found(format!("service {tenant}/{name} does not exist")))?;
         self.forget_runtime(
@@ -915,6 +917,7 @@ impl Control for LiveControl {
     }
 
     fn add_backend(&self, tenant: &str, service: &str, spec: BackendSpec) -> ControlResult<()> {
+        let _one = self.0.model.edits.lock();
         let svc = self.service(tenant, service)?;
         let mut specs = svc.spec.read().backends.clone();
         if specs.iter().any(|b| b.address == spec.address) {
@@ -941,6 +944,7 @@ impl Control for LiveControl {
         address: &str,
         patch: BackendPatch,
     ) -> ControlResult<()> {
+        let _one = self.0.model.edits.lock();
         let svc = self.service(tenant, service)?;
         let mut specs = svc.spec.read().backends.clone();
         let Some(b) = specs.iter_mut().find(|b| b.address.to_string() == address) else {
@@ -973,6 +977,7 @@ impl Control for LiveControl {
     }
 
     fn delete_backend(&self, tenant: &str, service: &str, address: &str) -> ControlResult<()> {
+        let _one = self.0.model.edits.lock();
         let svc = self.service(tenant, service)?;
         let mut specs = svc.spec.read().backends.clone();
         let before = specs.len();

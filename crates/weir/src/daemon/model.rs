@@ -48,6 +48,11 @@ pub(crate) struct Model {
     pub(super) runtime_added: Mutex<std::collections::BTreeSet<String>>,
     /// Serialises reloads.
     pub(super) reload_lock: Mutex<()>,
+    /// Serialises the edits that read a service's spec and write it back
+    /// changed (a backend added, edited or deleted; a service edited or
+    /// deleted), so that two of them never both start from the same spec
+    /// and one's change vanish under the other's.
+    pub(super) edits: Mutex<()>,
     /// Moves whenever a service is added, removed or replaced, or a
     /// service's set of backends changes: packet workers rebuild their
     /// snapshot of the packet services when it does.
@@ -74,6 +79,7 @@ impl Model {
             next_id: AtomicU32::new(1),
             runtime_added: Mutex::default(),
             reload_lock: Mutex::new(()),
+            edits: Mutex::new(()),
             services_gen: AtomicU64::new(0),
             listen_groups: Mutex::new(Vec::new()),
             #[cfg(test)]
