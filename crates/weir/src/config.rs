@@ -429,6 +429,12 @@ pub struct TenantSpec {
     /// Adding one past it is refused, whoever adds it (API, reload, start).
     #[serde(default, skip_serializing_if = "is_zero_u64")]
     pub max_services: u64,
+    /// Cap on the backends of all this tenant's services together (each is
+    /// health-checked and has its estimator, on the threads every tenant
+    /// shares); 0 = unlimited. A change past it is refused, whoever makes
+    /// it (API, reload, start).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub max_backends: u64,
     /// Shortest `[service.health] interval` this tenant's token may give
     /// one of the tenant's services (checks/s = services x backends /
     /// interval, run on the admin/health runtime every tenant shares);
@@ -1673,6 +1679,24 @@ pub fn validate(c: &Config) -> Vec<Problem> {
                 );
             }
         }
+        if t.max_backends > 0 {
+            let n: u64 = c
+                .services
+                .iter()
+                .filter(|s| s.tenant == t.name)
+                .map(|s| s.backends.len() as u64)
+                .sum();
+            if n > t.max_backends {
+                err(
+                    &[base[0].clone(), base[1].clone(), k("max_backends")],
+                    format!(
+                        "tenant {:?} has {n} backends in this file, over its max_backends ({}): \
+                         raise it or remove backends",
+                        t.name, t.max_backends
+                    ),
+                );
+            }
+        }
     }
 
     for (path, message) in duplicate_tokens(c) {
@@ -2377,6 +2401,7 @@ const TENANT_KEYS: &[(&str, Kind)] = &[
     ("max_connections", Kind::Int),
     ("max_new_per_s", Kind::Int),
     ("max_services", Kind::Int),
+    ("max_backends", Kind::Int),
     ("min_health_interval", Kind::Dur(HEALTH_INTERVAL_BOUNDS)),
     ("token", Kind::Str),
     ("timeouts", Kind::Table),
@@ -2837,6 +2862,7 @@ mod tests {
                 max_connections: 1,
                 max_new_per_s: 1,
                 max_services: 0,
+                max_backends: 0,
                 min_health_interval: Some("250ms".parse().unwrap()),
                 token: Some("z".into()),
                 timeouts: TimeoutsSpec {

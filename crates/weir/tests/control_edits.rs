@@ -982,6 +982,156 @@ fn a_tenant_token_keeps_health_checks_above_its_floor() {
     );
 }
 
+/// Each backend is health-checked and has its rate estimator, on threads
+/// every tenant shares: a tenant token could add backends without bound.
+/// A tenant holds at most its `max_backends` over all its services,
+/// whoever adds them (its token, the operator, a reload), by a new
+/// service, an edit or a backend added; a change that does not add
+/// backends to a service passes, so a lowered cap keeps what is there.
+#[test]
+fn a_tenant_holds_at_most_its_max_backends() {
+    let echo = Echo::start();
+    let (r, _dir, path) = from_file(&tenant_toml(
+        "acme",
+        "token = \"acme-tok\"\nmax_backends = 3",
+    ));
+    let acme = Client::new(r.url.clone(), Some("acme-tok".into()));
+    // Backends at distinct addresses: 127.0.0.N:port (nothing listens but
+    // echo; no health check is configured, so none is connected to).
+    let addr = |n: u16| format!("127.0.0.{}:{}", 2 + n, echo.addr.port());
+    let body = |name: &str, backends: &[u16]| {
+        let b: Vec<_> = backends
+            .iter()
+            .map(|&n| json!({ "address": addr(n) }))
+            .collect();
+        json!({
+            "tenant": "acme", "name": name, "protocol": "tcp", "listen": "127.0.0.1:0",
+            "backend": b,
+        })
+    };
+    let refused = |what: &str, r: Result<Value, CliError>, total: u64| match r {
+        Err(CliError::Api {
+            status: 409,
+            message,
+            ..
+        }) => assert!(
+            message.contains(&format!(
+                "tenant \"acme\" would hold {total} backends, over its max_backends (3)"
+            )),
+            "{what}: {message}"
+        ),
+        other => panic!("{what}: {other:?}"),
+    };
+    acme.send("POST", "/v1/services", Some(&body("s1", &[0, 1])))
+        .unwrap();
+    // A second service of two: four in all.
+    for client in [&acme, &r.client] {
+        refused(
+            "a new service",
+            client.send("POST", "/v1/services", Some(&body("s2", &[2, 3]))),
+            4,
+        );
+    }
+    acme.send("POST", "/v1/services", Some(&body("s2", &[2])))
+        .unwrap();
+    // A backend added to a service, and a service edited to more.
+    refused(
+        "a backend added",
+        acme.send(
+            "POST",
+            "/v1/services/acme/s2/backends",
+            Some(&json!({ "address": addr(4) })),
+        ),
+        4,
+    );
+    refused(
+        "an edit to more",
+        acme.send("PUT", "/v1/services/acme/s1", Some(&body("s1", &[0, 1, 5]))),
+        4,
+    );
+    assert_eq!(
+        r.d()
+            .control()
+            .service_spec("acme", "s1")
+            .unwrap()
+            .backends
+            .len(),
+        2,
+        "the refused edit changed the service"
+    );
+    // An edit that swaps a backend (same count) passes; another tenant is
+    // not counted against acme.
+    acme.send("PUT", "/v1/services/acme/s1", Some(&body("s1", &[0, 6])))
+        .unwrap();
+    let mut other = body("s9", &[7, 8, 9, 10]);
+    other["tenant"] = json!("default");
+    r.client.send("POST", "/v1/services", Some(&other)).unwrap();
+    // One deleted makes room.
+    acme.send(
+        "DELETE",
+        &format!("/v1/services/acme/s1/backends/{}", addr(6)),
+        None,
+    )
+    .unwrap();
+    acme.send(
+        "POST",
+        "/v1/services/acme/s2/backends",
+        Some(&json!({ "address": addr(4) })),
+    )
+    .unwrap();
+    // A reload giving acme four is refused, nothing applied.
+    let b = |a: &str| -> SocketAddr { a.parse().unwrap() };
+    let text = [
+        tenant_toml("acme", "token = \"acme-tok\"\nmax_backends = 3"),
+        service_toml("acme", "s1", &[echo.addr, b("127.0.0.9:1")]),
+        service_toml("acme", "s2", &[b("127.0.0.10:1"), b("127.0.0.11:1")]),
+    ]
+    .concat();
+    write(&path, &text);
+    let reload = r.api("POST", "/v1/reload", None);
+    assert!(
+        matches!(
+            &reload,
+            Err(CliError::Api { status: 400, errors, .. })
+                if errors.iter().any(|e| e.contains("has 4 backends in this file, over its max_backends (3)"))
+        ),
+        "the reload was not refused: {reload:?}"
+    );
+    assert_eq!(
+        r.d()
+            .control()
+            .service_spec("acme", "s2")
+            .unwrap()
+            .backends
+            .len(),
+        2,
+        "applied in part"
+    );
+    // Lowered to 1: all three stay; a backend added is refused, one
+    // removed is fine.
+    r.client
+        .send(
+            "PUT",
+            "/v1/tenants/acme",
+            Some(&json!({ "max_backends": 1 })),
+        )
+        .unwrap();
+    assert!(matches!(
+        acme.send(
+            "POST",
+            "/v1/services/acme/s1/backends",
+            Some(&json!({ "address": addr(11) })),
+        ),
+        Err(CliError::Api { status: 409, .. })
+    ));
+    acme.send(
+        "DELETE",
+        &format!("/v1/services/acme/s2/backends/{}", addr(4)),
+        None,
+    )
+    .unwrap();
+}
+
 /// `max_services`: each service holds a socket per worker of the daemon's
 /// descriptors, which every tenant shares, so a tenant token could add
 /// services until no one could accept. A tenant holds at most its

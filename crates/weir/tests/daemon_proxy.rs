@@ -490,6 +490,7 @@ fn deleting_a_tenant_closes_and_purges_only_its_connections() {
             max_connections: 0,
             max_new_per_s: 0,
             max_services: 0,
+            max_backends: 0,
             min_health_interval: None,
             token: None,
             timeouts: Default::default(),

@@ -233,7 +233,7 @@ fn schemas() -> Value {
       "Rates": rates,
       "TenantSpec": { "type": "object", "required": ["name"], "properties": {
         "name": s, "table_entries": table_entries.clone(), "max_table_entries": max_table_entries.clone(),
-        "max_connections": int, "max_new_per_s": int, "max_services": int,
+        "max_connections": int, "max_new_per_s": int, "max_services": int, "max_backends": int,
         "min_health_interval": min_health_interval.clone(), "token": s,
         "timeouts": reff("Timeouts"),
         "allowed_listen": { "type": "array", "items": s, "description": "CIDR[:PORT[-PORT]] where this tenant's token may listen; a wildcard needs an entry naming it" },
@@ -244,7 +244,7 @@ fn schemas() -> Value {
                         "last_ack": s, "time_wait": s, "close": s, "udp": s, "persist": s } },
       "TenantStatus": { "type": "object", "properties": {
         "name": s, "table_entries": table_entries, "max_table_entries": max_table_entries,
-        "max_connections": int, "max_new_per_s": int, "max_services": int,
+        "max_connections": int, "max_new_per_s": int, "max_services": int, "max_backends": int,
         "min_health_interval": min_health_interval,
         "timeouts": reff("Timeouts"),
         "allowed_listen": { "type": "array", "items": s }, "allowed_backends": { "type": "array", "items": s },

@@ -247,6 +247,9 @@ pub enum TenantCmd {
         /// Cap on this tenant's services; 0 = unlimited.
         #[arg(long, default_value_t = 0)]
         max_services: u64,
+        /// Cap on the backends of all this tenant's services; 0 = unlimited.
+        #[arg(long, default_value_t = 0)]
+        max_backends: u64,
         /// Shortest health-check interval the tenant's token may set, e.g.
         /// 5s (1ms..=1h); the daemon's default is 1s.
         #[arg(long, value_name = "DURATION")]
@@ -270,6 +273,10 @@ pub enum TenantCmd {
         /// beyond a lowered cap stay).
         #[arg(long)]
         max_services: Option<u64>,
+        /// Cap on the backends of all this tenant's services; 0 = unlimited
+        /// (backends it holds beyond a lowered cap stay).
+        #[arg(long)]
+        max_backends: Option<u64>,
         /// Shortest health-check interval the tenant's token may set, e.g.
         /// 5s (1ms..=1h); services already there keep theirs.
         #[arg(long, value_name = "DURATION")]
@@ -631,13 +638,14 @@ fn tenant(cmd: TenantCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             max_connections,
             max_new_per_s,
             max_services,
+            max_backends,
             min_health_interval,
             tenant_token,
         } => {
             let mut body = json!({
                 "name": name, "table_entries": table_entries,
                 "max_connections": max_connections, "max_new_per_s": max_new_per_s,
-                "max_services": max_services,
+                "max_services": max_services, "max_backends": max_backends,
             });
             if let Some(d) = min_health_interval {
                 body["min_health_interval"] = json!(d);
@@ -653,6 +661,7 @@ fn tenant(cmd: TenantCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             max_connections,
             max_new_per_s,
             max_services,
+            max_backends,
             min_health_interval,
             tenant_token,
             no_tenant_token,
@@ -668,6 +677,9 @@ fn tenant(cmd: TenantCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             }
             if let Some(v) = max_services {
                 body.insert("max_services".into(), json!(v));
+            }
+            if let Some(v) = max_backends {
+                body.insert("max_backends".into(), json!(v));
             }
             if let Some(d) = min_health_interval {
                 body.insert("min_health_interval".into(), json!(d));

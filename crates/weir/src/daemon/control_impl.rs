@@ -823,6 +823,8 @@ impl Control for LiveControl {
     }
 
     fn add_service(&self, spec: ServiceSpec) -> ControlResult<()> {
+        // With the edits: a `max_backends` counts the tenant's backends.
+        let _one = self.0.model.edits.lock();
         let id = format!("service {}/{}", spec.tenant, spec.name);
         self.0.add_service(spec)?;
         self.added_at_runtime(id);
@@ -861,6 +863,13 @@ impl Control for LiveControl {
                 .for_each(|id| self.added_at_runtime(id));
             return Ok(());
         }
+        super::model::backend_quota(
+            &self.0.model.load(),
+            tenant,
+            name,
+            spec.backends.len(),
+            &mut Default::default(),
+        )?;
         let params = self.0.with_profile(&svc.tenant, service_params(&spec)?)?;
         let sched_key = |s: &ServiceSpec| {
             let o = &s.options;
@@ -928,6 +937,13 @@ impl Control for LiveControl {
         }
         let id = format!("backend {tenant}/{service}/{}", spec.address);
         specs.push(spec);
+        super::model::backend_quota(
+            &self.0.model.load(),
+            tenant,
+            service,
+            specs.len(),
+            &mut Default::default(),
+        )?;
         let mut full = svc.spec.read().clone();
         full.backends = specs.clone();
         check_service(&full, self.0.packet_cfg.as_ref())?;

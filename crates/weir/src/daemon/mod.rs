@@ -447,6 +447,7 @@ fn default_tenant_spec() -> TenantSpec {
         max_connections: 0,
         max_new_per_s: 0,
         max_services: 0,
+        max_backends: 0,
         min_health_interval: None,
         token: None,
         timeouts: Default::default(),

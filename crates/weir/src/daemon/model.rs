@@ -461,6 +461,55 @@ fn service_quota(
     Ok(())
 }
 
+/// Refuses a change that would leave tenant `tenant` holding more backends
+/// than its `max_backends`: service `name` would have `after` backends
+/// (replacing its current ones if it exists). A change that does not add
+/// backends to the service passes, so a lowered cap keeps what is there.
+/// `held` caches each tenant's total for a batch (counted from the model
+/// once, O(its services); the caller keeps it up to date).
+pub(super) fn backend_quota(
+    st: &State,
+    tenant: &str,
+    name: &str,
+    after: usize,
+    held: &mut HashMap<String, u64>,
+) -> crate::control::ControlResult<()> {
+    use crate::control::{ControlError, ErrorKind};
+    let Some(t) = st.tenants.get(tenant) else {
+        return Ok(());
+    };
+    let max = t.spec.read().max_backends;
+    if max == 0 {
+        return Ok(());
+    }
+    let current = st
+        .services
+        .get(&(tenant.to_owned(), name.to_owned()))
+        .map_or(0, |s| s.spec.read().backends.len() as u64);
+    let after = after as u64;
+    if after <= current {
+        return Ok(());
+    }
+    let n = *held.entry(tenant.to_owned()).or_insert_with(|| {
+        st.services
+            .range((tenant.to_owned(), String::new())..)
+            .take_while(|((t, _), _)| t == tenant)
+            .map(|(_, s)| s.spec.read().backends.len() as u64)
+            .sum()
+    });
+    let total = n - current + after;
+    if total > max {
+        return Err(ControlError::new(
+            ErrorKind::Conflict,
+            format!(
+                "tenant {tenant:?} would hold {total} backends, over its max_backends ({max}): \
+                 remove some first, or raise the tenant's max_backends"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 #[derive(Debug)]
 pub(crate) struct BackendSet {
     pub(crate) sched: Scheduler,
@@ -873,17 +922,32 @@ impl Shared {
         // Services each tenant of the batch holds, counted when a tenant
         // with a `max_services` first adds one, then kept up to date.
         let mut held: HashMap<String, u64> = HashMap::new();
+        // Likewise their backends, for a `max_backends`.
+        let mut held_backends: HashMap<String, u64> = HashMap::new();
         for (i, r) in checked {
             let r = r.and_then(|(spec, params)| {
                 if !replace {
                     service_quota(&st, &spec, &mut held)?;
                 }
+                backend_quota(
+                    &st,
+                    &spec.tenant,
+                    &spec.name,
+                    spec.backends.len(),
+                    &mut held_backends,
+                )?;
                 self.open_service(&st, spec, params, replace)
             });
             match r {
                 Ok(Opened { key, svc, sockets }) => {
                     if let Some(n) = held.get_mut(&key.0) {
                         *n += 1;
+                    }
+                    if let Some(n) = held_backends.get_mut(&key.0) {
+                        *n += svc.spec.read().backends.len() as u64;
+                        if let Some(old) = st.services.get(&key) {
+                            *n -= old.spec.read().backends.len() as u64;
+                        }
                     }
                     let replaced = st.services.insert(key, svc.clone());
                     opened.push((svc, sockets, replaced));

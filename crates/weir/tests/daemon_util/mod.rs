@@ -166,6 +166,7 @@ pub fn default_tenant(max_connections: u64, max_new_per_s: u64) -> TenantSpec {
         max_connections,
         max_new_per_s,
         max_services: 0,
+        max_backends: 0,
         min_health_interval: None,
         token: None,
         timeouts: Default::default(),
