@@ -759,6 +759,9 @@ impl Engine {
         egress: &mut dyn FnMut(u32, &[u8]) -> bool,
     ) {
         self.rx_ifindex = rx_ifindex;
+        // The worker refreshed before it waited for this batch: services
+        // may have changed meanwhile (one atomic load when they have not).
+        self.refresh();
         let n = batch.len();
         let now = Millis(self.shared.now_ms());
         self.refresh_links(now);
@@ -1145,6 +1148,11 @@ impl Engine {
         if shared.admission.stop_accept.is_cancelled() {
             return Err(Some(Drop::Draining));
         }
+        // Deleted since this worker's snapshot was taken: its flows were
+        // killed already, and one opened now could never be settled.
+        if svc.cancel.is_cancelled() {
+            return Err(Some(Drop::NotOurs));
+        }
         let proto = match key.proto {
             Proto::Tcp => crate::config::Protocol::Tcp,
             Proto::Udp => crate::config::Protocol::Udp,
@@ -1256,6 +1264,21 @@ impl Engine {
             backend.active.fetch_add(1, Relaxed);
         } else {
             backend.inactive.fetch_add(1, Relaxed);
+        }
+        // The service was deleted while this flow opened: its deletion
+        // cancels it before killing its flows, so either that kill sees
+        // this entry, or this sees the cancel and ends the flow itself
+        // (settled on the service it was opened for, no longer in the
+        // model), as the kill would have.
+        if svc.cancel.is_cancelled() {
+            if let Some(snap) = shared.conns.table.remove_handle(handle) {
+                shared.ended_among(
+                    std::slice::from_ref(&snap),
+                    super::owners::Close::ServiceDeleted,
+                    std::slice::from_ref(svc),
+                );
+            }
+            return Err(Some(Drop::NotOurs));
         }
         self.counters.new_flows.fetch_add(1, Relaxed);
         shared.accounting.stat.conn();
@@ -2067,6 +2090,50 @@ mod tests {
         d.control().delete_backend("default", "web", B1).unwrap();
         assert!(!path.port_is_live(t.src, sa(B1)), "port leaked");
         assert_eq!(d.shared.admission.active.load(Relaxed), 0);
+    }
+
+    /// A worker still on the snapshot from before its service was deleted
+    /// (a batch already in hand, or frames that arrive while it waits):
+    /// the service's flows were killed and settled already, so a first
+    /// packet must not open a flow that no end can settle (the service is
+    /// gone from the model): it would keep its admission slot, its fnat
+    /// port and its client place for good.
+    #[test]
+    fn a_first_packet_on_a_stale_snapshot_of_a_deleted_service_takes_nothing() {
+        let d = daemon_with("fnat", "", "tcp_max_connections_per_client = 5");
+        let mut e = engine(&d);
+        let svc = the_service(&d);
+        d.control().delete_service("default", "web").unwrap();
+        // The engine has not refreshed its snapshot yet.
+        let client = sa("192.0.2.7:40000");
+        let mut syn = frame(client, sa(VIP), Some(SYN), b"");
+        let v = e.process(&mut syn);
+        let mut all = Vec::new();
+        d.shared
+            .conns
+            .table
+            .dump(None, &weir_flowtable::DumpFilter::default(), 100, &mut all);
+        // Whatever the verdict, nothing may stay taken once the flows of
+        // the deleted service are gone.
+        d.shared.kill_where(
+            super::super::owners::Close::Killed,
+            &weir_flowtable::DumpFilter::default(),
+            |_| true,
+        );
+        assert_eq!(
+            d.shared.admission.active.load(Relaxed),
+            0,
+            "admission slot leaked ({v:?}, {} entries)",
+            all.len()
+        );
+        assert!(svc.tcp_per_client.lock().is_empty(), "client place leaked");
+        let path = d.shared.packet.get().unwrap().clone();
+        for p in [40000u16..=59999].into_iter().flatten() {
+            let l = SocketAddr::new(LOCAL.parse().unwrap(), p);
+            assert!(!path.port_is_live(l, sa(B1)) && !path.port_is_live(l, sa(B2)));
+        }
+        assert_eq!(v, Verdict::Drop);
+        assert!(all.is_empty(), "a flow of a deleted service: {all:?}");
     }
 
     /// Ten thousand malformed frames (issue 12): none panics, each is
