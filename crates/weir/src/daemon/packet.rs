@@ -130,7 +130,8 @@ pub(crate) enum Drop {
     /// ICMP messages other than errors about a flow (echo, redirects,
     /// neighbour discovery...): weir answers none of them.
     Icmp,
-    /// An ICMP error whose quoted packet is truncated or malformed.
+    /// An ICMP error whose quoted packet is truncated or malformed, or
+    /// that is not addressed to the quoted packet's source.
     IcmpMalformed,
     /// A rewrite refused the frame (inconsistent lengths).
     Rewrite,
@@ -1054,6 +1055,12 @@ impl Engine {
             Ok(None) => return self.drop_(Drop::Icmp),
             Err(_) => return self.drop_(Drop::IcmpMalformed),
         };
+        // An error goes to the source of the packet it quotes (RFC 792,
+        // 4443). One addressed elsewhere is forged: translated, it would
+        // leave from the VIP (nat, backend side) to any destination.
+        if pkt.dst != emb.tuple.src.ip() {
+            return self.drop_(Drop::IcmpMalformed);
+        }
         let (vs, found, direction) = match self.find(&emb.flow_key(), None, now) {
             Ok(f) => f,
             Err(d) => return self.drop_(d),
@@ -1996,12 +2003,61 @@ mod tests {
         // An error about no flow of ours is dropped and counted.
         let mut other = f.clone();
         other[p.l4 + 8 + 12..p.l4 + 8 + 16].copy_from_slice(&[192, 0, 2, 99]);
+        // (Addressed to the quoted source, as an error is.)
+        other[p.l3 + 16..p.l3 + 20].copy_from_slice(&[192, 0, 2, 99]);
+        other[p.l3 + 10..p.l3 + 12].fill(0);
+        let c = checksum::ipv4_header_checksum(&other[p.l3..p.l4]);
+        other[p.l3 + 10..p.l3 + 12].copy_from_slice(&c.to_be_bytes());
         let before = counted(&e, Drop::NoFlow) + counted(&e, Drop::NotOurs);
         let _ = e.process(&mut other);
         assert_eq!(
             counted(&e, Drop::NoFlow) + counted(&e, Drop::NotOurs),
             before + 1
         );
+    }
+
+    /// An ICMP error goes to the source of the packet it quotes: one whose
+    /// outer destination is another address is no error about a flow.
+    /// Before, weir took any such frame whose quote named a live flow and
+    /// sent it on from the VIP to whatever destination it carried (nat
+    /// rewrites only the source of a backend-side error), routed by the
+    /// client's next hop.
+    #[test]
+    fn an_icmp_error_not_addressed_to_the_quoted_source_is_dropped() {
+        let d = daemon("nat", "");
+        let mut e = engine(&d);
+        let client = sa("192.0.2.7:40000");
+        let mut syn = frame(client, sa(VIP), Some(SYN), b"");
+        assert_eq!(e.process(&mut syn), Verdict::Transmit);
+        let quote = &syn[14..14 + 28];
+        let error_to = |to: IpAddr| {
+            let mut icmp = vec![3, 4, 0, 0, 0, 0, 0x05, 0x78];
+            icmp.extend_from_slice(quote);
+            let c = checksum::finish(checksum::sum(&icmp, 0));
+            icmp[2..4].copy_from_slice(&c.to_be_bytes());
+            let IpAddr::V4(to) = to else { unreachable!() };
+            let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0, 0, 64, 1, 0, 0];
+            ip[2..4].copy_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
+            ip.extend_from_slice(&[10, 0, 1, 254]);
+            ip.extend_from_slice(&to.octets());
+            let c = checksum::ipv4_header_checksum(&ip);
+            ip[10..12].copy_from_slice(&c.to_be_bytes());
+            let mut f = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 9, 0x08, 0x00];
+            f.extend_from_slice(&ip);
+            f.extend_from_slice(&icmp);
+            f
+        };
+        let victim: IpAddr = "203.0.113.9".parse().unwrap();
+        let mut f = error_to(victim);
+        let v = e.process(&mut f);
+        let p = weir_packet::parse(&f).unwrap();
+        assert_eq!(v, Verdict::Drop, "sent on as {} -> {}", p.src, p.dst);
+        assert_eq!(counted(&e, Drop::IcmpMalformed), 1);
+        assert_eq!(e.counters.icmp_errors.load(Relaxed), 0);
+        // The same error to the client is translated.
+        let mut f = error_to(client.ip());
+        assert_eq!(e.process(&mut f), Verdict::Transmit);
+        assert_eq!(e.counters.icmp_errors.load(Relaxed), 1);
     }
 
     /// Many flows in one tenant's own table: held, listed exactly page by
