@@ -501,6 +501,7 @@ impl LiveControl {
             at += n;
             results[*i] = Some(Ok(closed));
         }
+        self.0.retired(&gone);
         let deleted: std::collections::HashSet<&str> =
             removed.iter().map(|(i, _)| names[*i].as_str()).collect();
         self.forget_tenants(&deleted);

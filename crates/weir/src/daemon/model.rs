@@ -61,6 +61,12 @@ pub(crate) struct Model {
     /// address still held by a removed one of ours is waited for, not
     /// mistaken for another process's.
     listen_groups: Mutex<Vec<(Protocol, SocketAddr, Weak<Service>)>>,
+    /// Services taken out of the snapshot whose flows are still being
+    /// ended (a deletion's or replacement's kill, a tenant's purge): an
+    /// entry of theirs that the expiry thread (or a kill) removes
+    /// meanwhile is settled on them ([`Shared::ended`] finds them here),
+    /// not left holding its admission slot, fnat port and client place.
+    pub(super) retiring: Mutex<Vec<Arc<Service>>>,
     /// How many times a writer copied the snapshot ([`StateWrite`]): what
     /// tests count to see that a batch of adds copies it once.
     #[cfg(test)]
@@ -78,6 +84,7 @@ impl Model {
             writer: Mutex::new(()),
             next_id: AtomicU32::new(1),
             runtime_added: Mutex::default(),
+            retiring: Mutex::default(),
             reload_lock: Mutex::new(()),
             edits: Mutex::new(()),
             services_gen: AtomicU64::new(0),
@@ -950,6 +957,8 @@ impl Shared {
                         }
                     }
                     let replaced = st.services.insert(key, svc.clone());
+                    // Before it leaves the published snapshot.
+                    self.model.retiring.lock().extend(replaced.clone());
                     opened.push((svc, sockets, replaced));
                 }
                 Err(e) => {
@@ -987,6 +996,7 @@ impl Shared {
         for old in replaced {
             old.cancel.cancel();
             self.kill_service(&old, None, Close::ServiceDeleted);
+            self.retired(std::slice::from_ref(&old));
         }
         errors
     }
@@ -1011,6 +1021,7 @@ impl Shared {
                 let svc = svc?;
                 let told = self.kill_service(&svc, None, Close::ServiceDeleted);
                 self.drop_templates(&svc);
+                self.retired(std::slice::from_ref(&svc));
                 Some(told)
             })
             .collect()
@@ -1024,13 +1035,21 @@ impl Shared {
     pub(crate) fn take_services(&self, keys: &[(String, String)]) -> Vec<Option<Arc<Service>>> {
         let removed: Vec<Option<Arc<Service>>> = {
             let mut st = self.model.write();
-            keys.iter()
+            let removed: Vec<_> = keys
+                .iter()
                 .map(|k| {
                     // Only a key that is there copies the model.
                     st.services.get(k)?;
                     st.services.remove(k)
                 })
-                .collect()
+                .collect();
+            // Before they leave the published snapshot; the caller ends
+            // their flows, then calls `retired`.
+            self.model
+                .retiring
+                .lock()
+                .extend(removed.iter().flatten().cloned());
+            removed
         };
         if removed.iter().any(Option::is_some) {
             self.services_changed();
@@ -1039,6 +1058,18 @@ impl Shared {
             svc.cancel.cancel();
         }
         removed
+    }
+
+    /// The flows of `services`, taken out of the model, are all ended:
+    /// they leave [`Model::retiring`].
+    pub(crate) fn retired(&self, services: &[Arc<Service>]) {
+        if services.is_empty() {
+            return;
+        }
+        self.model
+            .retiring
+            .lock()
+            .retain(|r| !services.iter().any(|s| Arc::ptr_eq(r, s)));
     }
 
     /// What [`Self::put_services`] checks of a spec before the writers'

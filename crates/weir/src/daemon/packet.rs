@@ -2192,6 +2192,40 @@ mod tests {
         assert!(all.is_empty(), "a flow of a deleted service: {all:?}");
     }
 
+    /// The expiry thread removes a flow of a service while that service is
+    /// being deleted: after the service left the model
+    /// ([`Shared::take_services`]) and before its flows are killed
+    /// ([`Shared::kill_service`]). The flow must still be settled (its
+    /// admission slot, fnat port and client place given back): it is the
+    /// kill that no longer sees it.
+    #[test]
+    fn a_flow_expiring_while_its_service_is_deleted_is_settled() {
+        let d = daemon_with("fnat", "", "tcp_max_connections_per_client = 5");
+        let mut e = engine(&d);
+        let mut syn = frame(sa("192.0.2.7:40000"), sa(VIP), Some(SYN), b"");
+        assert_eq!(e.process(&mut syn), Verdict::Transmit);
+        let local = verified(&syn).src;
+        let svc = the_service(&d);
+        let path = d.shared.packet.get().unwrap().clone();
+        assert_eq!(d.shared.admission.active.load(Relaxed), 1);
+        // `remove_services`, step by step, with an expiry round between.
+        let key = ("default".to_owned(), "web".to_owned());
+        let taken = d.shared.take_services(std::slice::from_ref(&key));
+        let mut out = Vec::new();
+        let later = Millis(d.shared.now_ms() + 3_600_000);
+        d.shared.conns.table.expire(later, 4096, &mut out);
+        assert_eq!(out.len(), 1, "the flow expired");
+        d.shared
+            .ended(&out, super::super::owners::Close::IdleTimeout);
+        for s in taken.into_iter().flatten() {
+            d.shared
+                .kill_service(&s, None, super::super::owners::Close::ServiceDeleted);
+        }
+        assert_eq!(d.shared.admission.active.load(Relaxed), 0, "slot leaked");
+        assert!(!path.port_is_live(local, sa(B1)), "fnat port leaked");
+        assert!(svc.tcp_per_client.lock().is_empty(), "client place leaked");
+    }
+
     /// Ten thousand malformed frames (issue 12): none panics, each is
     /// counted under exactly one reason, none creates a flow.
     #[test]
