@@ -995,6 +995,8 @@ impl Shared {
         self.services_changed();
         for old in replaced {
             old.cancel.cancel();
+            // See `take_services`.
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
             self.kill_service(&old, None, Close::ServiceDeleted);
             self.retired(std::slice::from_ref(&old));
         }
@@ -1057,6 +1059,12 @@ impl Shared {
         for svc in removed.iter().flatten() {
             svc.cancel.cancel();
         }
+        // The cancels before the caller's walk of the table: pairs with the
+        // fence in the packet path's `open` (its insert, then its check of
+        // the cancel), so that either the walk sees that flow or `open`
+        // sees the cancel and ends it. Without both fences each side could
+        // read the other's old value (a store may pass a later load).
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         removed
     }
 

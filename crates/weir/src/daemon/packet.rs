@@ -1276,7 +1276,9 @@ impl Engine {
         // cancels it before killing its flows, so either that kill sees
         // this entry, or this sees the cancel and ends the flow itself
         // (settled on the service it was opened for, no longer in the
-        // model), as the kill would have.
+        // model), as the kill would have. The fence pairs with the one
+        // after the cancel (`Shared::take_services`): insert, then read.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         if svc.cancel.is_cancelled() {
             if let Some(snap) = shared.conns.table.remove_handle(handle) {
                 shared.ended_among(
