@@ -739,3 +739,60 @@ fn proxy_protocol_headers_precede_client_bytes() {
     assert!(got2.ends_with(b"payload"));
     d.shutdown();
 }
+
+/// A TCP client bound to `from` (with `SO_REUSEADDR`, so that two clients
+/// may share it, as connect's own port choice lets them towards different
+/// destinations) and connected to `to`.
+fn connect_from(from: std::net::SocketAddr, to: std::net::SocketAddr) -> TcpStream {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    s.set_reuse_address(true).unwrap();
+    s.bind(&from.into()).unwrap();
+    s.connect(&to.into()).unwrap();
+    let s: TcpStream = s.into();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s
+}
+
+/// On a wildcard listener, one client address and port may hold a
+/// connection to each local address of the host (two TCP connections, two
+/// 4-tuples): the second must not take the first one's entry over and cut
+/// it ("replaced").
+#[test]
+fn a_wildcard_service_keeps_one_client_ports_connections_to_two_addresses_apart() {
+    let e = Echo::start();
+    let mut spec = service("w", Protocol::Tcp, "rr", vec![backend(e.addr, 1)]);
+    spec.listen = "0.0.0.0:0".parse().unwrap();
+    let d = Daemon::start(config(vec![spec]), None).unwrap();
+    let c = d.control();
+    let port = d.service_addr("default", "w").unwrap().port();
+    let from = {
+        let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        s.set_reuse_address(true).unwrap();
+        let any: std::net::SocketAddr = "127.0.0.5:0".parse().unwrap();
+        s.bind(&any.into()).unwrap();
+        s.local_addr().unwrap().as_socket().unwrap()
+    };
+    let (v1, v2) = (
+        std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        std::net::SocketAddr::from(([127, 0, 0, 2], port)),
+    );
+    let mut a = connect_from(from, v1);
+    assert!(still_echoes(&mut a));
+    let mut b = connect_from(from, v2);
+    assert!(still_echoes(&mut b));
+    let mut virt: Vec<String> = c
+        .connections(&ConnFilter::default(), None, 10)
+        .unwrap()
+        .connections
+        .into_iter()
+        .map(|x| x.virtual_)
+        .collect();
+    virt.sort();
+    assert_eq!(virt, [v1.to_string(), v2.to_string()]);
+    assert!(still_echoes(&mut a), "the first connection was cut");
+    assert!(still_echoes(&mut b));
+    drop((a, b));
+    assert!(wait_until(T, || c.global_stats().active_conns == 0));
+    d.shutdown();
+}

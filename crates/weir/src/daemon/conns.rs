@@ -120,16 +120,26 @@ impl Conn {
 impl Shared {
     /// Put a new connection or session in the flow table, owned by `owner`
     /// (counted on its backend as active when ESTABLISHED, else inactive).
+    /// `virt` is the address the client reached: the service's, or on a
+    /// wildcard TCP listener the local one, so that one client port's
+    /// connections to two of the host's addresses (two 4-tuples; connect
+    /// reuses a source port towards another destination) are two entries,
+    /// not one taking the other's over.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn open(
         &self,
         svc: &Arc<Service>,
         backend: &Arc<Backend>,
         proto: Protocol,
         client: SocketAddr,
+        virt: SocketAddr,
         state: ConnState,
         owner: &owners::Owner,
     ) -> Result<Conn, Refusal> {
-        let key = flow_key(svc, proto, client);
+        let key = FlowKey {
+            virt,
+            ..flow_key(svc, proto, client)
+        };
         let params = svc.params.load_full();
         let init = FlowInit {
             owner: owner.token(),

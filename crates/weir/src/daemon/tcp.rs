@@ -269,6 +269,7 @@ async fn connect_any(
             &backend,
             Protocol::Tcp,
             peer,
+            SocketAddr::new(local, svc.listen.port()),
             ConnState::SynRecv,
             owner,
         ) {

@@ -175,7 +175,15 @@ fn new_session(
     let Some(owner) = shared.conns.owners.claim() else {
         return refuse(Refusal::TableFull);
     };
-    let conn = match shared.open(svc, &backend, Protocol::Udp, peer, ConnState::Udp, &owner) {
+    let conn = match shared.open(
+        svc,
+        &backend,
+        Protocol::Udp,
+        peer,
+        svc.listen,
+        ConnState::Udp,
+        &owner,
+    ) {
         Ok(c) => c,
         Err(why) => return refuse(why),
     };
