@@ -796,3 +796,54 @@ fn a_wildcard_service_keeps_one_client_ports_connections_to_two_addresses_apart(
     assert!(wait_until(T, || c.global_stats().active_conns == 0));
     d.shutdown();
 }
+
+/// A UDP service on a wildcard address answers each client from the
+/// address the client sent to (a client checks where a reply comes from;
+/// a connected socket drops any other), and keeps one client port's
+/// sessions with two of the host's addresses apart, as TCP does.
+#[test]
+fn a_wildcard_udp_service_answers_from_the_address_the_client_sent_to() {
+    let b = udp_echo();
+    let mut spec = service("uw", Protocol::Udp, "rr", vec![backend(b, 1)]);
+    spec.listen = "0.0.0.0:0".parse().unwrap();
+    let d = Daemon::start(config(vec![spec]), None).unwrap();
+    let control = d.control();
+    let port = d.service_addr("default", "uw").unwrap().port();
+    let c = UdpSocket::bind("127.0.0.5:0").unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 1500];
+    let vips = [
+        std::net::SocketAddr::from(([127, 0, 0, 2], port)),
+        std::net::SocketAddr::from(([127, 0, 0, 3], port)),
+    ];
+    for _ in 0..2 {
+        for vip in vips {
+            c.send_to(vip.to_string().as_bytes(), vip).unwrap();
+            let (n, from) = c.recv_from(&mut buf).unwrap();
+            assert_eq!(&buf[..n], vip.to_string().as_bytes());
+            assert_eq!(from, vip, "reply must come from the address sent to");
+        }
+    }
+    let mut virt: Vec<String> = control
+        .connections(&ConnFilter::default(), None, 10)
+        .unwrap()
+        .connections
+        .into_iter()
+        .map(|x| x.virtual_)
+        .collect();
+    virt.sort();
+    assert_eq!(virt, [vips[0].to_string(), vips[1].to_string()]);
+    d.shutdown();
+    // The same on an IPv6 wildcard (IPV6_PKTINFO).
+    let mut spec = service("uw6", Protocol::Udp, "rr", vec![backend(b, 1)]);
+    spec.listen = "[::]:0".parse().unwrap();
+    let d = Daemon::start(config(vec![spec]), None).unwrap();
+    let port = d.service_addr("default", "uw6").unwrap().port();
+    let vip = std::net::SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port));
+    let c = UdpSocket::bind("[::1]:0").unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    c.send_to(b"six", vip).unwrap();
+    let (n, from) = c.recv_from(&mut buf).unwrap();
+    assert_eq!((&buf[..n], from), (&b"six"[..], vip));
+    d.shutdown();
+}

@@ -13,14 +13,16 @@
 //! so its socket closes with it.
 
 use std::cell::RefCell;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::Duration;
 
+use tokio::io::Interest;
 use tokio::net::UdpSocket;
 
-use weir_flowtable::{Dir, Millis};
+use weir_flowtable::{Dir, FlowKey, Millis};
 
 use super::owners::{Close, Owner};
 use super::{Conn, ConnState, Refusal, Service, Shared};
@@ -31,6 +33,9 @@ use crate::config::Protocol;
 pub(crate) struct Session {
     conn: Conn,
     sock: Arc<UdpSocket>,
+    /// On a wildcard listener, the local address the client sent to: the
+    /// session's replies leave from it (`None`: the service's address).
+    local: Option<IpAddr>,
     /// Set when the session task ended (a datagram then starts a new session).
     done: AtomicBool,
 }
@@ -70,14 +75,147 @@ fn set_session(token: u32, v: Option<Arc<Session>>) {
     });
 }
 
+/// Asks the kernel for each datagram's destination address (a wildcard
+/// listener's replies must leave from the address the client sent to).
+fn want_pktinfo(listen: &UdpSocket, v6: bool) -> std::io::Result<()> {
+    use nix::sys::socket::{setsockopt, sockopt};
+    if v6 {
+        setsockopt(listen, sockopt::Ipv6RecvPacketInfo, &true)?;
+    } else {
+        setsockopt(listen, sockopt::Ipv4PacketInfo, &true)?;
+    }
+    Ok(())
+}
+
+/// One datagram from a socket [`want_pktinfo`] set up: its length, sender
+/// and the local address it was sent to (non-blocking).
+fn recv_pktinfo(
+    listen: &UdpSocket,
+    buf: &mut [u8],
+    cmsg: &mut [u8],
+) -> std::io::Result<(usize, SocketAddr, Option<IpAddr>)> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, SockaddrLike, SockaddrStorage, recvmsg};
+    let mut iov = [std::io::IoSliceMut::new(buf)];
+    let msg =
+        recvmsg::<SockaddrStorage>(listen.as_raw_fd(), &mut iov, Some(cmsg), MsgFlags::empty())?;
+    let peer = msg.address.and_then(|a| match a.family() {
+        Some(nix::sys::socket::AddressFamily::Inet) => {
+            a.as_sockaddr_in().map(|a| SocketAddr::V4((*a).into()))
+        }
+        Some(nix::sys::socket::AddressFamily::Inet6) => {
+            a.as_sockaddr_in6().map(|a| SocketAddr::V6((*a).into()))
+        }
+        _ => None,
+    });
+    let Some(peer) = peer else {
+        return Err(std::io::Error::other("datagram without a sender address"));
+    };
+    let mut local = None;
+    for c in msg.cmsgs()? {
+        match c {
+            // The address to answer from: the destination of a unicast
+            // datagram; for a broadcast the receiving interface's own
+            // (`ipi_spec_dst`). A multicast destination cannot be a
+            // source: the kernel's choice then.
+            ControlMessageOwned::Ipv4PacketInfo(pi) => {
+                let a = std::net::Ipv4Addr::from(u32::from_be(pi.ipi_spec_dst.s_addr));
+                local = (!a.is_unspecified() && !a.is_multicast()).then_some(IpAddr::V4(a));
+            }
+            ControlMessageOwned::Ipv6PacketInfo(pi) => {
+                let a = std::net::Ipv6Addr::from(pi.ipi6_addr.s6_addr);
+                local = (!a.is_multicast()).then_some(IpAddr::V6(a));
+            }
+            _ => {}
+        }
+    }
+    Ok((msg.bytes, peer, local))
+}
+
+/// Sends `data` to `peer` from the listening socket, from `local` if set
+/// (a wildcard listener's session), non-blocking.
+fn send_from(
+    listen: &UdpSocket,
+    data: &[u8],
+    peer: SocketAddr,
+    local: Option<IpAddr>,
+) -> std::io::Result<usize> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, SockaddrStorage, sendmsg};
+    let Some(local) = local else {
+        return listen.try_send_to(data, peer);
+    };
+    let iov = [std::io::IoSlice::new(data)];
+    let to = SockaddrStorage::from(peer);
+    match local {
+        IpAddr::V4(a) => {
+            let pi = libc::in_pktinfo {
+                ipi_ifindex: 0,
+                ipi_spec_dst: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.octets()),
+                },
+                ipi_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.octets()),
+                },
+            };
+            listen.try_io(Interest::WRITABLE, || {
+                Ok(sendmsg(
+                    listen.as_raw_fd(),
+                    &iov,
+                    &[ControlMessage::Ipv4PacketInfo(&pi)],
+                    MsgFlags::empty(),
+                    Some(&to),
+                )?)
+            })
+        }
+        IpAddr::V6(a) => {
+            let pi = libc::in6_pktinfo {
+                ipi6_addr: libc::in6_addr {
+                    s6_addr: a.octets(),
+                },
+                ipi6_ifindex: 0,
+            };
+            listen.try_io(Interest::WRITABLE, || {
+                Ok(sendmsg(
+                    listen.as_raw_fd(),
+                    &iov,
+                    &[ControlMessage::Ipv6PacketInfo(&pi)],
+                    MsgFlags::empty(),
+                    Some(&to),
+                )?)
+            })
+        }
+    }
+}
+
 pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Arc<UdpSocket>) {
     let mut buf = vec![0u8; MAX_DATAGRAM];
     let mut rng = weir_sched::SplitMix64::new(super::rng_seed());
+    // A wildcard listener learns each datagram's destination: a session is
+    // the client's with that address, and answers from it.
+    let mut cmsg = nix::cmsg_space!(libc::in6_pktinfo);
+    let wildcard = svc.listen.ip().is_unspecified()
+        && match want_pktinfo(&listen, svc.listen.is_ipv6()) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(
+                    "udp {}: IP_PKTINFO: {e}; replies leave from the kernel's choice of address",
+                    svc.listen
+                );
+                false
+            }
+        };
     loop {
-        let (n, peer) = tokio::select! {
+        let (n, peer, local) = tokio::select! {
             _ = svc.cancel.cancelled() => return,
             _ = shared.conns.kill_all.cancelled() => return,
-            r = listen.recv_from(&mut buf) => match r {
+            r = async {
+                if wildcard {
+                    listen
+                        .async_io(Interest::READABLE, || recv_pktinfo(&listen, &mut buf, &mut cmsg))
+                        .await
+                } else {
+                    listen.recv_from(&mut buf).await.map(|(n, p)| (n, p, None))
+                }
+            } => match r {
                 Ok(v) => v,
                 Err(e) => {
                     tracing::debug!("udp recv: {e}");
@@ -85,10 +223,14 @@ pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Ar
                 }
             },
         };
+        let virt = SocketAddr::new(local.unwrap_or(svc.listen.ip()), svc.listen.port());
         // The hot lookup: every datagram finds its session's entry in the
         // flow table (which also counts it), and through the entry's owner
         // token the session itself.
-        let key = super::flow_key(&svc, Protocol::Udp, peer);
+        let key = FlowKey {
+            virt,
+            ..super::flow_key(&svc, Protocol::Udp, peer)
+        };
         let hit = shared
             .conns
             .table
@@ -102,7 +244,7 @@ pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Ar
                 if shared.admission.stop_accept.is_cancelled() {
                     continue;
                 }
-                match new_session(&shared, &svc, &listen, peer, &mut rng) {
+                match new_session(&shared, &svc, &listen, peer, local, &mut rng) {
                     Some(s) => (s, false),
                     None => continue,
                 }
@@ -120,6 +262,7 @@ fn new_session(
     svc: &Arc<Service>,
     listen: &Arc<UdpSocket>,
     peer: SocketAddr,
+    local: Option<IpAddr>,
     rng: &mut weir_sched::SplitMix64,
 ) -> Option<Arc<Session>> {
     let tenant = svc.tenant.clone();
@@ -180,7 +323,7 @@ fn new_session(
         &backend,
         Protocol::Udp,
         peer,
-        svc.listen,
+        SocketAddr::new(local.unwrap_or(svc.listen.ip()), svc.listen.port()),
         ConnState::Udp,
         &owner,
     ) {
@@ -190,6 +333,7 @@ fn new_session(
     let sess = Arc::new(Session {
         conn,
         sock: Arc::new(sock),
+        local,
         done: AtomicBool::new(false),
     });
     set_session(owner.token(), Some(sess.clone()));
@@ -221,13 +365,17 @@ async fn session_task(
         tokio::select! {
             why = owner.closed() => break why.name(),
             r = sess.sock.readable() => match r.and_then(|()| {
-                reply(&sess.sock, &listen, peer, |n| shared.count(conn, Dir::Out, n, true))
+                reply(&sess.sock, &listen, peer, sess.local, |n| shared.count(conn, Dir::Out, n, true))
             }) {
                 Ok(Some(queued)) => {
                     if let Some(datagram) = queued {
                         // The listening socket's send buffer was full: wait
                         // for it with this one datagram only.
-                        let _ = listen.send_to(&datagram, peer).await;
+                        let _ = listen
+                            .async_io(Interest::WRITABLE, || {
+                                send_from(&listen, &datagram, peer, sess.local)
+                            })
+                            .await;
                     }
                     responses += 1;
                     if expected.is_some_and(|e| responses >= e) {
@@ -269,6 +417,7 @@ fn reply(
     sock: &UdpSocket,
     listen: &UdpSocket,
     peer: SocketAddr,
+    local: Option<IpAddr>,
     count: impl FnOnce(usize),
 ) -> std::io::Result<Option<Option<Vec<u8>>>> {
     thread_local! {
@@ -281,7 +430,7 @@ fn reply(
             Err(e) => return Err(e),
         };
         count(n);
-        let queued = match listen.try_send_to(&buf[..n], peer) {
+        let queued = match send_from(listen, &buf[..n], peer, local) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Some(buf[..n].to_vec()),
             _ => None,
         };
