@@ -181,14 +181,27 @@ impl Shared {
             template,
         };
         // Told to close before it could listen (a kill racing the insert),
-        // or opened while the daemon was stopping: it closes at once.
+        // opened while the daemon was stopping, or for a service deleted
+        // (or replaced) meanwhile, whose connections were told before this
+        // entry was there (a task accepted before the deletion, or waiting
+        // out an fd shortage between two attempts, has no entry to find):
+        // it closes at once. The deletion cancels, then walks the table;
+        // this inserted, then reads the cancel: the fence pairs with the
+        // one after the cancel (`Shared::take_services`, a replacing put),
+        // so that either the walk sees this entry or this sees the cancel.
         let told = owner.bind(handle.cookie.0).err();
-        if told.is_some() || self.conns.kill_all.is_cancelled() {
-            self.conns.owners.kill(
-                owner.token(),
-                handle.cookie.0,
-                told.unwrap_or(Close::Killed),
-            );
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        let why = if told.is_some() {
+            told
+        } else if self.conns.kill_all.is_cancelled() {
+            Some(Close::Killed)
+        } else if svc.cancel.is_cancelled() {
+            Some(Close::ServiceDeleted)
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            self.conns.owners.kill(owner.token(), handle.cookie.0, why);
         }
         self.accounting.stat.conn();
         svc.tenant.stat.conn();

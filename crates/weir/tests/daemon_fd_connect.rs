@@ -1,0 +1,77 @@
+//! A connection whose backend connect found weir out of descriptors waits
+//! and tries again (docs/daemon.md, step 4) with no flow-table entry
+//! meanwhile, so a deletion of its service in that wait cannot reach it.
+//! Its own test binary: it lowers the process's fd limit.
+
+mod daemon_util;
+
+use std::time::Duration;
+
+use daemon_util::*;
+use nix::sys::resource::{Resource, getrlimit, setrlimit};
+use weir::config::Protocol;
+use weir::daemon::Daemon;
+
+const T: Duration = Duration::from_secs(10);
+
+fn highest_open_fd() -> u64 {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u64>().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+/// Deleted while the connection waited for a descriptor, the service's
+/// connection must not go on to open a new entry and proxy to the deleted
+/// service's backend once descriptors are back.
+#[test]
+fn a_connection_waiting_for_descriptors_ends_with_its_deleted_service() {
+    let e = Echo::start();
+    let mut cfg = config(vec![service(
+        "s",
+        Protocol::Tcp,
+        "rr",
+        vec![backend(e.addr, 1)],
+    )]);
+    cfg.daemon.workers = 1;
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "s").unwrap();
+    let opened = || {
+        c.services()
+            .iter()
+            .find(|s| s.name == "s")
+            .map_or(0, |s| s.stats.conns)
+    };
+    // The client's socket first: its connect then needs no descriptor.
+    let client = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    // Every descriptor taken but one: the daemon's accept takes that one,
+    // its socket towards the backend finds none (EMFILE) and it waits.
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    setrlimit(Resource::RLIMIT_NOFILE, highest_open_fd() + 1, hard).unwrap();
+    let mut fillers = Vec::new();
+    while let Ok(f) = std::fs::File::open("/dev/null") {
+        fillers.push(f);
+        assert!(fillers.len() < 100_000, "bounded");
+    }
+    drop(fillers.pop());
+    client.connect(&vip.into()).unwrap();
+    // Its first attempt opened (and, failing, closed) an entry: it is in
+    // the descriptor wait now, or about to be.
+    let waiting = wait_until(T, || opened() >= 1);
+    c.delete_service("default", "s").unwrap();
+    drop(fillers);
+    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+    assert!(waiting, "the connection never reached its backend connect");
+    let mut s: std::net::TcpStream = client.into();
+    assert!(
+        !still_echoes(&mut s),
+        "a connection of the deleted service was proxied to its backend"
+    );
+    assert!(wait_until(T, || c.global_stats().active_conns == 0));
+    d.shutdown();
+}
