@@ -847,3 +847,61 @@ fn a_wildcard_udp_service_answers_from_the_address_the_client_sent_to() {
     assert_eq!((&buf[..n], from), (&b"six"[..], vip));
     d.shutdown();
 }
+
+/// `udp_max_sessions_per_client` holds when a client's first datagrams
+/// from many ports reach several workers at once (SO_REUSEPORT spreads a
+/// client's ports over the workers' sockets): the place is taken where it
+/// is checked, not after the session is made.
+#[test]
+fn udp_sessions_per_client_hold_across_workers() {
+    const PORTS: usize = 32;
+    let b = udp_echo();
+    let mut spec = service("u1", Protocol::Udp, "rr", vec![backend(b, 1)]);
+    spec.options.udp_max_sessions_per_client = 1;
+    let mut cfg = config(vec![spec]);
+    cfg.daemon.workers = 4;
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "u1").unwrap();
+    let refused = || {
+        c.global_stats()
+            .refused
+            .get("client_limit")
+            .copied()
+            .unwrap_or(0)
+    };
+    let sessions = || {
+        c.connections(&ConnFilter::default(), None, 1000)
+            .unwrap()
+            .connections
+            .len() as u64
+    };
+    let mut worst = 0;
+    for _ in 0..100 {
+        let before = refused();
+        let socks: Vec<UdpSocket> = (0..PORTS)
+            .map(|_| UdpSocket::bind("127.0.0.1:0").unwrap())
+            .collect();
+        // Two senders, so the workers' first datagrams arrive together.
+        std::thread::scope(|s| {
+            for half in socks.chunks(PORTS / 2) {
+                s.spawn(move || {
+                    for u in half {
+                        u.send_to(b"x", vip).unwrap();
+                    }
+                });
+            }
+        });
+        // Every datagram made a session or was refused.
+        assert!(wait_until(T, || sessions() + (refused() - before) == PORTS as u64));
+        worst = worst.max(sessions());
+        c.kill_matching(&ConnFilter {
+            tenant: Some("default".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(wait_until(T, || c.global_stats().active_conns == 0));
+    }
+    assert_eq!(worst, 1, "sessions of one client over its limit of 1");
+    d.shutdown();
+}

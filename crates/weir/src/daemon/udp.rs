@@ -265,20 +265,39 @@ fn new_session(
     local: Option<IpAddr>,
     rng: &mut weir_sched::SplitMix64,
 ) -> Option<Arc<Session>> {
+    // The client's place, taken where it is checked (under the map's
+    // lock): a client's ports reach every worker, and a check here with
+    // the count taken once the session exists let each worker pass its
+    // first datagram at once. Counted whatever the limit (the session
+    // gives it back when it ends).
+    let max = match svc.params.load().udp_max_per_client {
+        0 => u64::MAX,
+        n => n,
+    };
+    if !svc.take_client_place(Protocol::Udp, peer.ip(), max) {
+        shared
+            .admission
+            .refuse(Some(&svc.tenant), Refusal::ClientLimit);
+        return None;
+    }
+    let sess = open_session(shared, svc, listen, peer, local, rng);
+    if sess.is_none() {
+        svc.give_client_place(Protocol::Udp, peer.ip());
+    }
+    sess
+}
+
+/// [`new_session`] once the client has its place.
+fn open_session(
+    shared: &Arc<Shared>,
+    svc: &Arc<Service>,
+    listen: &Arc<UdpSocket>,
+    peer: SocketAddr,
+    local: Option<IpAddr>,
+    rng: &mut weir_sched::SplitMix64,
+) -> Option<Arc<Session>> {
     let tenant = svc.tenant.clone();
     let params = svc.params.load_full();
-    if params.udp_max_per_client != 0 {
-        let n = svc
-            .udp_per_client
-            .lock()
-            .get(&peer.ip())
-            .copied()
-            .unwrap_or(0);
-        if n >= params.udp_max_per_client {
-            shared.admission.refuse(Some(&tenant), Refusal::ClientLimit);
-            return None;
-        }
-    }
     if let Err(why) = shared.admission.admit(&tenant, shared.now_ns()) {
         shared.admission.refuse(Some(&tenant), why);
         return None;
@@ -337,7 +356,6 @@ fn new_session(
         done: AtomicBool::new(false),
     });
     set_session(owner.token(), Some(sess.clone()));
-    *svc.udp_per_client.lock().entry(peer.ip()).or_default() += 1;
     tokio::spawn(session_task(
         shared.clone(),
         sess.clone(),
@@ -394,15 +412,7 @@ async fn session_task(
     // is gone too.
     set_session(owner.token(), None);
     let svc = &conn.service;
-    {
-        let mut pc = svc.udp_per_client.lock();
-        if let Some(n) = pc.get_mut(&peer.ip()) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                pc.remove(&peer.ip());
-            }
-        }
-    }
+    svc.give_client_place(Protocol::Udp, peer.ip());
     shared.close(conn, reason);
     shared.admission.release(&svc.tenant);
     let _ = Close::Killed;
