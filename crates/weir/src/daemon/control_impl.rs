@@ -114,18 +114,37 @@ impl LiveControl {
                 None => backends.push(Backend::new(spec.clone(), &self.0.accounting.rates)),
             }
         }
-        let infos: Vec<_> = backends.iter().map(|b| b.info()).collect();
-        let sched = old
-            .sched
-            .rebuild(&infos)
-            .map_err(|e| ControlError::new(ErrorKind::Invalid, e.to_string()))?;
         let removed: Vec<_> = old
             .backends
             .iter()
             .filter(|b| !specs.iter().any(|s| s.address == b.addr))
             .map(|b| b.id)
             .collect();
-        svc.set.store(Arc::new(BackendSet { sched, backends }));
+        // An `rcu`, as a health change's rebuild is: with a plain store, a
+        // rebuild landing between reading the backends' health here and
+        // the store was overwritten by a scheduler of the old health, and
+        // a backend gone down stayed scheduled until its next change.
+        // (Other edits of the set wait on `Model::edits`.)
+        let mut failed = None;
+        svc.set.rcu(|cur| {
+            let infos: Vec<_> = backends.iter().map(|b| b.info()).collect();
+            match cur.sched.rebuild(&infos) {
+                Ok(sched) => {
+                    failed = None;
+                    Arc::new(BackendSet {
+                        sched,
+                        backends: backends.clone(),
+                    })
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    Arc::clone(cur)
+                }
+            }
+        });
+        if let Some(e) = failed {
+            return Err(ControlError::new(ErrorKind::Invalid, e.to_string()));
+        }
         svc.spec.write().backends = specs.to_vec();
         self.0.services_changed();
         if !removed.is_empty() && svc.params.load().expire_nodest_conn {

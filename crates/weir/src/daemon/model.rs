@@ -1800,6 +1800,90 @@ pub(crate) mod tests {
         d.shutdown();
     }
 
+    /// A backend edit racing a health change: once both are done, the
+    /// scheduler is built from what the backends say. An edit read every
+    /// backend's health, built a scheduler and stored it; a health change
+    /// whose rebuild (an `rcu`) landed in between was overwritten by a
+    /// scheduler built from the old health, and a backend that went down
+    /// stayed scheduled until its next change.
+    #[test]
+    fn a_backend_edit_racing_a_health_change_keeps_the_new_health() {
+        use crate::control::BackendPatch;
+        use std::sync::atomic::Ordering::{Acquire, Release};
+        let mut s = spec("default", "t", Protocol::Tcp);
+        for port in [1, 2] {
+            s.backends.push(BackendSpec {
+                address: SocketAddr::from(([127, 0, 0, 9], port)),
+                weight: 1,
+                proxy_protocol: None,
+                max_connections: 0,
+            });
+        }
+        let d = daemon(vec![s], None);
+        let svc = d.shared.model.load().services[&key("default", "t")].clone();
+        let c = d.control();
+        let edit = |round: u32| {
+            c.edit_backend(
+                "default",
+                "t",
+                "127.0.0.9:2",
+                BackendPatch {
+                    weight: Some(1 + round % 3),
+                    drain: None,
+                },
+            )
+            .unwrap();
+        };
+        // How long an edit takes here: the health change is made to land
+        // at every point of it in turn.
+        let mut took: Vec<Duration> = (0..50)
+            .map(|r| {
+                let t0 = Instant::now();
+                edit(r);
+                t0.elapsed()
+            })
+            .collect();
+        took.sort();
+        let span = took[25].as_nanos() as u64 * 2 + 1;
+        // Both sides spin on a round number (a barrier's wake-up would
+        // scatter them by more than the edit takes).
+        let go = AtomicU32::new(0);
+        let done = AtomicU32::new(0);
+        let mut stale = 0;
+        const ROUNDS: u32 = 4_000;
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                for round in 1..=ROUNDS {
+                    while go.load(Acquire) != round {
+                        std::hint::spin_loop();
+                    }
+                    let t0 = Instant::now();
+                    let at = Duration::from_nanos(u64::from(round) * 97 % span);
+                    while t0.elapsed() < at {
+                        std::hint::spin_loop();
+                    }
+                    // What a health check does when the state changes.
+                    let b = svc.set.load().backends[0].clone();
+                    b.up.store(round % 2 == 0, Relaxed);
+                    svc.rebuild_sched();
+                    done.store(round, Release);
+                }
+            });
+            for round in 1..=ROUNDS {
+                go.store(round, Release);
+                edit(round);
+                while done.load(Acquire) != round {
+                    std::hint::spin_loop();
+                }
+                if svc.set.load().sched.backends()[0].up != (round % 2 == 0) {
+                    stale += 1;
+                }
+            }
+        });
+        assert_eq!(stale, 0, "rounds ending with a scheduler of the old health");
+        d.shutdown();
+    }
+
     /// A daemon with one worker and these services (and a config file
     /// `path` to reload, if given).
     fn daemon(
