@@ -149,20 +149,25 @@ impl Shared {
             state: state.flow(),
         };
         let now = Millis(self.now_ms());
-        let handle = match self.conns.table.insert_handle(key, init, now) {
-            Ok(h) => h,
+        // The backend's place under its `max_connections`, taken before the
+        // entry exists and given back when it is settled (`settle`).
+        if !backend.take_place() {
+            return Err(Refusal::BackendLimit);
+        }
+        let inserted = match self.conns.table.insert_handle(key, init, now) {
             Err(weir_flowtable::InsertError::Exists(_)) => {
                 // A stale entry for the same 4-tuple (its task is ending):
                 // settle it, tell its owner, and take the key over.
                 if let Some(old) = self.conns.table.remove(&key) {
                     self.ended(std::slice::from_ref(&old), Close::Replaced);
                 }
-                self.conns
-                    .table
-                    .insert_handle(key, init, now)
-                    .map_err(|_| Refusal::TableFull)?
+                self.conns.table.insert_handle(key, init, now)
             }
-            Err(_) => return Err(Refusal::TableFull),
+            r => r,
+        };
+        let Ok(handle) = inserted else {
+            backend.give_place();
+            return Err(Refusal::TableFull);
         };
         if state == ConnState::Established {
             backend.active.fetch_add(1, Relaxed);
@@ -304,6 +309,7 @@ impl Shared {
             } else {
                 b.inactive.fetch_sub(1, Relaxed);
             }
+            b.give_place();
         }
         if self.access_log.load(Relaxed) {
             let now = self.now_ms();
@@ -450,6 +456,7 @@ mod tests {
             .table
             .insert(key, init, Millis(shared.now_ms()))
             .unwrap();
+        assert!(b.take_place());
         if state == ConnState::Established {
             b.active.fetch_add(1, Relaxed);
         } else {
@@ -517,6 +524,85 @@ mod tests {
         let new = removed_entry(&shared, &x2, 7, ConnState::Established);
         shared.ended(&[old, new], Close::IdleTimeout);
         assert_eq!((counts(&x), counts(&x2)), ((0, 1), (0, 0)));
+        d.shutdown();
+    }
+
+    /// A backend's `max_connections` holds however many openers race for
+    /// its last place. Each of four threads chooses first (all see the one
+    /// place free, as two workers can), then all open: one gets the place,
+    /// the others are refused with `BackendLimit` and leave nothing behind
+    /// (before, `open` did not look at the limit and all four opened).
+    #[test]
+    fn openers_racing_for_a_backends_last_place_take_it_once() {
+        let toml = "[daemon]\nworkers = 1\n\
+            [[service]]\nname = \"x\"\nprotocol = \"tcp\"\nlisten = \"127.0.0.1:0\"\n\
+            [[service.backend]]\naddress = \"127.0.0.1:9\"\nmax_connections = 1\n";
+        let cfg: Config = toml::from_str(toml).unwrap();
+        let d = crate::daemon::Daemon::start(cfg, None).unwrap();
+        let shared = d.shared.clone();
+        let svc = shared.model.load().services[&("default".to_owned(), "x".to_owned())].clone();
+        const N: usize = 4;
+        let chosen = std::sync::Barrier::new(N);
+        let results: Vec<_> = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..N)
+                .map(|i| {
+                    let (shared, svc, chosen) = (&shared, &svc, &chosen);
+                    s.spawn(move || {
+                        let client = SocketAddr::from(([10, 0, 0, 1 + i as u8], 1000));
+                        let mut rng = weir_sched::SplitMix64::new(i as u64);
+                        let b = svc
+                            .choose(
+                                shared,
+                                Protocol::Tcp,
+                                client,
+                                svc.listen.ip(),
+                                &[],
+                                &mut rng,
+                            )
+                            .expect("the place is free when every thread chooses");
+                        chosen.wait();
+                        let owner = shared.conns.owners.claim().unwrap();
+                        let r = shared.open(
+                            svc,
+                            &b,
+                            Protocol::Tcp,
+                            client,
+                            svc.listen,
+                            ConnState::SynRecv,
+                            &owner,
+                        );
+                        (r, owner)
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        let opened: Vec<_> = results
+            .iter()
+            .filter_map(|(r, _)| r.as_ref().ok())
+            .collect();
+        assert_eq!(opened.len(), 1, "one place, one connection");
+        for (r, _) in &results {
+            if let Err(why) = r {
+                assert_eq!(*why, Refusal::BackendLimit);
+            }
+        }
+        let b = svc.set.load().backends[0].clone();
+        assert_eq!((b.conns(), counts(&svc)), (1, (0, 1)));
+        let entries = (0..N)
+            .filter(|&i| {
+                let client = SocketAddr::from(([10, 0, 0, 1 + i as u8], 1000));
+                let key = flow_key(&svc, Protocol::Tcp, client);
+                shared.conns.table.get(&key).is_some()
+            })
+            .count();
+        assert_eq!(entries, 1, "the refused left no entry");
+        shared.close(opened[0], "test");
+        assert_eq!((b.conns(), counts(&svc)), (0, (0, 0)));
+        // The place is free again.
+        assert!(b.take_place());
+        b.give_place();
+        drop(results);
         d.shutdown();
     }
 }

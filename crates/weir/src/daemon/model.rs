@@ -539,6 +539,11 @@ pub(crate) struct Backend {
     pub(crate) passive_error: Mutex<Option<String>>,
     pub(crate) active: AtomicU64,
     pub(crate) inactive: AtomicU64,
+    /// Connections counted against `max_connections`: `active` plus
+    /// `inactive`, kept as one counter so that taking a place is one atomic
+    /// step (checking the sum and then adding let two workers both take
+    /// the last place).
+    conns: AtomicU64,
     pub(crate) stat: Stat,
 }
 
@@ -557,6 +562,7 @@ impl Backend {
             passive_error: Mutex::new(None),
             active: AtomicU64::new(0),
             inactive: AtomicU64::new(0),
+            conns: AtomicU64::new(0),
             stat: rates.stat(),
         })
     }
@@ -569,8 +575,29 @@ impl Backend {
         }
     }
 
+    /// Its connections and sessions, open or opening.
     pub(crate) fn conns(&self) -> u64 {
-        self.active.load(Relaxed) + self.inactive.load(Relaxed)
+        self.conns.load(Relaxed)
+    }
+
+    /// Takes a place under `max_connections` (0: no limit) for a connection
+    /// about to open; false when it is full, e.g. when another worker took
+    /// the last place after [`Service::choose`] saw it free. Given back by
+    /// [`Self::give_place`] when the connection's entry is settled, or when
+    /// it does not open after all.
+    #[must_use]
+    pub(crate) fn take_place(&self) -> bool {
+        let max = self.spec.read().max_connections;
+        let prev = self.conns.fetch_add(1, Relaxed);
+        if max != 0 && prev >= max {
+            self.conns.fetch_sub(1, Relaxed);
+            return false;
+        }
+        true
+    }
+
+    pub(crate) fn give_place(&self) {
+        self.conns.fetch_sub(1, Relaxed);
     }
 }
 

@@ -1183,13 +1183,17 @@ impl Engine {
             return Err(Some(Drop::Refused));
         };
         // Everything taken so far, given back if the flow does not open.
-        let give_back = |nat: u32, backend: Option<u32>| {
+        // (`backend`: the chosen one, whose place is given back too.)
+        let give_back = |nat: u32, backend: Option<&Backend>| {
             shared.admission.release(&svc.tenant);
             if counted {
                 svc.give_client_place(proto, key.client.ip());
             }
-            if let (true, Some(b)) = (nat != 0, backend) {
-                self.path.release_port(nat, b);
+            if let Some(b) = backend {
+                b.give_place();
+                if nat != 0 {
+                    self.path.release_port(nat, b.id);
+                }
             }
         };
         if let Err(why) = shared.admission.admit(&svc.tenant, shared.now_ns()) {
@@ -1208,11 +1212,20 @@ impl Engine {
                 return Err(Some(Drop::Refused));
             }
         };
+        // Its place under `max_connections`: another worker may have taken
+        // the last one since `choose` looked.
+        if !backend.take_place() {
+            give_back(0, None);
+            shared
+                .admission
+                .refuse(Some(&svc.tenant), Refusal::BackendLimit);
+            return Err(Some(Drop::Refused));
+        }
         let local = if vs.method == Method::Fnat {
             match self.path.take_port(&backend) {
                 Some(l) => Some(l),
                 None => {
-                    give_back(0, None);
+                    give_back(0, Some(&backend));
                     return Err(Some(Drop::FnatPorts));
                 }
             }
@@ -1243,7 +1256,10 @@ impl Engine {
             (Method::Fnat, Some(slot)) => Some(ReplyMode::FullNat(slot)),
             // Cannot happen (`local` is one of ours), but never panic.
             (Method::Fnat, None) => {
-                give_back(0, None);
+                give_back(0, Some(&backend));
+                if let Some(tpl) = template {
+                    shared.release_template(tpl);
+                }
                 return Err(Some(Drop::FnatPorts));
             }
         };
@@ -1254,7 +1270,7 @@ impl Engine {
         let handle = match inserted {
             Ok(h) => h,
             Err(e) => {
-                give_back(nat, Some(backend.id));
+                give_back(nat, Some(&backend));
                 if let Some(tpl) = template {
                     shared.release_template(tpl);
                 }

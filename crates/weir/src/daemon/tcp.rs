@@ -247,6 +247,8 @@ async fn connect_any(
     let mut connected = None;
     let mut killed = false;
     let mut fd_backoff = FdBackoff::default();
+    // Places lost to another worker between `choose` and `open`.
+    let mut raced = 0u8;
     // The destination the client dialled (lblc / lblcr / dh key on it):
     // the service's address, or on a wildcard listener the local one.
     let local = match svc.listen.ip() {
@@ -274,6 +276,12 @@ async fn connect_any(
             owner,
         ) {
             Ok(c) => c,
+            // Another worker took the backend's last place since `choose`
+            // looked: choose again (it sees the backend full now).
+            Err(Refusal::BackendLimit) if raced < 2 => {
+                raced += 1;
+                continue;
+            }
             Err(why) => {
                 shared.admission.refuse(Some(tenant), why);
                 refused = true;
