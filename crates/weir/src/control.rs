@@ -491,6 +491,18 @@ pub trait Control: Send + Sync + 'static {
     /// One service as `running_config` would give it (live weights), or
     /// `None`; a look-up, as [`tenant_spec`](Self::tenant_spec).
     fn service_spec(&self, tenant: &str, service: &str) -> Option<ServiceSpec>;
+    /// Which of the daemon's own services a `protocol` connection from
+    /// this host to `addr` would reach ("tenant/name"), if any: a tenant
+    /// token may not point a backend there (a loop through weir, or another
+    /// tenant's service reached from inside). The default (a control with
+    /// no listeners of its own) answers `None`.
+    fn own_service_at(
+        &self,
+        _protocol: crate::config::Protocol,
+        _addr: std::net::SocketAddr,
+    ) -> Option<String> {
+        None
+    }
     /// Re-read the file the daemon was started with: validate all of it
     /// (including what cannot change live), then apply all of it; on any
     /// error apply nothing and return every error. An empty file is refused,

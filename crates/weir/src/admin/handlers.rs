@@ -101,17 +101,48 @@ fn require_global(access: &Access, what: &str) -> ApiResult<()> {
 /// wildcard listen (0.0.0.0, ::) needs an entry naming it even when
 /// `allowed_listen` is empty. A health check's `port` (another port of
 /// each backend's host) is a target too, fenced as the backends are.
-/// Other tokens are not fenced.
+/// Whatever the lists say, a backend may not reach weir itself: one of
+/// its services (`protocol` is the service's; its own address included),
+/// which would make each connection open another through weir until the
+/// limits or descriptors ran out, or reach another tenant's service from
+/// inside, nor the admin API, which would put it on the tenant's address.
+/// (With [`AppState::fenced`] held, so that two requests cannot each
+/// pass before the other's service exists.) Other tokens are not fenced.
 fn check_fence(
     st: &AppState,
     access: &Access,
     tenant: &str,
+    protocol: crate::config::Protocol,
     listen: Option<std::net::SocketAddr>,
     backends: &[std::net::SocketAddr],
     health_port: Option<u16>,
 ) -> ApiResult<()> {
     if access.tenant().is_none() {
         return Ok(());
+    }
+    for b in backends {
+        let own = listen.is_some_and(|l| {
+            l.port() == b.port()
+                && (l.ip().to_canonical() == b.ip().to_canonical()
+                    || (l.ip().is_unspecified()
+                        && l.is_ipv6() == b.ip().to_canonical().is_ipv6()
+                        && crate::daemon::host_has_ip(b.ip().to_canonical())))
+        });
+        let svc = if own {
+            Some(format!("{tenant}'s service being written"))
+        } else {
+            st.control.own_service_at(protocol, *b)
+        };
+        if let Some(svc) = svc {
+            return Err(ApiError::forbidden(format!(
+                "backend {b} is weir's own service {svc}: a tenant token cannot point a backend at weir (each connection would open another through it); ask the operator"
+            )));
+        }
+        if protocol == crate::config::Protocol::Tcp && st.is_admin_address(*b) {
+            return Err(ApiError::forbidden(format!(
+                "backend {b} is weir's admin API: a tenant token cannot point a backend at it"
+            )));
+        }
     }
     let spec = st.control.tenant_spec(tenant).unwrap_or_default();
     let parse = |key: &str, list: &[String]| {
@@ -415,10 +446,12 @@ pub(crate) async fn add_service(
     check_name("service", &spec.name)?;
     let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
     let health_port = spec.options.health.as_ref().and_then(|h| h.port);
+    let _fenced = st.fenced(&access);
     check_fence(
         &st,
         &access,
         &spec.tenant,
+        spec.protocol,
         Some(spec.listen),
         &backends,
         health_port,
@@ -479,10 +512,12 @@ pub(crate) async fn edit_service(
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
     let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
     let health_port = spec.options.health.as_ref().and_then(|h| h.port);
+    let _fenced = st.fenced(&access);
     check_fence(
         &st,
         &access,
         &tenant,
+        spec.protocol,
         Some(spec.listen),
         &backends,
         health_port,
@@ -522,17 +557,30 @@ pub(crate) async fn add_backend(
     JsonBody(spec): JsonBody<BackendSpec>,
 ) -> ApiResult<Response> {
     check_tenant(&access, &tenant)?;
-    // The service's health check, if it names a port, targets that port
-    // of the new backend's host too.
-    let health_port = if access.tenant().is_some() {
-        st.control
-            .service_spec(&tenant, &service)
-            .and_then(|s| s.options.health)
-            .and_then(|h| h.port)
-    } else {
-        None
+    let _fenced = st.fenced(&access);
+    // The service's protocol, and its health check's port if it names one
+    // (which targets that port of the new backend's host too). (Its own
+    // address is in the model: `check_fence` finds it there.)
+    let (protocol, health_port) = match access.tenant() {
+        Some(_) => match st.control.service_spec(&tenant, &service) {
+            Some(s) => (s.protocol, s.options.health.and_then(|h| h.port)),
+            None => {
+                return Err(ApiError::not_found(format!(
+                    "no service {tenant}/{service}"
+                )));
+            }
+        },
+        None => (crate::config::Protocol::Tcp, None),
     };
-    check_fence(&st, &access, &tenant, None, &[spec.address], health_port)?;
+    check_fence(
+        &st,
+        &access,
+        &tenant,
+        protocol,
+        None,
+        &[spec.address],
+        health_port,
+    )?;
     let addr = spec.address.to_string();
     st.control.add_backend(&tenant, &service, spec)?;
     Ok(created(format!("{tenant}/{service}/{addr}")))

@@ -110,7 +110,8 @@ pub async fn bind(cfg: &AdminConfig, control: Arc<dyn Control>) -> anyhow::Resul
         let tokens = tokens.clone();
         control.reserve_tokens(Arc::new(move |tok: &str| tokens.role_of(tok)));
     }
-    let app = router(control, tokens, cfg.metrics_public);
+    let admin_addr: Arc<std::sync::OnceLock<SocketAddr>> = Default::default();
+    let app = router_at(control, tokens, cfg.metrics_public, admin_addr.clone());
     let listener = if let Some(path) = cfg.listen.strip_prefix("unix:") {
         let path = std::path::PathBuf::from(path);
         if cfg.tls_cert.is_some() || cfg.tls_key.is_some() {
@@ -134,6 +135,9 @@ pub async fn bind(cfg: &AdminConfig, control: Arc<dyn Control>) -> anyhow::Resul
         let l = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("binding the admin API to {addr}"))?;
+        if let Ok(bound) = l.local_addr() {
+            let _ = admin_addr.set(bound);
+        }
         Listener::Tcp(l, tls)
     };
     Ok(Bound { app, listener })
@@ -199,6 +203,37 @@ pub(crate) struct AppState {
     pub(crate) control: Arc<dyn Control>,
     tokens: Arc<Tokens>,
     metrics_public: bool,
+    /// The admin API's own TCP address, once bound (no tenant's backend
+    /// may point at it).
+    admin_addr: Arc<std::sync::OnceLock<SocketAddr>>,
+    /// Held by a tenant token's service and backend writes from their
+    /// fence check to their change: a check that a backend does not reach
+    /// one of weir's services must not pass while another request adds
+    /// that service. (The control runtime has one worker, and the check
+    /// and the change do not await between them, so today they do not
+    /// interleave anyway; this keeps it so whatever the runtime.)
+    fence: Arc<parking_lot::Mutex<()>>,
+}
+
+impl AppState {
+    /// [`Self::fence`], for a tenant token (other tokens are not fenced).
+    pub(crate) fn fenced(&self, access: &auth::Access) -> Option<parking_lot::MutexGuard<'_, ()>> {
+        access.tenant().map(|_| self.fence.lock())
+    }
+
+    /// Whether a TCP connection from this host to `addr` reaches the
+    /// admin API.
+    pub(crate) fn is_admin_address(&self, addr: SocketAddr) -> bool {
+        let Some(admin) = self.admin_addr.get() else {
+            return false;
+        };
+        let ip = addr.ip().to_canonical();
+        admin.port() == addr.port()
+            && (admin.ip().to_canonical() == ip
+                || (admin.ip().is_unspecified()
+                    && admin.is_ipv6() == ip.is_ipv6()
+                    && crate::daemon::host_has_ip(ip)))
+    }
 }
 
 /// A route's method, as recorded in [`route_table`].
@@ -315,10 +350,23 @@ pub fn route_table() -> Vec<(RouteMethod, &'static str)> {
 /// The admin API as a tower service, for embedding and for tests
 /// (`tower::ServiceExt::oneshot`).
 pub fn router(control: Arc<dyn Control>, tokens: Tokens, metrics_public: bool) -> Router {
+    router_at(control, tokens, metrics_public, Default::default())
+}
+
+/// [`router`], for an admin API whose TCP address is set in `admin_addr`
+/// once bound.
+fn router_at(
+    control: Arc<dyn Control>,
+    tokens: Tokens,
+    metrics_public: bool,
+    admin_addr: Arc<std::sync::OnceLock<SocketAddr>>,
+) -> Router {
     let state = AppState {
         control,
         tokens: Arc::new(tokens),
         metrics_public,
+        admin_addr,
+        fence: Default::default(),
     };
     build()
         .router

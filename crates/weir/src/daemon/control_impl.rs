@@ -1236,6 +1236,19 @@ impl Control for LiveControl {
         Some(live_spec(s))
     }
 
+    fn own_service_at(
+        &self,
+        protocol: config::Protocol,
+        addr: std::net::SocketAddr,
+    ) -> Option<String> {
+        let st = self.0.model.load();
+        let s = st
+            .services
+            .reached_at(protocol, addr, crate::daemon::host_has_ip)?;
+        let spec = s.spec.read();
+        Some(format!("{}/{}", spec.tenant, spec.name))
+    }
+
     fn reload(&self, opts: ReloadOptions) -> Result<ReloadReport, Vec<String>> {
         let Some(path) = self.0.config_path.clone() else {
             return Err(vec![

@@ -904,6 +904,13 @@ pub(crate) fn rng_seed() -> u64 {
     h.finish()
 }
 
+/// Whether `ip` is one of this host's addresses, as bind sees it: a socket
+/// binds to it (without `IP_FREEBIND`) only if it is. One socket, opened
+/// and closed; for admin requests, not the data path.
+pub(crate) fn host_has_ip(ip: std::net::IpAddr) -> bool {
+    ip.is_loopback() || std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -254,6 +254,30 @@ impl Services {
             .filter(move |s| s.listen == addr)
     }
 
+    /// The service a connection (`proto`) to `addr` from this host would
+    /// reach: one listening on exactly `addr`, or on the wildcard of its
+    /// family at its port when `addr`'s IP is one of the host's
+    /// (`is_local`, asked only then). IPv4-mapped IPv6 addresses count as
+    /// the IPv4 address the kernel connects to.
+    pub(crate) fn reached_at(
+        &self,
+        proto: Protocol,
+        addr: SocketAddr,
+        is_local: impl FnOnce(IpAddr) -> bool,
+    ) -> Option<&Arc<Service>> {
+        let ip = addr.ip().to_canonical();
+        let at = |ip: IpAddr| {
+            self.by_addr
+                .get(&(proto, ip, addr.port()))
+                .and_then(|l| l.first())
+        };
+        let any = match ip {
+            IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        };
+        at(ip).or_else(|| at(any).filter(|_| is_local(ip)))
+    }
+
     /// Whether a service of `proto` listens on an address overlapping
     /// `addr` ([`overlaps`]): the same IP and port, or a wildcard of the
     /// same family on that port.
