@@ -1,7 +1,8 @@
 //! A connection whose backend connect found weir out of descriptors waits
-//! and tries again (docs/daemon.md, step 4) with no flow-table entry
-//! meanwhile, so a deletion of its service in that wait cannot reach it.
-//! Its own test binary: it lowers the process's fd limit.
+//! and tries again (docs/daemon.md, step 4), its flow-table entry kept
+//! meanwhile: it is listed, a kill reaches it, and so does a deletion of
+//! its service. Its own test binary: it lowers the process's fd limit (one
+//! test at a time, under `FDS`).
 
 mod daemon_util;
 
@@ -22,11 +23,15 @@ fn highest_open_fd() -> u64 {
         .unwrap_or(0)
 }
 
+/// The process's fd limit, lowered by one test at a time.
+static FDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Deleted while the connection waited for a descriptor, the service's
 /// connection must not go on to open a new entry and proxy to the deleted
 /// service's backend once descriptors are back.
 #[test]
 fn a_connection_waiting_for_descriptors_ends_with_its_deleted_service() {
+    let _fds = FDS.lock().unwrap_or_else(|e| e.into_inner());
     let e = Echo::start();
     let mut cfg = config(vec![service(
         "s",
@@ -73,5 +78,66 @@ fn a_connection_waiting_for_descriptors_ends_with_its_deleted_service() {
         "a connection of the deleted service was proxied to its backend"
     );
     assert!(wait_until(T, || c.global_stats().active_conns == 0));
+    d.shutdown();
+}
+
+/// While it waits for a descriptor, the connection is in the table: listed
+/// (in `SYN_RECV`, towards its backend) and killed by its cookie, which
+/// ends it there and then; it never reaches the backend. Before, its entry
+/// was removed for the wait: the listing missed it and the kill found
+/// nothing (404).
+#[test]
+fn a_connection_waiting_for_descriptors_is_listed_and_can_be_killed() {
+    let _fds = FDS.lock().unwrap_or_else(|e| e.into_inner());
+    let e = Echo::start();
+    let mut cfg = config(vec![service(
+        "s",
+        Protocol::Tcp,
+        "rr",
+        vec![backend(e.addr, 1)],
+    )]);
+    cfg.daemon.workers = 1;
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "s").unwrap();
+    let listed = || {
+        c.connections(&Default::default(), None, 10)
+            .unwrap()
+            .connections
+    };
+    let client = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    setrlimit(Resource::RLIMIT_NOFILE, highest_open_fd() + 1, hard).unwrap();
+    let mut fillers = Vec::new();
+    while let Ok(f) = std::fs::File::open("/dev/null") {
+        fillers.push(f);
+        assert!(fillers.len() < 100_000, "bounded");
+    }
+    drop(fillers.pop());
+    client.connect(&vip.into()).unwrap();
+    // Its first attempt has failed once the service counts it opened and
+    // the listener has taken the last descriptor; from then until the
+    // tries run out (~1.3 s) it waits, and must be listed all along.
+    let opened = wait_until(T, || {
+        c.services()
+            .iter()
+            .any(|s| s.name == "s" && s.stats.conns >= 1)
+    });
+    let seen = listed();
+    let killed = seen.first().map(|conn| c.kill(conn.cookie, None));
+    drop(fillers);
+    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+    assert!(opened, "the connection never reached its backend connect");
+    assert_eq!(seen.len(), 1, "not listed while it waits: {seen:?}");
+    assert_eq!(seen[0].state, "SYN_RECV");
+    assert_eq!(seen[0].backend, e.addr.to_string());
+    assert_eq!(killed, Some(Ok(())));
+    let mut s: std::net::TcpStream = client.into();
+    assert!(!still_echoes(&mut s), "a killed connection was proxied");
+    assert!(wait_until(T, || c.global_stats().active_conns == 0));
+    assert!(listed().is_empty());
     d.shutdown();
 }

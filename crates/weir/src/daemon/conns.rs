@@ -188,8 +188,8 @@ impl Shared {
         // Told to close before it could listen (a kill racing the insert),
         // opened while the daemon was stopping, or for a service deleted
         // (or replaced) meanwhile, whose connections were told before this
-        // entry was there (a task accepted before the deletion, or waiting
-        // out an fd shortage between two attempts, has no entry to find):
+        // entry was there (a task accepted before the deletion, or retrying
+        // the next backend after a failed connect, has no entry to find):
         // it closes at once. The deletion cancels, then walks the table;
         // this inserted, then reads the cancel: the fence pairs with the
         // one after the cancel (`Shared::take_services`, a replacing put),

@@ -13,7 +13,7 @@ use socket2::SockRef;
 use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream};
 
-use weir_flowtable::Dir;
+use weir_flowtable::{Dir, Millis};
 
 use super::owners::Owner;
 use super::{Conn, ConnState, Refusal, Service, Shared, TcpTuning};
@@ -290,10 +290,38 @@ async fn connect_any(
         };
         // The connect's own deadline: a failed attempt moves on to the next
         // backend. (The entry's SYN_RECV timeout, the same length, is the
-        // wheel's backstop.)
-        let attempt = tokio::select! {
-            why = owner.closed() => Err(why),
-            r = tokio::time::timeout(params.connect_timeout, connect(backend.addr, &tuning)) => Ok(r),
+        // wheel's backstop.) A connect that found weir out of descriptors
+        // is not the backend's fault, and the client should wait rather
+        // than be reset: the same backend is tried again after a pause, a
+        // bounded number of times, with the entry kept meanwhile, so the
+        // connection stays listed and a kill or its service's deletion
+        // still reaches it.
+        let attempt = loop {
+            let attempt = tokio::select! {
+                why = owner.closed() => Err(why),
+                r = tokio::time::timeout(params.connect_timeout, connect(backend.addr, &tuning)) => Ok(r),
+            };
+            let Ok(Ok(Err(e))) = &attempt else {
+                break attempt;
+            };
+            if !is_fd_exhaustion(e) {
+                break attempt;
+            }
+            let Some(pause) = fd_backoff.next() else {
+                break attempt;
+            };
+            tracing::debug!(backend = %backend.addr, "connect: {e}; retrying");
+            tokio::select! {
+                why = owner.closed() => break Err(why),
+                _ = tokio::time::sleep(pause) => {}
+            }
+            // The wait is not idleness: the wheel's SYN_RECV backstop
+            // starts again (at most `FdBackoff::MAX_TRIES` times).
+            shared.conns.table.set_state_handle(
+                conn.handle,
+                weir_flowtable::FlowState::SynRecv,
+                Millis(shared.now_ms()),
+            );
         };
         let reason = match attempt {
             Ok(Ok(Ok(s))) => {
@@ -302,23 +330,13 @@ async fn connect_any(
                 break;
             }
             Ok(Ok(Err(e))) if is_fd_exhaustion(&e) => {
-                // Out of descriptors on our side: the backend is not at
-                // fault, and the client should wait rather than be reset.
-                // Try the same backend again after a pause, a bounded
-                // number of times.
+                // Still out of descriptors after every pause: the client
+                // is reset, and the backend was not at fault.
+                tracing::debug!(backend = %backend.addr, "connect: {e}; giving up");
                 shared.close(&conn, "fd_exhausted");
                 owner.unbind();
-                let Some(pause) = fd_backoff.next() else {
-                    tracing::debug!(backend = %backend.addr, "connect: {e}; giving up");
-                    tried.push(backend.addr);
-                    break;
-                };
-                tracing::debug!(backend = %backend.addr, "connect: {e}; retrying");
-                tokio::select! {
-                    _ = shared.conns.kill_all.cancelled() => break,
-                    _ = tokio::time::sleep(pause) => {}
-                }
-                continue;
+                tried.push(backend.addr);
+                break;
             }
             Ok(Ok(Err(e))) => {
                 tracing::debug!(backend = %backend.addr, "connect failed: {e}");
