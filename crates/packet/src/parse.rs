@@ -126,11 +126,16 @@ pub enum Unhandled {
     /// Cut inside the ICMP / ICMPv6 header.
     #[error("packet cut inside the ICMP header")]
     TruncatedIcmp,
+    /// An IPv6 UDP datagram with checksum 0, which IPv6 does not allow
+    /// (RFC 8200 section 8.1: receivers discard it). Forwarded, a rewrite
+    /// would turn it into a wrong non-zero checksum the backend drops.
+    #[error("IPv6 UDP checksum 0")]
+    ZeroUdp6Checksum,
 }
 
 impl Unhandled {
     /// Number of distinct reasons (the length of a counter array).
-    pub const COUNT: usize = 21;
+    pub const COUNT: usize = 22;
 
     /// A dense index in `0..COUNT`, for counter arrays (variants with data
     /// count as one reason each).
@@ -157,6 +162,7 @@ impl Unhandled {
             Unhandled::TruncatedUdp => 18,
             Unhandled::BadUdpLength => 19,
             Unhandled::TruncatedIcmp => 20,
+            Unhandled::ZeroUdp6Checksum => 21,
         }
     }
 
@@ -183,6 +189,7 @@ impl Unhandled {
         "truncated_udp",
         "bad_udp_length",
         "truncated_icmp",
+        "udp6_zero_checksum",
     ];
 
     /// A stable metric label for the reason.
@@ -447,6 +454,9 @@ fn parse_ipv6(b: &[u8], l3: usize) -> Result<Packet, Unhandled> {
     d.copy_from_slice(&h[24..40]);
     let end = l4 + payload;
     let transport = parse_l4(&b[..end], l4, nh)?;
+    if nh == IPPROTO_UDP && b[l4 + 6..l4 + 8] == [0, 0] {
+        return Err(Unhandled::ZeroUdp6Checksum);
+    }
     Ok(Packet {
         vlan: None,
         l3,
@@ -702,9 +712,17 @@ mod tests {
         let mut f = good.clone();
         f[21] = 1;
         assert_eq!(parse(&f), Err(Unhandled::TtlExpired));
-        let mut f = good;
+        let mut f = good.clone();
         f[14] = 0x40;
         assert_eq!(parse(&f), Err(Unhandled::BadIpVersion));
+        // UDP checksum 0: not allowed in IPv6 (RFC 8200), "none" in IPv4.
+        assert_ne!(good[60..62], [0, 0]);
+        let mut f = good;
+        f[60..62].copy_from_slice(&[0, 0]);
+        assert_eq!(parse(&f), Err(Unhandled::ZeroUdp6Checksum));
+        let mut v4 = build(&Spec::new(IPPROTO_UDP, sa("1.1.1.1:1"), sa("2.2.2.2:2")));
+        v4[40..42].copy_from_slice(&[0, 0]);
+        assert!(parse(&v4).is_ok());
     }
 
     #[test]
@@ -731,6 +749,7 @@ mod tests {
             Unhandled::TruncatedUdp,
             Unhandled::BadUdpLength,
             Unhandled::TruncatedIcmp,
+            Unhandled::ZeroUdp6Checksum,
         ];
         assert_eq!(all.len(), Unhandled::COUNT);
         let idx: std::collections::HashSet<_> = all.iter().map(|u| u.index()).collect();
