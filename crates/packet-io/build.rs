@@ -26,7 +26,7 @@ fn main() {
     };
     let Some(clang) = candidates
         .iter()
-        .find(|c| Command::new(c).arg("--version").output().is_ok())
+        .find(|c| spawn_retrying(|| Command::new(c).arg("--version").output().map(|_| ())).is_ok())
     else {
         fail(&format!(
             "no C compiler for the XDP program: tried {}. Install Debian's clang, llvm and \
@@ -45,13 +45,33 @@ fn main() {
         cmd.arg(format!("-I{multiarch}"));
     }
     cmd.arg("-c").arg(src).arg("-o").arg(&out);
-    match cmd.status() {
+    match spawn_retrying(|| cmd.status()) {
         Ok(status) if status.success() => {}
         Ok(status) => fail(&format!(
             "{clang} failed ({status}) compiling {src}; missing headers? \
              `apt-get install -y clang llvm libbpf-dev` provides <linux/bpf.h> and <bpf/bpf_helpers.h>"
         )),
         Err(e) => fail(&format!("cannot run {clang}: {e}")),
+    }
+}
+
+/// Runs `f`, again after a pause when the process could not be started for
+/// a reason other than a missing or forbidden program: under a loaded
+/// machine (parallel builds and tests) a fork or exec can fail for a moment
+/// (EAGAIN, ENOMEM, ETXTBSY), and a build that then went on without the
+/// XDP program, or failed under `WEIR_REQUIRE_BPF`, was a flake.
+fn spawn_retrying<T>(mut f: impl FnMut() -> std::io::Result<T>) -> std::io::Result<T> {
+    use std::io::ErrorKind::{NotFound, PermissionDenied};
+    let mut tries = 0;
+    loop {
+        match f() {
+            Err(e) if tries < 4 && !matches!(e.kind(), NotFound | PermissionDenied) => {
+                tries += 1;
+                println!("cargo::warning=weir-packet-io: starting the compiler: {e}; trying again");
+                std::thread::sleep(std::time::Duration::from_millis(250 * tries));
+            }
+            r => return r,
+        }
     }
 }
 
