@@ -268,3 +268,102 @@ fn check_refuses_a_tcp_check_on_a_udp_service_unless_it_names_a_port() {
     );
     d.shutdown();
 }
+
+/// A connect that fails because weir has no local port left towards a
+/// backend (`EADDRNOTAVAIL`: the port range spent on connections and
+/// TIME_WAIT to its address, the way a busy proxy runs out) is weir's
+/// side, not the backend's: the passive check must not take a backend out
+/// for it, or a busy but healthy backend leaves the rotation for 10 s.
+/// In a network namespace of its own (run as root; skipped otherwise),
+/// whose port range is narrowed to two ports once the listeners are up:
+/// two connections held through weir take both ports towards the
+/// backend, then more clients than `PASSIVE_FALL` each find none. Before,
+/// the backend was "down" ("passive check") after the third.
+#[test]
+fn running_out_of_local_ports_does_not_take_the_backend_out() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: needs root (a network namespace of its own)");
+        return;
+    }
+    let ns = format!("weir-ports-{}", std::process::id());
+    let sh = |args: &[&str]| {
+        let out = std::process::Command::new(args[0])
+            .args(&args[1..])
+            .output()
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    sh(&["ip", "netns", "add", &ns]);
+    struct Gone(String);
+    impl Drop for Gone {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", &self.0])
+                .status();
+        }
+    }
+    let _gone = Gone(ns.clone());
+    sh(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
+    let path = format!("/run/netns/{ns}");
+    // Everything below runs on a thread inside the namespace; the daemon's
+    // threads, started from it, are in it too.
+    std::thread::spawn(move || {
+        let f = std::fs::File::open(&path).unwrap();
+        nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        let good = Echo::start();
+        let mut cfg = config(vec![service(
+            "p",
+            Protocol::Tcp,
+            "rr",
+            vec![backend(good.addr, 1)],
+        )]);
+        cfg.daemon.workers = 1;
+        let d = Daemon::start(cfg, None).unwrap();
+        let c = d.control();
+        let vip = d.service_addr("default", "p").unwrap();
+        // Listeners took their ports from the default range; connects now
+        // get two, outside it.
+        std::fs::write("/proc/sys/net/ipv4/ip_local_port_range", "61000 61001").unwrap();
+        let _held: Vec<_> = (0..2).map(|_| held(vip)).collect();
+        // Clients on ports of their own (the two are the held ones').
+        let refused = (0..2 * weir::health::PASSIVE_FALL)
+            .filter(|i| {
+                let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+                    .unwrap();
+                s.set_reuse_address(true).unwrap();
+                let port = 62000 + *i as u16;
+                s.bind(&SocketAddr::from(([127, 0, 0, 1], port)).into())
+                    .unwrap();
+                s.set_read_timeout(Some(T)).unwrap();
+                s.connect(&vip.into()).unwrap();
+                let mut s: std::net::TcpStream = s.into();
+                !still_echoes(&mut s)
+            })
+            .count();
+        assert_eq!(
+            refused as u32,
+            2 * weir::health::PASSIVE_FALL,
+            "no port was left"
+        );
+        let (state, err) = health_of(&*c, good.addr).unwrap();
+        assert_eq!(state, "unchecked", "taken out: {err:?}");
+        let conns = c
+            .services()
+            .into_iter()
+            .find(|s| s.name == "p")
+            .map(|s| s.backends[0].stats.conns)
+            .unwrap();
+        assert_eq!(
+            conns,
+            2 + 2 * u64::from(weir::health::PASSIVE_FALL),
+            "each was tried"
+        );
+        d.shutdown();
+    })
+    .join()
+    .unwrap();
+}

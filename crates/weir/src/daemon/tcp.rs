@@ -338,6 +338,23 @@ async fn connect_any(
                 tried.push(backend.addr);
                 break;
             }
+            Ok(Ok(Err(e))) if e.raw_os_error() == Some(libc::EADDRNOTAVAIL) => {
+                // No local port left towards this backend (the port range
+                // spent on connections and TIME_WAIT to its address): weir's
+                // side, not the backend's, so the passive check does not
+                // take it out; the next backend, another destination, may
+                // have ports.
+                static GATE: super::ratelog::RateLimited = super::ratelog::RateLimited::new(1000);
+                super::ratelog::warn(
+                    &GATE,
+                    format_args!(
+                        "connect to backend {}: no local port free ({e}): widen \
+                         net.ipv4.ip_local_port_range, or give the backend more addresses",
+                        backend.addr
+                    ),
+                );
+                "no_local_port"
+            }
             Ok(Ok(Err(e))) => {
                 tracing::debug!(backend = %backend.addr, "connect failed: {e}");
                 shared.connect_failed(svc, &backend, &e.to_string());
