@@ -9,19 +9,10 @@ mod daemon_util;
 use std::time::Duration;
 
 use daemon_util::*;
-use nix::sys::resource::{Resource, getrlimit, setrlimit};
 use weir::config::Protocol;
 use weir::daemon::Daemon;
 
 const T: Duration = Duration::from_secs(10);
-
-fn highest_open_fd() -> u64 {
-    std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u64>().ok())
-        .max()
-        .unwrap_or(0)
-}
 
 /// The process's fd limit, lowered by one test at a time.
 static FDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -56,21 +47,13 @@ fn a_connection_waiting_for_descriptors_ends_with_its_deleted_service() {
         .unwrap();
     // Every descriptor taken but one: the daemon's accept takes that one,
     // its socket towards the backend finds none (EMFILE) and it waits.
-    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
-    setrlimit(Resource::RLIMIT_NOFILE, highest_open_fd() + 1, hard).unwrap();
-    let mut fillers = Vec::new();
-    while let Ok(f) = std::fs::File::open("/dev/null") {
-        fillers.push(f);
-        assert!(fillers.len() < 100_000, "bounded");
-    }
-    drop(fillers.pop());
+    let fds = FdsTaken::all_but(1);
     client.connect(&vip.into()).unwrap();
     // Its first attempt opened (and, failing, closed) an entry: it is in
     // the descriptor wait now, or about to be.
     let waiting = wait_until(T, || opened() >= 1);
     c.delete_service("default", "s").unwrap();
-    drop(fillers);
-    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+    fds.release();
     assert!(waiting, "the connection never reached its backend connect");
     let mut s: std::net::TcpStream = client.into();
     assert!(
@@ -109,14 +92,7 @@ fn a_connection_waiting_for_descriptors_is_listed_and_can_be_killed() {
     client
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
-    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
-    setrlimit(Resource::RLIMIT_NOFILE, highest_open_fd() + 1, hard).unwrap();
-    let mut fillers = Vec::new();
-    while let Ok(f) = std::fs::File::open("/dev/null") {
-        fillers.push(f);
-        assert!(fillers.len() < 100_000, "bounded");
-    }
-    drop(fillers.pop());
+    let fds = FdsTaken::all_but(1);
     client.connect(&vip.into()).unwrap();
     // Its first attempt has failed once the service counts it opened and
     // the listener has taken the last descriptor; from then until the
@@ -128,8 +104,7 @@ fn a_connection_waiting_for_descriptors_is_listed_and_can_be_killed() {
     });
     let seen = listed();
     let killed = seen.first().map(|conn| c.kill(conn.cookie, None));
-    drop(fillers);
-    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+    fds.release();
     assert!(opened, "the connection never reached its backend connect");
     assert_eq!(seen.len(), 1, "not listed while it waits: {seen:?}");
     assert_eq!(seen[0].state, "SYN_RECV");

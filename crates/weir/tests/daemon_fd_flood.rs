@@ -10,7 +10,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use daemon_util::*;
-use nix::sys::resource::{Resource, getrlimit, setrlimit};
 use weir::config::Protocol;
 use weir::daemon::Daemon;
 
@@ -25,14 +24,6 @@ impl Write for Captured {
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
-}
-
-fn highest_open_fd() -> u64 {
-    std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u64>().ok())
-        .max()
-        .unwrap_or(0)
 }
 
 /// Bytes waiting in the receive queue of the UDP socket bound to `addr`
@@ -73,13 +64,7 @@ fn fd_exhaustion_logs_a_line_a_second_not_one_per_client() {
 
     // Exhaust: a limit just above the highest fd, and every hole below it
     // filled, so the daemon's next socket fails with EMFILE.
-    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
-    setrlimit(Resource::RLIMIT_NOFILE, highest_open_fd() + 1, hard).unwrap();
-    let mut fillers = Vec::new();
-    while let Ok(f) = std::fs::File::open("/dev/null") {
-        fillers.push(f);
-        assert!(fillers.len() < 100_000, "bounded");
-    }
+    let fds = FdsTaken::all_but(0);
     for c in &clients {
         let _ = c.send_to(b"x", vip);
     }
@@ -97,8 +82,7 @@ fn fd_exhaustion_logs_a_line_a_second_not_one_per_client() {
     while (after_flood(&logs).is_empty() || rx_queue(vip) != 0) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    drop(fillers);
-    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+    fds.release();
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut answered = false;
     while !answered && Instant::now() < deadline {

@@ -238,3 +238,56 @@ pub fn proc_net_udp_rows(end: UdpEnd, addr: SocketAddr) -> std::io::Result<Vec<V
         .filter(|f| f.get(column) == Some(&want))
         .collect())
 }
+
+/// Every descriptor of the process taken but `spare`: the limit lowered
+/// to just above the highest open one and each hole below it filled, so
+/// the process's next sockets fail with `EMFILE`. [`Self::release`] (or
+/// dropping it) gives the descriptors back and restores the limit. One
+/// test at a time may hold it (the limit is the process's).
+pub struct FdsTaken {
+    fillers: Vec<std::fs::File>,
+    limits: Option<(u64, u64)>,
+}
+
+impl FdsTaken {
+    pub fn all_but(spare: usize) -> Self {
+        use nix::sys::resource::{Resource, getrlimit, setrlimit};
+        let highest = std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u64>().ok())
+            .max()
+            .unwrap_or(0);
+        let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+        setrlimit(Resource::RLIMIT_NOFILE, highest + 1, hard).unwrap();
+        let mut fillers = Vec::new();
+        while let Ok(f) = std::fs::File::open("/dev/null") {
+            fillers.push(f);
+            assert!(fillers.len() < 100_000, "bounded");
+        }
+        for _ in 0..spare {
+            drop(fillers.pop());
+        }
+        Self {
+            fillers,
+            limits: Some((soft, hard)),
+        }
+    }
+
+    pub fn release(mut self) {
+        self.give_back();
+    }
+
+    fn give_back(&mut self) {
+        self.fillers.clear();
+        if let Some((soft, hard)) = self.limits.take() {
+            nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, soft, hard)
+                .unwrap();
+        }
+    }
+}
+
+impl Drop for FdsTaken {
+    fn drop(&mut self) {
+        self.give_back();
+    }
+}
