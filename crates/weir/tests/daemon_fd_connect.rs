@@ -17,42 +17,72 @@ const T: Duration = Duration::from_secs(10);
 /// The process's fd limit, lowered by one test at a time.
 static FDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// A daemon with one TCP service `s` (one worker) before an echo backend,
+/// and a client connection it has accepted with every descriptor taken
+/// but the one its accept takes: its socket towards the backend finds none
+/// (EMFILE) and it waits. `waiting`: whether the service counted it opened
+/// within `T` (its first attempt opened an entry: it is in the descriptor
+/// wait now, or about to be); the descriptors are still taken.
+struct Waiting {
+    echo: Echo,
+    d: weir::daemon::DaemonHandle,
+    client: socket2::Socket,
+    fds: FdsTaken,
+    waiting: bool,
+}
+
+impl Waiting {
+    fn start() -> Self {
+        let echo = Echo::start();
+        let mut cfg = config(vec![service(
+            "s",
+            Protocol::Tcp,
+            "rr",
+            vec![backend(echo.addr, 1)],
+        )]);
+        cfg.daemon.workers = 1;
+        let d = Daemon::start(cfg, None).unwrap();
+        let c = d.control();
+        let vip = d.service_addr("default", "s").unwrap();
+        // The client's socket first: its connect then needs no descriptor.
+        let client =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let fds = FdsTaken::all_but(1);
+        client.connect(&vip.into()).unwrap();
+        let waiting = wait_until(T, || {
+            c.services()
+                .iter()
+                .any(|s| s.name == "s" && s.stats.conns >= 1)
+        });
+        Self {
+            echo,
+            d,
+            client,
+            fds,
+            waiting,
+        }
+    }
+}
+
 /// Deleted while the connection waited for a descriptor, the service's
 /// connection must not go on to open a new entry and proxy to the deleted
 /// service's backend once descriptors are back.
 #[test]
 fn a_connection_waiting_for_descriptors_ends_with_its_deleted_service() {
     let _fds = FDS.lock().unwrap_or_else(|e| e.into_inner());
-    let e = Echo::start();
-    let mut cfg = config(vec![service(
-        "s",
-        Protocol::Tcp,
-        "rr",
-        vec![backend(e.addr, 1)],
-    )]);
-    cfg.daemon.workers = 1;
-    let d = Daemon::start(cfg, None).unwrap();
-    let c = d.control();
-    let vip = d.service_addr("default", "s").unwrap();
-    let opened = || {
-        c.services()
-            .iter()
-            .find(|s| s.name == "s")
-            .map_or(0, |s| s.stats.conns)
-    };
-    // The client's socket first: its connect then needs no descriptor.
-    let client = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    client
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    // Every descriptor taken but one: the daemon's accept takes that one,
-    // its socket towards the backend finds none (EMFILE) and it waits.
-    let fds = FdsTaken::all_but(1);
-    client.connect(&vip.into()).unwrap();
-    // Its first attempt opened (and, failing, closed) an entry: it is in
-    // the descriptor wait now, or about to be.
-    let waiting = wait_until(T, || opened() >= 1);
+    let w = Waiting::start();
+    let c = w.d.control();
     c.delete_service("default", "s").unwrap();
+    let Waiting {
+        echo: _echo,
+        d,
+        client,
+        fds,
+        waiting,
+    } = w;
     fds.release();
     assert!(waiting, "the connection never reached its backend connect");
     let mut s: std::net::TcpStream = client.into();
@@ -72,43 +102,28 @@ fn a_connection_waiting_for_descriptors_ends_with_its_deleted_service() {
 #[test]
 fn a_connection_waiting_for_descriptors_is_listed_and_can_be_killed() {
     let _fds = FDS.lock().unwrap_or_else(|e| e.into_inner());
-    let e = Echo::start();
-    let mut cfg = config(vec![service(
-        "s",
-        Protocol::Tcp,
-        "rr",
-        vec![backend(e.addr, 1)],
-    )]);
-    cfg.daemon.workers = 1;
-    let d = Daemon::start(cfg, None).unwrap();
+    let Waiting {
+        echo,
+        d,
+        client,
+        fds,
+        waiting,
+    } = Waiting::start();
     let c = d.control();
-    let vip = d.service_addr("default", "s").unwrap();
     let listed = || {
         c.connections(&Default::default(), None, 10)
             .unwrap()
             .connections
     };
-    let client = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    client
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    let fds = FdsTaken::all_but(1);
-    client.connect(&vip.into()).unwrap();
-    // Its first attempt has failed once the service counts it opened and
-    // the listener has taken the last descriptor; from then until the
-    // tries run out (~1.3 s) it waits, and must be listed all along.
-    let opened = wait_until(T, || {
-        c.services()
-            .iter()
-            .any(|s| s.name == "s" && s.stats.conns >= 1)
-    });
+    // From its first failed attempt until the tries run out (~1.3 s) it
+    // waits, and must be listed all along.
     let seen = listed();
     let killed = seen.first().map(|conn| c.kill(conn.cookie, None));
     fds.release();
-    assert!(opened, "the connection never reached its backend connect");
+    assert!(waiting, "the connection never reached its backend connect");
     assert_eq!(seen.len(), 1, "not listed while it waits: {seen:?}");
     assert_eq!(seen[0].state, "SYN_RECV");
-    assert_eq!(seen[0].backend, e.addr.to_string());
+    assert_eq!(seen[0].backend, echo.addr.to_string());
     assert_eq!(killed, Some(Ok(())));
     let mut s: std::net::TcpStream = client.into();
     assert!(!still_echoes(&mut s), "a killed connection was proxied");
