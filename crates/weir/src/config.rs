@@ -797,6 +797,12 @@ pub struct ServiceOptions {
     /// TCP: cap on concurrent connections per client address; 0 = unlimited.
     #[serde(skip_serializing_if = "is_zero")]
     pub tcp_max_connections_per_client: u64,
+    /// The per-client caps (`tcp_max_connections_per_client`,
+    /// `udp_max_sessions_per_client`) count an IPv6 client per this
+    /// prefix: default 64, the block a host or a LAN gets, in which a
+    /// host may take any address; 128 counts each address.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_prefix6: Option<u32>,
     /// `sh` / `mh`: text the client hash is keyed with. Default: the
     /// service's `tenant/name`, so every instance started from the same
     /// config maps every client to the same backend, across restarts.
@@ -1829,6 +1835,16 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
     {
         err(vec![k("mh_table_size")], e.to_string());
     }
+    if let Some(p) = o.client_prefix6
+        && !(1..=128).contains(&p)
+    {
+        err(
+            vec![k("client_prefix6")],
+            format!(
+                "{p} is not an IPv6 prefix length: use 1..=128 (default 64; 128 counts each address)"
+            ),
+        );
+    }
     if s.protocol == Protocol::Udp && o.tcp_max_connections_per_client != 0 {
         err(
             vec![k("tcp_max_connections_per_client")],
@@ -2437,6 +2453,7 @@ const SERVICE_KEYS: &[(&str, Kind)] = &[
     ("mh_port", Kind::Bool),
     ("mh_table_size", Kind::U32),
     ("tcp_max_connections_per_client", Kind::Int),
+    ("client_prefix6", Kind::U32),
     ("hash_seed", Kind::Str),
     ("udp_responses", Kind::U32),
     ("udp_timeout", Kind::Dur(UDP_TIMEOUT_BOUNDS)),
@@ -3368,6 +3385,16 @@ mod tests {
                 svc("udp", "rr", "tcp_max_connections_per_client = 1\n"),
                 "service[0].tcp_max_connections_per_client",
                 "udp_max_sessions_per_client",
+            ),
+            (
+                svc("tcp", "rr", "client_prefix6 = 0\n"),
+                "service[0].client_prefix6",
+                "1..=128",
+            ),
+            (
+                svc("udp", "rr", "client_prefix6 = 129\n"),
+                "service[0].client_prefix6",
+                "1..=128",
             ),
             (
                 svc("tcp", "lblx", ""),

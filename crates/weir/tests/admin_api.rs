@@ -1042,6 +1042,7 @@ fn openapi_matches_router() {
     full.options.mh_port = true;
     full.options.mh_table_size = Some(251);
     full.options.tcp_max_connections_per_client = 2;
+    full.options.client_prefix6 = Some(56);
     full.options.health = Some(Default::default());
     full.backends[0].proxy_protocol = Some(weir::proxy_protocol::Version::V2);
     full.backends[0].max_connections = 9;

@@ -221,6 +221,7 @@ fn schemas() -> Value {
         "sh_fallback": boolean, "sh_port": boolean, "mh_port": boolean, "mh_table_size": mh_sizes,
         "udp_responses": int, "udp_timeout": s, "udp_max_sessions_per_client": int,
         "tcp_max_connections_per_client": int,
+        "client_prefix6": { "type": "integer", "minimum": 1, "maximum": 128, "description": "the per-client caps count an IPv6 client per this prefix (default 64)" },
         "sloppy_tcp": { "type": "boolean", "description": "packet TCP services: a non-SYN packet with no flow creates one instead of being dropped" },
         "health": { "type": "object", "properties": { "interval": s, "timeout": s, "rise": int, "fall": int,
             "protocol": { "type": "string", "enum": ["tcp", "udp"] }, "port": int, "send": s } },

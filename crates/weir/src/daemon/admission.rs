@@ -3,7 +3,8 @@
 //! per-client limits — checked before a task is spawned, and every refusal
 //! counted under one reason.
 
-use std::collections::BTreeMap;
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -207,23 +208,90 @@ impl RefusalCounts {
     }
 }
 
+/// A service's open connections (or sessions) per client, for its
+/// per-client cap: an IPv4 client is its address, an IPv6 one the block of
+/// `client_prefix6` bits its address is in (a host picks any address in
+/// its /64, so counting addresses would let it take as many places as it
+/// likes). A client leaves when its count is 0.
+#[derive(Debug)]
+pub(crate) struct ClientCounts {
+    prefix6: u8,
+    counts: HashMap<IpAddr, u64>,
+}
+
+impl ClientCounts {
+    pub(crate) fn new(prefix6: u8) -> Self {
+        Self {
+            prefix6,
+            counts: HashMap::new(),
+        }
+    }
+
+    /// The client `ip` is counted as.
+    fn client(&self, ip: IpAddr) -> IpAddr {
+        match ip.to_canonical() {
+            IpAddr::V6(a) => {
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.prefix6))
+                    .unwrap_or(0);
+                IpAddr::V6((u128::from(a) & mask).into())
+            }
+            v4 => v4,
+        }
+    }
+
+    /// One more for `ip`'s client unless it holds `max` (0: no room):
+    /// the client it was counted as, or `None` at the cap.
+    fn take(&mut self, ip: IpAddr, max: u64) -> Option<IpAddr> {
+        let client = self.client(ip);
+        let n = self.counts.entry(client).or_insert(0);
+        if *n >= max {
+            if *n == 0 {
+                self.counts.remove(&client);
+            }
+            return None;
+        }
+        *n += 1;
+        Some(client)
+    }
+
+    /// One less for `client` (as [`Self::take`] returned it).
+    fn give(&mut self, client: IpAddr) {
+        if let Some(n) = self.counts.get_mut(&client) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.counts.remove(&client);
+            }
+        }
+    }
+
+    /// An edit changed `client_prefix6`: the counts start again under the
+    /// new grouping. Connections open now are not counted against it (as
+    /// when a cap is raised from 0); their ends find nothing to give back,
+    /// or give back a place of a client they share a key with: the cap
+    /// may let a few more in for a while, never fewer.
+    pub(crate) fn regroup(&mut self, prefix6: u8) {
+        self.prefix6 = prefix6;
+        self.counts.clear();
+    }
+
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.counts.is_empty()
+    }
+}
+
 /// One open TCP connection counted against its client's
 /// `tcp_max_connections_per_client`; dropping it gives the place back.
 #[derive(Debug)]
 pub(crate) struct ClientSlot {
     svc: Arc<Service>,
-    ip: IpAddr,
+    client: IpAddr,
 }
 
 impl Drop for ClientSlot {
     fn drop(&mut self) {
-        let mut counts = self.svc.tcp_per_client.lock();
-        if let Some(n) = counts.get_mut(&self.ip) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                counts.remove(&self.ip);
-            }
-        }
+        self.svc.tcp_per_client.lock().give(self.client);
     }
 }
 
@@ -240,16 +308,14 @@ impl Service {
         if max == 0 {
             return Ok(None);
         }
-        let ip = client.to_canonical();
-        let mut counts = self.tcp_per_client.lock();
-        let n = counts.entry(ip).or_insert(0);
-        if *n >= max {
-            return Err(Refusal::TcpClientLimit);
-        }
-        *n += 1;
+        let client = self
+            .tcp_per_client
+            .lock()
+            .take(client, max)
+            .ok_or(Refusal::TcpClientLimit)?;
         Ok(Some(ClientSlot {
             svc: self.clone(),
-            ip,
+            client,
         }))
     }
 
@@ -257,41 +323,72 @@ impl Service {
     /// protocol's per-client map (the proxy's maps: a client's proxied
     /// connections and packet flows count together); false at the cap.
     pub(crate) fn take_client_place(&self, proto: Protocol, client: IpAddr, max: u64) -> bool {
-        let ip = client.to_canonical();
-        let mut counts = match proto {
-            Protocol::Tcp => self.tcp_per_client.lock(),
-            Protocol::Udp => self.udp_per_client.lock(),
-        };
-        let n = counts.entry(ip).or_insert(0);
-        if *n >= max {
-            if *n == 0 {
-                counts.remove(&ip);
-            }
-            return false;
+        self.client_counts(proto).lock().take(client, max).is_some()
+    }
+
+    fn client_counts(&self, proto: Protocol) -> &Mutex<ClientCounts> {
+        match proto {
+            Protocol::Tcp => &self.tcp_per_client,
+            Protocol::Udp => &self.udp_per_client,
         }
-        *n += 1;
-        true
     }
 
     /// Give back a place [`Self::take_client_place`] took.
     pub(crate) fn give_client_place(&self, proto: Protocol, client: IpAddr) {
-        let ip = client.to_canonical();
-        let mut counts = match proto {
-            Protocol::Tcp => self.tcp_per_client.lock(),
-            Protocol::Udp => self.udp_per_client.lock(),
-        };
-        if let Some(n) = counts.get_mut(&ip) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                counts.remove(&ip);
-            }
-        }
+        let mut counts = self.client_counts(proto).lock();
+        let client = counts.client(client);
+        counts.give(client);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An IPv6 client is its /64 by default (a host may take any address
+    /// in it), or the prefix the service sets; an IPv4 client, or an
+    /// IPv4-mapped one, its address. Before, each IPv6 address was a
+    /// client of its own: one host could open as many connections as it
+    /// had addresses (2^64) past the cap.
+    #[test]
+    fn an_ipv6_client_is_its_prefix() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let mut c = ClientCounts::new(64);
+        assert_eq!(c.take(ip("2001:db8:1:2::1"), 2), Some(ip("2001:db8:1:2::")));
+        assert!(c.take(ip("2001:db8:1:2:ffff::9"), 2).is_some());
+        assert_eq!(
+            c.take(ip("2001:db8:1:2::3"), 2),
+            None,
+            "same /64, at the cap"
+        );
+        assert!(c.take(ip("2001:db8:1:3::1"), 2).is_some(), "another /64");
+        assert!(c.take(ip("10.0.0.1"), 1).is_some());
+        assert_eq!(
+            c.take(ip("::ffff:10.0.0.1"), 1),
+            None,
+            "mapped: the same IPv4 client"
+        );
+        assert!(c.take(ip("10.0.0.2"), 1).is_some());
+        c.give(ip("2001:db8:1:2::"));
+        assert!(
+            c.take(ip("2001:db8:1:2::77"), 2).is_some(),
+            "a place given back"
+        );
+
+        let mut each = ClientCounts::new(128);
+        assert!(each.take(ip("2001:db8::1"), 1).is_some());
+        assert!(each.take(ip("2001:db8::2"), 1).is_some());
+        assert_eq!(each.take(ip("2001:db8::2"), 1), None);
+        let mut wide = ClientCounts::new(48);
+        assert!(wide.take(ip("2001:db8:1:2::1"), 1).is_some());
+        assert_eq!(wide.take(ip("2001:db8:1:ffff::1"), 1), None);
+
+        // A new prefix starts the counts again.
+        c.regroup(128);
+        assert!(c.is_empty());
+        assert!(c.take(ip("2001:db8:1:2::3"), 1).is_some());
+        assert!(c.take(ip("2001:db8:1:2::4"), 1).is_some());
+    }
 
     const MS: u64 = 1_000_000;
 

@@ -911,7 +911,12 @@ impl Control for LiveControl {
             }));
         }
         let (mask, persists) = (params.mask, !params.persistence.is_zero());
+        let prefix6 = params.client_prefix6;
         let old = svc.params.swap(Arc::new(params));
+        if old.client_prefix6 != prefix6 {
+            svc.tcp_per_client.lock().regroup(prefix6);
+            svc.udp_per_client.lock().regroup(prefix6);
+        }
         if old.mask != mask || (!old.persistence.is_zero() && !persists) {
             // The client groups changed, or persistence is off: the old
             // templates place no one any more.

@@ -21,6 +21,7 @@ use weir_flowtable::{
 };
 use weir_sched::{AffinityMask, BackendInfo, HashSeed, Load, SchedConfig, Scheduler};
 
+use super::admission::ClientCounts;
 use super::owners::Close;
 use super::stats::{self, Stat};
 use super::{
@@ -426,11 +427,11 @@ pub(crate) struct Service {
     pub(crate) stat: Stat,
     /// Cancels listeners and health checks.
     pub(crate) cancel: CancellationToken,
-    /// UDP sessions per client IP (for `udp_max_sessions_per_client`).
-    pub(crate) udp_per_client: Mutex<HashMap<IpAddr, u64>>,
+    /// UDP sessions per client (for `udp_max_sessions_per_client`).
+    pub(crate) udp_per_client: Mutex<ClientCounts>,
     /// Open TCP connections per client IP (for
     /// `tcp_max_connections_per_client`); an IP leaves when its count is 0.
-    pub(super) tcp_per_client: Mutex<HashMap<IpAddr, u64>>,
+    pub(super) tcp_per_client: Mutex<ClientCounts>,
     health_cancel: Mutex<CancellationToken>,
 }
 
@@ -446,6 +447,9 @@ pub(crate) struct ServiceParams {
     pub(crate) udp_max_per_client: u64,
     /// `tcp_max_connections_per_client`; 0 = unlimited.
     pub(crate) tcp_max_per_client: u64,
+    /// `client_prefix6`: the per-client caps count an IPv6 client per
+    /// this prefix.
+    pub(crate) client_prefix6: u8,
     /// The flow table's timeout profile for these timeouts (see
     /// [`Shared::with_profile`]); 0 until then.
     pub(crate) profile: u16,
@@ -1227,6 +1231,7 @@ impl Shared {
             .collect();
         let sched = build_sched(&spec, &backends)?;
         let params = Arc::new(self.with_profile(&tenant, params)?);
+        let prefix6 = params.client_prefix6;
         let protocol = spec.protocol;
         let svc = Arc::new(Service {
             id: self.model.next_id.fetch_add(1, Relaxed),
@@ -1238,8 +1243,8 @@ impl Shared {
             set: ArcSwap::from_pointee(BackendSet { sched, backends }),
             stat: self.accounting.rates.stat(),
             cancel: CancellationToken::new(),
-            udp_per_client: Mutex::new(HashMap::new()),
-            tcp_per_client: Mutex::new(HashMap::new()),
+            udp_per_client: Mutex::new(ClientCounts::new(prefix6)),
+            tcp_per_client: Mutex::new(ClientCounts::new(prefix6)),
             health_cancel: Mutex::new(CancellationToken::new()),
         });
         self.model
@@ -1665,6 +1670,11 @@ pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResul
         udp_responses: o.udp_responses,
         udp_max_per_client: o.udp_max_sessions_per_client,
         tcp_max_per_client: o.tcp_max_connections_per_client,
+        client_prefix6: match o.client_prefix6 {
+            None => 64,
+            Some(p @ 1..=128) => p as u8,
+            Some(p) => return Err(bad(format!("client_prefix6 {p} is not in 1..=128"))),
+        },
         profile: 0,
     })
 }
