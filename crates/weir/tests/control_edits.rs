@@ -1355,3 +1355,44 @@ fn a_tenant_token_cannot_point_a_backend_at_weir() {
         )
         .unwrap();
 }
+
+/// A reload whose file keeps a tenant within its `max_backends` applies
+/// whole, whatever order the file lists its changes in: a backend moved
+/// from one service (listed second) to another (listed first) is within
+/// the cap before and after. The reload's steps used to be checked one by
+/// one against the cap, so the first service's gain was refused, the
+/// second service's loss applied, and the answer said "nothing was
+/// applied": the tenant was left with one backend fewer than either file.
+#[test]
+fn a_reload_moving_backends_within_max_backends_applies_whole() {
+    let echo = Echo::start();
+    let b = |n: u8| -> SocketAddr { SocketAddr::from(([127, 0, 0, 2 + n], echo.addr.port())) };
+    let acme = tenant_toml("acme", "max_backends = 2");
+    let (r, _dir, path) = from_file(&format!(
+        "{acme}{}{}",
+        service_toml("acme", "s1", &[b(0)]),
+        service_toml("acme", "s2", &[b(1)]),
+    ));
+    write(
+        &path,
+        &format!(
+            "{acme}{}{}",
+            service_toml("acme", "s1", &[b(0), b(1)]),
+            service_toml("acme", "s2", &[]),
+        ),
+    );
+    let reload = r.api("POST", "/v1/reload", None);
+    let backends = |name: &str| -> Vec<SocketAddr> {
+        r.d()
+            .control()
+            .service_spec("acme", name)
+            .unwrap()
+            .backends
+            .iter()
+            .map(|b| b.address)
+            .collect()
+    };
+    assert!(reload.is_ok(), "a reload within the cap: {reload:?}");
+    assert_eq!(backends("s1"), vec![b(0), b(1)]);
+    assert_eq!(backends("s2"), Vec::<SocketAddr>::new());
+}

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use weir_flowtable::{DumpFilter, FlowSnapshot, FlowState, ServiceId, TenantId};
 
+use super::model::Caps;
 use super::owners::Close;
 use super::{Backend, BackendSet, Service, Shared, check_service, service_params};
 use crate::config::{self, BackendSpec, Config, ServiceSpec, TenantSpec};
@@ -334,6 +335,10 @@ impl LiveControl {
     /// Apply a config that [`Self::plan`] accepted; returns what still
     /// failed (e.g. an address taken between the check and now).
     fn apply(&self, new: &Config) -> Vec<String> {
+        // No API edit between the steps: they are checked against the
+        // tenants' caps as a whole (see `Caps::WholeFile`), and each
+        // compares a service with the file before changing it.
+        let _edits = self.0.model.edits.lock();
         // plan() refused any other [daemon] change.
         let daemon_error = self.0.set_live_daemon(&new.daemon).err();
         // Tenants: add new, edit existing, delete missing (after services).
@@ -400,7 +405,8 @@ impl LiveControl {
                 continue;
             }
             self.add_batch(&mut adds, &mut errors);
-            if let Err(e) = self.edit_service(&s.tenant, &s.name, s.clone()) {
+            if let Err(e) = self.edit_service_locked(&s.tenant, &s.name, s.clone(), Caps::WholeFile)
+            {
                 errors.push(format!("service {}/{}: {}", s.tenant, s.name, e.message));
             }
         }
@@ -415,6 +421,103 @@ impl LiveControl {
         errors
     }
 
+    /// [`Control::edit_service`], `Model::edits` held by the caller; the
+    /// tenant's `max_backends` checked as `caps` says.
+    fn edit_service_locked(
+        &self,
+        tenant: &str,
+        name: &str,
+        spec: ServiceSpec,
+        caps: Caps,
+    ) -> ControlResult<()> {
+        let svc = self.service(tenant, name)?;
+        if spec.tenant != tenant || spec.name != name {
+            return Err(ControlError::new(
+                ErrorKind::Invalid,
+                "tenant and name cannot change; delete and add instead",
+            ));
+        }
+        let cur = svc.spec.read().clone();
+        // First: a new method makes the rest of the spec moot.
+        forward_fixed(&cur, &spec)?;
+        check_service(&spec, self.0.packet_cfg.as_ref())?;
+        let new_backends: Vec<String> = spec
+            .backends
+            .iter()
+            .filter(|b| !cur.backends.iter().any(|c| c.address == b.address))
+            .map(|b| format!("backend {tenant}/{name}/{}", b.address))
+            .collect();
+        // Port 0 in an edit means "keep the port the service got".
+        let rebind = cur.protocol != spec.protocol
+            || (cur.listen != spec.listen
+                && !(spec.listen.port() == 0 && cur.listen.ip() == spec.listen.ip()));
+        if rebind {
+            // A new address or protocol: replace the service (its
+            // connections close), but only once the new address is ours.
+            self.0.put_service_with(spec, true, caps)?;
+            new_backends
+                .into_iter()
+                .for_each(|id| self.added_at_runtime(id));
+            return Ok(());
+        }
+        if caps == Caps::EachChange {
+            super::model::backend_quota(
+                &self.0.model.load(),
+                tenant,
+                name,
+                spec.backends.len(),
+                &mut Default::default(),
+            )?;
+        }
+        let params = self.0.with_profile(&svc.tenant, service_params(&spec)?)?;
+        let sched_key = |s: &ServiceSpec| {
+            let o = &s.options;
+            (
+                s.scheduler,
+                (o.mh_fallback, o.sh_fallback, o.sh_port, o.mh_port),
+                o.mh_table_size,
+                o.hash_seed.clone(),
+            )
+        };
+        if sched_key(&cur) != sched_key(&spec) {
+            // A new algorithm: a fresh scheduler over the same live backends
+            // (no history to carry over); connections are untouched.
+            let old = svc.set.load_full();
+            let sched = super::build_sched(&spec, &old.backends)?;
+            svc.set.store(Arc::new(BackendSet {
+                sched,
+                backends: old.backends.clone(),
+            }));
+        }
+        let (mask, persists) = (params.mask, !params.persistence.is_zero());
+        let prefix6 = params.client_prefix6;
+        let old = svc.params.swap(Arc::new(params));
+        if old.client_prefix6 != prefix6 {
+            svc.tcp_per_client.lock().regroup(prefix6);
+            svc.udp_per_client.lock().regroup(prefix6);
+        }
+        if old.mask != mask || (!old.persistence.is_zero() && !persists) {
+            // The client groups changed, or persistence is off: the old
+            // templates place no one any more.
+            self.0.drop_templates(&svc);
+        }
+        let backends = spec.backends.clone();
+        {
+            let mut s = svc.spec.write();
+            *s = ServiceSpec {
+                listen: cur.listen,
+                ..spec
+            };
+        }
+        self.set_backends(&svc, &backends)?;
+        self.0.services_changed();
+        self.0.start_health(&svc);
+        new_backends
+            .into_iter()
+            .for_each(|id| self.added_at_runtime(id));
+        Ok(())
+    }
+
     /// Adds the services of `specs` (emptying it) as one batch, each
     /// failure an error of `errors` as [`Self::apply`] words them.
     fn add_batch(&self, specs: &mut Vec<ServiceSpec>, errors: &mut Vec<String>) {
@@ -425,7 +528,7 @@ impl LiveControl {
             .iter()
             .map(|s| format!("{}/{}", s.tenant, s.name))
             .collect();
-        for (i, e) in self.0.add_services(std::mem::take(specs), false) {
+        for (i, e) in self.0.add_services_of_file(std::mem::take(specs)) {
             errors.push(format!("service {}: {}", names[i], e.message));
         }
     }
@@ -853,90 +956,7 @@ impl Control for LiveControl {
 
     fn edit_service(&self, tenant: &str, name: &str, spec: ServiceSpec) -> ControlResult<()> {
         let _one = self.0.model.edits.lock();
-        let svc = self.service(tenant, name)?;
-        if spec.tenant != tenant || spec.name != name {
-            return Err(ControlError::new(
-                ErrorKind::Invalid,
-                "tenant and name cannot change; delete and add instead",
-            ));
-        }
-        let cur = svc.spec.read().clone();
-        // First: a new method makes the rest of the spec moot.
-        forward_fixed(&cur, &spec)?;
-        check_service(&spec, self.0.packet_cfg.as_ref())?;
-        let new_backends: Vec<String> = spec
-            .backends
-            .iter()
-            .filter(|b| !cur.backends.iter().any(|c| c.address == b.address))
-            .map(|b| format!("backend {tenant}/{name}/{}", b.address))
-            .collect();
-        // Port 0 in an edit means "keep the port the service got".
-        let rebind = cur.protocol != spec.protocol
-            || (cur.listen != spec.listen
-                && !(spec.listen.port() == 0 && cur.listen.ip() == spec.listen.ip()));
-        if rebind {
-            // A new address or protocol: replace the service (its
-            // connections close), but only once the new address is ours.
-            self.0.put_service(spec, true)?;
-            new_backends
-                .into_iter()
-                .for_each(|id| self.added_at_runtime(id));
-            return Ok(());
-        }
-        super::model::backend_quota(
-            &self.0.model.load(),
-            tenant,
-            name,
-            spec.backends.len(),
-            &mut Default::default(),
-        )?;
-        let params = self.0.with_profile(&svc.tenant, service_params(&spec)?)?;
-        let sched_key = |s: &ServiceSpec| {
-            let o = &s.options;
-            (
-                s.scheduler,
-                (o.mh_fallback, o.sh_fallback, o.sh_port, o.mh_port),
-                o.mh_table_size,
-                o.hash_seed.clone(),
-            )
-        };
-        if sched_key(&cur) != sched_key(&spec) {
-            // A new algorithm: a fresh scheduler over the same live backends
-            // (no history to carry over); connections are untouched.
-            let old = svc.set.load_full();
-            let sched = super::build_sched(&spec, &old.backends)?;
-            svc.set.store(Arc::new(BackendSet {
-                sched,
-                backends: old.backends.clone(),
-            }));
-        }
-        let (mask, persists) = (params.mask, !params.persistence.is_zero());
-        let prefix6 = params.client_prefix6;
-        let old = svc.params.swap(Arc::new(params));
-        if old.client_prefix6 != prefix6 {
-            svc.tcp_per_client.lock().regroup(prefix6);
-            svc.udp_per_client.lock().regroup(prefix6);
-        }
-        if old.mask != mask || (!old.persistence.is_zero() && !persists) {
-            // The client groups changed, or persistence is off: the old
-            // templates place no one any more.
-            self.0.drop_templates(&svc);
-        }
-        let backends = spec.backends.clone();
-        {
-            let mut s = svc.spec.write();
-            *s = ServiceSpec {
-                listen: cur.listen,
-                ..spec
-            };
-        }
-        self.set_backends(&svc, &backends)?;
-        self.0.services_changed();
-        self.0.start_health(&svc);
-        new_backends
-            .into_iter()
-            .for_each(|id| self.added_at_runtime(id));
-        Ok(())
+        self.edit_service_locked(tenant, name, spec, Caps::EachChange)
     }
 
     fn delete_service(&self, tenant: &str, name: &str) -> ControlResult<()> {

@@ -455,6 +455,20 @@ pub(crate) struct ServiceParams {
     pub(crate) profile: u16,
 }
 
+/// How a change of services is held to its tenant's `max_services` and
+/// `max_backends`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Caps {
+    /// Each change on its own (the API, the start).
+    EachChange,
+    /// A step of a reload: the file's totals were checked as a whole
+    /// (`config::validate`), and its steps, applied in file order, may
+    /// pass a cap on the way to a state within it (a backend moved from a
+    /// service listed later to one listed earlier); the reload holds
+    /// `Model::edits` meanwhile, so no API change counts on a step.
+    WholeFile,
+}
+
 /// Refuses a new service `spec` when its tenant holds its `max_services`
 /// already. `held` caches each tenant's count for a batch (counted from
 /// the model once, O(its services); the caller adds each service it
@@ -923,7 +937,17 @@ impl Shared {
         spec: ServiceSpec,
         replace: bool,
     ) -> crate::control::ControlResult<()> {
-        match self.put_services(vec![spec], replace, true).pop() {
+        self.put_service_with(spec, replace, Caps::EachChange)
+    }
+
+    /// [`Self::put_service`], its tenant's caps checked as `caps` says.
+    pub(crate) fn put_service_with(
+        self: &Arc<Self>,
+        spec: ServiceSpec,
+        replace: bool,
+        caps: Caps,
+    ) -> crate::control::ControlResult<()> {
+        match self.put_services(vec![spec], replace, true, caps).pop() {
             Some((_, e)) => Err(e),
             None => Ok(()),
         }
@@ -938,7 +962,16 @@ impl Shared {
         specs: Vec<ServiceSpec>,
         stop_at_error: bool,
     ) -> Vec<(usize, crate::control::ControlError)> {
-        self.put_services(specs, false, stop_at_error)
+        self.put_services(specs, false, stop_at_error, Caps::EachChange)
+    }
+
+    /// [`Self::add_services`] for a reload's step ([`Caps::WholeFile`]):
+    /// none stops the others.
+    pub(crate) fn add_services_of_file(
+        self: &Arc<Self>,
+        specs: Vec<ServiceSpec>,
+    ) -> Vec<(usize, crate::control::ControlError)> {
+        self.put_services(specs, false, false, Caps::WholeFile)
     }
 
     /// [`Self::put_service`] for each of `specs` in order, under one hold
@@ -956,6 +989,7 @@ impl Shared {
         specs: Vec<ServiceSpec>,
         replace: bool,
         stop_at_error: bool,
+        caps: Caps,
     ) -> Vec<(usize, crate::control::ControlError)> {
         let mut errors = Vec::new();
         // Before the writers' lock: these checks need no model, and the
@@ -988,16 +1022,18 @@ impl Shared {
         let mut held_backends: HashMap<String, u64> = HashMap::new();
         for (i, r) in checked {
             let r = r.and_then(|(spec, params)| {
-                if !replace {
-                    service_quota(&st, &spec, &mut held)?;
+                if caps == Caps::EachChange {
+                    if !replace {
+                        service_quota(&st, &spec, &mut held)?;
+                    }
+                    backend_quota(
+                        &st,
+                        &spec.tenant,
+                        &spec.name,
+                        spec.backends.len(),
+                        &mut held_backends,
+                    )?;
                 }
-                backend_quota(
-                    &st,
-                    &spec.tenant,
-                    &spec.name,
-                    spec.backends.len(),
-                    &mut held_backends,
-                )?;
                 self.open_service(&st, spec, params, replace)
             });
             match r {
