@@ -1769,6 +1769,28 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     out
 }
 
+/// Why `listen` may not carry its IPv6 scope id, if so.
+/// The kernel reads a scope id only for an address that needs one
+/// (link-local, multicast) and ignores it elsewhere, so `[::1%1]:80` binds
+/// `[::1]:80`: weir would take it for another address than a service's
+/// `[::1]:80`, and its `SO_REUSEPORT` sockets would join that service's
+/// group and take a share of its connections.
+fn listen_scope_problem(listen: SocketAddr) -> Option<String> {
+    let SocketAddr::V6(v6) = listen else {
+        return None;
+    };
+    let ip = v6.ip();
+    let needs_scope = ip.is_multicast() || (ip.segments()[0] & 0xffc0) == 0xfe80;
+    (v6.scope_id() != 0 && !needs_scope).then(|| {
+        format!(
+            "{listen}: a scope id (%{}) applies only to link-local and multicast addresses \
+             (the kernel ignores it on [{ip}]); write [{ip}]:{}",
+            v6.scope_id(),
+            v6.port()
+        )
+    })
+}
+
 /// Problems of one service on its own (paths relative to the service).
 pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
     let mut out = Vec::new();
@@ -1783,6 +1805,9 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
     }
     if let Err(e) = check_name(&s.tenant) {
         err(vec![k("tenant")], e);
+    }
+    if let Some(e) = listen_scope_problem(s.listen) {
+        err(vec![k("listen")], e);
     }
     if let Some(m) = &s.persistence_netmask
         && let Err(e) = parse_netmask(m)

@@ -1396,3 +1396,77 @@ fn a_reload_moving_backends_within_max_backends_applies_whole() {
     assert_eq!(backends("s1"), vec![b(0), b(1)]);
     assert_eq!(backends("s2"), Vec::<SocketAddr>::new());
 }
+
+/// An IPv6 scope id names an interface; on an address that needs none
+/// (anything but link-local and multicast) the kernel ignores it. A
+/// listen of another service's address with a scope id appended
+/// (`[::1%1]:PORT`) was a new address to weir (no 409), and its
+/// `SO_REUSEPORT` sockets joined the other service's group in the
+/// kernel: a tenant token took a share of another tenant's connections.
+/// Such a listen is refused, naming the key; the file's check says so too.
+#[test]
+fn a_scope_id_does_not_make_another_services_address_new() {
+    let echo = Echo::start();
+    let (r, _dir, path) = from_file(&format!(
+        "{}{}",
+        tenant_toml("acme", "token = \"acme-tok\""),
+        tenant_toml("beta", "token = \"beta-tok\""),
+    ));
+    let service = |name: &str, listen: &str| {
+        json!({
+            "name": name, "protocol": "tcp", "listen": listen,
+            "backend": [{ "address": echo.addr.to_string() }],
+        })
+    };
+    let beta = Client::new(r.url.clone(), Some("beta-tok".into()));
+    beta.send("POST", "/v1/services", Some(&service("web", "[::1]:0")))
+        .unwrap();
+    let vip = r.d().service_addr("beta", "web").unwrap();
+    let stolen = format!("[::1%1]:{}", vip.port());
+    let acme = Client::new(r.url.clone(), Some("acme-tok".into()));
+    for client in [&acme, &r.client] {
+        let mut body = service("steal", &stolen);
+        body["tenant"] = json!("acme");
+        match client.send("POST", "/v1/services", Some(&body)) {
+            Err(CliError::Api {
+                status: 400,
+                message,
+                ..
+            }) => assert!(
+                message.contains("listen") && message.contains("scope"),
+                "{message}"
+            ),
+            other => panic!("a listen on {stolen}: {other:?}"),
+        }
+    }
+    assert_eq!(r.d().service_addr("acme", "steal"), None);
+    // Nor moved there by an edit.
+    beta.send("POST", "/v1/services", Some(&service("other", "[::1]:0")))
+        .unwrap();
+    let (status, message) = match beta.send(
+        "PUT",
+        "/v1/services/beta/other",
+        Some(&service("other", &format!("[::1%1]:{}", vip.port() ^ 1))),
+    ) {
+        Err(CliError::Api {
+            status, message, ..
+        }) => (status, message),
+        other => panic!("an edit to a scope id: {other:?}"),
+    };
+    assert_eq!(status, 400, "{message}");
+    // Nor in a file.
+    let text = format!(
+        "{}[[service]]\nname = \"s\"\nprotocol = \"tcp\"\nlisten = \"{stolen}\"\n",
+        tenant_toml("acme", "")
+    );
+    std::fs::write(&path, &text).unwrap();
+    match weir::config::load(&path) {
+        Err(errors) => assert!(
+            errors
+                .iter()
+                .any(|e| e.to_string().contains("service[0].listen")),
+            "{errors:?}"
+        ),
+        Ok(_) => panic!("a file listening on {stolen} passes its check"),
+    }
+}
