@@ -447,6 +447,15 @@ impl LiveControl {
             .filter(|b| !cur.backends.iter().any(|c| c.address == b.address))
             .map(|b| format!("backend {tenant}/{name}/{}", b.address))
             .collect();
+        // Forgotten as a deletion of them forgets them: else each edit to
+        // a new backend set left its backends' entries behind, and a
+        // tenant token's edits grew `runtime_added` without bound.
+        let removed_backends: Vec<String> = cur
+            .backends
+            .iter()
+            .filter(|c| !spec.backends.iter().any(|b| b.address == c.address))
+            .map(|c| format!("backend {tenant}/{name}/{}", c.address))
+            .collect();
         // Port 0 in an edit means "keep the port the service got".
         let rebind = cur.protocol != spec.protocol
             || (cur.listen != spec.listen
@@ -455,6 +464,7 @@ impl LiveControl {
             // A new address or protocol: replace the service (its
             // connections close), but only once the new address is ours.
             self.0.put_service_with(spec, true, caps)?;
+            self.forget_backends(&removed_backends);
             new_backends
                 .into_iter()
                 .for_each(|id| self.added_at_runtime(id));
@@ -512,6 +522,7 @@ impl LiveControl {
         self.set_backends(&svc, &backends)?;
         self.0.services_changed();
         self.0.start_health(&svc);
+        self.forget_backends(&removed_backends);
         new_backends
             .into_iter()
             .for_each(|id| self.added_at_runtime(id));
@@ -530,6 +541,18 @@ impl LiveControl {
             .collect();
         for (i, e) in self.0.add_services_of_file(std::mem::take(specs)) {
             errors.push(format!("service {}: {}", names[i], e.message));
+        }
+    }
+
+    /// Forget the backends `ids` ("backend T/S/ADDR"): removed through the
+    /// API, so no reload removes them.
+    fn forget_backends(&self, ids: &[String]) {
+        if ids.is_empty() {
+            return;
+        }
+        let mut added = self.0.model.runtime_added.lock();
+        for id in ids {
+            added.remove(id);
         }
     }
 

@@ -2071,6 +2071,43 @@ pub(crate) mod tests {
         crate::daemon::Daemon::start(cfg, path.map(Into::into)).unwrap()
     }
 
+    /// A service edit forgets the API additions of the backends it takes
+    /// out, as deleting them does. Each edit to a new backend set used to
+    /// leave its backends' entries in `runtime_added` until the next
+    /// reload, so a tenant token's edits grew the daemon's memory without
+    /// bound (one body of backends per request), in place and when the
+    /// edit moves the service.
+    #[test]
+    fn service_edits_forget_the_backends_they_take_out() {
+        let d = daemon(vec![spec("default", "s", Protocol::Tcp)], None);
+        let control = d.control();
+        let mut s = control.service_spec("default", "s").unwrap();
+        let backend = |port: u16| crate::config::BackendSpec {
+            address: SocketAddr::from(([127, 0, 0, 2], port)),
+            weight: 1,
+            proxy_protocol: None,
+            max_connections: 0,
+        };
+        for port in 1000..1050 {
+            s.backends = vec![backend(port), backend(port + 1)];
+            control.edit_service("default", "s", s.clone()).unwrap();
+        }
+        let added = || d.shared.model.runtime_added.lock().clone();
+        let want = |ports: &[u16]| -> std::collections::BTreeSet<String> {
+            ports
+                .iter()
+                .map(|p| format!("backend default/s/127.0.0.2:{p}"))
+                .collect()
+        };
+        assert_eq!(added(), want(&[1049, 1050]));
+        // A move replaces the service: the same.
+        s.listen = "127.0.0.3:0".parse().unwrap();
+        s.backends = vec![backend(2000)];
+        control.edit_service("default", "s", s).unwrap();
+        assert_eq!(added(), want(&[2000]));
+        d.shutdown();
+    }
+
     /// Deleting a tenant with k services, and a reload removing k services,
     /// copy the model a fixed number of times whatever k: one copy for all
     /// the services (and, for the tenant, one more for the tenant itself).
