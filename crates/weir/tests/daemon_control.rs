@@ -1171,3 +1171,49 @@ fn concurrent_backend_adds_to_one_service_all_land() {
     assert_eq!(c.services()[0].backends.len(), want);
     d.shutdown();
 }
+
+/// A tenant's deletion takes every service of it, one added meanwhile
+/// too. It listed the tenant's services from one snapshot, took them out
+/// in one change and the tenant in another, and a service added through
+/// the API in between stayed: listening, holding its sockets and name,
+/// under a tenant gone from the model and the flow table (no connection
+/// to it could be admitted, and no tenant token could reach it).
+#[test]
+fn a_tenant_deletion_racing_an_add_leaves_no_service_behind() {
+    let d = Daemon::start(config(vec![]), None).unwrap();
+    let c = d.control();
+    for round in 0..100 {
+        c.add_tenant(TenantSpec {
+            name: "t".into(),
+            ..Default::default()
+        })
+        .unwrap();
+        std::thread::scope(|s| {
+            let (started, first) = std::sync::mpsc::channel();
+            let c = &c;
+            s.spawn(move || {
+                for i in 0..10_000 {
+                    let mut spec = service(&format!("s{i}"), Protocol::Tcp, "rr", vec![]);
+                    spec.tenant = "t".into();
+                    if c.add_service(spec).is_err() {
+                        return; // the tenant is gone
+                    }
+                    let _ = started.send(());
+                }
+            });
+            first.recv().unwrap();
+            c.delete_tenant("t").unwrap();
+        });
+        let left: Vec<String> = c
+            .services()
+            .into_iter()
+            .filter(|s| s.tenant == "t")
+            .map(|s| s.name)
+            .collect();
+        assert!(
+            left.is_empty(),
+            "round {round}: services of the deleted tenant left: {left:?}"
+        );
+    }
+    d.shutdown();
+}

@@ -958,6 +958,10 @@ impl Control for LiveControl {
     }
 
     fn delete_tenant(&self, tenant: &str) -> ControlResult<u64> {
+        // With the edits, as an add is: `delete_tenants` takes the
+        // tenant's services, then the tenant, and a service added between
+        // the two would stay under a tenant that is gone.
+        let _one = self.0.model.edits.lock();
         self.delete_tenants(&[tenant.to_owned()])
             .pop()
             .expect("one result per tenant")
