@@ -1470,3 +1470,59 @@ fn a_scope_id_does_not_make_another_services_address_new() {
         Ok(_) => panic!("a file listening on {stolen} passes its check"),
     }
 }
+
+/// A reload whose file moves a service onto the address of another one
+/// that it moves only later in the file (or keeps: port 0 keeps the
+/// port) is refused whole, saying which to list first; before, the check
+/// passed (the address is ours, so free to probe), the first move failed
+/// part-way through applying, the second applied, and the answer said
+/// "nothing was applied". Listed the other way round, it applies whole.
+#[test]
+fn a_reload_taking_an_address_freed_later_is_refused_whole() {
+    let echo = Echo::start();
+    let (r, _dir, path) = from_file(&format!(
+        "{}{}",
+        service_toml("default", "s1", &[echo.addr]),
+        service_toml("default", "s2", &[echo.addr]),
+    ));
+    let s1 = r.d().service_addr("default", "s1").unwrap();
+    let s2 = r.d().service_addr("default", "s2").unwrap();
+    let at = |name: &str, listen: &str| {
+        format!(
+            "[[service]]\nname = \"{name}\"\nprotocol = \"tcp\"\nlisten = \"{listen}\"\n\
+             [[service.backend]]\naddress = \"{}\"\n",
+            echo.addr
+        )
+    };
+    // s1 takes s2's address; s2 moves to another IP, but only after it.
+    let s1_first = format!("{}{}", at("s1", &s2.to_string()), at("s2", "127.0.0.2:0"));
+    write(&path, &s1_first);
+    match r.api("POST", "/v1/reload", None) {
+        Err(CliError::Api {
+            status: 400,
+            message,
+            errors,
+        }) => {
+            assert!(message.contains("nothing was applied"), "{message}");
+            assert!(
+                errors
+                    .iter()
+                    .any(|e| e.contains("list service default/s2 first")),
+                "{errors:?}"
+            );
+        }
+        other => panic!("expected a refused reload, got {other:?}"),
+    }
+    assert_eq!(r.d().service_addr("default", "s1"), Some(s1), "s1 moved");
+    assert_eq!(r.d().service_addr("default", "s2"), Some(s2), "s2 moved");
+    // The same moves listed the other way round apply whole.
+    let s2_first = format!("{}{}", at("s2", "127.0.0.2:0"), at("s1", &s2.to_string()));
+    write(&path, &s2_first);
+    r.ok("POST", "/v1/reload", None);
+    assert_eq!(r.d().service_addr("default", "s1"), Some(s2));
+    assert_eq!(
+        r.d().service_addr("default", "s2").map(|a| a.ip()),
+        Some("127.0.0.2".parse().unwrap())
+    );
+    assert!(echo_once(s2, b"s1 on s2's old address"));
+}

@@ -325,6 +325,7 @@ impl LiveControl {
                 report.removed.push(format!("service {t}/{n}"));
             }
         }
+        errors.extend(order_problems(services, new, &in_file));
         if errors.is_empty() {
             Ok(report)
         } else {
@@ -688,6 +689,68 @@ impl LiveControl {
             .pop()
             .flatten()
     }
+}
+
+/// Why [`LiveControl::apply`] would fail part-way for want of an address
+/// that one of our own services still holds. It applies the file's
+/// services in file order, after removing those the file does not have:
+/// a service added or moved to an address that another service of the
+/// file leaves only later in the file (or not at all: port 0 keeps its
+/// port) would be refused there, after the changes before it applied.
+/// `probe_free` passes such an address (it is ours), so the plan has to
+/// follow the order itself.
+fn order_problems(
+    services: &super::model::Services,
+    new: &Config,
+    in_file: &std::collections::HashSet<(&str, &str)>,
+) -> Vec<String> {
+    use std::collections::HashMap;
+    let mut errors = Vec::new();
+    // Who holds each address as the steps go: the services the file keeps.
+    let mut held: HashMap<(config::Protocol, std::net::SocketAddr), (String, String)> = services
+        .iter()
+        .filter(|((t, n), _)| in_file.contains(&(t.as_str(), n.as_str())))
+        .map(|(k, s)| ((s.spec.read().protocol, s.listen), k.clone()))
+        .collect();
+    for s in &new.services {
+        let key = (s.tenant.clone(), s.name.clone());
+        let cur = services.get(&key).map(|c| {
+            let c = c.spec.read();
+            (c.protocol, c.listen)
+        });
+        let takes = match cur {
+            None => true,
+            Some((proto, listen)) => {
+                proto != s.protocol
+                    || (listen != s.listen
+                        && !(s.listen.port() == 0 && listen.ip() == s.listen.ip()))
+            }
+        };
+        if !takes {
+            continue;
+        }
+        if s.listen.port() != 0
+            && let Some((t, n)) = held.get(&(s.protocol, s.listen))
+            && (*t != s.tenant || *n != s.name)
+        {
+            errors.push(format!(
+                "service {}/{}: {} {} is service {t}/{n}'s until the reload moves that one, \
+                 which it does later (in file order) or not at all: list service {t}/{n} \
+                 first, or move one of them through a free address in two reloads",
+                s.tenant,
+                s.name,
+                config::protocol_name(s.protocol),
+                s.listen
+            ));
+        }
+        if let Some(old) = cur {
+            held.remove(&old);
+        }
+        if s.listen.port() != 0 {
+            held.insert((s.protocol, s.listen), key);
+        }
+    }
+    errors
 }
 
 /// A tenant's `GET /v1/table` row from its flow-table figures.
