@@ -57,8 +57,14 @@ pub struct Hysteresis {
 impl Hysteresis {
     /// Starts up. `rise` and `fall` below 1 are treated as 1.
     pub fn new(rise: u32, fall: u32) -> Self {
+        Self::starting(true, rise, fall)
+    }
+
+    /// Starts in state `up` (a restarted check continues from the state
+    /// its backend is in). `rise` and `fall` below 1 are treated as 1.
+    pub fn starting(up: bool, rise: u32, fall: u32) -> Self {
         Self {
-            up: true,
+            up,
             streak: 0,
             rise: rise.max(1),
             fall: fall.max(1),
@@ -179,9 +185,13 @@ pub async fn check_udp(addr: SocketAddr, payload: &[u8], timeout: Duration) -> R
 
 /// Checks `addr` every `params.interval` until `cancel` fires, calling
 /// `on_change(up, last_error)` on every transition (and never otherwise).
+/// `up` is the backend's state now: a new backend starts up, and a check
+/// restarted (its service edited) continues from where the last one left
+/// the backend, so a down one needs `rise` successes to come back.
 pub fn spawn<F>(
     addr: SocketAddr,
     params: Params,
+    up: bool,
     cancel: CancellationToken,
     mut on_change: F,
 ) -> tokio::task::JoinHandle<()>
@@ -189,7 +199,7 @@ where
     F: FnMut(bool, Option<String>) + Send + 'static,
 {
     tokio::spawn(async move {
-        let mut state = Hysteresis::new(params.rise, params.fall);
+        let mut state = Hysteresis::starting(up, params.rise, params.fall);
         let mut tick = tokio::time::interval(params.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -238,6 +248,15 @@ mod tests {
         assert_eq!(h.record(false), None);
         assert!(h.is_up());
         assert_eq!(h.record(false), Some(false));
+    }
+
+    #[test]
+    fn a_check_started_down_needs_rise_successes() {
+        let mut h = Hysteresis::starting(false, 2, 1);
+        assert!(!h.is_up());
+        assert_eq!(h.record(false), None);
+        assert_eq!(h.record(true), None);
+        assert_eq!(h.record(true), Some(true));
     }
 
     #[test]
@@ -318,7 +337,7 @@ mod tests {
             fall: 2,
             probe: Probe::Tcp,
         };
-        let task = spawn(addr, params, cancel.clone(), move |up, err| {
+        let task = spawn(addr, params, true, cancel.clone(), move |up, err| {
             let _ = tx.send((up, err));
         });
         accept.abort();

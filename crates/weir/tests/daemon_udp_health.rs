@@ -221,6 +221,56 @@ fn udp_health_check_keeps_a_udp_backend_up_and_takes_a_silent_one_down() {
     d.shutdown();
 }
 
+/// Any edit of a service's backends restarts its health checks. A
+/// restarted check began as "up" whatever the backend's state, so one
+/// that was down never saw a change when it recovered (its successes
+/// agreed with the check's own state) and stayed out of scheduling for good.
+#[test]
+fn a_down_backend_comes_back_up_after_its_checks_restart() {
+    let live = udp_echo();
+    // Bound but not answering yet: down at the first check.
+    let mute = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let flaky = mute.local_addr().unwrap();
+    let mut spec = service(
+        "u",
+        Protocol::Udp,
+        "rr",
+        vec![backend(live, 1), backend(flaky, 1)],
+    );
+    // One check at start, the next long after this test is done with the
+    // first check task: only the restarted checks see the recovery.
+    spec.options.health = Some(HealthSpec {
+        interval: "1h".parse().unwrap(),
+        timeout: "100ms".parse().unwrap(),
+        rise: 1,
+        fall: 1,
+        protocol: Some(Protocol::Udp),
+        send: Some("ping".into()),
+        ..Default::default()
+    });
+    let d = Daemon::start(config(vec![spec]), None).unwrap();
+    let c = d.control();
+    assert!(wait_until(T, || health_of(&*c, flaky)
+        .is_some_and(|(s, _)| s == "down")));
+    // The down one recovers: it answers from now on...
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 512];
+        while let Ok((n, peer)) = mute.recv_from(&mut buf) {
+            let _ = mute.send_to(&buf[..n], peer);
+        }
+    });
+    // ...and an unrelated edit (another backend joins) restarts the checks,
+    // whose first round runs at once.
+    c.add_backend("default", "u", backend(udp_echo(), 1))
+        .unwrap();
+    assert!(
+        wait_until(T, || health_of(&*c, flaky).is_some_and(|(s, _)| s == "up")),
+        "a recovered backend stayed down: {:?}",
+        health_of(&*c, flaky)
+    );
+    d.shutdown();
+}
+
 fn udp_service_with_health(health: &str) -> String {
     format!(
         "[[service]]\nname = \"dns\"\nprotocol = \"udp\"\nlisten = \"127.0.0.1:5353\"\n\

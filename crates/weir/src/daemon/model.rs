@@ -1403,7 +1403,12 @@ impl Shared {
             let backend = Arc::downgrade(b);
             // `port` checks another port of the same host.
             let target = SocketAddr::new(b.addr.ip(), h.port.unwrap_or(b.addr.port()));
-            crate::health::spawn(target, params.clone(), token.clone(), move |up, err| {
+            // A check restarted by an edit continues from the backend's
+            // state: started "up", it never reported a down backend's
+            // recovery (its successes agreed with it), and the backend
+            // stayed out for good.
+            let up = b.up.load(Relaxed);
+            crate::health::spawn(target, params.clone(), up, token.clone(), move |up, err| {
                 let (Some(shared), Some(svc), Some(b)) =
                     (weak_shared.upgrade(), weak_svc.upgrade(), backend.upgrade())
                 else {
