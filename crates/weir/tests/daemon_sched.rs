@@ -340,6 +340,48 @@ fn dh_on_a_wildcard_listener_maps_each_destination_to_one_backend() {
     d.shutdown();
 }
 
+/// The same for UDP: a session on a wildcard listener is scheduled on the
+/// local address the client sent to, as TCP's connections are. It used to
+/// be scheduled on the service's address (`0.0.0.0`), so every destination
+/// hashed into one `dh` bucket and went to one backend.
+#[test]
+fn udp_dh_on_a_wildcard_listener_keys_on_the_address_sent_to() {
+    let (a, b) = (udp_echo(), udp_echo());
+    let mut s = service(
+        "udh",
+        Protocol::Udp,
+        "dh",
+        vec![backend(a, 1), backend(b, 1)],
+    );
+    s.listen = "0.0.0.0:0".parse().unwrap();
+    let d = Daemon::start(config(vec![s]), None).unwrap();
+    let c = d.control();
+    let port = d.service_addr("default", "udh").unwrap().port();
+    let client = std::net::UdpSocket::bind("127.0.0.5:0").unwrap();
+    client.set_read_timeout(Some(T)).unwrap();
+    let mut buf = [0u8; 64];
+    for dest in 1..=16u8 {
+        let vip = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 0, 0, dest)), port);
+        client.send_to(b"hi", vip).unwrap();
+        let (n, from) = client.recv_from(&mut buf).unwrap();
+        assert_eq!((&buf[..n], from), (&b"hi"[..], vip));
+    }
+    let sessions = c
+        .connections(&weir::control::ConnFilter::default(), None, 100)
+        .unwrap()
+        .connections;
+    assert_eq!(sessions.len(), 16);
+    let on_a = sessions
+        .iter()
+        .filter(|x| x.backend == a.to_string())
+        .count();
+    assert!(
+        (1..16).contains(&on_a),
+        "16 destinations all on one backend: {on_a} on the first"
+    );
+    d.shutdown();
+}
+
 /// `fo` sends every connection to the highest weight; draining it fails
 /// over to the next; `ovf` refuses once every backend is above its weight.
 #[test]

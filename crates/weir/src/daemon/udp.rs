@@ -307,7 +307,10 @@ fn open_session(
         shared.admission.release(&tenant);
         None
     };
-    let backend = match svc.choose(shared, Protocol::Udp, peer, svc.listen.ip(), &[], rng) {
+    // The destination the client sent to (`lblc`, `lblcr` and `dh` key on
+    // it): on a wildcard listener the local address, as for TCP.
+    let dest = local.unwrap_or(svc.listen.ip());
+    let backend = match svc.choose(shared, Protocol::Udp, peer, dest, &[], rng) {
         Ok(b) => b,
         Err(why) => return refuse(why),
     };
