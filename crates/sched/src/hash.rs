@@ -160,9 +160,16 @@ impl Sh {
         if !cfg.fallback {
             return None;
         }
-        // Walk the table from the client's bucket: the next available wins.
-        (1..SH_BUCKETS)
-            .filter_map(|k| slot_backend(&self.buckets[..], backends, (ihash + k) % SH_BUCKETS))
+        // IPVS probe (`ip_vs_sh_get_fallback`): rehash the client with
+        // offsets ihash, ihash+1, ... so that the clients of an unavailable
+        // backend spread over the others. (Walking the buckets from the
+        // client's one sent them all to the backend dealt the next bucket.)
+        (0..SH_BUCKETS)
+            .filter_map(|k| {
+                let roffset = ((ihash + k) % SH_BUCKETS) as u32;
+                let slot = (client_hash(cfg, client, roffset) as usize) % SH_BUCKETS;
+                slot_backend(&self.buckets[..], backends, slot)
+            })
             .find(|(_, b)| b.available())
             .map(|(i, _)| i)
     }
@@ -421,6 +428,28 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// With `sh-fallback` the clients of a down backend spread over the
+    /// others (IPVS rehashes them). Walking the buckets sent every one of
+    /// them to the backend dealt the bucket after theirs.
+    #[test]
+    fn sh_fallback_spreads_a_down_backends_clients() {
+        let mut set: Vec<_> = (1..=4).map(|i| backend(i, 1)).collect();
+        let before = picks(&sched(SchedulerKind::Sh, &set));
+        set[1].up = false;
+        let after = picks(&with_fallback(SchedulerKind::Sh, &set, true));
+        let mut moved = [0u32; 4];
+        for (b, a) in before.iter().zip(&after) {
+            if *b == Some(1) {
+                moved[a.expect("fallback")] += 1;
+            }
+        }
+        assert_eq!(moved[1], 0);
+        assert!(
+            moved.iter().enumerate().all(|(i, &m)| (i == 1) == (m == 0)),
+            "a down backend's clients all went to one backend: {moved:?}"
+        );
     }
 
     #[test]
