@@ -271,6 +271,78 @@ fn a_down_backend_comes_back_up_after_its_checks_restart() {
     d.shutdown();
 }
 
+/// A datagram from source port 0 (which cannot be answered: RFC 768's
+/// "no reply expected") had the flow key of its client group's persistence
+/// template, `(group, 0)`: its session took the template's entry over, so
+/// the group's next session was scheduled afresh, and while the port-0
+/// session lived no template could be stored. One spoofed datagram from a
+/// group's address broke persistence for the whole group. Such datagrams
+/// are now dropped.
+#[test]
+fn a_source_port_0_datagram_does_not_take_a_persistence_template_over() {
+    let (a, b) = (udp_echo(), udp_echo());
+    let mut spec = service("p", Protocol::Udp, "rr", vec![backend(a, 1), backend(b, 1)]);
+    spec.persistence = "300s".parse().unwrap();
+    // One worker, one socket: the datagrams are handled in the order sent.
+    let mut cfg = config(vec![spec]);
+    cfg.daemon.workers = 1;
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "p").unwrap();
+    let backend_of = |client: SocketAddr| {
+        c.connections(&weir::control::ConnFilter::default(), None, 100)
+            .unwrap()
+            .connections
+            .into_iter()
+            .find(|x| x.client == client.to_string() && x.state == "UDP")
+            .map(|x| x.backend)
+    };
+    let session = || {
+        let s = UdpSocket::bind("127.0.0.7:0").unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        s.send_to(b"hi", vip).unwrap();
+        let mut buf = [0u8; 8];
+        let (n, _) = s.recv_from(&mut buf).expect("echoed");
+        assert_eq!(&buf[..n], b"hi");
+        let at = backend_of(s.local_addr().unwrap()).expect("a session");
+        (s, at)
+    };
+    let (_first, placed) = session();
+    // A raw UDP datagram from 127.0.0.7:0 (the kernel adds the IP header;
+    // checksum 0: none). Needs CAP_NET_RAW: skipped without.
+    let Ok(raw) = socket2::Socket::new(
+        socket2::Domain::IPV4,
+        socket2::Type::RAW,
+        Some(socket2::Protocol::UDP),
+    ) else {
+        eprintln!("skipped: needs CAP_NET_RAW for a raw socket");
+        d.shutdown();
+        return;
+    };
+    let src: SocketAddr = "127.0.0.7:0".parse().unwrap();
+    raw.bind(&src.into()).unwrap();
+    let mut dgram = Vec::new();
+    dgram.extend_from_slice(&0u16.to_be_bytes());
+    dgram.extend_from_slice(&vip.port().to_be_bytes());
+    dgram.extend_from_slice(&(8u16 + 2).to_be_bytes());
+    dgram.extend_from_slice(&0u16.to_be_bytes());
+    dgram.extend_from_slice(b"x0");
+    raw.send_to(&dgram, &vip.into()).unwrap();
+    // Another session of the group, after the spoofed datagram was handled
+    // (one socket): it goes where the template says.
+    let (_second, again) = session();
+    let spoofed = backend_of(src);
+    assert_eq!(
+        again, placed,
+        "the group's next session was not placed by its template (port-0 session: {spoofed:?})"
+    );
+    assert_eq!(
+        spoofed, None,
+        "a session for an unanswerable port-0 datagram"
+    );
+    d.shutdown();
+}
+
 fn udp_service_with_health(health: &str) -> String {
     format!(
         "[[service]]\nname = \"dns\"\nprotocol = \"udp\"\nlisten = \"127.0.0.1:5353\"\n\

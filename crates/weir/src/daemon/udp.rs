@@ -223,6 +223,12 @@ pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Ar
                 }
             },
         };
+        // Source port 0: no reply is expected (RFC 768) nor could be sent,
+        // and its flow key would be its client group's persistence
+        // template's, `(group, 0)`: a session would take the template over.
+        if peer.port() == 0 {
+            continue;
+        }
         let virt = SocketAddr::new(local.unwrap_or(svc.listen.ip()), svc.listen.port());
         // The hot lookup: every datagram finds its session's entry in the
         // flow table (which also counts it), and through the entry's owner
