@@ -435,6 +435,42 @@ fn fo_fails_over_and_ovf_overflows() {
     d.shutdown();
 }
 
+/// `ovf` skips a backend at its `max_connections` and overflows to the
+/// next weight, as IPVS's `ip_vs_ovf.c` skips an overloaded destination
+/// (its connection limit reached). It used to refuse the client while the
+/// lower-weight backend was idle.
+#[test]
+fn ovf_overflows_past_a_backend_at_its_connection_limit() {
+    let (a, b) = (Echo::start(), Echo::start());
+    let mut top = backend(a.addr, 5);
+    top.max_connections = 1;
+    let d = Daemon::start(
+        config(vec![service(
+            "ovf",
+            Protocol::Tcp,
+            "ovf",
+            vec![top, backend(b.addr, 1)],
+        )]),
+        None,
+    )
+    .unwrap();
+    let c = d.control();
+    let count = |e: &Echo| e.accepted.load(std::sync::atomic::Ordering::Relaxed);
+    let vip = d.service_addr("default", "ovf").unwrap();
+    let _first = held(vip);
+    assert_eq!((count(&a), count(&b)), (1, 0));
+    // `a` is at its limit (1) though under its weight (5): `b` (weight 1,
+    // idle) takes the next client.
+    let second = echo_once(vip, b"next");
+    assert!(
+        second,
+        "refused ({:?}) while a backend could take it",
+        c.global_stats().refused
+    );
+    assert_eq!((count(&a), count(&b)), (1, 1));
+    d.shutdown();
+}
+
 /// The daemon reports scheduler flags and the persistence mask, `weir list`
 /// prints them as `ipvsadm -Ln` does, and `weir save` writes back every new
 /// key so that the saved file loads to the same services.

@@ -1514,15 +1514,23 @@ impl Service {
         // when the choice cannot take it (down, weight 0, at its limit, or it
         // already failed this connection) the client is refused, as
         // docs/sched.md says, instead of piling every displaced client onto
-        // the first usable backend.
+        // the first usable backend (`ovf` overflows past a backend at its
+        // limit first, as IPVS skips an overloaded one).
         let cfg = set.sched.config();
         let pinned = cfg.pinned();
         // Another backend when the scheduler's cannot serve: `fo` keeps its
-        // rule (the highest usable weight); the others take the next usable
-        // one in list order from `start`.
+        // rule (the highest usable weight), and so does `ovf` (among usable
+        // backends whose active connections do not exceed their weight: a
+        // backend at its `max_connections` is skipped as IPVS skips an
+        // overloaded one); the others take the next usable one in list
+        // order from `start`.
         let substitute = |start: usize| {
-            if cfg.kind == weir_sched::SchedulerKind::Fo {
-                return set.backends.iter().filter(|b| usable(b)).fold(
+            use weir_sched::SchedulerKind::{Fo, Ovf};
+            if matches!(cfg.kind, Fo | Ovf) {
+                let fits = |b: &Backend| {
+                    cfg.kind == Fo || b.active.load(Relaxed) <= u64::from(b.weight.load(Relaxed))
+                };
+                return set.backends.iter().filter(|b| usable(b) && fits(b)).fold(
                     None::<&Arc<Backend>>,
                     |best, b| match best {
                         Some(x) if x.weight.load(Relaxed) >= b.weight.load(Relaxed) => best,
@@ -1552,6 +1560,13 @@ impl Service {
                     .and_then(|i| set.backends.get(i))
                 {
                     Some(b) if usable(b) => Some(b),
+                    // `ovf`'s `None` is final (every backend above its
+                    // weight); a first pick that cannot serve (at its
+                    // `max_connections`, or the passive check took it out)
+                    // is replaced by its rule over the usable backends.
+                    Some(_) if cfg.kind == weir_sched::SchedulerKind::Ovf && skip.is_empty() => {
+                        substitute(0)
+                    }
                     _ if pinned => None,
                     _ => substitute(0),
                 }
