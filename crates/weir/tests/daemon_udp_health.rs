@@ -177,6 +177,37 @@ fn rr_retries_keep_the_rotation_and_a_failing_backend_is_taken_out() {
     d.shutdown();
 }
 
+/// A client connection whose first backend refused it and that the next
+/// one served is one connection of the service, its tenant and the daemon
+/// (each backend counts the attempt it got). Every attempt used to count
+/// as a connection of all of them, so a failing backend inflated the
+/// service's connection count and rate.
+#[test]
+fn a_retried_connection_counts_once_for_its_service() {
+    let refusing = RefusingPort::new();
+    let good = Echo::start();
+    let d = Daemon::start(
+        config(vec![service(
+            "p",
+            Protocol::Tcp,
+            "rr",
+            vec![backend(refusing.addr, 1), backend(good.addr, 1)],
+        )]),
+        None,
+    )
+    .unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "p").unwrap();
+    // rr starts at the refusing backend: tried, then the good one.
+    assert!(echo_once(vip, b"x"));
+    let svc = c.services().into_iter().find(|s| s.name == "p").unwrap();
+    let tries: Vec<u64> = svc.backends.iter().map(|b| b.stats.conns).collect();
+    assert_eq!(tries, [1, 1], "each backend got one attempt");
+    assert_eq!(svc.stats.conns, 1, "the service's connections");
+    assert_eq!(c.global_stats().stats.conns, 1, "the daemon's connections");
+    d.shutdown();
+}
+
 /// Issue 10 #15: a UDP service got a TCP connect check, which marks a
 /// UDP-only backend down. A UDP check sends a payload and wants a reply.
 #[test]

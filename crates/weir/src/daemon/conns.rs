@@ -208,11 +208,20 @@ impl Shared {
         if let Some(why) = why {
             self.conns.owners.kill(owner.token(), handle.cookie.0, why);
         }
-        self.accounting.stat.conn();
-        svc.tenant.stat.conn();
-        svc.stat.conn();
-        backend.stat.conn();
         Ok(conn)
+    }
+
+    /// Count a new connection or session sent to `backend`: the backend
+    /// counts every attempt it gets; the daemon, the tenant and the service
+    /// count the client's connection once (`first`: its first attempt, not
+    /// a retry on another backend after a failed connect).
+    pub(crate) fn count_conn(&self, svc: &Service, backend: &Backend, first: bool) {
+        if first {
+            self.accounting.stat.conn();
+            svc.tenant.stat.conn();
+            svc.stat.conn();
+        }
+        backend.stat.conn();
     }
 
     /// The task of `conn` is done with it (`reason` for the access log):

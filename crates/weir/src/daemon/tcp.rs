@@ -249,6 +249,9 @@ async fn connect_any(
     let mut fd_backoff = FdBackoff::default();
     // Places lost to another worker between `choose` and `open`.
     let mut raced = 0u8;
+    // Whether the client's connection was counted (once, at its first
+    // attempt; each backend counts the attempt it gets).
+    let mut counted = false;
     // The destination the client dialled (lblc / lblcr / dh key on it):
     // the service's address, or on a wildcard listener the local one.
     let local = match svc.listen.ip() {
@@ -288,6 +291,8 @@ async fn connect_any(
                 break;
             }
         };
+        shared.count_conn(svc, &backend, !counted);
+        counted = true;
         // The connect's own deadline: a failed attempt moves on to the next
         // backend. (The entry's SYN_RECV timeout, the same length, is the
         // wheel's backstop.) A connect that found weir out of descriptors

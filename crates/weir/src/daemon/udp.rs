@@ -358,6 +358,7 @@ fn open_session(
         Ok(c) => c,
         Err(why) => return refuse(why),
     };
+    shared.count_conn(svc, &backend, true);
     let sess = Arc::new(Session {
         conn,
         sock: Arc::new(sock),
