@@ -17,14 +17,14 @@ const T: Duration = Duration::from_secs(10);
 /// The process's fd limit, lowered by one test at a time.
 static FDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// A daemon with one TCP service `s` (one worker) before an echo backend,
-/// and a client connection it has accepted with every descriptor taken
+/// A daemon with one rr TCP service `s` (one worker) before `n` echo
+/// backends, and a client connection it has accepted with every descriptor taken
 /// but the one its accept takes: its socket towards the backend finds none
 /// (EMFILE) and it waits. `waiting`: whether the service counted it opened
 /// within `T` (its first attempt opened an entry: it is in the descriptor
 /// wait now, or about to be); the descriptors are still taken.
 struct Waiting {
-    echo: Echo,
+    echoes: Vec<Echo>,
     d: weir::daemon::DaemonHandle,
     client: socket2::Socket,
     fds: FdsTaken,
@@ -32,13 +32,13 @@ struct Waiting {
 }
 
 impl Waiting {
-    fn start() -> Self {
-        let echo = Echo::start();
+    fn start(n: usize) -> Self {
+        let echoes: Vec<Echo> = (0..n).map(|_| Echo::start()).collect();
         let mut cfg = config(vec![service(
             "s",
             Protocol::Tcp,
             "rr",
-            vec![backend(echo.addr, 1)],
+            echoes.iter().map(|e| backend(e.addr, 1)).collect(),
         )]);
         cfg.daemon.workers = 1;
         let d = Daemon::start(cfg, None).unwrap();
@@ -58,7 +58,7 @@ impl Waiting {
                 .any(|s| s.name == "s" && s.stats.conns >= 1)
         });
         Self {
-            echo,
+            echoes,
             d,
             client,
             fds,
@@ -73,11 +73,11 @@ impl Waiting {
 #[test]
 fn a_connection_waiting_for_descriptors_ends_with_its_deleted_service() {
     let _fds = FDS.lock().unwrap_or_else(|e| e.into_inner());
-    let w = Waiting::start();
+    let w = Waiting::start(1);
     let c = w.d.control();
     c.delete_service("default", "s").unwrap();
     let Waiting {
-        echo: _echo,
+        echoes: _echoes,
         d,
         client,
         fds,
@@ -103,12 +103,12 @@ fn a_connection_waiting_for_descriptors_ends_with_its_deleted_service() {
 fn a_connection_waiting_for_descriptors_is_listed_and_can_be_killed() {
     let _fds = FDS.lock().unwrap_or_else(|e| e.into_inner());
     let Waiting {
-        echo,
+        echoes,
         d,
         client,
         fds,
         waiting,
-    } = Waiting::start();
+    } = Waiting::start(1);
     let c = d.control();
     let listed = || {
         c.connections(&Default::default(), None, 10)
@@ -123,11 +123,47 @@ fn a_connection_waiting_for_descriptors_is_listed_and_can_be_killed() {
     assert!(waiting, "the connection never reached its backend connect");
     assert_eq!(seen.len(), 1, "not listed while it waits: {seen:?}");
     assert_eq!(seen[0].state, "SYN_RECV");
-    assert_eq!(seen[0].backend, echo.addr.to_string());
+    assert_eq!(seen[0].backend, echoes[0].addr.to_string());
     assert_eq!(killed, Some(Ok(())));
     let mut s: std::net::TcpStream = client.into();
     assert!(!still_echoes(&mut s), "a killed connection was proxied");
     assert!(wait_until(T, || c.global_stats().active_conns == 0));
     assert!(listed().is_empty());
+    d.shutdown();
+}
+
+/// The connect that found no descriptor is retried on the same backend,
+/// as docs/daemon.md says ("the same choice is retried"), and served there
+/// once descriptors are back: rr over two backends does not move on to
+/// the second for the retry, and the first counts one attempt, not one
+/// per try. (Ported from a review's test: each retry used to ask the
+/// scheduler again, and the retry went to the second backend.)
+#[test]
+fn a_connect_short_of_descriptors_retries_the_same_backend() {
+    let _fds = FDS.lock().unwrap_or_else(|e| e.into_inner());
+    let Waiting {
+        echoes,
+        d,
+        client,
+        fds,
+        waiting,
+    } = Waiting::start(2);
+    fds.release();
+    assert!(waiting, "the connection never reached its backend connect");
+    let mut s: std::net::TcpStream = client.into();
+    assert!(still_echoes(&mut s), "served once descriptors are back");
+    let c = d.control();
+    let attempts: Vec<u64> = c
+        .services()
+        .into_iter()
+        .find(|s| s.name == "s")
+        .map(|s| s.backends.iter().map(|b| b.stats.conns).collect())
+        .unwrap_or_default();
+    let accepted = |e: &Echo| e.accepted.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        (accepted(&echoes[0]), accepted(&echoes[1]), attempts),
+        (1, 0, vec![1, 0]),
+        "the retry went to another backend, or counted again"
+    );
     d.shutdown();
 }
