@@ -145,10 +145,14 @@ pub(crate) enum Drop {
     /// Too big, and not answered: the worker's budget for the ICMP errors
     /// it sends ([`IcmpBudget`]) is spent for now.
     IcmpLimited,
+    /// From (or, in an ICMP error, quoting a packet from) source port 0:
+    /// no client's (TCP and UDP reserve it), and its flow key would be its
+    /// client group's persistence template's, `(group, 0)`.
+    ZeroPort,
 }
 
 impl Drop {
-    pub(crate) const ALL: [Drop; 15] = [
+    pub(crate) const ALL: [Drop; 16] = [
         Drop::NotOurs,
         Drop::NoFlow,
         Drop::Refused,
@@ -164,6 +168,7 @@ impl Drop {
         Drop::TooBig,
         Drop::Draining,
         Drop::IcmpLimited,
+        Drop::ZeroPort,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -183,6 +188,7 @@ impl Drop {
             Drop::TooBig => "too_big",
             Drop::Draining => "draining",
             Drop::IcmpLimited => "icmp_limited",
+            Drop::ZeroPort => "zero_port",
         }
     }
 }
@@ -1061,6 +1067,9 @@ impl Engine {
         if pkt.dst != emb.tuple.src.ip() {
             return self.drop_(Drop::IcmpMalformed);
         }
+        if emb.tuple.src.port() == 0 {
+            return self.drop_(Drop::ZeroPort);
+        }
         let (vs, found, direction) = match self.find(&emb.flow_key(), None, now) {
             Ok(f) => f,
             Err(d) => return self.drop_(d),
@@ -1087,6 +1096,9 @@ impl Engine {
     ) -> Result<Flow, Drop> {
         let svc = &vs.svc;
         let client = t.src;
+        if client.port() == 0 {
+            return Err(Drop::ZeroPort);
+        }
         let key = FlowKey {
             tenant: TenantId(svc.tenant.id),
             proto: table_proto(t.proto),
@@ -1943,6 +1955,44 @@ mod tests {
         assert_eq!(kill(3), 1);
         assert_eq!(table.get(&tpl), None);
         assert_eq!(d.shared.admission.active.load(Relaxed), 0);
+    }
+
+    /// A packet from source port 0 has its client group's persistence
+    /// template's key (`(group, 0)`, same VIP and protocol): found as if it
+    /// were a flow, it was forwarded on the template's entry (and an RST
+    /// could move the template out of its `Persist` state, losing its
+    /// holds). Port 0 is no client's (TCP and UDP reserve it; no reply can
+    /// reach it): such packets are dropped before any lookup, TCP and UDP,
+    /// and the template is left as it was.
+    #[test]
+    fn a_packet_from_port_0_does_not_reach_the_persistence_template() {
+        let d = daemon_with("nat", "", "persistence = \"30s\"");
+        let mut e = engine(&d);
+        let syn = |c: &str, flags: u8| frame(sa(c), sa(VIP), Some(flags), b"");
+        assert_eq!(e.process(&mut syn("192.0.2.7:1", SYN)), Verdict::Transmit);
+        let svc = the_service(&d);
+        let tpl = super::super::template_key(
+            &svc,
+            &svc.params.load(),
+            crate::config::Protocol::Tcp,
+            sa("192.0.2.7:1"),
+        );
+        let table = &d.shared.conns.table;
+        let before = table.get(&tpl).expect("the template");
+        assert_eq!((before.state, before.held), (FlowState::Persist, 1));
+        for flags in [SYN, ACK, 0x04 /* RST */, 0x14 /* RST|ACK */] {
+            assert_eq!(
+                e.process(&mut syn("192.0.2.7:0", flags)),
+                Verdict::Drop,
+                "flags {flags:#x}"
+            );
+        }
+        let after = table.get(&tpl).expect("the template");
+        assert_eq!(
+            (after.state, after.held, after.packets_in),
+            (FlowState::Persist, 1, before.packets_in)
+        );
+        assert_eq!(e.counters.dropped[Drop::ZeroPort as usize].load(Relaxed), 4);
     }
 
     /// Every worker reads one snapshot of the packet services, built once
