@@ -88,8 +88,8 @@ impl LiveControl {
                     BackendStatus {
                         address: b.addr.to_string(),
                         weight: b.weight.load(Relaxed),
-                        active_conns: b.active.load(Relaxed),
-                        inactive_conns: b.inactive.load(Relaxed),
+                        active_conns: b.active(),
+                        inactive_conns: b.inactive(),
                         health: health_name(b).into(),
                         stats,
                         rates,

@@ -589,6 +589,11 @@ pub(crate) struct Backend {
     pub(crate) stat: Stat,
 }
 
+/// A count that a racing move took below 0 (wrapped) reads as 0.
+fn clamp_count(v: u64) -> u64 {
+    if v > i64::MAX as u64 { 0 } else { v }
+}
+
 impl Backend {
     pub(crate) fn new(spec: BackendSpec, rates: &stats::RateEngine) -> Arc<Self> {
         static NEXT: AtomicU32 = AtomicU32::new(1);
@@ -615,6 +620,21 @@ impl Backend {
             weight: self.weight.load(Relaxed),
             up: self.up.load(Relaxed) && !self.passive.is_down(),
         }
+    }
+
+    /// Its established TCP connections (IPVS ActConn), as the scheduler
+    /// and the API read them. The counts move in two steps (the table's
+    /// state, then the count), so a move racing the entry's removal can
+    /// take one below 0 for a moment (the remover settles the new state
+    /// before the mover counts it): read as 0 then, not as 2^64 - 1.
+    pub(crate) fn active(&self) -> u64 {
+        clamp_count(self.active.load(Relaxed))
+    }
+
+    /// Its other TCP connections and UDP sessions (IPVS InActConn); as
+    /// [`Self::active`].
+    pub(crate) fn inactive(&self) -> u64 {
+        clamp_count(self.inactive.load(Relaxed))
     }
 
     /// Its connections and sessions, open or opening.
@@ -1505,9 +1525,9 @@ impl Service {
             return Ok(b.clone());
         }
         let load = |i: usize| {
-            set.backends.get(i).map_or(Load::default(), |b| {
-                Load::new(b.active.load(Relaxed), b.inactive.load(Relaxed))
-            })
+            set.backends
+                .get(i)
+                .map_or(Load::default(), |b| Load::new(b.active(), b.inactive()))
         };
         // `sh` / `mh` without fallback place a client on one backend only,
         // `dh` a destination, and `ovf` refuses when every backend is full:
@@ -1527,9 +1547,8 @@ impl Service {
         let substitute = |start: usize| {
             use weir_sched::SchedulerKind::{Fo, Ovf};
             if matches!(cfg.kind, Fo | Ovf) {
-                let fits = |b: &Backend| {
-                    cfg.kind == Fo || b.active.load(Relaxed) <= u64::from(b.weight.load(Relaxed))
-                };
+                let fits =
+                    |b: &Backend| cfg.kind == Fo || b.active() <= u64::from(b.weight.load(Relaxed));
                 return set.backends.iter().filter(|b| usable(b) && fits(b)).fold(
                     None::<&Arc<Backend>>,
                     |best, b| match best {
@@ -1923,6 +1942,54 @@ pub(crate) mod tests {
     /// whose rebuild (an `rcu`) landed in between was overwritten by a
     /// scheduler built from the old health, and a backend that went down
     /// stayed scheduled until its next change.
+    /// A backend's count that a state move racing the entry's removal
+    /// took below 0 for a moment reads as 0: `lc` still sends the next
+    /// client to that backend (not to the one with a connection), and the
+    /// API lists 0 active, not 18446744073709551615. (The move itself is
+    /// two steps, the table's then the count, and is left so: the remover
+    /// settles the state it sees.)
+    #[test]
+    fn a_count_below_zero_for_a_moment_reads_as_zero() {
+        let mut s = spec("default", "l", Protocol::Tcp);
+        s.scheduler = crate::config::parse_scheduler("lc").unwrap();
+        for port in [1, 2] {
+            s.backends.push(BackendSpec {
+                address: SocketAddr::from(([127, 0, 0, 9], port)),
+                weight: 1,
+                proxy_protocol: None,
+                max_connections: 0,
+            });
+        }
+        let d = daemon(vec![s], None);
+        let svc = d.shared.model.load().services[&key("default", "l")].clone();
+        let set = svc.set.load_full();
+        let (b0, b1) = (&set.backends[0], &set.backends[1]);
+        // The remover's settle landed first: b0's active at 0 - 1.
+        b0.active.fetch_sub(1, Relaxed);
+        b1.active.fetch_add(1, Relaxed);
+        assert_eq!((b0.active(), b0.inactive(), b1.active()), (0, 0, 1));
+        let mut rng = weir_sched::SplitMix64::new(7);
+        let client = SocketAddr::from(([10, 0, 0, 1], 1000));
+        let picked = svc
+            .choose(
+                &d.shared,
+                Protocol::Tcp,
+                client,
+                svc.listen.ip(),
+                &[],
+                &mut rng,
+            )
+            .unwrap();
+        assert_eq!(picked.addr, b0.addr, "lc read b0's load as 2^64 - 1");
+        let listed = d.control().services();
+        let active: Vec<u64> = listed[0].backends.iter().map(|b| b.active_conns).collect();
+        assert_eq!(active, [0, 1]);
+        // The mover's count lands: exact again (0: the connection is gone).
+        b0.active.fetch_add(1, Relaxed);
+        assert_eq!(b0.active.load(Relaxed), 0);
+        d.shutdown();
+    }
+
     #[test]
     fn a_backend_edit_racing_a_health_change_keeps_the_new_health() {
         use crate::control::BackendPatch;
