@@ -1526,3 +1526,23 @@ fn a_reload_taking_an_address_freed_later_is_refused_whole() {
     );
     assert!(echo_once(s2, b"s1 on s2's old address"));
 }
+
+/// A tenant token set through the API with white space around it works
+/// as the token without it, as the file's tokens do (and as the roles
+/// check reads it): an HTTP header's value is trimmed, so the token as
+/// stored could never be presented, and the tenant was locked out with a
+/// plain 401. (Reported by helper-14's review.)
+#[test]
+fn a_tenant_token_with_spaces_around_it_authenticates() {
+    let (r, _dir, _path) = from_file("");
+    r.client
+        .send(
+            "POST",
+            "/v1/tenants",
+            Some(&json!({ "name": "sp", "token": "  sp-tok\t" })),
+        )
+        .unwrap();
+    let sp = Client::new(r.url.clone(), Some("sp-tok".into()));
+    let me = sp.send("GET", "/v1/whoami", None).unwrap();
+    assert_eq!(me["tenant"], json!("sp"), "{me}");
+}

@@ -1306,7 +1306,15 @@ impl Control for LiveControl {
     fn for_each_tenant_token(&self, f: &mut dyn FnMut(&str, &str)) {
         for t in self.0.model.load().tenants.values() {
             let spec = t.spec.read();
-            if let Some(tok) = spec.token.as_deref().filter(|t| !t.is_empty()) {
+            // Trimmed, as every other token is (the files' tokens, the
+            // roles check): one set with spaces around it through the API
+            // could never be presented (an HTTP header's value is trimmed).
+            if let Some(tok) = spec
+                .token
+                .as_deref()
+                .map(str::trim)
+                .filter(|t| !t.is_empty())
+            {
                 f(&spec.name, tok);
             }
         }
