@@ -1374,6 +1374,12 @@ pub fn check_name(name: &str) -> Result<(), String> {
     if name.is_empty() || name.len() > 64 {
         return Err("must be 1 to 64 characters long".into());
     }
+    if name == "." || name == ".." {
+        // A path segment the admin API's URLs cannot name.
+        return Err(format!(
+            "{name:?} is not a name (it names a directory in a URL path)"
+        ));
+    }
     if !name
         .chars()
         .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
@@ -2790,6 +2796,25 @@ fn check_table(
 mod tests {
     use super::*;
 
+    /// "." and ".." are not names: the admin API's URLs cannot name them
+    /// (a tenant or service called ".." was reachable by no request).
+    #[test]
+    fn dot_and_dot_dot_are_not_names() {
+        for bad in [".", ".."] {
+            assert!(check_name(bad).is_err(), "{bad}");
+            let text = format!("[[tenant]]\nname = \"{bad}\"\n");
+            let errs = parse(&text, "f.toml").expect_err(bad);
+            assert!(
+                errs.iter()
+                    .any(|e| e.to_string().contains("tenant[0].name")),
+                "{errs:?}"
+            );
+        }
+        for good in ["a.b", "...", ".a", "a-b_c.0"] {
+            assert_eq!(check_name(good), Ok(()), "{good}");
+        }
+    }
+
     /// Found by `cargo fuzz run config` (CI, session 14): toml_edit 0.23's
     /// parser panicked ("all items have spans") on this text, so `weir
     /// check`, `weir run` and a reload of such a file panicked instead of
@@ -2852,6 +2877,7 @@ mod tests {
                 sh_fallback: true,
                 sh_port: true,
                 tcp_max_connections_per_client: 4,
+                client_prefix6: Some(56),
                 ..ServiceOptions::default()
             },
             ..svc.clone()
