@@ -145,10 +145,12 @@ pub(crate) enum Refusal {
     BackendUnreachable,
     /// `accept` hit the descriptor limit (the client waits in the backlog).
     FdExhausted,
+    /// A client on port 0 (see [`super::Shared::open`]).
+    ZeroPort,
 }
 
 impl Refusal {
-    const ALL: [Self; 10] = [
+    const ALL: [Self; 11] = [
         Self::GlobalLimit,
         Self::TenantLimit,
         Self::TenantRate,
@@ -159,6 +161,7 @@ impl Refusal {
         Self::TableFull,
         Self::BackendUnreachable,
         Self::FdExhausted,
+        Self::ZeroPort,
     ];
 
     /// The name in `refused` of the stats and the metrics' `reason` label.
@@ -174,6 +177,7 @@ impl Refusal {
             Self::TableFull => "table_full",
             Self::BackendUnreachable => "backend_unreachable",
             Self::FdExhausted => "fd_exhausted",
+            Self::ZeroPort => "zero_port",
         }
     }
 }

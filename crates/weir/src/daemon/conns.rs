@@ -136,6 +136,14 @@ impl Shared {
         state: ConnState,
         owner: &owners::Owner,
     ) -> Result<Conn, Refusal> {
+        // Port 0 is no client's (TCP and UDP reserve it), and its key is its
+        // client group's persistence template's, `(group, 0)`: its entry
+        // would take the template's over (a "stale entry"), and the
+        // template's holders would then release the wrong entry. Linux
+        // answers a SYN from port 0, so a client with a raw socket gets here.
+        if client.port() == 0 {
+            return Err(Refusal::ZeroPort);
+        }
         let key = FlowKey {
             virt,
             ..flow_key(svc, proto, client)
@@ -612,6 +620,63 @@ mod tests {
         assert!(b.take_place());
         b.give_place();
         drop(results);
+        d.shutdown();
+    }
+
+    /// A client on port 0 is refused (`zero_port`) and the persistence
+    /// template, whose key `(group, 0)` its connection would have, stays
+    /// as it was, held by the connection that holds it. Linux completes a
+    /// handshake from port 0 (a SYN from it gets a SYN-ACK), so a client
+    /// with a raw socket reaches here. Before, its entry took the
+    /// template's over as a "stale entry", and the template was gone.
+    #[test]
+    fn a_client_on_port_0_does_not_take_the_template_over() {
+        let toml = "[daemon]\nworkers = 1\n\
+            [[service]]\nname = \"x\"\nprotocol = \"tcp\"\nlisten = \"127.0.0.1:0\"\n\
+            persistence = \"60s\"\n\
+            [[service.backend]]\naddress = \"127.0.0.1:9\"\n";
+        let cfg: Config = toml::from_str(toml).unwrap();
+        let d = crate::daemon::Daemon::start(cfg, None).unwrap();
+        let shared = d.shared.clone();
+        let svc = shared.model.load().services[&("default".to_owned(), "x".to_owned())].clone();
+        let open = |client: SocketAddr| {
+            let mut rng = weir_sched::SplitMix64::new(1);
+            let b = svc
+                .choose(
+                    &shared,
+                    Protocol::Tcp,
+                    client,
+                    svc.listen.ip(),
+                    &[],
+                    &mut rng,
+                )
+                .unwrap();
+            let owner = shared.conns.owners.claim().unwrap();
+            let r = shared.open(
+                &svc,
+                &b,
+                Protocol::Tcp,
+                client,
+                svc.listen,
+                ConnState::SynRecv,
+                &owner,
+            );
+            (r, owner)
+        };
+        let (first, _o1) = open(SocketAddr::from(([10, 0, 0, 1], 1000)));
+        let first = first.unwrap();
+        let tpl = first.template.expect("a held template");
+        let before = shared.conns.table.get(&tpl).unwrap();
+        assert_eq!((before.state, before.held), (FlowState::Persist, 1));
+        let (zero, _o2) = open(SocketAddr::from(([10, 0, 0, 1], 0)));
+        assert_eq!(zero.err(), Some(Refusal::ZeroPort));
+        let after = shared.conns.table.get(&tpl).unwrap();
+        assert_eq!(
+            (after.state, after.held, after.cookie),
+            (FlowState::Persist, 1, before.cookie)
+        );
+        shared.close(&first, "test");
+        assert_eq!(shared.conns.table.get(&tpl).map(|t| t.held), Some(0));
         d.shutdown();
     }
 }
