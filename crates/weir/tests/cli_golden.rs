@@ -692,3 +692,82 @@ fn e2e_config_file_gives_address_and_token() {
     assert_eq!(v.as_array().unwrap().len(), 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A raw HTTP server on loopback answering up to `max` requests, each with
+/// status 200 and `body(request line)`; returns its URL and a count of the
+/// requests it answered. It stops answering (closes its listener) after
+/// `max`, so a client that keeps asking fails instead of looping forever.
+fn raw_server(
+    max: usize,
+    body: impl Fn(&str) -> String + Send + 'static,
+) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{BufRead, BufReader, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = seen.clone();
+    std::thread::spawn(move || {
+        for _ in 0..max {
+            let Ok((s, _)) = l.accept() else { return };
+            let mut r = BufReader::new(s);
+            let mut first = String::new();
+            if r.read_line(&mut first).is_err() {
+                continue;
+            }
+            // The rest of the head, then the body (read, so that closing
+            // the connection does not reset it under the answer).
+            let mut len = 0usize;
+            loop {
+                let mut line = String::new();
+                match r.read_line(&mut line) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) if line == "\r\n" => break,
+                    Ok(_) => {
+                        let l = line.to_ascii_lowercase();
+                        if let Some(v) = l.strip_prefix("content-length:") {
+                            len = v.trim().parse().unwrap_or(0);
+                        }
+                    }
+                }
+            }
+            let mut body_in = vec![0u8; len];
+            if std::io::Read::read_exact(&mut r, &mut body_in).is_err() {
+                continue;
+            }
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let b = body(&first);
+            let mut s = r.into_inner();
+            let _ = write!(
+                s,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\nconnection: close\r\n\r\n{b}",
+                b.len()
+            );
+        }
+    });
+    (url, seen)
+}
+
+/// A daemon (a wrong or buggy one) whose `next` cursor does not move:
+/// `weir conns` stops at once with an error instead of asking for the
+/// same page forever (it did; each round printed the page again).
+#[test]
+fn conns_stops_when_the_cursor_does_not_move() {
+    let conn = serde_json::to_value(
+        Fake::sample()
+            .connections(&Default::default(), None, 1)
+            .unwrap()
+            .connections[0]
+            .clone(),
+    )
+    .unwrap();
+    for connections in [vec![], vec![conn]] {
+        let page = serde_json::json!({ "connections": connections, "next": "c1" }).to_string();
+        let (url, seen) = raw_server(50, move |_| page.clone());
+        let (code, _, err) = cli_util::run(&url, TOKEN, &["conns", "--json"]);
+        let seen = seen.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(code, ExitCode::from(2), "{err}");
+        assert!(err.contains("cursor"), "{err}");
+        assert_eq!(seen, 2, "pages asked for: {seen}");
+    }
+}

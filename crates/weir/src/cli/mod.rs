@@ -615,6 +615,14 @@ fn conns(a: ConnsArgs, out: &mut dyn Write) -> CliResult<()> {
         }
         w(out, &buf)?;
         match page.next {
+            // A cursor that does not move would fetch (and print) the same
+            // page forever.
+            Some(n) if shown < max && cursor.as_deref() == Some(n.as_str()) => {
+                return Err(CliError::Local(format!(
+                    "the daemon's cursor did not move ({n:?} again): stopping; \
+                     is the daemon the same weir version?"
+                )));
+            }
             Some(n) if shown < max => cursor = Some(n),
             _ => break,
         }
