@@ -771,3 +771,22 @@ fn conns_stops_when_the_cursor_does_not_move() {
         assert_eq!(seen, 2, "pages asked for: {seen}");
     }
 }
+
+/// Something other than weir answering 2xx with a body that is not JSON
+/// (a proxy's page, another service on the port): the write commands say
+/// so and exit 2. They took it for an empty answer: `weir kill` printed
+/// "killed 0 connections" and exited 0.
+#[test]
+fn a_write_answered_with_something_else_than_json_fails() {
+    for args in [
+        &["kill", "--all"][..],
+        &["tenant", "del", "acme"][..],
+        &["reload", "--json"][..],
+    ] {
+        let (url, _) = raw_server(1, |_| "<html>maintenance</html>".into());
+        let (code, out, err) = cli_util::run(&url, TOKEN, args);
+        assert_eq!(code, ExitCode::from(2), "{args:?}: {out}{err}");
+        assert!(err.contains("unexpected answer"), "{args:?}: {err}");
+        assert_eq!(out, "", "{args:?}");
+    }
+}

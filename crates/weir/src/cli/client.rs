@@ -437,7 +437,17 @@ impl Client {
         body: Option<&serde_json::Value>,
     ) -> CliResult<serde_json::Value> {
         let text = self.call(method, path, body)?;
-        Ok(serde_json::from_str(&text).unwrap_or(serde_json::Value::Null))
+        // No body (204): nothing to report. A body that is not JSON is not
+        // an answer from weir: reading it as "nothing" printed e.g.
+        // "killed 0 connections" and exit 0 whatever had happened.
+        if text.trim().is_empty() {
+            return Ok(serde_json::Value::Null);
+        }
+        serde_json::from_str(&text).map_err(|e| {
+            CliError::Local(format!(
+                "unexpected answer to {method} {path} (is the daemon the same weir version?): {e}"
+            ))
+        })
     }
 }
 
