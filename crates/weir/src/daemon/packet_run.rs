@@ -460,9 +460,7 @@ fn ifindex(iface: &str) -> anyhow::Result<u32> {
 
 fn worker_main(mut engine: Engine, mut socks: Socks, idx: usize, stop: Arc<AtomicBool>) {
     super::stats::set_worker_index(idx);
-    if let Err(e) = run_worker(&mut engine, &mut socks, &stop) {
-        tracing::error!("packet worker {idx}: {e}; stopping it");
-    }
+    run_worker(&mut engine, &mut socks, &stop);
 }
 
 /// How often a worker reads its sockets' kernel drop counts.
@@ -511,34 +509,67 @@ impl DropReader {
     }
 }
 
-fn run_worker(engine: &mut Engine, socks: &mut Socks, stop: &AtomicBool) -> Result<(), String> {
+fn run_worker(engine: &mut Engine, socks: &mut Socks, stop: &AtomicBool) {
     let mut drops = DropReader {
         last: std::time::Instant::now(),
         warned: false,
     };
-    let r = run_loop(engine, socks, stop, &mut drops);
-    // The last figures, also when the loop failed.
-    drops.publish(engine, socks, true);
-    r
-}
-
-fn run_loop(
-    engine: &mut Engine,
-    socks: &mut Socks,
-    stop: &AtomicBool,
-    drops: &mut DropReader,
-) -> Result<(), String> {
     let fds: Vec<_> = match socks {
         Socks::Xdp(v) if v.len() > 1 => v.iter().map(|(_, s)| s.as_raw_fd()).collect(),
         _ => Vec::new(),
     };
     let mut ready = Vec::new();
-    while !stop.load(Relaxed) {
+    keep_turning(stop, ERROR_PAUSE, || {
         engine.refresh();
-        turn(engine, socks, &fds, &mut ready)?;
+        let r = turn(engine, socks, &fds, &mut ready);
         drops.publish(engine, socks, false);
+        r
+    });
+    // The last figures.
+    drops.publish(engine, socks, true);
+}
+
+/// How long a packet worker waits after a failed turn before the next one.
+const ERROR_PAUSE: Duration = Duration::from_millis(100);
+
+/// Calls `turn` until `stop` is set. A failed turn is logged (one line a
+/// second for all workers, with a count of the others) and followed by a
+/// pause of `pause` (cut short by `stop`), never by the end of the worker:
+/// it used to end the worker's thread, and with it its queues on every
+/// interface, for good — e.g. on the `ENETDOWN` a kick of the tx ring gets
+/// while one of its interfaces is down for a moment, after which the
+/// steering program kept sending that queue's frames to a socket nobody
+/// read, while the daemon (and the systemd watchdog) carried on. Returns
+/// how many turns failed.
+fn keep_turning(
+    stop: &AtomicBool,
+    pause: Duration,
+    mut turn: impl FnMut() -> Result<(), String>,
+) -> u64 {
+    let mut failed = 0;
+    while !stop.load(Relaxed) {
+        if let Err(e) = turn() {
+            failed += 1;
+            static GATE: super::ratelog::RateLimited = super::ratelog::RateLimited::new(1000);
+            super::ratelog::warn(
+                &GATE,
+                format_args!(
+                    "packet worker {}: {e}; trying again in {} ms",
+                    super::stats::worker_index(),
+                    pause.as_millis()
+                ),
+            );
+            let until = std::time::Instant::now() + pause;
+            while !stop.load(Relaxed) {
+                let left = until.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                std::thread::sleep(left.min(Duration::from_millis(10)));
+            }
+        }
     }
-    Ok(())
+    failed
 }
 
 /// One turn of a worker: wait up to 100 ms for frames, process and send a
@@ -723,6 +754,38 @@ mod tests {
     use std::net::SocketAddr;
 
     use super::*;
+
+    /// A failed turn (an interface down for a moment makes the tx kick
+    /// fail with ENETDOWN) does not end the worker: it pauses and turns
+    /// again until stopped. The first error used to end the worker's
+    /// thread for good, leaving its queues unserved.
+    #[test]
+    fn a_worker_keeps_turning_after_a_failed_turn() {
+        let stop = AtomicBool::new(false);
+        let mut calls = 0;
+        let failed = keep_turning(&stop, Duration::from_millis(1), || {
+            calls += 1;
+            if calls == 5 {
+                stop.store(true, Relaxed);
+            }
+            if calls <= 2 {
+                Err("sendto: Network is down (os error 100)".into())
+            } else {
+                Ok(())
+            }
+        });
+        assert_eq!((calls, failed), (5, 2));
+        // A stop during the pause ends it at once (bounded: the pause
+        // checks `stop`).
+        let stop = AtomicBool::new(false);
+        let t0 = std::time::Instant::now();
+        let failed = keep_turning(&stop, Duration::from_secs(3600), || {
+            stop.store(true, Relaxed);
+            Err("down".into())
+        });
+        assert_eq!(failed, 1);
+        assert!(t0.elapsed() < Duration::from_secs(60));
+    }
 
     /// Distinct TCP keys, one per `i`.
     fn key(i: usize) -> SteerKey {
