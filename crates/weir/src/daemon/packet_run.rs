@@ -669,34 +669,105 @@ impl PacketRuntime {
     pub(crate) fn sync(&self, shared: &Shared) {
         let want = wanted_keys(shared);
         let mut have = self.steered.lock();
-        // Diffed once, whatever the number of interfaces.
-        let gone_vips = missing(&have.vips, &want.vips);
-        let gone_backends = missing(&have.backends, &want.backends);
-        let new_vips = missing(&want.vips, &have.vips);
-        let new_backends = missing(&want.backends, &have.backends);
         let mut steering = self.steering.lock();
-        for st in steering.iter_mut() {
-            let r = (|| {
-                for k in &gone_vips {
-                    st.remove(k)?;
-                }
-                for k in &gone_backends {
-                    st.remove_backend(k)?;
-                }
-                for k in &new_vips {
-                    st.add(**k)?;
-                }
-                for k in &new_backends {
-                    st.add_backend(**k)?;
-                }
-                Ok::<_, weir_packet_io::SteerError>(())
-            })();
+        let now = apply_steered(&mut steering[..], &have, want);
+        *have = now;
+    }
+}
+
+/// The map changes a steering sync makes on one interface's program.
+trait SteerMaps {
+    fn interface(&self) -> &str;
+    fn add(&mut self, k: SteerKey) -> Result<(), String>;
+    fn remove(&mut self, k: &SteerKey) -> Result<(), String>;
+    fn add_backend(&mut self, k: SteerKey) -> Result<(), String>;
+    fn remove_backend(&mut self, k: &SteerKey) -> Result<(), String>;
+}
+
+impl SteerMaps for Steering {
+    fn interface(&self) -> &str {
+        Steering::interface(self)
+    }
+    fn add(&mut self, k: SteerKey) -> Result<(), String> {
+        Steering::add(self, k).map_err(|e| e.to_string())
+    }
+    fn remove(&mut self, k: &SteerKey) -> Result<(), String> {
+        Steering::remove(self, k).map_err(|e| e.to_string())
+    }
+    fn add_backend(&mut self, k: SteerKey) -> Result<(), String> {
+        Steering::add_backend(self, k).map_err(|e| e.to_string())
+    }
+    fn remove_backend(&mut self, k: &SteerKey) -> Result<(), String> {
+        Steering::remove_backend(self, k).map_err(|e| e.to_string())
+    }
+}
+
+/// Brings every interface's maps from `have` to `want`; returns what they
+/// hold now, for the next sync to diff against. Each key is its own change:
+/// one the kernel refuses (a full map) is logged and stops none of the
+/// others, and is left out of (a refused add) or kept in (a refused
+/// removal) the result, so the next sync tries it again.
+fn apply_steered<M: SteerMaps>(maps: &mut [M], have: &Steered, mut want: Steered) -> Steered {
+    // Diffed once, whatever the number of interfaces.
+    let gone_vips = missing(&have.vips, &want.vips);
+    let gone_backends = missing(&have.backends, &want.backends);
+    let new_vips = missing(&want.vips, &have.vips);
+    let new_backends = missing(&want.backends, &have.backends);
+    let mut failed_adds: HashSet<(bool, SteerKey)> = HashSet::new();
+    let mut failed_removals: Vec<(bool, SteerKey)> = Vec::new();
+    for st in maps.iter_mut() {
+        let mut errors = Vec::new();
+        for (backend, k) in gone_vips
+            .iter()
+            .map(|k| (false, **k))
+            .chain(gone_backends.iter().map(|k| (true, **k)))
+        {
+            let r = if backend {
+                st.remove_backend(&k)
+            } else {
+                st.remove(&k)
+            };
             if let Err(e) = r {
-                tracing::error!(interface = %st.interface(), "steering: {e}");
+                errors.push(e);
+                failed_removals.push((backend, k));
             }
         }
-        *have = want;
+        for (backend, k) in new_vips
+            .iter()
+            .map(|k| (false, **k))
+            .chain(new_backends.iter().map(|k| (true, **k)))
+        {
+            let r = if backend {
+                st.add_backend(k)
+            } else {
+                st.add(k)
+            };
+            if let Err(e) = r {
+                errors.push(e);
+                failed_adds.insert((backend, k));
+            }
+        }
+        if let Some(first) = errors.first() {
+            tracing::error!(
+                interface = %st.interface(),
+                failed = errors.len(),
+                "steering: {first} (tried again at the next change of the services)"
+            );
+        }
     }
+    if failed_adds.is_empty() && failed_removals.is_empty() {
+        return want;
+    }
+    want.vips.retain(|k| !failed_adds.contains(&(false, *k)));
+    want.backends.retain(|k| !failed_adds.contains(&(true, *k)));
+    for (backend, k) in dedup_in_order(failed_removals) {
+        if backend {
+            want.backends.push(k);
+        } else {
+            want.vips.push(k);
+        }
+    }
+    want
 }
 
 /// The items of `from` that are not in `other`, in `from`'s order.
@@ -785,6 +856,74 @@ mod tests {
         });
         assert_eq!(failed, 1);
         assert!(t0.elapsed() < Duration::from_secs(60));
+    }
+
+    /// Steering maps of a fixed capacity, as the kernel's are: an add past
+    /// it fails.
+    #[derive(Default)]
+    struct FakeMaps {
+        cap: usize,
+        vips: Vec<SteerKey>,
+        backends: Vec<SteerKey>,
+    }
+
+    impl SteerMaps for FakeMaps {
+        fn interface(&self) -> &str {
+            "fake0"
+        }
+        fn add(&mut self, k: SteerKey) -> Result<(), String> {
+            if self.vips.len() >= self.cap {
+                return Err("steer: map full".into());
+            }
+            self.vips.push(k);
+            Ok(())
+        }
+        fn remove(&mut self, k: &SteerKey) -> Result<(), String> {
+            self.vips.retain(|x| x != k);
+            Ok(())
+        }
+        fn add_backend(&mut self, k: SteerKey) -> Result<(), String> {
+            if self.backends.len() >= self.cap {
+                return Err("backends: map full".into());
+            }
+            self.backends.push(k);
+            Ok(())
+        }
+        fn remove_backend(&mut self, k: &SteerKey) -> Result<(), String> {
+            self.backends.retain(|x| x != k);
+            Ok(())
+        }
+    }
+
+    /// A key the kernel refused (its map full) is not taken for steered:
+    /// the next sync adds it once there is room, and one refused key does
+    /// not stop the other changes. A sync used to record every wanted key
+    /// as steered whatever failed, and to skip the interface's remaining
+    /// changes at the first failure: a VIP refused once was never steered
+    /// (its service answered nothing) and a nat service's backends were
+    /// not steered either.
+    #[test]
+    fn a_refused_steering_key_is_retried_and_stops_nothing_else() {
+        let mut maps = [FakeMaps {
+            cap: 2,
+            ..FakeMaps::default()
+        }];
+        let want = |vips: &[usize], backends: &[usize]| Steered {
+            vips: vips.iter().map(|&i| key(i)).collect(),
+            backends: backends.iter().map(|&i| key(100 + i)).collect(),
+        };
+        let have = apply_steered(&mut maps, &Steered::default(), want(&[1, 2, 3], &[1]));
+        assert_eq!(maps[0].vips, [key(1), key(2)]);
+        assert_eq!(
+            maps[0].backends,
+            [key(101)],
+            "the backend after a refused VIP"
+        );
+        assert_eq!(have.vips, [key(1), key(2)]);
+        // VIP 1 goes: room for VIP 3, which this sync must add.
+        let have = apply_steered(&mut maps, &have, want(&[2, 3], &[1]));
+        assert_eq!(maps[0].vips, [key(2), key(3)], "VIP 3 never steered");
+        assert_eq!(have.vips, [key(2), key(3)]);
     }
 
     /// Distinct TCP keys, one per `i`.
