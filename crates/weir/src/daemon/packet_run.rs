@@ -532,7 +532,7 @@ fn run_worker(engine: &mut Engine, socks: &mut Socks, stop: &AtomicBool) {
 /// How long a packet worker waits after a failed turn before the next one.
 const ERROR_PAUSE: Duration = Duration::from_millis(100);
 
-/// Calls `turn` until `stop` is set. A failed turn is logged (one line a
+/// Calls `turn` until `stop` is set. A failed (or panicking) turn is logged (one line a
 /// second for all workers, with a count of the others) and followed by a
 /// pause of `pause` (cut short by `stop`), never by the end of the worker:
 /// it used to end the worker's thread, and with it its queues on every
@@ -548,7 +548,23 @@ fn keep_turning(
 ) -> u64 {
     let mut failed = 0;
     while !stop.load(Relaxed) {
-        if let Err(e) = turn() {
+        // A panic (a bug meeting some frame) is a failed turn too: it used
+        // to end the thread the same way, so a frame that met the bug
+        // could take one queue after another away. The batch's frames go
+        // back to the UMEM (weir-packet-io frees what a panicked callback
+        // left); the worker's state is memory-safe, at worst a count off.
+        let r = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut turn)) {
+            Ok(r) => r,
+            Err(panic) => Err(format!(
+                "panicked: {}",
+                panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "(no message)".into())
+            )),
+        };
+        if let Err(e) = r {
             failed += 1;
             static GATE: super::ratelog::RateLimited = super::ratelog::RateLimited::new(1000);
             super::ratelog::warn(
@@ -856,6 +872,26 @@ mod tests {
         });
         assert_eq!(failed, 1);
         assert!(t0.elapsed() < Duration::from_secs(60));
+    }
+
+    /// A turn that panics (a bug meeting some frame) is a failed turn: the
+    /// worker goes on. The panic used to end the worker's thread, its
+    /// queues unserved for good while the daemon carried on.
+    #[test]
+    fn a_worker_keeps_turning_after_a_panicking_turn() {
+        let stop = AtomicBool::new(false);
+        let mut calls = 0;
+        let failed = keep_turning(&stop, Duration::from_millis(1), || {
+            calls += 1;
+            if calls == 1 {
+                panic!("a bug meeting a frame");
+            }
+            if calls == 3 {
+                stop.store(true, Relaxed);
+            }
+            Ok(())
+        });
+        assert_eq!((calls, failed), (3, 1));
     }
 
     /// Steering maps of a fixed capacity, as the kernel's are: an add past
