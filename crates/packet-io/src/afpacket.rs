@@ -430,7 +430,13 @@ impl PacketSocket {
             let next = at + h.tp_next_offset as usize;
             // The frame must lie in the block and, unless it is the last,
             // end before the next packet's header (frames never overlap).
-            let limit = if self.left > 1 { next } else { self.block_size };
+            // The next header's offset is the kernel's word too: it bounds
+            // the frame only inside the block.
+            let limit = if self.left > 1 {
+                next.min(self.block_size)
+            } else {
+                self.block_size
+            };
             if usize::from(h.tp_mac) < hdr_len
                 || end > limit
                 || (self.left > 1 && h.tp_next_offset == 0)
@@ -582,6 +588,98 @@ fn setsockopt<T>(fd: RawFd, opt: libc::c_int, value: &T) -> Result<(), ()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A socket over an anonymous mapping of one 4 KiB block (no kernel
+    /// ring), its block handed to user space with `num_pkts` packets from
+    /// `first`, the packet headers written by `hdrs` (block offset, header).
+    fn fake_socket(
+        num_pkts: u32,
+        first: u32,
+        hdrs: &[(usize, libc::tpacket3_hdr)],
+    ) -> PacketSocket {
+        let block_size = 4096;
+        // SAFETY: a fresh private anonymous mapping; checked below.
+        let ring = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                block_size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(ring, libc::MAP_FAILED);
+        let ring = NonNull::new(ring.cast::<u8>()).unwrap();
+        // SAFETY: the block descriptor and every header lie inside the
+        // fresh mapping (the test's offsets are below 4096 - 48).
+        unsafe {
+            let desc = ring.as_ptr().cast::<libc::tpacket_block_desc>();
+            (*desc).hdr.bh1.num_pkts = num_pkts;
+            (*desc).hdr.bh1.offset_to_first_pkt = first;
+            (*desc).hdr.bh1.block_status = libc::TP_STATUS_USER;
+            for &(at, h) in hdrs {
+                std::ptr::write_unaligned(ring.as_ptr().add(at).cast(), h);
+            }
+        }
+        PacketSocket {
+            fd: std::fs::File::open("/dev/null").unwrap().into(),
+            ring,
+            ring_len: block_size,
+            block_size,
+            block_count: 1,
+            block: 0,
+            next: 0,
+            left: 0,
+            batch: 64,
+            interface: "fake".into(),
+            offsets: Vec::new(),
+            partial: Vec::new(),
+            lens: Vec::new(),
+            verdicts: Vec::new(),
+            iovecs: Vec::new(),
+            msgs: Vec::new(),
+            ring_drops: 0,
+        }
+    }
+
+    /// A packet that is not the block's last, whose next-packet offset
+    /// points past the block, may not stretch its frame past the block
+    /// (here past the whole mapping): `collect` used to bound such a frame
+    /// by the next header's offset only, and `run_batch_all` then made a
+    /// slice of unmapped memory.
+    #[test]
+    fn a_frame_never_reaches_past_its_block() {
+        // SAFETY: `tpacket3_hdr` is plain old data; all zeroes is valid.
+        let mut h: libc::tpacket3_hdr = unsafe { std::mem::zeroed() };
+        let hdr_len = std::mem::size_of::<libc::tpacket3_hdr>();
+        h.tp_mac = hdr_len as u16;
+        h.tp_snaplen = 60_000;
+        h.tp_next_offset = 65_000;
+        let mut sock = fake_socket(2, 64, &[(64, h)]);
+        assert!(sock.take_block());
+        sock.collect();
+        for &(offset, len) in &sock.offsets {
+            assert!(
+                offset + len <= sock.block_size,
+                "frame at {offset} of {len} bytes leaves the {}-byte block",
+                sock.block_size
+            );
+        }
+        // A well-formed pair in the same block is still read.
+        let mut a = h;
+        a.tp_snaplen = 100;
+        a.tp_next_offset = 256;
+        let mut b = a;
+        b.tp_next_offset = 0;
+        let mut sock = fake_socket(2, 64, &[(64, a), (320, b)]);
+        assert!(sock.take_block());
+        sock.collect();
+        assert_eq!(
+            sock.offsets,
+            vec![(64 + hdr_len, 100), (320 + hdr_len, 100)]
+        );
+    }
 
     #[test]
     fn a_socket_can_move_to_a_worker_thread() {
