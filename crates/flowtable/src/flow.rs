@@ -1181,7 +1181,7 @@ impl FlowTable {
     #[inline]
     fn handle_node(&self, h: Handle) -> Option<Node<'_>> {
         let n = self.slab.node_checked(h.idx)?;
-        (n.cookie() == h.cookie.0 && n.is_live()).then_some(n)
+        n.is_entry(h.cookie.0).then_some(n)
     }
 
     /// The handle of the entry named by `cookie` (a cookie names its node:

@@ -27,6 +27,9 @@
 //! a template is never removed by expiry while a hold is counted, a hold
 //! either counts before expiry looks or finds the template gone, and the
 //! last release restarts the timeout so a racing expiry keeps it.
+//!
+//! Handles (`FlowTable::handle_node`): a stale handle checked while its
+//! node is reused for a new entry never takes the new entry for its own.
 
 use loom::sync::Arc;
 use loom::sync::atomic::{AtomicBool, Ordering};
@@ -634,5 +637,27 @@ pub fn release_and_hold_vs_expiry() {
             }
             None => assert!(expired && !held && released == Some(0)),
         }
+    });
+}
+
+/// A handle's check (`FlowTable::handle_node`, which has no bucket read to
+/// order it) racing with the reuse of its node: entry `0` was removed (its
+/// live bit cleared) and, after the grace period, the node is initialised
+/// for a new entry while a reader checks the old entry's handle. The reader
+/// must never take the new entry for the old one: it sees the old entry
+/// gone, or the new entry's cookie.
+pub fn stale_handle_vs_node_reuse() {
+    model(|| {
+        let w = world(1, 1, false);
+        remove(&w, 0);
+        let old = cookie_of(0);
+        let new = crate::table::next_cookie(old, 0);
+        let w2 = Arc::clone(&w);
+        let writer = thread::spawn(move || init(&w2, 0, new));
+        assert!(
+            !w.nodes.node(0).is_entry(old),
+            "a stale handle reached the node's new entry"
+        );
+        writer.join().unwrap();
     });
 }

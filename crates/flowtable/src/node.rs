@@ -17,7 +17,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::OnceLock;
 
 use crate::raw::HugeArray;
-use crate::sync::{AtomicU32, AtomicU64, Ordering::Relaxed, Ordering::Release};
+use crate::sync::{AtomicU32, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
 use crate::types::{
     BackendId, Cookie, FlowInit, FlowKey, FlowSnapshot, FlowState, Millis, Proto, ReplyDst,
     ReplyKey, ServiceId, TenantId,
@@ -287,13 +287,19 @@ impl Node<'_> {
         self.h.service.store(init.service.0, Relaxed);
         self.h.backend.store(init.backend.0, Relaxed);
         let (live, reply) = if reply { (0, REPLY) } else { (LIVE, 0) };
+        // Release: a reader that sees this entry's live bit without going
+        // through the bucket index (a handle, a dump resuming from node
+        // indices it read earlier: [`is_live`](Self::is_live) is Acquire)
+        // sees every field above, its cookie included, not the previous
+        // entry's. Later writes of `meta` are read-modify-writes, which
+        // continue this release sequence.
         self.h.meta.store(
             live | reply
                 | k.bits
                 | (init.state.code() << STATE_SHIFT)
                 | (UNFILED << SLOT_SHIFT)
                 | ((u32::from(init.profile) & 0xFFF) << PROFILE_SHIFT),
-            Relaxed,
+            Release,
         );
     }
 
@@ -394,8 +400,19 @@ impl Node<'_> {
         u64::from(self.h.uses.load(Relaxed)) << IDX_BITS | u64::from(self.idx)
     }
 
+    /// Acquire, pairing with [`init`](Self::init)'s Release: once the live
+    /// bit of a node's new entry is seen, so are its fields and cookie.
     pub(crate) fn is_live(&self) -> bool {
-        self.h.meta.load(Relaxed) & LIVE != 0
+        self.h.meta.load(Acquire) & LIVE != 0
+    }
+
+    /// Whether the node holds the live entry `cookie` names (a handle's
+    /// check, with no bucket read to order it). The live bit first: a
+    /// reader that sees a reused node's new entry live then reads its new
+    /// cookie. (Cookie first, a stale read of the old cookie followed by
+    /// the new entry's live bit took the new entry for the old one.)
+    pub(crate) fn is_entry(&self, cookie: u64) -> bool {
+        self.is_live() && self.cookie() == cookie
     }
 
     pub(crate) fn state(&self) -> FlowState {

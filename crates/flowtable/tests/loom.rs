@@ -56,3 +56,8 @@ fn hold_release_vs_expiry() {
 fn release_and_hold_vs_expiry() {
     loom_checks::release_and_hold_vs_expiry();
 }
+
+#[test]
+fn stale_handle_vs_node_reuse() {
+    loom_checks::stale_handle_vs_node_reuse();
+}
