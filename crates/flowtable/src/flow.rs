@@ -1017,7 +1017,9 @@ impl FlowTable {
     /// Points the persistence template `key` at `backend` (a new choice for
     /// its client group: the old backend is gone, down or full), keeping
     /// its holds, and restarts its timeout from `now`. `false` (nothing
-    /// changed) if `key` has no live template. Locks the key's bucket, so
+    /// changed) if `key` has no live template, or its entry was inserted
+    /// with [`insert_reply`](Self::insert_reply) (its reply key names the
+    /// backend, so the backend is fixed there). Locks the key's bucket, so
     /// a concurrent [`hold`](Self::hold) sees the old backend or the new
     /// one, never a mix, and no hold or release is lost to the change (a
     /// remove and insert would drop the count).

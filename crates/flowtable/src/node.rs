@@ -569,9 +569,10 @@ impl Node<'_> {
     /// Under the entry's bucket lock: a live template now places its
     /// client group on `backend`, its timeout restarted from `now`; its
     /// hold count is kept. `false` (nothing changed) unless it is a live
-    /// template.
+    /// template without a reply key (the reply key is computed from the
+    /// backend: changing it would strand the reply index entry).
     pub(crate) fn rebind_locked(&self, backend: BackendId, now: Millis) -> bool {
-        if !self.is_live() || !self.is_template() {
+        if !self.is_live() || !self.is_template() || self.has_reply() {
             return false;
         }
         self.h.backend.store(backend.0, Relaxed);

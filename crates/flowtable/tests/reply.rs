@@ -626,3 +626,34 @@ fn dump_and_reply_lookups_stay_exact_across_resizes_under_churn() {
         (u64::from(stable), u64::from(stable))
     );
 }
+
+/// A reply key is computed from the entry's backend, so an entry with one
+/// keeps its backend: `rebind` (which moves a persistence template to
+/// another backend) refuses an entry inserted with `insert_reply`, even in
+/// state `Persist`. It used to change the backend under the reply way:
+/// the reply lookup then missed the flow, and the removal looked for the
+/// reply way under the new backend's key, left the old one in its bucket
+/// pointing at a node to be recycled (debug builds stopped on the
+/// "reply index entry was missing" assertion).
+#[test]
+fn rebind_never_moves_an_entry_that_has_a_reply_key() {
+    let t = table(64, 64);
+    let k = key(1, 2);
+    let tpl = FlowInit {
+        state: FlowState::Persist,
+        ..init(2)
+    };
+    t.insert_reply(k, tpl, ReplyMode::Nat, Millis(1000))
+        .unwrap();
+    let r = reply(1, 2);
+    assert!(!t.rebind(&k, BackendId(9), Millis(2000)));
+    assert_eq!(t.get(&k).unwrap().backend, r.backend);
+    assert_eq!(t.lookup_reply(&r).map(|f| f.key), Some(k));
+    let s = t.remove(&k).expect("the entry");
+    assert!(s.reply);
+    assert_eq!(t.lookup_reply(&r), None);
+    let st = t.tenant_stats(TenantId(1)).unwrap();
+    assert_eq!((st.table_entries, st.reply_entries), (0, 0));
+    // Nothing left in the buckets either.
+    assert_eq!(st.chain_histogram.iter().skip(1).sum::<u64>(), 0);
+}
