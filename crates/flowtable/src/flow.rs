@@ -65,6 +65,11 @@ struct Tenant {
     refused: AtomicU64,
     wheel: Mutex<Wheel>,
     own_bytes: usize,
+    /// Budget reserved for the own table so far (`own_bytes`, then every
+    /// growth): what its removal gives back. A shrink keeps it (the table
+    /// may grow again), and the table's size when it goes is no measure
+    /// of it.
+    reserved: AtomicUsize,
 }
 
 impl Tenant {
@@ -520,6 +525,16 @@ impl FlowTable {
         }
     }
 
+    /// Reserves `bytes` more of the own tables' budget for tenant `t`'s
+    /// table (given back when `t` goes).
+    fn reserve_for(&self, t: &Tenant, bytes: usize) -> bool {
+        let ok = self.reserve_own(bytes);
+        if ok {
+            t.reserved.fetch_add(bytes, Relaxed);
+        }
+        ok
+    }
+
     /// Reserves `bytes` more of the own tables' budget.
     fn reserve_own(&self, bytes: usize) -> bool {
         self.own_bytes
@@ -538,7 +553,7 @@ impl FlowTable {
             table.help_resize(guard, &self.slab, Table::HELP, &|i| self.rehash(table, i));
         } else if check {
             let own = t.own_bytes != 0;
-            table.maybe_resize(guard, |more| !own || self.reserve_own(more));
+            table.maybe_resize(guard, |more| !own || self.reserve_for(t, more));
         }
     }
 
@@ -685,6 +700,7 @@ impl FlowTable {
             refused: AtomicU64::new(0),
             wheel: Mutex::new(Wheel::new()),
             own_bytes,
+            reserved: AtomicUsize::new(own_bytes),
         });
         Ok(tenant)
     }
@@ -792,12 +808,11 @@ impl FlowTable {
                 }
             }
             if t.own_bytes != 0 {
-                self.own_bytes.fetch_sub(
-                    t.table
-                        .memory_bytes(&guard)
-                        .min(self.own_bytes.load(Relaxed)),
-                    Relaxed,
-                );
+                // What was reserved, not what the table holds now: a table
+                // that grew and shrank back held less than it reserved
+                // (the difference was lost to the budget for good), and
+                // overflow lines were never reserved.
+                self.own_bytes.fetch_sub(t.reserved.load(Relaxed), Relaxed);
             }
             results.push(Ok(out.len() - before));
         }
@@ -1599,7 +1614,7 @@ impl FlowTable {
             fence(SeqCst);
             self.maintained.fetch_add(1, Relaxed);
             if !table.resizing(&guard) {
-                table.maybe_resize(&guard, |more| self.reserve_own(more));
+                table.maybe_resize(&guard, |more| self.reserve_for(t, more));
             }
             // Resizing: looked at again next call, also once the resize
             // ends (in this call or by writers meanwhile), since the load

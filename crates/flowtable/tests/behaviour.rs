@@ -839,3 +839,74 @@ fn tenant_own_stats_read_no_shared_bucket() {
     );
     assert_eq!(t.tenant_own_stats(TenantId(9)), None);
 }
+
+/// The own tables' memory budget comes back whole when a tenant goes,
+/// whatever its table did meanwhile: a table that grew reserved budget
+/// for each doubling, and one that shrank back gave none of it back, but
+/// the removal returned only what the table held then, so the rest was
+/// lost to the budget for good (here 17,856 bytes of a 1 MiB budget per
+/// grow-and-shrink tenant; enough cycles refuse every own table).
+#[test]
+fn a_removed_tenant_gives_back_all_the_budget_it_reserved() {
+    const BUDGET: usize = 1 << 20;
+    let t = FlowTable::new(TableConfig {
+        shared_buckets: 1 << 10,
+        memory_budget: BUDGET,
+        seed: Some(3),
+        ..TableConfig::default()
+    });
+    let available = |t: &FlowTable| match t.add_tenant(
+        TenantId(99),
+        TenantConfig {
+            own_buckets: 1 << 24,
+            ..TenantConfig::default()
+        },
+    ) {
+        Ok(Placement::Shared {
+            reason: FallbackReason::OverBudget { available, .. },
+            ..
+        }) => {
+            t.remove_tenant(TenantId(99), &mut Vec::new()).unwrap();
+            available
+        }
+        r => panic!("a 2^24-bucket table fits a 1 MiB budget: {r:?}"),
+    };
+    assert_eq!(available(&t), BUDGET);
+    let key = |i: u16| key(1, i);
+    let mut out = Vec::new();
+    for round in 0..3 {
+        t.add_tenant(
+            TenantId(1),
+            TenantConfig {
+                own_buckets: 64,
+                ..TenantConfig::default()
+            },
+        )
+        .unwrap();
+        for i in 0..2_000 {
+            t.insert(key(i), init(FlowState::Established), Millis(0))
+                .unwrap();
+        }
+        for _ in 0..50 {
+            t.maintain();
+        }
+        let grown = t.tenant_own_stats(TenantId(1)).unwrap().buckets;
+        assert!(
+            grown >= 128,
+            "round {round}: the table grew ({grown} buckets)"
+        );
+        for i in 0..2_000 {
+            t.remove(&key(i)).unwrap();
+        }
+        for _ in 0..50 {
+            t.maintain();
+        }
+        let shrunk = t.tenant_own_stats(TenantId(1)).unwrap().buckets;
+        assert!(
+            shrunk < grown,
+            "round {round}: the table shrank ({shrunk} buckets)"
+        );
+        t.remove_tenant(TenantId(1), &mut out).unwrap();
+        assert_eq!(available(&t), BUDGET, "after round {round}");
+    }
+}
