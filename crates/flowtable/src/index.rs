@@ -623,7 +623,12 @@ impl Index {
         let b = self.bucket(bi);
         let (lo, hi) = b.matches(h.tag, Relaxed);
         each_way::<()>(lo, hi, |w| {
-            let v = b.ways[w].load(Relaxed);
+            // Acquire, as a lookup's: the way's node may be in a slab chunk
+            // made just before the insert published the way (Release), and
+            // finding that chunk must see it made (free on x86; on a weakly
+            // ordered CPU a Relaxed load could see the way but not the
+            // chunk, and `node` would panic).
+            let v = b.ways[w].load(Acquire);
             if v & CHECK_MASK == h.check {
                 arena.node(v & WAY_IDX).prefetch();
             }
@@ -980,8 +985,9 @@ impl Index {
         let bk = self.bucket(b);
         let (lo, hi) = bk.occupied(Relaxed);
         each_way::<()>(lo, hi, |w| {
+            // Acquire: see `prefetch_candidates`.
             arena
-                .node(bk.ways[w].load(Relaxed) & WAY_IDX)
+                .node(bk.ways[w].load(Acquire) & WAY_IDX)
                 .prefetch_all();
             None
         });
