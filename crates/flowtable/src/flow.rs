@@ -1331,6 +1331,23 @@ impl FlowTable {
             .is_some()
     }
 
+    /// Packet mode's TCP sequence tracking through a handle: `f` gets the
+    /// entry's state and the sequence number noted for direction `dir` (0:
+    /// none yet) and returns the one to note instead, if any. Returns what
+    /// `f` saw, or `None` if the entry is gone. The table keeps the numbers
+    /// (4 bytes each way in the entry's cold part); what to note and what
+    /// to check against them is the caller's.
+    #[inline]
+    pub fn track_seq_handle(
+        &self,
+        h: Handle,
+        dir: Dir,
+        f: impl FnOnce(FlowState, u32) -> Option<u32>,
+    ) -> Option<(FlowState, u32)> {
+        let _guard = epoch::pin();
+        Some(self.handle_node(h)?.track_seq(dir == Dir::Out, f))
+    }
+
     /// A read handle that serves many `get`/`touch` calls under one epoch
     /// pin (e.g. one batch of datagrams), saving the pin per call. While it
     /// lives, removed entries' slots are not recycled: keep it for a batch,

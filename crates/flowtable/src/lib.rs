@@ -5,7 +5,7 @@
 //! [`TableConfig::seed`] (`None` draws one at construction).
 //!
 //! # Layout
-//! * **Entries** are fixed 104-byte nodes made only of atomics, kept in a
+//! * **Entries** are fixed 112-byte nodes made only of atomics, kept in a
 //!   slab of never-freed chunks and named by `u32` index (`node.rs`). The
 //!   node is the flow: key, service, backend, state, timers, counters each
 //!   way, the owner's token and the NAT slot (a reply key costs no node

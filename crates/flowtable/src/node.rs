@@ -1,8 +1,8 @@
 //! Entry layout and the node arena.
 //!
-//! Every entry is a fixed 104-byte [`Node`] (a 64-byte hot part a lookup
-//! reads and a 40-byte cold part of clocks and counters, in two arrays)
-//! made only of atomics, so a
+//! Every entry is a fixed 112-byte [`Node`] (a 64-byte hot part a lookup
+//! reads and a 48-byte cold part of clocks, counters and TCP sequence
+//! numbers, in two arrays) made only of atomics, so a
 //! lock-free reader may read any field while a writer changes others,
 //! without a data race and without `unsafe`. The node *is* the flow: key,
 //! service, backend, state, timers, counters each way, the owner's token and
@@ -209,12 +209,16 @@ pub(crate) struct Cold {
     /// the connections holding the template (IPVS's `n_control`, see
     /// [`Node::hold_locked`]), at no extra memory per entry. `touch` never
     /// adds bytes out to a template, so the word holds only holds there.
+    /// Packet mode's TCP sequence tracking, in and out: the sequence
+    /// number just past the last segment noted in that direction (0: none
+    /// yet). What a RST is checked against (see `weir_packet::tcp_state`).
+    seq: [AtomicU32; 2],
     bytes: [AtomicU64; 2],
     packets: [AtomicU64; 2],
 }
 
 #[cfg(not(loom))]
-const _: () = assert!(std::mem::size_of::<Hot>() == 64 && std::mem::size_of::<Cold>() == 40);
+const _: () = assert!(std::mem::size_of::<Hot>() == 64 && std::mem::size_of::<Cold>() == 48);
 
 /// How far (ms) a stored activity time may be *ahead* of the time it is
 /// widened against: threads touch with their own `now`, and listings widen
@@ -240,7 +244,7 @@ pub(crate) fn widen(stored: u32, near: u64) -> u64 {
     top.saturating_sub(u64::from(back))
 }
 
-/// One entry: 104 bytes made only of atomics, so a lock-free reader may read
+/// One entry: 112 bytes made only of atomics, so a lock-free reader may read
 /// any field while a writer changes others, without a data race and without
 /// `unsafe`. Its two parts live in two arrays at the same index (see
 /// [`Slab`]); this is a view of both.
@@ -284,6 +288,9 @@ impl Node<'_> {
         for c in self.c.bytes.iter().chain(self.c.packets.iter()) {
             c.store(0, Relaxed);
         }
+        for c in &self.c.seq {
+            c.store(0, Relaxed);
+        }
         self.h.service.store(init.service.0, Relaxed);
         self.h.backend.store(init.backend.0, Relaxed);
         let (live, reply) = if reply { (0, REPLY) } else { (LIVE, 0) };
@@ -310,7 +317,7 @@ impl Node<'_> {
     }
 
     /// Prefetches everything a snapshot reads: the hot line and the cold
-    /// part (40 bytes at a 40-byte stride, so up to two lines).
+    /// part (48 bytes at a 48-byte stride, so up to two lines).
     #[inline]
     pub(crate) fn prefetch_all(&self) {
         crate::raw::prefetch(self.h);
@@ -511,6 +518,25 @@ impl Node<'_> {
         self.c.packets[d].fetch_add(1, Relaxed);
         self.bump_last_active(now);
         (Cookie(self.cookie()), self.backend())
+    }
+
+    /// The state and the sequence number noted in direction `dir_out`
+    /// (0: none); stores `f`'s answer to them, if any. Two threads noting
+    /// the same direction at once may leave either's value: the caller's
+    /// check allows for a window, and a flow's packets each way are
+    /// normally steered to one worker.
+    pub(crate) fn track_seq(
+        &self,
+        dir_out: bool,
+        f: impl FnOnce(FlowState, u32) -> Option<u32>,
+    ) -> (FlowState, u32) {
+        let state = self.state();
+        let cell = &self.c.seq[usize::from(dir_out)];
+        let known = cell.load(Relaxed);
+        if let Some(v) = f(state, known) {
+            cell.store(v, Relaxed);
+        }
+        (state, known)
     }
 
     /// Whether the entry is a persistence template (state `Persist`).

@@ -56,7 +56,7 @@ fn churn_with_few_live_entries_keeps_the_arena_small() {
     let warm = table.memory_bytes();
     run(WARM, WARM + CHURN);
     let end = table.memory_bytes();
-    // The arena's first chunk holds 1,024 nodes (104 KiB): enough for the
+    // The arena's first chunk holds 1,024 nodes (112 KiB): enough for the
     // live entries plus a few batches in their grace period. Before the fix
     // the removing thread's bag held back thousands of nodes and the arena
     // took its next three chunks too (1, 2 and 4 Ki nodes: +710 KiB here).

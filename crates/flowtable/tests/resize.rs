@@ -316,6 +316,36 @@ fn handles_reach_their_entry_and_never_another() {
 }
 
 #[test]
+fn sequence_places_are_kept_per_direction_and_start_empty() {
+    let t = small_table(1024);
+    let k = key(1, 7);
+    let h = t.insert_handle(k, init(7), Millis(1000)).unwrap();
+    let note = |h, dir, v| t.track_seq_handle(h, dir, |_, _| Some(v));
+    assert_eq!(note(h, Dir::In, 100), Some((FlowState::Established, 0)));
+    assert_eq!(note(h, Dir::In, 200), Some((FlowState::Established, 100)));
+    assert_eq!(note(h, Dir::Out, 9), Some((FlowState::Established, 0)));
+    assert_eq!(
+        t.track_seq_handle(h, Dir::In, |_, _| None),
+        Some((FlowState::Established, 200)),
+        "None leaves the place"
+    );
+    assert_eq!(t.track_seq_handle(h, Dir::In, |_, _| None).unwrap().1, 200);
+    assert!(t.remove_handle(h).is_some());
+    assert_eq!(note(h, Dir::In, 1), None, "a stale handle notes nothing");
+    // Nodes are reused once their grace period is over: every new entry,
+    // on a reused node or not, starts with nothing noted either way.
+    for i in 0..20_000u32 {
+        let h = t.insert_handle(key(1, 10 + i), init(i), Millis(0)).unwrap();
+        assert_eq!(note(h, Dir::In, 555).unwrap().1, 0, "entry {i}");
+        assert_eq!(note(h, Dir::Out, 555).unwrap().1, 0, "entry {i}");
+        assert!(t.remove_handle(h).is_some());
+        if i % 1000 == 0 {
+            settle(&t);
+        }
+    }
+}
+
+#[test]
 fn batched_lookup_matches_single_lookups() {
     let t = small_table(256);
     t.add_tenant(

@@ -126,6 +126,15 @@ impl Packet {
         }
     }
 
+    /// A TCP segment's sequence number and the sequence number just past
+    /// it (`seq + SEG.LEN`, wrapping); `None` for anything else.
+    pub fn tcp_seq(&self) -> Option<(u32, u32)> {
+        match self.transport {
+            Transport::Tcp { seq, seq_len, .. } => Some((seq, seq.wrapping_add(seq_len))),
+            _ => None,
+        }
+    }
+
     /// The TCP/UDP tuple of the packet; `None` for ICMP.
     pub fn tuple(&self) -> Option<FlowTuple> {
         let (sp, dp) = self.transport.ports()?;

@@ -240,6 +240,11 @@ pub enum Transport {
         dst_port: u16,
         /// Flags.
         flags: TcpFlags,
+        /// Sequence number.
+        seq: u32,
+        /// Sequence space the segment takes: its payload bytes, plus one
+        /// for a SYN and one for a FIN (RFC 9293 3.4's SEG.LEN).
+        seq_len: u32,
     },
     /// UDP with its ports.
     Udp {
@@ -483,10 +488,17 @@ fn parse_l4(b: &[u8], l4: usize, proto: u8) -> Result<Transport, Unhandled> {
             if off < 20 || off > seg.len() {
                 return Err(Unhandled::BadTcpOffset);
             }
+            let flags = TcpFlags(seg[13]);
+            // At most 65,535 payload bytes in an IP packet: no overflow.
+            let seq_len = (seg.len() - off) as u32
+                + u32::from(flags.has(TcpFlags::SYN))
+                + u32::from(flags.has(TcpFlags::FIN));
             Ok(Transport::Tcp {
                 src_port: u16::from_be_bytes([seg[0], seg[1]]),
                 dst_port: u16::from_be_bytes([seg[2], seg[3]]),
-                flags: TcpFlags(seg[13]),
+                flags,
+                seq: u32::from_be_bytes([seg[4], seg[5], seg[6], seg[7]]),
+                seq_len,
             })
         }
         IPPROTO_UDP => {

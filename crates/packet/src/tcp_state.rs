@@ -153,6 +153,57 @@ pub fn next(state: TcpState, dir: TcpDir, flags: TcpFlags) -> TcpState {
     TABLE[d][f][state as usize]
 }
 
+/// How far a RST's sequence number may lie from where its sender is known
+/// to be, and how far one segment may move that place forward: 1 MiB.
+///
+/// Why: IPVS moves a flow to CLOSE on any RST (row 3 above), so a blind
+/// attacker who guesses a client's address and port ends an established
+/// flow with one spoofed packet; its 10 s CLOSE timeout then drops an idle
+/// connection's next packet. conntrack, and the endpoints themselves
+/// (RFC 5961 3.2), take a RST only within the receive window. weir sees
+/// every segment each sender sends through it, so it keeps per direction
+/// the sequence number just past the last one (4 bytes each way in the
+/// entry) and takes a RST as a state change only near it. A segment moves
+/// that place forward by at most this much, or a spoofed segment far ahead
+/// would set it to a number the attacker knows. A blind attacker now needs
+/// ~2^32 / 2^21 = 2,048 guesses per flow for either. The RST itself is
+/// still forwarded: the endpoint applies its own check.
+///
+/// What it costs a real flow: a RST that lags its sender by more than
+/// 1 MiB (one sent by a host that lost the connection, quoting an
+/// acknowledgement that old) or a gap of over 1 MiB between two segments
+/// weir sees (a burst lost before weir) leaves the flow in its state until
+/// its timeout instead of CLOSE's: the entry lingers; no packet is lost.
+pub const SEQ_WINDOW: u32 = 1 << 20;
+
+/// Whether a RST with sequence number `seq` may change the state of a flow
+/// whose sender in that direction was last noted at `known` (0: nothing
+/// noted, so nothing to check against).
+pub fn rst_acceptable(seq: u32, known: u32) -> bool {
+    known == 0 || seq.wrapping_sub(known).wrapping_add(SEQ_WINDOW) <= 2 * SEQ_WINDOW
+}
+
+/// The sequence number to note for a segment with `flags` ending at `end`
+/// (its sequence number plus SEG.LEN) in a flow in `state` whose sender was
+/// last noted at `known`, or `None` to leave it. A RST notes nothing; a
+/// SYN starts afresh where no connection is open (nothing noted yet, or
+/// the flow closing: a port reused with a new initial sequence number);
+/// anything else moves forward by at most [`SEQ_WINDOW`].
+pub fn seq_to_note(state: TcpState, flags: TcpFlags, end: u32, known: u32) -> Option<u32> {
+    if flags.has(TcpFlags::RST) {
+        return None;
+    }
+    let fresh = known == 0
+        || (flags.has(TcpFlags::SYN) && matches!(state, TcpState::TimeWait | TcpState::Close));
+    if fresh {
+        // 0 means "nothing noted": a segment ending exactly at 0 is noted
+        // as 1, inside the window of the true value.
+        return Some(end.max(1));
+    }
+    let ahead = end.wrapping_sub(known);
+    (ahead != 0 && ahead <= SEQ_WINDOW).then_some(end.max(1))
+}
+
 impl TcpState {
     /// The flow table's state for this one; `None` for [`TcpState::None`]
     /// (a flow is inserted with the state of its first packet).
@@ -209,6 +260,61 @@ mod tests {
                 s
             })
             .collect()
+    }
+
+    #[test]
+    fn a_rst_counts_only_near_its_senders_place() {
+        let w = SEQ_WINDOW;
+        assert!(rst_acceptable(12345, 0), "nothing noted: nothing to check");
+        for known in [1, 1000, 1 << 31, u32::MAX, w / 2] {
+            for off in [0, 1, w] {
+                assert!(
+                    rst_acceptable(known.wrapping_add(off), known),
+                    "{known} +{off}"
+                );
+                assert!(
+                    rst_acceptable(known.wrapping_sub(off), known),
+                    "{known} -{off}"
+                );
+            }
+            for off in [w + 1, 1 << 24, 1 << 31] {
+                assert!(
+                    !rst_acceptable(known.wrapping_add(off), known),
+                    "{known} +{off}"
+                );
+                assert!(
+                    !rst_acceptable(known.wrapping_sub(off), known),
+                    "{known} -{off}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_noted_place_moves_forward_within_the_window_only() {
+        use TcpState::{Close as CL, Established as ES, SynRecv as SR, TimeWait as TW};
+        let w = SEQ_WINDOW;
+        // First segment each way: noted whatever it is (0 stays "nothing").
+        assert_eq!(seq_to_note(SR, SYN, 77, 0), Some(77));
+        assert_eq!(seq_to_note(SR, SYN, 0, 0), Some(1));
+        // Forward by up to the window, across the wrap too.
+        assert_eq!(seq_to_note(ES, ACK, 1500, 100), Some(1500));
+        assert_eq!(seq_to_note(ES, ACK, 100 + w, 100), Some(100 + w));
+        assert_eq!(seq_to_note(ES, ACK, 10, u32::MAX - 10), Some(10));
+        // Not back (a retransmission), not in place, not far ahead.
+        assert_eq!(seq_to_note(ES, ACK, 50, 100), None);
+        assert_eq!(seq_to_note(ES, ACK, 100, 100), None);
+        assert_eq!(seq_to_note(ES, ACK, 101 + w, 100), None);
+        assert_eq!(
+            seq_to_note(ES, ACK, 100u32.wrapping_add(1 << 31), 100),
+            None
+        );
+        // A RST notes nothing; a SYN starts afresh only once the flow is
+        // closing (a port reused), never in an open one.
+        assert_eq!(seq_to_note(ES, RST, 200, 100), None);
+        assert_eq!(seq_to_note(ES, SYN, 1 << 30, 100), None);
+        assert_eq!(seq_to_note(TW, SYN, 1 << 30, 100), Some(1 << 30));
+        assert_eq!(seq_to_note(CL, SYN, 1 << 30, 100), Some(1 << 30));
     }
 
     #[test]

@@ -294,6 +294,10 @@ pub struct PacketStats {
     /// ICMP errors about flows, translated and forwarded.
     #[serde(default)]
     pub icmp_errors: u64,
+    /// TCP RSTs too far from their sender's sequence number to end a flow
+    /// (forwarded, the flow's state left as it was: blind resets).
+    #[serde(default)]
+    pub rst_ignored: u64,
     /// Frames dropped, per reason ("fragment", "no_flow", "no_next_hop", ...).
     pub dropped: std::collections::BTreeMap<String, u64>,
     /// The same figures per packet worker (one per AF_XDP queue, or per
@@ -318,6 +322,10 @@ pub struct PacketWorkerStats {
     /// ICMP errors about flows, translated and forwarded.
     #[serde(default)]
     pub icmp_errors: u64,
+    /// TCP RSTs too far from their sender's sequence number to end a flow
+    /// (forwarded, the flow's state left as it was: blind resets).
+    #[serde(default)]
+    pub rst_ignored: u64,
     /// Frames dropped, per reason (as [`PacketStats::dropped`]).
     pub dropped: std::collections::BTreeMap<String, u64>,
 }

@@ -355,9 +355,9 @@ fn table_row(cfg: &Path, t: &str) -> Result<Option<serde_json::Value>> {
 }
 
 /// A flow-table node: a 64-byte hot line (key, reply key, service, backend,
-/// state, owner, use count) and a 40-byte cold part (clocks, counters), in
-/// two arrays (weir-flowtable `node.rs`).
-const NODE_BYTES: f64 = 104.0;
+/// state, owner, use count) and a 48-byte cold part (clocks, counters, TCP
+/// sequence places), in two arrays (weir-flowtable `node.rs`).
+const NODE_BYTES: f64 = 112.0;
 /// A bucket line of the index: eleven ways (weir-flowtable's
 /// `BUCKET_WAYS`) of a one-byte tag and a `u32` node index, a header and
 /// an overflow link. A nat flow takes two ways (its

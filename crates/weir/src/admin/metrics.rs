@@ -332,6 +332,13 @@ fn global_metrics(reg: &mut Registry, g: &GlobalStats) {
             None,
             p.new_flows,
         );
+        counter(
+            reg,
+            "weir_packet_rst_ignored",
+            "Packet mode: TCP RSTs too far from their sender's sequence number to end a flow (forwarded; blind resets)",
+            None,
+            p.rst_ignored,
+        );
         let dropped = CounterFam::default();
         for (reason, n) in &p.dropped {
             dropped

@@ -1244,6 +1244,7 @@ impl Control for LiveControl {
                     tx: s.tx,
                     new_flows: s.new_flows,
                     icmp_errors: s.icmp_errors,
+                    rst_ignored: s.rst_ignored,
                     dropped: s.dropped,
                     workers: s.workers,
                 }

@@ -245,6 +245,8 @@ pub(crate) struct Counters {
     pub(crate) new_flows: AtomicU64,
     /// ICMP errors translated and forwarded.
     pub(crate) icmp_errors: AtomicU64,
+    /// RSTs that changed no state (see [`Engine::seq_allows`]).
+    pub(crate) rst_ignored: AtomicU64,
     pub(crate) unhandled: [AtomicU64; Unhandled::COUNT],
     pub(crate) dropped: [AtomicU64; Drop::ALL.len()],
     /// What the kernel dropped for this worker's sockets before weir saw
@@ -284,6 +286,7 @@ impl Counters {
             tx: self.tx.load(Relaxed),
             new_flows: self.new_flows.load(Relaxed),
             icmp_errors: self.icmp_errors.load(Relaxed),
+            rst_ignored: self.rst_ignored.load(Relaxed),
             dropped,
         }
     }
@@ -304,6 +307,7 @@ pub(crate) struct CounterSums {
     pub(crate) tx: u64,
     pub(crate) new_flows: u64,
     pub(crate) icmp_errors: u64,
+    pub(crate) rst_ignored: u64,
     pub(crate) dropped: std::collections::BTreeMap<String, u64>,
     /// The same figures per worker, in the order the workers started.
     pub(crate) workers: Vec<crate::control::PacketWorkerStats>,
@@ -426,6 +430,7 @@ impl PacketPath {
             s.tx += w.tx;
             s.new_flows += w.new_flows;
             s.icmp_errors += w.icmp_errors;
+            s.rst_ignored += w.rst_ignored;
             for (reason, n) in &w.dropped {
                 *s.dropped.entry(reason.clone()).or_default() += n;
             }
@@ -900,7 +905,9 @@ impl Engine {
                 Dir::Out => s.add_out(len),
             }
         }
-        if let Some(flags) = pkt.tcp_flags() {
+        if let (Some(flags), Some((seq, end))) = (pkt.tcp_flags(), pkt.tcp_seq())
+            && self.seq_allows(found.handle, dir, flags, seq, end)
+        {
             self.advance(
                 found.handle,
                 &found.backend,
@@ -1385,6 +1392,38 @@ impl Engine {
         })
     }
 
+    /// Notes a TCP segment's place in its direction's sequence space;
+    /// `false` for a RST too far from where its sender is known to be,
+    /// which then changes no state (forwarded all the same: the endpoint
+    /// checks it too). See [`weir_packet::tcp_state::SEQ_WINDOW`].
+    fn seq_allows(
+        &self,
+        h: Handle,
+        dir: Dir,
+        flags: weir_packet::TcpFlags,
+        seq: u32,
+        end: u32,
+    ) -> bool {
+        let seen = self
+            .shared
+            .conns
+            .table
+            .track_seq_handle(h, dir, |st, known| {
+                let st = TcpState::from_flow_state(st)?;
+                weir_packet::tcp_state::seq_to_note(st, flags, end, known)
+            });
+        if !flags.has(weir_packet::TcpFlags::RST) {
+            return true;
+        }
+        match seen {
+            Some((_, known)) if !weir_packet::tcp_state::rst_acceptable(seq, known) => {
+                self.counters.rst_ignored.fetch_add(1, Relaxed);
+                false
+            }
+            _ => true,
+        }
+    }
+
     /// Move a TCP flow along IPVS's state table, keeping its backend's
     /// active/inactive counts exact (the table's compare-and-swap decides
     /// which worker moves it).
@@ -1539,6 +1578,17 @@ mod tests {
 
     /// Ethernet + IPv4 + TCP (flags) or UDP (flags = None), checksums full.
     fn frame(src: SocketAddr, dst: SocketAddr, tcp: Option<u8>, payload: &[u8]) -> Vec<u8> {
+        frame_seq(src, dst, tcp, 1, payload)
+    }
+
+    /// [`frame`] with the TCP sequence number `seq`.
+    fn frame_seq(
+        src: SocketAddr,
+        dst: SocketAddr,
+        tcp: Option<u8>,
+        seq: u32,
+        payload: &[u8],
+    ) -> Vec<u8> {
         let (IpAddr::V4(s), IpAddr::V4(d)) = (src.ip(), dst.ip()) else {
             panic!("v4 only")
         };
@@ -1547,9 +1597,8 @@ mod tests {
         l4.extend_from_slice(&dst.port().to_be_bytes());
         let (proto, csum_at) = match tcp {
             Some(flags) => {
-                l4.extend_from_slice(&[
-                    0, 0, 0, 1, 0, 0, 0, 0, 0x50, flags, 0xff, 0xff, 0, 0, 0, 0,
-                ]);
+                l4.extend_from_slice(&seq.to_be_bytes());
+                l4.extend_from_slice(&[0, 0, 0, 0, 0x50, flags, 0xff, 0xff, 0, 0, 0, 0]);
                 (6u8, 16)
             }
             None => {
@@ -1630,6 +1679,62 @@ mod tests {
         assert_eq!(e.process(&mut syn2), Verdict::Transmit);
         assert_eq!(verified(&syn2).dst, sa(B2));
         assert_eq!(e.counters.new_flows.load(Relaxed), 2);
+    }
+
+    #[test]
+    fn a_blind_rst_does_not_end_an_established_flow() {
+        const RST: u8 = 0x04;
+        let d = daemon("nat", "");
+        let mut e = engine(&d);
+        let client = sa("192.0.2.7:40000");
+        let (c0, b0) = (1_000_000u32, 3_000_000_000u32);
+        for (src, dst, flags, seq, data) in [
+            (client, sa(VIP), SYN, c0, &b""[..]),
+            (sa(B1), client, SYN | ACK, b0, b""),
+            (client, sa(VIP), ACK, c0 + 1, b"hello"),
+        ] {
+            let mut f = frame_seq(src, dst, Some(flags), seq, data);
+            assert_eq!(e.process(&mut f), Verdict::Transmit);
+        }
+        let key = FlowKey {
+            tenant: TenantId(e.vips.by_vip.values().next().unwrap().svc.tenant.id),
+            proto: Proto::Tcp,
+            client,
+            virt: sa(VIP),
+        };
+        let state = |d: &super::super::DaemonHandle| d.shared.conns.table.get(&key).unwrap().state;
+        assert_eq!(state(&d), FlowState::Established);
+        let w = weir_packet::tcp_state::SEQ_WINDOW;
+        // Spoofed RSTs far from either sender's place: forwarded (the
+        // endpoint checks them too), the flow stays established.
+        for (src, dst, seq) in [
+            (client, sa(VIP), c0 + 6 + w + 1),
+            (client, sa(VIP), c0.wrapping_add(1 << 31)),
+            (sa(B1), client, (b0 + 1).wrapping_sub(w + 1)),
+        ] {
+            let mut rst = frame_seq(src, dst, Some(RST | ACK), seq, b"");
+            assert_eq!(e.process(&mut rst), Verdict::Transmit);
+            assert_eq!(state(&d), FlowState::Established, "RST at {seq}");
+        }
+        assert_eq!(e.counters.rst_ignored.load(Relaxed), 3);
+        // A spoofed segment far ahead does not move the client's place to
+        // one the attacker knows.
+        let far = c0 + 6 + 2 * w;
+        let mut ack = frame_seq(client, sa(VIP), Some(ACK), far, b"x");
+        assert_eq!(e.process(&mut ack), Verdict::Transmit);
+        let mut rst = frame_seq(client, sa(VIP), Some(RST), far + 1, b"");
+        assert_eq!(e.process(&mut rst), Verdict::Transmit);
+        assert_eq!(state(&d), FlowState::Established);
+        assert_eq!(e.counters.rst_ignored.load(Relaxed), 4);
+        let backend = d.shared.conns.table.get(&key).unwrap().backend;
+        let b1 = the_service(&d).backend(backend.0).unwrap();
+        assert_eq!((b1.active.load(Relaxed), b1.inactive.load(Relaxed)), (1, 0));
+        // The client's own RST, at its next sequence number, ends it.
+        let mut rst = frame_seq(client, sa(VIP), Some(RST | ACK), c0 + 6, b"");
+        assert_eq!(e.process(&mut rst), Verdict::Transmit);
+        assert_eq!(state(&d), FlowState::Close);
+        assert_eq!(e.counters.rst_ignored.load(Relaxed), 4);
+        assert_eq!((b1.active.load(Relaxed), b1.inactive.load(Relaxed)), (0, 1));
     }
 
     #[test]
