@@ -1638,6 +1638,16 @@ mod tests {
         p.tuple().unwrap()
     }
 
+    /// The table key of `client`'s TCP flow to the test service's VIP.
+    fn tcp_key(e: &Engine, client: SocketAddr) -> FlowKey {
+        FlowKey {
+            tenant: TenantId(e.vips.by_vip.values().next().unwrap().svc.tenant.id),
+            proto: Proto::Tcp,
+            client,
+            virt: sa(VIP),
+        }
+    }
+
     fn counted(e: &Engine, why: Drop) -> u64 {
         e.counters.dropped[why as usize].load(Relaxed)
     }
@@ -1663,12 +1673,7 @@ mod tests {
         assert_eq!((t.src, t.dst), (sa(VIP), client));
         let mut ack = frame(client, sa(VIP), Some(ACK), b"hello");
         assert_eq!(e.process(&mut ack), Verdict::Transmit);
-        let key = FlowKey {
-            tenant: TenantId(e.vips.by_vip.values().next().unwrap().svc.tenant.id),
-            proto: Proto::Tcp,
-            client,
-            virt: sa(VIP),
-        };
+        let key = tcp_key(&e, client);
         let snap = d.shared.conns.table.get(&key).unwrap();
         assert_eq!(snap.state, FlowState::Established);
         assert_eq!((snap.packets_in, snap.packets_out), (2, 1));
@@ -1696,12 +1701,7 @@ mod tests {
             let mut f = frame_seq(src, dst, Some(flags), seq, data);
             assert_eq!(e.process(&mut f), Verdict::Transmit);
         }
-        let key = FlowKey {
-            tenant: TenantId(e.vips.by_vip.values().next().unwrap().svc.tenant.id),
-            proto: Proto::Tcp,
-            client,
-            virt: sa(VIP),
-        };
+        let key = tcp_key(&e, client);
         let state = |d: &super::super::DaemonHandle| d.shared.conns.table.get(&key).unwrap().state;
         assert_eq!(state(&d), FlowState::Established);
         let w = weir_packet::tcp_state::SEQ_WINDOW;
