@@ -106,7 +106,7 @@ fn golden_stats_global_with_packet_workers() {
         tx: 1480,
         new_flows: 12,
         icmp_errors: 0,
-        rst_ignored: 0,
+        rst_ignored: 3,
         dropped: [
             ("kernel_rx_ring_full".to_owned(), 15),
             ("no_flow".to_owned(), 5),

@@ -417,6 +417,13 @@ pub fn render_global(g: &GlobalStats, exact: bool) -> String {
         for (reason, n) in &p.dropped {
             let _ = writeln!(o, "packet dropped {reason}: {n}");
         }
+        if p.rst_ignored > 0 {
+            let _ = writeln!(
+                o,
+                "packet rst_ignored: {} (RSTs too far from their sender's sequence number: forwarded, the flow kept)",
+                p.rst_ignored
+            );
+        }
         for w in &p.workers {
             let _ = write!(
                 o,
