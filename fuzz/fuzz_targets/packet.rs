@@ -30,6 +30,16 @@ fuzz_target!(|data: &[u8]| {
     let Ok(pkt) = parse(data) else { return };
     let _ = pkt.tuple();
     let _ = pkt.tcp_flags();
+    if let (Some(flags), Some((seq, end))) = (pkt.tcp_flags(), pkt.tcp_seq()) {
+        // The sequence tracking the packet path does per TCP segment: a
+        // segment takes its payload and at most a SYN and a FIN.
+        assert!(end.wrapping_sub(seq) as usize <= pkt.end - pkt.l4 + 2);
+        let known = seq ^ 0x5a5a_5a5a;
+        let _ = weir_packet::tcp_state::rst_acceptable(seq, known);
+        for st in weir_packet::TcpState::ALL {
+            let _ = weir_packet::tcp_state::seq_to_note(st, flags, end, known);
+        }
+    }
     let m = mapping(pkt.version == IpVersion::V4);
     for method in [Method::Dr, Method::Nat, Method::Fnat] {
         for dir in [Direction::ToBackend, Direction::ToClient] {
