@@ -156,7 +156,10 @@ pub struct ServiceStatus {
 }
 
 /// Filters for listing or killing connections; `None` matches everything.
+/// An unknown key is an error: a filter that dropped a misspelt one would
+/// match (and a kill would close) more than it says.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ConnFilter {
     /// Tenant name.
     pub tenant: Option<String>,

@@ -1379,3 +1379,28 @@ mod props {
         }
     }
 }
+
+/// A kill's filter is exactly what it says: a key the API does not know
+/// (a typo) is refused with 400, not dropped. Before, it was ignored, so
+/// `{"tenant":"acme","servcie":"web"}` killed every connection of acme,
+/// and `{"state":"ESTABLISHED","bakend":...}` every established one.
+#[test]
+fn a_kill_filter_with_an_unknown_key_is_refused_and_kills_nothing() {
+    let (fake, app) = app();
+    let before = fake.st.lock().unwrap().conns.len();
+    for body in [
+        r#"{"tenant":"acme","servcie":"web"}"#,
+        r#"{"state":"ESTABLISHED","bakend":"10.1.0.1:8080"}"#,
+        r#"{"all":true,"tenants":"globex"}"#,
+    ] {
+        let (s, v) = call(&app, "POST", "/v1/connections/kill", Some(FULL), Some(body));
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{body}: {v}");
+        let message = v["message"].as_str().unwrap_or_default();
+        assert!(message.contains("unknown field"), "{body}: {v}");
+        assert_eq!(
+            fake.st.lock().unwrap().conns.len(),
+            before,
+            "{body} killed connections"
+        );
+    }
+}

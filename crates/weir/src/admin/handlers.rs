@@ -734,7 +734,9 @@ pub(crate) async fn kill_matching(
     Extension(access): Extension<Access>,
     JsonBody(req): JsonBody<serde_json::Value>,
 ) -> ApiResult<Response> {
-    // Parsed by hand: serde's flatten does not combine with deny_unknown_fields.
+    // Parsed by hand: serde's flatten does not combine with
+    // deny_unknown_fields. `all` is taken out, and the rest must be a
+    // filter and nothing else (`ConnFilter` refuses unknown keys).
     let serde_json::Value::Object(mut obj) = req else {
         return Err(ApiError::bad_request(
             "the body must be a JSON object: {\"tenant\", \"service\", \"backend\", \"state\", \"all\"}",
