@@ -15,6 +15,13 @@
 //!   A new connection is refused only when every place is the operator's. An operator's connection
 //!   sends its head at once, so a flood would have to open more than
 //!   [`MAX_ADMIN_CONNECTIONS`] connections in that moment to shut it out;
+//! * a tenant's authenticated connections beyond its share
+//!   ([`MAX_PER_SOURCE`] places, from any number of addresses) are evicted
+//!   before anyone else's, the oldest of the tenant holding the most
+//!   first: else a tenant that holds every place, and authenticates each
+//!   new connection at once, would make every newcomer (the operator's
+//!   too, before its request is read) the oldest unauthenticated
+//!   connection, and evict it with its next one;
 //! * with TLS (`[admin] tls_cert`), the handshake runs after admission, on
 //!   the connection's place: it must finish within [`HEAD_TIMEOUT`], and the
 //!   connection stays evictable meanwhile, so stalled handshakes cannot hold
@@ -35,7 +42,11 @@ use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+use std::sync::OnceLock;
+use std::sync::atomic::{
+    AtomicU8,
+    Ordering::{Acquire, Relaxed, Release},
+};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -249,7 +260,7 @@ pub(crate) async fn serve<L>(
             );
             continue;
         };
-        let authed = Authed(place.authed.clone());
+        let authed = Authed(place.mark.clone());
         let svc = app
             .clone()
             .map_request(move |mut req: axum::http::Request<Incoming>| {
@@ -356,15 +367,49 @@ const OPERATOR: u8 = 2;
 /// read-only token) is never evicted; a tenant's only when no
 /// unauthenticated connection is left to evict, so tenants (who may not be
 /// trusted with the operator's access) cannot hold every place against
-/// the operator with idle keep-alive connections.
+/// the operator with idle keep-alive connections, except past its share
+/// (see [`evict_oldest`]).
 #[derive(Debug, Clone)]
-pub(crate) struct Authed(Arc<AtomicU8>);
+pub(crate) struct Authed(Arc<Mark>);
 
 impl Authed {
-    /// `tenant`: the token was a tenant's.
-    pub(crate) fn mark(&self, tenant: bool) {
-        self.0
-            .fetch_max(if tenant { TENANT } else { OPERATOR }, Relaxed);
+    /// The request presented tenant `tenant`'s token.
+    pub(crate) fn mark_tenant(&self, tenant: &str) {
+        self.0.set_tenant(tenant);
+    }
+
+    /// The request presented the full-access or the read-only token.
+    pub(crate) fn mark_operator(&self) {
+        self.0.level.fetch_max(OPERATOR, Release);
+    }
+}
+
+/// Who a connection's requests showed themselves to be: the highest level
+/// yet, and the tenant of the first tenant token.
+#[derive(Debug, Default)]
+struct Mark {
+    level: AtomicU8,
+    tenant: OnceLock<Box<str>>,
+}
+
+impl Mark {
+    fn set_tenant(&self, tenant: &str) {
+        // The tenant before the level: whoever sees the level sees it.
+        let _ = self.tenant.set(tenant.into());
+        self.level.fetch_max(TENANT, Release);
+    }
+
+    fn level(&self) -> u8 {
+        self.level.load(Acquire)
+    }
+
+    /// The tenant of a connection at level [`TENANT`].
+    fn tenant_of(&self) -> Option<&str> {
+        if self.level() == TENANT {
+            self.tenant.get().map(|t| &**t)
+        } else {
+            None
+        }
     }
 }
 
@@ -380,7 +425,7 @@ struct Places {
 #[derive(Debug)]
 struct Entry {
     source: Option<IpAddr>,
-    authed: Arc<AtomicU8>,
+    mark: Arc<Mark>,
     evict: CancellationToken,
 }
 
@@ -389,7 +434,7 @@ struct Entry {
 struct Place {
     places: Arc<Places>,
     id: u64,
-    authed: Arc<AtomicU8>,
+    mark: Arc<Mark>,
     evicted: CancellationToken,
 }
 
@@ -409,50 +454,79 @@ impl Places {
         })
     }
 
-    /// A place for a connection from `source`, evicting the oldest
-    /// unauthenticated one if the caps are reached; `None` if every place
+    /// A place for a connection from `source`, evicting another (see
+    /// [`evict_oldest`]) if the caps are reached; `None` if every place
     /// that counts is held by authenticated connections. Work is bounded by
-    /// the cap (at most `max` entries are scanned).
+    /// the cap (a few scans of at most `max` entries).
     fn admit(self: &Arc<Self>, source: Option<IpAddr>) -> Option<Place> {
         let mut m = self.inner.lock();
+        // A tenant's share: as many places as one address may hold.
+        let share = self.per_source;
         if let Some(ip) = source {
             let same = m.values().filter(|e| e.source == Some(ip)).count();
-            if same >= self.per_source && !evict_oldest(&mut m, |e| e.source == Some(ip)) {
+            if same >= self.per_source && !evict_oldest(&mut m, share, |e| e.source == Some(ip)) {
                 return None;
             }
         }
-        if m.len() >= self.max && !evict_oldest(&mut m, |_| true) {
+        if m.len() >= self.max && !evict_oldest(&mut m, share, |_| true) {
             return None;
         }
         let id = self.next.fetch_add(1, Relaxed);
-        let authed = Arc::new(AtomicU8::new(UNAUTHENTICATED));
+        let mark = Arc::new(Mark::default());
         let evicted = CancellationToken::new();
         m.insert(
             id,
             Entry {
                 source,
-                authed: authed.clone(),
+                mark: mark.clone(),
                 evict: evicted.clone(),
             },
         );
         Some(Place {
             places: self.clone(),
             id,
-            authed,
+            mark,
             evicted,
         })
     }
 }
 
-/// Evicts the oldest unauthenticated connection that `pick` picks, else
-/// the oldest tenant-authenticated one; never an operator's.
-fn evict_oldest(m: &mut BTreeMap<u64, Entry>, pick: impl Fn(&Entry) -> bool) -> bool {
+/// Evicts, among the connections `pick` picks: the oldest of the tenant
+/// holding the most tenant-authenticated places, if that is more than
+/// `share`; else the oldest unauthenticated connection; else the oldest
+/// tenant-authenticated one; never an operator's.
+///
+/// Why a tenant past its share goes first: unauthenticated connections go
+/// before tenants' so that a flood without a token cannot evict tenants'
+/// keep-alives, but a tenant has a token. One that holds every place and
+/// authenticates each new connection at once makes any newcomer (the
+/// operator's, another tenant's) the only unauthenticated connection,
+/// hence the next one evicted, before its request can be read.
+fn evict_oldest(m: &mut BTreeMap<u64, Entry>, share: usize, pick: impl Fn(&Entry) -> bool) -> bool {
+    let mut held: BTreeMap<&str, usize> = BTreeMap::new();
+    for e in m.values().filter(|e| pick(e)) {
+        if let Some(t) = e.mark.tenant_of() {
+            *held.entry(t).or_default() += 1;
+        }
+    }
+    let greedy = held
+        .into_iter()
+        .filter(|&(_, n)| n > share)
+        .max_by_key(|&(_, n)| n)
+        .map(|(t, _)| t.to_owned());
+    let over = greedy.and_then(|t| {
+        m.iter()
+            .find(|(_, e)| pick(e) && e.mark.tenant_of() == Some(t.as_str()))
+            .map(|(id, _)| *id)
+    });
     let oldest = |level: u8| {
         m.iter()
-            .find(|(_, e)| e.authed.load(Relaxed) == level && pick(e))
+            .find(|(_, e)| e.mark.level() == level && pick(e))
             .map(|(id, _)| *id)
     };
-    let victim = oldest(UNAUTHENTICATED).or_else(|| oldest(TENANT));
+    let victim = over
+        .or_else(|| oldest(UNAUTHENTICATED))
+        .or_else(|| oldest(TENANT));
     match victim.and_then(|id| m.remove(&id)) {
         Some(e) => {
             e.evict.cancel();
@@ -562,7 +636,7 @@ mod tests {
         let a: IpAddr = "192.0.2.1".parse().unwrap();
         let b: IpAddr = "192.0.2.2".parse().unwrap();
         let a1 = p.admit(Some(a)).unwrap();
-        a1.authed.store(OPERATOR, Relaxed);
+        Authed(a1.mark.clone()).mark_operator();
         let a2 = p.admit(Some(a)).unwrap();
         // Per-source cap: a's third evicts a2 (a1 is authenticated).
         let a3 = p.admit(Some(a)).unwrap();
@@ -574,7 +648,7 @@ mod tests {
         assert!(b1.evicted.is_cancelled() || p.inner.lock().len() <= 3);
         // All places authenticated: refused.
         for e in p.inner.lock().values() {
-            e.authed.store(OPERATOR, Relaxed);
+            e.mark.level.store(OPERATOR, Relaxed);
         }
         assert!(p.admit(None).is_none());
         drop(a1);
@@ -586,16 +660,65 @@ mod tests {
         let p = Places::new(3, 3);
         let a: IpAddr = "192.0.2.1".parse().unwrap();
         let t1 = p.admit(Some(a)).unwrap();
-        Authed(t1.authed.clone()).mark(true);
+        Authed(t1.mark.clone()).mark_tenant("t");
         let u1 = p.admit(Some(a)).unwrap();
         let o1 = p.admit(Some(a)).unwrap();
-        Authed(o1.authed.clone()).mark(false);
+        Authed(o1.mark.clone()).mark_operator();
         // The unauthenticated one goes first, though younger.
         let n1 = p.admit(Some(a)).unwrap();
         assert!(u1.evicted.is_cancelled() && !t1.evicted.is_cancelled());
-        Authed(n1.authed.clone()).mark(false);
+        Authed(n1.mark.clone()).mark_operator();
         // Then the tenant's; never an operator's.
         let _n2 = p.admit(Some(a)).unwrap();
         assert!(t1.evicted.is_cancelled() && !o1.evicted.is_cancelled());
+    }
+
+    /// Marks `p` as authenticated by tenant `t`'s token.
+    fn as_tenant(p: &Place, t: &str) {
+        Authed(p.mark.clone()).mark_tenant(t);
+    }
+
+    /// One tenant holding every place (from 8 addresses, 16 each, each
+    /// connection authenticated at once) cannot keep evicting the
+    /// operator's new connection before its request is read: past its
+    /// share, the tenant's own connections go first. Before, each of the
+    /// tenant's new connections evicted the oldest unauthenticated one,
+    /// which was always the newcomer, so a tenant opening connections in
+    /// a loop shut the operator and every other tenant out.
+    #[test]
+    fn a_tenant_holding_every_place_cannot_evict_a_newcomer() {
+        let p = Places::new(MAX_ADMIN_CONNECTIONS, MAX_PER_SOURCE);
+        let src = |i: usize| -> IpAddr {
+            format!("192.0.2.{}", 1 + i / MAX_PER_SOURCE)
+                .parse()
+                .unwrap()
+        };
+        let mut held: Vec<Place> = (0..MAX_ADMIN_CONNECTIONS)
+            .map(|i| {
+                let c = p.admit(Some(src(i))).unwrap();
+                as_tenant(&c, "a");
+                c
+            })
+            .collect();
+        let operator: IpAddr = "198.51.100.1".parse().unwrap();
+        // The operator gets in: one of the tenant's places goes.
+        let op = p.admit(Some(operator)).unwrap();
+        assert!(!op.evicted.is_cancelled());
+        assert_eq!(held.iter().filter(|c| c.evicted.is_cancelled()).count(), 1);
+        held.retain(|c| !c.evicted.is_cancelled());
+        // The tenant keeps opening connections, from each of its addresses
+        // in turn, authenticating each at once: the operator's connection,
+        // whose request is still on its way, stays.
+        for i in 0..4 * MAX_ADMIN_CONNECTIONS {
+            let c = p.admit(Some(src(i % MAX_ADMIN_CONNECTIONS))).unwrap();
+            assert!(
+                !op.evicted.is_cancelled(),
+                "evicted by the tenant's connection {i}"
+            );
+            as_tenant(&c, "a");
+            held.push(c);
+            held.retain(|c| !c.evicted.is_cancelled());
+        }
+        assert!(p.inner.lock().len() <= MAX_ADMIN_CONNECTIONS);
     }
 }

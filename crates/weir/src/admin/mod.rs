@@ -26,7 +26,8 @@
 //!   (the admin API shares the daemon's file-descriptor budget with the data
 //!   path); a request head must arrive within 10 s; past a cap, a new
 //!   connection evicts the oldest not yet authenticated, so slow or idle
-//!   clients cannot shut the operator out (see [`limit`]); a connection
+//!   clients cannot shut the operator out, nor can a tenant holding more
+//!   than its share of the places (see [`limit`]); a connection
 //!   idle for 60 s is closed. A `Content-Length` over [`BODY_LIMIT`] gets
 //!   413 before the body is read.
 //! * `/ui/` serves the web dashboard's static files without a token (they
@@ -468,7 +469,10 @@ async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) 
             .into_response();
     }
     if let Some(a) = req.extensions().get::<limit::Authed>() {
-        a.mark(matches!(access, Access::Tenant(_)));
+        match &access {
+            Access::Tenant(t) => a.mark_tenant(t),
+            Access::Full | Access::ReadOnly => a.mark_operator(),
+        }
     }
     req.extensions_mut().insert(access);
     next.run(req).await
