@@ -1217,3 +1217,44 @@ fn a_tenant_deletion_racing_an_add_leaves_no_service_behind() {
     }
     d.shutdown();
 }
+
+/// A service replaced by an edit (a new address: a new service) takes
+/// its persistence templates with it, as a deleted one does. Before, the
+/// replacement told the old service's connections to close but left its
+/// templates: invisible to listings (their service is no longer in the
+/// model), they went on counting against the tenant's table until their
+/// persistence timed out (here 1 entry, for 300 s).
+#[test]
+fn a_replaced_service_leaves_no_persistence_template_behind() {
+    let e = Echo::start();
+    let mut spec = service("p", Protocol::Tcp, "rr", vec![backend(e.addr, 1)]);
+    spec.persistence = "300s".parse().unwrap();
+    let d = Daemon::start(config(vec![spec.clone()]), None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "p").unwrap();
+    assert!(echo_once(vip, b"hello"));
+    assert!(wait_until(T, || c.global_stats().active_conns == 0));
+    let entries = || {
+        c.table()
+            .iter()
+            .find(|r| r.tenant == "default")
+            .map_or(0, |r| r.entries)
+    };
+    let listed = || {
+        c.connections(&ConnFilter::default(), None, 100)
+            .unwrap()
+            .connections
+    };
+    // The closed connection's entry is gone; its template stays.
+    assert!(wait_until(T, || entries() == 1), "{:?}", listed());
+    assert_eq!(listed()[0].state, "NONE", "the template");
+    spec.listen = "127.0.0.2:0".parse().unwrap();
+    c.edit_service("default", "p", spec).unwrap();
+    assert_ne!(d.service_addr("default", "p"), Some(vip));
+    assert_eq!(
+        (entries(), listed().len()),
+        (0, 0),
+        "the old service's template outlived it"
+    );
+    d.shutdown();
+}

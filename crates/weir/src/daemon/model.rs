@@ -1109,6 +1109,9 @@ impl Shared {
             // See `take_services`.
             std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
             self.kill_service(&old, None, Close::ServiceDeleted);
+            // As a deletion does: the kill leaves templates (no owner),
+            // and the new service, a new id, neither lists nor drops them.
+            self.drop_templates(&old);
             self.retired(std::slice::from_ref(&old));
         }
         errors
