@@ -100,6 +100,13 @@ pub struct TenantStatus {
     pub refused: u64,
     /// "own" or "shared" (shared also when an own table fell back).
     pub table: String,
+    /// The tenant's own totals and rates, which count every connection
+    /// of its services, deleted ones too, and start at 0 with the tenant
+    /// (`GET /v1/stats` and `/metrics` show them; not part of
+    /// `GET /v1/tenants`). `None` from a [`Control`] that keeps none: the
+    /// sums of its services stand in.
+    #[serde(skip)]
+    pub figures: Option<(Totals, Rates)>,
 }
 
 /// A backend as the API lists it.

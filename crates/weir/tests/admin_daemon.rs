@@ -419,3 +419,79 @@ fn save_then_restart_reproduces_the_running_state() {
     echo_once(vip, b"after restart").unwrap();
     r2.shutdown();
 }
+
+/// A tenant's totals are its own counters: deleting one of its services
+/// takes nothing off them, in `GET /v1/stats` and in `/metrics` (where a
+/// counter that goes down reads as a reset, and a rate over it as a burst
+/// of everything that is left). Before, both summed the services there
+/// now: with 3 connections through `a` and 2 through `b`, the tenant's
+/// count went from 5 to 2 when `a` was deleted.
+#[test]
+fn a_tenants_totals_survive_the_deletion_of_its_services() {
+    let e = Echo::start();
+    let mut text = service_toml("a", &[e.addr]);
+    text.push_str(&service_toml("b", &[e.addr]));
+    let r = Running::start(config(&text), None);
+    let (a, b) = (
+        r.d().service_addr("default", "a").unwrap(),
+        r.d().service_addr("default", "b").unwrap(),
+    );
+    for vip in [a, a, a, b, b] {
+        echo_once(vip, b"hello").unwrap();
+    }
+    let control = r.d().control();
+    assert!(daemon_util::wait_until(Duration::from_secs(10), || control
+        .global_stats()
+        .active_conns
+        == 0));
+    let tenant = |stats: &Value| {
+        stats["tenants"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["tenant"] == "default")
+            .unwrap()["stats"]
+            .clone()
+    };
+    let metric = |name: &str| {
+        let text = weir::admin::metrics::render(control.as_ref()).unwrap();
+        let prefix = format!("{name}{{tenant=\"default\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .unwrap_or_else(|| panic!("no {prefix:?} in:\n{text}"))
+            .parse::<u64>()
+            .unwrap()
+    };
+    let before = tenant(&r.ok("GET", "/v1/stats", None));
+    assert_eq!(before["conns"], 5);
+    assert_eq!(before["inbytes"], 25);
+    assert_eq!(metric("weir_tenant_connections_total"), 5);
+    r.ok("DELETE", "/v1/services/default/a", None);
+    let after = tenant(&r.ok("GET", "/v1/stats", None));
+    assert_eq!(after, before, "the tenant's totals after deleting a");
+    assert_eq!(metric("weir_tenant_connections_total"), 5);
+    assert_eq!(metric("weir_tenant_in_bytes_total"), 25);
+    // A tenant deleted and made again under its old name starts from 0.
+    let body = json!({
+        "tenant": "t2", "name": "s", "protocol": "tcp", "listen": "127.0.0.1:0",
+        "backend": [{ "address": e.addr.to_string() }],
+    });
+    let t2_conns = || {
+        r.ok("GET", "/v1/stats", None)["tenants"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["tenant"] == "t2")
+            .unwrap()["stats"]["conns"]
+            .clone()
+    };
+    r.ok("POST", "/v1/tenants", Some(json!({ "name": "t2" })));
+    r.ok("POST", "/v1/services", Some(body.clone()));
+    echo_once(r.d().service_addr("t2", "s").unwrap(), b"hi").unwrap();
+    assert_eq!(t2_conns(), 1);
+    r.ok("DELETE", "/v1/tenants/t2", None);
+    r.ok("POST", "/v1/tenants", Some(json!({ "name": "t2" })));
+    assert_eq!(t2_conns(), 0, "a new tenant inherits nothing");
+    r.ok("POST", "/v1/services", Some(body));
+    assert_eq!(t2_conns(), 0);
+}

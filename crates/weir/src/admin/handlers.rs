@@ -844,6 +844,18 @@ pub(crate) fn add_rates(a: Rates, b: &Rates) -> Rates {
     }
 }
 
+/// A tenant's totals and rates: its own (which its deleted services still
+/// count in), else, from a [`crate::control::Control`] that keeps none,
+/// the sums of its services in `sums` ([`tenant_sums`]).
+pub(crate) fn tenant_figures(
+    t: &TenantStatus,
+    sums: &BTreeMap<String, (Totals, Rates)>,
+) -> (Totals, Rates) {
+    t.figures
+        .or_else(|| sums.get(&t.spec.name).copied())
+        .unwrap_or_default()
+}
+
 /// Per-tenant sums of service totals and rates.
 pub(crate) fn tenant_sums(services: &[ServiceStatus]) -> BTreeMap<String, (Totals, Rates)> {
     let mut m: BTreeMap<String, (Totals, Rates)> = BTreeMap::new();
@@ -869,7 +881,7 @@ fn figures(
     let tenants: Vec<TenantFigures> = tenants
         .iter()
         .map(|t| {
-            let (tot, rat) = sums.get(&t.spec.name).copied().unwrap_or_default();
+            let (tot, rat) = tenant_figures(t, &sums);
             TenantFigures {
                 tenant: t.spec.name.clone(),
                 active_conns: t.active_conns,

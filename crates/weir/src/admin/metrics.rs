@@ -45,7 +45,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Registry, Unit};
 
-use super::handlers::tenant_sums;
+use super::handlers::{tenant_figures, tenant_sums};
 use crate::control::{Control, GlobalStats, Rates, Totals};
 
 type Labels = Vec<(String, String)>;
@@ -483,7 +483,7 @@ pub fn render(control: &dyn Control) -> Result<String, std::fmt::Error> {
     let sums = tenant_sums(&services);
     for t in &tenants {
         let tl = labels(&[("tenant", &t.spec.name)]);
-        let (tot, rat) = sums.get(&t.spec.name).copied().unwrap_or_default();
+        let (tot, rat) = tenant_figures(t, &sums);
         tenant.set(&tl, &tot, &rat);
         t_active.get_or_create(&tl).set(sat(t.active_conns));
         t_refused.get_or_create(&tl).inc_by(t.refused);

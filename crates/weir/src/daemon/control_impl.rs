@@ -817,7 +817,7 @@ impl ConnMatch {
     }
 }
 
-/// A tenant's status (its token left out).
+/// A tenant's status (its token left out), with its own counters.
 fn tenant_status(t: &super::Tenant) -> TenantStatus {
     let mut spec = t.spec.read().clone();
     spec.token = None;
@@ -826,6 +826,7 @@ fn tenant_status(t: &super::Tenant) -> TenantStatus {
         spec,
         active_conns: t.active.load(Relaxed),
         refused: t.refused.load(Relaxed),
+        figures: Some(t.stat.read()),
     }
 }
 

@@ -229,6 +229,7 @@ impl Control for Fake {
                 active_conns: st.conns.values().filter(|c| c.tenant == t.name).count() as u64,
                 refused: if t.name == "acme" { 7 } else { 0 },
                 table: if t.table_entries > 0 { "own" } else { "shared" }.into(),
+                figures: None,
             })
             .collect();
         v.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
