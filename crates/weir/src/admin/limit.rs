@@ -613,12 +613,23 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Idle<T> {
         Pin::new(&mut self.io).poll_shutdown(cx)
     }
 
+    // As `poll_write`: hyper writes vectored when the stream can (a TCP
+    // stream can), and rustls always does, so this is the write path.
     fn poll_write_vectored(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        match Pin::new(&mut self.io).poll_write_vectored(cx, bufs) {
+            Poll::Ready(r) => {
+                self.touch();
+                Poll::Ready(r)
+            }
+            Poll::Pending => match self.check_idle(cx) {
+                Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                _ => Poll::Pending,
+            },
+        }
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -720,5 +731,54 @@ mod tests {
             held.retain(|c| !c.evicted.is_cancelled());
         }
         assert!(p.inner.lock().len() <= MAX_ADMIN_CONNECTIONS);
+    }
+
+    /// A write that stalls (a client that stopped reading) ends the
+    /// connection after the idle time however it is written: hyper writes
+    /// vectored to a TCP stream, and rustls always does. Before, a vectored
+    /// write went straight to the stream, neither checking the idle time
+    /// nor counting as progress: this write stayed pending for good.
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_vectored_write_ends_after_the_idle_time() {
+        use tokio::io::AsyncWriteExt;
+        let (near, _far) = tokio::io::duplex(64);
+        let mut io = Idle::new(near, IDLE_TIMEOUT);
+        let chunk = [7u8; 1024];
+        let stalled = async {
+            loop {
+                if let Err(e) = io.write_vectored(&[io::IoSlice::new(&chunk)]).await {
+                    return e;
+                }
+            }
+        };
+        let err = tokio::time::timeout(2 * IDLE_TIMEOUT, stalled)
+            .await
+            .expect("the stalled write never ended");
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+    }
+
+    /// A vectored write that makes progress keeps the connection alive,
+    /// however long it takes in all: each write counts as activity.
+    #[tokio::test(start_paused = true)]
+    async fn vectored_writes_making_progress_keep_the_connection() {
+        use tokio::io::AsyncReadExt;
+        use tokio::io::AsyncWriteExt;
+        let (near, mut far) = tokio::io::duplex(64);
+        let mut io = Idle::new(near, IDLE_TIMEOUT);
+        let rounds = 10u32;
+        let reader = tokio::spawn(async move {
+            let mut buf = [0u8; 64];
+            for _ in 0..rounds {
+                tokio::time::sleep(IDLE_TIMEOUT / 2).await;
+                far.read_exact(&mut buf).await.unwrap();
+            }
+        });
+        let start = Instant::now();
+        for i in 0..rounds {
+            let n = io.write_vectored(&[io::IoSlice::new(&[1u8; 64])]).await;
+            assert_eq!(n.unwrap_or_else(|e| panic!("write {i}: {e}")), 64);
+        }
+        reader.await.unwrap();
+        assert!(start.elapsed() > 2 * IDLE_TIMEOUT);
     }
 }
