@@ -1258,3 +1258,66 @@ fn a_replaced_service_leaves_no_persistence_template_behind() {
     );
     d.shutdown();
 }
+
+/// A connection filter's backend is an address and is compared as one: the
+/// same address written another way (v4-mapped, as a dual-stack client
+/// prints it) lists and kills that backend's connections, and what is not
+/// IP:PORT is refused with a clear error rather than matching nothing.
+/// Before, the filter was compared as a string with the backend's
+/// canonical form: a kill by `127.0.0.1` (no port) or by a typo answered
+/// "killed 0" as if there were no such connections, and the mapped form
+/// killed none of the 2 connections it names.
+#[test]
+fn a_backend_filter_is_an_address_and_a_malformed_one_is_refused() {
+    let e = Echo::start();
+    let d = Daemon::start(
+        config(vec![service(
+            "f",
+            Protocol::Tcp,
+            "rr",
+            vec![backend(e.addr, 1)],
+        )]),
+        None,
+    )
+    .unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "f").unwrap();
+    let mut conns: Vec<_> = (0..2).map(|_| held(vip)).collect();
+    let by = |b: &str| ConnFilter {
+        backend: Some(b.into()),
+        ..Default::default()
+    };
+    let ip = e.addr.ip().to_string();
+    for bad in [ip.as_str(), "nonsense", "127.0.0.1:99999"] {
+        let err = c.kill_matching(&by(bad)).unwrap_err();
+        assert_eq!(
+            err.kind,
+            weir::control::ErrorKind::Invalid,
+            "{bad}: {err:?}"
+        );
+        assert!(err.message.contains("IP:PORT"), "{bad}: {err:?}");
+        let err = c.connections(&by(bad), None, 10).unwrap_err();
+        assert_eq!(
+            err.kind,
+            weir::control::ErrorKind::Invalid,
+            "{bad}: {err:?}"
+        );
+    }
+    assert_eq!(
+        c.connections(&by(&e.addr.to_string()), None, 10)
+            .unwrap()
+            .connections
+            .len(),
+        2
+    );
+    let mapped = format!("[::ffff:{}]:{}", e.addr.ip(), e.addr.port());
+    let page = c.connections(&by(&mapped), None, 10).unwrap();
+    assert_eq!(page.connections.len(), 2, "{mapped}");
+    assert_eq!(c.kill_matching(&by(&mapped)).unwrap(), 2, "{mapped}");
+    let mut b = [0u8; 1];
+    for s in conns.iter_mut() {
+        assert!(matches!(s.read(&mut b), Ok(0) | Err(_)));
+    }
+    assert!(wait_until(T, || c.global_stats().active_conns == 0));
+    d.shutdown();
+}

@@ -42,6 +42,22 @@ impl LiveControl {
             };
             df.tenant = Some(TenantId(ten.id));
         }
+        // An address, compared as one: "[::ffff:10.0.0.1]:80" names the
+        // backend 10.0.0.1:80, and what is not IP:PORT matches no backend,
+        // so it is refused rather than answered with nothing.
+        let backend = match &f.backend {
+            None => None,
+            Some(b) => Some(
+                b.trim()
+                    .parse::<std::net::SocketAddr>()
+                    .map(canonical)
+                    .map_err(|_| {
+                        invalid(format!(
+                            "backend {b:?} is not IP:PORT, e.g. 10.0.1.3:80 or [2001:db8::3]:80"
+                        ))
+                    })?,
+            ),
+        };
         if let Some(s) = &f.state {
             let state = s
                 .to_ascii_uppercase()
@@ -61,7 +77,7 @@ impl LiveControl {
             ConnMatch {
                 state: arc_swap::Guard::into_inner(st),
                 service: f.service.clone(),
-                backend: f.backend.clone(),
+                backend,
             },
         ))
     }
@@ -797,24 +813,30 @@ fn service_names(c: &Config) -> std::collections::HashSet<(&str, &str)> {
 struct ConnMatch {
     state: Arc<super::model::State>,
     service: Option<String>,
-    backend: Option<String>,
+    /// In [`canonical`] form.
+    backend: Option<std::net::SocketAddr>,
 }
 
 impl ConnMatch {
     /// The entry's service and backend address, if it passes.
     fn check(&self, snap: &FlowSnapshot) -> Option<(&Arc<Service>, Option<String>)> {
         let svc = self.state.services.by_id(snap.service.0)?;
-        let backend = svc.backend(snap.backend.0).map(|b| b.addr.to_string());
+        let backend = svc.backend(snap.backend.0);
         let ok = self
             .service
             .as_ref()
             .is_none_or(|s| *s == svc.spec.read().name)
             && self
                 .backend
-                .as_ref()
-                .is_none_or(|b| backend.as_ref() == Some(b));
-        ok.then_some((svc, backend))
+                .is_none_or(|want| backend.as_ref().is_some_and(|b| canonical(b.addr) == want));
+        ok.then(|| (svc, backend.map(|b| b.addr.to_string())))
     }
+}
+
+/// `a` with an IPv4-mapped IPv6 address as the IPv4 one (the same
+/// endpoint on a dual-stack host), for comparing addresses.
+fn canonical(a: std::net::SocketAddr) -> std::net::SocketAddr {
+    std::net::SocketAddr::new(a.ip().to_canonical(), a.port())
 }
 
 /// A tenant's status (its token left out), with its own counters.
