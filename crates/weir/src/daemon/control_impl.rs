@@ -1047,7 +1047,7 @@ impl Control for LiveControl {
         // With the edits, as an add is: `delete_tenants` takes the
         // tenant's services, then the tenant, and a service added between
         // the two would stay under a tenant that is gone.
-        let _one = self.0.model.edits.lock();
+        let _one = self.0.model.lock_edits();
         self.delete_tenants(&[tenant.to_owned()])
             .pop()
             .expect("one result per tenant")
@@ -1060,7 +1060,7 @@ impl Control for LiveControl {
 
     fn add_service(&self, spec: ServiceSpec) -> ControlResult<()> {
         // With the edits: a `max_backends` counts the tenant's backends.
-        let _one = self.0.model.edits.lock();
+        let _one = self.0.model.lock_edits();
         let id = format!("service {}/{}", spec.tenant, spec.name);
         self.0.add_service(spec)?;
         self.added_at_runtime(id);
@@ -1068,12 +1068,12 @@ impl Control for LiveControl {
     }
 
     fn edit_service(&self, tenant: &str, name: &str, spec: ServiceSpec) -> ControlResult<()> {
-        let _one = self.0.model.edits.lock();
+        let _one = self.0.model.lock_edits();
         self.edit_service_locked(tenant, name, spec, Caps::EachChange)
     }
 
     fn delete_service(&self, tenant: &str, name: &str) -> ControlResult<()> {
-        let _one = self.0.model.edits.lock();
+        let _one = self.0.model.lock_edits();
         self.remove_service(&(tenant.to_owned(), name.to_owned()))
             .ok_or_else(|| not_found(format!("service {tenant}/{name} does not exist")))?;
         self.forget_runtime(
@@ -1084,7 +1084,7 @@ impl Control for LiveControl {
     }
 
     fn add_backend(&self, tenant: &str, service: &str, spec: BackendSpec) -> ControlResult<()> {
-        let _one = self.0.model.edits.lock();
+        let _one = self.0.model.lock_edits();
         let svc = self.service(tenant, service)?;
         let mut specs = svc.spec.read().backends.clone();
         if specs.iter().any(|b| b.address == spec.address) {
@@ -1118,7 +1118,7 @@ impl Control for LiveControl {
         address: &str,
         patch: BackendPatch,
     ) -> ControlResult<()> {
-        let _one = self.0.model.edits.lock();
+        let _one = self.0.model.lock_edits();
         let svc = self.service(tenant, service)?;
         let mut specs = svc.spec.read().backends.clone();
         let Some(b) = specs.iter_mut().find(|b| b.address.to_string() == address) else {
@@ -1151,7 +1151,7 @@ impl Control for LiveControl {
     }
 
     fn delete_backend(&self, tenant: &str, service: &str, address: &str) -> ControlResult<()> {
-        let _one = self.0.model.edits.lock();
+        let _one = self.0.model.lock_edits();
         let svc = self.service(tenant, service)?;
         let mut specs = svc.spec.read().backends.clone();
         let before = specs.len();

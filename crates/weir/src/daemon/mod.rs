@@ -1025,6 +1025,68 @@ mod tests {
         d.shutdown();
     }
 
+    /// An API edit that has to wait for the edit lock (a reload holds it
+    /// for its whole apply) waits off the control runtime: meanwhile
+    /// another admin request is answered. The edit's handler used to wait
+    /// on the lock on the control runtime's one worker thread, and every
+    /// admin request, health check and watchdog keep-alive with it.
+    #[test]
+    fn an_edit_waiting_for_a_reload_does_not_hold_up_the_admin_api() {
+        use crate::cli::client::{CliError, Client};
+        let mut cfg = Config::default();
+        cfg.daemon.workers = 1;
+        let d = Daemon::start(cfg, None).unwrap();
+        let admin = crate::config::AdminConfig {
+            listen: "127.0.0.1:0".into(),
+            token: Some("edit-lock-test-token".into()),
+            ..crate::config::AdminConfig::default()
+        };
+        let rt = d.runtime();
+        let bound = rt
+            .block_on(crate::admin::bind(&admin, d.control()))
+            .unwrap();
+        let url = format!("http://{}", bound.local_addr().unwrap());
+        let stop = CancellationToken::new();
+        rt.spawn(bound.run(stop.clone()));
+        let client = || Client::new(url.clone(), Some("edit-lock-test-token".into()));
+        // As a long reload does.
+        let held = d.shared.model.edits.lock();
+        // A deletion takes the lock before it looks for the service.
+        let edit = {
+            let c = client();
+            std::thread::spawn(move || c.send("DELETE", "/v1/services/default/nope", None))
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while d.shared.model.edits_waiting.load(Relaxed) == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the edit never waited for the lock"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        {
+            let c = client();
+            std::thread::spawn(move || {
+                let _ = tx.send(c.send("GET", "/v1/services", None));
+            });
+        }
+        let answer = rx.recv_timeout(Duration::from_secs(5));
+        assert!(
+            matches!(answer, Ok(Ok(serde_json::Value::Array(_)))),
+            "GET /v1/services while an edit waits for the edit lock: {answer:?}"
+        );
+        assert_eq!(d.shared.model.edits_waiting.load(Relaxed), 1);
+        drop(held);
+        // The edit goes on once the lock is free.
+        match edit.join().unwrap() {
+            Err(CliError::Api { status: 404, .. }) => {}
+            other => panic!("the edit after the lock: {other:?}"),
+        }
+        stop.cancel();
+        d.shutdown();
+    }
+
     /// Adding a service on the address of one this daemon just removed waits
     /// (up to 2 s) for the old sockets to close; meanwhile the state lock,
     /// which every admin request needs, stays free. It used to be held for

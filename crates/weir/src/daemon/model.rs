@@ -52,8 +52,13 @@ pub(crate) struct Model {
     /// Serialises the edits that read a service's spec and write it back
     /// changed (a backend added, edited or deleted; a service edited or
     /// deleted), so that two of them never both start from the same spec
-    /// and one's change vanish under the other's.
+    /// and one's change vanish under the other's. A reload holds it for
+    /// its whole apply; API edits take it through [`Model::lock_edits`].
     pub(super) edits: Mutex<()>,
+    /// How many callers of [`Model::lock_edits`] wait for `edits` now:
+    /// what tests watch to know an edit is held up.
+    #[cfg(test)]
+    pub(super) edits_waiting: std::sync::atomic::AtomicUsize,
     /// Moves whenever a service is added, removed or replaced, or a
     /// service's set of backends changes: packet workers rebuild their
     /// snapshot of the packet services when it does.
@@ -88,11 +93,43 @@ impl Model {
             retiring: Mutex::default(),
             reload_lock: Mutex::new(()),
             edits: Mutex::new(()),
+            #[cfg(test)]
+            edits_waiting: Default::default(),
             services_gen: AtomicU64::new(0),
             listen_groups: Mutex::new(Vec::new()),
             #[cfg(test)]
             copies: AtomicU64::new(0),
         }
+    }
+
+    /// `edits`, for an API edit. The admin API calls the edits from its
+    /// handlers, on the control runtime's one worker thread, and a reload
+    /// holds `edits` for its whole apply (seconds, with many services):
+    /// waiting for it there held up every other admin request, the health
+    /// checks and the watchdog's keep-alives until the reload ended. On a
+    /// worker of a multi-thread runtime the wait is handed to
+    /// [`tokio::task::block_in_place`], which moves the runtime's other
+    /// tasks to another thread meanwhile; elsewhere (a blocking thread, a
+    /// plain thread) it is a plain wait. Edits and reloads stay serialised
+    /// as before: this only changes which thread waits.
+    pub(super) fn lock_edits(&self) -> MutexGuard<'_, ()> {
+        if let Some(g) = self.edits.try_lock() {
+            return g;
+        }
+        #[cfg(test)]
+        self.edits_waiting.fetch_add(1, Relaxed);
+        use tokio::runtime::{Handle, RuntimeFlavor};
+        let g = match Handle::try_current() {
+            // block_in_place panics on a current-thread runtime, where
+            // there is no other thread to move the tasks to anyway.
+            Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| self.edits.lock())
+            }
+            _ => self.edits.lock(),
+        };
+        #[cfg(test)]
+        self.edits_waiting.fetch_sub(1, Relaxed);
+        g
     }
 
     /// The current snapshot, without a lock. It stays as it is while held
