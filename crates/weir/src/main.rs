@@ -352,7 +352,11 @@ fn run(path: Option<PathBuf>) -> ExitCode {
     // SIGHUP's default action, which ends the process).
     weir::systemd::enable();
     let watchdog_stop = CancellationToken::new();
-    weir::systemd::spawn_watchdog(&handle.runtime(), watchdog_stop.clone());
+    // Fed while every proxy and packet worker thread runs and turns.
+    let mut liveness = handle.liveness_check();
+    weir::systemd::spawn_watchdog(&handle.runtime(), watchdog_stop.clone(), move |now| {
+        liveness.check(now)
+    });
     let ready_status = format!("serving {} service(s)", cfg.services.len());
     let control = handle.control();
     let rt = handle.runtime();

@@ -68,24 +68,56 @@ pub fn watchdog_interval() -> Option<Duration> {
 }
 
 /// Feed the watchdog from `rt` until `stop` is cancelled, if
-/// [`watchdog_interval`] says to. The task runs on the control runtime, so
-/// a wedged control plane (admin API, signals, health checks) stops the
-/// keep-alives and systemd restarts the daemon.
-pub fn spawn_watchdog(rt: &tokio::runtime::Handle, stop: CancellationToken) {
+/// [`watchdog_interval`] says to, while `alive` says the data path works.
+/// The task runs on the control runtime, so a wedged control plane (admin
+/// API, signals, health checks) stops the keep-alives; and `alive` (`weir
+/// run` gives it [`crate::daemon::LivenessCheck::check`]) stops them once
+/// a proxy or packet worker thread has ended or stopped turning: the
+/// keep-alives used to go on whatever the workers did, so a daemon whose
+/// data path was dead (a worker thread gone, its share of the clients
+/// refused) was never restarted. Either way systemd restarts the daemon.
+pub fn spawn_watchdog(
+    rt: &tokio::runtime::Handle,
+    stop: CancellationToken,
+    alive: impl FnMut(std::time::Instant) -> Result<(), String> + Send + 'static,
+) {
     let Some(every) = watchdog_interval() else {
         return;
     };
     tracing::info!(interval = ?every, "feeding the systemd watchdog");
-    rt.spawn(async move {
-        let mut tick = tokio::time::interval(every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                _ = tick.tick() => send(&[NotifyState::Watchdog]),
+    rt.spawn(watchdog_loop(every, stop, alive, || {
+        send(&[NotifyState::Watchdog])
+    }));
+}
+
+/// [`spawn_watchdog`]'s task: every `every`, `feed` while `alive` says so.
+/// The first time it does not, the reason is logged (once) and `feed` is
+/// never called again: a thread that ended does not come back, and the
+/// daemon is to be restarted.
+async fn watchdog_loop(
+    every: Duration,
+    stop: CancellationToken,
+    mut alive: impl FnMut(std::time::Instant) -> Result<(), String>,
+    mut feed: impl FnMut(),
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        match alive(std::time::Instant::now()) {
+            Ok(()) => feed(),
+            Err(why) => {
+                tracing::error!(
+                    "{why}: no longer feeding the systemd watchdog (systemd restarts weir)"
+                );
+                send(&[NotifyState::Status(&format!("unhealthy: {why}"))]);
+                return;
             }
         }
-    });
+    }
 }
 
 fn active() -> bool {
@@ -128,4 +160,66 @@ fn notify(states: &[NotifyState<'_>]) -> std::io::Result<()> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keep-alives go out while the data path is alive and stop for good
+    /// the first time it is not: the task ends without asking again.
+    #[test]
+    fn the_watchdog_stops_being_fed_once_the_data_path_is_not_alive() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let stop = CancellationToken::new();
+        let mut asked = 0;
+        let mut fed = 0;
+        let s = stop.clone();
+        // Ends by itself after the 4th look: the verdict stands. (A 5th
+        // look stops it, so that a loop that goes on ends too.)
+        rt.block_on(watchdog_loop(
+            Duration::from_millis(1),
+            stop,
+            |_| {
+                asked += 1;
+                match asked {
+                    1..=3 => Ok(()),
+                    4 => Err("data-path thread weir-worker-1 has ended".into()),
+                    _ => {
+                        s.cancel();
+                        Ok(())
+                    }
+                }
+            },
+            || fed += 1,
+        ));
+        assert_eq!((asked, fed), (4, 3));
+    }
+
+    /// A stop ends the loop, fed or not.
+    #[test]
+    fn a_stop_ends_the_watchdog_task() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let stop = CancellationToken::new();
+        let mut fed = 0;
+        let s = stop.clone();
+        rt.block_on(watchdog_loop(
+            Duration::from_millis(1),
+            stop,
+            |_| Ok(()),
+            || {
+                fed += 1;
+                if fed == 5 {
+                    s.cancel();
+                }
+            },
+        ));
+        assert_eq!(fed, 5);
+    }
 }

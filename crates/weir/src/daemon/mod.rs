@@ -47,6 +47,7 @@ mod accounting;
 mod admission;
 mod conns;
 mod control_impl;
+mod liveness;
 mod model;
 pub(crate) mod owners;
 mod packet;
@@ -80,6 +81,8 @@ use model::{
     resolve_timeouts, service_params, template_key,
 };
 use owners::Close;
+
+pub use liveness::{LivenessCheck, STALL};
 
 /// IPVS default idle timeout of an established TCP connection.
 pub const TCP_ESTABLISHED_TIMEOUT: Duration = Duration::from_secs(900);
@@ -170,14 +173,20 @@ impl Daemon {
         let mut worker_txs = Vec::with_capacity(workers);
         let mut threads = Vec::with_capacity(workers + 1);
         let stop_workers = CancellationToken::new();
+        let liveness = Arc::new(liveness::Liveness::default());
         for i in 0..workers {
             let (tx, rx) = mpsc::unbounded_channel();
             worker_txs.push(tx);
             let stop = stop_workers.clone();
             let steer = steering.clone();
+            let name = format!("weir-worker-{i}");
+            let beat = liveness.register(name.clone());
             let t = std::thread::Builder::new()
-                .name(format!("weir-worker-{i}"))
+                .name(name)
                 .spawn(move || {
+                    // However the thread ends (a return, a panic), the
+                    // watchdog learns it.
+                    let _alive = liveness::guard(&beat);
                     let mut rt = tokio::runtime::Builder::new_current_thread();
                     rt.enable_all();
                     if steer.can_steer() {
@@ -198,7 +207,7 @@ impl Daemon {
                         }
                     };
                     stats::set_worker_index(i);
-                    rt.block_on(worker_main(rx, stop));
+                    rt.block_on(worker_main(rx, stop, beat));
                 })
                 .context("spawning a worker thread")?;
             threads.push(t);
@@ -237,6 +246,7 @@ impl Daemon {
             reserved_tokens: ReservedTokens::default(),
             packet: std::sync::OnceLock::new(),
             packet_rt: std::sync::OnceLock::new(),
+            liveness,
         });
         // From here on a handle owns what runs: on any error below,
         // dropping it stops the workers (closing the listeners of the
@@ -365,6 +375,12 @@ impl DaemonHandle {
             .map(|s| s.listen)
     }
 
+    /// What the systemd watchdog is fed on: whether every proxy and packet
+    /// worker thread runs and turns (see [`LivenessCheck::check`]).
+    pub fn liveness_check(&self) -> LivenessCheck {
+        LivenessCheck::new(self.shared.liveness.clone(), STALL)
+    }
+
     /// A handle of the control-plane runtime (for the admin API, signals).
     pub fn runtime(&self) -> tokio::runtime::Handle {
         self.shared.control_rt.clone()
@@ -410,6 +426,9 @@ impl DaemonHandle {
     }
 
     fn stop(&mut self) {
+        // The threads end now, and that is no reason to stop feeding the
+        // watchdog.
+        self.shared.liveness.stopping();
         self.shared.admission.stop_accept.cancel();
         self.shared.conns.kill_all.cancel();
         self.shared.conns.owners.kill_all(Close::Killed);
@@ -577,6 +596,8 @@ pub(crate) struct Shared {
     pub(crate) packet: std::sync::OnceLock<Arc<packet::PacketPath>>,
     /// Packet mode's attached interfaces.
     packet_rt: std::sync::OnceLock<Arc<packet_run::PacketRuntime>>,
+    /// The proxy and packet workers' signs of life ([`liveness`]).
+    pub(crate) liveness: Arc<liveness::Liveness>,
 }
 
 impl Shared {
@@ -852,20 +873,34 @@ enum WorkerCmd {
         service: Arc<Service>,
         socket: ListenSocket,
     },
+    /// Tests: the worker's thread ends, as a dead worker's does.
+    #[cfg(test)]
+    Exit,
+    /// Tests: the worker's thread blocks for this long, as a wedged
+    /// worker's does.
+    #[cfg(test)]
+    Wedge(Duration),
 }
 
-async fn worker_main(mut rx: mpsc::UnboundedReceiver<WorkerCmd>, stop: CancellationToken) {
+async fn worker_main(
+    mut rx: mpsc::UnboundedReceiver<WorkerCmd>,
+    stop: CancellationToken,
+    beat: Arc<liveness::Beat>,
+) {
     // Keeps a timer due within half a second. Tokio wakes its driver (a
     // write to an eventfd, and an epoll_wait that returns at once) whenever
     // a new timer is due before every timer it parked with; without this,
     // each new connection's connect timeout was such a timer whenever no
     // other connect was pending: one extra syscall and wake-up per
-    // connection, for two wake-ups a second here.
-    tokio::spawn(async {
-        let mut beat = tokio::time::interval(HEARTBEAT);
-        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // connection, for two wake-ups a second here. Each tick is also the
+    // worker's sign of life for the systemd watchdog ([`liveness`]): a
+    // worker whose thread is wedged (a task that never yields) stops it.
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(HEARTBEAT);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            beat.tick().await;
+            tick.tick().await;
+            beat.beat();
         }
     });
     loop {
@@ -874,6 +909,10 @@ async fn worker_main(mut rx: mpsc::UnboundedReceiver<WorkerCmd>, stop: Cancellat
             c = rx.recv() => match c { Some(c) => c, None => return },
         };
         match cmd {
+            #[cfg(test)]
+            WorkerCmd::Exit => return,
+            #[cfg(test)]
+            WorkerCmd::Wedge(d) => std::thread::sleep(d),
             WorkerCmd::Listen {
                 shared,
                 service,
@@ -1085,6 +1124,54 @@ mod tests {
         }
         stop.cancel();
         d.shutdown();
+    }
+
+    /// A proxy worker whose thread ended, or that stopped turning, makes
+    /// the liveness check (what the systemd watchdog is fed on) say so,
+    /// naming it; a daemon that stops its workers does not.
+    #[test]
+    fn a_dead_or_wedged_worker_fails_the_liveness_check() {
+        let mut cfg = Config::default();
+        cfg.daemon.workers = 2;
+        let d = Daemon::start(cfg, None).unwrap();
+        // Four of a worker's heartbeats: a loaded test machine can delay
+        // one, not four.
+        let mut check = LivenessCheck::new(d.shared.liveness.clone(), Duration::from_secs(2));
+        // Until the first sign of trouble, bounded.
+        let first_error = |check: &mut LivenessCheck| {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                if let Err(e) = check.check(Instant::now()) {
+                    return e;
+                }
+                assert!(Instant::now() < deadline, "the check never failed");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
+        // Both turn: three seconds of checks (past the stall time) all pass.
+        let until = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < until {
+            assert_eq!(check.check(Instant::now()), Ok(()));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Worker 0 blocks its thread for 5 s.
+        d.shared.workers[0]
+            .send(WorkerCmd::Wedge(Duration::from_secs(5)))
+            .unwrap();
+        let e = first_error(&mut check);
+        assert!(
+            e.contains("weir-worker-0") && e.contains("not turned"),
+            "{e}"
+        );
+        // Worker 1's thread ends.
+        let mut check = LivenessCheck::new(d.shared.liveness.clone(), Duration::from_secs(60));
+        d.shared.workers[1].send(WorkerCmd::Exit).unwrap();
+        let e = first_error(&mut check);
+        assert!(e.contains("weir-worker-1") && e.contains("ended"), "{e}");
+        let live = d.shared.liveness.clone();
+        d.shutdown();
+        let mut check = LivenessCheck::new(live, Duration::from_secs(60));
+        assert_eq!(check.check(Instant::now()), Ok(()), "after a shutdown");
     }
 
     /// Adding a service on the address of one this daemon just removed waits

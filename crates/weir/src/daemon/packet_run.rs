@@ -220,10 +220,11 @@ pub(crate) fn start(
         let stop = stop.clone();
         let idx = worker;
         worker += 1;
+        let beat = shared.liveness.register(name.clone());
         threads.push(
             std::thread::Builder::new()
                 .name(name)
-                .spawn(move || worker_main(engine, socks, idx, stop))
+                .spawn(move || worker_main(engine, socks, idx, stop, beat))
                 .context("spawning a packet worker")?,
         );
         Ok(())
@@ -458,9 +459,17 @@ fn ifindex(iface: &str) -> anyhow::Result<u32> {
         .with_context(|| format!("packet mode: no interface {iface:?} in this network namespace"))
 }
 
-fn worker_main(mut engine: Engine, mut socks: Socks, idx: usize, stop: Arc<AtomicBool>) {
+fn worker_main(
+    mut engine: Engine,
+    mut socks: Socks,
+    idx: usize,
+    stop: Arc<AtomicBool>,
+    beat: Arc<super::liveness::Beat>,
+) {
+    // However the thread ends, the systemd watchdog learns it.
+    let _alive = super::liveness::guard(&beat);
     super::stats::set_worker_index(idx);
-    run_worker(&mut engine, &mut socks, &stop);
+    run_worker(&mut engine, &mut socks, &stop, &beat);
 }
 
 /// How often a worker reads its sockets' kernel drop counts.
@@ -509,7 +518,12 @@ impl DropReader {
     }
 }
 
-fn run_worker(engine: &mut Engine, socks: &mut Socks, stop: &AtomicBool) {
+fn run_worker(
+    engine: &mut Engine,
+    socks: &mut Socks,
+    stop: &AtomicBool,
+    beat: &super::liveness::Beat,
+) {
     let mut drops = DropReader {
         last: std::time::Instant::now(),
         warned: false,
@@ -520,6 +534,9 @@ fn run_worker(engine: &mut Engine, socks: &mut Socks, stop: &AtomicBool) {
     };
     let mut ready = Vec::new();
     keep_turning(stop, ERROR_PAUSE, || {
+        // The worker's sign of life for the systemd watchdog: one relaxed
+        // add per turn (a turn waits at most 100 ms for frames).
+        beat.beat();
         engine.refresh();
         let r = turn(engine, socks, &fds, &mut ready);
         drops.publish(engine, socks, false);
