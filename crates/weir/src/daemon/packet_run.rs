@@ -32,6 +32,9 @@ pub(crate) struct PacketRuntime {
     /// fnat over AF_PACKET: the nftables table that keeps the kernel from
     /// answering replies to the fnat ports (deleted on drop).
     fnat_guard: Mutex<Option<FnatGuard>>,
+    /// fnat's ports taken out of the kernel's ephemeral ports (given back
+    /// on drop).
+    reserved: Mutex<Option<PortReservation>>,
 }
 
 /// An nftables table (`inet weir_fnat_<pid>`) dropping, on input, TCP and
@@ -120,20 +123,86 @@ impl std::fmt::Debug for PacketRuntime {
     }
 }
 
+/// `net.ipv4.ip_local_reserved_ports` (see [`reserve_ports`]).
+const RESERVED_PORTS: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
+
+/// What [`start`] changes outside the process, and a failure to make,
+/// as parameters: tests pass a file of their own.
+struct StartWith<'a> {
+    /// `net.ipv4.ip_local_reserved_ports`.
+    reserved_ports: &'a std::path::Path,
+    /// Tests: fail once the workers are running, as a late error does.
+    #[cfg(test)]
+    fail_after_spawn: bool,
+}
+
 /// Start packet mode: attach to every interface, bind a socket per queue,
-/// spawn a worker per socket. Every failure says what is missing.
+/// spawn a worker per socket. Every failure says what is missing, and
+/// leaves nothing behind (see [`start_with`]).
 pub(crate) fn start(
     shared: &Arc<Shared>,
     cfg: &PacketConfig,
     first_worker: usize,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<(Arc<PacketRuntime>, Vec<std::thread::JoinHandle<()>>)> {
+    let with = StartWith {
+        reserved_ports: std::path::Path::new(RESERVED_PORTS),
+        #[cfg(test)]
+        fail_after_spawn: false,
+    };
+    start_with(shared, cfg, first_worker, stop, &with)
+}
+
+/// [`start`]. On a failure, the threads started before it are stopped
+/// (through `stop`, which the daemon's start, failing with it, sets
+/// anyway) and joined, and the fnat ports are given back to the kernel:
+/// the threads used to be left running on their own, and the ports
+/// reserved until the next reboot.
+fn start_with(
+    shared: &Arc<Shared>,
+    cfg: &PacketConfig,
+    first_worker: usize,
+    stop: Arc<AtomicBool>,
+    with: &StartWith<'_>,
+) -> anyhow::Result<(Arc<PacketRuntime>, Vec<std::thread::JoinHandle<()>>)> {
     let Some(path) = shared.packet.get().cloned() else {
         anyhow::bail!("packet mode: the packet path was not set up");
     };
-    if !cfg.local_addresses.is_empty() {
-        reserve_ports(cfg.fnat_ports.lo..=cfg.fnat_ports.hi)?;
+    // Given back when dropped: on an error below, or by
+    // `PacketRuntime::release` when the daemon stops.
+    let reserved = if cfg.local_addresses.is_empty() {
+        None
+    } else {
+        reserve_ports(with.reserved_ports, cfg.fnat_ports.lo..=cfg.fnat_ports.hi)?
+    };
+    let mut threads = Vec::new();
+    match attach(shared, cfg, first_worker, &stop, &path, &mut threads, with) {
+        Ok(rt) => {
+            *rt.reserved.lock() = reserved;
+            Ok((rt, threads))
+        }
+        Err(e) => {
+            stop.store(true, Relaxed);
+            for t in threads {
+                let _ = t.join();
+            }
+            drop(reserved);
+            Err(e)
+        }
     }
+}
+
+/// [`start_with`]'s attaching and spawning; every thread it starts is in
+/// `threads`, whether it fails or not.
+fn attach(
+    shared: &Arc<Shared>,
+    cfg: &PacketConfig,
+    first_worker: usize,
+    stop: &Arc<AtomicBool>,
+    path: &Arc<super::packet::PacketPath>,
+    threads: &mut Vec<std::thread::JoinHandle<()>>,
+    #[cfg_attr(not(test), allow(unused_variables))] with: &StartWith<'_>,
+) -> anyhow::Result<Arc<PacketRuntime>> {
     let mut steering = Vec::new();
     let mut ios = Vec::new();
     let hosts = host_addrs();
@@ -206,7 +275,6 @@ pub(crate) fn start(
             }
         }
     }
-    let mut threads = Vec::new();
     let mut worker = first_worker;
     let mut spawn = |name: String, egress: Vec<u32>, socks: Socks| -> anyhow::Result<()> {
         let engine = Engine::new(
@@ -239,6 +307,10 @@ pub(crate) fn start(
     for (ix, name, sock) in packet_workers {
         spawn(name, vec![ix], Socks::Packet(ix, Box::new(sock)))?;
     }
+    #[cfg(test)]
+    if with.fail_after_spawn {
+        anyhow::bail!("packet mode: failing after the workers started (test)");
+    }
     ios.dedup();
     let _ = path.io.set(ios.join("+"));
     let xdp = !steering.is_empty();
@@ -252,9 +324,11 @@ pub(crate) fn start(
         steered: Mutex::new(Steered::default()),
         hosts: Mutex::new(hosts),
         fnat_guard: Mutex::new(fnat_guard),
+        reserved: Mutex::new(None),
     });
     if xdp {
         let rt = rt.clone();
+        let stop = stop.clone();
         threads.push(
             std::thread::Builder::new()
                 .name("weir-pkt-hosts".into())
@@ -272,7 +346,7 @@ pub(crate) fn start(
                 .context("spawning the host address watcher")?,
         );
     }
-    Ok((rt, threads))
+    Ok(rt)
 }
 
 /// The steering program on `iface` and an AF_XDP socket on each of its
@@ -316,25 +390,119 @@ enum Socks {
 
 /// Takes fnat's port range out of the kernel's ephemeral ports in this
 /// network namespace (`net.ipv4.ip_local_reserved_ports`, which covers
-/// IPv6 too), so the kernel's own connections from a local address never
-/// pick a port weir maps: its replies would be steered to weir.
-fn reserve_ports(range: std::ops::RangeInclusive<u16>) -> anyhow::Result<()> {
-    const PATH: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
-    let cur = std::fs::read_to_string(PATH).unwrap_or_default();
-    let cur = cur.trim();
+/// IPv6 too, at `path`), so the kernel's own connections from a local
+/// address never pick a port weir maps: its replies would be steered to
+/// weir. `None` when every port of the range was reserved already.
+fn reserve_ports(
+    path: &std::path::Path,
+    range: std::ops::RangeInclusive<u16>,
+) -> anyhow::Result<Option<PortReservation>> {
     let ours = format!("{}-{}", range.start(), range.end());
-    if cur.split(',').any(|r| r == ours) {
-        return Ok(());
+    let cur = std::fs::read_to_string(path).unwrap_or_default();
+    let mut ports = parse_ports(&cur)
+        .with_context(|| format!("packet mode: reading {}: {:?}", path.display(), cur.trim()))?;
+    let added: Vec<u16> = range.filter(|&p| !ports[usize::from(p)]).collect();
+    if added.is_empty() {
+        return Ok(None);
     }
-    let new = if cur.is_empty() {
-        ours.clone()
-    } else {
-        format!("{cur},{ours}")
-    };
-    std::fs::write(PATH, &new).with_context(|| {
-        format!("packet mode: reserving fnat ports {ours} in {PATH} (needs root)")
+    for &p in &added {
+        ports[usize::from(p)] = true;
+    }
+    write_ports(path, &ports).with_context(|| {
+        format!(
+            "packet mode: reserving fnat ports {ours} in {} (needs root)",
+            path.display()
+        )
     })?;
     tracing::info!(ports = %ours, "fnat ports reserved from the kernel's ephemeral ports");
+    Ok(Some(PortReservation {
+        path: path.to_owned(),
+        added,
+    }))
+}
+
+/// The ports [`reserve_ports`] added to `net.ipv4.ip_local_reserved_ports`
+/// (not those reserved before), given back when dropped: taken out of the
+/// sysctl's value as it is then, so that what else changed it meanwhile
+/// stays. It used to stay changed for good, after a stop and after a
+/// failed start alike.
+#[derive(Debug)]
+pub(crate) struct PortReservation {
+    path: std::path::PathBuf,
+    added: Vec<u16>,
+}
+
+impl Drop for PortReservation {
+    fn drop(&mut self) {
+        let cur = std::fs::read_to_string(&self.path).unwrap_or_default();
+        let r = parse_ports(&cur).and_then(|mut ports| {
+            for &p in &self.added {
+                ports[usize::from(p)] = false;
+            }
+            write_ports(&self.path, &ports)
+        });
+        match r {
+            Ok(()) => tracing::info!(
+                path = %self.path.display(),
+                "fnat ports given back to the kernel's ephemeral ports"
+            ),
+            Err(e) => tracing::warn!(
+                path = %self.path.display(),
+                "giving the fnat ports back to the kernel: {e:#}"
+            ),
+        }
+    }
+}
+
+/// A port list as the sysctl shows it ("1000-2000,8080"; empty for none)
+/// as one flag per port.
+fn parse_ports(list: &str) -> anyhow::Result<Vec<bool>> {
+    let mut ports = vec![false; 1 << 16];
+    for part in list
+        .trim()
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+    {
+        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+        let lo: u16 = lo
+            .trim()
+            .parse()
+            .with_context(|| format!("not a port: {part:?}"))?;
+        let hi: u16 = hi
+            .trim()
+            .parse()
+            .with_context(|| format!("not a port: {part:?}"))?;
+        if lo > hi {
+            anyhow::bail!("not a port range: {part:?}");
+        }
+        ports[usize::from(lo)..=usize::from(hi)].fill(true);
+    }
+    Ok(ports)
+}
+
+/// Writes `ports` (one flag per port) as the sysctl takes them: ranges,
+/// comma-separated, ending with a newline (the kernel clears the list on a
+/// lone newline, and ignores an empty write).
+fn write_ports(path: &std::path::Path, ports: &[bool]) -> anyhow::Result<()> {
+    let mut out = Vec::new();
+    let mut p = 0;
+    while p < ports.len() {
+        if !ports[p] {
+            p += 1;
+            continue;
+        }
+        let lo = p;
+        while p < ports.len() && ports[p] {
+            p += 1;
+        }
+        out.push(if p - 1 == lo {
+            lo.to_string()
+        } else {
+            format!("{lo}-{}", p - 1)
+        });
+    }
+    std::fs::write(path, format!("{}\n", out.join(",")))?;
     Ok(())
 }
 
@@ -659,10 +827,11 @@ fn turn(
 }
 
 impl PacketRuntime {
-    /// Undo what was set up outside the process (the fnat nftables table):
-    /// the daemon is stopping.
+    /// Undo what was set up outside the process (the fnat nftables table,
+    /// the reserved fnat ports): the daemon is stopping.
     pub(crate) fn release(&self) {
         drop(self.fnat_guard.lock().take());
+        drop(self.reserved.lock().take());
     }
 
     /// Make the steering programs' host addresses `now`'s: an address
@@ -858,6 +1027,94 @@ mod tests {
     use std::net::SocketAddr;
 
     use super::*;
+
+    /// fnat's ports are reserved in the sysctl (here a file of the test's)
+    /// and given back when the reservation drops: only the ports weir
+    /// added, from the value as it is then, so ports reserved before weir
+    /// and changes made meanwhile stay.
+    #[test]
+    fn reserved_ports_are_given_back_and_only_ours() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ip_local_reserved_ports");
+        let read = || std::fs::read_to_string(&path).unwrap().trim().to_owned();
+        let set = |v: &str| std::fs::write(&path, format!("{v}\n")).unwrap();
+        // Empty before: empty after (the kernel clears on a lone newline).
+        set("");
+        let r = reserve_ports(&path, 20000..=20010).unwrap().unwrap();
+        assert_eq!(read(), "20000-20010");
+        drop(r);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "\n");
+        // Others' ports around and inside the range stay; so does a port
+        // someone reserved while weir ran.
+        set("8080,20005-20020");
+        let r = reserve_ports(&path, 20000..=20010).unwrap().unwrap();
+        assert_eq!(read(), "8080,20000-20020");
+        set("8080,9000,20000-20020");
+        drop(r);
+        assert_eq!(read(), "8080,9000,20005-20020");
+        // Every port reserved already: nothing to change, nothing to undo.
+        set("1-65535");
+        assert!(reserve_ports(&path, 20000..=20010).unwrap().is_none());
+        assert_eq!(read(), "1-65535");
+        // A value that is not a port list is an error, and left alone.
+        set("bogus");
+        assert!(reserve_ports(&path, 20000..=20010).is_err());
+        assert_eq!(read(), "bogus");
+    }
+
+    /// A packet-mode start that fails gives the fnat ports back, and
+    /// stops and joins the workers it had started: they used to run on,
+    /// detached, and the ports stayed reserved.
+    #[test]
+    fn a_failed_start_leaves_nothing_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ip_local_reserved_ports");
+        std::fs::write(&path, "8080\n").unwrap();
+        let start = |iface: &str, fail_after_spawn: bool| {
+            let toml = "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\n\
+                        io = \"afpacket\"\nworkers = 2\nlocal_addresses = [\"10.0.1.1\"]\n\
+                        fnat_ports = \"20000-20010\"\n";
+            let cfg: crate::config::Config = toml::from_str(toml).unwrap();
+            let d = super::super::Daemon::start_inner(cfg.clone(), None, false).unwrap();
+            // The config names a real interface (the start checks that);
+            // the attach is asked for `iface`.
+            let mut pcfg = cfg.packet.clone().unwrap();
+            pcfg.interfaces = vec![iface.to_owned()];
+            let with = StartWith {
+                reserved_ports: &path,
+                fail_after_spawn,
+            };
+            let stop = Arc::new(AtomicBool::new(false));
+            let r = start_with(&d.shared, &pcfg, 0, stop, &with);
+            let threads: Vec<String> = std::fs::read_dir("/proc/self/task")
+                .unwrap()
+                .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .filter(|c| c.starts_with(&format!("weir-pkt-{iface}")))
+                .collect();
+            let reserved = std::fs::read_to_string(&path).unwrap();
+            drop(d);
+            (r.map(|_| ()), threads, reserved)
+        };
+        // Before any worker: an interface that is not there.
+        let (r, threads, before) = start("weirnosuch0", false);
+        let e = format!("{:#}", r.unwrap_err());
+        assert!(e.contains("weirnosuch0"), "{e}");
+        assert!(threads.is_empty(), "{threads:?}");
+        // After the workers: AF_PACKET on lo (needs root).
+        let (r, threads, after) = start("lo", true);
+        let e = format!("{:#}", r.unwrap_err());
+        if e.contains("AF_PACKET socket") {
+            eprintln!("skipped the workers' part (needs root): {e}");
+            assert_eq!(before.trim(), "8080");
+            return;
+        }
+        assert!(e.contains("failing after the workers started"), "{e}");
+        assert_eq!(
+            (before.trim(), after.trim(), threads),
+            ("8080", "8080", Vec::<String>::new()),
+            "the reserved ports after each failed start, and workers left running"
+        );
+    }
 
     /// A failed turn (an interface down for a moment makes the tx kick
     /// fail with ENETDOWN) does not end the worker: it pauses and turns
