@@ -375,3 +375,58 @@ fn help_shows_environment_names_without_values() {
         assert!(top.contains(opt), "weir --help lacks {opt}:\n{top}");
     }
 }
+
+/// `weir reload` that gets no answer within `--timeout` (here from an
+/// admin address that takes the connection and never answers, as a daemon
+/// applying a long reload) says the reload may still be applying and
+/// exits 3, apart from a refusal (1) and a failure to ask (2). It used to
+/// wait a fixed 60 s and exit 2 with "no answer within 60s", which reads
+/// as a failed reload while the daemon may still apply it.
+#[test]
+fn a_reload_without_an_answer_may_still_be_applying() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (done, ended) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        // Reads nothing, answers nothing; lets go once the command ended.
+        let held = listener.accept();
+        let _ = ended.recv();
+        drop(held);
+    });
+    let home = tempfile::tempdir().unwrap();
+    let url = format!("http://{addr}");
+    let t0 = std::time::Instant::now();
+    let o = run(
+        home.path(),
+        &[
+            "reload",
+            "--admin",
+            &url,
+            "--token",
+            TOKEN,
+            "--timeout",
+            "1s",
+        ],
+    );
+    let took = t0.elapsed();
+    let _ = done.send(());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "stderr: {err}");
+    assert!(
+        err.contains("POST /v1/reload")
+            && err.contains("no answer within 1s")
+            && err.contains("the reload may still be applying")
+            && err.contains("--timeout"),
+        "{err}"
+    );
+    assert!(!err.contains("refused"), "{err}");
+    assert!(
+        took >= std::time::Duration::from_secs(1) && took < std::time::Duration::from_secs(30),
+        "{took:?}"
+    );
+    // A timeout of nothing is refused up front.
+    refused(
+        run(home.path(), &["reload", "--admin", &url, "--timeout", "0s"]),
+        "must be more than 0",
+    );
+}

@@ -75,6 +75,10 @@ pub struct AdminArgs {
 pub enum CliError {
     /// Could not talk to the daemon, or bad local input (exit code 2).
     Local(String),
+    /// The request was sent and no answer came within the time allowed
+    /// (exit code 3): what it asked may or may not be done, or still be
+    /// under way.
+    NoAnswer(String),
     /// The daemon answered with an error (exit code 1).
     Api {
         /// HTTP status.
@@ -89,7 +93,7 @@ pub enum CliError {
 impl std::fmt::Display for CliError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            CliError::Local(m) => write!(f, "weir: {m}"),
+            CliError::Local(m) | CliError::NoAnswer(m) => write!(f, "weir: {m}"),
             CliError::Api {
                 status,
                 message,
@@ -124,8 +128,9 @@ pub type CliResult<T> = Result<T, CliError>;
 const BODY_LIMIT: usize = 1 << 30;
 /// Bound on connecting (and the TLS handshake).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// Bound on a whole request, answer included.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// Bound on a request once the connection is open, answer included (see
+/// [`Client::with_timeout`]).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// Where the system's CA bundle lives (Debian/Ubuntu, Fedora/RHEL, others).
 const SYSTEM_CA_BUNDLES: &[&str] = &[
     "/etc/ssl/certs/ca-certificates.crt",
@@ -154,6 +159,8 @@ pub struct Client {
     transport: Result<Transport, String>,
     base: String,
     token: Option<String>,
+    /// Bound on a request once connected ([`REQUEST_TIMEOUT`] unless set).
+    timeout: Duration,
 }
 
 /// Any stream the client speaks HTTP over.
@@ -206,6 +213,7 @@ impl Client {
             transport,
             base,
             token,
+            timeout: REQUEST_TIMEOUT,
         }
     }
 
@@ -221,7 +229,16 @@ impl Client {
             transport,
             base,
             token,
+            timeout: REQUEST_TIMEOUT,
         })
+    }
+
+    /// This client, waiting up to `timeout` for each answer once the
+    /// request is sent (connecting is bounded apart, by 5 s); past it a
+    /// call fails with [`CliError::NoAnswer`].
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
     }
 
     /// The base URL in use.
@@ -244,19 +261,7 @@ impl Client {
             .enable_all()
             .build()
             .map_err(|e| CliError::Local(format!("cannot start the HTTP client: {e}")))?;
-        let (status, text) = rt.block_on(async {
-            tokio::time::timeout(
-                REQUEST_TIMEOUT,
-                self.exchange(transport, method, path, body),
-            )
-            .await
-            .unwrap_or_else(|_| {
-                Err(CliError::Local(format!(
-                    "{method} {path} to {}: no answer within {REQUEST_TIMEOUT:?}",
-                    self.base
-                )))
-            })
-        })?;
+        let (status, text) = rt.block_on(self.exchange(transport, method, path, body))?;
         if (200..300).contains(&status) {
             return Ok(text);
         }
@@ -296,9 +301,11 @@ impl Client {
         };
         match transport {
             Transport::Unix(path) => {
-                let s = tokio::net::UnixStream::connect(path)
-                    .await
-                    .map_err(|e| self.unreachable(format!("connect: {e}")))?;
+                let s =
+                    tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::UnixStream::connect(path))
+                        .await
+                        .map_err(within("connecting"))?
+                        .map_err(|e| self.unreachable(format!("connect: {e}")))?;
                 Ok(Box::new(s))
             }
             Transport::Tcp(hostport) => {
@@ -402,6 +409,30 @@ impl Client {
         let req = b
             .body(payload)
             .map_err(|e| CliError::Local(format!("cannot build {}: {e}", what())))?;
+        // From here the daemon may act on the request: a timeout is no
+        // answer, not a failure.
+        tokio::time::timeout(
+            self.timeout,
+            self.answer(&mut sender, transport, req, &what),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(CliError::NoAnswer(format!(
+                "{}: no answer within {}",
+                what(),
+                humantime::format_duration(self.timeout)
+            )))
+        })
+    }
+
+    /// Sends `req` and reads the answer: status and body.
+    async fn answer(
+        &self,
+        sender: &mut hyper::client::conn::http1::SendRequest<Body>,
+        transport: &Transport,
+        req: axum::http::Request<Body>,
+        what: &dyn Fn() -> String,
+    ) -> CliResult<(u16, String)> {
         let resp = sender.send_request(req).await.map_err(|e| {
             let hint = if matches!(transport, Transport::Tcp(_)) {
                 "\nhint: if the daemon serves TLS ([admin] tls_cert), use https:// and --cacert FILE"

@@ -126,9 +126,22 @@ pub struct ReloadArgs {
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+    /// How long to wait for the daemon's answer, e.g. "5m": a reload of a
+    /// large file can take longer than the default. Past it the command
+    /// exits 3: the reload may still be applying.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_timeout)]
+    pub timeout: std::time::Duration,
     /// Where the admin API is.
     #[command(flatten)]
     pub admin: AdminArgs,
+}
+
+/// `--timeout`: a duration above zero.
+fn parse_timeout(s: &str) -> Result<std::time::Duration, String> {
+    match crate::config::parse_duration(s)? {
+        d if d.is_zero() => Err("must be more than 0, e.g. \"5m\"".into()),
+        d => Ok(d),
+    }
 }
 
 /// Arguments of simple read commands.
@@ -495,6 +508,7 @@ pub fn run_with(cmd: Command, out: &mut dyn Write, err: &mut dyn Write) -> ExitC
             match e {
                 CliError::Api { .. } => ExitCode::from(1),
                 CliError::Local(_) => ExitCode::from(2),
+                CliError::NoAnswer(_) => ExitCode::from(3),
             }
         }
     }
@@ -951,7 +965,7 @@ fn kill(a: KillArgs, out: &mut dyn Write) -> CliResult<()> {
 }
 
 fn reload(a: ReloadArgs, out: &mut dyn Write) -> CliResult<()> {
-    let c = Client::from_args(&a.admin)?;
+    let c = Client::from_args(&a.admin)?.with_timeout(a.timeout);
     let mut q = Vec::new();
     if a.dry_run {
         q.push(("dry_run", "true"));
@@ -959,7 +973,23 @@ fn reload(a: ReloadArgs, out: &mut dyn Write) -> CliResult<()> {
     if a.force {
         q.push(("force", "true"));
     }
-    let v = c.send("POST", &format!("/v1/reload{}", query_string(&q)), None)?;
+    let v = c
+        .send("POST", &format!("/v1/reload{}", query_string(&q)), None)
+        .map_err(|e| match e {
+            // The daemon had the request: it may be applying it still. It
+            // used to read as any failure (exit 2, "no answer within
+            // 60s"), and a reload retried on that stacked up behind the
+            // first.
+            CliError::NoAnswer(m) if !a.dry_run => CliError::NoAnswer(format!(
+                "{m}; the reload may still be applying: see the daemon's \
+                 log (e.g. journalctl -u weir) and `weir list` for what it changed before \
+                 reloading again; --timeout waits longer"
+            )),
+            CliError::NoAnswer(m) => CliError::NoAnswer(format!(
+                "{m}; the dry run changes nothing; --timeout waits longer"
+            )),
+            e => e,
+        })?;
     if a.json {
         return wjson(out, &v);
     }
