@@ -57,8 +57,9 @@ struct Tenant {
     placement: Placement,
     salt: u64,
     timeouts: [AtomicU64; 10],
-    /// Timeout profiles 1.. (0 is `timeouts` itself).
-    profiles: parking_lot::RwLock<Profiles>,
+    /// Timeout profiles 1.. (0 is `timeouts` itself); shared with the
+    /// [`Profile`] handles, which give theirs back when dropped.
+    profiles: Arc<parking_lot::RwLock<Profiles>>,
     removed: AtomicBool,
     /// Entry count, one counter per thread slot ([`crate::counts`]).
     entries: TenantCount,
@@ -109,13 +110,176 @@ impl Tenant {
     }
 }
 
-/// A tenant's timeout profiles 1..: the overrides, and the timeouts they
-/// give over the tenant's (recomputed when those change). Never shrinks:
-/// a profile number stays valid while entries may name it.
+/// A tenant's timeout profiles 1.. (profile `n` at index `n - 1`): the
+/// overrides, and the timeouts they give over the tenant's (recomputed
+/// when those change). A profile is held by its [`Profile`] handles (the
+/// services that use it) and named by the entries inserted with it; one
+/// neither holds nor names any more is free, and its number is given to
+/// new overrides. They were never freed: a tenant that went through
+/// [`MAX_PROFILES`] distinct timeouts in its life could set no new one.
+///
+/// Freeing does not count entries (that would be an atomic on a counter
+/// shared by every insert and removal of a service's flows): a profile
+/// whose last handle goes only *drains*. When a tenant runs out of
+/// numbers, [`FlowTable::timeout_profile`] collects the profiles its live
+/// entries name (a walk of its expiry wheel and the filing lists) and
+/// frees the draining ones none names. Sound because an entry names a
+/// profile only if it was inserted while a handle was held (the caller's
+/// contract): once the last handle went, no insert naming it is under
+/// way, so every entry naming it is filed where the walk looks, and an
+/// entry inserted after the walk began needed a handle, which revived the
+/// profile (`revived` moved: the walk frees nothing revived since it
+/// began).
 #[derive(Debug, Default)]
 struct Profiles {
     overrides: Vec<TimeoutOverrides>,
     resolved: Vec<[u64; 10]>,
+    slots: Vec<ProfileSlot>,
+    /// Free profile numbers (`slots[n - 1].free`).
+    free: Vec<u16>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct ProfileSlot {
+    /// [`Profile`] handles.
+    holds: u32,
+    /// Times it was taken up with no handle left (new, or draining).
+    revived: u64,
+    /// Neither held nor named: its number is for new overrides.
+    free: bool,
+}
+
+impl Profiles {
+    /// Takes a hold on the profile with overrides `o` (made if new, with
+    /// the tenant's timeouts `base`), or `None` when every number is
+    /// taken (held, or draining: maybe named).
+    fn take(&mut self, o: &TimeoutOverrides, base: [u64; 10]) -> Option<u16> {
+        let found = self
+            .overrides
+            .iter()
+            .zip(&self.slots)
+            .position(|(x, s)| !s.free && x == o);
+        let i = match found {
+            Some(i) => i,
+            None => {
+                let i = match self.free.pop() {
+                    Some(n) => usize::from(n) - 1,
+                    None if self.overrides.len() + 1 < MAX_PROFILES => {
+                        self.overrides.push(*o);
+                        self.resolved.push([0; 10]);
+                        self.slots.push(ProfileSlot::default());
+                        self.overrides.len() - 1
+                    }
+                    None => return None,
+                };
+                self.overrides[i] = *o;
+                self.resolved[i] = o.apply(base);
+                self.slots[i].free = false;
+                i
+            }
+        };
+        let s = &mut self.slots[i];
+        if s.holds == 0 {
+            s.revived += 1;
+        }
+        s.holds += 1;
+        Some(i as u16 + 1)
+    }
+
+    /// The draining profiles (no handle, maybe named), each with its
+    /// `revived`.
+    fn draining(&self) -> Vec<(u16, u64)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.holds == 0 && !s.free)
+            .map(|(i, s)| (i as u16 + 1, s.revived))
+            .collect()
+    }
+
+    /// Frees the profiles of `draining` that are still draining, were not
+    /// revived since, and are not in `named` (a bit per profile number).
+    fn free_unnamed(&mut self, draining: &[(u16, u64)], named: &[u64]) {
+        for &(n, revived) in draining {
+            let s = &mut self.slots[usize::from(n) - 1];
+            let bit = (named[usize::from(n) / 64] >> (n % 64)) & 1;
+            if s.holds == 0 && !s.free && s.revived == revived && bit == 0 {
+                s.free = true;
+                self.free.push(n);
+            }
+        }
+    }
+}
+
+/// A hold on one of a tenant's timeout profiles
+/// ([`FlowTable::timeout_profile`]): entries may be inserted naming its
+/// [`number`](Self::number) ([`FlowInit::profile`]) while it is held (a
+/// clone holds it too). Once the last handle is dropped the number stays
+/// the profile's while entries inserted with it live, then may be given
+/// to other overrides. Profile 0 (no overrides) holds nothing.
+pub struct Profile {
+    number: u16,
+    set: Option<Arc<parking_lot::RwLock<Profiles>>>,
+}
+
+impl Profile {
+    /// Profile 0: the tenant's timeouts as they are.
+    pub const NONE: Profile = Profile {
+        number: 0,
+        set: None,
+    };
+
+    /// The number entries name ([`FlowInit::profile`]).
+    pub fn number(&self) -> u16 {
+        self.number
+    }
+}
+
+impl Default for Profile {
+    fn default() -> Self {
+        Profile::NONE
+    }
+}
+
+impl Clone for Profile {
+    fn clone(&self) -> Self {
+        if let Some(set) = &self.set {
+            set.write().slots[usize::from(self.number) - 1].holds += 1;
+        }
+        Profile {
+            number: self.number,
+            set: self.set.clone(),
+        }
+    }
+}
+
+impl Drop for Profile {
+    fn drop(&mut self) {
+        if let Some(set) = &self.set {
+            let mut p = set.write();
+            let s = &mut p.slots[usize::from(self.number) - 1];
+            s.holds = s.holds.saturating_sub(1);
+        }
+    }
+}
+
+impl PartialEq for Profile {
+    fn eq(&self, other: &Self) -> bool {
+        self.number == other.number
+            && match (&self.set, &other.set) {
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                (None, None) => true,
+                _ => false,
+            }
+    }
+}
+
+impl Eq for Profile {}
+
+impl std::fmt::Debug for Profile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Profile").field(&self.number).finish()
+    }
 }
 
 impl Tenant {
@@ -694,7 +858,7 @@ impl FlowTable {
             placement,
             salt: self.salt(id.0),
             timeouts: cfg.timeouts.to_array().map(AtomicU64::new),
-            profiles: parking_lot::RwLock::default(),
+            profiles: Arc::default(),
             removed: AtomicBool::new(false),
             entries: self.counts.take(),
             refused: AtomicU64::new(0),
@@ -854,6 +1018,7 @@ impl FlowTable {
         let Profiles {
             overrides,
             resolved,
+            ..
         } = &mut *p;
         for (o, r) in overrides.iter().zip(resolved.iter_mut()) {
             *r = o.apply(new);
@@ -890,33 +1055,79 @@ impl FlowTable {
         Some((w.retiming(), w.retime_last()))
     }
 
-    /// The number of the timeout profile with these overrides for tenant
-    /// `id`, made if new (0 for no overrides). Entries name it in
-    /// [`FlowInit::profile`]; a profile's timeouts follow the tenant's
-    /// ([`set_timeouts`](Self::set_timeouts)) except where overridden.
-    /// Profiles are never dropped, so a tenant has at most
-    /// [`MAX_PROFILES`] distinct ones.
-    pub fn timeout_profile(&self, id: TenantId, o: &TimeoutOverrides) -> Result<u16, TenantError> {
+    /// A hold on the timeout profile with these overrides for tenant `id`,
+    /// made if new ([`Profile::NONE`] for no overrides). Entries inserted
+    /// while it is held may name its number in [`FlowInit::profile`] (and
+    /// only then: a number no handle holds may be given to other
+    /// overrides once no entry names it); a profile's timeouts follow the
+    /// tenant's ([`set_timeouts`](Self::set_timeouts)) except where
+    /// overridden. A tenant has at most [`MAX_PROFILES`] (0 included)
+    /// held or named at once: past that, [`TenantError::TooManyProfiles`].
+    ///
+    /// When every number is taken, and some only by entries, this walks
+    /// the tenant's expiry wheel and the filing lists (O(its entries),
+    /// under the maintenance lock, so an `expire` call waits) to free the
+    /// profiles no live entry names; only then is the call refused.
+    pub fn timeout_profile(
+        &self,
+        id: TenantId,
+        o: &TimeoutOverrides,
+    ) -> Result<Profile, TenantError> {
         if o.is_empty() {
-            return Ok(0);
+            return Ok(Profile::NONE);
         }
-        let guard = epoch::pin();
-        let map = self.tenants.load(&guard);
-        let ten = map.map.get(&id.0).ok_or(TenantError::NoTenant(id))?;
-        if let Some(i) = ten.profiles.read().overrides.iter().position(|x| x == o) {
-            return Ok(i as u16 + 1);
-        }
-        let mut p = ten.profiles.write();
-        if let Some(i) = p.overrides.iter().position(|x| x == o) {
-            return Ok(i as u16 + 1);
-        }
-        if p.overrides.len() + 1 >= MAX_PROFILES {
+        let ten = {
+            let guard = epoch::pin();
+            let map = self.tenants.load(&guard);
+            Arc::clone(map.map.get(&id.0).ok_or(TenantError::NoTenant(id))?)
+        };
+        let held = |number| Profile {
+            number,
+            set: Some(Arc::clone(&ten.profiles)),
+        };
+        let draining = {
+            let mut p = ten.profiles.write();
+            if let Some(n) = p.take(o, ten.base()) {
+                return Ok(held(n));
+            }
+            p.draining()
+        };
+        if draining.is_empty() {
             return Err(TenantError::TooManyProfiles(id));
         }
-        let r = o.apply(ten.base());
-        p.overrides.push(*o);
-        p.resolved.push(r);
-        Ok(p.overrides.len() as u16)
+        // Not under the profiles' lock: `expire` takes the wheel lock
+        // before it. `draining` was read first: an entry the walk misses
+        // was inserted under a handle taken after, which revived its
+        // profile.
+        let named = self.named_profiles(&ten);
+        let mut p = ten.profiles.write();
+        p.free_unnamed(&draining, &named);
+        p.take(o, ten.base())
+            .map(held)
+            .ok_or(TenantError::TooManyProfiles(id))
+    }
+
+    /// The profiles tenant `t`'s live entries name (a bit per number): its
+    /// wheel's references and the filing lists' (every live entry is in
+    /// one of them once its insert returned; the maintenance lock keeps
+    /// `expire` from moving them between the two meanwhile).
+    fn named_profiles(&self, t: &Tenant) -> Vec<u64> {
+        let mut named = vec![0u64; MAX_PROFILES / 64];
+        let mut mark = |idx: u32| {
+            let n = self.slab.node(idx);
+            if n.is_live() && n.tenant() == t.id.0 {
+                let p = usize::from(n.profile());
+                named[p / 64] |= 1u64 << (p % 64);
+            }
+        };
+        let _m = self.maint.lock();
+        for c in self.caches.iter() {
+            for &r in &c.lock().new_nodes {
+                mark(ref_idx(r));
+            }
+        }
+        t.wheel.lock().for_each_ref(|_, idx| mark(idx));
+        named
     }
 
     /// The timeouts entries of profile `profile` of tenant `id` get.

@@ -93,7 +93,7 @@ mod types;
 mod wheel;
 
 pub use cursor::Cursor;
-pub use flow::{FlowTable, LOOKUP_BATCH, RETIME_REFS, Reader};
+pub use flow::{FlowTable, LOOKUP_BATCH, Profile, RETIME_REFS, Reader};
 #[doc(hidden)]
 pub use index::index_bytes_alive;
 pub use types::*;

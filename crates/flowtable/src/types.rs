@@ -294,7 +294,9 @@ pub struct FlowInit {
     /// its sockets), returned in every [`FlowSnapshot`] so that expiry, kills
     /// and tenant removal can tell the owner to close. 0 = none.
     pub owner: u32,
-    /// Timeout profile (from [`FlowTable::timeout_profile`](crate::FlowTable::timeout_profile)):
+    /// Timeout profile (the [`Profile::number`](crate::Profile::number) of
+    /// a [`Profile`](crate::Profile) held while inserting, from
+    /// [`FlowTable::timeout_profile`](crate::FlowTable::timeout_profile)):
     /// per-state overrides of the tenant's timeouts, e.g. one service's own
     /// UDP timeout. 0 = the tenant's timeouts as they are.
     pub profile: u16,
@@ -626,8 +628,9 @@ pub enum TenantError {
     /// `own_buckets` is not 0 or a power of two `<= 2^24`.
     #[error("own_buckets must be 0 or a power of two <= 2^24, got {0}")]
     BadSize(usize),
-    /// The tenant already has [`MAX_PROFILES`] distinct timeout profiles.
-    #[error("tenant {0} has {MAX_PROFILES} distinct timeout profiles already")]
+    /// The tenant has [`MAX_PROFILES`] distinct timeout profiles in use
+    /// (held, or named by live entries).
+    #[error("tenant {0} has {MAX_PROFILES} distinct timeout profiles in use")]
     TooManyProfiles(TenantId),
 }
 

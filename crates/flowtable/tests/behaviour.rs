@@ -704,17 +704,18 @@ fn timeout_profiles_override_per_state_and_follow_the_tenant() {
     let o = TimeoutOverrides::NONE.with(FlowState::Udp, Millis(2_000));
     assert_eq!(
         t.timeout_profile(TenantId(1), &TimeoutOverrides::NONE),
-        Ok(0)
+        Ok(Profile::NONE)
     );
-    let p = t.timeout_profile(TenantId(1), &o).unwrap();
+    let held = t.timeout_profile(TenantId(1), &o).unwrap();
+    let p = held.number();
     assert_ne!(p, 0);
     // Interned: the same overrides give the same profile.
-    assert_eq!(t.timeout_profile(TenantId(1), &o), Ok(p));
+    assert_eq!(t.timeout_profile(TenantId(1), &o), Ok(held.clone()));
     assert_eq!(
         t.timeout_profile(TenantId(9), &o),
         Err(TenantError::NoTenant(TenantId(9)))
     );
-    let with = |state, profile| FlowInit {
+    let with = |state, profile: u16| FlowInit {
         profile,
         ..init(state)
     };
@@ -754,9 +755,12 @@ fn timeout_profiles_override_per_state_and_follow_the_tenant() {
 #[test]
 fn timeout_profiles_are_bounded_per_tenant() {
     let t = table_with(&[(1, 0)], cfg(16, 64));
+    let mut held = Vec::new();
     for i in 1..MAX_PROFILES as u64 {
         let o = TimeoutOverrides::NONE.with(FlowState::Udp, Millis(i));
-        assert_eq!(t.timeout_profile(TenantId(1), &o), Ok(i as u16));
+        let p = t.timeout_profile(TenantId(1), &o).unwrap();
+        assert_eq!(p.number(), i as u16);
+        held.push(p);
     }
     let o = TimeoutOverrides::NONE.with(FlowState::Udp, Millis(1 << 40));
     assert_eq!(
@@ -765,7 +769,69 @@ fn timeout_profiles_are_bounded_per_tenant() {
     );
     // Known ones still resolve.
     let o = TimeoutOverrides::NONE.with(FlowState::Udp, Millis(7));
-    assert_eq!(t.timeout_profile(TenantId(1), &o), Ok(7));
+    assert_eq!(
+        t.timeout_profile(TenantId(1), &o).map(|p| p.number()),
+        Ok(7)
+    );
+}
+
+/// A profile no handle holds and no entry names is given to new
+/// overrides: a tenant cycling one service through more distinct timeouts
+/// than it can hold at once keeps getting profiles (they were never
+/// freed: refused after 4,095 in the tenant's life). A profile a live
+/// entry names is not given away under it, though its handle is gone:
+/// the entry keeps its timeout; once the entry goes, the number is free.
+#[test]
+fn timeout_profiles_are_freed_once_unheld_and_unnamed() {
+    let t = table_with(&[(1, 0)], cfg(16, 64));
+    let udp = |ms: u64| TimeoutOverrides::NONE.with(FlowState::Udp, Millis(ms));
+    // An entry names the first profile; its handle goes at once.
+    let named = t.timeout_profile(TenantId(1), &udp(5_000)).unwrap();
+    let n = named.number();
+    let init = FlowInit {
+        profile: n,
+        ..init(FlowState::Udp)
+    };
+    t.insert(key(1, 1), init, Millis(0)).unwrap();
+    drop(named);
+    assert_eq!(t.get(&key(1, 1)).unwrap().expires_at, Millis(5_000));
+    // Filed in the wheel, as well as waiting in a filing list.
+    let mut out = Vec::new();
+    t.expire(Millis(1_000), 100, &mut out);
+    t.insert(key(1, 2), FlowInit { profile: n, ..init }, Millis(1_000))
+        .unwrap_or_else(|e| panic!("{e}"));
+    for i in 0..3 * MAX_PROFILES as u64 {
+        let p = t
+            .timeout_profile(TenantId(1), &udp(10_000 + i))
+            .unwrap_or_else(|e| panic!("overrides {i}: {e}"));
+        assert_ne!(p.number(), n, "a named profile given away ({i})");
+        assert_eq!(
+            t.profile_timeouts(TenantId(1), p.number()).unwrap().udp,
+            Millis(10_000 + i)
+        );
+    }
+    assert_eq!(t.get(&key(1, 1)).unwrap().expires_at, Millis(5_000));
+    assert_eq!(t.get(&key(1, 2)).unwrap().expires_at, Millis(6_000));
+    // The same overrides again: the same profile, still named.
+    let again = t.timeout_profile(TenantId(1), &udp(5_000)).unwrap();
+    assert_eq!(again.number(), n);
+    drop(again);
+    // Every number held but the named one's: refused, and the entries
+    // keep their timeout.
+    let mut held: Vec<Profile> = (0..MAX_PROFILES as u64 - 2)
+        .map(|i| t.timeout_profile(TenantId(1), &udp(100_000 + i)).unwrap())
+        .collect();
+    assert_eq!(
+        t.timeout_profile(TenantId(1), &udp(1)),
+        Err(TenantError::TooManyProfiles(TenantId(1)))
+    );
+    assert_eq!(t.get(&key(1, 2)).unwrap().expires_at, Millis(6_000));
+    // The entries go: their profile is free for the next new overrides.
+    t.remove(&key(1, 1)).unwrap();
+    t.remove(&key(1, 2)).unwrap();
+    let p = t.timeout_profile(TenantId(1), &udp(1)).unwrap();
+    assert_eq!(p.number(), n);
+    held.push(p);
 }
 
 #[test]

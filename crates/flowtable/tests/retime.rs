@@ -33,7 +33,7 @@ fn shortened_timeout_applies_to_filed_entries() {
     for i in 0..N {
         let mut init = common::one_flow(FlowState::Udp);
         if i % 3 == 2 {
-            init.profile = profile;
+            init.profile = profile.number();
         }
         t.insert(key(i), init, Millis(1_000)).unwrap();
     }

@@ -151,7 +151,7 @@ impl Shared {
         let params = svc.params.load_full();
         let init = FlowInit {
             owner: owner.token(),
-            profile: params.profile,
+            profile: params.profile.number(),
             service: ServiceId(svc.id),
             backend: BackendId(backend.id),
             state: state.flow(),

@@ -488,8 +488,9 @@ pub(crate) struct ServiceParams {
     /// this prefix.
     pub(crate) client_prefix6: u8,
     /// The flow table's timeout profile for these timeouts (see
-    /// [`Shared::with_profile`]); 0 until then.
-    pub(crate) profile: u16,
+    /// [`Shared::with_profile`]), held while these parameters live (the
+    /// data path inserts under them); profile 0 until then.
+    pub(crate) profile: weir_flowtable::Profile,
 }
 
 /// How a change of services is held to its tenant's `max_services` and
@@ -766,7 +767,7 @@ impl Shared {
                 None => {
                     let init = FlowInit {
                         owner: 0,
-                        profile: params.profile,
+                        profile: params.profile.number(),
                         service: ServiceId(svc.id),
                         backend: BackendId(backend),
                         state: FlowState::Persist,
@@ -1425,7 +1426,21 @@ impl Shared {
             .table
             .timeout_profile(TenantId(tenant.id), &o)
             .map_err(|e| {
-                crate::control::ControlError::new(crate::control::ErrorKind::Invalid, e.to_string())
+                use crate::control::{ControlError, ErrorKind};
+                match e {
+                    weir_flowtable::TenantError::TooManyProfiles(_) => ControlError::new(
+                        ErrorKind::Conflict,
+                        format!(
+                            "tenant {:?} has {} distinct sets of service timeouts \
+                             (connect_timeout, udp_timeout, persistence) in use: give this \
+                             service the timeouts of another, or delete or edit a service \
+                             with timeouts of its own",
+                            tenant.spec.read().name,
+                            weir_flowtable::MAX_PROFILES - 1,
+                        ),
+                    ),
+                    e => ControlError::new(ErrorKind::Invalid, e.to_string()),
+                }
             })?;
         Ok(params)
     }
@@ -1654,7 +1669,7 @@ impl Service {
             // the connections it placed before.
             let init = FlowInit {
                 owner: 0,
-                profile: params.profile,
+                profile: params.profile.number(),
                 service: ServiceId(self.id),
                 backend: BackendId(b.id),
                 state: FlowState::Persist,
@@ -1790,7 +1805,7 @@ pub(crate) fn service_params(spec: &ServiceSpec) -> crate::control::ControlResul
             Some(p @ 1..=128) => p as u8,
             Some(p) => return Err(bad(format!("client_prefix6 {p} is not in 1..=128"))),
         },
-        profile: 0,
+        profile: weir_flowtable::Profile::NONE,
     })
 }
 
@@ -2814,6 +2829,47 @@ pub(crate) mod tests {
         };
         assert_eq!(reload(300), 1);
         assert_eq!(reload(1), 1);
+    }
+
+    /// A service edited through more distinct connect timeouts than a
+    /// tenant has timeout profiles keeps working: the profile of the old
+    /// timeouts goes back when no service holds it (and no entry names
+    /// it). Profiles held by live services are still refused past the
+    /// limit, and the refusal names the tenant (it said "tenant 1").
+    #[test]
+    fn timeout_profiles_no_service_holds_are_given_back() {
+        use weir_flowtable::MAX_PROFILES;
+        let d = daemon(vec![spec("default", "s", Protocol::Udp)], None);
+        let control = d.control();
+        let mut s = control.service_spec("default", "s").unwrap();
+        for ms in 1..=MAX_PROFILES as u64 + 100 {
+            s.options.connect_timeout = Some(format!("{ms}ms").parse().unwrap());
+            if let Err(e) = control.edit_service("default", "s", s.clone()) {
+                panic!("edit {ms}: {e:?}");
+            }
+        }
+        let tenant = d.shared.model.load().tenants["default"].clone();
+        let base = service_params(&s).unwrap();
+        let mut held = Vec::new();
+        let err = loop {
+            let p = ServiceParams {
+                connect_timeout: Duration::from_millis(1_000_000 + held.len() as u64),
+                ..base.clone()
+            };
+            match d.shared.with_profile(&tenant, p) {
+                Ok(p) => held.push(p),
+                Err(e) => break e,
+            }
+            assert!(
+                held.len() < MAX_PROFILES,
+                "more profiles held than a tenant has"
+            );
+        };
+        // The service's own, and the one of no overrides, are not counted.
+        assert_eq!(held.len(), MAX_PROFILES - 2);
+        assert!(err.message.contains("\"default\""), "{}", err.message);
+        drop(held);
+        d.shutdown();
     }
 
     /// A batch of tenant adds ([`Shared::add_tenants`]) adds each tenant

@@ -1267,7 +1267,7 @@ impl Engine {
                 held: template.is_some(),
             }
             .token(),
-            profile: params.profile,
+            profile: params.profile.number(),
         };
         let reply = match (vs.method, std::num::NonZeroU32::new(nat)) {
             (Method::Dr, _) => None,
