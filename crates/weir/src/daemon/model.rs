@@ -41,8 +41,8 @@ pub(crate) struct Model {
     /// Serialises writers: each copies the snapshot, changes the copy and
     /// stores it, so no change is lost to a concurrent one.
     writer: Mutex<()>,
-    /// Ids of tenants and services (unique for the daemon's life).
-    next_id: AtomicU32,
+    /// Ids of tenants and services (never two live ones alike).
+    pub(super) ids: Arc<Ids>,
     /// Objects added through the API since the start or the last reload
     /// ("tenant T", "service T/S", "backend T/S/ADDR"): a reload that would
     /// remove them needs `force`.
@@ -88,7 +88,7 @@ impl Model {
         Self {
             state: ArcSwap::from_pointee(State::default()),
             writer: Mutex::new(()),
-            next_id: AtomicU32::new(1),
+            ids: Ids::new(),
             runtime_added: Mutex::default(),
             retiring: Mutex::default(),
             reload_lock: Mutex::new(()),
@@ -435,6 +435,8 @@ impl Services {
 #[derive(Debug)]
 pub(crate) struct Tenant {
     pub(crate) id: u32,
+    /// Holds `id` while the tenant lives.
+    _lease: IdLease,
     pub(crate) spec: RwLock<TenantSpec>,
     pub(crate) active: AtomicU64,
     pub(crate) refused: AtomicU64,
@@ -449,6 +451,9 @@ pub(crate) struct Tenant {
 #[derive(Debug)]
 pub(crate) struct Service {
     pub(crate) id: u32,
+    /// Holds `id` while the service lives (retiring services too: their
+    /// flows' ends are settled on them by id).
+    _lease: IdLease,
     pub(crate) tenant: Arc<Tenant>,
     pub(crate) spec: RwLock<ServiceSpec>,
     /// Parsed settings, replaced as a whole on edit; read without a lock.
@@ -605,8 +610,12 @@ pub(crate) struct BackendSet {
 
 #[derive(Debug)]
 pub(crate) struct Backend {
-    /// Flow-table id (unique for the daemon's life).
+    /// Flow-table id (never two live ones alike).
     pub(crate) id: u32,
+    /// Holds `id` while the backend lives, and while fnat ports taken for
+    /// it are out (the packet path keeps a clone: their release finds the
+    /// backend's address by its id).
+    pub(crate) lease: Arc<IdLease>,
     pub(crate) addr: SocketAddr,
     pub(crate) spec: RwLock<BackendSpec>,
     pub(crate) weight: AtomicU32,
@@ -627,6 +636,97 @@ pub(crate) struct Backend {
     pub(crate) stat: Stat,
 }
 
+/// Ids of tenants, services or backends. They are 32-bit (the flow
+/// table's 128-byte entries store them: [`TenantId`], [`ServiceId`],
+/// [`BackendId`]), so a counter wraps after 2^32 creations: from then on
+/// it skips 0 (none) and every id still leased. It was a bare counter,
+/// which gave live ids again once it wrapped.
+pub(crate) struct Ids {
+    inner: Mutex<IdsInner>,
+}
+
+impl std::fmt::Debug for Ids {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let g = self.inner.lock();
+        f.debug_struct("Ids")
+            .field("next", &g.next)
+            .field("live", &g.live.len())
+            .finish()
+    }
+}
+
+struct IdsInner {
+    next: u32,
+    live: std::collections::HashSet<u32>,
+}
+
+/// An id given by [`Ids::lease`]; free again when dropped.
+pub(crate) struct IdLease {
+    id: u32,
+    ids: Arc<Ids>,
+}
+
+impl std::fmt::Debug for IdLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("IdLease").field(&self.id).finish()
+    }
+}
+
+impl Ids {
+    pub(crate) fn new() -> Arc<Ids> {
+        Arc::new(Ids {
+            inner: Mutex::new(IdsInner {
+                next: 1,
+                live: Default::default(),
+            }),
+        })
+    }
+
+    /// The next id not in use (never 0).
+    pub(crate) fn lease(self: &Arc<Self>) -> IdLease {
+        let mut g = self.inner.lock();
+        let g = &mut *g;
+        // Ends within `live.len() + 2` steps: a leased id is an object of
+        // the model, so far fewer than 2^32 - 1 are.
+        loop {
+            let id = g.next;
+            g.next = g.next.checked_add(1).unwrap_or(1);
+            if id != 0 && g.live.insert(id) {
+                return IdLease {
+                    id,
+                    ids: Arc::clone(self),
+                };
+            }
+        }
+    }
+
+    /// Where the next [`lease`](Self::lease) starts looking.
+    #[cfg(test)]
+    pub(crate) fn next(&self) -> u32 {
+        self.inner.lock().next
+    }
+
+    #[cfg(test)]
+    pub(crate) fn set_next(&self, next: u32) {
+        self.inner.lock().next = next;
+    }
+}
+
+impl IdLease {
+    pub(crate) fn id(&self) -> u32 {
+        self.id
+    }
+}
+
+impl Drop for IdLease {
+    fn drop(&mut self) {
+        self.ids.inner.lock().live.remove(&self.id);
+    }
+}
+
+/// Backend ids (one counter for the process, as they were).
+static BACKEND_IDS: std::sync::LazyLock<Arc<Ids>> = std::sync::LazyLock::new(Ids::new);
+
 /// A count that a racing move took below 0 (wrapped) reads as 0.
 fn clamp_count(v: u64) -> u64 {
     if v > i64::MAX as u64 { 0 } else { v }
@@ -634,9 +734,19 @@ fn clamp_count(v: u64) -> u64 {
 
 impl Backend {
     pub(crate) fn new(spec: BackendSpec, rates: &stats::RateEngine) -> Arc<Self> {
-        static NEXT: AtomicU32 = AtomicU32::new(1);
+        Self::new_in(spec, rates, &BACKEND_IDS)
+    }
+
+    /// [`Self::new`] with an id from `ids`.
+    pub(crate) fn new_in(
+        spec: BackendSpec,
+        rates: &stats::RateEngine,
+        ids: &Arc<Ids>,
+    ) -> Arc<Self> {
+        let lease = Arc::new(ids.lease());
         Arc::new(Self {
-            id: NEXT.fetch_add(1, Relaxed),
+            id: lease.id(),
+            lease,
             addr: spec.address,
             weight: AtomicU32::new(spec.weight),
             spec: RwLock::new(spec),
@@ -910,23 +1020,23 @@ impl Shared {
                 ));
                 continue;
             }
-            let id = self.model.next_id.fetch_add(1, Relaxed);
+            let lease = self.model.ids.lease();
             configs.push((
-                TenantId(id),
+                TenantId(lease.id()),
                 TenantConfig {
                     own_buckets: spec.table_entries,
                     max_entries: spec.max_table_entries,
                     timeouts,
                 },
             ));
-            adds.push((i, id, spec));
+            adds.push((i, lease, spec));
         }
         let placed = if configs.is_empty() {
             Vec::new()
         } else {
             self.conns.table.add_tenants(&configs)
         };
-        for ((i, id, spec), placement) in adds.into_iter().zip(placed) {
+        for ((i, lease, spec), placement) in adds.into_iter().zip(placed) {
             let placement = match placement {
                 Ok(weir_flowtable::Placement::Own { .. }) => "own".to_owned(),
                 Ok(weir_flowtable::Placement::Shared { requested, reason }) => {
@@ -941,7 +1051,8 @@ impl Shared {
                 }
             };
             let t = Arc::new(Tenant {
-                id,
+                id: lease.id(),
+                _lease: lease,
                 placement,
                 spec: RwLock::new(spec),
                 active: AtomicU64::new(0),
@@ -1330,8 +1441,10 @@ impl Shared {
         let params = Arc::new(self.with_profile(&tenant, params)?);
         let prefix6 = params.client_prefix6;
         let protocol = spec.protocol;
+        let lease = self.model.ids.lease();
         let svc = Arc::new(Service {
-            id: self.model.next_id.fetch_add(1, Relaxed),
+            id: lease.id(),
+            _lease: lease,
             tenant,
             spec: RwLock::new(ServiceSpec { listen, ..spec }),
             params: ArcSwap::new(params),
@@ -2872,6 +2985,65 @@ pub(crate) mod tests {
         d.shutdown();
     }
 
+    /// Tenant and service ids (one counter) are 32-bit, as the flow
+    /// table's entries store them: when the counter wraps, it skips 0 and
+    /// every id still in use. They wrapped onto live ids.
+    #[test]
+    fn tenant_and_service_ids_skip_live_ones_when_the_counter_wraps() {
+        let d = daemon_with_tenants(&["a"], vec![spec("a", "s", Protocol::Udp)]);
+        let shared = d.shared.clone();
+        let ids = || -> Vec<u32> {
+            let st = shared.model.load();
+            let mut v: Vec<u32> = st.tenants.values().map(|t| t.id).collect();
+            v.extend(st.services.values().map(|s| s.id));
+            v
+        };
+        let before = ids();
+        shared.model.ids.set_next(u32::MAX - 1);
+        for i in 0..4 {
+            let name = format!("t{i}");
+            shared.add_tenant(tenant(&name)).unwrap();
+            shared.add_service(spec(&name, "s", Protocol::Udp)).unwrap();
+        }
+        let mut all = ids();
+        assert_eq!(all.len(), before.len() + 8);
+        assert!(!all.contains(&0), "id 0: {all:?}");
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), before.len() + 8, "an id given twice: {all:?}");
+        d.shutdown();
+    }
+
+    /// Backend ids, from their own counter, as tenant and service ids.
+    #[test]
+    fn backend_ids_skip_live_ones_when_the_counter_wraps() {
+        let rates = stats::RateEngine::new(1).unwrap();
+        let spec = |i: u8| crate::config::BackendSpec {
+            address: SocketAddr::from(([10, 1, 0, i], 8080)),
+            weight: 1,
+            proxy_protocol: None,
+            max_connections: 0,
+        };
+        let ids = Ids::new();
+        let first = Backend::new_in(spec(0), &rates, &ids);
+        ids.set_next(u32::MAX - 1);
+        let mut live = vec![first];
+        for i in 1..4 {
+            live.push(Backend::new_in(spec(i), &rates, &ids));
+        }
+        ids.set_next(live[0].id);
+        live.push(Backend::new_in(spec(9), &rates, &ids));
+        let mut all: Vec<u32> = live.iter().map(|b| b.id).collect();
+        assert!(!all.contains(&0), "id 0: {all:?}");
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), live.len(), "an id given twice: {all:?}");
+        // A backend gone, its id is free again.
+        let gone = live.pop().unwrap().id;
+        ids.set_next(gone);
+        assert_eq!(Backend::new_in(spec(10), &rates, &ids).id, gone);
+    }
+
     /// A batch of tenant adds ([`Shared::add_tenants`]) adds each tenant
     /// that one add after another would, and fails each that they would
     /// fail, with the same error: a name of the batch's earlier tenant or
@@ -2903,7 +3075,7 @@ pub(crate) mod tests {
             },
             tenant("size"),
         ];
-        let ids = shared.model.next_id.load(Relaxed);
+        let ids = shared.model.ids.next();
         let before = shared.model.copies.load(Relaxed);
         let errors = shared.add_tenants(batch.clone());
         assert_eq!(shared.model.copies.load(Relaxed) - before, 1);
@@ -2921,7 +3093,7 @@ pub(crate) mod tests {
         );
         assert!(errors[0].1.message.contains("exists"), "{errors:?}");
         // Only the three added got ids.
-        assert_eq!(shared.model.next_id.load(Relaxed) - ids, 3);
+        assert_eq!(shared.model.ids.next() - ids, 3);
         // The same failures one at a time, now that ok1 is in.
         for (i, e) in &errors {
             let alone = shared.add_tenant(batch[*i].clone()).unwrap_err();

@@ -341,11 +341,11 @@ const LINKS_EVERY_MS: u64 = 1000;
 
 /// fnat's ports, and the address of every backend a port was taken for
 /// (a flow that outlives its backend in the service still gives its port
-/// back: backend ids are never reused).
+/// back), with the backend's id held: no other backend gets it meanwhile.
 #[derive(Debug)]
 struct Fnat {
     ports: FnatPorts,
-    backends: HashMap<u32, SocketAddr>,
+    backends: HashMap<u32, (SocketAddr, Arc<super::model::IdLease>)>,
 }
 
 /// The packet path's shared part: fnat ports, every worker's counters.
@@ -458,7 +458,9 @@ impl PacketPath {
     fn take_port(&self, backend: &Backend) -> Option<SocketAddr> {
         let mut f = self.fnat.lock();
         let local = f.ports.allocate(backend.addr).ok()?;
-        f.backends.insert(backend.id, backend.addr);
+        f.backends
+            .entry(backend.id)
+            .or_insert_with(|| (backend.addr, backend.lease.clone()));
         Some(local)
     }
 
@@ -468,7 +470,7 @@ impl PacketPath {
             return;
         };
         let mut f = self.fnat.lock();
-        let Some(&addr) = f.backends.get(&backend) else {
+        let Some(&(addr, _)) = f.backends.get(&backend) else {
             tracing::warn!(%local, backend, "fnat port release: unknown backend");
             return;
         };
