@@ -17,7 +17,7 @@
 //! seed is the caller's.
 
 use std::collections::hash_map::{DefaultHasher, Entry};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::net::{IpAddr, SocketAddr};
 use std::ops::RangeInclusive;
@@ -156,8 +156,10 @@ impl PortAllocator {
 
 /// fnat ports for every (local address, backend): the local addresses of
 /// `[packet] local_addresses`, one [`PortAllocator`] per pair, created on
-/// first use. A backend gets a port from the first local address of its
-/// family (in rotating order) that has one free.
+/// first use, and dropped once it has no live port and its backend is no
+/// longer served ([`FnatPorts::retain_backends`]). A backend gets a port
+/// from the first local address of its family (in rotating order) that
+/// has one free.
 #[derive(Debug, Clone)]
 pub struct FnatPorts {
     locals: Vec<IpAddr>,
@@ -165,6 +167,12 @@ pub struct FnatPorts {
     seed: u64,
     next: usize,
     pools: HashMap<(IpAddr, SocketAddr), PortAllocator>,
+    /// The backends served, as last told; `None`: every one.
+    served: Option<HashSet<SocketAddr>>,
+    /// Pools dropped so far: mixed into a new pool's seed, so that a pool
+    /// made again for a backend does not hand out the ports its last one
+    /// began with (the backend may hold them in TIME_WAIT still).
+    dropped: u64,
 }
 
 impl FnatPorts {
@@ -184,6 +192,8 @@ impl FnatPorts {
             seed,
             next: 0,
             pools: HashMap::new(),
+            served: None,
+            dropped: 0,
         })
     }
 
@@ -205,6 +215,9 @@ impl FnatPorts {
                 Entry::Vacant(e) => {
                     let mut h = DefaultHasher::new();
                     (self.seed, local, backend).hash(&mut h);
+                    if self.dropped != 0 {
+                        self.dropped.hash(&mut h);
+                    }
                     e.insert(PortAllocator::new(self.range.clone(), h.finish())?)
                 }
             };
@@ -220,12 +233,41 @@ impl FnatPorts {
         })
     }
 
-    /// Releases the mapping `local` of a flow to `backend`.
+    /// Releases the mapping `local` of a flow to `backend`. The last one
+    /// of a backend no longer served drops its pool.
     pub fn release(&mut self, local: SocketAddr, backend: SocketAddr) -> Result<(), PortError> {
+        let key = (local.ip(), backend);
+        let pool = self
+            .pools
+            .get_mut(&key)
+            .ok_or(PortError::NotAllocated(local.port()))?;
+        pool.release(local.port())?;
+        if pool.live() == 0 && !self.serves(backend) {
+            self.pools.remove(&key);
+            self.dropped += 1;
+        }
+        Ok(())
+    }
+
+    /// The backends served are now `served` (all those that may get new
+    /// flows): the pools of the others are dropped once they have no live
+    /// port (now, or at their last release). A pool made for another
+    /// backend later (a flow placed on a stale view) goes the same way.
+    pub fn retain_backends(&mut self, served: HashSet<SocketAddr>) {
+        let before = self.pools.len();
         self.pools
-            .get_mut(&(local.ip(), backend))
-            .ok_or(PortError::NotAllocated(local.port()))?
-            .release(local.port())
+            .retain(|(_, b), p| p.live() > 0 || served.contains(b));
+        self.dropped += (before - self.pools.len()) as u64;
+        self.served = Some(served);
+    }
+
+    fn serves(&self, backend: SocketAddr) -> bool {
+        self.served.as_ref().is_none_or(|s| s.contains(&backend))
+    }
+
+    /// Number of (local address, backend) pools.
+    pub fn pools(&self) -> usize {
+        self.pools.len()
     }
 
     /// Whether `local` is a live mapping towards `backend`.
@@ -357,6 +399,34 @@ mod tests {
         assert_eq!(f.allocate(b), Ok(a));
         let mut v4only = FnatPorts::new(vec![l1], 1..=10, 0).expect("pool");
         assert_eq!(v4only.allocate(b6), Err(PortError::NoLocalAddress));
+    }
+
+    /// A pool of a backend no longer served goes with its last live
+    /// port (or at once, if it has none); a served one stays.
+    #[test]
+    fn pools_of_backends_no_longer_served_are_dropped() {
+        let l: IpAddr = "10.0.1.1".parse().expect("ip");
+        let b1: SocketAddr = "10.0.1.2:80".parse().expect("addr");
+        let b2: SocketAddr = "10.0.1.3:80".parse().expect("addr");
+        let b3: SocketAddr = "10.0.1.4:80".parse().expect("addr");
+        let mut f = FnatPorts::new(vec![l], 5000..=5009, 1).expect("pool");
+        let p1 = f.allocate(b1).expect("free");
+        let p2 = f.allocate(b2).expect("free");
+        let p3 = f.allocate(b3).expect("free");
+        f.release(p3, b3).expect("live");
+        assert_eq!(f.pools(), 3, "every backend is served until told");
+        f.retain_backends([b1].into_iter().collect());
+        assert_eq!(f.pools(), 2, "b3's empty pool goes at once");
+        f.release(p1, b1).expect("live");
+        assert_eq!(f.pools(), 2, "b1 is served: its pool stays");
+        f.release(p2, b2).expect("live");
+        assert_eq!(f.pools(), 1, "b2's pool went with its last port");
+        assert!(!f.is_live(p2, b2));
+        // A port taken for b2 on a stale view: its pool goes with it.
+        let p = f.allocate(b2).expect("free");
+        assert_eq!(f.pools(), 2);
+        f.release(p, b2).expect("live");
+        assert_eq!(f.pools(), 1);
     }
 
     #[derive(Debug, Clone)]

@@ -339,13 +339,15 @@ pub(crate) struct Link {
 /// How often a worker asks [`NextHops::links`] again.
 const LINKS_EVERY_MS: u64 = 1000;
 
-/// fnat's ports, and the address of every backend a port was taken for
-/// (a flow that outlives its backend in the service still gives its port
-/// back), with the backend's id held: no other backend gets it meanwhile.
+/// fnat's ports, and the address of every backend with ports out (a flow
+/// that outlives its backend in the service still gives its port back),
+/// with the backend's id held (no other backend gets it meanwhile) and
+/// its ports out: it leaves with the last one, as its pool does once the
+/// backend is gone (else both grew with every backend ever used).
 #[derive(Debug)]
 struct Fnat {
     ports: FnatPorts,
-    backends: HashMap<u32, (SocketAddr, Arc<super::model::IdLease>)>,
+    backends: HashMap<u32, (SocketAddr, Arc<super::model::IdLease>, u64)>,
 }
 
 /// The packet path's shared part: fnat ports, every worker's counters.
@@ -408,6 +410,15 @@ impl PacketPath {
         }
         let v = Arc::new(Vips::build(shared, generation));
         self.vips.store(v.clone());
+        // The fnat backends as of this change: the pools of the others
+        // go with their last port.
+        let fnat: std::collections::HashSet<SocketAddr> = v
+            .by_vip
+            .values()
+            .filter(|vs| vs.method == Method::Fnat)
+            .flat_map(|vs| vs.backends.0.iter().map(|(_, b)| b.addr))
+            .collect();
+        self.fnat.lock().ports.retain_backends(fnat);
         v
     }
 
@@ -460,7 +471,8 @@ impl PacketPath {
         let local = f.ports.allocate(backend.addr).ok()?;
         f.backends
             .entry(backend.id)
-            .or_insert_with(|| (backend.addr, backend.lease.clone()));
+            .or_insert_with(|| (backend.addr, backend.lease.clone(), 0))
+            .2 += 1;
         Some(local)
     }
 
@@ -470,13 +482,27 @@ impl PacketPath {
             return;
         };
         let mut f = self.fnat.lock();
-        let Some(&(addr, _)) = f.backends.get(&backend) else {
+        let Some(&(addr, _, _)) = f.backends.get(&backend) else {
             tracing::warn!(%local, backend, "fnat port release: unknown backend");
             return;
         };
         if let Err(e) = f.ports.release(local, addr) {
             tracing::warn!(%local, backend = %addr, "fnat port release: {e}");
+            return;
         }
+        if let std::collections::hash_map::Entry::Occupied(mut e) = f.backends.entry(backend) {
+            e.get_mut().2 -= 1;
+            if e.get().2 == 0 {
+                e.remove();
+            }
+        }
+    }
+
+    /// fnat port pools, and backend ids with ports out.
+    #[cfg(test)]
+    fn fnat_sizes(&self) -> (usize, usize) {
+        let f = self.fnat.lock();
+        (f.ports.pools(), f.backends.len())
     }
 
     #[cfg(test)]
@@ -2320,6 +2346,57 @@ mod tests {
         assert!(path.port_is_live(t.src, sa(B1)));
         d.control().delete_backend("default", "web", B1).unwrap();
         assert!(!path.port_is_live(t.src, sa(B1)), "port leaked");
+        assert_eq!(d.shared.admission.active.load(Relaxed), 0);
+    }
+
+    /// Backends come and go, each taking fnat ports while it serves: the
+    /// port pool of a removed one goes with its last port (and its entry
+    /// in the id → address map with it), so churn does not grow them
+    /// without bound. Both used to stay for the daemon's life.
+    #[test]
+    fn fnat_port_pools_of_removed_backends_are_freed() {
+        let d = daemon("fnat", "");
+        {
+            let svc = the_service(&d);
+            let mut p = (**svc.params.load()).clone();
+            p.expire_nodest_conn = true;
+            svc.params.store(Arc::new(p));
+        }
+        let control = d.control();
+        let mut e = engine(&d);
+        let path = d.shared.packet.get().unwrap().clone();
+        for b in [B1, B2] {
+            control.delete_backend("default", "web", b).unwrap();
+        }
+        for i in 0..300u16 {
+            let addr = SocketAddr::from(([10, 0, 3 + (i >> 8) as u8, i as u8], 8080));
+            let spec = crate::config::BackendSpec {
+                address: addr,
+                weight: 1,
+                proxy_protocol: None,
+                max_connections: 0,
+            };
+            control.add_backend("default", "web", spec).unwrap();
+            let client = sa(&format!("192.0.2.7:{}", 1024 + i));
+            let mut syn = frame(client, sa(VIP), Some(SYN), b"");
+            assert_eq!(e.process(&mut syn), Verdict::Transmit, "backend {i}");
+            let t = verified(&syn);
+            assert_eq!(t.dst, addr);
+            assert!(path.port_is_live(t.src, addr));
+            control
+                .delete_backend("default", "web", &addr.to_string())
+                .unwrap();
+            assert!(
+                !path.port_is_live(t.src, addr),
+                "port of backend {i} leaked"
+            );
+            let (pools, ids) = path.fnat_sizes();
+            assert!(
+                pools <= 2 && ids <= 2,
+                "after {} backends: {pools} pools, {ids} backend ids",
+                i + 1
+            );
+        }
         assert_eq!(d.shared.admission.active.load(Relaxed), 0);
     }
 
