@@ -2141,17 +2141,7 @@ impl FlowTable {
         }
         let tables = self.dump_tables(map, filter.tenant, start.order)?;
         let mut scratch = self.dump_scratch();
-        let mut d = Dumper {
-            ft: self,
-            map,
-            filter,
-            limit,
-            out,
-            emitted: 0,
-            cached: None,
-            dump: start.dump,
-            s: &mut scratch,
-        };
+        let mut d = Dumper::new(self, map, filter, limit, out, start.dump, &mut scratch);
         let mut next = None;
         for table in tables {
             let after = if table.order == start.order {
@@ -2202,17 +2192,7 @@ impl FlowTable {
             (0, 0)
         };
         let mut scratch = self.dump_scratch();
-        let mut d = Dumper {
-            ft: self,
-            map,
-            filter,
-            limit,
-            out,
-            emitted: 0,
-            cached: None,
-            dump: start.dump,
-            s: &mut scratch,
-        };
+        let mut d = Dumper::new(self, map, filter, limit, out, start.dump, &mut scratch);
         let (hi, cookie) = d.refs(t, table, after);
         if scratch.items.capacity() > 1 << 16 {
             // A large tenant: do not keep that much per thread for good.
@@ -2427,6 +2407,32 @@ struct Dumper<'a, 'o> {
     /// The dump's number ([`Cursor`]'s `dump`; 0: unknown).
     dump: u64,
     s: &'o mut DumpScratch,
+}
+
+impl<'a, 'o> Dumper<'a, 'o> {
+    /// A page of at most `limit` entries of dump `dump` into `out`, with
+    /// this thread's scratch `s`.
+    fn new(
+        ft: &'a FlowTable,
+        map: &'a TenantMap,
+        filter: &'a DumpFilter,
+        limit: usize,
+        out: &'o mut Vec<FlowSnapshot>,
+        dump: u64,
+        s: &'o mut DumpScratch,
+    ) -> Self {
+        Dumper {
+            ft,
+            map,
+            filter,
+            limit,
+            out,
+            emitted: 0,
+            cached: None,
+            dump,
+            s,
+        }
+    }
 }
 
 /// What [`Dumper::range`] returns when the page did not fill: a position
