@@ -520,3 +520,182 @@ fn running_out_of_local_ports_does_not_take_the_backend_out() {
     .join()
     .unwrap();
 }
+
+/// A backend whose way cannot take any more datagrams (its session's socket
+/// has a full send buffer) stalls none of the listener's other clients:
+/// their datagrams reach their own backend and are answered, and the ones
+/// the full socket could not take are dropped and counted as
+/// `backend_busy`. The receive loop used to await each send to a backend,
+/// so once one session's send buffer was full it waited there, and every
+/// other client of the listener got nothing until that backend's queue
+/// moved.
+///
+/// In a network namespace of its own (run as root; skipped otherwise):
+/// the stuck backend is an address behind a veth whose queue holds what it
+/// is given (a `tbf` qdisc at 8 bit/s, a static neighbour entry so nothing
+/// waits for ARP); a datagram held there still counts against the sending
+/// socket's send buffer, so after a hundred or so the session's socket
+/// cannot take more. (On loopback a send never waits: its buffer is
+/// released as the datagram is handed over.)
+#[test]
+fn a_backend_that_takes_no_more_datagrams_stalls_no_other_client() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: needs root (a network namespace of its own)");
+        return;
+    }
+    let sh = |args: &[&str]| {
+        let out = std::process::Command::new(args[0])
+            .args(&args[1..])
+            .output()
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    // Everything below runs on a thread in a namespace of its own (the
+    // daemon's threads, started from it, are in it too); the namespace and
+    // its links go when the last of them ends.
+    std::thread::spawn(move || {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        sh(&["ip", "link", "set", "lo", "up"]);
+        sh(&[
+            "ip", "link", "add", "wv0", "type", "veth", "peer", "name", "wv1",
+        ]);
+        sh(&["ip", "link", "set", "wv0", "up"]);
+        sh(&["ip", "link", "set", "wv1", "up"]);
+        sh(&["ip", "addr", "add", "10.77.0.1/24", "dev", "wv0"]);
+        sh(&[
+            "ip",
+            "neigh",
+            "add",
+            "10.77.0.2",
+            "lladdr",
+            "02:00:00:00:00:02",
+            "dev",
+            "wv0",
+            "nud",
+            "permanent",
+        ]);
+        sh(&[
+            "tc", "qdisc", "add", "dev", "wv0", "root", "tbf", "rate", "8bit", "burst", "1600",
+            "limit", "10000000",
+        ]);
+        let stuck: SocketAddr = "10.77.0.2:9".parse().unwrap();
+        // An echo backend that stops with the test (its thread would keep
+        // the namespace otherwise).
+        let echo = UdpSocket::bind("127.0.0.1:0").unwrap();
+        echo.set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        let echo_addr = echo.local_addr().unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let echo_thread = std::thread::spawn(move || {
+            let mut buf = [0u8; 2048];
+            while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok((n, peer)) = echo.recv_from(&mut buf) {
+                    let _ = echo.send_to(&buf[..n], peer);
+                }
+            }
+        });
+        let mut cfg = config(vec![service(
+            "u",
+            Protocol::Udp,
+            "rr",
+            vec![backend(stuck, 1), backend(echo_addr, 1)],
+        )]);
+        // One worker: both clients are this one receive loop's.
+        cfg.daemon.workers = 1;
+        let d = Daemon::start(cfg, None).unwrap();
+        let c = d.control();
+        let vip = d.service_addr("default", "u").unwrap();
+        let client = || {
+            let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(100)))
+                .unwrap();
+            s
+        };
+        let (a, b) = (client(), client());
+        a.send_to(b"hello", vip).unwrap();
+        b.send_to(b"hello", vip).unwrap();
+        // rr gave the two sessions one backend each: which is which.
+        let mut sessions = Vec::new();
+        assert!(
+            wait_until(T, || {
+                sessions = c
+                    .connections(&Default::default(), None, 10)
+                    .unwrap()
+                    .connections;
+                sessions.len() == 2
+            }),
+            "two sessions: {sessions:?}"
+        );
+        let backend_of = |s: &UdpSocket| {
+            let me = s.local_addr().unwrap().to_string();
+            sessions
+                .iter()
+                .find(|x| x.client == me)
+                .map(|x| x.backend.clone())
+                .unwrap()
+        };
+        let (slow, fine) = if backend_of(&a) == stuck.to_string() {
+            (a, b)
+        } else {
+            (b, a)
+        };
+        assert_eq!(backend_of(&fine), echo_addr.to_string());
+        let mut buf = [0u8; 2048];
+        while fine.recv_from(&mut buf).is_ok() {}
+        // The slow client sends until its session's socket is full and
+        // the daemon says it dropped what it could not send.
+        let busy = || {
+            c.global_stats()
+                .udp_dropped
+                .get("backend_busy")
+                .copied()
+                .unwrap_or(0)
+        };
+        let payload = [7u8; 1000];
+        assert!(
+            wait_until(T, || {
+                for _ in 0..50 {
+                    let _ = slow.send_to(&payload, vip);
+                }
+                busy() > 0
+            }),
+            "no datagram was dropped as backend_busy: {:?}",
+            c.global_stats().udp_dropped
+        );
+        // The other client is answered at once, while the slow one keeps
+        // sending (a datagram of the fine one the listener's full receive
+        // buffer lost is sent again after 100 ms).
+        let t0 = std::time::Instant::now();
+        let mut answered = false;
+        for i in 0..50u32 {
+            for _ in 0..20 {
+                let _ = slow.send_to(&payload, vip);
+            }
+            let msg = format!("ping {i}");
+            fine.send_to(msg.as_bytes(), vip).unwrap();
+            // (A late answer to its "hello" does not count.)
+            if let Ok((n, from)) = fine.recv_from(&mut buf)
+                && from == vip
+                && buf[..n].starts_with(b"ping ")
+            {
+                answered = true;
+                break;
+            }
+        }
+        assert!(
+            answered,
+            "no answer in {:?}: the slow backend stalled the listener",
+            t0.elapsed()
+        );
+        d.shutdown();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        echo_thread.join().unwrap();
+    })
+    .join()
+    .unwrap();
+}

@@ -26,6 +26,7 @@
 //! | `weir_connections_total`, `weir_{in,out}_{packets,bytes}_total` | counter | — |
 //! | `weir_active_connections` | gauge | — |
 //! | `weir_refused_connections_total` | counter | reason |
+//! | `weir_udp_dropped_datagrams_total` | counter | reason |
 //! | `weir_table_{entries,buckets,max_chain_length}`, `weir_table_load_factor` | gauge | tenant, placement |
 //! | `weir_table_refused_inserts_total` | counter | tenant, placement |
 //! | `weir_packet_{received,transmitted}_frames_total`, `weir_packet_flows_total` | counter | — |
@@ -310,6 +311,17 @@ fn global_metrics(reg: &mut Registry, g: &GlobalStats) {
         "Connections and sessions refused, by reason",
         refused,
     );
+    let udp_dropped = CounterFam::default();
+    for (reason, n) in &g.udp_dropped {
+        udp_dropped
+            .get_or_create(&labels(&[("reason", reason)]))
+            .inc_by(*n);
+    }
+    reg.register(
+        "weir_udp_dropped_datagrams",
+        "UDP proxy: client datagrams dropped, by reason",
+        udp_dropped,
+    );
     if let Some(p) = &g.packet {
         counter(
             reg,
@@ -552,5 +564,20 @@ mod tests {
             !text.contains(r#"weir_packet_worker_dropped_frames_total{worker="weir-pkt-q0""#),
             "a worker with no drops has no drop series:\n{text}"
         );
+    }
+
+    /// The UDP proxy's dropped datagrams reach `/metrics` by reason.
+    #[test]
+    fn udp_drops_are_labelled_by_reason() {
+        let g = GlobalStats {
+            udp_dropped: [("backend_busy".to_owned(), 3)].into_iter().collect(),
+            ..GlobalStats::default()
+        };
+        let mut reg = Registry::default();
+        global_metrics(&mut reg, &g);
+        let mut text = String::new();
+        encode(&mut text, &reg).unwrap();
+        let needle = r#"weir_udp_dropped_datagrams_total{reason="backend_busy"} 3"#;
+        assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
     }
 }

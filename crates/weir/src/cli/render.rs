@@ -408,6 +408,9 @@ pub fn render_global(g: &GlobalStats, exact: bool) -> String {
             let _ = writeln!(o, "refused {reason}: {n}");
         }
     }
+    for (reason, n) in &g.udp_dropped {
+        let _ = writeln!(o, "udp dropped {reason}: {n}");
+    }
     if let Some(p) = &g.packet {
         let _ = writeln!(
             o,

@@ -3,7 +3,9 @@
 //! ([`stats`]). A read is counted once in the connection's entry and once
 //! here; nothing else keeps a count.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use weir_flowtable::{Dir, Millis};
 
@@ -19,6 +21,54 @@ pub(crate) struct Accounting {
     pub(crate) rates: Arc<stats::RateEngine>,
     /// The thread that ticks `rates`, once started (a reload moves it).
     pub(crate) estimator: std::sync::OnceLock<stats::EstimatorThread>,
+    /// Client datagrams the UDP proxy dropped, per reason.
+    pub(crate) udp_dropped: UdpDrops,
+}
+
+/// Why the UDP proxy dropped a client's datagram; each one is counted under
+/// exactly one reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum UdpDrop {
+    /// Its session's socket could not take it at once (the send buffer
+    /// towards the backend was full).
+    BackendBusy,
+    /// The send failed (e.g. an ICMP port unreachable from the backend
+    /// reported on the session's socket).
+    SendFailed,
+}
+
+impl UdpDrop {
+    const ALL: [Self; 2] = [Self::BackendBusy, Self::SendFailed];
+
+    /// The name in the stats' `udp_dropped` and the metrics' `reason` label.
+    fn key(self) -> &'static str {
+        match self {
+            Self::BackendBusy => "backend_busy",
+            Self::SendFailed => "send_failed",
+        }
+    }
+}
+
+/// The UDP proxy's drops per reason: one atomic each, no lock, nothing
+/// allocated per drop.
+#[derive(Debug, Default)]
+pub(crate) struct UdpDrops([AtomicU64; UdpDrop::ALL.len()]);
+
+impl UdpDrops {
+    pub(crate) fn add(&self, why: UdpDrop) {
+        self.0[why as usize].fetch_add(1, Relaxed);
+    }
+
+    /// The reasons seen so far (zero counts left out), by name.
+    pub(crate) fn snapshot(&self) -> BTreeMap<String, u64> {
+        UdpDrop::ALL
+            .iter()
+            .filter_map(|&r| {
+                let n = self.0[r as usize].load(Relaxed);
+                (n > 0).then(|| (r.key().to_owned(), n))
+            })
+            .collect()
+    }
 }
 
 impl Accounting {
@@ -27,6 +77,7 @@ impl Accounting {
             stat: rates.stat(),
             rates,
             estimator: std::sync::OnceLock::new(),
+            udp_dropped: UdpDrops::default(),
         }
     }
 }

@@ -10,7 +10,9 @@
 //! one thread-local one the sessions of the worker share, used only between
 //! a readiness wakeup and the non-blocking read). When a session ends (the
 //! wheel's idle timeout, a kill, backend removal) its task empties its slot,
-//! so its socket closes with it.
+//! so its socket closes with it. A client's datagram is never waited on:
+//! one its session's socket cannot take at once is dropped and counted
+//! ([`UdpDrop`]).
 
 use std::cell::RefCell;
 use std::net::{IpAddr, SocketAddr};
@@ -24,6 +26,7 @@ use tokio::net::UdpSocket;
 
 use weir_flowtable::{Dir, FlowKey, Millis};
 
+use super::accounting::UdpDrop;
 use super::owners::{Close, Owner};
 use super::{Conn, ConnState, Refusal, Service, Shared};
 use crate::config::Protocol;
@@ -257,10 +260,29 @@ pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Ar
             }
         };
         shared.count(&sess.conn, Dir::In, n, !touched);
-        if let Err(e) = sess.sock.send(&buf[..n]).await {
-            tracing::debug!(backend = %sess.conn.backend.addr, "udp send: {e}");
-        }
+        forward(&shared, &sess, &buf[..n]);
     }
+}
+
+/// Passes a client's datagram to its session's backend without waiting: a
+/// datagram the session's socket cannot take at once (its send buffer
+/// full: the way to that backend is slower than its clients) is dropped
+/// and counted, as a router drops what its queue cannot hold. Awaiting the
+/// send stalled this receive loop, and with it every client of the
+/// listener, behind one slow backend.
+fn forward(shared: &Shared, sess: &Session, datagram: &[u8]) {
+    // Straight to the kernel: tokio's `try_send` does not even try on a
+    // socket it has not seen writable yet (a new session's).
+    let Err(e) = socket2::SockRef::from(&*sess.sock).send(datagram) else {
+        return;
+    };
+    let why = if e.kind() == std::io::ErrorKind::WouldBlock {
+        UdpDrop::BackendBusy
+    } else {
+        tracing::debug!(backend = %sess.conn.backend.addr, "udp send: {e}");
+        UdpDrop::SendFailed
+    };
+    shared.accounting.udp_dropped.add(why);
 }
 
 fn new_session(

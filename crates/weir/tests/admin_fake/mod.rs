@@ -521,6 +521,7 @@ impl Control for Fake {
             },
             active_conns: st.conns.len() as u64,
             refused,
+            udp_dropped: BTreeMap::new(),
             open_fds: 42,
             fd_limit: 1024,
             estimator_tick_seconds: 0.0005,
