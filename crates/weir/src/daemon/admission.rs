@@ -26,6 +26,10 @@ pub(crate) struct Admission {
     pub(crate) fd_limit: u64,
     /// Cancelled when the daemon drains or stops: listeners stop accepting.
     pub(crate) stop_accept: CancellationToken,
+    /// TCP listeners whose accept loop has not ended: once `stop_accept`
+    /// is cancelled, each takes what its accept queue holds and closes; a
+    /// drain waits for that before it counts what is left in `active`.
+    pub(crate) listeners: AtomicU64,
 }
 
 impl Admission {
@@ -36,6 +40,7 @@ impl Admission {
             refused: RefusalCounts::default(),
             fd_limit,
             stop_accept: CancellationToken::new(),
+            listeners: AtomicU64::new(0),
         }
     }
 

@@ -391,8 +391,10 @@ impl DaemonHandle {
         self.shared.admission.active.load(Relaxed)
     }
 
-    /// Stop accepting; let connections finish for up to `timeout`; then close
-    /// the rest and stop. Returns how many were closed forcibly.
+    /// Stop accepting (a listener first takes the connections the kernel
+    /// had already completed, its accept queue, and serves them: closing it
+    /// would reset them); let connections finish for up to `timeout`; then
+    /// close the rest and stop. Returns how many were closed forcibly.
     pub fn drain(self, timeout: Duration) -> u64 {
         self.drain_until(timeout, &AtomicBool::new(false))
     }
@@ -404,7 +406,14 @@ impl DaemonHandle {
         // No deadline if `timeout` overflows the clock (validation bounds
         // it to a day; a caller may pass anything).
         let deadline = Instant::now().checked_add(timeout);
-        while self.shared.admission.active.load(Relaxed) > 0
+        let admission = &self.shared.admission;
+        // The listeners first (Acquire: what one admitted before it closed
+        // is in `active`), then the connections.
+        while (admission
+            .listeners
+            .load(std::sync::atomic::Ordering::Acquire)
+            > 0
+            || admission.active.load(Relaxed) > 0)
             && deadline.is_none_or(|d| Instant::now() < d)
             && !abort.load(Relaxed)
         {

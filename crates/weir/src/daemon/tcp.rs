@@ -43,7 +43,44 @@ fn steer_group(shared: &Shared, svc: &Service, listener: &TcpListener, k: usize)
     }
 }
 
-pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener: TcpListener) {
+/// The accept loop of one worker's listener of `svc`. The listener counts
+/// as open (what a drain waits for, [`super::admission::Admission::listeners`])
+/// from this call, not from the task's first turn, until the loop ends.
+pub(crate) fn accept_loop(
+    shared: Arc<Shared>,
+    svc: Arc<Service>,
+    listener: TcpListener,
+) -> impl std::future::Future<Output = ()> + Send {
+    let open = OpenListener::new(&shared);
+    async move {
+        accept_until_stopped(&shared, &svc, listener).await;
+        drop(open);
+    }
+}
+
+/// One open TCP listener, counted in [`super::admission::Admission::listeners`]
+/// while it lives.
+struct OpenListener(Arc<Shared>);
+
+impl OpenListener {
+    fn new(shared: &Arc<Shared>) -> Self {
+        shared.admission.listeners.fetch_add(1, Relaxed);
+        Self(shared.clone())
+    }
+}
+
+impl Drop for OpenListener {
+    fn drop(&mut self) {
+        // Release: a drain that reads the count at 0 (Acquire) sees the
+        // connections the listener admitted in `active`.
+        self.0
+            .admission
+            .listeners
+            .fetch_sub(1, std::sync::atomic::Ordering::Release);
+    }
+}
+
+async fn accept_until_stopped(shared: &Arc<Shared>, svc: &Arc<Service>, listener: TcpListener) {
     let mut backoff = Duration::from_millis(10);
     let mut rng = weir_sched::SplitMix64::new(super::rng_seed());
     // One listener of each group (worker 0's) points the group at the
@@ -54,15 +91,18 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
         let k = *rx.borrow_and_update();
         // Spread at start: no program to take off.
         if shared.steering.steers() {
-            steer_group(&shared, &svc, &listener, k);
+            steer_group(shared, svc, &listener, k);
         }
     }
     loop {
         let accepted = tokio::select! {
             _ = svc.cancel.cancelled() => return,
-            _ = shared.admission.stop_accept.cancelled() => return,
+            _ = shared.admission.stop_accept.cancelled() => {
+                take_queued(shared, svc, &listener, worker, &mut rng);
+                return;
+            }
             Some(k) = steer_changed(&mut steer) => {
-                steer_group(&shared, &svc, &listener, k);
+                steer_group(shared, svc, &listener, k);
                 continue;
             }
             r = listener.accept() => r,
@@ -70,39 +110,7 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
         match accepted {
             Ok((stream, peer)) => {
                 backoff = Duration::from_millis(10);
-                shared.steering.accepted(worker);
-                // Admission before spawning: a refused connection (a flood
-                // over a limit) costs no task.
-                let slot = match svc.tcp_client_slot(peer.ip()) {
-                    Ok(slot) => slot,
-                    Err(why) => {
-                        shared.admission.refuse(Some(&svc.tenant), why);
-                        reset(&stream);
-                        continue;
-                    }
-                };
-                if let Err(why) = shared.admission.admit(&svc.tenant, shared.now_ns()) {
-                    shared.admission.refuse(Some(&svc.tenant), why);
-                    reset(&stream);
-                    continue;
-                }
-                let seed = weir_sched::RandomSource::next_u64(&mut rng);
-                // The future is made here and moved into the task as is: one
-                // awaited inside a wrapping `async` block is stored twice in
-                // the task (docs/BENCHMARKS.md, idle memory). Boxed, so the
-                // task holds a pointer: tokio moves a task's future whole
-                // (into its cell, and each stage change rewrites it), ~1.4 KB
-                // six times per connection unboxed; boxed, one plain `malloc`
-                // instead, 3% fewer user-space instructions per connection
-                // (callgrind) and the same idle memory.
-                tokio::spawn(Box::pin(handle(
-                    shared.clone(),
-                    svc.clone(),
-                    stream,
-                    peer,
-                    seed,
-                    slot,
-                )));
+                serve_accepted(shared, svc, stream, peer, worker, &mut rng);
             }
             Err(e) if is_fd_exhaustion(&e) => {
                 // Out of descriptors: the pending connection stays in the
@@ -117,7 +125,10 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
                 );
                 tokio::select! {
                     _ = svc.cancel.cancelled() => return,
-                    _ = shared.admission.stop_accept.cancelled() => return,
+                    _ = shared.admission.stop_accept.cancelled() => {
+                        take_queued(shared, svc, &listener, worker, &mut rng);
+                        return;
+                    }
                     _ = tokio::time::sleep(backoff) => {}
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(1));
@@ -125,6 +136,123 @@ pub(crate) async fn accept_loop(shared: Arc<Shared>, svc: Arc<Service>, listener
             Err(e) => tracing::debug!("accept: {e}"),
         }
     }
+}
+
+/// Admits a connection `worker` accepted and spawns its task; a refused one
+/// is reset.
+fn serve_accepted(
+    shared: &Arc<Shared>,
+    svc: &Arc<Service>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    worker: usize,
+    rng: &mut weir_sched::SplitMix64,
+) {
+    shared.steering.accepted(worker);
+    // Admission before spawning: a refused connection (a flood over a
+    // limit) costs no task.
+    let slot = match svc.tcp_client_slot(peer.ip()) {
+        Ok(slot) => slot,
+        Err(why) => {
+            shared.admission.refuse(Some(&svc.tenant), why);
+            reset(&stream);
+            return;
+        }
+    };
+    if let Err(why) = shared.admission.admit(&svc.tenant, shared.now_ns()) {
+        shared.admission.refuse(Some(&svc.tenant), why);
+        reset(&stream);
+        return;
+    }
+    let seed = weir_sched::RandomSource::next_u64(rng);
+    // The future is made here and moved into the task as is: one awaited
+    // inside a wrapping `async` block is stored twice in the task
+    // (docs/BENCHMARKS.md, idle memory). Boxed, so the task holds a
+    // pointer: tokio moves a task's future whole (into its cell, and each
+    // stage change rewrites it), ~1.4 KB six times per connection unboxed;
+    // boxed, one plain `malloc` instead, 3% fewer user-space instructions
+    // per connection (callgrind) and the same idle memory.
+    tokio::spawn(Box::pin(handle(
+        shared.clone(),
+        svc.clone(),
+        stream,
+        peer,
+        seed,
+        slot,
+    )));
+}
+
+/// The most connections a draining listener takes from its accept queue:
+/// the backlog it listens with (`open_socket_group`), and as many again
+/// that may complete while it takes them. A flood that keeps the queue
+/// full cannot hold the listener open.
+const QUEUED_MAX: usize = 2 * 4096;
+
+/// The daemon drains: takes the connections the kernel had already
+/// completed on `listener` (its accept queue) and serves them as any
+/// other, until an accept would wait (at most [`QUEUED_MAX`]). The
+/// listener closes when the loop returns, and closing it resets every
+/// connection still queued: they used to be reset that way, clients the
+/// kernel had already told they were connected. A stop (everything is
+/// being closed) takes none.
+fn take_queued(
+    shared: &Arc<Shared>,
+    svc: &Arc<Service>,
+    listener: &TcpListener,
+    worker: usize,
+    rng: &mut weir_sched::SplitMix64,
+) -> usize {
+    if shared.conns.kill_all.is_cancelled() {
+        return 0;
+    }
+    let mut taken = 0;
+    for _ in 0..QUEUED_MAX {
+        // Straight to the kernel: tokio's `accept` would wait for a
+        // readiness event it may not have had yet.
+        let (sock, addr) = match SockRef::from(listener).accept() {
+            Ok(a) => a,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            // The client gave up while queued, or a signal: the next one.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionAborted | io::ErrorKind::Interrupted
+                ) =>
+            {
+                continue;
+            }
+            Err(e) => {
+                // Out of descriptors, say: what is left is reset as the
+                // listener closes.
+                tracing::warn!("draining {}: accept: {e}", svc.listen);
+                break;
+            }
+        };
+        let Some(peer) = addr.as_socket() else {
+            continue;
+        };
+        let std: std::net::TcpStream = sock.into();
+        let stream = match std
+            .set_nonblocking(true)
+            .and_then(|()| TcpStream::from_std(std))
+        {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("draining {}: {e}", svc.listen);
+                continue;
+            }
+        };
+        serve_accepted(shared, svc, stream, peer, worker, rng);
+        taken += 1;
+    }
+    if taken > 0 {
+        tracing::debug!(
+            taken,
+            "draining {}: took the queued connections",
+            svc.listen
+        );
+    }
+    taken
 }
 
 /// Pauses between backend connects that failed for want of descriptors:
@@ -975,6 +1103,117 @@ mod tests {
         assert_eq!(clamp_window(&c, now), None);
         setsockopt(&c, WindowClamp, &old).unwrap();
         assert_eq!(getsockopt(&c, WindowClamp).unwrap(), before);
+    }
+
+    /// A drain (SIGTERM) serves the connections the kernel had already
+    /// completed on a listener, waiting in its accept queue: each gets its
+    /// echo and a clean end. The listener's loop used to return as the
+    /// drain began, and closing the listener reset every one of them (and
+    /// the drain, seeing no connection, stopped at once).
+    ///
+    /// The queue is filled while no worker runs the listener's loop (as
+    /// when its worker is busy elsewhere as SIGTERM comes): a listener of
+    /// the service's made here, its loop spawned on a runtime of the test's
+    /// that runs only once the clients are queued and the drain has begun.
+    #[test]
+    fn a_drain_serves_the_connections_queued_for_accept() {
+        use std::io::{Read, Write};
+        let backend = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let baddr = backend.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for c in backend.incoming() {
+                let Ok(mut c) = c else { return };
+                std::thread::spawn(move || {
+                    let mut r = c.try_clone().unwrap();
+                    let _ = std::io::copy(&mut r, &mut c);
+                    let _ = c.shutdown(std::net::Shutdown::Write);
+                });
+            }
+        });
+        let text = format!(
+            "[daemon]\nworkers = 1\n[[service]]\nname = \"web\"\nprotocol = \"tcp\"\n\
+             listen = \"127.0.0.1:0\"\nscheduler = \"rr\"\n[[service.backend]]\n\
+             address = \"{baddr}\"\n"
+        );
+        let cfg = crate::config::parse(&text, "test.toml").unwrap();
+        let d = crate::daemon::Daemon::start(cfg, None).unwrap();
+        let shared = d.shared.clone();
+        let svc = shared
+            .model
+            .load()
+            .services
+            .values()
+            .next()
+            .unwrap()
+            .clone();
+        let (socks, addr) =
+            super::super::open_sockets(Protocol::Tcp, "127.0.0.1:0".parse().unwrap(), 1, 0)
+                .unwrap();
+        let super::super::ListenSocket::Tcp(l) = socks.into_iter().next().unwrap() else {
+            panic!("not a TCP socket")
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = {
+            let _in = rt.enter();
+            TcpListener::from_std(l).unwrap()
+        };
+        let looping = rt.spawn(accept_loop(shared.clone(), svc, listener));
+        // Connected: the kernel completed each handshake; none is accepted.
+        const N: usize = 8;
+        let clients: Vec<std::net::TcpStream> = (0..N)
+            .map(|_| std::net::TcpStream::connect(addr).unwrap())
+            .collect();
+        let drain = std::thread::spawn(move || d.drain(Duration::from_secs(20)));
+        let served: Vec<_> = clients
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut c)| {
+                std::thread::spawn(move || -> Result<(), String> {
+                    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                    let msg = format!("client {i}");
+                    c.write_all(msg.as_bytes())
+                        .map_err(|e| format!("write: {e}"))?;
+                    let mut got = vec![0u8; msg.len()];
+                    c.read_exact(&mut got).map_err(|e| format!("echo: {e}"))?;
+                    if got != msg.as_bytes() {
+                        return Err(format!("echoed {got:?}"));
+                    }
+                    c.shutdown(std::net::Shutdown::Write).unwrap();
+                    let mut rest = Vec::new();
+                    c.read_to_end(&mut rest).map_err(|e| format!("end: {e}"))?;
+                    Ok(())
+                })
+            })
+            .collect();
+        // The drain has begun (the listeners are told to stop accepting)
+        // before the listener's loop first runs.
+        let t0 = std::time::Instant::now();
+        while !shared.admission.stop_accept.is_cancelled() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "no drain");
+            std::thread::yield_now();
+        }
+        // The listener's worker: runs its loop and the connections' tasks
+        // until the drain is over.
+        let forced = rt.block_on(async {
+            tokio::task::spawn_blocking(move || drain.join().unwrap())
+                .await
+                .unwrap()
+        });
+        let closed = looping.is_finished();
+        // Whatever is left on it (a listener still open) goes now.
+        drop(rt);
+        let results: Vec<Result<(), String>> =
+            served.into_iter().map(|t| t.join().unwrap()).collect();
+        assert!(
+            results.iter().all(Result::is_ok),
+            "queued clients not served: {results:?}"
+        );
+        assert_eq!(forced, 0, "the drain closed connections");
+        assert!(closed, "the listener was still open after the drain");
+        assert_eq!(shared.admission.active.load(Relaxed), 0);
     }
 
     /// weir sets `TCP_NODELAY` and `TCP_NOTSENT_LOWAT` only on the listener
