@@ -154,11 +154,17 @@ impl Steering {
                 c.since.store(0, Relaxed);
             }
         }
-        self.adaptive.store(adaptive, Relaxed);
-        self.mode_changes.fetch_add(1, Relaxed);
-        // Published after the mode: a loop that sees this `k` sees the mode.
-        self.active
-            .send_replace(if adaptive { 1 } else { self.workers() });
+        let k = if adaptive { 1 } else { self.workers() };
+        // Under the lock of `k`: the mode, its count of changes and its
+        // `k` change together, so a controller's tick, which publishes
+        // under the same lock only if the count is the one it computed
+        // for, cannot publish over the switch. A loop that sees this `k`
+        // sees the mode.
+        self.active.send_modify(|active| {
+            self.adaptive.store(adaptive, Relaxed);
+            self.mode_changes.fetch_add(1, Relaxed);
+            *active = k;
+        });
     }
 
     /// How many workers take new connections now.
@@ -299,10 +305,20 @@ impl Steering {
             let (busy, idle) = last.as_ref().expect("just set").since(&before);
             let before = policy.k;
             let k = policy.tick(&busy, idle);
-            // Published only when the policy moves it.
-            if k != before {
+            // Published only when the policy moves it, and only if the mode
+            // is still the one this tick computed for: a switch that
+            // landed since the check above (it publishes its own `k` under
+            // the same lock) wins, and the next tick starts over.
+            if k != before
+                && self.active.send_if_modified(|active| {
+                    if self.mode_changes.load(Relaxed) != changes {
+                        return false;
+                    }
+                    *active = k;
+                    true
+                })
+            {
                 tracing::debug!(from = before, to = k, ?busy, idle, "accept steering");
-                self.active.send_replace(k);
             }
         }
     }
@@ -679,6 +695,58 @@ mod tests {
             seen.push(*rx.borrow_and_update());
         }
         assert_eq!(seen, [2, 3, 2, 1]);
+        task.abort();
+    }
+
+    /// A switch of mode that lands while the controller works a tick out
+    /// (after its check of the mode, before it publishes) wins: the tick
+    /// publishes nothing, and spread's `k` (every worker) stays. The tick
+    /// used to publish the `k` it computed for the old mode over the
+    /// switch's: here 2 of 3 workers under spread, which stayed until the
+    /// policy next moved. The switch is made from the test's source of CPU
+    /// times, which the controller reads between the two.
+    #[tokio::test(start_paused = true)]
+    async fn a_mode_switch_during_a_tick_is_not_overwritten() {
+        let s = std::sync::Arc::new(Steering::new(AcceptSteering::Adaptive, 3));
+        for i in 0..3 {
+            s.unparked(i);
+        }
+        let samples = std::sync::atomic::AtomicU64::new(0);
+        let switch = s.clone();
+        // The first sample only starts the count; GROW_TICKS saturated
+        // ones later the policy grows k to 2: that tick's read switches.
+        let host = move || {
+            let n = samples.fetch_add(1, Relaxed) + 1;
+            if n == 1 + u64::from(GROW_TICKS) {
+                switch.set_mode(AcceptSteering::Spread);
+            }
+            let t = n * 100;
+            Some(CpuTimes {
+                idle: t,
+                total: t,
+                cpus: 2,
+            })
+        };
+        let task = tokio::spawn(s.clone().run_with(host));
+        // Past the switch and a few ticks more (the clock is paused: the
+        // controller's ticks come as the test waits).
+        tokio::time::sleep(TICK * (GROW_TICKS + 10)).await;
+        assert_eq!(s.mode(), AcceptSteering::Spread, "the switch was made");
+        assert_eq!(s.active(), 3, "a tick published over the switch");
+        // Back to adaptive: k starts again at 1 and the controller grows it
+        // from a fresh policy.
+        s.set_mode(AcceptSteering::Adaptive);
+        assert_eq!(s.active(), 1);
+        // (The switch forgot the stretches begun while spread.)
+        for i in 0..3 {
+            s.unparked(i);
+        }
+        let mut rx = s.active.subscribe();
+        tokio::time::timeout(TICK * 100, rx.changed())
+            .await
+            .expect("the controller grew k again")
+            .unwrap();
+        assert_eq!(*rx.borrow_and_update(), 2);
         task.abort();
     }
 
