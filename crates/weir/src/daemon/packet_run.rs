@@ -25,8 +25,8 @@ use crate::config::{PacketConfig, PacketIo};
 /// The attached interfaces (their steering programs, detached on drop).
 pub(crate) struct PacketRuntime {
     steering: Mutex<Vec<Steering>>,
-    /// What the maps hold now, for diffs.
-    steered: Mutex<Steered>,
+    /// What the maps hold now, for diffs, and what the kernel refused.
+    steered: Mutex<SteerSync>,
     /// The host addresses the steering programs hold (see [`Self::sync_hosts`]).
     hosts: Mutex<Vec<std::net::IpAddr>>,
     /// fnat over AF_PACKET: the nftables table that keeps the kernel from
@@ -115,6 +115,7 @@ fn nft(rules: &str) -> anyhow::Result<()> {
 
 /// How often the host's addresses are read again: an address added later
 /// is the kernel's (its backends' answers pass to the kernel) within this.
+/// Steering changes the kernel refused are tried again on the same beat.
 const HOSTS_EVERY: Duration = Duration::from_secs(1);
 
 impl std::fmt::Debug for PacketRuntime {
@@ -321,7 +322,7 @@ fn attach(
     };
     let rt = Arc::new(PacketRuntime {
         steering: Mutex::new(steering),
-        steered: Mutex::new(Steered::default()),
+        steered: Mutex::new(SteerSync::default()),
         hosts: Mutex::new(hosts),
         fnat_guard: Mutex::new(fnat_guard),
         reserved: Mutex::new(None),
@@ -340,6 +341,7 @@ fn attach(
                         if last.elapsed() >= HOSTS_EVERY {
                             last = std::time::Instant::now();
                             rt.sync_hosts(&host_addrs());
+                            rt.retry_steering();
                         }
                     }
                 })
@@ -870,10 +872,58 @@ impl PacketRuntime {
     /// their VIPs, and the nat backends (whose replies come back to weir).
     pub(crate) fn sync(&self, shared: &Shared) {
         let want = wanted_keys(shared);
-        let mut have = self.steered.lock();
+        let mut steered = self.steered.lock();
         let mut steering = self.steering.lock();
-        let now = apply_steered(&mut steering[..], &have, want);
-        *have = now;
+        steered.sync(&mut steering[..], want, false);
+    }
+
+    /// Tries again the steering changes the kernel refused, if any (every
+    /// [`HOSTS_EVERY`]): they used to wait for the next change of the
+    /// services, which may never come, and a VIP refused once went
+    /// unanswered meanwhile.
+    pub(crate) fn retry_steering(&self) {
+        let mut steered = self.steered.lock();
+        if steered.pending.is_none() {
+            return;
+        }
+        let mut steering = self.steering.lock();
+        steered.retry(&mut steering[..]);
+    }
+}
+
+/// What the steering maps hold as far as weir knows, and what the last
+/// sync wanted while the kernel refused some of it.
+#[derive(Debug, Default)]
+struct SteerSync {
+    /// What the maps hold now, for diffs.
+    have: Steered,
+    /// The last sync's wanted keys, while some change towards them was
+    /// refused: [`Self::retry`] tries again.
+    pending: Option<Steered>,
+}
+
+impl SteerSync {
+    /// Brings the maps to `want` ([`apply_steered`]); what the kernel
+    /// refused stays pending for [`Self::retry`].
+    fn sync<M: SteerMaps>(&mut self, maps: &mut [M], want: Steered, retrying: bool) {
+        let now = apply_steered(maps, &self.have, want.clone(), retrying);
+        // `apply_steered` returns `want` as it was unless a change was
+        // refused (a refused add is left out, a refused removal kept).
+        self.pending = (now != want).then_some(want);
+        self.have = now;
+    }
+
+    /// Tries again, with no change of the services, what the last sync
+    /// could not do (a full map may have room now, an error may have
+    /// passed). Returns whether some is still refused.
+    fn retry<M: SteerMaps>(&mut self, maps: &mut [M]) -> bool {
+        if let Some(want) = self.pending.take() {
+            self.sync(maps, want, true);
+            if self.pending.is_none() {
+                tracing::info!("steering: the changes refused before are made now");
+            }
+        }
+        self.pending.is_some()
     }
 }
 
@@ -908,8 +958,16 @@ impl SteerMaps for Steering {
 /// hold now, for the next sync to diff against. Each key is its own change:
 /// one the kernel refuses (a full map) is logged and stops none of the
 /// others, and is left out of (a refused add) or kept in (a refused
-/// removal) the result, so the next sync tries it again.
-fn apply_steered<M: SteerMaps>(maps: &mut [M], have: &Steered, mut want: Steered) -> Steered {
+/// removal) the result, so the next sync or retry tries it again.
+///
+/// `retrying`: a retry of refused changes, whose failures were logged as
+/// errors already (logged at debug level).
+fn apply_steered<M: SteerMaps>(
+    maps: &mut [M],
+    have: &Steered,
+    mut want: Steered,
+    retrying: bool,
+) -> Steered {
     // Diffed once, whatever the number of interfaces.
     let gone_vips = missing(&have.vips, &want.vips);
     let gone_backends = missing(&have.backends, &want.backends);
@@ -949,12 +1007,18 @@ fn apply_steered<M: SteerMaps>(maps: &mut [M], have: &Steered, mut want: Steered
                 failed_adds.insert((backend, k));
             }
         }
-        if let Some(first) = errors.first() {
-            tracing::error!(
+        match errors.first() {
+            Some(first) if retrying => tracing::debug!(
                 interface = %st.interface(),
                 failed = errors.len(),
-                "steering: {first} (tried again at the next change of the services)"
-            );
+                "steering: {first} (still refused; tried again in a second)"
+            ),
+            Some(first) => tracing::error!(
+                interface = %st.interface(),
+                failed = errors.len(),
+                "steering: {first} (tried again every second until it is made)"
+            ),
+            None => {}
         }
     }
     if failed_adds.is_empty() && failed_removals.is_empty() {
@@ -992,7 +1056,7 @@ fn dedup_in_order<T: Copy + Eq + Hash>(mut items: Vec<T>) -> Vec<T> {
 }
 
 /// What the steering maps should hold, each key once.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, PartialEq)]
 pub(crate) struct Steered {
     vips: Vec<SteerKey>,
     backends: Vec<SteerKey>,
@@ -1222,7 +1286,12 @@ mod tests {
             vips: vips.iter().map(|&i| key(i)).collect(),
             backends: backends.iter().map(|&i| key(100 + i)).collect(),
         };
-        let have = apply_steered(&mut maps, &Steered::default(), want(&[1, 2, 3], &[1]));
+        let have = apply_steered(
+            &mut maps,
+            &Steered::default(),
+            want(&[1, 2, 3], &[1]),
+            false,
+        );
         assert_eq!(maps[0].vips, [key(1), key(2)]);
         assert_eq!(
             maps[0].backends,
@@ -1231,9 +1300,44 @@ mod tests {
         );
         assert_eq!(have.vips, [key(1), key(2)]);
         // VIP 1 goes: room for VIP 3, which this sync must add.
-        let have = apply_steered(&mut maps, &have, want(&[2, 3], &[1]));
+        let have = apply_steered(&mut maps, &have, want(&[2, 3], &[1]), false);
         assert_eq!(maps[0].vips, [key(2), key(3)], "VIP 3 never steered");
         assert_eq!(have.vips, [key(2), key(3)]);
+    }
+
+    /// A key the kernel refused is tried again with no change of the
+    /// services (the runtime retries every second): once the map takes it,
+    /// it is steered. It used to wait for the next change of the services,
+    /// which may never come, while its service answered nothing.
+    #[test]
+    fn a_refused_steering_key_is_retried_without_a_change_of_the_services() {
+        let mut maps = [FakeMaps {
+            cap: 2,
+            ..FakeMaps::default()
+        }];
+        let vips = |v: &[usize]| Steered {
+            vips: v.iter().map(|&i| key(i)).collect(),
+            backends: Vec::new(),
+        };
+        let mut st = SteerSync::default();
+        st.sync(&mut maps, vips(&[1, 2, 3]), false);
+        assert_eq!(maps[0].vips, [key(1), key(2)]);
+        // Still full: a retry makes no change, and VIP 3 stays pending.
+        assert!(st.retry(&mut maps));
+        assert_eq!(maps[0].vips, [key(1), key(2)]);
+        // The map takes it now: the next retry steers VIP 3.
+        maps[0].cap = 3;
+        assert!(!st.retry(&mut maps), "VIP 3 still pending");
+        assert_eq!(
+            maps[0].vips,
+            [key(1), key(2), key(3)],
+            "VIP 3 never steered"
+        );
+        assert_eq!(st.have, vips(&[1, 2, 3]));
+        // Nothing pending: a retry touches nothing.
+        maps[0].cap = 0;
+        assert!(!st.retry(&mut maps));
+        assert_eq!(maps[0].vips.len(), 3);
     }
 
     /// Distinct TCP keys, one per `i`.
