@@ -116,6 +116,7 @@ fn run_with_nofile(nofile: u64) -> LowFds {
     let mut child = spawn_run(&p, Some(nofile as u32));
     let pid = child.0.id();
     wait_up(&mut child, vip, T);
+    wait_listening(&mut child, admin, T);
     LowFds {
         vip,
         admin,
@@ -350,6 +351,7 @@ fn a_reload_moves_the_estimator_thread() {
     let admin = admin_addr(&p);
     let mut child = spawn_run(&p, None);
     wait_up(&mut child, vip, T);
+    wait_listening(&mut child, admin, T);
     let pid = child.0.id();
     let tid: u32 = std::fs::read_dir(format!("/proc/{pid}/task"))
         .unwrap()

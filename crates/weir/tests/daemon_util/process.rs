@@ -49,6 +49,22 @@ pub fn wait_up(child: &mut Proc, vip: SocketAddr, timeout: Duration) {
     if super::wait_until(timeout, || super::echo_once(vip, b"up")) {
         return;
     }
+    give_up(child, vip, timeout);
+}
+
+/// Waits (bounded) until something accepts connections on `addr` (the
+/// daemon's admin API, which starts after its services: a test that waited
+/// for a service only could find it not listening yet on a loaded
+/// machine); else as [`wait_up`].
+pub fn wait_listening(child: &mut Proc, addr: SocketAddr, timeout: Duration) {
+    if super::wait_until(timeout, || TcpStream::connect(addr).is_ok()) {
+        return;
+    }
+    give_up(child, addr, timeout);
+}
+
+/// Kills `child` and panics with what it wrote on stderr.
+fn give_up(child: &mut Proc, vip: SocketAddr, timeout: Duration) -> ! {
     let _ = child.0.kill();
     let _ = child.0.wait();
     let mut err = String::new();
