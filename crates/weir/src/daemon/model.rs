@@ -847,7 +847,8 @@ impl Shared {
     /// persistence template (IPVS's `n_control`: the table never expires
     /// a held template), storing it held if there is none; returns its
     /// key, or `None` if it holds nothing (the table is full, or the
-    /// service's persistence changed meanwhile). Every `Some` must be
+    /// service's persistence changed or the service was deleted
+    /// meanwhile). Every `Some` must be
     /// given back with [`Self::release_template`].
     pub(crate) fn hold_template(
         &self,
@@ -899,6 +900,14 @@ impl Shared {
         if !held {
             return None;
         }
+        // Deleted (or replaced) meanwhile: the hold is given back first
+        // (a template that stays is not ours to keep held), then the
+        // template goes, as the deletion's drop would have taken it.
+        if self.cancelled_after_store(svc) {
+            table.release(&tpl, now);
+            self.remove_template_of(svc, &tpl);
+            return None;
+        }
         // An edit that changes the template's key (mask) or turns
         // persistence off stores the new parameters, then drops the
         // service's templates: if it stored them before this load, give
@@ -911,6 +920,32 @@ impl Shared {
             return None;
         }
         Some(tpl)
+    }
+
+    /// A template of `svc` was just stored: whether `svc` was deleted (or
+    /// replaced) meanwhile, so that the caller removes it again
+    /// ([`Self::remove_template_of`]). A deletion cancels the service,
+    /// then drops its templates ([`Self::drop_templates`]): one stored
+    /// after that drop stayed until its persistence timeout, counting
+    /// against the tenant's table. Stored, then read the cancel: the fence
+    /// pairs with the one after the cancel (`Shared::take_services`, a
+    /// replacing put), so that either the drop sees the template or this
+    /// sees the cancel (as `open` does for a connection's entry).
+    pub(super) fn cancelled_after_store(&self, svc: &Service) -> bool {
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        svc.cancel.is_cancelled()
+    }
+
+    /// Removes the template `tpl` if it is one of `svc`'s (as
+    /// [`Self::drop_templates`] would have); another service's stays.
+    pub(super) fn remove_template_of(&self, svc: &Service, tpl: &FlowKey) {
+        let table = &self.conns.table;
+        if let Some(t) = table.get(tpl)
+            && t.state == FlowState::Persist
+            && t.service == ServiceId(svc.id)
+        {
+            table.remove_cookie(tpl, t.cookie);
+        }
     }
 
     /// Services or their backends changed: packet workers take a new
@@ -1796,6 +1831,9 @@ impl Service {
                 // Full, or another connection of the group stored one
                 // first (it wins, as a rebind would have).
                 tracing::debug!("persistence template not stored");
+            } else if shared.cancelled_after_store(self) {
+                // Deleted meanwhile: its drop may have passed this key.
+                shared.remove_template_of(self, &tpl_key);
             }
         }
         Ok(b)
@@ -3115,6 +3153,67 @@ pub(crate) mod tests {
         assert_eq!(shared.model.copies.load(Relaxed), before);
         assert_table_has_the_model_tenants(&shared);
 
+        d.shutdown();
+    }
+
+    /// A connection that stores its persistence template after its
+    /// service's deletion dropped the templates leaves nothing behind:
+    /// neither the pick's store (`choose`) nor the hold's
+    /// (`hold_template`). The test runs them after the deletion (its
+    /// cancel, then `drop_templates`), as for a connection whose pick
+    /// raced it. The template used to stay until its persistence timeout,
+    /// counting against the tenant's table.
+    #[test]
+    fn a_template_stored_after_its_service_was_deleted_is_removed() {
+        let mut s = spec("default", "p", Protocol::Tcp);
+        s.persistence = "300s".parse().unwrap();
+        s.backends.push(BackendSpec {
+            address: SocketAddr::from(([127, 0, 0, 9], 2000)),
+            weight: 1,
+            proxy_protocol: None,
+            max_connections: 0,
+        });
+        let d = daemon_with_tenants(&[], vec![s]);
+        let shared = d.shared.clone();
+        let svc = shared.model.load().services[&key("default", "p")].clone();
+        let params = svc.params.load_full();
+        let client: SocketAddr = "10.9.8.7:4000".parse().unwrap();
+        let tpl = template_key(&svc, &params, Protocol::Tcp, client);
+        let entries = || {
+            let t = TenantId(svc.tenant.id);
+            shared.conns.table.tenant_stats(t).map(|s| s.entries)
+        };
+        d.control().delete_service("default", "p").unwrap();
+        assert!(svc.cancel.is_cancelled());
+        assert_eq!(entries(), Some(0));
+
+        let mut rng = weir_sched::SplitMix64::new(7);
+        let b = svc
+            .choose(
+                &shared,
+                Protocol::Tcp,
+                client,
+                svc.listen.ip(),
+                &[],
+                &mut rng,
+            )
+            .unwrap();
+        assert!(
+            shared.conns.table.get(&tpl).is_none(),
+            "the pick's template, stored after the deletion's drop, stays"
+        );
+        assert_eq!(entries(), Some(0));
+
+        let held = shared.hold_template(&svc, &params, Protocol::Tcp, client, b.id);
+        assert!(
+            shared.conns.table.get(&tpl).is_none(),
+            "the hold's template, stored after the deletion's drop, stays"
+        );
+        assert_eq!(
+            held, None,
+            "a deleted service's connection holds a template"
+        );
+        assert_eq!(entries(), Some(0));
         d.shutdown();
     }
 }
