@@ -1229,6 +1229,15 @@ impl FlowTable {
         self.with_locked(key, |n| n.hold_locked().then(|| n.backend()))
     }
 
+    /// Like [`hold`](Self::hold), but only a template stored for
+    /// `service`: another service's under the same key (one that had the
+    /// same address before) is left alone, as if there were none.
+    pub fn hold_for(&self, key: &FlowKey, service: ServiceId) -> Option<BackendId> {
+        self.with_locked(key, |n| {
+            (n.service() == service && n.hold_locked()).then(|| n.backend())
+        })
+    }
+
     /// One connection holding the persistence template `key` ended: the
     /// count drops by one, and at 0 the template's timeout starts from
     /// `now` (`last_active = max(last_active, now)`). Returns the holds
@@ -1253,6 +1262,22 @@ impl FlowTable {
         self.saw(now);
         self.with_locked(key, |n| n.rebind_locked(backend, now).then_some(()))
             .is_some()
+    }
+
+    /// Like [`rebind`](Self::rebind), but only a template stored for
+    /// `service` (see [`hold_for`](Self::hold_for)).
+    pub fn rebind_for(
+        &self,
+        key: &FlowKey,
+        service: ServiceId,
+        backend: BackendId,
+        now: Millis,
+    ) -> bool {
+        self.saw(now);
+        self.with_locked(key, |n| {
+            (n.service() == service && n.rebind_locked(backend, now)).then_some(())
+        })
+        .is_some()
     }
 
     /// Runs `f` on `key`'s node under its bucket lock (live or pending:

@@ -865,12 +865,14 @@ impl Shared {
         // Two rounds: a template expired or stored by another connection
         // between our hold and our insert is found the second time.
         for _ in 0..2 {
-            match table.hold(&tpl) {
+            // Only a template of this service: another's under the same
+            // key (see `choose`) is left alone, so this holds nothing.
+            match table.hold_for(&tpl, ServiceId(svc.id)) {
                 Some(b) => {
                     if b.0 != backend {
                         // Another connection of the group moved it
                         // meanwhile; the latest placement wins, as in IPVS.
-                        table.rebind(&tpl, BackendId(backend), now);
+                        table.rebind_for(&tpl, ServiceId(svc.id), BackendId(backend), now);
                     }
                     held = true;
                     break;
@@ -1716,10 +1718,16 @@ impl Service {
         let persist_ms = params.persistence.as_millis() as u64;
         let tpl_key = template_key(self, &params, proto, client);
         // The client group's template, if it is fresh or held by live
-        // connections (a held one places whatever its age).
+        // connections (a held one places whatever its age). Only this
+        // service's: the key names the tenant, protocol, client group and
+        // address, not the service, so a template of a service that had
+        // this address before (deleted, and its drop of its templates not
+        // there yet) is found under it too; it is treated as absent, and
+        // neither reused nor moved below (`rebind_for`), nor held.
         if persist_ms > 0
             && let Some(tpl) = shared.conns.table.get(&tpl_key)
             && tpl.state == FlowState::Persist
+            && tpl.service == ServiceId(self.id)
             && (tpl.held > 0 || tpl.last_active.0 + persist_ms > now)
             && let Some(b) = set.backends.iter().find(|b| b.id == tpl.backend.0)
             && usable(b)
@@ -1807,10 +1815,12 @@ impl Service {
             });
         };
         if persist_ms > 0
-            && !shared
-                .conns
-                .table
-                .rebind(&tpl_key, BackendId(b.id), Millis(now))
+            && !shared.conns.table.rebind_for(
+                &tpl_key,
+                ServiceId(self.id),
+                BackendId(b.id),
+                Millis(now),
+            )
         {
             // The template (IPVS -p): client group -> backend, FlowState::Persist.
             // An existing one is moved (`rebind`), keeping the holds of
@@ -1828,8 +1838,9 @@ impl Service {
                 .insert(tpl_key, init, Millis(now))
                 .is_err()
             {
-                // Full, or another connection of the group stored one
-                // first (it wins, as a rebind would have).
+                // Full, another connection of the group stored one first
+                // (it wins, as a rebind would have), or another service's
+                // is there (it stays until its service's drop).
                 tracing::debug!("persistence template not stored");
             } else if shared.cancelled_after_store(self) {
                 // Deleted meanwhile: its drop may have passed this key.
@@ -3214,6 +3225,73 @@ pub(crate) mod tests {
             "a deleted service's connection holds a template"
         );
         assert_eq!(entries(), Some(0));
+        d.shutdown();
+    }
+
+    /// A persistence template of another service under this service's key
+    /// (same tenant, protocol, client group and address: a service that
+    /// had the address before, whose deletion has not dropped it yet) is
+    /// not this service's: the pick neither reuses it nor moves it, and a
+    /// connection does not hold it. The pick used to look up the
+    /// template's backend id among its own backends without comparing the
+    /// service: it moved a foreign template to its own backend (which then
+    /// placed its clients under the other service's id, out of reach of
+    /// its own drops), reused one naming its backend, and held it.
+    #[test]
+    fn a_template_of_another_service_under_the_same_key_is_left_alone() {
+        let mut s = spec("default", "p", Protocol::Tcp);
+        s.persistence = "300s".parse().unwrap();
+        for port in [2000, 2001] {
+            s.backends.push(BackendSpec {
+                address: SocketAddr::from(([127, 0, 0, 9], port)),
+                weight: 1,
+                proxy_protocol: None,
+                max_connections: 0,
+            });
+        }
+        let d = daemon_with_tenants(&[], vec![s]);
+        let shared = d.shared.clone();
+        let table = &shared.conns.table;
+        let svc = shared.model.load().services[&key("default", "p")].clone();
+        let params = svc.params.load_full();
+        let ids: Vec<u32> = svc.set.load().backends.iter().map(|b| b.id).collect();
+        let client: SocketAddr = "10.9.8.7:4000".parse().unwrap();
+        let tpl = template_key(&svc, &params, Protocol::Tcp, client);
+        let mut rng = weir_sched::SplitMix64::new(7);
+        // Stored before any pick, at time 0 (a pick would touch it now).
+        let store = |backend: u32| {
+            table.remove(&tpl);
+            let init = FlowInit {
+                owner: 0,
+                profile: params.profile.number(),
+                service: ServiceId(svc.id.wrapping_add(1000)),
+                backend: BackendId(backend),
+                state: FlowState::Persist,
+            };
+            table.insert(tpl, init, Millis(0)).unwrap();
+            table.get(&tpl).unwrap()
+        };
+        // Each backend named by the foreign template: the pick's and the
+        // hold's outcome is as with no template, and it stays as it was.
+        for named in [u32::MAX - 7, ids[0], ids[1]] {
+            let before = store(named);
+            for _ in 0..4 {
+                let b = svc
+                    .choose(
+                        &shared,
+                        Protocol::Tcp,
+                        client,
+                        svc.listen.ip(),
+                        &[],
+                        &mut rng,
+                    )
+                    .unwrap();
+                assert_eq!(table.get(&tpl), Some(before), "the pick touched it");
+                let held = shared.hold_template(&svc, &params, Protocol::Tcp, client, b.id);
+                assert_eq!(held, None, "a connection holds another service's template");
+                assert_eq!(table.get(&tpl), Some(before), "the hold touched it");
+            }
+        }
         d.shutdown();
     }
 }
