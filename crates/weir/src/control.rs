@@ -259,9 +259,10 @@ pub struct GlobalStats {
     pub active_conns: u64,
     /// Refused by limits, per reason ("tenant_limit", "global_limit", "no_backend", ...).
     pub refused: std::collections::BTreeMap<String, u64>,
-    /// Client datagrams the UDP proxy dropped, per reason ("backend_busy":
-    /// the session's socket towards its backend could not take it at once;
-    /// "send_failed"); left out while there were none.
+    /// Datagrams the UDP proxy dropped, per reason ("backend_busy": the
+    /// session's socket towards its backend could not take a client's at
+    /// once; "send_failed"; "reply_failed": a backend's reply could not be
+    /// sent to its client); left out while there were none.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub udp_dropped: std::collections::BTreeMap<String, u64>,
     /// Open file descriptors and the limit.

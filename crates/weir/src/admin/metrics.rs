@@ -319,7 +319,7 @@ fn global_metrics(reg: &mut Registry, g: &GlobalStats) {
     }
     reg.register(
         "weir_udp_dropped_datagrams",
-        "UDP proxy: client datagrams dropped, by reason",
+        "UDP proxy: datagrams dropped (a client's or a backend's reply), by reason",
         udp_dropped,
     );
     if let Some(p) = &g.packet {

@@ -21,12 +21,12 @@ pub(crate) struct Accounting {
     pub(crate) rates: Arc<stats::RateEngine>,
     /// The thread that ticks `rates`, once started (a reload moves it).
     pub(crate) estimator: std::sync::OnceLock<stats::EstimatorThread>,
-    /// Client datagrams the UDP proxy dropped, per reason.
+    /// Datagrams the UDP proxy dropped, per reason.
     pub(crate) udp_dropped: UdpDrops,
 }
 
-/// Why the UDP proxy dropped a client's datagram; each one is counted under
-/// exactly one reason.
+/// Why the UDP proxy dropped a datagram (a client's, or a backend's reply);
+/// each one is counted under exactly one reason.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum UdpDrop {
     /// Its session's socket could not take it at once (the send buffer
@@ -35,16 +35,21 @@ pub(crate) enum UdpDrop {
     /// The send failed (e.g. an ICMP port unreachable from the backend
     /// reported on the session's socket).
     SendFailed,
+    /// A backend's reply could not be sent to its client from the
+    /// listening socket (any error but a full send buffer, which is
+    /// waited for).
+    ReplyFailed,
 }
 
 impl UdpDrop {
-    const ALL: [Self; 2] = [Self::BackendBusy, Self::SendFailed];
+    const ALL: [Self; 3] = [Self::BackendBusy, Self::SendFailed, Self::ReplyFailed];
 
     /// The name in the stats' `udp_dropped` and the metrics' `reason` label.
     fn key(self) -> &'static str {
         match self {
             Self::BackendBusy => "backend_busy",
             Self::SendFailed => "send_failed",
+            Self::ReplyFailed => "reply_failed",
         }
     }
 }

@@ -26,7 +26,7 @@ use tokio::net::UdpSocket;
 
 use weir_flowtable::{Dir, FlowKey, Millis};
 
-use super::accounting::UdpDrop;
+use super::accounting::{UdpDrop, UdpDrops};
 use super::owners::{Close, Owner};
 use super::{Conn, ConnState, Refusal, Service, Shared};
 use crate::config::Protocol;
@@ -415,17 +415,22 @@ async fn session_task(
         tokio::select! {
             why = owner.closed() => break why.name(),
             r = sess.sock.readable() => match r.and_then(|()| {
-                reply(&sess.sock, &listen, peer, sess.local, |n| shared.count(conn, Dir::Out, n, true))
+                reply(&sess.sock, &listen, peer, sess.local, &shared.accounting.udp_dropped, |n| {
+                    shared.count(conn, Dir::Out, n, true)
+                })
             }) {
                 Ok(Some(queued)) => {
                     if let Some(datagram) = queued {
                         // The listening socket's send buffer was full: wait
                         // for it with this one datagram only.
-                        let _ = listen
+                        let sent = listen
                             .async_io(Interest::WRITABLE, || {
                                 send_from(&listen, &datagram, peer, sess.local)
                             })
                             .await;
+                        if let Err(e) = sent {
+                            reply_failed(&shared.accounting.udp_dropped, peer, &e);
+                        }
                     }
                     responses += 1;
                     if expected.is_some_and(|e| responses >= e) {
@@ -450,16 +455,25 @@ async fn session_task(
     let _ = Close::Killed;
 }
 
+/// A backend's reply to `peer` could not be sent (`e`, not a full buffer):
+/// it is dropped, and counted as the forward path counts its failures.
+fn reply_failed(dropped: &UdpDrops, peer: SocketAddr, e: &std::io::Error) {
+    tracing::debug!(client = %peer, "udp reply send: {e}");
+    dropped.add(UdpDrop::ReplyFailed);
+}
+
 /// Reads one reply from the session socket into the worker's shared buffer,
 /// counts it (`count`, before the client can see it) and passes it to the
 /// client from the listening socket. `Ok(None)`: the readiness was spurious.
 /// If the listening socket cannot take the datagram now, it is returned as
-/// a copy for the caller to send when it can.
+/// a copy for the caller to send when it can; one it refuses otherwise is
+/// dropped and counted in `dropped` ([`UdpDrop::ReplyFailed`]).
 fn reply(
     sock: &UdpSocket,
     listen: &UdpSocket,
     peer: SocketAddr,
     local: Option<IpAddr>,
+    dropped: &UdpDrops,
     count: impl FnOnce(usize),
 ) -> std::io::Result<Option<Option<Vec<u8>>>> {
     thread_local! {
@@ -473,9 +487,54 @@ fn reply(
         };
         count(n);
         let queued = match send_from(listen, &buf[..n], peer, local) {
+            Ok(_) => None,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Some(buf[..n].to_vec()),
-            _ => None,
+            Err(e) => {
+                reply_failed(dropped, peer, &e);
+                None
+            }
         };
         Ok(Some(queued))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reply the listening socket refuses with an error other than a
+    /// full buffer (here: a client address of the other family) is
+    /// counted as dropped (`reply_failed`), once; it used to vanish
+    /// uncounted. The reply is still counted as read.
+    #[tokio::test]
+    async fn a_reply_that_cannot_be_sent_is_counted() {
+        let backend = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let sock = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        sock.connect(backend.local_addr().unwrap()).await.unwrap();
+        let listen = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        backend
+            .send_to(b"reply", sock.local_addr().unwrap())
+            .await
+            .unwrap();
+        let dropped = UdpDrops::default();
+        let peer: SocketAddr = "[::1]:9".parse().unwrap();
+        let mut read = 0;
+        // Bounded: the datagram is on loopback, readable at once.
+        let r = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                sock.readable().await.unwrap();
+                if let Some(q) = reply(&sock, &listen, peer, None, &dropped, |n| read += n).unwrap()
+                {
+                    break q;
+                }
+            }
+        })
+        .await
+        .expect("the reply never became readable");
+        assert_eq!(r, None, "nothing is queued for a send that failed");
+        assert_eq!(read, 5);
+        let want: std::collections::BTreeMap<String, u64> =
+            [("reply_failed".to_owned(), 1)].into_iter().collect();
+        assert_eq!(dropped.snapshot(), want);
+    }
 }
