@@ -820,11 +820,15 @@ impl Engine {
             });
             parsed.push((p, matched));
         }
-        self.shared
-            .conns
-            .table
-            .reader()
-            .lookup_probes(&probes, &mut found);
+        // One epoch pin for the whole batch, not only its lookup: the
+        // touches, sequence checks and state moves below pin again inside
+        // the table, and a pin nested in a live one is a counter bump where
+        // an outermost one is a SeqCst read-modify-write (two or three per
+        // TCP packet otherwise; measured on the AMD host: 4.8 ns against
+        // 3.1 ns a pin, so a few ns a packet: small, but free to take).
+        let shared = Arc::clone(&self.shared);
+        let reader = shared.conns.table.reader();
+        reader.lookup_probes(&probes, &mut found);
         let mut k = 0;
         for (i, (p, matched)) in parsed.iter_mut().enumerate() {
             let v = match p {
@@ -864,6 +868,7 @@ impl Engine {
             };
             batch.set_verdict(i, v);
         }
+        drop(reader);
         self.parsed = parsed;
         self.probes = probes;
         self.found = found;
