@@ -495,3 +495,57 @@ fn a_tenants_totals_survive_the_deletion_of_its_services() {
     r.ok("POST", "/v1/services", Some(body));
     assert_eq!(t2_conns(), 0);
 }
+
+/// The connections still going to a removed backend can be listed and
+/// killed by its address. Entries name their backend by id, and listings
+/// and backend filters resolved the id among the service's backends of
+/// the moment: once the backend was removed its connections listed as
+/// "-", and `backend=ADDR` (a listing or a kill) found none of them, so
+/// an operator could not name them.
+#[test]
+fn the_connections_of_a_removed_backend_are_listed_and_killed_by_its_address() {
+    let (a, b) = (Echo::start(), Echo::start());
+    let r = Running::start(config(&service_toml("s", &[a.addr, b.addr])), None);
+    let vip = r.d().service_addr("default", "s").unwrap();
+    // Round robin: two connections, one on each backend.
+    let mut conns = [held(vip), held(vip)];
+    assert_eq!(
+        (a.accepted.load(Relaxed), b.accepted.load(Relaxed)),
+        (1, 1),
+        "one connection on each backend"
+    );
+    let gone = b.addr.to_string();
+    r.ok(
+        "DELETE",
+        &format!("/v1/services/default/s/backends/{gone}"),
+        None,
+    );
+    let listed = |q: &str| -> Vec<String> {
+        let page = r.ok("GET", &format!("/v1/connections?tenant=default{q}"), None);
+        page["connections"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["backend"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let mut all = listed("");
+    all.sort();
+    let mut want = vec![a.addr.to_string(), gone.clone()];
+    want.sort();
+    assert_eq!(all, want, "the listing names each connection's backend");
+    assert_eq!(listed(&format!("&backend={gone}")), [gone.as_str()]);
+    let killed = r.ok(
+        "POST",
+        "/v1/connections/kill",
+        Some(json!({ "tenant": "default", "backend": gone })),
+    );
+    assert_eq!(killed["killed"], 1, "{killed}");
+    // The removed backend's connection is cut, the other one is not.
+    let which = conns.iter_mut().map(still_echoes).collect::<Vec<_>>();
+    assert_eq!(which.iter().filter(|up| !**up).count(), 1, "{which:?}");
+    assert!(daemon_util::wait_until(Duration::from_secs(10), || {
+        listed("") == [a.addr.to_string()]
+    }));
+    r.shutdown();
+}

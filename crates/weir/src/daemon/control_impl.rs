@@ -131,12 +131,13 @@ impl LiveControl {
                 None => backends.push(Backend::new(spec.clone(), &self.0.accounting.rates)),
             }
         }
-        let removed: Vec<_> = old
+        let gone: Vec<Arc<Backend>> = old
             .backends
             .iter()
             .filter(|b| !specs.iter().any(|s| s.address == b.addr))
-            .map(|b| b.id)
+            .cloned()
             .collect();
+        let removed: Vec<u32> = gone.iter().map(|b| b.id).collect();
         // An `rcu`, as a health change's rebuild is: with a plain store, a
         // rebuild landing between reading the backends' health here and
         // the store was overwritten by a scheduler of the old health, and
@@ -163,6 +164,9 @@ impl LiveControl {
             return Err(ControlError::new(ErrorKind::Invalid, e.to_string()));
         }
         svc.spec.write().backends = specs.to_vec();
+        // Their connections stay listed, filtered and settled under their
+        // address (see `Service::backend`).
+        svc.retire_backends(gone);
         self.0.services_changed();
         if !removed.is_empty() && svc.params.load().expire_nodest_conn {
             self.0

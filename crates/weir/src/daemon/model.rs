@@ -466,6 +466,14 @@ pub(crate) struct Service {
     /// The backends and their scheduler, replaced as a whole when they or
     /// their weight or health change; read without a lock.
     pub(crate) set: ArcSwap<BackendSet>,
+    /// Backends taken out of `set` whose connections may still be open:
+    /// entries name their backend by id, and listings, backend filters
+    /// (`conns`/`kill backend=ADDR`) and the settling of an ended flow
+    /// find it here once it is out of `set` ([`Self::backend`]). Without
+    /// it they listed as "-", no backend filter reached them, and their
+    /// ends were counted on nothing. See [`Self::retire_backends`] for how
+    /// long one stays.
+    removed: Mutex<Vec<Arc<Backend>>>,
     pub(crate) stat: Stat,
     /// Cancels listeners and health checks.
     pub(crate) cancel: CancellationToken,
@@ -1488,6 +1496,7 @@ impl Shared {
             listen,
             listener_lowat,
             set: ArcSwap::from_pointee(BackendSet { sched, backends }),
+            removed: Mutex::default(),
             stat: self.accounting.rates.stat(),
             cancel: CancellationToken::new(),
             udp_per_client: Mutex::new(ClientCounts::new(prefix6)),
@@ -1661,14 +1670,25 @@ struct Opened {
 }
 
 impl Service {
-    /// The backend with id `id`, if it is still in the service's set.
+    /// The backend with id `id`: one of the service's set, or one taken
+    /// out of it whose connections may still be open (`removed`).
     pub(crate) fn backend(&self, id: u32) -> Option<Arc<Backend>> {
-        self.set
-            .load()
-            .backends
-            .iter()
-            .find(|b| b.id == id)
-            .cloned()
+        if let Some(b) = self.set.load().backends.iter().find(|b| b.id == id) {
+            return Some(Arc::clone(b));
+        }
+        self.removed.lock().iter().find(|b| b.id == id).cloned()
+    }
+
+    /// Backends `gone` were just taken out of the set: they stay findable
+    /// by id ([`Self::backend`]) while connections counted on them
+    /// ([`Backend::conns`]) are open. Those taken out before whose last
+    /// connection has ended are forgotten here, so the list holds the
+    /// backends with open connections and those taken out by the last
+    /// change of the set, never more.
+    pub(crate) fn retire_backends(&self, gone: Vec<Arc<Backend>>) {
+        let mut removed = self.removed.lock();
+        removed.retain(|b| b.conns() > 0);
+        removed.extend(gone);
     }
 
     /// Rebuild the scheduler from the backends' current weight and health.
