@@ -1249,6 +1249,23 @@ impl FlowTable {
             .map(|left| u32::try_from(left).unwrap_or(u32::MAX))
     }
 
+    /// Like [`release`](Self::release), but only a template stored for
+    /// `service` (see [`hold_for`](Self::hold_for)): the hold a connection
+    /// gives back is on its own service's template, and its template may
+    /// have been removed since and another service's stored under the
+    /// same key, whose holds are not this connection's to give back.
+    pub fn release_for(&self, key: &FlowKey, service: ServiceId, now: Millis) -> Option<u32> {
+        self.saw(now);
+        self.with_locked(key, |n| {
+            if n.service() == service {
+                n.release_locked(now)
+            } else {
+                None
+            }
+        })
+        .map(|left| u32::try_from(left).unwrap_or(u32::MAX))
+    }
+
     /// Points the persistence template `key` at `backend` (a new choice for
     /// its client group: the old backend is gone, down or full), keeping
     /// its holds, and restarts its timeout from `now`. `false` (nothing

@@ -240,7 +240,7 @@ impl Shared {
             self.settle(&snap, &conn.service, Some(&conn.backend), reason);
         }
         if let Some(tpl) = conn.template {
-            self.release_template(tpl);
+            self.release_template(&conn.service, tpl);
         }
     }
 

@@ -914,7 +914,7 @@ impl Shared {
         // (a template that stays is not ours to keep held), then the
         // template goes, as the deletion's drop would have taken it.
         if self.cancelled_after_store(svc) {
-            table.release(&tpl, now);
+            table.release_for(&tpl, ServiceId(svc.id), now);
             self.remove_template_of(svc, &tpl);
             return None;
         }
@@ -926,7 +926,7 @@ impl Shared {
         // the key its release computes.
         let cur = svc.params.load();
         if cur.persistence.is_zero() || cur.mask != params.mask {
-            table.release(&tpl, now);
+            table.release_for(&tpl, ServiceId(svc.id), now);
             return None;
         }
         Some(tpl)
@@ -975,10 +975,16 @@ impl Shared {
         }
     }
 
-    /// A connection holding template `tpl` ([`Self::hold_template`])
-    /// ended; after the last one the template's timeout starts now.
-    pub(crate) fn release_template(&self, tpl: FlowKey) {
-        self.conns.table.release(&tpl, Millis(self.now_ms()));
+    /// A connection of `svc` holding template `tpl`
+    /// ([`Self::hold_template`]) ended; after the last one the template's
+    /// timeout starts now. Only a template of `svc` is released: its own
+    /// may have been dropped meanwhile (a deletion, an edit of its
+    /// persistence) and another service's stored under the same key,
+    /// whose holds are its own connections'.
+    pub(crate) fn release_template(&self, svc: &Service, tpl: FlowKey) {
+        self.conns
+            .table
+            .release_for(&tpl, ServiceId(svc.id), Millis(self.now_ms()));
     }
 
     /// Removes the persistence templates of `svc` (its mask changed,
@@ -3312,6 +3318,58 @@ pub(crate) mod tests {
                 assert_eq!(table.get(&tpl), Some(before), "the hold touched it");
             }
         }
+        d.shutdown();
+    }
+
+    /// A connection's release of its persistence template gives back its
+    /// own hold only. Its template can go while it is held (the service's
+    /// deletion, or an edit of its persistence, drops the templates) and a
+    /// template of another service (one that took the address since) can
+    /// then sit under the same key. The release, by key alone, lowered
+    /// that template's count: a hold of the other service's connection
+    /// was lost, so its template could expire under it.
+    #[test]
+    fn a_release_leaves_another_services_template_under_the_same_key_held() {
+        let mut s = spec("default", "p", Protocol::Tcp);
+        s.persistence = "300s".parse().unwrap();
+        s.backends.push(BackendSpec {
+            address: SocketAddr::from(([127, 0, 0, 9], 2000)),
+            weight: 1,
+            proxy_protocol: None,
+            max_connections: 0,
+        });
+        let d = daemon_with_tenants(&[], vec![s]);
+        let shared = d.shared.clone();
+        let table = &shared.conns.table;
+        let svc = shared.model.load().services[&key("default", "p")].clone();
+        let params = svc.params.load_full();
+        let b = svc.set.load().backends[0].id;
+        let client: SocketAddr = "10.9.8.7:4000".parse().unwrap();
+        let tpl = shared
+            .hold_template(&svc, &params, Protocol::Tcp, client, b)
+            .expect("the connection holds its template");
+        assert_eq!(table.get(&tpl).map(|t| t.held), Some(1));
+        // Its template dropped; another service's, held once, in its place.
+        assert_eq!(shared.drop_templates(&svc), 1);
+        let other = FlowInit {
+            owner: 0,
+            profile: params.profile.number(),
+            service: ServiceId(svc.id.wrapping_add(1000)),
+            backend: BackendId(b),
+            state: FlowState::Persist,
+        };
+        table.insert_held(tpl, other, Millis(0)).unwrap();
+        shared.release_template(&svc, tpl);
+        let t = table.get(&tpl).unwrap();
+        assert_eq!(t.service, other.service);
+        assert_eq!(t.held, 1, "the release took the other service's hold");
+        // Its own template's release does give back its own hold.
+        table.remove(&tpl);
+        let tpl = shared
+            .hold_template(&svc, &params, Protocol::Tcp, client, b)
+            .unwrap();
+        shared.release_template(&svc, tpl);
+        assert_eq!(table.get(&tpl).map(|t| t.held), Some(0));
         d.shutdown();
     }
 }

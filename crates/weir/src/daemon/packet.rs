@@ -1310,7 +1310,7 @@ impl Engine {
             (Method::Fnat, None) => {
                 give_back(0, Some(&backend));
                 if let Some(tpl) = template {
-                    shared.release_template(tpl);
+                    shared.release_template(svc, tpl);
                 }
                 return Err(Some(Drop::FnatPorts));
             }
@@ -1324,7 +1324,7 @@ impl Engine {
             Err(e) => {
                 give_back(nat, Some(&backend));
                 if let Some(tpl) = template {
-                    shared.release_template(tpl);
+                    shared.release_template(svc, tpl);
                 }
                 if matches!(e, weir_flowtable::InsertError::Exists(_)) {
                     return Err(None);
@@ -1517,7 +1517,10 @@ impl Shared {
             // the new key's template early (it may then expire while a flow
             // it placed lives: the group is placed afresh, never stuck).
             let params = svc.params.load();
-            self.release_template(super::template_key(svc, &params, proto, snap.key.client));
+            self.release_template(
+                svc,
+                super::template_key(svc, &params, proto, snap.key.client),
+            );
         }
     }
 }
