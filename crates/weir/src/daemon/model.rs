@@ -718,6 +718,12 @@ impl Ids {
     pub(crate) fn set_next(&self, next: u32) {
         self.inner.lock().next = next;
     }
+
+    /// Whether `id` is leased now.
+    #[cfg(test)]
+    pub(crate) fn leased(&self, id: u32) -> bool {
+        self.inner.lock().live.contains(&id)
+    }
 }
 
 impl IdLease {
@@ -1687,13 +1693,24 @@ impl Service {
 
     /// Backends `gone` were just taken out of the set: they stay findable
     /// by id ([`Self::backend`]) while connections counted on them
-    /// ([`Backend::conns`]) are open. Those taken out before whose last
-    /// connection has ended are forgotten here, so the list holds the
-    /// backends with open connections and those taken out by the last
+    /// ([`Backend::conns`]) are open, and so keep their id (the lease
+    /// goes with the backend): a new backend given an id that flows still
+    /// name would take over their counts, kills and listings. Those taken
+    /// out before whose last connection has ended, and which nothing else
+    /// holds, are forgotten here, so the list holds the backends with
+    /// open connections or still held and those taken out by the last
     /// change of the set, never more.
+    ///
+    /// Why "nothing else holds": a connection picks its backend from the
+    /// set it loaded (`choose`), then takes its place and inserts its
+    /// entry (`Shared::open`, the packet path) holding it. If it picked
+    /// the backend before its removal and takes the place after a later
+    /// change looked, the count was 0 when that change looked: forgetting
+    /// the backend then would free its id under the entry about to name
+    /// it. Its holder is seen instead.
     pub(crate) fn retire_backends(&self, gone: Vec<Arc<Backend>>) {
         let mut removed = self.removed.lock();
-        removed.retain(|b| b.conns() > 0);
+        removed.retain(|b| b.conns() > 0 || Arc::strong_count(b) > 1);
         removed.extend(gone);
     }
 
@@ -3370,6 +3387,83 @@ pub(crate) mod tests {
             .unwrap();
         shared.release_template(&svc, tpl);
         assert_eq!(table.get(&tpl).map(|t| t.held), Some(0));
+        d.shutdown();
+    }
+
+    /// A removed backend's id is not given to another backend while flows
+    /// still name it, however the flow got there: here a connection whose
+    /// pick saw the backend before its removal and inserts its entry after
+    /// it (and after another edit of the service). The id is free again
+    /// once those flows are gone. It was freed with the backend object:
+    /// a new backend could then get it and inherit the old one's flows
+    /// (its counts, its kills, its listings).
+    #[test]
+    fn a_removed_backends_id_stays_taken_while_flows_name_it() {
+        let backend = |port: u16| BackendSpec {
+            address: SocketAddr::from(([127, 0, 0, 9], port)),
+            weight: 1,
+            proxy_protocol: None,
+            max_connections: 0,
+        };
+        let mut s = spec("default", "s", Protocol::Tcp);
+        s.backends = vec![backend(2000), backend(2001)];
+        let d = daemon_with_tenants(&[], vec![s]);
+        let shared = d.shared.clone();
+        let control = d.control();
+        let table = &shared.conns.table;
+        let svc = shared.model.load().services[&key("default", "s")].clone();
+        // A connection's pick, before the removal.
+        let picked = svc.set.load().backends[1].clone();
+        let gone = picked.id;
+        control
+            .delete_backend("default", "s", &picked.addr.to_string())
+            .unwrap();
+        control.add_backend("default", "s", backend(2002)).unwrap();
+        // Its place and entry, after: as `Shared::open` takes them.
+        assert!(picked.take_place());
+        picked.inactive.fetch_add(1, Relaxed);
+        let fkey = flow_key(&svc, Protocol::Tcp, "10.0.0.1:1000".parse().unwrap());
+        let init = FlowInit {
+            owner: 0,
+            profile: 0,
+            service: ServiceId(svc.id),
+            backend: BackendId(gone),
+            state: FlowState::SynSent,
+        };
+        table.insert(fkey, init, Millis(shared.now_ms())).unwrap();
+        drop(picked);
+        assert!(
+            BACKEND_IDS.leased(gone),
+            "the id of a removed backend a flow names is free"
+        );
+        BACKEND_IDS.set_next(gone);
+        control.add_backend("default", "s", backend(2003)).unwrap();
+        let ids: Vec<u32> = svc.set.load().backends.iter().map(|b| b.id).collect();
+        assert!(
+            !ids.contains(&gone),
+            "a new backend took id {gone}: {ids:?}"
+        );
+        // The flow ends: the id is free again (at the service's next edit).
+        let snap = table.remove(&fkey).unwrap();
+        shared.ended(&[snap], Close::IdleTimeout);
+        let mut freed = false;
+        for _ in 0..100 {
+            let again = backend(2003);
+            control
+                .delete_backend("default", "s", &again.address.to_string())
+                .unwrap();
+            control.add_backend("default", "s", again).unwrap();
+            if !BACKEND_IDS.leased(gone) {
+                freed = true;
+                break;
+            }
+            // Health checks and snapshots of the old set let go of it.
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            freed,
+            "the id of a removed backend with no flow left stays taken"
+        );
         d.shutdown();
     }
 }
