@@ -137,7 +137,19 @@ struct Profiles {
     slots: Vec<ProfileSlot>,
     /// Free profile numbers (`slots[n - 1].free`).
     free: Vec<u16>,
+    /// When the last walk for the profiles the tenant's entries name
+    /// began (the table's clock), and the profiles left draining when it
+    /// ended ([`Self::walk_due`], [`Self::walked`]).
+    last_walk: Option<(u64, Vec<(u16, u64)>)>,
+    /// Walks of the tenant's entries for the profiles they name
+    /// ([`FlowTable::profile_walks`]).
+    walks: u64,
 }
+
+/// How often (in the table's clock) a tenant out of profile numbers may
+/// walk its entries again with no profile drained since
+/// ([`Profiles::walk_due`]).
+const PROFILE_WALK_EVERY_MS: u64 = 1_000;
 
 #[derive(Debug, Default, Clone, Copy)]
 struct ProfileSlot {
@@ -195,6 +207,37 @@ impl Profiles {
             .filter(|(_, s)| s.holds == 0 && !s.free)
             .map(|(i, s)| (i as u16 + 1, s.revived))
             .collect()
+    }
+
+    /// Whether a tenant out of numbers walks its entries now for the
+    /// profiles they name, with `draining` draining at `now` (the table's
+    /// clock); if so, the walk is noted as begun. A walk is O(the tenant's
+    /// entries) under the maintenance lock (expiry waits), and every
+    /// refused request walked, so a caller retrying one held expiry up
+    /// again and again. Now a walk comes only if a profile drained (or
+    /// was taken up and drained again) since the last one, which it may
+    /// free, or a second after it, when entries naming a draining profile
+    /// may have gone (expired, or removed).
+    fn walk_due(&mut self, draining: &[(u16, u64)], now: u64) -> bool {
+        let due = match &self.last_walk {
+            None => true,
+            Some((at, seen)) => {
+                seen.as_slice() != draining || now >= at.saturating_add(PROFILE_WALK_EVERY_MS)
+            }
+        };
+        if due {
+            self.last_walk = Some((now, draining.to_vec()));
+            self.walks += 1;
+        }
+        due
+    }
+
+    /// A walk ended (its frees done): what drains from now on is new to it.
+    fn walked(&mut self) {
+        let left = self.draining();
+        if let Some((_, seen)) = &mut self.last_walk {
+            *seen = left;
+        }
     }
 
     /// Frees the profiles of `draining` that are still draining, were not
@@ -1067,7 +1110,10 @@ impl FlowTable {
     /// When every number is taken, and some only by entries, this walks
     /// the tenant's expiry wheel and the filing lists (O(its entries),
     /// under the maintenance lock, so an `expire` call waits) to free the
-    /// profiles no live entry names; only then is the call refused.
+    /// profiles no live entry names; only then is the call refused. Calls
+    /// refused in a row do not each walk: the next walk comes once a
+    /// profile drained (its last handle went) since the last one, or a
+    /// second of the table's clock after it.
     pub fn timeout_profile(
         &self,
         id: TenantId,
@@ -1090,11 +1136,12 @@ impl FlowTable {
             if let Some(n) = p.take(o, ten.base()) {
                 return Ok(held(n));
             }
-            p.draining()
+            let draining = p.draining();
+            if draining.is_empty() || !p.walk_due(&draining, self.near()) {
+                return Err(TenantError::TooManyProfiles(id));
+            }
+            draining
         };
-        if draining.is_empty() {
-            return Err(TenantError::TooManyProfiles(id));
-        }
         // Not under the profiles' lock: `expire` takes the wheel lock
         // before it. `draining` was read first: an entry the walk misses
         // was inserted under a handle taken after, which revived its
@@ -1102,6 +1149,7 @@ impl FlowTable {
         let named = self.named_profiles(&ten);
         let mut p = ten.profiles.write();
         p.free_unnamed(&draining, &named);
+        p.walked();
         p.take(o, ten.base())
             .map(held)
             .ok_or(TenantError::TooManyProfiles(id))
@@ -1128,6 +1176,15 @@ impl FlowTable {
         }
         t.wheel.lock().for_each_ref(|_, idx| mark(idx));
         named
+    }
+
+    /// How many times [`timeout_profile`](Self::timeout_profile) walked
+    /// tenant `id`'s entries for the profiles they name (introspection).
+    #[doc(hidden)]
+    pub fn profile_walks(&self, id: TenantId) -> Option<u64> {
+        let guard = epoch::pin();
+        let map = self.tenants.load(&guard);
+        Some(map.map.get(&id.0)?.profiles.read().walks)
     }
 
     /// The timeouts entries of profile `profile` of tenant `id` get.

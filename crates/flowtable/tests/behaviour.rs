@@ -826,12 +826,68 @@ fn timeout_profiles_are_freed_once_unheld_and_unnamed() {
         Err(TenantError::TooManyProfiles(TenantId(1)))
     );
     assert_eq!(t.get(&key(1, 2)).unwrap().expires_at, Millis(6_000));
-    // The entries go: their profile is free for the next new overrides.
+    // The entries go: their profile is free for the next new overrides
+    // (once the table's clock moved a second: refused requests in a row
+    // do not each walk the entries).
     t.remove(&key(1, 1)).unwrap();
     t.remove(&key(1, 2)).unwrap();
+    t.expire(Millis(2_000), 100, &mut out);
     let p = t.timeout_profile(TenantId(1), &udp(1)).unwrap();
     assert_eq!(p.number(), n);
     held.push(p);
+}
+
+/// While a tenant's profile numbers are all taken, refused requests do
+/// not each walk its entries: a walk is O(the tenant's entries) under the
+/// maintenance lock (expiry waits), and every request walked, so a caller
+/// retrying a refused edit held expiry up again and again. A walk is
+/// tried again once a profile drained since the last one (its last handle
+/// went), or a second of the table's clock later (entries naming a
+/// draining profile may have gone by then).
+#[test]
+fn refused_profile_requests_do_not_each_walk_the_entries() {
+    let t = table_with(&[(1, 0)], cfg(16, 64));
+    let udp = |ms: u64| TimeoutOverrides::NONE.with(FlowState::Udp, Millis(ms));
+    // Every number taken: one draining (named by an entry), the rest held.
+    let named = t.timeout_profile(TenantId(1), &udp(5_000)).unwrap();
+    let init = FlowInit {
+        profile: named.number(),
+        ..init(FlowState::Udp)
+    };
+    t.insert(key(1, 1), init, Millis(1_000)).unwrap();
+    drop(named);
+    let mut held: Vec<Profile> = (0..MAX_PROFILES as u64 - 2)
+        .map(|i| t.timeout_profile(TenantId(1), &udp(100_000 + i)).unwrap())
+        .collect();
+    let walks = || t.profile_walks(TenantId(1)).unwrap();
+    let before = walks();
+    for i in 0..50 {
+        assert_eq!(
+            t.timeout_profile(TenantId(1), &udp(1 + i)),
+            Err(TenantError::TooManyProfiles(TenantId(1)))
+        );
+    }
+    assert_eq!(walks() - before, 1, "refused requests each walked");
+    // A profile drained since (its last handle went): walked again, and
+    // its number, which no entry names, is given.
+    let last = held.pop().unwrap();
+    let n = last.number();
+    drop(last);
+    let p = t.timeout_profile(TenantId(1), &udp(7)).unwrap();
+    assert_eq!(p.number(), n);
+    assert_eq!(walks() - before, 2);
+    held.push(p);
+    // The entry goes: its profile is given once the clock moved a second.
+    t.remove(&key(1, 1)).unwrap();
+    assert_eq!(
+        t.timeout_profile(TenantId(1), &udp(8)),
+        Err(TenantError::TooManyProfiles(TenantId(1)))
+    );
+    assert_eq!(walks() - before, 2, "walked again within the second");
+    let mut out = Vec::new();
+    t.expire(Millis(2_000), 100, &mut out);
+    assert!(t.timeout_profile(TenantId(1), &udp(8)).is_ok());
+    assert_eq!(walks() - before, 3);
 }
 
 #[test]
