@@ -51,7 +51,7 @@ fn main() {
             backend: BackendId(i % 3),
             state: FlowState::Udp,
             owner: 0,
-            profile: 0,
+            profile: ProfileRef::NONE,
         };
         ft.insert_reply(key, init, ReplyMode::Nat, Millis(1))
             .unwrap();

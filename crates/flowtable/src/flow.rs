@@ -124,8 +124,9 @@ impl Tenant {
 /// numbers, [`FlowTable::timeout_profile`] collects the profiles its live
 /// entries name (a walk of its expiry wheel and the filing lists) and
 /// frees the draining ones none names. Sound because an entry names a
-/// profile only if it was inserted while a handle was held (the caller's
-/// contract): once the last handle went, no insert naming it is under
+/// profile only if it was inserted while a handle was held (the type
+/// says so: [`FlowInit::profile`] is a [`ProfileRef`], a borrow of a
+/// handle): once the last handle went, no insert naming it is under
 /// way, so every entry naming it is filed where the walk looks, and an
 /// entry inserted after the walk began needed a handle, which revived the
 /// profile (`revived` moved: the walk frees nothing revived since it
@@ -256,8 +257,8 @@ impl Profiles {
 
 /// A hold on one of a tenant's timeout profiles
 /// ([`FlowTable::timeout_profile`]): entries may be inserted naming its
-/// [`number`](Self::number) ([`FlowInit::profile`]) while it is held (a
-/// clone holds it too). Once the last handle is dropped the number stays
+/// number ([`FlowInit::profile`], from [`for_init`](Self::for_init), which
+/// borrows the handle) while it is held (a clone holds it too). Once the last handle is dropped the number stays
 /// the profile's while entries inserted with it live, then may be given
 /// to other overrides. Profile 0 (no overrides) holds nothing.
 pub struct Profile {
@@ -272,9 +273,16 @@ impl Profile {
         set: None,
     };
 
-    /// The number entries name ([`FlowInit::profile`]).
+    /// Its number.
     pub fn number(&self) -> u16 {
         self.number
+    }
+
+    /// What an entry inserted under this profile names
+    /// ([`FlowInit::profile`]): it borrows the handle, so the profile is
+    /// held until the insert is done.
+    pub fn for_init(&self) -> ProfileRef<'_> {
+        ProfileRef::held(self.number)
     }
 }
 
@@ -1100,7 +1108,7 @@ impl FlowTable {
 
     /// A hold on the timeout profile with these overrides for tenant `id`,
     /// made if new ([`Profile::NONE`] for no overrides). Entries inserted
-    /// while it is held may name its number in [`FlowInit::profile`] (and
+    /// while it is held name it in [`FlowInit::profile`] (and
     /// only then: a number no handle holds may be given to other
     /// overrides once no entry names it); a profile's timeouts follow the
     /// tenant's ([`set_timeouts`](Self::set_timeouts)) except where

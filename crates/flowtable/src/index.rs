@@ -1291,14 +1291,14 @@ mod tests {
     }
 
     /// What those tests' nodes hold besides their key.
-    fn test_init() -> crate::types::FlowInit {
+    fn test_init() -> crate::types::FlowInit<'static> {
         use crate::types::*;
         FlowInit {
             service: ServiceId(1),
             backend: BackendId(2),
             state: FlowState::Established,
             owner: 0,
-            profile: 0,
+            profile: crate::types::ProfileRef::NONE,
         }
     }
 
@@ -1551,7 +1551,7 @@ mod tests {
             backend: BackendId(2),
             state: FlowState::Established,
             owner: 0,
-            profile: 0,
+            profile: crate::types::ProfileRef::NONE,
         };
         let pk = PackedKey::new(&key);
         let n = slab.node(idx);

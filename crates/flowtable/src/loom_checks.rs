@@ -92,7 +92,7 @@ fn init(w: &World, i: u32, cookie: u64) {
         backend: BackendId(100 + i),
         state: FlowState::Established,
         owner: i,
-        profile: 0,
+        profile: crate::types::ProfileRef::NONE,
     };
     w.nodes
         .node(i)
@@ -322,7 +322,7 @@ fn insert_reply(w: &World, i: u32, k: &PackedKey, backend: u32, rh: u32) -> Put 
         backend: BackendId(backend),
         state: FlowState::Established,
         owner: i,
-        profile: 0,
+        profile: crate::types::ProfileRef::NONE,
     };
     w.nodes
         .node(i)
@@ -518,7 +518,7 @@ fn template_world(i: u32, held: u64) -> Arc<World> {
         backend: BackendId(100 + i),
         state: FlowState::Persist,
         owner: 0,
-        profile: 0,
+        profile: crate::types::ProfileRef::NONE,
     };
     let n = w.nodes.node(i);
     n.init(&key(i), &init, cookie_of(i), Millis(5), 0, false);

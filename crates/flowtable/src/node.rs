@@ -305,7 +305,7 @@ impl Node<'_> {
                 | k.bits
                 | (init.state.code() << STATE_SHIFT)
                 | (UNFILED << SLOT_SHIFT)
-                | ((u32::from(init.profile) & 0xFFF) << PROFILE_SHIFT),
+                | ((u32::from(init.profile.number()) & 0xFFF) << PROFILE_SHIFT),
             Release,
         );
     }

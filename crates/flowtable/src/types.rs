@@ -281,9 +281,11 @@ pub struct ServiceId(pub u32);
 #[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
 pub struct BackendId(pub u32);
 
-/// What a new entry starts with.
+/// What a new entry starts with. `'p` is the borrow of the timeout
+/// [`Profile`](crate::Profile) it names ([`ProfileRef`]): the profile is
+/// held for as long as the init exists, so through the insert.
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
-pub struct FlowInit {
+pub struct FlowInit<'p> {
     /// Service the flow belongs to.
     pub service: ServiceId,
     /// Backend chosen by the scheduler.
@@ -294,12 +296,82 @@ pub struct FlowInit {
     /// its sockets), returned in every [`FlowSnapshot`] so that expiry, kills
     /// and tenant removal can tell the owner to close. 0 = none.
     pub owner: u32,
-    /// Timeout profile (the [`Profile::number`](crate::Profile::number) of
-    /// a [`Profile`](crate::Profile) held while inserting, from
-    /// [`FlowTable::timeout_profile`](crate::FlowTable::timeout_profile)):
-    /// per-state overrides of the tenant's timeouts, e.g. one service's own
-    /// UDP timeout. 0 = the tenant's timeouts as they are.
-    pub profile: u16,
+    /// Timeout profile: per-state overrides of the tenant's timeouts, e.g.
+    /// one service's own UDP timeout ([`ProfileRef::NONE`]: the tenant's
+    /// timeouts as they are).
+    pub profile: ProfileRef<'p>,
+}
+
+/// The timeout profile a new entry names ([`FlowInit::profile`]): a
+/// borrow of a [`Profile`](crate::Profile) from
+/// [`FlowTable::timeout_profile`](crate::FlowTable::timeout_profile)
+/// ([`Profile::for_init`](crate::Profile::for_init)), or
+/// [`NONE`](Self::NONE). An entry may name a profile only if it is
+/// inserted while the profile is held: a number no handle holds may be
+/// given to other overrides once no entry names it, and the walk that
+/// frees numbers relies on it (see
+/// [`timeout_profile`](crate::FlowTable::timeout_profile)). That was the
+/// caller's word, with a bare number; now a number comes only with a
+/// borrow of its handle, so an init naming a profile cannot outlive the
+/// handle. It is the number alone at run time (no count, no atomics).
+///
+/// An insert under a profile whose handle is gone does not compile:
+///
+/// ```compile_fail,E0505
+/// # use weir_flowtable::*;
+/// # fn f(t: &FlowTable, key: FlowKey, init: FlowInit<'static>, o: &TimeoutOverrides) {
+/// let p = t.timeout_profile(TenantId(1), o).unwrap();
+/// let init = FlowInit { profile: p.for_init(), ..init };
+/// drop(p);
+/// t.insert(key, init, Millis(0));
+/// # }
+/// ```
+///
+/// nor does a number made up without one:
+///
+/// ```compile_fail,E0451
+/// # use weir_flowtable::*;
+/// let r = ProfileRef { number: 3, held: std::marker::PhantomData };
+/// ```
+///
+/// while holding the handle through the insert does:
+///
+/// ```
+/// # use weir_flowtable::*;
+/// # fn f(t: &FlowTable, key: FlowKey, init: FlowInit<'static>, o: &TimeoutOverrides) {
+/// let p = t.timeout_profile(TenantId(1), o).unwrap();
+/// let init = FlowInit { profile: p.for_init(), ..init };
+/// t.insert(key, init, Millis(0));
+/// drop(p);
+/// # }
+/// ```
+#[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
+pub struct ProfileRef<'p> {
+    number: u16,
+    held: std::marker::PhantomData<&'p ()>,
+}
+
+impl ProfileRef<'static> {
+    /// Profile 0: the tenant's timeouts as they are (nothing to hold).
+    pub const NONE: Self = ProfileRef {
+        number: 0,
+        held: std::marker::PhantomData,
+    };
+}
+
+impl ProfileRef<'_> {
+    /// Of a profile held for `'p` (only [`Profile::for_init`](crate::Profile::for_init)).
+    pub(crate) fn held(number: u16) -> Self {
+        ProfileRef {
+            number,
+            held: std::marker::PhantomData,
+        }
+    }
+
+    /// The profile's number.
+    pub fn number(self) -> u16 {
+        self.number
+    }
 }
 
 /// Names one entry without hashing: its node and its cookie. Returned by

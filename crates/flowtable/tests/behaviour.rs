@@ -24,10 +24,10 @@ fn key(tenant: u32, i: u16) -> FlowKey {
     }
 }
 
-fn init(state: FlowState) -> FlowInit {
+fn init(state: FlowState) -> FlowInit<'static> {
     FlowInit {
         owner: 0,
-        profile: 0,
+        profile: ProfileRef::NONE,
         service: ServiceId(1),
         backend: BackendId(2),
         state,
@@ -466,7 +466,7 @@ fn dump_filters_and_naive_contrast() {
     for i in 0..40u16 {
         let init = FlowInit {
             owner: 0,
-            profile: 0,
+            profile: ProfileRef::NONE,
             service: ServiceId(u32::from(i % 2)),
             backend: BackendId(u32::from(i % 5)),
             state: if i % 3 == 0 {
@@ -715,17 +715,21 @@ fn timeout_profiles_override_per_state_and_follow_the_tenant() {
         t.timeout_profile(TenantId(9), &o),
         Err(TenantError::NoTenant(TenantId(9)))
     );
-    let with = |state, profile: u16| FlowInit {
+    let with = |state, profile| FlowInit {
         profile,
         ..init(state)
     };
-    t.insert(key(1, 1), with(FlowState::Udp, p), Millis(0))
+    t.insert(key(1, 1), with(FlowState::Udp, held.for_init()), Millis(0))
         .unwrap();
-    t.insert(key(1, 2), with(FlowState::Udp, 0), Millis(0))
+    t.insert(key(1, 2), with(FlowState::Udp, ProfileRef::NONE), Millis(0))
         .unwrap();
     // Not overridden: the tenant's.
-    t.insert(key(1, 3), with(FlowState::Established, p), Millis(0))
-        .unwrap();
+    t.insert(
+        key(1, 3),
+        with(FlowState::Established, held.for_init()),
+        Millis(0),
+    )
+    .unwrap();
     assert_eq!(t.get(&key(1, 1)).unwrap().expires_at, Millis(2_000));
     assert_eq!(t.get(&key(1, 2)).unwrap().expires_at, Millis(300_000));
     assert_eq!(t.get(&key(1, 3)).unwrap().expires_at, Millis(900_000));
@@ -747,7 +751,7 @@ fn timeout_profiles_override_per_state_and_follow_the_tenant() {
     assert_eq!(t.get(&key(1, 2)).unwrap().expires_at, Millis(9_000));
     // A profile number of another tenant means nothing there: that
     // tenant's own timeouts.
-    t.insert(key(2, 1), with(FlowState::Udp, p), Millis(0))
+    t.insert(key(2, 1), with(FlowState::Udp, held.for_init()), Millis(0))
         .unwrap();
     assert_eq!(t.get(&key(2, 1)).unwrap().expires_at, Millis(300_000));
 }
@@ -785,21 +789,21 @@ fn timeout_profiles_are_bounded_per_tenant() {
 fn timeout_profiles_are_freed_once_unheld_and_unnamed() {
     let t = table_with(&[(1, 0)], cfg(16, 64));
     let udp = |ms: u64| TimeoutOverrides::NONE.with(FlowState::Udp, Millis(ms));
-    // An entry names the first profile; its handle goes at once.
+    // Two entries name the first profile, then its handle goes: one
+    // filed in the wheel, one waiting in a filing list.
     let named = t.timeout_profile(TenantId(1), &udp(5_000)).unwrap();
     let n = named.number();
     let init = FlowInit {
-        profile: n,
+        profile: named.for_init(),
         ..init(FlowState::Udp)
     };
     t.insert(key(1, 1), init, Millis(0)).unwrap();
-    drop(named);
     assert_eq!(t.get(&key(1, 1)).unwrap().expires_at, Millis(5_000));
-    // Filed in the wheel, as well as waiting in a filing list.
     let mut out = Vec::new();
     t.expire(Millis(1_000), 100, &mut out);
-    t.insert(key(1, 2), FlowInit { profile: n, ..init }, Millis(1_000))
+    t.insert(key(1, 2), init, Millis(1_000))
         .unwrap_or_else(|e| panic!("{e}"));
+    drop(named);
     for i in 0..3 * MAX_PROFILES as u64 {
         let p = t
             .timeout_profile(TenantId(1), &udp(10_000 + i))
@@ -851,7 +855,7 @@ fn refused_profile_requests_do_not_each_walk_the_entries() {
     // Every number taken: one draining (named by an entry), the rest held.
     let named = t.timeout_profile(TenantId(1), &udp(5_000)).unwrap();
     let init = FlowInit {
-        profile: named.number(),
+        profile: named.for_init(),
         ..init(FlowState::Udp)
     };
     t.insert(key(1, 1), init, Millis(1_000)).unwrap();

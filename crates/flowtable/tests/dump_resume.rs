@@ -24,7 +24,7 @@ fn key(i: u32) -> FlowKey {
     common::spread_key(1, i, 3)
 }
 
-fn init(i: u32) -> FlowInit {
+fn init(i: u32) -> FlowInit<'static> {
     common::spread_init(i, 3, 5, i)
 }
 

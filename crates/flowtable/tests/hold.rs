@@ -20,7 +20,7 @@ fn persist(ms: u64) -> Timeouts {
     }
 }
 
-fn tpl(backend: u32) -> FlowInit {
+fn tpl(backend: u32) -> FlowInit<'static> {
     FlowInit {
         backend: BackendId(backend),
         ..common::one_flow(FlowState::Persist)

@@ -45,10 +45,10 @@ fn key(tenant: u32, i: u32, proto: Proto) -> FlowKey {
     }
 }
 
-fn flow(state: FlowState) -> FlowInit {
+fn flow(state: FlowState) -> FlowInit<'static> {
     FlowInit {
         owner: 0,
-        profile: 0,
+        profile: ProfileRef::NONE,
         service: ServiceId(0),
         backend: BackendId(0),
         state,

@@ -169,7 +169,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let key = k.key();
                 let init = FlowInit {
                     owner: 0,
-                    profile: 0,
+                    profile: ProfileRef::NONE,
                     service: ServiceId(s),
                     backend: BackendId(b),
                     state: st,
@@ -381,7 +381,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let key = k.key();
                 let init = FlowInit {
                     owner: 0,
-                    profile: 0,
+                    profile: ProfileRef::NONE,
                     service: ServiceId(s),
                     backend: BackendId(b),
                     // Ignored: a held insert is a template.

@@ -68,7 +68,7 @@ fn key(tenant: u32, i: u32) -> FlowKey {
 }
 
 /// Flow `i` on backend `i % 4`, owner token `i`.
-fn init(i: u32) -> FlowInit {
+fn init(i: u32) -> FlowInit<'static> {
     common::spread_init(i, 2, 4, i)
 }
 

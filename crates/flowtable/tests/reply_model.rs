@@ -192,7 +192,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let key = k.key();
                 let init = FlowInit {
                     owner: 0,
-                    profile: 0,
+                    profile: ProfileRef::NONE,
                     service: ServiceId(1),
                     backend: BackendId(b),
                     state: FlowState::Established,

@@ -31,9 +31,9 @@ fn shortened_timeout_applies_to_filed_entries() {
     let keep = TimeoutOverrides::NONE.with(FlowState::Udp, Millis(300_000));
     let profile = t.timeout_profile(TenantId(1), &keep).unwrap();
     for i in 0..N {
-        let mut init = common::one_flow(FlowState::Udp);
+        let mut init: FlowInit<'_> = common::one_flow(FlowState::Udp);
         if i % 3 == 2 {
-            init.profile = profile.number();
+            init.profile = profile.for_init();
         }
         t.insert(key(i), init, Millis(1_000)).unwrap();
     }

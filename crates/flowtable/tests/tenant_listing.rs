@@ -18,7 +18,7 @@ fn key(tenant: u32, i: u32) -> FlowKey {
     common::spread_key(tenant, i, 3)
 }
 
-fn init(i: u32) -> FlowInit {
+fn init(i: u32) -> FlowInit<'static> {
     common::spread_init(i, 3, 5, i)
 }
 

@@ -97,9 +97,9 @@ fn reply_key(i: u64) -> ReplyKey {
     }
 }
 
-const INIT: FlowInit = FlowInit {
+const INIT: FlowInit<'static> = FlowInit {
     owner: 0,
-    profile: 0,
+    profile: weir_flowtable::ProfileRef::NONE,
     service: ServiceId(1),
     backend: BackendId(2),
     state: FlowState::Established,

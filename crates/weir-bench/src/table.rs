@@ -1452,7 +1452,7 @@ fn tenants_build(n: u32) -> Result<(FlowTable, TenantsRow)> {
         backend: BackendId(0),
         state: FlowState::Udp,
         owner: 0,
-        profile: 0,
+        profile: weir_flowtable::ProfileRef::NONE,
     };
     for id in 1..=n {
         let k = FlowKey {

@@ -26,10 +26,10 @@ pub fn spread_key(tenant: u32, i: u32, udp_every: u32) -> FlowKey {
 
 /// An established entry number `i`: service `i % services`, backend
 /// `i % backends`.
-pub fn spread_init(i: u32, services: u32, backends: u32, owner: u32) -> FlowInit {
+pub fn spread_init(i: u32, services: u32, backends: u32, owner: u32) -> FlowInit<'static> {
     FlowInit {
         owner,
-        profile: 0,
+        profile: ProfileRef::NONE,
         service: ServiceId(i % services),
         backend: BackendId(i % backends),
         state: FlowState::Established,
@@ -62,10 +62,10 @@ pub fn tenant_one_table(shared_buckets: usize, seed: u64) -> FlowTable {
 }
 
 /// An entry of service 1 on backend 1 in `state`.
-pub fn one_flow(state: FlowState) -> FlowInit {
+pub fn one_flow(state: FlowState) -> FlowInit<'static> {
     FlowInit {
         owner: 0,
-        profile: 0,
+        profile: ProfileRef::NONE,
         service: ServiceId(1),
         backend: BackendId(1),
         state,

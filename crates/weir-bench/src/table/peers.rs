@@ -98,10 +98,10 @@ impl Weir {
 }
 
 /// weir's entry payload for a peer value.
-pub(crate) fn flow_init(v: &PeerVal) -> FlowInit {
+pub(crate) fn flow_init(v: &PeerVal) -> FlowInit<'static> {
     FlowInit {
         owner: 0,
-        profile: 0,
+        profile: weir_flowtable::ProfileRef::NONE,
         service: ServiceId(v.service),
         backend: BackendId(v.backend),
         state: FlowState::Established,

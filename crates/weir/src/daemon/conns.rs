@@ -151,7 +151,7 @@ impl Shared {
         let params = svc.params.load_full();
         let init = FlowInit {
             owner: owner.token(),
-            profile: params.profile.number(),
+            profile: params.profile.for_init(),
             service: ServiceId(svc.id),
             backend: BackendId(backend.id),
             state: state.flow(),
@@ -463,7 +463,7 @@ mod tests {
         );
         let init = FlowInit {
             owner: 0,
-            profile: 0,
+            profile: weir_flowtable::ProfileRef::NONE,
             service: ServiceId(svc.id),
             backend: BackendId(b.id),
             state: state.flow(),

@@ -999,7 +999,7 @@ mod tests {
             };
             let init = FlowInit {
                 owner: 0,
-                profile: 0,
+                profile: weir_flowtable::ProfileRef::NONE,
                 service: ServiceId(1),
                 backend: BackendId(1),
                 state: FlowState::Udp,

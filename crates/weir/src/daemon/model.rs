@@ -894,7 +894,7 @@ impl Shared {
                 None => {
                     let init = FlowInit {
                         owner: 0,
-                        profile: params.profile.number(),
+                        profile: params.profile.for_init(),
                         service: ServiceId(svc.id),
                         backend: BackendId(backend),
                         state: FlowState::Persist,
@@ -1870,7 +1870,7 @@ impl Service {
             // the connections it placed before.
             let init = FlowInit {
                 owner: 0,
-                profile: params.profile.number(),
+                profile: params.profile.for_init(),
                 service: ServiceId(self.id),
                 backend: BackendId(b.id),
                 state: FlowState::Persist,
@@ -2481,7 +2481,7 @@ pub(crate) mod tests {
                 let client = SocketAddr::from(([10, 1, (n >> 8) as u8, n as u8], 2000));
                 let init = FlowInit {
                     owner: 0,
-                    profile: 0,
+                    profile: weir_flowtable::ProfileRef::NONE,
                     service: ServiceId(svc.id),
                     backend: BackendId(0),
                     state: if i % 5 == 0 {
@@ -2909,7 +2909,7 @@ pub(crate) mod tests {
             for i in 0..10u8 {
                 let init = FlowInit {
                     owner: 0,
-                    profile: 0,
+                    profile: weir_flowtable::ProfileRef::NONE,
                     service: ServiceId(svc.id),
                     backend: BackendId(0),
                     state: FlowState::Udp,
@@ -3306,7 +3306,7 @@ pub(crate) mod tests {
             table.remove(&tpl);
             let init = FlowInit {
                 owner: 0,
-                profile: params.profile.number(),
+                profile: params.profile.for_init(),
                 service: ServiceId(svc.id.wrapping_add(1000)),
                 backend: BackendId(backend),
                 state: FlowState::Persist,
@@ -3370,7 +3370,7 @@ pub(crate) mod tests {
         assert_eq!(shared.drop_templates(&svc), 1);
         let other = FlowInit {
             owner: 0,
-            profile: params.profile.number(),
+            profile: params.profile.for_init(),
             service: ServiceId(svc.id.wrapping_add(1000)),
             backend: BackendId(b),
             state: FlowState::Persist,
@@ -3425,7 +3425,7 @@ pub(crate) mod tests {
         let fkey = flow_key(&svc, Protocol::Tcp, "10.0.0.1:1000".parse().unwrap());
         let init = FlowInit {
             owner: 0,
-            profile: 0,
+            profile: weir_flowtable::ProfileRef::NONE,
             service: ServiceId(svc.id),
             backend: BackendId(gone),
             state: FlowState::SynSent,

@@ -1300,7 +1300,7 @@ impl Engine {
                 held: template.is_some(),
             }
             .token(),
-            profile: params.profile.number(),
+            profile: params.profile.for_init(),
         };
         let reply = match (vs.method, std::num::NonZeroU32::new(nat)) {
             (Method::Dr, _) => None,
