@@ -634,12 +634,29 @@ pub(crate) struct Backend {
     /// the backend out.
     pub(crate) passive: crate::health::Passive,
     pub(crate) passive_error: Mutex<Option<String>>,
+    /// Established TCP connections (IPVS ActConn): what the schedulers
+    /// weigh and the API lists, with `inactive`.
     pub(crate) active: AtomicU64,
+    /// Other TCP connections and UDP sessions (IPVS InActConn).
     pub(crate) inactive: AtomicU64,
-    /// Connections counted against `max_connections`: `active` plus
-    /// `inactive`, kept as one counter so that taking a place is one atomic
-    /// step (checking the sum and then adding let two workers both take
-    /// the last place).
+    /// Connections counted against `max_connections`. At rest it equals
+    /// `active` plus `inactive`, but it is not redundant with them, and
+    /// neither can be derived from the other two:
+    /// - Taking a place is one atomic step on it ([`Self::take_place`]):
+    ///   checking the sum of two counters and then adding let two workers
+    ///   both take the last place.
+    /// - A place is taken before the connection's entry exists and counts
+    ///   until the entry is settled; `active`/`inactive` count the entry
+    ///   from its insert. In between (an fnat port taken, an insert that
+    ///   may fail) the place is held and the flow is in neither.
+    /// - A state move is two steps on `active` and `inactive` (one up, one
+    ///   down), so their sum is off by one meanwhile, and either can read
+    ///   below 0 for a moment (see [`Self::active()`]); `conns` does not
+    ///   move with the state, so the cap never sees a flow twice or not
+    ///   at all.
+    ///
+    /// It is also what keeps a removed backend in its service while its
+    /// connections are open (`Service::retire_backends`).
     conns: AtomicU64,
     pub(crate) stat: Stat,
 }
@@ -799,7 +816,9 @@ impl Backend {
         clamp_count(self.inactive.load(Relaxed))
     }
 
-    /// Its connections and sessions, open or opening.
+    /// Its connections and sessions, open or opening (the places taken
+    /// under `max_connections`; see the field for why it is a counter of
+    /// its own).
     pub(crate) fn conns(&self) -> u64 {
         self.conns.load(Relaxed)
     }
