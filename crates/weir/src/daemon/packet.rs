@@ -149,10 +149,15 @@ pub(crate) enum Drop {
     /// no client's (TCP and UDP reserve it), and its flow key would be its
     /// client group's persistence template's, `(group, 0)`.
     ZeroPort,
+    /// nat: a first packet to a backend address that already has a flow
+    /// of another service (of any tenant) from the same client address and
+    /// port. The backend would see both as one connection, and weir could
+    /// not tell their replies apart: the second is refused.
+    ReplyTaken,
 }
 
 impl Drop {
-    pub(crate) const ALL: [Drop; 16] = [
+    pub(crate) const ALL: [Drop; 17] = [
         Drop::NotOurs,
         Drop::NoFlow,
         Drop::Refused,
@@ -169,6 +174,7 @@ impl Drop {
         Drop::Draining,
         Drop::IcmpLimited,
         Drop::ZeroPort,
+        Drop::ReplyTaken,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -189,6 +195,7 @@ impl Drop {
             Drop::Draining => "draining",
             Drop::IcmpLimited => "icmp_limited",
             Drop::ZeroPort => "zero_port",
+            Drop::ReplyTaken => "reply_taken",
         }
     }
 }
@@ -1273,6 +1280,16 @@ impl Engine {
                 .refuse(Some(&svc.tenant), Refusal::BackendLimit);
             return Err(Some(Drop::Refused));
         }
+        // nat leaves the client's address and port as they are: a flow of
+        // another service to the same backend address from the same client
+        // endpoint is the same connection at the backend, and its replies
+        // the same packets here (the reply candidates' first live flow
+        // would take them all, whatever its tenant). The flow already
+        // there keeps them.
+        if vs.method == Method::Nat && self.reply_taken(&backend, key.proto, key.client) {
+            give_back(0, Some(&backend));
+            return Err(Some(Drop::ReplyTaken));
+        }
         let local = if vs.method == Method::Fnat {
             match self.path.take_port(&backend) {
                 Some(l) => Some(l),
@@ -1399,6 +1416,30 @@ impl Engine {
             ));
         }
         None
+    }
+
+    /// Whether a flow of another backend at `backend`'s address (another
+    /// service's, of any tenant) already has the replies a nat flow from
+    /// `client` would get: one reply-key lookup per service sharing the
+    /// address, made only for a nat flow's first packet. (A check, then
+    /// an insert: two workers opening such flows at the same instant may
+    /// both pass; a flow's packets each way normally reach one worker.)
+    fn reply_taken(&self, backend: &Backend, proto: Proto, client: SocketAddr) -> bool {
+        let ip_proto = match proto {
+            Proto::Tcp => 6,
+            Proto::Udp => 17,
+        };
+        let ep = (backend.addr.ip(), ip_proto, backend.addr.port());
+        let Some(cands) = self.vips.by_backend.get(&ep) else {
+            return false;
+        };
+        let table = &self.shared.conns.table;
+        cands.iter().any(|(vs, b)| {
+            b.id != backend.id
+                && self
+                    .reply_key(vs, b, ip_proto, client)
+                    .is_some_and(|k| table.lookup_reply(&k).is_some())
+        })
     }
 
     /// The reply key of a packet from backend `b` of `vs` to `dst` (nat:
@@ -2158,6 +2199,64 @@ mod tests {
         let vip = sa("10.0.0.101:80");
         assert!(a.vips.by_vip.contains_key(&(vip.ip(), 6, vip.port())));
         assert_eq!(a.vips.by_vip.len(), 2);
+    }
+
+    /// Two tenants' nat services share a backend address: a client's flow
+    /// through one and a flow from the same client address and port
+    /// through the other are the same packets at the backend, and their
+    /// replies the same packets at weir. Before, the second flow opened
+    /// (an attacker who guessed a client's port needed one spoofed
+    /// datagram to another tenant's VIP), and the backend's replies to the
+    /// client went to whichever service came first among the reply
+    /// candidates: they left from the attacker's VIP, and the victim's
+    /// flow stopped hearing its backend. The second flow is refused.
+    #[test]
+    fn h26_a_nat_reply_key_of_another_tenant_cannot_be_taken() {
+        let (vip_a, vip_b) = (sa("10.0.0.100:53"), sa("10.0.0.101:53"));
+        let toml = format!(
+            "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\n\
+             [[tenant]]\nname = \"a\"\n[[tenant]]\nname = \"b\"\n\
+             [[service]]\ntenant = \"a\"\nname = \"dns\"\nprotocol = \"udp\"\n\
+             listen = \"{vip_a}\"\nforward = \"nat\"\n[[service.backend]]\naddress = \"{B1}\"\n\
+             [[service]]\ntenant = \"b\"\nname = \"dns\"\nprotocol = \"udp\"\n\
+             listen = \"{vip_b}\"\nforward = \"nat\"\n[[service.backend]]\naddress = \"{B1}\"\n"
+        );
+        let cfg: Config = toml::from_str(&toml).unwrap();
+        let d = super::super::Daemon::start_inner(cfg, None, false).unwrap();
+        let mut e = engine(&d);
+        // The victim's service is the one the replies' candidates list
+        // second (their order is a hash map's): the attacker's comes first.
+        let cands = &e.vips.by_backend[&(sa(B1).ip(), 17, sa(B1).port())];
+        let (attacker, victim) = (cands[0].0.svc.listen, cands[1].0.svc.listen);
+        let victim_tenant = TenantId(cands[1].0.svc.tenant.id);
+        let client = sa("192.0.2.7:40000");
+        let mut q = frame(client, victim, None, b"query");
+        assert_eq!(e.process(&mut q), Verdict::Transmit);
+        assert_eq!(verified(&q).dst, sa(B1));
+        // The attacker's spoofed datagram from the victim's endpoint.
+        let mut spoof = frame(client, attacker, None, b"spoof");
+        assert_eq!(e.process(&mut spoof), Verdict::Drop, "to {attacker}");
+        assert_eq!(counted(&e, Drop::ReplyTaken), 1);
+        assert_eq!(e.counters.new_flows.load(Relaxed), 1);
+        // Everything the refused flow took was given back.
+        assert_eq!(d.shared.admission.active.load(Relaxed), 1);
+        // The backend's answer still reaches the victim from its VIP.
+        let mut answer = frame(sa(B1), client, None, b"answer");
+        assert_eq!(e.process(&mut answer), Verdict::Transmit);
+        let t = verified(&answer);
+        assert_eq!((t.src, t.dst), (victim, client), "the victim's VIP");
+        // The victim's flow, once gone, leaves the endpoint to the other.
+        let key = FlowKey {
+            tenant: victim_tenant,
+            proto: Proto::Udp,
+            client,
+            virt: victim,
+        };
+        let snap = d.shared.conns.table.remove(&key).unwrap();
+        d.shared.ended(&[snap], super::super::owners::Close::Killed);
+        let mut again = frame(client, attacker, None, b"now");
+        assert_eq!(e.process(&mut again), Verdict::Transmit);
+        assert_eq!(counted(&e, Drop::ReplyTaken), 1);
     }
 
     /// Path-MTU discovery through nat: a router on the backend side says
