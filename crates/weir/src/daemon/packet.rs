@@ -254,6 +254,8 @@ pub(crate) struct Counters {
     pub(crate) icmp_errors: AtomicU64,
     /// RSTs that changed no state (see [`Engine::seq_allows`]).
     pub(crate) rst_ignored: AtomicU64,
+    /// FINs that changed no state, for the same reason.
+    pub(crate) fin_ignored: AtomicU64,
     pub(crate) unhandled: [AtomicU64; Unhandled::COUNT],
     pub(crate) dropped: [AtomicU64; Drop::ALL.len()],
     /// What the kernel dropped for this worker's sockets before weir saw
@@ -294,6 +296,7 @@ impl Counters {
             new_flows: self.new_flows.load(Relaxed),
             icmp_errors: self.icmp_errors.load(Relaxed),
             rst_ignored: self.rst_ignored.load(Relaxed),
+            fin_ignored: self.fin_ignored.load(Relaxed),
             dropped,
         }
     }
@@ -315,6 +318,7 @@ pub(crate) struct CounterSums {
     pub(crate) new_flows: u64,
     pub(crate) icmp_errors: u64,
     pub(crate) rst_ignored: u64,
+    pub(crate) fin_ignored: u64,
     pub(crate) dropped: std::collections::BTreeMap<String, u64>,
     /// The same figures per worker, in the order the workers started.
     pub(crate) workers: Vec<crate::control::PacketWorkerStats>,
@@ -449,6 +453,7 @@ impl PacketPath {
             s.new_flows += w.new_flows;
             s.icmp_errors += w.icmp_errors;
             s.rst_ignored += w.rst_ignored;
+            s.fin_ignored += w.fin_ignored;
             for (reason, n) in &w.dropped {
                 *s.dropped.entry(reason.clone()).or_default() += n;
             }
@@ -1467,9 +1472,12 @@ impl Engine {
     }
 
     /// Notes a TCP segment's place in its direction's sequence space;
-    /// `false` for a RST too far from where its sender is known to be,
-    /// which then changes no state (forwarded all the same: the endpoint
-    /// checks it too). See [`weir_packet::tcp_state::SEQ_WINDOW`].
+    /// `false` for a RST or a FIN too far from where its sender is known
+    /// to be, which then changes no state (forwarded all the same: the
+    /// endpoint checks it too). See [`weir_packet::tcp_state::SEQ_WINDOW`].
+    /// A FIN ends a flow as surely as a RST, only later: ESTABLISHED's
+    /// 900 s become CLOSE_WAIT's 60 s (or FIN_WAIT's 120 s), after which
+    /// an idle connection's next packet finds no flow.
     fn seq_allows(
         &self,
         h: Handle,
@@ -1486,12 +1494,14 @@ impl Engine {
                 let st = TcpState::from_flow_state(st)?;
                 weir_packet::tcp_state::seq_to_note(st, flags, end, known)
             });
-        if !flags.has(weir_packet::TcpFlags::RST) {
-            return true;
-        }
+        let ignored = match weir_packet::tcp_state::FlagClass::of(flags) {
+            Some(weir_packet::tcp_state::FlagClass::Rst) => &self.counters.rst_ignored,
+            Some(weir_packet::tcp_state::FlagClass::Fin) => &self.counters.fin_ignored,
+            _ => return true,
+        };
         match seen {
             Some((_, known)) if !weir_packet::tcp_state::rst_acceptable(seq, known) => {
-                self.counters.rst_ignored.fetch_add(1, Relaxed);
+                ignored.fetch_add(1, Relaxed);
                 false
             }
             _ => true,
@@ -1811,6 +1821,56 @@ mod tests {
         assert_eq!(e.process(&mut rst), Verdict::Transmit);
         assert_eq!(state(&d), FlowState::Close);
         assert_eq!(e.counters.rst_ignored.load(Relaxed), 4);
+        assert_eq!((b1.active.load(Relaxed), b1.inactive.load(Relaxed)), (0, 1));
+    }
+
+    /// A FIN moves an established flow towards its end as a RST does
+    /// (client side: CLOSE_WAIT, 60 s; backend side: FIN_WAIT, 120 s,
+    /// instead of ESTABLISHED's 900 s), so it is held to the same window.
+    /// Before, only RSTs were: one spoofed FIN with a guessed client
+    /// address and port, at any sequence number, left an idle connection's
+    /// entry to expire within a minute, and its next packet was dropped as
+    /// `no_flow`.
+    #[test]
+    fn h26_a_blind_fin_does_not_move_an_established_flow() {
+        const FIN: u8 = 0x01;
+        let d = daemon("nat", "");
+        let mut e = engine(&d);
+        let client = sa("192.0.2.7:40000");
+        let (c0, b0) = (1_000_000u32, 3_000_000_000u32);
+        for (src, dst, flags, seq, data) in [
+            (client, sa(VIP), SYN, c0, &b""[..]),
+            (sa(B1), client, SYN | ACK, b0, b""),
+            (client, sa(VIP), ACK, c0 + 1, b"hello"),
+        ] {
+            let mut f = frame_seq(src, dst, Some(flags), seq, data);
+            assert_eq!(e.process(&mut f), Verdict::Transmit);
+        }
+        let key = tcp_key(&e, client);
+        let state = |d: &super::super::DaemonHandle| d.shared.conns.table.get(&key).unwrap().state;
+        assert_eq!(state(&d), FlowState::Established);
+        let w = weir_packet::tcp_state::SEQ_WINDOW;
+        // Spoofed FINs far from either sender's place: forwarded (the
+        // endpoint checks them too), the flow stays established.
+        for (src, dst, seq) in [
+            (client, sa(VIP), c0 + 6 + w + 1),
+            (client, sa(VIP), c0.wrapping_add(1 << 31)),
+            (sa(B1), client, (b0 + 1).wrapping_sub(w + 1)),
+        ] {
+            let mut fin = frame_seq(src, dst, Some(FIN | ACK), seq, b"");
+            assert_eq!(e.process(&mut fin), Verdict::Transmit);
+            assert_eq!(state(&d), FlowState::Established, "FIN at {seq}");
+        }
+        assert_eq!(e.counters.fin_ignored.load(Relaxed), 3);
+        assert_eq!(e.counters.rst_ignored.load(Relaxed), 0);
+        let backend = d.shared.conns.table.get(&key).unwrap().backend;
+        let b1 = the_service(&d).backend(backend.0).unwrap();
+        assert_eq!((b1.active.load(Relaxed), b1.inactive.load(Relaxed)), (1, 0));
+        // The client's own FIN, at its next sequence number, closes it.
+        let mut fin = frame_seq(client, sa(VIP), Some(FIN | ACK), c0 + 6, b"");
+        assert_eq!(e.process(&mut fin), Verdict::Transmit);
+        assert_eq!(state(&d), FlowState::CloseWait);
+        assert_eq!(e.counters.fin_ignored.load(Relaxed), 3);
         assert_eq!((b1.active.load(Relaxed), b1.inactive.load(Relaxed)), (0, 1));
     }
 
