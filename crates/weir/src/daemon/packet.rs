@@ -929,6 +929,33 @@ impl Engine {
             Ok(f) => f,
             Err(d) => return self.drop_(d),
         };
+        let (mapping, hop, out) = match self.route(&vs, &found, direction) {
+            Ok(r) => r,
+            Err(d) => return self.drop_(d),
+        };
+        if let Some(v) = self.too_big(frame, pkt, out, now) {
+            return v;
+        }
+        let r = weir_packet::rewrite(frame, pkt, vs.method, direction, &mapping, &hop, mode);
+        // Only a packet on its way is the flow's traffic: one dropped or
+        // answered above neither counts, nor keeps the flow alive, nor
+        // moves its state (the other end never sees it).
+        if r.is_ok() {
+            self.forwarded(pkt, &vs, &found, direction, now);
+        }
+        self.sent(r, out)
+    }
+
+    /// A packet of `found` is rewritten to be sent: its bytes go into the
+    /// entry and the estimators, and a TCP segment moves the state.
+    fn forwarded(
+        &self,
+        pkt: &Packet,
+        vs: &VipService,
+        found: &Flow,
+        direction: Direction,
+        now: Millis,
+    ) {
         let len = (pkt.end - pkt.l3) as u64;
         let dir = match direction {
             Direction::ToBackend => Dir::In,
@@ -962,15 +989,6 @@ impl Engine {
                 now,
             );
         }
-        let (mapping, hop, out) = match self.route(&vs, &found, direction) {
-            Ok(r) => r,
-            Err(d) => return self.drop_(d),
-        };
-        if let Some(v) = self.too_big(frame, pkt, out, now) {
-            return v;
-        }
-        let r = weir_packet::rewrite(frame, pkt, vs.method, direction, &mapping, &hop, mode);
-        self.sent(r, out)
     }
 
     /// A router's MTU check: `None` if the packet fits the interface `out`
@@ -2006,6 +2024,67 @@ mod tests {
         let mut small = frame(client, sa(VIP), Some(ACK), &[7; 1200]);
         assert_eq!(e.process(&mut small), Verdict::Transmit);
         assert_eq!(counted(&e, Drop::TooBig), 1);
+    }
+
+    /// A packet answered as too big (or dropped for it) never reached the
+    /// backend: it is not the flow's traffic. Before, its bytes and packet
+    /// went into the flow, the service, the tenant and the backend, it
+    /// kept the flow alive, and its flags moved the TCP state (a too-big
+    /// FIN to CLOSE_WAIT, though the backend never saw that FIN): a client
+    /// could pad any tenant's traffic figures with packets weir dropped.
+    #[test]
+    fn h26_a_packet_answered_as_too_big_is_not_counted_as_forwarded() {
+        const FIN: u8 = 0x01;
+        let d = daemon("nat", "");
+        let mut e = engine_with(&d, Box::new(SmallMtu));
+        let client = sa("192.0.2.7:5555");
+        let mut syn = frame_seq(client, sa(VIP), Some(SYN), 100, b"");
+        assert_eq!(e.process(&mut syn), Verdict::Transmit);
+        let mut synack = frame_seq(sa(B1), client, Some(SYN | ACK), 900, b"");
+        assert_eq!(e.process(&mut synack), Verdict::Transmit);
+        let mut ack = frame_seq(client, sa(VIP), Some(ACK), 101, b"");
+        assert_eq!(e.process(&mut ack), Verdict::Transmit);
+        let key = tcp_key(&e, client);
+        let before = d.shared.conns.table.get(&key).unwrap();
+        assert_eq!(before.state, FlowState::Established);
+        let svc = the_service(&d);
+        let totals = |d: &super::super::DaemonHandle| {
+            let t = the_service(d).stat.read().0;
+            let b = the_service(d)
+                .backend(before.backend.0)
+                .unwrap()
+                .stat
+                .read()
+                .0;
+            let tn = the_service(d).tenant.stat.read().0;
+            (
+                t.inpkts, t.inbytes, b.inpkts, b.inbytes, tn.inpkts, tn.inbytes,
+            )
+        };
+        let was = totals(&d);
+        for i in 0..10 {
+            let mut big = frame_seq(client, sa(VIP), Some(FIN | ACK), 101, &[7; 1400]);
+            assert!(
+                matches!(e.process(&mut big), Verdict::Answer(_)),
+                "answered {i}"
+            );
+        }
+        assert_eq!(counted(&e, Drop::TooBig), 10);
+        let after = d.shared.conns.table.get(&key).unwrap();
+        assert_eq!(after.state, FlowState::Established, "a FIN never forwarded");
+        assert_eq!(
+            (after.packets_in, after.bytes_in),
+            (before.packets_in, before.bytes_in),
+            "the flow's figures"
+        );
+        assert_eq!(totals(&d), was, "service, backend and tenant figures");
+        let b = svc.backend(before.backend.0).unwrap();
+        assert_eq!((b.active.load(Relaxed), b.inactive.load(Relaxed)), (1, 0));
+        // What fits is counted as before.
+        let mut small = frame_seq(client, sa(VIP), Some(ACK), 101, &[7; 1000]);
+        assert_eq!(e.process(&mut small), Verdict::Transmit);
+        let now = d.shared.conns.table.get(&key).unwrap();
+        assert_eq!(now.packets_in, before.packets_in + 1);
     }
 
     /// `weir kill COOKIE` of a packet flow: the cookie names its entry (one
