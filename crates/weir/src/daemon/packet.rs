@@ -154,10 +154,14 @@ pub(crate) enum Drop {
     /// port. The backend would see both as one connection, and weir could
     /// not tell their replies apart: the second is refused.
     ReplyTaken,
+    /// A first packet from one of weir's own addresses (a packet
+    /// service's VIP, an fnat local address): no client sends from them,
+    /// so it is forged, and the backend would answer weir's address.
+    Martian,
 }
 
 impl Drop {
-    pub(crate) const ALL: [Drop; 17] = [
+    pub(crate) const ALL: [Drop; 18] = [
         Drop::NotOurs,
         Drop::NoFlow,
         Drop::Refused,
@@ -175,6 +179,7 @@ impl Drop {
         Drop::IcmpLimited,
         Drop::ZeroPort,
         Drop::ReplyTaken,
+        Drop::Martian,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -196,6 +201,7 @@ impl Drop {
             Drop::IcmpLimited => "icmp_limited",
             Drop::ZeroPort => "zero_port",
             Drop::ReplyTaken => "reply_taken",
+            Drop::Martian => "martian",
         }
     }
 }
@@ -419,7 +425,7 @@ impl PacketPath {
         if cur.generation == generation {
             return cur;
         }
-        let v = Arc::new(Vips::build(shared, generation));
+        let v = Arc::new(Vips::build(shared, generation, &self.locals));
         self.vips.store(v.clone());
         // The fnat backends as of this change: the pools of the others
         // go with their last port.
@@ -589,12 +595,16 @@ pub(crate) struct Vips {
     generation: u64,
     by_vip: FastMap<Endpoint, VipService>,
     by_backend: FastMap<Endpoint, Vec<(VipService, Arc<Backend>)>>,
+    /// weir's own addresses: the packet services' VIPs and the fnat local
+    /// addresses. No client's first packet comes from one.
+    own: std::collections::HashSet<IpAddr, foldhash::fast::RandomState>,
 }
 
 impl Vips {
     /// The snapshot of `shared`'s services, as of `generation` of
-    /// [`Shared::services_gen`] or later (read the generation first).
-    fn build(shared: &Shared, generation: u64) -> Vips {
+    /// [`Shared::services_gen`] or later (read the generation first);
+    /// `locals` are the fnat local addresses.
+    fn build(shared: &Shared, generation: u64, locals: &[IpAddr]) -> Vips {
         let mut v = Vips {
             generation,
             ..Vips::default()
@@ -624,7 +634,9 @@ impl Vips {
             }
             v.by_vip
                 .insert((svc.listen.ip(), proto, svc.listen.port()), vs);
+            v.own.insert(svc.listen.ip());
         }
+        v.own.extend(locals.iter().copied());
         v
     }
 }
@@ -1225,6 +1237,14 @@ impl Engine {
         now: Millis,
     ) -> Result<Flow, Option<Drop>> {
         let svc = &vs.svc;
+        // From weir's own address: forged. A flow from a VIP:port would
+        // have the backend answer that VIP, where the answer is a first
+        // packet of that service (of any tenant), delivered to its
+        // backends from this backend's address; from an fnat local
+        // endpoint, the backend would see an fnat flow's endpoint.
+        if self.vips.own.contains(&key.client.ip()) {
+            return Err(Some(Drop::Martian));
+        }
         if let Some(flags) = pkt.tcp_flags() {
             let syn =
                 flags.has(weir_packet::TcpFlags::SYN) && !flags.has(weir_packet::TcpFlags::ACK);
@@ -2396,6 +2416,42 @@ mod tests {
         let mut again = frame(client, attacker, None, b"now");
         assert_eq!(e.process(&mut again), Verdict::Transmit);
         assert_eq!(counted(&e, Drop::ReplyTaken), 1);
+    }
+
+    /// A first packet from one of weir's own addresses (a VIP, an fnat
+    /// local address) was never sent by a client: it is forged, and it
+    /// opened a flow whose replies the backend sends to weir's address.
+    /// From another tenant's VIP:port, the backend's answer arrived at that
+    /// VIP as a first packet and opened a flow there, so a forged datagram
+    /// had one tenant's backend send its answer into another tenant's
+    /// backends, from its own (internal) address. From an fnat local
+    /// endpoint, the backend saw the endpoint of an fnat flow.
+    #[test]
+    fn h26_a_first_packet_from_weirs_own_addresses_opens_no_flow() {
+        let (vip_a, vip_b) = (sa("10.0.0.100:53"), sa("10.0.0.101:53"));
+        let toml = format!(
+            "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\nlocal_addresses = [\"{LOCAL}\"]\n\
+             [[tenant]]\nname = \"a\"\n[[tenant]]\nname = \"b\"\n\
+             [[service]]\ntenant = \"a\"\nname = \"dns\"\nprotocol = \"udp\"\n\
+             listen = \"{vip_a}\"\nforward = \"nat\"\n[[service.backend]]\naddress = \"{B1}\"\n\
+             [[service]]\ntenant = \"b\"\nname = \"dns\"\nprotocol = \"udp\"\n\
+             listen = \"{vip_b}\"\nforward = \"nat\"\n[[service.backend]]\naddress = \"{B2}\"\n"
+        );
+        let cfg: Config = toml::from_str(&toml).unwrap();
+        let d = super::super::Daemon::start_inner(cfg, None, false).unwrap();
+        let mut e = engine(&d);
+        let local = SocketAddr::new(LOCAL.parse().unwrap(), 40000);
+        for src in [vip_b, vip_a, sa("10.0.0.101:9"), local] {
+            let mut f = frame(src, vip_a, None, b"forged");
+            assert_eq!(e.process(&mut f), Verdict::Drop, "from {src}");
+        }
+        assert_eq!(counted(&e, Drop::Martian), 4);
+        assert_eq!(e.counters.new_flows.load(Relaxed), 0);
+        assert_eq!(d.shared.admission.active.load(Relaxed), 0);
+        // A client's datagram still opens a flow.
+        let mut f = frame(sa("192.0.2.7:40000"), vip_a, None, b"query");
+        assert_eq!(e.process(&mut f), Verdict::Transmit);
+        assert_eq!(e.counters.new_flows.load(Relaxed), 1);
     }
 
     /// Path-MTU discovery through nat: a router on the backend side says
