@@ -158,10 +158,14 @@ pub(crate) enum Drop {
     /// service's VIP, an fnat local address): no client sends from them,
     /// so it is forged, and the backend would answer weir's address.
     Martian,
+    /// Rewritten to be sent, and not sent: the socket's tx ring (AF_XDP)
+    /// or the device's queue (AF_PACKET) was full, or the device refused
+    /// the frame (larger than its MTU...).
+    TxFull,
 }
 
 impl Drop {
-    pub(crate) const ALL: [Drop; 18] = [
+    pub(crate) const ALL: [Drop; 19] = [
         Drop::NotOurs,
         Drop::NoFlow,
         Drop::Refused,
@@ -180,6 +184,7 @@ impl Drop {
         Drop::ZeroPort,
         Drop::ReplyTaken,
         Drop::Martian,
+        Drop::TxFull,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -202,6 +207,7 @@ impl Drop {
             Drop::ZeroPort => "zero_port",
             Drop::ReplyTaken => "reply_taken",
             Drop::Martian => "martian",
+            Drop::TxFull => "tx_full",
         }
     }
 }
@@ -777,6 +783,21 @@ impl Engine {
             self.links = self.hops.links();
             self.links_at = Some(now.0);
         }
+    }
+
+    /// `n` frames this worker counted as sent that its socket did not send
+    /// (the I/O's `tx_full`): dropped after all. (A lost ICMP answer was
+    /// never counted in `tx`: `tx` stays at 0 rather than wrapping.)
+    pub(crate) fn unsent(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let n = n as u64;
+        let _ = self
+            .counters
+            .tx
+            .fetch_update(Relaxed, Relaxed, |tx| Some(tx.saturating_sub(n)));
+        self.counters.dropped[Drop::TxFull as usize].fetch_add(n, Relaxed);
     }
 
     fn drop_(&self, why: Drop) -> Verdict {

@@ -786,16 +786,22 @@ fn turn(
     let timeout = Duration::from_millis(100);
     let mut no_egress = |_: u32, _: &[u8]| false;
     match socks {
+        // What the I/O could not send was counted sent by the engine:
+        // `unsent` takes it back and counts it dropped (`tx_full`).
         Socks::Packet(ix, s) => {
             let ix = *ix;
-            s.run_batch_all(timeout, |b| engine.process_batch(b, ix, &mut no_egress))
+            let st = s
+                .run_batch_all(timeout, |b| engine.process_batch(b, ix, &mut no_egress))
                 .map_err(|e| e.to_string())?;
+            engine.unsent(st.tx_full);
         }
         Socks::Xdp(v) if v.len() == 1 => {
             let (ix, s) = &mut v[0];
             let ix = *ix;
-            s.run_batch_all(timeout, |b| engine.process_batch(b, ix, &mut no_egress))
+            let st = s
+                .run_batch_all(timeout, |b| engine.process_batch(b, ix, &mut no_egress))
                 .map_err(|e| e.to_string())?;
+            engine.unsent(st.tx_full);
         }
         Socks::Xdp(v) => {
             weir_packet_io::poll_readable(fds, timeout, ready).map_err(|e| e.to_string())?;
@@ -814,14 +820,17 @@ fn turn(
                         .find(|(i, _)| *i == to)
                         .is_some_and(|(_, s)| s.queue_copy(frame))
                 };
-                cur.run_batch_all(Duration::ZERO, |b| {
-                    engine.process_batch(b, *ix, &mut egress)
-                })
-                .map_err(|e| e.to_string())?;
+                let st = cur
+                    .run_batch_all(Duration::ZERO, |b| {
+                        engine.process_batch(b, *ix, &mut egress)
+                    })
+                    .map_err(|e| e.to_string())?;
+                engine.unsent(st.tx_full);
             }
             // Send what was copied to the other interfaces.
             for (_, s) in v.iter_mut() {
-                s.flush().map_err(|e| e.to_string())?;
+                let st = s.flush().map_err(|e| e.to_string())?;
+                engine.unsent(st.tx_full);
             }
         }
     }
@@ -1437,5 +1446,122 @@ mod tests {
             ]
         );
         assert_eq!(want.backends, [tcp(b1), tcp(b2), tcp(b3), udp(b1)]);
+    }
+
+    /// A frame the engine rewrote for sending that the socket could not
+    /// send (AF_PACKET: the device refused it or its queue was full;
+    /// AF_XDP: the tx ring was full) is no frame sent: `tx` must not count
+    /// it, and it must be counted dropped. The I/O's `tx_full` was thrown
+    /// away, so `tx` counted it and no reason did: rx = tx + dropped no
+    /// longer held, and the loss showed nowhere. Here: a frame received on
+    /// a veth whose MTU is lowered before the worker's turn sends it
+    /// (`EMSGSIZE`). Needs root and `ip netns`; skips otherwise.
+    #[test]
+    fn h26_a_frame_the_socket_cannot_send_is_not_counted_as_sent() {
+        use std::process::Command;
+        let ip = |args: &[&str]| {
+            Command::new("ip")
+                .args(args)
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        let ns = format!("h26-txlost-{}", std::process::id());
+        if !ip(&["netns", "add", &ns]) {
+            eprintln!("skipped: cannot create a network namespace (root and iproute2 needed)");
+            return;
+        }
+        struct Del(String);
+        impl std::ops::Drop for Del {
+            fn drop(&mut self) {
+                let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+            }
+        }
+        let _del = Del(ns.clone());
+        let nsx = |args: &[&str]| {
+            let mut a = vec!["netns", "exec", &ns, "ip"];
+            a.extend_from_slice(args);
+            assert!(ip(&a), "ip {args:?}");
+        };
+        nsx(&["link", "add", "wa", "type", "veth", "peer", "name", "wb"]);
+        nsx(&["link", "set", "wa", "address", "02:00:00:00:00:0a", "up"]);
+        nsx(&["link", "set", "wb", "up"]);
+        nsx(&["addr", "add", "198.51.100.1/24", "dev", "wb"]);
+        nsx(&[
+            "neigh",
+            "add",
+            "198.51.100.100",
+            "lladdr",
+            "02:00:00:00:00:0a",
+            "dev",
+            "wb",
+        ]);
+        let vip = "198.51.100.100:53";
+        let toml = format!(
+            "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\n\
+             [[service]]\nname = \"dns\"\nprotocol = \"udp\"\nlisten = \"{vip}\"\n\
+             forward = \"nat\"\n[[service.backend]]\naddress = \"198.51.100.50:53\"\n"
+        );
+        let cfg: crate::config::Config = toml::from_str(&toml).unwrap();
+        let d = super::super::Daemon::start_inner(cfg, None, false).unwrap();
+        let (shared, path) = (d.shared.clone(), d.shared.packet.get().unwrap().clone());
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let file = std::fs::File::open(format!("/var/run/netns/{ns}")).unwrap();
+                nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+                let ifindex = nix::net::if_::if_nametoindex("wa").unwrap();
+                let sock = PacketSocket::bind("wa", PacketSocketConfig::default()).unwrap();
+                struct Hop(u32);
+                impl NextHops for Hop {
+                    fn next_hop(
+                        &mut self,
+                        _: std::net::IpAddr,
+                    ) -> Option<(u32, weir_packet::NextHop)> {
+                        let mac = [2, 0, 0, 0, 0, 0x0b];
+                        Some((
+                            self.0,
+                            weir_packet::NextHop {
+                                src_mac: mac,
+                                dst_mac: mac,
+                            },
+                        ))
+                    }
+                }
+                let mut engine =
+                    Engine::new(shared, path, Box::new(Hop(ifindex)), vec![ifindex], 7, "t");
+                let client = std::net::UdpSocket::bind("198.51.100.1:0").unwrap();
+                client.send_to(&[7; 1400], vip).unwrap();
+                // The frame is in the ring: then the MTU drops under it.
+                let fds = [sock.as_raw_fd()];
+                let mut ready = Vec::new();
+                for _ in 0..50 {
+                    weir_packet_io::poll_readable(&fds, Duration::from_millis(100), &mut ready)
+                        .unwrap();
+                    if ready[0] {
+                        break;
+                    }
+                }
+                assert!(ready[0], "the datagram never reached wa");
+                nsx(&["link", "set", "wa", "mtu", "1280"]);
+                let mut socks = Socks::Packet(ifindex, Box::new(sock));
+                for _ in 0..50 {
+                    turn(&mut engine, &mut socks, &[], &mut Vec::new()).unwrap();
+                    if engine.counters().rx.load(Relaxed) > 0 {
+                        break;
+                    }
+                }
+            })
+            .join()
+            .unwrap()
+        });
+        let counters = d.shared.packet.get().unwrap().sums();
+        assert_eq!(counters.rx, 1);
+        assert_eq!(counters.new_flows, 1, "the engine forwarded it");
+        assert_eq!(counters.tx, 0, "sent");
+        assert_eq!(
+            counters.dropped.get("tx_full"),
+            Some(&1),
+            "{:?}",
+            counters.dropped
+        );
     }
 }
