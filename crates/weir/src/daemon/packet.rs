@@ -1891,7 +1891,7 @@ mod tests {
     /// entry to expire within a minute, and its next packet was dropped as
     /// `no_flow`.
     #[test]
-    fn h26_a_blind_fin_does_not_move_an_established_flow() {
+    fn a_blind_fin_does_not_move_an_established_flow() {
         const FIN: u8 = 0x01;
         let d = daemon("nat", "");
         let mut e = engine(&d);
@@ -2074,7 +2074,7 @@ mod tests {
     /// FIN to CLOSE_WAIT, though the backend never saw that FIN): a client
     /// could pad any tenant's traffic figures with packets weir dropped.
     #[test]
-    fn h26_a_packet_answered_as_too_big_is_not_counted_as_forwarded() {
+    fn a_packet_answered_as_too_big_is_not_counted_as_forwarded() {
         const FIN: u8 = 0x01;
         let d = daemon("nat", "");
         let mut e = engine_with(&d, Box::new(SmallMtu));
@@ -2391,7 +2391,7 @@ mod tests {
     /// candidates: they left from the attacker's VIP, and the victim's
     /// flow stopped hearing its backend. The second flow is refused.
     #[test]
-    fn h26_a_nat_reply_key_of_another_tenant_cannot_be_taken() {
+    fn a_nat_reply_key_of_another_tenant_cannot_be_taken() {
         let (vip_a, vip_b) = (sa("10.0.0.100:53"), sa("10.0.0.101:53"));
         let toml = format!(
             "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\n\
@@ -2448,7 +2448,7 @@ mod tests {
     /// backends, from its own (internal) address. From an fnat local
     /// endpoint, the backend saw the endpoint of an fnat flow.
     #[test]
-    fn h26_a_first_packet_from_weirs_own_addresses_opens_no_flow() {
+    fn a_first_packet_from_weirs_own_addresses_opens_no_flow() {
         let (vip_a, vip_b) = (sa("10.0.0.100:53"), sa("10.0.0.101:53"));
         let toml = format!(
             "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\nlocal_addresses = [\"{LOCAL}\"]\n\

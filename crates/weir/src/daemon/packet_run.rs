@@ -1457,7 +1457,7 @@ mod tests {
     /// a veth whose MTU is lowered before the worker's turn sends it
     /// (`EMSGSIZE`). Needs root and `ip netns`; skips otherwise.
     #[test]
-    fn h26_a_frame_the_socket_cannot_send_is_not_counted_as_sent() {
+    fn a_frame_the_socket_cannot_send_is_not_counted_as_sent() {
         use std::process::Command;
         let ip = |args: &[&str]| {
             Command::new("ip")
@@ -1465,7 +1465,7 @@ mod tests {
                 .status()
                 .is_ok_and(|s| s.success())
         };
-        let ns = format!("h26-txlost-{}", std::process::id());
+        let ns = format!("weir-txlost-{}", std::process::id());
         if !ip(&["netns", "add", &ns]) {
             eprintln!("skipped: cannot create a network namespace (root and iproute2 needed)");
             return;
