@@ -525,3 +525,135 @@ fn tenant_keepalives_do_not_shut_out_the_operator() {
     );
     drop(held);
 }
+
+/// A connection to `addr` from source address `from` (any 127.0.0.0/8
+/// address is this host's loopback).
+fn connect_from(from: std::net::IpAddr, addr: std::net::SocketAddr) -> std::net::TcpStream {
+    let s = socket2::Socket::new(
+        socket2::Domain::IPV4,
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )
+    .unwrap();
+    s.bind(&std::net::SocketAddr::new(from, 0).into()).unwrap();
+    s.connect(&addr.into()).unwrap();
+    s.into()
+}
+
+/// `authed_keepalive` from source address `from`.
+fn authed_keepalive_from(
+    from: std::net::IpAddr,
+    addr: std::net::SocketAddr,
+    token: &str,
+) -> std::net::TcpStream {
+    use std::io::{Read, Write};
+    let mut s = connect_from(from, addr);
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    write!(
+        s,
+        "GET /v1/whoami HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n"
+    )
+    .unwrap();
+    let mut buf = [0u8; 4096];
+    let n = s.read(&mut buf).unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    s
+}
+
+/// The operator's request on `s`, a connection opened earlier: its answer
+/// (`Err` if the connection was closed under it).
+fn operator_request_on(s: &mut std::net::TcpStream) -> Result<String, String> {
+    use std::io::{Read, Write};
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    write!(
+        s,
+        "GET /v1/tenants HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {FULL}\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| format!("write: {e}"))?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)
+        .map_err(|e| format!("read: {e}"))?;
+    if resp.is_empty() {
+        return Err("closed without an answer".into());
+    }
+    Ok(resp)
+}
+
+/// Tenants that together hold every admin place cannot keep the operator
+/// out, though each stays within its share: 8 tenants hold 16 keep-alives
+/// each (from 8 loopback addresses, the per-source cap apart), the
+/// operator connects (evicting one of them), and the tenant that lost one
+/// connects again before the operator's request is read. That
+/// newcomer must not evict the operator's connection.
+#[test]
+fn colluding_tenants_cannot_shut_out_the_operator() {
+    let srv = serve_tcp();
+    {
+        let mut st = srv.fake.st.lock().unwrap();
+        let acme = st
+            .config
+            .tenants
+            .iter()
+            .find(|t| t.name == "acme")
+            .unwrap()
+            .clone();
+        for i in 0..8 {
+            let mut t = acme.clone();
+            t.name = format!("colluder{i}");
+            t.token = Some(format!("colluder{i}-token"));
+            st.config.tenants.push(t);
+        }
+    }
+    let source = |i: usize| -> std::net::IpAddr { format!("127.0.0.{}", 2 + i).parse().unwrap() };
+    let mut held = Vec::new();
+    for i in 0..8 {
+        for _ in 0..16 {
+            held.push(authed_keepalive_from(
+                source(i),
+                srv.addr,
+                &format!("colluder{i}-token"),
+            ));
+        }
+    }
+    // The operator's connection, from 127.0.0.1, request not sent yet.
+    let mut op = connect_from("127.0.0.1".parse().unwrap(), srv.addr);
+    // Each tenant connects again (whichever lost a place to the operator
+    // gets one back), authenticating at once. Each answer means the server
+    // admitted this connection, after the operator's.
+    for i in 0..8 {
+        held.push(authed_keepalive_from(
+            source(i),
+            srv.addr,
+            &format!("colluder{i}-token"),
+        ));
+    }
+    let resp = operator_request_on(&mut op);
+    assert!(
+        resp.as_ref().is_ok_and(|r| r.starts_with("HTTP/1.1 200")),
+        "the operator's connection was evicted by tenants each within its share: {resp:?}"
+    );
+    drop(held);
+}
+
+/// The same on one source address (every local client is 127.0.0.1): a
+/// tenant holding that source's 16 places, within its share, reconnects
+/// after the operator's connection and must not evict it.
+#[test]
+fn a_tenant_filling_the_operators_source_cannot_shut_it_out() {
+    let srv = serve_tcp();
+    let lo: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+    let mut held: Vec<std::net::TcpStream> = (0..16)
+        .map(|_| authed_keepalive_from(lo, srv.addr, "acme-token"))
+        .collect();
+    let mut op = connect_from(lo, srv.addr);
+    held.push(authed_keepalive_from(lo, srv.addr, "acme-token"));
+    let resp = operator_request_on(&mut op);
+    assert!(
+        resp.as_ref().is_ok_and(|r| r.starts_with("HTTP/1.1 200")),
+        "the operator's connection was evicted by a tenant within its share: {resp:?}"
+    );
+    drop(held);
+}

@@ -22,6 +22,16 @@
 //!   new connection at once, would make every newcomer (the operator's
 //!   too, before its request is read) the oldest unauthenticated
 //!   connection, and evict it with its next one;
+//! * tenants together keep at most three quarters of the places a cap
+//!   counts ([`tenants_max`]: 96 of the 128, 12 of a source's 16) against
+//!   a newcomer: past that, the tenant holding the most loses its oldest
+//!   first, before any unauthenticated connection. Else tenants each
+//!   within its share (8 of them hold all 128 places; one holds the
+//!   operator's address's 16 when both are on this host) would evict the
+//!   operator's newcomer, the only connection not yet authenticated, with
+//!   their next one. The quarter left is the operator's (and the other
+//!   tenants' newcomers'): to evict one, a flood would have to open that
+//!   many connections between its accept and its request;
 //! * with TLS (`[admin] tls_cert`), the handshake runs after admission, on
 //!   the connection's place: it must finish within [`HEAD_TIMEOUT`], and the
 //!   connection stays evictable meanwhile, so stalled handshakes cannot hold
@@ -67,6 +77,13 @@ use tower::ServiceExt;
 pub(crate) const MAX_ADMIN_CONNECTIONS: usize = 128;
 /// Most admin connections open at once from one IP address.
 pub(crate) const MAX_PER_SOURCE: usize = 16;
+
+/// Of `cap` places, how many tenant-authenticated connections keep theirs
+/// against a newcomer: three quarters; the rest is held back for the
+/// operator (see the module doc).
+const fn tenants_max(cap: usize) -> usize {
+    cap - cap / 4
+}
 /// A request head must arrive whole within this.
 pub(crate) const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// An admin connection idle this long is closed.
@@ -464,11 +481,15 @@ impl Places {
         let share = self.per_source;
         if let Some(ip) = source {
             let same = m.values().filter(|e| e.source == Some(ip)).count();
-            if same >= self.per_source && !evict_oldest(&mut m, share, |e| e.source == Some(ip)) {
+            if same >= self.per_source
+                && !evict_oldest(&mut m, share, tenants_max(self.per_source), |e| {
+                    e.source == Some(ip)
+                })
+            {
                 return None;
             }
         }
-        if m.len() >= self.max && !evict_oldest(&mut m, share, |_| true) {
+        if m.len() >= self.max && !evict_oldest(&mut m, share, tenants_max(self.max), |_| true) {
             return None;
         }
         let id = self.next.fetch_add(1, Relaxed);
@@ -493,25 +514,34 @@ impl Places {
 
 /// Evicts, among the connections `pick` picks: the oldest of the tenant
 /// holding the most tenant-authenticated places, if that is more than
-/// `share`; else the oldest unauthenticated connection; else the oldest
-/// tenant-authenticated one; never an operator's.
+/// `share` or the tenants together hold more than `tenants_max`; else the
+/// oldest unauthenticated connection; else the oldest tenant-authenticated
+/// one; never an operator's.
 ///
-/// Why a tenant past its share goes first: unauthenticated connections go
+/// Why tenants past their part go first: unauthenticated connections go
 /// before tenants' so that a flood without a token cannot evict tenants'
-/// keep-alives, but a tenant has a token. One that holds every place and
-/// authenticates each new connection at once makes any newcomer (the
-/// operator's, another tenant's) the only unauthenticated connection,
-/// hence the next one evicted, before its request can be read.
-fn evict_oldest(m: &mut BTreeMap<u64, Entry>, share: usize, pick: impl Fn(&Entry) -> bool) -> bool {
+/// keep-alives, but a tenant has a token. Tenants that hold every place
+/// (one alone, or several each within its share) and authenticate each
+/// new connection at once make any newcomer (the operator's, another
+/// tenant's) the only unauthenticated connection, hence the next one
+/// evicted, before its request can be read.
+fn evict_oldest(
+    m: &mut BTreeMap<u64, Entry>,
+    share: usize,
+    tenants_max: usize,
+    pick: impl Fn(&Entry) -> bool,
+) -> bool {
     let mut held: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut tenants = 0;
     for e in m.values().filter(|e| pick(e)) {
         if let Some(t) = e.mark.tenant_of() {
             *held.entry(t).or_default() += 1;
+            tenants += 1;
         }
     }
     let greedy = held
         .into_iter()
-        .filter(|&(_, n)| n > share)
+        .filter(|&(_, n)| n > share || tenants > tenants_max)
         .max_by_key(|&(_, n)| n)
         .map(|(t, _)| t.to_owned());
     let over = greedy.and_then(|t| {
@@ -729,6 +759,45 @@ mod tests {
             as_tenant(&c, "a");
             held.push(c);
             held.retain(|c| !c.evicted.is_cancelled());
+        }
+        assert!(p.inner.lock().len() <= MAX_ADMIN_CONNECTIONS);
+    }
+
+    /// Eight tenants, each within its share (16 places, each from its own
+    /// address), hold every place: the operator's newcomer gets in and
+    /// stays while they keep reconnecting and authenticating at once. So
+    /// does a ninth tenant's. Before, with no tenant past its share, each
+    /// tenant's reconnection evicted the oldest unauthenticated connection:
+    /// the operator's.
+    #[test]
+    fn tenants_within_their_shares_cannot_evict_a_newcomer() {
+        let p = Places::new(MAX_ADMIN_CONNECTIONS, MAX_PER_SOURCE);
+        let tenants = MAX_ADMIN_CONNECTIONS / MAX_PER_SOURCE;
+        let src = |t: usize| -> IpAddr { format!("192.0.2.{}", 1 + t).parse().unwrap() };
+        let name = |t: usize| format!("t{t}");
+        let mut held: Vec<(usize, Place)> = Vec::new();
+        for t in 0..tenants {
+            for _ in 0..MAX_PER_SOURCE {
+                let c = p.admit(Some(src(t))).unwrap();
+                as_tenant(&c, &name(t));
+                held.push((t, c));
+            }
+        }
+        let op = p.admit(Some("198.51.100.1".parse().unwrap())).unwrap();
+        let other = p.admit(Some("198.51.100.2".parse().unwrap())).unwrap();
+        for i in 0..4 * MAX_ADMIN_CONNECTIONS {
+            // The tenant that lost a place takes one back.
+            let t = (0..tenants)
+                .find(|&t| held.iter().filter(|(u, _)| *u == t).count() < MAX_PER_SOURCE)
+                .unwrap_or(i % tenants);
+            let c = p.admit(Some(src(t))).unwrap();
+            assert!(
+                !op.evicted.is_cancelled() && !other.evicted.is_cancelled(),
+                "a newcomer evicted by tenant connection {i}"
+            );
+            as_tenant(&c, &name(t));
+            held.push((t, c));
+            held.retain(|(_, c)| !c.evicted.is_cancelled());
         }
         assert!(p.inner.lock().len() <= MAX_ADMIN_CONNECTIONS);
     }

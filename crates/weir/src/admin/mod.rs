@@ -27,7 +27,8 @@
 //!   path); a request head must arrive within 10 s; past a cap, a new
 //!   connection evicts the oldest not yet authenticated, so slow or idle
 //!   clients cannot shut the operator out, nor can a tenant holding more
-//!   than its share of the places (see [`limit`]); a connection
+//!   than its share of the places, nor tenants holding more than three
+//!   quarters of them together (see [`limit`]); a connection
 //!   idle for 60 s is closed. A `Content-Length` over [`BODY_LIMIT`] gets
 //!   413 before the body is read.
 //! * `/ui/` serves the web dashboard's static files without a token (they
