@@ -2,8 +2,12 @@
 //!
 //! The admin API shares the process's file-descriptor budget with the data
 //! path, so at most [`MAX_ADMIN_CONNECTIONS`] are open at once, and at most
-//! [`MAX_PER_SOURCE`] from one IP address. Unauthenticated clients must not
-//! be able to hold those places against the operator (issue 10, defect 1):
+//! [`MAX_PER_SOURCE`] from one source: an IPv4 address (an IPv4-mapped
+//! IPv6 one counts as its IPv4 address), or an IPv6 /64, the least a host
+//! is given (one that owns a /64 could otherwise take every place with
+//! addresses of it, each a source of its own). Unauthenticated clients
+//! must not be able to hold those places against the operator (issue 10,
+//! defect 1):
 //! * every request head must arrive whole within [`HEAD_TIMEOUT`] (hyper's
 //!   header read timeout), however slowly its bytes trickle in;
 //! * when the places are taken, a new connection evicts the oldest one that
@@ -75,7 +79,8 @@ use tower::ServiceExt;
 
 /// Most admin connections open at once.
 pub(crate) const MAX_ADMIN_CONNECTIONS: usize = 128;
-/// Most admin connections open at once from one IP address.
+/// Most admin connections open at once from one source ([`Source`]: an
+/// IPv4 address or an IPv6 /64).
 pub(crate) const MAX_PER_SOURCE: usize = 16;
 
 /// Of `cap` places, how many tenant-authenticated connections keep theirs
@@ -241,7 +246,18 @@ pub(crate) trait Source {
 
 impl Source for SocketAddr {
     fn source(&self) -> Option<IpAddr> {
-        Some(self.ip().to_canonical())
+        Some(source_of(self.ip()))
+    }
+}
+
+/// The source `ip` counts under: an IPv4 address as itself (an
+/// IPv4-mapped IPv6 one as its IPv4 address); an IPv6 address as its /64
+/// (the rest zeroed), since a host holds a whole /64 and could otherwise
+/// open each connection from an address of its own.
+fn source_of(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => IpAddr::V6((v6.to_bits() & !u128::from(u64::MAX)).into()),
     }
 }
 
@@ -800,6 +816,47 @@ mod tests {
             held.retain(|(_, c)| !c.evicted.is_cancelled());
         }
         assert!(p.inner.lock().len() <= MAX_ADMIN_CONNECTIONS);
+    }
+
+    /// IPv6 clients count per /64, IPv4 ones per address (an IPv4-mapped
+    /// IPv6 address as its IPv4 one). Before, each IPv6 address was a
+    /// source of its own: one host with a /64 had 2^64 sources, and the
+    /// per-source cap never held it.
+    #[test]
+    fn ipv6_sources_count_per_64() {
+        let src = |a: &str| a.parse::<SocketAddr>().unwrap().source();
+        assert_eq!(src("[2001:db8::1]:1"), src("[2001:db8::ffff:1234:2]:2"));
+        assert_eq!(
+            src("[2001:db8:0:7:1:2:3:4]:1"),
+            Some("2001:db8:0:7::".parse().unwrap())
+        );
+        assert_ne!(src("[2001:db8::1]:1"), src("[2001:db8:0:1::1]:1"));
+        assert_eq!(
+            src("[::ffff:192.0.2.7]:1"),
+            Some("192.0.2.7".parse().unwrap())
+        );
+        assert_eq!(src("192.0.2.7:1"), Some("192.0.2.7".parse().unwrap()));
+        assert_ne!(src("192.0.2.7:1"), src("192.0.2.8:1"));
+
+        // One /64, each connection from another address of it: the 17th
+        // evicts the first, as from one address.
+        let p = Places::new(MAX_ADMIN_CONNECTIONS, MAX_PER_SOURCE);
+        let held: Vec<Place> = (0..=MAX_PER_SOURCE)
+            .map(|i| {
+                let a: SocketAddr = format!("[2001:db8:0:9::{:x}]:4000", i + 1).parse().unwrap();
+                p.admit(a.source()).unwrap()
+            })
+            .collect();
+        assert!(
+            held[0].evicted.is_cancelled(),
+            "17 connections from one /64 all hold places"
+        );
+        assert_eq!(held.iter().filter(|c| c.evicted.is_cancelled()).count(), 1);
+        // Another /64 is another source.
+        let other: SocketAddr = "[2001:db8:0:a::1]:4000".parse().unwrap();
+        let o = p.admit(other.source()).unwrap();
+        assert_eq!(held.iter().filter(|c| c.evicted.is_cancelled()).count(), 1);
+        assert!(!o.evicted.is_cancelled());
     }
 
     /// A write that stalls (a client that stopped reading) ends the
