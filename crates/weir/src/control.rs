@@ -412,8 +412,9 @@ pub struct ReloadReport {
 /// What the daemon can be asked to do. Every method is quick and
 /// non-blocking (safe to call from an async handler) and never panics on
 /// any input; except [`reload`](Self::reload), and the edits of services
-/// and backends and a tenant's deletion, which wait for a reload being
-/// applied to end (the daemon waits off the async runtime's worker, with
+/// and backends and a tenant's addition and deletion, which wait for a
+/// reload being applied to end, or for its step in progress (the daemon
+/// waits off the async runtime's worker, with
 /// `tokio::task::block_in_place`, so an async caller's other tasks run on
 /// meanwhile).
 pub trait Control: Send + Sync + 'static {

@@ -1183,6 +1183,74 @@ mod tests {
         assert_eq!(check.check(Instant::now()), Ok(()), "after a shutdown");
     }
 
+    /// A tenant's addition that has to wait for the model's writers' lock
+    /// (a reload step holds it, e.g. the batch of services whose sockets it
+    /// opens) waits off the control runtime: meanwhile another admin
+    /// request is answered. `add_tenant` took no edit lock, so 5e5b326
+    /// left it waiting for the writers' lock on the control runtime's one
+    /// worker thread, and every admin request, health check and watchdog
+    /// keep-alive with it.
+    #[test]
+    fn a_tenant_add_waiting_for_a_reload_step_does_not_hold_up_the_admin_api() {
+        use crate::cli::client::Client;
+        let mut cfg = Config::default();
+        cfg.daemon.workers = 1;
+        let d = Daemon::start(cfg, None).unwrap();
+        let admin = crate::config::AdminConfig {
+            listen: "127.0.0.1:0".into(),
+            token: Some("writer-lock-test-token".into()),
+            ..crate::config::AdminConfig::default()
+        };
+        let rt = d.runtime();
+        let bound = rt
+            .block_on(crate::admin::bind(&admin, d.control()))
+            .unwrap();
+        let url = format!("http://{}", bound.local_addr().unwrap());
+        let stop = CancellationToken::new();
+        rt.spawn(bound.run(stop.clone()));
+        let client = || Client::new(url.clone(), Some("writer-lock-test-token".into()));
+        // As a reload step does.
+        let held = d.shared.model.write();
+        let add = {
+            let c = client();
+            std::thread::spawn(move || {
+                c.send(
+                    "POST",
+                    "/v1/tenants",
+                    Some(&serde_json::json!({ "name": "late" })),
+                )
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while d.shared.model.writers_waiting.load(Relaxed) == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the add never waited for the writers' lock"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        {
+            let c = client();
+            std::thread::spawn(move || {
+                let _ = tx.send(c.send("GET", "/v1/services", None));
+            });
+        }
+        let answer = rx.recv_timeout(Duration::from_secs(5));
+        assert!(
+            matches!(answer, Ok(Ok(serde_json::Value::Array(_)))),
+            "GET /v1/services while a tenant's add waits for the writers' lock: {answer:?}"
+        );
+        assert_eq!(d.shared.model.writers_waiting.load(Relaxed), 1);
+        drop(held);
+        // The add goes on once the lock is free.
+        let added = add.join().unwrap();
+        assert!(added.is_ok(), "the add after the lock: {added:?}");
+        assert!(d.shared.model.load().tenants.contains_key("late"));
+        stop.cancel();
+        d.shutdown();
+    }
+
     /// Adding a service on the address of one this daemon just removed waits
     /// (up to 2 s) for the old sockets to close; meanwhile the state lock,
     /// which every admin request needs, stays free. It used to be held for

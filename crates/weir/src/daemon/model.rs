@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -57,8 +57,9 @@ pub(crate) struct Model {
     pub(super) edits: Mutex<()>,
     /// How many callers of [`Model::lock_edits`] wait for `edits` now:
     /// what tests watch to know an edit is held up.
-    #[cfg(test)]
-    pub(super) edits_waiting: std::sync::atomic::AtomicUsize,
+    pub(super) edits_waiting: AtomicUsize,
+    /// How many callers of [`Model::write`] wait for `writer` now.
+    pub(super) writers_waiting: AtomicUsize,
     /// Moves whenever a service is added, removed or replaced, or a
     /// service's set of backends changes: packet workers rebuild their
     /// snapshot of the packet services when it does.
@@ -93,8 +94,8 @@ impl Model {
             retiring: Mutex::default(),
             reload_lock: Mutex::new(()),
             edits: Mutex::new(()),
-            #[cfg(test)]
-            edits_waiting: Default::default(),
+            edits_waiting: AtomicUsize::new(0),
+            writers_waiting: AtomicUsize::new(0),
             services_gen: AtomicU64::new(0),
             listen_groups: Mutex::new(Vec::new()),
             #[cfg(test)]
@@ -113,23 +114,7 @@ impl Model {
     /// plain thread) it is a plain wait. Edits and reloads stay serialised
     /// as before: this only changes which thread waits.
     pub(super) fn lock_edits(&self) -> MutexGuard<'_, ()> {
-        if let Some(g) = self.edits.try_lock() {
-            return g;
-        }
-        #[cfg(test)]
-        self.edits_waiting.fetch_add(1, Relaxed);
-        use tokio::runtime::{Handle, RuntimeFlavor};
-        let g = match Handle::try_current() {
-            // block_in_place panics on a current-thread runtime, where
-            // there is no other thread to move the tasks to anyway.
-            Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => {
-                tokio::task::block_in_place(|| self.edits.lock())
-            }
-            _ => self.edits.lock(),
-        };
-        #[cfg(test)]
-        self.edits_waiting.fetch_sub(1, Relaxed);
-        g
+        lock_off_runtime(&self.edits, &self.edits_waiting)
     }
 
     /// The current snapshot, without a lock. It stays as it is while held
@@ -142,8 +127,14 @@ impl Model {
     /// Change the model: waits for other writers, then gives the current
     /// snapshot; the first mutable use copies it, and the copy is published
     /// when the guard drops. Readers never wait for it.
+    ///
+    /// A reload holds the writers' lock for each step of its apply (a
+    /// batch of tenants, or of services whose sockets it opens: seconds,
+    /// with many), and the admin API writes from its handlers (a tenant's
+    /// addition takes no edit lock first): the wait is off the runtime's
+    /// worker, as [`Self::lock_edits`]'s.
     pub(crate) fn write(&self) -> StateWrite<'_> {
-        self.write_with(self.writer.lock())
+        self.write_with(lock_off_runtime(&self.writer, &self.writers_waiting))
     }
 
     /// [`Self::write`] if no other writer holds the model for `timeout`.
@@ -161,6 +152,32 @@ impl Model {
             _writer: writer,
         }
     }
+}
+
+/// `lock`, which a reload may hold for a while: taken at once when free;
+/// otherwise, on a worker of a multi-thread runtime (the control
+/// runtime's, for an admin API handler), waited for inside
+/// [`tokio::task::block_in_place`], which moves the runtime's other tasks
+/// (every other admin request, the health checks, the watchdog's
+/// keep-alives) to another thread meanwhile; elsewhere (a blocking thread,
+/// a plain thread) a plain wait. Only which thread waits changes.
+/// `waiting` counts the callers waiting (what tests watch).
+fn lock_off_runtime<'a>(lock: &'a Mutex<()>, waiting: &AtomicUsize) -> MutexGuard<'a, ()> {
+    if let Some(g) = lock.try_lock() {
+        return g;
+    }
+    waiting.fetch_add(1, Relaxed);
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    let g = match Handle::try_current() {
+        // block_in_place panics on a current-thread runtime, where
+        // there is no other thread to move the tasks to anyway.
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(|| lock.lock())
+        }
+        _ => lock.lock(),
+    };
+    waiting.fetch_sub(1, Relaxed);
+    g
 }
 
 /// A change of the model in progress ([`Model::write`]): reads see the
