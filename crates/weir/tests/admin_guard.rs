@@ -657,3 +657,110 @@ fn a_tenant_filling_the_operators_source_cannot_shut_it_out() {
     );
     drop(held);
 }
+
+// ---- the control runtime's one worker is not held by one request ------------
+
+/// A request that waits at the fake's gate (a walk of a big table, a
+/// render of many services) while the API runs on one worker thread, as
+/// the daemon's control runtime does; `GET /v1/whoami` must be answered
+/// meanwhile. Returns once the slow request is answered.
+fn slow_request_leaves_the_runtime_free(method: &str, path: &str, body: Option<&str>) {
+    use std::io::{Read, Write};
+    use std::sync::atomic::Ordering::SeqCst;
+    let srv = admin_fake::serve_on(&[admin_fake::admin_config("127.0.0.1:0", FULL)], 1);
+    let gate = Arc::new(admin_fake::Gate::default());
+    srv.fake.st.lock().unwrap().gate = Some(gate.clone());
+    let mut slow = std::net::TcpStream::connect(srv.addr).unwrap();
+    let body = body.unwrap_or("");
+    write!(
+        slow,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {FULL}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while gate.waiting.load(SeqCst) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{method} {path} never reached the gate"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let other = operator_get(srv.addr, std::time::Duration::from_secs(5));
+    gate.open();
+    let mut resp = String::new();
+    slow.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let _ = slow.read_to_string(&mut resp);
+    assert!(
+        other.as_ref().is_ok_and(|r| r.starts_with("HTTP/1.1 200")),
+        "GET /v1/tenants while {method} {path} works: {other:?}"
+    );
+    assert!(resp.starts_with("HTTP/1.1 200"), "{method} {path}: {resp}");
+}
+
+/// A page of connections walks the table until `limit` entries match:
+/// with a filter few match, all of it (1M entries: 160 ms). It runs off
+/// the runtime's worker, which every other admin request needs.
+#[test]
+fn a_connection_listing_leaves_the_runtime_free() {
+    slow_request_leaves_the_runtime_free("GET", "/v1/connections?state=SYN_RECV", None);
+}
+
+/// As a listing: a kill by filter walks the whole table.
+#[test]
+fn a_kill_by_filter_leaves_the_runtime_free() {
+    slow_request_leaves_the_runtime_free(
+        "POST",
+        "/v1/connections/kill",
+        Some(r#"{"state":"SYN_RECV"}"#),
+    );
+}
+
+/// `/metrics` renders every service (5,000: 100-350 ms).
+#[test]
+fn a_metrics_render_leaves_the_runtime_free() {
+    slow_request_leaves_the_runtime_free("GET", "/metrics", None);
+}
+
+/// With `metrics_public`, anyone may ask `/metrics` as often as it likes:
+/// a render is served again for a second, and requests meanwhile wait for
+/// the one render rather than each making its own.
+#[test]
+fn public_metrics_are_rendered_at_most_once_a_second() {
+    use std::io::{Read, Write};
+    let mut cfg = admin_fake::admin_config("127.0.0.1:0", FULL);
+    cfg.metrics_public = true;
+    let srv = admin_fake::serve_on(&[cfg], 1);
+    let get = || {
+        let mut s = std::net::TcpStream::connect(srv.addr).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        write!(
+            s,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).unwrap();
+        assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+        assert!(resp.contains("weir_connections_total"), "{resp}");
+    };
+    let calls = || srv.fake.st.lock().unwrap().global_stats_calls;
+    let start = std::time::Instant::now();
+    get();
+    let mut n = 1;
+    while start.elapsed() < std::time::Duration::from_millis(500) && n < 20 {
+        get();
+        n += 1;
+    }
+    // Each request within the first second (whatever the machine's speed,
+    // this loop stops at half a second) got the one render.
+    if start.elapsed() < std::time::Duration::from_secs(1) {
+        assert_eq!(calls(), 1, "{n} requests within a second");
+    }
+    // A second later it is rendered again.
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    get();
+    assert!(calls() >= 2, "never rendered again");
+}

@@ -215,6 +215,9 @@ pub(crate) struct AppState {
     /// and the change do not await between them, so today they do not
     /// interleave anyway; this keeps it so whatever the runtime.)
     fence: Arc<parking_lot::Mutex<()>>,
+    /// The last `/metrics` render, served again for a while when the
+    /// route is public (see [`metrics::Cache`]).
+    pub(crate) metrics: Arc<metrics::Cache>,
 }
 
 impl AppState {
@@ -369,6 +372,7 @@ fn router_at(
         metrics_public,
         admin_addr,
         fence: Default::default(),
+        metrics: Default::default(),
     };
     build()
         .router

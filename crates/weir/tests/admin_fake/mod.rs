@@ -28,6 +28,38 @@ pub struct FakeState {
     /// Calls of `table` (every tenant's tables: a tenant token's request
     /// must read its own alone, `table_of`).
     pub table_calls: u64,
+    /// When set, `connections`, `kill_matching` and `global_stats` (which
+    /// `/metrics` renders) wait until it opens: a walk of a big table, or
+    /// a render of many services, that takes its time.
+    pub gate: Option<Arc<Gate>>,
+    /// Calls of `global_stats` (one per `/metrics` render).
+    pub global_stats_calls: u64,
+}
+
+/// A gate that slow calls wait at (see [`FakeState::gate`]).
+#[derive(Debug, Default)]
+pub struct Gate {
+    open: Mutex<bool>,
+    opened: std::sync::Condvar,
+    /// Calls waiting at it now.
+    pub waiting: std::sync::atomic::AtomicUsize,
+}
+
+impl Gate {
+    pub fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+
+    fn pass(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.waiting.fetch_add(1, SeqCst);
+        let mut open = self.open.lock().unwrap();
+        while !*open {
+            open = self.opened.wait(open).unwrap();
+        }
+        self.waiting.fetch_sub(1, SeqCst);
+    }
 }
 
 #[derive(Debug, Default)]
@@ -43,6 +75,14 @@ fn conflict(m: impl Into<String>) -> ControlError {
 }
 
 impl Fake {
+    /// Waits at the gate, if one is set (not holding the state's lock).
+    fn pass_gate(&self) {
+        let gate = self.st.lock().unwrap().gate.clone();
+        if let Some(g) = gate {
+            g.pass();
+        }
+    }
+
     /// Two tenants ("default" shared, "acme" own table with a token), two
     /// services, three connections.
     pub fn sample() -> Self {
@@ -454,6 +494,7 @@ impl Control for Fake {
         cursor: Option<&str>,
         limit: usize,
     ) -> ControlResult<ConnPage> {
+        self.pass_gate();
         let st = self.st.lock().unwrap();
         let after = match cursor {
             None => 0,
@@ -494,6 +535,7 @@ impl Control for Fake {
     }
 
     fn kill_matching(&self, filter: &ConnFilter) -> ControlResult<u64> {
+        self.pass_gate();
         let mut st = self.st.lock().unwrap();
         let before = st.conns.len();
         st.conns.retain(|_, c| !Self::matches(filter, c));
@@ -501,7 +543,9 @@ impl Control for Fake {
     }
 
     fn global_stats(&self) -> GlobalStats {
-        let st = self.st.lock().unwrap();
+        self.pass_gate();
+        let mut st = self.st.lock().unwrap();
+        st.global_stats_calls += 1;
         let mut refused = BTreeMap::new();
         refused.insert("tenant_limit".to_string(), 7);
         GlobalStats {
@@ -639,9 +683,15 @@ pub fn admin_config(listen: &str, token: &str) -> AdminConfig {
 /// Serve one [`Fake::sample`] on every listener in `cfgs`, at least one of
 /// them TCP.
 pub fn serve(cfgs: &[AdminConfig]) -> Served {
+    serve_on(cfgs, 2)
+}
+
+/// [`serve`] on a runtime of `workers` worker threads (the daemon's
+/// control runtime has one).
+pub fn serve_on(cfgs: &[AdminConfig], workers: usize) -> Served {
     let fake = Arc::new(Fake::sample());
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(workers)
         .enable_all()
         .build()
         .expect("runtime");
