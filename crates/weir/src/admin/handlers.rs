@@ -668,23 +668,13 @@ pub(crate) async fn list_connections(
     // A page walks the table until `limit` entries match: with a filter few
     // entries match, all of it (1M entries: 160 ms).
     let control = st.control.clone();
-    let page = off_runtime("the connection listing", move || {
-        control.connections(&filter, cursor.as_deref(), limit)
-    })
-    .await??;
-    Ok(Json(page))
-}
-
-/// Runs `f`, a walk of the flow table, on the blocking pool: the control
-/// runtime has one worker thread, which serves every other admin request,
-/// the health checks and the watchdog's keep-alives.
-async fn off_runtime<T: Send + 'static>(
-    what: &str,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> ApiResult<T> {
-    tokio::task::spawn_blocking(f)
+    let page = st
+        .off_runtime("the connection listing", move || {
+            control.connections(&filter, cursor.as_deref(), limit)
+        })
         .await
-        .map_err(|e| internal(format!("{what} failed: {e}")))
+        .map_err(internal)??;
+    Ok(Json(page))
 }
 
 /// A tenant token's filter is pinned to its tenant.
@@ -779,7 +769,10 @@ pub(crate) async fn kill_matching(
     let filter = resolve_filter(&st, &access, filter)?;
     // A walk of the whole table (1M entries: 60-120 ms).
     let control = st.control.clone();
-    let n = off_runtime("the kill", move || control.kill_matching(&filter)).await??;
+    let n = st
+        .off_runtime("the kill", move || control.kill_matching(&filter))
+        .await
+        .map_err(internal)??;
     Ok(ok_json(serde_json::json!({ "killed": n })))
 }
 
@@ -1118,12 +1111,24 @@ pub(crate) async fn metrics(
     require_global(&access, "/metrics")?;
     // Off the runtime's worker; when anyone may ask, at most one render a
     // second (see `metrics::Cache`).
+    let render = async {
+        let control = st.control.clone();
+        match st
+            .off_runtime("the metrics render", move || {
+                super::metrics::render(control.as_ref())
+            })
+            .await?
+        {
+            Ok(text) => Ok(axum::body::Bytes::from(text)),
+            Err(e) => Err(format!("cannot encode metrics: {e}")),
+        }
+    };
     let text = if st.metrics_public {
         st.metrics
-            .get(st.control.clone(), super::metrics::PUBLIC_RENDER_TTL)
+            .get(super::metrics::PUBLIC_RENDER_TTL, render)
             .await
     } else {
-        super::metrics::render_off_runtime(st.control.clone()).await
+        render.await
     }
     .map_err(internal)?;
     Ok((

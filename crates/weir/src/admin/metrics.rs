@@ -430,14 +430,15 @@ pub(crate) struct Cache {
 }
 
 impl Cache {
-    /// A render of `control` made within `ttl`, or a new one. A render is
-    /// O(services + backends + tenants) (5,000 services: 100-350 ms) and
-    /// runs on the blocking pool, off the worker that serves every other
-    /// admin request and the health checks.
+    /// The last render if made within `ttl`, else `render`'s, kept. A
+    /// render is O(services + backends + tenants) (5,000 services:
+    /// 100-350 ms); the caller's runs on the blocking pool
+    /// ([`AppState::off_runtime`](super::AppState::off_runtime)), off the
+    /// worker that serves every other admin request and the health checks.
     pub(crate) async fn get(
         &self,
-        control: std::sync::Arc<dyn Control>,
         ttl: std::time::Duration,
+        render: impl std::future::Future<Output = Result<axum::body::Bytes, String>>,
     ) -> Result<axum::body::Bytes, String> {
         let mut last = self.last.lock().await;
         if let Some((at, text)) = &*last
@@ -445,20 +446,9 @@ impl Cache {
         {
             return Ok(text.clone());
         }
-        let text = render_off_runtime(control).await?;
+        let text = render.await?;
         *last = Some((tokio::time::Instant::now(), text.clone()));
         Ok(text)
-    }
-}
-
-/// [`render`] on the blocking pool.
-pub(crate) async fn render_off_runtime(
-    control: std::sync::Arc<dyn Control>,
-) -> Result<axum::body::Bytes, String> {
-    match tokio::task::spawn_blocking(move || render(control.as_ref())).await {
-        Ok(Ok(text)) => Ok(text.into()),
-        Ok(Err(e)) => Err(format!("cannot encode metrics: {e}")),
-        Err(e) => Err(format!("the metrics render failed: {e}")),
     }
 }
 

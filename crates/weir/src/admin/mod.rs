@@ -218,9 +218,47 @@ pub(crate) struct AppState {
     /// The last `/metrics` render, served again for a while when the
     /// route is public (see [`metrics::Cache`]).
     pub(crate) metrics: Arc<metrics::Cache>,
+    /// Permits for the walks and renders [`AppState::off_runtime`] runs on
+    /// the blocking pool ([`WALKS_AT_ONCE`]).
+    walks: Arc<tokio::sync::Semaphore>,
+}
+
+/// Flow-table walks (connection pages, kills by filter) and `/metrics`
+/// renders that run at once; more wait for a permit, without holding the
+/// runtime's worker. Why a bound: off the control runtime's one thread
+/// they no longer wait for each other, so 128 admin connections could run
+/// 128 walks of a 10M-entry table at once, on the cores the data path
+/// needs.
+const WALKS_AT_ONCE: usize = 2;
+
+/// [`AppState::off_runtime`] with the permits `walks`.
+async fn off_runtime<T: Send + 'static>(
+    walks: &tokio::sync::Semaphore,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
+    let _permit = walks
+        .acquire()
+        .await
+        .map_err(|e| format!("{what} failed: {e}"))?;
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| format!("{what} failed: {e}"))
 }
 
 impl AppState {
+    /// Runs `f`, a walk of the flow table or a render of every service, on
+    /// the blocking pool once one of [`WALKS_AT_ONCE`] permits is free: the
+    /// control runtime has one worker thread, which serves every other
+    /// admin request, the health checks and the watchdog's keep-alives.
+    pub(crate) async fn off_runtime<T: Send + 'static>(
+        &self,
+        what: &str,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, String> {
+        off_runtime(&self.walks, what, f).await
+    }
+
     /// [`Self::fence`], for a tenant token (other tokens are not fenced).
     pub(crate) fn fenced(&self, access: &auth::Access) -> Option<parking_lot::MutexGuard<'_, ()>> {
         access.tenant().map(|_| self.fence.lock())
@@ -373,6 +411,7 @@ fn router_at(
         admin_addr,
         fence: Default::default(),
         metrics: Default::default(),
+        walks: Arc::new(tokio::sync::Semaphore::new(WALKS_AT_ONCE)),
     };
     build()
         .router
@@ -481,4 +520,75 @@ async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) 
     }
     req.extensions_mut().insert(access);
     next.run(req).await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::{Arc, Condvar, Mutex};
+    use std::time::{Duration, Instant};
+
+    /// At most [`super::WALKS_AT_ONCE`] walks run at once: off the control
+    /// runtime's thread they no longer wait for each other, and admin
+    /// connections could otherwise start one walk of a big table each.
+    /// Four walks held at a gate: two run, the other two wait for a permit
+    /// (without holding the runtime, which here polls them all), and run
+    /// once the first let go.
+    #[test]
+    fn at_most_two_walks_run_at_once() {
+        #[derive(Default)]
+        struct Gate {
+            open: Mutex<bool>,
+            opened: Condvar,
+            running: AtomicUsize,
+            most: AtomicUsize,
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let walks = Arc::new(tokio::sync::Semaphore::new(super::WALKS_AT_ONCE));
+        let gate = Arc::new(Gate::default());
+        let asked = Arc::new(AtomicUsize::new(0));
+        let tasks: Vec<_> = (0..4)
+            .map(|_| {
+                let (walks, gate, asked) = (walks.clone(), gate.clone(), asked.clone());
+                rt.spawn(async move {
+                    asked.fetch_add(1, SeqCst);
+                    super::off_runtime(&walks, "a walk", move || {
+                        let now = gate.running.fetch_add(1, SeqCst) + 1;
+                        gate.most.fetch_max(now, SeqCst);
+                        let mut open = gate.open.lock().unwrap();
+                        while !*open {
+                            open = gate.opened.wait(open).unwrap();
+                        }
+                        gate.running.fetch_sub(1, SeqCst);
+                    })
+                    .await
+                })
+            })
+            .collect();
+        rt.block_on(async {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while asked.load(SeqCst) < 4 || gate.running.load(SeqCst) < 2 {
+                assert!(Instant::now() < deadline, "two walks never started");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            // Every task has asked; a third walk, if let through, starts
+            // within this (it would block at the gate, counted).
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        });
+        let running = gate.running.load(SeqCst);
+        // Opened before any assertion: a failing test must not leave
+        // blocking threads at the gate for the runtime's drop to wait on.
+        *gate.open.lock().unwrap() = true;
+        gate.opened.notify_all();
+        assert_eq!(running, 2, "walks running at once");
+        rt.block_on(async {
+            for t in tasks {
+                t.await.unwrap().unwrap();
+            }
+        });
+        assert_eq!(gate.most.load(SeqCst), super::WALKS_AT_ONCE);
+    }
 }
