@@ -96,7 +96,10 @@ async fn accept_until_stopped(shared: &Arc<Shared>, svc: &Arc<Service>, listener
     }
     loop {
         let accepted = tokio::select! {
-            _ = svc.cancel.cancelled() => return,
+            _ = svc.cancel.cancelled() => {
+                close_queued(shared, svc, &listener);
+                return;
+            }
             _ = shared.admission.stop_accept.cancelled() => {
                 take_queued(shared, svc, &listener, worker, &mut rng);
                 return;
@@ -124,7 +127,10 @@ async fn accept_until_stopped(shared: &Arc<Shared>, svc: &Arc<Service>, listener
                     format_args!("accept: {e}; backing off {} ms", backoff.as_millis()),
                 );
                 tokio::select! {
-                    _ = svc.cancel.cancelled() => return,
+                    _ = svc.cancel.cancelled() => {
+                        close_queued(shared, svc, &listener);
+                        return;
+                    }
                     _ = shared.admission.stop_accept.cancelled() => {
                         take_queued(shared, svc, &listener, worker, &mut rng);
                         return;
@@ -202,6 +208,74 @@ fn take_queued(
     worker: usize,
     rng: &mut weir_sched::SplitMix64,
 ) -> usize {
+    let taken = accept_queued(shared, svc, listener, |stream, peer| {
+        serve_accepted(shared, svc, stream, peer, worker, rng);
+    });
+    if taken > 0 {
+        tracing::debug!(
+            taken,
+            "draining {}: took the queued connections",
+            svc.listen
+        );
+    }
+    taken
+}
+
+/// `svc` was deleted, or replaced (a reload or an edit moved it): its
+/// connections close, and so do the ones the kernel had already completed
+/// on `listener`, but each with a clean end (weir's FIN, see
+/// [`close_gracefully`]) rather than the reset closing the listener with
+/// them queued sent (they used to get that). A stop takes none.
+fn close_queued(shared: &Arc<Shared>, svc: &Arc<Service>, listener: &TcpListener) -> usize {
+    let closed = accept_queued(shared, svc, listener, |stream, _| {
+        tokio::spawn(close_gracefully(shared.clone(), stream));
+    });
+    if closed > 0 {
+        tracing::debug!(
+            closed,
+            "{} removed: closed its queued connections",
+            svc.listen
+        );
+    }
+    closed
+}
+
+/// How long a queued connection of a removed service has, after weir's
+/// FIN, to send its own before weir closes it anyway.
+const CLOSE_LINGER: Duration = Duration::from_secs(2);
+
+/// Ends `stream` cleanly: a FIN, then what the client sent is read and
+/// dropped until its FIN (closing a socket with data unread resets it),
+/// for at most [`CLOSE_LINGER`] or until the daemon stops.
+async fn close_gracefully(shared: Arc<Shared>, mut stream: TcpStream) {
+    use tokio::io::AsyncReadExt;
+    if stream.shutdown().await.is_err() {
+        return;
+    }
+    let mut buf = [0u8; 512];
+    let drained = async {
+        while let Ok(n) = stream.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    };
+    tokio::select! {
+        _ = drained => {}
+        _ = tokio::time::sleep(CLOSE_LINGER) => {}
+        _ = shared.conns.kill_all.cancelled() => {}
+    }
+}
+
+/// Accepts what `listener`'s accept queue holds (at most [`QUEUED_MAX`])
+/// and hands each connection to `each`; returns how many. A stop
+/// (everything is being closed) takes none.
+fn accept_queued(
+    shared: &Arc<Shared>,
+    svc: &Arc<Service>,
+    listener: &TcpListener,
+    mut each: impl FnMut(TcpStream, SocketAddr),
+) -> usize {
     if shared.conns.kill_all.is_cancelled() {
         return 0;
     }
@@ -224,7 +298,7 @@ fn take_queued(
             Err(e) => {
                 // Out of descriptors, say: what is left is reset as the
                 // listener closes.
-                tracing::warn!("draining {}: accept: {e}", svc.listen);
+                tracing::warn!("closing {}: accept: {e}", svc.listen);
                 break;
             }
         };
@@ -238,19 +312,12 @@ fn take_queued(
         {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!("draining {}: {e}", svc.listen);
+                tracing::warn!("closing {}: {e}", svc.listen);
                 continue;
             }
         };
-        serve_accepted(shared, svc, stream, peer, worker, rng);
+        each(stream, peer);
         taken += 1;
-    }
-    if taken > 0 {
-        tracing::debug!(
-            taken,
-            "draining {}: took the queued connections",
-            svc.listen
-        );
     }
     taken
 }
@@ -1214,6 +1281,109 @@ mod tests {
         assert_eq!(forced, 0, "the drain closed connections");
         assert!(closed, "the listener was still open after the drain");
         assert_eq!(shared.admission.active.load(Relaxed), 0);
+    }
+
+    /// Clients the kernel had completed on a listener of `web` (its accept
+    /// queue) when `stop` takes the service away get a clean end of stream
+    /// (weir's FIN), not a reset. Each sent a request first, so that a close
+    /// with it unread would reset too. As in
+    /// [`a_drain_serves_the_connections_queued_for_accept`], the queue is
+    /// filled while no worker runs the listener's loop: its runtime runs
+    /// only once the clients are queued and the service is gone.
+    fn queued_clients_end_cleanly_when(stop: impl FnOnce(&Arc<Shared>, &Arc<Service>)) {
+        use std::io::{Read, Write};
+        let mut cfg = crate::config::Config::default();
+        cfg.daemon.workers = 1;
+        let d = crate::daemon::Daemon::start(cfg, None).unwrap();
+        let shared = d.shared.clone();
+        let spec = crate::daemon::model::tests::test_spec(
+            "default",
+            "web",
+            Protocol::Tcp,
+            "127.0.0.1:0".parse().unwrap(),
+        );
+        shared.add_service(spec).unwrap();
+        let svc = shared.model.load().services[&("default".into(), "web".into())].clone();
+        let (socks, addr) =
+            super::super::open_sockets(Protocol::Tcp, "127.0.0.1:0".parse().unwrap(), 1, 0)
+                .unwrap();
+        let super::super::ListenSocket::Tcp(l) = socks.into_iter().next().unwrap() else {
+            panic!("not a TCP socket")
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = {
+            let _in = rt.enter();
+            TcpListener::from_std(l).unwrap()
+        };
+        let looping = rt.spawn(accept_loop(shared.clone(), svc.clone(), listener));
+        // Connected (the kernel completed each handshake), a request sent;
+        // none is accepted.
+        const N: usize = 8;
+        let clients: Vec<std::net::TcpStream> = (0..N)
+            .map(|i| {
+                let mut c = std::net::TcpStream::connect(addr).unwrap();
+                c.write_all(format!("client {i}").as_bytes()).unwrap();
+                c
+            })
+            .collect();
+        stop(&shared, &svc);
+        assert!(svc.cancel.is_cancelled());
+        let ends: Vec<_> = clients
+            .into_iter()
+            .map(|mut c| {
+                std::thread::spawn(move || -> Result<usize, String> {
+                    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                    let mut rest = Vec::new();
+                    c.read_to_end(&mut rest).map_err(|e| format!("end: {e}"))
+                })
+            })
+            .collect();
+        // The listener's worker: runs its loop, and whatever it spawned,
+        // until every client has read its end.
+        let results = rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(10), looping)
+                .await
+                .expect("the listener's loop did not end")
+                .unwrap();
+            tokio::task::spawn_blocking(move || {
+                ends.into_iter()
+                    .map(|t| t.join().unwrap())
+                    .collect::<Vec<_>>()
+            })
+            .await
+            .unwrap()
+        });
+        drop(rt);
+        assert!(
+            results.iter().all(|r| *r == Ok(0)),
+            "queued clients not ended cleanly: {results:?}"
+        );
+        d.shutdown();
+    }
+
+    /// A deleted service's queued clients are closed, not reset: the
+    /// listener's loop used to return on the deletion, and closing the
+    /// listener reset every one of them.
+    #[test]
+    fn a_deleted_service_ends_its_queued_connections_cleanly() {
+        queued_clients_end_cleanly_when(|shared, _| {
+            let told = shared.remove_services(&[("default".into(), "web".into())]);
+            assert_eq!(told, vec![Some(0)]);
+        });
+    }
+
+    /// Likewise for a service moved to another address (replaced: its
+    /// connections close, as a reload that moves it does).
+    #[test]
+    fn a_moved_service_ends_its_queued_connections_cleanly() {
+        queued_clients_end_cleanly_when(|shared, svc| {
+            let mut spec = svc.spec.read().clone();
+            spec.listen = "127.0.0.1:0".parse().unwrap();
+            shared.put_service(spec, true).unwrap();
+        });
     }
 
     /// weir sets `TCP_NODELAY` and `TCP_NOTSENT_LOWAT` only on the listener
