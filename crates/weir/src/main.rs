@@ -357,6 +357,9 @@ fn run(path: Option<PathBuf>) -> ExitCode {
     weir::systemd::spawn_watchdog(&handle.runtime(), watchdog_stop.clone(), move |now| {
         liveness.check(now)
     });
+    // Debug builds: the tests' hooks, if asked for (a worker that ends).
+    #[cfg(debug_assertions)]
+    handle.install_test_hooks();
     let ready_status = format!("serving {} service(s)", cfg.services.len());
     let control = handle.control();
     let rt = handle.runtime();

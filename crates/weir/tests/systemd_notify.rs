@@ -227,6 +227,98 @@ fn notifications_arrive_in_order() {
     assert!(child.0.wait().unwrap().success(), "{}", show_log());
 }
 
+/// The watchdog end to end: `weir run` with `NOTIFY_SOCKET` and
+/// `WATCHDOG_USEC` feeds it (`WATCHDOG=1`) while its workers run; once a
+/// proxy worker's thread has ended (the debug builds' test hook,
+/// `WEIR_TEST_HOOKS=1` and SIGUSR2, ends worker 0's as a dead worker's
+/// ends), it says why (`STATUS=unhealthy: ...`) and feeds it no more, so
+/// that systemd restarts it.
+#[test]
+fn a_dead_worker_stops_the_watchdog_and_says_why() {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+
+    if cfg!(not(debug_assertions)) {
+        // The hook that ends a worker exists only in debug builds.
+        eprintln!("skipped: a release build has no test hook to end a worker");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let notify = Notify::bind(dir.path());
+    let e = Echo::start();
+    let (admin, vip) = (free_addr(), free_addr());
+    let cfg = dir.path().join("weir.toml");
+    write_config(&cfg, admin, vip, &[e.addr]);
+    let log = std::fs::File::create(dir.path().join("weir.log")).unwrap();
+    // A keep-alive every 100 ms.
+    let watchdog_usec = 200_000u64;
+    let mut child = Proc(
+        Command::new(BIN)
+            .args(["run", "--config"])
+            .arg(&cfg)
+            .env("NOTIFY_SOCKET", &notify.path)
+            .env("WATCHDOG_USEC", watchdog_usec.to_string())
+            .env_remove("WATCHDOG_PID")
+            .env("WEIR_TEST_HOOKS", "1")
+            .env("RUST_LOG", "info")
+            .env("HOME", dir.path())
+            .env("XDG_RUNTIME_DIR", dir.path())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+    );
+    let pid = Pid::from_raw(child.0.id() as i32);
+    let show_log = || std::fs::read_to_string(dir.path().join("weir.log")).unwrap_or_default();
+    let mut watchdogs = Vec::new();
+    let ready = notify.next_state(&mut watchdogs);
+    assert!(has(&ready, "READY=1"), "{ready:?}\n{}", show_log());
+    // Fed while every worker runs.
+    let deadline = Instant::now() + T;
+    while watchdogs.len() < 3 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match notify.recv(left) {
+            Some(m) if m == ["WATCHDOG=1"] => watchdogs.push(Instant::now()),
+            Some(m) => panic!("unexpected message before the worker ended: {m:?}"),
+            None => panic!(
+                "{} WATCHDOG=1 within {T:?}\n{}",
+                watchdogs.len(),
+                show_log()
+            ),
+        }
+    }
+    // Worker 0's thread ends.
+    kill(pid, Signal::SIGUSR2).unwrap();
+    let status = notify.next_state(&mut watchdogs);
+    let unhealthy = status
+        .iter()
+        .find_map(|l| l.strip_prefix("STATUS=unhealthy: "))
+        .unwrap_or_else(|| panic!("not STATUS=unhealthy: {status:?}\n{}", show_log()));
+    assert!(
+        unhealthy.contains("weir-worker-0") && unhealthy.contains("ended"),
+        "{unhealthy}"
+    );
+    // No keep-alive after it: none in ten intervals (systemd would restart
+    // weir after two).
+    let quiet = Duration::from_micros(watchdog_usec / 2 * 10);
+    let until = Instant::now() + quiet;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        if let Some(m) = notify.recv(left) {
+            panic!("{m:?} after STATUS=unhealthy");
+        }
+    }
+    // The daemon itself is still up: acting on the watchdog is systemd's.
+    assert!(
+        child.0.try_wait().unwrap().is_none(),
+        "weir exited\n{}",
+        show_log()
+    );
+}
+
 /// `NOTIFY_SOCKET=@name` names a socket in the abstract namespace (no file).
 #[test]
 fn an_abstract_notify_socket_gets_ready() {

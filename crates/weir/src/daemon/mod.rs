@@ -386,6 +386,41 @@ impl DaemonHandle {
         self.shared.control_rt.clone()
     }
 
+    /// Debug builds only, for the tests of the `weir run` binary: with
+    /// `WEIR_TEST_HOOKS=1` in the environment, each SIGUSR2 ends proxy
+    /// worker 0's thread as a dead worker's ends (what the systemd
+    /// watchdog test needs). Without it, and in release builds, nothing.
+    #[cfg(debug_assertions)]
+    #[doc(hidden)]
+    pub fn install_test_hooks(&self) {
+        use tokio::signal::unix::{SignalKind, signal};
+        if std::env::var_os("WEIR_TEST_HOOKS").is_none_or(|v| v != "1") {
+            return;
+        }
+        let Some(worker) = self.shared.workers.first().cloned() else {
+            return;
+        };
+        let rt = self.runtime();
+        // Registered here, before the caller says it is ready.
+        let usr2 = {
+            let _in = rt.enter();
+            signal(SignalKind::user_defined2())
+        };
+        let mut usr2 = match usr2 {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("WEIR_TEST_HOOKS: SIGUSR2: {e}");
+                return;
+            }
+        };
+        tracing::warn!("WEIR_TEST_HOOKS=1: SIGUSR2 ends worker 0's thread");
+        rt.spawn(async move {
+            while usr2.recv().await.is_some() {
+                let _ = worker.send(WorkerCmd::Exit);
+            }
+        });
+    }
+
     /// Live connections + sessions.
     pub fn active_connections(&self) -> u64 {
         self.shared.admission.active.load(Relaxed)
@@ -882,8 +917,9 @@ enum WorkerCmd {
         service: Arc<Service>,
         socket: ListenSocket,
     },
-    /// Tests: the worker's thread ends, as a dead worker's does.
-    #[cfg(test)]
+    /// Tests (and debug builds' [`DaemonHandle::install_test_hooks`]):
+    /// the worker's thread ends, as a dead worker's does.
+    #[cfg(any(test, debug_assertions))]
     Exit,
     /// Tests: the worker's thread blocks for this long, as a wedged
     /// worker's does.
@@ -918,7 +954,7 @@ async fn worker_main(
             c = rx.recv() => match c { Some(c) => c, None => return },
         };
         match cmd {
-            #[cfg(test)]
+            #[cfg(any(test, debug_assertions))]
             WorkerCmd::Exit => return,
             #[cfg(test)]
             WorkerCmd::Wedge(d) => std::thread::sleep(d),
