@@ -94,6 +94,11 @@ pub struct KernelDrops {
     /// Descriptors the kernel refused as invalid, receive and transmit
     /// (weir handing the kernel a bad frame address or length: a bug).
     pub invalid_descs: u64,
+    /// Descriptors handed to weir (received frames, and frames the kernel
+    /// gave back after transmitting them) whose address and length lie
+    /// outside the UMEM: dropped unread (a kernel bug, or another process
+    /// writing to the rings).
+    pub bad_descs: u64,
 }
 
 impl std::ops::AddAssign for KernelDrops {
@@ -101,6 +106,7 @@ impl std::ops::AddAssign for KernelDrops {
         self.rx_ring_full += o.rx_ring_full;
         self.rx_no_frame += o.rx_no_frame;
         self.invalid_descs += o.invalid_descs;
+        self.bad_descs += o.bad_descs;
     }
 }
 
@@ -253,7 +259,8 @@ pub struct BatchStats {
     pub received: usize,
     /// Frames queued for transmission.
     pub transmitted: usize,
-    /// Frames the callback dropped.
+    /// Frames the callback dropped, and received frames whose descriptor
+    /// lay outside the UMEM ([`KernelDrops::bad_descs`]).
     pub dropped: usize,
     /// Frames to transmit that found the tx ring full (dropped, counted apart).
     pub tx_full: usize,
@@ -275,6 +282,10 @@ pub struct XskSocket {
     frames: Vec<Packet>,
     verdicts: Vec<Verdict>,
     umem: Umem,
+    /// What every descriptor of `umem` must fit in.
+    bounds: UmemBounds,
+    /// Descriptors that did not, dropped ([`KernelDrops::bad_descs`]).
+    bad_descs: u64,
     batch: usize,
     ring_size: usize,
     zero_copy: bool,
@@ -319,12 +330,21 @@ impl XskSocket {
         }
         .build()
         .map_err(|e| XskError::Config(e.to_string()))?;
-        let umem_cfg = UmemCfgBuilder {
+        let umem_builder = UmemCfgBuilder {
             frame_count: config.frames,
             ..Default::default()
-        }
-        .build()
-        .map_err(|e| XskError::Config(e.to_string()))?;
+        };
+        let bounds = UmemBounds {
+            frames: u64::from(config.frames),
+            frame_size: u64::from(
+                u32::try_from(umem_builder.frame_size)
+                    .map_err(|e| XskError::Config(e.to_string()))?,
+            ),
+            head_room: u64::from(umem_builder.head_room),
+        };
+        let umem_cfg = umem_builder
+            .build()
+            .map_err(|e| XskError::Config(e.to_string()))?;
         let umem = Umem::map(umem_cfg).map_err(XskError::Umem)?;
         let socket_err = |source| XskError::Socket {
             interface: interface.to_owned(),
@@ -357,6 +377,8 @@ impl XskSocket {
             frames: Vec::with_capacity(config.batch),
             verdicts: Vec::with_capacity(config.batch),
             umem,
+            bounds,
+            bad_descs: 0,
             batch: config.batch,
             ring_size: config.ring_size as usize,
             zero_copy,
@@ -391,6 +413,7 @@ impl XskSocket {
             rx_ring_full: s.rx_ring_full,
             rx_no_frame: s.rx_dropped,
             invalid_descs: s.rx_invalid_descs + s.tx_invalid_descs,
+            bad_descs: self.bad_descs,
         })
     }
 
@@ -446,8 +469,20 @@ impl XskSocket {
             self.umem.free_packet(packet);
         }
         // Oldest first: the slab's back is the first frame the ring held.
-        while let Some(packet) = self.rx.pop_back() {
-            self.frames.push(packet);
+        // The crate made each packet from its descriptor unchecked: one
+        // that lies outside the UMEM is dropped before anything makes a
+        // slice of it (not freed either: its address is not a frame of
+        // the UMEM, and freed it would be handed out again).
+        while let Some(mut packet) = self.rx.pop_back() {
+            if self.bounds.fits_packet(&mut packet) {
+                self.frames.push(packet);
+            } else {
+                self.bad_descs += 1;
+                stats.dropped += 1;
+            }
+        }
+        if self.frames.is_empty() {
+            return Ok(stats);
         }
         self.verdicts.clear();
         self.verdicts.resize(self.frames.len(), Verdict::Drop);
@@ -488,12 +523,21 @@ impl XskSocket {
         if self.queued_copies >= self.batch {
             return false;
         }
-        // SAFETY: the packet points into `self.umem`; it is queued on the tx
-        // slab (transmitted or freed by the next flush or batch) or freed
-        // here, so it never outlives the UMEM.
+        // SAFETY: the packet points into `self.umem` if its address, from
+        // the UMEM's free list, does (checked below before anything is
+        // written through it; one outside is dropped unused); it is queued
+        // on the tx slab (transmitted or freed by the next flush or batch)
+        // or freed here, so it never outlives the UMEM.
         let Some(mut packet) = (unsafe { self.umem.alloc() }) else {
             return false;
         };
+        // The frame's address may have come back on the completion ring,
+        // which the crate takes unchecked: one outside the UMEM is dropped
+        // before anything is written through it.
+        if !self.bounds.fits_packet(&mut packet) {
+            self.bad_descs += 1;
+            return false;
+        }
         if packet.append(frame).is_err() {
             self.umem.free_packet(packet);
             return false;
@@ -560,9 +604,13 @@ impl XskSocket {
             .rx_ring
             .as_mut()
             .expect("built with an rx ring (rx_count > 0)");
-        // SAFETY: received packets point into `self.umem`; `run_batch` returns
-        // each to it (free_packet) or moves it into the tx ring within the same
-        // call, so none outlives the UMEM.
+        // SAFETY: the crate makes each packet from its descriptor without
+        // a check; `run_batch_all` checks each against the UMEM
+        // (`UmemBounds::fits_packet`) before it makes a slice of it, and
+        // drops the ones outside, so every packet used points into
+        // `self.umem`. `run_batch_all` returns each to it (free_packet) or
+        // moves it into the tx ring within the same call, so none outlives
+        // the UMEM.
         unsafe { rx.recv(&self.umem, &mut self.rx) }
     }
 
@@ -602,6 +650,51 @@ impl XskSocket {
                 .poll_read(PollTimeout::new(Some(Duration::ZERO)))?;
         }
         Ok(())
+    }
+}
+
+/// The UMEM as the `xdp` crate lays it out: `frames` frames of
+/// `frame_size` bytes, each a packet buffer past the kernel's
+/// `XDP_PACKET_HEADROOM`, its data `head_room` bytes into the buffer.
+/// What a descriptor must fit in before its packet is made a slice.
+#[derive(Debug, Clone, Copy)]
+struct UmemBounds {
+    frames: u64,
+    frame_size: u64,
+    head_room: u64,
+}
+
+/// The kernel's headroom before each frame's packet buffer.
+const XDP_PACKET_HEADROOM: u64 = xdp::libc::xdp::XDP_PACKET_HEADROOM;
+
+impl UmemBounds {
+    /// Whether the packet of a descriptor (`addr`, `len`) lies in one
+    /// frame of the UMEM as the crate turns it into a slice: the buffer it
+    /// maps (from `addr - head_room`, a frame less the XDP headroom long)
+    /// within a single frame, and the `len` bytes within that buffer. A
+    /// kernel bug, or another process writing to the rings, could hand
+    /// weir any address and length: a slice made of one outside is
+    /// undefined behaviour (a read or write of whatever lies there), or a
+    /// panic in the crate's indexing.
+    fn fits(&self, addr: u64, len: u64) -> bool {
+        let cap = self.frame_size.saturating_sub(XDP_PACKET_HEADROOM);
+        let Some(start) = addr.checked_sub(self.head_room) else {
+            return false;
+        };
+        start / self.frame_size < self.frames
+            && start % self.frame_size + cap <= self.frame_size
+            && self
+                .head_room
+                .checked_add(len)
+                .is_some_and(|end| end <= cap)
+    }
+
+    /// [`Self::fits`] for `packet`'s descriptor, read without making a
+    /// slice of the packet.
+    fn fits_packet(&self, packet: &mut Packet) -> bool {
+        // A copy of the packet's pointers, made back into its descriptor.
+        let desc: xdp::libc::xdp::xdp_desc = packet.__inner_copy().into();
+        self.fits(desc.addr, u64::from(desc.len))
     }
 }
 
@@ -801,6 +894,45 @@ mod tests {
         assert_eq!(batch.frame(0), &[1u8; 42][..]);
         assert_eq!(batch.frame(1).len(), 60);
         assert_eq!(lens, [42, 60]);
+    }
+
+    /// A descriptor fits when its packet lies in one frame of the UMEM as
+    /// the crate maps it; one past the last frame, crossing a frame's end,
+    /// longer than a frame, or before the first frame (an address below
+    /// the headroom) does not, and is dropped rather than made a slice.
+    #[test]
+    fn descriptors_outside_the_umem_do_not_fit() {
+        const FS: u64 = 4096;
+        let cap = FS - XDP_PACKET_HEADROOM;
+        let b = UmemBounds {
+            frames: 4,
+            frame_size: FS,
+            head_room: 0,
+        };
+        // Where the kernel puts a frame's packet, in the first and the last
+        // frame, from empty to a whole frame.
+        for frame in [0, 3] {
+            let addr = frame * FS + XDP_PACKET_HEADROOM;
+            for len in [0, 60, 1500, cap] {
+                assert!(b.fits(addr, len), "frame {frame}, len {len}");
+            }
+            assert!(!b.fits(addr, cap + 1), "frame {frame}: past its end");
+        }
+        // Past the UMEM: the next frame, far away, at the very end.
+        assert!(!b.fits(4 * FS + XDP_PACKET_HEADROOM, 60));
+        assert!(!b.fits(1 << 40, 60));
+        assert!(!b.fits(u64::MAX, 0));
+        assert!(!b.fits(u64::MAX - 10, 60));
+        // A buffer that starts late in the last frame runs off the UMEM.
+        assert!(!b.fits(3 * FS + 1000, 0));
+        // Lengths no frame holds.
+        assert!(!b.fits(XDP_PACKET_HEADROOM, u64::from(u32::MAX)));
+        assert!(!b.fits(XDP_PACKET_HEADROOM, u64::MAX));
+        // With a headroom, an address below it would wrap.
+        let h = UmemBounds { head_room: 64, ..b };
+        assert!(h.fits(XDP_PACKET_HEADROOM + 64, cap - 64));
+        assert!(!h.fits(XDP_PACKET_HEADROOM + 64, cap - 63));
+        assert!(!h.fits(10, 0));
     }
 
     #[test]

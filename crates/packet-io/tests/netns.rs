@@ -2036,6 +2036,8 @@ fn af_xdp_counts_the_frames_the_kernel_drops_for_a_full_socket() {
         "steered frames not accounted for: received {received}, kernel drops {drops:?}"
     );
     assert_eq!(drops.invalid_descs, 0, "{drops:?}");
+    // Every descriptor the kernel handed back lay in the UMEM.
+    assert_eq!(drops.bad_descs, 0, "{drops:?}");
 }
 
 /// The same for AF_PACKET (`PACKET_STATISTICS`, which resets on every

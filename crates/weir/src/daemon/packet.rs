@@ -278,12 +278,14 @@ pub(crate) struct Counters {
 
 /// The `dropped` names of [`Counters::kernel`], in its order: frames lost
 /// in the kernel because the socket's receive ring was full (weir did not
-/// keep up), for want of a free frame to receive into, and descriptors the
-/// kernel refused as invalid.
-pub(crate) const KERNEL_DROPS: [&str; 3] = [
+/// keep up), for want of a free frame to receive into, descriptors the
+/// kernel refused as invalid, and descriptors handed to weir that lie
+/// outside its UMEM (dropped unread).
+pub(crate) const KERNEL_DROPS: [&str; 4] = [
     "kernel_rx_ring_full",
     "kernel_rx_no_frame",
     "kernel_invalid_descs",
+    "kernel_bad_descs",
 ];
 
 impl Counters {
@@ -315,7 +317,7 @@ impl Counters {
 
     /// Publishes the worker's sockets' kernel drop counts (their sums).
     pub(crate) fn set_kernel_drops(&self, d: weir_packet_io::KernelDrops) {
-        let v = [d.rx_ring_full, d.rx_no_frame, d.invalid_descs];
+        let v = [d.rx_ring_full, d.rx_no_frame, d.invalid_descs, d.bad_descs];
         for (c, v) in self.kernel.iter().zip(v) {
             c.store(v, Relaxed);
         }
@@ -2886,7 +2888,7 @@ mod tests {
         a.set_kernel_drops(KernelDrops {
             rx_ring_full: 5,
             rx_no_frame: 2,
-            invalid_descs: 0,
+            ..KernelDrops::default()
         });
         b.set_kernel_drops(KernelDrops {
             rx_ring_full: 1,
@@ -2897,7 +2899,7 @@ mod tests {
         a.set_kernel_drops(KernelDrops {
             rx_ring_full: 7,
             rx_no_frame: 2,
-            invalid_descs: 0,
+            ..KernelDrops::default()
         });
         let d = path.sums().dropped;
         assert_eq!(d.get("kernel_rx_ring_full"), Some(&8), "{d:?}");
