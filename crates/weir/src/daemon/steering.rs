@@ -34,7 +34,8 @@
 //! spread, worker 0's listeners take their groups' programs off. With more
 //! than one worker the controller, the workers' park hooks and worker 0's
 //! watch of `k` therefore exist in either mode; in spread mode the hooks
-//! return after one relaxed load and the controller reads nothing.
+//! return after one relaxed load and the controller sleeps until a switch
+//! (it does not tick).
 
 use std::io;
 use std::os::fd::AsFd;
@@ -287,7 +288,26 @@ impl Steering {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut changes = self.mode_changes.load(Relaxed);
         let mut last: Option<Sample> = None;
+        // Every switch of mode publishes its `k`: what spread waits for.
+        let mut switched = self.active.subscribe();
         loop {
+            if !self.steers() {
+                // Spread reads nothing, so it does not tick either (ten
+                // wake-ups a second of an idle daemon): it waits for a
+                // switch, then starts over with a fresh policy (k = 1, as
+                // published) from the next sample. Seen, then checked
+                // again: a switch made in between is not missed.
+                switched.borrow_and_update();
+                while !self.steers() {
+                    if switched.changed().await.is_err() {
+                        return;
+                    }
+                }
+                changes = self.mode_changes.load(Relaxed);
+                policy = Policy::new(n);
+                last = None;
+                tick.reset_immediately();
+            }
             tick.tick().await;
             let c = self.mode_changes.load(Relaxed);
             if c != changes || !self.steers() {
@@ -696,6 +716,62 @@ mod tests {
         }
         assert_eq!(seen, [2, 3, 2, 1]);
         task.abort();
+    }
+
+    /// In spread mode the controller is not woken while nothing changes
+    /// (it reads nothing then): a daemon at rest used to wake its control
+    /// thread every tick for it, ten times a second. A switch to adaptive
+    /// wakes it, and it steers again from a fresh policy. The controller
+    /// is polled here with a waker that counts its wake-ups, while the
+    /// paused clock is moved on by a hundred ticks.
+    #[tokio::test(start_paused = true)]
+    async fn in_spread_mode_the_controller_sleeps_until_a_switch() {
+        use std::sync::atomic::AtomicUsize;
+        use std::task::{Context, Poll, Wake, Waker};
+        struct Count(AtomicUsize);
+        impl Wake for Count {
+            fn wake(self: std::sync::Arc<Self>) {
+                self.0.fetch_add(1, Relaxed);
+            }
+        }
+        let s = std::sync::Arc::new(Steering::new(AcceptSteering::Spread, 3));
+        for i in 0..3 {
+            s.unparked(i);
+        }
+        let wakes = std::sync::Arc::new(Count(AtomicUsize::new(0)));
+        let waker = Waker::from(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+        let host = || {
+            Some(CpuTimes {
+                idle: 0,
+                total: 0,
+                cpus: 2,
+            })
+        };
+        let mut controller = std::pin::pin!(s.clone().run_with(host));
+        assert!(controller.as_mut().poll(&mut cx).is_pending());
+        tokio::time::advance(TICK * 100).await;
+        assert_eq!(wakes.0.load(Relaxed), 0, "woken in spread mode");
+        assert!(controller.as_mut().poll(&mut cx).is_pending());
+        // A switch to adaptive wakes it; from then on it ticks, and with
+        // every worker saturated it grows k from 1.
+        s.set_mode(AcceptSteering::Adaptive);
+        for i in 0..3 {
+            s.unparked(i);
+        }
+        assert!(wakes.0.load(Relaxed) > 0, "the switch did not wake it");
+        let mut rx = s.active.subscribe();
+        assert_eq!(*rx.borrow_and_update(), 1);
+        for _ in 0..100 {
+            if let Poll::Ready(()) = controller.as_mut().poll(&mut cx) {
+                panic!("the controller returned");
+            }
+            if rx.has_changed().unwrap() {
+                break;
+            }
+            tokio::time::advance(TICK).await;
+        }
+        assert_eq!(*rx.borrow_and_update(), 2, "the controller did not steer");
     }
 
     /// A switch of mode that lands while the controller works a tick out
