@@ -19,16 +19,7 @@ const T: Duration = Duration::from_secs(10);
 #[test]
 fn editing_a_service_keeps_established_connections() {
     let (a, b) = (Echo::start(), Echo::start());
-    let d = Daemon::start(
-        config(vec![service(
-            "e",
-            Protocol::Tcp,
-            "rr",
-            vec![backend(a.addr, 1)],
-        )]),
-        None,
-    )
-    .unwrap();
+    let d = start_service("e", Protocol::Tcp, "rr", &[a.addr]);
     let c = d.control();
     let vip = d.service_addr("default", "e").unwrap();
     let mut old = held(vip);
@@ -166,16 +157,7 @@ fn many_concurrent_connections_stress() {
 
 fn many_connections(n: usize, bytes: usize) {
     let (a, b) = (Echo::start(), Echo::start());
-    let d = Daemon::start(
-        config(vec![service(
-            "m",
-            Protocol::Tcp,
-            "wlc",
-            vec![backend(a.addr, 1), backend(b.addr, 1)],
-        )]),
-        None,
-    )
-    .unwrap();
+    let d = start_service("m", Protocol::Tcp, "wlc", &[a.addr, b.addr]);
     let vip = d.service_addr("default", "m").unwrap();
     let threads: Vec<_> = (0..n)
         .map(|i| {
@@ -211,16 +193,7 @@ fn many_connections(n: usize, bytes: usize) {
 #[test]
 fn kill_by_cookie_and_by_filter_close_the_sockets() {
     let e = Echo::start();
-    let d = Daemon::start(
-        config(vec![service(
-            "k",
-            Protocol::Tcp,
-            "rr",
-            vec![backend(e.addr, 1)],
-        )]),
-        None,
-    )
-    .unwrap();
+    let d = start_service("k", Protocol::Tcp, "rr", &[e.addr]);
     let c = d.control();
     let vip = d.service_addr("default", "k").unwrap();
     let mut one = held(vip);
@@ -595,16 +568,7 @@ fn reload_applies_socket_options_to_new_connections() {
 #[test]
 fn many_udp_clients_across_workers() {
     let (b1, b2) = (udp_echo(), udp_echo());
-    let d = Daemon::start(
-        config(vec![service(
-            "mu",
-            Protocol::Udp,
-            "rr",
-            vec![backend(b1, 1), backend(b2, 1)],
-        )]),
-        None,
-    )
-    .unwrap();
+    let d = start_service("mu", Protocol::Udp, "rr", &[b1, b2]);
     let vip = d.service_addr("default", "mu").unwrap();
     let clients: Vec<UdpSocket> = (0..50)
         .map(|_| {
@@ -1107,16 +1071,7 @@ fn one_tenants_status_services_and_health_are_the_filtered_lists() {
 #[test]
 fn concurrent_backend_adds_to_one_service_all_land() {
     let e = Echo::start();
-    let d = Daemon::start(
-        config(vec![service(
-            "e",
-            Protocol::Tcp,
-            "rr",
-            vec![backend(e.addr, 1)],
-        )]),
-        None,
-    )
-    .unwrap();
+    let d = start_service("e", Protocol::Tcp, "rr", &[e.addr]);
     let c = d.control();
     const THREADS: u16 = 4;
     const EACH: u16 = 50;
@@ -1270,16 +1225,7 @@ fn a_replaced_service_leaves_no_persistence_template_behind() {
 #[test]
 fn a_backend_filter_is_an_address_and_a_malformed_one_is_refused() {
     let e = Echo::start();
-    let d = Daemon::start(
-        config(vec![service(
-            "f",
-            Protocol::Tcp,
-            "rr",
-            vec![backend(e.addr, 1)],
-        )]),
-        None,
-    )
-    .unwrap();
+    let d = start_service("f", Protocol::Tcp, "rr", &[e.addr]);
     let c = d.control();
     let vip = d.service_addr("default", "f").unwrap();
     let mut conns: Vec<_> = (0..2).map(|_| held(vip)).collect();

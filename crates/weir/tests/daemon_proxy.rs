@@ -47,16 +47,7 @@ fn tcp_large_transfers_both_ways_with_half_close() {
         s.write_all(&pattern(DOWN, 7)).unwrap();
         got
     });
-    let d = Daemon::start(
-        config(vec![service(
-            "t",
-            Protocol::Tcp,
-            "rr",
-            vec![backend(baddr, 1)],
-        )]),
-        None,
-    )
-    .unwrap();
+    let d = start_service("t", Protocol::Tcp, "rr", &[baddr]);
     let vip = d.service_addr("default", "t").unwrap();
     let mut c = TcpStream::connect(vip).unwrap();
     c.set_read_timeout(Some(T)).unwrap();
@@ -105,16 +96,7 @@ fn a_backend_answer_with_its_fin_passes_on_and_the_client_may_still_send() {
             s.read_to_end(&mut got).unwrap();
             got
         });
-        let d = Daemon::start(
-            config(vec![service(
-                "t",
-                Protocol::Tcp,
-                "rr",
-                vec![backend(baddr, 1)],
-            )]),
-            None,
-        )
-        .unwrap();
+        let d = start_service("t", Protocol::Tcp, "rr", &[baddr]);
         let vip = d.service_addr("default", "t").unwrap();
         let mut c = TcpStream::connect(vip).unwrap();
         c.set_read_timeout(Some(T)).unwrap();
@@ -142,16 +124,7 @@ fn many_small_round_trips_never_stall_and_close_cleanly() {
     // only return EAGAIN after a short read: a lost wakeup there shows up
     // as a round trip that never completes (the read times out).
     let echo = Echo::start();
-    let d = Daemon::start(
-        config(vec![service(
-            "pp",
-            Protocol::Tcp,
-            "rr",
-            vec![backend(echo.addr, 1)],
-        )]),
-        None,
-    )
-    .unwrap();
+    let d = start_service("pp", Protocol::Tcp, "rr", &[echo.addr]);
     let vip = d.service_addr("default", "pp").unwrap();
     let mut sent = 0u64;
     for conn in 0..4u8 {
@@ -350,16 +323,7 @@ fn source_hash_schedulers_and_persistence_keep_a_client_on_one_backend() {
 #[test]
 fn weight_zero_quiesces_without_dropping_established() {
     let (a, b) = (Echo::start(), Echo::start());
-    let d = Daemon::start(
-        config(vec![service(
-            "q",
-            Protocol::Tcp,
-            "rr",
-            vec![backend(a.addr, 1), backend(b.addr, 1)],
-        )]),
-        None,
-    )
-    .unwrap();
+    let d = start_service("q", Protocol::Tcp, "rr", &[a.addr, b.addr]);
     let c = d.control();
     let vip = d.service_addr("default", "q").unwrap();
     let mut first = held(vip); // goes to a (rr starts at the first)

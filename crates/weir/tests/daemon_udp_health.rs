@@ -82,11 +82,7 @@ fn udp_session_sockets_close_when_sessions_expire() {
 #[test]
 fn metrics_count_udp_sessions_as_inactive_and_say_so() {
     let b = udp_echo();
-    let d = Daemon::start(
-        config(vec![service("u", Protocol::Udp, "rr", vec![backend(b, 1)])]),
-        None,
-    )
-    .unwrap();
+    let d = start_service("u", Protocol::Udp, "rr", &[b]);
     let vip = d.service_addr("default", "u").unwrap();
     let c = UdpSocket::bind("127.0.0.1:0").unwrap();
     c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -130,16 +126,7 @@ fn rr_retries_keep_the_rotation_and_a_failing_backend_is_taken_out() {
     let refusing = RefusingPort::new();
     let dead = refusing.addr;
     let good = Echo::start();
-    let d = Daemon::start(
-        config(vec![service(
-            "p",
-            Protocol::Tcp,
-            "rr",
-            vec![backend(dead, 1), backend(good.addr, 1)],
-        )]),
-        None,
-    )
-    .unwrap();
+    let d = start_service("p", Protocol::Tcp, "rr", &[dead, good.addr]);
     let c = d.control();
     let vip = d.service_addr("default", "p").unwrap();
     let tries = |c: &dyn Control| -> Vec<u64> {
@@ -186,16 +173,7 @@ fn rr_retries_keep_the_rotation_and_a_failing_backend_is_taken_out() {
 fn a_retried_connection_counts_once_for_its_service() {
     let refusing = RefusingPort::new();
     let good = Echo::start();
-    let d = Daemon::start(
-        config(vec![service(
-            "p",
-            Protocol::Tcp,
-            "rr",
-            vec![backend(refusing.addr, 1), backend(good.addr, 1)],
-        )]),
-        None,
-    )
-    .unwrap();
+    let d = start_service("p", Protocol::Tcp, "rr", &[refusing.addr, good.addr]);
     let c = d.control();
     let vip = d.service_addr("default", "p").unwrap();
     // rr starts at the refusing backend: tried, then the good one.

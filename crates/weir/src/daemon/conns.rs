@@ -641,16 +641,7 @@ mod tests {
         let svc = shared.model.load().services[&("default".to_owned(), "x".to_owned())].clone();
         let open = |client: SocketAddr| {
             let mut rng = weir_sched::SplitMix64::new(1);
-            let b = svc
-                .choose(
-                    &shared,
-                    Protocol::Tcp,
-                    client,
-                    svc.listen.ip(),
-                    &[],
-                    &mut rng,
-                )
-                .unwrap();
+            let b = svc.choose_tcp(&shared, client, &mut rng);
             let owner = shared.conns.owners.claim().unwrap();
             let r = shared.open(
                 &svc,

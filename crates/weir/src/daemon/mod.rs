@@ -999,6 +999,24 @@ pub(crate) fn host_has_ip(ip: std::net::IpAddr) -> bool {
 mod tests {
     use super::*;
 
+    /// A TCP echo server on 127.0.0.1 for the tests' services: each
+    /// connection gets back what it sends, then the end of the stream.
+    pub(crate) fn echo_backend() -> SocketAddr {
+        let backend = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = backend.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for c in backend.incoming() {
+                let Ok(mut c) = c else { return };
+                std::thread::spawn(move || {
+                    let mut r = c.try_clone().unwrap();
+                    let _ = std::io::copy(&mut r, &mut c);
+                    let _ = c.shutdown(std::net::Shutdown::Write);
+                });
+            }
+        });
+        addr
+    }
+
     /// One expiry round takes every entry that is due, not a fixed count
     /// per second (it was 64 Ki: 10M flows that went idle together took
     /// 2.5 minutes past their deadline), and applies a shortened timeout to

@@ -2090,6 +2090,20 @@ pub(crate) mod tests {
         test_spec(tenant, name, protocol, "127.0.0.1:0".parse().unwrap())
     }
 
+    impl Service {
+        /// The backend a new TCP connection from `client` to the service's
+        /// own address gets (none tried yet); panics on a refusal.
+        pub(crate) fn choose_tcp(
+            &self,
+            shared: &Shared,
+            client: SocketAddr,
+            rng: &mut weir_sched::SplitMix64,
+        ) -> Arc<Backend> {
+            self.choose(shared, Protocol::Tcp, client, self.listen.ip(), &[], rng)
+                .unwrap()
+        }
+    }
+
     /// A round-robin service with no backends (for the daemon's tests).
     pub(crate) fn test_spec(
         tenant: &str,
@@ -2266,16 +2280,7 @@ pub(crate) mod tests {
         assert_eq!((b0.active(), b0.inactive(), b1.active()), (0, 0, 1));
         let mut rng = weir_sched::SplitMix64::new(7);
         let client = SocketAddr::from(([10, 0, 0, 1], 1000));
-        let picked = svc
-            .choose(
-                &d.shared,
-                Protocol::Tcp,
-                client,
-                svc.listen.ip(),
-                &[],
-                &mut rng,
-            )
-            .unwrap();
+        let picked = svc.choose_tcp(&d.shared, client, &mut rng);
         assert_eq!(picked.addr, b0.addr, "lc read b0's load as 2^64 - 1");
         let listed = d.control().services();
         let active: Vec<u64> = listed[0].backends.iter().map(|b| b.active_conns).collect();
@@ -3278,16 +3283,7 @@ pub(crate) mod tests {
         assert_eq!(entries(), Some(0));
 
         let mut rng = weir_sched::SplitMix64::new(7);
-        let b = svc
-            .choose(
-                &shared,
-                Protocol::Tcp,
-                client,
-                svc.listen.ip(),
-                &[],
-                &mut rng,
-            )
-            .unwrap();
+        let b = svc.choose_tcp(&shared, client, &mut rng);
         assert!(
             shared.conns.table.get(&tpl).is_none(),
             "the pick's template, stored after the deletion's drop, stays"
@@ -3355,16 +3351,7 @@ pub(crate) mod tests {
         for named in [u32::MAX - 7, ids[0], ids[1]] {
             let before = store(named);
             for _ in 0..4 {
-                let b = svc
-                    .choose(
-                        &shared,
-                        Protocol::Tcp,
-                        client,
-                        svc.listen.ip(),
-                        &[],
-                        &mut rng,
-                    )
-                    .unwrap();
+                let b = svc.choose_tcp(&shared, client, &mut rng);
                 assert_eq!(table.get(&tpl), Some(before), "the pick touched it");
                 let held = shared.hold_template(&svc, &params, Protocol::Tcp, client, b.id);
                 assert_eq!(held, None, "a connection holds another service's template");

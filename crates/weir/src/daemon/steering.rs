@@ -832,17 +832,7 @@ mod tests {
         workers: usize,
         steering: AcceptSteering,
     ) -> (crate::daemon::DaemonHandle, std::net::SocketAddr) {
-        let backend = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let baddr = backend.local_addr().unwrap();
-        std::thread::spawn(move || {
-            for c in backend.incoming() {
-                let Ok(mut c) = c else { return };
-                std::thread::spawn(move || {
-                    let mut r = c.try_clone().unwrap();
-                    let _ = std::io::copy(&mut r, &mut c);
-                });
-            }
-        });
+        let baddr = crate::daemon::tests::echo_backend();
         let text = format!(
             "[daemon]\nworkers = {workers}\naccept_steering = \"{}\"\n\
              [[service]]\nname = \"web\"\nprotocol = \"tcp\"\nlisten = \"127.0.0.1:0\"\n\

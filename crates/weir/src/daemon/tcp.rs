@@ -1172,6 +1172,29 @@ mod tests {
         assert_eq!(getsockopt(&c, WindowClamp).unwrap(), before);
     }
 
+    /// A listener on 127.0.0.1 as the daemon opens its own, registered
+    /// with a runtime of its own that runs only when the test drives it
+    /// (as a worker busy elsewhere): connections to its address wait in
+    /// its accept queue until then. Returns the runtime, the listener and
+    /// its address.
+    fn idle_listener() -> (tokio::runtime::Runtime, TcpListener, SocketAddr) {
+        let (socks, addr) =
+            super::super::open_sockets(Protocol::Tcp, "127.0.0.1:0".parse().unwrap(), 1, 0)
+                .unwrap();
+        let super::super::ListenSocket::Tcp(l) = socks.into_iter().next().unwrap() else {
+            panic!("not a TCP socket")
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = {
+            let _in = rt.enter();
+            TcpListener::from_std(l).unwrap()
+        };
+        (rt, listener, addr)
+    }
+
     /// A drain (SIGTERM) serves the connections the kernel had already
     /// completed on a listener, waiting in its accept queue: each gets its
     /// echo and a clean end. The listener's loop used to return as the
@@ -1185,18 +1208,7 @@ mod tests {
     #[test]
     fn a_drain_serves_the_connections_queued_for_accept() {
         use std::io::{Read, Write};
-        let backend = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let baddr = backend.local_addr().unwrap();
-        std::thread::spawn(move || {
-            for c in backend.incoming() {
-                let Ok(mut c) = c else { return };
-                std::thread::spawn(move || {
-                    let mut r = c.try_clone().unwrap();
-                    let _ = std::io::copy(&mut r, &mut c);
-                    let _ = c.shutdown(std::net::Shutdown::Write);
-                });
-            }
-        });
+        let baddr = crate::daemon::tests::echo_backend();
         let text = format!(
             "[daemon]\nworkers = 1\n[[service]]\nname = \"web\"\nprotocol = \"tcp\"\n\
              listen = \"127.0.0.1:0\"\nscheduler = \"rr\"\n[[service.backend]]\n\
@@ -1213,20 +1225,7 @@ mod tests {
             .next()
             .unwrap()
             .clone();
-        let (socks, addr) =
-            super::super::open_sockets(Protocol::Tcp, "127.0.0.1:0".parse().unwrap(), 1, 0)
-                .unwrap();
-        let super::super::ListenSocket::Tcp(l) = socks.into_iter().next().unwrap() else {
-            panic!("not a TCP socket")
-        };
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let listener = {
-            let _in = rt.enter();
-            TcpListener::from_std(l).unwrap()
-        };
+        let (rt, listener, addr) = idle_listener();
         let looping = rt.spawn(accept_loop(shared.clone(), svc, listener));
         // Connected: the kernel completed each handshake; none is accepted.
         const N: usize = 8;
@@ -1304,20 +1303,7 @@ mod tests {
         );
         shared.add_service(spec).unwrap();
         let svc = shared.model.load().services[&("default".into(), "web".into())].clone();
-        let (socks, addr) =
-            super::super::open_sockets(Protocol::Tcp, "127.0.0.1:0".parse().unwrap(), 1, 0)
-                .unwrap();
-        let super::super::ListenSocket::Tcp(l) = socks.into_iter().next().unwrap() else {
-            panic!("not a TCP socket")
-        };
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let listener = {
-            let _in = rt.enter();
-            TcpListener::from_std(l).unwrap()
-        };
+        let (rt, listener, addr) = idle_listener();
         let looping = rt.spawn(accept_loop(shared.clone(), svc.clone(), listener));
         // Connected (the kernel completed each handshake), a request sent;
         // none is accepted.

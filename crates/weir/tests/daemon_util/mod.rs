@@ -291,3 +291,16 @@ impl Drop for FdsTaken {
         self.give_back();
     }
 }
+
+/// A daemon ([`config`]: two workers) with one service `name` of the
+/// default tenant ([`service`]), scheduled by `sched`, in front of
+/// `backends` (weight 1 each).
+pub fn start_service(
+    name: &str,
+    proto: Protocol,
+    sched: &str,
+    backends: &[SocketAddr],
+) -> weir::daemon::DaemonHandle {
+    let backends = backends.iter().map(|&b| backend(b, 1)).collect();
+    weir::daemon::Daemon::start(config(vec![service(name, proto, sched, backends)]), None).unwrap()
+}
