@@ -470,9 +470,10 @@ impl XskSocket {
         }
         // Oldest first: the slab's back is the first frame the ring held.
         // The crate made each packet from its descriptor unchecked: one
-        // that lies outside the UMEM is dropped before anything makes a
-        // slice of it (not freed either: its address is not a frame of
-        // the UMEM, and freed it would be handed out again).
+        // that lies outside the UMEM (a kernel bug; see `recv`) is dropped
+        // before anything makes a slice of it (not freed either: its
+        // address is not a frame of the UMEM, and freed it would be
+        // handed out again).
         while let Some(mut packet) = self.rx.pop_back() {
             if self.bounds.fits_packet(&mut packet) {
                 self.frames.push(packet);
@@ -604,13 +605,18 @@ impl XskSocket {
             .rx_ring
             .as_mut()
             .expect("built with an rx ring (rx_count > 0)");
-        // SAFETY: the crate makes each packet from its descriptor without
-        // a check; `run_batch_all` checks each against the UMEM
-        // (`UmemBounds::fits_packet`) before it makes a slice of it, and
-        // drops the ones outside, so every packet used points into
-        // `self.umem`. `run_batch_all` returns each to it (free_packet) or
-        // moves it into the tx ring within the same call, so none outlives
-        // the UMEM.
+        // SAFETY: the descriptors come from the kernel, which hands back
+        // only the frame addresses weir put on the fill ring, inside
+        // `self.umem`; that is the argument, as it is the crate's. The
+        // crate makes each packet from its descriptor unchecked (its
+        // pointer arithmetic, `byte_offset`, already assumes an address
+        // inside the mapping), so what `run_batch_all` adds
+        // (`UmemBounds::fits_packet`) is defence in depth against a
+        // kernel bug or another process writing to the rings: a packet
+        // outside the UMEM is dropped before any slice of it is made, so
+        // nothing is read or written through it. `run_batch_all` returns
+        // each packet to the UMEM (free_packet) or moves it into the tx
+        // ring within the same call, so none outlives the UMEM.
         unsafe { rx.recv(&self.umem, &mut self.rx) }
     }
 
