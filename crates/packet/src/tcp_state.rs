@@ -180,28 +180,73 @@ pub const SEQ_WINDOW: u32 = 1 << 20;
 /// whose sender in that direction was last noted at `known` (0: nothing
 /// noted, so nothing to check against).
 pub fn rst_acceptable(seq: u32, known: u32) -> bool {
-    known == 0 || seq.wrapping_sub(known).wrapping_add(SEQ_WINDOW) <= 2 * SEQ_WINDOW
+    known == 0
+        || known == AWAIT_SYN
+        || seq.wrapping_sub(known).wrapping_add(SEQ_WINDOW) <= 2 * SEQ_WINDOW
+}
+
+/// A place that waits for its sender's SYN: the client started a new
+/// connection on a closing flow (a port reused), so the backend's place
+/// is the old connection's and its next SYN-ACK starts it afresh; until
+/// then only a SYN is noted, and nothing is checked against it (as with
+/// nothing noted). No segment is noted as 1 ([`seq_to_note`] notes 2 for
+/// one ending at 0 or 1).
+///
+/// Why: the backend may answer the new SYN for its old connection first
+/// (a challenge ACK from its TIME_WAIT socket, which moves the flow to
+/// ESTABLISHED by IPVS's table), so by the time its SYN-ACK comes the
+/// flow is established and a SYN there notes nothing. Without this, its
+/// place stayed the old connection's, and the new connection's FIN and
+/// RST from the backend were ignored (nat, `weir-bench packet --only tcp`:
+/// one of each for ~6% of wrk's connections).
+pub const AWAIT_SYN: u32 = 1;
+
+/// Whether a segment that [`seq_to_note`] noted `noted` from `known`
+/// starts a new connection on a flow that had one: the client's SYN on a
+/// closing flow (a port reused). The backend's place is then set to
+/// [`AWAIT_SYN`].
+pub fn reuses_port(flags: TcpFlags, known: u32, noted: Option<u32>) -> bool {
+    flags.has(TcpFlags::SYN)
+        && !flags.has(TcpFlags::ACK)
+        && known != 0
+        && known != AWAIT_SYN
+        && noted.is_some()
 }
 
 /// The sequence number to note for a segment with `flags` ending at `end`
-/// (its sequence number plus SEG.LEN) in a flow in `state` whose sender was
-/// last noted at `known`, or `None` to leave it. A RST notes nothing; a
-/// SYN starts afresh where no connection is open (nothing noted yet, or
-/// the flow closing: a port reused with a new initial sequence number);
+/// (its sequence number plus SEG.LEN) in a flow in `state` (before the
+/// segment moves it) whose sender was last noted at `known`, or `None` to
+/// leave it. A RST notes nothing; a SYN starts afresh unless the flow is
+/// established (a handshake's SYN and SYN-ACK, or a port reused with a new
+/// initial sequence number while the old connection's entry is closing);
 /// anything else moves forward by at most [`SEQ_WINDOW`].
+///
+/// Why any state but ESTABLISHED, not only TIME_WAIT and CLOSE: a port is
+/// reused from whatever closing state weir last saw. dr sees only the
+/// client, whose FIN leaves the flow in FIN_WAIT; in nat the backend's
+/// SYN-ACK comes once the client's SYN moved the flow to SYN_RECV. Left
+/// to the old connection's place, the new one's segments were all out of
+/// the window, so its FIN and RST changed nothing and the entry stayed
+/// ESTABLISHED for 900 s (`weir-bench packet --only tcp`, session 26:
+/// thousands of `fin_ignored` per run of wrk, which reuses ports). In an
+/// established flow a SYN notes nothing: a blind one must not move the
+/// place to where its sender knows it is.
 pub fn seq_to_note(state: TcpState, flags: TcpFlags, end: u32, known: u32) -> Option<u32> {
     if flags.has(TcpFlags::RST) {
         return None;
     }
-    let fresh = known == 0
-        || (flags.has(TcpFlags::SYN) && matches!(state, TcpState::TimeWait | TcpState::Close));
+    let syn = flags.has(TcpFlags::SYN);
+    if known == AWAIT_SYN && !syn {
+        return None;
+    }
+    let fresh = known == 0 || known == AWAIT_SYN || (syn && state != TcpState::Established);
+    // 0 means "nothing noted" and 1 [`AWAIT_SYN`]: a segment ending at 0
+    // or 1 is noted as 2, inside the window of the true value.
     if fresh {
-        // 0 means "nothing noted": a segment ending exactly at 0 is noted
-        // as 1, inside the window of the true value.
-        return Some(end.max(1));
+        return Some(end.max(2));
     }
     let ahead = end.wrapping_sub(known);
-    (ahead != 0 && ahead <= SEQ_WINDOW).then_some(end.max(1))
+    (ahead != 0 && ahead <= SEQ_WINDOW).then_some(end.max(2))
 }
 
 impl TcpState {
@@ -266,7 +311,7 @@ mod tests {
     fn a_rst_counts_only_near_its_senders_place() {
         let w = SEQ_WINDOW;
         assert!(rst_acceptable(12345, 0), "nothing noted: nothing to check");
-        for known in [1, 1000, 1 << 31, u32::MAX, w / 2] {
+        for known in [2, 1000, 1 << 31, u32::MAX, w / 2] {
             for off in [0, 1, w] {
                 assert!(
                     rst_acceptable(known.wrapping_add(off), known),
@@ -292,11 +337,15 @@ mod tests {
 
     #[test]
     fn the_noted_place_moves_forward_within_the_window_only() {
-        use TcpState::{Close as CL, Established as ES, SynRecv as SR, TimeWait as TW};
+        use TcpState::{
+            Close as CL, CloseWait as CW, Established as ES, FinWait as FW, LastAck as LA,
+            SynRecv as SR, SynSent as SS, TimeWait as TW,
+        };
         let w = SEQ_WINDOW;
         // First segment each way: noted whatever it is (0 stays "nothing").
         assert_eq!(seq_to_note(SR, SYN, 77, 0), Some(77));
-        assert_eq!(seq_to_note(SR, SYN, 0, 0), Some(1));
+        assert_eq!(seq_to_note(SR, SYN, 0, 0), Some(2));
+        assert_eq!(seq_to_note(SR, SYN, 1, 0), Some(2));
         // Forward by up to the window, across the wrap too.
         assert_eq!(seq_to_note(ES, ACK, 1500, 100), Some(1500));
         assert_eq!(seq_to_note(ES, ACK, 100 + w, 100), Some(100 + w));
@@ -309,12 +358,36 @@ mod tests {
             seq_to_note(ES, ACK, 100u32.wrapping_add(1 << 31), 100),
             None
         );
-        // A RST notes nothing; a SYN starts afresh only once the flow is
-        // closing (a port reused), never in an open one.
+        // A RST notes nothing; a SYN starts afresh unless the flow is
+        // established: a handshake (the SYN-ACK in SYN_RECV), a port reused
+        // from any closing state; never in an open one.
         assert_eq!(seq_to_note(ES, RST, 200, 100), None);
         assert_eq!(seq_to_note(ES, SYN, 1 << 30, 100), None);
-        assert_eq!(seq_to_note(TW, SYN, 1 << 30, 100), Some(1 << 30));
-        assert_eq!(seq_to_note(CL, SYN, 1 << 30, 100), Some(1 << 30));
+        assert_eq!(seq_to_note(ES, SYNACK, 1 << 30, 100), None);
+        for st in [SR, TW, CL, FW, CW, LA, SS] {
+            assert_eq!(seq_to_note(st, SYN, 1 << 30, 100), Some(1 << 30), "{st:?}");
+        }
+        assert_eq!(seq_to_note(SR, SYNACK, 1 << 30, 100), Some(1 << 30));
+    }
+
+    #[test]
+    fn a_place_awaiting_a_syn_notes_only_a_syn_and_checks_nothing() {
+        use TcpState::{Established as ES, SynRecv as SR};
+        // Not an ACK (a challenge ACK of the old connection), not a FIN.
+        assert_eq!(seq_to_note(ES, ACK, 5000, AWAIT_SYN), None);
+        assert_eq!(seq_to_note(SR, FINACK, 5000, AWAIT_SYN), None);
+        // The SYN-ACK, in whatever state the ACK left the flow.
+        assert_eq!(seq_to_note(ES, SYNACK, 5000, AWAIT_SYN), Some(5000));
+        assert_eq!(seq_to_note(SR, SYNACK, 5000, AWAIT_SYN), Some(5000));
+        // Nothing to check a RST or FIN against meanwhile.
+        assert!(rst_acceptable(1 << 31, AWAIT_SYN));
+        // The client's SYN on a flow with a place reuses its port; its
+        // first SYN, a SYN-ACK or a SYN that noted nothing do not.
+        assert!(reuses_port(SYN, 100, Some(1 << 30)));
+        assert!(!reuses_port(SYN, 0, Some(1 << 30)));
+        assert!(!reuses_port(SYNACK, 100, Some(1 << 30)));
+        assert!(!reuses_port(SYN, 100, None));
+        assert!(!reuses_port(ACK, 100, Some(200)));
     }
 
     #[test]
