@@ -123,10 +123,7 @@ fn walk(
     for calls in 0u64.. {
         out.clear();
         let more = match algo {
-            Algo::Cursor => {
-                cur = table.dump(cur.as_ref(), &filter, page, &mut out);
-                cur.is_some()
-            }
+            Algo::Cursor => table.dump_page(&mut cur, &filter, page, &mut out),
             Algo::Naive => match table.dump_naive_offset(naive, page, &mut out) {
                 Some(next) => {
                     naive = next;

@@ -283,11 +283,10 @@ fn dumps(t: &FlowTable, only: Option<usize>) {
         // Ends: the cursor only moves forward over a table nobody changes.
         loop {
             out.clear();
-            let next = t.dump(cur.as_ref(), &DumpFilter::default(), page, &mut out);
+            let more = t.dump_page(&mut cur, &DumpFilter::default(), page, &mut out);
             total += out.len();
-            match next {
-                Some(c) => cur = Some(c),
-                None => break,
+            if !more {
+                break;
             }
         }
         println!(

@@ -376,10 +376,10 @@ impl Shared {
         loop {
             page.clear();
             removed.clear();
-            let next = self
+            let more = self
                 .conns
                 .table
-                .dump(cursor.as_ref(), filter, 4096, &mut page);
+                .dump_page(&mut cursor, filter, 4096, &mut page);
             for snap in &page {
                 if snap.owner == 0 || !pred(snap) {
                     continue;
@@ -392,9 +392,8 @@ impl Shared {
                 }
             }
             n += self.ended_in(&removed, why, gone);
-            match next {
-                Some(c) => cursor = Some(c),
-                None => return n,
+            if !more {
+                return n;
             }
         }
     }

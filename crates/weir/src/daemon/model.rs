@@ -1044,13 +1044,12 @@ impl Shared {
         let (mut cursor, mut page, mut n) = (None, Vec::new(), 0);
         loop {
             page.clear();
-            let next = table.dump(cursor.as_ref(), &filter, 4096, &mut page);
+            let more = table.dump_page(&mut cursor, &filter, 4096, &mut page);
             for s in &page {
                 n += u64::from(table.remove_cookie(&s.key, s.cookie).is_some());
             }
-            match next {
-                Some(c) => cursor = Some(c),
-                None => return n,
+            if !more {
+                return n;
             }
         }
     }
