@@ -2931,6 +2931,9 @@ impl<'a> Dumper<'a, '_> {
             }
             at = (u64::from(h), c);
             if self.emit(n, c) {
+                if let Some(&(_, _, j)) = self.s.items.get(k + 1) {
+                    self.ft.slab.node(j).prefetch_all();
+                }
                 self.s.resume = Some(Resume {
                     at,
                     pos: k + 1,
