@@ -13,7 +13,7 @@
 //! recycled only after an epoch grace period (see `table.rs`), so a reader
 //! never sees a node change identity under its feet.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::sync::OnceLock;
 
 use crate::raw::HugeArray;
@@ -75,9 +75,9 @@ fn pack_ip(ip: IpAddr) -> ([u64; 2], bool) {
 fn unpack_ip(w: [u64; 2], v6: bool, port: u16) -> SocketAddr {
     if v6 {
         let v = (u128::from(w[0]) << 64) | u128::from(w[1]);
-        SocketAddr::new(IpAddr::V6(Ipv6Addr::from(v)), port)
+        SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::from(v), port, 0, 0))
     } else {
-        SocketAddr::new(IpAddr::V4(Ipv4Addr::from(w[1] as u32)), port)
+        SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::from(w[1] as u32), port))
     }
 }
 
