@@ -490,8 +490,12 @@ fn oversized_content_length_is_refused_up_front() {
 
 /// A keep-alive connection that made one request with `token` and read its answer.
 fn authed_keepalive(addr: std::net::SocketAddr, token: &str) -> std::net::TcpStream {
+    authed(std::net::TcpStream::connect(addr).unwrap(), token)
+}
+
+/// `s`, once it made one request with `token` and read its (200) answer.
+fn authed(mut s: std::net::TcpStream, token: &str) -> std::net::TcpStream {
     use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
         .unwrap();
     write!(
@@ -546,20 +550,7 @@ fn authed_keepalive_from(
     addr: std::net::SocketAddr,
     token: &str,
 ) -> std::net::TcpStream {
-    use std::io::{Read, Write};
-    let mut s = connect_from(from, addr);
-    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
-        .unwrap();
-    write!(
-        s,
-        "GET /v1/whoami HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n"
-    )
-    .unwrap();
-    let mut buf = [0u8; 4096];
-    let n = s.read(&mut buf).unwrap();
-    let head = String::from_utf8_lossy(&buf[..n]);
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    s
+    authed(connect_from(from, addr), token)
 }
 
 /// The operator's request on `s`, a connection opened earlier: its answer

@@ -450,16 +450,7 @@ fn deleting_a_tenant_closes_and_purges_only_its_connections() {
         cfg.tenants.push(TenantSpec {
             name: t.into(),
             table_entries: if t == "a" { 1024 } else { 0 },
-            max_table_entries: 0,
-            max_connections: 0,
-            max_new_per_s: 0,
-            max_services: 0,
-            max_backends: 0,
-            min_health_interval: None,
-            token: None,
-            timeouts: Default::default(),
-            allowed_listen: Vec::new(),
-            allowed_backends: Vec::new(),
+            ..Default::default()
         });
         let mut s = service(
             &format!("svc-{t}"),

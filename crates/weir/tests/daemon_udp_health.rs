@@ -9,7 +9,7 @@ use std::time::Duration;
 use daemon_util::*;
 use weir::config::{HealthSpec, Protocol};
 use weir::control::Control;
-use weir::daemon::Daemon;
+use weir::daemon::{Daemon, DaemonHandle};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -186,30 +186,38 @@ fn a_retried_connection_counts_once_for_its_service() {
     d.shutdown();
 }
 
-/// Issue 10 #15: a UDP service got a TCP connect check, which marks a
-/// UDP-only backend down. A UDP check sends a payload and wants a reply.
-#[test]
-fn udp_health_check_keeps_a_udp_backend_up_and_takes_a_silent_one_down() {
+/// A daemon with UDP service default/u, rr over a UDP echo backend and
+/// `other`, checked every `interval` by a UDP check (payload "ping", a
+/// reply within 100 ms; up after 1 success, down after `fall` failures).
+/// The daemon and the echo backend's address.
+fn udp_checked(other: SocketAddr, interval: &str, fall: u32) -> (DaemonHandle, SocketAddr) {
     let live = udp_echo();
-    // Bound but never answering: silence, not a refusal.
-    let mute = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let silent = mute.local_addr().unwrap();
     let mut spec = service(
         "u",
         Protocol::Udp,
         "rr",
-        vec![backend(live, 1), backend(silent, 1)],
+        vec![backend(live, 1), backend(other, 1)],
     );
     spec.options.health = Some(HealthSpec {
-        interval: "100ms".parse().unwrap(),
+        interval: interval.parse().unwrap(),
         timeout: "100ms".parse().unwrap(),
         rise: 1,
-        fall: 2,
+        fall,
         protocol: Some(Protocol::Udp),
         send: Some("ping".into()),
         ..Default::default()
     });
-    let d = Daemon::start(config(vec![spec]), None).unwrap();
+    (Daemon::start(config(vec![spec]), None).unwrap(), live)
+}
+
+/// Issue 10 #15: a UDP service got a TCP connect check, which marks a
+/// UDP-only backend down. A UDP check sends a payload and wants a reply.
+#[test]
+fn udp_health_check_keeps_a_udp_backend_up_and_takes_a_silent_one_down() {
+    // Bound but never answering: silence, not a refusal.
+    let mute = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let silent = mute.local_addr().unwrap();
+    let (d, live) = udp_checked(silent, "100ms", 2);
     let c = d.control();
     assert!(wait_until(T, || health_of(&*c, silent)
         .is_some_and(|(s, _)| s == "down")));
@@ -236,28 +244,12 @@ fn udp_health_check_keeps_a_udp_backend_up_and_takes_a_silent_one_down() {
 /// agreed with the check's own state) and stayed out of scheduling for good.
 #[test]
 fn a_down_backend_comes_back_up_after_its_checks_restart() {
-    let live = udp_echo();
     // Bound but not answering yet: down at the first check.
     let mute = UdpSocket::bind("127.0.0.1:0").unwrap();
     let flaky = mute.local_addr().unwrap();
-    let mut spec = service(
-        "u",
-        Protocol::Udp,
-        "rr",
-        vec![backend(live, 1), backend(flaky, 1)],
-    );
     // One check at start, the next long after this test is done with the
     // first check task: only the restarted checks see the recovery.
-    spec.options.health = Some(HealthSpec {
-        interval: "1h".parse().unwrap(),
-        timeout: "100ms".parse().unwrap(),
-        rise: 1,
-        fall: 1,
-        protocol: Some(Protocol::Udp),
-        send: Some("ping".into()),
-        ..Default::default()
-    });
-    let d = Daemon::start(config(vec![spec]), None).unwrap();
+    let (d, _live) = udp_checked(flaky, "1h", 1);
     let c = d.control();
     assert!(wait_until(T, || health_of(&*c, flaky)
         .is_some_and(|(s, _)| s == "down")));

@@ -27,6 +27,35 @@ fn write_config(path: &Path, admin: SocketAddr, vip: SocketAddr, backends: &[Soc
     std::fs::write(path, text).unwrap();
 }
 
+/// `weir run --config cfg` as systemd would start it: `notify` is its
+/// `NOTIFY_SOCKET`, `WATCHDOG_USEC` is `watchdog_usec` (`WATCHDOG_PID`
+/// unset), `env` is added, and it logs into `dir`/weir.log.
+fn run_notified(
+    dir: &Path,
+    cfg: &Path,
+    notify: &Notify,
+    watchdog_usec: u64,
+    env: &[(&str, &str)],
+) -> Proc {
+    let log = std::fs::File::create(dir.join("weir.log")).unwrap();
+    Proc(
+        Command::new(BIN)
+            .args(["run", "--config"])
+            .arg(cfg)
+            .env("NOTIFY_SOCKET", &notify.path)
+            .env("WATCHDOG_USEC", watchdog_usec.to_string())
+            .env_remove("WATCHDOG_PID")
+            .envs(env.iter().copied())
+            .env("RUST_LOG", "info")
+            .env("HOME", dir)
+            .env("XDG_RUNTIME_DIR", dir)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+    )
+}
+
 /// The notification socket, as systemd's would be: one datagram per
 /// sd_notify() call, newline-separated assignments.
 struct Notify {
@@ -109,24 +138,9 @@ fn notifications_arrive_in_order() {
     let (admin, vip) = (free_addr(), free_addr());
     let cfg = dir.path().join("weir.toml");
     write_config(&cfg, admin, vip, &[e1.addr]);
-    let log = std::fs::File::create(dir.path().join("weir.log")).unwrap();
     let watchdog_usec = 400_000u64;
     let started = Instant::now();
-    let mut child = Proc(
-        Command::new(BIN)
-            .args(["run", "--config"])
-            .arg(&cfg)
-            .env("NOTIFY_SOCKET", &notify.path)
-            .env("WATCHDOG_USEC", watchdog_usec.to_string())
-            .env_remove("WATCHDOG_PID")
-            .env("RUST_LOG", "info")
-            .env("HOME", dir.path())
-            .env("XDG_RUNTIME_DIR", dir.path())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap(),
-    );
+    let mut child = run_notified(dir.path(), &cfg, &notify, watchdog_usec, &[]);
     let pid = Pid::from_raw(child.0.id() as i32);
     let mut watchdogs = Vec::new();
     let show_log = || std::fs::read_to_string(dir.path().join("weir.log")).unwrap_or_default();
@@ -249,24 +263,14 @@ fn a_dead_worker_stops_the_watchdog_and_says_why() {
     let (admin, vip) = (free_addr(), free_addr());
     let cfg = dir.path().join("weir.toml");
     write_config(&cfg, admin, vip, &[e.addr]);
-    let log = std::fs::File::create(dir.path().join("weir.log")).unwrap();
     // A keep-alive every 100 ms.
     let watchdog_usec = 200_000u64;
-    let mut child = Proc(
-        Command::new(BIN)
-            .args(["run", "--config"])
-            .arg(&cfg)
-            .env("NOTIFY_SOCKET", &notify.path)
-            .env("WATCHDOG_USEC", watchdog_usec.to_string())
-            .env_remove("WATCHDOG_PID")
-            .env("WEIR_TEST_HOOKS", "1")
-            .env("RUST_LOG", "info")
-            .env("HOME", dir.path())
-            .env("XDG_RUNTIME_DIR", dir.path())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap(),
+    let mut child = run_notified(
+        dir.path(),
+        &cfg,
+        &notify,
+        watchdog_usec,
+        &[("WEIR_TEST_HOOKS", "1")],
     );
     let pid = Pid::from_raw(child.0.id() as i32);
     let show_log = || std::fs::read_to_string(dir.path().join("weir.log")).unwrap_or_default();

@@ -1017,6 +1017,49 @@ mod tests {
         addr
     }
 
+    /// The daemon's admin API on 127.0.0.1, answering to `token`: its URL,
+    /// and the token that stops it.
+    fn admin_api(d: &DaemonHandle, token: &str) -> (String, CancellationToken) {
+        let admin = crate::config::AdminConfig {
+            listen: "127.0.0.1:0".into(),
+            token: Some(token.into()),
+            ..crate::config::AdminConfig::default()
+        };
+        let rt = d.runtime();
+        let bound = rt
+            .block_on(crate::admin::bind(&admin, d.control()))
+            .unwrap();
+        let url = format!("http://{}", bound.local_addr().unwrap());
+        let stop = CancellationToken::new();
+        rt.spawn(bound.run(stop.clone()));
+        (url, stop)
+    }
+
+    /// Until `waiting` (a lock's count of waiters) counts one, for at most
+    /// 10 s; past that the test fails saying `what`.
+    fn wait_for_a_waiter(waiting: &std::sync::atomic::AtomicUsize, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while waiting.load(Relaxed) == 0 {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// `GET /v1/services` sent by `client` on a thread of its own, and its
+    /// answer if one comes within 5 s.
+    fn services_listed(
+        client: crate::cli::client::Client,
+    ) -> Result<
+        Result<serde_json::Value, crate::cli::client::CliError>,
+        std::sync::mpsc::RecvTimeoutError,
+    > {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(client.send("GET", "/v1/services", None));
+        });
+        rx.recv_timeout(Duration::from_secs(5))
+    }
+
     /// One expiry round takes every entry that is due, not a fixed count
     /// per second (it was 64 Ki: 10M flows that went idle together took
     /// 2.5 minutes past their deadline), and applies a shortened timeout to
@@ -1138,18 +1181,7 @@ mod tests {
         let mut cfg = Config::default();
         cfg.daemon.workers = 1;
         let d = Daemon::start(cfg, None).unwrap();
-        let admin = crate::config::AdminConfig {
-            listen: "127.0.0.1:0".into(),
-            token: Some("edit-lock-test-token".into()),
-            ..crate::config::AdminConfig::default()
-        };
-        let rt = d.runtime();
-        let bound = rt
-            .block_on(crate::admin::bind(&admin, d.control()))
-            .unwrap();
-        let url = format!("http://{}", bound.local_addr().unwrap());
-        let stop = CancellationToken::new();
-        rt.spawn(bound.run(stop.clone()));
+        let (url, stop) = admin_api(&d, "edit-lock-test-token");
         let client = || Client::new(url.clone(), Some("edit-lock-test-token".into()));
         // As a long reload does.
         let held = d.shared.model.edits.lock();
@@ -1158,22 +1190,11 @@ mod tests {
             let c = client();
             std::thread::spawn(move || c.send("DELETE", "/v1/services/default/nope", None))
         };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while d.shared.model.edits_waiting.load(Relaxed) == 0 {
-            assert!(
-                Instant::now() < deadline,
-                "the edit never waited for the lock"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let (tx, rx) = std::sync::mpsc::channel();
-        {
-            let c = client();
-            std::thread::spawn(move || {
-                let _ = tx.send(c.send("GET", "/v1/services", None));
-            });
-        }
-        let answer = rx.recv_timeout(Duration::from_secs(5));
+        wait_for_a_waiter(
+            &d.shared.model.edits_waiting,
+            "the edit never waited for the lock",
+        );
+        let answer = services_listed(client());
         assert!(
             matches!(answer, Ok(Ok(serde_json::Value::Array(_)))),
             "GET /v1/services while an edit waits for the edit lock: {answer:?}"
@@ -1250,18 +1271,7 @@ mod tests {
         let mut cfg = Config::default();
         cfg.daemon.workers = 1;
         let d = Daemon::start(cfg, None).unwrap();
-        let admin = crate::config::AdminConfig {
-            listen: "127.0.0.1:0".into(),
-            token: Some("writer-lock-test-token".into()),
-            ..crate::config::AdminConfig::default()
-        };
-        let rt = d.runtime();
-        let bound = rt
-            .block_on(crate::admin::bind(&admin, d.control()))
-            .unwrap();
-        let url = format!("http://{}", bound.local_addr().unwrap());
-        let stop = CancellationToken::new();
-        rt.spawn(bound.run(stop.clone()));
+        let (url, stop) = admin_api(&d, "writer-lock-test-token");
         let client = || Client::new(url.clone(), Some("writer-lock-test-token".into()));
         // As a reload step does.
         let held = d.shared.model.write();
@@ -1275,22 +1285,11 @@ mod tests {
                 )
             })
         };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while d.shared.model.writers_waiting.load(Relaxed) == 0 {
-            assert!(
-                Instant::now() < deadline,
-                "the add never waited for the writers' lock"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let (tx, rx) = std::sync::mpsc::channel();
-        {
-            let c = client();
-            std::thread::spawn(move || {
-                let _ = tx.send(c.send("GET", "/v1/services", None));
-            });
-        }
-        let answer = rx.recv_timeout(Duration::from_secs(5));
+        wait_for_a_waiter(
+            &d.shared.model.writers_waiting,
+            "the add never waited for the writers' lock",
+        );
+        let answer = services_listed(client());
         assert!(
             matches!(answer, Ok(Ok(serde_json::Value::Array(_)))),
             "GET /v1/services while a tenant's add waits for the writers' lock: {answer:?}"

@@ -2438,6 +2438,27 @@ pub(crate) mod tests {
         daemon_with(tenants, services, None)
     }
 
+    /// A daemon with one service, default/p: TCP, persistent for 300 s, a
+    /// weight-1 backend on 127.0.0.9 at each of `ports`. The daemon and the
+    /// service.
+    fn daemon_with_a_persistent_service(
+        ports: &[u16],
+    ) -> (crate::daemon::DaemonHandle, Arc<Service>) {
+        let mut s = spec("default", "p", Protocol::Tcp);
+        s.persistence = "300s".parse().unwrap();
+        for &port in ports {
+            s.backends.push(BackendSpec {
+                address: SocketAddr::from(([127, 0, 0, 9], port)),
+                weight: 1,
+                proxy_protocol: None,
+                max_connections: 0,
+            });
+        }
+        let d = daemon_with_tenants(&[], vec![s]);
+        let svc = d.shared.model.load().services[&key("default", "p")].clone();
+        (d, svc)
+    }
+
     /// A daemon with one worker, tenants `tenants`, these services and a
     /// config file `path` to reload, if given.
     fn daemon_with(
@@ -3259,17 +3280,8 @@ pub(crate) mod tests {
     /// counting against the tenant's table.
     #[test]
     fn a_template_stored_after_its_service_was_deleted_is_removed() {
-        let mut s = spec("default", "p", Protocol::Tcp);
-        s.persistence = "300s".parse().unwrap();
-        s.backends.push(BackendSpec {
-            address: SocketAddr::from(([127, 0, 0, 9], 2000)),
-            weight: 1,
-            proxy_protocol: None,
-            max_connections: 0,
-        });
-        let d = daemon_with_tenants(&[], vec![s]);
+        let (d, svc) = daemon_with_a_persistent_service(&[2000]);
         let shared = d.shared.clone();
-        let svc = shared.model.load().services[&key("default", "p")].clone();
         let params = svc.params.load_full();
         let client: SocketAddr = "10.9.8.7:4000".parse().unwrap();
         let tpl = template_key(&svc, &params, Protocol::Tcp, client);
@@ -3313,20 +3325,9 @@ pub(crate) mod tests {
     /// its own drops), reused one naming its backend, and held it.
     #[test]
     fn a_template_of_another_service_under_the_same_key_is_left_alone() {
-        let mut s = spec("default", "p", Protocol::Tcp);
-        s.persistence = "300s".parse().unwrap();
-        for port in [2000, 2001] {
-            s.backends.push(BackendSpec {
-                address: SocketAddr::from(([127, 0, 0, 9], port)),
-                weight: 1,
-                proxy_protocol: None,
-                max_connections: 0,
-            });
-        }
-        let d = daemon_with_tenants(&[], vec![s]);
+        let (d, svc) = daemon_with_a_persistent_service(&[2000, 2001]);
         let shared = d.shared.clone();
         let table = &shared.conns.table;
-        let svc = shared.model.load().services[&key("default", "p")].clone();
         let params = svc.params.load_full();
         let ids: Vec<u32> = svc.set.load().backends.iter().map(|b| b.id).collect();
         let client: SocketAddr = "10.9.8.7:4000".parse().unwrap();
@@ -3369,18 +3370,9 @@ pub(crate) mod tests {
     /// was lost, so its template could expire under it.
     #[test]
     fn a_release_leaves_another_services_template_under_the_same_key_held() {
-        let mut s = spec("default", "p", Protocol::Tcp);
-        s.persistence = "300s".parse().unwrap();
-        s.backends.push(BackendSpec {
-            address: SocketAddr::from(([127, 0, 0, 9], 2000)),
-            weight: 1,
-            proxy_protocol: None,
-            max_connections: 0,
-        });
-        let d = daemon_with_tenants(&[], vec![s]);
+        let (d, svc) = daemon_with_a_persistent_service(&[2000]);
         let shared = d.shared.clone();
         let table = &shared.conns.table;
-        let svc = shared.model.load().services[&key("default", "p")].clone();
         let params = svc.params.load_full();
         let b = svc.set.load().backends[0].id;
         let client: SocketAddr = "10.9.8.7:4000".parse().unwrap();

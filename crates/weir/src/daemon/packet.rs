@@ -1679,6 +1679,27 @@ mod tests {
         daemon_with(forward, extra, "")
     }
 
+    /// A packet-mode daemon on lo whose tenants a and b each have a nat UDP
+    /// service "dns": a's on `vip_a` in front of B1, b's on `vip_b` in
+    /// front of `backend_b`. `packet` is added to the [packet] table.
+    fn two_tenants_dns(
+        vip_a: SocketAddr,
+        vip_b: SocketAddr,
+        backend_b: &str,
+        packet: &str,
+    ) -> super::super::DaemonHandle {
+        let toml = format!(
+            "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\n{packet}\
+             [[tenant]]\nname = \"a\"\n[[tenant]]\nname = \"b\"\n\
+             [[service]]\ntenant = \"a\"\nname = \"dns\"\nprotocol = \"udp\"\n\
+             listen = \"{vip_a}\"\nforward = \"nat\"\n[[service.backend]]\naddress = \"{B1}\"\n\
+             [[service]]\ntenant = \"b\"\nname = \"dns\"\nprotocol = \"udp\"\n\
+             listen = \"{vip_b}\"\nforward = \"nat\"\n[[service.backend]]\naddress = \"{backend_b}\"\n"
+        );
+        let cfg: Config = toml::from_str(&toml).unwrap();
+        super::super::Daemon::start_inner(cfg, None, false).unwrap()
+    }
+
     /// [`daemon`] with `svc_extra` in the service's table.
     fn daemon_with(forward: &str, extra: &str, svc_extra: &str) -> super::super::DaemonHandle {
         let port = if forward == "dr" { 80 } else { 8080 };
@@ -2442,16 +2463,7 @@ mod tests {
     #[test]
     fn a_nat_reply_key_of_another_tenant_cannot_be_taken() {
         let (vip_a, vip_b) = (sa("10.0.0.100:53"), sa("10.0.0.101:53"));
-        let toml = format!(
-            "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\n\
-             [[tenant]]\nname = \"a\"\n[[tenant]]\nname = \"b\"\n\
-             [[service]]\ntenant = \"a\"\nname = \"dns\"\nprotocol = \"udp\"\n\
-             listen = \"{vip_a}\"\nforward = \"nat\"\n[[service.backend]]\naddress = \"{B1}\"\n\
-             [[service]]\ntenant = \"b\"\nname = \"dns\"\nprotocol = \"udp\"\n\
-             listen = \"{vip_b}\"\nforward = \"nat\"\n[[service.backend]]\naddress = \"{B1}\"\n"
-        );
-        let cfg: Config = toml::from_str(&toml).unwrap();
-        let d = super::super::Daemon::start_inner(cfg, None, false).unwrap();
+        let d = two_tenants_dns(vip_a, vip_b, B1, "");
         let mut e = engine(&d);
         // The victim's service is the one the replies' candidates list
         // second (their order is a hash map's): the attacker's comes first.
@@ -2499,16 +2511,12 @@ mod tests {
     #[test]
     fn a_first_packet_from_weirs_own_addresses_opens_no_flow() {
         let (vip_a, vip_b) = (sa("10.0.0.100:53"), sa("10.0.0.101:53"));
-        let toml = format!(
-            "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\nlocal_addresses = [\"{LOCAL}\"]\n\
-             [[tenant]]\nname = \"a\"\n[[tenant]]\nname = \"b\"\n\
-             [[service]]\ntenant = \"a\"\nname = \"dns\"\nprotocol = \"udp\"\n\
-             listen = \"{vip_a}\"\nforward = \"nat\"\n[[service.backend]]\naddress = \"{B1}\"\n\
-             [[service]]\ntenant = \"b\"\nname = \"dns\"\nprotocol = \"udp\"\n\
-             listen = \"{vip_b}\"\nforward = \"nat\"\n[[service.backend]]\naddress = \"{B2}\"\n"
+        let d = two_tenants_dns(
+            vip_a,
+            vip_b,
+            B2,
+            &format!("local_addresses = [\"{LOCAL}\"]\n"),
         );
-        let cfg: Config = toml::from_str(&toml).unwrap();
-        let d = super::super::Daemon::start_inner(cfg, None, false).unwrap();
         let mut e = engine(&d);
         let local = SocketAddr::new(LOCAL.parse().unwrap(), 40000);
         for src in [vip_b, vip_a, sa("10.0.0.101:9"), local] {
@@ -2697,18 +2705,22 @@ mod tests {
         assert_eq!(d.shared.admission.active.load(Relaxed), 0);
     }
 
+    /// Turns on `expire_nodest_conn` in `d`'s service: the flows of a
+    /// backend removed from it end.
+    fn expire_nodest_conn(d: &super::super::DaemonHandle) {
+        let svc = the_service(d);
+        let mut p = (**svc.params.load()).clone();
+        p.expire_nodest_conn = true;
+        svc.params.store(Arc::new(p));
+    }
+
     /// A backend removed with `expire_nodest_conn`: its fnat flows end and
     /// give their ports back, though the backend is no longer in the
     /// service to say its address.
     #[test]
     fn fnat_ports_come_back_when_the_backend_is_removed() {
         let d = daemon("fnat", "");
-        {
-            let svc = the_service(&d);
-            let mut p = (**svc.params.load()).clone();
-            p.expire_nodest_conn = true;
-            svc.params.store(Arc::new(p));
-        }
+        expire_nodest_conn(&d);
         let mut e = engine(&d);
         let mut syn = frame(sa("192.0.2.7:40000"), sa(VIP), Some(SYN), b"");
         assert_eq!(e.process(&mut syn), Verdict::Transmit);
@@ -2728,12 +2740,7 @@ mod tests {
     #[test]
     fn fnat_port_pools_of_removed_backends_are_freed() {
         let d = daemon("fnat", "");
-        {
-            let svc = the_service(&d);
-            let mut p = (**svc.params.load()).clone();
-            p.expire_nodest_conn = true;
-            svc.params.store(Arc::new(p));
-        }
+        expire_nodest_conn(&d);
         let control = d.control();
         let mut e = engine(&d);
         let path = d.shared.packet.get().unwrap().clone();

@@ -36,6 +36,18 @@ pub struct FakeState {
     pub global_stats_calls: u64,
 }
 
+impl FakeState {
+    /// Service `tenant`/`service` of the config, or the daemon's "not
+    /// found".
+    fn service_mut(&mut self, tenant: &str, service: &str) -> ControlResult<&mut ServiceSpec> {
+        self.config
+            .services
+            .iter_mut()
+            .find(|s| s.tenant == tenant && s.name == service)
+            .ok_or_else(|| nf(format!("no service {tenant}/{service}")))
+    }
+}
+
 /// A gate that slow calls wait at (see [`FakeState::gate`]).
 #[derive(Debug, Default)]
 pub struct Gate {
@@ -92,17 +104,7 @@ impl Fake {
             st.config.tenants = vec![
                 TenantSpec {
                     name: "default".into(),
-                    table_entries: 0,
-                    max_table_entries: 0,
-                    max_connections: 0,
-                    max_new_per_s: 0,
-                    max_services: 0,
-                    max_backends: 0,
-                    min_health_interval: None,
-                    token: None,
-                    timeouts: Default::default(),
-                    allowed_listen: Vec::new(),
-                    allowed_backends: Vec::new(),
+                    ..Default::default()
                 },
                 TenantSpec {
                     name: "acme".into(),
@@ -120,17 +122,8 @@ impl Fake {
                 },
                 TenantSpec {
                     name: "globex".into(),
-                    table_entries: 0,
-                    max_table_entries: 0,
-                    max_connections: 0,
-                    max_new_per_s: 0,
-                    max_services: 0,
-                    max_backends: 0,
-                    min_health_interval: None,
                     token: Some("globex-token".into()),
-                    timeouts: Default::default(),
-                    allowed_listen: Vec::new(),
-                    allowed_backends: Vec::new(),
+                    ..Default::default()
                 },
             ];
             st.config.services = vec![
@@ -431,12 +424,7 @@ impl Control for Fake {
 
     fn add_backend(&self, tenant: &str, service: &str, spec: BackendSpec) -> ControlResult<()> {
         let mut st = self.st.lock().unwrap();
-        let s = st
-            .config
-            .services
-            .iter_mut()
-            .find(|s| s.tenant == tenant && s.name == service)
-            .ok_or_else(|| nf(format!("no service {tenant}/{service}")))?;
+        let s = st.service_mut(tenant, service)?;
         if s.backends.iter().any(|b| b.address == spec.address) {
             return Err(conflict(format!("backend {} exists", spec.address)));
         }
@@ -452,12 +440,7 @@ impl Control for Fake {
         patch: BackendPatch,
     ) -> ControlResult<()> {
         let mut st = self.st.lock().unwrap();
-        let s = st
-            .config
-            .services
-            .iter_mut()
-            .find(|s| s.tenant == tenant && s.name == service)
-            .ok_or_else(|| nf(format!("no service {tenant}/{service}")))?;
+        let s = st.service_mut(tenant, service)?;
         let b = s
             .backends
             .iter_mut()
@@ -474,12 +457,7 @@ impl Control for Fake {
 
     fn delete_backend(&self, tenant: &str, service: &str, address: &str) -> ControlResult<()> {
         let mut st = self.st.lock().unwrap();
-        let s = st
-            .config
-            .services
-            .iter_mut()
-            .find(|s| s.tenant == tenant && s.name == service)
-            .ok_or_else(|| nf(format!("no service {tenant}/{service}")))?;
+        let s = st.service_mut(tenant, service)?;
         let before = s.backends.len();
         s.backends.retain(|b| b.address.to_string() != address);
         if s.backends.len() == before {

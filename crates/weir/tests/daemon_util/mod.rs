@@ -161,17 +161,9 @@ pub fn service(
 pub fn default_tenant(max_connections: u64, max_new_per_s: u64) -> TenantSpec {
     TenantSpec {
         name: "default".into(),
-        table_entries: 0,
-        max_table_entries: 0,
         max_connections,
         max_new_per_s,
-        max_services: 0,
-        max_backends: 0,
-        min_health_interval: None,
-        token: None,
-        timeouts: Default::default(),
-        allowed_listen: Vec::new(),
-        allowed_backends: Vec::new(),
+        ..Default::default()
     }
 }
 
