@@ -80,6 +80,7 @@
 
 #![warn(missing_docs)]
 
+mod chunks;
 mod counts;
 mod cursor;
 mod flow;
@@ -92,6 +93,7 @@ mod table;
 mod types;
 mod wheel;
 
+pub use chunks::ChunkGeometry;
 pub use cursor::Cursor;
 pub use flow::{FlowTable, LOOKUP_BATCH, Profile, RETIME_REFS, Reader};
 #[doc(hidden)]

@@ -16,6 +16,7 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::sync::OnceLock;
 
+use crate::chunks::ChunkGeometry;
 use crate::raw::HugeArray;
 use crate::sync::{AtomicU32, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
 use crate::types::{
@@ -708,11 +709,8 @@ impl Arena for NodeVec {
 /// last chunk's unused tail costs address space, not memory).
 /// Indices are 28 bits (the wheel's filing references keep 4 cookie bits
 /// above them), so a `FlowTable` holds at most 2^28 - 1 (~268 M) entries.
-const SMALL: u32 = 1024;
-const BIG_SHIFT: u32 = 17;
-const BIG: u32 = 1 << BIG_SHIFT;
-const SMALL_CHUNKS: usize = 8;
-const CHUNKS: usize = SMALL_CHUNKS + (1 << (IDX_BITS - BIG_SHIFT)) - 1;
+const GEOMETRY: ChunkGeometry = ChunkGeometry::new(1024);
+const CHUNKS: usize = GEOMETRY.chunks(NIL);
 
 /// The node arena: chunks allocated on demand and never freed before the
 /// table, addressed by 28-bit indices. Index `NIL` is never handed out.
@@ -757,22 +755,7 @@ impl Chunk {
 /// (chunk, offset, chunk length) of an index.
 #[inline]
 fn locate(i: u32) -> (usize, usize, usize) {
-    if i < BIG {
-        let b = i / SMALL;
-        if b == 0 {
-            (0, i as usize, SMALL as usize)
-        } else {
-            let k = 32 - b.leading_zeros();
-            let start = SMALL << (k - 1);
-            (k as usize, (i - start) as usize, start as usize)
-        }
-    } else {
-        (
-            SMALL_CHUNKS - 1 + (i >> BIG_SHIFT) as usize,
-            (i & (BIG - 1)) as usize,
-            BIG as usize,
-        )
-    }
+    GEOMETRY.locate(i)
 }
 
 impl Slab {
@@ -843,19 +826,19 @@ impl Arena for Slab {
 mod tests {
     use super::*;
 
+    /// The node slab's geometry, as its documentation gives it: 1 Ki,
+    /// 1 Ki, 2 Ki ... 64 Ki nodes, then 128 Ki each, in 2055 chunks for the
+    /// 2^28 - 1 indices.
     #[test]
-    fn locate_is_contiguous() {
-        let mut expect = (0usize, 0usize);
-        for i in 0..(3 * BIG) {
-            let (c, off, len) = locate(i);
-            if off == 0 && i != 0 {
-                expect = (expect.0 + 1, 0);
-            }
-            assert_eq!((c, off), expect, "index {i}");
-            assert!(off < len);
-            expect.1 += 1;
-        }
-        assert_eq!(locate(NIL - 1).0, CHUNKS - 1);
+    fn the_node_slab_geometry_is_pinned() {
+        assert_eq!(locate(0), (0, 0, 1024));
+        assert_eq!(locate(1023), (0, 1023, 1024));
+        assert_eq!(locate(1024), (1, 0, 1024));
+        assert_eq!(locate(2048), (2, 0, 2048));
+        assert_eq!(locate((1 << 17) - 1), (7, (1 << 16) - 1, 1 << 16));
+        assert_eq!(locate(1 << 17), (8, 0, 1 << 17));
+        assert_eq!(locate(NIL - 1), (2054, (1 << 17) - 2, 1 << 17));
+        assert_eq!(CHUNKS, 2055);
     }
 
     #[test]

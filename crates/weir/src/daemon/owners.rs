@@ -23,6 +23,7 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
+use weir_flowtable::ChunkGeometry;
 
 /// Why an owner was told to close (the access log's `reason`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,34 +72,17 @@ impl Close {
 /// Chunks grow geometrically (512, 512, 1 Ki, 2 Ki ... 32 Ki slots), then
 /// hold 64 Ki slots each: an idle daemon holds none, a small one a few
 /// KiB, and at most half of what is allocated is unused.
-const SMALL: u32 = 512;
-const BIG_SHIFT: u32 = 16;
-const BIG: u32 = 1 << BIG_SHIFT;
-const SMALL_CHUNKS: usize = 8;
+const GEOMETRY: ChunkGeometry = ChunkGeometry::new(512);
 /// At most 16 Mi owned flows at once: each holds at least one descriptor,
 /// far below any open-files limit's reach.
 const MAX_SLOTS: u32 = 1 << 24;
-const CHUNKS: usize = SMALL_CHUNKS + ((MAX_SLOTS - BIG) >> BIG_SHIFT) as usize;
+const CHUNKS: usize = GEOMETRY.chunks(MAX_SLOTS);
 
 /// (chunk, offset, chunk length) of slot `i`.
 fn locate(i: u32) -> (usize, usize, usize) {
-    if i < BIG {
-        let b = i / SMALL;
-        if b == 0 {
-            (0, i as usize, SMALL as usize)
-        } else {
-            let k = 32 - b.leading_zeros();
-            let start = SMALL << (k - 1);
-            (k as usize, (i - start) as usize, start as usize)
-        }
-    } else {
-        (
-            SMALL_CHUNKS - 1 + (i >> BIG_SHIFT) as usize,
-            (i & (BIG - 1)) as usize,
-            BIG as usize,
-        )
-    }
+    GEOMETRY.locate(i)
 }
+
 /// A slot claimed by a task that has no entry yet (between claim and bind,
 /// and between one attempt's entry and the next).
 const UNBOUND: u64 = u64::MAX;
@@ -390,19 +374,23 @@ mod tests {
         assert_eq!(o.kill_all(Close::Killed), 0);
     }
 
+    /// The owner slab's geometry, as its documentation gives it: 512, 512,
+    /// 1 Ki ... 32 Ki slots, then 64 Ki each, in 263 chunks for 16 Mi
+    /// slots.
+    #[test]
+    fn slots_are_where_the_geometry_says() {
+        assert_eq!(locate(0), (0, 0, 512));
+        assert_eq!(locate(511), (0, 511, 512));
+        assert_eq!(locate(512), (1, 0, 512));
+        assert_eq!(locate(1024), (2, 0, 1024));
+        assert_eq!(locate((1 << 16) - 1), (7, (1 << 15) - 1, 1 << 15));
+        assert_eq!(locate(1 << 16), (8, 0, 1 << 16));
+        assert_eq!(locate(MAX_SLOTS - 1), (262, (1 << 16) - 1, 1 << 16));
+        assert_eq!(CHUNKS, 263);
+    }
+
     #[test]
     fn slots_are_contiguous_across_chunks() {
-        let mut expect = (0usize, 0usize);
-        for i in 0..(3 * BIG) {
-            let (c, off, len) = locate(i);
-            if off == 0 && i != 0 {
-                expect = (expect.0 + 1, 0);
-            }
-            assert_eq!((c, off), expect, "slot {i}");
-            assert!(off < len);
-            expect.1 += 1;
-        }
-        assert_eq!(locate(MAX_SLOTS - 1).0, CHUNKS - 1);
         // Claims past the first chunks land in fresh ones and work.
         let o = Arc::new(Owners::new(1));
         let held: Vec<_> = (0..2000u64)
