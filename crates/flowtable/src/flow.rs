@@ -282,7 +282,8 @@ impl Profile {
     /// ([`FlowInit::profile`]): it borrows the handle, so the profile is
     /// held until the insert is done.
     pub fn for_init(&self) -> ProfileRef<'_> {
-        ProfileRef::held(self.number)
+        let set = self.set.as_ref().map_or(0, |s| Arc::as_ptr(s) as usize);
+        ProfileRef::held(self.number, set)
     }
 }
 
@@ -1410,6 +1411,12 @@ impl FlowTable {
         let nat = match reply {
             Some(ReplyMode::FullNat(n)) => n.get(),
             _ => 0,
+        };
+        // Another tenant's profile (or one of a removed tenant that had
+        // this id) names nothing here: the tenant's own timeouts.
+        let init = FlowInit {
+            profile: init.profile.for_set(Arc::as_ptr(&t.profiles) as usize),
+            ..init
         };
         // With a reply key the node starts pending (not live) until both
         // its index entries are in.

@@ -313,7 +313,11 @@ pub struct FlowInit<'p> {
 /// [`timeout_profile`](crate::FlowTable::timeout_profile)). That was the
 /// caller's word, with a bare number; now a number comes only with a
 /// borrow of its handle, so an init naming a profile cannot outlive the
-/// handle. It is the number alone at run time (no count, no atomics).
+/// handle. At run time it is the number and which tenant's profiles it is
+/// a number of (no count, no atomics): an insert for another tenant, or
+/// for a tenant added again under the id of the one it was taken from,
+/// names no profile (profile 0) instead of whatever that tenant gave the
+/// same number to.
 ///
 /// An insert under a profile whose handle is gone does not compile:
 ///
@@ -348,6 +352,10 @@ pub struct FlowInit<'p> {
 #[derive(Copy, Clone, PartialEq, Eq, Debug, Default)]
 pub struct ProfileRef<'p> {
     number: u16,
+    /// The address of the tenant's profiles it is a number of (0 with
+    /// number 0): while the handle is borrowed they are alive, so no other
+    /// tenant's are at that address.
+    set: usize,
     held: std::marker::PhantomData<&'p ()>,
 }
 
@@ -355,16 +363,33 @@ impl ProfileRef<'static> {
     /// Profile 0: the tenant's timeouts as they are (nothing to hold).
     pub const NONE: Self = ProfileRef {
         number: 0,
+        set: 0,
         held: std::marker::PhantomData,
     };
 }
 
 impl ProfileRef<'_> {
-    /// Of a profile held for `'p` (only [`Profile::for_init`](crate::Profile::for_init)).
-    pub(crate) fn held(number: u16) -> Self {
+    /// Of a profile held for `'p` (only [`Profile::for_init`](crate::Profile::for_init)),
+    /// a number of the tenant's profiles at address `set`.
+    pub(crate) fn held(number: u16, set: usize) -> Self {
         ProfileRef {
             number,
+            set,
             held: std::marker::PhantomData,
+        }
+    }
+
+    /// What it names among the tenant's profiles at address `set`: itself
+    /// if they are the ones it was taken from, else no profile (0).
+    pub(crate) fn for_set(self, set: usize) -> Self {
+        if self.set == set {
+            self
+        } else {
+            ProfileRef {
+                number: 0,
+                set: 0,
+                held: std::marker::PhantomData,
+            }
         }
     }
 

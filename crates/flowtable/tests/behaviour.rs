@@ -756,6 +756,52 @@ fn timeout_profiles_override_per_state_and_follow_the_tenant() {
     assert_eq!(t.get(&key(2, 1)).unwrap().expires_at, Millis(300_000));
 }
 
+/// A profile handle names its number in its own tenant's profiles only.
+/// Taken before the tenant was removed and used once its id was added
+/// again, or used for another tenant, it names nothing there: the entry
+/// gets the tenant's own timeouts. The number alone went into the entry,
+/// so it took whatever that tenant (the new one under the id, or the
+/// other) had given the same number to: here a 9 s UDP timeout instead of
+/// the tenant's 300 s. (The daemon holds a tenant's id for as long as a
+/// service of it holds a profile, and services insert under their own
+/// tenant: this is the library's contract, not a path from the admin API.)
+#[test]
+fn a_profile_of_a_removed_or_other_tenant_names_nothing() {
+    let t = table_with(&[(1, 0), (2, 0)], cfg(16, 64));
+    let udp = |ms| TimeoutOverrides::NONE.with(FlowState::Udp, Millis(ms));
+    let with = |profile| FlowInit {
+        profile,
+        ..init(FlowState::Udp)
+    };
+    let old = t.timeout_profile(TenantId(1), &udp(2_000)).unwrap();
+    t.remove_tenant(TenantId(1), &mut Vec::new()).unwrap();
+    t.add_tenant(TenantId(1), TenantConfig::default()).unwrap();
+    let new = t.timeout_profile(TenantId(1), &udp(9_000)).unwrap();
+    let other = t.timeout_profile(TenantId(2), &udp(9_000)).unwrap();
+    // The same number in each (else this shows nothing).
+    assert_eq!(new.number(), old.number());
+    assert_eq!(other.number(), old.number());
+    t.insert(key(1, 1), with(old.for_init()), Millis(0))
+        .unwrap();
+    t.insert(key(2, 1), with(old.for_init()), Millis(0))
+        .unwrap();
+    for k in [key(1, 1), key(2, 1)] {
+        assert_eq!(
+            t.get(&k).unwrap().expires_at,
+            Millis(300_000),
+            "tenant {:?}: another set of profiles' number",
+            k.tenant
+        );
+    }
+    // The tenants' own handles still name their profiles.
+    t.insert(key(1, 2), with(new.for_init()), Millis(0))
+        .unwrap();
+    t.insert(key(2, 2), with(other.for_init()), Millis(0))
+        .unwrap();
+    assert_eq!(t.get(&key(1, 2)).unwrap().expires_at, Millis(9_000));
+    assert_eq!(t.get(&key(2, 2)).unwrap().expires_at, Millis(9_000));
+}
+
 #[test]
 fn timeout_profiles_are_bounded_per_tenant() {
     let t = table_with(&[(1, 0)], cfg(16, 64));
