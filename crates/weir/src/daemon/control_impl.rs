@@ -128,7 +128,14 @@ impl LiveControl {
                     *b.spec.write() = spec.clone();
                     backends.push(b.clone());
                 }
-                None => backends.push(Backend::new(spec.clone(), &self.0.accounting.rates)),
+                // (Not one of the set: the id is taken in the service only
+                // by a removed backend that may still have connections.)
+                None => backends.push(Backend::new(
+                    spec.clone(),
+                    &self.0.accounting.rates,
+                    &svc.tenant,
+                    |id| svc.backend(id).is_some(),
+                )),
             }
         }
         let gone: Vec<Arc<Backend>> = old

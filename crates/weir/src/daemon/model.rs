@@ -463,6 +463,67 @@ pub(crate) struct Tenant {
     /// `max_new_per_s`, as a token bucket.
     pub(super) new_conns: NewConnLimit,
     pub(crate) deleted: CancellationToken,
+    /// The ids of the tenant's backends, by address ([`BackendIds`]).
+    pub(crate) backend_ids: BackendIds,
+}
+
+/// One backend id per address in a tenant: every backend of the tenant's
+/// services at one address has the same id (and lease) while any of them
+/// lives. The flow table's reply key names a backend by its id, and its
+/// contract ([`weir_flowtable::ReplyKey`]) is that a reply's source maps
+/// to one id per tenant: with an id per service's backend, a packet from
+/// a backend's address was looked up once per service there, and a
+/// tenant's token can create services on any address (85 µs a spoofed
+/// reply at 1,000). Lookups by id are all within one service, whose
+/// backends have distinct addresses, so they are unaffected.
+#[derive(Debug, Default)]
+pub(crate) struct BackendIds {
+    inner: Mutex<BackendIdsInner>,
+}
+
+#[derive(Debug, Default)]
+struct BackendIdsInner {
+    by_addr: HashMap<SocketAddr, std::sync::Weak<IdLease>>,
+    /// The map's size at which the leases gone are swept out: twice what
+    /// was left by the last sweep, so the map holds at most about twice
+    /// the live ones, for O(1) a backend over time.
+    sweep_at: usize,
+}
+
+impl BackendIds {
+    /// The lease of the tenant's backends at `addr`: the live one, or a
+    /// new one from `ids`. `taken` says whether the service the backend is
+    /// for already has a backend with an id (one removed from `addr` whose
+    /// connections may still be open): then the backend gets a lease of
+    /// its own, unshared, so that the service's flows still find their
+    /// backend by id (the tenant then has two ids at `addr` until the old
+    /// one drains: two lookups for a reply).
+    pub(crate) fn lease(
+        &self,
+        addr: SocketAddr,
+        ids: &Arc<Ids>,
+        taken: impl Fn(u32) -> bool,
+    ) -> Arc<IdLease> {
+        let mut g = self.inner.lock();
+        if let Some(l) = g.by_addr.get(&addr).and_then(std::sync::Weak::upgrade) {
+            if taken(l.id()) {
+                return Arc::new(ids.lease());
+            }
+            return l;
+        }
+        if g.by_addr.len() >= g.sweep_at {
+            g.by_addr.retain(|_, l| l.strong_count() > 0);
+            g.sweep_at = (g.by_addr.len() * 2).max(64);
+        }
+        let l = Arc::new(ids.lease());
+        g.by_addr.insert(addr, Arc::downgrade(&l));
+        l
+    }
+
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.inner.lock().by_addr.len()
+    }
 }
 
 #[derive(Debug)]
@@ -635,7 +696,9 @@ pub(crate) struct BackendSet {
 
 #[derive(Debug)]
 pub(crate) struct Backend {
-    /// Flow-table id (never two live ones alike).
+    /// Flow-table id: never two live ones alike in one service or across
+    /// tenants; the tenant's backends at one address share it
+    /// ([`BackendIds`]).
     pub(crate) id: u32,
     /// Holds `id` while the backend lives, and while fnat ports taken for
     /// it are out (the packet path keeps a clone: their release finds the
@@ -781,17 +844,30 @@ fn clamp_count(v: u64) -> u64 {
 }
 
 impl Backend {
-    pub(crate) fn new(spec: BackendSpec, rates: &stats::RateEngine) -> Arc<Self> {
-        Self::new_in(spec, rates, &BACKEND_IDS)
+    /// A backend of one of `tenant`'s services: its id is the one of the
+    /// tenant's other backends at its address ([`BackendIds`]), unless
+    /// `taken` says the service has a backend with that id already.
+    pub(crate) fn new(
+        spec: BackendSpec,
+        rates: &stats::RateEngine,
+        tenant: &Tenant,
+        taken: impl Fn(u32) -> bool,
+    ) -> Arc<Self> {
+        let lease = tenant.backend_ids.lease(spec.address, &BACKEND_IDS, taken);
+        Self::with_lease(spec, rates, lease)
     }
 
-    /// [`Self::new`] with an id from `ids`.
+    /// A backend with an id of its own from `ids`.
+    #[cfg(test)]
     pub(crate) fn new_in(
         spec: BackendSpec,
         rates: &stats::RateEngine,
         ids: &Arc<Ids>,
     ) -> Arc<Self> {
-        let lease = Arc::new(ids.lease());
+        Self::with_lease(spec, rates, Arc::new(ids.lease()))
+    }
+
+    fn with_lease(spec: BackendSpec, rates: &stats::RateEngine, lease: Arc<IdLease>) -> Arc<Self> {
         Arc::new(Self {
             id: lease.id(),
             lease,
@@ -1152,6 +1228,7 @@ impl Shared {
                 stat: self.accounting.rates.stat(),
                 new_conns: NewConnLimit::default(),
                 deleted: CancellationToken::new(),
+                backend_ids: BackendIds::default(),
             });
             let name = t.spec.read().name.clone();
             st.tenants.insert(name, t);
@@ -1527,7 +1604,7 @@ impl Shared {
             .backends
             .iter()
             .cloned()
-            .map(|b| Backend::new(b, &self.accounting.rates))
+            .map(|b| Backend::new(b, &self.accounting.rates, &tenant, |_| false))
             .collect();
         let sched = build_sched(&spec, &backends)?;
         let params = Arc::new(self.with_profile(&tenant, params)?);
@@ -3165,6 +3242,73 @@ pub(crate) mod tests {
         all.dedup();
         assert_eq!(all.len(), before.len() + 8, "an id given twice: {all:?}");
         d.shutdown();
+    }
+
+    /// A backend added back to a service while the one removed from that
+    /// address still has connections gets an id of its own: the two share
+    /// one service, where flows find their backend by id, so the old one's
+    /// flows would be settled on the new one (its counts off, and the old
+    /// one never drained out of `removed`).
+    #[test]
+    fn a_backend_added_back_while_its_removed_one_drains_has_its_own_id() {
+        let backend = |port: u16| BackendSpec {
+            address: SocketAddr::from(([127, 0, 0, 9], port)),
+            weight: 1,
+            proxy_protocol: None,
+            max_connections: 0,
+        };
+        let mut s = spec("default", "s", Protocol::Tcp);
+        s.backends = vec![backend(2000), backend(2001)];
+        let d = daemon_with_tenants(&[], vec![s]);
+        let control = d.control();
+        let svc = d.shared.model.load().services[&key("default", "s")].clone();
+        let old = svc.set.load().backends[1].clone();
+        // A connection still counted on it.
+        assert!(old.take_place());
+        control
+            .delete_backend("default", "s", &old.addr.to_string())
+            .unwrap();
+        control
+            .add_backend("default", "s", backend(old.addr.port()))
+            .unwrap();
+        let new = svc
+            .set
+            .load()
+            .backends
+            .iter()
+            .find(|b| b.addr == old.addr)
+            .unwrap()
+            .clone();
+        assert_ne!(new.id, old.id, "the draining backend's id was shared");
+        assert!(Arc::ptr_eq(&svc.backend(old.id).unwrap(), &old));
+        old.give_place();
+        d.shutdown();
+    }
+
+    /// A tenant's backends at one address have one id while any lives (a
+    /// reply from the address is then one lookup for the tenant); other
+    /// addresses have others, and the leases gone are swept out of the map
+    /// as it grows, so it stays about twice the live ones.
+    #[test]
+    fn a_tenants_backends_at_one_address_share_an_id() {
+        let ids = Ids::new();
+        let t = BackendIds::default();
+        let addr = |i: u16| SocketAddr::from(([10, 1, 0, 1], i));
+        let a = t.lease(addr(1), &ids, |_| false);
+        let b = t.lease(addr(1), &ids, |_| false);
+        assert_eq!(a.id(), b.id());
+        let c = t.lease(addr(2), &ids, |_| false);
+        assert_ne!(a.id(), c.id());
+        let other = BackendIds::default().lease(addr(1), &ids, |_| false);
+        assert_ne!(a.id(), other.id(), "another tenant's");
+        let gone = a.id();
+        drop((a, b));
+        assert!(!ids.leased(gone), "the id goes with its last backend");
+        assert_ne!(t.lease(addr(1), &ids, |_| false).id(), c.id());
+        for i in 0..1000 {
+            drop(t.lease(addr(100 + i), &ids, |_| false));
+        }
+        assert!(t.len() <= 128, "{} entries for 1 live backend", t.len());
     }
 
     /// Backend ids, from their own counter, as tenant and service ids.

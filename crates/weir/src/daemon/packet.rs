@@ -272,6 +272,10 @@ pub(crate) struct Counters {
     /// the frames (cumulative, stored by the worker from the sockets'
     /// statistics; [`KERNEL_DROPS`] names them).
     pub(crate) kernel: [AtomicU64; KERNEL_DROPS.len()],
+    /// Reply-key lookups made for frames from a backend's address, one at
+    /// a time (what a spoofed reply costs the worker).
+    #[cfg(test)]
+    pub(crate) reply_lookups: AtomicU64,
 }
 
 /// The `dropped` names of [`Counters::kernel`], in its order: frames lost
@@ -591,13 +595,46 @@ type Endpoint = (IpAddr, u8, u16);
 /// peer chooses their keys), so a fast hash rather than SipHash.
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
+/// The nat/fnat services of one tenant with a backend at one address:
+/// their backends there have one id ([`super::model::BackendIds`]), so a
+/// reply from the address is one reply-key lookup for the tenant, however
+/// many of its services share the backend.
+#[derive(Debug)]
+struct ReplyGroup {
+    tenant: TenantId,
+    backend: BackendId,
+    /// Whether a nat service, an fnat service is among them (a reply to one
+    /// of weir's local addresses is an fnat flow's, else a nat flow's:
+    /// no nat flow's client is one of weir's addresses).
+    nat: bool,
+    fnat: bool,
+    /// The services, by VIP:port (sorted), each with its backend at the
+    /// address: a found flow's key names its VIP.
+    services: Vec<(SocketAddr, VipService, Arc<Backend>)>,
+}
+
+impl ReplyGroup {
+    /// The service (and its backend) of a flow this group's reply key
+    /// found: one compare when the tenant has one service at the address,
+    /// a binary search over them else.
+    fn of(&self, found: &weir_flowtable::Found) -> Option<(VipService, Arc<Backend>)> {
+        let i = self
+            .services
+            .binary_search_by_key(&found.key.virt, |(vip, _, _)| *vip)
+            .ok()?;
+        let (_, vs, b) = &self.services[i];
+        Some((vs.clone(), b.clone()))
+    }
+}
+
 /// A worker's snapshot of the packet services: by VIP:port, and the
-/// nat/fnat backends by their address (their replies' source).
+/// nat/fnat backends by their address (their replies' source), one group
+/// per tenant there.
 #[derive(Debug, Default)]
 pub(crate) struct Vips {
     generation: u64,
     by_vip: FastMap<Endpoint, VipService>,
-    by_backend: FastMap<Endpoint, Vec<(VipService, Arc<Backend>)>>,
+    by_backend: FastMap<Endpoint, Vec<Arc<ReplyGroup>>>,
     /// weir's own addresses: the packet services' VIPs and the fnat local
     /// addresses. No client's first packet comes from one.
     own: std::collections::HashSet<IpAddr, foldhash::fast::RandomState>,
@@ -613,6 +650,7 @@ impl Vips {
             ..Vips::default()
         };
         let st = shared.model.load();
+        let mut groups: FastMap<Endpoint, Vec<ReplyGroup>> = FastMap::default();
         for svc in st.services.values() {
             let spec = svc.spec.read();
             let Some(method) = method(spec.forward) else {
@@ -629,16 +667,47 @@ impl Vips {
             };
             if method != Method::Dr {
                 for b in backends.iter() {
-                    v.by_backend
+                    let groups = groups
                         .entry((b.addr.ip(), proto, b.addr.port()))
-                        .or_default()
-                        .push((vs.clone(), b.clone()));
+                        .or_default();
+                    // One group per tenant at the address (a tenant's
+                    // backends there have one id): as many as tenants.
+                    let i = match groups.iter().position(|g| g.backend.0 == b.id) {
+                        Some(i) => i,
+                        None => {
+                            groups.push(ReplyGroup {
+                                tenant: TenantId(svc.tenant.id),
+                                backend: BackendId(b.id),
+                                nat: false,
+                                fnat: false,
+                                services: Vec::new(),
+                            });
+                            groups.len() - 1
+                        }
+                    };
+                    let g = &mut groups[i];
+                    g.nat |= method == Method::Nat;
+                    g.fnat |= method == Method::Fnat;
+                    g.services.push((svc.listen, vs.clone(), b.clone()));
                 }
             }
             v.by_vip
                 .insert((svc.listen.ip(), proto, svc.listen.port()), vs);
             v.own.insert(svc.listen.ip());
         }
+        v.by_backend = groups
+            .into_iter()
+            .map(|(ep, gs)| {
+                let gs = gs
+                    .into_iter()
+                    .map(|mut g| {
+                        g.services.sort_unstable_by_key(|(vip, _, _)| *vip);
+                        Arc::new(g)
+                    })
+                    .collect();
+                (ep, gs)
+            })
+            .collect();
         v.own.extend(locals.iter().copied());
         v
     }
@@ -711,7 +780,7 @@ impl std::fmt::Debug for Engine {
 #[derive(Debug)]
 enum Matched {
     Vip(VipService),
-    Reply(VipService, Arc<Backend>),
+    Reply(Arc<ReplyGroup>),
 }
 
 /// A looked-up or new flow.
@@ -917,8 +986,9 @@ impl Engine {
     }
 
     /// The batched lookup's key for a TCP/UDP packet of ours: the forward
-    /// key to a VIP, or the reply key for the first service the source
-    /// backend serves.
+    /// key to a VIP, or the reply key of the first tenant whose services
+    /// the source backend serves (a reply of another tenant's flow misses
+    /// and takes [`Self::find`], one lookup per tenant).
     fn probe(&self, pkt: &Packet) -> Option<(Probe, Matched)> {
         let t = pkt.tuple()?;
         if let Some(vs) = self.vips.by_vip.get(&(t.dst.ip(), t.proto, t.dst.port())) {
@@ -930,13 +1000,13 @@ impl Engine {
             };
             return Some((Probe::Flow(key), Matched::Vip(vs.clone())));
         }
-        let (vs, b) = self
+        let g = self
             .vips
             .by_backend
             .get(&(t.src.ip(), t.proto, t.src.port()))?
             .first()?;
-        let key = self.reply_key(vs, b, t.proto, t.dst)?;
-        Some((Probe::Reply(key), Matched::Reply(vs.clone(), b.clone())))
+        let key = self.group_reply_key(g, t.proto, t.dst)?;
+        Some((Probe::Reply(key), Matched::Reply(g.clone())))
     }
 
     /// A parsed frame, with what the batched lookup found for it if it did.
@@ -1073,7 +1143,8 @@ impl Engine {
                 let f = self.forward_hit(&vs, h.handle, h.backend, t.src)?;
                 Ok((vs, f, Direction::ToBackend))
             }
-            Matched::Reply(vs, backend) => {
+            Matched::Reply(g) => {
+                let (vs, backend) = g.of(&h).ok_or(Drop::NoFlow)?;
                 let local = (vs.method == Method::Fnat).then_some(t.dst);
                 Ok((
                     vs,
@@ -1103,12 +1174,14 @@ impl Engine {
             let f = self.forward_flow(&vs, first, t, now)?;
             return Ok((vs, f, Direction::ToBackend));
         }
-        let cands = self
+        let groups = self
             .vips
             .by_backend
             .get(&(t.src.ip(), t.proto, t.src.port()))
             .ok_or(Drop::NotOurs)?;
-        let (vs, f) = self.reply_flow(cands, t.proto, t.dst).ok_or(Drop::NoFlow)?;
+        let (vs, f) = self
+            .reply_flow(groups, t.proto, t.dst)
+            .ok_or(Drop::NoFlow)?;
         Ok((vs, f, Direction::ToClient))
     }
 
@@ -1407,6 +1480,12 @@ impl Engine {
                 if matches!(e, weir_flowtable::InsertError::Exists(_)) {
                     return Err(None);
                 }
+                // nat: a flow of another of the tenant's services from the
+                // same client endpoint to the same backend address (their
+                // backends there have one id, so one reply key).
+                if matches!(e, weir_flowtable::InsertError::ReplyExists(_)) {
+                    return Err(Some(Drop::ReplyTaken));
+                }
                 shared
                     .admission
                     .refuse(Some(&svc.tenant), Refusal::TableFull);
@@ -1450,29 +1529,31 @@ impl Engine {
 
     /// The flow a backend's reply (to `dst`: the client for nat, weir's
     /// local endpoint for fnat) belongs to.
+    /// One reply-key lookup per tenant with services on the backend.
     fn reply_flow(
         &self,
-        cands: &[(VipService, Arc<Backend>)],
+        groups: &[Arc<ReplyGroup>],
         ip_proto: u8,
         dst: SocketAddr,
     ) -> Option<(VipService, Flow)> {
-        for (vs, b) in cands {
-            let Some(key) = self.reply_key(vs, b, ip_proto, dst) else {
+        for g in groups {
+            let Some(key) = self.group_reply_key(g, ip_proto, dst) else {
                 continue;
             };
+            #[cfg(test)]
+            self.counters.reply_lookups.fetch_add(1, Relaxed);
             let Some(found) = self.shared.conns.table.lookup_reply(&key) else {
                 continue;
             };
-            let handle = found.handle;
-            let client = found.key.client;
+            let (vs, backend) = g.of(&found)?;
             let local = (vs.method == Method::Fnat).then_some(dst);
             return Some((
-                vs.clone(),
+                vs,
                 Flow {
-                    handle,
-                    backend: b.clone(),
+                    handle: found.handle,
+                    backend,
                     local,
-                    client,
+                    client: found.key.client,
                 },
             ));
         }
@@ -1481,8 +1562,12 @@ impl Engine {
 
     /// Whether a flow of another backend at `backend`'s address (another
     /// service's, of any tenant) already has the replies a nat flow from
-    /// `client` would get: one reply-key lookup per service sharing the
-    /// address, made only for a nat flow's first packet. (A check, then
+    /// `client` would get: one reply-key lookup per other tenant with
+    /// services on the address, made only for a nat flow's first packet.
+    /// (Another service of the flow's own tenant there has the same reply
+    /// key: the insert finds it, [`InsertError::ReplyExists`].)
+    ///
+    /// [`InsertError::ReplyExists`]: weir_flowtable::InsertError::ReplyExists (A check, then
     /// an insert: two workers opening such flows at the same instant may
     /// both pass; a flow's packets each way normally reach one worker.)
     fn reply_taken(&self, backend: &Backend, proto: Proto, client: SocketAddr) -> bool {
@@ -1491,38 +1576,41 @@ impl Engine {
             Proto::Udp => 17,
         };
         let ep = (backend.addr.ip(), ip_proto, backend.addr.port());
-        let Some(cands) = self.vips.by_backend.get(&ep) else {
+        let Some(groups) = self.vips.by_backend.get(&ep) else {
             return false;
         };
         let table = &self.shared.conns.table;
-        cands.iter().any(|(vs, b)| {
-            b.id != backend.id
-                && self
-                    .reply_key(vs, b, ip_proto, client)
-                    .is_some_and(|k| table.lookup_reply(&k).is_some())
+        groups.iter().any(|g| {
+            g.backend.0 != backend.id
+                && g.nat
+                && table
+                    .lookup_reply(&weir_flowtable::ReplyKey {
+                        tenant: g.tenant,
+                        proto,
+                        backend: g.backend,
+                        dst: weir_flowtable::ReplyDst::Client(client),
+                    })
+                    .is_some()
         })
     }
 
-    /// The reply key of a packet from backend `b` of `vs` to `dst` (nat:
-    /// the client; fnat: one of weir's local endpoints, else `None`).
-    fn reply_key(
+    /// The reply key of a packet to `dst` from the backend of group `g`:
+    /// to one of weir's local endpoints, an fnat flow's; else a nat flow's,
+    /// to its client. `None` if the group has no service of that method.
+    fn group_reply_key(
         &self,
-        vs: &VipService,
-        b: &Backend,
+        g: &ReplyGroup,
         ip_proto: u8,
         dst: SocketAddr,
     ) -> Option<weir_flowtable::ReplyKey> {
-        let reply_dst = match vs.method {
-            Method::Nat => weir_flowtable::ReplyDst::Client(dst),
-            Method::Fnat => {
-                weir_flowtable::ReplyDst::Nat(std::num::NonZeroU32::new(self.path.slot_of(dst))?)
-            }
-            Method::Dr => return None,
+        let reply_dst = match std::num::NonZeroU32::new(self.path.slot_of(dst)) {
+            Some(slot) => g.fnat.then_some(weir_flowtable::ReplyDst::Nat(slot))?,
+            None => g.nat.then_some(weir_flowtable::ReplyDst::Client(dst))?,
         };
         Some(weir_flowtable::ReplyKey {
-            tenant: TenantId(vs.svc.tenant.id),
+            tenant: g.tenant,
             proto: table_proto(ip_proto),
-            backend: BackendId(b.id),
+            backend: g.backend,
             dst: reply_dst,
         })
     }
@@ -2468,8 +2556,8 @@ mod tests {
         // The victim's service is the one the replies' candidates list
         // second (their order is a hash map's): the attacker's comes first.
         let cands = &e.vips.by_backend[&(sa(B1).ip(), 17, sa(B1).port())];
-        let (attacker, victim) = (cands[0].0.svc.listen, cands[1].0.svc.listen);
-        let victim_tenant = TenantId(cands[1].0.svc.tenant.id);
+        let (attacker, victim) = (cands[0].services[0].0, cands[1].services[0].0);
+        let victim_tenant = cands[1].tenant;
         let client = sa("192.0.2.7:40000");
         let mut q = frame(client, victim, None, b"query");
         assert_eq!(e.process(&mut q), Verdict::Transmit);
@@ -2498,6 +2586,77 @@ mod tests {
         let mut again = frame(client, attacker, None, b"now");
         assert_eq!(e.process(&mut again), Verdict::Transmit);
         assert_eq!(counted(&e, Drop::ReplyTaken), 1);
+    }
+
+    /// A tenant's token may create services (`max_services` 0: no cap) on
+    /// any backend address, another tenant's too. A packet from that
+    /// address was probed with one reply-key lookup per service there, so
+    /// a spoofed reply cost the worker time in proportion to services an
+    /// attacker made (85 µs at 1,000). A reply is now looked up once per
+    /// tenant at the address: every backend of a tenant at one address has
+    /// one id.
+    #[test]
+    fn a_reply_costs_one_lookup_per_tenant_however_many_services_share_its_backend() {
+        const N: usize = 40;
+        let mut toml = String::from(
+            "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\n\
+             [[tenant]]\nname = \"a\"\n[[tenant]]\nname = \"b\"\n",
+        );
+        let vip = |i: usize| sa(&format!("10.0.2.{}:53", i + 1));
+        for i in 0..N {
+            toml += &format!(
+                "[[service]]\ntenant = \"a\"\nname = \"s{i}\"\nprotocol = \"udp\"\n\
+                 listen = \"{}\"\nforward = \"nat\"\n[[service.backend]]\naddress = \"{B1}\"\n",
+                vip(i)
+            );
+        }
+        toml += &format!(
+            "[[service]]\ntenant = \"b\"\nname = \"dns\"\nprotocol = \"udp\"\n\
+             listen = \"{}\"\nforward = \"nat\"\n[[service.backend]]\naddress = \"{B1}\"\n",
+            vip(N)
+        );
+        let cfg: Config = toml::from_str(&toml).unwrap();
+        let d = super::super::Daemon::start_inner(cfg, None, false).unwrap();
+        let mut e = engine(&d);
+        let lookups = |e: &Engine| e.counters.reply_lookups.load(Relaxed);
+        // A spoofed reply: no flow has it.
+        let mut spoof = frame(sa(B1), sa("192.0.2.9:4000"), None, b"spoof");
+        assert_eq!(e.process(&mut spoof), Verdict::Drop);
+        assert_eq!(counted(&e, Drop::NoFlow), 1);
+        assert!(
+            lookups(&e) <= 2,
+            "{} lookups for one spoofed reply: one per service",
+            lookups(&e)
+        );
+        // Every service's flow still gets its replies, from its own VIP,
+        // however the candidates are ordered.
+        for i in [0, N / 2, N - 1, N] {
+            let client = SocketAddr::new(sa("192.0.2.1:0").ip(), 10_000 + i as u16);
+            let mut q = frame(client, vip(i), None, b"query");
+            assert_eq!(e.process(&mut q), Verdict::Transmit, "service {i}");
+            assert_eq!(verified(&q).dst, sa(B1));
+            let before = lookups(&e);
+            let mut answer = frame(sa(B1), client, None, b"answer");
+            assert_eq!(e.process(&mut answer), Verdict::Transmit, "service {i}");
+            let t = verified(&answer);
+            assert_eq!((t.src, t.dst), (vip(i), client), "service {i}");
+            assert!(lookups(&e) - before <= 2, "service {i}");
+            // The batched probe's one lookup finds it too when the
+            // service's tenant is the first at the address.
+            let pkt = weir_packet::parse(&frame(sa(B1), client, None, b"more")).unwrap();
+            let (probe, _) = e.probe(&pkt).unwrap();
+            let Probe::Reply(rk) = probe else {
+                panic!("a reply's probe")
+            };
+            let first_tenant = rk.tenant;
+            let flow_tenant = e.vips.by_vip[&(vip(i).ip(), 17, 53)].svc.tenant.id;
+            if first_tenant.0 == flow_tenant {
+                assert!(
+                    d.shared.conns.table.lookup_reply(&rk).is_some(),
+                    "service {i}: the batched probe missed its reply"
+                );
+            }
+        }
     }
 
     /// A first packet from one of weir's own addresses (a VIP, an fnat
@@ -3035,7 +3194,10 @@ mod tests {
             proxy_protocol: None,
             max_connections: 0,
         };
-        let all: Vec<Arc<Backend>> = (0..3000).map(|i| Backend::new(spec(i), &rates)).collect();
+        let ids = super::super::model::Ids::new();
+        let all: Vec<Arc<Backend>> = (0..3000)
+            .map(|i| Backend::new_in(spec(i), &rates, &ids))
+            .collect();
         // Every third one left (the rest "removed"), in a scrambled order.
         let mut set: Vec<Arc<Backend>> = all.iter().step_by(3).cloned().collect();
         let n = set.len();
