@@ -15,9 +15,15 @@
 //! of released ports); memory is one bit per port of the range plus two
 //! bytes per released port. It does no I/O and reads no clock or RNG: the
 //! seed is the caller's.
+//!
+//! A pool is shared by every tenant with fnat services on its backend, and
+//! each may hold at most its share of it, the range's size over the number
+//! of those tenants ([`FnatPorts::retain_backends`]): a tenant's flows
+//! (spoofed SYNs at a few hundred a second fill 20,000 ports within a
+//! minute) exhaust its own share, not the others'.
 
 use std::collections::hash_map::{DefaultHasher, Entry};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::net::{IpAddr, SocketAddr};
 use std::ops::RangeInclusive;
@@ -40,6 +46,10 @@ pub enum PortError {
     /// No local address of the backend's address family.
     #[error("no fnat local address of the backend's address family")]
     NoLocalAddress,
+    /// The tenant holds its share of the backend's ports on every local
+    /// address of its family (others have ports left).
+    #[error("the tenant holds its share of the backend's fnat ports")]
+    Share,
 }
 
 /// Allocates ports of one range for one (local address, backend).
@@ -167,8 +177,12 @@ pub struct FnatPorts {
     seed: u64,
     next: usize,
     pools: HashMap<(IpAddr, SocketAddr), PortAllocator>,
-    /// The backends served, as last told; `None`: every one.
-    served: Option<HashSet<SocketAddr>>,
+    /// Live ports of each (local address, backend, tenant), for the
+    /// tenants' shares; an entry goes with its last port.
+    held: HashMap<(IpAddr, SocketAddr, u32), u32>,
+    /// The backends served, as last told, with the number of tenants
+    /// serving each; `None`: every one, by one tenant.
+    served: Option<HashMap<SocketAddr, u32>>,
     /// Pools dropped so far: mixed into a new pool's seed, so that a pool
     /// made again for a backend does not hand out the ports its last one
     /// began with (the backend may hold them in TIME_WAIT still).
@@ -192,18 +206,23 @@ impl FnatPorts {
             seed,
             next: 0,
             pools: HashMap::new(),
+            held: HashMap::new(),
             served: None,
             dropped: 0,
         })
     }
 
-    /// A local address and port for a new flow to `backend`.
+    /// A local address and port for a new flow of `tenant` to `backend`.
     /// [`PortError::NoLocalAddress`] when no local address has the backend's
-    /// family; [`PortError::Exhausted`] when every one of them is out of
-    /// ports for this backend.
-    pub fn allocate(&mut self, backend: SocketAddr) -> Result<SocketAddr, PortError> {
+    /// family; [`PortError::Share`] when the tenant holds its share of the
+    /// backend's ports on each of them that has ports left;
+    /// [`PortError::Exhausted`] when every one of them is out of ports for
+    /// this backend.
+    pub fn allocate(&mut self, backend: SocketAddr, tenant: u32) -> Result<SocketAddr, PortError> {
         let n = self.locals.len();
+        let share = self.share(backend);
         let mut any = false;
+        let mut at_share = false;
         for i in 0..n {
             let local = self.locals[(self.next + i) % n];
             if local.is_ipv4() != backend.is_ipv4() {
@@ -221,27 +240,59 @@ impl FnatPorts {
                     e.insert(PortAllocator::new(self.range.clone(), h.finish())?)
                 }
             };
+            let held = self.held.get(&(local, backend, tenant)).copied();
+            if held.unwrap_or(0) >= share {
+                at_share |= pool.live() < pool.capacity();
+                continue;
+            }
             if let Ok(port) = pool.allocate() {
+                *self.held.entry((local, backend, tenant)).or_insert(0) += 1;
                 self.next = (self.next + i + 1) % n;
                 return Ok(SocketAddr::new(local, port));
             }
         }
-        Err(if any {
+        Err(if at_share {
+            PortError::Share
+        } else if any {
             PortError::Exhausted
         } else {
             PortError::NoLocalAddress
         })
     }
 
-    /// Releases the mapping `local` of a flow to `backend`. The last one
-    /// of a backend no longer served drops its pool.
-    pub fn release(&mut self, local: SocketAddr, backend: SocketAddr) -> Result<(), PortError> {
+    /// The ports of one pool a tenant may hold: the range over the number
+    /// of tenants served at `backend` (all of it for one).
+    fn share(&self, backend: SocketAddr) -> u32 {
+        let tenants = self
+            .served
+            .as_ref()
+            .and_then(|s| s.get(&backend).copied())
+            .unwrap_or(1)
+            .max(1);
+        let size = u32::from(self.range.end() - self.range.start()) + 1;
+        (size / tenants).max(1)
+    }
+
+    /// Releases the mapping `local` of a flow of `tenant` to `backend`.
+    /// The last one of a backend no longer served drops its pool.
+    pub fn release(
+        &mut self,
+        local: SocketAddr,
+        backend: SocketAddr,
+        tenant: u32,
+    ) -> Result<(), PortError> {
         let key = (local.ip(), backend);
         let pool = self
             .pools
             .get_mut(&key)
             .ok_or(PortError::NotAllocated(local.port()))?;
         pool.release(local.port())?;
+        if let Entry::Occupied(mut e) = self.held.entry((local.ip(), backend, tenant)) {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
         if pool.live() == 0 && !self.serves(backend) {
             self.pools.remove(&key);
             self.dropped += 1;
@@ -250,19 +301,24 @@ impl FnatPorts {
     }
 
     /// The backends served are now `served` (all those that may get new
-    /// flows): the pools of the others are dropped once they have no live
-    /// port (now, or at their last release). A pool made for another
+    /// flows), each with the number of tenants serving it (their shares of
+    /// its pools): the pools of the others are dropped once they have no
+    /// live port (now, or at their last release). A pool made for another
     /// backend later (a flow placed on a stale view) goes the same way.
-    pub fn retain_backends(&mut self, served: HashSet<SocketAddr>) {
+    /// A tenant holding more than a smaller share gets no port until it
+    /// holds less.
+    pub fn retain_backends(&mut self, served: HashMap<SocketAddr, u32>) {
         let before = self.pools.len();
         self.pools
-            .retain(|(_, b), p| p.live() > 0 || served.contains(b));
+            .retain(|(_, b), p| p.live() > 0 || served.contains_key(b));
         self.dropped += (before - self.pools.len()) as u64;
         self.served = Some(served);
     }
 
     fn serves(&self, backend: SocketAddr) -> bool {
-        self.served.as_ref().is_none_or(|s| s.contains(&backend))
+        self.served
+            .as_ref()
+            .is_none_or(|s| s.contains_key(&backend))
     }
 
     /// Number of (local address, backend) pools.
@@ -383,22 +439,22 @@ mod tests {
         let mut f = FnatPorts::new(vec![l1, l6, l2], 5000..=5001, 1).expect("pool");
         let mut got = HashSet::new();
         for _ in 0..4 {
-            let a = f.allocate(b).expect("free");
+            let a = f.allocate(b, 1).expect("free");
             assert!(a.ip() == l1 || a.ip() == l2);
             assert!(f.is_live(a, b));
             assert!(got.insert(a), "{a} handed out twice");
         }
-        assert_eq!(f.allocate(b), Err(PortError::Exhausted));
+        assert_eq!(f.allocate(b, 1), Err(PortError::Exhausted));
         // Ports are per backend: another backend has the whole range.
-        assert!(f.allocate(b2).is_ok());
-        assert_eq!(f.allocate(b6).map(|a| a.ip()), Ok(l6));
+        assert!(f.allocate(b2, 1).is_ok());
+        assert_eq!(f.allocate(b6, 1).map(|a| a.ip()), Ok(l6));
         let a = *got.iter().next().expect("one");
-        f.release(a, b).expect("live");
+        f.release(a, b, 1).expect("live");
         assert!(!f.is_live(a, b));
-        assert_eq!(f.release(a, b), Err(PortError::NotAllocated(a.port())));
-        assert_eq!(f.allocate(b), Ok(a));
+        assert_eq!(f.release(a, b, 1), Err(PortError::NotAllocated(a.port())));
+        assert_eq!(f.allocate(b, 1), Ok(a));
         let mut v4only = FnatPorts::new(vec![l1], 1..=10, 0).expect("pool");
-        assert_eq!(v4only.allocate(b6), Err(PortError::NoLocalAddress));
+        assert_eq!(v4only.allocate(b6, 1), Err(PortError::NoLocalAddress));
     }
 
     /// A pool of a backend no longer served goes with its last live
@@ -410,23 +466,60 @@ mod tests {
         let b2: SocketAddr = "10.0.1.3:80".parse().expect("addr");
         let b3: SocketAddr = "10.0.1.4:80".parse().expect("addr");
         let mut f = FnatPorts::new(vec![l], 5000..=5009, 1).expect("pool");
-        let p1 = f.allocate(b1).expect("free");
-        let p2 = f.allocate(b2).expect("free");
-        let p3 = f.allocate(b3).expect("free");
-        f.release(p3, b3).expect("live");
+        let p1 = f.allocate(b1, 1).expect("free");
+        let p2 = f.allocate(b2, 1).expect("free");
+        let p3 = f.allocate(b3, 1).expect("free");
+        f.release(p3, b3, 1).expect("live");
         assert_eq!(f.pools(), 3, "every backend is served until told");
-        f.retain_backends([b1].into_iter().collect());
+        f.retain_backends([(b1, 1)].into_iter().collect());
         assert_eq!(f.pools(), 2, "b3's empty pool goes at once");
-        f.release(p1, b1).expect("live");
+        f.release(p1, b1, 1).expect("live");
         assert_eq!(f.pools(), 2, "b1 is served: its pool stays");
-        f.release(p2, b2).expect("live");
+        f.release(p2, b2, 1).expect("live");
         assert_eq!(f.pools(), 1, "b2's pool went with its last port");
         assert!(!f.is_live(p2, b2));
         // A port taken for b2 on a stale view: its pool goes with it.
-        let p = f.allocate(b2).expect("free");
+        let p = f.allocate(b2, 1).expect("free");
         assert_eq!(f.pools(), 2);
-        f.release(p, b2).expect("live");
+        f.release(p, b2, 1).expect("live");
         assert_eq!(f.pools(), 1);
+    }
+
+    /// One tenant's flows to a backend fill only its share of the pool:
+    /// a spoofed SYN flood on its service left none for another tenant's
+    /// service to the same backend. A share left goes back to it.
+    #[test]
+    fn a_tenant_fills_only_its_share_of_a_pool() {
+        let (l1, l2): (IpAddr, IpAddr) = (
+            "10.0.1.1".parse().expect("ip"),
+            "10.0.1.9".parse().expect("ip"),
+        );
+        let b: SocketAddr = "10.0.1.2:80".parse().expect("addr");
+        let mut f = FnatPorts::new(vec![l1, l2], 5000..=5009, 1).expect("pool");
+        f.retain_backends([(b, 2)].into_iter().collect());
+        let mut a = Vec::new();
+        for _ in 0..10 {
+            a.push(f.allocate(b, 1).expect("within the share"));
+        }
+        assert_eq!(f.allocate(b, 1), Err(PortError::Share));
+        for _ in 0..10 {
+            f.allocate(b, 2).expect("the other tenant's share");
+        }
+        assert_eq!(f.allocate(b, 2), Err(PortError::Exhausted));
+        assert_eq!(f.allocate(b, 3), Err(PortError::Exhausted));
+        f.release(a[0], b, 1).expect("live");
+        assert_eq!(f.allocate(b, 1), Ok(a[0]));
+        // Alone at the backend, a tenant has the whole range again.
+        f.retain_backends([(b, 1)].into_iter().collect());
+        f.release(a[1], b, 1).expect("live");
+        f.release(a[2], b, 1).expect("live");
+        assert!(f.allocate(b, 2).is_ok());
+        assert!(f.allocate(b, 2).is_ok());
+        // The counts go with their last port.
+        for p in &a {
+            let _ = f.release(*p, b, 1);
+        }
+        assert!(!f.held.keys().any(|&(_, _, t)| t == 1));
     }
 
     #[derive(Debug, Clone)]

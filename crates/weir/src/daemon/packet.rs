@@ -117,6 +117,10 @@ pub(crate) enum Drop {
     /// fnat: no local port left for the backend (or no local address of its
     /// family).
     FnatPorts,
+    /// fnat: the service's tenant holds its share of the backend's local
+    /// ports (each tenant with fnat services on a backend may hold the
+    /// range over their number; other tenants' shares are left to them).
+    FnatShare,
     /// The kernel has no route or no resolved neighbour for the next hop.
     NoNextHop,
     /// The next hop is out of an interface this worker has no socket on
@@ -165,12 +169,13 @@ pub(crate) enum Drop {
 }
 
 impl Drop {
-    pub(crate) const ALL: [Drop; 19] = [
+    pub(crate) const ALL: [Drop; 20] = [
         Drop::NotOurs,
         Drop::NoFlow,
         Drop::Refused,
         Drop::BackendGone,
         Drop::FnatPorts,
+        Drop::FnatShare,
         Drop::NoNextHop,
         Drop::OtherInterface,
         Drop::EgressFull,
@@ -194,6 +199,7 @@ impl Drop {
             Drop::Refused => "refused",
             Drop::BackendGone => "backend_gone",
             Drop::FnatPorts => "fnat_ports_exhausted",
+            Drop::FnatShare => "fnat_ports_share",
             Drop::NoNextHop => "no_next_hop",
             Drop::OtherInterface => "other_interface",
             Drop::EgressFull => "egress_full",
@@ -366,13 +372,14 @@ const LINKS_EVERY_MS: u64 = 1000;
 
 /// fnat's ports, and the address of every backend with ports out (a flow
 /// that outlives its backend in the service still gives its port back),
-/// with the backend's id held (no other backend gets it meanwhile) and
-/// its ports out: it leaves with the last one, as its pool does once the
-/// backend is gone (else both grew with every backend ever used).
+/// with its tenant (whose share of the pool the ports count in), the
+/// backend's id held (no other backend gets it meanwhile) and its ports
+/// out: it leaves with the last one, as its pool does once the backend is
+/// gone (else both grew with every backend ever used).
 #[derive(Debug)]
 struct Fnat {
     ports: FnatPorts,
-    backends: HashMap<u32, (SocketAddr, Arc<super::model::IdLease>, u64)>,
+    backends: HashMap<u32, (SocketAddr, u32, Arc<super::model::IdLease>, u64)>,
 }
 
 /// The packet path's shared part: fnat ports, every worker's counters.
@@ -435,13 +442,18 @@ impl PacketPath {
         }
         let v = Arc::new(Vips::build(shared, generation, &self.locals));
         self.vips.store(v.clone());
-        // The fnat backends as of this change: the pools of the others
-        // go with their last port.
-        let fnat: std::collections::HashSet<SocketAddr> = v
-            .by_vip
-            .values()
-            .filter(|vs| vs.method == Method::Fnat)
-            .flat_map(|vs| vs.backends.0.iter().map(|(_, b)| b.addr))
+        // The fnat backends as of this change, with the number of tenants
+        // sharing each one's pools: the pools of the others go with their
+        // last port.
+        let mut tenants: HashMap<SocketAddr, std::collections::HashSet<u32>> = HashMap::new();
+        for vs in v.by_vip.values().filter(|vs| vs.method == Method::Fnat) {
+            for (_, b) in vs.backends.0.iter() {
+                tenants.entry(b.addr).or_default().insert(vs.svc.tenant.id);
+            }
+        }
+        let fnat = tenants
+            .into_iter()
+            .map(|(b, t)| (b, t.len() as u32))
             .collect();
         self.fnat.lock().ports.retain_backends(fnat);
         v
@@ -490,15 +502,19 @@ impl PacketPath {
         Some(SocketAddr::new(*self.locals.get(i)?, slot as u16))
     }
 
-    /// A local port for a new flow to `backend`.
-    fn take_port(&self, backend: &Backend) -> Option<SocketAddr> {
+    /// A local port for a new flow of `tenant` to `backend`.
+    fn take_port(
+        &self,
+        backend: &Backend,
+        tenant: u32,
+    ) -> Result<SocketAddr, weir_packet::alloc::PortError> {
         let mut f = self.fnat.lock();
-        let local = f.ports.allocate(backend.addr).ok()?;
+        let local = f.ports.allocate(backend.addr, tenant)?;
         f.backends
             .entry(backend.id)
-            .or_insert_with(|| (backend.addr, backend.lease.clone(), 0))
-            .2 += 1;
-        Some(local)
+            .or_insert_with(|| (backend.addr, tenant, backend.lease.clone(), 0))
+            .3 += 1;
+        Ok(local)
     }
 
     /// A flow to backend `id` ended: its fnat port is free again.
@@ -507,17 +523,17 @@ impl PacketPath {
             return;
         };
         let mut f = self.fnat.lock();
-        let Some(&(addr, _, _)) = f.backends.get(&backend) else {
+        let Some(&(addr, tenant, _, _)) = f.backends.get(&backend) else {
             tracing::warn!(%local, backend, "fnat port release: unknown backend");
             return;
         };
-        if let Err(e) = f.ports.release(local, addr) {
+        if let Err(e) = f.ports.release(local, addr, tenant) {
             tracing::warn!(%local, backend = %addr, "fnat port release: {e}");
             return;
         }
         if let std::collections::hash_map::Entry::Occupied(mut e) = f.backends.entry(backend) {
-            e.get_mut().2 -= 1;
-            if e.get().2 == 0 {
+            e.get_mut().3 -= 1;
+            if e.get().3 == 0 {
                 e.remove();
             }
         }
@@ -1425,11 +1441,14 @@ impl Engine {
             return Err(Some(Drop::ReplyTaken));
         }
         let local = if vs.method == Method::Fnat {
-            match self.path.take_port(&backend) {
-                Some(l) => Some(l),
-                None => {
+            match self.path.take_port(&backend, svc.tenant.id) {
+                Ok(l) => Some(l),
+                Err(e) => {
                     give_back(0, Some(&backend));
-                    return Err(Some(Drop::FnatPorts));
+                    return Err(Some(match e {
+                        weir_packet::alloc::PortError::Share => Drop::FnatShare,
+                        _ => Drop::FnatPorts,
+                    }));
                 }
             }
         } else {
@@ -2657,6 +2676,60 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// fnat's ports of a (local address, backend) pool were shared by
+    /// every tenant with services on the backend: spoofed SYNs at ~333/s
+    /// on one tenant's service filled 20,000 ports within a minute, and
+    /// another tenant's service to the same backend opened no flow. Each
+    /// tenant now holds at most its share of the pool.
+    #[test]
+    fn a_tenant_filling_the_fnat_ports_leaves_another_tenant_its_share() {
+        let (vip_a, vip_b) = (sa("10.0.0.100:80"), sa("10.0.0.101:80"));
+        let toml = format!(
+            "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\n\
+             local_addresses = [\"{LOCAL}\"]\nfnat_ports = \"40000-40009\"\n\
+             [[tenant]]\nname = \"a\"\n[[tenant]]\nname = \"b\"\n\
+             [[service]]\ntenant = \"a\"\nname = \"web\"\nprotocol = \"tcp\"\n\
+             listen = \"{vip_a}\"\nforward = \"fnat\"\n[[service.backend]]\naddress = \"{B1}\"\n\
+             [[service]]\ntenant = \"b\"\nname = \"web\"\nprotocol = \"tcp\"\n\
+             listen = \"{vip_b}\"\nforward = \"fnat\"\n[[service.backend]]\naddress = \"{B1}\"\n"
+        );
+        let cfg: Config = toml::from_str(&toml).unwrap();
+        let d = super::super::Daemon::start_inner(cfg, None, false).unwrap();
+        let mut e = engine(&d);
+        // Tenant a's flood: as many SYNs as the pool has ports.
+        let mut opened = 0;
+        for i in 0..10u16 {
+            let client = SocketAddr::new(sa("192.0.2.1:0").ip(), 1000 + i);
+            let mut syn = frame(client, vip_a, Some(SYN), b"");
+            if e.process(&mut syn) == Verdict::Transmit {
+                opened += 1;
+            }
+        }
+        assert_eq!(opened, 5, "tenant a's share: half of the 10 ports");
+        assert_eq!(counted(&e, Drop::FnatShare), 5);
+        assert_eq!(counted(&e, Drop::FnatPorts), 0);
+        // Tenant b's clients still get ports, its whole share.
+        for i in 0..5u16 {
+            let client = SocketAddr::new(sa("192.0.2.2:0").ip(), 1000 + i);
+            let mut syn = frame(client, vip_b, Some(SYN), b"");
+            assert_eq!(
+                e.process(&mut syn),
+                Verdict::Transmit,
+                "tenant b's flow {i}"
+            );
+            assert_eq!(verified(&syn).src.ip(), sa(&format!("{LOCAL}:0")).ip());
+        }
+        // The pool is full now: the next is refused as exhausted.
+        let mut syn = frame(sa("192.0.2.2:2000"), vip_b, Some(SYN), b"");
+        assert_eq!(e.process(&mut syn), Verdict::Drop);
+        assert_eq!(counted(&e, Drop::FnatPorts), 1);
+        // Refused flows took nothing: 10 flows, 10 ports, 10 admitted.
+        assert_eq!(e.counters.new_flows.load(Relaxed), 10);
+        assert_eq!(d.shared.admission.active.load(Relaxed), 10);
+        let stats = d.shared.packet.get().unwrap().sums();
+        assert_eq!(stats.dropped.get("fnat_ports_share"), Some(&5));
     }
 
     /// A first packet from one of weir's own addresses (a VIP, an fnat
