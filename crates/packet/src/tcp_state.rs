@@ -186,8 +186,9 @@ pub fn rst_acceptable(seq: u32, known: u32) -> bool {
 }
 
 /// A place that waits for its sender's SYN: the client started a new
-/// connection on a closing flow (a port reused), so the backend's place
-/// is the old connection's and its next SYN-ACK starts it afresh; until
+/// connection ([`opens_connection`]: a new flow, or a port reused on a
+/// closing one), so the backend's place is none yet or the old
+/// connection's, and its next SYN-ACK starts it afresh; until
 /// then only a SYN is noted, and nothing is checked against it (as with
 /// nothing noted). No segment is noted as 1 ([`seq_to_note`] notes 2 for
 /// one ending at 0 or 1).
@@ -201,16 +202,40 @@ pub fn rst_acceptable(seq: u32, known: u32) -> bool {
 /// one of each for ~6% of wrk's connections).
 pub const AWAIT_SYN: u32 = 1;
 
-/// Whether a segment that [`seq_to_note`] noted `noted` from `known`
-/// starts a new connection on a flow that had one: the client's SYN on a
-/// closing flow (a port reused). The backend's place is then set to
-/// [`AWAIT_SYN`].
-pub fn reuses_port(flags: TcpFlags, known: u32, noted: Option<u32>) -> bool {
-    flags.has(TcpFlags::SYN)
-        && !flags.has(TcpFlags::ACK)
-        && known != 0
-        && known != AWAIT_SYN
-        && noted.is_some()
+/// Whether a client segment with `flags` that [`seq_to_note`] noted
+/// `noted` opens a connection: its SYN on a new flow, or on a closing one
+/// (a port reused). The backend's place is then set to [`AWAIT_SYN`].
+///
+/// Why a new flow too, not only a reused port: the backend may still hold
+/// an earlier connection of the same addresses and ports (in TIME_WAIT,
+/// from before weir's entry, or another path's), and answers the SYN with
+/// a challenge ACK of that connection. Noted as the backend's place, it
+/// left the place stale for the connection that follows, and moved the
+/// flow to ESTABLISHED by IPVS's table (see [`rst_in_handshake`] for the
+/// client's answer to it).
+pub fn opens_connection(flags: TcpFlags, noted: Option<u32>) -> bool {
+    flags.has(TcpFlags::SYN) && !flags.has(TcpFlags::ACK) && noted.is_some()
+}
+
+/// Whether a client RST that is not near the client's place may still
+/// change the state of a flow whose replies weir sees (nat, fnat) and
+/// whose backend's place is `backend`: yes while the backend has not
+/// answered the client's SYN with its own ([`AWAIT_SYN`]), when no
+/// connection is open to protect.
+///
+/// Why: a backend that holds an earlier connection of the same ports
+/// answers a new SYN with a challenge ACK; the client answers that with a
+/// RST whose sequence number is the ACK's acknowledgment number, the old
+/// connection's, far from the client's new place. Ignored, it left the
+/// flow ESTABLISHED (where the ACK had moved it) for 900 s unless the
+/// client tried again (nat, `weir-bench packet --only tcp`: ~600-1,000
+/// such RSTs per run, every one on a flow of three packets: SYN, ACK,
+/// RST). conntrack accepts such a RST by remembering the ACK's number;
+/// the node has no room for it, and with the backend yet to answer there
+/// is nothing a blind RST could end but a handshake, which the client's
+/// next SYN starts again.
+pub fn rst_in_handshake(backend: u32) -> bool {
+    backend == AWAIT_SYN
 }
 
 /// The sequence number to note for a segment with `flags` ending at `end`
@@ -381,13 +406,17 @@ mod tests {
         assert_eq!(seq_to_note(SR, SYNACK, 5000, AWAIT_SYN), Some(5000));
         // Nothing to check a RST or FIN against meanwhile.
         assert!(rst_acceptable(1 << 31, AWAIT_SYN));
-        // The client's SYN on a flow with a place reuses its port; its
-        // first SYN, a SYN-ACK or a SYN that noted nothing do not.
-        assert!(reuses_port(SYN, 100, Some(1 << 30)));
-        assert!(!reuses_port(SYN, 0, Some(1 << 30)));
-        assert!(!reuses_port(SYNACK, 100, Some(1 << 30)));
-        assert!(!reuses_port(SYN, 100, None));
-        assert!(!reuses_port(ACK, 100, Some(200)));
+        // The client's SYN that noted its place opens a connection (a new
+        // flow or a reused port); a SYN-ACK or a SYN that noted nothing
+        // does not.
+        assert!(opens_connection(SYN, Some(1 << 30)));
+        assert!(!opens_connection(SYNACK, Some(1 << 30)));
+        assert!(!opens_connection(SYN, None));
+        assert!(!opens_connection(ACK, Some(200)));
+        // Until the backend answers with its SYN, a client's RST is not
+        // checked against the client's place (nat, fnat).
+        assert!(rst_in_handshake(AWAIT_SYN));
+        assert!(!rst_in_handshake(0) && !rst_in_handshake(5000));
     }
 
     #[test]
