@@ -649,6 +649,84 @@ fn a_tenant_filling_the_operators_source_cannot_shut_it_out() {
     drop(held);
 }
 
+/// The admin API over real TCP on 127.0.0.1 with a read-only token too.
+fn serve_tcp_with_readonly() -> admin_fake::Served {
+    let mut cfg = admin_fake::admin_config("127.0.0.1:0", FULL);
+    cfg.readonly_token = Some(RO.into());
+    admin_fake::serve(&[cfg])
+}
+
+/// `authed_keepalive_from`, or `None` if the server did not answer (the
+/// connection was refused a place).
+fn try_keepalive_from(
+    from: std::net::IpAddr,
+    addr: std::net::SocketAddr,
+    token: &str,
+) -> Option<std::net::TcpStream> {
+    use std::io::{Read, Write};
+    let mut s = connect_from(from, addr);
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    write!(
+        s,
+        "GET /v1/whoami HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n"
+    )
+    .ok()?;
+    let mut buf = [0u8; 4096];
+    let n = s.read(&mut buf).ok()?;
+    String::from_utf8_lossy(&buf[..n])
+        .starts_with("HTTP/1.1 200")
+        .then_some(s)
+}
+
+/// The read-only token only reads, and is given to whoever needs to watch
+/// (dashboards, scrapers, on-call): its holder must not be able to shut
+/// the full-access operator out. It holds every place (16 keep-alives
+/// from each of 8 loopback addresses), the operator connects, the holder
+/// reconnects on each address before the operator's request is read:
+/// the operator's request must be answered.
+#[test]
+fn readonly_holders_cannot_shut_out_the_operator() {
+    let srv = serve_tcp_with_readonly();
+    let source = |i: usize| -> std::net::IpAddr { format!("127.0.0.{}", 2 + i).parse().unwrap() };
+    let mut held = Vec::new();
+    for i in 0..8 {
+        for _ in 0..16 {
+            held.push(authed_keepalive_from(source(i), srv.addr, RO));
+        }
+    }
+    let mut op = connect_from("127.0.0.1".parse().unwrap(), srv.addr);
+    for i in 0..8 {
+        held.extend(try_keepalive_from(source(i), srv.addr, RO));
+    }
+    let resp = operator_request_on(&mut op);
+    assert!(
+        resp.as_ref().is_ok_and(|r| r.starts_with("HTTP/1.1 200")),
+        "the operator is shut out by read-only keep-alives holding every place: {resp:?}"
+    );
+    drop(held);
+}
+
+/// The same on one source (every local client is 127.0.0.1): 16
+/// read-only keep-alives hold the source's places, the operator connects
+/// and the holder reconnects before the operator's request is read.
+#[test]
+fn a_readonly_holder_filling_the_operators_source_cannot_shut_it_out() {
+    let srv = serve_tcp_with_readonly();
+    let lo: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+    let mut held: Vec<std::net::TcpStream> = (0..16)
+        .map(|_| authed_keepalive_from(lo, srv.addr, RO))
+        .collect();
+    let mut op = connect_from(lo, srv.addr);
+    held.extend(try_keepalive_from(lo, srv.addr, RO));
+    let resp = operator_request_on(&mut op);
+    assert!(
+        resp.as_ref().is_ok_and(|r| r.starts_with("HTTP/1.1 200")),
+        "the operator is shut out by a read-only holder filling its source: {resp:?}"
+    );
+    drop(held);
+}
+
 // ---- the control runtime's one worker is not held by one request ------------
 
 /// A request that waits at the fake's gate (a walk of a big table, a

@@ -13,10 +13,15 @@
 //! * when the places are taken, a new connection evicts the oldest one that
 //!   has not yet presented a valid token (of its own source first when the
 //!   per-source cap is the one reached); connections whose request passed
-//!   authentication with the full-access or read-only token are never
-//!   evicted, and those of a tenant token only when no unauthenticated one
-//!   is left (a tenant's idle keep-alives must not shut the operator out).
-//!   A new connection is refused only when every place is the operator's. An operator's connection
+//!   authentication with the full-access token are never evicted, and
+//!   those of a tenant or the read-only token only when no unauthenticated
+//!   one is left (a tenant's idle keep-alives must not shut the operator
+//!   out), a tenant's before a read-only one's. The read-only token is
+//!   fenced as a tenant of its own is (its share, and its part of the
+//!   three quarters below): it is handed to dashboards and watchers, and
+//!   its holder must not be able to hold every place against the
+//!   full-access operator. A new connection is refused only when every
+//!   place is the operator's. An operator's connection
 //!   sends its head at once, so a flood would have to open more than
 //!   [`MAX_ADMIN_CONNECTIONS`] connections in that moment to shut it out;
 //! * a tenant's authenticated connections beyond its share
@@ -26,10 +31,11 @@
 //!   new connection at once, would make every newcomer (the operator's
 //!   too, before its request is read) the oldest unauthenticated
 //!   connection, and evict it with its next one;
-//! * tenants together keep at most three quarters of the places a cap
-//!   counts ([`tenants_max`]: 96 of the 128, 12 of a source's 16) against
-//!   a newcomer: past that, the tenant holding the most loses its oldest
-//!   first, before any unauthenticated connection. Else tenants each
+//! * tenants (the read-only token's holders counting as one) together keep
+//!   at most three quarters of the places a cap counts ([`tenants_max`]:
+//!   96 of the 128, 12 of a source's 16) against a newcomer: past that,
+//!   the tenant holding the most loses its oldest first, before any
+//!   unauthenticated connection. Else tenants each
 //!   within its share (8 of them hold all 128 places; one holds the
 //!   operator's address's 16 when both are on this host) would evict the
 //!   operator's newcomer, the only connection not yet authenticated, with
@@ -392,16 +398,18 @@ where
 const UNAUTHENTICATED: u8 = 0;
 /// A connection whose request presented a tenant token.
 const TENANT: u8 = 1;
-/// A connection whose request presented the full-access or read-only token.
-const OPERATOR: u8 = 2;
+/// A connection whose request presented the read-only token.
+const READONLY: u8 = 2;
+/// A connection whose request presented the full-access token.
+const OPERATOR: u8 = 3;
 
 /// Marks a connection's request as authenticated (a request extension the
-/// auth middleware sets). An operator's connection (full-access or
-/// read-only token) is never evicted; a tenant's only when no
+/// auth middleware sets). An operator's connection (full-access token) is
+/// never evicted; a tenant's or a read-only one's only when no
 /// unauthenticated connection is left to evict, so tenants (who may not be
-/// trusted with the operator's access) cannot hold every place against
-/// the operator with idle keep-alive connections, except past its share
-/// (see [`evict_oldest`]).
+/// trusted with the operator's access) and read-only holders cannot hold
+/// every place against the operator with idle keep-alive connections,
+/// except past their share (see [`evict_oldest`]).
 #[derive(Debug, Clone)]
 pub(crate) struct Authed(Arc<Mark>);
 
@@ -411,7 +419,12 @@ impl Authed {
         self.0.set_tenant(tenant);
     }
 
-    /// The request presented the full-access or the read-only token.
+    /// The request presented the read-only token.
+    pub(crate) fn mark_readonly(&self) {
+        self.0.level.fetch_max(READONLY, Release);
+    }
+
+    /// The request presented the full-access token.
     pub(crate) fn mark_operator(&self) {
         self.0.level.fetch_max(OPERATOR, Release);
     }
@@ -436,14 +449,24 @@ impl Mark {
         self.level.load(Acquire)
     }
 
-    /// The tenant of a connection at level [`TENANT`].
-    fn tenant_of(&self) -> Option<&str> {
-        if self.level() == TENANT {
-            self.tenant.get().map(|t| &**t)
-        } else {
-            None
+    /// The fence a connection's places count against: its tenant's at
+    /// level [`TENANT`], the read-only token's at [`READONLY`]; none for
+    /// the unauthenticated and the operator.
+    fn fence(&self) -> Option<Fence<'_>> {
+        match self.level() {
+            TENANT => self.tenant.get().map(|t| Fence::Tenant(t)),
+            READONLY => Some(Fence::ReadOnly),
+            _ => None,
         }
     }
+}
+
+/// Who a share of places is counted for: a tenant, or the read-only
+/// token's holders together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Fence<'a> {
+    Tenant(&'a str),
+    ReadOnly,
 }
 
 /// The open admin connections, oldest first.
@@ -529,10 +552,11 @@ impl Places {
 }
 
 /// Evicts, among the connections `pick` picks: the oldest of the tenant
-/// holding the most tenant-authenticated places, if that is more than
-/// `share` or the tenants together hold more than `tenants_max`; else the
-/// oldest unauthenticated connection; else the oldest tenant-authenticated
-/// one; never an operator's.
+/// (or of the read-only token, fenced as a tenant) holding the most
+/// places, if that is more than `share` or they together hold more than
+/// `tenants_max`; else the oldest unauthenticated connection; else the
+/// oldest tenant-authenticated one; else the oldest read-only one; never
+/// a full-access operator's.
 ///
 /// Why tenants past their part go first: unauthenticated connections go
 /// before tenants' so that a flood without a token cannot evict tenants'
@@ -547,11 +571,11 @@ fn evict_oldest(
     tenants_max: usize,
     pick: impl Fn(&Entry) -> bool,
 ) -> bool {
-    let mut held: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut held: BTreeMap<Fence<'_>, usize> = BTreeMap::new();
     let mut tenants = 0;
     for e in m.values().filter(|e| pick(e)) {
-        if let Some(t) = e.mark.tenant_of() {
-            *held.entry(t).or_default() += 1;
+        if let Some(f) = e.mark.fence() {
+            *held.entry(f).or_default() += 1;
             tenants += 1;
         }
     }
@@ -559,10 +583,10 @@ fn evict_oldest(
         .into_iter()
         .filter(|&(_, n)| n > share || tenants > tenants_max)
         .max_by_key(|&(_, n)| n)
-        .map(|(t, _)| t.to_owned());
-    let over = greedy.and_then(|t| {
+        .map(|(f, _)| f);
+    let over = greedy.and_then(|f| {
         m.iter()
-            .find(|(_, e)| pick(e) && e.mark.tenant_of() == Some(t.as_str()))
+            .find(|(_, e)| pick(e) && e.mark.fence() == Some(f))
             .map(|(id, _)| *id)
     });
     let oldest = |level: u8| {
@@ -572,7 +596,8 @@ fn evict_oldest(
     };
     let victim = over
         .or_else(|| oldest(UNAUTHENTICATED))
-        .or_else(|| oldest(TENANT));
+        .or_else(|| oldest(TENANT))
+        .or_else(|| oldest(READONLY));
     match victim.and_then(|id| m.remove(&id)) {
         Some(e) => {
             e.evict.cancel();

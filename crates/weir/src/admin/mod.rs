@@ -515,7 +515,8 @@ async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) 
     if let Some(a) = req.extensions().get::<limit::Authed>() {
         match &access {
             Access::Tenant(t) => a.mark_tenant(t),
-            Access::Full | Access::ReadOnly => a.mark_operator(),
+            Access::ReadOnly => a.mark_readonly(),
+            Access::Full => a.mark_operator(),
         }
     }
     req.extensions_mut().insert(access);
