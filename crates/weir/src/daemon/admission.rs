@@ -30,6 +30,11 @@ pub(crate) struct Admission {
     /// is cancelled, each takes what its accept queue holds and closes; a
     /// drain waits for that before it counts what is left in `active`.
     pub(crate) listeners: AtomicU64,
+    /// Lingering closes of a removed service's queued connections (weir's
+    /// FIN sent, the client's awaited, at most `tcp::CLOSE_LINGER`): not
+    /// in `active` (they are not admitted), but a drain waits for them,
+    /// and counts those it ends among the connections it closed.
+    pub(crate) closing: AtomicU64,
 }
 
 impl Admission {
@@ -41,6 +46,7 @@ impl Admission {
             fd_limit,
             stop_accept: CancellationToken::new(),
             listeners: AtomicU64::new(0),
+            closing: AtomicU64::new(0),
         }
     }
 

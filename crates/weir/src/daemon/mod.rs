@@ -428,7 +428,8 @@ impl DaemonHandle {
 
     /// Stop accepting (a listener first takes the connections the kernel
     /// had already completed, its accept queue, and serves them: closing it
-    /// would reset them); let connections finish for up to `timeout`; then
+    /// would reset them); let connections, and the lingering closes of a
+    /// deleted service's queued ones, finish for up to `timeout`; then
     /// close the rest and stop. Returns how many were closed forcibly.
     pub fn drain(self, timeout: Duration) -> u64 {
         self.drain_until(timeout, &AtomicBool::new(false))
@@ -442,19 +443,24 @@ impl DaemonHandle {
         // it to a day; a caller may pass anything).
         let deadline = Instant::now().checked_add(timeout);
         let admission = &self.shared.admission;
-        // The listeners first (Acquire: what one admitted before it closed
-        // is in `active`), then the connections.
+        // The listeners first (Acquire: what one admitted or began closing
+        // before it closed is in `active` or `closing`), then the
+        // connections and a removed service's lingering closes.
+        let left = || {
+            admission.active.load(Relaxed)
+                + admission.closing.load(std::sync::atomic::Ordering::Acquire)
+        };
         while (admission
             .listeners
             .load(std::sync::atomic::Ordering::Acquire)
             > 0
-            || admission.active.load(Relaxed) > 0)
+            || left() > 0)
             && deadline.is_none_or(|d| Instant::now() < d)
             && !abort.load(Relaxed)
         {
             std::thread::sleep(Duration::from_millis(50));
         }
-        let left = self.shared.admission.active.load(Relaxed);
+        let left = left();
         self.stop();
         left
     }

@@ -225,10 +225,14 @@ fn take_queued(
 /// connections close, and so do the ones the kernel had already completed
 /// on `listener`, but each with a clean end (weir's FIN, see
 /// [`close_gracefully`]) rather than the reset closing the listener with
-/// them queued sent (they used to get that). A stop takes none.
+/// them queued sent (they used to get that). A stop takes none. Each
+/// close is counted in [`super::admission::Admission::closing`] from here
+/// (before the listener's count goes) until it ends, so that a drain waits
+/// for it.
 fn close_queued(shared: &Arc<Shared>, svc: &Arc<Service>, listener: &TcpListener) -> usize {
     let closed = accept_queued(shared, svc, listener, |stream, _| {
-        tokio::spawn(close_gracefully(shared.clone(), stream));
+        let closing = Closing::new(shared);
+        tokio::spawn(close_gracefully(shared.clone(), stream, closing));
     });
     if closed > 0 {
         tracing::debug!(
@@ -246,8 +250,9 @@ const CLOSE_LINGER: Duration = Duration::from_secs(2);
 
 /// Ends `stream` cleanly: a FIN, then what the client sent is read and
 /// dropped until its FIN (closing a socket with data unread resets it),
-/// for at most [`CLOSE_LINGER`] or until the daemon stops.
-async fn close_gracefully(shared: Arc<Shared>, mut stream: TcpStream) {
+/// for at most [`CLOSE_LINGER`] or until the daemon stops. `closing`
+/// counts it until the socket is closed.
+async fn close_gracefully(shared: Arc<Shared>, mut stream: TcpStream, closing: Closing) {
     use tokio::io::AsyncReadExt;
     if stream.shutdown().await.is_err() {
         return;
@@ -264,6 +269,28 @@ async fn close_gracefully(shared: Arc<Shared>, mut stream: TcpStream) {
         _ = drained => {}
         _ = tokio::time::sleep(CLOSE_LINGER) => {}
         _ = shared.conns.kill_all.cancelled() => {}
+    }
+    drop(stream);
+    drop(closing);
+}
+
+/// One lingering close of a removed service's queued connection, counted
+/// in [`super::admission::Admission::closing`] while it lives.
+struct Closing(Arc<Shared>);
+
+impl Closing {
+    fn new(shared: &Arc<Shared>) -> Self {
+        shared.admission.closing.fetch_add(1, Relaxed);
+        Self(shared.clone())
+    }
+}
+
+impl Drop for Closing {
+    fn drop(&mut self) {
+        self.0
+            .admission
+            .closing
+            .fetch_sub(1, std::sync::atomic::Ordering::Release);
     }
 }
 
@@ -1370,6 +1397,133 @@ mod tests {
             spec.listen = "127.0.0.1:0".parse().unwrap();
             shared.put_service(spec, true).unwrap();
         });
+    }
+
+    /// How many queued clients [`lingering_closes`] makes.
+    const LINGERING: usize = 8;
+
+    /// A daemon whose service `web` was deleted with [`LINGERING`] clients
+    /// queued on its listener, each having sent a request and read weir's
+    /// FIN but not sent its own: their closes linger ([`CLOSE_LINGER`]) on
+    /// a runtime of the test's, run by `rt_thread` until `stop_rt` is
+    /// dropped.
+    struct Lingering {
+        d: crate::daemon::DaemonHandle,
+        shared: Arc<Shared>,
+        clients: Vec<std::net::TcpStream>,
+        rt_thread: std::thread::JoinHandle<()>,
+        stop_rt: tokio::sync::oneshot::Sender<()>,
+    }
+
+    fn lingering_closes() -> Lingering {
+        use std::io::{Read, Write};
+        let mut cfg = crate::config::Config::default();
+        cfg.daemon.workers = 1;
+        let d = crate::daemon::Daemon::start(cfg, None).unwrap();
+        let shared = d.shared.clone();
+        let spec = crate::daemon::model::tests::test_spec(
+            "default",
+            "web",
+            Protocol::Tcp,
+            "127.0.0.1:0".parse().unwrap(),
+        );
+        shared.add_service(spec).unwrap();
+        let svc = shared.model.load().services[&("default".into(), "web".into())].clone();
+        let (rt, listener, addr) = idle_listener();
+        let looping = rt.spawn(accept_loop(shared.clone(), svc, listener));
+        let mut clients: Vec<std::net::TcpStream> = (0..LINGERING)
+            .map(|i| {
+                let mut c = std::net::TcpStream::connect(addr).unwrap();
+                c.write_all(format!("client {i}").as_bytes()).unwrap();
+                c
+            })
+            .collect();
+        let told = shared.remove_services(&[("default".into(), "web".into())]);
+        assert_eq!(told, vec![Some(0)]);
+        let (stop_rt, stopped) = tokio::sync::oneshot::channel::<()>();
+        let rt_thread = std::thread::spawn(move || {
+            rt.block_on(async {
+                looping.await.unwrap();
+                let _ = stopped.await;
+            });
+        });
+        // Each reads weir's FIN: its close lingers, waiting for the client's.
+        for (i, c) in clients.iter_mut().enumerate() {
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut rest = Vec::new();
+            c.read_to_end(&mut rest)
+                .unwrap_or_else(|e| panic!("client {i}: no FIN from weir: {e}"));
+        }
+        Lingering {
+            d,
+            shared,
+            clients,
+            rt_thread,
+            stop_rt,
+        }
+    }
+
+    /// A drain that ends before a deleted service's lingering closes did
+    /// counts them among the connections it closed forcibly. Before, they
+    /// were counted nowhere: a drain with none left to wait for reported 0.
+    #[test]
+    fn a_drain_counts_the_lingering_closes_of_a_deleted_service() {
+        let l = lingering_closes();
+        let forced = l.d.drain(Duration::ZERO);
+        drop(l.stop_rt);
+        l.rt_thread.join().unwrap();
+        drop(l.clients);
+        assert_eq!(
+            forced, LINGERING as u64,
+            "the drain's count of forcibly closed connections"
+        );
+    }
+
+    /// A drain waits for a deleted service's lingering closes: clients
+    /// that send the rest of their request and their FIN once the drain has
+    /// begun read a clean end. Before, the drain saw no connection, stopped
+    /// at once, and the stop ended the lingering closes: what the clients
+    /// sent then was answered with a reset.
+    #[test]
+    fn a_drain_waits_for_the_lingering_closes_of_a_deleted_service() {
+        use std::io::Write;
+        let l = lingering_closes();
+        let shared = l.shared.clone();
+        let d = l.d;
+        let drain = std::thread::spawn(move || d.drain(Duration::from_secs(20)));
+        let t0 = std::time::Instant::now();
+        while !shared.admission.stop_accept.is_cancelled() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "no drain");
+            std::thread::yield_now();
+        }
+        let sent: Vec<Result<(), String>> = l
+            .clients
+            .iter()
+            .map(|mut c| {
+                c.write_all(b" and the rest")
+                    .map_err(|e| format!("write: {e}"))?;
+                c.shutdown(std::net::Shutdown::Write)
+                    .map_err(|e| format!("shutdown: {e}"))
+            })
+            .collect();
+        let forced = drain.join().unwrap();
+        drop(l.stop_rt);
+        l.rt_thread.join().unwrap();
+        // A reset is the socket's pending error (a read after weir's FIN
+        // says only end of stream).
+        let results: Vec<Result<(), String>> = sent
+            .into_iter()
+            .zip(&l.clients)
+            .map(|(r, c)| match c.take_error() {
+                Ok(None) => r,
+                Ok(Some(e)) | Err(e) => Err(format!("after the end: {e}")),
+            })
+            .collect();
+        assert!(
+            results.iter().all(Result::is_ok),
+            "lingering closes not ended cleanly under a drain: {results:?}"
+        );
+        assert_eq!(forced, 0, "the drain closed connections");
     }
 
     /// weir sets `TCP_NODELAY` and `TCP_NOTSENT_LOWAT` only on the listener
