@@ -1304,6 +1304,36 @@ impl FlowTable {
         })
     }
 
+    /// Like [`hold_for`](Self::hold_for), and the cookie of the template
+    /// held, for [`release_cookie`](Self::release_cookie): the template
+    /// may be removed and another stored under the same key (of the same
+    /// service) before the hold is given back, and that one's holds are
+    /// not this one's.
+    pub fn hold_for_cookie(
+        &self,
+        key: &FlowKey,
+        service: ServiceId,
+    ) -> Option<(BackendId, Cookie)> {
+        self.with_locked(key, |n| {
+            (n.service() == service && n.hold_locked()).then(|| (n.backend(), Cookie(n.cookie())))
+        })
+    }
+
+    /// Like [`release`](Self::release), but only the template `cookie`
+    /// names (see [`hold_for_cookie`](Self::hold_for_cookie)): a newer
+    /// template under the same key keeps its holds.
+    pub fn release_cookie(&self, key: &FlowKey, cookie: Cookie, now: Millis) -> Option<u32> {
+        self.saw(now);
+        self.with_locked(key, |n| {
+            if n.cookie() == cookie.0 {
+                n.release_locked(now)
+            } else {
+                None
+            }
+        })
+        .map(|left| u32::try_from(left).unwrap_or(u32::MAX))
+    }
+
     /// One connection holding the persistence template `key` ended: the
     /// count drops by one, and at 0 the template's timeout starts from
     /// `now` (`last_active = max(last_active, now)`). Returns the holds

@@ -88,7 +88,7 @@ pub(crate) struct Conn {
     /// the backend's active/inactive counts.
     state: AtomicU8,
     /// The persistence template this connection holds, if any.
-    template: Option<FlowKey>,
+    template: Option<super::model::HeldTemplate>,
 }
 
 impl Conn {
@@ -655,7 +655,7 @@ mod tests {
         };
         let (first, _o1) = open(SocketAddr::from(([10, 0, 0, 1], 1000)));
         let first = first.unwrap();
-        let tpl = first.template.expect("a held template");
+        let tpl = first.template.expect("a held template").key;
         let before = shared.conns.table.get(&tpl).unwrap();
         assert_eq!((before.state, before.held), (FlowState::Persist, 1));
         let (zero, _o2) = open(SocketAddr::from(([10, 0, 0, 1], 0)));

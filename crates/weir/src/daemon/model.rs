@@ -975,7 +975,9 @@ impl Shared {
     /// key, or `None` if it holds nothing (the table is full, or the
     /// service's persistence changed or the service was deleted
     /// meanwhile). Every `Some` must be
-    /// given back with [`Self::release_template`].
+    /// given back with [`Self::release_template`]. The hold names the
+    /// template by its cookie as well as its key, so that its release
+    /// cannot take a hold of a newer template stored under the key.
     pub(crate) fn hold_template(
         &self,
         svc: &Service,
@@ -983,24 +985,24 @@ impl Shared {
         proto: Protocol,
         client: SocketAddr,
         backend: u32,
-    ) -> Option<FlowKey> {
+    ) -> Option<HeldTemplate> {
         let tpl = template_key(svc, params, proto, client);
         let table = &self.conns.table;
         let now = Millis(self.now_ms());
-        let mut held = false;
+        let mut held = None;
         // Two rounds: a template expired or stored by another connection
         // between our hold and our insert is found the second time.
         for _ in 0..2 {
             // Only a template of this service: another's under the same
             // key (see `choose`) is left alone, so this holds nothing.
-            match table.hold_for(&tpl, ServiceId(svc.id)) {
-                Some(b) => {
+            match table.hold_for_cookie(&tpl, ServiceId(svc.id)) {
+                Some((b, cookie)) => {
                     if b.0 != backend {
                         // Another connection of the group moved it
                         // meanwhile; the latest placement wins, as in IPVS.
                         table.rebind_for(&tpl, ServiceId(svc.id), BackendId(backend), now);
                     }
-                    held = true;
+                    held = Some(cookie);
                     break;
                 }
                 None => {
@@ -1012,8 +1014,8 @@ impl Shared {
                         state: FlowState::Persist,
                     };
                     match table.insert_held(tpl, init, now) {
-                        Ok(_) => {
-                            held = true;
+                        Ok(h) => {
+                            held = Some(h.cookie);
                             break;
                         }
                         Err(weir_flowtable::InsertError::Exists(_)) => continue,
@@ -1025,14 +1027,12 @@ impl Shared {
                 }
             }
         }
-        if !held {
-            return None;
-        }
+        let cookie = held?;
         // Deleted (or replaced) meanwhile: the hold is given back first
         // (a template that stays is not ours to keep held), then the
         // template goes, as the deletion's drop would have taken it.
         if self.cancelled_after_store(svc) {
-            table.release_for(&tpl, ServiceId(svc.id), now);
+            table.release_cookie(&tpl, cookie, now);
             self.remove_template_of(svc, &tpl);
             return None;
         }
@@ -1044,10 +1044,10 @@ impl Shared {
         // the key its release computes.
         let cur = svc.params.load();
         if cur.persistence.is_zero() || cur.mask != params.mask {
-            table.release_for(&tpl, ServiceId(svc.id), now);
+            table.release_cookie(&tpl, cookie, now);
             return None;
         }
-        Some(tpl)
+        Some(HeldTemplate { key: tpl, cookie })
     }
 
     /// A template of `svc` was just stored: whether `svc` was deleted (or
@@ -1093,16 +1093,27 @@ impl Shared {
         }
     }
 
-    /// A connection of `svc` holding template `tpl`
-    /// ([`Self::hold_template`]) ended; after the last one the template's
-    /// timeout starts now. Only a template of `svc` is released: its own
-    /// may have been dropped meanwhile (a deletion, an edit of its
-    /// persistence) and another service's stored under the same key,
-    /// whose holds are its own connections'.
-    pub(crate) fn release_template(&self, svc: &Service, tpl: FlowKey) {
+    /// A connection holding template `tpl` ([`Self::hold_template`])
+    /// ended; after the last one the template's timeout starts now. Only
+    /// the template it held is released: it may have been dropped
+    /// meanwhile (a deletion, an edit of its persistence) and another
+    /// stored under the same key, another service's or a newer one of
+    /// this service's, whose holds are its own connections'. A release
+    /// that matched the key and the service took a newer template's hold,
+    /// which could then expire under the connection holding it.
+    pub(crate) fn release_template(&self, _svc: &Service, tpl: HeldTemplate) {
         self.conns
             .table
-            .release_for(&tpl, ServiceId(svc.id), Millis(self.now_ms()));
+            .release_cookie(&tpl.key, tpl.cookie, Millis(self.now_ms()));
+    }
+
+    /// [`Self::release_template`] for a holder that kept only the key (a
+    /// packet flow, whose entry has no room for the template's cookie):
+    /// the template of `svc` under `key`, whichever it is now.
+    pub(crate) fn release_template_key(&self, svc: &Service, key: FlowKey) {
+        self.conns
+            .table
+            .release_for(&key, ServiceId(svc.id), Millis(self.now_ms()));
     }
 
     /// Removes the persistence templates of `svc` (its mask changed,
@@ -2004,6 +2015,15 @@ impl Service {
         }
         Ok(b)
     }
+}
+
+/// A persistence template a connection holds ([`Shared::hold_template`]):
+/// its key, and the cookie of the entry held, so that the release gives
+/// back this template's hold and no newer one's under the same key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HeldTemplate {
+    pub(crate) key: FlowKey,
+    cookie: weir_flowtable::Cookie,
 }
 
 /// The flow-table key of the persistence template for `client` (IPVS: the
@@ -3520,9 +3540,10 @@ pub(crate) mod tests {
         let params = svc.params.load_full();
         let b = svc.set.load().backends[0].id;
         let client: SocketAddr = "10.9.8.7:4000".parse().unwrap();
-        let tpl = shared
+        let held = shared
             .hold_template(&svc, &params, Protocol::Tcp, client, b)
             .expect("the connection holds its template");
+        let tpl = held.key;
         assert_eq!(table.get(&tpl).map(|t| t.held), Some(1));
         // Its template dropped; another service's, held once, in its place.
         assert_eq!(shared.drop_templates(&svc), 1);
@@ -3534,17 +3555,61 @@ pub(crate) mod tests {
             state: FlowState::Persist,
         };
         table.insert_held(tpl, other, Millis(0)).unwrap();
-        shared.release_template(&svc, tpl);
+        shared.release_template(&svc, held);
         let t = table.get(&tpl).unwrap();
         assert_eq!(t.service, other.service);
         assert_eq!(t.held, 1, "the release took the other service's hold");
         // Its own template's release does give back its own hold.
         table.remove(&tpl);
-        let tpl = shared
+        let held = shared
             .hold_template(&svc, &params, Protocol::Tcp, client, b)
             .unwrap();
-        shared.release_template(&svc, tpl);
-        assert_eq!(table.get(&tpl).map(|t| t.held), Some(0));
+        shared.release_template(&svc, held);
+        assert_eq!(table.get(&held.key).map(|t| t.held), Some(0));
+        d.shutdown();
+    }
+
+    /// A connection's release gives back its hold on the template it held,
+    /// not on a newer one of the same service stored under the same key
+    /// after its own was removed (persistence turned off and on again, an
+    /// edit of the mask and back): that one's holds are its own
+    /// connections'. The release used to match the key and the service
+    /// only, and took the newer template's only hold, so it could expire
+    /// under the connection that held it.
+    #[test]
+    fn a_release_leaves_a_newer_template_of_its_service_held() {
+        let mut s = spec("default", "p", Protocol::Tcp);
+        s.persistence = "300s".parse().unwrap();
+        s.backends.push(BackendSpec {
+            address: SocketAddr::from(([127, 0, 0, 9], 2000)),
+            weight: 1,
+            proxy_protocol: None,
+            max_connections: 0,
+        });
+        let d = daemon_with_tenants(&[], vec![s]);
+        let shared = d.shared.clone();
+        let table = &shared.conns.table;
+        let svc = shared.model.load().services[&key("default", "p")].clone();
+        let params = svc.params.load_full();
+        let b = svc.set.load().backends[0].id;
+        let client: SocketAddr = "10.9.8.7:4000".parse().unwrap();
+        let first = shared
+            .hold_template(&svc, &params, Protocol::Tcp, client, b)
+            .expect("the first connection holds its template");
+        // Its template dropped; the next connection stores it again.
+        assert_eq!(shared.drop_templates(&svc), 1);
+        let second = shared
+            .hold_template(&svc, &params, Protocol::Tcp, client, b)
+            .expect("the second connection holds the new template");
+        assert_eq!(table.get(&second.key).map(|t| t.held), Some(1));
+        shared.release_template(&svc, first);
+        assert_eq!(
+            table.get(&second.key).map(|t| t.held),
+            Some(1),
+            "the first connection's release took the second's hold"
+        );
+        shared.release_template(&svc, second);
+        assert_eq!(table.get(&second.key).map(|t| t.held), Some(0));
         d.shutdown();
     }
 

@@ -1741,7 +1741,7 @@ impl Shared {
             // the new key's template early (it may then expire while a flow
             // it placed lives: the group is placed afresh, never stuck).
             let params = svc.params.load();
-            self.release_template(
+            self.release_template_key(
                 svc,
                 super::template_key(svc, &params, proto, snap.key.client),
             );
