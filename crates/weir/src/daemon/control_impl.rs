@@ -173,7 +173,7 @@ impl LiveControl {
         svc.spec.write().backends = specs.to_vec();
         // Their connections stay listed, filtered and settled under their
         // address (see `Service::backend`).
-        svc.retire_backends(gone);
+        svc.retire_backends(&self.0.conns.table, gone);
         self.0.services_changed();
         if !removed.is_empty() && svc.params.load().expire_nodest_conn {
             self.0

@@ -1831,10 +1831,55 @@ impl Service {
     /// change looked, the count was 0 when that change looked: forgetting
     /// the backend then would free its id under the entry about to name
     /// it. Its holder is seen instead.
-    pub(crate) fn retire_backends(&self, gone: Vec<Arc<Backend>>) {
+    ///
+    /// Nor while a persistence template of the service names it (its
+    /// connections ended, the template within its timeout): a new backend
+    /// given the id would get the template's client group, listings and
+    /// kills. Templates have no count on the backend, so the service's are
+    /// looked up in `table` (one walk of the tenant's entries, only when a
+    /// backend would be forgotten). No template can name a backend after
+    /// the walk: one is stored by a pick or a connection holding the
+    /// backend, and a backend held is not forgotten.
+    pub(crate) fn retire_backends(
+        &self,
+        table: &weir_flowtable::FlowTable,
+        gone: Vec<Arc<Backend>>,
+    ) {
+        let unheld = |b: &Arc<Backend>| b.conns() == 0 && Arc::strong_count(b) == 1;
+        // The walk runs without the lock: the data path takes it to find
+        // a removed backend by id.
+        let named = if self.removed.lock().iter().any(unheld) {
+            self.template_backends(table)
+        } else {
+            Default::default()
+        };
         let mut removed = self.removed.lock();
-        removed.retain(|b| b.conns() > 0 || Arc::strong_count(b) > 1);
+        removed.retain(|b| !unheld(b) || named.contains(&b.id));
         removed.extend(gone);
+    }
+
+    /// The backend ids this service's persistence templates name.
+    fn template_backends(
+        &self,
+        table: &weir_flowtable::FlowTable,
+    ) -> std::collections::HashSet<u32> {
+        let filter = weir_flowtable::DumpFilter {
+            tenant: Some(TenantId(self.tenant.id)),
+            service: Some(ServiceId(self.id)),
+            state: Some(FlowState::Persist),
+            ..Default::default()
+        };
+        let (mut cursor, mut page, mut named) =
+            (None, Vec::new(), std::collections::HashSet::new());
+        loop {
+            page.clear();
+            let next = table.dump(cursor.as_ref(), &filter, 4096, &mut page);
+            named.extend(page.iter().map(|s| s.backend.0));
+            match next {
+                Some(c) => cursor = Some(c),
+                None => return named,
+            }
+        }
     }
 
     /// Rebuild the scheduler from the backends' current weight and health.
@@ -3610,6 +3655,84 @@ pub(crate) mod tests {
         );
         shared.release_template(&svc, second);
         assert_eq!(table.get(&second.key).map(|t| t.held), Some(0));
+        d.shutdown();
+    }
+
+    /// A removed backend's id stays taken while a persistence template of
+    /// its service names it (its connections ended, the template within
+    /// its timeout): a new backend given the id would get the template's
+    /// client group (the pick finds the template's backend id in the set),
+    /// and its listings and kills. The id is free again once the template
+    /// is gone. Templates were not counted: the id was freed at the first
+    /// edit after the backend's last connection ended.
+    #[test]
+    fn a_removed_backends_id_stays_taken_while_a_template_names_it() {
+        let backend = |port: u16| BackendSpec {
+            address: SocketAddr::from(([127, 0, 0, 9], port)),
+            weight: 1,
+            proxy_protocol: None,
+            max_connections: 0,
+        };
+        let mut s = spec("default", "s", Protocol::Tcp);
+        s.persistence = "300s".parse().unwrap();
+        s.backends = vec![backend(2000), backend(2001)];
+        let d = daemon_with_tenants(&[], vec![s]);
+        let shared = d.shared.clone();
+        let control = d.control();
+        let table = &shared.conns.table;
+        let svc = shared.model.load().services[&key("default", "s")].clone();
+        let params = svc.params.load_full();
+        let client: SocketAddr = "10.9.8.7:4000".parse().unwrap();
+        let tpl = template_key(&svc, &params, Protocol::Tcp, client);
+        // The client's pick stores its template; its connection is over.
+        let mut rng = weir_sched::SplitMix64::new(7);
+        let picked = svc.choose_tcp(&shared, client, &mut rng);
+        let (gone, addr) = (picked.id, picked.addr);
+        drop(picked);
+        assert_eq!(table.get(&tpl).map(|t| t.backend), Some(BackendId(gone)));
+        control
+            .delete_backend("default", "s", &addr.to_string())
+            .unwrap();
+        // Edits after the removal: each forgets the removed backends that
+        // nothing names any more (once health checks and snapshots of the
+        // old set let go of it).
+        let edit = || {
+            let again = backend(2003);
+            control.add_backend("default", "s", again.clone()).unwrap();
+            control
+                .delete_backend("default", "s", &again.address.to_string())
+                .unwrap();
+        };
+        for i in 0..50 {
+            edit();
+            assert!(
+                BACKEND_IDS.leased(gone),
+                "the id of a removed backend a template names is free after edit {i}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        BACKEND_IDS.set_next(gone);
+        control.add_backend("default", "s", backend(2002)).unwrap();
+        let ids: Vec<u32> = svc.set.load().backends.iter().map(|b| b.id).collect();
+        assert!(
+            !ids.contains(&gone),
+            "a new backend took id {gone}: {ids:?}"
+        );
+        // The template goes: the id is free again (at the next edit).
+        table.remove(&tpl).unwrap();
+        let mut freed = false;
+        for _ in 0..100 {
+            edit();
+            if !BACKEND_IDS.leased(gone) {
+                freed = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            freed,
+            "the id of a removed backend nothing names stays taken"
+        );
         d.shutdown();
     }
 
