@@ -792,6 +792,25 @@ fn a_metrics_render_leaves_the_runtime_free() {
     slow_request_leaves_the_runtime_free("GET", "/metrics", None);
 }
 
+/// A service listing builds every service's status (5,000: 7-43
+/// ms); a tenant's listing and the figures of `/v1/stats` and
+/// `/v1/rates` are built the same way, and so is the lookup of a bare
+/// service name in a connection filter.
+#[test]
+fn a_service_listing_leaves_the_runtime_free() {
+    slow_request_leaves_the_runtime_free("GET", "/v1/services", None);
+}
+
+#[test]
+fn a_stats_render_leaves_the_runtime_free() {
+    slow_request_leaves_the_runtime_free("GET", "/v1/stats", None);
+}
+
+#[test]
+fn a_bare_service_name_lookup_leaves_the_runtime_free() {
+    slow_request_leaves_the_runtime_free("GET", "/v1/connections?service=web", None);
+}
+
 /// With `metrics_public`, anyone may ask `/metrics` as often as it likes:
 /// a render is served again for a second, and requests meanwhile wait for
 /// the one render rather than each making its own.

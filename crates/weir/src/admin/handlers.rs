@@ -408,19 +408,25 @@ fn visible_tenants(st: &AppState, access: &Access) -> Vec<TenantStatus> {
 }
 
 /// The services `access` may see: a tenant token's tenant's alone, computed
-/// alone (not every tenant's, then filtered).
-fn visible_services(st: &AppState, access: &Access) -> Vec<ServiceStatus> {
-    match access.tenant() {
-        Some(t) => st.control.services_of(t),
-        None => st.control.services(),
-    }
+/// alone (not every tenant's, then filtered). Off the control runtime's
+/// thread ([`AppState::off_runtime`]): a status of every service reads
+/// every backend's figures and rates (5,000 services: 7-43 ms).
+async fn visible_services(st: &AppState, access: &Access) -> ApiResult<Vec<ServiceStatus>> {
+    let control = st.control.clone();
+    let tenant = access.tenant().map(str::to_owned);
+    st.off_runtime("the service listing", move || match tenant {
+        Some(t) => control.services_of(&t),
+        None => control.services(),
+    })
+    .await
+    .map_err(internal)
 }
 
 pub(crate) async fn list_services(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
 ) -> ApiResult<Json<Vec<ServiceStatus>>> {
-    Ok(Json(visible_services(&st, &access)))
+    Ok(Json(visible_services(&st, &access).await?))
 }
 
 pub(crate) async fn add_service(
@@ -663,7 +669,8 @@ pub(crate) async fn list_connections(
             backend: q.backend.filter(|s| !s.is_empty()),
             state: q.state.filter(|s| !s.is_empty()),
         },
-    )?;
+    )
+    .await?;
     let cursor = q.cursor.filter(|c| !c.is_empty());
     // A page walks the table until `limit` entries match: with a filter few
     // entries match, all of it (1M entries: 160 ms).
@@ -692,7 +699,11 @@ fn scoped_filter(access: &Access, mut f: ConnFilter) -> ApiResult<ConnFilter> {
 /// bare name without `tenant` must name a service of one tenant only (of
 /// those this token sees), else the request is refused listing them, so a
 /// kill never reaches into tenants the caller did not mean.
-fn resolve_filter(st: &AppState, access: &Access, mut f: ConnFilter) -> ApiResult<ConnFilter> {
+async fn resolve_filter(
+    st: &AppState,
+    access: &Access,
+    mut f: ConnFilter,
+) -> ApiResult<ConnFilter> {
     if let Some(svc) = f.service.clone()
         && let Some((t, n)) = svc.split_once('/')
     {
@@ -713,9 +724,11 @@ fn resolve_filter(st: &AppState, access: &Access, mut f: ConnFilter) -> ApiResul
     }
     let mut f = scoped_filter(access, f)?;
     if let (Some(svc), None) = (&f.service, &f.tenant) {
+        let control = st.control.clone();
         let mut tenants: Vec<String> = st
-            .control
-            .services()
+            .off_runtime("the service lookup", move || control.services())
+            .await
+            .map_err(internal)?
             .into_iter()
             .filter(|s| s.name == *svc && access.may_touch(&s.tenant))
             .map(|s| s.tenant)
@@ -766,7 +779,7 @@ pub(crate) async fn kill_matching(
             "refusing to kill every connection: give a filter, or \"all\": true",
         ));
     }
-    let filter = resolve_filter(&st, &access, filter)?;
+    let filter = resolve_filter(&st, &access, filter).await?;
     // A walk of the whole table (1M entries: 60-120 ms).
     let control = st.control.clone();
     let n = st
@@ -880,13 +893,13 @@ pub(crate) fn tenant_sums(services: &[ServiceStatus]) -> BTreeMap<String, (Total
     m
 }
 
-fn figures(
+async fn figures(
     st: &AppState,
     access: &Access,
     want_stats: bool,
     want_rates: bool,
 ) -> ApiResult<Response> {
-    let services = visible_services(st, access);
+    let services = visible_services(st, access).await?;
     let tenants = visible_tenants(st, access);
     let sums = tenant_sums(&services);
     let pick_t = |t: Totals| want_stats.then_some(t);
@@ -942,14 +955,14 @@ pub(crate) async fn stats(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
 ) -> ApiResult<Response> {
-    figures(&st, &access, true, true)
+    figures(&st, &access, true, true).await
 }
 
 pub(crate) async fn rates(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
 ) -> ApiResult<Response> {
-    figures(&st, &access, false, true)
+    figures(&st, &access, false, true).await
 }
 
 pub(crate) async fn table(

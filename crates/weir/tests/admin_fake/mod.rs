@@ -313,6 +313,7 @@ impl Control for Fake {
     }
 
     fn services(&self) -> Vec<ServiceStatus> {
+        self.pass_gate();
         let st = self.st.lock().unwrap();
         let mut v: Vec<ServiceStatus> = st
             .config
