@@ -2194,6 +2194,14 @@ impl FlowTable {
         self.maint.lock().visits
     }
 
+    /// Holds the maintenance lock (as a tenant's removal or an expiry
+    /// pass does) until the guard is dropped: for tests of what waits for
+    /// it.
+    #[doc(hidden)]
+    pub fn hold_maintenance(&self) -> impl Sized + '_ {
+        self.maint.lock()
+    }
+
     /// References (live and stale) in a tenant's expiry wheel.
     #[doc(hidden)]
     pub fn wheel_refs(&self, id: TenantId) -> Option<usize> {

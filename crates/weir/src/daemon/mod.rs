@@ -1310,6 +1310,70 @@ mod tests {
         d.shutdown();
     }
 
+    /// Adding a tenant takes the flow table's maintenance lock, which a
+    /// tenant's removal (a pass over the table's filing lists) or an
+    /// expiry pass holds meanwhile: the add waits for it off the control
+    /// runtime's one worker, and other admin requests are served. It used
+    /// to wait on that worker, and every admin request, the health checks
+    /// and the watchdog's keep-alives with it.
+    #[test]
+    fn a_tenant_add_waiting_for_the_tables_maintenance_does_not_hold_up_the_admin_api() {
+        use crate::cli::client::Client;
+        let mut cfg = Config::default();
+        cfg.daemon.workers = 1;
+        let d = Daemon::start(cfg, None).unwrap();
+        let admin = crate::config::AdminConfig {
+            listen: "127.0.0.1:0".into(),
+            token: Some("maint-lock-test-token".into()),
+            ..crate::config::AdminConfig::default()
+        };
+        let rt = d.runtime();
+        let bound = rt
+            .block_on(crate::admin::bind(&admin, d.control()))
+            .unwrap();
+        let url = format!("http://{}", bound.local_addr().unwrap());
+        let stop = CancellationToken::new();
+        rt.spawn(bound.run(stop.clone()));
+        let client = || Client::new(url.clone(), Some("maint-lock-test-token".into()));
+        let held = d.shared.conns.table.hold_maintenance();
+        let add = {
+            let c = client();
+            std::thread::spawn(move || {
+                c.send(
+                    "POST",
+                    "/v1/tenants",
+                    Some(&serde_json::json!({ "name": "late" })),
+                )
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while d.shared.model.table_adds.load(Relaxed) == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the add never reached the flow table"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        {
+            let c = client();
+            std::thread::spawn(move || {
+                let _ = tx.send(c.send("GET", "/v1/services", None));
+            });
+        }
+        let answer = rx.recv_timeout(Duration::from_secs(5));
+        assert!(
+            matches!(answer, Ok(Ok(serde_json::Value::Array(_)))),
+            "GET /v1/services while a tenant's add waits for the table's maintenance: {answer:?}"
+        );
+        drop(held);
+        let added = add.join().unwrap();
+        assert!(added.is_ok(), "the add after the lock: {added:?}");
+        assert!(d.shared.model.load().tenants.contains_key("late"));
+        stop.cancel();
+        d.shutdown();
+    }
+
     /// Adding a service on the address of one this daemon just removed waits
     /// (up to 2 s) for the old sockets to close; meanwhile the state lock,
     /// which every admin request needs, stays free. It used to be held for

@@ -60,6 +60,9 @@ pub(crate) struct Model {
     pub(super) edits_waiting: AtomicUsize,
     /// How many callers of [`Model::write`] wait for `writer` now.
     pub(super) writers_waiting: AtomicUsize,
+    /// How many tenant adds are in the flow table's `add_tenants` now
+    /// (which takes the table's maintenance lock): what tests watch.
+    pub(super) table_adds: AtomicUsize,
     /// Moves whenever a service is added, removed or replaced, or a
     /// service's set of backends changes: packet workers rebuild their
     /// snapshot of the packet services when it does.
@@ -96,6 +99,7 @@ impl Model {
             edits: Mutex::new(()),
             edits_waiting: AtomicUsize::new(0),
             writers_waiting: AtomicUsize::new(0),
+            table_adds: AtomicUsize::new(0),
             services_gen: AtomicU64::new(0),
             listen_groups: Mutex::new(Vec::new()),
             #[cfg(test)]
@@ -167,17 +171,22 @@ fn lock_off_runtime<'a>(lock: &'a Mutex<()>, waiting: &AtomicUsize) -> MutexGuar
         return g;
     }
     waiting.fetch_add(1, Relaxed);
-    use tokio::runtime::{Handle, RuntimeFlavor};
-    let g = match Handle::try_current() {
-        // block_in_place panics on a current-thread runtime, where
-        // there is no other thread to move the tasks to anyway.
-        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(|| lock.lock())
-        }
-        _ => lock.lock(),
-    };
+    let g = wait_off_runtime(|| lock.lock());
     waiting.fetch_sub(1, Relaxed);
     g
+}
+
+/// Runs `f`, which may wait a while for a lock another thread holds, as
+/// [`lock_off_runtime`] waits: on a worker of a multi-thread runtime
+/// inside [`tokio::task::block_in_place`], elsewhere as it is.
+fn wait_off_runtime<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        // block_in_place panics on a current-thread runtime, where
+        // there is no other thread to move the tasks to anyway.
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
 }
 
 /// A change of the model in progress ([`Model::write`]): reads see the
@@ -1213,7 +1222,14 @@ impl Shared {
         let placed = if configs.is_empty() {
             Vec::new()
         } else {
-            self.conns.table.add_tenants(&configs)
+            // The table's maintenance lock, which a tenant's removal (a
+            // pass over the table's filing lists) or an expiry pass may
+            // hold for a while: waited for off the control runtime's
+            // worker, as the writers' lock is.
+            self.model.table_adds.fetch_add(1, Relaxed);
+            let placed = wait_off_runtime(|| self.conns.table.add_tenants(&configs));
+            self.model.table_adds.fetch_sub(1, Relaxed);
+            placed
         };
         for ((i, lease, spec), placement) in adds.into_iter().zip(placed) {
             let placement = match placement {
