@@ -314,6 +314,10 @@ pub struct PacketStats {
     /// (forwarded, the flow's state left as it was: blind resets).
     #[serde(default)]
     pub rst_ignored: u64,
+    /// TCP FINs too far from their sender's sequence number to move a
+    /// flow towards its end (forwarded, the state left as it was).
+    #[serde(default)]
+    pub fin_ignored: u64,
     /// Frames dropped, per reason ("fragment", "no_flow", "no_next_hop", ...).
     pub dropped: std::collections::BTreeMap<String, u64>,
     /// The same figures per packet worker (one per AF_XDP queue, or per
@@ -342,6 +346,10 @@ pub struct PacketWorkerStats {
     /// (forwarded, the flow's state left as it was: blind resets).
     #[serde(default)]
     pub rst_ignored: u64,
+    /// TCP FINs too far from their sender's sequence number to move a
+    /// flow towards its end (forwarded, the state left as it was).
+    #[serde(default)]
+    pub fin_ignored: u64,
     /// Frames dropped, per reason (as [`PacketStats::dropped`]).
     pub dropped: std::collections::BTreeMap<String, u64>,
 }

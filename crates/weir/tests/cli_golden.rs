@@ -98,6 +98,7 @@ fn golden_stats_global_with_packet_workers() {
         new_flows: flows,
         icmp_errors: 0,
         rst_ignored: 0,
+        fin_ignored: 0,
         dropped: dropped.iter().map(|&(r, n)| (r.to_owned(), n)).collect(),
     };
     g.packet = Some(PacketStats {
@@ -107,6 +108,7 @@ fn golden_stats_global_with_packet_workers() {
         new_flows: 12,
         icmp_errors: 0,
         rst_ignored: 3,
+        fin_ignored: 0,
         dropped: [
             ("kernel_rx_ring_full".to_owned(), 15),
             ("no_flow".to_owned(), 5),

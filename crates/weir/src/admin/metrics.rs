@@ -351,6 +351,13 @@ fn global_metrics(reg: &mut Registry, g: &GlobalStats) {
             None,
             p.rst_ignored,
         );
+        counter(
+            reg,
+            "weir_packet_fin_ignored",
+            "Packet mode: TCP FINs too far from their sender's sequence number to move a flow towards its end (forwarded; blind FINs)",
+            None,
+            p.fin_ignored,
+        );
         let dropped = CounterFam::default();
         for (reason, n) in &p.dropped {
             dropped

@@ -427,6 +427,13 @@ pub fn render_global(g: &GlobalStats, exact: bool) -> String {
                 p.rst_ignored
             );
         }
+        if p.fin_ignored > 0 {
+            let _ = writeln!(
+                o,
+                "packet fin_ignored: {} (FINs too far from their sender's sequence number: forwarded, the flow kept)",
+                p.fin_ignored
+            );
+        }
         for w in &p.workers {
             let _ = write!(
                 o,

@@ -1280,6 +1280,7 @@ impl Control for LiveControl {
                     new_flows: s.new_flows,
                     icmp_errors: s.icmp_errors,
                     rst_ignored: s.rst_ignored,
+                    fin_ignored: s.fin_ignored,
                     dropped: s.dropped,
                     workers: s.workers,
                 }
