@@ -5,8 +5,8 @@
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::time::Duration;
 
 use socket2::SockRef;
@@ -51,32 +51,31 @@ pub(crate) fn accept_loop(
     svc: Arc<Service>,
     listener: TcpListener,
 ) -> impl std::future::Future<Output = ()> + Send {
-    let open = OpenListener::new(&shared);
+    let open = Counted::new(&shared, |a| &a.listeners);
     async move {
         accept_until_stopped(&shared, &svc, listener).await;
         drop(open);
     }
 }
 
-/// One open TCP listener, counted in [`super::admission::Admission::listeners`]
-/// while it lives.
-struct OpenListener(Arc<Shared>);
+/// One of something counted in an [`super::admission::Admission`] gauge
+/// while it lives: an open TCP listener (`listeners`), a lingering close
+/// of a removed service's queued connection (`closing`).
+struct Counted(Arc<Shared>, fn(&super::admission::Admission) -> &AtomicU64);
 
-impl OpenListener {
-    fn new(shared: &Arc<Shared>) -> Self {
-        shared.admission.listeners.fetch_add(1, Relaxed);
-        Self(shared.clone())
+impl Counted {
+    fn new(shared: &Arc<Shared>, gauge: fn(&super::admission::Admission) -> &AtomicU64) -> Self {
+        gauge(&shared.admission).fetch_add(1, Relaxed);
+        Self(shared.clone(), gauge)
     }
 }
 
-impl Drop for OpenListener {
+impl Drop for Counted {
     fn drop(&mut self) {
-        // Release: a drain that reads the count at 0 (Acquire) sees the
-        // connections the listener admitted in `active`.
-        self.0
-            .admission
-            .listeners
-            .fetch_sub(1, std::sync::atomic::Ordering::Release);
+        // Release: a drain that reads the gauge at 0 (Acquire) sees what
+        // the counted one did (a listener's admitted connections in
+        // `active`).
+        (self.1)(&self.0.admission).fetch_sub(1, std::sync::atomic::Ordering::Release);
     }
 }
 
@@ -231,7 +230,7 @@ fn take_queued(
 /// for it.
 fn close_queued(shared: &Arc<Shared>, svc: &Arc<Service>, listener: &TcpListener) -> usize {
     let closed = accept_queued(shared, svc, listener, |stream, _| {
-        let closing = Closing::new(shared);
+        let closing = Counted::new(shared, |a| &a.closing);
         tokio::spawn(close_gracefully(shared.clone(), stream, closing));
     });
     if closed > 0 {
@@ -252,7 +251,7 @@ const CLOSE_LINGER: Duration = Duration::from_secs(2);
 /// dropped until its FIN (closing a socket with data unread resets it),
 /// for at most [`CLOSE_LINGER`] or until the daemon stops. `closing`
 /// counts it until the socket is closed.
-async fn close_gracefully(shared: Arc<Shared>, mut stream: TcpStream, closing: Closing) {
+async fn close_gracefully(shared: Arc<Shared>, mut stream: TcpStream, closing: Counted) {
     use tokio::io::AsyncReadExt;
     if stream.shutdown().await.is_err() {
         return;
@@ -272,26 +271,6 @@ async fn close_gracefully(shared: Arc<Shared>, mut stream: TcpStream, closing: C
     }
     drop(stream);
     drop(closing);
-}
-
-/// One lingering close of a removed service's queued connection, counted
-/// in [`super::admission::Admission::closing`] while it lives.
-struct Closing(Arc<Shared>);
-
-impl Closing {
-    fn new(shared: &Arc<Shared>) -> Self {
-        shared.admission.closing.fetch_add(1, Relaxed);
-        Self(shared.clone())
-    }
-}
-
-impl Drop for Closing {
-    fn drop(&mut self) {
-        self.0
-            .admission
-            .closing
-            .fetch_sub(1, std::sync::atomic::Ordering::Release);
-    }
 }
 
 /// Accepts what `listener`'s accept queue holds (at most [`QUEUED_MAX`])
