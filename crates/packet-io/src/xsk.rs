@@ -133,9 +133,10 @@ enum Frames<'a> {
 }
 
 impl<'a> Batch<'a> {
-    /// A batch of frames in an AF_PACKET ring, with their partial-checksum
-    /// flags (same length as `frames`) and verdicts.
-    pub(crate) fn ring(
+    /// A batch of frames in an AF_PACKET ring (or any frames the caller
+    /// holds: tests build batches this way), with their partial-checksum
+    /// flags and lengths to send (same length as `frames`) and verdicts.
+    pub fn ring(
         frames: &'a mut [&'a mut [u8]],
         partial: &'a [bool],
         lens: &'a mut [usize],

@@ -162,6 +162,14 @@ pub struct PacketConfig {
     /// Interfaces weir attaches to (names in weir's network namespace);
     /// traffic weir does not serve passes to the kernel. Required, non-empty.
     pub interfaces: Vec<String>,
+    /// The interfaces of `interfaces` that backends' replies (and ICMP
+    /// errors about packets sent to backends) may arrive on: a frame from a
+    /// nat or fnat backend's address and port that arrives on another one is
+    /// dropped (`reply_interface`), so a spoofer on the client side cannot
+    /// inject into a flow. Empty (the default): any of `interfaces`, for one
+    /// interface that carries both sides.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub backend_interfaces: Vec<String>,
     /// How packets reach weir.
     #[serde(default)]
     pub io: PacketIo,
@@ -2006,6 +2014,24 @@ pub fn packet_problems(p: &PacketConfig) -> Vec<Problem> {
         }
     }
     let mut seen = std::collections::HashSet::new();
+    for (i, name) in p.backend_interfaces.iter().enumerate() {
+        let at = vec![k("backend_interfaces"), PathSeg::Index(i)];
+        if !seen.insert(name.as_str()) {
+            err(
+                at,
+                format!("interface {name:?} is listed twice; remove one"),
+            );
+        } else if !p.interfaces.contains(name) {
+            err(
+                at,
+                format!(
+                    "{name:?} is not one of interfaces; backends' replies can only arrive \
+                     where weir attaches: add it to interfaces or remove it here"
+                ),
+            );
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
     for (i, a) in p.local_addresses.iter().enumerate() {
         let at = vec![k("local_addresses"), PathSeg::Index(i)];
         if !seen.insert(*a) {
@@ -2495,6 +2521,7 @@ const SERVICE_KEYS: &[(&str, Kind)] = &[
 ];
 const PACKET_KEYS: &[(&str, Kind)] = &[
     ("interfaces", Kind::Strs),
+    ("backend_interfaces", Kind::Strs),
     ("io", Kind::PacketIo),
     ("local_addresses", Kind::Ips),
     ("fnat_ports", Kind::Ports),
@@ -2906,6 +2933,7 @@ mod tests {
             packet: Some(PacketConfig {
                 // `lo` exists in every network namespace.
                 interfaces: vec!["lo".into()],
+                backend_interfaces: vec!["lo".into()],
                 io: PacketIo::Afpacket,
                 local_addresses: vec!["10.0.1.1".parse().unwrap(), "2001:db8::1".parse().unwrap()],
                 fnat_ports: "1024-2047".parse().unwrap(),
@@ -3797,6 +3825,7 @@ scheduler = "wlc"
     fn packet_rules_are_all_reported_with_their_keys() {
         let text = packet_file(
             "[packet]\ninterfaces = [\"lo\", \"weir-no-such0\", \"lo\", \"bad/name\"]\n\
+             backend_interfaces = [\"lo\", \"eth9\", \"lo\"]\n\
              local_addresses = [\"10.0.1.1\", \"0.0.0.0\", \"10.0.1.1\"]\nworkers = 2000\n\
              xdp_ring_size = 3000\n",
             &[
@@ -3845,6 +3874,8 @@ scheduler = "wlc"
         has("packet.interfaces[1]", "per network namespace");
         has("packet.interfaces[2]", "listed twice");
         has("packet.interfaces[3]", "not an interface name");
+        has("packet.backend_interfaces[1]", "not one of interfaces");
+        has("packet.backend_interfaces[2]", "listed twice");
         has("packet.local_addresses[1]", "cannot be a source address");
         has("packet.local_addresses[2]", "listed twice");
         has("packet.workers", "1024");
@@ -3867,7 +3898,7 @@ scheduler = "wlc"
         );
         has("service[7].listen", "fnat_ports");
         has("service[8].backend[0].proxy_protocol", "PROXY header");
-        assert_eq!(errs.len(), 16, "{errs:#?}");
+        assert_eq!(errs.len(), 18, "{errs:#?}");
         // The existing interface is fine.
         assert!(!errs.iter().any(|e| e.key == "packet.interfaces[0]"));
     }

@@ -51,6 +51,7 @@ fn in_own_netns<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Op
 fn packet_on_lo() -> PacketConfig {
     PacketConfig {
         interfaces: vec!["lo".into()],
+        backend_interfaces: Vec::new(),
         io: PacketIo::Afpacket,
         // Not 127.0.0.1, where the tests' VIPs are (a VIP on a local address
         // must keep out of fnat_ports).

@@ -947,6 +947,123 @@ fn fnat_v6_two_armed() {
     );
 }
 
+/// With `backend_interfaces = ["lb1"]`, a backend's "reply" forged on the
+/// client side (lb0) is dropped and counted as `reply_interface`, while the
+/// backends' real replies on lb1 still reach the clients. Without the key
+/// the same frame is taken as the backend's and looked up (`no_flow` here;
+/// sent to the client from the VIP if it names a live flow).
+#[test]
+fn a_reply_forged_on_the_client_side_is_dropped() {
+    if skip() {
+        return;
+    }
+    check((|| {
+        let mut topo = Topology::build("spoof", true)?;
+        topo.start_backends()?;
+        topo.route_backends_via_weir()?;
+        let cfg = topo.start_weir(&web_service(&V4, "nat"), "backend_interfaces = [\"lb1\"]")?;
+        requests_reach_both_backends(&topo, &V4, &cfg)?;
+        // The spoofer, on the clients' segment, sends to an address routed
+        // through weir, from backend b1's address and port.
+        let cl = topo.ns("cl");
+        let to = "10.98.0.99";
+        ip(&format!(
+            "-n {cl} route add {to}/32 via {}",
+            V4.weir_client_side
+        ))?;
+        let dropped = |why: &str| -> Result<u64, String> {
+            let stats: serde_json::Value = serde_json::from_str(&weir(&cfg, &["stats", "--json"])?)
+                .map_err(|e| e.to_string())?;
+            Ok(stats["global"]["packet"]["dropped"][why]
+                .as_u64()
+                .unwrap_or(0))
+        };
+        let (rx, no_flow) = (dropped("reply_interface")?, dropped("no_flow")?);
+        send_forged_tcp(
+            &cl,
+            format!("{}:80", V4.backends[0]).parse().unwrap(),
+            format!("{to}:40000").parse().unwrap(),
+        )?;
+        wait_for("the forged reply to be counted", || {
+            dropped("reply_interface").is_ok_and(|n| n > rx)
+        })?;
+        if dropped("reply_interface")? != rx + 1 || dropped("no_flow")? != no_flow {
+            return Err(format!(
+                "reply_interface {} (was {rx}), no_flow {} (was {no_flow})",
+                dropped("reply_interface")?,
+                dropped("no_flow")?
+            ));
+        }
+        // Real replies still come back on lb1.
+        requests_again(&topo)
+    })());
+}
+
+/// Ten more requests through the v4 VIP, each answered.
+fn requests_again(topo: &Topology) -> Result<(), String> {
+    for i in 0..10 {
+        topo.curl(&format!("http://{}/", V4.ep(V4.vip, 80)))
+            .map_err(|e| format!("request {i} after the forged reply: {e}"))?;
+    }
+    Ok(())
+}
+
+/// One TCP SYN-ACK from `src` to `dst`, whatever `src` is, sent from
+/// network namespace `ns` through a raw socket (the kernel routes it by
+/// `dst` and does not check the source).
+fn send_forged_tcp(
+    ns: &str,
+    src: std::net::SocketAddrV4,
+    dst: std::net::SocketAddrV4,
+) -> Result<(), String> {
+    let mut tcp = vec![0u8; 20];
+    tcp[0..2].copy_from_slice(&src.port().to_be_bytes());
+    tcp[2..4].copy_from_slice(&dst.port().to_be_bytes());
+    tcp[4..8].copy_from_slice(&7u32.to_be_bytes());
+    tcp[8..12].copy_from_slice(&9u32.to_be_bytes());
+    tcp[12] = 5 << 4;
+    tcp[13] = 0x12; // SYN | ACK
+    tcp[14..16].copy_from_slice(&64240u16.to_be_bytes());
+    // The checksum over the pseudo-header and the segment (RFC 793).
+    let mut sum: u32 = 0;
+    let mut add = |b: &[u8]| {
+        for w in b.chunks(2) {
+            sum += u32::from(u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)]));
+        }
+    };
+    add(&src.ip().octets());
+    add(&dst.ip().octets());
+    add(&[0, 6, 0, 20]);
+    add(&tcp);
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    tcp[16..18].copy_from_slice(&(!(sum as u16)).to_be_bytes());
+    let mut pkt = vec![0x45, 0, 0, 40, 0, 0, 0x40, 0, 64, 6, 0, 0];
+    pkt.extend_from_slice(&src.ip().octets());
+    pkt.extend_from_slice(&dst.ip().octets());
+    pkt.extend_from_slice(&tcp);
+    let ns = ns.to_owned();
+    std::thread::spawn(move || -> Result<(), String> {
+        // setns(2) moves only this thread into the namespace.
+        let f = std::fs::File::open(format!("/var/run/netns/{ns}")).map_err(|e| e.to_string())?;
+        nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| e.to_string())?;
+        // IPPROTO_RAW: the caller writes the IP header (the kernel fills in
+        // its checksum).
+        let s = socket2::Socket::new(
+            socket2::Domain::IPV4,
+            socket2::Type::RAW,
+            Some(socket2::Protocol::from(libc::IPPROTO_RAW)),
+        )
+        .map_err(|e| format!("raw socket: {e}"))?;
+        s.send_to(&pkt, &std::net::SocketAddr::V4(dst).into())
+            .map_err(|e| format!("sending the forged segment: {e}"))?;
+        Ok(())
+    })
+    .join()
+    .map_err(|_| "the sending thread panicked".to_owned())?
+}
+
 fn skip() -> bool {
     if let Some(why) = missing_prerequisite() {
         eprintln!("skipped: {why}");

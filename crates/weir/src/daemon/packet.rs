@@ -162,6 +162,10 @@ pub(crate) enum Drop {
     /// service's VIP, an fnat local address): no client sends from them,
     /// so it is forged, and the backend would answer weir's address.
     Martian,
+    /// From a nat or fnat backend's address and port (a reply, or an ICMP
+    /// error about a packet sent to a backend) on an interface that is not
+    /// one of `[packet] backend_interfaces`: forged on the client side.
+    ReplyInterface,
     /// Rewritten to be sent, and not sent: the socket's tx ring (AF_XDP)
     /// or the device's queue (AF_PACKET) was full, or the device refused
     /// the frame (larger than its MTU...).
@@ -169,7 +173,7 @@ pub(crate) enum Drop {
 }
 
 impl Drop {
-    pub(crate) const ALL: [Drop; 20] = [
+    pub(crate) const ALL: [Drop; 21] = [
         Drop::NotOurs,
         Drop::NoFlow,
         Drop::Refused,
@@ -189,6 +193,7 @@ impl Drop {
         Drop::ZeroPort,
         Drop::ReplyTaken,
         Drop::Martian,
+        Drop::ReplyInterface,
         Drop::TxFull,
     ];
 
@@ -213,6 +218,7 @@ impl Drop {
             Drop::ZeroPort => "zero_port",
             Drop::ReplyTaken => "reply_taken",
             Drop::Martian => "martian",
+            Drop::ReplyInterface => "reply_interface",
             Drop::TxFull => "tx_full",
         }
     }
@@ -775,6 +781,10 @@ pub(crate) struct Engine {
     rng: weir_sched::SplitMix64,
     /// The interface of the frame being processed.
     rx_ifindex: u32,
+    /// `[packet] backend_interfaces`' indexes (empty: any interface).
+    reply_ifindexes: Vec<u32>,
+    /// Whether frames from backends are taken on `rx_ifindex`.
+    rx_takes_replies: bool,
     /// The interfaces this worker can transmit on (it has a socket there).
     egress: Vec<u32>,
     /// The interfaces' MTUs and addresses, and when they were read (ms).
@@ -833,6 +843,8 @@ impl Engine {
             hops,
             rng: weir_sched::SplitMix64::new(seed),
             rx_ifindex: egress.first().copied().unwrap_or(0),
+            reply_ifindexes: Vec::new(),
+            rx_takes_replies: true,
             egress,
             links: Vec::new(),
             links_at: None,
@@ -841,6 +853,21 @@ impl Engine {
             probes: Vec::new(),
             found: Vec::new(),
         }
+    }
+
+    /// Takes backends' replies only from these interfaces
+    /// (`[packet] backend_interfaces`; empty: from any).
+    pub(crate) fn with_reply_interfaces(mut self, ifindexes: Vec<u32>) -> Self {
+        self.reply_ifindexes = ifindexes;
+        self.receive_on(self.rx_ifindex);
+        self
+    }
+
+    /// The frames that follow arrived on `ifindex`.
+    pub(crate) fn receive_on(&mut self, ifindex: u32) {
+        self.rx_ifindex = ifindex;
+        self.rx_takes_replies =
+            self.reply_ifindexes.is_empty() || self.reply_ifindexes.contains(&ifindex);
     }
 
     /// This worker's counters.
@@ -930,7 +957,7 @@ impl Engine {
         rx_ifindex: u32,
         egress: &mut dyn FnMut(u32, &[u8]) -> bool,
     ) {
-        self.rx_ifindex = rx_ifindex;
+        self.receive_on(rx_ifindex);
         // The worker refreshed before it waited for this batch: services
         // may have changed meanwhile (one atomic load when they have not).
         self.refresh();
@@ -1020,6 +1047,10 @@ impl Engine {
                 virt: t.dst,
             };
             return Some((Probe::Flow(key), Matched::Vip(vs.clone())));
+        }
+        // Not on a backend interface: left to `find`, which counts it.
+        if !self.rx_takes_replies {
+            return None;
         }
         let g = self
             .vips
@@ -1200,6 +1231,11 @@ impl Engine {
             .by_backend
             .get(&(t.src.ip(), t.proto, t.src.port()))
             .ok_or(Drop::NotOurs)?;
+        // A backend's reply (or an ICMP error about a packet sent to one)
+        // only where backends are: from elsewhere it is forged.
+        if !self.rx_takes_replies {
+            return Err(Drop::ReplyInterface);
+        }
         let (vs, f) = self
             .reply_flow(groups, t.proto, t.dst)
             .ok_or(Drop::NoFlow)?;
@@ -2953,24 +2989,7 @@ mod tests {
         let client = sa("192.0.2.7:40000");
         let mut syn = frame(client, sa(VIP), Some(SYN), b"");
         assert_eq!(e.process(&mut syn), Verdict::Transmit);
-        let quote = &syn[14..14 + 28];
-        let error_to = |to: IpAddr| {
-            let mut icmp = vec![3, 4, 0, 0, 0, 0, 0x05, 0x78];
-            icmp.extend_from_slice(quote);
-            let c = checksum::finish(checksum::sum(&icmp, 0));
-            icmp[2..4].copy_from_slice(&c.to_be_bytes());
-            let IpAddr::V4(to) = to else { unreachable!() };
-            let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0, 0, 64, 1, 0, 0];
-            ip[2..4].copy_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
-            ip.extend_from_slice(&[10, 0, 1, 254]);
-            ip.extend_from_slice(&to.octets());
-            let c = checksum::ipv4_header_checksum(&ip);
-            ip[10..12].copy_from_slice(&c.to_be_bytes());
-            let mut f = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 9, 0x08, 0x00];
-            f.extend_from_slice(&ip);
-            f.extend_from_slice(&icmp);
-            f
-        };
+        let error_to = |to: IpAddr| icmp_error_to(&syn, to);
         let victim: IpAddr = "203.0.113.9".parse().unwrap();
         let mut f = error_to(victim);
         let v = e.process(&mut f);
@@ -2982,6 +3001,156 @@ mod tests {
         let mut f = error_to(client.ip());
         assert_eq!(e.process(&mut f), Verdict::Transmit);
         assert_eq!(e.counters.icmp_errors.load(Relaxed), 1);
+    }
+
+    /// An ICMP "fragmentation needed" from a router on the backend side
+    /// (10.0.1.254) to `to`, quoting the first 28 bytes of `sent`'s IPv4
+    /// packet (a frame weir sent to a backend).
+    fn icmp_error_to(sent: &[u8], to: IpAddr) -> Vec<u8> {
+        let mut icmp = vec![3, 4, 0, 0, 0, 0, 0x05, 0x78];
+        icmp.extend_from_slice(&sent[14..14 + 28]);
+        let c = checksum::finish(checksum::sum(&icmp, 0));
+        icmp[2..4].copy_from_slice(&c.to_be_bytes());
+        let IpAddr::V4(to) = to else { unreachable!() };
+        let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0, 0, 64, 1, 0, 0];
+        ip[2..4].copy_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
+        ip.extend_from_slice(&[10, 0, 1, 254]);
+        ip.extend_from_slice(&to.octets());
+        let c = checksum::ipv4_header_checksum(&ip);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+        let mut f = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 9, 0x08, 0x00];
+        f.extend_from_slice(&ip);
+        f.extend_from_slice(&icmp);
+        f
+    }
+
+    /// The client side (interface 1) and the backend side (interface 2)
+    /// of a two-armed weir: clients (192.0.2.0/24) are out of the first,
+    /// everything else out of the second.
+    const CLIENT_SIDE: u32 = 1;
+    const BACKEND_SIDE: u32 = 2;
+
+    struct TwoArms;
+    impl NextHops for TwoArms {
+        fn next_hop(&mut self, dst: IpAddr) -> Option<(u32, NextHop)> {
+            let client = matches!(dst, IpAddr::V4(a) if a.octets()[..3] == [192, 0, 2]);
+            Some((if client { CLIENT_SIDE } else { BACKEND_SIDE }, HOP))
+        }
+    }
+
+    /// An engine of `d`'s packet path with a socket on both arms.
+    fn two_armed(d: &super::super::DaemonHandle) -> Engine {
+        let shared = d.shared.clone();
+        let path = shared.packet.get().unwrap().clone();
+        Engine::new(
+            shared,
+            path,
+            Box::new(TwoArms),
+            vec![CLIENT_SIDE, BACKEND_SIDE],
+            7,
+            "weir-pkt-test",
+        )
+    }
+
+    /// `frames` as one batch received on `rx`: the copies sent on, with the
+    /// interface each went out of (two arms: nothing goes back out of the
+    /// interface it came in by).
+    fn batch_on(e: &mut Engine, rx: u32, frames: &mut [Vec<u8>]) -> Vec<(u32, Vec<u8>)> {
+        let mut slices: Vec<&mut [u8]> = frames.iter_mut().map(|f| f.as_mut_slice()).collect();
+        let mut lens: Vec<usize> = slices.iter().map(|f| f.len()).collect();
+        let partial = vec![false; slices.len()];
+        let mut verdicts = vec![weir_packet_io::Verdict::Drop; slices.len()];
+        let mut sent = Vec::new();
+        let mut batch = Batch::ring(&mut slices, &partial, &mut lens, &mut verdicts);
+        e.process_batch(&mut batch, rx, &mut |ix, f| {
+            sent.push((ix, f.to_vec()));
+            true
+        });
+        assert!(verdicts.iter().all(|v| *v == weir_packet_io::Verdict::Drop));
+        sent
+    }
+
+    /// With `[packet] backend_interfaces`, a frame from a backend's address
+    /// and port is a reply only where backends are. Before, a spoofer on
+    /// the client side who knew a flow's client address and port could
+    /// send "replies" from the backend's address, and weir sent them to
+    /// the client from the VIP: injected into the connection. Both paths:
+    /// one frame at a time and in a batch (whose probe would otherwise
+    /// find the flow and forward the frame without `find`).
+    #[test]
+    fn replies_are_taken_only_on_backend_interfaces() {
+        let d = daemon("nat", "");
+        let mut e = two_armed(&d).with_reply_interfaces(vec![BACKEND_SIDE]);
+        let client = sa("192.0.2.7:40000");
+        let (c0, b0) = (1_000_000u32, 3_000_000_000u32);
+        e.receive_on(CLIENT_SIDE);
+        let mut syn = frame_seq(client, sa(VIP), Some(SYN), c0, b"");
+        assert_eq!(e.process(&mut syn), Verdict::Egress(BACKEND_SIDE));
+        let key = tcp_key(&e, client);
+        let out =
+            |d: &super::super::DaemonHandle| d.shared.conns.table.get(&key).unwrap().packets_out;
+        // The backend's SYN-ACK, forged on the client side: dropped, one at
+        // a time and in a batch.
+        let synack = frame_seq(sa(B1), client, Some(SYN | ACK), b0, b"");
+        let mut f = synack.clone();
+        assert_eq!(e.process(&mut f), Verdict::Drop);
+        assert_eq!(counted(&e, Drop::ReplyInterface), 1);
+        let mut fs = vec![synack.clone(), synack.clone()];
+        let sent = batch_on(&mut e, CLIENT_SIDE, &mut fs);
+        assert!(sent.is_empty(), "sent on: {sent:?}");
+        assert_eq!(counted(&e, Drop::ReplyInterface), 3);
+        assert_eq!(fs[0], synack, "not rewritten");
+        assert_eq!(out(&d), 0, "no reply reached the flow");
+        // An ICMP error about the packet weir sent the backend, forged on
+        // the client side: dropped too (it would reach the client as the
+        // VIP's).
+        e.receive_on(CLIENT_SIDE);
+        let mut f = icmp_error_to(&syn, client.ip());
+        assert_eq!(e.process(&mut f), Verdict::Drop);
+        assert_eq!(counted(&e, Drop::ReplyInterface), 4);
+        assert_eq!(e.counters.icmp_errors.load(Relaxed), 0);
+        // From a backend's address but no backend's port: not a reply at
+        // all, as before (no flow could be named).
+        let mut f = frame_seq(sa("10.0.1.2:9"), client, Some(ACK), b0, b"");
+        assert_eq!(e.process(&mut f), Verdict::Drop);
+        assert_eq!(counted(&e, Drop::NotOurs), 1);
+        assert_eq!(counted(&e, Drop::ReplyInterface), 4);
+        // The same frames on the backend side are the backend's.
+        let mut fs = vec![synack.clone()];
+        let sent = batch_on(&mut e, BACKEND_SIDE, &mut fs);
+        let [(CLIENT_SIDE, copy)] = &sent[..] else {
+            panic!("not sent to the client: {sent:?}")
+        };
+        assert_eq!((verified(copy).src, verified(copy).dst), (sa(VIP), client));
+        e.receive_on(BACKEND_SIDE);
+        let mut f = synack.clone();
+        assert_eq!(e.process(&mut f), Verdict::Egress(CLIENT_SIDE));
+        let mut f = icmp_error_to(&syn, client.ip());
+        assert_eq!(e.process(&mut f), Verdict::Egress(CLIENT_SIDE));
+        assert_eq!(e.counters.icmp_errors.load(Relaxed), 1);
+        assert_eq!(out(&d), 2);
+        assert_eq!(counted(&e, Drop::ReplyInterface), 4);
+        // Clients' packets are taken on either side.
+        let mut ack = frame_seq(client, sa(VIP), Some(ACK), c0 + 1, b"hi");
+        assert_eq!(e.process(&mut ack), Verdict::Transmit);
+    }
+
+    /// Without `backend_interfaces` (one interface for both sides, or a
+    /// config that names none) replies are taken on any interface.
+    #[test]
+    fn without_backend_interfaces_replies_are_taken_anywhere() {
+        let d = daemon("nat", "");
+        let mut e = two_armed(&d);
+        let client = sa("192.0.2.7:40000");
+        e.receive_on(CLIENT_SIDE);
+        let mut syn = frame(client, sa(VIP), Some(SYN), b"");
+        assert_eq!(e.process(&mut syn), Verdict::Egress(BACKEND_SIDE));
+        for rx in [CLIENT_SIDE, BACKEND_SIDE, 77] {
+            e.receive_on(rx);
+            let mut f = frame(sa(B1), client, Some(SYN | ACK), b"");
+            assert_ne!(e.process(&mut f), Verdict::Drop, "on {rx}");
+        }
+        assert_eq!(counted(&e, Drop::ReplyInterface), 0);
     }
 
     /// Many flows in one tenant's own table: held, listed exactly page by

@@ -276,6 +276,12 @@ fn attach(
             }
         }
     }
+    // Where backends' replies may arrive (empty: anywhere).
+    let reply_ifindexes = cfg
+        .backend_interfaces
+        .iter()
+        .map(|name| ifindex(name))
+        .collect::<anyhow::Result<Vec<u32>>>()?;
     let mut worker = first_worker;
     let mut spawn = |name: String, egress: Vec<u32>, socks: Socks| -> anyhow::Result<()> {
         let engine = Engine::new(
@@ -285,7 +291,8 @@ fn attach(
             egress,
             rand::random(),
             &name,
-        );
+        )
+        .with_reply_interfaces(reply_ifindexes.clone());
         let stop = stop.clone();
         let idx = worker;
         worker += 1;
