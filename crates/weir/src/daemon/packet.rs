@@ -1899,9 +1899,18 @@ mod tests {
 
     /// An engine of `d`'s packet path whose next hops are `hops`.
     fn engine_with(d: &super::super::DaemonHandle, hops: Box<dyn NextHops>) -> Engine {
+        engine_on(d, hops, vec![1])
+    }
+
+    /// An engine of `d`'s packet path with sockets on `egress`.
+    fn engine_on(
+        d: &super::super::DaemonHandle,
+        hops: Box<dyn NextHops>,
+        egress: Vec<u32>,
+    ) -> Engine {
         let shared = d.shared.clone();
         let path = shared.packet.get().unwrap().clone();
-        Engine::new(shared, path, hops, vec![1], 7, "weir-pkt-test")
+        Engine::new(shared, path, hops, egress, 7, "weir-pkt-test")
     }
 
     /// Ethernet + IPv4 + TCP (flags) or UDP (flags = None), checksums full.
@@ -3040,16 +3049,7 @@ mod tests {
 
     /// An engine of `d`'s packet path with a socket on both arms.
     fn two_armed(d: &super::super::DaemonHandle) -> Engine {
-        let shared = d.shared.clone();
-        let path = shared.packet.get().unwrap().clone();
-        Engine::new(
-            shared,
-            path,
-            Box::new(TwoArms),
-            vec![CLIENT_SIDE, BACKEND_SIDE],
-            7,
-            "weir-pkt-test",
-        )
+        engine_on(d, Box::new(TwoArms), vec![CLIENT_SIDE, BACKEND_SIDE])
     }
 
     /// `frames` as one batch received on `rx`: the copies sent on, with the
