@@ -3575,4 +3575,49 @@ mod tests {
         let twice = BackendsById::new(&[all[5].clone(), all[5].clone()]);
         assert!(Arc::ptr_eq(twice.get(all[5].id).unwrap(), &all[5]));
     }
+
+    /// Not a check: a loop for counting what an established flow's packet
+    /// costs the engine (docs/BENCHMARKS.md, "Instructions per packet"):
+    /// `valgrind --tool=callgrind --toggle-collect='*Engine*process_batch*'
+    /// target/debug/deps/weir-HASH --ignored --exact
+    /// daemon::packet::tests::instructions_per_packet_loop`, then the
+    /// instructions over `PACKETS`. 256 nat TCP flows; batches of 64 frames,
+    /// half each way, in window, as a bulk transfer's ACKs and data.
+    #[test]
+    #[ignore = "a profiling loop; run under callgrind"]
+    fn instructions_per_packet_loop() {
+        const FLOWS: u16 = 256;
+        const BATCHES: usize = 2000;
+        let d = daemon("nat", "");
+        let mut e = engine(&d);
+        let (c0, b0) = (1_000_000u32, 3_000_000_000u32);
+        let mut templates = Vec::new();
+        for i in 0..FLOWS {
+            let client = SocketAddr::new("192.0.2.7".parse().unwrap(), 10_000 + i);
+            let mut syn = frame_seq(client, sa(VIP), Some(SYN), c0, b"");
+            assert_eq!(e.process(&mut syn), Verdict::Transmit);
+            let backend = verified(&syn).dst;
+            let mut synack = frame_seq(backend, client, Some(SYN | ACK), b0, b"");
+            assert_eq!(e.process(&mut synack), Verdict::Transmit);
+            templates.push(frame_seq(client, sa(VIP), Some(ACK), c0 + 1, &[7; 100]));
+            templates.push(frame_seq(backend, client, Some(ACK), b0 + 1, &[9; 1000]));
+        }
+        let mut sent = 0u64;
+        for b in 0..BATCHES {
+            let at = (b * 64) % templates.len();
+            let mut frames: Vec<Vec<u8>> = templates[at..at + 64].to_vec();
+            let mut slices: Vec<&mut [u8]> = frames.iter_mut().map(|f| f.as_mut_slice()).collect();
+            let mut lens: Vec<usize> = slices.iter().map(|f| f.len()).collect();
+            let partial = vec![false; 64];
+            let mut verdicts = vec![weir_packet_io::Verdict::Drop; 64];
+            let mut batch = Batch::ring(&mut slices, &partial, &mut lens, &mut verdicts);
+            e.process_batch(&mut batch, 1, &mut |_, _| false);
+            sent += verdicts
+                .iter()
+                .filter(|v| **v == weir_packet_io::Verdict::Transmit)
+                .count() as u64;
+        }
+        assert_eq!(sent, (BATCHES * 64) as u64, "every packet forwarded");
+        eprintln!("PACKETS {sent}");
+    }
 }
