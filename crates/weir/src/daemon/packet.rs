@@ -644,13 +644,13 @@ impl ReplyGroup {
     /// The service (and its backend) of a flow this group's reply key
     /// found: one compare when the tenant has one service at the address,
     /// a binary search over them else.
-    fn of(&self, found: &weir_flowtable::Found) -> Option<(VipService, Arc<Backend>)> {
+    fn of(&self, found: &weir_flowtable::Found) -> Option<(&VipService, &Arc<Backend>)> {
         let i = self
             .services
             .binary_search_by_key(&found.key.virt, |(vip, _, _)| *vip)
             .ok()?;
         let (_, vs, b) = &self.services[i];
-        Some((vs.clone(), b.clone()))
+        Some((vs, b))
     }
 }
 
@@ -792,8 +792,8 @@ pub(crate) struct Engine {
     links_at: Option<u64>,
     /// What is left of this worker's budget for the ICMP errors it sends.
     icmp_budget: IcmpBudget,
-    /// Per-batch scratch, kept to allocate nothing per batch.
-    parsed: Vec<(Result<Packet, Unhandled>, Option<Matched>)>,
+    /// Per-batch scratch, kept to allocate nothing per batch (the parsed
+    /// frames borrow the batch's services snapshot: a vector per batch).
     probes: Vec<Probe>,
     found: Vec<Option<weir_flowtable::Found>>,
 }
@@ -807,17 +807,22 @@ impl std::fmt::Debug for Engine {
 }
 
 /// The service a frame's probe matched: by its VIP:port, or as a reply
-/// from one of its backends.
+/// from one of its backends. Borrowed from the worker's services snapshot
+/// ([`Vips`]), as every service and backend a packet's path names is: a
+/// clone of their `Arc`s was a read-modify-write of a counter every worker
+/// shares, per packet.
 #[derive(Debug)]
-enum Matched {
-    Vip(VipService),
-    Reply(Arc<ReplyGroup>),
+enum Matched<'v> {
+    Vip(&'v VipService),
+    Reply(&'v ReplyGroup),
 }
 
 /// A looked-up or new flow.
-struct Flow {
+struct Flow<'v> {
     handle: Handle,
-    backend: Arc<Backend>,
+    /// From the snapshot; owned only for a flow just opened (its backend
+    /// as the scheduler chose it).
+    backend: std::borrow::Cow<'v, Arc<Backend>>,
     /// fnat's local endpoint.
     local: Option<SocketAddr>,
     /// The client, for replies (the forward key's client side).
@@ -849,7 +854,6 @@ impl Engine {
             links: Vec::new(),
             links_at: None,
             icmp_budget: IcmpBudget::new(),
-            parsed: Vec::new(),
             probes: Vec::new(),
             found: Vec::new(),
         }
@@ -939,7 +943,8 @@ impl Engine {
             }
         };
         self.refresh_links(now);
-        self.process_parsed(frame, &pkt, None, CsumMode::Full, now)
+        let vips = Arc::clone(&self.vips);
+        self.process_parsed(&vips, frame, &pkt, None, CsumMode::Full, now)
     }
 
     /// One ring poll's frames: parse them all, look every flow up in one
@@ -965,14 +970,16 @@ impl Engine {
         let now = Millis(self.shared.now_ms());
         self.refresh_links(now);
         self.counters.rx.fetch_add(n as u64, Relaxed);
-        let mut parsed = std::mem::take(&mut self.parsed);
+        // This batch's services: one clone of the snapshot's `Arc` per
+        // batch, and every packet borrows from it.
+        let vips = Arc::clone(&self.vips);
+        let mut parsed = Vec::with_capacity(n);
         let mut probes = std::mem::take(&mut self.probes);
         let mut found = std::mem::take(&mut self.found);
-        parsed.clear();
         probes.clear();
         for i in 0..n {
             let p = weir_packet::parse(batch.frame(i));
-            let probe = p.as_ref().ok().and_then(|p| self.probe(p));
+            let probe = p.as_ref().ok().and_then(|p| self.probe(&vips, p));
             let matched = probe.map(|(pr, m)| {
                 probes.push(pr);
                 m
@@ -1005,7 +1012,7 @@ impl Engine {
                     } else {
                         CsumMode::Full
                     };
-                    self.process_parsed(batch.frame_mut(i), pkt, hint, mode, now)
+                    self.process_parsed(&vips, batch.frame_mut(i), pkt, hint, mode, now)
                 }
             };
             let v = match v {
@@ -1028,7 +1035,6 @@ impl Engine {
             batch.set_verdict(i, v);
         }
         drop(reader);
-        self.parsed = parsed;
         self.probes = probes;
         self.found = found;
     }
@@ -1037,51 +1043,51 @@ impl Engine {
     /// key to a VIP, or the reply key of the first tenant whose services
     /// the source backend serves (a reply of another tenant's flow misses
     /// and takes [`Self::find`], one lookup per tenant).
-    fn probe(&self, pkt: &Packet) -> Option<(Probe, Matched)> {
+    fn probe<'v>(&self, vips: &'v Vips, pkt: &Packet) -> Option<(Probe, Matched<'v>)> {
         let t = pkt.tuple()?;
-        if let Some(vs) = self.vips.by_vip.get(&(t.dst.ip(), t.proto, t.dst.port())) {
+        if let Some(vs) = vips.by_vip.get(&(t.dst.ip(), t.proto, t.dst.port())) {
             let key = FlowKey {
                 tenant: TenantId(vs.svc.tenant.id),
                 proto: table_proto(t.proto),
                 client: t.src,
                 virt: t.dst,
             };
-            return Some((Probe::Flow(key), Matched::Vip(vs.clone())));
+            return Some((Probe::Flow(key), Matched::Vip(vs)));
         }
         // Not on a backend interface: left to `find`, which counts it.
         if !self.rx_takes_replies {
             return None;
         }
-        let g = self
-            .vips
+        let g = vips
             .by_backend
             .get(&(t.src.ip(), t.proto, t.src.port()))?
             .first()?;
         let key = self.group_reply_key(g, t.proto, t.dst)?;
-        Some((Probe::Reply(key), Matched::Reply(g.clone())))
+        Some((Probe::Reply(key), Matched::Reply(g)))
     }
 
     /// A parsed frame, with what the batched lookup found for it if it did.
     fn process_parsed(
         &mut self,
+        vips: &Vips,
         frame: &mut [u8],
         pkt: &Packet,
-        hint: Option<(Matched, weir_flowtable::Found)>,
+        hint: Option<(Matched<'_>, weir_flowtable::Found)>,
         mode: CsumMode,
         now: Millis,
     ) -> Verdict {
         let Some(t) = pkt.tuple() else {
-            return self.icmp(frame, pkt, now);
+            return self.icmp(vips, frame, pkt, now);
         };
         let looked = match hint {
             Some((m, h)) => self.hinted(&t, m, h),
-            None => self.find(&t, Some(pkt), now),
+            None => self.find(vips, &t, Some(pkt), now),
         };
         let (vs, found, direction) = match looked {
             Ok(f) => f,
             Err(d) => return self.drop_(d),
         };
-        let (mapping, hop, out) = match self.route(&vs, &found, direction) {
+        let (mapping, hop, out) = match self.route(vs, &found, direction) {
             Ok(r) => r,
             Err(d) => return self.drop_(d),
         };
@@ -1093,7 +1099,7 @@ impl Engine {
         // answered above neither counts, nor keeps the flow alive, nor
         // moves its state (the other end never sees it).
         if r.is_ok() {
-            self.forwarded(pkt, &vs, &found, direction, now);
+            self.forwarded(pkt, vs, &found, direction, now);
         }
         self.sent(r, out)
     }
@@ -1104,7 +1110,7 @@ impl Engine {
         &self,
         pkt: &Packet,
         vs: &VipService,
-        found: &Flow,
+        found: &Flow<'_>,
         direction: Direction,
         now: Millis,
     ) {
@@ -1184,15 +1190,15 @@ impl Engine {
 
     /// What a batched lookup's hit names, as [`Self::find`] would return
     /// it (the probe pass matched the service already).
-    fn hinted(
+    fn hinted<'v>(
         &self,
         t: &weir_packet::FlowTuple,
-        m: Matched,
+        m: Matched<'v>,
         h: weir_flowtable::Found,
-    ) -> Result<(VipService, Flow, Direction), Drop> {
+    ) -> Result<(&'v VipService, Flow<'v>, Direction), Drop> {
         match m {
             Matched::Vip(vs) => {
-                let f = self.forward_hit(&vs, h.handle, h.backend, t.src)?;
+                let f = self.forward_hit(vs, h.handle, h.backend, t.src)?;
                 Ok((vs, f, Direction::ToBackend))
             }
             Matched::Reply(g) => {
@@ -1202,7 +1208,7 @@ impl Engine {
                     vs,
                     Flow {
                         handle: h.handle,
-                        backend,
+                        backend: std::borrow::Cow::Borrowed(backend),
                         local,
                         client: h.key.client,
                     },
@@ -1215,19 +1221,18 @@ impl Engine {
     /// The flow of a packet with tuple `t`: by the forward key if it goes to
     /// a VIP:port (created for a first packet when `first` is given), else
     /// by the reply key if it comes from a nat/fnat backend.
-    fn find(
+    fn find<'v>(
         &mut self,
+        vips: &'v Vips,
         t: &weir_packet::FlowTuple,
         first: Option<&Packet>,
         now: Millis,
-    ) -> Result<(VipService, Flow, Direction), Drop> {
-        if let Some(vs) = self.vips.by_vip.get(&(t.dst.ip(), t.proto, t.dst.port())) {
-            let vs = vs.clone();
-            let f = self.forward_flow(&vs, first, t, now)?;
+    ) -> Result<(&'v VipService, Flow<'v>, Direction), Drop> {
+        if let Some(vs) = vips.by_vip.get(&(t.dst.ip(), t.proto, t.dst.port())) {
+            let f = self.forward_flow(vips, vs, first, t, now)?;
             return Ok((vs, f, Direction::ToBackend));
         }
-        let groups = self
-            .vips
+        let groups = vips
             .by_backend
             .get(&(t.src.ip(), t.proto, t.src.port()))
             .ok_or(Drop::NotOurs)?;
@@ -1246,7 +1251,7 @@ impl Engine {
     fn route(
         &mut self,
         vs: &VipService,
-        found: &Flow,
+        found: &Flow<'_>,
         direction: Direction,
     ) -> Result<(NatMapping, NextHop, Verdict), Drop> {
         let mapping = NatMapping {
@@ -1285,7 +1290,7 @@ impl Engine {
     /// fragmentation needed / packet too big, time exceeded) is translated
     /// like the flow's packets and sent on, so path-MTU discovery works
     /// through weir; it never creates a flow. Anything else is dropped.
-    fn icmp(&mut self, frame: &mut [u8], pkt: &Packet, now: Millis) -> Verdict {
+    fn icmp(&mut self, vips: &Vips, frame: &mut [u8], pkt: &Packet, now: Millis) -> Verdict {
         let emb = match weir_packet::icmp::parse_error(frame, pkt) {
             Ok(Some(e)) => e,
             Ok(None) => return self.drop_(Drop::Icmp),
@@ -1300,11 +1305,11 @@ impl Engine {
         if emb.tuple.src.port() == 0 {
             return self.drop_(Drop::ZeroPort);
         }
-        let (vs, found, direction) = match self.find(&emb.flow_key(), None, now) {
+        let (vs, found, direction) = match self.find(vips, &emb.flow_key(), None, now) {
             Ok(f) => f,
             Err(d) => return self.drop_(d),
         };
-        let (mapping, hop, out) = match self.route(&vs, &found, direction) {
+        let (mapping, hop, out) = match self.route(vs, &found, direction) {
             Ok(r) => r,
             Err(d) => return self.drop_(d),
         };
@@ -1317,13 +1322,14 @@ impl Engine {
 
     /// The flow of a client → VIP packet: found, or created for a first
     /// packet that may open one.
-    fn forward_flow(
+    fn forward_flow<'v>(
         &mut self,
-        vs: &VipService,
+        vips: &Vips,
+        vs: &'v VipService,
         first: Option<&Packet>,
         t: &weir_packet::FlowTuple,
         now: Millis,
-    ) -> Result<Flow, Drop> {
+    ) -> Result<Flow<'v>, Drop> {
         let svc = &vs.svc;
         let client = t.src;
         if client.port() == 0 {
@@ -1342,7 +1348,7 @@ impl Engine {
             let Some(pkt) = first else {
                 return Err(Drop::NoFlow);
             };
-            match self.open(vs, pkt, key, now) {
+            match self.open(vips, vs, pkt, key, now) {
                 // Another worker inserted it first: look again.
                 Err(None) => continue,
                 Err(Some(d)) => return Err(d),
@@ -1353,14 +1359,14 @@ impl Engine {
     }
 
     /// The flow a forward lookup found.
-    fn forward_hit(
+    fn forward_hit<'v>(
         &self,
-        vs: &VipService,
+        vs: &'v VipService,
         handle: Handle,
         backend: BackendId,
         client: SocketAddr,
-    ) -> Result<Flow, Drop> {
-        let b = vs.backend(backend).ok_or(Drop::BackendGone)?.clone();
+    ) -> Result<Flow<'v>, Drop> {
+        let b = std::borrow::Cow::Borrowed(vs.backend(backend).ok_or(Drop::BackendGone)?);
         let local = match vs.method {
             Method::Fnat => {
                 let slot = self.shared.conns.table.nat(handle).unwrap_or(0);
@@ -1377,20 +1383,21 @@ impl Engine {
     }
 
     /// A new flow. `Err(None)`: the key exists (a race with another worker).
-    fn open(
+    fn open<'v>(
         &mut self,
+        vips: &Vips,
         vs: &VipService,
         pkt: &Packet,
         key: FlowKey,
         now: Millis,
-    ) -> Result<Flow, Option<Drop>> {
+    ) -> Result<Flow<'v>, Option<Drop>> {
         let svc = &vs.svc;
         // From weir's own address: forged. A flow from a VIP:port would
         // have the backend answer that VIP, where the answer is a first
         // packet of that service (of any tenant), delivered to its
         // backends from this backend's address; from an fnat local
         // endpoint, the backend would see an fnat flow's endpoint.
-        if self.vips.own.contains(&key.client.ip()) {
+        if vips.own.contains(&key.client.ip()) {
             return Err(Some(Drop::Martian));
         }
         if let Some(flags) = pkt.tcp_flags() {
@@ -1477,7 +1484,7 @@ impl Engine {
         // the same packets here (the reply candidates' first live flow
         // would take them all, whatever its tenant). The flow already
         // there keeps them.
-        if vs.method == Method::Nat && self.reply_taken(&backend, key.proto, key.client) {
+        if vs.method == Method::Nat && self.reply_taken(vips, &backend, key.proto, key.client) {
             give_back(0, Some(&backend));
             return Err(Some(Drop::ReplyTaken));
         }
@@ -1581,7 +1588,7 @@ impl Engine {
         backend.stat.conn();
         Ok(Flow {
             handle,
-            backend,
+            backend: std::borrow::Cow::Owned(backend),
             local,
             client: key.client,
         })
@@ -1590,12 +1597,12 @@ impl Engine {
     /// The flow a backend's reply (to `dst`: the client for nat, weir's
     /// local endpoint for fnat) belongs to.
     /// One reply-key lookup per tenant with services on the backend.
-    fn reply_flow(
+    fn reply_flow<'v>(
         &self,
-        groups: &[Arc<ReplyGroup>],
+        groups: &'v [Arc<ReplyGroup>],
         ip_proto: u8,
         dst: SocketAddr,
-    ) -> Option<(VipService, Flow)> {
+    ) -> Option<(&'v VipService, Flow<'v>)> {
         for g in groups {
             let Some(key) = self.group_reply_key(g, ip_proto, dst) else {
                 continue;
@@ -1611,7 +1618,7 @@ impl Engine {
                 vs,
                 Flow {
                     handle: found.handle,
-                    backend,
+                    backend: std::borrow::Cow::Borrowed(backend),
                     local,
                     client: found.key.client,
                 },
@@ -1630,13 +1637,19 @@ impl Engine {
     /// [`InsertError::ReplyExists`]: weir_flowtable::InsertError::ReplyExists (A check, then
     /// an insert: two workers opening such flows at the same instant may
     /// both pass; a flow's packets each way normally reach one worker.)
-    fn reply_taken(&self, backend: &Backend, proto: Proto, client: SocketAddr) -> bool {
+    fn reply_taken(
+        &self,
+        vips: &Vips,
+        backend: &Backend,
+        proto: Proto,
+        client: SocketAddr,
+    ) -> bool {
         let ip_proto = match proto {
             Proto::Tcp => 6,
             Proto::Udp => 17,
         };
         let ep = (backend.addr.ip(), ip_proto, backend.addr.port());
-        let Some(groups) = self.vips.by_backend.get(&ep) else {
+        let Some(groups) = vips.by_backend.get(&ep) else {
             return false;
         };
         let table = &self.shared.conns.table;
@@ -2819,7 +2832,8 @@ mod tests {
             // The batched probe's one lookup finds it too when the
             // service's tenant is the first at the address.
             let pkt = weir_packet::parse(&frame(sa(B1), client, None, b"more")).unwrap();
-            let (probe, _) = e.probe(&pkt).unwrap();
+            let vips = Arc::clone(&e.vips);
+            let (probe, _) = e.probe(&vips, &pkt).unwrap();
             let Probe::Reply(rk) = probe else {
                 panic!("a reply's probe")
             };
