@@ -73,6 +73,10 @@ struct Tenant {
     reserved: AtomicUsize,
 }
 
+/// Set in [`Tenant::reserved`] by the tenant's removal, which gave back
+/// what it held: nothing more is recorded there after it.
+const RESERVED_GONE: usize = 1 << (usize::BITS - 1);
+
 impl Tenant {
     /// This tenant's introspection, given its table's chain statistics.
     fn stats(&self, cs: &crate::table::ChainStats) -> TableStats {
@@ -618,6 +622,8 @@ pub struct FlowTable {
     maint_queue: Mutex<Vec<u32>>,
     /// Own tables `maintain` has looked at (introspection).
     maintained: AtomicU64,
+    #[cfg(test)]
+    hooks: tests::Hooks,
 }
 
 /// Source of [`FlowTable`]'s `id`s (0 is never handed out).
@@ -692,6 +698,8 @@ impl FlowTable {
             retiming_tenants: AtomicUsize::new(0),
             maint_queue: Mutex::new(Vec::new()),
             maintained: AtomicU64::new(0),
+            #[cfg(test)]
+            hooks: tests::Hooks::default(),
             max_chain,
             memory_budget: cfg.memory_budget,
             own_bytes: AtomicUsize::new(0),
@@ -742,13 +750,47 @@ impl FlowTable {
     }
 
     /// Reserves `bytes` more of the own tables' budget for tenant `t`'s
-    /// table (given back when `t` goes).
+    /// table (given back when `t` goes, or by [`unreserve_for`]). `false`
+    /// if over budget, or if `t` is gone: its removal may run at any point
+    /// of this (a writer or `maintain` holds `t` from a directory loaded
+    /// before it), and gives back what `t.reserved` holds when it does, so
+    /// budget taken here after that is given back here.
+    ///
+    /// [`unreserve_for`]: Self::unreserve_for
     fn reserve_for(&self, t: &Tenant, bytes: usize) -> bool {
-        let ok = self.reserve_own(bytes);
-        if ok {
-            t.reserved.fetch_add(bytes, Relaxed);
+        if !self.reserve_own(bytes) {
+            return false;
         }
-        ok
+        #[cfg(test)]
+        self.hooks.at(tests::Pause::Reserved);
+        // One atomic step against the removal's swap of `reserved`: the
+        // bytes are recorded before it (and it gives them back) or refused
+        // after it (and given back here), never neither.
+        let recorded = t
+            .reserved
+            .fetch_update(Relaxed, Relaxed, |r| {
+                (r & RESERVED_GONE == 0).then_some(r + bytes)
+            })
+            .is_ok();
+        if !recorded {
+            self.own_bytes.fetch_sub(bytes, Relaxed);
+        }
+        recorded
+    }
+
+    /// Gives back `bytes` that [`reserve_for`](Self::reserve_for) reserved
+    /// for `t` and no resize used (one started meanwhile, or the allocation
+    /// failed), unless `t`'s removal gave them back already.
+    fn unreserve_for(&self, t: &Tenant, bytes: usize) {
+        let taken = t
+            .reserved
+            .fetch_update(Relaxed, Relaxed, |r| {
+                (r & RESERVED_GONE == 0).then(|| r - bytes)
+            })
+            .is_ok();
+        if taken {
+            self.own_bytes.fetch_sub(bytes, Relaxed);
+        }
     }
 
     /// Reserves `bytes` more of the own tables' budget.
@@ -769,7 +811,11 @@ impl FlowTable {
             table.help_resize(guard, &self.slab, Table::HELP, &|i| self.rehash(table, i));
         } else if check {
             let own = t.own_bytes != 0;
-            table.maybe_resize(guard, |more| !own || self.reserve_for(t, more));
+            table.maybe_resize(
+                guard,
+                |more| !own || self.reserve_for(t, more),
+                |more| self.unreserve_for(t, more),
+            );
         }
     }
 
@@ -1027,8 +1073,12 @@ impl FlowTable {
                 // What was reserved, not what the table holds now: a table
                 // that grew and shrank back held less than it reserved
                 // (the difference was lost to the budget for good), and
-                // overflow lines were never reserved.
-                self.own_bytes.fetch_sub(t.reserved.load(Relaxed), Relaxed);
+                // overflow lines were never reserved. Marked gone in the
+                // same step, so that a reservation racing this one gives
+                // its bytes back itself (see `reserve_for`).
+                let r = t.reserved.swap(RESERVED_GONE, Relaxed);
+                debug_assert!(r & RESERVED_GONE == 0, "a tenant removed twice");
+                self.own_bytes.fetch_sub(r, Relaxed);
             }
             results.push(Ok(out.len() - before));
         }
@@ -1969,7 +2019,7 @@ impl FlowTable {
         let map = self.tenants.load(&guard);
         let shared = &self.shared;
         if !shared.resizing(&guard) {
-            shared.maybe_resize(&guard, |_| true);
+            shared.maybe_resize(&guard, |_| true, |_| {});
         }
         shared.help_resize(&guard, &self.slab, MAINT_MOVES, &|i| self.rehash(shared, i));
         let queued = std::mem::take(&mut *self.maint_queue.lock());
@@ -1986,7 +2036,11 @@ impl FlowTable {
             fence(SeqCst);
             self.maintained.fetch_add(1, Relaxed);
             if !table.resizing(&guard) {
-                table.maybe_resize(&guard, |more| self.reserve_for(t, more));
+                table.maybe_resize(
+                    &guard,
+                    |more| self.reserve_for(t, more),
+                    |more| self.unreserve_for(t, more),
+                );
             }
             // Resizing: looked at again next call, also once the resize
             // ends (in this call or by writers meanwhile), since the load
@@ -3045,3 +3099,145 @@ impl<'a> Dumper<'a, '_> {
 
 #[allow(dead_code)]
 const _UNFILED_FITS: () = assert!(UNFILED as u64 > crate::wheel::SLOTS);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where a test stops an operation to run another in between.
+    #[derive(Copy, Clone, PartialEq, Eq, Debug)]
+    pub(super) enum Pause {
+        /// `reserve_for` has taken budget and not yet recorded it.
+        Reserved,
+    }
+
+    type Hook = Box<dyn Fn(Pause) + Send + Sync>;
+
+    /// A test's hook, run (on the operation's own thread) at every
+    /// [`Pause`] point: one interleaving, forced, without sleeps.
+    #[derive(Default)]
+    pub(super) struct Hooks(Mutex<Option<Arc<Hook>>>);
+
+    impl std::fmt::Debug for Hooks {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Hooks")
+        }
+    }
+
+    impl Hooks {
+        pub(super) fn at(&self, p: Pause) {
+            // Cloned out so the hook may run table operations that reach
+            // a pause point themselves.
+            let h = self.0.lock().clone();
+            if let Some(h) = h {
+                h(p);
+            }
+        }
+
+        fn set(&self, h: impl Fn(Pause) + Send + Sync + 'static) {
+            *self.0.lock() = Some(Arc::new(Box::new(h)));
+        }
+    }
+
+    fn key(tenant: u32, i: u32) -> FlowKey {
+        FlowKey {
+            tenant: TenantId(tenant),
+            proto: Proto::Tcp,
+            client: std::net::SocketAddr::from(([10, 0, (i >> 8) as u8, i as u8], 40000)),
+            virt: "192.0.2.1:80".parse().unwrap(),
+        }
+    }
+
+    fn init() -> FlowInit<'static> {
+        FlowInit {
+            service: ServiceId(1),
+            backend: BackendId(1),
+            state: FlowState::Established,
+            owner: 0,
+            profile: ProfileRef::NONE,
+        }
+    }
+
+    fn table() -> Arc<FlowTable> {
+        Arc::new(FlowTable::new(TableConfig {
+            shared_buckets: 1024,
+            memory_budget: 1 << 24,
+            seed: Some(31),
+            ..TableConfig::default()
+        }))
+    }
+
+    /// Fills tenant `id`'s own table past its load to grow at, so that the
+    /// next `maintain` reserves budget for a resize.
+    fn crowd(ft: &FlowTable, id: u32) {
+        let buckets = ft.tenant_stats(TenantId(id)).unwrap().buckets;
+        for i in 0..(buckets * crate::index::WAYS) as u32 * 15 / 16 {
+            // A few may find their chain full; the load is what counts.
+            let _ = ft.insert(key(id, i), init(), Millis(0));
+        }
+    }
+
+    /// A table holding tenant 1 with an own table of 64 buckets, crowded
+    /// and maintained until a resize reserved budget for it; `then` runs
+    /// (on the reserving thread) the first time one has taken the budget
+    /// and not yet recorded it against the tenant.
+    fn reserving_then(then: impl Fn(&FlowTable) + Send + Sync + 'static) -> Arc<FlowTable> {
+        let ft = table();
+        let own = TenantConfig {
+            own_buckets: 64,
+            ..TenantConfig::default()
+        };
+        ft.add_tenant(TenantId(1), own).unwrap();
+        assert_eq!(ft.own_bytes.load(Relaxed), Table::bytes_for(64));
+        let done = Arc::new(AtomicBool::new(false));
+        let weak = Arc::downgrade(&ft);
+        let d = Arc::clone(&done);
+        ft.hooks.set(move |p| {
+            if p == Pause::Reserved && !d.swap(true, SeqCst) {
+                then(&weak.upgrade().unwrap());
+            }
+        });
+        crowd(&ft, 1);
+        ft.maintain();
+        assert!(done.load(SeqCst), "no resize reserved budget");
+        ft
+    }
+
+    /// A tenant removed while a resize's budget is taken but not yet
+    /// recorded against it (by an insert that found its bucket crowded, or
+    /// by `maintain`, which looked the tenant up before the removal): the
+    /// table's own budget comes back to where it started.
+    #[test]
+    fn a_reservation_racing_the_tenants_removal_gives_the_budget_back() {
+        let ft = reserving_then(|ft| {
+            ft.remove_tenant(TenantId(1), &mut Vec::new()).unwrap();
+        });
+        assert!(ft.tenants().is_empty());
+        assert_eq!(
+            ft.own_bytes.load(Relaxed),
+            0,
+            "own budget leaked by the removed tenant's resize"
+        );
+    }
+
+    /// A resize's budget taken while another resize of the table starts
+    /// (two writers found the table crowded at once): the one that did not
+    /// start gives its budget back at once, not when the tenant goes.
+    #[test]
+    fn a_reservation_for_a_resize_that_did_not_start_is_given_back() {
+        let ft = reserving_then(|ft| {
+            // The other writer's resize, which reserves nothing here.
+            let g = epoch::pin();
+            let t = Arc::clone(&ft.tenants.load(&g).map[&1]);
+            let n = t.table.index(&g).len();
+            assert!(t.table.start_resize(&g, 2 * n));
+        });
+        assert_eq!(
+            ft.own_bytes.load(Relaxed),
+            Table::bytes_for(64),
+            "budget kept for a resize that never started"
+        );
+        ft.remove_tenant(TenantId(1), &mut Vec::new()).unwrap();
+        assert_eq!(ft.own_bytes.load(Relaxed), 0);
+    }
+}

@@ -348,8 +348,15 @@ impl Table {
     }
 
     /// Starts a resize if the load asks for one (and none runs). `grow_ok`
-    /// says whether memory may be added (budget).
-    pub(crate) fn maybe_resize(&self, guard: &Guard, grow_ok: impl Fn(usize) -> bool) -> bool {
+    /// says whether memory may be added (budget, which it takes);
+    /// `give_back` returns what it took if the resize does not start after
+    /// all (another started meanwhile, or the allocation failed).
+    pub(crate) fn maybe_resize(
+        &self,
+        guard: &Guard,
+        grow_ok: impl Fn(usize) -> bool,
+        give_back: impl Fn(usize),
+    ) -> bool {
         let ix = self.index(guard);
         if ix.successor().is_some() {
             return false;
@@ -363,10 +370,19 @@ impl Table {
         } else {
             return false;
         };
-        if target > n && !grow_ok((target - n) * BUCKET_BYTES) {
+        let more = if target > n {
+            (target - n) * BUCKET_BYTES
+        } else {
+            0
+        };
+        if more != 0 && !grow_ok(more) {
             return false;
         }
-        self.start_resize(guard, target)
+        let started = self.start_resize(guard, target);
+        if !started && more != 0 {
+            give_back(more);
+        }
+        started
     }
 
     /// Starts moving to an index of `buckets` buckets; `false` if a resize
