@@ -1025,7 +1025,7 @@ mod tests {
 
     /// The daemon's admin API on 127.0.0.1, answering to `token`: its URL,
     /// and the token that stops it.
-    fn admin_api(d: &DaemonHandle, token: &str) -> (String, CancellationToken) {
+    pub(crate) fn admin_api(d: &DaemonHandle, token: &str) -> (String, CancellationToken) {
         let admin = crate::config::AdminConfig {
             listen: "127.0.0.1:0".into(),
             token: Some(token.into()),
@@ -1043,7 +1043,7 @@ mod tests {
 
     /// Until `waiting` (a lock's count of waiters) counts one, for at most
     /// 10 s; past that the test fails saying `what`.
-    fn wait_for_a_waiter(waiting: &std::sync::atomic::AtomicUsize, what: &str) {
+    pub(crate) fn wait_for_a_waiter(waiting: &std::sync::atomic::AtomicUsize, what: &str) {
         let deadline = Instant::now() + Duration::from_secs(10);
         while waiting.load(Relaxed) == 0 {
             assert!(Instant::now() < deadline, "{what}");
@@ -1053,7 +1053,7 @@ mod tests {
 
     /// `GET /v1/services` sent by `client` on a thread of its own, and its
     /// answer if one comes within 5 s.
-    fn services_listed(
+    pub(crate) fn services_listed(
         client: crate::cli::client::Client,
     ) -> Result<
         Result<serde_json::Value, crate::cli::client::CliError>,
