@@ -1051,6 +1051,15 @@ mod tests {
         }
     }
 
+    /// `POST path` with `body`, sent by `client` on a thread of its own.
+    pub(crate) fn posted(
+        client: crate::cli::client::Client,
+        path: &'static str,
+        body: serde_json::Value,
+    ) -> std::thread::JoinHandle<Result<serde_json::Value, crate::cli::client::CliError>> {
+        std::thread::spawn(move || client.send("POST", path, Some(&body)))
+    }
+
     /// `GET /v1/services` sent by `client` on a thread of its own, and its
     /// answer if one comes within 5 s.
     pub(crate) fn services_listed(
@@ -1273,40 +1282,15 @@ mod tests {
     /// keep-alive with it.
     #[test]
     fn a_tenant_add_waiting_for_a_reload_step_does_not_hold_up_the_admin_api() {
-        use crate::cli::client::Client;
-        let mut cfg = Config::default();
-        cfg.daemon.workers = 1;
-        let d = Daemon::start(cfg, None).unwrap();
-        let (url, stop) = admin_api(&d, "writer-lock-test-token");
-        let client = || Client::new(url.clone(), Some("writer-lock-test-token".into()));
+        let d = one_worker_daemon();
         // As a reload step does.
         let held = d.shared.model.write();
-        let add = {
-            let c = client();
-            std::thread::spawn(move || {
-                c.send(
-                    "POST",
-                    "/v1/tenants",
-                    Some(&serde_json::json!({ "name": "late" })),
-                )
-            })
-        };
-        wait_for_a_waiter(
+        a_waiting_tenant_add_leaves_the_admin_api_free(
+            &d,
+            held,
             &d.shared.model.writers_waiting,
-            "the add never waited for the writers' lock",
+            "the writers' lock",
         );
-        let answer = services_listed(client());
-        assert!(
-            matches!(answer, Ok(Ok(serde_json::Value::Array(_)))),
-            "GET /v1/services while a tenant's add waits for the writers' lock: {answer:?}"
-        );
-        assert_eq!(d.shared.model.writers_waiting.load(Relaxed), 1);
-        drop(held);
-        // The add goes on once the lock is free.
-        let added = add.join().unwrap();
-        assert!(added.is_ok(), "the add after the lock: {added:?}");
-        assert!(d.shared.model.load().tenants.contains_key("late"));
-        stop.cancel();
         d.shutdown();
     }
 
@@ -1318,60 +1302,55 @@ mod tests {
     /// and the watchdog's keep-alives with it.
     #[test]
     fn a_tenant_add_waiting_for_the_tables_maintenance_does_not_hold_up_the_admin_api() {
-        use crate::cli::client::Client;
+        let d = one_worker_daemon();
+        let held = d.shared.conns.table.hold_maintenance();
+        a_waiting_tenant_add_leaves_the_admin_api_free(
+            &d,
+            held,
+            // Counts the adds in the table's add_tenants.
+            &d.shared.model.table_adds,
+            "the table's maintenance",
+        );
+        d.shutdown();
+    }
+
+    /// A daemon with one worker and the default configuration.
+    fn one_worker_daemon() -> DaemonHandle {
         let mut cfg = Config::default();
         cfg.daemon.workers = 1;
-        let d = Daemon::start(cfg, None).unwrap();
-        let admin = crate::config::AdminConfig {
-            listen: "127.0.0.1:0".into(),
-            token: Some("maint-lock-test-token".into()),
-            ..crate::config::AdminConfig::default()
-        };
-        let rt = d.runtime();
-        let bound = rt
-            .block_on(crate::admin::bind(&admin, d.control()))
-            .unwrap();
-        let url = format!("http://{}", bound.local_addr().unwrap());
-        let stop = CancellationToken::new();
-        rt.spawn(bound.run(stop.clone()));
-        let client = || Client::new(url.clone(), Some("maint-lock-test-token".into()));
-        let held = d.shared.conns.table.hold_maintenance();
-        let add = {
-            let c = client();
-            std::thread::spawn(move || {
-                c.send(
-                    "POST",
-                    "/v1/tenants",
-                    Some(&serde_json::json!({ "name": "late" })),
-                )
-            })
-        };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while d.shared.model.table_adds.load(Relaxed) == 0 {
-            assert!(
-                Instant::now() < deadline,
-                "the add never reached the flow table"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let (tx, rx) = std::sync::mpsc::channel();
-        {
-            let c = client();
-            std::thread::spawn(move || {
-                let _ = tx.send(c.send("GET", "/v1/services", None));
-            });
-        }
-        let answer = rx.recv_timeout(Duration::from_secs(5));
+        Daemon::start(cfg, None).unwrap()
+    }
+
+    /// Sends `POST /v1/tenants` while `held` holds what the add waits for
+    /// (`what`); once `waiting` counts the add, `GET /v1/services` must be
+    /// answered within 5 s. Then lets `held` go: the add must succeed.
+    fn a_waiting_tenant_add_leaves_the_admin_api_free<G>(
+        d: &DaemonHandle,
+        held: G,
+        waiting: &std::sync::atomic::AtomicUsize,
+        what: &str,
+    ) {
+        use crate::cli::client::Client;
+        let (url, stop) = admin_api(d, "held-add-test-token");
+        let client = || Client::new(url.clone(), Some("held-add-test-token".into()));
+        let add = posted(
+            client(),
+            "/v1/tenants",
+            serde_json::json!({ "name": "late" }),
+        );
+        wait_for_a_waiter(waiting, &format!("the add never waited for {what}"));
+        let answer = services_listed(client());
         assert!(
             matches!(answer, Ok(Ok(serde_json::Value::Array(_)))),
-            "GET /v1/services while a tenant's add waits for the table's maintenance: {answer:?}"
+            "GET /v1/services while a tenant's add waits for {what}: {answer:?}"
         );
+        assert_eq!(waiting.load(Relaxed), 1);
         drop(held);
+        // The add goes on once the lock is free.
         let added = add.join().unwrap();
         assert!(added.is_ok(), "the add after the lock: {added:?}");
         assert!(d.shared.model.load().tenants.contains_key("late"));
         stop.cancel();
-        d.shutdown();
     }
 
     /// Adding a service on the address of one this daemon just removed waits

@@ -2621,19 +2621,67 @@ pub(crate) mod tests {
     fn daemon_with_a_persistent_service(
         ports: &[u16],
     ) -> (crate::daemon::DaemonHandle, Arc<Service>) {
+        daemon_with_a_service(true, ports)
+    }
+
+    /// As [`daemon_with_a_persistent_service`], persistent or not.
+    fn daemon_with_a_service(
+        persistent: bool,
+        ports: &[u16],
+    ) -> (crate::daemon::DaemonHandle, Arc<Service>) {
         let mut s = spec("default", "p", Protocol::Tcp);
-        s.persistence = "300s".parse().unwrap();
-        for &port in ports {
-            s.backends.push(BackendSpec {
-                address: SocketAddr::from(([127, 0, 0, 9], port)),
-                weight: 1,
-                proxy_protocol: None,
-                max_connections: 0,
-            });
+        if persistent {
+            s.persistence = "300s".parse().unwrap();
         }
+        s.backends = ports.iter().map(|&port| backend_at(port)).collect();
         let d = daemon_with_tenants(&[], vec![s]);
         let svc = d.shared.model.load().services[&key("default", "p")].clone();
         (d, svc)
+    }
+
+    /// A weight-1 backend on 127.0.0.9 at `port`.
+    fn backend_at(port: u16) -> BackendSpec {
+        BackendSpec {
+            address: SocketAddr::from(([127, 0, 0, 9], port)),
+            weight: 1,
+            proxy_protocol: None,
+            max_connections: 0,
+        }
+    }
+
+    /// With the next backend id pointed at `gone`, a backend added at
+    /// `port` to `svc` (default/p) does not get it: `gone` is taken.
+    fn assert_a_new_backend_skips(
+        control: &dyn crate::control::Control,
+        svc: &Service,
+        gone: u32,
+        port: u16,
+    ) {
+        BACKEND_IDS.set_next(gone);
+        control
+            .add_backend("default", "p", backend_at(port))
+            .unwrap();
+        let ids: Vec<u32> = svc.set.load().backends.iter().map(|b| b.id).collect();
+        assert!(
+            !ids.contains(&gone),
+            "a new backend took id {gone}: {ids:?}"
+        );
+    }
+
+    /// Runs `edit` until backend id `gone` is free, at most 100 times 20 ms
+    /// apart (health checks and snapshots of an old set let go of a removed
+    /// backend meanwhile); fails with `what` if it stays taken.
+    fn assert_freed_by_edits(gone: u32, mut edit: impl FnMut(), what: &str) {
+        let mut freed = false;
+        for _ in 0..100 {
+            edit();
+            if !BACKEND_IDS.leased(gone) {
+                freed = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(freed, "{what}");
     }
 
     /// A daemon with one worker, tenants `tenants`, these services and a
@@ -3702,20 +3750,10 @@ pub(crate) mod tests {
     /// edit after the backend's last connection ended.
     #[test]
     fn a_removed_backends_id_stays_taken_while_a_template_names_it() {
-        let backend = |port: u16| BackendSpec {
-            address: SocketAddr::from(([127, 0, 0, 9], port)),
-            weight: 1,
-            proxy_protocol: None,
-            max_connections: 0,
-        };
-        let mut s = spec("default", "s", Protocol::Tcp);
-        s.persistence = "300s".parse().unwrap();
-        s.backends = vec![backend(2000), backend(2001)];
-        let d = daemon_with_tenants(&[], vec![s]);
+        let (d, svc) = daemon_with_a_persistent_service(&[2000, 2001]);
         let shared = d.shared.clone();
         let control = d.control();
         let table = &shared.conns.table;
-        let svc = shared.model.load().services[&key("default", "s")].clone();
         let params = svc.params.load_full();
         let client: SocketAddr = "10.9.8.7:4000".parse().unwrap();
         let tpl = template_key(&svc, &params, Protocol::Tcp, client);
@@ -3726,16 +3764,16 @@ pub(crate) mod tests {
         drop(picked);
         assert_eq!(table.get(&tpl).map(|t| t.backend), Some(BackendId(gone)));
         control
-            .delete_backend("default", "s", &addr.to_string())
+            .delete_backend("default", "p", &addr.to_string())
             .unwrap();
         // Edits after the removal: each forgets the removed backends that
         // nothing names any more (once health checks and snapshots of the
         // old set let go of it).
         let edit = || {
-            let again = backend(2003);
-            control.add_backend("default", "s", again.clone()).unwrap();
+            let again = backend_at(2003);
+            control.add_backend("default", "p", again.clone()).unwrap();
             control
-                .delete_backend("default", "s", &again.address.to_string())
+                .delete_backend("default", "p", &again.address.to_string())
                 .unwrap();
         };
         for i in 0..50 {
@@ -3746,27 +3784,13 @@ pub(crate) mod tests {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        BACKEND_IDS.set_next(gone);
-        control.add_backend("default", "s", backend(2002)).unwrap();
-        let ids: Vec<u32> = svc.set.load().backends.iter().map(|b| b.id).collect();
-        assert!(
-            !ids.contains(&gone),
-            "a new backend took id {gone}: {ids:?}"
-        );
+        assert_a_new_backend_skips(&*control, &svc, gone, 2002);
         // The template goes: the id is free again (at the next edit).
         table.remove(&tpl).unwrap();
-        let mut freed = false;
-        for _ in 0..100 {
-            edit();
-            if !BACKEND_IDS.leased(gone) {
-                freed = true;
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        assert!(
-            freed,
-            "the id of a removed backend nothing names stays taken"
+        assert_freed_by_edits(
+            gone,
+            edit,
+            "the id of a removed backend nothing names stays taken",
         );
         d.shutdown();
     }
@@ -3780,7 +3804,7 @@ pub(crate) mod tests {
     /// health checks and the watchdog's keep-alives waited for it.
     #[test]
     fn a_backend_edits_template_walk_does_not_hold_up_the_admin_api() {
-        use crate::daemon::tests::{admin_api, services_listed, wait_for_a_waiter};
+        use crate::daemon::tests::{admin_api, posted, services_listed, wait_for_a_waiter};
         let (d, svc) = daemon_with_a_persistent_service(&[2000, 2001]);
         let (url, stop) = admin_api(&d, "template-walk-test-token");
         let client = || {
@@ -3801,16 +3825,11 @@ pub(crate) mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         let gate = svc.template_walk_gate.write();
-        let edit = {
-            let c = client();
-            std::thread::spawn(move || {
-                c.send(
-                    "POST",
-                    "/v1/services/default/p/backends",
-                    Some(&serde_json::json!({ "address": "127.0.0.9:2002" })),
-                )
-            })
-        };
+        let edit = posted(
+            client(),
+            "/v1/services/default/p/backends",
+            serde_json::json!({ "address": "127.0.0.9:2002" }),
+        );
         wait_for_a_waiter(&svc.template_walks, "the edit never walked the templates");
         let answer = services_listed(client());
         assert!(
@@ -3841,26 +3860,19 @@ pub(crate) mod tests {
     /// (its counts, its kills, its listings).
     #[test]
     fn a_removed_backends_id_stays_taken_while_flows_name_it() {
-        let backend = |port: u16| BackendSpec {
-            address: SocketAddr::from(([127, 0, 0, 9], port)),
-            weight: 1,
-            proxy_protocol: None,
-            max_connections: 0,
-        };
-        let mut s = spec("default", "s", Protocol::Tcp);
-        s.backends = vec![backend(2000), backend(2001)];
-        let d = daemon_with_tenants(&[], vec![s]);
+        let (d, svc) = daemon_with_a_service(false, &[2000, 2001]);
         let shared = d.shared.clone();
         let control = d.control();
         let table = &shared.conns.table;
-        let svc = shared.model.load().services[&key("default", "s")].clone();
         // A connection's pick, before the removal.
         let picked = svc.set.load().backends[1].clone();
         let gone = picked.id;
         control
-            .delete_backend("default", "s", &picked.addr.to_string())
+            .delete_backend("default", "p", &picked.addr.to_string())
             .unwrap();
-        control.add_backend("default", "s", backend(2002)).unwrap();
+        control
+            .add_backend("default", "p", backend_at(2002))
+            .unwrap();
         // Its place and entry, after: as `Shared::open` takes them.
         assert!(picked.take_place());
         picked.inactive.fetch_add(1, Relaxed);
@@ -3878,33 +3890,21 @@ pub(crate) mod tests {
             BACKEND_IDS.leased(gone),
             "the id of a removed backend a flow names is free"
         );
-        BACKEND_IDS.set_next(gone);
-        control.add_backend("default", "s", backend(2003)).unwrap();
-        let ids: Vec<u32> = svc.set.load().backends.iter().map(|b| b.id).collect();
-        assert!(
-            !ids.contains(&gone),
-            "a new backend took id {gone}: {ids:?}"
-        );
+        assert_a_new_backend_skips(&*control, &svc, gone, 2003);
         // The flow ends: the id is free again (at the service's next edit).
         let snap = table.remove(&fkey).unwrap();
         shared.ended(&[snap], Close::IdleTimeout);
-        let mut freed = false;
-        for _ in 0..100 {
-            let again = backend(2003);
+        let edit = || {
+            let again = backend_at(2003);
             control
-                .delete_backend("default", "s", &again.address.to_string())
+                .delete_backend("default", "p", &again.address.to_string())
                 .unwrap();
-            control.add_backend("default", "s", again).unwrap();
-            if !BACKEND_IDS.leased(gone) {
-                freed = true;
-                break;
-            }
-            // Health checks and snapshots of the old set let go of it.
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        assert!(
-            freed,
-            "the id of a removed backend with no flow left stays taken"
+            control.add_backend("default", "p", again).unwrap();
+        };
+        assert_freed_by_edits(
+            gone,
+            edit,
+            "the id of a removed backend with no flow left stays taken",
         );
         d.shutdown();
     }
