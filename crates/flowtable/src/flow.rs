@@ -1736,6 +1736,19 @@ impl FlowTable {
             .is_some()
     }
 
+    /// [`touch_handle`](Self::touch_handle) that counts the packet but
+    /// leaves `last_active`: a packet the entry's owner does not take as
+    /// its flow's own activity (packet mode: a TCP segment far from its
+    /// sender's sequence number, which anyone knowing the four-tuple can
+    /// send). `false` if the entry is gone.
+    #[inline]
+    pub fn count_handle(&self, h: Handle, dir: Dir, bytes: u64) -> bool {
+        let _guard = epoch::pin();
+        self.handle_node(h)
+            .map(|n| n.count(dir == Dir::Out, bytes))
+            .is_some()
+    }
+
     /// Packet mode's TCP sequence tracking through a handle: `f` gets the
     /// entry's state and the sequence number noted for direction `dir` (0:
     /// none yet) and returns the one to note instead, if any. Returns what

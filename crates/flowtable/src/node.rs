@@ -512,13 +512,19 @@ impl Node<'_> {
     /// counted on a template (the word is its hold count).
     #[inline]
     pub(crate) fn touch(&self, now: Millis, dir_out: bool, bytes: u64) -> (Cookie, BackendId) {
+        self.count(dir_out, bytes);
+        self.bump_last_active(now);
+        (Cookie(self.cookie()), self.backend())
+    }
+
+    /// [`touch`](Self::touch)'s counting, without restarting the timer.
+    #[inline]
+    pub(crate) fn count(&self, dir_out: bool, bytes: u64) {
         let d = usize::from(dir_out);
         if bytes != 0 && !(dir_out && self.is_template()) {
             self.c.bytes[d].fetch_add(bytes, Relaxed);
         }
         self.c.packets[d].fetch_add(1, Relaxed);
-        self.bump_last_active(now);
-        (Cookie(self.cookie()), self.backend())
     }
 
     /// The state and the sequence number noted in direction `dir_out`

@@ -318,6 +318,11 @@ pub struct PacketStats {
     /// flow towards its end (forwarded, the state left as it was).
     #[serde(default)]
     pub fin_ignored: u64,
+    /// Other TCP segments too far from their sender's sequence number to
+    /// keep a flow alive (forwarded; the flow's idle timer and state left
+    /// as they were: blind ACKs and data).
+    #[serde(default)]
+    pub seq_ignored: u64,
     /// Frames dropped, per reason ("fragment", "no_flow", "no_next_hop", ...).
     pub dropped: std::collections::BTreeMap<String, u64>,
     /// The same figures per packet worker (one per AF_XDP queue, or per
@@ -350,6 +355,11 @@ pub struct PacketWorkerStats {
     /// flow towards its end (forwarded, the state left as it was).
     #[serde(default)]
     pub fin_ignored: u64,
+    /// Other TCP segments too far from their sender's sequence number to
+    /// keep a flow alive (forwarded; the flow's idle timer and state left
+    /// as they were: blind ACKs and data).
+    #[serde(default)]
+    pub seq_ignored: u64,
     /// Frames dropped, per reason (as [`PacketStats::dropped`]).
     pub dropped: std::collections::BTreeMap<String, u64>,
 }

@@ -99,6 +99,7 @@ fn golden_stats_global_with_packet_workers() {
         icmp_errors: 0,
         rst_ignored: 0,
         fin_ignored: 0,
+        seq_ignored: 0,
         dropped: dropped.iter().map(|&(r, n)| (r.to_owned(), n)).collect(),
     };
     g.packet = Some(PacketStats {
@@ -109,6 +110,7 @@ fn golden_stats_global_with_packet_workers() {
         icmp_errors: 0,
         rst_ignored: 3,
         fin_ignored: 0,
+        seq_ignored: 2,
         dropped: [
             ("kernel_rx_ring_full".to_owned(), 15),
             ("no_flow".to_owned(), 5),

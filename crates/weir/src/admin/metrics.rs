@@ -358,6 +358,13 @@ fn global_metrics(reg: &mut Registry, g: &GlobalStats) {
             None,
             p.fin_ignored,
         );
+        counter(
+            reg,
+            "weir_packet_seq_ignored",
+            "Packet mode: other TCP segments too far from their sender's sequence number to keep a flow alive (forwarded; blind ACKs and data)",
+            None,
+            p.seq_ignored,
+        );
         let dropped = CounterFam::default();
         for (reason, n) in &p.dropped {
             dropped

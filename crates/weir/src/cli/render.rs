@@ -434,6 +434,13 @@ pub fn render_global(g: &GlobalStats, exact: bool) -> String {
                 p.fin_ignored
             );
         }
+        if p.seq_ignored > 0 {
+            let _ = writeln!(
+                o,
+                "packet seq_ignored: {} (other segments too far from their sender's sequence number: forwarded, the flow's timer not restarted)",
+                p.seq_ignored
+            );
+        }
         for w in &p.workers {
             let _ = write!(
                 o,

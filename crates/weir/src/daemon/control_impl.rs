@@ -1281,6 +1281,7 @@ impl Control for LiveControl {
                     icmp_errors: s.icmp_errors,
                     rst_ignored: s.rst_ignored,
                     fin_ignored: s.fin_ignored,
+                    seq_ignored: s.seq_ignored,
                     dropped: s.dropped,
                     workers: s.workers,
                 }

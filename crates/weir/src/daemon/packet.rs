@@ -280,6 +280,9 @@ pub(crate) struct Counters {
     pub(crate) rst_ignored: AtomicU64,
     /// FINs that changed no state, for the same reason.
     pub(crate) fin_ignored: AtomicU64,
+    /// Other segments that neither restarted their flow's idle timer nor
+    /// moved its state, for the same reason.
+    pub(crate) seq_ignored: AtomicU64,
     pub(crate) unhandled: [AtomicU64; Unhandled::COUNT],
     pub(crate) dropped: [AtomicU64; Drop::ALL.len()],
     /// What the kernel dropped for this worker's sockets before weir saw
@@ -327,6 +330,7 @@ impl Counters {
             icmp_errors: self.icmp_errors.load(Relaxed),
             rst_ignored: self.rst_ignored.load(Relaxed),
             fin_ignored: self.fin_ignored.load(Relaxed),
+            seq_ignored: self.seq_ignored.load(Relaxed),
             dropped,
         }
     }
@@ -349,6 +353,7 @@ pub(crate) struct CounterSums {
     pub(crate) icmp_errors: u64,
     pub(crate) rst_ignored: u64,
     pub(crate) fin_ignored: u64,
+    pub(crate) seq_ignored: u64,
     pub(crate) dropped: std::collections::BTreeMap<String, u64>,
     /// The same figures per worker, in the order the workers started.
     pub(crate) workers: Vec<crate::control::PacketWorkerStats>,
@@ -490,6 +495,7 @@ impl PacketPath {
             s.icmp_errors += w.icmp_errors;
             s.rst_ignored += w.rst_ignored;
             s.fin_ignored += w.fin_ignored;
+            s.seq_ignored += w.seq_ignored;
             for (reason, n) in &w.dropped {
                 *s.dropped.entry(reason.clone()).or_default() += n;
             }
@@ -1105,7 +1111,9 @@ impl Engine {
     }
 
     /// A packet of `found` is rewritten to be sent: its bytes go into the
-    /// entry and the estimators, and a TCP segment moves the state.
+    /// entry and the estimators, and a TCP segment near its sender's place
+    /// ([`Self::seq_allows`]) restarts the idle timer and moves the state;
+    /// one far from it does neither.
     fn forwarded(
         &self,
         pkt: &Packet,
@@ -1119,10 +1127,19 @@ impl Engine {
             Direction::ToBackend => Dir::In,
             Direction::ToClient => Dir::Out,
         };
-        self.shared
-            .conns
-            .table
-            .touch_handle(found.handle, now, dir, len);
+        let tcp = match (pkt.tcp_flags(), pkt.tcp_seq()) {
+            (Some(flags), Some(seq)) => Some((
+                flags,
+                self.seq_allows(found.handle, vs.method, dir, flags, seq),
+            )),
+            _ => None,
+        };
+        let table = &self.shared.conns.table;
+        if tcp.is_none_or(|(_, allowed)| allowed) {
+            table.touch_handle(found.handle, now, dir, len);
+        } else {
+            table.count_handle(found.handle, dir, len);
+        }
         let stats = [
             &self.shared.accounting.stat,
             &vs.svc.tenant.stat,
@@ -1135,9 +1152,7 @@ impl Engine {
                 Dir::Out => s.add_out(len),
             }
         }
-        if let (Some(flags), Some((seq, end))) = (pkt.tcp_flags(), pkt.tcp_seq())
-            && self.seq_allows(found.handle, vs.method, dir, flags, (seq, end))
-        {
+        if let Some((flags, true)) = tcp {
             self.advance(
                 found.handle,
                 &found.backend,
@@ -1689,12 +1704,19 @@ impl Engine {
     }
 
     /// Notes a TCP segment's place in its direction's sequence space;
-    /// `false` for a RST or a FIN too far from where its sender is known
-    /// to be, which then changes no state (forwarded all the same: the
-    /// endpoint checks it too). See [`weir_packet::tcp_state::SEQ_WINDOW`].
+    /// `false` for a segment too far from where its sender is known to be
+    /// (it noted nothing, and its sequence number lies more than
+    /// [`weir_packet::tcp_state::SEQ_WINDOW`] from the place, either
+    /// way), which then changes no state and does not restart the flow's
+    /// idle timer (forwarded all the same: the endpoint checks it too).
     /// A FIN ends a flow as surely as a RST, only later: ESTABLISHED's
     /// 900 s become CLOSE_WAIT's 60 s (or FIN_WAIT's 120 s), after which
-    /// an idle connection's next packet finds no flow.
+    /// an idle connection's next packet finds no flow. Any other segment
+    /// keeps a flow alive: taken from anyone who knows the four-tuple (a
+    /// blind ACK, data), it would keep a dead flow, its admission slot
+    /// and its fnat port, for ever (conntrack's `tcp_in_window` does not
+    /// refresh a connection's timeout on such a segment either). A
+    /// retransmission lies behind the place, within the window.
     fn seq_allows(
         &self,
         h: Handle,
@@ -1705,12 +1727,13 @@ impl Engine {
     ) -> bool {
         use weir_packet::tcp_state;
         let table = &self.shared.conns.table;
-        let mut opens = false;
+        let (mut opens, mut noted) = (false, false);
         let seen = table.track_seq_handle(h, dir, |st, known| {
             let st = TcpState::from_flow_state(st)?;
-            let noted = tcp_state::seq_to_note(st, flags, end, known);
-            opens = tcp_state::opens_connection(flags, noted);
-            noted
+            let note = tcp_state::seq_to_note(st, flags, end, known);
+            opens = tcp_state::opens_connection(flags, note);
+            noted = note.is_some();
+            note
         });
         if opens && dir == Dir::In {
             // A new connection: the backend's place waits for its SYN-ACK
@@ -1720,10 +1743,13 @@ impl Engine {
         let ignored = match tcp_state::FlagClass::of(flags) {
             Some(tcp_state::FlagClass::Rst) => &self.counters.rst_ignored,
             Some(tcp_state::FlagClass::Fin) => &self.counters.fin_ignored,
-            _ => return true,
+            _ => &self.counters.seq_ignored,
         };
+        // A segment that moved its sender's place forward (or started it
+        // afresh: a SYN opening a connection) is the sender's; any other
+        // must lie near the place, as a RST must.
         match seen {
-            Some((_, known)) if !tcp_state::rst_acceptable(seq, known) => {
+            Some((_, known)) if !noted && !tcp_state::rst_acceptable(seq, known) => {
                 // The client's answer to a challenge ACK (or its FIN),
                 // before the backend's SYN-ACK (nat, fnat: dr sees no
                 // replies).
@@ -2034,6 +2060,95 @@ mod tests {
         assert_eq!(e.process(&mut syn2), Verdict::Transmit);
         assert_eq!(verified(&syn2).dst, sa(B2));
         assert_eq!(e.counters.new_flows.load(Relaxed), 2);
+    }
+
+    /// A nat flow of `client` established at `now` by hand-built frames:
+    /// the client's SYN at `c0`, the backend's SYN-ACK at `b0`, then five
+    /// bytes from the client (its place is then `c0 + 6`, the backend's
+    /// `b0 + 1`).
+    fn established_at(
+        e: &mut Engine,
+        client: SocketAddr,
+        (c0, b0): (u32, u32),
+        now: Millis,
+    ) -> FlowKey {
+        for (src, dst, flags, seq, data) in [
+            (client, sa(VIP), SYN, c0, &b""[..]),
+            (sa(B1), client, SYN | ACK, b0, b""),
+            (client, sa(VIP), ACK, c0 + 1, b"hello"),
+        ] {
+            let mut f = frame_seq(src, dst, Some(flags), seq, data);
+            assert_eq!(e.process_at(&mut f, now), Verdict::Transmit);
+        }
+        tcp_key(e, client)
+    }
+
+    /// A segment far from its sender's place (a blind ACK or data from
+    /// anyone who knows the four-tuple) is forwarded but does not restart
+    /// the flow's idle timer, as conntrack does not for a segment out of
+    /// its window: the attacker could otherwise keep a dead flow, its
+    /// admission slot and its fnat port, alive for ever. A segment near
+    /// its sender's place, a retransmission included, still does.
+    #[test]
+    fn a_blind_ack_does_not_keep_an_established_flow_alive() {
+        let d = daemon("nat", "");
+        let mut e = engine(&d);
+        let client = sa("192.0.2.7:40000");
+        let (c0, b0) = (1_000_000u32, 3_000_000_000u32);
+        let t0 = d.shared.now_ms();
+        let key = established_at(&mut e, client, (c0, b0), Millis(t0));
+        let last = |d: &super::super::DaemonHandle| {
+            let s = d.shared.conns.table.get(&key).unwrap();
+            assert_eq!(s.state, FlowState::Established);
+            s.last_active
+        };
+        assert_eq!(last(&d), Millis(t0));
+        let w = weir_packet::tcp_state::SEQ_WINDOW;
+        let mut t = t0;
+        for (src, dst, seq, data) in [
+            (client, sa(VIP), c0 + 6 + w + 1, &b""[..]),
+            (client, sa(VIP), c0.wrapping_add(1 << 31), b"data"),
+            (sa(B1), client, (b0 + 1).wrapping_sub(w + 1), b""),
+            (sa(B1), client, (b0 + 1).wrapping_add(3 << 30), b"data"),
+        ] {
+            t += 60_000;
+            let mut ack = frame_seq(src, dst, Some(ACK), seq, data);
+            assert_eq!(e.process_at(&mut ack, Millis(t)), Verdict::Transmit);
+            assert_eq!(last(&d), Millis(t0), "ACK at {seq}");
+        }
+        assert_eq!(e.counters.seq_ignored.load(Relaxed), 4);
+        assert_eq!(e.counters.rst_ignored.load(Relaxed), 0);
+        assert_eq!(e.counters.fin_ignored.load(Relaxed), 0);
+        let s = d.shared.conns.table.get(&key).unwrap();
+        assert_eq!((s.packets_in, s.packets_out), (4, 3), "still counted");
+        // Segments near their sender's place, each way: a pure ACK, a
+        // retransmission, new data.
+        for (src, dst, seq, data) in [
+            (client, sa(VIP), c0 + 6, &b""[..]),
+            (client, sa(VIP), c0 + 1, b"hello"),
+            (sa(B1), client, b0 + 1, b"welcome"),
+        ] {
+            t += 60_000;
+            let mut ack = frame_seq(src, dst, Some(ACK), seq, data);
+            assert_eq!(e.process_at(&mut ack, Millis(t)), Verdict::Transmit);
+            assert_eq!(last(&d), Millis(t), "ACK at {seq}");
+        }
+        assert_eq!(e.counters.seq_ignored.load(Relaxed), 4);
+        // The flow ends ESTABLISHED's timeout after its last real segment,
+        // whatever an attacker sends meanwhile.
+        let timeout = s.expires_at.0 - t0;
+        let mut blind = frame_seq(client, sa(VIP), Some(ACK), c0 + 6 + 2 * w, b"");
+        assert_eq!(
+            e.process_at(&mut blind, Millis(t + timeout - 1)),
+            Verdict::Transmit
+        );
+        let mut out = Vec::new();
+        d.shared
+            .conns
+            .table
+            .expire(Millis(t + timeout), 4096, &mut out);
+        assert_eq!(out.len(), 1, "the flow expired");
+        assert!(d.shared.conns.table.get(&key).is_none());
     }
 
     #[test]
