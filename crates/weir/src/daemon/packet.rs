@@ -2158,15 +2158,7 @@ mod tests {
         let mut e = engine(&d);
         let client = sa("192.0.2.7:40000");
         let (c0, b0) = (1_000_000u32, 3_000_000_000u32);
-        for (src, dst, flags, seq, data) in [
-            (client, sa(VIP), SYN, c0, &b""[..]),
-            (sa(B1), client, SYN | ACK, b0, b""),
-            (client, sa(VIP), ACK, c0 + 1, b"hello"),
-        ] {
-            let mut f = frame_seq(src, dst, Some(flags), seq, data);
-            assert_eq!(e.process(&mut f), Verdict::Transmit);
-        }
-        let key = tcp_key(&e, client);
+        let key = established_at(&mut e, client, (c0, b0), Millis(d.shared.now_ms()));
         let state = |d: &super::super::DaemonHandle| d.shared.conns.table.get(&key).unwrap().state;
         assert_eq!(state(&d), FlowState::Established);
         let w = weir_packet::tcp_state::SEQ_WINDOW;
@@ -2216,15 +2208,7 @@ mod tests {
         let mut e = engine(&d);
         let client = sa("192.0.2.7:40000");
         let (c0, b0) = (1_000_000u32, 3_000_000_000u32);
-        for (src, dst, flags, seq, data) in [
-            (client, sa(VIP), SYN, c0, &b""[..]),
-            (sa(B1), client, SYN | ACK, b0, b""),
-            (client, sa(VIP), ACK, c0 + 1, b"hello"),
-        ] {
-            let mut f = frame_seq(src, dst, Some(flags), seq, data);
-            assert_eq!(e.process(&mut f), Verdict::Transmit);
-        }
-        let key = tcp_key(&e, client);
+        let key = established_at(&mut e, client, (c0, b0), Millis(d.shared.now_ms()));
         let state = |d: &super::super::DaemonHandle| d.shared.conns.table.get(&key).unwrap().state;
         assert_eq!(state(&d), FlowState::Established);
         let w = weir_packet::tcp_state::SEQ_WINDOW;
