@@ -573,6 +573,57 @@ fn operator_request_on(s: &mut std::net::TcpStream) -> Result<String, String> {
     Ok(resp)
 }
 
+/// The operator's source: every local client's unless it binds another.
+const LO: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
+/// 127.0.0.2 to 127.0.0.9: eight sources (the per-source cap apart), none
+/// the operator's.
+fn eight_sources() -> Vec<std::net::IpAddr> {
+    (0..8)
+        .map(|i| format!("127.0.0.{}", 2 + i).parse().unwrap())
+        .collect()
+}
+
+/// `authed_keepalive_from`, which asserts that the server answered.
+fn must_answer(
+    from: std::net::IpAddr,
+    addr: std::net::SocketAddr,
+    token: &str,
+) -> Option<std::net::TcpStream> {
+    Some(authed_keepalive_from(from, addr, token))
+}
+
+/// The holders of a token fill every place of `sources` (16 keep-alives
+/// from each, each of `sources[i]` authenticated with `token(i)`); the
+/// operator connects from 127.0.0.1, its request not sent yet; each
+/// holder connects again from its source (`again`) before the operator's
+/// request is read. The operator's request must be answered (`shut_out`
+/// says by whom it was not).
+fn operator_answered_after_refill(
+    srv: &admin_fake::Served,
+    sources: &[std::net::IpAddr],
+    token: impl Fn(usize) -> String,
+    again: fn(std::net::IpAddr, std::net::SocketAddr, &str) -> Option<std::net::TcpStream>,
+    shut_out: &str,
+) {
+    let mut held = Vec::new();
+    for (i, from) in sources.iter().enumerate() {
+        for _ in 0..16 {
+            held.push(authed_keepalive_from(*from, srv.addr, &token(i)));
+        }
+    }
+    let mut op = connect_from(LO, srv.addr);
+    for (i, from) in sources.iter().enumerate() {
+        held.extend(again(*from, srv.addr, &token(i)));
+    }
+    let resp = operator_request_on(&mut op);
+    assert!(
+        resp.as_ref().is_ok_and(|r| r.starts_with("HTTP/1.1 200")),
+        "{shut_out}: {resp:?}"
+    );
+    drop(held);
+}
+
 /// Tenants that together hold every admin place cannot keep the operator
 /// out, though each stays within its share: 8 tenants hold 16 keep-alives
 /// each (from 8 loopback addresses, the per-source cap apart), the
@@ -598,35 +649,16 @@ fn colluding_tenants_cannot_shut_out_the_operator() {
             st.config.tenants.push(t);
         }
     }
-    let source = |i: usize| -> std::net::IpAddr { format!("127.0.0.{}", 2 + i).parse().unwrap() };
-    let mut held = Vec::new();
-    for i in 0..8 {
-        for _ in 0..16 {
-            held.push(authed_keepalive_from(
-                source(i),
-                srv.addr,
-                &format!("colluder{i}-token"),
-            ));
-        }
-    }
-    // The operator's connection, from 127.0.0.1, request not sent yet.
-    let mut op = connect_from("127.0.0.1".parse().unwrap(), srv.addr);
     // Each tenant connects again (whichever lost a place to the operator
     // gets one back), authenticating at once. Each answer means the server
     // admitted this connection, after the operator's.
-    for i in 0..8 {
-        held.push(authed_keepalive_from(
-            source(i),
-            srv.addr,
-            &format!("colluder{i}-token"),
-        ));
-    }
-    let resp = operator_request_on(&mut op);
-    assert!(
-        resp.as_ref().is_ok_and(|r| r.starts_with("HTTP/1.1 200")),
-        "the operator's connection was evicted by tenants each within its share: {resp:?}"
+    operator_answered_after_refill(
+        &srv,
+        &eight_sources(),
+        |i| format!("colluder{i}-token"),
+        must_answer,
+        "the operator's connection was evicted by tenants each within its share",
     );
-    drop(held);
 }
 
 /// The same on one source address (every local client is 127.0.0.1): a
@@ -634,19 +666,13 @@ fn colluding_tenants_cannot_shut_out_the_operator() {
 /// after the operator's connection and must not evict it.
 #[test]
 fn a_tenant_filling_the_operators_source_cannot_shut_it_out() {
-    let srv = serve_tcp();
-    let lo: std::net::IpAddr = "127.0.0.1".parse().unwrap();
-    let mut held: Vec<std::net::TcpStream> = (0..16)
-        .map(|_| authed_keepalive_from(lo, srv.addr, "acme-token"))
-        .collect();
-    let mut op = connect_from(lo, srv.addr);
-    held.push(authed_keepalive_from(lo, srv.addr, "acme-token"));
-    let resp = operator_request_on(&mut op);
-    assert!(
-        resp.as_ref().is_ok_and(|r| r.starts_with("HTTP/1.1 200")),
-        "the operator's connection was evicted by a tenant within its share: {resp:?}"
+    operator_answered_after_refill(
+        &serve_tcp(),
+        &[LO],
+        |_| "acme-token".into(),
+        must_answer,
+        "the operator's connection was evicted by a tenant within its share",
     );
-    drop(held);
 }
 
 /// The admin API over real TCP on 127.0.0.1 with a read-only token too.
@@ -687,24 +713,13 @@ fn try_keepalive_from(
 /// the operator's request must be answered.
 #[test]
 fn readonly_holders_cannot_shut_out_the_operator() {
-    let srv = serve_tcp_with_readonly();
-    let source = |i: usize| -> std::net::IpAddr { format!("127.0.0.{}", 2 + i).parse().unwrap() };
-    let mut held = Vec::new();
-    for i in 0..8 {
-        for _ in 0..16 {
-            held.push(authed_keepalive_from(source(i), srv.addr, RO));
-        }
-    }
-    let mut op = connect_from("127.0.0.1".parse().unwrap(), srv.addr);
-    for i in 0..8 {
-        held.extend(try_keepalive_from(source(i), srv.addr, RO));
-    }
-    let resp = operator_request_on(&mut op);
-    assert!(
-        resp.as_ref().is_ok_and(|r| r.starts_with("HTTP/1.1 200")),
-        "the operator is shut out by read-only keep-alives holding every place: {resp:?}"
+    operator_answered_after_refill(
+        &serve_tcp_with_readonly(),
+        &eight_sources(),
+        |_| RO.into(),
+        try_keepalive_from,
+        "the operator is shut out by read-only keep-alives holding every place",
     );
-    drop(held);
 }
 
 /// The same on one source (every local client is 127.0.0.1): 16
@@ -712,19 +727,13 @@ fn readonly_holders_cannot_shut_out_the_operator() {
 /// and the holder reconnects before the operator's request is read.
 #[test]
 fn a_readonly_holder_filling_the_operators_source_cannot_shut_it_out() {
-    let srv = serve_tcp_with_readonly();
-    let lo: std::net::IpAddr = "127.0.0.1".parse().unwrap();
-    let mut held: Vec<std::net::TcpStream> = (0..16)
-        .map(|_| authed_keepalive_from(lo, srv.addr, RO))
-        .collect();
-    let mut op = connect_from(lo, srv.addr);
-    held.extend(try_keepalive_from(lo, srv.addr, RO));
-    let resp = operator_request_on(&mut op);
-    assert!(
-        resp.as_ref().is_ok_and(|r| r.starts_with("HTTP/1.1 200")),
-        "the operator is shut out by a read-only holder filling its source: {resp:?}"
+    operator_answered_after_refill(
+        &serve_tcp_with_readonly(),
+        &[LO],
+        |_| RO.into(),
+        try_keepalive_from,
+        "the operator is shut out by a read-only holder filling its source",
     );
-    drop(held);
 }
 
 // ---- the control runtime's one worker is not held by one request ------------

@@ -98,6 +98,27 @@ impl Notify {
     }
 }
 
+/// The set-up of a test with one echo backend: a temporary directory
+/// with a notify socket in it, the backend (kept while the test runs),
+/// the admin API's and the service's addresses, and a config in the
+/// directory naming them.
+fn one_echo() -> (
+    tempfile::TempDir,
+    Notify,
+    Echo,
+    SocketAddr,
+    SocketAddr,
+    PathBuf,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let notify = Notify::bind(dir.path());
+    let e = Echo::start();
+    let (admin, vip) = (free_addr(), free_addr());
+    let cfg = dir.path().join("weir.toml");
+    write_config(&cfg, admin, vip, &[e.addr]);
+    (dir, notify, e, admin, vip, cfg)
+}
+
 fn has(msg: &[String], line: &str) -> bool {
     msg.iter().any(|l| l == line)
 }
@@ -257,12 +278,7 @@ fn a_dead_worker_stops_the_watchdog_and_says_why() {
         eprintln!("skipped: a release build has no test hook to end a worker");
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let notify = Notify::bind(dir.path());
-    let e = Echo::start();
-    let (admin, vip) = (free_addr(), free_addr());
-    let cfg = dir.path().join("weir.toml");
-    write_config(&cfg, admin, vip, &[e.addr]);
+    let (dir, notify, _e, _admin, _vip, cfg) = one_echo();
     // A keep-alive every 100 ms.
     let watchdog_usec = 200_000u64;
     let mut child = run_notified(
@@ -368,12 +384,7 @@ fn without_notify_socket_nothing_is_sent() {
     use nix::sys::signal::{Signal, kill};
     use nix::unistd::Pid;
 
-    let dir = tempfile::tempdir().unwrap();
-    let notify = Notify::bind(dir.path());
-    let e = Echo::start();
-    let (admin, vip) = (free_addr(), free_addr());
-    let cfg = dir.path().join("weir.toml");
-    write_config(&cfg, admin, vip, &[e.addr]);
+    let (dir, notify, _e, admin, vip, cfg) = one_echo();
     let mut child = Proc(
         Command::new(BIN)
             .args(["run", "--config"])

@@ -1288,15 +1288,21 @@ mod tests {
         assert_eq!(shared.admission.active.load(Relaxed), 0);
     }
 
-    /// Clients the kernel had completed on a listener of `web` (its accept
-    /// queue) when `stop` takes the service away get a clean end of stream
-    /// (weir's FIN), not a reset. Each sent a request first, so that a close
-    /// with it unread would reset too. As in
-    /// [`a_drain_serves_the_connections_queued_for_accept`], the queue is
-    /// filled while no worker runs the listener's loop: its runtime runs
-    /// only once the clients are queued and the service is gone.
-    fn queued_clients_end_cleanly_when(stop: impl FnOnce(&Arc<Shared>, &Arc<Service>)) {
-        use std::io::{Read, Write};
+    /// A one-worker daemon with service `web`, whose listener's loop is
+    /// spawned on a runtime of the test's that does not run yet (see
+    /// [`idle_listener`]), with `n` clients queued on it: connected (the
+    /// kernel completed each handshake), a request sent, none accepted.
+    struct Queued {
+        d: crate::daemon::DaemonHandle,
+        shared: Arc<Shared>,
+        svc: Arc<Service>,
+        rt: tokio::runtime::Runtime,
+        looping: tokio::task::JoinHandle<()>,
+        clients: Vec<std::net::TcpStream>,
+    }
+
+    fn queued_on_web(n: usize) -> Queued {
+        use std::io::Write;
         let mut cfg = crate::config::Config::default();
         cfg.daemon.workers = 1;
         let d = crate::daemon::Daemon::start(cfg, None).unwrap();
@@ -1311,16 +1317,40 @@ mod tests {
         let svc = shared.model.load().services[&("default".into(), "web".into())].clone();
         let (rt, listener, addr) = idle_listener();
         let looping = rt.spawn(accept_loop(shared.clone(), svc.clone(), listener));
-        // Connected (the kernel completed each handshake), a request sent;
-        // none is accepted.
-        const N: usize = 8;
-        let clients: Vec<std::net::TcpStream> = (0..N)
+        let clients = (0..n)
             .map(|i| {
                 let mut c = std::net::TcpStream::connect(addr).unwrap();
                 c.write_all(format!("client {i}").as_bytes()).unwrap();
                 c
             })
             .collect();
+        Queued {
+            d,
+            shared,
+            svc,
+            rt,
+            looping,
+            clients,
+        }
+    }
+
+    /// Clients the kernel had completed on a listener of `web` (its accept
+    /// queue) when `stop` takes the service away get a clean end of stream
+    /// (weir's FIN), not a reset. Each sent a request first, so that a close
+    /// with it unread would reset too. As in
+    /// [`a_drain_serves_the_connections_queued_for_accept`], the queue is
+    /// filled while no worker runs the listener's loop: its runtime runs
+    /// only once the clients are queued and the service is gone.
+    fn queued_clients_end_cleanly_when(stop: impl FnOnce(&Arc<Shared>, &Arc<Service>)) {
+        use std::io::Read;
+        let Queued {
+            d,
+            shared,
+            svc,
+            rt,
+            looping,
+            clients,
+        } = queued_on_web(8);
         stop(&shared, &svc);
         assert!(svc.cancel.is_cancelled());
         let ends: Vec<_> = clients
@@ -1395,28 +1425,15 @@ mod tests {
     }
 
     fn lingering_closes() -> Lingering {
-        use std::io::{Read, Write};
-        let mut cfg = crate::config::Config::default();
-        cfg.daemon.workers = 1;
-        let d = crate::daemon::Daemon::start(cfg, None).unwrap();
-        let shared = d.shared.clone();
-        let spec = crate::daemon::model::tests::test_spec(
-            "default",
-            "web",
-            Protocol::Tcp,
-            "127.0.0.1:0".parse().unwrap(),
-        );
-        shared.add_service(spec).unwrap();
-        let svc = shared.model.load().services[&("default".into(), "web".into())].clone();
-        let (rt, listener, addr) = idle_listener();
-        let looping = rt.spawn(accept_loop(shared.clone(), svc, listener));
-        let mut clients: Vec<std::net::TcpStream> = (0..LINGERING)
-            .map(|i| {
-                let mut c = std::net::TcpStream::connect(addr).unwrap();
-                c.write_all(format!("client {i}").as_bytes()).unwrap();
-                c
-            })
-            .collect();
+        use std::io::Read;
+        let Queued {
+            d,
+            shared,
+            rt,
+            looping,
+            mut clients,
+            ..
+        } = queued_on_web(LINGERING);
         let told = shared.remove_services(&[("default".into(), "web".into())]);
         assert_eq!(told, vec![Some(0)]);
         let (stop_rt, stopped) = tokio::sync::oneshot::channel::<()>();
