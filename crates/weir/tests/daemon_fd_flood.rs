@@ -1,5 +1,5 @@
 //! Issue 10 #22: at fd exhaustion every new UDP client logged a WARN (one
-//! line per datagram). Its own test binary: it lowers the process's fd
+//! line per datagram); each such client is counted as refused. Its own test binary: it lowers the process's fd
 //! limit and captures the process's log output.
 
 mod daemon_util;
@@ -36,6 +36,16 @@ fn rx_queue(addr: std::net::SocketAddr) -> u64 {
             let queues = f.get(4)?;
             u64::from_str_radix(queues.split(':').nth(1)?, 16).ok()
         })
+        .sum()
+}
+
+/// Datagrams the kernel dropped at the UDP socket bound to `addr` (its
+/// receive queue full).
+fn kernel_drops(addr: std::net::SocketAddr) -> u64 {
+    proc_net_udp_rows(UdpEnd::Local, addr)
+        .unwrap()
+        .iter()
+        .filter_map(|f| f.get(12)?.parse::<u64>().ok())
         .sum()
 }
 
@@ -83,6 +93,16 @@ fn fd_exhaustion_logs_a_line_a_second_not_one_per_client() {
         std::thread::sleep(Duration::from_millis(20));
     }
     fds.release();
+    // What the kernel dropped for want of room in the listening socket's
+    // receive queue never reached weir: once weir has read the rest (the
+    // file is readable again), the count is final, as nothing else is
+    // sent before the probe.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while rx_queue(vip) != 0 {
+        assert!(Instant::now() < deadline, "the flood was never read");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let dropped = kernel_drops(vip);
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut answered = false;
     while !answered && Instant::now() < deadline {
@@ -90,6 +110,22 @@ fn fd_exhaustion_logs_a_line_a_second_not_one_per_client() {
         answered = probe.recv_from(&mut buf).is_ok();
     }
     assert!(answered, "the daemon serves again once fds are back");
+    // Every client weir read is either served (a session: `conns`) or
+    // refused under a reason; the probe, served after the whole flood (one
+    // worker reads its socket in order), is the one more.
+    let g = d.control().global_stats();
+    let refused = g.refused.get("fd_exhausted").copied().unwrap_or(0);
+    assert!(refused > 0, "no client refused for want of descriptors");
+    assert_eq!(
+        refused + g.stats.conns,
+        N as u64 - dropped + 1,
+        "clients neither served nor counted as refused ({:?}, {} sessions, {dropped} dropped by the kernel)",
+        g.refused,
+        g.stats.conns
+    );
+    let tenants = d.control().tenants();
+    let t = tenants.iter().find(|t| t.spec.name == "default").unwrap();
+    assert_eq!(t.refused, refused, "the tenant's count of refusals");
     let lines = after_flood(&logs);
     assert!(!lines.is_empty(), "the exhaustion was logged");
     assert!(

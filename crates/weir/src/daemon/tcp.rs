@@ -350,7 +350,7 @@ impl FdBackoff {
     }
 }
 
-fn is_fd_exhaustion(e: &io::Error) -> bool {
+pub(super) fn is_fd_exhaustion(e: &io::Error) -> bool {
     matches!(
         e.raw_os_error(),
         Some(libc::EMFILE) | Some(libc::ENFILE) | Some(libc::ENOBUFS) | Some(libc::ENOMEM)

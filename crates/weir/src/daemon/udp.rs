@@ -358,11 +358,16 @@ fn open_session(
         Ok(s) => s,
         Err(e) => {
             // At fd exhaustion every new client gets here: one line a
-            // second with a count, not one per datagram.
+            // second with a count, not one per datagram. Each is counted
+            // as refused, as a TCP client is: its datagram is dropped.
             static GATE: super::ratelog::RateLimited = super::ratelog::RateLimited::new(1000);
             super::ratelog::warn(&GATE, format_args!("udp session socket: {e}"));
-            shared.admission.release(&tenant);
-            return None;
+            return refuse(if super::tcp::is_fd_exhaustion(&e) {
+                Refusal::FdExhausted
+            } else {
+                // The connect towards the backend failed (no route).
+                Refusal::BackendUnreachable
+            });
         }
     };
     let Some(owner) = shared.conns.owners.claim() else {
