@@ -1947,7 +1947,9 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
                 format!("backend {} is listed twice; remove one", b.address),
             );
         }
-        if b.address.port() == 0 || b.address.ip().is_unspecified() {
+        // `[::ffff:0.0.0.0]` is 0.0.0.0 too, and Linux connects a socket
+        // to either on the host itself.
+        if b.address.port() == 0 || b.address.ip().to_canonical().is_unspecified() {
             err(
                 bp("address"),
                 format!(

@@ -1356,6 +1356,96 @@ fn a_tenant_token_cannot_point_a_backend_at_weir() {
         .unwrap();
 }
 
+/// A backend at `[::ffff:0.0.0.0]:PORT` is 0.0.0.0 written as IPv6, and
+/// Linux connects a socket to 0.0.0.0 on the host itself: it is refused
+/// as 0.0.0.0 and `[::]` are ("not a reachable address"), through any
+/// token, and in a file. Before, it was accepted: a tenant token with no
+/// `allowed_backends` fence put the admin API, bound to 127.0.0.1, on its
+/// own service's address (the fence compared the admin API's address with
+/// 0.0.0.0, not with the host's).
+#[test]
+fn a_backend_at_the_v4_mapped_unspecified_address_is_refused() {
+    use std::io::{Read, Write};
+    let echo = Echo::start();
+    let (r, _dir, path) = from_file(&format!(
+        "{}{}",
+        tenant_toml("acme", "token = \"acme-tok\""),
+        service_toml("default", "g", &[echo.addr]),
+    ));
+    let acme = Client::new(r.url.clone(), Some("acme-tok".into()));
+    let admin: SocketAddr = r
+        .url
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .parse()
+        .unwrap();
+    let mapped = format!("[::ffff:0.0.0.0]:{}", admin.port());
+    // What a service of acme's at `vip` answers a request for the admin
+    // API's `whoami` with (what the refusal keeps from happening).
+    let through = |vip: SocketAddr| -> String {
+        let mut c = std::net::TcpStream::connect(vip).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let _ = c.write_all(b"GET /v1/whoami HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let mut got = Vec::new();
+        let _ = c.read_to_end(&mut got);
+        String::from_utf8_lossy(&got).into_owned()
+    };
+    let refused = |res: Result<Value, CliError>, service: &str| match res {
+        Err(CliError::Api {
+            status, message, ..
+        }) => {
+            assert_eq!(status, 400, "{message}");
+            assert!(message.contains("not a reachable address"), "{message}");
+        }
+        other => {
+            let vip = r.d().service_addr("acme", service);
+            panic!(
+                "{mapped} accepted ({other:?}); through acme/{service}: {:?}",
+                vip.map(through)
+            )
+        }
+    };
+    let body = json!({
+        "tenant": "acme", "name": "b", "protocol": "tcp", "listen": "127.0.0.1:0",
+        "backend": [{ "address": mapped }],
+    });
+    refused(acme.send("POST", "/v1/services", Some(&body)), "b");
+    // Added to a service of acme's, by acme's token or the full-access one.
+    let mut a = body.clone();
+    a["name"] = json!("a");
+    a["backend"] = json!([{ "address": echo.addr.to_string() }]);
+    acme.send("POST", "/v1/services", Some(&a)).unwrap();
+    let add = json!({ "address": mapped });
+    refused(
+        acme.send("POST", "/v1/services/acme/a/backends", Some(&add)),
+        "a",
+    );
+    refused(
+        r.client
+            .send("POST", "/v1/services/acme/a/backends", Some(&add)),
+        "a",
+    );
+    // In a file: the reload is refused.
+    let text = format!(
+        "{}{}",
+        tenant_toml("acme", "token = \"acme-tok\""),
+        service_toml("default", "g", &[echo.addr]),
+    )
+    .replace(
+        &format!("address = \"{}\"", echo.addr),
+        &format!("address = \"{mapped}\""),
+    );
+    write(&path, &text);
+    let (status, message) = r.status("POST", "/v1/reload?force=true", None);
+    assert_eq!(status, 400, "{message}");
+    let spec = r.ok("GET", "/v1/services/default/g", None);
+    assert_eq!(
+        spec["backend"][0]["address"],
+        json!(echo.addr.to_string()),
+        "the reload applied nothing"
+    );
+}
+
 /// A reload whose file keeps a tenant within its `max_backends` applies
 /// whole, whatever order the file lists its changes in: a backend moved
 /// from one service (listed second) to another (listed first) is within
