@@ -1446,6 +1446,38 @@ fn a_backend_at_the_v4_mapped_unspecified_address_is_refused() {
     );
 }
 
+/// An admin API on `[::]` takes IPv4 connections too (its listener is
+/// dual-stack): a tenant token's backend at 127.0.0.1 and the admin API's
+/// port reaches it, and is refused as a backend at the admin API's own
+/// address is. Before, the fence took an IPv6 wildcard to cover IPv6
+/// addresses only, and let the backend through.
+#[test]
+fn a_tenant_token_cannot_reach_a_dual_stack_admin_api_over_ipv4() {
+    let cfg = weir::config::parse(&tenant_toml("acme", "token = \"acme-tok\""), "t.toml").unwrap();
+    let r = Running::start_admin_on(cfg, None, "[::]:0");
+    let port = r.url.rsplit(':').next().unwrap().trim_end_matches('/');
+    let backend: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    if std::net::TcpStream::connect(backend).is_err() {
+        eprintln!("skipped: [::] is IPv6-only here (net.ipv6.bindv6only = 1)");
+        return;
+    }
+    let acme = Client::new(format!("http://{backend}"), Some("acme-tok".into()));
+    let body = json!({
+        "tenant": "acme", "name": "b", "protocol": "tcp", "listen": "127.0.0.1:0",
+        "backend": [{ "address": backend.to_string() }],
+    });
+    match acme.send("POST", "/v1/services", Some(&body)) {
+        Err(CliError::Api {
+            status, message, ..
+        }) => {
+            assert_eq!(status, 403, "{message}");
+            assert!(message.contains("admin API"), "{message}");
+        }
+        other => panic!("a backend at {backend} accepted: {other:?}"),
+    }
+    assert_eq!(r.d().service_addr("acme", "b"), None, "nothing added");
+}
+
 /// A reload whose file keeps a tenant within its `max_backends` applies
 /// whole, whatever order the file lists its changes in: a backend moved
 /// from one service (listed second) to another (listed first) is within

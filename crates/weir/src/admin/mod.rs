@@ -271,10 +271,13 @@ impl AppState {
             return false;
         };
         let ip = addr.ip().to_canonical();
+        // The listener is bound as tokio binds it, without IPV6_V6ONLY: an
+        // IPv6 wildcard takes IPv4 connections too (the system's default,
+        // net.ipv6.bindv6only = 0).
         admin.port() == addr.port()
             && (admin.ip().to_canonical() == ip
                 || (admin.ip().is_unspecified()
-                    && admin.is_ipv6() == ip.is_ipv6()
+                    && (admin.is_ipv6() || ip.is_ipv4())
                     && crate::daemon::host_has_ip(ip)))
     }
 }

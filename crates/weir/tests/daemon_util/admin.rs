@@ -25,9 +25,14 @@ impl Running {
     /// Start `cfg` (read from `path`, if given, for reloads) with an admin
     /// API on 127.0.0.1 that takes [`TOKEN`].
     pub fn start(cfg: Config, path: Option<PathBuf>) -> Self {
+        Self::start_admin_on(cfg, path, "127.0.0.1:0")
+    }
+
+    /// [`Self::start`] with the admin API on `listen`.
+    pub fn start_admin_on(cfg: Config, path: Option<PathBuf>, listen: &str) -> Self {
         let daemon = Daemon::start(cfg, path).expect("daemon starts");
         let admin = AdminConfig {
-            listen: "127.0.0.1:0".into(),
+            listen: listen.into(),
             token: Some(TOKEN.into()),
             ..AdminConfig::default()
         };
