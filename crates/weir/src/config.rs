@@ -1941,7 +1941,12 @@ pub fn service_problems(s: &ServiceSpec) -> Vec<Problem> {
     let mut seen = std::collections::HashSet::new();
     for (j, b) in s.backends.iter().enumerate() {
         let bp = |key: &str| vec![k("backend"), PathSeg::Index(j), k(key)];
-        if !seen.insert(b.address) {
+        // `[::ffff:10.0.0.1]:80` is `10.0.0.1:80`: one backend, written two
+        // ways.
+        if !seen.insert(SocketAddr::new(
+            b.address.ip().to_canonical(),
+            b.address.port(),
+        )) {
             err(
                 bp("address"),
                 format!("backend {} is listed twice; remove one", b.address),
@@ -3332,6 +3337,26 @@ mod tests {
             !fence_allows(&[], a("[::ffff:0.0.0.0]:1"), true),
             "mapped wildcard"
         );
+    }
+
+    /// One backend written two ways, `10.0.1.2:80` and its IPv4-mapped
+    /// `[::ffff:10.0.1.2]:80`, is listed twice: two backends (two ids, two
+    /// weights, two places under `max_connections`) for one host and port.
+    /// Before, both were taken.
+    #[test]
+    fn a_backend_and_its_v4_mapped_form_are_listed_twice() {
+        let text = svc_text("127.0.0.1:81", "", &["10.0.1.2:80", "[::ffff:10.0.1.2]:80"]);
+        let errs = parse(&text, "f.toml").unwrap_err();
+        assert!(
+            errs.iter()
+                .any(|e| e.key == "service[0].backend[1].address"
+                    && e.message.contains("listed twice")),
+            "{errs:?}"
+        );
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        // Other backends of either family are not.
+        let text = svc_text("127.0.0.1:81", "", &["10.0.1.2:80", "[::ffff:10.0.1.3]:80"]);
+        parse(&text, "f.toml").unwrap();
     }
 
     /// Found by the config fuzz target: a service with no backends is

@@ -296,6 +296,36 @@ fn reload_of_an_empty_file_is_refused() {
     }
 }
 
+/// A backend added through the API in its IPv4-mapped form
+/// (`[::ffff:127.0.0.1]:PORT`) next to the same host and port written as
+/// IPv4 is the same backend: 409, as the file's check lists it twice.
+/// Before, it was added, a second backend (id, weight, place) for one.
+#[test]
+fn a_backend_added_in_its_v4_mapped_form_exists() {
+    let echo = Echo::start();
+    let (r, _dir, _path) = from_file(&format!(
+        "{}{}",
+        tenant_toml("acme", ""),
+        service_toml("acme", "web", &[echo.addr])
+    ));
+    let mapped = format!("[::ffff:{}]:{}", echo.addr.ip(), echo.addr.port());
+    match r.api(
+        "POST",
+        "/v1/services/acme/web/backends",
+        Some(json!({ "address": mapped })),
+    ) {
+        Err(CliError::Api {
+            status, message, ..
+        }) => {
+            assert_eq!(status, 409, "{message}");
+            assert!(message.contains("exists"), "{message}");
+        }
+        other => panic!("added a second backend for {}: {other:?}", echo.addr),
+    }
+    let svc = r.ok("GET", "/v1/services/acme/web", None);
+    assert_eq!(svc["backend"].as_array().map(Vec::len), Some(1), "{svc}");
+}
+
 /// Defect 9: a reload does not silently remove what was added through the
 /// API: it is refused listing them, unless forced.
 #[test]

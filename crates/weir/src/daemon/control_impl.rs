@@ -1098,7 +1098,12 @@ impl Control for LiveControl {
         let _one = self.0.model.lock_edits();
         let svc = self.service(tenant, service)?;
         let mut specs = svc.spec.read().backends.clone();
-        if specs.iter().any(|b| b.address == spec.address) {
+        // `[::ffff:10.0.0.1]:80` is `10.0.0.1:80` (as a file's check says).
+        let canonical = |a: std::net::SocketAddr| (a.ip().to_canonical(), a.port());
+        if specs
+            .iter()
+            .any(|b| canonical(b.address) == canonical(spec.address))
+        {
             return Err(ControlError::new(
                 ErrorKind::Conflict,
                 format!("backend {} exists", spec.address),
