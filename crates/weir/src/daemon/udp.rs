@@ -437,9 +437,13 @@ async fn session_task(
                             reply_failed(&shared.accounting.udp_dropped, peer, &e);
                         }
                     }
-                    responses += 1;
-                    if expected.is_some_and(|e| responses >= e) {
-                        break "responses";
+                    // Counted only against a limit, and never past it: a
+                    // session without one may relay any number of replies.
+                    if let Some(e) = expected {
+                        responses += 1;
+                        if responses >= e {
+                            break "responses";
+                        }
                     }
                 }
                 Ok(None) => {}
