@@ -174,6 +174,9 @@ impl Daemon {
         let mut threads = Vec::with_capacity(workers + 1);
         let stop_workers = CancellationToken::new();
         let liveness = Arc::new(liveness::Liveness::default());
+        // Each worker says whether its runtime was built (its epoll and
+        // event descriptors): start returns once all were, or fails.
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
         for i in 0..workers {
             let (tx, rx) = mpsc::unbounded_channel();
             worker_txs.push(tx);
@@ -181,6 +184,7 @@ impl Daemon {
             let steer = steering.clone();
             let name = format!("weir-worker-{i}");
             let beat = liveness.register(name.clone());
+            let ready = ready_tx.clone();
             let t = std::thread::Builder::new()
                 .name(name)
                 .spawn(move || {
@@ -202,15 +206,43 @@ impl Daemon {
                     let rt = match rt.build() {
                         Ok(rt) => rt,
                         Err(e) => {
-                            tracing::error!(worker = i, "cannot build worker runtime: {e}");
+                            let _ = ready.send(Err(format!("worker {i}: {e}")));
                             return;
                         }
                     };
+                    let _ = ready.send(Ok(()));
+                    drop(ready);
                     stats::set_worker_index(i);
                     rt.block_on(worker_main(rx, stop, beat));
                 })
                 .context("spawning a worker thread")?;
             threads.push(t);
+        }
+        drop(ready_tx);
+        // Before anything else takes descriptors: a worker whose runtime
+        // could not be built would never accept, while start said it ran
+        // (found as a flaky test: at descriptor exhaustion right after
+        // start, a late worker thread found none).
+        let mut failed = None;
+        for _ in 0..workers {
+            match ready_rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    failed.get_or_insert(e);
+                }
+                Err(_) => {
+                    failed.get_or_insert_with(|| "a worker thread ended first".to_owned());
+                    break;
+                }
+            }
+        }
+        if let Some(e) = failed {
+            stop_workers.cancel();
+            drop(worker_txs);
+            for t in threads {
+                let _ = t.join();
+            }
+            anyhow::bail!("building the workers' runtimes: {e}");
         }
         // Packet workers: one per queue of each `[packet]` interface, each
         // with its own counter shard after the proxy workers'.
