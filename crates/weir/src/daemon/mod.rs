@@ -850,7 +850,19 @@ fn open_socket_group(
                 s.listen(4096)?;
                 out.push(ListenSocket::Tcp(s.into()));
             }
-            Protocol::Udp => out.push(ListenSocket::Udp(s.into())),
+            Protocol::Udp => {
+                // On a wildcard address each datagram must carry the address
+                // it was sent to (the session answers from it): asked for
+                // here, before the socket is handed to a worker, since a
+                // datagram queued before the worker's receive loop set it
+                // came without one, and its answer left from the kernel's
+                // choice of source (a flaky test found it). The loop asks
+                // again, and warns if the system refuses.
+                if bound.ip().is_unspecified() {
+                    let _ = udp::want_pktinfo(&s, bound.is_ipv6());
+                }
+                out.push(ListenSocket::Udp(s.into()));
+            }
         }
     }
     Ok((out, bound))

@@ -80,7 +80,7 @@ fn set_session(token: u32, v: Option<Arc<Session>>) {
 
 /// Asks the kernel for each datagram's destination address (a wildcard
 /// listener's replies must leave from the address the client sent to).
-fn want_pktinfo(listen: &UdpSocket, v6: bool) -> std::io::Result<()> {
+pub(super) fn want_pktinfo(listen: &impl std::os::fd::AsFd, v6: bool) -> std::io::Result<()> {
     use nix::sys::socket::{setsockopt, sockopt};
     if v6 {
         setsockopt(listen, sockopt::Ipv6RecvPacketInfo, &true)?;
