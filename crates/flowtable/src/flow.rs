@@ -811,10 +811,17 @@ impl FlowTable {
             table.help_resize(guard, &self.slab, Table::HELP, &|i| self.rehash(table, i));
         } else if check {
             let own = t.own_bytes != 0;
+            // Only an own table's growth is reserved, so only it is given
+            // back (the shared table's tenant reserved nothing: giving back
+            // there took `reserved` below 0).
             table.maybe_resize(
                 guard,
                 |more| !own || self.reserve_for(t, more),
-                |more| self.unreserve_for(t, more),
+                |more| {
+                    if own {
+                        self.unreserve_for(t, more);
+                    }
+                },
             );
         }
     }
