@@ -302,6 +302,80 @@ impl Wheel {
         }
     }
 
+    /// A reference `pick(slot, idx)` accepts, from the first slot in
+    /// deadline order that holds one (the overdue references, then the
+    /// regular slots from the current tick on), looking at no more than
+    /// `budget` references. Within a slot the look starts at a position
+    /// drawn from `seed` and goes round, so that which of a slot's
+    /// references is found is spread over them. Stale references are
+    /// passed to `pick` like live ones (the caller tells them apart as
+    /// `expire` does). Returns (slot, position, reference) for
+    /// [`take_at`](Self::take_at). Reads only occupied slots.
+    pub(crate) fn find_due_first(
+        &self,
+        budget: usize,
+        seed: u64,
+        mut pick: impl FnMut(u32, u32) -> bool,
+    ) -> Option<(u32, usize, u32)> {
+        let mut left = budget;
+        let mut look = |s: usize| -> Option<Option<(u32, usize, u32)>> {
+            let v = self.slot(s);
+            if v.is_empty() {
+                return None;
+            }
+            // Lemire's reduction of the seed to a start in 0..len.
+            let from = ((u128::from(seed) * v.len() as u128) >> 64) as usize;
+            for k in 0..v.len() {
+                if left == 0 {
+                    return Some(None);
+                }
+                left -= 1;
+                let pos = (from + k) % v.len();
+                if pick(s as u32, v[pos]) {
+                    return Some(Some((s as u32, pos, v[pos])));
+                }
+            }
+            None
+        };
+        if let Some(r) = look(SLOTS as usize) {
+            return r;
+        }
+        let mut from = self.cur;
+        while let Some(d) = self.next_marked(from) {
+            let tick = from + d;
+            if tick >= self.cur + SLOTS {
+                break; // one turn: every regular slot looked at
+            }
+            if let Some(r) = look((tick % SLOTS) as usize) {
+                return r;
+            }
+            from = tick + 1;
+        }
+        None
+    }
+
+    /// Takes out reference `idx` at `pos` of `slot` (as found by
+    /// [`find_due_first`](Self::find_due_first) under the same lock): its
+    /// place goes to the slot's last reference. While a retime pass runs
+    /// the reference stays, stale (the pass's cursor counts positions).
+    pub(crate) fn take_at(&mut self, slot: u32, pos: usize, idx: u32) {
+        if self.retime.is_some() {
+            return;
+        }
+        let s = slot as usize;
+        let v = self.slot_mut(s);
+        debug_assert_eq!(v.get(pos), Some(&idx));
+        if v.get(pos) != Some(&idx) {
+            return;
+        }
+        v.swap_remove(pos);
+        let empty = v.is_empty();
+        self.refs -= 1;
+        if empty {
+            self.emptied(s);
+        }
+    }
+
     /// Drops stale references (`keep(slot, idx)` false) from whole slots,
     /// starting where the last call stopped, until about `budget`
     /// references were examined. Removed entries leave a stale reference
@@ -488,5 +562,59 @@ mod tests {
         // Overdue entries go straight to the overdue slot.
         assert_eq!(w.file(9, 1_000, 20_000), SLOTS as u32);
         assert_eq!(w.due_slot(20_000), Some(SLOTS as u32));
+    }
+    /// `find_due_first` looks at references in deadline order (overdue
+    /// first, then from the current tick on, wrapping round the wheel),
+    /// never past its budget, and returns the first one picked, wherever
+    /// in its slot the look starts; `take_at` takes it out.
+    #[test]
+    fn find_due_first_goes_in_deadline_order_within_its_budget() {
+        let mut w = Wheel::new();
+        w.start(100_000);
+        // Far ahead (wraps round the slot array), near, overdue, between.
+        w.file(1, 1_100_000, 100_000);
+        w.file(2, 103_500, 100_000);
+        w.file(3, 50_000, 100_000);
+        w.file(4, 103_700, 100_000);
+        w.file(5, 400_000, 100_000);
+        for seed in [0, u64::MAX / 2 + 1, u64::MAX] {
+            let mut seen = Vec::new();
+            let none = w.find_due_first(usize::MAX, seed, |_, i| {
+                seen.push(i);
+                false
+            });
+            assert_eq!(none, None);
+            // Slot 103 holds 2 and 4; the look starts at either.
+            let (a, b) = if seed == 0 { (2, 4) } else { (4, 2) };
+            assert_eq!(seen, vec![3, a, b, 5, 1], "deadline order, seed {seed}");
+            let found = w.find_due_first(usize::MAX, seed, |_, i| i == 4);
+            assert_eq!(found.map(|(s, _, i)| (s, i)), Some((103, 4)));
+            assert_eq!(
+                w.find_due_first(usize::MAX, seed, |_, i| i % 2 == 1)
+                    .map(|f| f.2),
+                Some(3)
+            );
+            // Within the budget only: 5 is the fourth reference.
+            assert_eq!(w.find_due_first(3, seed, |_, i| i == 5), None);
+            assert_eq!(
+                w.find_due_first(4, seed, |_, i| i == 5).map(|f| f.2),
+                Some(5)
+            );
+            assert_eq!(w.find_due_first(0, seed, |_, _| true), None);
+        }
+        // Taken out: no longer found, the rest unchanged.
+        let (s, pos, i) = w.find_due_first(usize::MAX, 0, |_, i| i == 2).unwrap();
+        w.take_at(s, pos, i);
+        assert_eq!(w.refs(), 4);
+        let mut seen = Vec::new();
+        w.find_due_first(usize::MAX, 0, |_, i| {
+            seen.push(i);
+            false
+        });
+        assert_eq!(seen, vec![3, 4, 5, 1]);
+        let (s, pos, i) = w.find_due_first(usize::MAX, 0, |_, i| i == 3).unwrap();
+        w.take_at(s, pos, i);
+        assert_eq!(w.due_slot(100_000), None, "the overdue slot is empty");
+        assert_eq!(w.refs(), 3);
     }
 }

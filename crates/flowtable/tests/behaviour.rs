@@ -1082,3 +1082,62 @@ fn a_removed_tenant_gives_back_all_the_budget_it_reserved() {
         assert_eq!(available(&t), BUDGET, "after round {round}");
     }
 }
+
+/// `evict_due_first` removes a tenant's entry its pick accepts (here: in
+/// SYN_RECV) among those due soonest (the oldest first), never another
+/// tenant's or one its pick refuses, files entries not yet filed when it
+/// finds nothing filed, and looks no further than its budget.
+#[test]
+fn early_drop_takes_the_tenants_oldest_entry_it_picks() {
+    let syn_recv = |s: FlowState, _owner: u32| s == FlowState::SynRecv;
+    let t = table_with(&[(1, 0), (2, 64)], cfg(64, 64));
+    // A second between inserts: each SYN_RECV entry due in a slot of its own.
+    let clock = std::cell::Cell::new(0);
+    let add = |tenant: u32, i: u16, state: FlowState| {
+        let now = clock.replace(clock.get() + 1_000);
+        t.insert(key(tenant, i), init(state), Millis(now)).unwrap()
+    };
+    let evict = |id: u32, budget: usize| {
+        t.evict_due_first(TenantId(id), Millis(clock.get()), budget, 0, syn_recv)
+            .map(|s| s.cookie)
+    };
+    // Tenant 2's (own table) is the oldest of all.
+    add(2, 0, FlowState::SynRecv);
+    let est = add(1, 1, FlowState::Established);
+    let s1 = add(1, 2, FlowState::SynRecv);
+    let s2 = add(1, 3, FlowState::SynRecv);
+    let s3 = add(1, 4, FlowState::SynRecv);
+    // s2 finished its handshake: passed over, although due before s3.
+    // (Nothing is filed in the wheel yet: the first call files it.)
+    assert!(t.set_state(&key(1, 3), FlowState::Established, Millis(clock.get())));
+    assert_eq!(evict(1, 64), Some(s1));
+    assert_eq!(t.get(&key(1, 2)), None, "removed from the table");
+    let refs = t.wheel_refs(TenantId(1)).unwrap();
+    assert_eq!(evict(1, 64), Some(s3));
+    // Its reference went with it (no stale one left for the next look).
+    assert_eq!(t.wheel_refs(TenantId(1)), Some(refs - 1));
+    assert_eq!(evict(1, 64), None);
+    for (k, c) in [(key(1, 1), est), (key(1, 3), s2)] {
+        assert_eq!(t.get(&k).map(|s| s.cookie), Some(c), "kept");
+    }
+    assert!(t.get(&key(2, 0)).is_some(), "another tenant's kept");
+    assert_eq!(t.tenant_stats(TenantId(1)).unwrap().entries, 2);
+
+    // The budget bounds the look: 20 flows filed in SYN_RECV that left
+    // it since sit in earlier slots than the one still in it.
+    for i in 10..30 {
+        add(1, i, FlowState::SynRecv);
+    }
+    let last = add(1, 30, FlowState::SynRecv);
+    let mut out = Vec::new();
+    assert_eq!(t.expire(Millis(clock.get()), 1_000, &mut out), 0);
+    for i in 10..30 {
+        assert!(t.set_state(&key(1, i), FlowState::Established, Millis(clock.get())));
+    }
+    // The 20 come first (the entries before them were filed after they
+    // left SYN_RECV, due later).
+    assert_eq!(evict(1, 20), None);
+    assert!(t.get(&key(1, 30)).is_some());
+    assert_eq!(evict(1, 21), Some(last));
+    assert_eq!(evict(3, 64), None, "no such tenant");
+}

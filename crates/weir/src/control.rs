@@ -323,6 +323,12 @@ pub struct PacketStats {
     /// as they were: blind ACKs and data).
     #[serde(default)]
     pub seq_ignored: u64,
+    /// Embryonic TCP flows (SYN_RECV: the handshake not finished) ended,
+    /// those due soonest first, to make room for a new SYN when their
+    /// tenant or the daemon was at its connection limit or the tenant's
+    /// table was full: what a SYN flood costs the flows it crowds.
+    #[serde(default)]
+    pub early_drops: u64,
     /// Frames dropped, per reason ("fragment", "no_flow", "no_next_hop", ...).
     pub dropped: std::collections::BTreeMap<String, u64>,
     /// The same figures per packet worker (one per AF_XDP queue, or per
@@ -360,6 +366,12 @@ pub struct PacketWorkerStats {
     /// as they were: blind ACKs and data).
     #[serde(default)]
     pub seq_ignored: u64,
+    /// Embryonic TCP flows (SYN_RECV: the handshake not finished) ended,
+    /// those due soonest first, to make room for a new SYN when their
+    /// tenant or the daemon was at its connection limit or the tenant's
+    /// table was full: what a SYN flood costs the flows it crowds.
+    #[serde(default)]
+    pub early_drops: u64,
     /// Frames dropped, per reason (as [`PacketStats::dropped`]).
     pub dropped: std::collections::BTreeMap<String, u64>,
 }

@@ -100,6 +100,7 @@ fn golden_stats_global_with_packet_workers() {
         rst_ignored: 0,
         fin_ignored: 0,
         seq_ignored: 0,
+        early_drops: 0,
         dropped: dropped.iter().map(|&(r, n)| (r.to_owned(), n)).collect(),
     };
     g.packet = Some(PacketStats {
@@ -111,6 +112,7 @@ fn golden_stats_global_with_packet_workers() {
         rst_ignored: 3,
         fin_ignored: 0,
         seq_ignored: 2,
+        early_drops: 9,
         dropped: [
             ("kernel_rx_ring_full".to_owned(), 15),
             ("no_flow".to_owned(), 5),

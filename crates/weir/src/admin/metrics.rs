@@ -365,6 +365,13 @@ fn global_metrics(reg: &mut Registry, g: &GlobalStats) {
             None,
             p.seq_ignored,
         );
+        counter(
+            reg,
+            "weir_packet_early_drops",
+            "Packet mode: embryonic TCP flows (SYN_RECV) ended, those due soonest first, to make room for a new SYN at a connection limit or a full table (SYN flood defence)",
+            None,
+            p.early_drops,
+        );
         let dropped = CounterFam::default();
         for (reason, n) in &p.dropped {
             dropped

@@ -441,6 +441,13 @@ pub fn render_global(g: &GlobalStats, exact: bool) -> String {
                 p.seq_ignored
             );
         }
+        if p.early_drops > 0 {
+            let _ = writeln!(
+                o,
+                "packet early_drops: {} (embryonic TCP flows ended, oldest first, to make room for new SYNs at a limit)",
+                p.early_drops
+            );
+        }
         for w in &p.workers {
             let _ = write!(
                 o,

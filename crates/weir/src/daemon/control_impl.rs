@@ -1287,6 +1287,7 @@ impl Control for LiveControl {
                     rst_ignored: s.rst_ignored,
                     fin_ignored: s.fin_ignored,
                     seq_ignored: s.seq_ignored,
+                    early_drops: s.early_drops,
                     dropped: s.dropped,
                     workers: s.workers,
                 }

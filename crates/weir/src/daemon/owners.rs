@@ -37,10 +37,12 @@ pub(crate) enum Close {
     ServiceDeleted,
     TenantDeleted,
     Replaced,
+    /// An embryonic packet flow ended to make room for a new SYN.
+    EarlyDrop,
 }
 
 impl Close {
-    const ALL: [Close; 8] = [
+    const ALL: [Close; 9] = [
         Close::Killed,
         Close::IdleTimeout,
         Close::BackendDown,
@@ -49,6 +51,7 @@ impl Close {
         Close::ServiceDeleted,
         Close::TenantDeleted,
         Close::Replaced,
+        Close::EarlyDrop,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -61,6 +64,7 @@ impl Close {
             Close::ServiceDeleted => "service_deleted",
             Close::TenantDeleted => "tenant_deleted",
             Close::Replaced => "replaced",
+            Close::EarlyDrop => "early_drop",
         }
     }
 

@@ -283,6 +283,9 @@ pub(crate) struct Counters {
     /// Other segments that neither restarted their flow's idle timer nor
     /// moved its state, for the same reason.
     pub(crate) seq_ignored: AtomicU64,
+    /// Embryonic flows (SYN_RECV) ended to make room for a new SYN
+    /// ([`Engine::early_drop`]).
+    pub(crate) early_drops: AtomicU64,
     pub(crate) unhandled: [AtomicU64; Unhandled::COUNT],
     pub(crate) dropped: [AtomicU64; Drop::ALL.len()],
     /// What the kernel dropped for this worker's sockets before weir saw
@@ -331,6 +334,7 @@ impl Counters {
             rst_ignored: self.rst_ignored.load(Relaxed),
             fin_ignored: self.fin_ignored.load(Relaxed),
             seq_ignored: self.seq_ignored.load(Relaxed),
+            early_drops: self.early_drops.load(Relaxed),
             dropped,
         }
     }
@@ -354,6 +358,7 @@ pub(crate) struct CounterSums {
     pub(crate) rst_ignored: u64,
     pub(crate) fin_ignored: u64,
     pub(crate) seq_ignored: u64,
+    pub(crate) early_drops: u64,
     pub(crate) dropped: std::collections::BTreeMap<String, u64>,
     /// The same figures per worker, in the order the workers started.
     pub(crate) workers: Vec<crate::control::PacketWorkerStats>,
@@ -384,6 +389,12 @@ pub(crate) struct Link {
 
 /// How often a worker asks [`NextHops::links`] again.
 const LINKS_EVERY_MS: u64 = 1000;
+
+/// Expiry references [`Engine::early_drop`] looks at for an embryonic flow
+/// to end: what a refused SYN costs at most. Under a flood the first ones
+/// due are the flood's own; a tenant full of finished handshakes is passed
+/// over in a few dozen reads.
+const EARLY_DROP_LOOK: usize = 64;
 
 /// fnat's ports, and the address of every backend with ports out (a flow
 /// that outlives its backend in the service still gives its port back),
@@ -496,6 +507,7 @@ impl PacketPath {
             s.rst_ignored += w.rst_ignored;
             s.fin_ignored += w.fin_ignored;
             s.seq_ignored += w.seq_ignored;
+            s.early_drops += w.early_drops;
             for (reason, n) in &w.dropped {
                 *s.dropped.entry(reason.clone()).or_default() += n;
             }
@@ -1415,9 +1427,10 @@ impl Engine {
         if vips.own.contains(&key.client.ip()) {
             return Err(Some(Drop::Martian));
         }
+        // A TCP SYN (no ACK): may take an embryonic flow's place.
+        let mut syn = false;
         if let Some(flags) = pkt.tcp_flags() {
-            let syn =
-                flags.has(weir_packet::TcpFlags::SYN) && !flags.has(weir_packet::TcpFlags::ACK);
+            syn = flags.has(weir_packet::TcpFlags::SYN) && !flags.has(weir_packet::TcpFlags::ACK);
             let rst = flags.has(weir_packet::TcpFlags::RST);
             if rst || (!syn && !vs.sloppy_tcp) {
                 return Err(Some(Drop::NoFlow));
@@ -1468,7 +1481,14 @@ impl Engine {
                 }
             }
         };
-        if let Err(why) = shared.admission.admit(&svc.tenant, shared.now_ns()) {
+        let mut admitted = shared.admission.admit(&svc.tenant, shared.now_ns());
+        if syn && matches!(admitted, Err(Refusal::TenantLimit | Refusal::GlobalLimit)) {
+            let seed = weir_sched::RandomSource::next_u64(&mut self.rng);
+            if self.early_drop(&svc.tenant, now, seed) {
+                admitted = shared.admission.admit(&svc.tenant, shared.now_ns());
+            }
+        }
+        if let Err(why) = admitted {
             if counted {
                 svc.give_client_place(proto, key.client.ip());
             }
@@ -1548,10 +1568,21 @@ impl Engine {
                 return Err(Some(Drop::FnatPorts));
             }
         };
-        let inserted = match reply {
+        let insert = |init| match reply {
             None => shared.conns.table.insert_handle(key, init, now),
             Some(mode) => shared.conns.table.insert_reply(key, init, mode, now),
         };
+        let mut inserted = insert(init);
+        // The tenant's table at its cap: a SYN takes an embryonic flow's
+        // place as it would at the tenant's connection limit. (A full
+        // chain of one bucket gains nothing from this, but a chain that
+        // long is unlikely under keyed hashing, and the refusal stands.)
+        if syn && matches!(inserted, Err(weir_flowtable::InsertError::ChainFull)) {
+            let seed = weir_sched::RandomSource::next_u64(&mut self.rng);
+            if self.early_drop(&svc.tenant, now, seed) {
+                inserted = insert(init);
+            }
+        }
         let handle = match inserted {
             Ok(h) => h,
             Err(e) => {
@@ -1607,6 +1638,44 @@ impl Engine {
             local,
             client: key.client,
         })
+    }
+
+    /// SYN flood defence: ends one of `tenant`'s embryonic packet flows
+    /// (SYN_RECV: the client's SYN seen, its handshake not finished), one
+    /// of those due soonest, so that a new SYN can take its place at the
+    /// tenant's or the daemon's connection limit, or in the tenant's full
+    /// table. `false` if none was found among the [`EARLY_DROP_LOOK`] next
+    /// due (or an expiry pass held the tenant's wheel).
+    ///
+    /// Why: a spoofed SYN's flow never finishes its handshake, and holds
+    /// its place for SYN_RECV's timeout; a flood that refills the places
+    /// as they time out locks every real client out. A real client
+    /// finishes its handshake within a round trip, so taking an embryonic
+    /// flow's place almost always takes the flood's, and a real flow,
+    /// taken no more often than any other, lives on average limit / flood
+    /// rate before it is (4 ms for 40 places under 10,000 SYN/s): enough
+    /// for a handshake on any network the limit was sized for. Among the
+    /// flows due in the same tick the pick is spread by `seed`, not
+    /// first-filed first. (IPVS's `drop_entry` defence drops SYN_RECV
+    /// connections at random, conntrack's `early_drop` unassured ones from
+    /// the new key's bucket; the tenant's expiry wheel gives the oldest at
+    /// the same bounded cost, and a tenant's flood ends only the tenant's
+    /// flows.) A proxied connection in the same table is never taken: its
+    /// client finished its handshake with the kernel.
+    fn early_drop(&self, tenant: &super::Tenant, now: Millis, seed: u64) -> bool {
+        let shared = &*self.shared;
+        let Some(snap) = shared.conns.table.evict_due_first(
+            weir_flowtable::TenantId(tenant.id),
+            now,
+            EARLY_DROP_LOOK,
+            seed,
+            |state, owner| state == FlowState::SynRecv && is_packet_owner(owner),
+        ) else {
+            return false;
+        };
+        shared.ended(std::slice::from_ref(&snap), super::owners::Close::EarlyDrop);
+        self.counters.early_drops.fetch_add(1, Relaxed);
+        true
     }
 
     /// The flow a backend's reply (to `dst`: the client for nat, weir's
@@ -2455,6 +2524,10 @@ mod tests {
         // dr: only the MAC changes.
         assert_eq!(verified(&a).dst, sa(VIP));
         assert_eq!(&a[..6], &HOP.dst_mac);
+        // Its handshake finished, it is not an embryonic flow b's SYN
+        // could take the place of (`Engine::early_drop`).
+        let mut a1 = frame(sa("192.0.2.7:1"), sa(VIP), Some(ACK), b"");
+        assert_eq!(e.process(&mut a1), Verdict::Transmit);
         assert_eq!(e.process(&mut b), Verdict::Drop);
         assert_eq!(counted(&e, Drop::Refused), 1);
         assert_eq!(
@@ -2464,6 +2537,108 @@ mod tests {
         // The admitted flow keeps flowing.
         let mut a2 = frame(sa("192.0.2.7:1"), sa(VIP), Some(ACK), b"again");
         assert_eq!(e.process(&mut a2), Verdict::Transmit);
+    }
+
+    /// SYN flood defence ([`Engine::early_drop`]): a SYN refused at its
+    /// tenant's connection limit takes the place of the tenant's embryonic
+    /// flow due soonest. A finished handshake is never taken, nor a flow
+    /// not yet filed in the expiry wheel; the ended flow gives back its
+    /// admission slot and its backend's place, and its late packets find
+    /// nothing. Before, a spoofed flood held the limit with flows that
+    /// never finish, 60 s each, and every real client was refused.
+    #[test]
+    fn a_syn_at_the_limit_takes_the_oldest_embryonic_flows_place() {
+        let d = daemon("nat", "max_connections = 3");
+        let mut e = engine(&d);
+        let table = &d.shared.conns.table;
+        let now = Millis(d.shared.now_ms());
+        let done = established_at(&mut e, sa("192.0.2.7:40000"), (1000, 5000), now);
+        let flood = |i: u16| SocketAddr::new("198.51.100.1".parse().unwrap(), i);
+        let syn = |e: &mut Engine, client: SocketAddr| {
+            let mut f = frame(client, sa(VIP), Some(SYN), b"");
+            e.process_at(&mut f, now)
+        };
+        assert_eq!(syn(&mut e, flood(1)), Verdict::Transmit);
+        assert_eq!(syn(&mut e, flood(2)), Verdict::Transmit);
+        // Filed in the tenant's wheel (the expiry thread's work, or the
+        // early drop's when it finds nothing filed), then the maintenance
+        // lock held, as a long expiry pass would: the early drop never
+        // waits for it, and finds only what is filed.
+        table.expire(now, 4096, &mut Vec::new());
+        let hold = table.hold_maintenance();
+        let live = |e: &Engine, i| table.get(&tcp_key(e, flood(i))).is_some();
+        assert_eq!(syn(&mut e, flood(3)), Verdict::Transmit, "took a place");
+        // 1 and 2 are due in the same tick: either may go first.
+        assert_eq!(u8::from(live(&e, 1)) + u8::from(live(&e, 2)), 1);
+        assert_eq!(syn(&mut e, flood(4)), Verdict::Transmit, "took the other");
+        assert!(!live(&e, 1) && !live(&e, 2));
+        // Left: the finished handshake, and 3 and 4, not filed (nor
+        // fileable while the lock is held).
+        assert_eq!(syn(&mut e, flood(5)), Verdict::Drop);
+        assert_eq!(counted(&e, Drop::Refused), 1);
+        assert_eq!(e.counters.early_drops.load(Relaxed), 2);
+        drop(hold);
+        assert!(table.get(&done).is_some(), "the finished handshake stays");
+        let svc = the_service(&d);
+        assert_eq!(svc.tenant.active.load(Relaxed), 3);
+        assert_eq!(d.shared.admission.active.load(Relaxed), 3);
+        let places: u64 = svc
+            .set
+            .load()
+            .backends
+            .iter()
+            .map(|b| b.active.load(Relaxed) + b.inactive.load(Relaxed))
+            .sum();
+        assert_eq!(places, 3, "the ended flows' backend places given back");
+        // An ended flow's late ACK opens nothing.
+        let mut ack = frame(flood(1), sa(VIP), Some(ACK), b"");
+        assert_eq!(e.process_at(&mut ack, now), Verdict::Drop);
+        assert_eq!(counted(&e, Drop::NoFlow), 1);
+    }
+
+    /// The same defence when the tenant's own table is at its cap
+    /// (`max_table_entries`): the SYN's insert, refused, is made again in
+    /// the embryonic flow's place.
+    #[test]
+    fn a_syn_into_a_full_table_takes_the_oldest_embryonic_flows_place() {
+        let d = daemon("dr", "table_entries = 16\nmax_table_entries = 16");
+        let mut e = engine(&d);
+        let table = &d.shared.conns.table;
+        let now = Millis(d.shared.now_ms());
+        let client = |i: u16| SocketAddr::new("198.51.100.1".parse().unwrap(), i);
+        let mut syn = |i: u16| {
+            let mut f = frame(client(i), sa(VIP), Some(SYN), b"");
+            e.process_at(&mut f, now)
+        };
+        // Filled with the maintenance lock held: nothing filed in the
+        // wheel, nothing fileable, so the SYN that finds the table full is
+        // refused.
+        let hold = table.hold_maintenance();
+        let mut filled = 0;
+        while filled < 64 && syn(filled + 1) == Verdict::Transmit {
+            filled += 1;
+        }
+        assert!((16..64).contains(&filled), "the cap holds: {filled}");
+        drop(hold);
+        table.expire(now, 4096, &mut Vec::new());
+        let _hold = table.hold_maintenance();
+        assert_eq!(
+            syn(100),
+            Verdict::Transmit,
+            "took an embryonic flow's place"
+        );
+        let gone = (1..=filled)
+            .filter(|&i| table.get(&tcp_key(&e, client(i))).is_none())
+            .count();
+        assert_eq!(gone, 1);
+        assert!(table.get(&tcp_key(&e, client(100))).is_some());
+        assert_eq!(e.counters.early_drops.load(Relaxed), 1);
+        assert_eq!(
+            d.shared.admission.refused.snapshot().get("table_full"),
+            Some(&1),
+            "only the SYN that found it full before anything was filed"
+        );
+        assert_eq!(d.shared.admission.active.load(Relaxed), filled as u64);
     }
 
     /// Next hops out of interface 1, whose MTU is 1280.
