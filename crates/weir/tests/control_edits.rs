@@ -1386,6 +1386,113 @@ fn a_tenant_token_cannot_point_a_backend_at_weir() {
         .unwrap();
 }
 
+/// A health check's `port` is fenced against weir itself as the backends
+/// are: with a backend on the host, `port` = the admin API's port made the
+/// health checker connect to the admin API every interval, and `port` =
+/// one of weir's services' made it open connections through weir (its
+/// own listener included), whatever `allowed_backends` says (empty here:
+/// no fence). Refused with 403 on a service added or edited, and on a
+/// backend added to a service whose check names such a port; nothing is
+/// changed. The full-access token is not fenced. Before, all were accepted.
+#[test]
+fn a_tenant_token_cannot_point_a_health_check_at_weir() {
+    let echo = Echo::start();
+    let (r, _dir, _path) = from_file(&format!(
+        "{}{}",
+        tenant_toml("acme", "token = \"acme-tok\"\nmin_health_interval = \"1s\""),
+        service_toml("default", "g", &[echo.addr]),
+    ));
+    let acme = Client::new(r.url.clone(), Some("acme-tok".into()));
+    let g = r.d().service_addr("default", "g").unwrap();
+    let admin: SocketAddr = r
+        .url
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .parse()
+        .unwrap();
+    let free = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let body = |name: &str, listen: SocketAddr, port: u16| {
+        json!({
+            "tenant": "acme", "name": name, "protocol": "tcp", "listen": listen.to_string(),
+            "backend": [{ "address": echo.addr.to_string() }],
+            "health": { "interval": "1s", "port": port },
+        })
+    };
+    let refused = |res: Result<Value, CliError>, want: &str| match res {
+        Err(CliError::Api {
+            status, message, ..
+        }) => {
+            assert_eq!(status, 403, "{message}");
+            assert!(message.contains("health check"), "{message}");
+            assert!(message.contains(want), "{want:?} not in {message}");
+        }
+        other => panic!("not refused: {other:?}"),
+    };
+    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    refused(
+        acme.send("POST", "/v1/services", Some(&body("h", any, admin.port()))),
+        "admin API",
+    );
+    refused(
+        acme.send("POST", "/v1/services", Some(&body("h", any, g.port()))),
+        "weir's own service default/g",
+    );
+    refused(
+        acme.send("POST", "/v1/services", Some(&body("h", free, free.port()))),
+        "weir's own service acme's service being written",
+    );
+    assert_eq!(r.d().service_addr("acme", "h"), None, "added anyway");
+    // Added with a check of the backend's own port, then edited to weir's.
+    acme.send(
+        "POST",
+        "/v1/services",
+        Some(&body("h", any, echo.addr.port())),
+    )
+    .unwrap();
+    let h = r.d().service_addr("acme", "h").unwrap();
+    refused(
+        acme.send(
+            "PUT",
+            "/v1/services/acme/h",
+            Some(&body("h", h, admin.port())),
+        ),
+        "admin API",
+    );
+    let spec = r.ok("GET", "/v1/services/acme/h", None);
+    assert_eq!(
+        spec["health"]["port"],
+        json!(echo.addr.port()),
+        "edited anyway"
+    );
+    // A service whose check names a port: a new backend on another
+    // address of the host makes that port of it a target.
+    let mut other = body("k", any, g.port());
+    other["backend"] = json!([]);
+    other["health"]["port"] = json!(admin.port());
+    r.client.send("POST", "/v1/services", Some(&other)).unwrap();
+    refused(
+        acme.send(
+            "POST",
+            "/v1/services/acme/k/backends",
+            Some(&json!({ "address": echo.addr.to_string() })),
+        ),
+        "admin API",
+    );
+    let spec = r.ok("GET", "/v1/services/acme/k", None);
+    assert_eq!(spec["backend"], json!([]), "backend added anyway");
+    // The full-access token may.
+    r.client
+        .send(
+            "POST",
+            "/v1/services/acme/k/backends",
+            Some(&json!({ "address": echo.addr.to_string() })),
+        )
+        .unwrap();
+}
+
 /// A backend at `[::ffff:0.0.0.0]:PORT` is 0.0.0.0 written as IPv6, and
 /// Linux connects a socket to 0.0.0.0 on the host itself: it is refused
 /// as 0.0.0.0 and `[::]` are ("not a reachable address"), through any

@@ -105,7 +105,9 @@ fn require_global(access: &Access, what: &str) -> ApiResult<()> {
 /// its services (`protocol` is the service's; its own address included),
 /// which would make each connection open another through weir until the
 /// limits or descriptors ran out, or reach another tenant's service from
-/// inside, nor the admin API, which would put it on the tenant's address.
+/// inside, nor the admin API, which would put it on the tenant's address;
+/// nor may a health check's target (`health`: its protocol and port), which
+/// the checker connects to from weir every interval.
 /// (With [`AppState::fenced`] held, so that two requests cannot each
 /// pass before the other's service exists.) Other tokens are not fenced.
 fn check_fence(
@@ -115,33 +117,56 @@ fn check_fence(
     protocol: crate::config::Protocol,
     listen: Option<std::net::SocketAddr>,
     backends: &[std::net::SocketAddr],
-    health_port: Option<u16>,
+    health: Option<(crate::config::Protocol, Option<u16>)>,
 ) -> ApiResult<()> {
     if access.tenant().is_none() {
         return Ok(());
     }
-    for b in backends {
-        let own = listen.is_some_and(|l| {
-            l.port() == b.port()
-                && (l.ip().to_canonical() == b.ip().to_canonical()
-                    || (l.ip().is_unspecified()
-                        && l.is_ipv6() == b.ip().to_canonical().is_ipv6()
-                        && crate::daemon::host_has_ip(b.ip().to_canonical())))
-        });
-        let svc = if own {
-            Some(format!("{tenant}'s service being written"))
+    // The part of weir `t` reaches over `proto`, if any, and why it may
+    // not be a target.
+    let weir_at = |t: std::net::SocketAddr, proto: crate::config::Protocol| {
+        const LOOP: &str = " (each connection would open another through it)";
+        let own = proto == protocol
+            && listen.is_some_and(|l| {
+                l.port() == t.port()
+                    && (l.ip().to_canonical() == t.ip().to_canonical()
+                        || (l.ip().is_unspecified()
+                            && l.is_ipv6() == t.ip().to_canonical().is_ipv6()
+                            && crate::daemon::host_has_ip(t.ip().to_canonical())))
+            });
+        if own {
+            Some((
+                format!("weir's own service {tenant}'s service being written"),
+                LOOP,
+            ))
+        } else if let Some(svc) = st.control.own_service_at(proto, t) {
+            Some((format!("weir's own service {svc}"), LOOP))
         } else {
-            st.control.own_service_at(protocol, *b)
-        };
-        if let Some(svc) = svc {
+            (proto == crate::config::Protocol::Tcp && st.is_admin_address(t))
+                .then(|| ("weir's admin API".to_owned(), ""))
+        }
+    };
+    for b in backends {
+        if let Some((what, why)) = weir_at(*b, protocol) {
             return Err(ApiError::forbidden(format!(
-                "backend {b} is weir's own service {svc}: a tenant token cannot point a backend at weir (each connection would open another through it); ask the operator"
+                "backend {b} is {what}: a tenant token cannot point a backend at weir{why}; ask the operator"
             )));
         }
-        if protocol == crate::config::Protocol::Tcp && st.is_admin_address(*b) {
-            return Err(ApiError::forbidden(format!(
-                "backend {b} is weir's admin API: a tenant token cannot point a backend at it"
-            )));
+        // The checker connects from weir to its target every interval: to
+        // the admin API, or through a service of weir's, unless fenced as
+        // the backend is.
+        if let Some((proto, port)) = health {
+            let target = std::net::SocketAddr::new(b.ip(), port.unwrap_or(b.port()));
+            if let Some((what, _)) = weir_at(target, proto) {
+                let udp = if proto == crate::config::Protocol::Udp {
+                    " over UDP"
+                } else {
+                    ""
+                };
+                return Err(ApiError::forbidden(format!(
+                    "the health check of backend {b} connects to {target}{udp}, which is {what}: a tenant token cannot point a health check at weir; ask the operator"
+                )));
+            }
         }
     }
     let spec = st.control.tenant_spec(tenant).unwrap_or_default();
@@ -173,7 +198,7 @@ fn check_fence(
                 shown(&spec.allowed_backends)
             )));
         }
-        if let Some(port) = health_port {
+        if let Some((_, Some(port))) = health {
             let target = std::net::SocketAddr::new(b.ip(), port);
             if !crate::config::fence_allows(&backend_fence, target, false) {
                 return Err(ApiError::forbidden(format!(
@@ -184,6 +209,13 @@ fn check_fence(
         }
     }
     Ok(())
+}
+
+/// What a health check connects to: its protocol (TCP unless it says
+/// UDP), and the port of each backend's host it names (`None`: the
+/// backend's own).
+fn health_target(h: &crate::config::HealthSpec) -> (crate::config::Protocol, Option<u16>) {
+    (h.protocol.unwrap_or(crate::config::Protocol::Tcp), h.port)
 }
 
 /// A tenant token may not make a service's health checks run more often
@@ -451,7 +483,7 @@ pub(crate) async fn add_service(
     check_tenant(&access, &spec.tenant)?;
     check_name("service", &spec.name)?;
     let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
-    let health_port = spec.options.health.as_ref().and_then(|h| h.port);
+    let health = spec.options.health.as_ref().map(health_target);
     let _fenced = st.fenced(&access);
     check_fence(
         &st,
@@ -460,7 +492,7 @@ pub(crate) async fn add_service(
         spec.protocol,
         Some(spec.listen),
         &backends,
-        health_port,
+        health,
     )?;
     check_health_floor(
         &st,
@@ -517,7 +549,7 @@ pub(crate) async fn edit_service(
     let spec: ServiceSpec = crate::config::service_from_json(serde_json::Value::Object(obj))
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
     let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
-    let health_port = spec.options.health.as_ref().and_then(|h| h.port);
+    let health = spec.options.health.as_ref().map(health_target);
     let _fenced = st.fenced(&access);
     check_fence(
         &st,
@@ -526,7 +558,7 @@ pub(crate) async fn edit_service(
         spec.protocol,
         Some(spec.listen),
         &backends,
-        health_port,
+        health,
     )?;
     check_health_floor(
         &st,
@@ -564,12 +596,12 @@ pub(crate) async fn add_backend(
 ) -> ApiResult<Response> {
     check_tenant(&access, &tenant)?;
     let _fenced = st.fenced(&access);
-    // The service's protocol, and its health check's port if it names one
-    // (which targets that port of the new backend's host too). (Its own
-    // address is in the model: `check_fence` finds it there.)
-    let (protocol, health_port) = match access.tenant() {
+    // The service's protocol, and what its health check connects to (a
+    // port it names targets that port of the new backend's host too).
+    // (Its own address is in the model: `check_fence` finds it there.)
+    let (protocol, health) = match access.tenant() {
         Some(_) => match st.control.service_spec(&tenant, &service) {
-            Some(s) => (s.protocol, s.options.health.and_then(|h| h.port)),
+            Some(s) => (s.protocol, s.options.health.as_ref().map(health_target)),
             None => {
                 return Err(ApiError::not_found(format!(
                     "no service {tenant}/{service}"
@@ -585,7 +617,7 @@ pub(crate) async fn add_backend(
         protocol,
         None,
         &[spec.address],
-        health_port,
+        health,
     )?;
     let addr = spec.address.to_string();
     st.control.add_backend(&tenant, &service, spec)?;
