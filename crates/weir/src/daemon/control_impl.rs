@@ -382,7 +382,7 @@ impl LiveControl {
             let existing = self.0.model.load().tenants.get(&t.name).cloned();
             let r = match existing {
                 Some(cur) if *cur.spec.read() == *t => Ok(()),
-                Some(_) => self.edit_tenant(&t.name, t.clone()),
+                Some(_) => self.edit_tenant_locked(&t.name, t.clone()),
                 None => {
                     to_add.push(t.clone());
                     add_at.push(i);
@@ -447,6 +447,40 @@ impl LiveControl {
         // As one batch: one pass for them all, not one per tenant.
         let _ = self.delete_tenants(&gone);
         errors
+    }
+
+    /// [`Control::edit_tenant`], `Model::edits` held by the caller (it,
+    /// or a reload's apply).
+    fn edit_tenant_locked(&self, tenant: &str, spec: TenantSpec) -> ControlResult<()> {
+        let invalid = |m: String| ControlError::new(ErrorKind::Invalid, m);
+        let Some(t) = self.0.model.load().tenants.get(tenant).cloned() else {
+            return Err(not_found(format!("tenant {tenant:?} does not exist")));
+        };
+        if spec.name != tenant {
+            return Err(invalid(format!(
+                "a tenant cannot be renamed ({tenant:?} to {:?}); create the new one and move its services",
+                spec.name
+            )));
+        }
+        let cur_entries = t.spec.read().table_entries;
+        if spec.table_entries != cur_entries {
+            return Err(invalid(format!(
+                "table_entries cannot change on a live tenant: its flow table was sized at creation \
+                 ({cur_entries}); delete the tenant and create it again with table_entries = {}",
+                spec.table_entries
+            )));
+        }
+        let cur_cap = t.spec.read().max_table_entries;
+        if spec.max_table_entries != cur_cap {
+            return Err(invalid(cap_fixed(cur_cap, spec.max_table_entries)));
+        }
+        let timeouts = super::resolve_timeouts(&spec)?;
+        super::check_fences(&spec)?;
+        *t.spec.write() = spec;
+        // Services' own timeouts are profiles over these: they follow.
+        let _ = self.0.conns.table.set_timeouts(TenantId(t.id), timeouts);
+        tracing::info!(tenant, "tenant updated");
+        Ok(())
     }
 
     /// [`Control::edit_service`], `Model::edits` held by the caller; the
@@ -1023,35 +1057,14 @@ impl Control for LiveControl {
     }
 
     fn edit_tenant(&self, tenant: &str, spec: TenantSpec) -> ControlResult<()> {
-        let invalid = |m: String| ControlError::new(ErrorKind::Invalid, m);
-        let Some(t) = self.0.model.load().tenants.get(tenant).cloned() else {
-            return Err(not_found(format!("tenant {tenant:?} does not exist")));
-        };
-        if spec.name != tenant {
-            return Err(invalid(format!(
-                "a tenant cannot be renamed ({tenant:?} to {:?}); create the new one and move its services",
-                spec.name
-            )));
-        }
-        let cur_entries = t.spec.read().table_entries;
-        if spec.table_entries != cur_entries {
-            return Err(invalid(format!(
-                "table_entries cannot change on a live tenant: its flow table was sized at creation \
-                 ({cur_entries}); delete the tenant and create it again with table_entries = {}",
-                spec.table_entries
-            )));
-        }
-        let cur_cap = t.spec.read().max_table_entries;
-        if spec.max_table_entries != cur_cap {
-            return Err(invalid(cap_fixed(cur_cap, spec.max_table_entries)));
-        }
-        let timeouts = super::resolve_timeouts(&spec)?;
-        super::check_fences(&spec)?;
-        *t.spec.write() = spec;
-        // Services' own timeouts are profiles over these: they follow.
-        let _ = self.0.conns.table.set_timeouts(TenantId(t.id), timeouts);
-        tracing::info!(tenant, "tenant updated");
-        Ok(())
+        // With the edits: an add checks the tenant's `max_services` or
+        // `max_backends` under them, then makes its change, and an edit
+        // between the two returned while an add checked against the old
+        // limits was still to go in. Now the edit waits for it, and every
+        // add after the edit is checked against the new limits (a lowered
+        // limit keeps what the tenant holds: only new adds are refused).
+        let _one = self.0.model.lock_edits();
+        self.edit_tenant_locked(tenant, spec)
     }
 
     fn delete_tenant(&self, tenant: &str) -> ControlResult<u64> {
@@ -1118,6 +1131,8 @@ impl Control for LiveControl {
             specs.len(),
             &mut Default::default(),
         )?;
+        #[cfg(test)]
+        let _gate = self.0.model.cap_checked();
         let mut full = svc.spec.read().clone();
         full.backends = specs.clone();
         check_service(&full, self.0.packet_cfg.as_ref())?;

@@ -1269,6 +1269,64 @@ mod tests {
         d.shutdown();
     }
 
+    /// A tenant edit is one of the edits: it waits for an add in flight,
+    /// so that once it returns, every add still to come is checked against
+    /// its limits. A lowered `max_backends` keeps the backends there (only
+    /// new adds are refused), but an add that had passed its check against
+    /// the old limit when the edit ran, without the edit lock, went in
+    /// after the edit returned: the tenant grew past its new limit after
+    /// the operator set it.
+    #[test]
+    fn a_tenant_edit_waits_for_an_add_checked_against_its_old_limits() {
+        let toml = "[daemon]\nworkers = 1\n[[tenant]]\nname = \"acme\"\nmax_backends = 3\n\
+                    [[service]]\ntenant = \"acme\"\nname = \"s\"\nprotocol = \"tcp\"\n\
+                    listen = \"127.0.0.1:0\"\n[[service.backend]]\naddress = \"127.0.0.9:1\"\n\
+                    [[service.backend]]\naddress = \"127.0.0.9:2\"\n";
+        let cfg: Config = toml::from_str(toml).unwrap();
+        let d = Daemon::start(cfg, None).unwrap();
+        let backends = {
+            let c = d.control();
+            move || c.service_spec("acme", "s").unwrap().backends.len()
+        };
+        let gate = d.shared.model.cap_gate.write();
+        let add = {
+            let c = d.control();
+            let spec: crate::config::BackendSpec =
+                serde_json::from_value(serde_json::json!({ "address": "127.0.0.9:3" })).unwrap();
+            std::thread::spawn(move || c.add_backend("acme", "s", spec))
+        };
+        wait_for_a_waiter(
+            &d.shared.model.caps_passed,
+            "the add never passed its check",
+        );
+        // Lowered to what the tenant holds; the backends there when the
+        // edit returns are what it keeps.
+        let edit = {
+            let c = d.control();
+            let backends = backends.clone();
+            let mut spec = c.tenant_spec("acme").unwrap();
+            spec.max_backends = 2;
+            std::thread::spawn(move || c.edit_tenant("acme", spec).map(|()| backends()))
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !edit.is_finished() && d.shared.model.edits_waiting.load(Relaxed) == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the edit neither ended nor waited"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        drop(gate);
+        add.join().unwrap().unwrap();
+        let kept = edit.join().unwrap().unwrap();
+        assert!(
+            backends() <= kept.max(2),
+            "acme holds {} backends over its max_backends (2), set when it held {kept}",
+            backends()
+        );
+        d.shutdown();
+    }
+
     /// A proxy worker whose thread ended, or that stopped turning, makes
     /// the liveness check (what the systemd watchdog is fed on) say so,
     /// naming it; a daemon that stops its workers does not.

@@ -52,7 +52,8 @@ pub(crate) struct Model {
     /// Serialises the edits that read a service's spec and write it back
     /// changed (a backend added, edited or deleted; a service edited or
     /// deleted), so that two of them never both start from the same spec
-    /// and one's change vanish under the other's. A reload holds it for
+    /// and one's change vanish under the other's, and the tenant edits
+    /// with the adds that check the tenant's caps. A reload holds it for
     /// its whole apply; API edits take it through [`Model::lock_edits`].
     pub(super) edits: Mutex<()>,
     /// How many callers of [`Model::lock_edits`] wait for `edits` now:
@@ -81,6 +82,14 @@ pub(crate) struct Model {
     /// tests count to see that a batch of adds copies it once.
     #[cfg(test)]
     pub(super) copies: AtomicU64,
+    /// Held (shared) by an API add of a backend or a service from its
+    /// tenant's cap check to its change ([`Self::cap_checked`]): a test
+    /// holds it to keep an add between the two.
+    #[cfg(test)]
+    pub(super) cap_gate: RwLock<()>,
+    /// API adds that passed their tenant's cap check (tests).
+    #[cfg(test)]
+    pub(super) caps_passed: AtomicUsize,
 }
 
 /// How long an add waits for a removed service of ours to let go of its
@@ -104,7 +113,19 @@ impl Model {
             listen_groups: Mutex::new(Vec::new()),
             #[cfg(test)]
             copies: AtomicU64::new(0),
+            #[cfg(test)]
+            cap_gate: RwLock::new(()),
+            #[cfg(test)]
+            caps_passed: AtomicUsize::new(0),
         }
+    }
+
+    /// An API add passed its tenant's cap check: the guard, held until
+    /// the add's change is made, is where a test keeps it (`cap_gate`).
+    #[cfg(test)]
+    pub(super) fn cap_checked(&self) -> parking_lot::RwLockReadGuard<'_, ()> {
+        self.caps_passed.fetch_add(1, Relaxed);
+        self.cap_gate.read()
     }
 
     /// `edits`, for an API edit. The admin API calls the edits from its
