@@ -1145,13 +1145,21 @@ impl Shared {
             .release_cookie(&tpl.key, tpl.cookie, Millis(self.now_ms()));
     }
 
-    /// [`Self::release_template`] for a holder that kept only the key (a
-    /// packet flow, whose entry has no room for the template's cookie):
-    /// the template of `svc` under `key`, whichever it is now.
-    pub(crate) fn release_template_key(&self, svc: &Service, key: FlowKey) {
-        self.conns
-            .table
-            .release_for(&key, ServiceId(svc.id), Millis(self.now_ms()));
+    /// [`Self::release_template`] for a holder that kept only the key and
+    /// the template's tag (a packet flow, whose entry has room for 29 bits,
+    /// not for the cookie: see [`HeldTemplate::tag`]): the template of
+    /// `svc` under `key` if its tag is `tag`. A newer template under the
+    /// key has its own cookie, so its holds stay its own flows'.
+    pub(crate) fn release_template_tagged(&self, svc: &Service, key: FlowKey, tag: u32) {
+        let table = &self.conns.table;
+        if let Some(t) = table.get(&key)
+            && t.state == FlowState::Persist
+            && t.service == ServiceId(svc.id)
+            && template_tag(t.cookie) == tag
+        {
+            // By the cookie read: if the template went since, nothing.
+            table.release_cookie(&key, t.cookie, Millis(self.now_ms()));
+        }
     }
 
     /// Removes the persistence templates of `svc` (its mask changed,
@@ -2125,6 +2133,30 @@ impl Service {
 pub(crate) struct HeldTemplate {
     pub(crate) key: FlowKey,
     cookie: weir_flowtable::Cookie,
+}
+
+impl HeldTemplate {
+    /// 29 bits that tell this template from a newer one under its key,
+    /// for a holder with no room for the cookie (a packet flow keeps them
+    /// in its owner token): see [`template_tag`].
+    pub(crate) fn tag(&self) -> u32 {
+        template_tag(self.cookie)
+    }
+}
+
+/// A template's tag: its cookie's node index plus its node's use count
+/// times an odd number, modulo 2^29 (a cookie is the index, 28 bits, and
+/// the use count above it: see [`weir_flowtable::Cookie`]). A newer
+/// template under the same key stored in the same node (a removed node
+/// is the next one reused), or with the same use count in another,
+/// always has another tag; in another node with another use count, one
+/// in about 2^29 has the same.
+pub(crate) fn template_tag(cookie: weir_flowtable::Cookie) -> u32 {
+    const IDX_BITS: u32 = 28;
+    const MUL: u64 = 0x9e37_79b9;
+    let idx = cookie.0 & ((1 << IDX_BITS) - 1);
+    let uses = cookie.0 >> IDX_BITS;
+    (idx.wrapping_add(uses.wrapping_mul(MUL)) & ((1 << 29) - 1)) as u32
 }
 
 /// The flow-table key of the persistence template for `client` (IPVS: the

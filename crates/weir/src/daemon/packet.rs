@@ -48,10 +48,10 @@ use super::{Backend, Refusal, Service, Shared};
 use crate::config::Forward;
 
 /// The owner token of packet flows: the packet path owns them, no task
-/// does. It is `u32::MAX` less the flow's [`PacketOwner`] flags, four
-/// tokens that [`super::owners::Owners`] never hands out (its tokens stay
-/// below 2^24).
-pub(crate) const PACKET_OWNER: u32 = u32::MAX;
+/// does. Every token with this bit set is one, with the flow's
+/// [`PacketOwner`] below it; [`super::owners::Owners`] never hands such
+/// a token out (its tokens stay below 2^24).
+pub(crate) const PACKET_OWNER: u32 = 1 << 31;
 
 /// What a packet flow took that its end gives back, kept in its owner
 /// token (the entry is the flow: there is nowhere else to keep it).
@@ -65,19 +65,27 @@ pub(crate) struct PacketOwner {
     /// Holds its persistence template ([`Shared::hold_template`]), so its
     /// end releases it — whatever the service's persistence is by then.
     pub(crate) held: bool,
+    /// The held template's tag ([`super::model::HeldTemplate::tag`], 29 bits; 0
+    /// if none is held): the end releases that template and no newer one
+    /// stored under its key since.
+    pub(crate) template: u32,
 }
 
 impl PacketOwner {
     pub(crate) fn token(self) -> u32 {
-        PACKET_OWNER - u32::from(self.counted) - 2 * u32::from(self.held)
+        debug_assert!(self.template < 1 << 29);
+        PACKET_OWNER
+            | (self.template & ((1 << 29) - 1)) << 2
+            | u32::from(self.held) << 1
+            | u32::from(self.counted)
     }
 
     /// The flags of a packet flow's owner token; `None` for a task's.
     pub(crate) fn of(owner: u32) -> Option<Self> {
-        let flags = PACKET_OWNER.checked_sub(owner).filter(|f| *f <= 3)?;
-        Some(Self {
-            counted: flags & 1 != 0,
-            held: flags & 2 != 0,
+        (owner & PACKET_OWNER != 0).then_some(Self {
+            counted: owner & 1 != 0,
+            held: owner & 2 != 0,
+            template: (owner & !PACKET_OWNER) >> 2,
         })
     }
 }
@@ -1551,6 +1559,7 @@ impl Engine {
             owner: PacketOwner {
                 counted,
                 held: template.is_some(),
+                template: template.map_or(0, |t| t.tag()),
             }
             .token(),
             profile: params.profile.for_init(),
@@ -1888,17 +1897,17 @@ impl Shared {
         if flags.is_some_and(|f| f.counted) {
             svc.give_client_place(proto, snap.key.client.ip());
         }
-        if flags.is_some_and(|f| f.held) {
+        if let Some(f) = flags.filter(|f| f.held) {
             // The key under the current parameters: an edit that changed
             // it dropped the service's templates, this one's included (see
-            // `hold_template`), so no hold outlives its flow. After such an
-            // edit the release finds nothing, or at worst ends one hold of
-            // the new key's template early (it may then expire while a flow
-            // it placed lives: the group is placed afresh, never stuck).
+            // `hold_template`), and the template found under the new key
+            // is a newer one, whose tag is not this flow's: it keeps its
+            // holds, as it does after persistence was turned off and on.
             let params = svc.params.load();
-            self.release_template_key(
+            self.release_template_tagged(
                 svc,
                 super::template_key(svc, &params, proto, snap.key.client),
+                f.template,
             );
         }
     }
@@ -2937,6 +2946,119 @@ mod tests {
         assert_eq!(kill(3), 1);
         assert_eq!(table.get(&tpl), None);
         assert_eq!(d.shared.admission.active.load(Relaxed), 0);
+    }
+
+    /// A packet flow's owner token reads back as it was written, whatever
+    /// its template's tag, and no token of a task's (below 2^24) reads as
+    /// a packet flow's. Two templates in one node, or with one use count,
+    /// never share a tag.
+    #[test]
+    fn a_packet_owner_token_keeps_its_template_tag() {
+        for template in [0, 1, 0x1234_5678 & ((1 << 29) - 1), (1 << 29) - 1] {
+            for (counted, held) in [(false, false), (true, false), (false, true), (true, true)] {
+                let o = PacketOwner {
+                    counted,
+                    held,
+                    template,
+                };
+                assert_eq!(PacketOwner::of(o.token()), Some(o));
+            }
+        }
+        for task in [0, 1, (1 << 24) - 1, 1 << 24] {
+            assert_eq!(PacketOwner::of(task), None, "{task:#x}");
+        }
+        let tag = |idx: u64, uses: u64| {
+            super::super::model::template_tag(weir_flowtable::Cookie(uses << 28 | idx))
+        };
+        let mut seen = std::collections::HashSet::new();
+        for uses in 1..=50_000 {
+            assert!(seen.insert(tag(77, uses)), "node 77, use {uses}");
+        }
+        seen.clear();
+        for idx in 0..50_000 {
+            assert!(seen.insert(tag(idx, 3)), "node {idx}, use 3");
+        }
+        assert_ne!(tag(77, 1), tag(77, (1 << 28) - 1));
+    }
+
+    /// A packet flow's end gives back the hold it took on the template it
+    /// held, not one on a newer template stored under the same key after
+    /// its own was dropped (persistence turned off and on again, or a mask
+    /// edit that makes the key computed at its end the new template's).
+    /// Releasing the newer template's hold left it unheld under the flow
+    /// that did hold it: it expired after its persistence while that flow
+    /// lived, and the client group was placed afresh.
+    #[test]
+    fn a_packet_flows_end_leaves_a_newer_template_held() {
+        let d = daemon_with("nat", "", "persistence = \"30s\"");
+        let mut e = engine(&d);
+        let syn = |c: &str| frame(sa(c), sa(VIP), Some(SYN), b"");
+        let svc = the_service(&d);
+        let table = &d.shared.conns.table;
+        let key_now = || {
+            super::super::template_key(
+                &svc,
+                &svc.params.load(),
+                crate::config::Protocol::Tcp,
+                sa("192.0.2.7:1"),
+            )
+        };
+        let edit = |persistence: &str, mask: Option<&str>| {
+            let mut spec = svc.spec.read().clone();
+            spec.persistence = persistence.parse().unwrap();
+            if let Some(m) = mask {
+                spec.persistence_netmask = Some(m.into());
+            }
+            d.control().edit_service("default", "web", spec).unwrap();
+        };
+        let kill = |port: u16| {
+            d.shared.kill_where(
+                super::super::owners::Close::Killed,
+                &weir_flowtable::DumpFilter::default(),
+                |s| s.key.client == sa(&format!("192.0.2.7:{port}")),
+            )
+        };
+        // A mask edit: the old flow's end computes the new key.
+        assert_eq!(e.process(&mut syn("192.0.2.7:1")), Verdict::Transmit);
+        edit("30s", Some("255.255.255.0"));
+        assert_eq!(e.process(&mut syn("192.0.2.7:2")), Verdict::Transmit);
+        assert_eq!(table.get(&key_now()).map(|t| t.held), Some(1));
+        assert_eq!(kill(1), 1);
+        let after_mask_edit = table.get(&key_now()).map(|t| t.held);
+        assert_eq!(kill(2), 1);
+        assert_eq!(table.get(&key_now()).map(|t| t.held), Some(0));
+        // Off and on again: the same key, a new template.
+        assert_eq!(e.process(&mut syn("192.0.2.7:3")), Verdict::Transmit);
+        let first = table.get(&key_now()).expect("the first template");
+        assert_eq!(first.held, 1);
+        edit("0s", None);
+        edit("30s", None);
+        assert_eq!(e.process(&mut syn("192.0.2.7:4")), Verdict::Transmit);
+        let second = table.get(&key_now()).expect("the second template");
+        assert_ne!(second.cookie, first.cookie);
+        assert_eq!(second.held, 1);
+        assert_eq!(kill(3), 1);
+        let after_off_and_on = table.get(&key_now()).map(|t| t.held);
+        assert_eq!(
+            (after_mask_edit, after_off_and_on),
+            (Some(1), Some(1)),
+            "an old flow's end took the new template's hold (after a mask edit, \
+             after persistence off and on)"
+        );
+        // Held, it outlives its persistence while the flow it placed
+        // lives; that flow's end (its own expiry here, settled as the
+        // expiry thread settles it) releases it.
+        let mut out = Vec::new();
+        table.expire(Millis(d.shared.now_ms() + 45_000), 1000, &mut out);
+        assert!(
+            out.iter().all(|s| s.state != FlowState::Persist),
+            "the template expired under its flow: {out:?}"
+        );
+        assert_eq!(table.get(&key_now()).map(|t| t.held), Some(1));
+        d.shared
+            .ended(&out, super::super::owners::Close::IdleTimeout);
+        kill(4);
+        assert_eq!(table.get(&key_now()).map(|t| t.held), Some(0));
     }
 
     /// A packet from source port 0 has its client group's persistence
