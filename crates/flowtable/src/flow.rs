@@ -1884,8 +1884,7 @@ impl FlowTable {
         }
     }
 
-    /// Removes one of tenant `id`'s entries that `pick(state, owner)`
-    /// accepts, from among those due soonest, and returns its final
+    /// Removes one of tenant `id`'s entries that `pick` accepts, from among those due soonest, and returns its final
     /// snapshot: the early drop a load balancer under a SYN flood needs,
     /// where the flows longest in SYN_RECV are the likeliest never to
     /// finish their handshake.
@@ -1905,7 +1904,7 @@ impl FlowTable {
         now: Millis,
         budget: usize,
         seed: u64,
-        pick: impl Fn(FlowState, u32) -> bool,
+        pick: impl Fn(Candidate) -> bool,
     ) -> Option<FlowSnapshot> {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
@@ -1913,10 +1912,7 @@ impl FlowTable {
         let find = |w: &Wheel| {
             w.find_due_first(budget, seed, |slot, i| {
                 let n = self.slab.node(i);
-                n.is_live()
-                    && n.tenant() == id.0
-                    && n.filed_slot() == slot
-                    && pick(n.state(), n.owner())
+                n.is_live() && n.tenant() == id.0 && n.filed_slot() == slot && pick(n.candidate())
             })
         };
         let mut w = t.wheel.try_lock()?;
@@ -1934,9 +1930,7 @@ impl FlowTable {
         // Decided again under the bucket lock (the entry may have moved on
         // since the wheel was read), with the wheel still held, as
         // `expire` does, so that its reference can go with it.
-        match self.unlink_node(t, idx, &guard, |n, _| {
-            n.held() == 0 && pick(n.state(), n.owner())
-        }) {
+        match self.unlink_node(t, idx, &guard, |n, _| n.held() == 0 && pick(n.candidate())) {
             Unlink::Removed(s) => {
                 w.take_at(slot, pos, idx);
                 Some(s)

@@ -455,6 +455,17 @@ impl Node<'_> {
         self.h.owner.load(Relaxed)
     }
 
+    /// What [`FlowTable::evict_due_first`](crate::FlowTable::evict_due_first)'s
+    /// pick sees of the entry.
+    pub(crate) fn candidate(&self) -> crate::Candidate {
+        crate::Candidate {
+            state: self.state(),
+            owner: self.owner(),
+            reply: self.has_reply(),
+            packets_out: self.c.packets[1].load(Relaxed),
+        }
+    }
+
     pub(crate) fn nat(&self) -> u32 {
         self.h.nat.load(Relaxed)
     }

@@ -466,6 +466,22 @@ pub struct FlowSnapshot {
     pub held: u32,
 }
 
+/// What [`FlowTable::evict_due_first`](crate::FlowTable::evict_due_first)'s
+/// pick sees of an entry: enough to tell a flow that never heard back
+/// (an embryonic TCP flow, a UDP flow with no reply) from one that did.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub struct Candidate {
+    /// Its state.
+    pub state: FlowState,
+    /// Its owner's token ([`FlowInit::owner`]).
+    pub owner: u32,
+    /// Whether it is also indexed by a reply key (packet mode's nat and
+    /// fnat: weir sees its replies).
+    pub reply: bool,
+    /// Packets backend -> client so far.
+    pub packets_out: u64,
+}
+
 /// Direction of traffic for [`FlowTable::touch`](crate::FlowTable::touch).
 #[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
 pub enum Dir {

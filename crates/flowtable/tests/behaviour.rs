@@ -1089,7 +1089,7 @@ fn a_removed_tenant_gives_back_all_the_budget_it_reserved() {
 /// finds nothing filed, and looks no further than its budget.
 #[test]
 fn early_drop_takes_the_tenants_oldest_entry_it_picks() {
-    let syn_recv = |s: FlowState, _owner: u32| s == FlowState::SynRecv;
+    let syn_recv = |c: Candidate| c.state == FlowState::SynRecv;
     let t = table_with(&[(1, 0), (2, 64)], cfg(64, 64));
     // A second between inserts: each SYN_RECV entry due in a slot of its own.
     let clock = std::cell::Cell::new(0);

@@ -797,6 +797,18 @@ fn first_state(pkt: &Packet, method: Method) -> FlowState {
     }
 }
 
+/// A packet flow that never heard back, which a new flow at a limit may
+/// take the place of ([`Engine::early_drop`]): TCP in SYN_RECV, or UDP
+/// through nat or fnat (indexed by its reply key) with no reply yet.
+fn never_heard_back(c: weir_flowtable::Candidate) -> bool {
+    is_packet_owner(c.owner)
+        && match c.state {
+            FlowState::SynRecv => true,
+            FlowState::Udp => c.reply && c.packets_out == 0,
+            _ => false,
+        }
+}
+
 /// One packet worker's data path.
 pub(crate) struct Engine {
     shared: Arc<Shared>,
@@ -1435,10 +1447,14 @@ impl Engine {
         if vips.own.contains(&key.client.ip()) {
             return Err(Some(Drop::Martian));
         }
-        // A TCP SYN (no ACK): may take an embryonic flow's place.
-        let mut syn = false;
+        // A TCP SYN (no ACK) or a UDP flow's first datagram: at a limit,
+        // it may take the place of a flow that never heard back
+        // (`early_drop`).
+        let mut may_take = key.proto == Proto::Udp;
         if let Some(flags) = pkt.tcp_flags() {
-            syn = flags.has(weir_packet::TcpFlags::SYN) && !flags.has(weir_packet::TcpFlags::ACK);
+            let syn =
+                flags.has(weir_packet::TcpFlags::SYN) && !flags.has(weir_packet::TcpFlags::ACK);
+            may_take = syn;
             let rst = flags.has(weir_packet::TcpFlags::RST);
             if rst || (!syn && !vs.sloppy_tcp) {
                 return Err(Some(Drop::NoFlow));
@@ -1490,7 +1506,7 @@ impl Engine {
             }
         };
         let mut admitted = shared.admission.admit(&svc.tenant, shared.now_ns());
-        if syn && matches!(admitted, Err(Refusal::TenantLimit | Refusal::GlobalLimit)) {
+        if may_take && matches!(admitted, Err(Refusal::TenantLimit | Refusal::GlobalLimit)) {
             let seed = weir_sched::RandomSource::next_u64(&mut self.rng);
             if self.early_drop(&svc.tenant, now, seed) {
                 admitted = shared.admission.admit(&svc.tenant, shared.now_ns());
@@ -1582,11 +1598,11 @@ impl Engine {
             Some(mode) => shared.conns.table.insert_reply(key, init, mode, now),
         };
         let mut inserted = insert(init);
-        // The tenant's table at its cap: a SYN takes an embryonic flow's
-        // place as it would at the tenant's connection limit. (A full
+        // The tenant's table at its cap: the flow takes the place of one
+        // that never heard back, as it would at a connection limit. (A full
         // chain of one bucket gains nothing from this, but a chain that
         // long is unlikely under keyed hashing, and the refusal stands.)
-        if syn && matches!(inserted, Err(weir_flowtable::InsertError::ChainFull)) {
+        if may_take && matches!(inserted, Err(weir_flowtable::InsertError::ChainFull)) {
             let seed = weir_sched::RandomSource::next_u64(&mut self.rng);
             if self.early_drop(&svc.tenant, now, seed) {
                 inserted = insert(init);
@@ -1649,28 +1665,34 @@ impl Engine {
         })
     }
 
-    /// SYN flood defence: ends one of `tenant`'s embryonic packet flows
-    /// (SYN_RECV: the client's SYN seen, its handshake not finished), one
-    /// of those due soonest, so that a new SYN can take its place at the
-    /// tenant's or the daemon's connection limit, or in the tenant's full
-    /// table. `false` if none was found among the [`EARLY_DROP_LOOK`] next
-    /// due (or an expiry pass held the tenant's wheel).
+    /// SYN (and spoofed UDP) flood defence: ends one of `tenant`'s packet
+    /// flows that never heard back, one of those due soonest, so that a
+    /// new flow can take its place at the tenant's or the daemon's
+    /// connection limit, or in the tenant's full table. Never heard back:
+    /// a TCP flow in SYN_RECV (the client's SYN seen, its handshake not
+    /// finished), or a UDP flow of a nat or fnat service (weir sees its
+    /// replies) with no reply yet. `false` if none was found among the
+    /// [`EARLY_DROP_LOOK`] next due (or an expiry pass held the tenant's
+    /// wheel).
     ///
-    /// Why: a spoofed SYN's flow never finishes its handshake, and holds
-    /// its place for SYN_RECV's timeout; a flood that refills the places
-    /// as they time out locks every real client out. A real client
-    /// finishes its handshake within a round trip, so taking an embryonic
-    /// flow's place almost always takes the flood's, and a real flow,
-    /// taken no more often than any other, lives on average limit / flood
-    /// rate before it is (4 ms for 40 places under 10,000 SYN/s): enough
-    /// for a handshake on any network the limit was sized for. Among the
-    /// flows due in the same tick the pick is spread by `seed`, not
-    /// first-filed first. (IPVS's `drop_entry` defence drops SYN_RECV
-    /// connections at random, conntrack's `early_drop` unassured ones from
-    /// the new key's bucket; the tenant's expiry wheel gives the oldest at
-    /// the same bounded cost, and a tenant's flood ends only the tenant's
-    /// flows.) A proxied connection in the same table is never taken: its
-    /// client finished its handshake with the kernel.
+    /// Why: a spoofed SYN's flow never finishes its handshake, a spoofed
+    /// datagram's flow never hears back, and each holds its place for its
+    /// state's timeout; a flood that refills the places as they time out
+    /// locks every real client out. A real client hears back within a
+    /// round trip, so the place taken is almost always the flood's, and a
+    /// real flow, taken no more often than any other, lives on average
+    /// limit / flood rate before it is (4 ms for 40 places under 10,000
+    /// SYN/s): enough for a handshake on any network the limit was sized
+    /// for. Among the flows due in the same tick the pick is spread by
+    /// `seed`, not first-filed first. (IPVS's `drop_entry` defence drops
+    /// SYN_RECV connections at random, conntrack's `early_drop`
+    /// unassured ones from the new key's bucket; the tenant's expiry wheel
+    /// gives the oldest at the same bounded cost, and a tenant's flood
+    /// ends only the tenant's flows.) A proxied connection in the same
+    /// table is never taken: its client finished its handshake with the
+    /// kernel. A dr service's UDP flow is never taken either: its replies
+    /// bypass weir, so one that heard back cannot be told from one that
+    /// did not.
     fn early_drop(&self, tenant: &super::Tenant, now: Millis, seed: u64) -> bool {
         let shared = &*self.shared;
         let Some(snap) = shared.conns.table.evict_due_first(
@@ -1678,7 +1700,7 @@ impl Engine {
             now,
             EARLY_DROP_LOOK,
             seed,
-            |state, owner| state == FlowState::SynRecv && is_packet_owner(owner),
+            never_heard_back,
         ) else {
             return false;
         };
@@ -2603,6 +2625,52 @@ mod tests {
         let mut ack = frame(flood(1), sa(VIP), Some(ACK), b"");
         assert_eq!(e.process_at(&mut ack, now), Verdict::Drop);
         assert_eq!(counted(&e, Drop::NoFlow), 1);
+    }
+
+    /// A UDP flow's first datagram at its tenant's limit takes the place
+    /// of a nat flow that never heard back from its backend, never of one
+    /// that did: a spoofed datagram's flow otherwise held its place for
+    /// the UDP timeout (300 s by default).
+    #[test]
+    fn a_udp_flow_at_the_limit_takes_the_place_of_one_never_answered() {
+        let vip = sa("10.0.0.100:53");
+        let toml = format!(
+            "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\n\
+             [[tenant]]\nname = \"a\"\nmax_connections = 2\n\
+             [[service]]\ntenant = \"a\"\nname = \"dns\"\nprotocol = \"udp\"\n\
+             listen = \"{vip}\"\nforward = \"nat\"\n[[service.backend]]\naddress = \"{B1}\"\n"
+        );
+        let d =
+            super::super::Daemon::start_inner(toml::from_str(&toml).unwrap(), None, false).unwrap();
+        let mut e = engine(&d);
+        let table = &d.shared.conns.table;
+        let now = Millis(d.shared.now_ms());
+        let client = |i: u16| SocketAddr::new("198.51.100.1".parse().unwrap(), i);
+        let key = |e: &Engine, i| FlowKey {
+            tenant: TenantId(e.vips.by_vip.values().next().unwrap().svc.tenant.id),
+            proto: Proto::Udp,
+            client: client(i),
+            virt: vip,
+        };
+        let query = |e: &mut Engine, i| {
+            let mut f = frame(client(i), vip, None, b"query");
+            e.process_at(&mut f, now)
+        };
+        // 1 hears back, 2 does not.
+        assert_eq!(query(&mut e, 1), Verdict::Transmit);
+        let mut answer = frame(sa(B1), client(1), None, b"answer");
+        assert_eq!(e.process_at(&mut answer, now), Verdict::Transmit);
+        assert_eq!(query(&mut e, 2), Verdict::Transmit);
+        table.expire(now, 4096, &mut Vec::new());
+        let _hold = table.hold_maintenance();
+        assert_eq!(query(&mut e, 3), Verdict::Transmit, "took 2's place");
+        assert_eq!(table.get(&key(&e, 2)), None);
+        assert!(table.get(&key(&e, 1)).is_some(), "1 heard back: kept");
+        // Left: 1, and 3 (not filed, nor fileable while the lock is held).
+        assert_eq!(query(&mut e, 4), Verdict::Drop);
+        assert_eq!(counted(&e, Drop::Refused), 1);
+        assert_eq!(e.counters.early_drops.load(Relaxed), 1);
+        assert_eq!(d.shared.admission.active.load(Relaxed), 2);
     }
 
     /// The same defence when the tenant's own table is at its cap
