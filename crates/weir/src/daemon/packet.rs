@@ -1840,10 +1840,10 @@ impl Engine {
             // (see `AWAIT_SYN`).
             table.track_seq_handle(h, Dir::Out, |_, _| Some(tcp_state::AWAIT_SYN));
         }
-        let ignored = match tcp_state::FlagClass::of(flags) {
-            Some(tcp_state::FlagClass::Rst) => &self.counters.rst_ignored,
-            Some(tcp_state::FlagClass::Fin) => &self.counters.fin_ignored,
-            _ => &self.counters.seq_ignored,
+        let (ignored, ends) = match tcp_state::FlagClass::of(flags) {
+            Some(tcp_state::FlagClass::Rst) => (&self.counters.rst_ignored, true),
+            Some(tcp_state::FlagClass::Fin) => (&self.counters.fin_ignored, true),
+            _ => (&self.counters.seq_ignored, false),
         };
         // A segment that moved its sender's place forward (or started it
         // afresh: a SYN opening a connection) is the sender's; any other
@@ -1852,8 +1852,11 @@ impl Engine {
             Some((_, known)) if !noted && !tcp_state::rst_acceptable(seq, known) => {
                 // The client's answer to a challenge ACK (or its FIN),
                 // before the backend's SYN-ACK (nat, fnat: dr sees no
-                // replies).
-                let handshake = dir == Dir::In
+                // replies). Only a RST or a FIN: a blind ACK there would
+                // move the flow to ESTABLISHED by IPVS's table and keep
+                // it, however long the backend stays silent.
+                let handshake = ends
+                    && dir == Dir::In
                     && method != Method::Dr
                     && table
                         .track_seq_handle(h, Dir::Out, |_, _| None)
@@ -2454,6 +2457,46 @@ mod tests {
             assert_eq!(e.counters.rst_ignored.load(Relaxed), 1);
             assert_eq!(e.counters.fin_ignored.load(Relaxed), 0);
         }
+    }
+
+    /// Before the backend's SYN-ACK only a client's RST or FIN is taken
+    /// far from the client's place (its answer to a challenge ACK, above).
+    /// Any segment was: a blind ACK with a guessed client address and port
+    /// moved a flow whose backend does not answer (down, or dropping SYNs)
+    /// to ESTABLISHED by IPVS's table and restarted its timer, 900 s
+    /// instead of SYN_RECV's, and again with each such ACK: the flow, its
+    /// admission slot and its client's place kept for ever.
+    #[test]
+    fn a_blind_ack_before_the_backends_answer_keeps_nothing() {
+        let d = daemon("nat", "");
+        let mut e = engine(&d);
+        let client = sa("192.0.2.7:40000");
+        let key = tcp_key(&e, client);
+        let c0 = 1_000_000u32;
+        let t0 = d.shared.now_ms();
+        let mut syn = frame_seq(client, sa(VIP), Some(SYN), c0, b"");
+        assert_eq!(e.process_at(&mut syn, Millis(t0)), Verdict::Transmit);
+        let flow = |d: &super::super::DaemonHandle| {
+            let s = d.shared.conns.table.get(&key).unwrap();
+            (s.state, s.last_active)
+        };
+        let mut t = t0;
+        for seq in [
+            c0.wrapping_add(1 << 31),
+            c0 + 2 * weir_packet::tcp_state::SEQ_WINDOW,
+        ] {
+            t += 20_000;
+            let mut ack = frame_seq(client, sa(VIP), Some(ACK), seq, b"x");
+            assert_eq!(e.process_at(&mut ack, Millis(t)), Verdict::Transmit);
+            assert_eq!(flow(&d), (FlowState::SynRecv, Millis(t0)), "ACK at {seq}");
+        }
+        assert_eq!(e.counters.seq_ignored.load(Relaxed), 2);
+        // The client's own ACK, at its place, moves it as IPVS's table says.
+        t += 1_000;
+        let mut ack = frame_seq(client, sa(VIP), Some(ACK), c0 + 1, b"");
+        assert_eq!(e.process_at(&mut ack, Millis(t)), Verdict::Transmit);
+        assert_eq!(flow(&d), (FlowState::Established, Millis(t)));
+        assert_eq!(e.counters.seq_ignored.load(Relaxed), 2);
     }
 
     /// dr sees no replies, so it cannot tell a handshake from an open
