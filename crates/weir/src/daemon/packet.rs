@@ -3554,6 +3554,84 @@ mod tests {
         f
     }
 
+    /// An ICMP "fragmentation needed" from `from` to `to` quoting all of
+    /// `sent`'s IPv4 packet (a frame weir sent), checksums from scratch.
+    fn frag_needed(sent: &[u8], from: IpAddr, to: IpAddr) -> Vec<u8> {
+        let IpAddr::V4(from) = from else {
+            unreachable!()
+        };
+        let mut f = icmp_error_to(sent, to);
+        let p = weir_packet::parse(&f).unwrap();
+        f[p.l3 + 12..p.l3 + 16].copy_from_slice(&from.octets());
+        f.truncate(p.l4 + 8);
+        f.extend_from_slice(&sent[14..]);
+        f[p.l4 + 2..p.l4 + 4].fill(0);
+        let c = checksum::finish(checksum::sum(&f[p.l4..], 0));
+        f[p.l4 + 2..p.l4 + 4].copy_from_slice(&c.to_be_bytes());
+        let len = (f.len() - p.l3) as u16;
+        f[p.l3 + 2..p.l3 + 4].copy_from_slice(&len.to_be_bytes());
+        f[p.l3 + 10..p.l3 + 12].fill(0);
+        let c = checksum::ipv4_header_checksum(&f[p.l3..p.l4]);
+        f[p.l3 + 10..p.l3 + 12].copy_from_slice(&c.to_be_bytes());
+        f
+    }
+
+    /// fnat errors each way reach their side in its own view: the backend
+    /// side's (about a packet from a local endpoint) reaches the client
+    /// from the VIP quoting the client's packet to the VIP, the client
+    /// side's (about the VIP's packet) reaches the backend from the local
+    /// address quoting the backend's packet to it; every checksum, the
+    /// quoted TCP one included, verifies from scratch.
+    #[test]
+    fn fnat_icmp_errors_reach_each_side_in_its_own_view() {
+        let d = daemon("fnat", "");
+        let mut e = engine(&d);
+        let client = sa("192.0.2.7:40000");
+        let mut syn = frame(client, sa(VIP), Some(SYN), b"");
+        assert_eq!(e.process(&mut syn), Verdict::Transmit);
+        let local = verified(&syn).src;
+        assert_eq!(local.ip(), LOCAL.parse::<IpAddr>().unwrap());
+        let mut synack = frame(sa(B1), local, Some(SYN | ACK), b"");
+        assert_eq!(e.process(&mut synack), Verdict::Transmit);
+        let router_b: IpAddr = "10.0.1.254".parse().unwrap();
+        let router_c: IpAddr = "192.0.2.254".parse().unwrap();
+        for (sent, from, to, outer, quote) in [
+            (
+                &syn,
+                router_b,
+                local.ip(),
+                (sa(VIP).ip(), client.ip()),
+                (client, sa(VIP)),
+            ),
+            (
+                &synack,
+                router_c,
+                sa(VIP).ip(),
+                (local.ip(), sa(B1).ip()),
+                (sa(B1), local),
+            ),
+        ] {
+            let mut f = frag_needed(sent, from, to);
+            assert_eq!(e.process(&mut f), Verdict::Transmit, "to {to}");
+            let p = weir_packet::parse(&f).unwrap();
+            assert_eq!((p.src, p.dst), outer, "outer header");
+            let emb = weir_packet::icmp::parse_error(&f, &p).unwrap().unwrap();
+            assert_eq!((emb.tuple.src, emb.tuple.dst), quote, "the quote");
+            assert_eq!(
+                checksum::fold(checksum::sum(&f[p.l4..p.end], 0)),
+                0xffff,
+                "ICMP checksum"
+            );
+            let outer_ip = &f[p.l3..p.l4];
+            assert_eq!(checksum::fold(checksum::sum(outer_ip, 0)), 0xffff);
+            // The quote is a whole packet: its checksums verify as sent.
+            let mut quoted = f[..14].to_vec();
+            quoted.extend_from_slice(&f[emb.l3..p.end]);
+            assert_eq!((verified(&quoted).src, verified(&quoted).dst), quote);
+        }
+        assert_eq!(e.counters.icmp_errors.load(Relaxed), 2);
+    }
+
     /// The client side (interface 1) and the backend side (interface 2)
     /// of a two-armed weir: clients (192.0.2.0/24) are out of the first,
     /// everything else out of the second.
