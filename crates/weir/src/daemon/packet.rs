@@ -1443,8 +1443,13 @@ impl Engine {
         // have the backend answer that VIP, where the answer is a first
         // packet of that service (of any tenant), delivered to its
         // backends from this backend's address; from an fnat local
-        // endpoint, the backend would see an fnat flow's endpoint.
-        if vips.own.contains(&key.client.ip()) {
+        // endpoint, the backend would see an fnat flow's endpoint. An
+        // IPv4-mapped IPv6 source (::ffff:a.b.c.d) is never a host's on
+        // the wire (RFC 4291 2.5.5.2; Linux drops it on receipt), and
+        // would name one of weir's IPv4 addresses in another form.
+        let client = key.client.ip();
+        let mapped = matches!(client, IpAddr::V6(a) if a.to_ipv4_mapped().is_some());
+        if mapped || vips.own.contains(&client) {
             return Err(Some(Drop::Martian));
         }
         // A TCP SYN (no ACK) or a UDP flow's first datagram: at a limit,
@@ -2055,7 +2060,8 @@ mod tests {
         Engine::new(shared, path, hops, egress, 7, "weir-pkt-test")
     }
 
-    /// Ethernet + IPv4 + TCP (flags) or UDP (flags = None), checksums full.
+    /// Ethernet + IPv4 (or IPv6) + TCP (flags) or UDP (flags = None),
+    /// checksums full.
     fn frame(src: SocketAddr, dst: SocketAddr, tcp: Option<u8>, payload: &[u8]) -> Vec<u8> {
         frame_seq(src, dst, tcp, 1, payload)
     }
@@ -2068,9 +2074,6 @@ mod tests {
         seq: u32,
         payload: &[u8],
     ) -> Vec<u8> {
-        let (IpAddr::V4(s), IpAddr::V4(d)) = (src.ip(), dst.ip()) else {
-            panic!("v4 only")
-        };
         let mut l4 = Vec::new();
         l4.extend_from_slice(&src.port().to_be_bytes());
         l4.extend_from_slice(&dst.port().to_be_bytes());
@@ -2087,6 +2090,22 @@ mod tests {
             }
         };
         l4.extend_from_slice(payload);
+        let (s, d) = match (src.ip(), dst.ip()) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => (s, d),
+            (IpAddr::V6(s), IpAddr::V6(d)) => {
+                let c = checksum::l4_checksum(&s.octets(), &d.octets(), proto, &l4, csum_at);
+                l4[csum_at..csum_at + 2].copy_from_slice(&c.to_be_bytes());
+                let mut f = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 9, 0x86, 0xdd];
+                f.extend_from_slice(&[0x60, 0, 0, 0]);
+                f.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+                f.extend_from_slice(&[proto, 64]);
+                f.extend_from_slice(&s.octets());
+                f.extend_from_slice(&d.octets());
+                f.extend_from_slice(&l4);
+                return f;
+            }
+            _ => panic!("one family"),
+        };
         let c = checksum::l4_checksum(&s.octets(), &d.octets(), proto, &l4, csum_at);
         l4[csum_at..csum_at + 2].copy_from_slice(&c.to_be_bytes());
         let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, proto, 0, 0];
@@ -3407,6 +3426,31 @@ mod tests {
         assert_eq!(d.shared.admission.active.load(Relaxed), 10);
         let stats = d.shared.packet.get().unwrap().sums();
         assert_eq!(stats.dropped.get("fnat_ports_share"), Some(&5));
+    }
+
+    /// An IPv4-mapped IPv6 source (here the mapped form of an IPv4 VIP of
+    /// weir's) is no host's on the wire: dropped as a martian, as weir's
+    /// own addresses are.
+    #[test]
+    fn a_first_packet_from_an_ipv4_mapped_address_opens_no_flow() {
+        let (vip4, vip6) = (sa("10.0.0.100:53"), sa("[2001:db8::100]:53"));
+        let toml = format!(
+            "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\n\
+             [[service]]\nname = \"dns4\"\nprotocol = \"udp\"\nlisten = \"{vip4}\"\n\
+             forward = \"nat\"\n[[service.backend]]\naddress = \"{B1}\"\n\
+             [[service]]\nname = \"dns6\"\nprotocol = \"udp\"\nlisten = \"{vip6}\"\n\
+             forward = \"nat\"\n[[service.backend]]\naddress = \"[2001:db8:1::2]:53\"\n"
+        );
+        let d =
+            super::super::Daemon::start_inner(toml::from_str(&toml).unwrap(), None, false).unwrap();
+        let mut e = engine(&d);
+        for src in ["[::ffff:10.0.0.100]:53", "[::ffff:192.0.2.7]:40000"] {
+            let mut f = frame(sa(src), vip6, None, b"forged");
+            assert_eq!(e.process(&mut f), Verdict::Drop, "from {src}");
+        }
+        assert_eq!(counted(&e, Drop::Martian), 2);
+        let mut f = frame(sa("[2001:db8:2::7]:40000"), vip6, None, b"query");
+        assert_eq!(e.process(&mut f), Verdict::Transmit, "a client's");
     }
 
     /// A first packet from one of weir's own addresses (a VIP, an fnat
