@@ -1489,6 +1489,22 @@ mod tests {
             a.extend_from_slice(args);
             assert!(ip(&a), "ip {args:?}");
         };
+        // No IPv6 on the links made here: their neighbour discovery and
+        // MLD frames would reach wa's socket besides the test's datagram
+        // (the turns below stop at the first frame received), at times
+        // before it.
+        assert!(
+            ip(&[
+                "netns",
+                "exec",
+                &ns,
+                "sysctl",
+                "-qw",
+                "net.ipv6.conf.default.disable_ipv6=1",
+                "net.ipv6.conf.all.disable_ipv6=1",
+            ]),
+            "sysctl disable_ipv6"
+        );
         nsx(&["link", "add", "wa", "type", "veth", "peer", "name", "wb"]);
         nsx(&["link", "set", "wa", "address", "02:00:00:00:00:0a", "up"]);
         nsx(&["link", "set", "wb", "up"]);
