@@ -252,8 +252,9 @@ int weir_steer(struct xdp_md *ctx)
 		return count(STAT_PASSED, XDP_PASS);
 	proto = eth->h_proto;
 	l3 = eth + 1;
-	/* One VLAN tag (802.1Q or 802.1ad), no more. */
-	if (proto == bpf_htons(ETH_P_8021Q) || proto == bpf_htons(ETH_P_8021AD)) {
+	/* One 802.1Q tag, no more: weir-packet refuses an 802.1ad tag and
+	 * stacked tags (`stacked_vlan`), so those stay the kernel's. */
+	if (proto == bpf_htons(ETH_P_8021Q)) {
 		struct vlan_hdr *vlan = l3;
 		if ((void *)(vlan + 1) > end)
 			return count(STAT_PASSED, XDP_PASS);
