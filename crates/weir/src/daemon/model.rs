@@ -493,6 +493,10 @@ pub(crate) struct Tenant {
     pub(crate) placement: String,
     /// `max_new_per_s`, as a token bucket.
     pub(super) new_conns: NewConnLimit,
+    /// The daemon's clock (ms) before which the packet path does not look
+    /// for a flow to take the place of again, having found none
+    /// (`Engine::early_drop`).
+    pub(crate) early_drop_after: AtomicU64,
     pub(crate) deleted: CancellationToken,
     /// The ids of the tenant's backends, by address ([`BackendIds`]).
     pub(crate) backend_ids: BackendIds,
@@ -1291,6 +1295,7 @@ impl Shared {
                 refused: AtomicU64::new(0),
                 stat: self.accounting.rates.stat(),
                 new_conns: NewConnLimit::default(),
+                early_drop_after: AtomicU64::new(0),
                 deleted: CancellationToken::new(),
                 backend_ids: BackendIds::default(),
             });

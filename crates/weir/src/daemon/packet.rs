@@ -304,6 +304,9 @@ pub(crate) struct Counters {
     /// a time (what a spoofed reply costs the worker).
     #[cfg(test)]
     pub(crate) reply_lookups: AtomicU64,
+    /// Looks [`Engine::early_drop`] made in the flow table.
+    #[cfg(test)]
+    pub(crate) early_drop_looks: AtomicU64,
 }
 
 /// The `dropped` names of [`Counters::kernel`], in its order: frames lost
@@ -403,6 +406,11 @@ const LINKS_EVERY_MS: u64 = 1000;
 /// due are the flood's own; a tenant full of finished handshakes is passed
 /// over in a few dozen reads.
 const EARLY_DROP_LOOK: usize = 64;
+
+/// How long a tenant's early drop rests after a look that found nothing
+/// to take the place of: at most 100 fruitless looks a second per tenant,
+/// whatever the flood's rate.
+const EARLY_DROP_BACKOFF_MS: u64 = 10;
 
 /// fnat's ports, and the address of every backend with ports out (a flow
 /// that outlives its backend in the service still gives its port back),
@@ -1698,7 +1706,17 @@ impl Engine {
     /// kernel. A dr service's UDP flow is never taken either: its replies
     /// bypass weir, so one that heard back cannot be told from one that
     /// did not.
+    ///
+    /// A look that found nothing is not made again for the tenant for
+    /// [`EARLY_DROP_BACKOFF_MS`]: a tenant full of flows that did hear
+    /// back would otherwise make every refused SYN of a flood cost up to 64
+    /// node reads and a filing pass instead of a compare.
     fn early_drop(&self, tenant: &super::Tenant, now: Millis, seed: u64) -> bool {
+        if tenant.early_drop_after.load(Relaxed) > now.0 {
+            return false;
+        }
+        #[cfg(test)]
+        self.counters.early_drop_looks.fetch_add(1, Relaxed);
         let shared = &*self.shared;
         let Some(snap) = shared.conns.table.evict_due_first(
             weir_flowtable::TenantId(tenant.id),
@@ -1707,6 +1725,9 @@ impl Engine {
             seed,
             never_heard_back,
         ) else {
+            tenant
+                .early_drop_after
+                .store(now.0 + EARLY_DROP_BACKOFF_MS, Relaxed);
             return false;
         };
         shared.ended(std::slice::from_ref(&snap), super::owners::Close::EarlyDrop);
@@ -2667,9 +2688,17 @@ mod tests {
         assert!(!live(&e, 1) && !live(&e, 2));
         // Left: the finished handshake, and 3 and 4, not filed (nor
         // fileable while the lock is held).
+        let looks = |e: &Engine| e.counters.early_drop_looks.load(Relaxed);
+        assert_eq!(looks(&e), 2);
         assert_eq!(syn(&mut e, flood(5)), Verdict::Drop);
         assert_eq!(counted(&e, Drop::Refused), 1);
         assert_eq!(e.counters.early_drops.load(Relaxed), 2);
+        // A look that found nothing is not made again for a while: a
+        // flood against a tenant whose flows all heard back costs a
+        // compare per SYN, not a look.
+        assert_eq!(looks(&e), 3);
+        assert_eq!(syn(&mut e, flood(6)), Verdict::Drop);
+        assert_eq!(looks(&e), 3, "resting");
         drop(hold);
         assert!(table.get(&done).is_some(), "the finished handshake stays");
         let svc = the_service(&d);
@@ -2745,24 +2774,26 @@ mod tests {
         let table = &d.shared.conns.table;
         let now = Millis(d.shared.now_ms());
         let client = |i: u16| SocketAddr::new("198.51.100.1".parse().unwrap(), i);
-        let mut syn = |i: u16| {
+        let mut syn = |i: u16, at: Millis| {
             let mut f = frame(client(i), sa(VIP), Some(SYN), b"");
-            e.process_at(&mut f, now)
+            e.process_at(&mut f, at)
         };
         // Filled with the maintenance lock held: nothing filed in the
         // wheel, nothing fileable, so the SYN that finds the table full is
         // refused.
         let hold = table.hold_maintenance();
         let mut filled = 0;
-        while filled < 64 && syn(filled + 1) == Verdict::Transmit {
+        while filled < 64 && syn(filled + 1, now) == Verdict::Transmit {
             filled += 1;
         }
         assert!((16..64).contains(&filled), "the cap holds: {filled}");
         drop(hold);
         table.expire(now, 4096, &mut Vec::new());
         let _hold = table.hold_maintenance();
+        // Once the fruitless look's rest is over.
+        let later = Millis(now.0 + EARLY_DROP_BACKOFF_MS);
         assert_eq!(
-            syn(100),
+            syn(100, later),
             Verdict::Transmit,
             "took an embryonic flow's place"
         );
