@@ -1884,10 +1884,11 @@ impl FlowTable {
         }
     }
 
-    /// Removes one of tenant `id`'s entries that `pick` accepts, from among those due soonest, and returns its final
-    /// snapshot: the early drop a load balancer under a SYN flood needs,
-    /// where the flows longest in SYN_RECV are the likeliest never to
-    /// finish their handshake.
+    /// Removes one of tenant `id`'s entries that `pick` accepts, from
+    /// among those due soonest, and returns its final snapshot: the early
+    /// drop a load balancer under a SYN flood needs, where the flows
+    /// longest in SYN_RECV are the likeliest never to finish their
+    /// handshake.
     ///
     /// The look goes through the tenant's expiry wheel in deadline order
     /// (to the tick), starting within each slot at a place drawn from
@@ -1895,9 +1896,12 @@ impl FlowTable {
     /// bounded whatever the tenant holds. Entries inserted since the last
     /// [`expire`](Self::expire) call are filed first if nothing filed is
     /// found (work `expire` would do anyway). A held persistence template
-    /// is never taken. `None` if nothing was found within the budget, or
-    /// the wheel or the maintenance lock is busy (an `expire` call at work
-    /// on the tenant: this never waits for it).
+    /// is never taken. [`EvictMiss::NotFound`] if nothing was found within
+    /// the budget (or there is no such tenant), or nothing filed was and
+    /// the maintenance lock was held (an `expire` call, filing the rest
+    /// itself); [`EvictMiss::Busy`] if the tenant's wheel was held
+    /// (another thread's eviction, or `expire`), or the entry found moved
+    /// on before it could be taken. This never waits for a lock.
     pub fn evict_due_first(
         &self,
         id: TenantId,
@@ -1905,37 +1909,39 @@ impl FlowTable {
         budget: usize,
         seed: u64,
         pick: impl Fn(Candidate) -> bool,
-    ) -> Option<FlowSnapshot> {
+    ) -> Result<FlowSnapshot, EvictMiss> {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
-        let t = map.map.get(&id.0)?;
+        let t = map.map.get(&id.0).ok_or(EvictMiss::NotFound)?;
         let find = |w: &Wheel| {
             w.find_due_first(budget, seed, |slot, i| {
                 let n = self.slab.node(i);
                 n.is_live() && n.tenant() == id.0 && n.filed_slot() == slot && pick(n.candidate())
             })
         };
-        let mut w = t.wheel.try_lock()?;
+        let mut w = t.wheel.try_lock().ok_or(EvictMiss::Busy)?;
         let mut found = find(&w);
         if found.is_none() {
             // The newest entries may not be filed yet: file them (the
             // maintenance lock comes before a wheel's).
             drop(w);
             self.saw(now);
-            self.drain_new(map, now.0, &mut *self.maint.try_lock()?);
-            w = t.wheel.try_lock()?;
+            let mut m = self.maint.try_lock().ok_or(EvictMiss::NotFound)?;
+            self.drain_new(map, now.0, &mut m);
+            drop(m);
+            w = t.wheel.try_lock().ok_or(EvictMiss::Busy)?;
             found = find(&w);
         }
-        let (slot, pos, idx) = found?;
+        let (slot, pos, idx) = found.ok_or(EvictMiss::NotFound)?;
         // Decided again under the bucket lock (the entry may have moved on
         // since the wheel was read), with the wheel still held, as
         // `expire` does, so that its reference can go with it.
         match self.unlink_node(t, idx, &guard, |n, _| n.held() == 0 && pick(n.candidate())) {
             Unlink::Removed(s) => {
                 w.take_at(slot, pos, idx);
-                Some(s)
+                Ok(s)
             }
-            _ => None,
+            _ => Err(EvictMiss::Busy),
         }
     }
 

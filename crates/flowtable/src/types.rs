@@ -482,6 +482,20 @@ pub struct Candidate {
     pub packets_out: u64,
 }
 
+/// Why [`FlowTable::evict_due_first`](crate::FlowTable::evict_due_first)
+/// took nothing.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+pub enum EvictMiss {
+    /// Nothing the pick accepts within the budget, no such tenant, or
+    /// nothing filed while an `expire` call held the maintenance lock:
+    /// looking again at once is unlikely to find one.
+    NotFound,
+    /// The tenant's wheel was held (another thread's eviction, an `expire`
+    /// call), or the entry found moved on first: another look may find
+    /// one.
+    Busy,
+}
+
 /// Direction of traffic for [`FlowTable::touch`](crate::FlowTable::touch).
 #[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
 pub enum Dir {

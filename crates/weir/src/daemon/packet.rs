@@ -1718,17 +1718,23 @@ impl Engine {
         #[cfg(test)]
         self.counters.early_drop_looks.fetch_add(1, Relaxed);
         let shared = &*self.shared;
-        let Some(snap) = shared.conns.table.evict_due_first(
+        let snap = match shared.conns.table.evict_due_first(
             weir_flowtable::TenantId(tenant.id),
             now,
             EARLY_DROP_LOOK,
             seed,
             never_heard_back,
-        ) else {
-            tenant
-                .early_drop_after
-                .store(now.0 + EARLY_DROP_BACKOFF_MS, Relaxed);
-            return false;
+        ) {
+            Ok(snap) => snap,
+            Err(weir_flowtable::EvictMiss::NotFound) => {
+                tenant
+                    .early_drop_after
+                    .store(now.0 + EARLY_DROP_BACKOFF_MS, Relaxed);
+                return false;
+            }
+            // Another worker's eviction or an expiry pass held a lock:
+            // this SYN is refused, the next one looks again.
+            Err(weir_flowtable::EvictMiss::Busy) => return false,
         };
         shared.ended(std::slice::from_ref(&snap), super::owners::Close::EarlyDrop);
         self.counters.early_drops.fetch_add(1, Relaxed);
