@@ -1,5 +1,5 @@
-//! Multi-threaded stress: churn, touches, state changes, expiry and tenant
-//! removal race with paged dumps and lookups. Checks that every dump returns
+//! Multi-threaded stress: churn, touches, state changes, expiry, early
+//! drops and tenant removal race with paged dumps and lookups. Checks that every dump returns
 //! each stable entry exactly once and nothing twice, and that lookups of
 //! stable entries never miss.
 //!
@@ -126,6 +126,33 @@ fn run(duration: Duration, stable: u32, dumps_max: usize, buckets: usize) {
                 }
                 n += 1;
             }
+            n
+        }));
+    }
+    // Early drops take churned entries (CLOSE) from every tenant, racing
+    // the churners, the expirer, the tenant's removal and the dumps: never
+    // a stable entry, never one the pick refuses.
+    {
+        let (t, stop, now) = (Arc::clone(&t), Arc::clone(&stop), Arc::clone(&now));
+        let want = Arc::clone(&want);
+        hs.push(thread::spawn(move || {
+            let mut n = 0u64;
+            let mut taken = 0u64;
+            let mut seed = 0x2545_f491_4f6c_dd1du64;
+            while !stop.load(Ordering::Relaxed) && n < 2_000_000 * scale {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+                let tn = 1 + (seed >> 62) as u32;
+                let ms = Millis(now.load(Ordering::Relaxed));
+                let close = |c: Candidate| c.state == FlowState::Close;
+                if let Ok(s) = t.evict_due_first(TenantId(tn), ms, 64, seed, close) {
+                    assert!(!want.contains_key(&s.cookie), "stable entry evicted");
+                    assert_eq!(s.state, FlowState::Close);
+                    assert_eq!(s.key.tenant, TenantId(tn));
+                    taken += 1;
+                }
+                n += 1;
+            }
+            assert!(taken > 0, "no early drop in {n} looks");
             n
         }));
     }
