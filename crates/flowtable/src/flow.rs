@@ -3,7 +3,8 @@
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{
-    AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed, Ordering::SeqCst, fence,
+    AtomicBool, AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+    Ordering::SeqCst, fence,
 };
 
 use crossbeam_epoch::{self as epoch, Guard};
@@ -611,6 +612,11 @@ pub struct FlowTable {
     /// Dumps started so far: the next one is numbered `dumps + 1`
     /// ([`Cursor`]'s `dump`).
     dumps: AtomicU64,
+    /// Bumped after every change of the tenant directory or of a
+    /// tenant's timeouts: a dump page that saw the same count at its
+    /// start as when it copied a tenant's timeouts may list that tenant's
+    /// entries with the copy, without the directory ([`DumpScratch::timeouts`]).
+    tenant_changes: AtomicU64,
     /// Tables introspection has read the buckets of ([`FlowTable::chain_scans`]).
     chain_scans: AtomicU64,
     /// Tenants whose wheel runs a retime pass ([`FlowTable::retiming`]).
@@ -707,6 +713,7 @@ impl FlowTable {
             clock: AtomicU64::new(0),
             id: NEXT_TABLE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             dumps: AtomicU64::new(0),
+            tenant_changes: AtomicU64::new(0),
             chain_scans: AtomicU64::new(0),
         }
     }
@@ -894,6 +901,7 @@ impl FlowTable {
             // Dump order (by id): the added own tables were appended.
             next.own.sort_by_key(|t| t.id);
             self.tenants.replace(next, &guard);
+            self.tenant_changes.fetch_add(1, Release);
         }
         results
     }
@@ -1034,6 +1042,7 @@ impl FlowTable {
             .collect();
         next.own.retain(|o| !removed.contains_key(&o.id.0));
         self.tenants.replace(next, &guard);
+        self.tenant_changes.fetch_add(1, Release);
         for t in gone.iter().flatten() {
             t.removed.store(true, SeqCst);
         }
@@ -1124,6 +1133,7 @@ impl FlowTable {
         for (a, v) in ten.timeouts.iter().zip(new) {
             a.store(v, Relaxed);
         }
+        self.tenant_changes.fetch_add(1, Release);
         let Profiles {
             overrides,
             resolved,
@@ -2440,6 +2450,20 @@ impl FlowTable {
             cursor.get_or_insert(Cursor::START);
             return true;
         }
+        let mut scratch = self.dump_scratch();
+        // Before the directory is loaded: see `DumpScratch::timeouts`.
+        let changes = self.tenant_changes.load(Acquire);
+        let mut limit = limit;
+        if let Some(c) = cursor
+            && filter.tenant.is_none()
+        {
+            let listed = self.resume_quick(&mut scratch, c, filter, limit, out, changes);
+            if listed == limit {
+                DUMP_SCRATCH.set(Some(scratch));
+                return true;
+            }
+            limit -= listed;
+        }
         // Field by field, not a copy of the whole cursor: see above.
         let (order, after, dump) = match cursor {
             Some(c) => (c.order, (c.bucket, c.cookie), c.dump),
@@ -2457,10 +2481,9 @@ impl FlowTable {
             && Arc::ptr_eq(&t.table, &self.shared)
             && self.list_by_refs(t, limit)
         {
-            *cursor = self.dump_by_refs(t, map, start(), filter, limit, out);
+            *cursor = self.dump_by_refs(map, start(), filter, limit, out, scratch);
             return cursor.is_some();
         }
-        let mut scratch = self.dump_scratch();
         let mut d = Dumper::new(self, map, filter, limit, out, dump, &mut scratch);
         // A page that goes on from this thread's last page of the same dump
         // starts there, before any of the walk's set-up.
@@ -2480,8 +2503,105 @@ impl FlowTable {
             },
             Err(after) => *cursor = self.walk(&mut d, map, filter, start(), after, &guard),
         }
+        if let Some(t) = d.cached {
+            TimeoutCopies::keep(scratch.timeouts.slot(t.id.0), changes, t);
+        }
         DUMP_SCRATCH.set(Some(scratch));
         cursor.is_some()
+    }
+
+    /// The O(1) resume of [`Dumper::resume_here`] before any of the
+    /// walk's set-up, and without the epoch pin and the tenant directory
+    /// for the entries of tenants whose timeouts the scratch `s` holds a
+    /// copy of ([`DumpScratch::timeouts`]): when this thread's last page of
+    /// the same dump ended at cursor `c`, lists on through the rest of that
+    /// bucket's sorted entries, and moves `c` and the remembered place on.
+    /// Returns how many entries it listed (`limit`: the page is full); the
+    /// walk goes on from `c` when the remembered entries ran out first.
+    /// Another tenant's entry, or one of a timeout profile, is listed with
+    /// the directory, pinned then (once per call).
+    ///
+    /// Why: a page of one entry paid for the pin (~45 instructions with
+    /// its release), the directory's lookup of the entry's tenant (~20)
+    /// and the walk's set-up on every call: ~270 instructions per call on
+    /// top of the ~560 per entry of larger pages (callgrind,
+    /// `weir-bench ops --op dump`).
+    ///
+    /// Why no pin is needed for the rest: the slab's nodes live as long as
+    /// the table, and the sorted entries are this thread's own; the
+    /// directory is all a pin guards here, and a copy stands in for it. A
+    /// copy was taken from a directory loaded after `tenant_changes` read
+    /// its `changes`, and that count is bumped after every change of the
+    /// directory or of a tenant's timeouts; so with the count read again
+    /// at this page's start and found the same, the copy is what a
+    /// directory loaded then would give (or one a change under way, not
+    /// yet counted, replaces: the page then comes before that change).
+    #[inline(always)]
+    fn resume_quick(
+        &self,
+        s: &mut DumpScratch,
+        c: &mut Cursor,
+        filter: &DumpFilter,
+        limit: usize,
+        out: &mut Vec<FlowSnapshot>,
+        changes: u64,
+    ) -> usize {
+        let DumpScratch {
+            resume: Some(r),
+            timeouts,
+            items,
+            ..
+        } = s
+        else {
+            return 0;
+        };
+        if r.dump != c.dump || r.order != c.order || r.at != (c.bucket, c.cookie) {
+            return 0;
+        }
+        let near = self.near();
+        let mut guard = None;
+        let mut listed = 0;
+        // The remembered place moves on in place, entry by entry.
+        while let Some(&(h, cookie, i)) = items.get(r.pos) {
+            let n = self.slab.node(i);
+            r.pos += 1;
+            if !n.is_live() {
+                continue; // removed since the bucket was sorted
+            }
+            r.at = (u64::from(h), cookie);
+            if !passes(filter, &n) {
+                continue;
+            }
+            let tid = n.tenant();
+            let copy = timeouts.slot(tid);
+            let snap = match copy {
+                Some(k) if k.id == tid && k.changes == changes && n.profile() == 0 => {
+                    n.snapshot(near, |st, _| k.base[st.code() as usize])
+                }
+                _ => {
+                    let map = self.tenants.load(guard.get_or_insert_with(epoch::pin));
+                    let Some(t) = map.map.get(&tid) else {
+                        continue; // its tenant is gone
+                    };
+                    TimeoutCopies::keep(copy, changes, t);
+                    n.snapshot(near, |st, p| t.timeout(st, p))
+                }
+            };
+            if snap.cookie.0 != cookie {
+                continue; // recycled under us
+            }
+            out.push(snap);
+            listed += 1;
+            if listed == limit {
+                if let Some(&(_, _, j)) = items.get(r.pos) {
+                    self.slab.node(j).prefetch_all();
+                }
+                break;
+            }
+        }
+        c.bucket = r.at.0;
+        c.cookie = r.at.1;
+        listed
     }
 
     /// The rest of [`dump`](Self::dump)'s page once the remembered place
@@ -2523,23 +2643,29 @@ impl FlowTable {
     #[inline(never)]
     fn dump_by_refs(
         &self,
-        t: &Tenant,
         map: &TenantMap,
         start: Cursor,
         filter: &DumpFilter,
         limit: usize,
         out: &mut Vec<FlowSnapshot>,
+        mut scratch: Box<DumpScratch>,
     ) -> Option<Cursor> {
         let table = &*self.shared;
         if start.order > table.order {
+            DUMP_SCRATCH.set(Some(scratch));
             return None;
         }
+        // The caller found it in `map` (found again here: an argument
+        // fewer, on a cold path).
+        let t = filter
+            .tenant
+            .and_then(|id| map.map.get(&id.0))
+            .expect("the tenant of a page by references");
         let after = if start.order == table.order {
             (start.bucket, start.cookie)
         } else {
             (0, 0)
         };
-        let mut scratch = self.dump_scratch();
         let mut d = Dumper::new(self, map, filter, limit, out, start.dump, &mut scratch);
         let (hi, cookie) = d.refs(t, table, after);
         if scratch.items.capacity() > 1 << 16 {
@@ -2564,6 +2690,7 @@ impl FlowTable {
             scratch.known.clear();
             scratch.prefetched = (0, 0);
             scratch.resume = None;
+            scratch.timeouts = TimeoutCopies::default();
         }
         scratch
     }
@@ -2828,6 +2955,59 @@ struct DumpScratch {
     prefetched: (usize, usize),
     /// Where the last page ended inside a bucket, to resume there in O(1).
     resume: Option<Resume>,
+    /// Copies of tenants' own timeouts, for the resume without the
+    /// tenant directory ([`FlowTable::resume_quick`]).
+    timeouts: TimeoutCopies,
+}
+
+/// Copies of tenants' own timeouts, one place per tenant id modulo
+/// [`TIMEOUT_COPIES`] (made when first used).
+///
+/// Why several: the entries of tenants that share the table alternate in
+/// a bucket, and a single copy, taken over by each tenant in turn, served
+/// pages of one entry of 64 such tenants rarely and cost a copy per page
+/// (+20% instructions per entry against the pinned resume).
+#[derive(Default)]
+struct TimeoutCopies(Vec<Option<TenantTimeouts>>);
+
+/// See [`TimeoutCopies`]: tenants beyond this many share places, and
+/// those that find their place taken are listed with the directory.
+const TIMEOUT_COPIES: usize = 64;
+
+impl TimeoutCopies {
+    /// Tenant `id`'s place.
+    #[inline(always)]
+    fn slot(&mut self, id: u32) -> &mut Option<TenantTimeouts> {
+        if self.0.is_empty() {
+            self.0.resize(TIMEOUT_COPIES, None);
+        }
+        &mut self.0[id as usize % TIMEOUT_COPIES]
+    }
+
+    /// Puts a copy of tenant `t`'s own timeouts, from a directory loaded
+    /// after `tenant_changes` read `changes`, in its place `copy` unless
+    /// that holds a copy of as late a count (its own, or another
+    /// tenant's: a place is not taken over, or tenants that share it
+    /// would copy on every page).
+    fn keep(copy: &mut Option<TenantTimeouts>, changes: u64, t: &Tenant) {
+        if copy.as_ref().is_some_and(|k| k.changes == changes) {
+            return;
+        }
+        *copy = Some(TenantTimeouts {
+            changes,
+            id: t.id.0,
+            base: t.base().map(|v| v.min(crate::types::MAX_TIMEOUT_MS)),
+        });
+    }
+}
+
+/// Tenant `id`'s own timeouts (profile 0, as [`Tenant::timeout`] gives
+/// them), copied when [`FlowTable`]'s `tenant_changes` was `changes`.
+#[derive(Clone, Copy)]
+struct TenantTimeouts {
+    changes: u64,
+    id: u32,
+    base: [u64; 10],
 }
 
 /// Dump number `dump`'s last page ended at `items[pos - 1]` of bucket
@@ -3156,12 +3336,7 @@ impl<'a> Dumper<'a, '_> {
     /// Emits node `n` if it passes the filter; `true` when the page is full.
     fn emit(&mut self, n: Node<'a>, cookie: u64) -> bool {
         let tid = n.tenant();
-        let f = self.filter;
-        if f.tenant.is_some_and(|t| t.0 != tid)
-            || f.service.is_some_and(|v| v != n.service())
-            || f.backend.is_some_and(|v| v != n.backend())
-            || f.state.is_some_and(|v| v != n.state())
-        {
+        if !passes(self.filter, &n) {
             return false;
         }
         if self.cached.is_none_or(|t| t.id.0 != tid) {
@@ -3176,6 +3351,15 @@ impl<'a> Dumper<'a, '_> {
         self.emitted += 1;
         self.emitted == self.limit
     }
+}
+
+/// Whether node `n` passes dump filter `f`.
+#[inline(always)]
+fn passes(f: &DumpFilter, n: &Node<'_>) -> bool {
+    !(f.tenant.is_some_and(|t| t.0 != n.tenant())
+        || f.service.is_some_and(|v| v != n.service())
+        || f.backend.is_some_and(|v| v != n.backend())
+        || f.state.is_some_and(|v| v != n.state()))
 }
 
 #[allow(dead_code)]

@@ -290,3 +290,160 @@ fn a_dump_never_goes_on_from_a_bucket_read_before_it_started() {
     );
     assert_eq!(listed, cookies);
 }
+
+/// Pages of one list most entries from the thread's remembered bucket
+/// with copies of tenants' timeouts, without the tenant directory.
+/// Every entry listed must still show the timeouts a lookup gives it at
+/// that moment: its own tenant's (two tenants share the table), its
+/// profile's, and the ones set since the last page; the tenant removed
+/// and added again in the middle of the dump too.
+#[test]
+fn pages_of_one_show_every_entry_the_timeouts_it_has_now() {
+    // The other tenant: its copy would go in tenant 1's place (ids modulo
+    // 64), which it must not take for its own.
+    const OTHER: u32 = 65;
+    let t = FlowTable::new(TableConfig {
+        shared_buckets: 32,
+        max_shared_entries: 0,
+        max_chain: 1024,
+        memory_budget: 1 << 24,
+        seed: Some(7),
+    });
+    for id in [1, OTHER] {
+        t.add_tenant(TenantId(id), TenantConfig::default()).unwrap();
+    }
+    let o = TimeoutOverrides::NONE.with(FlowState::Established, Millis(2_000));
+    let held = t.timeout_profile(TenantId(1), &o).unwrap();
+    // Tenant 1: 0, 2, 4, ... (every 14th with the profile); the other: 1, 3, ...
+    let tenant = |i: u32| if i.is_multiple_of(2) { 1 } else { OTHER };
+    let mut stable = HashSet::new();
+    for i in 0..300 {
+        let profile = if i % 14 == 0 {
+            held.for_init()
+        } else {
+            ProfileRef::NONE
+        };
+        let init = FlowInit { profile, ..init(i) };
+        let c = t.insert(common::spread_key(tenant(i), i, 3), init, Millis(0));
+        if tenant(i) == 1 {
+            stable.insert(c.unwrap().0);
+        }
+    }
+    let f = DumpFilter::default();
+    let (mut cur, mut out, mut seen) = (None, Vec::new(), Vec::new());
+    let mut pages = 0;
+    loop {
+        pages += 1;
+        assert!(pages < CALLS, "the dump did not end in {CALLS} calls");
+        out.clear();
+        let more = t.dump_page(&mut cur, &f, 1, &mut out);
+        for s in &out {
+            let now = t.get(&s.key).expect("a listed entry is there");
+            assert_eq!(now.cookie, s.cookie);
+            assert_eq!(
+                s.expires_at, now.expires_at,
+                "page {pages}: {:?} of {:?}",
+                s.cookie, s.key.tenant
+            );
+            seen.push(s.cookie.0);
+        }
+        if !more {
+            break;
+        }
+        // Tenant 1's own timeouts change every few pages.
+        if pages % 5 == 0 {
+            let established = Millis(10_000 + pages as u64 * 1_000);
+            t.set_timeouts(
+                TenantId(1),
+                Timeouts {
+                    established,
+                    ..Timeouts::default()
+                },
+            )
+            .unwrap();
+        }
+        // The other tenant goes, and comes back with other timeouts and
+        // entries.
+        if pages == 100 {
+            t.remove_tenant(TenantId(OTHER), &mut Vec::new()).unwrap();
+            t.add_tenant(
+                TenantId(OTHER),
+                TenantConfig {
+                    timeouts: Timeouts {
+                        established: Millis(4_000),
+                        ..Timeouts::default()
+                    },
+                    ..TenantConfig::default()
+                },
+            )
+            .unwrap();
+            for i in (301..600).step_by(2) {
+                t.insert(common::spread_key(OTHER, i, 3), init(i), Millis(0))
+                    .unwrap();
+            }
+        }
+    }
+    let listed: HashSet<u64> = seen.iter().copied().collect();
+    assert_eq!(listed.len(), seen.len(), "an entry listed twice");
+    assert!(
+        stable.is_subset(&listed),
+        "tenant 1's entries, there all along, not all listed"
+    );
+}
+
+/// The same when the only tenant is removed in the middle of a dump of
+/// pages of one and added again with other timeouts and entries: the
+/// copy of its timeouts the thread kept is the old tenant's, under the
+/// same id, and must not serve the new one's entries.
+#[test]
+fn pages_of_one_do_not_list_a_tenant_added_again_with_the_old_ones_timeouts() {
+    let t = FlowTable::new(TableConfig {
+        shared_buckets: 32,
+        max_shared_entries: 0,
+        max_chain: 1024,
+        memory_budget: 1 << 24,
+        seed: Some(7),
+    });
+    t.add_tenant(TenantId(1), TenantConfig::default()).unwrap();
+    for i in 0..200 {
+        t.insert(key(i), init(i), Millis(0)).unwrap();
+    }
+    let f = DumpFilter::default();
+    let (mut cur, mut out) = (None, Vec::new());
+    let mut listed = 0;
+    for pages in 1..CALLS {
+        out.clear();
+        let more = t.dump_page(&mut cur, &f, 1, &mut out);
+        for s in &out {
+            let now = t.get(&s.key).expect("a listed entry is there");
+            assert_eq!(now.cookie, s.cookie);
+            assert_eq!(s.expires_at, now.expires_at, "page {pages}");
+        }
+        listed += out.len();
+        if !more {
+            // The new entries after the cursor (same keys, same salt:
+            // the same positions as the old ones) are listed.
+            assert!(listed > 100, "{listed} listed");
+            return;
+        }
+        if pages == 50 {
+            t.remove_tenant(TenantId(1), &mut Vec::new()).unwrap();
+            let timeouts = Timeouts {
+                established: Millis(4_000),
+                ..Timeouts::default()
+            };
+            t.add_tenant(
+                TenantId(1),
+                TenantConfig {
+                    timeouts,
+                    ..TenantConfig::default()
+                },
+            )
+            .unwrap();
+            for i in 0..200 {
+                t.insert(key(i), init(i), Millis(0)).unwrap();
+            }
+        }
+    }
+    panic!("the dump did not end in {CALLS} calls");
+}
