@@ -2459,7 +2459,7 @@ impl FlowTable {
         {
             let listed = self.resume_quick(&mut scratch, c, filter, limit, out, changes);
             if listed == limit {
-                DUMP_SCRATCH.set(Some(scratch));
+                put_scratch(scratch);
                 return true;
             }
             limit -= listed;
@@ -2506,7 +2506,7 @@ impl FlowTable {
         if let Some(t) = d.cached {
             TimeoutCopies::keep(scratch.timeouts.slot(t.id.0), changes, t);
         }
-        DUMP_SCRATCH.set(Some(scratch));
+        put_scratch(scratch);
         cursor.is_some()
     }
 
@@ -2594,13 +2594,18 @@ impl FlowTable {
             listed += 1;
             if listed == limit {
                 if let Some(&(_, _, j)) = items.get(r.pos) {
-                    self.slab.node(j).prefetch_all();
+                    self.slab.prefetch_all(j);
                 }
                 break;
             }
         }
         c.bucket = r.at.0;
         c.cookie = r.at.1;
+        // Unpinned here, if pinned at all: the check inline, not in a call
+        // to drop an `Option` (which every page of one paid).
+        if let Some(g) = guard {
+            drop(g);
+        }
         listed
     }
 
@@ -2652,7 +2657,7 @@ impl FlowTable {
     ) -> Option<Cursor> {
         let table = &*self.shared;
         if start.order > table.order {
-            DUMP_SCRATCH.set(Some(scratch));
+            put_scratch(scratch);
             return None;
         }
         // The caller found it in `map` (found again here: an argument
@@ -2672,7 +2677,7 @@ impl FlowTable {
             // A large tenant: do not keep that much per thread for good.
             scratch.items = Vec::new();
         }
-        DUMP_SCRATCH.set(Some(scratch));
+        put_scratch(scratch);
         (cookie != 0).then_some(Cursor {
             order: table.order,
             bucket: hi,
@@ -3065,6 +3070,15 @@ impl Resume {
             at,
             pos,
         }
+    }
+}
+
+/// Puts this thread's dump scratch back where it was taken from.
+#[inline(always)]
+fn put_scratch(scratch: Box<DumpScratch>) {
+    // Nothing is there (it was taken out): no call to drop an `Option`.
+    if let Some(other) = DUMP_SCRATCH.replace(Some(scratch)) {
+        drop(other);
     }
 }
 

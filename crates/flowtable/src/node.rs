@@ -815,6 +815,19 @@ impl Slab {
 }
 
 impl Slab {
+    /// Prefetches what a snapshot of node `i` reads
+    /// ([`Node::prefetch_all`]). Always inlined, the node's lookup written
+    /// out in it: through `node`, which the dump's resume called out of
+    /// line there, its prefetch cost ~35 instructions a page of one entry.
+    #[inline(always)]
+    pub(crate) fn prefetch_all(&self, i: u32) {
+        let (c, off, _) = locate(i);
+        // A hint: an index never handed out prefetches nothing.
+        if let Some(node) = self.dir.get(c).and_then(|d| d.get()?.get(off, i)) {
+            node.prefetch_all();
+        }
+    }
+
     /// The node at `i` if `i` was ever handed out (for handles, which a
     /// caller could carry from one table to another).
     pub(crate) fn node_checked(&self, i: u32) -> Option<Node<'_>> {
