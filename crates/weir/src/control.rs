@@ -31,6 +31,9 @@ pub enum ErrorKind {
     Invalid,
     /// The daemon cannot do it now, e.g. a listen address is in use (503).
     Unavailable,
+    /// The caller may not do it: the check it gave with the write (a
+    /// tenant token's fence, [`Check`]) refused it (403).
+    Forbidden,
 }
 
 impl ControlError {
@@ -53,6 +56,16 @@ impl std::error::Error for ControlError {}
 
 /// Result of a control request.
 pub type ControlResult<T> = Result<T, ControlError>;
+
+/// A caller's own check of a write (the admin API's fence of a tenant
+/// token: where a service may listen and its backends point), which the
+/// daemon runs with its edits held (the lock every change of tenants,
+/// services and backends takes, and a reload holds for its whole apply),
+/// just before it makes the change: what the check reads of the tenants
+/// and services cannot change between the check and the change. Its error
+/// refuses the write and is returned as it is. It must not call the
+/// [`Control`] writes (they take the same lock); its reads it may.
+pub type Check<'a> = &'a mut (dyn FnMut() -> ControlResult<()> + 'a);
 
 /// Names the admin API's role ("the full-access token", "the read-only
 /// token") that holds a token, if one does (see [`Control::reserve_tokens`]).
@@ -434,7 +447,7 @@ pub struct ReloadReport {
 /// What the daemon can be asked to do. Every method is quick and
 /// non-blocking (safe to call from an async handler) and never panics on
 /// any input; except [`reload`](Self::reload), and the edits of services
-/// and backends and a tenant's addition and deletion, which wait for a
+/// and backends and a tenant's addition, edit and deletion, which wait for a
 /// reload being applied to end, or for its step in progress (the daemon
 /// waits off the async runtime's worker, with
 /// `tokio::task::block_in_place`, so an async caller's other tasks run on
@@ -459,13 +472,44 @@ pub trait Control: Send + Sync + 'static {
     fn services(&self) -> Vec<ServiceStatus>;
     /// Add a service (starts listening on every worker).
     fn add_service(&self, spec: ServiceSpec) -> ControlResult<()>;
+    /// [`add_service`](Self::add_service) if `check` passes, run with the
+    /// daemon's edits held ([`Check`]); the default runs it, then adds,
+    /// without a lock.
+    fn add_service_checked(&self, spec: ServiceSpec, check: Check<'_>) -> ControlResult<()> {
+        check()?;
+        self.add_service(spec)
+    }
     /// Replace a service's settings and backend set without dropping
     /// established connections.
     fn edit_service(&self, tenant: &str, name: &str, spec: ServiceSpec) -> ControlResult<()>;
+    /// [`edit_service`](Self::edit_service) if `check` passes, as
+    /// [`add_service_checked`](Self::add_service_checked).
+    fn edit_service_checked(
+        &self,
+        tenant: &str,
+        name: &str,
+        spec: ServiceSpec,
+        check: Check<'_>,
+    ) -> ControlResult<()> {
+        check()?;
+        self.edit_service(tenant, name, spec)
+    }
     /// Delete a service: stop listening and close its connections.
     fn delete_service(&self, tenant: &str, name: &str) -> ControlResult<()>;
     /// Add a backend to a service.
     fn add_backend(&self, tenant: &str, service: &str, spec: BackendSpec) -> ControlResult<()>;
+    /// [`add_backend`](Self::add_backend) if `check` passes, as
+    /// [`add_service_checked`](Self::add_service_checked).
+    fn add_backend_checked(
+        &self,
+        tenant: &str,
+        service: &str,
+        spec: BackendSpec,
+        check: Check<'_>,
+    ) -> ControlResult<()> {
+        check()?;
+        self.add_backend(tenant, service, spec)
+    }
     /// Edit weight or drain a backend.
     fn edit_backend(
         &self,

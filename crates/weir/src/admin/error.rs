@@ -63,6 +63,7 @@ impl From<ControlError> for ApiError {
             ErrorKind::Conflict => (StatusCode::CONFLICT, "conflict"),
             ErrorKind::Invalid => (StatusCode::BAD_REQUEST, "invalid"),
             ErrorKind::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ErrorKind::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
         };
         Self::new(status, kind, e.message)
     }

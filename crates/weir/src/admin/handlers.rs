@@ -17,8 +17,8 @@ use super::auth::Access;
 use super::error::ApiError;
 use crate::config::{BackendSpec, Config, ServiceSpec, TenantSpec};
 use crate::control::{
-    BackendPatch, ConnFilter, ConnPage, HealthEntry, Rates, ReloadOptions, ServiceStatus,
-    TableReport, TenantStatus, Totals,
+    BackendPatch, ConnFilter, ConnPage, ControlError, ControlResult, ErrorKind, HealthEntry, Rates,
+    ReloadOptions, ServiceStatus, TableReport, TenantStatus, Totals,
 };
 
 type ApiResult<T> = Result<T, ApiError>;
@@ -108,8 +108,12 @@ fn require_global(access: &Access, what: &str) -> ApiResult<()> {
 /// inside, nor the admin API, which would put it on the tenant's address;
 /// nor may a health check's target (`health`: its protocol and port), which
 /// the checker connects to from weir every interval.
-/// (With [`AppState::fenced`] held, so that two requests cannot each
-/// pass before the other's service exists.) Other tokens are not fenced.
+/// Other tokens are not fenced.
+///
+/// The write's [`Check`](crate::control::Check): the daemon runs it with
+/// its edits held, so neither the tenant's lists (a tenant edit narrowing
+/// them) nor weir's services (two requests, each pointing a backend where
+/// the other adds a service) change between it and the write.
 fn check_fence(
     st: &AppState,
     access: &Access,
@@ -118,7 +122,7 @@ fn check_fence(
     listen: Option<std::net::SocketAddr>,
     backends: &[std::net::SocketAddr],
     health: Option<(crate::config::Protocol, Option<u16>)>,
-) -> ApiResult<()> {
+) -> ControlResult<()> {
     if access.tenant().is_none() {
         return Ok(());
     }
@@ -148,7 +152,7 @@ fn check_fence(
     };
     for b in backends {
         if let Some((what, why)) = weir_at(*b, protocol) {
-            return Err(ApiError::forbidden(format!(
+            return Err(forbidden(format!(
                 "backend {b} is {what}: a tenant token cannot point a backend at weir{why}; ask the operator"
             )));
         }
@@ -163,16 +167,21 @@ fn check_fence(
                 } else {
                     ""
                 };
-                return Err(ApiError::forbidden(format!(
+                return Err(forbidden(format!(
                     "the health check of backend {b} connects to {target}{udp}, which is {what}: a tenant token cannot point a health check at weir; ask the operator"
                 )));
             }
         }
     }
     let spec = st.control.tenant_spec(tenant).unwrap_or_default();
+    // The daemon accepts no tenant whose lists do not parse: refused
+    // (and logged) rather than let through, if one ever did not.
     let parse = |key: &str, list: &[String]| {
-        crate::config::parse_fence(key, list)
-            .map_err(|e| internal(format!("tenant {tenant:?}: {}", e.join("; "))))
+        crate::config::parse_fence(key, list).map_err(|e| {
+            let m = format!("tenant {tenant:?}'s {key} cannot be read: {}", e.join("; "));
+            tracing::error!("{m}");
+            forbidden(format!("{m}: ask the operator"))
+        })
     };
     let listen_fence = parse("allowed_listen", &spec.allowed_listen)?;
     let backend_fence = parse("allowed_backends", &spec.allowed_backends)?;
@@ -186,14 +195,14 @@ fn check_fence(
     if let Some(l) = listen
         && !crate::config::fence_allows(&listen_fence, l, true)
     {
-        return Err(ApiError::forbidden(format!(
+        return Err(forbidden(format!(
             "listen {l} is outside tenant {tenant:?}'s allowed_listen ({}); a wildcard address needs an entry naming it: ask the operator",
             shown(&spec.allowed_listen)
         )));
     }
     for b in backends {
         if !crate::config::fence_allows(&backend_fence, *b, false) {
-            return Err(ApiError::forbidden(format!(
+            return Err(forbidden(format!(
                 "backend {b} is outside tenant {tenant:?}'s allowed_backends ({}): ask the operator",
                 shown(&spec.allowed_backends)
             )));
@@ -201,14 +210,21 @@ fn check_fence(
         if let Some((_, Some(port))) = health {
             let target = std::net::SocketAddr::new(b.ip(), port);
             if !crate::config::fence_allows(&backend_fence, target, false) {
-                return Err(ApiError::forbidden(format!(
+                return Err(forbidden(format!(
                     "health check port {port} makes {target} a target, outside tenant {tenant:?}'s allowed_backends ({}): ask the operator",
                     shown(&spec.allowed_backends)
                 )));
             }
         }
     }
+    #[cfg(test)]
+    st.fence_gate.pass();
     Ok(())
+}
+
+/// A tenant token's write refused by its fence or its health floor (403).
+fn forbidden(message: String) -> ControlError {
+    ControlError::new(ErrorKind::Forbidden, message)
 }
 
 /// What a health check connects to: its protocol (TCP unless it says
@@ -226,7 +242,9 @@ fn health_target(h: &crate::config::HealthSpec) -> (crate::config::Protocol, Opt
 /// (one the operator set below the floor, or set before the floor was
 /// raised) passes: a floor does not touch the services already there.
 /// `interval_given`: whether the request named the interval (for the
-/// message). Other tokens are not held to it.
+/// message). Other tokens are not held to it. Part of the write's
+/// [`Check`](crate::control::Check), as [`check_fence`] is: a tenant edit
+/// raising the floor does not let in a check made against the old one.
 fn check_health_floor(
     st: &AppState,
     access: &Access,
@@ -234,7 +252,7 @@ fn check_health_floor(
     editing: Option<&str>,
     health: Option<&crate::config::HealthSpec>,
     interval_given: bool,
-) -> ApiResult<()> {
+) -> ControlResult<()> {
     let Some(h) = health else {
         return Ok(());
     };
@@ -266,7 +284,7 @@ fn check_health_floor(
         Some(d) => d.to_string(),
         None => format!("{}, the default", humantime::format_duration(floor)),
     };
-    Err(ApiError::forbidden(format!(
+    Err(forbidden(format!(
         "{requested} is below tenant {tenant:?}'s min_health_interval ({floor_shown}): give an interval of at least {}, or ask the operator",
         humantime::format_duration(floor)
     )))
@@ -483,27 +501,23 @@ pub(crate) async fn add_service(
     check_tenant(&access, &spec.tenant)?;
     check_name("service", &spec.name)?;
     let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
-    let health = spec.options.health.as_ref().map(health_target);
-    let _fenced = st.fenced(&access);
-    check_fence(
-        &st,
-        &access,
-        &spec.tenant,
-        spec.protocol,
-        Some(spec.listen),
-        &backends,
-        health,
-    )?;
-    check_health_floor(
-        &st,
-        &access,
-        &spec.tenant,
-        None,
-        spec.options.health.as_ref(),
-        interval_given,
-    )?;
+    let (tenant, protocol, listen) = (spec.tenant.clone(), spec.protocol, spec.listen);
+    let health = spec.options.health.clone();
+    let mut check = || {
+        let target = health.as_ref().map(health_target);
+        check_fence(
+            &st,
+            &access,
+            &tenant,
+            protocol,
+            Some(listen),
+            &backends,
+            target,
+        )?;
+        check_health_floor(&st, &access, &tenant, None, health.as_ref(), interval_given)
+    };
     let id = format!("{}/{}", spec.tenant, spec.name);
-    st.control.add_service(spec)?;
+    st.control.add_service_checked(spec, &mut check)?;
     Ok(created(id))
 }
 
@@ -549,26 +563,24 @@ pub(crate) async fn edit_service(
     let spec: ServiceSpec = crate::config::service_from_json(serde_json::Value::Object(obj))
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
     let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
-    let health = spec.options.health.as_ref().map(health_target);
-    let _fenced = st.fenced(&access);
-    check_fence(
-        &st,
-        &access,
-        &tenant,
-        spec.protocol,
-        Some(spec.listen),
-        &backends,
-        health,
-    )?;
-    check_health_floor(
-        &st,
-        &access,
-        &tenant,
-        Some(&service),
-        spec.options.health.as_ref(),
-        interval_given,
-    )?;
-    st.control.edit_service(&tenant, &service, spec)?;
+    let (protocol, listen) = (spec.protocol, spec.listen);
+    let health = spec.options.health.clone();
+    let mut check = || {
+        let target = health.as_ref().map(health_target);
+        check_fence(
+            &st,
+            &access,
+            &tenant,
+            protocol,
+            Some(listen),
+            &backends,
+            target,
+        )?;
+        let h = health.as_ref();
+        check_health_floor(&st, &access, &tenant, Some(&service), h, interval_given)
+    };
+    st.control
+        .edit_service_checked(&tenant, &service, spec, &mut check)?;
     Ok(ok_json(
         serde_json::json!({ "updated": format!("{tenant}/{service}") }),
     ))
@@ -595,32 +607,27 @@ pub(crate) async fn add_backend(
     JsonBody(spec): JsonBody<BackendSpec>,
 ) -> ApiResult<Response> {
     check_tenant(&access, &tenant)?;
-    let _fenced = st.fenced(&access);
-    // The service's protocol, and what its health check connects to (a
-    // port it names targets that port of the new backend's host too).
-    // (Its own address is in the model: `check_fence` finds it there.)
-    let (protocol, health) = match access.tenant() {
-        Some(_) => match st.control.service_spec(&tenant, &service) {
-            Some(s) => (s.protocol, s.options.health.as_ref().map(health_target)),
-            None => {
-                return Err(ApiError::not_found(format!(
-                    "no service {tenant}/{service}"
-                )));
-            }
-        },
-        None => (crate::config::Protocol::Tcp, None),
+    let address = spec.address;
+    let mut check = || {
+        if access.tenant().is_none() {
+            return Ok(());
+        }
+        // The service's protocol, and what its health check connects to
+        // (a port it names targets that port of the new backend's host
+        // too), as they are when the backend goes in. (Its own address is
+        // in the model: `check_fence` finds it there.)
+        let Some(s) = st.control.service_spec(&tenant, &service) else {
+            return Err(ControlError::new(
+                ErrorKind::NotFound,
+                format!("no service {tenant}/{service}"),
+            ));
+        };
+        let health = s.options.health.as_ref().map(health_target);
+        check_fence(&st, &access, &tenant, s.protocol, None, &[address], health)
     };
-    check_fence(
-        &st,
-        &access,
-        &tenant,
-        protocol,
-        None,
-        &[spec.address],
-        health,
-    )?;
-    let addr = spec.address.to_string();
-    st.control.add_backend(&tenant, &service, spec)?;
+    let addr = address.to_string();
+    st.control
+        .add_backend_checked(&tenant, &service, spec, &mut check)?;
     Ok(created(format!("{tenant}/{service}/{addr}")))
 }
 
@@ -1184,4 +1191,116 @@ pub(crate) async fn metrics(
         text,
     )
         .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering::Relaxed;
+    use std::time::{Duration, Instant};
+
+    use axum::Extension;
+    use axum::extract::State;
+    use axum::http::StatusCode;
+
+    use super::{AppState, JsonBody, PathParams, add_backend, edit_tenant};
+    use crate::admin::auth::Access;
+    use crate::config::{BackendSpec, Config};
+    use crate::daemon::Daemon;
+
+    /// Runs a handler to its end on this thread.
+    fn run<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
+    /// Waits, for 10 s at most, until `done`.
+    fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(Instant::now() < deadline, "{what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// A tenant edit that narrows `allowed_backends` waits for a tenant
+    /// token's backend add that passed its fence check against the old
+    /// list: once the edit returns, every backend added after it is inside
+    /// the new list (a narrowed fence keeps the backends there, as a
+    /// lowered limit does; only new ones are refused). Checked outside the
+    /// edits lock, the add went in after the edit returned, outside the
+    /// fence the operator had just set.
+    #[test]
+    fn a_narrowed_fence_holds_for_every_add_after_the_edit_returned() {
+        let toml = "[daemon]\nworkers = 1\n[[tenant]]\nname = \"acme\"\ntoken = \"acme-tok\"\n\
+                    allowed_backends = [\"127.0.0.0/8\"]\n[[service]]\ntenant = \"acme\"\n\
+                    name = \"s\"\nprotocol = \"tcp\"\nlisten = \"127.0.0.1:0\"\n\
+                    [[service.backend]]\naddress = \"127.0.0.9:1\"\n";
+        let cfg: Config = toml::from_str(toml).unwrap();
+        let d = Daemon::start(cfg, None).unwrap();
+        let st = AppState::for_tests(d.control());
+        let backends = {
+            let c = d.control();
+            move || -> Vec<std::net::SocketAddr> {
+                let s = c.service_spec("acme", "s").unwrap();
+                s.backends.iter().map(|b| b.address).collect()
+            }
+        };
+        let gate = st.fence_gate.hold.write();
+        let add = {
+            let st = st.clone();
+            let spec: BackendSpec =
+                serde_json::from_value(serde_json::json!({ "address": "127.0.1.9:3" })).unwrap();
+            std::thread::spawn(move || {
+                let to = PathParams(("acme".to_owned(), "s".to_owned()));
+                run(add_backend(
+                    State(st),
+                    Extension(Access::Tenant("acme".into())),
+                    to,
+                    JsonBody(spec),
+                ))
+                .map(|r| r.status())
+                .map_err(|e| e.message)
+            })
+        };
+        wait_until("the add never passed its fence check", || {
+            st.fence_gate.passed.load(Relaxed) > 0
+        });
+        let edit = {
+            let st = st.clone();
+            let backends = backends.clone();
+            let body = serde_json::json!({ "allowed_backends": ["127.0.0.9/32"] });
+            std::thread::spawn(move || {
+                let to = PathParams("acme".to_owned());
+                run(edit_tenant(
+                    State(st),
+                    Extension(Access::Full),
+                    to,
+                    JsonBody(body),
+                ))
+                .map(|_| backends())
+                .map_err(|e| e.message)
+            })
+        };
+        wait_until("the edit neither ended nor waited", || {
+            edit.is_finished() || d.edits_waiting() > 0
+        });
+        drop(gate);
+        let added = add.join().unwrap();
+        let kept = edit.join().unwrap().unwrap();
+        let fence = crate::config::parse_fence("allowed_backends", &["127.0.0.9/32".into()]);
+        let fence = fence.unwrap();
+        for b in backends() {
+            assert!(
+                crate::config::fence_allows(&fence, b, false) || kept.contains(&b),
+                "backend {b} went in outside acme's allowed_backends (127.0.0.9/32) after \
+                 the edit that set them returned (acme then held {kept:?})"
+            );
+        }
+        // Checked against the fence as it was before the edit: passed.
+        assert_eq!(added, Ok(StatusCode::CREATED));
+        d.shutdown();
+    }
 }

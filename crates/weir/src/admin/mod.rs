@@ -208,19 +208,36 @@ pub(crate) struct AppState {
     /// The admin API's own TCP address, once bound (no tenant's backend
     /// may point at it).
     admin_addr: Arc<std::sync::OnceLock<SocketAddr>>,
-    /// Held by a tenant token's service and backend writes from their
-    /// fence check to their change: a check that a backend does not reach
-    /// one of weir's services must not pass while another request adds
-    /// that service. (The control runtime has one worker, and the check
-    /// and the change do not await between them, so today they do not
-    /// interleave anyway; this keeps it so whatever the runtime.)
-    fence: Arc<parking_lot::Mutex<()>>,
     /// The last `/metrics` render, served again for a while when the
     /// route is public (see [`metrics::Cache`]).
     pub(crate) metrics: Arc<metrics::Cache>,
     /// Permits for the walks and renders [`AppState::off_runtime`] runs on
     /// the blocking pool ([`WALKS_AT_ONCE`]).
     walks: Arc<tokio::sync::Semaphore>,
+    /// Where a test keeps a tenant token's write between its fence check
+    /// and its change ([`Gate`]).
+    #[cfg(test)]
+    pub(crate) fence_gate: Arc<Gate>,
+}
+
+/// A point between a write's check (a tenant token's fence) and its
+/// change, where a test holding `hold` keeps the write: `passed` counts
+/// the writes that reached it.
+#[cfg(test)]
+#[derive(Default)]
+pub(crate) struct Gate {
+    pub(crate) hold: parking_lot::RwLock<()>,
+    pub(crate) passed: std::sync::atomic::AtomicUsize,
+}
+
+#[cfg(test)]
+impl Gate {
+    /// A write passed its check: waits here while a test holds the gate.
+    pub(crate) fn pass(&self) {
+        self.passed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        drop(self.hold.read());
+    }
 }
 
 /// Flow-table walks (connection pages, kills by filter) and `/metrics`
@@ -247,6 +264,20 @@ async fn off_runtime<T: Send + 'static>(
 }
 
 impl AppState {
+    /// The handlers' state over `control`, for tests that call them.
+    #[cfg(test)]
+    pub(crate) fn for_tests(control: Arc<dyn Control>) -> Self {
+        Self {
+            control,
+            tokens: Arc::new(Tokens::new("full-token", None)),
+            metrics_public: false,
+            admin_addr: Default::default(),
+            metrics: Default::default(),
+            walks: Arc::new(tokio::sync::Semaphore::new(WALKS_AT_ONCE)),
+            fence_gate: Default::default(),
+        }
+    }
+
     /// Runs `f`, a walk of the flow table or a render of every service, on
     /// the blocking pool once one of [`WALKS_AT_ONCE`] permits is free: the
     /// control runtime has one worker thread, which serves every other
@@ -257,11 +288,6 @@ impl AppState {
         f: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, String> {
         off_runtime(&self.walks, what, f).await
-    }
-
-    /// [`Self::fence`], for a tenant token (other tokens are not fenced).
-    pub(crate) fn fenced(&self, access: &auth::Access) -> Option<parking_lot::MutexGuard<'_, ()>> {
-        access.tenant().map(|_| self.fence.lock())
     }
 
     /// Whether a TCP connection from this host to `addr` reaches the
@@ -412,9 +438,10 @@ fn router_at(
         tokens: Arc::new(tokens),
         metrics_public,
         admin_addr,
-        fence: Default::default(),
         metrics: Default::default(),
         walks: Arc::new(tokio::sync::Semaphore::new(WALKS_AT_ONCE)),
+        #[cfg(test)]
+        fence_gate: Default::default(),
     };
     build()
         .router

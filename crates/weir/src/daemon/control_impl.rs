@@ -1083,8 +1083,15 @@ impl Control for LiveControl {
     }
 
     fn add_service(&self, spec: ServiceSpec) -> ControlResult<()> {
-        // With the edits: a `max_backends` counts the tenant's backends.
+        self.add_service_checked(spec, &mut || Ok(()))
+    }
+
+    fn add_service_checked(&self, spec: ServiceSpec, check: Check<'_>) -> ControlResult<()> {
+        // With the edits: a `max_backends` counts the tenant's backends,
+        // and the caller's check (a tenant token's fence) reads the
+        // tenant's settings, which a tenant edit changes under them.
         let _one = self.0.model.lock_edits();
+        check()?;
         let id = format!("service {}/{}", spec.tenant, spec.name);
         self.0.add_service(spec)?;
         self.added_at_runtime(id);
@@ -1092,7 +1099,18 @@ impl Control for LiveControl {
     }
 
     fn edit_service(&self, tenant: &str, name: &str, spec: ServiceSpec) -> ControlResult<()> {
+        self.edit_service_checked(tenant, name, spec, &mut || Ok(()))
+    }
+
+    fn edit_service_checked(
+        &self,
+        tenant: &str,
+        name: &str,
+        spec: ServiceSpec,
+        check: Check<'_>,
+    ) -> ControlResult<()> {
         let _one = self.0.model.lock_edits();
+        check()?;
         self.edit_service_locked(tenant, name, spec, Caps::EachChange)
     }
 
@@ -1108,7 +1126,18 @@ impl Control for LiveControl {
     }
 
     fn add_backend(&self, tenant: &str, service: &str, spec: BackendSpec) -> ControlResult<()> {
+        self.add_backend_checked(tenant, service, spec, &mut || Ok(()))
+    }
+
+    fn add_backend_checked(
+        &self,
+        tenant: &str,
+        service: &str,
+        spec: BackendSpec,
+        check: Check<'_>,
+    ) -> ControlResult<()> {
         let _one = self.0.model.lock_edits();
+        check()?;
         let svc = self.service(tenant, service)?;
         let mut specs = svc.spec.read().backends.clone();
         // `[::ffff:10.0.0.1]:80` is `10.0.0.1:80` (as a file's check says).

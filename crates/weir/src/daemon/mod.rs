@@ -397,6 +397,13 @@ impl DaemonHandle {
         Arc::new(control_impl::LiveControl(self.shared.clone()))
     }
 
+    /// How many API edits wait for the edits lock now (tests elsewhere in
+    /// the crate watch it to know an edit is held up).
+    #[cfg(test)]
+    pub(crate) fn edits_waiting(&self) -> usize {
+        self.shared.model.edits_waiting.load(Relaxed)
+    }
+
     /// The address a service actually listens on (port 0 resolved).
     pub fn service_addr(&self, tenant: &str, name: &str) -> Option<SocketAddr> {
         self.shared
