@@ -67,6 +67,10 @@ pub type ControlResult<T> = Result<T, ControlError>;
 /// [`Control`] writes (they take the same lock); its reads it may.
 pub type Check<'a> = &'a mut (dyn FnMut() -> ControlResult<()> + 'a);
 
+/// What a partial update of a tenant makes of its current settings (`None`:
+/// no such tenant): the new settings, or why not ([`Control::update_tenant`]).
+pub type TenantEdit<'a> = &'a mut (dyn FnMut(Option<TenantSpec>) -> ControlResult<TenantSpec> + 'a);
+
 /// Names the admin API's role ("the full-access token", "the read-only
 /// token") that holds a token, if one does (see [`Control::reserve_tokens`]).
 pub type TokenRoles = std::sync::Arc<dyn Fn(&str) -> Option<&'static str> + Send + Sync>;
@@ -464,6 +468,16 @@ pub trait Control: Send + Sync + 'static {
     /// [`ErrorKind::Invalid`] (the table is sized at creation: delete and
     /// re-create the tenant).
     fn edit_tenant(&self, tenant: &str, spec: TenantSpec) -> ControlResult<()>;
+    /// [`edit_tenant`](Self::edit_tenant) with the settings `edit` makes of
+    /// the current ones, which the daemon reads and runs `edit` on with its
+    /// edits held: a merge cannot start from settings that another edit,
+    /// or a reload, replaces before the merge is written (the other's
+    /// change would be lost). The default, for a control with no edits of
+    /// its own to wait for, reads and edits without a lock.
+    fn update_tenant(&self, tenant: &str, edit: TenantEdit<'_>) -> ControlResult<()> {
+        let spec = edit(self.tenant_spec(tenant))?;
+        self.edit_tenant(tenant, spec)
+    }
     /// Delete a tenant: closes its connections and purges only its entries;
     /// its services go too. Returns how many connections were closed.
     fn delete_tenant(&self, tenant: &str) -> ControlResult<u64>;

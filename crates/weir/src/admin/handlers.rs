@@ -375,40 +375,47 @@ pub(crate) async fn edit_tenant(
             "body name {name} differs from the path's {tenant:?}: a tenant cannot be renamed"
         )));
     }
-    let current = st
-        .control
-        .tenant_spec(&tenant)
-        .or_else(|| {
-            // The implicit default tenant is only in running_config when it
-            // carries settings.
-            (tenant == crate::config::DEFAULT_TENANT).then(|| TenantSpec {
-                name: tenant.clone(),
-                ..TenantSpec::default()
+    // Merged into the settings as they are when the change is made (the
+    // daemon runs this with its edits held): merged from settings read
+    // before, a reload's or another edit's change in between was undone.
+    let mut merge = |current: Option<TenantSpec>| -> ControlResult<TenantSpec> {
+        let current = current
+            .or_else(|| {
+                // The implicit default tenant is only in running_config
+                // when it carries settings.
+                (tenant == crate::config::DEFAULT_TENANT).then(|| TenantSpec {
+                    name: tenant.clone(),
+                    ..TenantSpec::default()
+                })
             })
-        })
-        .ok_or_else(|| ApiError::not_found(format!("no tenant {tenant:?}")))?;
-    let mut merged = match serde_json::to_value(&current) {
-        Ok(serde_json::Value::Object(m)) => m,
-        _ => {
-            return Err(ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                "encoding the current tenant failed",
-            ));
-        }
+            .ok_or_else(|| {
+                ControlError::new(ErrorKind::NotFound, format!("no tenant {tenant:?}"))
+            })?;
+        let mut merged = match serde_json::to_value(&current) {
+            Ok(serde_json::Value::Object(m)) => m,
+            _ => {
+                return Err(ControlError::new(
+                    ErrorKind::Unavailable,
+                    "encoding the current tenant failed",
+                ));
+            }
+        };
+        merged.extend(body.clone());
+        let spec: TenantSpec = crate::config::from_json(serde_json::Value::Object(merged))
+            .map_err(|e| ControlError::new(ErrorKind::Invalid, format!("invalid tenant: {e}")))?;
+        check_token_unique(&st, &tenant, spec.token.as_deref())?;
+        #[cfg(test)]
+        st.merge_gate.pass();
+        Ok(spec)
     };
-    merged.extend(body);
-    let spec: TenantSpec = crate::config::from_json(serde_json::Value::Object(merged))
-        .map_err(|e| ApiError::bad_request(format!("invalid tenant: {e}")))?;
-    check_token_unique(&st, &tenant, spec.token.as_deref())?;
-    st.control.edit_tenant(&tenant, spec)?;
+    st.control.update_tenant(&tenant, &mut merge)?;
     Ok(ok_json(serde_json::json!({ "updated": tenant })))
 }
 
 /// One token, one role: a tenant token equal to the full-access, the
 /// read-only or another tenant's token would make the role depend on the
 /// order of checks. 409, naming the clash but never the token.
-fn check_token_unique(st: &AppState, tenant: &str, token: Option<&str>) -> ApiResult<()> {
+fn check_token_unique(st: &AppState, tenant: &str, token: Option<&str>) -> ControlResult<()> {
     let Some(token) = token.map(str::trim).filter(|t| !t.is_empty()) else {
         return Ok(());
     };
@@ -424,9 +431,8 @@ fn check_token_unique(st: &AppState, tenant: &str, token: Option<&str>) -> ApiRe
         clash
     };
     match clash {
-        Some(what) => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "conflict",
+        Some(what) => Err(ControlError::new(
+            ErrorKind::Conflict,
             format!(
                 "this token is already {what}: a token may hold one role only; choose another (e.g. `openssl rand -hex 32`)"
             ),
@@ -1301,6 +1307,62 @@ mod tests {
         }
         // Checked against the fence as it was before the edit: passed.
         assert_eq!(added, Ok(StatusCode::CREATED));
+        d.shutdown();
+    }
+
+    /// A PUT of a tenant merges its body into the tenant's settings as
+    /// they are: another change of the tenant (a reload's apply, which
+    /// writes the file's settings whole, or another PUT) between its read
+    /// and its write was lost under settings merged from before it.
+    #[test]
+    fn a_tenant_put_merges_into_the_settings_it_replaces() {
+        let toml = "[daemon]\nworkers = 1\n[[tenant]]\nname = \"acme\"\nmax_services = 10\n\
+                    max_backends = 10\n";
+        let cfg: Config = toml::from_str(toml).unwrap();
+        let d = Daemon::start(cfg, None).unwrap();
+        let c = d.control();
+        let st = AppState::for_tests(d.control());
+        let gate = st.merge_gate.hold.write();
+        let put = {
+            let st = st.clone();
+            let body = serde_json::json!({ "max_services": 5 });
+            std::thread::spawn(move || {
+                let to = PathParams("acme".to_owned());
+                run(edit_tenant(
+                    State(st),
+                    Extension(Access::Full),
+                    to,
+                    JsonBody(body),
+                ))
+                .map(|r| r.status())
+                .map_err(|e| e.message)
+            })
+        };
+        wait_until("the PUT never merged", || {
+            st.merge_gate.passed.load(Relaxed) > 0
+        });
+        // Whole settings, as a reload's apply writes the file's.
+        let mut file = c.tenant_spec("acme").unwrap();
+        file.max_backends = 7;
+        let whole = {
+            let c = c.clone();
+            std::thread::spawn(move || c.edit_tenant("acme", file))
+        };
+        wait_until("the other edit neither ended nor waited", || {
+            whole.is_finished() || d.edits_waiting() > 0
+        });
+        drop(gate);
+        assert_eq!(put.join().unwrap(), Ok(StatusCode::OK));
+        whole.join().unwrap().unwrap();
+        // In either order the whole write's max_backends stays: the PUT
+        // then it (max_services 10), or it then the PUT (5).
+        let t = c.tenant_spec("acme").unwrap();
+        assert_eq!(
+            t.max_backends, 7,
+            "the PUT wrote settings merged from before the other edit, undoing it \
+             (max_services {})",
+            t.max_services
+        );
         d.shutdown();
     }
 }

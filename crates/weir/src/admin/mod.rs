@@ -218,11 +218,16 @@ pub(crate) struct AppState {
     /// and its change ([`Gate`]).
     #[cfg(test)]
     pub(crate) fence_gate: Arc<Gate>,
+    /// Where a test keeps a tenant edit between its merge of the current
+    /// settings and its change.
+    #[cfg(test)]
+    pub(crate) merge_gate: Arc<Gate>,
 }
 
-/// A point between a write's check (a tenant token's fence) and its
-/// change, where a test holding `hold` keeps the write: `passed` counts
-/// the writes that reached it.
+/// A point between a write's check (a tenant token's fence, or a tenant
+/// edit's merge of its current settings) and its change, where a test
+/// holding `hold` keeps the write: `passed` counts the writes that reached
+/// it.
 #[cfg(test)]
 #[derive(Default)]
 pub(crate) struct Gate {
@@ -275,6 +280,7 @@ impl AppState {
             metrics: Default::default(),
             walks: Arc::new(tokio::sync::Semaphore::new(WALKS_AT_ONCE)),
             fence_gate: Default::default(),
+            merge_gate: Default::default(),
         }
     }
 
@@ -442,6 +448,8 @@ fn router_at(
         walks: Arc::new(tokio::sync::Semaphore::new(WALKS_AT_ONCE)),
         #[cfg(test)]
         fence_gate: Default::default(),
+        #[cfg(test)]
+        merge_gate: Default::default(),
     };
     build()
         .router

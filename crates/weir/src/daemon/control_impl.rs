@@ -1067,6 +1067,16 @@ impl Control for LiveControl {
         self.edit_tenant_locked(tenant, spec)
     }
 
+    fn update_tenant(&self, tenant: &str, edit: TenantEdit<'_>) -> ControlResult<()> {
+        // With the edits from the read to the write: a reload's apply (on
+        // a thread of its own, the edits held) or another edit replacing
+        // the settings between the two was undone by settings merged from
+        // the ones it replaced.
+        let _one = self.0.model.lock_edits();
+        let spec = edit(self.tenant_spec(tenant))?;
+        self.edit_tenant_locked(tenant, spec)
+    }
+
     fn delete_tenant(&self, tenant: &str) -> ControlResult<u64> {
         // With the edits, as an add is: `delete_tenants` takes the
         // tenant's services, then the tenant, and a service added between
