@@ -1334,6 +1334,64 @@ mod tests {
         d.shutdown();
     }
 
+    /// As for a backend add: a tenant edit lowering `max_services` waits
+    /// for a service add that passed its check against the old limit, so
+    /// no service goes in past the new limit after the edit returned (the
+    /// services there when it returns stay, as for `max_backends`).
+    #[test]
+    fn a_tenant_edit_waits_for_a_service_add_checked_against_its_old_limit() {
+        let toml = "[daemon]\nworkers = 1\n[[tenant]]\nname = \"acme\"\nmax_services = 2\n\
+                    [[service]]\ntenant = \"acme\"\nname = \"s\"\nprotocol = \"tcp\"\n\
+                    listen = \"127.0.0.1:0\"\n";
+        let cfg: Config = toml::from_str(toml).unwrap();
+        let d = Daemon::start(cfg, None).unwrap();
+        let services = {
+            let c = d.control();
+            move || c.services_of("acme").len()
+        };
+        // The start's service passed the same check.
+        let started = d.shared.model.service_caps_passed.load(Relaxed);
+        let gate = d.shared.model.cap_gate.write();
+        let add = {
+            let c = d.control();
+            let spec = crate::config::service_from_json(serde_json::json!({
+                "tenant": "acme", "name": "t", "protocol": "tcp", "listen": "127.0.0.1:0"
+            }))
+            .unwrap();
+            std::thread::spawn(move || c.add_service(spec))
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while d.shared.model.service_caps_passed.load(Relaxed) == started {
+            assert!(Instant::now() < deadline, "the add never passed its check");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Lowered to what the tenant holds.
+        let edit = {
+            let c = d.control();
+            let services = services.clone();
+            let mut spec = c.tenant_spec("acme").unwrap();
+            spec.max_services = 1;
+            std::thread::spawn(move || c.edit_tenant("acme", spec).map(|()| services()))
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !edit.is_finished() && d.shared.model.edits_waiting.load(Relaxed) == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the edit neither ended nor waited"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        drop(gate);
+        add.join().unwrap().unwrap();
+        let kept = edit.join().unwrap().unwrap();
+        assert!(
+            services() <= kept.max(1),
+            "acme holds {} services over its max_services (1), set when it held {kept}",
+            services()
+        );
+        d.shutdown();
+    }
+
     /// A proxy worker whose thread ended, or that stopped turning, makes
     /// the liveness check (what the systemd watchdog is fed on) say so,
     /// naming it; a daemon that stops its workers does not.

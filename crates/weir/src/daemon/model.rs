@@ -90,6 +90,10 @@ pub(crate) struct Model {
     /// API adds that passed their tenant's cap check (tests).
     #[cfg(test)]
     pub(super) caps_passed: AtomicUsize,
+    /// Service adds and edits that passed their tenant's caps, the
+    /// start's included (tests; `caps_passed` counts backend adds alone).
+    #[cfg(test)]
+    pub(super) service_caps_passed: AtomicUsize,
 }
 
 /// How long an add waits for a removed service of ours to let go of its
@@ -117,6 +121,8 @@ impl Model {
             cap_gate: RwLock::new(()),
             #[cfg(test)]
             caps_passed: AtomicUsize::new(0),
+            #[cfg(test)]
+            service_caps_passed: AtomicUsize::new(0),
         }
     }
 
@@ -126,6 +132,14 @@ impl Model {
     pub(super) fn cap_checked(&self) -> parking_lot::RwLockReadGuard<'_, ()> {
         self.caps_passed.fetch_add(1, Relaxed);
         self.cap_gate.read()
+    }
+
+    /// A service add or edit passed its tenant's caps: waits while a test
+    /// holds `cap_gate`.
+    #[cfg(test)]
+    pub(super) fn service_caps_checked(&self) {
+        self.service_caps_passed.fetch_add(1, Relaxed);
+        drop(self.cap_gate.read());
     }
 
     /// `edits`, for an API edit. The admin API calls the edits from its
@@ -1440,6 +1454,8 @@ impl Shared {
                         spec.backends.len(),
                         &mut held_backends,
                     )?;
+                    #[cfg(test)]
+                    self.model.service_caps_checked();
                 }
                 self.open_service(&st, spec, params, replace)
             });
