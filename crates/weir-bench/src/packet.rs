@@ -38,6 +38,7 @@ use crate::proxy::sys::Server;
 use crate::report::{Table, ratio};
 
 pub(crate) mod scale;
+pub(crate) mod synflood;
 pub(crate) mod tcp;
 pub(crate) mod topo;
 
@@ -146,6 +147,12 @@ pub(crate) fn run(c: &Common) -> Result<serde_json::Value> {
         out.insert(
             "tcp".into(),
             tcp::tcp_rows(&topo, &bin, dir.path(), c.quick)?,
+        );
+    }
+    if want("synflood") {
+        out.insert(
+            "synflood".into(),
+            synflood::run(&topo, &bin, dir.path(), c.quick)?,
         );
     }
     // Last: row b leaves the backends' VIPs and routes in place, which the

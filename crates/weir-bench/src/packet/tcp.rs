@@ -52,7 +52,7 @@ use crate::report::{Table, ratio};
 
 /// The bulk (iperf3) service's virtual address.
 pub(crate) const VIP_BULK: &str = "10.99.1.101";
-const HTTP_PORT: u16 = 80;
+pub(crate) const HTTP_PORT: u16 = 80;
 const IPERF_PORT: u16 = 5201;
 /// wrk's threads and connections: two threads for two cores.
 const WRK_THREADS: u32 = 2;
@@ -429,32 +429,34 @@ fn parse_iperf3(json: &str) -> Option<(u64, u64)> {
 }
 
 /// nginx on both backends and `iperf3 -s` on b1; stopped on drop (their
-/// process trees killed by [`Server`]'s drop).
-struct Endpoints {
+/// process trees killed by [`Server`]'s drop). The addresses and routes it
+/// adds stay (`replace`, so a second start, the synflood row's after row b's,
+/// finds them in place).
+pub(crate) struct Endpoints {
     servers: Vec<Server>,
 }
 
 impl Endpoints {
-    fn start(topo: &Topo, dir: &Path) -> Result<Self> {
+    pub(crate) fn start(topo: &Topo, dir: &Path) -> Result<Self> {
         let mut ends = Endpoints {
             servers: Vec::new(),
         };
         // The client reaches the bulk VIP through weir's namespace too.
         let cl = topo.ns("cl");
         ip(&format!(
-            "-n {cl} route add {VIP_BULK}/32 via {WEIR_CLIENT_SIDE}"
+            "-n {cl} route replace {VIP_BULK}/32 via {WEIR_CLIENT_SIDE}"
         ))?;
         for (i, b) in ["b1", "b2"].iter().enumerate() {
             let ns = topo.ns(b);
             for vip in [VIP, VIP_BULK] {
-                ip(&format!("-n {ns} addr add {vip}/32 dev lo"))?;
+                ip(&format!("-n {ns} addr replace {vip}/32 dev lo"))?;
             }
             for k in ["all", "eth0"] {
                 sysctl(&ns, &format!("net.ipv4.conf.{k}.arp_ignore"), "1")?;
                 sysctl(&ns, &format!("net.ipv4.conf.{k}.arp_announce"), "2")?;
             }
             ip(&format!(
-                "-n {ns} route add default via {WEIR_BACKEND_SIDE}"
+                "-n {ns} route replace default via {WEIR_BACKEND_SIDE}"
             ))?;
             let d = dir.join(format!("nginx-{b}"));
             std::fs::create_dir_all(&d)?;
@@ -512,7 +514,7 @@ impl Endpoints {
     }
 
     /// Fails, with its log, if a server has exited.
-    fn check(&mut self) -> Result<()> {
+    pub(crate) fn check(&mut self) -> Result<()> {
         for s in &mut self.servers {
             s.check_alive()?;
         }
