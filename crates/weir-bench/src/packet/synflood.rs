@@ -216,7 +216,7 @@ fn one_run(
     let cl = topo.ns("cl");
     let sent0 = topo.sent()?;
     let t = Instant::now();
-    let mut flood = None;
+    let mut flood = Flood(None);
     if rate != Some(0) {
         let conf = dir.join("synflood.cfg");
         std::fs::write(
@@ -237,20 +237,18 @@ fn one_run(
         )
         .spawn()
         .context("starting trafgen")?;
-        flood = Some(child);
+        flood.0 = Some(child);
         // Long enough for the slowest rate to fill the places many times
         // over (10,000 SYN/s: 1,000 places in 0.1 s).
         std::thread::sleep(Duration::from_secs(1));
-        if let Some(Ok(Some(st))) = flood.as_mut().map(std::process::Child::try_wait) {
+        if let Some(Ok(Some(st))) = flood.0.as_mut().map(std::process::Child::try_wait) {
             bail!("trafgen exited early ({st})");
         }
     }
     let result = curl_probe(&cl, probe);
     let elapsed = t.elapsed().as_secs_f64();
     let sent = topo.sent()? - sent0;
-    if let Some(mut f) = flood {
-        stop_group(&mut f);
-    }
+    drop(flood);
     let (attempts, ok, mut connect) = result?;
     let mut o = Outcome {
         // The probe's own packets are a few per request: left in.
@@ -285,6 +283,18 @@ fn one_run(
         o.dropped = Some(v["global"]["packet"]["dropped"].clone());
     }
     Ok(o)
+}
+
+/// The flood's trafgen, stopped with its senders on drop (also when a run
+/// fails half way).
+struct Flood(Option<std::process::Child>);
+
+impl Drop for Flood {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            stop_group(c);
+        }
+    }
 }
 
 /// Runs the probe in the client's namespace: (attempts, successes, connect
