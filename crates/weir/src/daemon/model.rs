@@ -511,6 +511,10 @@ pub(crate) struct Tenant {
     /// for a flow to take the place of again, having found none
     /// (`Engine::early_drop`).
     pub(crate) early_drop_after: AtomicU64,
+    /// New packet flows of the tenant that met the daemon's
+    /// `max_connections`: how hard its clients (or a flood against it)
+    /// press on that limit (`Engine::pressing_tenant`).
+    pub(crate) at_daemon_limit: AtomicU64,
     pub(crate) deleted: CancellationToken,
     /// The ids of the tenant's backends, by address ([`BackendIds`]).
     pub(crate) backend_ids: BackendIds,
@@ -1310,6 +1314,7 @@ impl Shared {
                 stat: self.accounting.rates.stat(),
                 new_conns: NewConnLimit::default(),
                 early_drop_after: AtomicU64::new(0),
+                at_daemon_limit: AtomicU64::new(0),
                 deleted: CancellationToken::new(),
                 backend_ids: BackendIds::default(),
             });

@@ -699,6 +699,10 @@ pub(crate) struct Vips {
     /// weir's own addresses: the packet services' VIPs and the fnat local
     /// addresses. No client's first packet comes from one.
     own: std::collections::HashSet<IpAddr, foldhash::fast::RandomState>,
+    /// The tenants with packet services, once each: where a flow refused
+    /// at the daemon's limit may take a place from
+    /// ([`Engine::pressing_tenant`]).
+    tenants: Vec<Arc<super::Tenant>>,
 }
 
 impl Vips {
@@ -755,6 +759,9 @@ impl Vips {
             v.by_vip
                 .insert((svc.listen.ip(), proto, svc.listen.port()), vs);
             v.own.insert(svc.listen.ip());
+            if !v.tenants.iter().any(|t| t.id == svc.tenant.id) {
+                v.tenants.push(svc.tenant.clone());
+            }
         }
         v.by_backend = groups
             .into_iter()
@@ -817,6 +824,54 @@ fn never_heard_back(c: weir_flowtable::Candidate) -> bool {
         }
 }
 
+/// Which tenant a new flow refused at the daemon's `max_connections`
+/// takes a place from (`Engine::early_drop`): the one whose new flows met
+/// that limit most often lately (`Tenant::at_daemon_limit`), i.e. the one
+/// a flood is aimed at. Its flows that never heard back are the flood's,
+/// so a flood against one tenant that fills the daemon's limit no longer
+/// refuses every other tenant's clients, and never ends a bystander's
+/// handshakes: a tenant holding many places but meeting the limit rarely
+/// (one with many long connections) is not picked. Found again at most
+/// every [`EARLY_DROP_BACKOFF_MS`], from the counts' growth since the last
+/// time, so a flood at the limit costs a compare per SYN, not a pass over
+/// every tenant.
+#[derive(Debug, Default)]
+struct Pressing {
+    /// The last pick and until when (daemon ms) it stands.
+    pick: Option<(Arc<super::Tenant>, u64)>,
+    /// Each of `Vips::tenants`' `at_daemon_limit` when last looked at,
+    /// and which snapshot that list was (its generation).
+    seen: Vec<u64>,
+    generation: u64,
+}
+
+impl Pressing {
+    fn tenant(&mut self, vips: &Vips, now: Millis) -> Option<Arc<super::Tenant>> {
+        if let Some((t, until)) = &self.pick
+            && now.0 < *until
+            && !t.deleted.is_cancelled()
+        {
+            return Some(t.clone());
+        }
+        if self.generation != vips.generation || self.seen.len() != vips.tenants.len() {
+            self.generation = vips.generation;
+            self.seen = vec![0; vips.tenants.len()];
+        }
+        let mut best: Option<(u64, &Arc<super::Tenant>)> = None;
+        for (t, seen) in vips.tenants.iter().zip(self.seen.iter_mut()) {
+            let now_at = t.at_daemon_limit.load(Relaxed);
+            let grew = now_at.saturating_sub(*seen);
+            *seen = now_at;
+            if best.is_none_or(|(g, _)| grew > g) {
+                best = Some((grew, t));
+            }
+        }
+        let t = best.map(|(_, t)| t.clone());
+        self.pick = t.clone().map(|t| (t, now.0 + EARLY_DROP_BACKOFF_MS));
+        t
+    }
+}
+
 /// One packet worker's data path.
 pub(crate) struct Engine {
     shared: Arc<Shared>,
@@ -842,6 +897,8 @@ pub(crate) struct Engine {
     /// frames borrow the batch's services snapshot: a vector per batch).
     probes: Vec<Probe>,
     found: Vec<Option<weir_flowtable::Found>>,
+    /// [`Engine::pressing_tenant`]'s state.
+    pressing: Pressing,
 }
 
 impl std::fmt::Debug for Engine {
@@ -902,6 +959,7 @@ impl Engine {
             icmp_budget: IcmpBudget::new(),
             probes: Vec::new(),
             found: Vec::new(),
+            pressing: Pressing::default(),
         }
     }
 
@@ -1519,11 +1577,33 @@ impl Engine {
             }
         };
         let mut admitted = shared.admission.admit(&svc.tenant, shared.now_ns());
-        if may_take && matches!(admitted, Err(Refusal::TenantLimit | Refusal::GlobalLimit)) {
-            let seed = weir_sched::RandomSource::next_u64(&mut self.rng);
-            if self.early_drop(&svc.tenant, now, seed) {
-                admitted = shared.admission.admit(&svc.tenant, shared.now_ns());
+        // At a limit, a place taken from a flow that never heard back
+        // (`early_drop`): at the tenant's own limit from one of its own
+        // flows; at the daemon's from the tenant pressing hardest on it
+        // (a flood against one tenant must not lock the others out), or
+        // from its own if that one has none to give. Twice at most: the
+        // daemon's place found, the tenant's own limit may refuse next.
+        for _ in 0..2 {
+            if !may_take {
+                break;
             }
+            let pressing;
+            let victim: &super::Tenant = match admitted {
+                Err(Refusal::TenantLimit) => &svc.tenant,
+                Err(Refusal::GlobalLimit) => {
+                    svc.tenant.at_daemon_limit.fetch_add(1, Relaxed);
+                    pressing = self.pressing.tenant(vips, now);
+                    pressing.as_deref().unwrap_or(&svc.tenant)
+                }
+                _ => break,
+            };
+            let seed = weir_sched::RandomSource::next_u64(&mut self.rng);
+            let freed = self.early_drop(victim, now, seed)
+                || (victim.id != svc.tenant.id && self.early_drop(&svc.tenant, now, seed));
+            if !freed {
+                break;
+            }
+            admitted = shared.admission.admit(&svc.tenant, shared.now_ns());
         }
         if let Err(why) = admitted {
             if counted {
@@ -1700,8 +1780,10 @@ impl Engine {
     /// `seed`, not first-filed first. (IPVS's `drop_entry` defence drops
     /// SYN_RECV connections at random, conntrack's `early_drop`
     /// unassured ones from the new key's bucket; the tenant's expiry wheel
-    /// gives the oldest at the same bounded cost, and a tenant's flood
-    /// ends only the tenant's flows.) A proxied connection in the same
+    /// gives the oldest at the same bounded cost.) A tenant's flood ends
+    /// only the tenant's flows, and at the daemon's limit another
+    /// tenant's new flow takes its place from the tenant pressing hardest
+    /// on that limit ([`Pressing`]): the flooded one, not a bystander. A proxied connection in the same
     /// table is never taken: its client finished its handshake with the
     /// kernel. A dr service's UDP flow is never taken either: its replies
     /// bypass weir, so one that heard back cannot be told from one that
@@ -2768,6 +2850,110 @@ mod tests {
         assert_eq!(counted(&e, Drop::Refused), 1);
         assert_eq!(e.counters.early_drops.load(Relaxed), 1);
         assert_eq!(d.shared.admission.active.load(Relaxed), 2);
+    }
+
+    /// Tenants a (on 10.0.0.100:80) and b (on 10.0.0.101:80), each with a
+    /// dr TCP service, under the daemon's `max_connections = max`.
+    fn two_tenants_dr(max: u64) -> (super::super::DaemonHandle, [SocketAddr; 2]) {
+        let vips = [sa("10.0.0.100:80"), sa("10.0.0.101:80")];
+        let toml = format!(
+            "[daemon]\nworkers = 1\nmax_connections = {max}\n[packet]\ninterfaces = [\"lo\"]\n\
+             [[tenant]]\nname = \"a\"\n[[tenant]]\nname = \"b\"\n\
+             [[service]]\ntenant = \"a\"\nname = \"web\"\nprotocol = \"tcp\"\n\
+             listen = \"{}\"\nforward = \"dr\"\n[[service.backend]]\naddress = \"10.0.1.2:80\"\n\
+             [[service]]\ntenant = \"b\"\nname = \"web\"\nprotocol = \"tcp\"\n\
+             listen = \"{}\"\nforward = \"dr\"\n[[service.backend]]\naddress = \"10.0.1.3:80\"\n",
+            vips[0], vips[1]
+        );
+        let cfg: Config = toml::from_str(&toml).unwrap();
+        let d = super::super::Daemon::start_inner(cfg, None, false).unwrap();
+        (d, vips)
+    }
+
+    /// The key of a TCP flow to `vip` in the tenant whose service it is.
+    fn key_at(e: &Engine, client: SocketAddr, vip: SocketAddr) -> FlowKey {
+        FlowKey {
+            tenant: TenantId(e.vips.by_vip[&(vip.ip(), 6, vip.port())].svc.tenant.id),
+            proto: Proto::Tcp,
+            client,
+            virt: vip,
+        }
+    }
+
+    /// A spoofed SYN flood against tenant a that fills the daemon's
+    /// `max_connections`: a real client of tenant b takes the place of one
+    /// of the flood's flows. Before, b's SYN looked only among b's own
+    /// flows, found none, and was refused: a flood against one tenant
+    /// locked every other tenant out.
+    #[test]
+    fn a_flood_at_the_daemons_limit_leaves_room_for_other_tenants() {
+        let (d, [vip_a, vip_b]) = two_tenants_dr(3);
+        let mut e = engine(&d);
+        let table = &d.shared.conns.table;
+        let now = Millis(d.shared.now_ms());
+        let flood = |i: u16| SocketAddr::new("198.51.100.1".parse().unwrap(), i);
+        let syn = |e: &mut Engine, client: SocketAddr, vip: SocketAddr| {
+            let mut f = frame(client, vip, Some(SYN), b"");
+            e.process_at(&mut f, now)
+        };
+        for i in 1..=3 {
+            assert_eq!(syn(&mut e, flood(i), vip_a), Verdict::Transmit);
+        }
+        table.expire(now, 4096, &mut Vec::new());
+        // The flood goes on at the limit: each SYN takes the place of one
+        // of its own.
+        assert_eq!(syn(&mut e, flood(4), vip_a), Verdict::Transmit);
+        let real = sa("192.0.2.9:5000");
+        assert_eq!(syn(&mut e, real, vip_b), Verdict::Transmit, "b let in");
+        assert!(table.get(&key_at(&e, real, vip_b)).is_some());
+        let a_live = (1..=4)
+            .filter(|&i| table.get(&key_at(&e, flood(i), vip_a)).is_some())
+            .count();
+        assert_eq!(a_live, 2, "two of the flood's flows gave their places");
+        assert_eq!(e.counters.early_drops.load(Relaxed), 2);
+        assert_eq!(counted(&e, Drop::Refused), 0);
+        assert_eq!(d.shared.admission.active.load(Relaxed), 3);
+        let tenant_active = |vip: SocketAddr| {
+            e.vips.by_vip[&(vip.ip(), 6, vip.port())]
+                .svc
+                .tenant
+                .active
+                .load(Relaxed)
+        };
+        assert_eq!((tenant_active(vip_a), tenant_active(vip_b)), (2, 1));
+    }
+
+    /// The place a flood's SYN takes at the daemon's limit is never a
+    /// bystander's: tenant b holds most places (two finished handshakes)
+    /// and has a client mid-handshake; a flood against tenant a ends only
+    /// a's own flows, and b's handshake survives it.
+    #[test]
+    fn a_flood_at_the_daemons_limit_never_ends_a_bystanders_handshake() {
+        let (d, [vip_a, vip_b]) = two_tenants_dr(4);
+        let mut e = engine(&d);
+        let table = &d.shared.conns.table;
+        let now = Millis(d.shared.now_ms());
+        let packet = |e: &mut Engine, client: SocketAddr, vip: SocketAddr, flags: u8| {
+            let mut f = frame(client, vip, Some(flags), b"");
+            e.process_at(&mut f, now)
+        };
+        let b = |i: u16| SocketAddr::new("192.0.2.9".parse().unwrap(), i);
+        for i in 1..=2 {
+            assert_eq!(packet(&mut e, b(i), vip_b, SYN), Verdict::Transmit);
+            assert_eq!(packet(&mut e, b(i), vip_b, ACK), Verdict::Transmit);
+        }
+        assert_eq!(packet(&mut e, b(3), vip_b, SYN), Verdict::Transmit);
+        let flood = |i: u16| SocketAddr::new("198.51.100.1".parse().unwrap(), i);
+        assert_eq!(packet(&mut e, flood(1), vip_a, SYN), Verdict::Transmit);
+        table.expire(now, 4096, &mut Vec::new());
+        for i in 2..=20 {
+            assert_eq!(packet(&mut e, flood(i), vip_a, SYN), Verdict::Transmit);
+        }
+        for i in 1..=3 {
+            assert!(table.get(&key_at(&e, b(i), vip_b)).is_some(), "b's {i}");
+        }
+        assert_eq!(e.counters.early_drops.load(Relaxed), 19);
+        assert_eq!(d.shared.admission.active.load(Relaxed), 4);
     }
 
     /// The same defence when the tenant's own table is at its cap
