@@ -1907,11 +1907,11 @@ impl FlowTable {
     /// [`expire`](Self::expire) call are filed first if nothing filed is
     /// found (work `expire` would do anyway). A held persistence template
     /// is never taken. [`EvictMiss::NotFound`] if nothing was found within
-    /// the budget (or there is no such tenant), or nothing filed was and
-    /// the maintenance lock was held (an `expire` call, filing the rest
-    /// itself); [`EvictMiss::Busy`] if the tenant's wheel was held
-    /// (another thread's eviction, or `expire`), or the entry found moved
-    /// on before it could be taken. This never waits for a lock.
+    /// the budget (or there is no such tenant); [`EvictMiss::Busy`] if the
+    /// tenant's wheel was held (another thread's eviction, or `expire`),
+    /// nothing filed was found and the maintenance lock was held (an
+    /// `expire` call, filing the rest itself), or the entry found moved on
+    /// before it could be taken. This never waits for a lock.
     pub fn evict_due_first(
         &self,
         id: TenantId,
@@ -1933,10 +1933,12 @@ impl FlowTable {
         let mut found = find(&w);
         if found.is_none() {
             // The newest entries may not be filed yet: file them (the
-            // maintenance lock comes before a wheel's).
+            // maintenance lock comes before a wheel's). If an `expire` call
+            // holds that lock, it is filing them: Busy, so the caller looks
+            // again soon instead of taking "nothing there" for an answer.
             drop(w);
             self.saw(now);
-            let mut m = self.maint.try_lock().ok_or(EvictMiss::NotFound)?;
+            let mut m = self.maint.try_lock().ok_or(EvictMiss::Busy)?;
             self.drain_new(map, now.0, &mut m);
             drop(m);
             w = t.wheel.try_lock().ok_or(EvictMiss::Busy)?;

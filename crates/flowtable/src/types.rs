@@ -486,13 +486,13 @@ pub struct Candidate {
 /// took nothing.
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
 pub enum EvictMiss {
-    /// Nothing the pick accepts within the budget, no such tenant, or
-    /// nothing filed while an `expire` call held the maintenance lock:
+    /// Nothing the pick accepts within the budget, or no such tenant:
     /// looking again at once is unlikely to find one.
     NotFound,
     /// The tenant's wheel was held (another thread's eviction, an `expire`
-    /// call), or the entry found moved on first: another look may find
-    /// one.
+    /// call), nothing filed was found while an `expire` call held the
+    /// maintenance lock (it files the newest entries), or the entry found
+    /// moved on first: another look may find one.
     Busy,
 }
 

@@ -1083,6 +1083,28 @@ fn a_removed_tenant_gives_back_all_the_budget_it_reserved() {
     }
 }
 
+/// Entries not yet filed while an `expire` call holds the maintenance
+/// lock: `evict_due_first` says Busy (that call is filing them: look again
+/// soon), not NotFound, and takes one once the lock is free.
+#[test]
+fn early_drop_while_expire_holds_the_lock_is_busy_not_nothing() {
+    let t = table_with(&[(1, 0)], cfg(64, 64));
+    let s = t
+        .insert(key(1, 1), init(FlowState::SynRecv), Millis(0))
+        .unwrap();
+    let evict = || {
+        t.evict_due_first(TenantId(1), Millis(0), 64, 0, |c: Candidate| {
+            c.state == FlowState::SynRecv
+        })
+        .map(|s| s.cookie)
+    };
+    let hold = t.hold_maintenance();
+    assert_eq!(evict(), Err(EvictMiss::Busy));
+    drop(hold);
+    assert_eq!(evict(), Ok(s));
+    assert_eq!(evict(), Err(EvictMiss::NotFound));
+}
+
 /// `evict_due_first` removes a tenant's entry its pick accepts (here: in
 /// SYN_RECV) among those due soonest (the oldest first), never another
 /// tenant's or one its pick refuses, files entries not yet filed when it
