@@ -318,36 +318,9 @@ pub struct WorkerStats {
 pub struct PacketStats {
     /// The packet I/O in use: "xdp" (AF_XDP) or "afpacket".
     pub io: String,
-    /// Frames received.
-    pub rx: u64,
-    /// Frames rewritten and transmitted.
-    pub tx: u64,
-    /// Flows created.
-    pub new_flows: u64,
-    /// ICMP errors about flows, translated and forwarded.
-    #[serde(default)]
-    pub icmp_errors: u64,
-    /// TCP RSTs too far from their sender's sequence number to end a flow
-    /// (forwarded, the flow's state left as it was: blind resets).
-    #[serde(default)]
-    pub rst_ignored: u64,
-    /// TCP FINs too far from their sender's sequence number to move a
-    /// flow towards its end (forwarded, the state left as it was).
-    #[serde(default)]
-    pub fin_ignored: u64,
-    /// Other TCP segments too far from their sender's sequence number to
-    /// keep a flow alive (forwarded; the flow's idle timer and state left
-    /// as they were: blind ACKs and data).
-    #[serde(default)]
-    pub seq_ignored: u64,
-    /// Embryonic TCP flows (SYN_RECV: the handshake not finished) ended,
-    /// those due soonest first, to make room for a new SYN when their
-    /// tenant or the daemon was at its connection limit or the tenant's
-    /// table was full: what a SYN flood costs the flows it crowds.
-    #[serde(default)]
-    pub early_drops: u64,
-    /// Frames dropped, per reason ("fragment", "no_flow", "no_next_hop", ...).
-    pub dropped: std::collections::BTreeMap<String, u64>,
+    /// The counters (their keys sit beside `io` in the JSON).
+    #[serde(flatten)]
+    pub counts: PacketCounters,
     /// The same figures per packet worker (one per AF_XDP queue, or per
     /// AF_PACKET socket): which queue receives, which one drops.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -361,6 +334,15 @@ pub struct PacketWorkerStats {
     /// queue 0 of every AF_XDP interface, `weir-pkt-eth0-1` the second
     /// AF_PACKET socket on `eth0`.
     pub worker: String,
+    /// The counters (their keys sit beside `worker` in the JSON).
+    #[serde(flatten)]
+    pub counts: PacketCounters,
+}
+
+/// Packet mode's counters: one worker's ([`PacketWorkerStats`]) or all
+/// of theirs summed ([`PacketStats`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PacketCounters {
     /// Frames received.
     pub rx: u64,
     /// Frames rewritten and transmitted.
@@ -383,14 +365,32 @@ pub struct PacketWorkerStats {
     /// as they were: blind ACKs and data).
     #[serde(default)]
     pub seq_ignored: u64,
-    /// Embryonic TCP flows (SYN_RECV: the handshake not finished) ended,
-    /// those due soonest first, to make room for a new SYN when their
-    /// tenant or the daemon was at its connection limit or the tenant's
-    /// table was full: what a SYN flood costs the flows it crowds.
+    /// Flows that never heard back (TCP in SYN_RECV, its handshake not
+    /// finished; UDP through nat or fnat with no reply yet) ended, those
+    /// due soonest first, to make room for a new flow at a connection
+    /// limit or in a full table: what a SYN or spoofed UDP flood costs the
+    /// flows it crowds.
     #[serde(default)]
     pub early_drops: u64,
-    /// Frames dropped, per reason (as [`PacketStats::dropped`]).
+    /// Frames dropped, per reason ("fragment", "no_flow", "no_next_hop", ...).
     pub dropped: std::collections::BTreeMap<String, u64>,
+}
+
+impl PacketCounters {
+    /// Adds `o`'s figures to these.
+    pub fn add(&mut self, o: &PacketCounters) {
+        self.rx += o.rx;
+        self.tx += o.tx;
+        self.new_flows += o.new_flows;
+        self.icmp_errors += o.icmp_errors;
+        self.rst_ignored += o.rst_ignored;
+        self.fin_ignored += o.fin_ignored;
+        self.seq_ignored += o.seq_ignored;
+        self.early_drops += o.early_drops;
+        for (reason, n) in &o.dropped {
+            *self.dropped.entry(reason.clone()).or_default() += n;
+        }
+    }
 }
 
 /// Health of every checked backend.

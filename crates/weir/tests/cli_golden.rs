@@ -89,36 +89,36 @@ fn golden_conns_table_tenants_health_top() {
 /// worker (which queue receives, which one drops).
 #[test]
 fn golden_stats_global_with_packet_workers() {
-    use weir::control::{PacketStats, PacketWorkerStats};
+    use weir::control::{PacketCounters, PacketStats, PacketWorkerStats};
     let mut g = Fake::sample().global_stats();
     let worker = |name: &str, rx, tx, flows, dropped: &[(&str, u64)]| PacketWorkerStats {
         worker: name.into(),
-        rx,
-        tx,
-        new_flows: flows,
-        icmp_errors: 0,
-        rst_ignored: 0,
-        fin_ignored: 0,
-        seq_ignored: 0,
-        early_drops: 0,
-        dropped: dropped.iter().map(|&(r, n)| (r.to_owned(), n)).collect(),
+        counts: PacketCounters {
+            rx,
+            tx,
+            new_flows: flows,
+            dropped: dropped.iter().map(|&(r, n)| (r.to_owned(), n)).collect(),
+            ..PacketCounters::default()
+        },
     };
     g.packet = Some(PacketStats {
         io: "xdp".into(),
-        rx: 1500,
-        tx: 1480,
-        new_flows: 12,
-        icmp_errors: 0,
-        rst_ignored: 3,
-        fin_ignored: 0,
-        seq_ignored: 2,
-        early_drops: 9,
-        dropped: [
-            ("kernel_rx_ring_full".to_owned(), 15),
-            ("no_flow".to_owned(), 5),
-        ]
-        .into_iter()
-        .collect(),
+        counts: PacketCounters {
+            rx: 1500,
+            tx: 1480,
+            new_flows: 12,
+            icmp_errors: 4,
+            rst_ignored: 3,
+            fin_ignored: 0,
+            seq_ignored: 2,
+            early_drops: 9,
+            dropped: [
+                ("kernel_rx_ring_full".to_owned(), 15),
+                ("no_flow".to_owned(), 5),
+            ]
+            .into_iter()
+            .collect(),
+        },
         workers: vec![
             worker("weir-pkt-q0", 1000, 995, 8, &[("no_flow", 5)]),
             worker("weir-pkt-q1", 500, 485, 4, &[("kernel_rx_ring_full", 15)]),
@@ -129,6 +129,12 @@ fn golden_stats_global_with_packet_workers() {
     let v = serde_json::to_value(g.packet.as_ref().unwrap()).unwrap();
     assert_eq!(v["workers"][1]["worker"], "weir-pkt-q1");
     assert_eq!(v["workers"][1]["dropped"]["kernel_rx_ring_full"], 15);
+    // The counters sit beside `io` and `worker`, as before they were
+    // one struct shared by both.
+    assert_eq!(v["rx"], 1500);
+    assert_eq!(v["icmp_errors"], 4);
+    assert_eq!(v["workers"][0]["new_flows"], 8);
+    assert!(v.get("counts").is_none(), "{v}");
     let mut bare = g.packet.clone().unwrap();
     bare.workers.clear();
     let v = serde_json::to_value(&bare).unwrap();

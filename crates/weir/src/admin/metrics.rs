@@ -198,9 +198,9 @@ fn packet_worker_metrics(reg: &mut Registry, workers: &[crate::control::PacketWo
     );
     for w in workers {
         let l = labels(&[("worker", &w.worker)]);
-        rx.get_or_create(&l).inc_by(w.rx);
-        tx.get_or_create(&l).inc_by(w.tx);
-        for (reason, n) in &w.dropped {
+        rx.get_or_create(&l).inc_by(w.counts.rx);
+        tx.get_or_create(&l).inc_by(w.counts.tx);
+        for (reason, n) in &w.counts.dropped {
             dropped
                 .get_or_create(&labels(&[("worker", &w.worker), ("reason", reason)]))
                 .inc_by(*n);
@@ -328,52 +328,59 @@ fn global_metrics(reg: &mut Registry, g: &GlobalStats) {
             "weir_packet_received_frames",
             "Packet mode: frames received from the rings",
             None,
-            p.rx,
+            p.counts.rx,
         );
         counter(
             reg,
             "weir_packet_transmitted_frames",
             "Packet mode: frames rewritten and transmitted",
             None,
-            p.tx,
+            p.counts.tx,
         );
         counter(
             reg,
             "weir_packet_flows",
             "Packet mode: flows created",
             None,
-            p.new_flows,
+            p.counts.new_flows,
+        );
+        counter(
+            reg,
+            "weir_packet_icmp_errors",
+            "Packet mode: ICMP errors about flows (need-to-fragment, unreachable, ...), translated and forwarded",
+            None,
+            p.counts.icmp_errors,
         );
         counter(
             reg,
             "weir_packet_rst_ignored",
             "Packet mode: TCP RSTs too far from their sender's sequence number to end a flow (forwarded; blind resets)",
             None,
-            p.rst_ignored,
+            p.counts.rst_ignored,
         );
         counter(
             reg,
             "weir_packet_fin_ignored",
             "Packet mode: TCP FINs too far from their sender's sequence number to move a flow towards its end (forwarded; blind FINs)",
             None,
-            p.fin_ignored,
+            p.counts.fin_ignored,
         );
         counter(
             reg,
             "weir_packet_seq_ignored",
             "Packet mode: other TCP segments too far from their sender's sequence number to keep a flow alive (forwarded; blind ACKs and data)",
             None,
-            p.seq_ignored,
+            p.counts.seq_ignored,
         );
         counter(
             reg,
             "weir_packet_early_drops",
-            "Packet mode: embryonic TCP flows (SYN_RECV) ended, those due soonest first, to make room for a new SYN at a connection limit or a full table (SYN flood defence)",
+            "Packet mode: flows that never heard back (TCP in SYN_RECV, UDP with no reply) ended, those due soonest first, to make room for a new flow at a connection limit or a full table (SYN and spoofed UDP flood defence)",
             None,
-            p.early_drops,
+            p.counts.early_drops,
         );
         let dropped = CounterFam::default();
-        for (reason, n) in &p.dropped {
+        for (reason, n) in &p.counts.dropped {
             dropped
                 .get_or_create(&labels(&[("reason", reason)]))
                 .inc_by(*n);
@@ -574,7 +581,7 @@ pub fn render(control: &dyn Control) -> Result<String, std::fmt::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::control::{PacketStats, PacketWorkerStats};
+    use crate::control::{PacketCounters, PacketStats, PacketWorkerStats};
 
     /// Packet mode's figures per worker reach `/metrics` under a `worker`
     /// label, beside the daemon-wide sums.
@@ -582,24 +589,28 @@ mod tests {
     fn packet_workers_are_labelled_by_name() {
         let w = |name: &str, rx, dropped: &[(&str, u64)]| PacketWorkerStats {
             worker: name.into(),
-            rx,
-            tx: rx - 1,
-            dropped: dropped.iter().map(|&(r, n)| (r.to_owned(), n)).collect(),
-            ..PacketWorkerStats::default()
+            counts: PacketCounters {
+                rx,
+                tx: rx - 1,
+                dropped: dropped.iter().map(|&(r, n)| (r.to_owned(), n)).collect(),
+                ..PacketCounters::default()
+            },
         };
         let g = GlobalStats {
             packet: Some(PacketStats {
                 io: "xdp".into(),
-                rx: 30,
-                tx: 28,
-                dropped: [("kernel_rx_ring_full".to_owned(), 9)]
-                    .into_iter()
-                    .collect(),
+                counts: PacketCounters {
+                    rx: 30,
+                    tx: 28,
+                    dropped: [("kernel_rx_ring_full".to_owned(), 9)]
+                        .into_iter()
+                        .collect(),
+                    ..PacketCounters::default()
+                },
                 workers: vec![
                     w("weir-pkt-q0", 10, &[]),
                     w("weir-pkt-q1", 20, &[("kernel_rx_ring_full", 9)]),
                 ],
-                ..PacketStats::default()
             }),
             ..GlobalStats::default()
         };

@@ -415,46 +415,53 @@ pub fn render_global(g: &GlobalStats, exact: bool) -> String {
         let _ = writeln!(
             o,
             "packet mode ({}): {} frames in, {} out, {} new flows",
-            p.io, p.rx, p.tx, p.new_flows
+            p.io, p.counts.rx, p.counts.tx, p.counts.new_flows
         );
-        for (reason, n) in &p.dropped {
+        for (reason, n) in &p.counts.dropped {
             let _ = writeln!(o, "packet dropped {reason}: {n}");
         }
-        if p.rst_ignored > 0 {
+        if p.counts.icmp_errors > 0 {
+            let _ = writeln!(
+                o,
+                "packet icmp_errors: {} (ICMP errors about flows, translated and forwarded)",
+                p.counts.icmp_errors
+            );
+        }
+        if p.counts.rst_ignored > 0 {
             let _ = writeln!(
                 o,
                 "packet rst_ignored: {} (RSTs too far from their sender's sequence number: forwarded, the flow kept)",
-                p.rst_ignored
+                p.counts.rst_ignored
             );
         }
-        if p.fin_ignored > 0 {
+        if p.counts.fin_ignored > 0 {
             let _ = writeln!(
                 o,
                 "packet fin_ignored: {} (FINs too far from their sender's sequence number: forwarded, the flow kept)",
-                p.fin_ignored
+                p.counts.fin_ignored
             );
         }
-        if p.seq_ignored > 0 {
+        if p.counts.seq_ignored > 0 {
             let _ = writeln!(
                 o,
                 "packet seq_ignored: {} (other segments too far from their sender's sequence number: forwarded, the flow's timer not restarted)",
-                p.seq_ignored
+                p.counts.seq_ignored
             );
         }
-        if p.early_drops > 0 {
+        if p.counts.early_drops > 0 {
             let _ = writeln!(
                 o,
-                "packet early_drops: {} (embryonic TCP flows ended, oldest first, to make room for new SYNs at a limit)",
-                p.early_drops
+                "packet early_drops: {} (flows that never heard back ended, oldest first, to make room for new ones at a limit)",
+                p.counts.early_drops
             );
         }
         for w in &p.workers {
             let _ = write!(
                 o,
                 "packet worker {}: {} frames in, {} out, {} new flows",
-                w.worker, w.rx, w.tx, w.new_flows
+                w.worker, w.counts.rx, w.counts.tx, w.counts.new_flows
             );
-            for (i, (reason, n)) in w.dropped.iter().enumerate() {
+            for (i, (reason, n)) in w.counts.dropped.iter().enumerate() {
                 let sep = if i == 0 { "; dropped" } else { "," };
                 let _ = write!(o, "{sep} {reason} {n}");
             }

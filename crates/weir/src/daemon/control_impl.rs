@@ -1330,22 +1330,7 @@ impl Control for LiveControl {
             estimator_tick_max_seconds: self.0.accounting.rates.max_tick_ns.load(Relaxed) as f64
                 / 1e9,
             workers: Some(self.0.steering.stats()),
-            packet: self.0.packet.get().map(|p| {
-                let s = p.sums();
-                crate::control::PacketStats {
-                    io: p.io.get().cloned().unwrap_or_else(|| "none".into()),
-                    rx: s.rx,
-                    tx: s.tx,
-                    new_flows: s.new_flows,
-                    icmp_errors: s.icmp_errors,
-                    rst_ignored: s.rst_ignored,
-                    fin_ignored: s.fin_ignored,
-                    seq_ignored: s.seq_ignored,
-                    early_drops: s.early_drops,
-                    dropped: s.dropped,
-                    workers: s.workers,
-                }
-            }),
+            packet: self.0.packet.get().map(|p| p.sums()),
         }
     }
 

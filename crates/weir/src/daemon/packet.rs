@@ -338,15 +338,17 @@ impl Counters {
         }
         crate::control::PacketWorkerStats {
             worker: self.worker.clone(),
-            rx: self.rx.load(Relaxed),
-            tx: self.tx.load(Relaxed),
-            new_flows: self.new_flows.load(Relaxed),
-            icmp_errors: self.icmp_errors.load(Relaxed),
-            rst_ignored: self.rst_ignored.load(Relaxed),
-            fin_ignored: self.fin_ignored.load(Relaxed),
-            seq_ignored: self.seq_ignored.load(Relaxed),
-            early_drops: self.early_drops.load(Relaxed),
-            dropped,
+            counts: crate::control::PacketCounters {
+                rx: self.rx.load(Relaxed),
+                tx: self.tx.load(Relaxed),
+                new_flows: self.new_flows.load(Relaxed),
+                icmp_errors: self.icmp_errors.load(Relaxed),
+                rst_ignored: self.rst_ignored.load(Relaxed),
+                fin_ignored: self.fin_ignored.load(Relaxed),
+                seq_ignored: self.seq_ignored.load(Relaxed),
+                early_drops: self.early_drops.load(Relaxed),
+                dropped,
+            },
         }
     }
 
@@ -357,22 +359,6 @@ impl Counters {
             c.store(v, Relaxed);
         }
     }
-}
-
-/// Sums of every worker's [`Counters`], by name, and each worker's own.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub(crate) struct CounterSums {
-    pub(crate) rx: u64,
-    pub(crate) tx: u64,
-    pub(crate) new_flows: u64,
-    pub(crate) icmp_errors: u64,
-    pub(crate) rst_ignored: u64,
-    pub(crate) fin_ignored: u64,
-    pub(crate) seq_ignored: u64,
-    pub(crate) early_drops: u64,
-    pub(crate) dropped: std::collections::BTreeMap<String, u64>,
-    /// The same figures per worker, in the order the workers started.
-    pub(crate) workers: Vec<crate::control::PacketWorkerStats>,
 }
 
 /// Where packets of a rewritten flow go next: the kernel's route and
@@ -512,21 +498,14 @@ impl PacketPath {
     }
 
     /// Every worker's figures, and their sums.
-    pub(crate) fn sums(&self) -> CounterSums {
-        let mut s = CounterSums::default();
+    pub(crate) fn sums(&self) -> crate::control::PacketStats {
+        let mut s = crate::control::PacketStats {
+            io: self.io.get().cloned().unwrap_or_else(|| "none".into()),
+            ..Default::default()
+        };
         for c in self.counters.lock().iter() {
             let w = c.read();
-            s.rx += w.rx;
-            s.tx += w.tx;
-            s.new_flows += w.new_flows;
-            s.icmp_errors += w.icmp_errors;
-            s.rst_ignored += w.rst_ignored;
-            s.fin_ignored += w.fin_ignored;
-            s.seq_ignored += w.seq_ignored;
-            s.early_drops += w.early_drops;
-            for (reason, n) in &w.dropped {
-                *s.dropped.entry(reason.clone()).or_default() += n;
-            }
+            s.counts.add(&w.counts);
             s.workers.push(w);
         }
         s
@@ -3661,7 +3640,7 @@ mod tests {
         assert_eq!(e.counters.new_flows.load(Relaxed), 10);
         assert_eq!(d.shared.admission.active.load(Relaxed), 10);
         let stats = d.shared.packet.get().unwrap().sums();
-        assert_eq!(stats.dropped.get("fnat_ports_share"), Some(&5));
+        assert_eq!(stats.counts.dropped.get("fnat_ports_share"), Some(&5));
     }
 
     /// An IPv4-mapped IPv6 source (here the mapped form of an IPv4 VIP of
@@ -4319,7 +4298,7 @@ mod tests {
             "bad_ipv4_checksum",
         ] {
             assert!(
-                sums.dropped.get(reason).is_some_and(|&c| c > 0),
+                sums.counts.dropped.get(reason).is_some_and(|&c| c > 0),
                 "{reason}: {sums:?}"
             );
         }
@@ -4346,7 +4325,7 @@ mod tests {
             rx_no_frame: 2,
             ..KernelDrops::default()
         });
-        let d = path.sums().dropped;
+        let d = path.sums().counts.dropped;
         assert_eq!(d.get("kernel_rx_ring_full"), Some(&8), "{d:?}");
         assert_eq!(d.get("kernel_rx_no_frame"), Some(&2), "{d:?}");
         assert_eq!(
@@ -4381,7 +4360,7 @@ mod tests {
         let s = path.sums();
         let names: Vec<&str> = s.workers.iter().map(|w| w.worker.as_str()).collect();
         assert_eq!(names, ["weir-pkt-q0", "weir-pkt-q1"]);
-        let (w0, w1) = (&s.workers[0], &s.workers[1]);
+        let (w0, w1) = (&s.workers[0].counts, &s.workers[1].counts);
         assert_eq!(
             (w0.rx, w0.tx, w0.new_flows, w0.icmp_errors),
             (100, 90, 4, 0)
@@ -4405,12 +4384,22 @@ mod tests {
             "the second worker's kernel and parser drops are its own"
         );
         // The sums are the workers' figures added up.
-        assert_eq!((s.rx, s.tx, s.new_flows, s.icmp_errors), (107, 97, 4, 1));
-        for (reason, n) in &s.dropped {
-            let per: u64 = s.workers.iter().filter_map(|w| w.dropped.get(reason)).sum();
+        assert_eq!(
+            (
+                s.counts.rx,
+                s.counts.tx,
+                s.counts.new_flows,
+                s.counts.icmp_errors
+            ),
+            (107, 97, 4, 1)
+        );
+        for (reason, n) in &s.counts.dropped {
+            let per: u64 = (s.workers.iter())
+                .filter_map(|w| w.counts.dropped.get(reason))
+                .sum();
             assert_eq!(*n, per, "{reason}");
         }
-        assert_eq!(s.dropped.len(), 3, "{:?}", s.dropped);
+        assert_eq!(s.counts.dropped.len(), 3, "{:?}", s.counts.dropped);
     }
 
     /// The per-packet backend index finds what the linear search it

@@ -1576,7 +1576,7 @@ mod tests {
             .join()
             .unwrap()
         });
-        let counters = d.shared.packet.get().unwrap().sums();
+        let counters = d.shared.packet.get().unwrap().sums().counts;
         assert_eq!(counters.rx, 1);
         assert_eq!(counters.new_flows, 1, "the engine forwarded it");
         assert_eq!(counters.tx, 0, "sent");
