@@ -462,6 +462,7 @@ impl Node<'_> {
             state: self.state(),
             owner: self.owner(),
             reply: self.has_reply(),
+            packets_in: self.c.packets[0].load(Relaxed),
             packets_out: self.c.packets[1].load(Relaxed),
         }
     }

@@ -467,8 +467,9 @@ pub struct FlowSnapshot {
 }
 
 /// What [`FlowTable::evict_due_first`](crate::FlowTable::evict_due_first)'s
-/// pick sees of an entry: enough to tell a flow that never heard back
-/// (an embryonic TCP flow, a UDP flow with no reply) from one that did.
+/// pick sees of an entry: enough to tell a flow that never got going (an
+/// embryonic TCP flow, a UDP flow with no reply or a single datagram)
+/// from one that did.
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
 pub struct Candidate {
     /// Its state.
@@ -478,6 +479,8 @@ pub struct Candidate {
     /// Whether it is also indexed by a reply key (packet mode's nat and
     /// fnat: weir sees its replies).
     pub reply: bool,
+    /// Packets client -> backend so far.
+    pub packets_in: u64,
     /// Packets backend -> client so far.
     pub packets_out: u64,
 }

@@ -365,8 +365,9 @@ pub struct PacketCounters {
     /// as they were: blind ACKs and data).
     #[serde(default)]
     pub seq_ignored: u64,
-    /// Flows that never heard back (TCP in SYN_RECV, its handshake not
-    /// finished; UDP through nat or fnat with no reply yet) ended, those
+    /// Flows that never got going (TCP in SYN_RECV, its handshake not
+    /// finished; UDP with a single datagram from its client, or through
+    /// nat or fnat with no reply yet) ended, those
     /// due soonest first, to make room for a new flow at a connection
     /// limit or in a full table: what a SYN or spoofed UDP flood costs the
     /// flows it crowds.

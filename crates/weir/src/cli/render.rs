@@ -451,7 +451,7 @@ pub fn render_global(g: &GlobalStats, exact: bool) -> String {
         if p.counts.early_drops > 0 {
             let _ = writeln!(
                 o,
-                "packet early_drops: {} (flows that never heard back ended, oldest first, to make room for new ones at a limit)",
+                "packet early_drops: {} (flows that never got going ended, oldest first, to make room for new ones at a limit)",
                 p.counts.early_drops
             );
         }

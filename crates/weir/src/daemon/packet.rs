@@ -791,14 +791,21 @@ fn first_state(pkt: &Packet, method: Method) -> FlowState {
     }
 }
 
-/// A packet flow that never heard back, which a new flow at a limit may
-/// take the place of ([`Engine::early_drop`]): TCP in SYN_RECV, or UDP
-/// through nat or fnat (indexed by its reply key) with no reply yet.
+/// A packet flow that never got going, which a new flow at a limit may
+/// take the place of ([`Engine::early_drop`]): TCP in SYN_RECV; UDP with
+/// a single datagram from its client so far, or through nat or fnat
+/// (indexed by its reply key) with no reply yet. The single datagram is
+/// conntrack's rule (a UDP entry is assured only once it is a stream): a
+/// spoofed query's flow holds its place for the UDP timeout (300 s by
+/// default) whether or not its backend answered, and a DNS-style
+/// exchange that has had its answer loses nothing when its entry goes. A
+/// UDP flow that has carried two datagrams or more from its client, and
+/// heard back where weir can tell, is kept.
 fn never_heard_back(c: weir_flowtable::Candidate) -> bool {
     is_packet_owner(c.owner)
         && match c.state {
             FlowState::SynRecv => true,
-            FlowState::Udp => c.reply && c.packets_out == 0,
+            FlowState::Udp => c.packets_in <= 1 || (c.reply && c.packets_out == 0),
             _ => false,
         }
 }
@@ -1740,10 +1747,12 @@ impl Engine {
     /// SYN (and spoofed UDP) flood defence: ends one of `tenant`'s packet
     /// flows that never heard back, one of those due soonest, so that a
     /// new flow can take its place at the tenant's or the daemon's
-    /// connection limit, or in the tenant's full table. Never heard back:
-    /// a TCP flow in SYN_RECV (the client's SYN seen, its handshake not
-    /// finished), or a UDP flow of a nat or fnat service (weir sees its
-    /// replies) with no reply yet. `false` if none was found among the
+    /// connection limit, or in the tenant's full table. Never heard back
+    /// (never got going, [`never_heard_back`]): a TCP flow in SYN_RECV
+    /// (the client's SYN seen, its handshake not finished), a UDP flow
+    /// with a single datagram from its client so far, or one of a nat or
+    /// fnat service (weir sees its replies) with no reply yet. `false` if
+    /// none was found among the
     /// [`EARLY_DROP_LOOK`] next due (or an expiry pass held the tenant's
     /// wheel).
     ///
@@ -1762,9 +1771,10 @@ impl Engine {
     /// gives the oldest at the same bounded cost.) A tenant's flood ends
     /// only the tenant's flows, and at the daemon's limit another
     /// tenant's new flow takes its place from the tenant pressing hardest
-    /// on that limit ([`Pressing`]): the flooded one, not a bystander. A proxied connection in the same
-    /// table is never taken: its client finished its handshake with the
-    /// kernel. A dr service's UDP flow is never taken either: its replies
+    /// on that limit ([`Pressing`]): the flooded one, not a bystander. A
+    /// proxied connection in the same table is never taken: its client
+    /// finished its handshake with the kernel. A dr service's UDP flow is
+    /// taken only while it has carried a single datagram: its replies
     /// bypass weir, so one that heard back cannot be told from one that
     /// did not.
     ///
@@ -2799,15 +2809,18 @@ mod tests {
     }
 
     /// A UDP flow's first datagram at its tenant's limit takes the place
-    /// of a nat flow that never heard back from its backend, never of one
-    /// that did: a spoofed datagram's flow otherwise held its place for
-    /// the UDP timeout (300 s by default).
+    /// of a flow that never got going: a nat flow that never heard back
+    /// from its backend, or one that carried a single datagram from its
+    /// client (answered or not), never of a stream (two datagrams or more
+    /// each way it can see). A spoofed datagram's flow otherwise held its
+    /// place for the UDP timeout (300 s by default); before, one whose
+    /// backend answered (any DNS server answers a spoofed query) was kept.
     #[test]
-    fn a_udp_flow_at_the_limit_takes_the_place_of_one_never_answered() {
+    fn a_udp_flow_at_the_limit_takes_the_place_of_one_that_never_got_going() {
         let vip = sa("10.0.0.100:53");
         let toml = format!(
             "[daemon]\nworkers = 1\n[packet]\ninterfaces = [\"lo\"]\n\
-             [[tenant]]\nname = \"a\"\nmax_connections = 2\n\
+             [[tenant]]\nname = \"a\"\nmax_connections = 3\n\
              [[service]]\ntenant = \"a\"\nname = \"dns\"\nprotocol = \"udp\"\n\
              listen = \"{vip}\"\nforward = \"nat\"\n[[service.backend]]\naddress = \"{B1}\"\n"
         );
@@ -2827,21 +2840,32 @@ mod tests {
             let mut f = frame(client(i), vip, None, b"query");
             e.process_at(&mut f, now)
         };
-        // 1 hears back, 2 does not.
+        let answer = |e: &mut Engine, i| {
+            let mut f = frame(sa(B1), client(i), None, b"answer");
+            e.process_at(&mut f, now)
+        };
+        // 1 is a stream; 2 asked twice and never heard back; 3 asked once
+        // and was answered.
         assert_eq!(query(&mut e, 1), Verdict::Transmit);
-        let mut answer = frame(sa(B1), client(1), None, b"answer");
-        assert_eq!(e.process_at(&mut answer, now), Verdict::Transmit);
+        assert_eq!(answer(&mut e, 1), Verdict::Transmit);
+        assert_eq!(query(&mut e, 1), Verdict::Transmit);
         assert_eq!(query(&mut e, 2), Verdict::Transmit);
+        assert_eq!(query(&mut e, 2), Verdict::Transmit);
+        assert_eq!(query(&mut e, 3), Verdict::Transmit);
+        assert_eq!(answer(&mut e, 3), Verdict::Transmit);
         table.expire(now, 4096, &mut Vec::new());
         let _hold = table.hold_maintenance();
-        assert_eq!(query(&mut e, 3), Verdict::Transmit, "took 2's place");
+        assert_eq!(query(&mut e, 4), Verdict::Transmit, "took a place");
+        assert_eq!(query(&mut e, 5), Verdict::Transmit, "took the other");
         assert_eq!(table.get(&key(&e, 2)), None);
-        assert!(table.get(&key(&e, 1)).is_some(), "1 heard back: kept");
-        // Left: 1, and 3 (not filed, nor fileable while the lock is held).
-        assert_eq!(query(&mut e, 4), Verdict::Drop);
+        assert_eq!(table.get(&key(&e, 3)), None);
+        assert!(table.get(&key(&e, 1)).is_some(), "1 is a stream: kept");
+        // Left: 1, and 4 and 5 (not filed, nor fileable while the lock is
+        // held).
+        assert_eq!(query(&mut e, 6), Verdict::Drop);
         assert_eq!(counted(&e, Drop::Refused), 1);
-        assert_eq!(e.counters.early_drops.load(Relaxed), 1);
-        assert_eq!(d.shared.admission.active.load(Relaxed), 2);
+        assert_eq!(e.counters.early_drops.load(Relaxed), 2);
+        assert_eq!(d.shared.admission.active.load(Relaxed), 3);
     }
 
     /// Tenants a (on 10.0.0.100:80) and b (on 10.0.0.101:80), each with a
