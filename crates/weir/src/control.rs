@@ -462,6 +462,14 @@ pub trait Control: Send + Sync + 'static {
     fn tenants(&self) -> Vec<TenantStatus>;
     /// Create a tenant (own table sized from `table_entries`).
     fn add_tenant(&self, spec: TenantSpec) -> ControlResult<()>;
+    /// [`add_tenant`](Self::add_tenant) if `check` passes, as
+    /// [`add_service_checked`](Self::add_service_checked): the admin API's
+    /// check that no other role holds the new tenant's token reads the
+    /// tenants' tokens, which another creation or a tenant edit changes.
+    fn add_tenant_checked(&self, spec: TenantSpec, check: Check<'_>) -> ControlResult<()> {
+        check()?;
+        self.add_tenant(spec)
+    }
     /// Replace a live tenant's settings: limits, token and timeouts apply at
     /// once (limits to the next admission, timeouts to the flow table now
     /// and to connections at their next state change). `spec.name` must be

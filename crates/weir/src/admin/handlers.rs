@@ -347,9 +347,17 @@ pub(crate) async fn add_tenant(
 ) -> ApiResult<Response> {
     require_global(&access, "creating a tenant")?;
     check_name("tenant", &spec.name)?;
-    check_token_unique(&st, &spec.name, spec.token.as_deref())?;
-    let name = spec.name.clone();
-    st.control.add_tenant(spec)?;
+    let (name, token) = (spec.name.clone(), spec.token.clone());
+    // Run by the daemon with its edits held, as a tenant edit's merge is:
+    // checked before, another creation or an edit could give the token
+    // away between the check and the add, and one token hold two roles.
+    let mut check = || {
+        check_token_unique(&st, &name, token.as_deref())?;
+        #[cfg(test)]
+        st.token_gate.pass();
+        Ok(())
+    };
+    st.control.add_tenant_checked(spec, &mut check)?;
     Ok(created(name))
 }
 
@@ -1208,9 +1216,9 @@ mod tests {
     use axum::extract::State;
     use axum::http::StatusCode;
 
-    use super::{AppState, JsonBody, PathParams, add_backend, edit_tenant};
+    use super::{AppState, JsonBody, PathParams, add_backend, add_tenant, edit_tenant};
     use crate::admin::auth::Access;
-    use crate::config::{BackendSpec, Config};
+    use crate::config::{BackendSpec, Config, TenantSpec};
     use crate::daemon::Daemon;
 
     /// Runs a handler to its end on this thread.
@@ -1362,6 +1370,106 @@ mod tests {
             "the PUT wrote settings merged from before the other edit, undoing it \
              (max_services {})",
             t.max_services
+        );
+        d.shutdown();
+    }
+
+    /// Two tenants created at once with one token: the second waits for
+    /// the first, whose token its check then finds (409). Checked outside
+    /// the edits lock, both checks passed before either tenant was added,
+    /// and one token held two tenants' roles.
+    #[test]
+    fn two_tenants_created_at_once_cannot_share_a_token() {
+        one_token_for_two_tenants("the second creation", |st| {
+            let spec = serde_json::json!({ "name": "c", "token": "one-token" });
+            let spec: TenantSpec = serde_json::from_value(spec).unwrap();
+            run(add_tenant(
+                State(st),
+                Extension(Access::Full),
+                JsonBody(spec),
+            ))
+            .map(|r| r.status())
+            .map_err(|e| e.status)
+        });
+    }
+
+    /// As two creations: a PUT giving an existing tenant the token of one
+    /// being created waits for the creation, then finds its token (409).
+    /// The creation checked outside the edits lock, so the PUT's check
+    /// (under them) passed while the creation's change was still to come.
+    #[test]
+    fn a_tenant_put_cannot_take_the_token_of_a_tenant_being_created() {
+        one_token_for_two_tenants("the PUT", |st| {
+            let body = serde_json::json!({ "token": "one-token" });
+            let to = PathParams("b".to_owned());
+            run(edit_tenant(
+                State(st),
+                Extension(Access::Full),
+                to,
+                JsonBody(body),
+            ))
+            .map(|r| r.status())
+            .map_err(|e| e.status)
+        });
+    }
+
+    /// Keeps the creation of tenant "a" with token "one-token" between its
+    /// token check and its change, runs `second` (`what`: another write
+    /// giving "one-token" to tenant "b", which exists without a token)
+    /// until it ends or waits for the edits lock, then lets the creation
+    /// go: the creation must win and `second` be refused (409), so that
+    /// one tenant alone holds the token. (A second creation names "c".)
+    fn one_token_for_two_tenants(
+        what: &str,
+        second: impl FnOnce(AppState) -> Result<StatusCode, StatusCode> + Send + 'static,
+    ) {
+        let toml = "[daemon]\nworkers = 1\n[[tenant]]\nname = \"b\"\n";
+        let cfg: Config = toml::from_str(toml).unwrap();
+        let d = Daemon::start(cfg, None).unwrap();
+        let st = AppState::for_tests(d.control());
+        let gate = st.token_gate.hold.write();
+        let first = {
+            let st = st.clone();
+            let spec = serde_json::json!({ "name": "a", "token": "one-token" });
+            let spec: TenantSpec = serde_json::from_value(spec).unwrap();
+            std::thread::spawn(move || {
+                run(add_tenant(
+                    State(st),
+                    Extension(Access::Full),
+                    JsonBody(spec),
+                ))
+                .map(|r| r.status())
+                .map_err(|e| e.status)
+            })
+        };
+        wait_until("the creation never passed its token check", || {
+            st.token_gate.passed.load(Relaxed) > 0
+        });
+        let second = {
+            let st = st.clone();
+            std::thread::spawn(move || second(st))
+        };
+        // Ended, waiting for the edits lock, or (a creation) at the gate
+        // after its own check.
+        wait_until(&format!("{what} neither ended nor waited"), || {
+            second.is_finished() || d.edits_waiting() > 0 || st.token_gate.passed.load(Relaxed) > 1
+        });
+        drop(gate);
+        let answers = (first.join().unwrap(), second.join().unwrap());
+        let mut holders = Vec::new();
+        d.control().for_each_tenant_token(&mut |name, token| {
+            if token == "one-token" {
+                holders.push(name.to_owned());
+            }
+        });
+        assert_eq!(
+            holders,
+            ["a"],
+            "one token holds the roles of tenants {holders:?} (the creation, {what}: {answers:?})"
+        );
+        assert_eq!(
+            answers,
+            (Ok(StatusCode::CREATED), Err(StatusCode::CONFLICT))
         );
         d.shutdown();
     }

@@ -222,12 +222,16 @@ pub(crate) struct AppState {
     /// settings and its change.
     #[cfg(test)]
     pub(crate) merge_gate: Arc<Gate>,
+    /// Where a test keeps a tenant's creation between its token check
+    /// and its change.
+    #[cfg(test)]
+    pub(crate) token_gate: Arc<Gate>,
 }
 
-/// A point between a write's check (a tenant token's fence, or a tenant
-/// edit's merge of its current settings) and its change, where a test
-/// holding `hold` keeps the write: `passed` counts the writes that reached
-/// it.
+/// A point between a write's check (a tenant token's fence, a tenant
+/// edit's merge of its current settings, or a tenant creation's token
+/// check) and its change, where a test holding `hold` keeps the write:
+/// `passed` counts the writes that reached it.
 #[cfg(test)]
 #[derive(Default)]
 pub(crate) struct Gate {
@@ -281,6 +285,7 @@ impl AppState {
             walks: Arc::new(tokio::sync::Semaphore::new(WALKS_AT_ONCE)),
             fence_gate: Default::default(),
             merge_gate: Default::default(),
+            token_gate: Default::default(),
         }
     }
 
@@ -450,6 +455,8 @@ fn router_at(
         fence_gate: Default::default(),
         #[cfg(test)]
         merge_gate: Default::default(),
+        #[cfg(test)]
+        token_gate: Default::default(),
     };
     build()
         .router

@@ -1050,6 +1050,16 @@ impl Control for LiveControl {
     }
 
     fn add_tenant(&self, spec: TenantSpec) -> ControlResult<()> {
+        self.add_tenant_checked(spec, &mut || Ok(()))
+    }
+
+    fn add_tenant_checked(&self, spec: TenantSpec, check: Check<'_>) -> ControlResult<()> {
+        // With the edits, as a tenant edit is: the caller's check (that no
+        // other role holds the new tenant's token) reads every tenant's
+        // token, which another creation or a tenant edit (whose own check
+        // runs under them) would change between it and this add.
+        let _one = self.0.model.lock_edits();
+        check()?;
         let id = tenant_id(&spec.name);
         self.0.add_tenant(spec)?;
         self.added_at_runtime(id);

@@ -52,9 +52,11 @@ pub(crate) struct Model {
     /// Serialises the edits that read a service's spec and write it back
     /// changed (a backend added, edited or deleted; a service edited or
     /// deleted), so that two of them never both start from the same spec
-    /// and one's change vanish under the other's, and the tenant edits
-    /// with the adds that check the tenant's caps. A reload holds it for
-    /// its whole apply; API edits take it through [`Model::lock_edits`].
+    /// and one's change vanish under the other's, the tenant edits with
+    /// the adds that check the tenant's caps, and tenant creations with
+    /// the tenant edits (each checks that no other holds its token). A
+    /// reload holds it for its whole apply; API edits take it through
+    /// [`Model::lock_edits`].
     pub(super) edits: Mutex<()>,
     /// How many callers of [`Model::lock_edits`] wait for `edits` now:
     /// what tests watch to know an edit is held up.
