@@ -60,11 +60,12 @@ pub type ControlResult<T> = Result<T, ControlError>;
 /// A caller's own check of a write (the admin API's fence of a tenant
 /// token: where a service may listen and its backends point), which the
 /// daemon runs with its edits held (the lock every change of tenants,
-/// services and backends takes, and a reload holds for its whole apply),
-/// just before it makes the change: what the check reads of the tenants
-/// and services cannot change between the check and the change. Its error
-/// refuses the write and is returned as it is. It must not call the
-/// [`Control`] writes (they take the same lock); its reads it may.
+/// services and backends takes, and a reload holds from its check of the
+/// file to the end of its apply), just before it makes the change: what
+/// the check reads of the tenants and services cannot change between the
+/// check and the change. Its error refuses the write and is returned as
+/// it is. It must not call the [`Control`] writes (they take the same
+/// lock); its reads it may.
 pub type Check<'a> = &'a mut (dyn FnMut() -> ControlResult<()> + 'a);
 
 /// What a partial update of a tenant makes of its current settings (`None`:

@@ -361,12 +361,12 @@ impl LiveControl {
     }
 
     /// Apply a config that [`Self::plan`] accepted; returns what still
-    /// failed (e.g. an address taken between the check and now).
+    /// failed (e.g. an address taken between the check and now). Called
+    /// with the edits held since the plan ([`Control::reload`]): no API
+    /// edit between the steps, which are checked against the tenants'
+    /// caps as a whole (see `Caps::WholeFile`), and each compares a service
+    /// with the file before changing it.
     fn apply(&self, new: &Config) -> Vec<String> {
-        // No API edit between the steps: they are checked against the
-        // tenants' caps as a whole (see `Caps::WholeFile`), and each
-        // compares a service with the file before changing it.
-        let _edits = self.0.model.edits.lock();
         // plan() refused any other [daemon] change.
         let daemon_error = self.0.set_live_daemon(&new.daemon).err();
         // Tenants: add new, edit existing, delete missing (after services).
@@ -1484,6 +1484,17 @@ impl Control for LiveControl {
         }
         let new = config::parse(&text, &path.display().to_string())
             .map_err(|errs| errs.iter().map(ToString::to_string).collect::<Vec<_>>())?;
+        // The edits from the plan to the end, as an API edit holds them
+        // from its check to its change: the plan lists what the file would
+        // remove that the API added (which needs `force`), and the apply
+        // removes whatever the file lacks. Taken for the apply alone, an
+        // API add between the two went unlisted and was removed without
+        // `force` (one between the apply and the clearing of
+        // `runtime_added` lost its mark, and the next reload did the
+        // same). Through `lock_edits`, as an API edit: a reload waiting
+        // for one is counted in `edits_waiting`, and waits off the runtime
+        // if it ever runs on one.
+        let _edits = self.0.model.lock_edits();
         let mut report = self.plan(&new)?;
         let runtime: Vec<String> = {
             let added = self.0.model.runtime_added.lock();
@@ -1504,6 +1515,8 @@ impl Control for LiveControl {
             errors.extend(runtime.into_iter().map(|r| format!("would remove {r}")));
             return Err(errors);
         }
+        #[cfg(test)]
+        self.0.model.planned();
         if opts.dry_run {
             return Ok(report);
         }

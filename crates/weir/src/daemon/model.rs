@@ -55,11 +55,12 @@ pub(crate) struct Model {
     /// and one's change vanish under the other's, the tenant edits with
     /// the adds that check the tenant's caps, and tenant creations with
     /// the tenant edits (each checks that no other holds its token). A
-    /// reload holds it for its whole apply; API edits take it through
+    /// reload holds it from its check of the file against the running
+    /// state to the end of its apply; it and the API edits take it through
     /// [`Model::lock_edits`].
     pub(super) edits: Mutex<()>,
-    /// How many callers of [`Model::lock_edits`] wait for `edits` now:
-    /// what tests watch to know an edit is held up.
+    /// How many callers of [`Model::lock_edits`] (API edits, reloads)
+    /// wait for `edits` now: what tests watch to know one is held up.
     pub(super) edits_waiting: AtomicUsize,
     /// How many callers of [`Model::write`] wait for `writer` now.
     pub(super) writers_waiting: AtomicUsize,
@@ -96,6 +97,14 @@ pub(crate) struct Model {
     /// start's included (tests; `caps_passed` counts backend adds alone).
     #[cfg(test)]
     pub(super) service_caps_passed: AtomicUsize,
+    /// Held (shared) by a reload from its check of the file against the
+    /// running state to its apply ([`Self::planned`]): a test holds it to
+    /// keep a reload between the two.
+    #[cfg(test)]
+    pub(super) plan_gate: RwLock<()>,
+    /// Reloads that passed their check and go on to apply (tests).
+    #[cfg(test)]
+    pub(super) plans_made: AtomicUsize,
 }
 
 /// How long an add waits for a removed service of ours to let go of its
@@ -125,6 +134,10 @@ impl Model {
             caps_passed: AtomicUsize::new(0),
             #[cfg(test)]
             service_caps_passed: AtomicUsize::new(0),
+            #[cfg(test)]
+            plan_gate: RwLock::new(()),
+            #[cfg(test)]
+            plans_made: AtomicUsize::new(0),
         }
     }
 
@@ -144,9 +157,18 @@ impl Model {
         drop(self.cap_gate.read());
     }
 
-    /// `edits`, for an API edit. The admin API calls the edits from its
-    /// handlers, on the control runtime's one worker thread, and a reload
-    /// holds `edits` for its whole apply (seconds, with many services):
+    /// A reload passed its check and goes on to apply: waits while a test
+    /// holds `plan_gate`.
+    #[cfg(test)]
+    pub(super) fn planned(&self) {
+        self.plans_made.fetch_add(1, Relaxed);
+        drop(self.plan_gate.read());
+    }
+
+    /// `edits`, for an API edit or a reload. The admin API calls the
+    /// edits from its handlers, on the control runtime's one worker
+    /// thread, and a reload holds `edits` for its check and apply
+    /// (seconds, with many services):
     /// waiting for it there held up every other admin request, the health
     /// checks and the watchdog's keep-alives until the reload ended. On a
     /// worker of a multi-thread runtime the wait is handed to
@@ -2679,6 +2701,81 @@ pub(crate) mod tests {
         };
         assert_eq!(reload(300), 1);
         assert_eq!(reload(1), 1);
+    }
+
+    /// A reload checks the file against the running state (an object the
+    /// API added since the last reload, which the file would remove, needs
+    /// `force`) and applies it to the same state: an API add between the
+    /// check and the apply waits for the reload. The reload took the edits
+    /// lock for its apply alone, so an add went in between the two, and
+    /// the apply, checked without it, removed it without `force`.
+    #[test]
+    fn a_reload_does_not_remove_without_force_what_the_api_added_after_its_check() {
+        use crate::daemon::tests::wait_for_a_waiter;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("weir.toml");
+        let d = daemon(Vec::new(), Some(&path));
+        let file = toml::to_string(&d.control().running_config()).unwrap();
+        std::fs::write(&path, file).unwrap();
+        let gate = d.shared.model.plan_gate.write();
+        let reload = {
+            let c = d.control();
+            std::thread::spawn(move || c.reload(Default::default()))
+        };
+        wait_for_a_waiter(&d.shared.model.plans_made, "the reload never checked");
+        let add = {
+            let c = d.control();
+            std::thread::spawn(move || c.add_service(spec("default", "api", Protocol::Udp)))
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !add.is_finished() && d.shared.model.edits_waiting.load(Relaxed) == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the add neither ended nor waited"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        drop(gate);
+        let reloaded = reload.join().unwrap();
+        add.join().unwrap().unwrap();
+        assert!(
+            d.shared
+                .model
+                .load()
+                .services
+                .contains_key(&key("default", "api")),
+            "the reload removed default/api, added through the API after its check, \
+             without force ({reloaded:?})"
+        );
+        d.shutdown();
+    }
+
+    /// A reload waiting for an API edit is counted in `edits_waiting`, as
+    /// an edit waiting for a reload is: what a test watches to know it is
+    /// held up. It took the edits lock around the counter.
+    #[test]
+    fn a_reload_waiting_for_an_edit_counts_as_waiting() {
+        use crate::daemon::tests::wait_for_a_waiter;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("weir.toml");
+        let d = daemon(Vec::new(), Some(&path));
+        let file = toml::to_string(&d.control().running_config()).unwrap();
+        std::fs::write(&path, file).unwrap();
+        // As an API edit does.
+        let held = d.shared.model.lock_edits();
+        let reload = {
+            let c = d.control();
+            std::thread::spawn(move || c.reload(Default::default()))
+        };
+        wait_for_a_waiter(
+            &d.shared.model.edits_waiting,
+            "the reload never waited for the edits",
+        );
+        assert_eq!(d.shared.model.plans_made.load(Relaxed), 0);
+        drop(held);
+        assert!(reload.join().unwrap().is_ok());
+        assert_eq!(d.shared.model.edits_waiting.load(Relaxed), 0);
+        d.shutdown();
     }
 
     /// `n` UDP services of `tenant` on port 0 (named `s0`...).
