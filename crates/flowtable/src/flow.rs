@@ -630,6 +630,15 @@ pub struct FlowTable {
     maintained: AtomicU64,
     #[cfg(test)]
     hooks: tests::Hooks,
+    /// Ids of removed tenants that operations begun before the removal
+    /// may still act on, each with how many removals of it are still to
+    /// retire: an add of one waits ([`FlowTable::add_tenants`]). Emptied
+    /// by the removals' deferred functions, one epoch grace period after
+    /// each.
+    retiring: Arc<Mutex<IdMap<u32>>>,
+    /// Adds that waited for an earlier tenant of their id to retire (tests).
+    #[cfg(test)]
+    readds_waited: AtomicUsize,
 }
 
 /// Source of [`FlowTable`]'s `id`s (0 is never handed out).
@@ -706,6 +715,9 @@ impl FlowTable {
             maintained: AtomicU64::new(0),
             #[cfg(test)]
             hooks: tests::Hooks::default(),
+            retiring: Arc::default(),
+            #[cfg(test)]
+            readds_waited: AtomicUsize::new(0),
             max_chain,
             memory_budget: cfg.memory_budget,
             own_bytes: AtomicUsize::new(0),
@@ -854,7 +866,8 @@ impl FlowTable {
     /// shares and the returned [`Placement::Shared`] says why.
     ///
     /// Copies the tenant directory (O(tenants)): to add many, use
-    /// [`add_tenants`](Self::add_tenants).
+    /// [`add_tenants`](Self::add_tenants). An id removed before waits for
+    /// the operations that began before its removal (see there).
     pub fn add_tenant(&self, id: TenantId, cfg: TenantConfig) -> Result<Placement, TenantError> {
         self.add_tenants(&[(id, cfg)])
             .pop()
@@ -867,11 +880,28 @@ impl FlowTable {
     /// copy of the tenant directory for the batch: adding T tenants one at
     /// a time is O(T^2), 69 s for 100,000 here. Returns one result per
     /// tenant, in order.
+    ///
+    /// # Waits
+    /// An id removed before is added again once every operation that
+    /// began before its removal has ended (an epoch grace period: each
+    /// holds its pin for one short call). One of those could still act on
+    /// the removed tenant, which an entry's id does not tell from the new
+    /// one: a removal by key in the shared table took the new tenant's
+    /// entry off the old tenant's count, and an insert being undone put
+    /// an entry the new tenant could see and count. So a thread that holds
+    /// a [`Reader`] must not add an id it removed: it would wait for
+    /// itself.
     pub fn add_tenants(
         &self,
         tenants: &[(TenantId, TenantConfig)],
     ) -> Vec<Result<Placement, TenantError>> {
         let mut m = self.maint.lock();
+        // Checked under the maintenance lock, which a removal takes to
+        // mark its ids retiring: none can start retiring between the check
+        // and the add.
+        while self.retiring_among(tenants) {
+            parking_lot::MutexGuard::unlocked(&mut m, || self.wait_retired(tenants));
+        }
         let guard = epoch::pin();
         let cur = self.tenants.load(&guard);
         let mut next: Option<TenantMap> = None;
@@ -904,6 +934,25 @@ impl FlowTable {
             self.tenant_changes.fetch_add(1, Release);
         }
         results
+    }
+
+    /// Whether an id of `tenants` is retiring (see `retiring`).
+    fn retiring_among(&self, tenants: &[(TenantId, TenantConfig)]) -> bool {
+        let r = self.retiring.lock();
+        !r.is_empty() && tenants.iter().any(|(id, _)| r.contains_key(&id.0))
+    }
+
+    /// Until no id of `tenants` is retiring: each round pins and flushes,
+    /// which advances the epoch once no thread is pinned from before and
+    /// runs the removals' deferred functions. As long as the longest call
+    /// that began before the removal.
+    fn wait_retired(&self, tenants: &[(TenantId, TenantConfig)]) {
+        #[cfg(test)]
+        self.readds_waited.fetch_add(1, SeqCst);
+        while self.retiring_among(tenants) {
+            epoch::pin().flush();
+            std::thread::yield_now();
+        }
     }
 
     /// A new tenant (not yet in the directory): its table, own or shared.
@@ -1043,6 +1092,28 @@ impl FlowTable {
         next.own.retain(|o| !removed.contains_key(&o.id.0));
         self.tenants.replace(next, &guard);
         self.tenant_changes.fetch_add(1, Release);
+        // Operations that loaded the old directory may act on the removed
+        // tenants until their pins go: their ids retire one grace period
+        // from now (an add of one waits until then, see `add_tenants`).
+        {
+            let mut r = self.retiring.lock();
+            for id in removed.keys() {
+                *r.entry(*id).or_default() += 1;
+            }
+        }
+        let retiring = Arc::clone(&self.retiring);
+        let retired: Vec<u32> = removed.keys().copied().collect();
+        guard.defer(move || {
+            let mut r = retiring.lock();
+            for id in retired {
+                if let Some(n) = r.get_mut(&id) {
+                    *n -= 1;
+                    if *n == 0 {
+                        r.remove(&id);
+                    }
+                }
+            }
+        });
         for t in gone.iter().flatten() {
             t.removed.store(true, SeqCst);
         }
@@ -1965,6 +2036,8 @@ impl FlowTable {
         let guard = epoch::pin();
         let map = self.tenants.load(&guard);
         let t = map.map.get(&key.tenant.0)?;
+        #[cfg(test)]
+        self.hooks.at(tests::Pause::Removing);
         let pk = PackedKey::new(key);
         let h = t.table.hash(&pk, t.salt);
         let snap = {
@@ -3390,6 +3463,9 @@ mod tests {
     pub(super) enum Pause {
         /// `reserve_for` has taken budget and not yet recorded it.
         Reserved,
+        /// A removal by key has found its tenant and not yet looked for
+        /// the key.
+        Removing,
     }
 
     type Hook = Box<dyn Fn(Pause) + Send + Sync>;
@@ -3520,5 +3596,59 @@ mod tests {
         );
         ft.remove_tenant(TenantId(1), &mut Vec::new()).unwrap();
         assert_eq!(ft.own_bytes.load(Relaxed), 0);
+    }
+
+    /// A removal by key that found its tenant before the tenant was
+    /// removed and its id added again (allowed here; the daemon never
+    /// reuses an id) leaves the new tenant's entry count exact. It used to
+    /// go on with the old tenant: it found the new tenant's entry under the
+    /// same key in the shared table, removed it and took it off the old
+    /// tenant's count, and the new tenant counted an entry it did not hold
+    /// for good.
+    #[test]
+    fn a_removal_that_began_before_its_tenant_was_added_again_keeps_the_count() {
+        let ft = table();
+        ft.add_tenant(TenantId(5), TenantConfig::default()).unwrap();
+        ft.insert(key(5, 1), init(), Millis(0)).unwrap();
+        let again: Arc<Mutex<Option<std::thread::JoinHandle<()>>>> = Arc::default();
+        let weak = Arc::downgrade(&ft);
+        let a = Arc::clone(&again);
+        ft.hooks.set(move |p| {
+            if p != Pause::Removing || a.lock().is_some() {
+                return;
+            }
+            let ft = weak.upgrade().unwrap();
+            let mut out = Vec::new();
+            ft.remove_tenant(TenantId(5), &mut out).unwrap();
+            assert_eq!(out.len(), 1);
+            // Added again with the same key's entry, on a thread of its
+            // own: it may wait for this removal (pinned) to end.
+            let b = {
+                let ft = Arc::clone(&ft);
+                std::thread::spawn(move || {
+                    ft.add_tenant(TenantId(5), TenantConfig::default()).unwrap();
+                    ft.insert(key(5, 1), init(), Millis(0)).unwrap();
+                })
+            };
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while !b.is_finished() && ft.readds_waited.load(SeqCst) == 0 {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the add neither ended nor waited"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            *a.lock() = Some(b);
+        });
+        let removed = ft.remove(&key(5, 1));
+        let b = again.lock().take().expect("the removal never paused");
+        b.join().unwrap();
+        let held = usize::from(ft.get(&key(5, 1)).is_some());
+        let counted = ft.tenant_stats(TenantId(5)).unwrap().entries;
+        assert_eq!(
+            counted, held as u64,
+            "tenant 5 (added again) counts {counted} entries and holds {held} (the removal \
+             that began before: {removed:?})"
+        );
     }
 }
