@@ -1210,7 +1210,6 @@ pub(crate) async fn metrics(
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::Ordering::Relaxed;
-    use std::time::{Duration, Instant};
 
     use axum::Extension;
     use axum::extract::State;
@@ -1220,6 +1219,7 @@ mod tests {
     use crate::admin::auth::Access;
     use crate::config::{BackendSpec, Config, TenantSpec};
     use crate::daemon::Daemon;
+    use crate::daemon::tests::wait_until;
 
     /// Runs a handler to its end on this thread.
     fn run<F: std::future::Future>(f: F) -> F::Output {
@@ -1228,15 +1228,6 @@ mod tests {
             .build()
             .unwrap()
             .block_on(f)
-    }
-
-    /// Waits, for 10 s at most, until `done`.
-    fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !done() {
-            assert!(Instant::now() < deadline, "{what}");
-            std::thread::sleep(Duration::from_millis(5));
-        }
     }
 
     /// A tenant edit that narrows `allowed_backends` waits for a tenant
@@ -1287,15 +1278,9 @@ mod tests {
             let backends = backends.clone();
             let body = serde_json::json!({ "allowed_backends": ["127.0.0.9/32"] });
             std::thread::spawn(move || {
-                let to = PathParams("acme".to_owned());
-                run(edit_tenant(
-                    State(st),
-                    Extension(Access::Full),
-                    to,
-                    JsonBody(body),
-                ))
-                .map(|_| backends())
-                .map_err(|e| e.message)
+                put_tenant(st, "acme", body)
+                    .map(|_| backends())
+                    .map_err(|e| e.message)
             })
         };
         wait_until("the edit neither ended nor waited", || {
@@ -1335,15 +1320,9 @@ mod tests {
             let st = st.clone();
             let body = serde_json::json!({ "max_services": 5 });
             std::thread::spawn(move || {
-                let to = PathParams("acme".to_owned());
-                run(edit_tenant(
-                    State(st),
-                    Extension(Access::Full),
-                    to,
-                    JsonBody(body),
-                ))
-                .map(|r| r.status())
-                .map_err(|e| e.message)
+                put_tenant(st, "acme", body)
+                    .map(|r| r.status())
+                    .map_err(|e| e.message)
             })
         };
         wait_until("the PUT never merged", || {
@@ -1380,17 +1359,7 @@ mod tests {
     /// and one token held two tenants' roles.
     #[test]
     fn two_tenants_created_at_once_cannot_share_a_token() {
-        one_token_for_two_tenants("the second creation", |st| {
-            let spec = serde_json::json!({ "name": "c", "token": "one-token" });
-            let spec: TenantSpec = serde_json::from_value(spec).unwrap();
-            run(add_tenant(
-                State(st),
-                Extension(Access::Full),
-                JsonBody(spec),
-            ))
-            .map(|r| r.status())
-            .map_err(|e| e.status)
-        });
+        one_token_for_two_tenants("the second creation", |st| created_with_the_token(st, "c"));
     }
 
     /// As two creations: a PUT giving an existing tenant the token of one
@@ -1401,16 +1370,39 @@ mod tests {
     fn a_tenant_put_cannot_take_the_token_of_a_tenant_being_created() {
         one_token_for_two_tenants("the PUT", |st| {
             let body = serde_json::json!({ "token": "one-token" });
-            let to = PathParams("b".to_owned());
-            run(edit_tenant(
-                State(st),
-                Extension(Access::Full),
-                to,
-                JsonBody(body),
-            ))
-            .map(|r| r.status())
-            .map_err(|e| e.status)
+            put_tenant(st, "b", body)
+                .map(|r| r.status())
+                .map_err(|e| e.status)
         });
+    }
+
+    /// `PUT /v1/tenants/{tenant}` with `body` (full access), to its end.
+    fn put_tenant(
+        st: AppState,
+        tenant: &str,
+        body: serde_json::Value,
+    ) -> Result<axum::response::Response, crate::admin::error::ApiError> {
+        let to = PathParams(tenant.to_owned());
+        run(edit_tenant(
+            State(st),
+            Extension(Access::Full),
+            to,
+            JsonBody(body),
+        ))
+    }
+
+    /// The status of `POST /v1/tenants` creating tenant `name` with token
+    /// "one-token" (full access).
+    fn created_with_the_token(st: AppState, name: &str) -> Result<StatusCode, StatusCode> {
+        let spec = serde_json::json!({ "name": name, "token": "one-token" });
+        let spec: TenantSpec = serde_json::from_value(spec).unwrap();
+        run(add_tenant(
+            State(st),
+            Extension(Access::Full),
+            JsonBody(spec),
+        ))
+        .map(|r| r.status())
+        .map_err(|e| e.status)
     }
 
     /// Keeps the creation of tenant "a" with token "one-token" between its
@@ -1430,17 +1422,7 @@ mod tests {
         let gate = st.token_gate.hold.write();
         let first = {
             let st = st.clone();
-            let spec = serde_json::json!({ "name": "a", "token": "one-token" });
-            let spec: TenantSpec = serde_json::from_value(spec).unwrap();
-            std::thread::spawn(move || {
-                run(add_tenant(
-                    State(st),
-                    Extension(Access::Full),
-                    JsonBody(spec),
-                ))
-                .map(|r| r.status())
-                .map_err(|e| e.status)
-            })
+            std::thread::spawn(move || created_with_the_token(st, "a"))
         };
         wait_until("the creation never passed its token check", || {
             st.token_gate.passed.load(Relaxed) > 0

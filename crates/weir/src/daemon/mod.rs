@@ -1053,7 +1053,7 @@ pub(crate) fn host_has_ip(ip: std::net::IpAddr) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A TCP echo server on 127.0.0.1 for the tests' services: each
@@ -1095,8 +1095,14 @@ mod tests {
     /// Until `waiting` (a lock's count of waiters) counts one, for at most
     /// 10 s; past that the test fails saying `what`.
     pub(crate) fn wait_for_a_waiter(waiting: &std::sync::atomic::AtomicUsize, what: &str) {
+        wait_until(what, || waiting.load(Relaxed) > 0);
+    }
+
+    /// Until `done`, for at most 10 s; past that the test fails saying
+    /// `what`.
+    pub(crate) fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
         let deadline = Instant::now() + Duration::from_secs(10);
-        while waiting.load(Relaxed) == 0 {
+        while !done() {
             assert!(Instant::now() < deadline, "{what}");
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -1285,53 +1291,23 @@ mod tests {
     /// the operator set it.
     #[test]
     fn a_tenant_edit_waits_for_an_add_checked_against_its_old_limits() {
-        let toml = "[daemon]\nworkers = 1\n[[tenant]]\nname = \"acme\"\nmax_backends = 3\n\
-                    [[service]]\ntenant = \"acme\"\nname = \"s\"\nprotocol = \"tcp\"\n\
-                    listen = \"127.0.0.1:0\"\n[[service.backend]]\naddress = \"127.0.0.9:1\"\n\
-                    [[service.backend]]\naddress = \"127.0.0.9:2\"\n";
-        let cfg: Config = toml::from_str(toml).unwrap();
-        let d = Daemon::start(cfg, None).unwrap();
-        let backends = {
-            let c = d.control();
-            move || c.service_spec("acme", "s").unwrap().backends.len()
-        };
-        let gate = d.shared.model.cap_gate.write();
-        let add = {
-            let c = d.control();
-            let spec: crate::config::BackendSpec =
-                serde_json::from_value(serde_json::json!({ "address": "127.0.0.9:3" })).unwrap();
-            std::thread::spawn(move || c.add_backend("acme", "s", spec))
-        };
-        wait_for_a_waiter(
-            &d.shared.model.caps_passed,
-            "the add never passed its check",
-        );
-        // Lowered to what the tenant holds; the backends there when the
-        // edit returns are what it keeps.
-        let edit = {
-            let c = d.control();
-            let backends = backends.clone();
-            let mut spec = c.tenant_spec("acme").unwrap();
-            spec.max_backends = 2;
-            std::thread::spawn(move || c.edit_tenant("acme", spec).map(|()| backends()))
-        };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !edit.is_finished() && d.shared.model.edits_waiting.load(Relaxed) == 0 {
-            assert!(
-                Instant::now() < deadline,
-                "the edit neither ended nor waited"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        drop(gate);
-        add.join().unwrap().unwrap();
-        let kept = edit.join().unwrap().unwrap();
-        assert!(
-            backends() <= kept.max(2),
-            "acme holds {} backends over its max_backends (2), set when it held {kept}",
-            backends()
-        );
-        d.shutdown();
+        a_lowered_limit_holds_once_the_edit_returned(LimitRace {
+            toml: "[daemon]\nworkers = 1\n[[tenant]]\nname = \"acme\"\nmax_backends = 3\n\
+                   [[service]]\ntenant = \"acme\"\nname = \"s\"\nprotocol = \"tcp\"\n\
+                   listen = \"127.0.0.1:0\"\n[[service.backend]]\naddress = \"127.0.0.9:1\"\n\
+                   [[service.backend]]\naddress = \"127.0.0.9:2\"\n",
+            limit: "max_backends",
+            lowered: 2,
+            lower: |t, n| t.max_backends = n,
+            passed: |m| &m.caps_passed,
+            held: |c| c.service_spec("acme", "s").unwrap().backends.len() as u64,
+            add: |c: &dyn Control| {
+                let spec: crate::config::BackendSpec =
+                    serde_json::from_value(serde_json::json!({ "address": "127.0.0.9:3" }))
+                        .unwrap();
+                c.add_backend("acme", "s", spec)
+            },
+        });
     }
 
     /// As for a backend add: a tenant edit lowering `max_services` waits
@@ -1340,54 +1316,90 @@ mod tests {
     /// services there when it returns stay, as for `max_backends`).
     #[test]
     fn a_tenant_edit_waits_for_a_service_add_checked_against_its_old_limit() {
-        let toml = "[daemon]\nworkers = 1\n[[tenant]]\nname = \"acme\"\nmax_services = 2\n\
-                    [[service]]\ntenant = \"acme\"\nname = \"s\"\nprotocol = \"tcp\"\n\
-                    listen = \"127.0.0.1:0\"\n";
+        a_lowered_limit_holds_once_the_edit_returned(LimitRace {
+            toml: "[daemon]\nworkers = 1\n[[tenant]]\nname = \"acme\"\nmax_services = 2\n\
+                   [[service]]\ntenant = \"acme\"\nname = \"s\"\nprotocol = \"tcp\"\n\
+                   listen = \"127.0.0.1:0\"\n",
+            limit: "max_services",
+            lowered: 1,
+            lower: |t, n| t.max_services = n,
+            passed: |m| &m.service_caps_passed,
+            held: |c| c.services_of("acme").len() as u64,
+            add: |c: &dyn Control| {
+                let spec = crate::config::service_from_json(serde_json::json!({
+                    "tenant": "acme", "name": "t", "protocol": "tcp", "listen": "127.0.0.1:0"
+                }))
+                .unwrap();
+                c.add_service(spec)
+            },
+        });
+    }
+
+    /// A tenant edit lowering one of tenant acme's limits, raced with an
+    /// add that counts against it.
+    struct LimitRace<A> {
+        /// The daemon's configuration: acme under the limit.
+        toml: &'static str,
+        /// The limit's key in a tenant's settings.
+        limit: &'static str,
+        /// What the edit lowers it to: what acme holds before the add.
+        lowered: u64,
+        /// Sets the limit in acme's settings.
+        lower: fn(&mut crate::config::TenantSpec, u64),
+        /// Counts the adds that passed their check against the limit
+        /// (where `cap_gate` keeps them), the start's included.
+        passed: fn(&model::Model) -> &std::sync::atomic::AtomicUsize,
+        /// What acme holds of what the limit counts.
+        held: fn(&dyn Control) -> u64,
+        /// The add, run on a thread of its own.
+        add: A,
+    }
+
+    /// Keeps `race.add` between its check against acme's limit and its
+    /// change, lowers the limit with a tenant edit until the edit ends or
+    /// waits for the edits lock, then lets the add go: acme must hold no
+    /// more than the new limit, or than it held when the edit returned.
+    fn a_lowered_limit_holds_once_the_edit_returned<A>(race: LimitRace<A>)
+    where
+        A: FnOnce(&dyn Control) -> crate::control::ControlResult<()> + Send + 'static,
+    {
+        let LimitRace {
+            toml,
+            limit,
+            lowered,
+            lower,
+            passed,
+            held,
+            add,
+        } = race;
         let cfg: Config = toml::from_str(toml).unwrap();
         let d = Daemon::start(cfg, None).unwrap();
-        let services = {
-            let c = d.control();
-            move || c.services_of("acme").len()
-        };
-        // The start's service passed the same check.
-        let started = d.shared.model.service_caps_passed.load(Relaxed);
+        let started = passed(&d.shared.model).load(Relaxed);
         let gate = d.shared.model.cap_gate.write();
         let add = {
             let c = d.control();
-            let spec = crate::config::service_from_json(serde_json::json!({
-                "tenant": "acme", "name": "t", "protocol": "tcp", "listen": "127.0.0.1:0"
-            }))
-            .unwrap();
-            std::thread::spawn(move || c.add_service(spec))
+            std::thread::spawn(move || add(&*c))
         };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while d.shared.model.service_caps_passed.load(Relaxed) == started {
-            assert!(Instant::now() < deadline, "the add never passed its check");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        // Lowered to what the tenant holds.
+        wait_until("the add never passed its check", || {
+            passed(&d.shared.model).load(Relaxed) != started
+        });
         let edit = {
             let c = d.control();
-            let services = services.clone();
             let mut spec = c.tenant_spec("acme").unwrap();
-            spec.max_services = 1;
-            std::thread::spawn(move || c.edit_tenant("acme", spec).map(|()| services()))
+            lower(&mut spec, lowered);
+            std::thread::spawn(move || c.edit_tenant("acme", spec).map(|()| held(&*c)))
         };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !edit.is_finished() && d.shared.model.edits_waiting.load(Relaxed) == 0 {
-            assert!(
-                Instant::now() < deadline,
-                "the edit neither ended nor waited"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_until("the edit neither ended nor waited", || {
+            edit.is_finished() || d.shared.model.edits_waiting.load(Relaxed) > 0
+        });
         drop(gate);
         add.join().unwrap().unwrap();
         let kept = edit.join().unwrap().unwrap();
+        let now = held(&*d.control());
+        let what = limit.trim_start_matches("max_");
         assert!(
-            services() <= kept.max(1),
-            "acme holds {} services over its max_services (1), set when it held {kept}",
-            services()
+            now <= kept.max(lowered),
+            "acme holds {now} {what} over its {limit} ({lowered}), set when it held {kept}"
         );
         d.shutdown();
     }

@@ -2711,12 +2711,8 @@ pub(crate) mod tests {
     /// the apply, checked without it, removed it without `force`.
     #[test]
     fn a_reload_does_not_remove_without_force_what_the_api_added_after_its_check() {
-        use crate::daemon::tests::wait_for_a_waiter;
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("weir.toml");
-        let d = daemon(Vec::new(), Some(&path));
-        let file = toml::to_string(&d.control().running_config()).unwrap();
-        std::fs::write(&path, file).unwrap();
+        use crate::daemon::tests::{wait_for_a_waiter, wait_until};
+        let (d, _dir) = daemon_reloading_itself();
         let gate = d.shared.model.plan_gate.write();
         let reload = {
             let c = d.control();
@@ -2727,14 +2723,9 @@ pub(crate) mod tests {
             let c = d.control();
             std::thread::spawn(move || c.add_service(spec("default", "api", Protocol::Udp)))
         };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !add.is_finished() && d.shared.model.edits_waiting.load(Relaxed) == 0 {
-            assert!(
-                Instant::now() < deadline,
-                "the add neither ended nor waited"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_until("the add neither ended nor waited", || {
+            add.is_finished() || d.shared.model.edits_waiting.load(Relaxed) > 0
+        });
         drop(gate);
         let reloaded = reload.join().unwrap();
         add.join().unwrap().unwrap();
@@ -2756,11 +2747,7 @@ pub(crate) mod tests {
     #[test]
     fn a_reload_waiting_for_an_edit_counts_as_waiting() {
         use crate::daemon::tests::wait_for_a_waiter;
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("weir.toml");
-        let d = daemon(Vec::new(), Some(&path));
-        let file = toml::to_string(&d.control().running_config()).unwrap();
-        std::fs::write(&path, file).unwrap();
+        let (d, _dir) = daemon_reloading_itself();
         // As an API edit does.
         let held = d.shared.model.lock_edits();
         let reload = {
@@ -2776,6 +2763,18 @@ pub(crate) mod tests {
         assert!(reload.join().unwrap().is_ok());
         assert_eq!(d.shared.model.edits_waiting.load(Relaxed), 0);
         d.shutdown();
+    }
+
+    /// A daemon with one worker and no services, started from a file
+    /// (in the directory returned with it) that holds its running
+    /// configuration: a reload changes nothing.
+    fn daemon_reloading_itself() -> (crate::daemon::DaemonHandle, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("weir.toml");
+        let d = daemon(Vec::new(), Some(&path));
+        let file = toml::to_string(&d.control().running_config()).unwrap();
+        std::fs::write(&path, file).unwrap();
+        (d, dir)
     }
 
     /// `n` UDP services of `tenant` on port 0 (named `s0`...).
