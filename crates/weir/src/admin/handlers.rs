@@ -514,25 +514,41 @@ pub(crate) async fn add_service(
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
     check_tenant(&access, &spec.tenant)?;
     check_name("service", &spec.name)?;
+    let mut check = service_check(&st, &access, &spec, None, interval_given);
+    let id = format!("{}/{}", spec.tenant, spec.name);
+    st.control.add_service_checked(spec, &mut check)?;
+    Ok(created(id))
+}
+
+/// The [`Check`](crate::control::Check) of `access`'s write of `spec`,
+/// an add (`editing`: `None`) or the edit of service `editing` of its
+/// tenant: [`check_fence`] on its listen address, its backends and its
+/// health check's target, then [`check_health_floor`]. What it reads of
+/// `spec` is copied now: the spec itself goes to the write.
+fn service_check<'a>(
+    st: &'a AppState,
+    access: &'a Access,
+    spec: &ServiceSpec,
+    editing: Option<&'a str>,
+    interval_given: bool,
+) -> impl FnMut() -> ControlResult<()> + 'a {
     let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
     let (tenant, protocol, listen) = (spec.tenant.clone(), spec.protocol, spec.listen);
     let health = spec.options.health.clone();
-    let mut check = || {
+    move || {
         let target = health.as_ref().map(health_target);
         check_fence(
-            &st,
-            &access,
+            st,
+            access,
             &tenant,
             protocol,
             Some(listen),
             &backends,
             target,
         )?;
-        check_health_floor(&st, &access, &tenant, None, health.as_ref(), interval_given)
-    };
-    let id = format!("{}/{}", spec.tenant, spec.name);
-    st.control.add_service_checked(spec, &mut check)?;
-    Ok(created(id))
+        let h = health.as_ref();
+        check_health_floor(st, access, &tenant, editing, h, interval_given)
+    }
 }
 
 pub(crate) async fn get_service(
@@ -576,23 +592,8 @@ pub(crate) async fn edit_service(
     let interval_given = names_health_interval(&obj);
     let spec: ServiceSpec = crate::config::service_from_json(serde_json::Value::Object(obj))
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
-    let backends: Vec<_> = spec.backends.iter().map(|b| b.address).collect();
-    let (protocol, listen) = (spec.protocol, spec.listen);
-    let health = spec.options.health.clone();
-    let mut check = || {
-        let target = health.as_ref().map(health_target);
-        check_fence(
-            &st,
-            &access,
-            &tenant,
-            protocol,
-            Some(listen),
-            &backends,
-            target,
-        )?;
-        let h = health.as_ref();
-        check_health_floor(&st, &access, &tenant, Some(&service), h, interval_given)
-    };
+    // `spec.tenant` is the path's (set or checked above).
+    let mut check = service_check(&st, &access, &spec, Some(&service), interval_given);
     st.control
         .edit_service_checked(&tenant, &service, spec, &mut check)?;
     Ok(ok_json(
