@@ -449,6 +449,17 @@ impl LiveControl {
         errors
     }
 
+    /// `Model::edits`, once the caller's `check` passed with them held:
+    /// what every `*_checked` write holds while it makes its change.
+    fn lock_edits_checked(
+        &self,
+        check: Check<'_>,
+    ) -> ControlResult<parking_lot::MutexGuard<'_, ()>> {
+        let one = self.0.model.lock_edits();
+        check()?;
+        Ok(one)
+    }
+
     /// [`Control::edit_tenant`], `Model::edits` held by the caller (it,
     /// or a reload's apply).
     fn edit_tenant_locked(&self, tenant: &str, spec: TenantSpec) -> ControlResult<()> {
@@ -1058,8 +1069,7 @@ impl Control for LiveControl {
         // other role holds the new tenant's token) reads every tenant's
         // token, which another creation or a tenant edit (whose own check
         // runs under them) would change between it and this add.
-        let _one = self.0.model.lock_edits();
-        check()?;
+        let _one = self.lock_edits_checked(check)?;
         let id = tenant_id(&spec.name);
         self.0.add_tenant(spec)?;
         self.added_at_runtime(id);
@@ -1110,8 +1120,7 @@ impl Control for LiveControl {
         // With the edits: a `max_backends` counts the tenant's backends,
         // and the caller's check (a tenant token's fence) reads the
         // tenant's settings, which a tenant edit changes under them.
-        let _one = self.0.model.lock_edits();
-        check()?;
+        let _one = self.lock_edits_checked(check)?;
         let id = format!("service {}/{}", spec.tenant, spec.name);
         self.0.add_service(spec)?;
         self.added_at_runtime(id);
@@ -1129,8 +1138,7 @@ impl Control for LiveControl {
         spec: ServiceSpec,
         check: Check<'_>,
     ) -> ControlResult<()> {
-        let _one = self.0.model.lock_edits();
-        check()?;
+        let _one = self.lock_edits_checked(check)?;
         self.edit_service_locked(tenant, name, spec, Caps::EachChange)
     }
 
@@ -1156,8 +1164,7 @@ impl Control for LiveControl {
         spec: BackendSpec,
         check: Check<'_>,
     ) -> ControlResult<()> {
-        let _one = self.0.model.lock_edits();
-        check()?;
+        let _one = self.lock_edits_checked(check)?;
         let svc = self.service(tenant, service)?;
         let mut specs = svc.spec.read().backends.clone();
         // `[::ffff:10.0.0.1]:80` is `10.0.0.1:80` (as a file's check says).
