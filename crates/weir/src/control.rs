@@ -367,8 +367,8 @@ pub struct PacketCounters {
     #[serde(default)]
     pub seq_ignored: u64,
     /// Flows that never got going (TCP in SYN_RECV, its handshake not
-    /// finished; UDP with a single datagram from its client, or through
-    /// nat or fnat with no reply yet) ended, those
+    /// finished; a single packet from the client so far; or, through nat
+    /// or fnat, no reply yet) ended, those
     /// due soonest first, to make room for a new flow at a connection
     /// limit or in a full table: what a SYN or spoofed UDP flood costs the
     /// flows it crowds.

@@ -375,7 +375,7 @@ fn global_metrics(reg: &mut Registry, g: &GlobalStats) {
         counter(
             reg,
             "weir_packet_early_drops",
-            "Packet mode: flows that never got going (TCP in SYN_RECV; UDP with a single datagram, or no reply) ended, those due soonest first, to make room for a new flow at a connection limit or a full table (SYN and spoofed UDP flood defence)",
+            "Packet mode: flows that never got going (TCP in SYN_RECV; a single packet from the client; no reply) ended, those due soonest first, to make room for a new flow at a connection limit or a full table (SYN and spoofed UDP flood defence)",
             None,
             p.counts.early_drops,
         );

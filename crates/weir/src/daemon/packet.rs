@@ -792,21 +792,27 @@ fn first_state(pkt: &Packet, method: Method) -> FlowState {
 }
 
 /// A packet flow that never got going, which a new flow at a limit may
-/// take the place of ([`Engine::early_drop`]): TCP in SYN_RECV; UDP with
-/// a single datagram from its client so far, or through nat or fnat
-/// (indexed by its reply key) with no reply yet. The single datagram is
-/// conntrack's rule (a UDP entry is assured only once it is a stream): a
-/// spoofed query's flow holds its place for the UDP timeout (300 s by
-/// default) whether or not its backend answered, and a DNS-style
-/// exchange that has had its answer loses nothing when its entry goes. A
-/// UDP flow that has carried two datagrams or more from its client, and
-/// heard back where weir can tell, is kept.
+/// take the place of ([`Engine::early_drop`]): TCP in SYN_RECV; or any
+/// flow with a single packet from its client so far, or (nat and fnat,
+/// indexed by their reply key, so weir sees their replies) with no packet
+/// from its backend yet.
+///
+/// The single packet is conntrack's rule for what it may drop early (an
+/// entry is assured only once it has seen both ways, and UDP only once it
+/// is a stream). A spoofed UDP query holds its place for the UDP timeout
+/// (300 s by default) whether or not its backend answered (a DNS server
+/// answers anything), and a DNS-style exchange that has had its answer
+/// loses nothing when its entry goes. A TCP flow past SYN_RECV with one
+/// packet is a `sloppy_tcp` pick-up (its first packet was not a SYN): a
+/// spoofed ACK would otherwise hold an ESTABLISHED place for 900 s. A
+/// flow with two packets or more from its client, and that heard back
+/// where weir can tell, is kept.
 fn never_heard_back(c: weir_flowtable::Candidate) -> bool {
     is_packet_owner(c.owner)
         && match c.state {
+            FlowState::Persist => false,
             FlowState::SynRecv => true,
-            FlowState::Udp => c.packets_in <= 1 || (c.reply && c.packets_out == 0),
-            _ => false,
+            _ => c.packets_in <= 1 || (c.reply && c.packets_out == 0),
         }
 }
 
@@ -1749,9 +1755,9 @@ impl Engine {
     /// new flow can take its place at the tenant's or the daemon's
     /// connection limit, or in the tenant's full table. Never heard back
     /// (never got going, [`never_heard_back`]): a TCP flow in SYN_RECV
-    /// (the client's SYN seen, its handshake not finished), a UDP flow
-    /// with a single datagram from its client so far, or one of a nat or
-    /// fnat service (weir sees its replies) with no reply yet. `false` if
+    /// (the client's SYN seen, its handshake not finished), a flow with a
+    /// single packet from its client so far, or one of a nat or fnat
+    /// service (weir sees its replies) with no reply yet. `false` if
     /// none was found among the
     /// [`EARLY_DROP_LOOK`] next due (or an expiry pass held the tenant's
     /// wheel).
@@ -2783,8 +2789,19 @@ mod tests {
         // A look that found nothing is not made again for a while: a
         // flood against a tenant whose flows all heard back costs a
         // compare per SYN, not a look.
+        // (The handshakes of those left finish: the backend's SYN-ACK, the
+        // client's ACK.)
         for i in [3, 4, 7] {
-            table.set_state(&tcp_key(&e, flood(i)), FlowState::Established, now);
+            let Some(s) = table.get(&tcp_key(&e, flood(i))) else {
+                continue;
+            };
+            let b = the_service(&d).backend(s.backend.0).unwrap().addr;
+            for (src, dst, flags, seq) in [(b, flood(i), SYN | ACK, 1), (flood(i), sa(VIP), ACK, 2)]
+            {
+                let mut f = frame_seq(src, dst, Some(flags), seq, b"");
+                assert_eq!(e.process_at(&mut f, now), Verdict::Transmit);
+            }
+            assert_eq!(table.get(&s.key).unwrap().state, FlowState::Established);
         }
         assert_eq!(syn(&mut e, flood(8)), Verdict::Drop);
         assert_eq!(looks(&e), 6);
@@ -2866,6 +2883,41 @@ mod tests {
         assert_eq!(counted(&e, Drop::Refused), 1);
         assert_eq!(e.counters.early_drops.load(Relaxed), 2);
         assert_eq!(d.shared.admission.active.load(Relaxed), 3);
+    }
+
+    /// A SYN at the limit takes the place of a `sloppy_tcp` pick-up that
+    /// carried a single packet (a spoofed ACK opens an ESTABLISHED flow,
+    /// 900 s, with sloppy_tcp on), never of one that went on both ways.
+    #[test]
+    fn a_syn_at_the_limit_takes_the_place_of_a_one_packet_sloppy_pickup() {
+        let d = daemon("nat", "max_connections = 2");
+        the_service(&d).spec.write().options.sloppy_tcp = true;
+        d.shared.services_changed();
+        let mut e = engine(&d);
+        let table = &d.shared.conns.table;
+        let now = Millis(d.shared.now_ms());
+        let client = |i: u16| SocketAddr::new("198.51.100.1".parse().unwrap(), i);
+        let send = |e: &mut Engine, src: SocketAddr, dst: SocketAddr, flags: u8| {
+            let mut f = frame(src, dst, Some(flags), b"data");
+            e.process_at(&mut f, now)
+        };
+        // 1 picked up mid-stream and going on both ways; 2 a lone ACK.
+        assert_eq!(send(&mut e, client(1), sa(VIP), ACK), Verdict::Transmit);
+        let b = table.get(&tcp_key(&e, client(1))).unwrap().backend;
+        let b_addr = the_service(&d).backend(b.0).unwrap().addr;
+        assert_eq!(send(&mut e, b_addr, client(1), ACK), Verdict::Transmit);
+        assert_eq!(send(&mut e, client(1), sa(VIP), ACK), Verdict::Transmit);
+        assert_eq!(send(&mut e, client(2), sa(VIP), ACK), Verdict::Transmit);
+        for i in [1, 2] {
+            let s = table.get(&tcp_key(&e, client(i))).unwrap().state;
+            assert_eq!(s, FlowState::Established, "{i}");
+        }
+        table.expire(now, 4096, &mut Vec::new());
+        assert_eq!(send(&mut e, client(3), sa(VIP), SYN), Verdict::Transmit);
+        assert_eq!(table.get(&tcp_key(&e, client(2))), None, "2 gave its place");
+        assert!(table.get(&tcp_key(&e, client(1))).is_some(), "1 kept");
+        assert_eq!(e.counters.early_drops.load(Relaxed), 1);
+        assert_eq!(d.shared.admission.active.load(Relaxed), 2);
     }
 
     /// Tenants a (on 10.0.0.100:80) and b (on 10.0.0.101:80), each with a
