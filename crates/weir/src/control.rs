@@ -283,6 +283,12 @@ pub struct GlobalStats {
     /// sent to its client); left out while there were none.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub udp_dropped: std::collections::BTreeMap<String, u64>,
+    /// UDP proxy sessions that had carried a single datagram from their
+    /// client, ended, those due soonest first, to make room for a new
+    /// session at its tenant's or the daemon's connection limit: what a
+    /// spoofed datagram flood costs the sessions it crowds.
+    #[serde(default)]
+    pub udp_early_drops: u64,
     /// Open file descriptors and the limit.
     pub open_fds: u64,
     /// RLIMIT_NOFILE soft limit.

@@ -91,6 +91,8 @@ fn golden_conns_table_tenants_health_top() {
 fn golden_stats_global_with_packet_workers() {
     use weir::control::{PacketCounters, PacketStats, PacketWorkerStats};
     let mut g = Fake::sample().global_stats();
+    // (The UDP proxy's early drops, shown above packet mode's figures.)
+    g.udp_early_drops = 6;
     let worker = |name: &str, rx, tx, flows, dropped: &[(&str, u64)]| PacketWorkerStats {
         worker: name.into(),
         counts: PacketCounters {

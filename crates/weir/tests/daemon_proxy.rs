@@ -534,6 +534,56 @@ fn tenant_connection_limit_refuses_and_counts() {
     d.shutdown();
 }
 
+/// Spoofed datagram flood defence: at its tenant's limit, a new UDP
+/// client's datagram takes the place of a session that has carried a
+/// single datagram (answered or not), never of a stream. A spoofed
+/// datagram's session held its place (and a socket) for `udp_timeout`,
+/// 300 s by default, and every new client was refused meanwhile.
+#[test]
+fn a_udp_session_at_the_limit_takes_the_place_of_a_single_datagram_one() {
+    let b = udp_echo();
+    let mut cfg = config(vec![service("u", Protocol::Udp, "rr", vec![backend(b, 1)])]);
+    cfg.tenants.push(default_tenant(2, 0));
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "u").unwrap();
+    let client = || {
+        let u = UdpSocket::bind("127.0.0.1:0").unwrap();
+        u.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        u
+    };
+    let ask = |u: &UdpSocket, msg: &[u8]| {
+        u.send_to(msg, vip).unwrap();
+        let mut buf = [0u8; 64];
+        matches!(u.recv_from(&mut buf), Ok((n, _)) if &buf[..n] == msg)
+    };
+    let stream = client();
+    assert!(ask(&stream, b"s1") && ask(&stream, b"s2"));
+    let once = client();
+    assert!(ask(&once, b"o1"));
+    let new = client();
+    assert!(ask(&new, b"n1"), "the third client was refused");
+    let g = c.global_stats();
+    assert_eq!(g.udp_early_drops, 1);
+    assert_eq!(g.refused.get("tenant_limit"), None);
+    // The one-shot's session went, the stream's stays; the ended
+    // session's slot comes back, so the tenant holds its limit again.
+    assert!(wait_until(T, || c.global_stats().active_conns == 2));
+    let listed: Vec<String> = c
+        .connections(&ConnFilter::default(), None, 100)
+        .unwrap()
+        .connections
+        .into_iter()
+        .map(|x| x.client)
+        .collect();
+    let addr = |u: &UdpSocket| u.local_addr().unwrap().to_string();
+    assert!(listed.contains(&addr(&stream)), "{listed:?}");
+    assert!(listed.contains(&addr(&new)), "{listed:?}");
+    assert!(!listed.contains(&addr(&once)), "{listed:?}");
+    assert!(ask(&stream, b"s3"), "the stream goes on");
+    d.shutdown();
+}
+
 /// A backend streaming as fast as it can to a client that reads nothing
 /// for a while, through weir configured by `tune`. Returns (bytes the
 /// backend managed to write before stalling, bytes weir read from it);

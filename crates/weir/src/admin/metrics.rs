@@ -27,6 +27,7 @@
 //! | `weir_active_connections` | gauge | — |
 //! | `weir_refused_connections_total` | counter | reason |
 //! | `weir_udp_dropped_datagrams_total` | counter | reason |
+//! | `weir_udp_early_drops_total` | counter | — |
 //! | `weir_table_{entries,buckets,max_chain_length}`, `weir_table_load_factor` | gauge | tenant, placement |
 //! | `weir_table_refused_inserts_total` | counter | tenant, placement |
 //! | `weir_packet_{received,transmitted}_frames_total`, `weir_packet_flows_total` | counter | — |
@@ -321,6 +322,13 @@ fn global_metrics(reg: &mut Registry, g: &GlobalStats) {
         "weir_udp_dropped_datagrams",
         "UDP proxy: datagrams dropped (a client's or a backend's reply), by reason",
         udp_dropped,
+    );
+    counter(
+        reg,
+        "weir_udp_early_drops",
+        "UDP proxy: sessions that carried a single datagram, ended to make room for a new one at a connection limit (spoofed flood defence)",
+        None,
+        g.udp_early_drops,
     );
     if let Some(p) = &g.packet {
         counter(

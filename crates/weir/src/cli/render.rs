@@ -411,6 +411,13 @@ pub fn render_global(g: &GlobalStats, exact: bool) -> String {
     for (reason, n) in &g.udp_dropped {
         let _ = writeln!(o, "udp dropped {reason}: {n}");
     }
+    if g.udp_early_drops > 0 {
+        let _ = writeln!(
+            o,
+            "udp early_drops: {} (single-datagram sessions ended, oldest first, to make room for new ones at a limit)",
+            g.udp_early_drops
+        );
+    }
     if let Some(p) = &g.packet {
         let _ = writeln!(
             o,

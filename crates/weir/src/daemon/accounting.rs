@@ -23,6 +23,9 @@ pub(crate) struct Accounting {
     pub(crate) estimator: std::sync::OnceLock<stats::EstimatorThread>,
     /// Datagrams the UDP proxy dropped, per reason.
     pub(crate) udp_dropped: UdpDrops,
+    /// UDP proxy sessions that carried a single datagram, ended to make
+    /// room for a new one at a connection limit (`udp::take_a_place`).
+    pub(crate) udp_early_drops: std::sync::atomic::AtomicU64,
 }
 
 /// Why the UDP proxy dropped a datagram (a client's, or a backend's reply);
@@ -83,6 +86,7 @@ impl Accounting {
             rates,
             estimator: std::sync::OnceLock::new(),
             udp_dropped: UdpDrops::default(),
+            udp_early_drops: std::sync::atomic::AtomicU64::new(0),
         }
     }
 }

@@ -97,6 +97,14 @@ impl Admission {
         Ok(())
     }
 
+    /// A slot past the limits: for a new session taking the place of one
+    /// just ended whose owner has yet to give its slot back
+    /// (`udp::take_a_place`). Given back with [`Self::release`].
+    pub(crate) fn admit_over(&self, tenant: &Tenant) {
+        tenant.active.fetch_add(1, Relaxed);
+        self.active.fetch_add(1, Relaxed);
+    }
+
     /// Give back the slot [`Self::admit`] reserved.
     pub(crate) fn release(&self, tenant: &Tenant) {
         tenant.active.fetch_sub(1, Relaxed);

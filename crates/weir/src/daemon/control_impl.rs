@@ -1341,6 +1341,7 @@ impl Control for LiveControl {
             active_conns: self.0.admission.active.load(Relaxed),
             refused: self.0.admission.refused.snapshot(),
             udp_dropped: self.0.accounting.udp_dropped.snapshot(),
+            udp_early_drops: self.0.accounting.udp_early_drops.load(Relaxed),
             open_fds: super::open_fds(),
             fd_limit: self.0.admission.fd_limit,
             estimator_tick_seconds: self.0.accounting.rates.last_tick_ns.load(Relaxed) as f64 / 1e9,

@@ -37,7 +37,8 @@ pub(crate) enum Close {
     ServiceDeleted,
     TenantDeleted,
     Replaced,
-    /// An embryonic packet flow ended to make room for a new SYN.
+    /// A packet flow or UDP session that never got going, ended to make
+    /// room for a new one at a limit.
     EarlyDrop,
 }
 

@@ -391,12 +391,12 @@ const LINKS_EVERY_MS: u64 = 1000;
 /// to end: what a refused SYN costs at most. Under a flood the first ones
 /// due are the flood's own; a tenant full of finished handshakes is passed
 /// over in a few dozen reads.
-const EARLY_DROP_LOOK: usize = 64;
+pub(super) const EARLY_DROP_LOOK: usize = 64;
 
 /// How long a tenant's early drop rests after a look that found nothing
 /// to take the place of: at most 100 fruitless looks a second per tenant,
 /// whatever the flood's rate.
-const EARLY_DROP_BACKOFF_MS: u64 = 10;
+pub(super) const EARLY_DROP_BACKOFF_MS: u64 = 10;
 
 /// fnat's ports, and the address of every backend with ports out (a flow
 /// that outlives its backend in the service still gives its port back),

@@ -327,8 +327,16 @@ fn open_session(
     let tenant = svc.tenant.clone();
     let params = svc.params.load_full();
     if let Err(why) = shared.admission.admit(&tenant, shared.now_ns()) {
-        shared.admission.refuse(Some(&tenant), why);
-        return None;
+        let limit = matches!(why, Refusal::TenantLimit | Refusal::GlobalLimit);
+        if !(limit && take_a_place(shared, &tenant, rng)) {
+            shared.admission.refuse(Some(&tenant), why);
+            return None;
+        }
+        // The ended session's task gives its slot back when it runs (its
+        // worker may be another): this one has it meanwhile, one over the
+        // limit until then, so the place does not go to whichever
+        // datagram comes next (most likely the flood's).
+        shared.admission.admit_over(&tenant);
     }
     let refuse = |why| {
         shared.admission.refuse(Some(&tenant), why);
@@ -402,6 +410,56 @@ fn open_session(
         params.udp_responses,
     ));
     Some(sess)
+}
+
+/// Spoofed datagram flood defence (packet mode's `Engine::early_drop`,
+/// for sessions): ends one of `tenant`'s sessions that has carried a
+/// single datagram from its client, one of those due soonest, so that a
+/// new session refused at the tenant's or the daemon's connection limit
+/// can take its place. A spoofed datagram's session otherwise holds its
+/// place (and a socket) for `udp_timeout`, 300 s by default, whether or
+/// not its backend answers; a DNS-style exchange that has had its answer
+/// loses nothing when it goes; a session that has carried two datagrams
+/// or more from its client (a stream: conntrack's rule for assuring UDP)
+/// is never taken. The look is bounded and rests 10 ms after finding
+/// nothing, as packet mode's.
+fn take_a_place(shared: &Shared, tenant: &super::Tenant, rng: &mut weir_sched::SplitMix64) -> bool {
+    use super::packet::{EARLY_DROP_BACKOFF_MS, EARLY_DROP_LOOK};
+    let now = Millis(shared.now_ms());
+    if tenant.early_drop_after.load(Relaxed) > now.0 {
+        return false;
+    }
+    let seed = weir_sched::RandomSource::next_u64(rng);
+    let snap = match shared.conns.table.evict_due_first(
+        weir_flowtable::TenantId(tenant.id),
+        now,
+        EARLY_DROP_LOOK,
+        seed,
+        single_datagram_session,
+    ) {
+        Ok(snap) => snap,
+        Err(weir_flowtable::EvictMiss::NotFound) => {
+            tenant
+                .early_drop_after
+                .store(now.0 + EARLY_DROP_BACKOFF_MS, Relaxed);
+            return false;
+        }
+        Err(weir_flowtable::EvictMiss::Busy) => return false,
+    };
+    // Tells its task (which then closes its socket and gives back its
+    // admission slot) and settles its backend's counts now.
+    shared.ended(std::slice::from_ref(&snap), Close::EarlyDrop);
+    shared.accounting.udp_early_drops.fetch_add(1, Relaxed);
+    true
+}
+
+/// A UDP proxy session that has carried a single datagram from its
+/// client ([`take_a_place`]).
+fn single_datagram_session(c: weir_flowtable::Candidate) -> bool {
+    c.state == weir_flowtable::FlowState::Udp
+        && c.owner != 0
+        && !super::packet::is_packet_owner(c.owner)
+        && c.packets_in <= 1
 }
 
 async fn session_task(

@@ -545,6 +545,7 @@ impl Control for Fake {
             active_conns: st.conns.len() as u64,
             refused,
             udp_dropped: BTreeMap::new(),
+            udp_early_drops: 0,
             open_fds: 42,
             fd_limit: 1024,
             estimator_tick_seconds: 0.0005,
