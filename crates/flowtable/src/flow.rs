@@ -1776,8 +1776,7 @@ impl FlowTable {
         let n = self.handle_node(h)?;
         let map = self.tenants.load(&guard);
         let t = map.map.get(&n.tenant())?;
-        let s = n.snapshot(self.near(), |s, p| t.timeout(s, p));
-        (s.cookie == h.cookie).then_some(s)
+        n.snapshot_of(h.cookie.0, self.near(), |s, p| t.timeout(s, p))
     }
 
     /// [`touch`](Self::touch) that also says where the entry is and who
@@ -2603,7 +2602,10 @@ impl FlowTable {
     /// `weir-bench ops --op dump`).
     ///
     /// Why no pin is needed for the rest: the slab's nodes live as long as
-    /// the table, and the sorted entries are this thread's own; the
+    /// the table, and the sorted entries are this thread's own; a node
+    /// reused since the bucket was read, or while it is being copied (no
+    /// grace period holds it back here), is told by its cookie
+    /// ([`Node::snapshot_of`]). The
     /// directory is all a pin guards here, and a copy stands in for it. A
     /// copy was taken from a directory loaded after `tenant_changes` read
     /// its `changes`, and that count is bumped after every change of the
@@ -2651,7 +2653,7 @@ impl FlowTable {
             let copy = timeouts.slot(tid);
             let snap = match copy {
                 Some(k) if k.id == tid && k.changes == changes && n.profile() == 0 => {
-                    n.snapshot(near, |st, _| k.base[st.code() as usize])
+                    n.snapshot_of(cookie, near, |st, _| k.base[st.code() as usize])
                 }
                 _ => {
                     let map = self.tenants.load(guard.get_or_insert_with(epoch::pin));
@@ -2659,12 +2661,14 @@ impl FlowTable {
                         continue; // its tenant is gone
                     };
                     TimeoutCopies::keep(copy, changes, t);
-                    n.snapshot(near, |st, p| t.timeout(st, p))
+                    n.snapshot_of(cookie, near, |st, p| t.timeout(st, p))
                 }
             };
-            if snap.cookie.0 != cookie {
+            // Unpinned, the node may be recycled at any time, even in the
+            // middle of the copy: `snapshot_of` finds out.
+            let Some(snap) = snap else {
                 continue; // recycled under us
-            }
+            };
             out.push(snap);
             listed += 1;
             if listed == limit {
@@ -3432,10 +3436,9 @@ impl<'a> Dumper<'a, '_> {
             self.cached = self.map.map.get(&tid);
         }
         let Some(t) = self.cached else { return false };
-        let s = n.snapshot(self.ft.near(), |s, p| t.timeout(s, p));
-        if s.cookie.0 != cookie {
+        let Some(s) = n.snapshot_of(cookie, self.ft.near(), |s, p| t.timeout(s, p)) else {
             return false; // recycled under us
-        }
+        };
         self.out.push(s);
         self.emitted += 1;
         self.emitted == self.limit
@@ -3650,5 +3653,95 @@ mod tests {
             "tenant 5 (added again) counts {counted} entries and holds {held} (the removal \
              that began before: {removed:?})"
         );
+    }
+
+    /// Entry `i` of the recycling test: service, backend and owner all
+    /// follow from `i`, so a snapshot that mixes two entries shows.
+    fn whole(i: u32) -> (FlowKey, ServiceId, BackendId, u32) {
+        (key(1, i), ServiceId(100 + i), BackendId(200 + i), 300 + i)
+    }
+
+    fn whole_init(i: u32) -> FlowInit<'static> {
+        let (_, service, backend, owner) = whole(i);
+        FlowInit {
+            service,
+            backend,
+            owner,
+            ..init()
+        }
+    }
+
+    /// A dump page that goes on from the remembered bucket without the
+    /// epoch pin (`resume_quick`) snapshots a node whose entry is removed,
+    /// and the node reused for a new entry, in the middle of the copy
+    /// (forced at that point, after the entry's cookie is read): the entry
+    /// is gone, so it is not listed, and in particular not as the old
+    /// key and cookie with the new entry's service, backend and owner.
+    /// Every entry present for the whole dump is still listed once.
+    #[test]
+    fn a_node_recycled_in_the_middle_of_an_unpinned_snapshot_is_not_listed() {
+        use std::cell::Cell;
+        use std::collections::HashMap;
+        use std::rc::Rc;
+        // One bucket holds them all, so every page after the first goes
+        // on from the remembered bucket.
+        let ft = Arc::new(FlowTable::new(TableConfig {
+            shared_buckets: 8,
+            seed: Some(31),
+            ..TableConfig::default()
+        }));
+        ft.add_tenant(TenantId(1), TenantConfig::default()).unwrap();
+        let want = Rc::new(Mutex::new(HashMap::new()));
+        for i in 0..6 {
+            let c = ft.insert(key(1, i), whole_init(i), Millis(0)).unwrap();
+            want.lock().insert(c, whole(i));
+        }
+        let present: Vec<Cookie> = want.lock().keys().copied().collect();
+        let filter = DumpFilter::default();
+        let mut cur = None;
+        let mut seen = Vec::new();
+        assert!(ft.dump_page(&mut cur, &filter, 1, &mut seen));
+        // The next snapshot this thread takes is the second page's.
+        let reused = Rc::new(Cell::new(None));
+        let (ft2, want2, reused2) = (Arc::clone(&ft), Rc::clone(&want), Rc::clone(&reused));
+        crate::node::MID_SNAPSHOT.set(Some(Box::new(move |idx| {
+            let old = Cookie(ft2.slab.node(idx).cookie());
+            assert!(ft2.remove_handle(FlowTable::handle_of(old)).is_some());
+            // Churn until the node, past its grace period, holds a new
+            // entry (this thread's node cache hands it out again once
+            // its batch of removed nodes is freed).
+            for i in 1000..11_000 {
+                let h = ft2
+                    .insert_handle(key(1, i), whole_init(i), Millis(0))
+                    .unwrap();
+                want2.lock().insert(h.cookie, whole(i));
+                if h.idx == idx {
+                    reused2.set(Some(old));
+                    return;
+                }
+                assert!(ft2.remove_handle(h).is_some());
+                reclaim_now();
+            }
+            panic!("node {idx} was not reused (is the page pinned?)");
+        })));
+        let mut pages = 1;
+        while ft.dump_page(&mut cur, &filter, 1, &mut seen) {
+            pages += 1;
+            assert!(pages < 100, "the dump does not end");
+        }
+        let old = reused.get().expect("no snapshot was interrupted");
+        let want = want.lock();
+        for s in &seen {
+            assert_eq!(
+                Some(&(s.key, s.service, s.backend, s.owner)),
+                want.get(&s.cookie),
+                "a listed snapshot is not one entry's whole (cookie {})",
+                s.cookie
+            );
+        }
+        for c in present {
+            let n = seen.iter().filter(|s| s.cookie == c).count();
+            assert_eq!(n, usize::from(c != old), "entry {c} listed {n} times");
+        }
     }
 }

@@ -30,6 +30,12 @@
 //!
 //! Handles (`FlowTable::handle_node`): a stale handle checked while its
 //! node is reused for a new entry never takes the new entry for its own.
+//!
+//! Snapshots by cookie (`Node::snapshot_of`, what dumps list with, some
+//! pages without the epoch pin): a snapshot taken while the entry is
+//! removed and its node initialised for a new entry is either the old
+//! entry's whole or refused, never the old key and cookie with the new
+//! entry's fields.
 
 use loom::sync::Arc;
 use loom::sync::atomic::{AtomicBool, Ordering};
@@ -658,6 +664,52 @@ pub fn stale_handle_vs_node_reuse() {
             !w.nodes.node(0).is_entry(old),
             "a stale handle reached the node's new entry"
         );
+        writer.join().unwrap();
+    });
+}
+
+/// A dump's snapshot of a node it remembered (`Node::snapshot_of`, with
+/// the cookie the dump read earlier; the unpinned resume has no grace
+/// period to keep the node) racing with the removal of that entry and the
+/// node's reuse for another entry. An accepted snapshot must be all the
+/// old entry's: its key, service, backend, owner and times, no field of
+/// the new entry's.
+///
+/// Kept small: every one of the snapshot's ~20 loads may read either
+/// entry's store, and with the removal's bucket lock and 3 preemptions the
+/// model took ~9 minutes (~1 as it is). So the removal is its write to the
+/// node (the live bit; taking the way out of the bucket is not what is
+/// checked here), and at most 2 preemptions: a torn copy needs one (the
+/// reader's, after its first read of the use count).
+pub fn snapshot_vs_node_reuse() {
+    model_bounded(2, || {
+        let w = world(1, 1, false);
+        let old = cookie_of(0);
+        let w2 = Arc::clone(&w);
+        let writer = thread::spawn(move || {
+            w2.nodes.node(0).clear_live();
+            // Entry 1's fields, in node 0.
+            let new = crate::table::next_cookie(old, 0);
+            let init = FlowInit {
+                service: ServiceId(1),
+                backend: BackendId(101),
+                state: FlowState::Established,
+                owner: 1,
+                profile: crate::types::ProfileRef::NONE,
+            };
+            w2.nodes
+                .node(0)
+                .init(&key(1), &init, new, Millis(9000), 0, false);
+        });
+        if let Some(s) = w.nodes.node(0).snapshot_of(old, 10, |_, _| 0) {
+            assert_eq!(s.cookie.0, old);
+            assert_eq!(s.key, key(0).unpack(), "torn key");
+            assert_eq!(
+                (s.service, s.backend, s.owner, s.created, s.last_active),
+                (ServiceId(0), BackendId(100), 0, Millis(0), Millis(5)),
+                "a snapshot of entry 0 with entry 1's fields"
+            );
+        }
         writer.join().unwrap();
     });
 }

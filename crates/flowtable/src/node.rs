@@ -11,14 +11,20 @@
 //! live in a [`Slab`] of never-freed chunks and
 //! are named by `u32` index from the bucket index (`index.rs`); an index is
 //! recycled only after an epoch grace period (see `table.rs`), so a reader
-//! never sees a node change identity under its feet.
+//! that found a node through the index under its pin never sees it change
+//! identity under its feet. A reader holding a node index from elsewhere
+//! (a handle, a dump's remembered bucket, read without the pin) names the
+//! entry by its cookie and copies it with [`Node::snapshot_of`], which
+//! tells a node reused meanwhile, even in the middle of the copy.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::sync::OnceLock;
 
 use crate::chunks::ChunkGeometry;
 use crate::raw::HugeArray;
-use crate::sync::{AtomicU32, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release};
+use crate::sync::{
+    AtomicU32, AtomicU64, Ordering::Acquire, Ordering::Relaxed, Ordering::Release, fence,
+};
 use crate::types::{
     BackendId, Cookie, FlowInit, FlowKey, FlowSnapshot, FlowState, Millis, Proto, ReplyDst,
     ReplyKey, ServiceId, TenantId,
@@ -258,8 +264,11 @@ pub(crate) struct Node<'a> {
 }
 
 impl Node<'_> {
-    /// Writes a fresh entry. Only for a node no reader can reach (just
+    /// Writes a fresh entry. Only for a node no lookup can reach (just
     /// allocated); the writer then publishes it with a Release store.
+    /// Readers still holding the node's index from an earlier entry (a
+    /// handle, a dump) name that entry by its cookie and check it (see
+    /// below).
     /// `reply`: the entry gets a reply index entry; it then starts *pending*
     /// (not live, so no lookup returns it) until both its index entries are
     /// in and [`set_live`](Self::set_live) publishes it.
@@ -272,6 +281,15 @@ impl Node<'_> {
         nat: u32,
         reply: bool,
     ) {
+        debug_assert_eq!(crate::table::cookie_idx(cookie), self.idx);
+        // The use count first, then the fence, then every other field: a
+        // reader copying the previous entry by its cookie
+        // ([`snapshot_of`](Self::snapshot_of), a seqlock with the use count
+        // as its sequence) that reads any field written below reads this
+        // count, not the previous entry's, when it checks again after its
+        // Acquire fence, and drops the copy.
+        self.h.uses.store((cookie >> IDX_BITS) as u32, Relaxed);
+        fence(Release);
         self.h.tenant.store(k.tenant, Relaxed);
         self.h.ports.store(k.ports, Relaxed);
         self.h.owner.store(init.owner, Relaxed);
@@ -279,8 +297,6 @@ impl Node<'_> {
         self.h.caddr[1].store(k.caddr[1], Relaxed);
         self.h.vaddr[0].store(k.vaddr[0], Relaxed);
         self.h.vaddr[1].store(k.vaddr[1], Relaxed);
-        debug_assert_eq!(crate::table::cookie_idx(cookie), self.idx);
-        self.h.uses.store((cookie >> IDX_BITS) as u32, Relaxed);
         self.c.last_active.store(now.0 as u32, Relaxed);
         self.c
             .created_s
@@ -649,22 +665,97 @@ impl Node<'_> {
     /// the idle timeout.
     /// `near`: a time near now (the table's latest clock), to widen the
     /// 32-bit activity time against.
+    ///
+    /// Only where the node cannot be reused during the copy: the caller
+    /// found it through the bucket index under its pin (a grace period
+    /// keeps it), or holds its bucket lock and is removing it. Anywhere
+    /// else, [`snapshot_of`](Self::snapshot_of).
     pub(crate) fn snapshot(
         &self,
         near: u64,
         timeout: impl Fn(FlowState, u16) -> u64,
     ) -> FlowSnapshot {
-        let state = self.state();
+        self.copy(self.h.meta.load(Relaxed), self.cookie(), near, timeout)
+    }
+
+    /// [`snapshot`](Self::snapshot) of entry `cookie` (which names this
+    /// node), if the node holds it live: `None` if it is not live, holds
+    /// another entry, or was reused for another entry while it was being
+    /// copied. For a node whose index the caller did not find through the
+    /// bucket index under its pin (a handle, a dump's remembered bucket,
+    /// the dump's resume without the pin): it may have been reused since,
+    /// or be reused during the copy.
+    ///
+    /// A seqlock with the node's use count as its sequence. The live bit
+    /// (Acquire, paired with `init`'s publishing store) and the count are
+    /// read first, and the count must be `cookie`'s; then the fields; an
+    /// Acquire fence; the count again. [`init`](Self::init) stores a new
+    /// entry's count first and its other fields after a Release fence, so
+    /// if any read before our fence (the caller's filter checks included)
+    /// saw a field of a later entry, the two fences pair and the second
+    /// read sees that entry's count, or a later one: the copy is dropped.
+    /// A count still `cookie`'s says every field read was written for
+    /// that entry (by its init, or since by the data path). Other threads
+    /// write a later entry's fields only after finding it published
+    /// (Acquire), so those writes too come after its count in the one
+    /// order x86 and ARMv8 (multi-copy atomic) give all threads; the C++
+    /// model's fence pairing covers `init`'s own stores and the
+    /// read-modify-writes that follow them.
+    /// Removal does not write the fields, only the live bit: a copy of a
+    /// removed entry whose node is not reused yet is that entry's whole,
+    /// from while it was live, which a dump may list (removed meanwhile).
+    /// A count read back equal after the node was reused 2^28 - 1 times
+    /// during one copy would pass; cookies are unique only up to that.
+    #[inline]
+    pub(crate) fn snapshot_of(
+        &self,
+        cookie: u64,
+        near: u64,
+        timeout: impl Fn(FlowState, u16) -> u64,
+    ) -> Option<FlowSnapshot> {
+        debug_assert_eq!(crate::table::cookie_idx(cookie), self.idx);
+        let uses = (cookie >> IDX_BITS) as u32;
+        let m = self.h.meta.load(Acquire);
+        if m & LIVE == 0 || self.h.uses.load(Relaxed) != uses {
+            return None;
+        }
+        #[cfg(test)]
+        if let Some(f) = MID_SNAPSHOT.take() {
+            f(self.idx);
+        }
+        let s = self.copy(m, cookie, near, timeout);
+        fence(Acquire);
+        (self.h.uses.load(Relaxed) == uses).then_some(s)
+    }
+
+    /// The copy of both snapshots, with `meta` already read (state, key
+    /// bits, profile and reply bit from one read of it) and the cookie.
+    #[inline(always)]
+    fn copy(
+        &self,
+        m: u32,
+        cookie: u64,
+        near: u64,
+        timeout: impl Fn(FlowState, u16) -> u64,
+    ) -> FlowSnapshot {
+        let state = FlowState::from_code((m & STATE_MASK) >> STATE_SHIFT);
         let last = self.last_active(near);
+        let key = PackedKey {
+            tenant: self.h.tenant.load(Relaxed),
+            bits: m & KEY_BITS,
+            ports: self.h.ports.load(Relaxed),
+            caddr: [self.h.caddr[0].load(Relaxed), self.h.caddr[1].load(Relaxed)],
+            vaddr: [self.h.vaddr[0].load(Relaxed), self.h.vaddr[1].load(Relaxed)],
+        };
         FlowSnapshot {
-            key: self.key().unpack(),
-            cookie: Cookie(self.cookie()),
+            key: key.unpack(),
+            cookie: Cookie(cookie),
             service: self.service(),
             backend: self.backend(),
             state,
             created: Millis(u64::from(self.c.created_s.load(Relaxed)) * 1000),
             last_active: Millis(last),
-            expires_at: Millis(last.saturating_add(timeout(state, self.profile()))),
+            expires_at: Millis(last.saturating_add(timeout(state, (m >> PROFILE_SHIFT) as u16))),
             bytes_in: self.c.bytes[0].load(Relaxed),
             bytes_out: if state == FlowState::Persist {
                 0
@@ -680,9 +771,23 @@ impl Node<'_> {
             packets_out: self.c.packets[1].load(Relaxed),
             owner: self.owner(),
             nat: self.nat(),
-            reply: self.has_reply(),
+            reply: m & REPLY != 0,
         }
     }
+}
+
+/// What [`MID_SNAPSHOT`] runs, given the node's index.
+#[cfg(test)]
+pub(crate) type MidSnapshot = Box<dyn FnOnce(u32)>;
+
+#[cfg(test)]
+thread_local! {
+    /// Tests: run once, on this thread, inside its next
+    /// [`Node::snapshot_of`] (given the node's index), once the entry's use
+    /// count is checked: to reuse the node in the middle of the copy,
+    /// without a race.
+    pub(crate) static MID_SNAPSHOT: std::cell::Cell<Option<MidSnapshot>> =
+        const { std::cell::Cell::new(None) };
 }
 
 /// Something that maps node indices to nodes (the slab, or plain vectors in

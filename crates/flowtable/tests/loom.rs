@@ -61,3 +61,8 @@ fn release_and_hold_vs_expiry() {
 fn stale_handle_vs_node_reuse() {
     loom_checks::stale_handle_vs_node_reuse();
 }
+
+#[test]
+fn snapshot_vs_node_reuse() {
+    loom_checks::snapshot_vs_node_reuse();
+}
