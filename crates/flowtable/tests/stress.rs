@@ -1,7 +1,8 @@
 //! Multi-threaded stress: churn, touches, state changes, expiry, early
 //! drops and tenant removal race with paged dumps and lookups. Checks that every dump returns
-//! each stable entry exactly once and nothing twice, and that lookups of
-//! stable entries never miss.
+//! each stable entry exactly once and nothing twice, that every entry it
+//! lists is one entry's whole (not a node's old key with the fields of the
+//! entry it was reused for), and that lookups of stable entries never miss.
 //!
 //! The default test is short (bounded by iterations and ~2 s); the
 //! `#[ignore]`d one runs for a minute:
@@ -23,6 +24,19 @@ fn key(tenant: u32, i: u32) -> FlowKey {
 
 fn init(i: u32) -> FlowInit<'static> {
     common::spread_init(i, 4, 7, 0)
+}
+
+/// Whether a listed entry is one entry's whole: the service, backend and
+/// owner that its key's entry (number `i`, read back from the client
+/// address, see `common::spread_key`) was inserted with. Nothing here
+/// changes them later.
+fn whole(s: &FlowSnapshot) -> bool {
+    let std::net::SocketAddr::V4(c) = s.key.client else {
+        return false;
+    };
+    let i = ((u32::from(*c.ip()) & 0x00ff_ffff) << 8) | u32::from(c.port().wrapping_sub(1024));
+    let want = init(i);
+    (s.service, s.backend, s.owner) == (want.service, want.backend, want.owner)
 }
 
 /// Stable tenants (1 shared, 2 own, and 4 shared but small, so that its
@@ -202,6 +216,7 @@ fn run(duration: Duration, stable: u32, dumps_max: usize, buckets: usize) {
             for s in &out {
                 *seen.entry(s.cookie).or_default() += 1;
                 assert!(filter.matches(s));
+                assert!(whole(s), "a torn snapshot listed: {s:?}");
             }
             calls += 1;
             assert!(calls < 10_000_000, "dump does not terminate");
