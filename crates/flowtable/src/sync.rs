@@ -1,5 +1,6 @@
 //! Atomics facade: std atomics normally, loom's under `cfg(loom)` so that the
-//! lock-free chain protocol in [`crate::chain`] can be model-checked.
+//! nodes' and the bucket index's lock-free protocols can be model-checked
+//! (`loom_checks.rs`).
 
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
