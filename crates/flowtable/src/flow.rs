@@ -2666,8 +2666,10 @@ impl FlowTable {
             };
             // Unpinned, the node may be recycled at any time, even in the
             // middle of the copy: `snapshot_of` finds out.
-            let Some(snap) = snap else {
-                continue; // recycled under us
+            let Some(snap) = snap.filter(|s| filter.matches(s)) else {
+                // Recycled under us, or moved out of the filter (its state,
+                // or a template's backend) since `passes` read the node.
+                continue;
             };
             out.push(snap);
             listed += 1;
@@ -3436,8 +3438,12 @@ impl<'a> Dumper<'a, '_> {
             self.cached = self.map.map.get(&tid);
         }
         let Some(t) = self.cached else { return false };
-        let Some(s) = n.snapshot_of(cookie, self.ft.near(), |s, p| t.timeout(s, p)) else {
-            return false; // recycled under us
+        let snap = n.snapshot_of(cookie, self.ft.near(), |s, p| t.timeout(s, p));
+        // Recycled under us, or moved out of the filter (its state, or a
+        // template's backend) since `passes` read the node: the copy is
+        // what is listed, so the copy must pass.
+        let Some(s) = snap.filter(|s| self.filter.matches(s)) else {
+            return false;
         };
         self.out.push(s);
         self.emitted += 1;
@@ -3743,5 +3749,37 @@ mod tests {
             let n = seen.iter().filter(|s| s.cookie == c).count();
             assert_eq!(n, usize::from(c != old), "entry {c} listed {n} times");
         }
+    }
+
+    /// A filtered dump lists a copy only if the copy passes the filter:
+    /// the filter is read off the node before the copy, and a template
+    /// rebound to another backend in between was listed under the old
+    /// backend's filter with the new backend (a state filter, with a state
+    /// that moved on, the same).
+    #[test]
+    fn a_filtered_dump_lists_only_copies_that_pass_the_filter() {
+        let ft = table();
+        ft.add_tenant(TenantId(1), TenantConfig::default()).unwrap();
+        let tpl = FlowInit {
+            state: FlowState::Persist,
+            backend: BackendId(7),
+            ..init()
+        };
+        ft.insert(key(1, 1), tpl, Millis(0)).unwrap();
+        let rebound = Arc::new(AtomicUsize::new(0));
+        let (ft2, r2) = (Arc::clone(&ft), Arc::clone(&rebound));
+        crate::node::MID_SNAPSHOT.set(Some(Box::new(move |_| {
+            assert!(ft2.rebind(&key(1, 1), BackendId(8), Millis(0)));
+            r2.fetch_add(1, SeqCst);
+        })));
+        let filter = DumpFilter {
+            backend: Some(BackendId(7)),
+            ..DumpFilter::default()
+        };
+        let mut out = Vec::new();
+        ft.dump(None, &filter, 10, &mut out);
+        assert_eq!(rebound.load(SeqCst), 1, "the copy was not interrupted");
+        assert!(out.iter().all(|s| filter.matches(s)), "{out:?}");
+        crate::node::MID_SNAPSHOT.set(None);
     }
 }
