@@ -117,7 +117,60 @@ impl Conn {
     }
 }
 
+/// Expiry references an early drop ([`Shared::take_place`]) looks at for
+/// a flow to end: what a refused SYN costs at most. Under a flood the first ones
+/// due are the flood's own; a tenant full of finished handshakes is passed
+/// over in a few dozen reads.
+pub(crate) const EARLY_DROP_LOOK: usize = 64;
+
+/// How long a tenant's early drop rests after a look that found nothing
+/// to take the place of: at most 100 fruitless looks a second per tenant,
+/// whatever the flood's rate.
+pub(crate) const EARLY_DROP_BACKOFF_MS: u64 = 10;
+
 impl Shared {
+    /// One early-drop look (packet mode's `Engine::early_drop`, the UDP
+    /// proxy's `udp::take_a_place`): ends one of `tenant`'s entries that
+    /// `pick` accepts, among the [`EARLY_DROP_LOOK`] due soonest, so that a
+    /// new flow refused at a limit can take its place; tells its owner and
+    /// settles it (`Close::EarlyDrop`). `Some(true)`: one ended;
+    /// `Some(false)`: none (a look that found nothing rests the tenant's
+    /// early drop for [`EARLY_DROP_BACKOFF_MS`]: a tenant full of flows
+    /// that got going would otherwise make every refused packet of a flood
+    /// cost up to 64 node reads and a filing pass instead of a compare);
+    /// `None`: resting, no look made.
+    pub(crate) fn take_place(
+        &self,
+        tenant: &super::Tenant,
+        now: Millis,
+        seed: u64,
+        pick: impl Fn(weir_flowtable::Candidate) -> bool,
+    ) -> Option<bool> {
+        if tenant.early_drop_after.load(Relaxed) > now.0 {
+            return None;
+        }
+        let snap = match self.conns.table.evict_due_first(
+            TenantId(tenant.id),
+            now,
+            EARLY_DROP_LOOK,
+            seed,
+            pick,
+        ) {
+            Ok(snap) => snap,
+            Err(weir_flowtable::EvictMiss::NotFound) => {
+                tenant
+                    .early_drop_after
+                    .store(now.0 + EARLY_DROP_BACKOFF_MS, Relaxed);
+                return Some(false);
+            }
+            // Another worker's eviction or an expiry pass held a lock:
+            // this one is refused, the next looks again.
+            Err(weir_flowtable::EvictMiss::Busy) => return Some(false),
+        };
+        self.ended(std::slice::from_ref(&snap), Close::EarlyDrop);
+        Some(true)
+    }
+
     /// Put a new connection or session in the flow table, owned by `owner`
     /// (counted on its backend as active when ESTABLISHED, else inactive).
     /// `virt` is the address the client reached: the service's, or on a

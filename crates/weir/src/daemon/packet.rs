@@ -44,6 +44,7 @@ use weir_packet::{
 };
 use weir_packet_io::Batch;
 
+use super::conns::EARLY_DROP_BACKOFF_MS;
 use super::{Backend, Refusal, Service, Shared};
 use crate::config::Forward;
 
@@ -386,17 +387,6 @@ pub(crate) struct Link {
 
 /// How often a worker asks [`NextHops::links`] again.
 const LINKS_EVERY_MS: u64 = 1000;
-
-/// Expiry references [`Engine::early_drop`] looks at for an embryonic flow
-/// to end: what a refused SYN costs at most. Under a flood the first ones
-/// due are the flood's own; a tenant full of finished handshakes is passed
-/// over in a few dozen reads.
-pub(super) const EARLY_DROP_LOOK: usize = 64;
-
-/// How long a tenant's early drop rests after a look that found nothing
-/// to take the place of: at most 100 fruitless looks a second per tenant,
-/// whatever the flood's rate.
-pub(super) const EARLY_DROP_BACKOFF_MS: u64 = 10;
 
 /// fnat's ports, and the address of every backend with ports out (a flow
 /// that outlives its backend in the service still gives its port back),
@@ -1759,7 +1749,8 @@ impl Engine {
     /// single packet from its client so far, or one of a nat or fnat
     /// service (weir sees its replies) with no reply yet. `false` if
     /// none was found among the
-    /// [`EARLY_DROP_LOOK`] next due (or an expiry pass held the tenant's
+    /// [`EARLY_DROP_LOOK`](super::conns::EARLY_DROP_LOOK) next due (or an
+    /// expiry pass held the tenant's
     /// wheel).
     ///
     /// Why: a spoofed SYN's flow never finishes its handshake, a spoofed
@@ -1789,33 +1780,15 @@ impl Engine {
     /// back would otherwise make every refused SYN of a flood cost up to 64
     /// node reads and a filing pass instead of a compare.
     fn early_drop(&self, tenant: &super::Tenant, now: Millis, seed: u64) -> bool {
-        if tenant.early_drop_after.load(Relaxed) > now.0 {
-            return false;
-        }
+        let Some(took) = self.shared.take_place(tenant, now, seed, never_heard_back) else {
+            return false; // resting
+        };
         #[cfg(test)]
         self.counters.early_drop_looks.fetch_add(1, Relaxed);
-        let shared = &*self.shared;
-        let snap = match shared.conns.table.evict_due_first(
-            weir_flowtable::TenantId(tenant.id),
-            now,
-            EARLY_DROP_LOOK,
-            seed,
-            never_heard_back,
-        ) {
-            Ok(snap) => snap,
-            Err(weir_flowtable::EvictMiss::NotFound) => {
-                tenant
-                    .early_drop_after
-                    .store(now.0 + EARLY_DROP_BACKOFF_MS, Relaxed);
-                return false;
-            }
-            // Another worker's eviction or an expiry pass held a lock:
-            // this SYN is refused, the next one looks again.
-            Err(weir_flowtable::EvictMiss::Busy) => return false,
-        };
-        shared.ended(std::slice::from_ref(&snap), super::owners::Close::EarlyDrop);
-        self.counters.early_drops.fetch_add(1, Relaxed);
-        true
+        if took {
+            self.counters.early_drops.fetch_add(1, Relaxed);
+        }
+        took
     }
 
     /// The flow a backend's reply (to `dst`: the client for nat, weir's

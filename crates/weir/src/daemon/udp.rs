@@ -424,33 +424,13 @@ fn open_session(
 /// is never taken. The look is bounded and rests 10 ms after finding
 /// nothing, as packet mode's.
 fn take_a_place(shared: &Shared, tenant: &super::Tenant, rng: &mut weir_sched::SplitMix64) -> bool {
-    use super::packet::{EARLY_DROP_BACKOFF_MS, EARLY_DROP_LOOK};
     let now = Millis(shared.now_ms());
-    if tenant.early_drop_after.load(Relaxed) > now.0 {
-        return false;
-    }
     let seed = weir_sched::RandomSource::next_u64(rng);
-    let snap = match shared.conns.table.evict_due_first(
-        weir_flowtable::TenantId(tenant.id),
-        now,
-        EARLY_DROP_LOOK,
-        seed,
-        single_datagram_session,
-    ) {
-        Ok(snap) => snap,
-        Err(weir_flowtable::EvictMiss::NotFound) => {
-            tenant
-                .early_drop_after
-                .store(now.0 + EARLY_DROP_BACKOFF_MS, Relaxed);
-            return false;
-        }
-        Err(weir_flowtable::EvictMiss::Busy) => return false,
-    };
-    // Tells its task (which then closes its socket and gives back its
-    // admission slot) and settles its backend's counts now.
-    shared.ended(std::slice::from_ref(&snap), Close::EarlyDrop);
-    shared.accounting.udp_early_drops.fetch_add(1, Relaxed);
-    true
+    let took = shared.take_place(tenant, now, seed, single_datagram_session) == Some(true);
+    if took {
+        shared.accounting.udp_early_drops.fetch_add(1, Relaxed);
+    }
+    took
 }
 
 /// A UDP proxy session that has carried a single datagram from its
