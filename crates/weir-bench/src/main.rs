@@ -66,7 +66,10 @@ pub(crate) struct Common {
     /// lookup, big, resize, memory, tenants); `big` = weir alone at 100M
     /// entries (lookup and memory rows), even with --quick; `tenants` =
     /// weir's expire with 1 to 100k tenants (10k with --quick). packet: rows udp (a),
-    /// tcp (b), synflood (real clients through a spoofed SYN flood), scale (c, d,
+    /// tcp (b), synflood (real clients through a spoofed SYN flood),
+    /// synflood-tenants (a flood against tenant a at the daemon's
+    /// max_connections, real clients of tenant b; a weir built from 7996c88^
+    /// as WEIR_SYNFLOOD_TENANTS_BEFORE_BIN is raced too), scale (c, d,
     /// memory and the 10M-flow daemon checks). proxy:
     /// phases memory, slow, load.
     #[arg(long, value_delimiter = ',', value_name = "SECTIONS")]

@@ -152,7 +152,19 @@ pub(crate) fn run(c: &Common) -> Result<serde_json::Value> {
     if want("synflood") {
         out.insert(
             "synflood".into(),
-            synflood::run(&topo, &bin, dir.path(), c.quick)?,
+            synflood::run(&topo, &bin, dir.path(), c.quick, synflood::Shape::OneTenant)?,
+        );
+    }
+    if want("synflood-tenants") {
+        out.insert(
+            "synflood_tenants".into(),
+            synflood::run(
+                &topo,
+                &bin,
+                dir.path(),
+                c.quick,
+                synflood::Shape::TwoTenants,
+            )?,
         );
     }
     // Last: row b leaves the backends' VIPs and routes in place, which the

@@ -1,7 +1,17 @@
-//! Row `synflood` of `weir-bench packet`: real clients connecting through a
-//! spoofed SYN flood, weir's packet mode (nat, a tenant capped at
-//! [`LIMIT`] flows, with its early drop of embryonic flows) against
-//! nftables DNAT with conntrack capped at the same number.
+//! Rows `synflood` and `synflood-tenants` of `weir-bench packet`: real
+//! clients connecting through a spoofed SYN flood.
+//!
+//! `synflood` ([`Shape::OneTenant`]): weir's packet mode (nat, a tenant
+//! capped at [`LIMIT`] flows, with its early drop of embryonic flows)
+//! against nftables DNAT with conntrack capped at the same number.
+//!
+//! `synflood-tenants` ([`Shape::TwoTenants`]): weir alone, two tenants with
+//! no limit of their own and the daemon's `max_connections` at [`LIMIT`];
+//! the flood is against tenant `a`'s VIP, the real clients are tenant `b`'s.
+//! It shows where a place at the daemon's limit comes from: the flooded
+//! tenant's flows (7996c88), or, in a weir built before that (given as
+//! [`BEFORE_ENV`]), only the refused SYN's own tenant's, which for `b` under
+//! a flood against `a` are none.
 //!
 //! The topology and backends are row b's ([`super::topo`], nginx on both
 //! backends). The flood: trafgen in the client's namespace sending TCP SYNs
@@ -12,7 +22,8 @@
 //! a blackhole route: no SYN-ACK reaches anyone who would reset it, so every
 //! spoofed flow stays embryonic until it times out or is dropped early.
 //!
-//! The real clients: one curl process making [`Probe::count`] requests
+//! The real clients (at `VIP:80`, or [`VIP_B`]`:80` in `synflood-tenants`):
+//! one curl process making [`Probe::count`] requests
 //! (`Connection: close`, so each is a new connection), [`Probe::parallel`]
 //! at a time, each with `--connect-timeout 2` (a SYN retransmitted once);
 //! a request succeeds when nginx answers 200. Connect latency is curl's
@@ -34,20 +45,71 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::json;
 
-use super::tcp::{Endpoints, HTTP_PORT};
+use super::tcp::{Endpoints, HTTP_PORT, VIP_BULK};
 use super::topo::{BACKENDS, MAC_CLIENT, MAC_WEIR, Topo, VIP, ip, nft_apply, run as sh, sysctl};
 use super::{start_weir, stop_group, weir_cli};
 use crate::proxy::sys::Server;
 use crate::report::Table;
 
-/// The tenant's `max_connections`, and the peer's `ct count` cap.
+/// The tenant's `max_connections` (the daemon's in `synflood-tenants`), and
+/// the peer's `ct count` cap.
 const LIMIT: u32 = 1000;
 /// Where the spoofed SYNs come from (`10.200.x.y`); blackholed in weir's
 /// namespace.
 const SPOOFED: &str = "10.200.0.0/16";
+/// Tenant `b`'s VIP in `synflood-tenants`: row b's bulk VIP, which
+/// [`Endpoints::start`] already routes from the client through weir.
+const VIP_B: &str = VIP_BULK;
 /// Environment variable naming a weir binary built without the early drop,
-/// measured as one more implementation when set.
+/// measured as one more implementation of `synflood` when set.
 pub(crate) const CONTRAST_ENV: &str = "WEIR_SYNFLOOD_CONTRAST_BIN";
+/// Environment variable naming a weir binary built from 7996c88^ (a place
+/// at the daemon's limit comes only from the SYN's own tenant), measured as
+/// one more implementation of `synflood-tenants` when set.
+pub(crate) const BEFORE_ENV: &str = "WEIR_SYNFLOOD_TENANTS_BEFORE_BIN";
+
+/// Which of the two rows a run is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Shape {
+    /// `synflood`: one tenant, `default`, capped at [`LIMIT`]; flooded and
+    /// probed at `VIP`.
+    OneTenant,
+    /// `synflood-tenants`: tenants `a` (flooded at `VIP`) and `b` (probed at
+    /// [`VIP_B`]), no limit of their own, the daemon's `max_connections` at
+    /// [`LIMIT`].
+    TwoTenants,
+}
+
+impl Shape {
+    /// The tenants whose `refused` a run reports, in column order.
+    fn tenants(self) -> &'static [&'static str] {
+        match self {
+            Shape::OneTenant => &["default"],
+            Shape::TwoTenants => &["a", "b"],
+        }
+    }
+
+    /// Where the real clients connect.
+    fn probe_vip(self) -> &'static str {
+        match self {
+            Shape::OneTenant => VIP,
+            Shape::TwoTenants => VIP_B,
+        }
+    }
+
+    /// Requested rates; 0 is the baseline with no flood, `None` trafgen
+    /// unthrottled (what the machine can send). `synflood-tenants` leaves
+    /// unthrottled out: there the one worker, not the place, is what fails
+    /// (row synflood's runs), and that is not what it is about.
+    fn rates(self, quick: bool) -> &'static [Option<u32>] {
+        match (self, quick) {
+            (Shape::OneTenant, true) => &[Some(0), Some(10_000), None],
+            (Shape::OneTenant, false) => &[Some(0), Some(10_000), Some(50_000), None],
+            (Shape::TwoTenants, true) => &[Some(0), Some(10_000)],
+            (Shape::TwoTenants, false) => &[Some(0), Some(10_000), Some(50_000)],
+        }
+    }
+}
 
 /// One forwarder under the flood.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,6 +127,28 @@ impl Peer {
             Peer::Nft { capped: true } => format!("nft DNAT, ct count over {LIMIT}"),
             Peer::Nft { capped: false } => "nft DNAT, no cap".into(),
         }
+    }
+
+    /// The forwarders a row races: weir (and the contrast build when its
+    /// variable is set), and for `synflood` nft capped and not (nft has no
+    /// tenants to tell apart).
+    fn all(shape: Shape, bin: &Path) -> Vec<Peer> {
+        let mut peers = vec![Peer::Weir(bin.to_path_buf(), "")];
+        match shape {
+            Shape::OneTenant => {
+                if let Some(p) = std::env::var_os(CONTRAST_ENV) {
+                    peers.push(Peer::Weir(p.into(), ", no early drop"));
+                }
+                peers.push(Peer::Nft { capped: true });
+                peers.push(Peer::Nft { capped: false });
+            }
+            Shape::TwoTenants => {
+                if let Some(p) = std::env::var_os(BEFORE_ENV) {
+                    peers.push(Peer::Weir(p.into(), ", before 7996c88"));
+                }
+            }
+        }
+        peers
     }
 }
 
@@ -84,25 +168,25 @@ struct Outcome {
     ok: u64,
     p50_ms: Option<f64>,
     p99_ms: Option<f64>,
-    /// weir's `early_drops`, its tenant's `refused`, and its packet drops.
+    /// weir's `early_drops`, its packet drops, and the `refused` of each of
+    /// [`Shape::tenants`] (empty for nft).
     early_drops: Option<u64>,
-    refused: Option<u64>,
+    refused: Vec<Option<u64>>,
     dropped: Option<serde_json::Value>,
 }
 
-pub(crate) fn run(topo: &Topo, bin: &Path, dir: &Path, quick: bool) -> Result<serde_json::Value> {
+pub(crate) fn run(
+    topo: &Topo,
+    bin: &Path,
+    dir: &Path,
+    quick: bool,
+    shape: Shape,
+) -> Result<serde_json::Value> {
     for (tool, pkg) in [("curl", "curl"), ("conntrack", "conntrack")] {
         if Command::new(tool).arg("--version").output().is_err() {
             bail!("needs {tool} (Debian package {pkg})");
         }
     }
-    // Requested rates; 0 is the baseline with no flood, `None` trafgen
-    // unthrottled (what the machine can send).
-    let rates: &[Option<u32>] = if quick {
-        &[Some(0), Some(10_000), None]
-    } else {
-        &[Some(0), Some(10_000), Some(50_000), None]
-    };
     let probe = if quick {
         Probe {
             count: 100,
@@ -114,28 +198,29 @@ pub(crate) fn run(topo: &Topo, bin: &Path, dir: &Path, quick: bool) -> Result<se
             parallel: 20,
         }
     };
-    let mut peers = vec![
-        Peer::Weir(bin.to_path_buf(), ""),
-        Peer::Nft { capped: true },
-        Peer::Nft { capped: false },
-    ];
-    if let Some(p) = std::env::var_os(CONTRAST_ENV) {
-        peers.insert(1, Peer::Weir(p.into(), ", no early drop"));
+    let peers = Peer::all(shape, bin);
+    match shape {
+        Shape::OneTenant => println!(
+            "### Spoofed SYN flood: {} requests through curl ({} at a time, Connection: close, \
+             --connect-timeout 2) during a flood of SYNs from {SPOOFED}; weir's tenant and the \
+             nft cap at {LIMIT} flows\n",
+            probe.count, probe.parallel
+        ),
+        Shape::TwoTenants => println!(
+            "### Spoofed SYN flood against tenant a ({VIP}), real clients of tenant b ({VIP_B}): \
+             {} requests through curl ({} at a time, Connection: close, --connect-timeout 2); \
+             weir's [daemon] max_connections = {LIMIT}, no tenant limit\n",
+            probe.count, probe.parallel
+        ),
     }
-    println!(
-        "### Spoofed SYN flood: {} requests through curl ({} at a time, Connection: close, \
-         --connect-timeout 2) during a flood of SYNs from {SPOOFED}; weir's tenant and the \
-         nft cap at {LIMIT} flows\n",
-        probe.count, probe.parallel
-    );
     let mut ends = Endpoints::start(topo, dir).context("starting nginx on the backends")?;
     let lb = topo.ns("lb");
     ip(&format!("-n {lb} route replace blackhole {SPOOFED}"))?;
     topo.set_queues(1)?;
     let mut results = Vec::new();
-    for &rate in rates {
+    for &rate in shape.rates(quick) {
         for peer in &peers {
-            let setup = FloodSetup::new(topo, dir, peer)
+            let setup = FloodSetup::new(topo, dir, peer, shape)
                 .with_context(|| format!("setting up {}", peer.name()))?;
             let o = one_run(topo, dir, &setup, &mut ends, rate, probe)
                 .with_context(|| format!("{} at {rate:?} SYN/s", peer.name()))?;
@@ -154,9 +239,19 @@ pub(crate) fn run(topo: &Topo, bin: &Path, dir: &Path, quick: bool) -> Result<se
     }
     let _ = ip(&format!("-n {lb} route del blackhole {SPOOFED}"));
     drop(ends);
-    let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
-    let count = |v: Option<u64>| v.map_or("-".into(), |v| v.to_string());
-    let mut t = Table::new([
+    let mut t = Table::new(header(shape));
+    let mut out = Vec::new();
+    for (name, rate, o) in &results {
+        t.row(cells(name, *rate, o));
+        out.push(row_json(shape, name, *rate, o));
+    }
+    t.print();
+    Ok(serde_json::Value::Array(out))
+}
+
+/// The table's columns: one `refused` per tenant of `shape`.
+fn header(shape: Shape) -> Vec<String> {
+    let mut h: Vec<String> = [
         "impl",
         "flood asked (SYN/s)",
         "flood sent (SYN/s)",
@@ -164,46 +259,81 @@ pub(crate) fn run(topo: &Topo, bin: &Path, dir: &Path, quick: bool) -> Result<se
         "connect p50 ms",
         "connect p99 ms",
         "weir early drops",
-        "weir refused",
-    ]);
-    let mut out = Vec::new();
-    for (name, rate, o) in &results {
-        let asked = match rate {
-            Some(0) => "none".into(),
-            Some(r) => r.to_string(),
-            None => "unthrottled".into(),
-        };
-        let share = o.ok as f64 / o.attempts.max(1) as f64;
-        t.row([
-            name.clone(),
-            asked,
-            format!("{:.0}", o.rate_sent),
-            format!("{:.1}% ({}/{})", share * 100.0, o.ok, o.attempts),
-            ms(o.p50_ms),
-            ms(o.p99_ms),
-            count(o.early_drops),
-            count(o.refused),
-        ]);
-        out.push(json!({
-            "impl": name,
-            "rate_asked": rate,
-            "rate_sent": o.rate_sent.round(),
-            "attempts": o.attempts,
-            "ok": o.ok,
-            "success": share,
-            "connect_p50_ms": o.p50_ms,
-            "connect_p99_ms": o.p99_ms,
-            "early_drops": o.early_drops,
-            "refused": o.refused,
-            "dropped": o.dropped,
-        }));
+    ]
+    .map(String::from)
+    .into();
+    match shape {
+        Shape::OneTenant => h.push("weir refused".into()),
+        Shape::TwoTenants => {
+            for t in shape.tenants() {
+                h.push(format!("weir {t} refused"));
+            }
+        }
     }
-    t.print();
-    Ok(serde_json::Value::Array(out))
+    h
 }
 
-/// Starts the flood (unless `rate` is 0), lets it fill the places, runs the
-/// probe, stops the flood; weir's counters after.
+/// One run's row, in [`header`]'s columns.
+fn cells(name: &str, rate: Option<u32>, o: &Outcome) -> Vec<String> {
+    let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
+    let count = |v: Option<u64>| v.map_or("-".into(), |v| v.to_string());
+    let asked = match rate {
+        Some(0) => "none".into(),
+        Some(r) => r.to_string(),
+        None => "unthrottled".into(),
+    };
+    let mut c = vec![
+        name.to_string(),
+        asked,
+        format!("{:.0}", o.rate_sent),
+        format!("{:.1}% ({}/{})", share(o) * 100.0, o.ok, o.attempts),
+        ms(o.p50_ms),
+        ms(o.p99_ms),
+        count(o.early_drops),
+    ];
+    if o.refused.is_empty() {
+        // nft: no tenants; a dash in the (one) refused column.
+        c.push("-".into());
+    }
+    c.extend(o.refused.iter().map(|&r| count(r)));
+    c
+}
+
+fn share(o: &Outcome) -> f64 {
+    o.ok as f64 / o.attempts.max(1) as f64
+}
+
+/// One run's JSON: `synflood[]` has `refused` as the tenant's count,
+/// `synflood_tenants[]` as `{a, b}`.
+fn row_json(shape: Shape, name: &str, rate: Option<u32>, o: &Outcome) -> serde_json::Value {
+    let refused = match shape {
+        Shape::OneTenant => json!(o.refused.first().copied().flatten()),
+        Shape::TwoTenants => shape
+            .tenants()
+            .iter()
+            .zip(&o.refused)
+            .map(|(t, r)| ((*t).to_string(), json!(r)))
+            .collect::<serde_json::Map<_, _>>()
+            .into(),
+    };
+    json!({
+        "impl": name,
+        "rate_asked": rate,
+        "rate_sent": o.rate_sent.round(),
+        "attempts": o.attempts,
+        "ok": o.ok,
+        "success": share(o),
+        "connect_p50_ms": o.p50_ms,
+        "connect_p99_ms": o.p99_ms,
+        "early_drops": o.early_drops,
+        "refused": refused,
+        "dropped": o.dropped,
+    })
+}
+
+/// Starts the flood against `VIP` (unless `rate` is 0), lets it fill the
+/// places, runs the probe against the setup's [`Shape::probe_vip`], stops
+/// the flood; weir's counters after.
 fn one_run(
     topo: &Topo,
     dir: &Path,
@@ -245,7 +375,7 @@ fn one_run(
             bail!("trafgen exited early ({st})");
         }
     }
-    let result = curl_probe(&cl, probe);
+    let result = curl_probe(&cl, setup.shape.probe_vip(), probe);
     let elapsed = t.elapsed().as_secs_f64();
     let sent = topo.sent()? - sent0;
     drop(flood);
@@ -276,13 +406,24 @@ fn one_run(
             &v["global"]["packet"]["early_drops"],
             &before["global"]["packet"]["early_drops"],
         );
-        o.refused = delta(
-            &v["tenants"][0]["refused"],
-            &before["tenants"][0]["refused"],
-        );
+        o.refused = setup
+            .shape
+            .tenants()
+            .iter()
+            .map(|&t| delta(&tenant(&v, t)["refused"], &tenant(before, t)["refused"]))
+            .collect();
         o.dropped = Some(v["global"]["packet"]["dropped"].clone());
     }
     Ok(o)
+}
+
+/// Tenant `name`'s entry in `weir stats --json` (null if absent); the
+/// entries name their tenant as `tenant`.
+fn tenant<'v>(stats: &'v serde_json::Value, name: &str) -> &'v serde_json::Value {
+    stats["tenants"]
+        .as_array()
+        .and_then(|ts| ts.iter().find(|t| t["tenant"] == name))
+        .unwrap_or(&serde_json::Value::Null)
 }
 
 /// The flood's trafgen, stopped with its senders on drop (also when a run
@@ -297,12 +438,12 @@ impl Drop for Flood {
     }
 }
 
-/// Runs the probe in the client's namespace: (attempts, successes, connect
+/// Runs the probe in the client's namespace against `vip`: (attempts, successes, connect
 /// seconds of the successes). Bounded: each request by curl's
 /// `--max-time`, the whole by `timeout`.
-fn curl_probe(cl: &str, probe: Probe) -> Result<(u64, u64, Vec<f64>)> {
+fn curl_probe(cl: &str, vip: &str, probe: Probe) -> Result<(u64, u64, Vec<f64>)> {
     let limit = (u64::from(probe.count / probe.parallel.max(1)) * 3 + 10).to_string();
-    let url = format!("http://{VIP}:{HTTP_PORT}/?[1-{}]", probe.count);
+    let url = format!("http://{vip}:{HTTP_PORT}/?[1-{}]", probe.count);
     let out = Command::new("timeout")
         .args([&limit, "ip", "netns", "exec", cl, "curl", "-s"])
         .args(["--parallel", "--parallel-max", &probe.parallel.to_string()])
@@ -379,6 +520,7 @@ fn trafgen_syn_conf(dmac: &str, smac: &str, daddr: &str, dport: u16) -> Result<S
 /// One [`Peer`] set up in weir's namespace; undone on drop.
 struct FloodSetup<'a> {
     topo: &'a Topo,
+    shape: Shape,
     nft: bool,
     weir: Option<(Server, std::path::PathBuf)>,
     /// weir's stats when it was up, to count this run's share.
@@ -386,17 +528,20 @@ struct FloodSetup<'a> {
 }
 
 impl<'a> FloodSetup<'a> {
-    fn new(topo: &'a Topo, dir: &Path, peer: &Peer) -> Result<Self> {
+    fn new(topo: &'a Topo, dir: &Path, peer: &Peer, shape: Shape) -> Result<Self> {
         let lb = topo.ns("lb");
         let mut s = FloodSetup {
             topo,
+            shape,
             nft: false,
             weir: None,
             stats0: serde_json::Value::Null,
         };
         match peer {
             Peer::Weir(bin, _) => {
-                let cfg = write_conf(dir)?;
+                let cfg = dir.join("weir-synflood.toml");
+                let (head, forward) = super::conf_head(dir, Some(("nat", 1)));
+                std::fs::write(&cfg, weir_conf(head, forward, shape))?;
                 let server = start_weir(topo, bin, dir, &cfg)?;
                 s.stats0 = serde_json::from_str(&weir_cli(&cfg, &["stats", "--json"])?)
                     .context("weir stats --json")?;
@@ -427,22 +572,48 @@ impl Drop for FloodSetup<'_> {
     }
 }
 
-/// weir: one nat worker, the HTTP service in a tenant capped at [`LIMIT`].
-fn write_conf(dir: &Path) -> Result<std::path::PathBuf> {
-    let cfg = dir.join("weir-synflood.toml");
-    let (mut s, forward) = super::conf_head(dir, Some(("nat", 1)));
-    s.push_str(&format!(
-        "\n[[tenant]]\nname = \"default\"\nmax_connections = {LIMIT}\n\n\
-         [[service]]\nname = \"http\"\nprotocol = \"tcp\"\nlisten = \"{VIP}:{HTTP_PORT}\"\n\
-         forward = \"{forward}\"\nscheduler = \"rr\"\n"
-    ));
-    for b in BACKENDS {
-        s.push_str(&format!(
-            "  [[service.backend]]\n  address = \"{b}:{HTTP_PORT}\"\n"
-        ));
+/// weir's config after [`super::conf_head`]'s `head` (one nat worker):
+/// [`Shape::OneTenant`], the HTTP service in tenant `default` capped at
+/// [`LIMIT`]; [`Shape::TwoTenants`], an HTTP service for each of tenants `a`
+/// (`VIP`) and `b` ([`VIP_B`]) over the same backends, neither capped, and
+/// the daemon's `max_connections` at [`LIMIT`], so only that limit binds.
+fn weir_conf(head: String, forward: &str, shape: Shape) -> String {
+    let service = |tenant: &str, vip: &str| {
+        let mut s = format!(
+            "\n[[service]]\ntenant = \"{tenant}\"\nname = \"http\"\nprotocol = \"tcp\"\n\
+             listen = \"{vip}:{HTTP_PORT}\"\nforward = \"{forward}\"\nscheduler = \"rr\"\n"
+        );
+        for b in BACKENDS {
+            s.push_str(&format!(
+                "  [[service.backend]]\n  address = \"{b}:{HTTP_PORT}\"\n"
+            ));
+        }
+        s
+    };
+    match shape {
+        Shape::OneTenant => {
+            let mut s = head;
+            s.push_str(&format!(
+                "\n[[tenant]]\nname = \"default\"\nmax_connections = {LIMIT}\n"
+            ));
+            s.push_str(&service("default", VIP));
+            s
+        }
+        Shape::TwoTenants => {
+            // The daemon's limit goes in the head's `[daemon]` table (a
+            // TOML table cannot be opened twice).
+            let mut s = head.replacen(
+                "[daemon]\n",
+                &format!("[daemon]\nmax_connections = {LIMIT}\n"),
+                1,
+            );
+            for (t, vip) in [("a", VIP), ("b", VIP_B)] {
+                s.push_str(&format!("\n[[tenant]]\nname = \"{t}\"\n"));
+                s.push_str(&service(t, vip));
+            }
+            s
+        }
     }
-    std::fs::write(&cfg, s)?;
-    Ok(cfg)
 }
 
 /// kube-proxy's shape for the HTTP service (random endpoint, DNAT), with a
@@ -506,6 +677,128 @@ mod tests {
             c.starts_with("{\n  0x02, 0x00, 0x00, 0x00, 0x00, 0x01,"),
             "{c}"
         );
+    }
+
+    fn conf(shape: Shape) -> toml::Value {
+        let (head, forward) = crate::packet::conf_head(Path::new("/d"), Some(("nat", 1)));
+        let text = weir_conf(head, forward, shape);
+        toml::from_str(&text).unwrap_or_else(|e| panic!("{e}\n{text}"))
+    }
+
+    #[test]
+    fn one_tenant_caps_the_tenant_not_the_daemon() {
+        let c = conf(Shape::OneTenant);
+        assert!(c["daemon"].get("max_connections").is_none());
+        let t = c["tenant"].as_array().unwrap();
+        assert_eq!(t.len(), 1);
+        assert_eq!(t[0]["name"].as_str(), Some("default"));
+        assert_eq!(t[0]["max_connections"].as_integer(), Some(1000));
+        let s = c["service"].as_array().unwrap();
+        assert_eq!(s[0]["listen"].as_str(), Some("10.99.1.100:80"));
+        assert_eq!(s[0]["backend"].as_array().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn two_tenants_share_only_the_daemons_limit() {
+        let c = conf(Shape::TwoTenants);
+        assert_eq!(c["daemon"]["max_connections"].as_integer(), Some(1000));
+        // The head's other daemon key is still there.
+        assert_eq!(c["daemon"]["workers"].as_integer(), Some(1));
+        let t = c["tenant"].as_array().unwrap();
+        let names: Vec<_> = t.iter().map(|t| t["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert!(
+            t.iter().all(|t| t.get("max_connections").is_none()),
+            "{t:?}"
+        );
+        let s = c["service"].as_array().unwrap();
+        let at: Vec<_> = s
+            .iter()
+            .map(|s| (s["tenant"].as_str().unwrap(), s["listen"].as_str().unwrap()))
+            .collect();
+        assert_eq!(at, [("a", "10.99.1.100:80"), ("b", "10.99.1.101:80")]);
+        for s in s {
+            assert_eq!(s["forward"].as_str(), Some("nat"));
+            assert_eq!(s["backend"].as_array().unwrap().len(), 2);
+        }
+        // The flood goes to a's VIP, the probe to b's.
+        assert_eq!(Shape::TwoTenants.probe_vip(), "10.99.1.101");
+        assert!(
+            trafgen_syn_conf(MAC_WEIR, MAC_CLIENT, VIP, 80)
+                .unwrap()
+                .contains("10, 99, 1, 100")
+        );
+    }
+
+    #[test]
+    fn a_tenants_figures_are_found_by_name() {
+        // The shape of `GET /v1/stats`' tenants, in the daemon's order.
+        let v = json!({"tenants": [
+            {"tenant": "b", "active_conns": 0, "refused": 50},
+            {"tenant": "a", "active_conns": 1000, "refused": 3},
+        ]});
+        assert_eq!(tenant(&v, "a")["refused"], json!(3));
+        assert_eq!(tenant(&v, "b")["refused"], json!(50));
+        assert!(tenant(&v, "c").is_null());
+        assert!(tenant(&json!({}), "a").is_null());
+    }
+
+    #[test]
+    fn two_tenants_skip_the_unthrottled_rate() {
+        assert_eq!(Shape::TwoTenants.rates(true), [Some(0), Some(10_000)]);
+        assert_eq!(
+            Shape::TwoTenants.rates(false),
+            [Some(0), Some(10_000), Some(50_000)]
+        );
+        assert_eq!(Shape::OneTenant.rates(true).last(), Some(&None));
+    }
+
+    #[test]
+    fn rows_have_a_refused_column_per_tenant() {
+        let o = Outcome {
+            rate_sent: 10_012.4,
+            attempts: 500,
+            ok: 450,
+            p50_ms: Some(0.12),
+            p99_ms: None,
+            early_drops: Some(7),
+            refused: vec![Some(3), Some(50)],
+            dropped: None,
+        };
+        let h = header(Shape::TwoTenants);
+        let c = cells("weir nat, before 7996c88", Some(10_000), &o);
+        assert_eq!(h.len(), c.len());
+        assert_eq!(&h[7..], ["weir a refused", "weir b refused"]);
+        assert_eq!(
+            c[1..],
+            [
+                "10000",
+                "10012",
+                "90.0% (450/500)",
+                "0.1",
+                "-",
+                "7",
+                "3",
+                "50"
+            ]
+        );
+        let j = row_json(Shape::TwoTenants, "weir nat", None, &o);
+        assert_eq!(j["refused"], json!({"a": 3, "b": 50}));
+        assert_eq!(j["rate_asked"], serde_json::Value::Null);
+        assert_eq!(j["success"], json!(0.9));
+        // synflood keeps its one number, and a dash for nft's.
+        let one = Outcome {
+            refused: vec![Some(4)],
+            ..Outcome::default()
+        };
+        assert_eq!(
+            row_json(Shape::OneTenant, "weir nat", Some(0), &one)["refused"],
+            json!(4)
+        );
+        let nft = cells("nft DNAT, no cap", Some(0), &Outcome::default());
+        assert_eq!(nft.len(), header(Shape::OneTenant).len());
+        assert_eq!(nft[1], "none");
+        assert_eq!(nft.last().map(String::as_str), Some("-"));
     }
 
     #[test]
