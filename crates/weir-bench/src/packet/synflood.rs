@@ -442,15 +442,7 @@ impl Drop for Flood {
 /// seconds of the successes). Bounded: each request by curl's
 /// `--max-time`, the whole by `timeout`.
 fn curl_probe(cl: &str, vip: &str, probe: Probe) -> Result<(u64, u64, Vec<f64>)> {
-    let limit = (u64::from(probe.count / probe.parallel.max(1)) * 3 + 10).to_string();
-    let url = format!("http://{vip}:{HTTP_PORT}/?[1-{}]", probe.count);
-    let out = Command::new("timeout")
-        .args([&limit, "ip", "netns", "exec", cl, "curl", "-s"])
-        .args(["--parallel", "--parallel-max", &probe.parallel.to_string()])
-        .args(["--connect-timeout", "2", "--max-time", "3"])
-        .args(["-H", "Connection: close", "-o", "/dev/null"])
-        .args(["-w", "%{time_connect} %{http_code}\\n"])
-        .arg(&url)
+    let out = curl_command(cl, vip, probe)
         .output()
         .context("running curl")?;
     // curl exits non-zero when a transfer failed: that is what is counted.
@@ -463,6 +455,25 @@ fn curl_probe(cl: &str, vip: &str, probe: Probe) -> Result<(u64, u64, Vec<f64>)>
         );
     }
     Ok(parsed)
+}
+
+/// The probe's curl, under a `timeout` for the whole.
+fn curl_command(cl: &str, vip: &str, probe: Probe) -> Command {
+    let limit = (u64::from(probe.count / probe.parallel.max(1)) * 3 + 10).to_string();
+    let url = format!("http://{vip}:{HTTP_PORT}/?[1-{}]", probe.count);
+    let mut c = Command::new("timeout");
+    c.args([&limit, "ip", "netns", "exec", cl, "curl", "-s"])
+        .args(["--parallel", "--parallel-max", &probe.parallel.to_string()])
+        // A new connection for each transfer at once, not a wait to see
+        // whether one still being opened can multiplex (curl's default
+        // with --parallel): a connect that timed out would fail every
+        // transfer waiting on it, counting one lost SYN many times.
+        .arg("--parallel-immediate")
+        .args(["--connect-timeout", "2", "--max-time", "3"])
+        .args(["-H", "Connection: close", "-o", "/dev/null"])
+        .args(["-w", "%{time_connect} %{http_code}\\n"])
+        .arg(&url);
+    c
 }
 
 /// `time_connect http_code` lines: (transfers, 200s, connect seconds of the 200s).
@@ -656,6 +667,24 @@ mod tests {
         let (n, ok, c) = parse_curl(text);
         assert_eq!((n, ok), (3, 2));
         assert_eq!(c, vec![0.000120, 1.003]);
+    }
+
+    /// Every request is its own connection, opened at once: curl's
+    /// `--parallel` otherwise holds a transfer to the same host until a
+    /// connection still being opened shows whether it can multiplex, so
+    /// under a flood one connect that times out failed every transfer
+    /// waiting on it, and few SYNs were sent for many failed requests.
+    #[test]
+    fn the_probe_opens_each_connection_at_once() {
+        let probe = Probe {
+            count: 500,
+            parallel: 20,
+        };
+        let c = curl_command("wb1-cl", VIP_B, probe);
+        let args: Vec<_> = c.get_args().map(|a| a.to_string_lossy()).collect();
+        assert_eq!(args[0], "85", "timeout: 25 rounds of 3 s, and 10 s");
+        assert!(args.iter().any(|a| a == "--parallel-immediate"), "{args:?}");
+        assert_eq!(args.last().unwrap(), "http://10.99.1.101:80/?[1-500]");
     }
 
     #[test]
