@@ -462,13 +462,18 @@ fn own_socket(local: Option<SocketAddr>, peer: SocketAddr) -> Option<std::os::fd
         })
 }
 
-/// `TCP_NOTSENT_LOWAT` and `SO_RCVBUF` of this process's socket `fd`,
-/// read through a duplicate of it (`pidfd_getfd` on our own process: no
-/// borrowing of a raw descriptor). The caller holds the connection open.
-fn lowat_and_rcvbuf(fd: std::os::fd::RawFd) -> (u32, usize) {
+/// This process's socket `fd`, through a duplicate of it (`pidfd_getfd`
+/// on our own process: no borrowing of a raw descriptor). The caller holds
+/// the connection open.
+fn dup_socket(fd: std::os::fd::RawFd) -> std::os::fd::OwnedFd {
     use rustix::process::{PidfdFlags, PidfdGetfdFlags, getpid, pidfd_getfd, pidfd_open};
     let me = pidfd_open(getpid(), PidfdFlags::empty()).unwrap();
-    let dup = pidfd_getfd(&me, fd, PidfdGetfdFlags::empty()).unwrap();
+    pidfd_getfd(&me, fd, PidfdGetfdFlags::empty()).unwrap()
+}
+
+/// `TCP_NOTSENT_LOWAT` and `SO_RCVBUF` of this process's socket `fd`.
+fn lowat_and_rcvbuf(fd: std::os::fd::RawFd) -> (u32, usize) {
+    let dup = dup_socket(fd);
     let s = socket2::SockRef::from(&dup);
     (
         s.tcp_notsent_lowat().unwrap(),
@@ -476,11 +481,34 @@ fn lowat_and_rcvbuf(fd: std::os::fd::RawFd) -> (u32, usize) {
     )
 }
 
+/// `TCP_NODELAY` of this process's socket `fd`.
+fn nodelay(fd: std::os::fd::RawFd) -> bool {
+    socket2::SockRef::from(&dup_socket(fd))
+        .tcp_nodelay()
+        .unwrap()
+}
+
+/// Sends `n` bytes through an echoing connection and reads them back.
+fn echo_bulk(s: &mut TcpStream, n: usize) {
+    let data: Vec<u8> = (0..n).map(|i| i as u8).collect();
+    let mut w = s.try_clone().unwrap();
+    let writer = {
+        let data = data.clone();
+        std::thread::spawn(move || w.write_all(&data).unwrap())
+    };
+    let mut got = vec![0u8; n];
+    s.read_exact(&mut got).unwrap();
+    writer.join().unwrap();
+    assert!(got == data, "echoed bytes differ");
+}
+
 /// A reload changes `[daemon]`'s buffer and socket options for the
 /// connections opened after it (also on sockets accepted from listeners
-/// opened before it); open connections keep theirs. `accept_steering`
-/// changes live too (its effect on the workers: `daemon::steering`'s
-/// tests).
+/// opened before it); open connections keep theirs, also the ones set only
+/// once bytes flow (the backend socket's `TCP_NODELAY` and
+/// `TCP_NOTSENT_LOWAT`, which a short exchange never needs).
+/// `accept_steering` changes live too (its effect on the workers:
+/// `daemon::steering`'s tests).
 #[test]
 fn reload_applies_socket_options_to_new_connections() {
     let e = Echo::start();
@@ -505,11 +533,16 @@ fn reload_applies_socket_options_to_new_connections() {
         let backend = own_socket(None, e.addr).expect("backend side");
         (lowat_and_rcvbuf(client), lowat_and_rcvbuf(backend))
     };
+    let backend_nodelay = || nodelay(own_socket(None, e.addr).expect("backend side"));
     let mut old = held(vip);
     let (c, b) = ends(&old);
     assert_eq!(c.0, 16384);
     // The kernel doubles what SO_RCVBUF asks for (its bookkeeping share).
-    assert_eq!(b, (16384, 2 * 16384));
+    // The two bytes `held` sent went in the backend socket's first write,
+    // which neither TCP_NODELAY nor a 16 KiB TCP_NOTSENT_LOWAT changes: not
+    // set yet.
+    assert_eq!(b, (0, 2 * 16384));
+    assert!(!backend_nodelay());
 
     write(
         "notsent_lowat = 32768\nbackend_rcvbuf = 0\nbuffer_size = 8192\nblocked_window = 4096\n\
@@ -541,9 +574,13 @@ fn reload_applies_socket_options_to_new_connections() {
         running.accept_steering,
         weir::config::AcceptSteering::Adaptive
     );
-    // The open connection keeps what it started with.
+    // The open connection keeps what it started with: its backend socket
+    // gets the old TCP_NOTSENT_LOWAT as more than that goes to it, and
+    // TCP_NODELAY before its second write.
+    echo_bulk(&mut old, 20_000);
     let (c, b) = ends(&old);
     assert_eq!((c.0, b), (16384, (16384, 2 * 16384)));
+    assert!(backend_nodelay());
     assert!(still_echoes(&mut old));
     drop(old);
     assert!(wait_until(Duration::from_secs(5), || own_socket(
@@ -554,8 +591,10 @@ fn reload_applies_socket_options_to_new_connections() {
     // new values, and the backend's buffer left to the kernel's autotuning
     // (tcp_rmem's default, above what 16384 gave).
     let mut new = held(vip);
+    echo_bulk(&mut new, 40_000);
     let (c, b) = ends(&new);
     assert_eq!((c.0, b.0), (32768, 32768));
+    assert!(backend_nodelay());
     assert!(
         b.1 > 2 * 16384,
         "backend SO_RCVBUF {} still the old fixed size",

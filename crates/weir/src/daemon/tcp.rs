@@ -597,13 +597,9 @@ async fn connect(addr: SocketAddr, tuning: &TcpTuning) -> io::Result<TcpStream> 
         Type::STREAM.nonblocking().cloexec(),
         Some(socket2::Protocol::TCP),
     )?;
-    // Set before connect so they cost no extra call per connection later;
-    // the client side inherits the same options from the listener.
-    let _ = sock.set_tcp_nodelay(true);
-    let lowat = tuning.notsent_lowat;
-    if lowat != 0 {
-        let _ = sock.set_tcp_notsent_lowat(lowat);
-    }
+    // `TCP_NODELAY` and `TCP_NOTSENT_LOWAT` come later, when a write can
+    // need them ([`LateOpts`]); the client side inherits both from the
+    // listener.
     // Start small (see `ClampPolicy`): until its client proves to read
     // fast, a backend gets little window, so the bytes of a slow reader
     // wait in the backend's own send queue rather than in weir's.
@@ -641,6 +637,87 @@ pub(crate) fn tune_listener(s: &socket2::Socket, notsent_lowat: u32) -> io::Resu
     Ok(())
 }
 
+/// The backend socket's `TCP_NODELAY` and `TCP_NOTSENT_LOWAT`, set before
+/// the first write either could change instead of before connect. Neither
+/// changes what the first write of a short request sends, so a connection
+/// whose client sends its request in one go (most of them) makes neither
+/// call: 2 of the 19.4 system calls a proxied connection cost
+/// (docs/BENCHMARKS.md, "Syscalls per connection").
+///
+/// * `TCP_NODELAY`: Linux's Nagle holds a short segment back only while an
+///   earlier short segment is unacknowledged, so a socket's first write
+///   leaves at once either way; the option is set before any write that
+///   follows one that sent bytes.
+/// * `TCP_NOTSENT_LOWAT`: a socket never holds more bytes unsent than were
+///   written to it, so the limit cannot stop a write before the bytes
+///   written reach it; the option is set before the write that would take
+///   them past it.
+///
+/// I/O-free; [`LateOpts::apply`] makes the calls.
+#[derive(Debug)]
+struct LateOpts {
+    /// Bytes the socket has taken (saturating: only compared with `lowat`).
+    sent: u32,
+    /// `TCP_NODELAY` is set.
+    nodelay: bool,
+    /// The `TCP_NOTSENT_LOWAT` still to set; 0 once set, or when there is
+    /// none (`notsent_lowat = 0`: the kernel's default).
+    lowat: u32,
+}
+
+/// What [`LateOpts::before_write`] says to set.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct SetOpts {
+    nodelay: bool,
+    lowat: Option<u32>,
+}
+
+impl LateOpts {
+    /// A fresh socket's, with `notsent_lowat` as the connection read it
+    /// when it started (a reload later does not change it).
+    fn new(notsent_lowat: u32) -> Self {
+        Self {
+            sent: 0,
+            nodelay: false,
+            lowat: notsent_lowat,
+        }
+    }
+
+    /// What to set before a write of `len` bytes; counted as set.
+    fn before_write(&mut self, len: usize) -> SetOpts {
+        let mut set = SetOpts::default();
+        if !self.nodelay && self.sent > 0 {
+            self.nodelay = true;
+            set.nodelay = true;
+        }
+        let len = u32::try_from(len).unwrap_or(u32::MAX);
+        if self.lowat != 0 && self.sent.saturating_add(len) > self.lowat {
+            set.lowat = Some(self.lowat);
+            self.lowat = 0;
+        }
+        set
+    }
+
+    /// The socket took `n` bytes.
+    fn sent(&mut self, n: usize) {
+        self.sent = self
+            .sent
+            .saturating_add(u32::try_from(n).unwrap_or(u32::MAX));
+    }
+
+    /// Sets on `s` what a write of `len` bytes needs first. A failure is
+    /// ignored, as it was before connect: the bytes still flow.
+    fn apply(&mut self, s: &TcpStream, len: usize) {
+        let set = self.before_write(len);
+        if set.nodelay {
+            let _ = SockRef::from(s).set_tcp_nodelay(true);
+        }
+        if let Some(lowat) = set.lowat {
+            let _ = SockRef::from(s).set_tcp_notsent_lowat(lowat);
+        }
+    }
+}
+
 /// How one direction ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum End {
@@ -654,7 +731,7 @@ enum End {
 struct Pipe<'a> {
     shared: &'a Shared,
     conn: &'a Conn,
-    buf_size: usize,
+    buf_size: u32,
     /// `[daemon] blocked_window` as the connection started.
     blocked_window: u32,
     /// The backend socket started with a small fixed `SO_RCVBUF`
@@ -662,6 +739,10 @@ struct Pipe<'a> {
     small_rcvbuf: bool,
     /// Client to backend (bytes counted "in").
     inbound: bool,
+    /// The options the socket written to gets as bytes go to it: the
+    /// backend socket's (client to backend); none for the client socket,
+    /// which inherited them from its listener.
+    late: Option<LateOpts>,
     /// Set when this direction has passed its EOF on.
     my_eof: &'a AtomicBool,
     /// The other direction's `my_eof`.
@@ -806,7 +887,7 @@ fn fin_seen(s: &TcpStream) -> bool {
 async fn pump(
     from: &mut tokio::net::tcp::ReadHalf<'_>,
     to: &mut tokio::net::tcp::WriteHalf<'_>,
-    p: Pipe<'_>,
+    p: &mut Pipe<'_>,
 ) -> End {
     // A direction holds a buffer only while bytes flow: it takes one from
     // the worker's pool when the socket turns readable and hands it back as
@@ -826,7 +907,7 @@ async fn pump(
                 if r.is_err() {
                     return End::Error;
                 }
-                buf.insert(pool::take(p.buf_size))
+                buf.insert(pool::take(p.buf_size as usize))
             }
         };
         let mut n = match from.try_read(b) {
@@ -889,6 +970,9 @@ async fn pump(
         let mut off = 0;
         let mut waited = false;
         while off < n {
+            if let Some(late) = p.late.as_mut() {
+                late.apply(to.as_ref(), n - off);
+            }
             let sent = match end {
                 Some(End::Eof) => to.as_ref().try_io(Interest::WRITABLE, || {
                     SockRef::from(to.as_ref())
@@ -901,7 +985,12 @@ async fn pump(
                     pool::give(buf.take());
                     return End::Error;
                 }
-                Ok(k) => off += k,
+                Ok(k) => {
+                    off += k;
+                    if let Some(late) = p.late.as_mut() {
+                        late.sent(k);
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     if !waited {
                         waited = true;
@@ -995,10 +1084,19 @@ async fn proxy(
     mut backend: TcpStream,
     small_rcvbuf: bool,
 ) -> &'static str {
-    // PROXY protocol header before any client byte.
+    // PROXY protocol header before any client byte. It is the backend
+    // socket's first write and at most a few hundred bytes, so it goes out
+    // whole at once with or without [`LateOpts`]' options.
+    let mut header_len = 0;
     let pp = conn.backend.spec.read().proxy_protocol;
     if let Some(v) = pp {
-        let local = client.local_addr().unwrap_or(conn.service.listen);
+        // The address the client dialled: the service's own, unless it
+        // listens on a wildcard (then only the socket knows which of the
+        // host's addresses).
+        let local = match conn.service.listen {
+            any if any.ip().is_unspecified() => client.local_addr().unwrap_or(any),
+            listen => listen,
+        };
         let hdr = crate::proxy_protocol::header(
             v,
             crate::proxy_protocol::Transport::Stream,
@@ -1009,28 +1107,37 @@ async fn proxy(
             reset(&client);
             return "backend_error";
         }
+        header_len = hdr.len();
     }
     let TcpTuning {
         buffer_size: buf,
         blocked_window,
+        notsent_lowat,
         ..
     } = shared.tuning.get();
+    let mut late = LateOpts::new(notsent_lowat);
+    late.sent(header_len);
     let reason = {
         let (mut cr, mut cw) = client.split();
         let (mut br, mut bw) = backend.split();
         let (c_eof, b_eof) = (AtomicBool::new(false), AtomicBool::new(false));
-        let pipe = |inbound, my_eof, peer_eof| Pipe {
+        let pipe = |inbound, late, my_eof, peer_eof| Pipe {
             shared,
             conn,
-            buf_size: buf as usize,
+            buf_size: buf,
             blocked_window,
             small_rcvbuf,
             inbound,
+            late,
             my_eof,
             peer_eof,
         };
-        let c2b = pump(&mut cr, &mut bw, pipe(true, &c_eof, &b_eof));
-        let b2c = pump(&mut br, &mut cw, pipe(false, &b_eof, &c_eof));
+        let (mut c2b_pipe, mut b2c_pipe) = (
+            pipe(true, Some(late), &c_eof, &b_eof),
+            pipe(false, None, &b_eof, &c_eof),
+        );
+        let c2b = pump(&mut cr, &mut bw, &mut c2b_pipe);
+        let b2c = pump(&mut br, &mut cw, &mut b2c_pipe);
         // Made once: made in the loop, it took the owner slot's waiter
         // lock twice per round (register, and unregister when a pump won).
         let closed = owner.closed();
@@ -1154,6 +1261,59 @@ mod tests {
         // Open: the next wait clamps the window instead.
         assert_eq!(p.on_free_write(), ClampAction::None);
         assert_eq!(p.on_wait(), ClampAction::Clamp);
+    }
+
+    #[test]
+    fn late_options_come_before_the_first_write_they_can_change() {
+        let set = |nodelay, lowat| SetOpts { nodelay, lowat };
+        let mut o = LateOpts::new(100);
+        // A first write within the limit: nothing to set.
+        assert_eq!(o.before_write(60), set(false, None));
+        o.sent(60);
+        // Any later one: TCP_NODELAY first; 100 bytes in all is within it.
+        assert_eq!(o.before_write(40), set(true, None));
+        o.sent(40);
+        // Past the limit: set once, before that write.
+        assert_eq!(o.before_write(1), set(false, Some(100)));
+        o.sent(1);
+        assert_eq!(o.before_write(1 << 20), set(false, None));
+
+        // A first write larger than the limit: the limit first.
+        let mut o = LateOpts::new(100);
+        assert_eq!(o.before_write(101), set(false, Some(100)));
+        // A write that would block sent nothing: the next is still a first.
+        o.sent(0);
+        assert_eq!(o.before_write(101), set(false, None));
+        o.sent(101);
+        assert_eq!(o.before_write(1), set(true, None));
+
+        // `notsent_lowat = 0`: the kernel's default, never set.
+        let mut o = LateOpts::new(0);
+        assert_eq!(o.before_write(usize::MAX), set(false, None));
+        o.sent(usize::MAX);
+        assert_eq!(o.before_write(usize::MAX), set(true, None));
+    }
+
+    /// What [`LateOpts::apply`] sets lands on the socket.
+    #[tokio::test]
+    async fn late_options_are_set_on_the_socket() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (_a, _) = l.accept().await.unwrap();
+        let opts = |s: &TcpStream| {
+            let r = SockRef::from(s);
+            (r.tcp_nodelay().unwrap(), r.tcp_notsent_lowat().unwrap())
+        };
+        assert_eq!(opts(&c), (false, 0));
+        let mut o = LateOpts::new(16384);
+        o.apply(&c, 2);
+        assert_eq!(opts(&c), (false, 0));
+        o.sent(2);
+        o.apply(&c, 2);
+        assert_eq!(opts(&c), (true, 0));
+        o.sent(2);
+        o.apply(&c, 16384);
+        assert_eq!(opts(&c), (true, 16384));
     }
 
     #[tokio::test]
