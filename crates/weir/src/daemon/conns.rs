@@ -146,7 +146,7 @@ impl Shared {
         seed: u64,
         pick: impl Fn(weir_flowtable::Candidate) -> bool,
     ) -> Option<bool> {
-        if tenant.early_drop_after.load(Relaxed) > now.0 {
+        if tenant.early_drop_resting(now) {
             return None;
         }
         let snap = match self.conns.table.evict_due_first(

@@ -537,11 +537,19 @@ pub(crate) struct Tenant {
     pub(crate) early_drop_after: AtomicU64,
     /// New packet flows of the tenant that met the daemon's
     /// `max_connections`: how hard its clients (or a flood against it)
-    /// press on that limit (`Engine::pressing_tenant`).
+    /// press on that limit (`packet::Pressing`).
     pub(crate) at_daemon_limit: AtomicU64,
     pub(crate) deleted: CancellationToken,
     /// The ids of the tenant's backends, by address ([`BackendIds`]).
     pub(crate) backend_ids: BackendIds,
+}
+
+impl Tenant {
+    /// Whether the early drop is resting for this tenant at `now`, having
+    /// last found none of its flows to take (`Shared::take_place`).
+    pub(crate) fn early_drop_resting(&self, now: Millis) -> bool {
+        self.early_drop_after.load(Relaxed) > now.0
+    }
 }
 
 /// One backend id per address in a tenant: every backend of the tenant's

@@ -670,7 +670,7 @@ pub(crate) struct Vips {
     own: std::collections::HashSet<IpAddr, foldhash::fast::RandomState>,
     /// The tenants with packet services, once each: where a flow refused
     /// at the daemon's limit may take a place from
-    /// ([`Engine::pressing_tenant`]).
+    /// ([`Pressing`]).
     tenants: Vec<Arc<super::Tenant>>,
 }
 
@@ -813,44 +813,97 @@ fn never_heard_back(c: weir_flowtable::Candidate) -> bool {
 /// so a flood against one tenant that fills the daemon's limit no longer
 /// refuses every other tenant's clients, and never ends a bystander's
 /// handshakes: a tenant holding many places but meeting the limit rarely
-/// (one with many long connections) is not picked. Found again at most
-/// every [`EARLY_DROP_BACKOFF_MS`], from the counts' growth since the last
-/// time, so a flood at the limit costs a compare per SYN, not a pass over
-/// every tenant.
+/// (one with many long connections) is not picked, nor one that has not
+/// met it lately.
+///
+/// "Lately" is a score per tenant: the flows that met the limit, halved
+/// every [`EARLY_DROP_BACKOFF_MS`]. A count over the last period alone
+/// misled it: after a worker stalled for a period (the machine busy
+/// elsewhere), the flood's tenant had met the limit zero times in it, and
+/// the first other tenant's SYN after the stall, having met it once, got
+/// itself picked, found nothing of its own to give and was refused, as
+/// was every one of its SYNs for the period (the `synflood-tenants`
+/// bench row's refusals of b). A pick that finds nothing to give rests
+/// (`Shared::take_place`) and is passed over until its rest ends.
+///
+/// Found again at most every [`EARLY_DROP_BACKOFF_MS`] (or when the pick
+/// rests), so a flood at the limit costs a compare per SYN, not a pass
+/// over every tenant; "no tenant to take from" stands for 1 ms.
 #[derive(Debug, Default)]
 struct Pressing {
-    /// The last pick and until when (daemon ms) it stands.
-    pick: Option<(Arc<super::Tenant>, u64)>,
-    /// Each of `Vips::tenants`' `at_daemon_limit` when last looked at,
-    /// and which snapshot that list was (its generation).
-    seen: Vec<u64>,
+    /// The last pick (`None`: none to take from) and until when (daemon
+    /// ms) it stands.
+    pick: Option<(Option<Arc<super::Tenant>>, u64)>,
+    /// For each of `Vips::tenants`: its id, its `at_daemon_limit` when
+    /// last looked at, and its score. Which snapshot that list was (its
+    /// generation).
+    seen: Vec<(u32, u64, u64)>,
     generation: u64,
+    /// When the scores were last halved (daemon ms).
+    halved_at: u64,
 }
 
 impl Pressing {
-    fn tenant(&mut self, vips: &Vips, now: Millis) -> Option<Arc<super::Tenant>> {
-        if let Some((t, until)) = &self.pick
+    /// The tenant to take from, for a flow of tenant `own` that has just
+    /// met the limit (and been counted).
+    fn tenant(&mut self, vips: &Vips, own: u32, now: Millis) -> Option<Arc<super::Tenant>> {
+        if let Some((pick, until)) = &self.pick
             && now.0 < *until
-            && !t.deleted.is_cancelled()
         {
-            return Some(t.clone());
-        }
-        if self.generation != vips.generation || self.seen.len() != vips.tenants.len() {
-            self.generation = vips.generation;
-            self.seen = vec![0; vips.tenants.len()];
-        }
-        let mut best: Option<(u64, &Arc<super::Tenant>)> = None;
-        for (t, seen) in vips.tenants.iter().zip(self.seen.iter_mut()) {
-            let now_at = t.at_daemon_limit.load(Relaxed);
-            let grew = now_at.saturating_sub(*seen);
-            *seen = now_at;
-            if best.is_none_or(|(g, _)| grew > g) {
-                best = Some((grew, t));
+            match pick {
+                None => return None,
+                Some(t) if !t.deleted.is_cancelled() && !t.early_drop_resting(now) => {
+                    return Some(t.clone());
+                }
+                // Gone, or it had nothing to give: look again.
+                Some(_) => {}
             }
         }
-        let t = best.map(|(_, t)| t.clone());
-        self.pick = t.clone().map(|t| (t, now.0 + EARLY_DROP_BACKOFF_MS));
-        t
+        if self.generation != vips.generation || self.seen.len() != vips.tenants.len() {
+            // A new list: each tenant's count and score carried over by id;
+            // one new to the list is counted from now (its count so far is
+            // no evidence of lately), but for the flow that just met the
+            // limit.
+            self.generation = vips.generation;
+            let old: HashMap<u32, (u32, u64, u64)> =
+                self.seen.drain(..).map(|s| (s.0, s)).collect();
+            self.seen = (vips.tenants.iter())
+                .map(|t| {
+                    let count = t.at_daemon_limit.load(Relaxed);
+                    let seen = if t.id == own {
+                        count.saturating_sub(1)
+                    } else {
+                        count
+                    };
+                    old.get(&t.id).copied().unwrap_or((t.id, seen, 0))
+                })
+                .collect();
+        }
+        let periods = now.0.saturating_sub(self.halved_at) / EARLY_DROP_BACKOFF_MS;
+        let halvings = periods.min(63) as u32;
+        self.halved_at = if periods > 63 {
+            now.0
+        } else {
+            self.halved_at + periods * EARLY_DROP_BACKOFF_MS
+        };
+        let mut best: Option<(u64, &Arc<super::Tenant>)> = None;
+        for (t, (_, seen, score)) in vips.tenants.iter().zip(self.seen.iter_mut()) {
+            let count = t.at_daemon_limit.load(Relaxed);
+            *score = (*score >> halvings) + count.saturating_sub(*seen);
+            *seen = count;
+            let may = *score > 0 && !t.deleted.is_cancelled() && !t.early_drop_resting(now);
+            if may && best.is_none_or(|(s, _)| *score > s) {
+                best = Some((*score, t));
+            }
+        }
+        let pick = best.map(|(_, t)| t.clone());
+        let stands = if pick.is_some() {
+            EARLY_DROP_BACKOFF_MS
+        } else {
+            1
+        };
+        self.pick = Some((pick.clone(), now.0 + stands));
+        pick
     }
 }
 
@@ -879,7 +932,7 @@ pub(crate) struct Engine {
     /// frames borrow the batch's services snapshot: a vector per batch).
     probes: Vec<Probe>,
     found: Vec<Option<weir_flowtable::Found>>,
-    /// [`Engine::pressing_tenant`]'s state.
+    /// [`Pressing`]'s state.
     pressing: Pressing,
 }
 
@@ -1565,16 +1618,24 @@ impl Engine {
         // (a flood against one tenant must not lock the others out), or
         // from its own if that one has none to give. Twice at most: the
         // daemon's place found, the tenant's own limit may refuse next.
+        // A pick that had nothing to give rests and is passed over by the
+        // next (`Pressing`): the second time round looks again.
+        let mut met_daemon_limit = false;
         for _ in 0..2 {
             if !may_take {
                 break;
             }
             let pressing;
+            let mut picked = false;
             let victim: &super::Tenant = match admitted {
                 Err(Refusal::TenantLimit) => &svc.tenant,
                 Err(Refusal::GlobalLimit) => {
-                    svc.tenant.at_daemon_limit.fetch_add(1, Relaxed);
-                    pressing = self.pressing.tenant(vips, now);
+                    if !met_daemon_limit {
+                        met_daemon_limit = true;
+                        svc.tenant.at_daemon_limit.fetch_add(1, Relaxed);
+                    }
+                    pressing = self.pressing.tenant(vips, svc.tenant.id, now);
+                    picked = pressing.is_some();
                     pressing.as_deref().unwrap_or(&svc.tenant)
                 }
                 _ => break,
@@ -1583,6 +1644,9 @@ impl Engine {
             let freed = self.early_drop(victim, now, seed)
                 || (victim.id != svc.tenant.id && self.early_drop(&svc.tenant, now, seed));
             if !freed {
+                if picked && victim.early_drop_resting(now) {
+                    continue;
+                }
                 break;
             }
             admitted = shared.admission.admit(&svc.tenant, shared.now_ns());
@@ -2995,6 +3059,95 @@ mod tests {
         }
         assert_eq!(e.counters.early_drops.load(Relaxed), 19);
         assert_eq!(d.shared.admission.active.load(Relaxed), 4);
+    }
+
+    /// The worker stalls in the middle of a flood against tenant a at the
+    /// daemon's limit (the machine busy elsewhere), and the first SYN
+    /// after the stall is a real client's of tenant b. b takes one of the
+    /// flood's places. Before, `Pressing` counted only the flows that met
+    /// the limit since its last look: a none, b one, so it picked b, whose
+    /// look found nothing of its own to give, and b's SYNs were refused
+    /// until the pick's period ended (the bench row `synflood-tenants`).
+    #[test]
+    fn a_real_clients_syn_after_a_stall_in_a_flood_still_takes_the_floods_place() {
+        let (d, [vip_a, vip_b]) = two_tenants_dr(3);
+        let mut e = engine(&d);
+        let table = &d.shared.conns.table;
+        let t0 = d.shared.now_ms();
+        let flood = |i: u16| SocketAddr::new("198.51.100.1".parse().unwrap(), i);
+        let syn = |e: &mut Engine, client: SocketAddr, vip: SocketAddr, at: u64| {
+            let mut f = frame(client, vip, Some(SYN), b"");
+            e.process_at(&mut f, Millis(at))
+        };
+        for i in 1..=3 {
+            assert_eq!(syn(&mut e, flood(i), vip_a, t0), Verdict::Transmit);
+        }
+        table.expire(Millis(t0), 4096, &mut Vec::new());
+        // The flood at the limit, each SYN taking the place of one of its
+        // own, over two of `Pressing`'s periods; the last SYN is the
+        // last look before the stall.
+        let mut i = 4;
+        for (at, n) in [(t0, 5), (t0 + 2, 22), (t0 + 15, 1)] {
+            for _ in 0..n {
+                assert_eq!(syn(&mut e, flood(i), vip_a, at), Verdict::Transmit);
+                i += 1;
+            }
+        }
+        table.expire(Millis(t0 + 15), 4096, &mut Vec::new());
+        let real = sa("192.0.2.9:5000");
+        assert_eq!(
+            syn(&mut e, real, vip_b, t0 + 40),
+            Verdict::Transmit,
+            "b let in after the stall"
+        );
+        assert!(table.get(&key_at(&e, real, vip_b)).is_some());
+        assert_eq!(counted(&e, Drop::Refused), 0);
+        assert_eq!(d.shared.admission.active.load(Relaxed), 3);
+    }
+
+    /// A tenant that presses hardest on the daemon's limit but has no
+    /// flow to give (its clients all finished their handshakes) is passed
+    /// over for the next one pressing on it: b's clients met the limit
+    /// more often than a's flood, b has nothing to take, a's flood does.
+    #[test]
+    fn a_pick_with_nothing_to_give_is_passed_over_for_the_next() {
+        let (d, [vip_a, vip_b]) = two_tenants_dr(3);
+        let mut e = engine(&d);
+        let table = &d.shared.conns.table;
+        let now = Millis(d.shared.now_ms());
+        let packet = |e: &mut Engine, client: SocketAddr, vip: SocketAddr, flags: u8| {
+            let mut f = frame(client, vip, Some(flags), b"");
+            e.process_at(&mut f, now)
+        };
+        let b = |i: u16| SocketAddr::new("192.0.2.9".parse().unwrap(), i);
+        for i in 1..=2 {
+            assert_eq!(packet(&mut e, b(i), vip_b, SYN), Verdict::Transmit);
+            assert_eq!(packet(&mut e, b(i), vip_b, ACK), Verdict::Transmit);
+        }
+        let flood = |i: u16| SocketAddr::new("198.51.100.1".parse().unwrap(), i);
+        assert_eq!(packet(&mut e, flood(1), vip_a, SYN), Verdict::Transmit);
+        table.expire(now, 4096, &mut Vec::new());
+        // b's clients meet the limit three times (refused: `Pressing` has
+        // no evidence yet, and b has nothing of its own to take), a's
+        // flood once (taking its own flow's place).
+        let at_limit = |e: &Engine, vip: SocketAddr| {
+            (e.vips.by_vip[&(vip.ip(), 6, vip.port())].svc.tenant)
+                .at_daemon_limit
+                .load(Relaxed)
+        };
+        for i in 10..13 {
+            assert_eq!(packet(&mut e, b(i), vip_b, SYN), Verdict::Drop);
+        }
+        assert_eq!(packet(&mut e, flood(2), vip_a, SYN), Verdict::Transmit);
+        assert_eq!((at_limit(&e, vip_a), at_limit(&e, vip_b)), (1, 3));
+        assert_eq!(counted(&e, Drop::Refused), 3);
+        // Once b's rest is over: b scores highest, finds nothing, rests;
+        // a is next.
+        let later = Millis(now.0 + EARLY_DROP_BACKOFF_MS + 1);
+        let mut f = frame(b(20), vip_b, Some(SYN), b"");
+        assert_eq!(e.process_at(&mut f, later), Verdict::Transmit, "b let in");
+        assert!(table.get(&key_at(&e, b(20), vip_b)).is_some());
+        assert_eq!(d.shared.admission.active.load(Relaxed), 3);
     }
 
     /// The same defence when the tenant's own table is at its cap
