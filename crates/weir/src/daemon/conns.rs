@@ -128,6 +128,143 @@ pub(crate) const EARLY_DROP_LOOK: usize = 64;
 /// whatever the flood's rate.
 pub(crate) const EARLY_DROP_BACKOFF_MS: u64 = 10;
 
+/// Which tenant a new flow refused at the daemon's `max_connections`
+/// takes a place from (packet mode's `Engine::early_drop`, the UDP proxy's
+/// `udp::take_a_place_pressed`): the one whose new flows met that limit
+/// most often lately (`Tenant::at_daemon_limit`), i.e. the one a flood is
+/// aimed at. Its flows that never heard back are the flood's, so a flood
+/// against one tenant that fills the daemon's limit no longer refuses
+/// every other tenant's clients, and never ends a bystander's handshakes:
+/// a tenant holding many places but meeting the limit rarely (one with
+/// many long connections) is not picked, nor one that has not met it
+/// lately.
+///
+/// "Lately" is a score per tenant: the flows that met the limit, halved
+/// every [`EARLY_DROP_BACKOFF_MS`]. A count over the last period alone
+/// misled it: after a worker stalled for a period (the machine busy
+/// elsewhere), the flood's tenant had met the limit zero times in it, and
+/// the first other tenant's SYN after the stall, having met it once, got
+/// itself picked, found nothing of its own to give and was refused, as
+/// was every one of its SYNs for the period (the `synflood-tenants` bench
+/// row's refusals of b). A pick that finds nothing to give rests
+/// ([`Shared::take_place`]) and is passed over until its rest ends.
+///
+/// Found again at most every [`EARLY_DROP_BACKOFF_MS`] (or when the pick
+/// rests), so a flood at the limit costs a compare per new flow, not a
+/// pass over every tenant; "no tenant to take from" stands for 1 ms. One
+/// per worker: no lock.
+#[derive(Debug, Default)]
+pub(crate) struct Pressing {
+    /// The last pick (`None`: none to take from) and until when (daemon
+    /// ms) it stands.
+    pick: Option<(Option<Arc<super::Tenant>>, u64)>,
+    /// Each tenant's id, its `at_daemon_limit` when last looked at, and
+    /// its score, by its place in the list looked at then.
+    seen: Vec<(u32, u64, u64)>,
+    /// Scratch for the next `seen`, kept to allocate nothing per look.
+    next: Vec<(u32, u64, u64)>,
+    /// When the scores were last halved (daemon ms).
+    halved_at: u64,
+}
+
+impl Pressing {
+    /// A place for a new flow of `own` refused at the daemon's limit:
+    /// counts its press on the limit, then `take`s one from the tenant
+    /// pressing hardest among `tenants`, or from `own` if that one has none
+    /// to give; if the pick had nothing to give (it now rests), from the
+    /// next pick. Whether one was taken.
+    pub(crate) fn take_place<'t, I>(
+        &mut self,
+        own: &super::Tenant,
+        tenants: I,
+        now: Millis,
+        mut take: impl FnMut(&super::Tenant) -> bool,
+    ) -> bool
+    where
+        I: IntoIterator<Item = &'t Arc<super::Tenant>>,
+        I::IntoIter: Clone,
+    {
+        own.at_daemon_limit.fetch_add(1, Relaxed);
+        let tenants = tenants.into_iter();
+        for _ in 0..2 {
+            let pressing = self.tenant(own.id, tenants.clone(), now);
+            let victim = pressing.as_deref().unwrap_or(own);
+            if take(victim) || (victim.id != own.id && take(own)) {
+                return true;
+            }
+            if pressing.is_none() || !victim.early_drop_resting(now) {
+                break;
+            }
+        }
+        false
+    }
+
+    /// The tenant to take from, for a flow of tenant `own` that has just
+    /// met the limit (and been counted).
+    fn tenant<'t>(
+        &mut self,
+        own: u32,
+        tenants: impl Iterator<Item = &'t Arc<super::Tenant>>,
+        now: Millis,
+    ) -> Option<Arc<super::Tenant>> {
+        if let Some((pick, until)) = &self.pick
+            && now.0 < *until
+        {
+            match pick {
+                None => return None,
+                Some(t) if !t.deleted.is_cancelled() && !t.early_drop_resting(now) => {
+                    return Some(t.clone());
+                }
+                // Gone, or it had nothing to give: look again.
+                Some(_) => {}
+            }
+        }
+        let periods = now.0.saturating_sub(self.halved_at) / EARLY_DROP_BACKOFF_MS;
+        let halvings = periods.min(63) as u32;
+        self.halved_at = if periods > 63 {
+            now.0
+        } else {
+            self.halved_at + periods * EARLY_DROP_BACKOFF_MS
+        };
+        let mut best: Option<(u64, &Arc<super::Tenant>)> = None;
+        // The last list by id, made the first time a tenant is not where
+        // it was (the list changed).
+        let mut by_id: Option<std::collections::HashMap<u32, (u64, u64)>> = None;
+        self.next.clear();
+        for (i, t) in tenants.enumerate() {
+            let count = t.at_daemon_limit.load(Relaxed);
+            // One new to the list is counted from now (its count so far is
+            // no evidence of lately), but for the flow that just met the
+            // limit.
+            let (seen, score) = match self.seen.get(i) {
+                Some(&(id, seen, score)) if id == t.id => (seen, score),
+                _ => by_id
+                    .get_or_insert_with(|| {
+                        self.seen.iter().map(|&(id, n, s)| (id, (n, s))).collect()
+                    })
+                    .get(&t.id)
+                    .copied()
+                    .unwrap_or((count.saturating_sub((t.id == own).into()), 0)),
+            };
+            let score = (score >> halvings) + count.saturating_sub(seen);
+            self.next.push((t.id, count, score));
+            let may = score > 0 && !t.deleted.is_cancelled() && !t.early_drop_resting(now);
+            if may && best.is_none_or(|(s, _)| score > s) {
+                best = Some((score, t));
+            }
+        }
+        std::mem::swap(&mut self.seen, &mut self.next);
+        let pick = best.map(|(_, t)| t.clone());
+        let stands = if pick.is_some() {
+            EARLY_DROP_BACKOFF_MS
+        } else {
+            1
+        };
+        self.pick = Some((pick.clone(), now.0 + stands));
+        pick
+    }
+}
+
 impl Shared {
     /// One early-drop look (packet mode's `Engine::early_drop`, the UDP
     /// proxy's `udp::take_a_place`): ends one of `tenant`'s entries that

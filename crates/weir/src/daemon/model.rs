@@ -537,7 +537,7 @@ pub(crate) struct Tenant {
     pub(crate) early_drop_after: AtomicU64,
     /// New packet flows of the tenant that met the daemon's
     /// `max_connections`: how hard its clients (or a flood against it)
-    /// press on that limit (`packet::Pressing`).
+    /// press on that limit (`conns::Pressing`).
     pub(crate) at_daemon_limit: AtomicU64,
     pub(crate) deleted: CancellationToken,
     /// The ids of the tenant's backends, by address ([`BackendIds`]).

@@ -44,7 +44,7 @@ use weir_packet::{
 };
 use weir_packet_io::Batch;
 
-use super::conns::EARLY_DROP_BACKOFF_MS;
+use super::conns::Pressing;
 use super::{Backend, Refusal, Service, Shared};
 use crate::config::Forward;
 
@@ -806,107 +806,6 @@ fn never_heard_back(c: weir_flowtable::Candidate) -> bool {
         }
 }
 
-/// Which tenant a new flow refused at the daemon's `max_connections`
-/// takes a place from (`Engine::early_drop`): the one whose new flows met
-/// that limit most often lately (`Tenant::at_daemon_limit`), i.e. the one
-/// a flood is aimed at. Its flows that never heard back are the flood's,
-/// so a flood against one tenant that fills the daemon's limit no longer
-/// refuses every other tenant's clients, and never ends a bystander's
-/// handshakes: a tenant holding many places but meeting the limit rarely
-/// (one with many long connections) is not picked, nor one that has not
-/// met it lately.
-///
-/// "Lately" is a score per tenant: the flows that met the limit, halved
-/// every [`EARLY_DROP_BACKOFF_MS`]. A count over the last period alone
-/// misled it: after a worker stalled for a period (the machine busy
-/// elsewhere), the flood's tenant had met the limit zero times in it, and
-/// the first other tenant's SYN after the stall, having met it once, got
-/// itself picked, found nothing of its own to give and was refused, as
-/// was every one of its SYNs for the period (the `synflood-tenants`
-/// bench row's refusals of b). A pick that finds nothing to give rests
-/// (`Shared::take_place`) and is passed over until its rest ends.
-///
-/// Found again at most every [`EARLY_DROP_BACKOFF_MS`] (or when the pick
-/// rests), so a flood at the limit costs a compare per SYN, not a pass
-/// over every tenant; "no tenant to take from" stands for 1 ms.
-#[derive(Debug, Default)]
-struct Pressing {
-    /// The last pick (`None`: none to take from) and until when (daemon
-    /// ms) it stands.
-    pick: Option<(Option<Arc<super::Tenant>>, u64)>,
-    /// For each of `Vips::tenants`: its id, its `at_daemon_limit` when
-    /// last looked at, and its score. Which snapshot that list was (its
-    /// generation).
-    seen: Vec<(u32, u64, u64)>,
-    generation: u64,
-    /// When the scores were last halved (daemon ms).
-    halved_at: u64,
-}
-
-impl Pressing {
-    /// The tenant to take from, for a flow of tenant `own` that has just
-    /// met the limit (and been counted).
-    fn tenant(&mut self, vips: &Vips, own: u32, now: Millis) -> Option<Arc<super::Tenant>> {
-        if let Some((pick, until)) = &self.pick
-            && now.0 < *until
-        {
-            match pick {
-                None => return None,
-                Some(t) if !t.deleted.is_cancelled() && !t.early_drop_resting(now) => {
-                    return Some(t.clone());
-                }
-                // Gone, or it had nothing to give: look again.
-                Some(_) => {}
-            }
-        }
-        if self.generation != vips.generation || self.seen.len() != vips.tenants.len() {
-            // A new list: each tenant's count and score carried over by id;
-            // one new to the list is counted from now (its count so far is
-            // no evidence of lately), but for the flow that just met the
-            // limit.
-            self.generation = vips.generation;
-            let old: HashMap<u32, (u32, u64, u64)> =
-                self.seen.drain(..).map(|s| (s.0, s)).collect();
-            self.seen = (vips.tenants.iter())
-                .map(|t| {
-                    let count = t.at_daemon_limit.load(Relaxed);
-                    let seen = if t.id == own {
-                        count.saturating_sub(1)
-                    } else {
-                        count
-                    };
-                    old.get(&t.id).copied().unwrap_or((t.id, seen, 0))
-                })
-                .collect();
-        }
-        let periods = now.0.saturating_sub(self.halved_at) / EARLY_DROP_BACKOFF_MS;
-        let halvings = periods.min(63) as u32;
-        self.halved_at = if periods > 63 {
-            now.0
-        } else {
-            self.halved_at + periods * EARLY_DROP_BACKOFF_MS
-        };
-        let mut best: Option<(u64, &Arc<super::Tenant>)> = None;
-        for (t, (_, seen, score)) in vips.tenants.iter().zip(self.seen.iter_mut()) {
-            let count = t.at_daemon_limit.load(Relaxed);
-            *score = (*score >> halvings) + count.saturating_sub(*seen);
-            *seen = count;
-            let may = *score > 0 && !t.deleted.is_cancelled() && !t.early_drop_resting(now);
-            if may && best.is_none_or(|(s, _)| *score > s) {
-                best = Some((*score, t));
-            }
-        }
-        let pick = best.map(|(_, t)| t.clone());
-        let stands = if pick.is_some() {
-            EARLY_DROP_BACKOFF_MS
-        } else {
-            1
-        };
-        self.pick = Some((pick.clone(), now.0 + stands));
-        pick
-    }
-}
-
 /// One packet worker's data path.
 pub(crate) struct Engine {
     shared: Arc<Shared>,
@@ -932,8 +831,10 @@ pub(crate) struct Engine {
     /// frames borrow the batch's services snapshot: a vector per batch).
     probes: Vec<Probe>,
     found: Vec<Option<weir_flowtable::Found>>,
-    /// [`Pressing`]'s state.
-    pressing: Pressing,
+    /// Whose place a new flow at the daemon's limit takes
+    /// ([`Engine::early_drop`]); in a cell, as the look takes the places
+    /// through `&self`.
+    pressing: std::cell::RefCell<Pressing>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -994,7 +895,7 @@ impl Engine {
             icmp_budget: IcmpBudget::new(),
             probes: Vec::new(),
             found: Vec::new(),
-            pressing: Pressing::default(),
+            pressing: Default::default(),
         }
     }
 
@@ -1618,35 +1519,24 @@ impl Engine {
         // (a flood against one tenant must not lock the others out), or
         // from its own if that one has none to give. Twice at most: the
         // daemon's place found, the tenant's own limit may refuse next.
-        // A pick that had nothing to give rests and is passed over by the
-        // next (`Pressing`): the second time round looks again.
-        let mut met_daemon_limit = false;
         for _ in 0..2 {
             if !may_take {
                 break;
             }
-            let pressing;
-            let mut picked = false;
-            let victim: &super::Tenant = match admitted {
-                Err(Refusal::TenantLimit) => &svc.tenant,
-                Err(Refusal::GlobalLimit) => {
-                    if !met_daemon_limit {
-                        met_daemon_limit = true;
-                        svc.tenant.at_daemon_limit.fetch_add(1, Relaxed);
-                    }
-                    pressing = self.pressing.tenant(vips, svc.tenant.id, now);
-                    picked = pressing.is_some();
-                    pressing.as_deref().unwrap_or(&svc.tenant)
-                }
-                _ => break,
-            };
+            if !matches!(admitted, Err(Refusal::TenantLimit | Refusal::GlobalLimit)) {
+                break;
+            }
             let seed = weir_sched::RandomSource::next_u64(&mut self.rng);
-            let freed = self.early_drop(victim, now, seed)
-                || (victim.id != svc.tenant.id && self.early_drop(&svc.tenant, now, seed));
+            let freed = if admitted == Err(Refusal::TenantLimit) {
+                self.early_drop(&svc.tenant, now, seed)
+            } else {
+                self.pressing
+                    .borrow_mut()
+                    .take_place(&svc.tenant, &vips.tenants, now, |t| {
+                        self.early_drop(t, now, seed)
+                    })
+            };
             if !freed {
-                if picked && victim.early_drop_resting(now) {
-                    continue;
-                }
                 break;
             }
             admitted = shared.admission.admit(&svc.tenant, shared.now_ns());
@@ -1840,9 +1730,10 @@ impl Engine {
     /// did not.
     ///
     /// A look that found nothing is not made again for the tenant for
-    /// [`EARLY_DROP_BACKOFF_MS`]: a tenant full of flows that did hear
-    /// back would otherwise make every refused SYN of a flood cost up to 64
-    /// node reads and a filing pass instead of a compare.
+    /// [`EARLY_DROP_BACKOFF_MS`](super::conns::EARLY_DROP_BACKOFF_MS): a
+    /// tenant full of flows that did hear back would otherwise make every
+    /// refused SYN of a flood cost up to 64 node reads and a filing pass
+    /// instead of a compare.
     fn early_drop(&self, tenant: &super::Tenant, now: Millis, seed: u64) -> bool {
         let Some(took) = self.shared.take_place(tenant, now, seed, never_heard_back) else {
             return false; // resting
@@ -2102,6 +1993,7 @@ mod tests {
 
     use super::*;
     use crate::config::Config;
+    use crate::daemon::conns::EARLY_DROP_BACKOFF_MS;
     use weir_packet::checksum;
     use weir_sched::RandomSource as _;
 
