@@ -584,6 +584,102 @@ fn a_udp_session_at_the_limit_takes_the_place_of_a_single_datagram_one() {
     d.shutdown();
 }
 
+/// Spoofed datagram flood defence across tenants: a flood of single
+/// datagrams against tenant a that fills the daemon's `max_connections`
+/// does not lock tenant b's new clients out: b's new session takes the
+/// place of one of a's single-datagram sessions (a presses hardest on the
+/// limit), as packet mode's flows do. The place came from the new
+/// session's own tenant only, and b, holding none, was refused
+/// (`global_limit`) for as long as the flood went on.
+#[test]
+fn a_udp_flood_at_the_daemon_limit_does_not_lock_other_tenants_out() {
+    let b = udp_echo();
+    let mut cfg = config(vec![]);
+    cfg.daemon.workers = 1;
+    cfg.daemon.max_connections = 4;
+    for t in ["a", "b"] {
+        cfg.tenants.push(TenantSpec {
+            name: t.into(),
+            ..Default::default()
+        });
+        let mut s = service(&format!("u-{t}"), Protocol::Udp, "rr", vec![backend(b, 1)]);
+        s.tenant = t.into();
+        cfg.services.push(s);
+    }
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+    let va = d.service_addr("a", "u-a").unwrap();
+    let vb = d.service_addr("b", "u-b").unwrap();
+    // Forged sources: a fresh socket (port) per datagram, gone at once.
+    let flood = |n: usize| {
+        for _ in 0..n {
+            let _ = UdpSocket::bind("127.0.0.1:0").unwrap().send_to(b"x", va);
+        }
+    };
+    flood(4);
+    assert!(wait_until(T, || c.global_stats().active_conns == 4));
+    let real = UdpSocket::bind("127.0.0.1:0").unwrap();
+    real.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut buf = [0u8; 16];
+    // The flood goes on between b's tries (bounded: 40 rounds).
+    let answered = (0..40).any(|_| {
+        flood(8);
+        real.send_to(b"b", vb).unwrap();
+        matches!(real.recv_from(&mut buf), Ok((n, _)) if &buf[..n] == b"b")
+    });
+    let g = c.global_stats();
+    assert!(answered, "tenant b was locked out: {g:?}");
+    let listed = c
+        .connections(&ConnFilter::default(), None, 100)
+        .unwrap()
+        .connections;
+    let real_addr = real.local_addr().unwrap().to_string();
+    assert!(
+        listed.iter().any(|x| x.client == real_addr),
+        "b's session is not listed: {listed:?}"
+    );
+    assert!(g.udp_early_drops > 0, "{g:?}");
+    d.shutdown();
+}
+
+/// At the daemon's limit a new UDP session taking a single-datagram
+/// session's place is still under its tenant's own limits: here
+/// `max_new_per_s`. It was admitted past every limit (`admit_over`), so
+/// at the daemon's limit the tenant's rate limit let every new client
+/// through.
+#[test]
+fn a_udp_session_at_the_daemon_limit_is_under_its_tenant_rate() {
+    let b = udp_echo();
+    let mut cfg = config(vec![service("u", Protocol::Udp, "rr", vec![backend(b, 1)])]);
+    cfg.daemon.workers = 1;
+    cfg.daemon.max_connections = 1;
+    // One new session a second: the second client, within the second,
+    // is over the rate.
+    cfg.tenants.push(default_tenant(0, 1));
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+    let vip = d.service_addr("default", "u").unwrap();
+    let ask = |msg: &[u8]| {
+        let u = UdpSocket::bind("127.0.0.1:0").unwrap();
+        u.set_read_timeout(Some(Duration::from_millis(500)))
+            .unwrap();
+        u.send_to(msg, vip).unwrap();
+        let mut buf = [0u8; 64];
+        matches!(u.recv_from(&mut buf), Ok((n, _)) if &buf[..n] == msg)
+    };
+    assert!(ask(b"first"));
+    assert!(
+        !ask(b"second"),
+        "the second client passed the tenant's rate"
+    );
+    let g = c.global_stats();
+    assert_eq!(g.refused.get("tenant_rate"), Some(&1), "{g:?}");
+    assert_eq!(g.udp_early_drops, 0, "{g:?}");
+    assert_eq!(g.stats.conns, 1, "{g:?}");
+    d.shutdown();
+}
+
 /// A backend streaming as fast as it can to a client that reads nothing
 /// for a while, through weir configured by `tune`. Returns (bytes the
 /// backend managed to write before stalling, bytes weir read from it);

@@ -79,6 +79,26 @@ impl Admission {
             self.active.fetch_sub(1, Relaxed);
             return Err(Refusal::GlobalLimit);
         }
+        self.admit_in_tenant(tenant, now_ns)
+    }
+
+    /// [`Self::admit`] for a new session refused at the daemon's
+    /// `max_connections` whose place there is coming (`udp::open_session`
+    /// ended another tenant's session, which gives its slot back when its
+    /// task runs): a slot past the daemon's limit, under the tenant's own
+    /// limits still. Given back with [`Self::release`].
+    pub(crate) fn admit_past_daemon_limit(
+        &self,
+        tenant: &Tenant,
+        now_ns: u64,
+    ) -> Result<(), Refusal> {
+        self.active.fetch_add(1, Relaxed);
+        self.admit_in_tenant(tenant, now_ns)
+    }
+
+    /// The tenant's part of [`Self::admit`], the daemon's slot taken
+    /// (given back on a refusal).
+    fn admit_in_tenant(&self, tenant: &Tenant, now_ns: u64) -> Result<(), Refusal> {
         let (tmax, rate) = {
             let s = tenant.spec.read();
             (s.max_connections, s.max_new_per_s)

@@ -152,7 +152,7 @@ pub(crate) const EARLY_DROP_BACKOFF_MS: u64 = 10;
 /// Found again at most every [`EARLY_DROP_BACKOFF_MS`] (or when the pick
 /// rests), so a flood at the limit costs a compare per new flow, not a
 /// pass over every tenant; "no tenant to take from" stands for 1 ms. One
-/// per worker: no lock.
+/// per packet worker and one per proxy worker: no lock.
 #[derive(Debug, Default)]
 pub(crate) struct Pressing {
     /// The last pick (`None`: none to take from) and until when (daemon

@@ -531,13 +531,13 @@ pub(crate) struct Tenant {
     pub(crate) placement: String,
     /// `max_new_per_s`, as a token bucket.
     pub(super) new_conns: NewConnLimit,
-    /// The daemon's clock (ms) before which the packet path does not look
+    /// The daemon's clock (ms) before which an early drop does not look
     /// for a flow to take the place of again, having found none
-    /// (`Engine::early_drop`).
+    /// (`Shared::take_place`).
     pub(crate) early_drop_after: AtomicU64,
-    /// New packet flows of the tenant that met the daemon's
-    /// `max_connections`: how hard its clients (or a flood against it)
-    /// press on that limit (`conns::Pressing`).
+    /// New packet flows and UDP proxy sessions of the tenant that met the
+    /// daemon's `max_connections`: how hard its clients (or a flood
+    /// against it) press on that limit (`conns::Pressing`).
     pub(crate) at_daemon_limit: AtomicU64,
     pub(crate) deleted: CancellationToken,
     /// The ids of the tenant's backends, by address ([`BackendIds`]).

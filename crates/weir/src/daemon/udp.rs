@@ -27,6 +27,7 @@ use tokio::net::UdpSocket;
 use weir_flowtable::{Dir, FlowKey, Millis};
 
 use super::accounting::{UdpDrop, UdpDrops};
+use super::conns::Pressing;
 use super::owners::{Close, Owner};
 use super::{Conn, ConnState, Refusal, Service, Shared};
 use crate::config::Protocol;
@@ -326,17 +327,32 @@ fn open_session(
 ) -> Option<Arc<Session>> {
     let tenant = svc.tenant.clone();
     let params = svc.params.load_full();
-    if let Err(why) = shared.admission.admit(&tenant, shared.now_ns()) {
-        let limit = matches!(why, Refusal::TenantLimit | Refusal::GlobalLimit);
-        if !(limit && take_a_place(shared, &tenant, rng)) {
-            shared.admission.refuse(Some(&tenant), why);
-            return None;
+    // At a limit, the place of a session that has carried a single
+    // datagram (`take_a_place`). The ended session's task gives its slot
+    // back when it runs (its worker may be another): this one has it
+    // meanwhile, one over the limit until then, so the place does not go
+    // to whichever datagram comes next (most likely the flood's).
+    let now_ns = shared.now_ns();
+    let mut admitted = shared.admission.admit(&tenant, now_ns);
+    if admitted == Err(Refusal::GlobalLimit) {
+        // The daemon's limit: from the tenant pressing hardest on it (a
+        // flood against one tenant must not lock the others out), under
+        // this tenant's own limits still, checked first so that a session
+        // they refuse ends nobody's.
+        admitted = shared.admission.admit_past_daemon_limit(&tenant, now_ns);
+        if admitted.is_ok() && !take_a_place_pressed(shared, &tenant, rng) {
+            shared.admission.release(&tenant);
+            admitted = Err(Refusal::GlobalLimit);
         }
-        // The ended session's task gives its slot back when it runs (its
-        // worker may be another): this one has it meanwhile, one over the
-        // limit until then, so the place does not go to whichever
-        // datagram comes next (most likely the flood's).
+    }
+    // The tenant's own limit (the daemon's too, maybe): from its own.
+    if admitted == Err(Refusal::TenantLimit) && take_a_place(shared, &tenant, rng) {
         shared.admission.admit_over(&tenant);
+        admitted = Ok(());
+    }
+    if let Err(why) = admitted {
+        shared.admission.refuse(Some(&tenant), why);
+        return None;
     }
     let refuse = |why| {
         shared.admission.refuse(Some(&tenant), why);
@@ -431,6 +447,27 @@ fn take_a_place(shared: &Shared, tenant: &super::Tenant, rng: &mut weir_sched::S
         shared.accounting.udp_early_drops.fetch_add(1, Relaxed);
     }
     took
+}
+
+/// [`take_a_place`] at the daemon's `max_connections`: from the tenant
+/// pressing hardest on it, or from `own` if that one has no session to
+/// give ([`Pressing`]: packet mode's choice at the daemon's limit, this
+/// worker's own).
+fn take_a_place_pressed(
+    shared: &Shared,
+    own: &super::Tenant,
+    rng: &mut weir_sched::SplitMix64,
+) -> bool {
+    thread_local! {
+        static PRESSING: RefCell<Pressing> = RefCell::default();
+    }
+    let now = Millis(shared.now_ms());
+    let model = shared.model.load();
+    PRESSING.with_borrow_mut(|p| {
+        p.take_place(own, model.tenants.values(), now, |t| {
+            take_a_place(shared, t, rng)
+        })
+    })
 }
 
 /// A UDP proxy session that has carried a single datagram from its
