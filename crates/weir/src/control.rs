@@ -285,8 +285,9 @@ pub struct GlobalStats {
     pub udp_dropped: std::collections::BTreeMap<String, u64>,
     /// UDP proxy sessions that had carried a single datagram from their
     /// client, ended, those due soonest first, to make room for a new
-    /// session at its tenant's or the daemon's connection limit: what a
-    /// spoofed datagram flood costs the sessions it crowds.
+    /// session at its tenant's or the daemon's connection limit, or out of
+    /// descriptors: what a spoofed datagram flood costs the sessions it
+    /// crowds.
     #[serde(default)]
     pub udp_early_drops: u64,
     /// Open file descriptors and the limit.

@@ -326,7 +326,7 @@ fn global_metrics(reg: &mut Registry, g: &GlobalStats) {
     counter(
         reg,
         "weir_udp_early_drops",
-        "UDP proxy: sessions that carried a single datagram, ended to make room for a new one at a connection limit (spoofed flood defence)",
+        "UDP proxy: sessions that carried a single datagram, ended to make room for a new one at a connection limit or out of descriptors (spoofed flood defence)",
         None,
         g.udp_early_drops,
     );

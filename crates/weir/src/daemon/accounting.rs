@@ -24,7 +24,8 @@ pub(crate) struct Accounting {
     /// Datagrams the UDP proxy dropped, per reason.
     pub(crate) udp_dropped: UdpDrops,
     /// UDP proxy sessions that carried a single datagram, ended to make
-    /// room for a new one at a connection limit (`udp::take_a_place`).
+    /// room for a new one at a connection limit or out of descriptors
+    /// (`udp::take_a_place`).
     pub(crate) udp_early_drops: std::sync::atomic::AtomicU64,
 }
 

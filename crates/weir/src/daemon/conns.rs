@@ -128,16 +128,18 @@ pub(crate) const EARLY_DROP_LOOK: usize = 64;
 /// whatever the flood's rate.
 pub(crate) const EARLY_DROP_BACKOFF_MS: u64 = 10;
 
-/// Which tenant a new flow refused at the daemon's `max_connections`
-/// takes a place from (packet mode's `Engine::early_drop`, the UDP proxy's
-/// `udp::take_a_place_pressed`): the one whose new flows met that limit
+/// Which tenant a new flow refused at a daemon-wide limit takes a place
+/// from (packet mode's `Engine::early_drop`, the UDP proxy's
+/// `udp::take_a_place_pressed`): the one whose new flows met such a limit
 /// most often lately (`Tenant::at_daemon_limit`), i.e. the one a flood is
-/// aimed at. Its flows that never heard back are the flood's, so a flood
-/// against one tenant that fills the daemon's limit no longer refuses
-/// every other tenant's clients, and never ends a bystander's handshakes:
-/// a tenant holding many places but meeting the limit rarely (one with
-/// many long connections) is not picked, nor one that has not met it
-/// lately.
+/// aimed at. The limits are the daemon's `max_connections`, and for the
+/// UDP proxy's sessions also the descriptors running out (a session is a
+/// socket). The pressing tenant's flows that never heard back are the
+/// flood's, so a flood against one tenant that fills a daemon-wide limit
+/// no longer refuses every other tenant's clients, and never ends a
+/// bystander's handshakes: a tenant holding many places but meeting the
+/// limit rarely (one with many long connections) is not picked, nor one
+/// that has not met it lately.
 ///
 /// "Lately" is a score per tenant: the flows that met the limit, halved
 /// every [`EARLY_DROP_BACKOFF_MS`]. A count over the last period alone
@@ -168,7 +170,7 @@ pub(crate) struct Pressing {
 }
 
 impl Pressing {
-    /// A place for a new flow of `own` refused at the daemon's limit:
+    /// A place for a new flow of `own` refused at a daemon-wide limit:
     /// counts its press on the limit, then `take`s one from the tenant
     /// pressing hardest among `tenants`, or from `own` if that one has none
     /// to give; if the pick had nothing to give (it now rests), from the

@@ -535,9 +535,10 @@ pub(crate) struct Tenant {
     /// for a flow to take the place of again, having found none
     /// (`Shared::take_place`).
     pub(crate) early_drop_after: AtomicU64,
-    /// New packet flows and UDP proxy sessions of the tenant that met the
-    /// daemon's `max_connections`: how hard its clients (or a flood
-    /// against it) press on that limit (`conns::Pressing`).
+    /// New packet flows and UDP proxy sessions of the tenant that met a
+    /// daemon-wide limit (the daemon's `max_connections`; for a session
+    /// also the descriptors running out): how hard its clients (or a flood
+    /// against it) press on those limits (`conns::Pressing`).
     pub(crate) at_daemon_limit: AtomicU64,
     pub(crate) deleted: CancellationToken,
     /// The ids of the tenant's backends, by address ([`BackendIds`]).

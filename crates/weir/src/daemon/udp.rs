@@ -255,8 +255,16 @@ pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Ar
                     continue;
                 }
                 match new_session(&shared, &svc, &listen, peer, local, &mut rng) {
-                    Some(s) => (s, false),
-                    None => continue,
+                    Ok(s) => (s, false),
+                    Err(NoSession::Refused) => continue,
+                    Err(NoSession::FreeingFd) => {
+                        // Let the ended session's task close its socket
+                        // (when it is this worker's) before the next
+                        // datagram: a burst refused meanwhile would end
+                        // a session each for the one descriptor needed.
+                        tokio::task::yield_now().await;
+                        continue;
+                    }
                 }
             }
         };
@@ -286,6 +294,15 @@ fn forward(shared: &Shared, sess: &Session, datagram: &[u8]) {
     shared.accounting.udp_dropped.add(why);
 }
 
+/// Why a client's datagram got no session: it is dropped, and counted
+/// under the reason it was refused for.
+enum NoSession {
+    Refused,
+    /// Refused for want of a descriptor, and a session ended to free one
+    /// ([`take_a_place_pressed`]): its socket closes when its task runs.
+    FreeingFd,
+}
+
 fn new_session(
     shared: &Arc<Shared>,
     svc: &Arc<Service>,
@@ -293,7 +310,7 @@ fn new_session(
     peer: SocketAddr,
     local: Option<IpAddr>,
     rng: &mut weir_sched::SplitMix64,
-) -> Option<Arc<Session>> {
+) -> Result<Arc<Session>, NoSession> {
     // The client's place, taken where it is checked (under the map's
     // lock): a client's ports reach every worker, and a check here with
     // the count taken once the session exists let each worker pass its
@@ -307,10 +324,10 @@ fn new_session(
         shared
             .admission
             .refuse(Some(&svc.tenant), Refusal::ClientLimit);
-        return None;
+        return Err(NoSession::Refused);
     }
     let sess = open_session(shared, svc, listen, peer, local, rng);
-    if sess.is_none() {
+    if sess.is_err() {
         svc.give_client_place(Protocol::Udp, peer.ip());
     }
     sess
@@ -324,7 +341,7 @@ fn open_session(
     peer: SocketAddr,
     local: Option<IpAddr>,
     rng: &mut weir_sched::SplitMix64,
-) -> Option<Arc<Session>> {
+) -> Result<Arc<Session>, NoSession> {
     let tenant = svc.tenant.clone();
     let params = svc.params.load_full();
     // At a limit, the place of a session that has carried a single
@@ -352,12 +369,12 @@ fn open_session(
     }
     if let Err(why) = admitted {
         shared.admission.refuse(Some(&tenant), why);
-        return None;
+        return Err(NoSession::Refused);
     }
     let refuse = |why| {
         shared.admission.refuse(Some(&tenant), why);
         shared.admission.release(&tenant);
-        None
+        Err(NoSession::Refused)
     };
     // The destination the client sent to (`lblc`, `lblcr` and `dh` key on
     // it): on a wildcard listener the local address, as for TCP.
@@ -386,11 +403,23 @@ fn open_session(
             // as refused, as a TCP client is: its datagram is dropped.
             static GATE: super::ratelog::RateLimited = super::ratelog::RateLimited::new(1000);
             super::ratelog::warn(&GATE, format_args!("udp session socket: {e}"));
-            return refuse(if super::tcp::is_fd_exhaustion(&e) {
-                Refusal::FdExhausted
-            } else {
+            if !super::tcp::is_fd_exhaustion(&e) {
                 // The connect towards the backend failed (no route).
-                Refusal::BackendUnreachable
+                return refuse(Refusal::BackendUnreachable);
+            }
+            // Out of descriptors, most likely to a spoofed flood's
+            // sessions (each a socket for `udp_timeout`): one of them
+            // ends, from the tenant pressing hardest on the daemon's
+            // limits, and its socket closes when its task runs, within a
+            // scheduler turn. It cannot be this datagram's (the socket is
+            // not there yet): the client's retry finds it, as a
+            // retransmitting client does.
+            let freeing = take_a_place_pressed(shared, &tenant, rng);
+            let _ = refuse(Refusal::FdExhausted);
+            return Err(if freeing {
+                NoSession::FreeingFd
+            } else {
+                NoSession::Refused
             });
         }
     };
@@ -425,20 +454,20 @@ fn open_session(
         peer,
         params.udp_responses,
     ));
-    Some(sess)
+    Ok(sess)
 }
 
 /// Spoofed datagram flood defence (packet mode's `Engine::early_drop`,
 /// for sessions): ends one of `tenant`'s sessions that has carried a
 /// single datagram from its client, one of those due soonest, so that a
-/// new session refused at the tenant's or the daemon's connection limit
-/// can take its place. A spoofed datagram's session otherwise holds its
-/// place (and a socket) for `udp_timeout`, 300 s by default, whether or
-/// not its backend answers; a DNS-style exchange that has had its answer
-/// loses nothing when it goes; a session that has carried two datagrams
-/// or more from its client (a stream: conntrack's rule for assuring UDP)
-/// is never taken. The look is bounded and rests 10 ms after finding
-/// nothing, as packet mode's.
+/// new session refused at the tenant's or the daemon's connection limit,
+/// or for want of a descriptor, can take its place. A spoofed datagram's
+/// session otherwise holds its place (and a socket) for `udp_timeout`,
+/// 300 s by default, whether or not its backend answers; a DNS-style
+/// exchange that has had its answer loses nothing when it goes; a
+/// session that has carried two datagrams or more from its client (a
+/// stream: conntrack's rule for assuring UDP) is never taken. The look is
+/// bounded and rests 10 ms after finding nothing, as packet mode's.
 fn take_a_place(shared: &Shared, tenant: &super::Tenant, rng: &mut weir_sched::SplitMix64) -> bool {
     let now = Millis(shared.now_ms());
     let seed = weir_sched::RandomSource::next_u64(rng);
@@ -449,10 +478,12 @@ fn take_a_place(shared: &Shared, tenant: &super::Tenant, rng: &mut weir_sched::S
     took
 }
 
-/// [`take_a_place`] at the daemon's `max_connections`: from the tenant
-/// pressing hardest on it, or from `own` if that one has no session to
-/// give ([`Pressing`]: packet mode's choice at the daemon's limit, this
-/// worker's own).
+/// [`take_a_place`] at a daemon-wide limit: the daemon's
+/// `max_connections`, or the descriptors running out (no
+/// `max_connections` set, a flood's sessions hold a socket each until
+/// they do). From the tenant pressing hardest on those limits, or from
+/// `own` if that one has no session to give ([`Pressing`]: packet mode's
+/// choice at the daemon's limit, this worker's own).
 fn take_a_place_pressed(
     shared: &Shared,
     own: &super::Tenant,
