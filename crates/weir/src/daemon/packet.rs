@@ -2005,7 +2005,9 @@ mod tests {
         src_mac: [2, 0, 0, 0, 0, 1],
         dst_mac: [2, 0, 0, 0, 0, 2],
     };
+    const FIN: u8 = 0x01;
     const SYN: u8 = 0x02;
+    const RST: u8 = 0x04;
     const ACK: u8 = 0x10;
 
     struct FixedHop;
@@ -2308,7 +2310,6 @@ mod tests {
 
     #[test]
     fn a_blind_rst_does_not_end_an_established_flow() {
-        const RST: u8 = 0x04;
         let d = daemon("nat", "");
         let mut e = engine(&d);
         let client = sa("192.0.2.7:40000");
@@ -2358,7 +2359,6 @@ mod tests {
     /// `no_flow`.
     #[test]
     fn a_blind_fin_does_not_move_an_established_flow() {
-        const FIN: u8 = 0x01;
         let d = daemon("nat", "");
         let mut e = engine(&d);
         let client = sa("192.0.2.7:40000");
@@ -2403,7 +2403,6 @@ mod tests {
     /// `fin_ignored` a run).
     #[test]
     fn a_reused_port_closes_its_new_connection() {
-        const FIN: u8 = 0x01;
         for forward in ["dr", "nat"] {
             let d = daemon(forward, "");
             let mut e = engine(&d);
@@ -2458,8 +2457,6 @@ mod tests {
     /// the backend's place waits for its SYN-ACK.
     #[test]
     fn a_syn_answered_by_a_challenge_ack_is_checked_at_its_new_places() {
-        const FIN: u8 = 0x01;
-        const RST: u8 = 0x04;
         for reused in [true, false] {
             let d = daemon("nat", "");
             let mut e = engine(&d);
@@ -2556,7 +2553,6 @@ mod tests {
     /// there from the first SYN on.
     #[test]
     fn dr_checks_a_clients_rst_from_its_first_syn() {
-        const RST: u8 = 0x04;
         let d = daemon("dr", "");
         let mut e = engine(&d);
         let client = sa("192.0.2.7:40000");
@@ -3143,7 +3139,6 @@ mod tests {
     /// could pad any tenant's traffic figures with packets weir dropped.
     #[test]
     fn a_packet_answered_as_too_big_is_not_counted_as_forwarded() {
-        const FIN: u8 = 0x01;
         let d = daemon("nat", "");
         let mut e = engine_with(&d, Box::new(SmallMtu));
         let client = sa("192.0.2.7:5555");
@@ -3523,7 +3518,7 @@ mod tests {
         let table = &d.shared.conns.table;
         let before = table.get(&tpl).expect("the template");
         assert_eq!((before.state, before.held), (FlowState::Persist, 1));
-        for flags in [SYN, ACK, 0x04 /* RST */, 0x14 /* RST|ACK */] {
+        for flags in [SYN, ACK, RST, RST | ACK] {
             assert_eq!(
                 e.process(&mut syn("192.0.2.7:0", flags)),
                 Verdict::Drop,
