@@ -100,6 +100,42 @@ impl Running {
     fn weir(&self, args: &[&str]) -> (std::process::ExitCode, String, String) {
         cli_util::run(&self.url, TOKEN, args)
     }
+
+    /// The admin API's address, which a tenant's backend must not reach.
+    fn admin_addr(&self) -> SocketAddr {
+        self.url
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .parse()
+            .unwrap()
+    }
+}
+
+/// The message of `res`, which must be the API's refusal with `status`
+/// naming each of `want`; `case` names the request in a failure.
+fn refused(case: &str, res: Result<Value, CliError>, status: u16, want: &[&str]) -> String {
+    match res {
+        Err(CliError::Api {
+            status: got,
+            message,
+            ..
+        }) => {
+            assert_eq!(got, status, "{case}: {message}");
+            for w in want {
+                assert!(message.contains(w), "{case}: {w:?} not in {message}");
+            }
+            message
+        }
+        other => panic!("{case}: expected {status}, got {other:?}"),
+    }
+}
+
+/// A loopback address nothing listens on (bound, then let go).
+fn free_addr() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
 }
 
 fn tenant_toml(name: &str, extra: &str) -> String {
@@ -114,6 +150,17 @@ fn service_toml(tenant: &str, name: &str, backends: &[SocketAddr]) -> String {
         s.push_str(&format!("[[service.backend]]\naddress = \"{b}\"\n"));
     }
     s
+}
+
+/// Tenant acme (token `acme-tok`, then `extra`) beside the default
+/// tenant's service g on `echo`: the file the tests of a tenant token
+/// pointing at weir itself start from.
+fn acme_beside_g(echo: &Echo, extra: &str) -> String {
+    format!(
+        "{}{}",
+        tenant_toml("acme", &format!("token = \"acme-tok\"\n{extra}")),
+        service_toml("default", "g", &[echo.addr]),
+    )
 }
 
 /// A daemon started from `text` written to a file it reloads from.
@@ -309,19 +356,16 @@ fn a_backend_added_in_its_v4_mapped_form_exists() {
         service_toml("acme", "web", &[echo.addr])
     ));
     let mapped = format!("[::ffff:{}]:{}", echo.addr.ip(), echo.addr.port());
-    match r.api(
-        "POST",
-        "/v1/services/acme/web/backends",
-        Some(json!({ "address": mapped })),
-    ) {
-        Err(CliError::Api {
-            status, message, ..
-        }) => {
-            assert_eq!(status, 409, "{message}");
-            assert!(message.contains("exists"), "{message}");
-        }
-        other => panic!("added a second backend for {}: {other:?}", echo.addr),
-    }
+    refused(
+        &format!("a second backend for {}", echo.addr),
+        r.api(
+            "POST",
+            "/v1/services/acme/web/backends",
+            Some(json!({ "address": mapped })),
+        ),
+        409,
+        &["exists"],
+    );
     let svc = r.ok("GET", "/v1/services/acme/web", None);
     assert_eq!(svc["backend"].as_array().map(Vec::len), Some(1), "{svc}");
 }
@@ -477,56 +521,35 @@ fn tenant_tokens_are_fenced_by_address() {
         json!({ "tenant": tenant, "name": name, "protocol": "tcp", "listen": listen,
                 "backend": [{ "address": backend.to_string() }] })
     };
-    let refused = |res: Result<Value, CliError>, what: &str| match res {
-        Err(CliError::Api {
-            status, message, ..
-        }) => {
-            assert_eq!(status, 403, "{what}: {message}");
-            message
-        }
-        other => panic!("{what}: expected 403, got {other:?}"),
+    // A service added by its own tenant's token.
+    let add = |tenant: &str, name: &str, listen: &str, backend: SocketAddr| {
+        let body = svc(tenant, name, listen, backend);
+        as_tenant(&format!("{tenant}-tok"), "POST", "/v1/services", body)
+    };
+    let forbidden = |res, what: &str, want: &[&str]| {
+        refused(what, res, 403, want);
     };
 
     // acme: inside both fences.
-    as_tenant(
-        "acme-tok",
-        "POST",
-        "/v1/services",
-        svc("acme", "web", "127.0.0.2:0", echo.addr),
-    )
-    .expect("inside the fences");
+    add("acme", "web", "127.0.0.2:0", echo.addr).expect("inside the fences");
     let web = r.d().service_addr("acme", "web").unwrap();
     assert!(echo_once(web, b"fenced"));
-    let m = refused(
-        as_tenant(
-            "acme-tok",
-            "POST",
-            "/v1/services",
-            svc("acme", "wild", "0.0.0.0:0", echo.addr),
-        ),
+    forbidden(
+        add("acme", "wild", "0.0.0.0:0", echo.addr),
         "wildcard",
+        &["allowed_listen"],
     );
-    assert!(m.contains("allowed_listen"), "{m}");
-    refused(
-        as_tenant(
-            "acme-tok",
-            "POST",
-            "/v1/services",
-            svc("acme", "far", "10.0.0.1:80", echo.addr),
-        ),
+    forbidden(
+        add("acme", "far", "10.0.0.1:80", echo.addr),
         "outside allowed_listen",
+        &[],
     );
-    let m = refused(
-        as_tenant(
-            "acme-tok",
-            "POST",
-            "/v1/services",
-            svc("acme", "scan", "127.0.0.3:0", other.addr),
-        ),
+    forbidden(
+        add("acme", "scan", "127.0.0.3:0", other.addr),
         "backend outside",
+        &["allowed_backends"],
     );
-    assert!(m.contains("allowed_backends"), "{m}");
-    refused(
+    forbidden(
         as_tenant(
             "acme-tok",
             "POST",
@@ -534,50 +557,32 @@ fn tenant_tokens_are_fenced_by_address() {
             json!({ "address": other.addr.to_string() }),
         ),
         "added backend outside",
+        &[],
     );
     let mut moved = r.ok("GET", "/v1/services/acme/web", None);
     moved["listen"] = json!("0.0.0.0:0");
-    refused(
+    forbidden(
         as_tenant("acme-tok", "PUT", "/v1/services/acme/web", moved),
         "edit to a wildcard",
+        &[],
     );
     assert_eq!(r.d().service_addr("acme", "web"), Some(web));
     assert!(r.d().service_addr("acme", "wild").is_none());
     assert!(r.d().service_addr("acme", "scan").is_none());
 
     // beta: no fence: any specific address, but no wildcard.
-    as_tenant(
-        "beta-tok",
-        "POST",
-        "/v1/services",
-        svc("beta", "web", "127.0.0.4:0", other.addr),
-    )
-    .expect("no fence");
-    refused(
-        as_tenant(
-            "beta-tok",
-            "POST",
-            "/v1/services",
-            svc("beta", "wild", "0.0.0.0:0", other.addr),
-        ),
+    add("beta", "web", "127.0.0.4:0", other.addr).expect("no fence");
+    forbidden(
+        add("beta", "wild", "0.0.0.0:0", other.addr),
         "wildcard without an entry",
+        &[],
     );
     // gamma: an entry naming the wildcard allows it.
-    as_tenant(
-        "gamma-tok",
-        "POST",
-        "/v1/services",
-        svc("gamma", "wild", "0.0.0.0:0", other.addr),
-    )
-    .expect("wildcard named");
-    refused(
-        as_tenant(
-            "gamma-tok",
-            "POST",
-            "/v1/services",
-            svc("gamma", "one", "127.0.0.5:0", other.addr),
-        ),
+    add("gamma", "wild", "0.0.0.0:0", other.addr).expect("wildcard named");
+    forbidden(
+        add("gamma", "one", "127.0.0.5:0", other.addr),
         "a wildcard entry is not every address",
+        &[],
     );
     // The full-access token is not fenced.
     r.ok(
@@ -684,10 +689,7 @@ fn health_port_cannot_leave_the_backend_fence() {
     ));
     let acme = Client::new(r.url.clone(), Some("acme-tok".into()));
     // A port nothing listens on.
-    let closed_port = {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let closed_port = free_addr().port();
     let body = |name: &str, listen: &str, port: u16| {
         json!({
             "tenant": "acme", "name": name, "protocol": "tcp", "listen": listen,
@@ -730,15 +732,12 @@ fn health_port_cannot_leave_the_backend_fence() {
             echo.addr.ip()
         );
     }
-    match res {
-        Err(CliError::Api {
-            status, message, ..
-        }) => {
-            assert_eq!(status, 403, "{message}");
-            assert!(message.contains("allowed_backends"), "{message}");
-        }
-        other => panic!("expected 403, got {other:?}"),
-    }
+    refused(
+        "a health check port outside the fence",
+        res,
+        403,
+        &["allowed_backends"],
+    );
 }
 
 /// An IPv4-mapped IPv6 backend (`[::ffff:A.B.C.D]:P`) is the IPv4 backend
@@ -779,14 +778,7 @@ fn v4_mapped_backend_cannot_leave_the_ipv4_fence() {
             echo.addr
         );
     }
-    match res {
-        Err(CliError::Api {
-            status, message, ..
-        }) => {
-            assert_eq!(status, 403, "{message}");
-        }
-        other => panic!("expected 403, got {other:?}"),
-    }
+    refused(&format!("backend {mapped}"), res, 403, &[]);
 }
 
 /// One token, one role, through a reload too: the API refuses (409) a
@@ -860,16 +852,8 @@ fn a_tenant_token_keeps_health_checks_above_its_floor() {
         b
     };
     let every = |iv: &str| Some(json!({ "interval": iv, "timeout": "50ms" }));
-    let refused = |res: Result<Value, CliError>, want: &[&str]| match res {
-        Err(CliError::Api {
-            status, message, ..
-        }) => {
-            assert_eq!(status, 403, "{message}");
-            for w in want {
-                assert!(message.contains(w), "{w:?} not in {message}");
-            }
-        }
-        other => panic!("not refused: {other:?}"),
+    let below_floor = |res, want: &[&str]| {
+        refused("a check below the floor", res, 403, want);
     };
     let listed = |c: &Client| -> Vec<String> {
         let mut v: Vec<String> = c
@@ -895,7 +879,7 @@ fn a_tenant_token_keeps_health_checks_above_its_floor() {
 
     // Below the floor: refused, naming the key, the interval and the
     // floor; nothing added.
-    refused(
+    below_floor(
         acme.send(
             "POST",
             "/v1/services",
@@ -912,7 +896,7 @@ fn a_tenant_token_keeps_health_checks_above_its_floor() {
     assert!(listed(&acme).is_empty(), "{:?}", listed(&acme));
     assert_eq!(r.d().service_addr("acme", "fast"), None);
     // A tenant without the key has the default floor, 1s.
-    refused(
+    below_floor(
         globex.send(
             "POST",
             "/v1/services",
@@ -940,7 +924,7 @@ fn a_tenant_token_keeps_health_checks_above_its_floor() {
     // Edited in place below the floor: refused, the service unchanged.
     let path = "/v1/services/acme/web";
     let before = r.ok("GET", path, None);
-    refused(
+    below_floor(
         acme.send("PUT", path, Some(&body("acme", "web", every("200ms")))),
         &["min_health_interval", "200ms", "500ms"],
     );
@@ -964,7 +948,7 @@ fn a_tenant_token_keeps_health_checks_above_its_floor() {
     assert_eq!(interval("acme", "web"), "1s");
     // The effective interval counts: a check naming no interval gets the
     // default, 2s, below the new floor.
-    refused(
+    below_floor(
         acme.send(
             "POST",
             "/v1/services",
@@ -987,7 +971,7 @@ fn a_tenant_token_keeps_health_checks_above_its_floor() {
     let mut wrr = body("acme", "web", every("1s"));
     wrr["scheduler"] = json!("wrr");
     acme.send("PUT", path, Some(&wrr)).unwrap();
-    refused(
+    below_floor(
         acme.send("PUT", path, Some(&body("acme", "web", every("900ms")))),
         &["min_health_interval", "900ms", "5s"],
     );
@@ -1039,24 +1023,16 @@ fn a_tenant_holds_at_most_its_max_backends() {
             "backend": b,
         })
     };
-    let refused = |what: &str, r: Result<Value, CliError>, total: u64| match r {
-        Err(CliError::Api {
-            status: 409,
-            message,
-            ..
-        }) => assert!(
-            message.contains(&format!(
-                "tenant \"acme\" would hold {total} backends, over its max_backends (3)"
-            )),
-            "{what}: {message}"
-        ),
-        other => panic!("{what}: {other:?}"),
+    let over_max = |what: &str, r, total: u64| {
+        let over =
+            format!("tenant \"acme\" would hold {total} backends, over its max_backends (3)");
+        refused(what, r, 409, &[&over]);
     };
     acme.send("POST", "/v1/services", Some(&body("s1", &[0, 1])))
         .unwrap();
     // A second service of two: four in all.
     for client in [&acme, &r.client] {
-        refused(
+        over_max(
             "a new service",
             client.send("POST", "/v1/services", Some(&body("s2", &[2, 3]))),
             4,
@@ -1065,7 +1041,7 @@ fn a_tenant_holds_at_most_its_max_backends() {
     acme.send("POST", "/v1/services", Some(&body("s2", &[2])))
         .unwrap();
     // A backend added to a service, and a service edited to more.
-    refused(
+    over_max(
         "a backend added",
         acme.send(
             "POST",
@@ -1074,7 +1050,7 @@ fn a_tenant_holds_at_most_its_max_backends() {
         ),
         4,
     );
-    refused(
+    over_max(
         "an edit to more",
         acme.send("PUT", "/v1/services/acme/s1", Some(&body("s1", &[0, 1, 5]))),
         4,
@@ -1186,17 +1162,12 @@ fn a_tenant_holds_at_most_its_max_services() {
             .unwrap_or_else(|e| panic!("{name}: {e:?}"));
     }
     for client in [&acme, &r.client] {
-        match client.send("POST", "/v1/services", Some(&body("s3"))) {
-            Err(CliError::Api {
-                status: 409,
-                message,
-                ..
-            }) => assert!(
-                message.contains("tenant \"acme\" holds 2 services, its max_services (2)"),
-                "{message}"
-            ),
-            other => panic!("a third service: {other:?}"),
-        }
+        refused(
+            "a third service",
+            client.send("POST", "/v1/services", Some(&body("s3"))),
+            409,
+            &["tenant \"acme\" holds 2 services, its max_services (2)"],
+        );
     }
     // Another tenant is not counted against acme, nor acme against it.
     let mut other = body("s3");
@@ -1262,58 +1233,43 @@ fn a_tenant_holds_at_most_its_max_services() {
 fn a_tenant_token_cannot_point_a_backend_at_weir() {
     let echo = Echo::start();
     let (r, _dir, _path) = from_file(&format!(
-        "{}{}{}",
-        tenant_toml("acme", "token = \"acme-tok\""),
-        service_toml("default", "g", &[echo.addr]),
+        "{}{}",
+        acme_beside_g(&echo, ""),
         "[[service]]\nname = \"wild\"\nprotocol = \"tcp\"\nlisten = \"0.0.0.0:0\"\n\
          [[service.backend]]\naddress = \"127.0.0.1:9\"\n",
     ));
     let acme = Client::new(r.url.clone(), Some("acme-tok".into()));
     let g = r.d().service_addr("default", "g").unwrap();
     let wild_port = r.d().service_addr("default", "wild").unwrap().port();
-    let admin: SocketAddr = r
-        .url
-        .trim_start_matches("http://")
-        .trim_end_matches('/')
-        .parse()
-        .unwrap();
-    let free = {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
+    let admin = r.admin_addr();
+    let free = free_addr();
     let body = |name: &str, listen: SocketAddr, backend: SocketAddr| {
         json!({
             "tenant": "acme", "name": name, "protocol": "tcp", "listen": listen.to_string(),
             "backend": [{ "address": backend.to_string() }],
         })
     };
-    let refused = |res: Result<Value, CliError>, want: &str| match res {
-        Err(CliError::Api {
-            status, message, ..
-        }) => {
-            assert_eq!(status, 403, "{message}");
-            assert!(message.contains(want), "{want:?} not in {message}");
-        }
-        other => panic!("not refused: {other:?}"),
+    let at_weir = |res, want: &str| {
+        refused(want, res, 403, &[want]);
     };
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
     // Its own address.
-    refused(
+    at_weir(
         acme.send("POST", "/v1/services", Some(&body("loop", free, free))),
         "weir's own service acme's service being written",
     );
     // Another tenant's service, exactly, and through a wildcard listener.
-    refused(
+    at_weir(
         acme.send("POST", "/v1/services", Some(&body("b", any, g))),
         "weir's own service default/g",
     );
     let via_wildcard = SocketAddr::from(([127, 0, 0, 5], wild_port));
-    refused(
+    at_weir(
         acme.send("POST", "/v1/services", Some(&body("b", any, via_wildcard))),
         "weir's own service default/wild",
     );
     // The admin API.
-    refused(
+    at_weir(
         acme.send("POST", "/v1/services", Some(&body("b", any, admin))),
         "admin API",
     );
@@ -1321,7 +1277,7 @@ fn a_tenant_token_cannot_point_a_backend_at_weir() {
     acme.send("POST", "/v1/services", Some(&body("a", any, echo.addr)))
         .unwrap();
     let a = r.d().service_addr("acme", "a").unwrap();
-    refused(
+    at_weir(
         acme.send(
             "POST",
             "/v1/services/acme/a/backends",
@@ -1329,7 +1285,7 @@ fn a_tenant_token_cannot_point_a_backend_at_weir() {
         ),
         "weir's own service acme/a",
     );
-    refused(
+    at_weir(
         acme.send("PUT", "/v1/services/acme/a", Some(&body("a", a, g))),
         "weir's own service default/g",
     );
@@ -1397,23 +1353,11 @@ fn a_tenant_token_cannot_point_a_backend_at_weir() {
 #[test]
 fn a_tenant_token_cannot_point_a_health_check_at_weir() {
     let echo = Echo::start();
-    let (r, _dir, _path) = from_file(&format!(
-        "{}{}",
-        tenant_toml("acme", "token = \"acme-tok\"\nmin_health_interval = \"1s\""),
-        service_toml("default", "g", &[echo.addr]),
-    ));
+    let (r, _dir, _path) = from_file(&acme_beside_g(&echo, "min_health_interval = \"1s\""));
     let acme = Client::new(r.url.clone(), Some("acme-tok".into()));
     let g = r.d().service_addr("default", "g").unwrap();
-    let admin: SocketAddr = r
-        .url
-        .trim_start_matches("http://")
-        .trim_end_matches('/')
-        .parse()
-        .unwrap();
-    let free = {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
+    let admin = r.admin_addr();
+    let free = free_addr();
     let body = |name: &str, listen: SocketAddr, port: u16| {
         json!({
             "tenant": "acme", "name": name, "protocol": "tcp", "listen": listen.to_string(),
@@ -1421,26 +1365,19 @@ fn a_tenant_token_cannot_point_a_health_check_at_weir() {
             "health": { "interval": "1s", "port": port },
         })
     };
-    let refused = |res: Result<Value, CliError>, want: &str| match res {
-        Err(CliError::Api {
-            status, message, ..
-        }) => {
-            assert_eq!(status, 403, "{message}");
-            assert!(message.contains("health check"), "{message}");
-            assert!(message.contains(want), "{want:?} not in {message}");
-        }
-        other => panic!("not refused: {other:?}"),
+    let at_weir = |res, want: &str| {
+        refused(want, res, 403, &["health check", want]);
     };
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    refused(
+    at_weir(
         acme.send("POST", "/v1/services", Some(&body("h", any, admin.port()))),
         "admin API",
     );
-    refused(
+    at_weir(
         acme.send("POST", "/v1/services", Some(&body("h", any, g.port()))),
         "weir's own service default/g",
     );
-    refused(
+    at_weir(
         acme.send("POST", "/v1/services", Some(&body("h", free, free.port()))),
         "weir's own service acme's service being written",
     );
@@ -1453,7 +1390,7 @@ fn a_tenant_token_cannot_point_a_health_check_at_weir() {
     )
     .unwrap();
     let h = r.d().service_addr("acme", "h").unwrap();
-    refused(
+    at_weir(
         acme.send(
             "PUT",
             "/v1/services/acme/h",
@@ -1473,7 +1410,7 @@ fn a_tenant_token_cannot_point_a_health_check_at_weir() {
     other["backend"] = json!([]);
     other["health"]["port"] = json!(admin.port());
     r.client.send("POST", "/v1/services", Some(&other)).unwrap();
-    refused(
+    at_weir(
         acme.send(
             "POST",
             "/v1/services/acme/k/backends",
@@ -1504,18 +1441,9 @@ fn a_tenant_token_cannot_point_a_health_check_at_weir() {
 fn a_backend_at_the_v4_mapped_unspecified_address_is_refused() {
     use std::io::{Read, Write};
     let echo = Echo::start();
-    let (r, _dir, path) = from_file(&format!(
-        "{}{}",
-        tenant_toml("acme", "token = \"acme-tok\""),
-        service_toml("default", "g", &[echo.addr]),
-    ));
+    let (r, _dir, path) = from_file(&acme_beside_g(&echo, ""));
     let acme = Client::new(r.url.clone(), Some("acme-tok".into()));
-    let admin: SocketAddr = r
-        .url
-        .trim_start_matches("http://")
-        .trim_end_matches('/')
-        .parse()
-        .unwrap();
+    let admin = r.admin_addr();
     let mapped = format!("[::ffff:0.0.0.0]:{}", admin.port());
     // What a service of acme's at `vip` answers a request for the admin
     // API's `whoami` with (what the refusal keeps from happening).
@@ -1527,48 +1455,39 @@ fn a_backend_at_the_v4_mapped_unspecified_address_is_refused() {
         let _ = c.read_to_end(&mut got);
         String::from_utf8_lossy(&got).into_owned()
     };
-    let refused = |res: Result<Value, CliError>, service: &str| match res {
-        Err(CliError::Api {
-            status, message, ..
-        }) => {
-            assert_eq!(status, 400, "{message}");
-            assert!(message.contains("not a reachable address"), "{message}");
-        }
-        other => {
+    let unreachable = |res: Result<Value, CliError>, service: &str| {
+        if res.is_ok() {
             let vip = r.d().service_addr("acme", service);
             panic!(
-                "{mapped} accepted ({other:?}); through acme/{service}: {:?}",
+                "{mapped} accepted ({res:?}); through acme/{service}: {:?}",
                 vip.map(through)
             )
         }
+        let case = format!("{mapped} in acme/{service}");
+        refused(&case, res, 400, &["not a reachable address"]);
     };
     let body = json!({
         "tenant": "acme", "name": "b", "protocol": "tcp", "listen": "127.0.0.1:0",
         "backend": [{ "address": mapped }],
     });
-    refused(acme.send("POST", "/v1/services", Some(&body)), "b");
+    unreachable(acme.send("POST", "/v1/services", Some(&body)), "b");
     // Added to a service of acme's, by acme's token or the full-access one.
     let mut a = body.clone();
     a["name"] = json!("a");
     a["backend"] = json!([{ "address": echo.addr.to_string() }]);
     acme.send("POST", "/v1/services", Some(&a)).unwrap();
     let add = json!({ "address": mapped });
-    refused(
+    unreachable(
         acme.send("POST", "/v1/services/acme/a/backends", Some(&add)),
         "a",
     );
-    refused(
+    unreachable(
         r.client
             .send("POST", "/v1/services/acme/a/backends", Some(&add)),
         "a",
     );
     // In a file: the reload is refused.
-    let text = format!(
-        "{}{}",
-        tenant_toml("acme", "token = \"acme-tok\""),
-        service_toml("default", "g", &[echo.addr]),
-    )
-    .replace(
+    let text = acme_beside_g(&echo, "").replace(
         &format!("address = \"{}\"", echo.addr),
         &format!("address = \"{mapped}\""),
     );
@@ -1603,15 +1522,12 @@ fn a_tenant_token_cannot_reach_a_dual_stack_admin_api_over_ipv4() {
         "tenant": "acme", "name": "b", "protocol": "tcp", "listen": "127.0.0.1:0",
         "backend": [{ "address": backend.to_string() }],
     });
-    match acme.send("POST", "/v1/services", Some(&body)) {
-        Err(CliError::Api {
-            status, message, ..
-        }) => {
-            assert_eq!(status, 403, "{message}");
-            assert!(message.contains("admin API"), "{message}");
-        }
-        other => panic!("a backend at {backend} accepted: {other:?}"),
-    }
+    refused(
+        &format!("a backend at {backend}"),
+        acme.send("POST", "/v1/services", Some(&body)),
+        403,
+        &["admin API"],
+    );
     assert_eq!(r.d().service_addr("acme", "b"), None, "nothing added");
 }
 
@@ -1686,33 +1602,27 @@ fn a_scope_id_does_not_make_another_services_address_new() {
     for client in [&acme, &r.client] {
         let mut body = service("steal", &stolen);
         body["tenant"] = json!("acme");
-        match client.send("POST", "/v1/services", Some(&body)) {
-            Err(CliError::Api {
-                status: 400,
-                message,
-                ..
-            }) => assert!(
-                message.contains("listen") && message.contains("scope"),
-                "{message}"
-            ),
-            other => panic!("a listen on {stolen}: {other:?}"),
-        }
+        refused(
+            &format!("a listen on {stolen}"),
+            client.send("POST", "/v1/services", Some(&body)),
+            400,
+            &["listen", "scope"],
+        );
     }
     assert_eq!(r.d().service_addr("acme", "steal"), None);
     // Nor moved there by an edit.
     beta.send("POST", "/v1/services", Some(&service("other", "[::1]:0")))
         .unwrap();
-    let (status, message) = match beta.send(
-        "PUT",
-        "/v1/services/beta/other",
-        Some(&service("other", &format!("[::1%1]:{}", vip.port() ^ 1))),
-    ) {
-        Err(CliError::Api {
-            status, message, ..
-        }) => (status, message),
-        other => panic!("an edit to a scope id: {other:?}"),
-    };
-    assert_eq!(status, 400, "{message}");
+    refused(
+        "an edit to a scope id",
+        beta.send(
+            "PUT",
+            "/v1/services/beta/other",
+            Some(&service("other", &format!("[::1%1]:{}", vip.port() ^ 1))),
+        ),
+        400,
+        &[],
+    );
     // Nor in a file.
     let text = format!(
         "{}[[service]]\nname = \"s\"\nprotocol = \"tcp\"\nlisten = \"{stolen}\"\n",
