@@ -2310,44 +2310,7 @@ mod tests {
 
     #[test]
     fn a_blind_rst_does_not_end_an_established_flow() {
-        let d = daemon("nat", "");
-        let mut e = engine(&d);
-        let client = sa("192.0.2.7:40000");
-        let (c0, b0) = (1_000_000u32, 3_000_000_000u32);
-        let key = established_at(&mut e, client, (c0, b0), Millis(d.shared.now_ms()));
-        let state = |d: &super::super::DaemonHandle| d.shared.conns.table.get(&key).unwrap().state;
-        assert_eq!(state(&d), FlowState::Established);
-        let w = weir_packet::tcp_state::SEQ_WINDOW;
-        // Spoofed RSTs far from either sender's place: forwarded (the
-        // endpoint checks them too), the flow stays established.
-        for (src, dst, seq) in [
-            (client, sa(VIP), c0 + 6 + w + 1),
-            (client, sa(VIP), c0.wrapping_add(1 << 31)),
-            (sa(B1), client, (b0 + 1).wrapping_sub(w + 1)),
-        ] {
-            let mut rst = frame_seq(src, dst, Some(RST | ACK), seq, b"");
-            assert_eq!(e.process(&mut rst), Verdict::Transmit);
-            assert_eq!(state(&d), FlowState::Established, "RST at {seq}");
-        }
-        assert_eq!(e.counters.rst_ignored.load(Relaxed), 3);
-        // A spoofed segment far ahead does not move the client's place to
-        // one the attacker knows.
-        let far = c0 + 6 + 2 * w;
-        let mut ack = frame_seq(client, sa(VIP), Some(ACK), far, b"x");
-        assert_eq!(e.process(&mut ack), Verdict::Transmit);
-        let mut rst = frame_seq(client, sa(VIP), Some(RST), far + 1, b"");
-        assert_eq!(e.process(&mut rst), Verdict::Transmit);
-        assert_eq!(state(&d), FlowState::Established);
-        assert_eq!(e.counters.rst_ignored.load(Relaxed), 4);
-        let backend = d.shared.conns.table.get(&key).unwrap().backend;
-        let b1 = the_service(&d).backend(backend.0).unwrap();
-        assert_eq!((b1.active.load(Relaxed), b1.inactive.load(Relaxed)), (1, 0));
-        // The client's own RST, at its next sequence number, ends it.
-        let mut rst = frame_seq(client, sa(VIP), Some(RST | ACK), c0 + 6, b"");
-        assert_eq!(e.process(&mut rst), Verdict::Transmit);
-        assert_eq!(state(&d), FlowState::Close);
-        assert_eq!(e.counters.rst_ignored.load(Relaxed), 4);
-        assert_eq!((b1.active.load(Relaxed), b1.inactive.load(Relaxed)), (0, 1));
+        a_blind_end_does_not_move_an_established_flow(RST, FlowState::Close);
     }
 
     /// A FIN moves an established flow towards its end as a RST does
@@ -2359,6 +2322,17 @@ mod tests {
     /// `no_flow`.
     #[test]
     fn a_blind_fin_does_not_move_an_established_flow() {
+        a_blind_end_does_not_move_an_established_flow(FIN, FlowState::CloseWait);
+    }
+
+    /// A spoofed RST or FIN (`end`) far from its sender's place is
+    /// forwarded and counted as ignored (in its own counter, not the
+    /// other's) and leaves the flow established, even after a segment far
+    /// ahead that the attacker sent to move the client's place; the
+    /// client's own, at its next sequence number, moves the flow to
+    /// `ends_in` and the backend's connection from active to inactive.
+    fn a_blind_end_does_not_move_an_established_flow(end: u8, ends_in: FlowState) {
+        let name = if end == RST { "RST" } else { "FIN" };
         let d = daemon("nat", "");
         let mut e = engine(&d);
         let client = sa("192.0.2.7:40000");
@@ -2366,29 +2340,48 @@ mod tests {
         let key = established_at(&mut e, client, (c0, b0), Millis(d.shared.now_ms()));
         let state = |d: &super::super::DaemonHandle| d.shared.conns.table.get(&key).unwrap().state;
         assert_eq!(state(&d), FlowState::Established);
+        // (rst_ignored, fin_ignored) once `n` of `end` were ignored.
+        let ignored = |n: u64| if end == RST { (n, 0) } else { (0, n) };
+        let counted = |e: &Engine| {
+            let c = &e.counters;
+            (c.rst_ignored.load(Relaxed), c.fin_ignored.load(Relaxed))
+        };
         let w = weir_packet::tcp_state::SEQ_WINDOW;
-        // Spoofed FINs far from either sender's place: forwarded (the
-        // endpoint checks them too), the flow stays established.
+        // Spoofed far from either sender's place: forwarded (the endpoint
+        // checks them too), the flow stays established.
         for (src, dst, seq) in [
             (client, sa(VIP), c0 + 6 + w + 1),
             (client, sa(VIP), c0.wrapping_add(1 << 31)),
             (sa(B1), client, (b0 + 1).wrapping_sub(w + 1)),
         ] {
-            let mut fin = frame_seq(src, dst, Some(FIN | ACK), seq, b"");
-            assert_eq!(e.process(&mut fin), Verdict::Transmit);
-            assert_eq!(state(&d), FlowState::Established, "FIN at {seq}");
+            let mut blind = frame_seq(src, dst, Some(end | ACK), seq, b"");
+            assert_eq!(e.process(&mut blind), Verdict::Transmit, "{name} at {seq}");
+            assert_eq!(state(&d), FlowState::Established, "{name} at {seq}");
         }
-        assert_eq!(e.counters.fin_ignored.load(Relaxed), 3);
-        assert_eq!(e.counters.rst_ignored.load(Relaxed), 0);
+        assert_eq!(counted(&e), ignored(3), "{name}s far from their places");
+        // A spoofed segment far ahead does not move the client's place to
+        // one the attacker knows.
+        let far = c0 + 6 + 2 * w;
+        let mut ack = frame_seq(client, sa(VIP), Some(ACK), far, b"x");
+        assert_eq!(e.process(&mut ack), Verdict::Transmit);
+        let mut blind = frame_seq(client, sa(VIP), Some(end), far + 1, b"");
+        assert_eq!(e.process(&mut blind), Verdict::Transmit);
+        assert_eq!(
+            state(&d),
+            FlowState::Established,
+            "{name} after data far ahead"
+        );
+        assert_eq!(counted(&e), ignored(4), "{name} after data far ahead");
         let backend = d.shared.conns.table.get(&key).unwrap().backend;
         let b1 = the_service(&d).backend(backend.0).unwrap();
-        assert_eq!((b1.active.load(Relaxed), b1.inactive.load(Relaxed)), (1, 0));
-        // The client's own FIN, at its next sequence number, closes it.
-        let mut fin = frame_seq(client, sa(VIP), Some(FIN | ACK), c0 + 6, b"");
-        assert_eq!(e.process(&mut fin), Verdict::Transmit);
-        assert_eq!(state(&d), FlowState::CloseWait);
-        assert_eq!(e.counters.fin_ignored.load(Relaxed), 3);
-        assert_eq!((b1.active.load(Relaxed), b1.inactive.load(Relaxed)), (0, 1));
+        let counts = || (b1.active.load(Relaxed), b1.inactive.load(Relaxed));
+        assert_eq!(counts(), (1, 0), "before the client's own {name}");
+        // The client's own, at its next sequence number, moves it.
+        let mut own = frame_seq(client, sa(VIP), Some(end | ACK), c0 + 6, b"");
+        assert_eq!(e.process(&mut own), Verdict::Transmit);
+        assert_eq!(state(&d), ends_in, "the client's own {name}");
+        assert_eq!(counted(&e), ignored(4), "the client's own {name}");
+        assert_eq!(counts(), (0, 1), "after the client's own {name}");
     }
 
     /// A client port reused while its old connection's entry is closing
