@@ -2181,6 +2181,13 @@ mod tests {
         }
     }
 
+    /// The key of TCP `client`'s persistence template at `svc`, under the
+    /// service's parameters as they are now (its netmask groups clients).
+    fn template_of(svc: &Service, client: &str) -> FlowKey {
+        let params = svc.params.load();
+        super::super::template_key(svc, &params, crate::config::Protocol::Tcp, sa(client))
+    }
+
     fn counted(e: &Engine, why: Drop) -> u64 {
         e.counters.dropped[why as usize].load(Relaxed)
     }
@@ -3322,12 +3329,7 @@ mod tests {
             assert_eq!(e.process(&mut syn(c)), Verdict::Transmit, "{c}");
         }
         let svc = the_service(&d);
-        let tpl = super::super::template_key(
-            &svc,
-            &svc.params.load(),
-            crate::config::Protocol::Tcp,
-            sa("192.0.2.7:1"),
-        );
+        let tpl = template_of(&svc, "192.0.2.7:1");
         let table = &d.shared.conns.table;
         let t = table.get(&tpl).expect("the template");
         assert_eq!((t.state, t.held), (FlowState::Persist, 2));
@@ -3422,14 +3424,7 @@ mod tests {
         let syn = |c: &str| frame(sa(c), sa(VIP), Some(SYN), b"");
         let svc = the_service(&d);
         let table = &d.shared.conns.table;
-        let key_now = || {
-            super::super::template_key(
-                &svc,
-                &svc.params.load(),
-                crate::config::Protocol::Tcp,
-                sa("192.0.2.7:1"),
-            )
-        };
+        let key_now = || template_of(&svc, "192.0.2.7:1");
         let edit = |persistence: &str, mask: Option<&str>| {
             let mut spec = svc.spec.read().clone();
             spec.persistence = persistence.parse().unwrap();
@@ -3502,12 +3497,7 @@ mod tests {
         let syn = |c: &str, flags: u8| frame(sa(c), sa(VIP), Some(flags), b"");
         assert_eq!(e.process(&mut syn("192.0.2.7:1", SYN)), Verdict::Transmit);
         let svc = the_service(&d);
-        let tpl = super::super::template_key(
-            &svc,
-            &svc.params.load(),
-            crate::config::Protocol::Tcp,
-            sa("192.0.2.7:1"),
-        );
+        let tpl = template_of(&svc, "192.0.2.7:1");
         let table = &d.shared.conns.table;
         let before = table.get(&tpl).expect("the template");
         assert_eq!((before.state, before.held), (FlowState::Persist, 1));
