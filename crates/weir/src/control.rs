@@ -68,6 +68,30 @@ pub type ControlResult<T> = Result<T, ControlError>;
 /// lock); its reads it may.
 pub type Check<'a> = &'a mut (dyn FnMut() -> ControlResult<()> + 'a);
 
+/// A write made only if the caller's [`Check`] passes, with the daemon's
+/// edits held ([`Control::write_checked`]): the additions and the service
+/// edit that the admin API fences for a tenant token, and a tenant's
+/// creation, whose token it checks is no other role's.
+#[derive(Debug)]
+pub enum CheckedWrite<'a> {
+    /// [`Control::add_tenant`].
+    AddTenant(TenantSpec),
+    /// [`Control::add_service`].
+    AddService(ServiceSpec),
+    /// [`Control::edit_service`] of service `name` of `tenant`.
+    EditService {
+        tenant: &'a str,
+        name: &'a str,
+        spec: ServiceSpec,
+    },
+    /// [`Control::add_backend`] to service `service` of `tenant`.
+    AddBackend {
+        tenant: &'a str,
+        service: &'a str,
+        spec: BackendSpec,
+    },
+}
+
 /// What a partial update of a tenant makes of its current settings (`None`:
 /// no such tenant): the new settings, or why not ([`Control::update_tenant`]).
 pub type TenantEdit<'a> = &'a mut (dyn FnMut(Option<TenantSpec>) -> ControlResult<TenantSpec> + 'a);
@@ -470,14 +494,6 @@ pub trait Control: Send + Sync + 'static {
     fn tenants(&self) -> Vec<TenantStatus>;
     /// Create a tenant (own table sized from `table_entries`).
     fn add_tenant(&self, spec: TenantSpec) -> ControlResult<()>;
-    /// [`add_tenant`](Self::add_tenant) if `check` passes, as
-    /// [`add_service_checked`](Self::add_service_checked): the admin API's
-    /// check that no other role holds the new tenant's token reads the
-    /// tenants' tokens, which another creation or a tenant edit changes.
-    fn add_tenant_checked(&self, spec: TenantSpec, check: Check<'_>) -> ControlResult<()> {
-        check()?;
-        self.add_tenant(spec)
-    }
     /// Replace a live tenant's settings: limits, token and timeouts apply at
     /// once (limits to the next admission, timeouts to the flow table now
     /// and to connections at their next state change). `spec.name` must be
@@ -503,43 +519,33 @@ pub trait Control: Send + Sync + 'static {
     fn services(&self) -> Vec<ServiceStatus>;
     /// Add a service (starts listening on every worker).
     fn add_service(&self, spec: ServiceSpec) -> ControlResult<()>;
-    /// [`add_service`](Self::add_service) if `check` passes, run with the
-    /// daemon's edits held ([`Check`]); the default runs it, then adds,
-    /// without a lock.
-    fn add_service_checked(&self, spec: ServiceSpec, check: Check<'_>) -> ControlResult<()> {
-        check()?;
-        self.add_service(spec)
-    }
     /// Replace a service's settings and backend set without dropping
     /// established connections.
     fn edit_service(&self, tenant: &str, name: &str, spec: ServiceSpec) -> ControlResult<()>;
-    /// [`edit_service`](Self::edit_service) if `check` passes, as
-    /// [`add_service_checked`](Self::add_service_checked).
-    fn edit_service_checked(
-        &self,
-        tenant: &str,
-        name: &str,
-        spec: ServiceSpec,
-        check: Check<'_>,
-    ) -> ControlResult<()> {
-        check()?;
-        self.edit_service(tenant, name, spec)
-    }
     /// Delete a service: stop listening and close its connections.
     fn delete_service(&self, tenant: &str, name: &str) -> ControlResult<()>;
     /// Add a backend to a service.
     fn add_backend(&self, tenant: &str, service: &str, spec: BackendSpec) -> ControlResult<()>;
-    /// [`add_backend`](Self::add_backend) if `check` passes, as
-    /// [`add_service_checked`](Self::add_service_checked).
-    fn add_backend_checked(
-        &self,
-        tenant: &str,
-        service: &str,
-        spec: BackendSpec,
-        check: Check<'_>,
-    ) -> ControlResult<()> {
+    /// `write` if `check` passes, run with the daemon's edits held
+    /// ([`Check`]): a tenant token's fence reads the tenant's settings and
+    /// weir's own addresses, and a new tenant's token is checked against
+    /// every tenant's, which another write changes. The default, for a
+    /// control with no edits of its own, runs the check, then the write,
+    /// without a lock.
+    fn write_checked(&self, write: CheckedWrite<'_>, check: Check<'_>) -> ControlResult<()> {
         check()?;
-        self.add_backend(tenant, service, spec)
+        match write {
+            CheckedWrite::AddTenant(spec) => self.add_tenant(spec),
+            CheckedWrite::AddService(spec) => self.add_service(spec),
+            CheckedWrite::EditService { tenant, name, spec } => {
+                self.edit_service(tenant, name, spec)
+            }
+            CheckedWrite::AddBackend {
+                tenant,
+                service,
+                spec,
+            } => self.add_backend(tenant, service, spec),
+        }
     }
     /// Edit weight or drain a backend.
     fn edit_backend(

@@ -17,8 +17,8 @@ use super::auth::Access;
 use super::error::ApiError;
 use crate::config::{BackendSpec, Config, ServiceSpec, TenantSpec};
 use crate::control::{
-    BackendPatch, ConnFilter, ConnPage, ControlError, ControlResult, ErrorKind, HealthEntry, Rates,
-    ReloadOptions, ServiceStatus, TableReport, TenantStatus, Totals,
+    BackendPatch, CheckedWrite, ConnFilter, ConnPage, ControlError, ControlResult, ErrorKind,
+    HealthEntry, Rates, ReloadOptions, ServiceStatus, TableReport, TenantStatus, Totals,
 };
 
 type ApiResult<T> = Result<T, ApiError>;
@@ -357,7 +357,8 @@ pub(crate) async fn add_tenant(
         st.token_gate.pass();
         Ok(())
     };
-    st.control.add_tenant_checked(spec, &mut check)?;
+    st.control
+        .write_checked(CheckedWrite::AddTenant(spec), &mut check)?;
     Ok(created(name))
 }
 
@@ -516,7 +517,8 @@ pub(crate) async fn add_service(
     check_name("service", &spec.name)?;
     let mut check = service_check(&st, &access, &spec, None, interval_given);
     let id = format!("{}/{}", spec.tenant, spec.name);
-    st.control.add_service_checked(spec, &mut check)?;
+    st.control
+        .write_checked(CheckedWrite::AddService(spec), &mut check)?;
     Ok(created(id))
 }
 
@@ -594,8 +596,12 @@ pub(crate) async fn edit_service(
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
     // `spec.tenant` is the path's (set or checked above).
     let mut check = service_check(&st, &access, &spec, Some(&service), interval_given);
-    st.control
-        .edit_service_checked(&tenant, &service, spec, &mut check)?;
+    let write = CheckedWrite::EditService {
+        tenant: &tenant,
+        name: &service,
+        spec,
+    };
+    st.control.write_checked(write, &mut check)?;
     Ok(ok_json(
         serde_json::json!({ "updated": format!("{tenant}/{service}") }),
     ))
@@ -641,8 +647,12 @@ pub(crate) async fn add_backend(
         check_fence(&st, &access, &tenant, s.protocol, None, &[address], health)
     };
     let addr = address.to_string();
-    st.control
-        .add_backend_checked(&tenant, &service, spec, &mut check)?;
+    let write = CheckedWrite::AddBackend {
+        tenant: &tenant,
+        service: &service,
+        spec,
+    };
+    st.control.write_checked(write, &mut check)?;
     Ok(created(format!("{tenant}/{service}/{addr}")))
 }
 

@@ -449,17 +449,6 @@ impl LiveControl {
         errors
     }
 
-    /// `Model::edits`, once the caller's `check` passed with them held:
-    /// what every `*_checked` write holds while it makes its change.
-    fn lock_edits_checked(
-        &self,
-        check: Check<'_>,
-    ) -> ControlResult<parking_lot::MutexGuard<'_, ()>> {
-        let one = self.0.model.lock_edits();
-        check()?;
-        Ok(one)
-    }
-
     /// [`Control::edit_tenant`], `Model::edits` held by the caller (it,
     /// or a reload's apply).
     fn edit_tenant_locked(&self, tenant: &str, spec: TenantSpec) -> ControlResult<()> {
@@ -491,6 +480,46 @@ impl LiveControl {
         // Services' own timeouts are profiles over these: they follow.
         let _ = self.0.conns.table.set_timeouts(TenantId(t.id), timeouts);
         tracing::info!(tenant, "tenant updated");
+        Ok(())
+    }
+
+    /// [`Control::add_backend`], `Model::edits` held by the caller.
+    fn add_backend_locked(
+        &self,
+        tenant: &str,
+        service: &str,
+        spec: BackendSpec,
+    ) -> ControlResult<()> {
+        let svc = self.service(tenant, service)?;
+        let mut specs = svc.spec.read().backends.clone();
+        // `[::ffff:10.0.0.1]:80` is `10.0.0.1:80` (as a file's check says).
+        let canonical = |a: std::net::SocketAddr| (a.ip().to_canonical(), a.port());
+        if specs
+            .iter()
+            .any(|b| canonical(b.address) == canonical(spec.address))
+        {
+            return Err(ControlError::new(
+                ErrorKind::Conflict,
+                format!("backend {} exists", spec.address),
+            ));
+        }
+        let id = format!("backend {tenant}/{service}/{}", spec.address);
+        specs.push(spec);
+        super::model::backend_quota(
+            &self.0.model.load(),
+            tenant,
+            service,
+            specs.len(),
+            &mut Default::default(),
+        )?;
+        #[cfg(test)]
+        let _gate = self.0.model.cap_checked();
+        let mut full = svc.spec.read().clone();
+        full.backends = specs.clone();
+        check_service(&full, self.0.packet_cfg.as_ref())?;
+        self.set_backends(&svc, &specs)?;
+        self.0.start_health(&svc);
+        self.added_at_runtime(id);
         Ok(())
     }
 
@@ -1061,19 +1090,7 @@ impl Control for LiveControl {
     }
 
     fn add_tenant(&self, spec: TenantSpec) -> ControlResult<()> {
-        self.add_tenant_checked(spec, &mut || Ok(()))
-    }
-
-    fn add_tenant_checked(&self, spec: TenantSpec, check: Check<'_>) -> ControlResult<()> {
-        // With the edits, as a tenant edit is: the caller's check (that no
-        // other role holds the new tenant's token) reads every tenant's
-        // token, which another creation or a tenant edit (whose own check
-        // runs under them) would change between it and this add.
-        let _one = self.lock_edits_checked(check)?;
-        let id = tenant_id(&spec.name);
-        self.0.add_tenant(spec)?;
-        self.added_at_runtime(id);
-        Ok(())
+        self.write_checked(CheckedWrite::AddTenant(spec), &mut || Ok(()))
     }
 
     fn edit_tenant(&self, tenant: &str, spec: TenantSpec) -> ControlResult<()> {
@@ -1113,33 +1130,12 @@ impl Control for LiveControl {
     }
 
     fn add_service(&self, spec: ServiceSpec) -> ControlResult<()> {
-        self.add_service_checked(spec, &mut || Ok(()))
-    }
-
-    fn add_service_checked(&self, spec: ServiceSpec, check: Check<'_>) -> ControlResult<()> {
-        // With the edits: a `max_backends` counts the tenant's backends,
-        // and the caller's check (a tenant token's fence) reads the
-        // tenant's settings, which a tenant edit changes under them.
-        let _one = self.lock_edits_checked(check)?;
-        let id = format!("service {}/{}", spec.tenant, spec.name);
-        self.0.add_service(spec)?;
-        self.added_at_runtime(id);
-        Ok(())
+        self.write_checked(CheckedWrite::AddService(spec), &mut || Ok(()))
     }
 
     fn edit_service(&self, tenant: &str, name: &str, spec: ServiceSpec) -> ControlResult<()> {
-        self.edit_service_checked(tenant, name, spec, &mut || Ok(()))
-    }
-
-    fn edit_service_checked(
-        &self,
-        tenant: &str,
-        name: &str,
-        spec: ServiceSpec,
-        check: Check<'_>,
-    ) -> ControlResult<()> {
-        let _one = self.lock_edits_checked(check)?;
-        self.edit_service_locked(tenant, name, spec, Caps::EachChange)
+        let write = CheckedWrite::EditService { tenant, name, spec };
+        self.write_checked(write, &mut || Ok(()))
     }
 
     fn delete_service(&self, tenant: &str, name: &str) -> ControlResult<()> {
@@ -1154,48 +1150,46 @@ impl Control for LiveControl {
     }
 
     fn add_backend(&self, tenant: &str, service: &str, spec: BackendSpec) -> ControlResult<()> {
-        self.add_backend_checked(tenant, service, spec, &mut || Ok(()))
-    }
-
-    fn add_backend_checked(
-        &self,
-        tenant: &str,
-        service: &str,
-        spec: BackendSpec,
-        check: Check<'_>,
-    ) -> ControlResult<()> {
-        let _one = self.lock_edits_checked(check)?;
-        let svc = self.service(tenant, service)?;
-        let mut specs = svc.spec.read().backends.clone();
-        // `[::ffff:10.0.0.1]:80` is `10.0.0.1:80` (as a file's check says).
-        let canonical = |a: std::net::SocketAddr| (a.ip().to_canonical(), a.port());
-        if specs
-            .iter()
-            .any(|b| canonical(b.address) == canonical(spec.address))
-        {
-            return Err(ControlError::new(
-                ErrorKind::Conflict,
-                format!("backend {} exists", spec.address),
-            ));
-        }
-        let id = format!("backend {tenant}/{service}/{}", spec.address);
-        specs.push(spec);
-        super::model::backend_quota(
-            &self.0.model.load(),
+        let write = CheckedWrite::AddBackend {
             tenant,
             service,
-            specs.len(),
-            &mut Default::default(),
-        )?;
-        #[cfg(test)]
-        let _gate = self.0.model.cap_checked();
-        let mut full = svc.spec.read().clone();
-        full.backends = specs.clone();
-        check_service(&full, self.0.packet_cfg.as_ref())?;
-        self.set_backends(&svc, &specs)?;
-        self.0.start_health(&svc);
-        self.added_at_runtime(id);
-        Ok(())
+            spec,
+        };
+        self.write_checked(write, &mut || Ok(()))
+    }
+
+    fn write_checked(&self, write: CheckedWrite<'_>, check: Check<'_>) -> ControlResult<()> {
+        // With the edits, and the caller's check run under them: a fence
+        // reads the tenant's settings (which a tenant edit changes) and
+        // weir's own addresses (which a service add or edit changes), a new
+        // tenant's token is checked against every tenant's (which another
+        // creation or a tenant edit changes), and `max_backends` and
+        // `max_services` count what the tenant holds; each would change
+        // between the check and the write without them.
+        let _one = self.0.model.lock_edits();
+        check()?;
+        match write {
+            CheckedWrite::AddTenant(spec) => {
+                let id = tenant_id(&spec.name);
+                self.0.add_tenant(spec)?;
+                self.added_at_runtime(id);
+                Ok(())
+            }
+            CheckedWrite::AddService(spec) => {
+                let id = format!("service {}/{}", spec.tenant, spec.name);
+                self.0.add_service(spec)?;
+                self.added_at_runtime(id);
+                Ok(())
+            }
+            CheckedWrite::EditService { tenant, name, spec } => {
+                self.edit_service_locked(tenant, name, spec, Caps::EachChange)
+            }
+            CheckedWrite::AddBackend {
+                tenant,
+                service,
+                spec,
+            } => self.add_backend_locked(tenant, service, spec),
+        }
     }
 
     fn edit_backend(
