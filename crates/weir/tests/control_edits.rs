@@ -1715,3 +1715,72 @@ fn a_tenant_token_with_spaces_around_it_authenticates() {
     let me = sp.send("GET", "/v1/whoami", None).unwrap();
     assert_eq!(me["tenant"], json!("sp"), "{me}");
 }
+
+/// A tenant token is checked when a request's head arrives, and the
+/// write it asks for is made once its body has: a request whose body was
+/// still arriving when the operator changed the tenant's token (or
+/// deleted the tenant, then created it again for someone else) went
+/// through with the old token, however long after the change its holder
+/// sent the rest (a byte every 59 s keeps an admin connection open).
+/// The body is the 100-continue's answer here, so the request has passed
+/// the token check on its head before the token is changed.
+#[test]
+fn a_changed_tenant_token_cannot_finish_a_request_begun_with_it() {
+    use std::io::{BufRead, BufReader, Write};
+    let echo = Echo::start();
+    let (r, _dir, _path) = from_file(&format!(
+        "{}{}",
+        tenant_toml(
+            "acme",
+            "token = \"acme-tok\"\nallowed_listen = [\"127.0.0.0/8\"]\nallowed_backends = [\"127.0.0.0/8\"]"
+        ),
+        service_toml("acme", "web", &[echo.addr]),
+    ));
+    let admin = r.url.strip_prefix("http://").unwrap();
+    let mut s = std::net::TcpStream::connect(admin).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let body = json!({ "address": "127.0.0.9:80" }).to_string();
+    write!(
+        s,
+        "POST /v1/services/acme/web/backends HTTP/1.1\r\nHost: weir\r\n\
+         Authorization: Bearer acme-tok\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nExpect: 100-continue\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = BufReader::new(s.try_clone().unwrap());
+    let mut line = String::new();
+    answer.read_line(&mut line).unwrap();
+    assert!(
+        line.starts_with("HTTP/1.1 100"),
+        "the head was answered before its body was read: {line:?}"
+    );
+    // The rest of the 100 Continue: its empty line.
+    line.clear();
+    answer.read_line(&mut line).unwrap();
+    assert_eq!(line, "\r\n");
+
+    r.ok(
+        "PUT",
+        "/v1/tenants/acme",
+        Some(json!({ "token": "acme-new" })),
+    );
+    let old = Client::new(r.url.clone(), Some("acme-tok".into()));
+    assert!(matches!(
+        old.send("GET", "/v1/whoami", None),
+        Err(CliError::Api { status: 401, .. })
+    ));
+
+    s.write_all(body.as_bytes()).unwrap();
+    line.clear();
+    answer.read_line(&mut line).unwrap();
+    let backends: Vec<Value> = r.ok("GET", "/v1/services/acme/web", None)["backend"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert!(
+        !backends.iter().any(|b| b["address"] == "127.0.0.9:80"),
+        "the old token added a backend after the operator changed it (answer {line:?}): {backends:?}"
+    );
+    assert!(line.starts_with("HTTP/1.1 401"), "{line:?}");
+}

@@ -35,13 +35,28 @@ fn internal(message: String) -> ApiError {
 }
 
 /// A JSON body that answers 400 (not 415/422) with a message when malformed.
+///
+/// A tenant token is checked again once the body is in: the token was
+/// checked on the request's head, and a body can take as long as its
+/// sender likes to arrive (a byte a minute keeps an admin connection
+/// open). Without the second check, a request begun before the operator
+/// changed the tenant's token, or deleted the tenant, went through with
+/// the old token whenever its holder sent the rest. (The full-access and
+/// read-only tokens do not change while the daemon runs.)
 pub(crate) struct JsonBody<T>(pub(crate) T);
 
-impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
+impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
+    async fn from_request(req: Request, st: &AppState) -> Result<Self, Self::Rejection> {
+        let tenant_token = match req.extensions().get::<Access>() {
+            Some(Access::Tenant(t)) => Some((
+                t.clone(),
+                super::presented_token(req.headers()).map(str::to_owned),
+            )),
+            _ => None,
+        };
+        let bytes = Bytes::from_request(req, st).await.map_err(|e| {
             let kind = if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 "too_large"
             } else {
@@ -49,6 +64,15 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
             };
             ApiError::new(e.status(), kind, e.body_text())
         })?;
+        if let Some((tenant, token)) = tenant_token {
+            let now = token.and_then(|t| st.tokens.identify(&t, st.control.as_ref()));
+            if now.as_ref().and_then(Access::tenant) != Some(tenant.as_str()) {
+                return Err(ApiError::unauthorized(format!(
+                    "the token of tenant {tenant:?} was changed or the tenant deleted while this \
+                     request's body was arriving: nothing was done; use the tenant's current token"
+                )));
+            }
+        }
         let bad =
             |e: &dyn std::fmt::Display| ApiError::bad_request(format!("invalid JSON body: {e}"));
         let mut de = serde_json::Deserializer::from_slice(&bytes);

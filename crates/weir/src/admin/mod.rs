@@ -11,6 +11,9 @@
 //! * Every route needs `Authorization: Bearer <token>`; `/metrics` is public
 //!   only with `[admin] metrics_public = true`. No token or a wrong one: 401.
 //! * The read-only token may only GET; anything else is 403.
+//! * A token is checked when the request's head arrives; a tenant token
+//!   again once a body is in (a request whose tenant token was changed,
+//!   or whose tenant was deleted, meanwhile: 401, nothing done).
 //! * A tenant-scoped token sees only its tenant (lists are filtered) and may
 //!   change only its tenant's services, backends and connections; naming
 //!   another tenant, or a daemon-wide resource (tenant create/edit/delete,
@@ -529,18 +532,23 @@ async fn refuse_oversized(req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
+/// The token of a request's `Authorization: Bearer` header, if any.
+pub(crate) fn presented_token(headers: &axum::http::HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(auth::bearer)
+}
+
 /// Check the bearer token, enforce read-only, and attach [`Access`].
+/// A tenant token is checked again once a body is in ([`handlers`]'
+/// `JsonBody`): this check is made on the request's head.
 async fn authenticate(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
     if st.metrics_public && req.uri().path() == "/metrics" {
         req.extensions_mut().insert(Access::Full);
         return next.run(req).await;
     }
-    let presented = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(auth::bearer)
-        .map(str::to_owned);
+    let presented = presented_token(req.headers()).map(str::to_owned);
     let Some(presented) = presented else {
         return ApiError::unauthorized(
             "missing 'Authorization: Bearer <token>' header: pass --token or set WEIR_TOKEN",
