@@ -430,3 +430,60 @@ fn a_reload_without_an_answer_may_still_be_applying() {
         "must be more than 0",
     );
 }
+
+/// `weir conns` pages until the daemon says the dump is done, and stops
+/// on a cursor that does not move; a daemon answering empty pages whose
+/// cursors go round (A, B, A, ...: a daemon of another version, or a bug)
+/// passed that check, and the command asked for pages forever. It stops,
+/// saying so, at the first cursor it was given before. This server
+/// answers at most 20 requests (then closes: the command fails anyway),
+/// so the test ends either way.
+#[test]
+fn conns_stops_on_a_cursor_it_was_given_before() {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let mut asked = 0;
+        for s in listener.incoming().take(20) {
+            let Ok(s) = s else { break };
+            let mut r = BufReader::new(&s);
+            let mut line = String::new();
+            if r.read_line(&mut line).unwrap() == 0 {
+                break; // the test's own connect: the command has ended
+            }
+            // The rest of the head.
+            let mut h = String::new();
+            while r.read_line(&mut h).unwrap() > 2 {
+                h.clear();
+            }
+            asked += 1;
+            let next = if line.contains("cursor=c3.1.") {
+                "c3.2.0.0.1"
+            } else {
+                "c3.1.0.0.1"
+            };
+            let body = format!(r#"{{"connections":[],"next":"{next}"}}"#);
+            let _ = write!(
+                &s,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+        asked
+    });
+    let home = tempfile::tempdir().unwrap();
+    let url = format!("http://{addr}");
+    let o = run(home.path(), &["conns", "--admin", &url, "--token", TOKEN]);
+    // Ends the server if the command stopped early (a connection that
+    // sends nothing).
+    drop(std::net::TcpStream::connect(addr));
+    let err = String::from_utf8_lossy(&o.stderr);
+    let asked = server.join().unwrap();
+    assert!(
+        asked <= 3,
+        "weir conns asked for {asked} pages of cursors going round (stderr: {err})"
+    );
+    refused(o, "cursor");
+}

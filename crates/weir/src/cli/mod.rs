@@ -597,6 +597,9 @@ fn conns(a: ConnsArgs, out: &mut dyn Write) -> CliResult<()> {
     let c = Client::from_args(&a.admin)?;
     let limit = PAGE.to_string();
     let mut cursor: Option<String> = None;
+    // Every cursor given so far: one a page's worth of entries apart, so
+    // a million connections keep a thousand.
+    let mut given = std::collections::HashSet::new();
     let mut shown: u64 = 0;
     let max = a.max.unwrap_or(u64::MAX);
     if !a.json {
@@ -629,15 +632,20 @@ fn conns(a: ConnsArgs, out: &mut dyn Write) -> CliResult<()> {
         }
         w(out, &buf)?;
         match page.next {
-            // A cursor that does not move would fetch (and print) the same
-            // page forever.
-            Some(n) if shown < max && cursor.as_deref() == Some(n.as_str()) => {
+            // A cursor given before would fetch (and print) the same pages
+            // forever: one that does not move, or cursors that go round
+            // (A, B, A, ...), which the daemon's never do (each is past
+            // the last).
+            Some(n) if shown < max && given.contains(&n) => {
                 return Err(CliError::Local(format!(
-                    "the daemon's cursor did not move ({n:?} again): stopping; \
-                     is the daemon the same weir version?"
+                    "the daemon gave cursor {n:?} again: stopping, as the listing would \
+                     never end; is the daemon the same weir version?"
                 )));
             }
-            Some(n) if shown < max => cursor = Some(n),
+            Some(n) if shown < max => {
+                given.insert(n.clone());
+                cursor = Some(n);
+            }
             _ => break,
         }
     }
