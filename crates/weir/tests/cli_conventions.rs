@@ -487,3 +487,82 @@ fn conns_stops_on_a_cursor_it_was_given_before() {
     );
     refused(o, "cursor");
 }
+
+/// A server that answers every request `200 OK` with `body` (JSON), at
+/// most `most` of them, until a connection that sends nothing; its thread
+/// returns the request lines it was sent.
+fn answering(
+    body: &'static str,
+    most: usize,
+) -> (std::net::SocketAddr, std::thread::JoinHandle<Vec<String>>) {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let mut asked = Vec::new();
+        for s in listener.incoming().take(most) {
+            let Ok(s) = s else { break };
+            let mut r = BufReader::new(&s);
+            let mut line = String::new();
+            if r.read_line(&mut line).unwrap() == 0 {
+                break;
+            }
+            let mut h = String::new();
+            let mut len = 0;
+            while r.read_line(&mut h).unwrap() > 2 {
+                if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                    len = v.trim().parse().unwrap();
+                }
+                h.clear();
+            }
+            let mut req_body = vec![0; len];
+            std::io::Read::read_exact(&mut r, &mut req_body).unwrap();
+            asked.push(line.trim().to_owned());
+            let _ = write!(
+                &s,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+        asked
+    });
+    (addr, server)
+}
+
+/// `weir kill` and `weir tenant del` print the count the daemon answers
+/// with; an answer without one (another server on the address, or a
+/// daemon of another version) printed "killed 0 connections" or "(0
+/// connections closed)" and exited 0, whatever had been done. Such an
+/// answer is an error (exit 2) saying the request may have been carried
+/// out.
+#[test]
+fn kill_and_tenant_del_do_not_make_up_a_count() {
+    for (args, path) in [
+        (&["kill", "--all"][..], "POST /v1/connections/kill"),
+        (
+            &["kill", "--state", "ESTABLISHED"][..],
+            "POST /v1/connections/kill",
+        ),
+        (&["tenant", "del", "acme"][..], "DELETE /v1/tenants/acme"),
+    ] {
+        let (addr, server) = answering(r#"{"ok":true}"#, 5);
+        let home = tempfile::tempdir().unwrap();
+        let url = format!("http://{addr}");
+        let mut argv = args.to_vec();
+        argv.extend_from_slice(&["--admin", &url, "--token", TOKEN]);
+        let o = run(home.path(), &argv);
+        drop(std::net::TcpStream::connect(addr));
+        let asked = server.join().unwrap();
+        assert!(
+            asked.len() == 1 && asked[0].starts_with(path),
+            "{args:?}: {asked:?}"
+        );
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            !out.contains(" 0 connections"),
+            "{args:?} made up a count: {out}"
+        );
+        refused(o, "may have been");
+    }
+}

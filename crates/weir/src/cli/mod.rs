@@ -771,11 +771,9 @@ fn tenant(cmd: TenantCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             w(out, &format!("tenant {name} updated\n"))
         }
         TenantCmd::Del { name } => {
-            let v = c.send("DELETE", &format!("/v1/tenants/{}", seg(&name)), None)?;
-            let closed = v
-                .get("closed_connections")
-                .and_then(Value::as_u64)
-                .unwrap_or(0);
+            let path = format!("/v1/tenants/{}", seg(&name));
+            let v = c.send("DELETE", &path, None)?;
+            let closed = answered_count(&v, "closed_connections", &format!("DELETE {path}"))?;
             w(
                 out,
                 &format!("tenant {name} deleted ({closed} connections closed)\n"),
@@ -968,8 +966,20 @@ fn kill(a: KillArgs, out: &mut dyn Write) -> CliResult<()> {
         body[k] = json!(v);
     }
     let v = c.send("POST", "/v1/connections/kill", Some(&body))?;
-    let n = v.get("killed").and_then(Value::as_u64).unwrap_or(0);
+    let n = answered_count(&v, "killed", "POST /v1/connections/kill")?;
     w(out, &format!("killed {n} connections\n"))
+}
+
+/// The count `key` of a successful answer to `request`. An answer without
+/// it is not weir's (another server, or another version): printed as 0,
+/// it read as "nothing was done" whatever had been.
+fn answered_count(v: &Value, key: &str, request: &str) -> CliResult<u64> {
+    v.get(key).and_then(Value::as_u64).ok_or_else(|| {
+        CliError::Local(format!(
+            "the answer to {request} has no {key:?} count (is the daemon the same weir \
+             version?): the request may have been carried out; see `weir conns` and `weir list`"
+        ))
+    })
 }
 
 fn reload(a: ReloadArgs, out: &mut dyn Write) -> CliResult<()> {
