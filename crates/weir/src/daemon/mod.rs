@@ -45,6 +45,7 @@
 
 mod accounting;
 mod admission;
+mod clock;
 mod conns;
 mod control_impl;
 mod liveness;
@@ -271,7 +272,7 @@ impl Daemon {
             workers: worker_txs,
             steering: steering.clone(),
             control_rt: control_rt.handle().clone(),
-            epoch: Instant::now(),
+            clock: clock::Clock::start(),
             access_log: AtomicBool::new(config.daemon.access_log),
             drain_timeout: parking_lot::Mutex::new(config.daemon.drain_timeout.clone()),
             tuning: Tuning::new(&config.daemon),
@@ -669,7 +670,7 @@ pub(crate) struct Shared {
     /// Which workers take new TCP connections ([`steering`]).
     pub(crate) steering: Arc<steering::Steering>,
     control_rt: tokio::runtime::Handle,
-    epoch: Instant,
+    clock: clock::Clock,
     /// `[daemon] access_log`, `drain_timeout` (and admission's
     /// `max_connections`): the `[daemon]` keys a reload changes live
     /// ([`Shared::daemon_now`]).
@@ -690,8 +691,9 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The daemon's clock in milliseconds (the flow table's timestamps).
     pub(crate) fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        self.clock.now_ms()
     }
 
     /// `[daemon]` as it applies now: as the daemon started with it, with
@@ -755,7 +757,7 @@ impl Shared {
 
     /// The daemon's clock in nanoseconds (what admission's rate limits use).
     pub(crate) fn now_ns(&self) -> u64 {
-        self.epoch.elapsed().as_nanos() as u64
+        self.clock.now_ns()
     }
 }
 
