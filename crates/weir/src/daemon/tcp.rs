@@ -496,12 +496,19 @@ async fn connect_any(
         counted = true;
         // The connect's own deadline: a failed attempt moves on to the next
         // backend. (The entry's SYN_RECV timeout, the same length, is the
-        // wheel's backstop.) A connect that found weir out of descriptors
-        // is not the backend's fault, and the client should wait rather
-        // than be reset: the same backend is tried again after a pause, a
-        // bounded number of times, with the entry kept meanwhile, so the
-        // connection stays listed and a kill or its service's deletion
-        // still reaches it.
+        // wheel's backstop. It cannot be the deadline itself: the wheel
+        // ticks once a second and the expiry thread runs once a second, so
+        // it ends an entry up to about 2 s late, where `connect_timeout`
+        // goes down to 1 ms; and what it removes, its owner hears as an
+        // idle timeout, which ends the connection instead of trying the
+        // next backend. This timer costs ~900 user instructions of ~19,000
+        // per connection, under 1% of the CPU: docs/BENCHMARKS.md, "The
+        // connect timer and the clock".) A connect that found weir out of
+        // descriptors is not the backend's fault, and the client should
+        // wait rather than be reset: the same backend is tried again after
+        // a pause, a bounded number of times, with the entry kept
+        // meanwhile, so the connection stays listed and a kill or its
+        // service's deletion still reaches it.
         let attempt = loop {
             let attempt = tokio::select! {
                 why = owner.closed() => Err(why),
