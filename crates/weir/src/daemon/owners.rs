@@ -8,7 +8,15 @@
 //! wheel, a kill by cookie or filter, a tenant's or service's deletion, the
 //! daemon stopping — finds the token in the entry (a dump or expiry
 //! snapshot) and calls [`Owners::kill`] with the entry's cookie; the task
-//! wakes from [`Owners::closed`], closes its sockets and removes its entry.
+//! wakes from [`Owner::closed`], closes its sockets and removes its entry.
+//!
+//! Only the slot's task waits on it, so the slot keeps one waker
+//! (`AtomicWaker`: two compare-and-swaps to register, no clone when the
+//! task polls again with the same waker) rather than a `Notify`, whose
+//! waiter list took a lock on every poll of the connection's task and
+//! another when the wait was dropped: the `Notify` cost ~850 instructions per
+//! proxied connection, the waker ~400 (docs/BENCHMARKS.md, "The connect
+//! timer and the clock").
 //!
 //! A slot's state is one word, `(cookie + 1) << 8 | reason`, changed only by
 //! compare-and-swap, so a kill names exactly one flow: a kill for a flow that
@@ -20,9 +28,10 @@ use std::sync::atomic::{
     AtomicU32, AtomicU64, Ordering::AcqRel, Ordering::Acquire, Ordering::Release,
 };
 use std::sync::{Arc, OnceLock};
+use std::task::Poll;
 
+use atomic_waker::AtomicWaker;
 use parking_lot::Mutex;
-use tokio::sync::Notify;
 use weir_flowtable::ChunkGeometry;
 
 /// Why an owner was told to close (the access log's `reason`).
@@ -98,7 +107,8 @@ const REASON: u64 = 0xFF;
 #[derive(Debug, Default)]
 struct Slot {
     state: AtomicU64,
-    notify: Notify,
+    /// The owning task's, while it waits in [`Owner::closed`].
+    waker: AtomicWaker,
 }
 
 /// The slot word naming flow `cookie`; `None` for a cookie no flow can have
@@ -183,7 +193,7 @@ impl Owners {
             }
             match slot.state.compare_exchange_weak(cur, told, AcqRel, Acquire) {
                 Ok(_) => {
-                    slot.notify.notify_one();
+                    slot.waker.wake();
                     return true;
                 }
                 Err(now) => cur = now,
@@ -286,22 +296,32 @@ impl Owner {
         Close::from_code((cur & REASON) as u8)
     }
 
-    /// Resolves once the flow is told to close.
+    /// Resolves once the flow is told to close. One wait at a time per
+    /// owner (the slot keeps one waker: a second wait polled meanwhile
+    /// would take the wake-up from the first).
     pub(crate) async fn closed(&self) -> Close {
-        loop {
+        std::future::poll_fn(|cx| {
             if let Some(why) = self.told() {
-                return why;
+                return Poll::Ready(why);
             }
-            // A kill between the check and here leaves a permit: the wait
-            // returns at once. A stale permit (the slot's previous flow's)
-            // only costs one more check.
-            self.slot().notify.notified().await;
-        }
+            self.slot().waker.register(cx.waker());
+            // A kill between the check above and the registration woke
+            // the waker before this one: look again. A wake-up meant for
+            // the slot's previous flow only costs one more check.
+            match self.told() {
+                Some(why) => Poll::Ready(why),
+                None => Poll::Pending,
+            }
+        })
+        .await
     }
 }
 
 impl Drop for Owner {
     fn drop(&mut self) {
+        // A waker holds its task: the slot must not keep an ended task's
+        // memory until the slot's next flow.
+        drop(self.slot().waker.take());
         self.slot().state.store(FREE, Release);
         self.owners.free[self.list].lock().push(self.index);
     }
@@ -408,6 +428,58 @@ mod tests {
         assert!(o.kill(held[1999].token(), 1999, Close::Killed));
         assert_eq!(held[1999].told(), Some(Close::Killed));
         assert_eq!(o.find(1500), Some(held[1500].token()));
+    }
+
+    /// The slot keeps the waiting task's waker, which holds the task:
+    /// it is woken by a kill, and let go when the owner is dropped (an
+    /// ended connection's task must not live on in its slot).
+    #[test]
+    fn the_slot_wakes_its_waiter_and_lets_it_go() {
+        use std::sync::atomic::AtomicUsize;
+        use std::task::{Context, Wake, Waker};
+
+        #[derive(Default)]
+        struct Count(AtomicUsize);
+        impl Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, AcqRel);
+            }
+        }
+
+        let o = Arc::new(Owners::new(1));
+        let a = o.claim().unwrap();
+        a.bind(5).unwrap();
+        let count = Arc::new(Count::default());
+        let waker = Waker::from(count.clone());
+        let mut cx = Context::from_waker(&waker);
+        {
+            let mut wait = std::pin::pin!(a.closed());
+            assert!(wait.as_mut().poll(&mut cx).is_pending());
+            // Polled again with the same waker: still one copy kept.
+            assert!(wait.as_mut().poll(&mut cx).is_pending());
+            assert_eq!(Arc::strong_count(&count), 3, "ours, the Waker, the slot's");
+            assert!(o.kill(a.token(), 5, Close::Killed));
+            assert_eq!(count.0.load(Acquire), 1);
+            assert_eq!(wait.as_mut().poll(&mut cx), Poll::Ready(Close::Killed));
+        }
+        // The next flow of the same owner waits again; dropping the owner
+        // drops the waker it left.
+        a.unbind();
+        a.bind(6).unwrap();
+        {
+            let mut wait = std::pin::pin!(a.closed());
+            assert!(wait.as_mut().poll(&mut cx).is_pending());
+        }
+        assert_eq!(Arc::strong_count(&count), 3);
+        drop(a);
+        assert_eq!(
+            Arc::strong_count(&count),
+            2,
+            "the slot kept an ended task's waker"
+        );
+        // A kill for the dropped owner's flow wakes nobody.
+        assert!(!o.kill(1, 6, Close::Killed));
+        assert_eq!(count.0.load(Acquire), 1);
     }
 
     #[tokio::test]
