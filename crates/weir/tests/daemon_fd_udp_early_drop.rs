@@ -1,16 +1,21 @@
 //! A spoofed datagram flood against a UDP proxy service that exhausts the
 //! descriptors. Its own test binary: it lowers the process's fd limit,
-//! which the daemon shares with the test, and the exhaustion's log line,
-//! one a second for the process, would hide `daemon_fd_flood`'s.
+//! which the daemon shares with the test (one test at a time, under
+//! `FDS`), and the exhaustion's log line, one a second for the process,
+//! would hide `daemon_fd_flood`'s.
 
 mod daemon_util;
 
+use std::io::{Read, Write};
 use std::net::UdpSocket;
 use std::time::{Duration, Instant};
 
 use daemon_util::*;
 use weir::config::Protocol;
 use weir::daemon::Daemon;
+
+/// The process's fd limit, lowered by one test at a time.
+static FDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Spoofed datagram flood defence at fd exhaustion: with no
 /// `max_connections`, a flood of single datagrams from forged sources
@@ -21,6 +26,7 @@ use weir::daemon::Daemon;
 /// and every new client was refused meanwhile.
 #[test]
 fn a_udp_client_at_fd_exhaustion_gets_a_session_on_retry() {
+    let _fds = FDS.lock().unwrap_or_else(|e| e.into_inner());
     let b = udp_echo();
     let mut cfg = config(vec![service("u", Protocol::Udp, "rr", vec![backend(b, 1)])]);
     cfg.daemon.workers = 1;
@@ -100,6 +106,92 @@ fn a_udp_client_at_fd_exhaustion_gets_a_session_on_retry() {
     assert!(tries <= 3, "{tries} tries: {g:?}");
     drop(refill);
     fds.release();
+    drop(flood);
+    d.shutdown();
+}
+
+/// The same flood holding every descriptor does not lock the TCP services
+/// out: a TCP client's accept, and its connect to the backend, each end a
+/// single-datagram UDP session to free the descriptor they need
+/// (`udp::free_a_descriptor`). Before, accept backed off until the flood's
+/// sessions timed out (`udp_timeout`, 300 s): no TCP client of any tenant
+/// got in meanwhile.
+#[test]
+fn a_tcp_client_is_served_while_a_udp_flood_holds_every_descriptor() {
+    let _fds = FDS.lock().unwrap_or_else(|e| e.into_inner());
+    let b = udp_echo();
+    let e = Echo::start();
+    let mut cfg = config(vec![
+        service("u", Protocol::Udp, "rr", vec![backend(b, 1)]),
+        service("t", Protocol::Tcp, "rr", vec![backend(e.addr, 1)]),
+    ]);
+    cfg.daemon.workers = 1;
+    let d = Daemon::start(cfg, None).unwrap();
+    let c = d.control();
+    let uvip = d.service_addr("default", "u").unwrap();
+    let tvip = d.service_addr("default", "t").unwrap();
+    const FLOOD: usize = 40;
+    let flood: Vec<UdpSocket> = (0..FLOOD)
+        .map(|_| UdpSocket::bind("127.0.0.1:0").unwrap())
+        .collect();
+    // The TCP client's socket first: its connect then needs no descriptor.
+    let mut client =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+
+    let fds = FdsTaken::all_but(8);
+    for f in &flood {
+        f.send_to(b"x", uvip).unwrap();
+    }
+    let settled = || {
+        let g = c.global_stats();
+        let read = g.stats.conns + g.refused.get("fd_exhausted").copied().unwrap_or(0);
+        read == FLOOD as u64 && g.active_conns == g.stats.conns - g.udp_early_drops
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), settled),
+        "{:?}",
+        c.global_stats()
+    );
+    let g = c.global_stats();
+    assert!(
+        g.refused.get("fd_exhausted").copied().unwrap_or(0) > 0,
+        "the flood did not exhaust the descriptors: {g:?}"
+    );
+    // Whatever descriptors the flood's last early drops freed, taken
+    // again: the TCP client meets the exhaustion.
+    let mut refill = Vec::new();
+    while let Ok(f) = std::fs::File::open("/dev/null") {
+        refill.push(f);
+        assert!(refill.len() < FLOOD, "bounded");
+    }
+    let drops_before = g.udp_early_drops;
+    client.connect(&tvip.into()).unwrap();
+    // Accepted and connected to its backend (the backend's kernel
+    // finishes the handshake; the test's echo thread accepts it once
+    // descriptors are back): ESTABLISHED in weir.
+    let established = || {
+        c.services()
+            .iter()
+            .any(|s| s.name == "t" && s.backends.iter().any(|b| b.active_conns == 1))
+    };
+    let served = wait_until(Duration::from_secs(10), established);
+    let g = c.global_stats();
+    assert!(served, "the TCP client never got through: {g:?}");
+    assert!(
+        g.udp_early_drops > drops_before,
+        "no UDP session ended for it: {g:?}"
+    );
+    drop(refill);
+    fds.release();
+    // And it is a working connection.
+    client.write_all(b"tcp").unwrap();
+    let mut buf = [0u8; 3];
+    client.read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"tcp");
+    drop(client);
     drop(flood);
     d.shutdown();
 }

@@ -118,6 +118,14 @@ async fn accept_until_stopped(shared: &Arc<Shared>, svc: &Arc<Service>, listener
                 // Out of descriptors: the pending connection stays in the
                 // backlog; back off instead of spinning on accept.
                 shared.admission.refused.add(Refusal::FdExhausted);
+                // Unless a spoofed datagram flood's UDP sessions hold them
+                // (a socket each for `udp_timeout`): one of those ends
+                // (`udp::free_a_descriptor`), its socket closes when its
+                // task runs, and accept is tried again after a turn.
+                if super::udp::free_a_descriptor(shared, &svc.tenant, &mut rng) {
+                    tokio::task::yield_now().await;
+                    continue;
+                }
                 // Every listener of every worker gets here while fds are
                 // short: one line a second with a count.
                 static GATE: super::ratelog::RateLimited = super::ratelog::RateLimited::new(1000);
@@ -524,9 +532,17 @@ async fn connect_any(
                 break attempt;
             };
             tracing::debug!(backend = %backend.addr, "connect: {e}; retrying");
-            tokio::select! {
-                why = owner.closed() => break Err(why),
-                _ = tokio::time::sleep(pause) => {}
+            // A spoofed datagram flood's UDP session ended to free a
+            // descriptor (as at accept): tried again after a turn, its
+            // socket closed by then, instead of after the pause.
+            let mut rng = weir_sched::SplitMix64::new(seed ^ u64::from(fd_backoff.tries));
+            if super::udp::free_a_descriptor(shared, tenant, &mut rng) {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::select! {
+                    why = owner.closed() => break Err(why),
+                    _ = tokio::time::sleep(pause) => {}
+                }
             }
             // The wait is not idleness: the wheel's SYN_RECV backstop
             // starts again (at most `FdBackoff::MAX_TRIES` times).

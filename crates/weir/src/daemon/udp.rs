@@ -501,6 +501,21 @@ fn take_a_place_pressed(
     })
 }
 
+/// Out of descriptors anywhere in the proxy (a TCP accept, a backend
+/// connect): ends one UDP session that has carried a single datagram, of
+/// the tenant pressing hardest on the daemon-wide limits, so that a
+/// spoofed datagram flood holding every descriptor (a socket per forged
+/// source for `udp_timeout`) does not lock the TCP services of every
+/// tenant out too. Its socket closes when its task runs: the caller tries
+/// again after a turn. Whether one was ended.
+pub(super) fn free_a_descriptor(
+    shared: &Shared,
+    own: &super::Tenant,
+    rng: &mut weir_sched::SplitMix64,
+) -> bool {
+    take_a_place_pressed(shared, own, rng)
+}
+
 /// A UDP proxy session that has carried a single datagram from its
 /// client ([`take_a_place`]).
 fn single_datagram_session(c: weir_flowtable::Candidate) -> bool {
