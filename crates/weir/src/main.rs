@@ -332,6 +332,13 @@ fn run(path: Option<PathBuf>) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // SIGTERM, SIGINT and SIGHUP held from before the listeners bind until
+    // their handlers are in place: one sent as soon as a port answers (a
+    // supervisor stopping or reloading weir right after its start) waits
+    // instead of meeting the default action, which ended the process
+    // without a drain. Every thread the daemon starts inherits the mask;
+    // once the handlers are in, this thread takes the signals.
+    let held = StopSignals::hold();
     let handle = match Daemon::start(cfg.clone(), Some(path)) {
         Ok(h) => h,
         Err(e) => {
@@ -370,11 +377,24 @@ fn run(path: Option<PathBuf>) -> ExitCode {
     }
     let exit = rt.block_on(async {
         use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+        // Debug builds: a pause before the handlers go in, for the test
+        // that a stop signal meanwhile waits for them.
+        #[cfg(debug_assertions)]
+        if let Some(ms) = std::env::var("WEIR_TEST_SIGNALS_LATE_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
+        let handlers = (
             signal(SignalKind::terminate()),
             signal(SignalKind::interrupt()),
             signal(SignalKind::hangup()),
-        ) else {
+        );
+        // In place (or not, and then the default actions apply): a signal
+        // held since the start is taken now.
+        held.release();
+        let (Ok(mut term), Ok(mut int), Ok(mut hup)) = handlers else {
             tracing::error!("cannot install signal handlers");
             return Exit::Int;
         };
@@ -434,6 +454,33 @@ fn run(path: Option<PathBuf>) -> ExitCode {
     }
     watchdog_stop.cancel();
     ExitCode::SUCCESS
+}
+
+/// SIGTERM, SIGINT and SIGHUP blocked in the calling thread (and so in
+/// every thread it starts) until [`StopSignals::release`]: a signal sent
+/// meanwhile stays pending, then reaches the handlers.
+struct StopSignals(nix::sys::signal::SigSet);
+
+impl StopSignals {
+    fn hold() -> Self {
+        use nix::sys::signal::{SigSet, SigmaskHow, Signal, pthread_sigmask};
+        let mut set = SigSet::empty();
+        for s in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
+            set.add(s);
+        }
+        // Cannot fail: the set holds valid signals and `how` is valid.
+        if let Err(e) = pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(&set), None) {
+            eprintln!("weir run: blocking stop signals: {e}");
+        }
+        Self(set)
+    }
+
+    fn release(self) {
+        use nix::sys::signal::{SigmaskHow, pthread_sigmask};
+        if let Err(e) = pthread_sigmask(SigmaskHow::SIG_UNBLOCK, Some(&self.0), None) {
+            eprintln!("weir run: unblocking stop signals: {e}");
+        }
+    }
 }
 
 /// Serve the admin API on the daemon's control runtime. Resolving the

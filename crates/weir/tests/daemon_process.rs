@@ -44,6 +44,43 @@ fn admin_addr(p: &Path) -> SocketAddr {
         .unwrap()
 }
 
+/// A SIGTERM sent as soon as a service answers, before `weir run` has put
+/// its signal handlers in, waits for them: the daemon drains and exits 0.
+/// Before, the signal met its default action in that window and ended the
+/// process at once, without a drain (on a loaded machine,
+/// `a_second_signal_ends_a_drain_at_once` sometimes met it: its held
+/// connection read EOF). `WEIR_TEST_SIGNALS_LATE_MS` (debug builds) holds
+/// the handlers back to make the window wide.
+#[test]
+fn a_sigterm_right_after_the_start_waits_for_the_handlers() {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let e = Echo::start();
+    let vip = free_addr();
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_config(&dir, vip, e.addr, "");
+    let mut child = Proc(
+        std::process::Command::new(BIN)
+            .args(["run", "--config"])
+            .arg(&p)
+            .env("RUST_LOG", "info")
+            .env("HOME", dir.path())
+            .env("XDG_RUNTIME_DIR", dir.path())
+            .env("WEIR_TEST_SIGNALS_LATE_MS", "2000")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    wait_up(&mut child, vip, T);
+    kill(Pid::from_raw(child.0.id() as i32), Signal::SIGTERM).unwrap();
+    let code = exit_code_within(&mut child.0, T);
+    let mut err = String::new();
+    let _ = child.0.stderr.take().unwrap().read_to_string(&mut err);
+    assert_eq!(code, Some(0), "ended by the signal, not drained:\n{err}");
+    assert!(err.contains("SIGTERM: draining"), "{err}");
+}
+
 /// docs/daemon.md: SIGINT closes everything now, also while a SIGTERM drain
 /// waits for live connections (it used to be ignored until the drain
 /// timeout); so does a second SIGTERM.
