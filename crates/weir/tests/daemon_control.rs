@@ -431,7 +431,14 @@ fn reload_refuses_daemon_and_admin_changes() {
         (1, true),
         "weir save would write the old values"
     );
-    // One connection held: a second is refused (closed unanswered).
+    // One connection held: a second is refused (closed unanswered). The
+    // echo above counts against the limit until weir has closed both its
+    // ends, which under load comes after the client's close returns.
+    assert!(
+        wait_until(T, || c.global_stats().active_conns == 0),
+        "{:?}",
+        c.global_stats()
+    );
     let mut first = held(two);
     assert!(still_echoes(&mut first));
     assert!(!echo_once(two, b"over the limit"));
