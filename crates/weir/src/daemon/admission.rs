@@ -125,6 +125,18 @@ impl Admission {
         self.active.fetch_add(1, Relaxed);
     }
 
+    /// Give back the slot [`Self::admit_past_daemon_limit`] reserved for a
+    /// session that found no place after all, and the `max_new_per_s`
+    /// token it took: nothing opened, so nothing is spent. (Kept, it made a
+    /// refusal at the daemon's limit cost the tenant's next session.)
+    pub(crate) fn release_unopened(&self, tenant: &Tenant) {
+        let rate = tenant.spec.read().max_new_per_s;
+        if rate != 0 {
+            tenant.new_conns.refund(rate);
+        }
+        self.release(tenant);
+    }
+
     /// Give back the slot [`Self::admit`] reserved.
     pub(crate) fn release(&self, tenant: &Tenant) {
         tenant.active.fetch_sub(1, Relaxed);
@@ -145,10 +157,16 @@ pub(crate) struct NewConnLimit {
 }
 
 impl NewConnLimit {
+    /// The bucket's cost of one connection at `rate` per second.
+    fn step(rate: u64) -> u64 {
+        const SECOND: u64 = 1_000_000_000;
+        (SECOND / rate.max(1)).max(1)
+    }
+
     /// One new connection at `now_ns` under `rate` per second (> 0).
     pub(crate) fn admit(&self, now_ns: u64, rate: u64) -> bool {
         const SECOND: u64 = 1_000_000_000;
-        let step = (SECOND / rate.max(1)).max(1);
+        let step = Self::step(rate);
         let tolerance = SECOND.saturating_sub(step);
         let mut tat = self.tat.load(Relaxed);
         loop {
@@ -164,6 +182,15 @@ impl NewConnLimit {
                 Err(t) => tat = t,
             }
         }
+    }
+
+    /// Give back one connection [`Self::admit`] let through at `rate`
+    /// that did not open after all: as if it had not been asked for.
+    pub(crate) fn refund(&self, rate: u64) {
+        let step = Self::step(rate);
+        let _ = self
+            .tat
+            .fetch_update(Relaxed, Relaxed, |t| Some(t.saturating_sub(step)));
     }
 }
 
@@ -434,6 +461,24 @@ mod tests {
     }
 
     const MS: u64 = 1_000_000;
+
+    /// A refund gives back exactly one connection's worth, and no more
+    /// than the bucket holds.
+    #[test]
+    fn new_conn_limit_refund_gives_back_one() {
+        let l = NewConnLimit::default();
+        let t0 = 5_000 * MS;
+        assert_eq!((0..250).filter(|_| l.admit(t0, 100)).count(), 100);
+        l.refund(100);
+        assert!(l.admit(t0, 100));
+        assert!(!l.admit(t0, 100));
+        // Refunds into a full bucket do not overfill it.
+        let idle = NewConnLimit::default();
+        for _ in 0..5 {
+            idle.refund(100);
+        }
+        assert_eq!((0..250).filter(|_| idle.admit(t0, 100)).count(), 100);
+    }
 
     #[test]
     fn new_conn_limit_passes_a_second_worth_then_one_per_step() {

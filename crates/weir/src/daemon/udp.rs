@@ -358,7 +358,7 @@ fn open_session(
         // they refuse ends nobody's.
         admitted = shared.admission.admit_past_daemon_limit(&tenant, now_ns);
         if admitted.is_ok() && !take_a_place_pressed(shared, &tenant, rng) {
-            shared.admission.release(&tenant);
+            shared.admission.release_unopened(&tenant);
             admitted = Err(Refusal::GlobalLimit);
         }
     }
