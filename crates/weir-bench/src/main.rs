@@ -4,6 +4,8 @@
 //! Every suite takes `--quick` (finishes in under 60 s on a 2-core machine)
 //! and `--json FILE` (writes the figures under the keys the issues name).
 //! `all` runs every suite and writes one JSON object keyed by suite.
+//! SIGINT (Ctrl-C) or SIGTERM stops a run the way an error does: no process,
+//! namespace or directory it made is left behind (see [`signals`]).
 
 use std::path::PathBuf;
 
@@ -16,6 +18,7 @@ mod packet;
 mod proxy;
 mod rate;
 mod report;
+mod signals;
 mod soak;
 mod table;
 
@@ -79,7 +82,14 @@ pub(crate) struct Common {
 type SuiteFn = fn(&Common) -> Result<serde_json::Value>;
 
 fn main() -> Result<()> {
-    let cli = Cli::parse();
+    signals::install()?;
+    let out = run(Cli::parse());
+    // Not exit(1) for an error that a signal's teardown caused (it exits 130 or 143).
+    signals::wait_if_stopping();
+    out
+}
+
+fn run(cli: Cli) -> Result<()> {
     let (common, suites): (Common, Vec<(&str, SuiteFn)>) = match cli.suite {
         Suite::Table(c) => (c, vec![("table", table::table)]),
         Suite::Dump(c) => (c, vec![("dump", dump::dump)]),
@@ -103,7 +113,10 @@ fn main() -> Result<()> {
     let mut failed = Vec::new();
     for (name, f) in &suites {
         println!("\n## {name}\n");
-        match f(&common) {
+        let r = f(&common);
+        // A suite stopped by a signal: not the next one, nor its error.
+        signals::wait_if_stopping();
+        match r {
             Ok(v) => {
                 out.insert((*name).to_string(), v);
             }

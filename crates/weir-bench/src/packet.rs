@@ -135,6 +135,7 @@ pub(crate) fn run(c: &Common) -> Result<serde_json::Value> {
     let (rounds, secs) = if c.quick { (1, 3.0) } else { (3, 8.0) };
     let topo = Topo::new().context("building the topology")?;
     let dir = tempfile::tempdir()?;
+    crate::signals::remove_dir_on_signal(dir.path());
     let want = |row: &str| c.only.is_empty() || c.only.iter().any(|o| o == row);
     let mut out = serde_json::Map::new();
     if want("udp") {

@@ -300,7 +300,6 @@ pub(crate) fn run(c: &Common) -> Result<Value> {
     let on = |name: &str| c.only.is_empty() || c.only.iter().any(|o| o == name);
     let plan = Plan::new(c.quick);
     let nofile = sys::raise_nofile()?;
-    sys::stop_servers_on_signal()?;
     println!(
         "Noisy machine: client, proxy and backends share the same cores, and other builds may be \
          running; only ratios within this run mean anything. Open-files limit: {nofile}."
@@ -313,7 +312,7 @@ pub(crate) fn run(c: &Common) -> Result<Value> {
     let dir = tempfile::Builder::new()
         .prefix("weir-bench-proxy")
         .tempdir()?;
-    sys::remove_on_signal(dir.path());
+    crate::signals::remove_dir_on_signal(dir.path());
     let bench = BenchServers::start()?;
     let backends = Backends::start(
         bench.idle_port,

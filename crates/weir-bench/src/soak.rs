@@ -107,7 +107,6 @@ pub(crate) fn run(a: &SoakArgs) -> Result<()> {
         );
     }
     let duration = Duration::from_secs_f64(a.minutes * 60.0);
-    sys::stop_servers_on_signal()?;
     sys::raise_nofile()?;
     let backends = Backends::start()?;
     let weir = Weir::start(&backends)?;

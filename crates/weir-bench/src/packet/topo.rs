@@ -1,5 +1,6 @@
 //! The benchmark's network: namespaces joined by veth through a bridge, built
-//! and removed by the bench (removed on drop, also on error).
+//! and removed by the bench (removed on drop, also on error, and on SIGINT or
+//! SIGTERM by [`crate::signals`]).
 //!
 //! ```text
 //!   client ns (trafgen)      switch ns (br0)            weir ns
@@ -77,7 +78,7 @@ impl Topo {
         let (sw, c, w) = (self.ns("sw"), self.ns("cl"), self.ns("lb"));
         let bs = [self.ns("b1"), self.ns("b2")];
         for ns in [&sw, &c, &w].into_iter().chain(&bs) {
-            ip(&format!("netns add {ns}"))?;
+            crate::signals::create_netns(ns, || ip(&format!("netns add {ns}")))?;
             ip(&format!("-n {ns} link set lo up"))?;
         }
         ip(&format!("-n {sw} link add br0 type bridge"))?;
@@ -196,9 +197,9 @@ impl Topo {
 impl Drop for Topo {
     fn drop(&mut self) {
         for n in ["cl", "lb", "b1", "b2", "sw"] {
-            let _ = Command::new("ip")
-                .args(["netns", "del", &self.ns(n)])
-                .output();
+            let ns = self.ns(n);
+            let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+            crate::signals::netns_deleted(&ns);
         }
     }
 }

@@ -17,7 +17,6 @@ use std::fs::File;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
@@ -88,63 +87,6 @@ pub(crate) fn lo(port: u16) -> SocketAddr {
     SocketAddr::from((Ipv4Addr::LOCALHOST, port))
 }
 
-/// Root pids and directories of the servers now running, for the signal
-/// watcher: on SIGINT/SIGTERM `Drop` does not run, so the watcher stops them.
-static RUNNING: Mutex<Vec<(u32, PathBuf)>> = Mutex::new(Vec::new());
-
-/// Starts a thread that, on SIGINT or SIGTERM, stops every running server's
-/// process tree, removes its directory and exits with status 130. Call once,
-/// before starting servers.
-pub(crate) fn stop_servers_on_signal() -> Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_io()
-        .build()
-        .context("signal runtime")?;
-    // Register the handlers now, so a signal that comes before the thread
-    // runs is not lost.
-    let (mut int, mut term) = rt.block_on(async {
-        use tokio::signal::unix::{SignalKind, signal};
-        Ok::<_, std::io::Error>((
-            signal(SignalKind::interrupt())?,
-            signal(SignalKind::terminate())?,
-        ))
-    })?;
-    std::thread::Builder::new()
-        .name("bench-signals".into())
-        .spawn(move || {
-            rt.block_on(async {
-                tokio::select! {
-                    _ = int.recv() => {}
-                    _ = term.recv() => {}
-                }
-            });
-            let running = std::mem::take(&mut *RUNNING.lock().unwrap_or_else(|e| e.into_inner()));
-            eprintln!(
-                "weir-bench: interrupted; stopping {} servers",
-                running.len()
-            );
-            for (pid, dir) in running {
-                // pid 0 marks a bare directory (and kill(0) would signal our group).
-                if pid != 0 {
-                    for p in tree(pid) {
-                        signal_pid(p, Signal::SIGKILL);
-                    }
-                }
-                let _ = std::fs::remove_dir_all(dir);
-            }
-            std::process::exit(130);
-        })?;
-    Ok(())
-}
-
-/// Also removes `dir` if the run is interrupted.
-pub(crate) fn remove_on_signal(dir: &Path) {
-    RUNNING
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push((0, dir.to_path_buf()));
-}
-
 fn signal_pid(pid: u32, sig: Signal) {
     if let Ok(p) = i32::try_from(pid)
         && p > 0
@@ -177,10 +119,7 @@ impl Server {
         let child = cmd
             .spawn()
             .with_context(|| format!("starting {name}: {cmd:?}"))?;
-        RUNNING
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((child.id(), dir.path().to_path_buf()));
+        crate::signals::remove_dir_on_signal(dir.path());
         Ok(Self {
             name: name.to_string(),
             child: Some(child),
@@ -228,10 +167,6 @@ impl Drop for Server {
         let Some(mut child) = self.child.take() else {
             return;
         };
-        RUNNING
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|(p, _)| *p != child.id());
         // Collected before the root can exit and be reaped, so no pid here
         // can have been reused for someone else's process yet; each kill
         // below re-checks the start time anyway.
@@ -255,6 +190,10 @@ impl Drop for Server {
         }
         let _ = child.kill();
         let _ = child.wait();
+        // The directory goes (or is kept) below, no longer the signal's.
+        if let Some(dir) = &self.dir {
+            crate::signals::forget_dir(dir.path());
+        }
         if std::env::var_os("WEIR_BENCH_KEEP").is_some()
             && let Some(dir) = self.dir.take()
         {
@@ -264,7 +203,7 @@ impl Drop for Server {
 }
 
 /// `pid` and all its descendants (from `/proc/PID/task/TID/children`).
-fn tree(pid: u32) -> Vec<u32> {
+pub(crate) fn tree(pid: u32) -> Vec<u32> {
     let mut out = vec![pid];
     let mut i = 0;
     while i < out.len() && out.len() < 4096 {
@@ -287,7 +226,7 @@ fn tree(pid: u32) -> Vec<u32> {
 
 /// Start time (clock ticks since boot, `/proc/PID/stat` field 22) of a live,
 /// non-zombie process; None once it is gone.
-fn start_time(pid: u32) -> Option<u64> {
+pub(crate) fn start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command, which may contain spaces, in parentheses.
     let rest = &stat[stat.rfind(')')? + 2..];

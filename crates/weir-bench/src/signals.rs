@@ -1,0 +1,216 @@
+//! Stopping a run with SIGINT (Ctrl-C) or SIGTERM: what the run made outside
+//! itself is removed as on a normal exit, and the bench exits with 128 + the
+//! signal's number (130 or 143), as a shell expects.
+//!
+//! On a normal exit, an error or a panic, the guards' `Drop`s (`Server`,
+//! `Topo`, the rows' setups) stop and remove what they hold. A signal's
+//! default action ends the process without running them, and the main
+//! thread may be blocked in a wait when it comes, so [`install`] handles both
+//! signals on a thread of its own, which removes:
+//! * every process the bench started: its live descendants, read from
+//!   `/proc` rather than registered, so that a child of any of the suites'
+//!   many `Command`s (weir, the peers, trafgen, wrk, iperf3, curl, `ip netns
+//!   exec ...`) is found; one that leads its own process group (trafgen, whose
+//!   senders are forked) is killed with its group;
+//! * the network namespaces made through [`create_netns`] (their veths go
+//!   with them);
+//! * the directories named to [`remove_dir_on_signal`].
+//!
+//! The registry stays locked from the signal to the exit, so the main thread
+//! can neither add a namespace behind the teardown's back nor, through
+//! [`wait_if_stopping`], go on to its next step or exit with its own status.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use nix::sys::signal::{Signal, kill, killpg};
+use nix::unistd::Pid;
+
+use crate::proxy::sys::{start_time, tree};
+
+/// What the run has made that a signal's teardown must remove.
+#[derive(Debug)]
+struct Registry {
+    namespaces: Vec<String>,
+    dirs: Vec<PathBuf>,
+}
+
+static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
+    namespaces: Vec::new(),
+    dirs: Vec::new(),
+});
+
+/// Set, with the registry held, once a signal's teardown has begun.
+static STOPPING: AtomicBool = AtomicBool::new(false);
+
+fn registry() -> MutexGuard<'static, Registry> {
+    REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Starts the thread that, on SIGINT or SIGTERM, removes what the run made
+/// (see the module doc) and exits with 130 or 143. Call once, first thing,
+/// so that no child is started before it.
+pub(crate) fn install() -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .context("signal runtime")?;
+    // Register the handlers now, so a signal that comes before the thread
+    // runs is not lost.
+    let (mut int, mut term) = rt.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok::<_, std::io::Error>((
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::terminate())?,
+        ))
+    })?;
+    std::thread::Builder::new()
+        .name("bench-signals".into())
+        .spawn(move || {
+            let sig = rt.block_on(async {
+                tokio::select! {
+                    _ = int.recv() => Signal::SIGINT,
+                    _ = term.recv() => Signal::SIGTERM,
+                }
+            });
+            teardown(sig)
+        })?;
+    Ok(())
+}
+
+/// Runs `add`, which creates network namespace `name`, and registers the
+/// namespace for deletion on a signal if it succeeds. The registry is held
+/// meanwhile, so a signal that comes during `add` finds the namespace.
+pub(crate) fn create_netns<T>(name: &str, add: impl FnOnce() -> Result<T>) -> Result<T> {
+    let mut reg = registry();
+    let out = add()?;
+    reg.namespaces.push(name.to_string());
+    Ok(out)
+}
+
+/// Namespace `name` is deleted: a signal leaves it alone (the name may be
+/// someone else's by then).
+pub(crate) fn netns_deleted(name: &str) {
+    registry().namespaces.retain(|n| n != name);
+}
+
+/// Removes `dir` too if the run is stopped by a signal.
+pub(crate) fn remove_dir_on_signal(dir: &Path) {
+    registry().dirs.push(dir.to_path_buf());
+}
+
+/// `dir` is removed (or kept on purpose): a signal leaves it alone.
+pub(crate) fn forget_dir(dir: &Path) {
+    registry().dirs.retain(|d| d != dir);
+}
+
+/// Blocks for good once a signal's teardown has begun (it holds the
+/// registry until it exits the process), so that the main thread, whose
+/// children the teardown killed, neither starts the next step nor exits
+/// with its own status first.
+pub(crate) fn wait_if_stopping() {
+    if STOPPING.load(Ordering::SeqCst) {
+        let _held = registry();
+    }
+}
+
+fn teardown(sig: Signal) -> ! {
+    let reg = registry();
+    STOPPING.store(true, Ordering::SeqCst);
+    eprintln!(
+        "weir-bench: {sig}; stopping every process the run started, removing {} namespaces",
+        reg.namespaces.len()
+    );
+    kill_descendants();
+    for ns in &reg.namespaces {
+        let _ = Command::new("ip").args(["netns", "del", ns]).output();
+    }
+    for dir in &reg.dirs {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    // The main thread may have started something while the namespaces went.
+    kill_descendants();
+    std::process::exit(128 + sig as i32)
+}
+
+/// SIGKILLs every live descendant of this process, with the process group
+/// of each that leads its own, until none is left, nor any live process in
+/// those groups. A killed child stays a zombie until the main thread reaps
+/// it, and a zombie is not live, so each round sees what the last one
+/// missed (children started meanwhile) and what is still on its way out:
+/// trafgen's forked sender, orphaned once its parent is reaped, can spend
+/// a while in the kernel closing its packet socket.
+fn kill_descendants() {
+    let me = std::process::id();
+    let mut groups: Vec<u32> = Vec::new();
+    // Bounded (about 5 s): the main thread could in principle start
+    // children forever, and a process stuck in the kernel is not ours to wait
+    // for without end.
+    for _ in 0..500 {
+        let mut live: Vec<u32> = tree(me)
+            .into_iter()
+            .filter(|&p| p != me && start_time(p).is_some())
+            .collect();
+        for &p in &live {
+            if pgid(p) == Some(p) && !groups.contains(&p) {
+                groups.push(p);
+            }
+        }
+        live.extend(live_in_groups(&groups));
+        if live.is_empty() {
+            return;
+        }
+        for p in live {
+            let Ok(raw) = i32::try_from(p) else {
+                continue;
+            };
+            let pid = Pid::from_raw(raw);
+            if groups.contains(&p) {
+                let _ = killpg(pid, Signal::SIGKILL);
+            }
+            let _ = kill(pid, Signal::SIGKILL);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The process group of `pid` (`/proc/PID/stat` field 5).
+fn pgid(pid: u32) -> Option<u32> {
+    stat_fields(pid)?.get(2)?.parse().ok()
+}
+
+/// Live (not zombie) processes, anywhere, in one of `groups`. A group's id
+/// is not reused while it has a member, so these are processes the run
+/// started, orphaned or not.
+fn live_in_groups(groups: &[u32]) -> Vec<u32> {
+    if groups.is_empty() {
+        return Vec::new();
+    }
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    procs
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&p| {
+            stat_fields(p).is_some_and(|f| {
+                !matches!(f.first().map(String::as_str), Some("Z" | "X"))
+                    && f.get(2)
+                        .and_then(|g| g.parse::<u32>().ok())
+                        .is_some_and(|g| groups.contains(&g))
+            })
+        })
+        .collect()
+}
+
+/// The fields of `/proc/PID/stat` after the command (state first).
+fn stat_fields(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command may contain spaces and parentheses: it ends at the last ')'.
+    let rest = stat.get(stat.rfind(')')? + 1..)?;
+    Some(rest.split_whitespace().map(str::to_string).collect())
+}
