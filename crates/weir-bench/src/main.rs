@@ -72,7 +72,8 @@ pub(crate) struct Common {
     /// tcp (b), synflood (real clients through a spoofed SYN flood),
     /// synflood-tenants (a flood against tenant a at the daemon's
     /// max_connections, real clients of tenant b; a weir built from 7996c88^
-    /// as WEIR_SYNFLOOD_TENANTS_BEFORE_BIN is raced too), scale (c, d,
+    /// as WEIR_SYNFLOOD_TENANTS_BEFORE_BIN is raced too, its rows named
+    /// WEIR_SYNFLOOD_TENANTS_BEFORE_LABEL or its path), scale (c, d,
     /// memory and the 10M-flow daemon checks). proxy:
     /// phases memory, slow, load.
     #[arg(long, value_delimiter = ',', value_name = "SECTIONS")]

@@ -63,10 +63,14 @@ const VIP_B: &str = VIP_BULK;
 /// Environment variable naming a weir binary built without the early drop,
 /// measured as one more implementation of `synflood` when set.
 pub(crate) const CONTRAST_ENV: &str = "WEIR_SYNFLOOD_CONTRAST_BIN";
+/// What [`CONTRAST_ENV`]'s rows are called (default: its path).
+pub(crate) const CONTRAST_LABEL_ENV: &str = "WEIR_SYNFLOOD_CONTRAST_LABEL";
 /// Environment variable naming a weir binary built from 7996c88^ (a place
 /// at the daemon's limit comes only from the SYN's own tenant), measured as
 /// one more implementation of `synflood-tenants` when set.
 pub(crate) const BEFORE_ENV: &str = "WEIR_SYNFLOOD_TENANTS_BEFORE_BIN";
+/// What [`BEFORE_ENV`]'s rows are called (default: its path).
+pub(crate) const BEFORE_LABEL_ENV: &str = "WEIR_SYNFLOOD_TENANTS_BEFORE_LABEL";
 
 /// Which of the two rows a run is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,8 +118,8 @@ impl Shape {
 /// One forwarder under the flood.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Peer {
-    /// weir nat, one worker; the binary's label.
-    Weir(std::path::PathBuf, &'static str),
+    /// weir nat, one worker; the binary, and what its rows add to the name.
+    Weir(std::path::PathBuf, String),
     /// nftables DNAT, new connections capped by `ct count` or not.
     Nft { capped: bool },
 }
@@ -131,22 +135,34 @@ impl Peer {
 
     /// The forwarders a row races: weir (and the contrast build when its
     /// variable is set), and for `synflood` nft capped and not (nft has no
-    /// tenants to tell apart).
-    fn all(shape: Shape, bin: &Path) -> Vec<Peer> {
-        let mut peers = vec![Peer::Weir(bin.to_path_buf(), "")];
-        match shape {
-            Shape::OneTenant => {
-                if let Some(p) = std::env::var_os(CONTRAST_ENV) {
-                    peers.push(Peer::Weir(p.into(), ", no early drop"));
-                }
-                peers.push(Peer::Nft { capped: true });
-                peers.push(Peer::Nft { capped: false });
-            }
-            Shape::TwoTenants => {
-                if let Some(p) = std::env::var_os(BEFORE_ENV) {
-                    peers.push(Peer::Weir(p.into(), ", before 7996c88"));
-                }
-            }
+    /// tenants to tell apart). `env` reads the environment
+    /// (`std::env::var_os`).
+    ///
+    /// A contrast build is named by its label variable or else its path,
+    /// never by what the variable is meant for: the bench cannot tell what
+    /// was built, and a row named "before 7996c88" once showed a 3b804d7.
+    fn all(
+        shape: Shape,
+        bin: &Path,
+        env: impl Fn(&str) -> Option<std::ffi::OsString>,
+    ) -> Vec<Peer> {
+        let mut peers = vec![Peer::Weir(bin.to_path_buf(), String::new())];
+        let (bin_env, label_env) = match shape {
+            Shape::OneTenant => (CONTRAST_ENV, CONTRAST_LABEL_ENV),
+            Shape::TwoTenants => (BEFORE_ENV, BEFORE_LABEL_ENV),
+        };
+        if let Some(p) = env(bin_env) {
+            let label = env(label_env)
+                .filter(|l| !l.is_empty())
+                .unwrap_or_else(|| p.clone());
+            peers.push(Peer::Weir(
+                p.into(),
+                format!(", {}", label.to_string_lossy()),
+            ));
+        }
+        if shape == Shape::OneTenant {
+            peers.push(Peer::Nft { capped: true });
+            peers.push(Peer::Nft { capped: false });
         }
         peers
     }
@@ -198,7 +214,7 @@ pub(crate) fn run(
             parallel: 20,
         }
     };
-    let peers = Peer::all(shape, bin);
+    let peers = Peer::all(shape, bin, |k| std::env::var_os(k));
     match shape {
         Shape::OneTenant => println!(
             "### Spoofed SYN flood: {} requests through curl ({} at a time, Connection: close, \
@@ -756,6 +772,56 @@ mod tests {
             trafgen_syn_conf(MAC_WEIR, MAC_CLIENT, VIP, 80)
                 .unwrap()
                 .contains("10, 99, 1, 100")
+        );
+    }
+
+    #[test]
+    fn an_extra_weir_is_named_by_its_label_or_path_not_a_commit() {
+        let bin = Path::new("/usr/local/bin/weir");
+        let names = |shape, vars: &[(&str, &str)]| -> Vec<String> {
+            let vars: Vec<(String, String)> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            Peer::all(shape, bin, |k| {
+                vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.into())
+            })
+            .iter()
+            .filter(|p| matches!(p, Peer::Weir(..)))
+            .map(Peer::name)
+            .collect()
+        };
+        assert_eq!(names(Shape::TwoTenants, &[]), ["weir nat"]);
+        // Any build can be given: the row says which, not what it should be.
+        assert_eq!(
+            names(Shape::TwoTenants, &[(BEFORE_ENV, "/tmp/bins/weir-3b804d7")]),
+            ["weir nat", "weir nat, /tmp/bins/weir-3b804d7"]
+        );
+        assert_eq!(
+            names(
+                Shape::TwoTenants,
+                &[(BEFORE_ENV, "/tmp/w"), (BEFORE_LABEL_ENV, "3b804d7")]
+            ),
+            ["weir nat", "weir nat, 3b804d7"]
+        );
+        assert_eq!(
+            names(Shape::OneTenant, &[(CONTRAST_ENV, "/tmp/bins/nodrop")]),
+            ["weir nat", "weir nat, /tmp/bins/nodrop"]
+        );
+        assert_eq!(
+            names(
+                Shape::OneTenant,
+                &[
+                    (CONTRAST_ENV, "/tmp/w"),
+                    (CONTRAST_LABEL_ENV, "no early drop")
+                ]
+            ),
+            ["weir nat", "weir nat, no early drop"]
+        );
+        // Each row reads only its own variable.
+        assert_eq!(
+            names(Shape::OneTenant, &[(BEFORE_ENV, "/tmp/w")]),
+            ["weir nat"]
         );
     }
 
