@@ -34,6 +34,10 @@ pub enum ErrorKind {
     /// The caller may not do it: the check it gave with the write (a
     /// tenant token's fence, [`Check`]) refused it (403).
     Forbidden,
+    /// The caller's token no longer names the tenant it was checked for
+    /// (changed, or the tenant deleted and maybe created again): the
+    /// check it gave with a kill or a listing refused it (401).
+    Unauthorized,
 }
 
 impl ControlError {
@@ -65,7 +69,9 @@ pub type ControlResult<T> = Result<T, ControlError>;
 /// the check reads of the tenants and services cannot change between the
 /// check and the change. Its error refuses the write and is returned as
 /// it is. It must not call the [`Control`] writes (they take the same
-/// lock); its reads it may.
+/// lock); its reads it may. (The kills and the connection listing run
+/// theirs without the lock, once they have found the tenant they act on:
+/// [`Control::connections_checked`].)
 pub type Check<'a> = &'a mut (dyn FnMut() -> ControlResult<()> + 'a);
 
 /// A write made only if the caller's [`Check`] passes, with the daemon's
@@ -571,6 +577,44 @@ pub trait Control: Send + Sync + 'static {
     fn kill(&self, cookie: u64, tenant: Option<&str>) -> ControlResult<()>;
     /// Kill every connection matching the filter; returns how many.
     fn kill_matching(&self, filter: &ConnFilter) -> ControlResult<u64>;
+    /// [`connections`](Self::connections) if `check` passes, run once the
+    /// daemon has found the tenant the filter names (the instance it then
+    /// lists), before it lists: a check that the caller's token still
+    /// names that tenant binds the listing to the tenant the token names
+    /// then, not to one deleted and created again under the same name
+    /// after the token was checked (such a listing sees the new one's
+    /// connections). No lock is held: the act reaches the tenant found
+    /// before the check, or, if it is gone by then, nothing. The default,
+    /// for a control with no tenants of its own to find, runs the check,
+    /// then the listing.
+    fn connections_checked(
+        &self,
+        filter: &ConnFilter,
+        cursor: Option<&str>,
+        limit: usize,
+        check: Check<'_>,
+    ) -> ControlResult<ConnPage> {
+        check()?;
+        self.connections(filter, cursor, limit)
+    }
+    /// [`kill`](Self::kill) if `check` passes, run once `tenant` is found,
+    /// as [`connections_checked`](Self::connections_checked) runs it.
+    fn kill_checked(
+        &self,
+        cookie: u64,
+        tenant: Option<&str>,
+        check: Check<'_>,
+    ) -> ControlResult<()> {
+        check()?;
+        self.kill(cookie, tenant)
+    }
+    /// [`kill_matching`](Self::kill_matching) if `check` passes, run once
+    /// the filter's tenant is found, as
+    /// [`connections_checked`](Self::connections_checked) runs it.
+    fn kill_matching_checked(&self, filter: &ConnFilter, check: Check<'_>) -> ControlResult<u64> {
+        check()?;
+        self.kill_matching(filter)
+    }
 
     /// Daemon-wide counters, rates, limits.
     fn global_stats(&self) -> GlobalStats;

@@ -64,6 +64,7 @@ impl From<ControlError> for ApiError {
             ErrorKind::Invalid => (StatusCode::BAD_REQUEST, "invalid"),
             ErrorKind::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ErrorKind::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
+            ErrorKind::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
         };
         Self::new(status, kind, e.message)
     }

@@ -6,7 +6,7 @@ use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{FromRequest, Path, Query, Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, extract::FromRequestParts};
 use serde::de::DeserializeOwned;
@@ -64,14 +64,13 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
             };
             ApiError::new(e.status(), kind, e.body_text())
         })?;
-        if let Some((tenant, token)) = tenant_token {
-            let now = token.and_then(|t| st.tokens.identify(&t, st.control.as_ref()));
-            if now.as_ref().and_then(Access::tenant) != Some(tenant.as_str()) {
-                return Err(ApiError::unauthorized(format!(
-                    "the token of tenant {tenant:?} was changed or the tenant deleted while this \
-                     request's body was arriving: nothing was done; use the tenant's current token"
-                )));
-            }
+        if let Some((tenant, token)) = tenant_token
+            && !still_names(st, token.as_deref(), &tenant)
+        {
+            return Err(ApiError::unauthorized(format!(
+                "the token of tenant {tenant:?} was changed or the tenant deleted while this \
+                 request's body was arriving: nothing was done; use the tenant's current token"
+            )));
         }
         let bad =
             |e: &dyn std::fmt::Display| ApiError::bad_request(format!("invalid JSON body: {e}"));
@@ -79,6 +78,42 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
         let body = serde_path_to_error::deserialize(&mut de).map_err(|e| bad(&e))?;
         de.end().map_err(|e| bad(&e))?;
         Ok(JsonBody(body))
+    }
+}
+
+/// Whether `token` (a request's, as presented) names `tenant` now.
+fn still_names(st: &AppState, token: Option<&str>, tenant: &str) -> bool {
+    let now = token.and_then(|t| st.tokens.identify(t, st.control.as_ref()));
+    now.as_ref().and_then(Access::tenant) == Some(tenant)
+}
+
+/// The [`Check`](crate::control::Check) of a kill or a connection listing
+/// made with `access`, its token presented in `headers`: a tenant token
+/// must still name its tenant. The daemon runs it once it has found the
+/// tenant it acts on by name (`Control::connections_checked`), so the act
+/// reaches the tenant the token names then. The request's token was
+/// checked when its head arrived; a kill or a listing then waits for a
+/// permit to walk the table and a blocking thread, and a tenant deleted
+/// and created again for someone else meanwhile was the one whose
+/// connections it killed or listed, with the old tenant's token. (The
+/// full-access and read-only tokens do not change while the daemon runs.)
+fn token_check(
+    st: &AppState,
+    access: &Access,
+    headers: &HeaderMap,
+) -> impl FnMut() -> ControlResult<()> + Send + 'static {
+    let st = st.clone();
+    let tenant = access.tenant().map(str::to_owned);
+    let token = super::presented_token(headers).map(str::to_owned);
+    move || match &tenant {
+        Some(t) if !still_names(&st, token.as_deref(), t) => Err(ControlError::new(
+            ErrorKind::Unauthorized,
+            format!(
+                "the token of tenant {t:?} was changed or the tenant deleted since this \
+                 request's token was checked: nothing was done; use the tenant's current token"
+            ),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -735,6 +770,7 @@ pub(crate) struct ConnQuery {
 pub(crate) async fn list_connections(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
+    headers: HeaderMap,
     q: Result<Query<ConnQuery>, QueryRejection>,
 ) -> ApiResult<Json<ConnPage>> {
     let Query(q) = q.map_err(|e| ApiError::bad_request(e.body_text()))?;
@@ -760,12 +796,15 @@ pub(crate) async fn list_connections(
     )
     .await?;
     let cursor = q.cursor.filter(|c| !c.is_empty());
+    #[cfg(test)]
+    st.act_gate.pass();
     // A page walks the table until `limit` entries match: with a filter few
     // entries match, all of it (1M entries: 160 ms).
     let control = st.control.clone();
+    let mut check = token_check(&st, &access, &headers);
     let page = st
         .off_runtime("the connection listing", move || {
-            control.connections(&filter, cursor.as_deref(), limit)
+            control.connections_checked(&filter, cursor.as_deref(), limit, &mut check)
         })
         .await
         .map_err(internal)??;
@@ -841,6 +880,7 @@ async fn resolve_filter(
 pub(crate) async fn kill_matching(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
+    headers: HeaderMap,
     JsonBody(req): JsonBody<serde_json::Value>,
 ) -> ApiResult<Response> {
     // Parsed by hand: serde's flatten does not combine with
@@ -868,10 +908,15 @@ pub(crate) async fn kill_matching(
         ));
     }
     let filter = resolve_filter(&st, &access, filter).await?;
+    #[cfg(test)]
+    st.act_gate.pass();
     // A walk of the whole table (1M entries: 60-120 ms).
     let control = st.control.clone();
+    let mut check = token_check(&st, &access, &headers);
     let n = st
-        .off_runtime("the kill", move || control.kill_matching(&filter))
+        .off_runtime("the kill", move || {
+            control.kill_matching_checked(&filter, &mut check)
+        })
         .await
         .map_err(internal)??;
     Ok(ok_json(serde_json::json!({ "killed": n })))
@@ -880,6 +925,7 @@ pub(crate) async fn kill_matching(
 pub(crate) async fn kill_one(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
+    headers: HeaderMap,
     PathParams(cookie): PathParams<String>,
 ) -> ApiResult<Response> {
     let cookie: u64 = cookie.parse().map_err(|_| {
@@ -889,7 +935,8 @@ pub(crate) async fn kill_one(
     })?;
     // A tenant may only kill its own connections: the daemon checks the
     // entry's tenant (the cookie names the entry: one read, no listing).
-    if let Err(e) = st.control.kill(cookie, access.tenant()) {
+    let mut check = token_check(&st, &access, &headers);
+    if let Err(e) = st.control.kill_checked(cookie, access.tenant(), &mut check) {
         return Err(match access.tenant() {
             Some(own) if e.kind == crate::control::ErrorKind::NotFound => ApiError::not_found(
                 format!("no connection with cookie {cookie} in tenant {own:?}"),
@@ -1250,7 +1297,10 @@ mod tests {
     use axum::extract::State;
     use axum::http::StatusCode;
 
-    use super::{AppState, JsonBody, PathParams, add_backend, add_tenant, edit_tenant};
+    use super::{
+        AppState, ConnQuery, JsonBody, PathParams, add_backend, add_tenant, edit_tenant,
+        kill_matching, kill_one, list_connections,
+    };
     use crate::admin::auth::Access;
     use crate::config::{BackendSpec, Config, TenantSpec};
     use crate::daemon::Daemon;
@@ -1487,6 +1537,170 @@ mod tests {
         assert_eq!(
             answers,
             (Ok(StatusCode::CREATED), Err(StatusCode::CONFLICT))
+        );
+        d.shutdown();
+    }
+    /// A daemon with tenant acme, token "acme-old", and the handlers'
+    /// state over it.
+    fn acme_old() -> (crate::daemon::DaemonHandle, AppState) {
+        let toml = "[daemon]\nworkers = 1\n[[tenant]]\nname = \"acme\"\ntoken = \"acme-old\"\n";
+        let cfg: Config = toml::from_str(toml).unwrap();
+        let d = Daemon::start(cfg, None).unwrap();
+        let st = AppState::for_tests(d.control());
+        (d, st)
+    }
+
+    /// The headers of a request made with acme's old token.
+    fn old_token() -> axum::http::HeaderMap {
+        let mut h = axum::http::HeaderMap::new();
+        h.insert(
+            axum::http::header::AUTHORIZATION,
+            "Bearer acme-old".parse().unwrap(),
+        );
+        h
+    }
+
+    /// What the operator does while a request made with acme's old token
+    /// is between its checks and its act: deletes acme and creates it
+    /// again for someone else (token "acme-new"), with a service on an
+    /// echo backend. Returns a client of that service, echoed once (so its
+    /// connection is in the table), and the cookie of its connection.
+    fn acme_again(d: &crate::daemon::DaemonHandle) -> (std::net::TcpStream, u64) {
+        use std::io::{Read, Write};
+        let c = d.control();
+        c.delete_tenant("acme").unwrap();
+        let spec = serde_json::json!({ "name": "acme", "token": "acme-new" });
+        c.add_tenant(serde_json::from_value(spec).unwrap()).unwrap();
+        let echo = crate::daemon::tests::echo_backend();
+        let svc = serde_json::json!({
+            "tenant": "acme", "name": "s", "protocol": "tcp", "listen": "127.0.0.1:0",
+            "backend": [{ "address": echo.to_string() }],
+        });
+        c.add_service(crate::config::service_from_json(svc).unwrap())
+            .unwrap();
+        let listen: std::net::SocketAddr = c.services_of("acme")[0].listen.parse().unwrap();
+        let mut client = std::net::TcpStream::connect(listen).unwrap();
+        client
+            .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        client.write_all(b"hi").unwrap();
+        let mut back = [0u8; 2];
+        client.read_exact(&mut back).unwrap();
+        let filter = crate::control::ConnFilter {
+            tenant: Some("acme".into()),
+            ..Default::default()
+        };
+        let page = c.connections(&filter, None, 10).unwrap();
+        assert_eq!(page.connections.len(), 1, "{page:?}");
+        (client, page.connections[0].cookie)
+    }
+
+    /// Whether `client`'s connection still carries bytes both ways.
+    fn still_echoes(client: &mut std::net::TcpStream) -> bool {
+        use std::io::{Read, Write};
+        let mut back = [0u8; 5];
+        client.write_all(b"again").is_ok() && client.read_exact(&mut back).is_ok()
+    }
+
+    /// A kill by filter made with a tenant token waits between its token's
+    /// checks and the kill (for a permit to walk the table, then its
+    /// blocking thread) while the operator deletes the tenant and creates
+    /// it again for someone else: the kill named the tenant by name and
+    /// closed the new tenant's connections with the old token. Now the
+    /// kill is refused and they stay.
+    #[test]
+    fn a_kill_by_filter_begun_with_a_tenant_token_spares_the_tenant_created_again() {
+        let (d, st) = acme_old();
+        let gate = st.act_gate.hold.write();
+        let kill = {
+            let st = st.clone();
+            std::thread::spawn(move || {
+                let filter = serde_json::json!({ "tenant": "acme" });
+                run(kill_matching(
+                    State(st),
+                    Extension(Access::Tenant("acme".into())),
+                    old_token(),
+                    JsonBody(filter),
+                ))
+                .map(|r| r.status())
+                .map_err(|e| e.status)
+            })
+        };
+        wait_until("the kill never passed its checks", || {
+            st.act_gate.passed.load(Relaxed) > 0
+        });
+        let (mut client, _) = acme_again(&d);
+        drop(gate);
+        let answer = kill.join().unwrap();
+        assert!(
+            still_echoes(&mut client),
+            "acme's old token killed the connection of acme created again (answer {answer:?})"
+        );
+        assert_eq!(answer, Err(StatusCode::UNAUTHORIZED));
+        d.shutdown();
+    }
+
+    /// As a kill by filter: a kill by cookie whose token was checked
+    /// before the tenant was deleted and created again closed the new
+    /// tenant's connection.
+    #[test]
+    fn a_kill_by_cookie_begun_with_a_tenant_token_spares_the_tenant_created_again() {
+        let (d, st) = acme_old();
+        let (mut client, cookie) = acme_again(&d);
+        // The token was checked (`Access`) before acme was created again.
+        let answer = run(kill_one(
+            State(st),
+            Extension(Access::Tenant("acme".into())),
+            old_token(),
+            PathParams(cookie.to_string()),
+        ))
+        .map(|r| r.status())
+        .map_err(|e| e.status);
+        assert!(
+            still_echoes(&mut client),
+            "acme's old token killed the connection of acme created again (answer {answer:?})"
+        );
+        assert_eq!(answer, Err(StatusCode::UNAUTHORIZED));
+        d.shutdown();
+    }
+
+    /// As a kill by filter: a connection listing made with a tenant token
+    /// and kept between its checks and its walk listed the connections of
+    /// the tenant created again for someone else.
+    #[test]
+    fn a_listing_begun_with_a_tenant_token_does_not_show_the_tenant_created_again() {
+        let (d, st) = acme_old();
+        let gate = st.act_gate.hold.write();
+        let list = {
+            let st = st.clone();
+            std::thread::spawn(move || {
+                let q = ConnQuery {
+                    tenant: None,
+                    service: None,
+                    backend: None,
+                    state: None,
+                    cursor: None,
+                    limit: None,
+                };
+                run(list_connections(
+                    State(st),
+                    Extension(Access::Tenant("acme".into())),
+                    old_token(),
+                    Ok(axum::extract::Query(q)),
+                ))
+                .map(|page| page.0.connections.len())
+                .map_err(|e| e.status)
+            })
+        };
+        wait_until("the listing never passed its checks", || {
+            st.act_gate.passed.load(Relaxed) > 0
+        });
+        let _client = acme_again(&d);
+        drop(gate);
+        assert_eq!(
+            list.join().unwrap(),
+            Err(StatusCode::UNAUTHORIZED),
+            "acme's old token listed the connections of acme created again"
         );
         d.shutdown();
     }

@@ -13,7 +13,10 @@
 //! * The read-only token may only GET; anything else is 403.
 //! * A token is checked when the request's head arrives; a tenant token
 //!   again once a body is in (a request whose tenant token was changed,
-//!   or whose tenant was deleted, meanwhile: 401, nothing done).
+//!   or whose tenant was deleted, meanwhile: 401, nothing done), and a
+//!   kill's or a connection listing's once the daemon has found the tenant
+//!   it acts on (so a tenant deleted and created again since the token was
+//!   checked is out of its reach: 401).
 //! * A tenant-scoped token sees only its tenant (lists are filtered) and may
 //!   change only its tenant's services, backends and connections; naming
 //!   another tenant, or a daemon-wide resource (tenant create/edit/delete,
@@ -229,11 +232,16 @@ pub(crate) struct AppState {
     /// and its change.
     #[cfg(test)]
     pub(crate) token_gate: Arc<Gate>,
+    /// Where a test keeps a kill or a connection listing between the
+    /// checks of its token and its act.
+    #[cfg(test)]
+    pub(crate) act_gate: Arc<Gate>,
 }
 
 /// A point between a write's check (a tenant token's fence, a tenant
 /// edit's merge of its current settings, or a tenant creation's token
-/// check) and its change, where a test holding `hold` keeps the write:
+/// check) and its change, or a kill's or a listing's token check and its
+/// act, where a test holding `hold` keeps the write:
 /// `passed` counts the writes that reached it.
 #[cfg(test)]
 #[derive(Default)]
@@ -289,6 +297,7 @@ impl AppState {
             fence_gate: Default::default(),
             merge_gate: Default::default(),
             token_gate: Default::default(),
+            act_gate: Default::default(),
         }
     }
 
@@ -460,6 +469,8 @@ fn router_at(
         merge_gate: Default::default(),
         #[cfg(test)]
         token_gate: Default::default(),
+        #[cfg(test)]
+        act_gate: Default::default(),
     };
     build()
         .router

@@ -1253,6 +1253,16 @@ impl Control for LiveControl {
         cursor: Option<&str>,
         limit: usize,
     ) -> ControlResult<ConnPage> {
+        self.connections_checked(filter, cursor, limit, &mut || Ok(()))
+    }
+
+    fn connections_checked(
+        &self,
+        filter: &ConnFilter,
+        cursor: Option<&str>,
+        limit: usize,
+        check: Check<'_>,
+    ) -> ControlResult<ConnPage> {
         let invalid = |m: String| ControlError::new(ErrorKind::Invalid, m);
         let cursor = match cursor {
             None => None,
@@ -1261,7 +1271,12 @@ impl Control for LiveControl {
                     .map_err(|_| invalid(format!("bad cursor {c:?}; pass back `next` as given")))?,
             ),
         };
+        // The check after the tenant is found by name (its id in `df`):
+        // a tenant created again under that name since has another id, so
+        // the listing reaches the one the check saw or, if it was deleted
+        // meanwhile, nothing.
         let (df, m) = self.conn_filter(filter)?;
+        check()?;
         let limit = limit.clamp(1, 100_000);
         let now = self.0.now_ms();
         let mut snaps = Vec::with_capacity(limit.min(4096));
@@ -1303,6 +1318,15 @@ impl Control for LiveControl {
     }
 
     fn kill(&self, cookie: u64, tenant: Option<&str>) -> ControlResult<()> {
+        self.kill_checked(cookie, tenant, &mut || Ok(()))
+    }
+
+    fn kill_checked(
+        &self,
+        cookie: u64,
+        tenant: Option<&str>,
+        check: Check<'_>,
+    ) -> ControlResult<()> {
         let only = match tenant {
             Some(t) => match self.0.model.load().tenants.get(t) {
                 Some(t) => Some(weir_flowtable::TenantId(t.id)),
@@ -1310,6 +1334,8 @@ impl Control for LiveControl {
             },
             None => None,
         };
+        // After the tenant's id is read, as a listing's check.
+        check()?;
         if self
             .0
             .kill_cookie(weir_flowtable::Cookie(cookie), only, Close::Killed)
@@ -1321,7 +1347,13 @@ impl Control for LiveControl {
     }
 
     fn kill_matching(&self, filter: &ConnFilter) -> ControlResult<u64> {
+        self.kill_matching_checked(filter, &mut || Ok(()))
+    }
+
+    fn kill_matching_checked(&self, filter: &ConnFilter, check: Check<'_>) -> ControlResult<u64> {
+        // After the tenant's id is read, as a listing's check.
         let (df, m) = self.conn_filter(filter)?;
+        check()?;
         Ok(self
             .0
             .kill_where(Close::Killed, &df, |s| m.check(s).is_some()))
