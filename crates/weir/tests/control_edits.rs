@@ -370,6 +370,62 @@ fn a_backend_added_in_its_v4_mapped_form_exists() {
     assert_eq!(svc["backend"].as_array().map(Vec::len), Some(1), "{svc}");
 }
 
+/// A backend is one address however an IPv4-mapped one is written, for
+/// its edit and its delete as for its add: added as `[::ffff:A.B.C.D]:P`,
+/// it is edited as `A.B.C.D:P`, and the other way round. Before, the
+/// other spelling was 409 "exists" for an add and 404 "does not exist"
+/// for an edit or a delete (`weir backend del` of the address the
+/// add had just refused as existing).
+#[test]
+fn a_backend_is_edited_and_deleted_under_either_spelling_of_its_address() {
+    let echo = Echo::start();
+    let other = Echo::start();
+    let (r, _dir, _path) = from_file(&format!(
+        "{}{}",
+        tenant_toml("acme", ""),
+        service_toml("acme", "web", &[echo.addr])
+    ));
+    let mapped = |a: SocketAddr| format!("[::ffff:{}]:{}", a.ip(), a.port());
+    let at = |a: &str| {
+        format!(
+            "/v1/services/acme/web/backends/{}",
+            weir::cli::client::seg(a)
+        )
+    };
+    r.ok(
+        "POST",
+        "/v1/services/acme/web/backends",
+        Some(json!({ "address": mapped(other.addr) })),
+    );
+    r.ok("PUT", &at(&mapped(echo.addr)), Some(json!({ "weight": 3 })));
+    r.ok(
+        "PUT",
+        &at(&other.addr.to_string()),
+        Some(json!({ "weight": 4 })),
+    );
+    let svc = r.ok("GET", "/v1/services/acme/web", None);
+    let weights: Vec<(String, u64)> = svc["backend"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            (
+                b["address"].as_str().unwrap().to_owned(),
+                b["weight"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        weights,
+        [(echo.addr.to_string(), 3), (mapped(other.addr), 4)],
+        "{svc}"
+    );
+    r.ok("DELETE", &at(&other.addr.to_string()), None);
+    r.ok("DELETE", &at(&mapped(echo.addr)), None);
+    let svc = r.ok("GET", "/v1/services/acme/web", None);
+    assert_eq!(svc["backend"].as_array().map(Vec::len), Some(0), "{svc}");
+}
+
 /// Defect 9: a reload does not silently remove what was added through the
 /// API: it is refused listing them, unless forced.
 #[test]

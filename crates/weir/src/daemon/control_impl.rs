@@ -493,7 +493,6 @@ impl LiveControl {
         let svc = self.service(tenant, service)?;
         let mut specs = svc.spec.read().backends.clone();
         // `[::ffff:10.0.0.1]:80` is `10.0.0.1:80` (as a file's check says).
-        let canonical = |a: std::net::SocketAddr| (a.ip().to_canonical(), a.port());
         if specs
             .iter()
             .any(|b| canonical(b.address) == canonical(spec.address))
@@ -924,6 +923,16 @@ fn canonical(a: std::net::SocketAddr) -> std::net::SocketAddr {
     std::net::SocketAddr::new(a.ip().to_canonical(), a.port())
 }
 
+/// Whether a backend's address is the one `address` names: compared as
+/// one address ([`canonical`]), so that an edit or a delete finds a
+/// backend under either spelling of an IPv4-mapped address, as an add
+/// under the other spelling is refused as existing. What is not IP:PORT
+/// names no backend.
+fn named_by(address: &str) -> impl Fn(std::net::SocketAddr) -> bool {
+    let want = address.parse().ok().map(canonical);
+    move |a| Some(canonical(a)) == want
+}
+
 /// A tenant's status (its token left out), with its own counters.
 fn tenant_status(t: &super::Tenant) -> TenantStatus {
     let mut spec = t.spec.read().clone();
@@ -1202,7 +1211,8 @@ impl Control for LiveControl {
         let _one = self.0.model.lock_edits();
         let svc = self.service(tenant, service)?;
         let mut specs = svc.spec.read().backends.clone();
-        let Some(b) = specs.iter_mut().find(|b| b.address.to_string() == address) else {
+        let named = named_by(address);
+        let Some(b) = specs.iter_mut().find(|b| named(b.address)) else {
             return Err(not_found(format!("backend {address} does not exist")));
         };
         if let Some(w) = patch.weight {
@@ -1235,14 +1245,15 @@ impl Control for LiveControl {
         let _one = self.0.model.lock_edits();
         let svc = self.service(tenant, service)?;
         let mut specs = svc.spec.read().backends.clone();
-        let before = specs.len();
-        specs.retain(|b| b.address.to_string() != address);
-        if specs.len() == before {
+        let named = named_by(address);
+        let Some(stored) = specs.iter().map(|b| b.address).find(|a| named(*a)) else {
             return Err(not_found(format!("backend {address} does not exist")));
-        }
+        };
+        specs.retain(|b| b.address != stored);
         self.set_backends(&svc, &specs)?;
         self.0.start_health(&svc);
-        let id = format!("backend {tenant}/{service}/{address}");
+        // As the add named it: the address as it was given then.
+        let id = format!("backend {tenant}/{service}/{stored}");
         self.0.model.runtime_added.lock().remove(&id);
         Ok(())
     }
