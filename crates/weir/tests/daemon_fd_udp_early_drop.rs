@@ -7,15 +7,68 @@
 mod daemon_util;
 
 use std::io::{Read, Write};
-use std::net::UdpSocket;
+use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
 use daemon_util::*;
 use weir::config::Protocol;
+use weir::control::{Control, GlobalStats};
 use weir::daemon::Daemon;
 
 /// The process's fd limit, lowered by one test at a time.
 static FDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// How many forged sources flood: 40 small datagrams fit the listening
+/// socket's receive queue, so none is lost before weir reads it.
+const FLOOD: usize = 40;
+
+/// The flood's sources, one socket each (made while there are fds).
+fn flood_sources() -> Vec<UdpSocket> {
+    (0..FLOOD)
+        .map(|_| UdpSocket::bind("127.0.0.1:0").unwrap())
+        .collect()
+}
+
+/// Floods `vip` with a datagram from each of `flood`'s sources with room
+/// for a few sessions only (the flood takes them all), waits for it to
+/// settle and checks that it exhausted the descriptors, then takes again
+/// whatever descriptors the flood's last early drops freed, so that the
+/// next client meets the exhaustion. Returns the descriptors taken and
+/// the refill (drop the refill, then `release`), and the daemon's figures
+/// once the flood settled.
+fn flood_to_exhaustion(
+    c: &dyn Control,
+    vip: SocketAddr,
+    flood: &[UdpSocket],
+) -> (FdsTaken, Vec<std::fs::File>, GlobalStats) {
+    let fds = FdsTaken::all_but(8);
+    for f in flood {
+        f.send_to(b"x", vip).unwrap();
+    }
+    // Every datagram of the flood read, and the sessions it ended closed
+    // (their tasks give their slots back once their sockets are gone).
+    let settled = || {
+        let g = c.global_stats();
+        let read = g.stats.conns + g.refused.get("fd_exhausted").copied().unwrap_or(0);
+        read == flood.len() as u64 && g.active_conns == g.stats.conns - g.udp_early_drops
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), settled),
+        "{:?}",
+        c.global_stats()
+    );
+    let g = c.global_stats();
+    assert!(
+        g.refused.get("fd_exhausted").copied().unwrap_or(0) > 0,
+        "the flood did not exhaust the descriptors: {g:?}"
+    );
+    let mut refill = Vec::new();
+    while let Ok(f) = std::fs::File::open("/dev/null") {
+        refill.push(f);
+        assert!(refill.len() < flood.len(), "bounded");
+    }
+    (fds, refill, g)
+}
 
 /// Spoofed datagram flood defence at fd exhaustion: with no
 /// `max_connections`, a flood of single datagrams from forged sources
@@ -34,49 +87,17 @@ fn a_udp_client_at_fd_exhaustion_gets_a_session_on_retry() {
     let c = d.control();
     let vip = d.service_addr("default", "u").unwrap();
     // The flood's sources and the real client, made while there are fds.
-    const FLOOD: usize = 40;
-    let flood: Vec<UdpSocket> = (0..FLOOD)
-        .map(|_| UdpSocket::bind("127.0.0.1:0").unwrap())
-        .collect();
+    let flood = flood_sources();
     let real = UdpSocket::bind("127.0.0.1:0").unwrap();
     real.set_read_timeout(Some(Duration::from_millis(300)))
         .unwrap();
 
-    // Room for a few sessions only: the flood takes them all.
-    let fds = FdsTaken::all_but(8);
-    for f in &flood {
-        f.send_to(b"x", vip).unwrap();
-    }
-    // Every datagram of the flood read (40 small ones fit the listening
-    // socket's receive queue: none is lost before weir reads it), and the
-    // sessions it ended closed (their tasks give their slots back once
-    // their sockets are gone).
-    let settled = || {
-        let g = c.global_stats();
-        let read = g.stats.conns + g.refused.get("fd_exhausted").copied().unwrap_or(0);
-        read == FLOOD as u64 && g.active_conns == g.stats.conns - g.udp_early_drops
-    };
-    assert!(
-        wait_until(Duration::from_secs(10), settled),
-        "{:?}",
-        c.global_stats()
-    );
-    let g = c.global_stats();
-    assert!(
-        g.refused.get("fd_exhausted").copied().unwrap_or(0) > 0,
-        "the flood did not exhaust the descriptors: {g:?}"
-    );
+    // The real client meets the exhaustion.
+    let (fds, refill, g) = flood_to_exhaustion(c.as_ref(), vip, &flood);
     // The flood's datagrams refused in one burst did not each end a
     // session for the one descriptor the next needed: the receive loop
     // let each ended session close before reading on.
     assert!(g.active_conns > 0, "the flood ended every session: {g:?}");
-    // Whatever descriptors the flood's last early drops freed, taken
-    // again: the real client meets the exhaustion.
-    let mut refill = Vec::new();
-    while let Ok(f) = std::fs::File::open("/dev/null") {
-        refill.push(f);
-        assert!(refill.len() < FLOOD, "bounded");
-    }
     let drops_before = g.udp_early_drops;
     let mut buf = [0u8; 16];
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -130,10 +151,7 @@ fn a_tcp_client_is_served_while_a_udp_flood_holds_every_descriptor() {
     let c = d.control();
     let uvip = d.service_addr("default", "u").unwrap();
     let tvip = d.service_addr("default", "t").unwrap();
-    const FLOOD: usize = 40;
-    let flood: Vec<UdpSocket> = (0..FLOOD)
-        .map(|_| UdpSocket::bind("127.0.0.1:0").unwrap())
-        .collect();
+    let flood = flood_sources();
     // The TCP client's socket first: its connect then needs no descriptor.
     let mut client =
         socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
@@ -141,32 +159,8 @@ fn a_tcp_client_is_served_while_a_udp_flood_holds_every_descriptor() {
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
 
-    let fds = FdsTaken::all_but(8);
-    for f in &flood {
-        f.send_to(b"x", uvip).unwrap();
-    }
-    let settled = || {
-        let g = c.global_stats();
-        let read = g.stats.conns + g.refused.get("fd_exhausted").copied().unwrap_or(0);
-        read == FLOOD as u64 && g.active_conns == g.stats.conns - g.udp_early_drops
-    };
-    assert!(
-        wait_until(Duration::from_secs(10), settled),
-        "{:?}",
-        c.global_stats()
-    );
-    let g = c.global_stats();
-    assert!(
-        g.refused.get("fd_exhausted").copied().unwrap_or(0) > 0,
-        "the flood did not exhaust the descriptors: {g:?}"
-    );
-    // Whatever descriptors the flood's last early drops freed, taken
-    // again: the TCP client meets the exhaustion.
-    let mut refill = Vec::new();
-    while let Ok(f) = std::fs::File::open("/dev/null") {
-        refill.push(f);
-        assert!(refill.len() < FLOOD, "bounded");
-    }
+    // The TCP client meets the exhaustion.
+    let (fds, refill, g) = flood_to_exhaustion(c.as_ref(), uvip, &flood);
     let drops_before = g.udp_early_drops;
     client.connect(&tvip.into()).unwrap();
     // Accepted and connected to its backend (the backend's kernel
