@@ -2863,6 +2863,58 @@ mod tests {
         (d, vips)
     }
 
+    /// Client `i` of tenant b in the tests at the daemon's limit.
+    fn b_client(i: u16) -> SocketAddr {
+        SocketAddr::new("192.0.2.9".parse().unwrap(), i)
+    }
+
+    /// Source `i` of the flood against tenant a in those tests.
+    fn flood_source(i: u16) -> SocketAddr {
+        SocketAddr::new("198.51.100.1".parse().unwrap(), i)
+    }
+
+    /// A TCP segment with `flags` from `client` to `vip`, through `e` at
+    /// `now`.
+    fn segment(
+        e: &mut Engine,
+        now: Millis,
+        client: SocketAddr,
+        vip: SocketAddr,
+        flags: u8,
+    ) -> Verdict {
+        let mut f = frame(client, vip, Some(flags), b"");
+        e.process_at(&mut f, now)
+    }
+
+    /// [`two_tenants_dr`] at the daemon's limit `max` and an engine over
+    /// it, where tenant b holds places: its clients 1 and 2 through their
+    /// handshakes, then `b_half_open` more (3, 4, ...) mid-handshake; then
+    /// the flood's first SYN against tenant a, and the table's wheel run,
+    /// all at the time returned.
+    fn b_held_then_a_flooded(
+        max: u64,
+        b_half_open: u16,
+    ) -> (super::super::DaemonHandle, Engine, Millis, [SocketAddr; 2]) {
+        let (d, [vip_a, vip_b]) = two_tenants_dr(max);
+        let mut e = engine(&d);
+        let now = Millis(d.shared.now_ms());
+        for i in 1..=2 {
+            let b = b_client(i);
+            assert_eq!(segment(&mut e, now, b, vip_b, SYN), Verdict::Transmit);
+            assert_eq!(segment(&mut e, now, b, vip_b, ACK), Verdict::Transmit);
+        }
+        for i in 3..3 + b_half_open {
+            assert_eq!(
+                segment(&mut e, now, b_client(i), vip_b, SYN),
+                Verdict::Transmit
+            );
+        }
+        let first = segment(&mut e, now, flood_source(1), vip_a, SYN);
+        assert_eq!(first, Verdict::Transmit);
+        d.shared.conns.table.expire(now, 4096, &mut Vec::new());
+        (d, e, now, [vip_a, vip_b])
+    }
+
     /// The key of a TCP flow to `vip` in the tenant whose service it is.
     fn key_at(e: &Engine, client: SocketAddr, vip: SocketAddr) -> FlowKey {
         FlowKey {
@@ -2922,28 +2974,17 @@ mod tests {
     /// a's own flows, and b's handshake survives it.
     #[test]
     fn a_flood_at_the_daemons_limit_never_ends_a_bystanders_handshake() {
-        let (d, [vip_a, vip_b]) = two_tenants_dr(4);
-        let mut e = engine(&d);
+        let (d, mut e, now, [vip_a, vip_b]) = b_held_then_a_flooded(4, 1);
         let table = &d.shared.conns.table;
-        let now = Millis(d.shared.now_ms());
-        let packet = |e: &mut Engine, client: SocketAddr, vip: SocketAddr, flags: u8| {
-            let mut f = frame(client, vip, Some(flags), b"");
-            e.process_at(&mut f, now)
-        };
-        let b = |i: u16| SocketAddr::new("192.0.2.9".parse().unwrap(), i);
-        for i in 1..=2 {
-            assert_eq!(packet(&mut e, b(i), vip_b, SYN), Verdict::Transmit);
-            assert_eq!(packet(&mut e, b(i), vip_b, ACK), Verdict::Transmit);
-        }
-        assert_eq!(packet(&mut e, b(3), vip_b, SYN), Verdict::Transmit);
-        let flood = |i: u16| SocketAddr::new("198.51.100.1".parse().unwrap(), i);
-        assert_eq!(packet(&mut e, flood(1), vip_a, SYN), Verdict::Transmit);
-        table.expire(now, 4096, &mut Vec::new());
         for i in 2..=20 {
-            assert_eq!(packet(&mut e, flood(i), vip_a, SYN), Verdict::Transmit);
+            let syn = segment(&mut e, now, flood_source(i), vip_a, SYN);
+            assert_eq!(syn, Verdict::Transmit);
         }
         for i in 1..=3 {
-            assert!(table.get(&key_at(&e, b(i), vip_b)).is_some(), "b's {i}");
+            assert!(
+                table.get(&key_at(&e, b_client(i), vip_b)).is_some(),
+                "b's {i}"
+            );
         }
         assert_eq!(e.counters.early_drops.load(Relaxed), 19);
         assert_eq!(d.shared.admission.active.load(Relaxed), 4);
@@ -2999,22 +3040,8 @@ mod tests {
     /// more often than a's flood, b has nothing to take, a's flood does.
     #[test]
     fn a_pick_with_nothing_to_give_is_passed_over_for_the_next() {
-        let (d, [vip_a, vip_b]) = two_tenants_dr(3);
-        let mut e = engine(&d);
+        let (d, mut e, now, [vip_a, vip_b]) = b_held_then_a_flooded(3, 0);
         let table = &d.shared.conns.table;
-        let now = Millis(d.shared.now_ms());
-        let packet = |e: &mut Engine, client: SocketAddr, vip: SocketAddr, flags: u8| {
-            let mut f = frame(client, vip, Some(flags), b"");
-            e.process_at(&mut f, now)
-        };
-        let b = |i: u16| SocketAddr::new("192.0.2.9".parse().unwrap(), i);
-        for i in 1..=2 {
-            assert_eq!(packet(&mut e, b(i), vip_b, SYN), Verdict::Transmit);
-            assert_eq!(packet(&mut e, b(i), vip_b, ACK), Verdict::Transmit);
-        }
-        let flood = |i: u16| SocketAddr::new("198.51.100.1".parse().unwrap(), i);
-        assert_eq!(packet(&mut e, flood(1), vip_a, SYN), Verdict::Transmit);
-        table.expire(now, 4096, &mut Vec::new());
         // b's clients meet the limit three times (refused: `Pressing` has
         // no evidence yet, and b has nothing of its own to take), a's
         // flood once (taking its own flow's place).
@@ -3024,17 +3051,20 @@ mod tests {
                 .load(Relaxed)
         };
         for i in 10..13 {
-            assert_eq!(packet(&mut e, b(i), vip_b, SYN), Verdict::Drop);
+            assert_eq!(segment(&mut e, now, b_client(i), vip_b, SYN), Verdict::Drop);
         }
-        assert_eq!(packet(&mut e, flood(2), vip_a, SYN), Verdict::Transmit);
+        assert_eq!(
+            segment(&mut e, now, flood_source(2), vip_a, SYN),
+            Verdict::Transmit
+        );
         assert_eq!((at_limit(&e, vip_a), at_limit(&e, vip_b)), (1, 3));
         assert_eq!(counted(&e, Drop::Refused), 3);
         // Once b's rest is over: b scores highest, finds nothing, rests;
         // a is next.
         let later = Millis(now.0 + EARLY_DROP_BACKOFF_MS + 1);
-        let mut f = frame(b(20), vip_b, Some(SYN), b"");
+        let mut f = frame(b_client(20), vip_b, Some(SYN), b"");
         assert_eq!(e.process_at(&mut f, later), Verdict::Transmit, "b let in");
-        assert!(table.get(&key_at(&e, b(20), vip_b)).is_some());
+        assert!(table.get(&key_at(&e, b_client(20), vip_b)).is_some());
         assert_eq!(d.shared.admission.active.load(Relaxed), 3);
     }
 
