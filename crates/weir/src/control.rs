@@ -96,6 +96,21 @@ pub enum CheckedWrite<'a> {
         service: &'a str,
         spec: BackendSpec,
     },
+    /// [`Control::delete_service`].
+    DeleteService { tenant: &'a str, name: &'a str },
+    /// [`Control::edit_backend`] of backend `address` of `service`.
+    EditBackend {
+        tenant: &'a str,
+        service: &'a str,
+        address: &'a str,
+        patch: BackendPatch,
+    },
+    /// [`Control::delete_backend`].
+    DeleteBackend {
+        tenant: &'a str,
+        service: &'a str,
+        address: &'a str,
+    },
 }
 
 /// What a partial update of a tenant makes of its current settings (`None`:
@@ -551,6 +566,18 @@ pub trait Control: Send + Sync + 'static {
                 service,
                 spec,
             } => self.add_backend(tenant, service, spec),
+            CheckedWrite::DeleteService { tenant, name } => self.delete_service(tenant, name),
+            CheckedWrite::EditBackend {
+                tenant,
+                service,
+                address,
+                patch,
+            } => self.edit_backend(tenant, service, address, patch),
+            CheckedWrite::DeleteBackend {
+                tenant,
+                service,
+                address,
+            } => self.delete_backend(tenant, service, address),
         }
     }
     /// Edit weight or drain a backend.

@@ -117,6 +117,26 @@ fn token_check(
     }
 }
 
+/// `check` after [`token_check`]: the check of a tenant token's write,
+/// run under the daemon's edits ([`Check`](crate::control::Check)), with
+/// the token still naming its tenant then. A write waits for the edits
+/// after its token was checked (its head, then its body: `JsonBody`),
+/// and a tenant edit that changes the token, or the tenant deleted and
+/// created again for someone else, may hold them meanwhile; the write
+/// then went to the tenant of that name with the old token.
+fn still_the_tenant<'a>(
+    st: &AppState,
+    access: &Access,
+    headers: &HeaderMap,
+    mut check: impl FnMut() -> ControlResult<()> + 'a,
+) -> impl FnMut() -> ControlResult<()> + 'a {
+    let mut token = token_check(st, access, headers);
+    move || {
+        token()?;
+        check()
+    }
+}
+
 /// Path parameters that answer 400 with a message when they cannot be decoded.
 pub(crate) struct PathParams<T>(T);
 
@@ -556,6 +576,7 @@ pub(crate) async fn list_services(
 pub(crate) async fn add_service(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
+    headers: HeaderMap,
     JsonBody(body): JsonBody<serde_json::Value>,
 ) -> ApiResult<Response> {
     let serde_json::Value::Object(mut obj) = body else {
@@ -574,7 +595,12 @@ pub(crate) async fn add_service(
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
     check_tenant(&access, &spec.tenant)?;
     check_name("service", &spec.name)?;
-    let mut check = service_check(&st, &access, &spec, None, interval_given);
+    let mut check = still_the_tenant(
+        &st,
+        &access,
+        &headers,
+        service_check(&st, &access, &spec, None, interval_given),
+    );
     let id = format!("{}/{}", spec.tenant, spec.name);
     st.control
         .write_checked(CheckedWrite::AddService(spec), &mut check)?;
@@ -628,6 +654,7 @@ pub(crate) async fn edit_service(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
     PathParams((tenant, service)): PathParams<(String, String)>,
+    headers: HeaderMap,
     JsonBody(body): JsonBody<serde_json::Value>,
 ) -> ApiResult<Response> {
     check_tenant(&access, &tenant)?;
@@ -654,7 +681,12 @@ pub(crate) async fn edit_service(
     let spec: ServiceSpec = crate::config::service_from_json(serde_json::Value::Object(obj))
         .map_err(|e| ApiError::bad_request(format!("invalid service: {e}")))?;
     // `spec.tenant` is the path's (set or checked above).
-    let mut check = service_check(&st, &access, &spec, Some(&service), interval_given);
+    let mut check = still_the_tenant(
+        &st,
+        &access,
+        &headers,
+        service_check(&st, &access, &spec, Some(&service), interval_given),
+    );
     let write = CheckedWrite::EditService {
         tenant: &tenant,
         name: &service,
@@ -670,9 +702,15 @@ pub(crate) async fn delete_service(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
     PathParams((tenant, service)): PathParams<(String, String)>,
+    headers: HeaderMap,
 ) -> ApiResult<Response> {
     check_tenant(&access, &tenant)?;
-    st.control.delete_service(&tenant, &service)?;
+    let write = CheckedWrite::DeleteService {
+        tenant: &tenant,
+        name: &service,
+    };
+    let mut check = token_check(&st, &access, &headers);
+    st.control.write_checked(write, &mut check)?;
     Ok(ok_json(
         serde_json::json!({ "deleted": format!("{tenant}/{service}") }),
     ))
@@ -684,11 +722,12 @@ pub(crate) async fn add_backend(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
     PathParams((tenant, service)): PathParams<(String, String)>,
+    headers: HeaderMap,
     JsonBody(spec): JsonBody<BackendSpec>,
 ) -> ApiResult<Response> {
     check_tenant(&access, &tenant)?;
     let address = spec.address;
-    let mut check = || {
+    let fence = || {
         if access.tenant().is_none() {
             return Ok(());
         }
@@ -705,6 +744,7 @@ pub(crate) async fn add_backend(
         let health = s.options.health.as_ref().map(health_target);
         check_fence(&st, &access, &tenant, s.protocol, None, &[address], health)
     };
+    let mut check = still_the_tenant(&st, &access, &headers, fence);
     let addr = address.to_string();
     let write = CheckedWrite::AddBackend {
         tenant: &tenant,
@@ -719,12 +759,19 @@ pub(crate) async fn edit_backend(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
     PathParams((tenant, service, address)): PathParams<(String, String, String)>,
+    headers: HeaderMap,
     JsonBody(patch): JsonBody<BackendPatch>,
 ) -> ApiResult<Response> {
     check_tenant(&access, &tenant)?;
     let address = normalize_addr(&address)?;
-    st.control
-        .edit_backend(&tenant, &service, &address, patch)?;
+    let write = CheckedWrite::EditBackend {
+        tenant: &tenant,
+        service: &service,
+        address: &address,
+        patch,
+    };
+    let mut check = token_check(&st, &access, &headers);
+    st.control.write_checked(write, &mut check)?;
     Ok(ok_json(
         serde_json::json!({ "updated": format!("{tenant}/{service}/{address}") }),
     ))
@@ -734,10 +781,17 @@ pub(crate) async fn delete_backend(
     State(st): State<AppState>,
     Extension(access): Extension<Access>,
     PathParams((tenant, service, address)): PathParams<(String, String, String)>,
+    headers: HeaderMap,
 ) -> ApiResult<Response> {
     check_tenant(&access, &tenant)?;
     let address = normalize_addr(&address)?;
-    st.control.delete_backend(&tenant, &service, &address)?;
+    let write = CheckedWrite::DeleteBackend {
+        tenant: &tenant,
+        service: &service,
+        address: &address,
+    };
+    let mut check = token_check(&st, &access, &headers);
+    st.control.write_checked(write, &mut check)?;
     Ok(ok_json(
         serde_json::json!({ "deleted": format!("{tenant}/{service}/{address}") }),
     ))
@@ -1298,8 +1352,9 @@ mod tests {
     use axum::http::StatusCode;
 
     use super::{
-        AppState, ConnQuery, JsonBody, PathParams, add_backend, add_tenant, edit_tenant,
-        kill_matching, kill_one, list_connections,
+        AppState, ConnQuery, JsonBody, PathParams, add_backend, add_service, add_tenant,
+        delete_backend, delete_service, edit_backend, edit_service, edit_tenant, kill_matching,
+        kill_one, list_connections,
     };
     use crate::admin::auth::Access;
     use crate::config::{BackendSpec, Config, TenantSpec};
@@ -1349,6 +1404,7 @@ mod tests {
                     State(st),
                     Extension(Access::Tenant("acme".into())),
                     to,
+                    bearer("acme-tok"),
                     JsonBody(spec),
                 ))
                 .map(|r| r.status())
@@ -1552,10 +1608,15 @@ mod tests {
 
     /// The headers of a request made with acme's old token.
     fn old_token() -> axum::http::HeaderMap {
+        bearer("acme-old")
+    }
+
+    /// The headers of a request made with `token`.
+    fn bearer(token: &str) -> axum::http::HeaderMap {
         let mut h = axum::http::HeaderMap::new();
         h.insert(
             axum::http::header::AUTHORIZATION,
-            "Bearer acme-old".parse().unwrap(),
+            format!("Bearer {token}").parse().unwrap(),
         );
         h
     }
@@ -1702,6 +1763,107 @@ mod tests {
             Err(StatusCode::UNAUTHORIZED),
             "acme's old token listed the connections of acme created again"
         );
+        d.shutdown();
+    }
+
+    /// As a kill: a write made with a tenant token whose checks passed
+    /// before the tenant was deleted and created again for someone else
+    /// (it waited for the daemon's edits, which the operator's re-creation
+    /// held) went to the new tenant of that name. Each of the six service
+    /// and backend writes is refused now, and the new tenant's service is
+    /// as the operator made it.
+    #[test]
+    fn a_write_begun_with_a_tenant_token_leaves_the_tenant_created_again_alone() {
+        let (d, st) = acme_old();
+        let _client = acme_again(&d);
+        let c = d.control();
+        let as_made = c.service_spec("acme", "s").unwrap();
+        let backend = as_made.backends[0].address.to_string();
+        let access = || Extension(Access::Tenant("acme".into()));
+        let path = || PathParams(("acme".to_owned(), "s".to_owned()));
+        let backend_path = || PathParams(("acme".to_owned(), "s".to_owned(), backend.clone()));
+        let service = |name: &str| {
+            JsonBody(serde_json::json!({
+                "name": name, "protocol": "tcp", "listen": "127.0.0.1:0",
+                "backend": [{ "address": "127.0.0.1:9" }],
+            }))
+        };
+        let status = |r: super::ApiResult<axum::response::Response>| r.map(|r| r.status());
+        let answers = [
+            (
+                "add service",
+                status(run(add_service(
+                    State(st.clone()),
+                    access(),
+                    old_token(),
+                    service("t"),
+                ))),
+            ),
+            (
+                "edit service",
+                status(run(edit_service(
+                    State(st.clone()),
+                    access(),
+                    path(),
+                    old_token(),
+                    service("s"),
+                ))),
+            ),
+            (
+                "add backend",
+                status(run(add_backend(
+                    State(st.clone()),
+                    access(),
+                    path(),
+                    old_token(),
+                    JsonBody(
+                        serde_json::from_value(serde_json::json!({ "address": "127.0.0.1:9" }))
+                            .unwrap(),
+                    ),
+                ))),
+            ),
+            (
+                "edit backend",
+                status(run(edit_backend(
+                    State(st.clone()),
+                    access(),
+                    backend_path(),
+                    old_token(),
+                    JsonBody(serde_json::from_value(serde_json::json!({ "weight": 0 })).unwrap()),
+                ))),
+            ),
+            (
+                "delete backend",
+                status(run(delete_backend(
+                    State(st.clone()),
+                    access(),
+                    backend_path(),
+                    old_token(),
+                ))),
+            ),
+            (
+                "delete service",
+                status(run(delete_service(
+                    State(st.clone()),
+                    access(),
+                    path(),
+                    old_token(),
+                ))),
+            ),
+        ];
+        for (what, answer) in answers {
+            assert_eq!(
+                answer.map_err(|e| e.status),
+                Err(StatusCode::UNAUTHORIZED),
+                "{what} with acme's old token"
+            );
+        }
+        assert_eq!(
+            c.service_spec("acme", "s"),
+            Some(as_made),
+            "acme's old token changed the service of acme created again"
+        );
+        assert_eq!(c.services_of("acme").len(), 1, "a service was added");
         d.shutdown();
     }
 }

@@ -13,9 +13,10 @@
 //! * The read-only token may only GET; anything else is 403.
 //! * A token is checked when the request's head arrives; a tenant token
 //!   again once a body is in (a request whose tenant token was changed,
-//!   or whose tenant was deleted, meanwhile: 401, nothing done), and a
+//!   or whose tenant was deleted, meanwhile: 401, nothing done), a
 //!   kill's or a connection listing's once the daemon has found the tenant
-//!   it acts on (so a tenant deleted and created again since the token was
+//!   it acts on, and a service or backend write's with the daemon's edits
+//!   held (so a tenant deleted and created again since the token was
 //!   checked is out of its reach: 401).
 //! * A tenant-scoped token sees only its tenant (lists are filtered) and may
 //!   change only its tenant's services, backends and connections; naming

@@ -482,6 +482,78 @@ impl LiveControl {
         tracing::info!(tenant, "tenant updated");
         Ok(())
     }
+    /// [`Control::delete_service`], the edits held.
+    fn delete_service_locked(&self, tenant: &str, name: &str) -> ControlResult<()> {
+        self.remove_service(&(tenant.to_owned(), name.to_owned()))
+            .ok_or_else(|| not_found(format!("service {tenant}/{name} does not exist")))?;
+        self.forget_runtime(
+            &format!("service {tenant}/{name}"),
+            &format!("{tenant}/{name}/"),
+        );
+        Ok(())
+    }
+
+    /// [`Control::edit_backend`], the edits held.
+    fn edit_backend_locked(
+        &self,
+        tenant: &str,
+        service: &str,
+        address: &str,
+        patch: BackendPatch,
+    ) -> ControlResult<()> {
+        let svc = self.service(tenant, service)?;
+        let mut specs = svc.spec.read().backends.clone();
+        let named = named_by(address);
+        let Some(b) = specs.iter_mut().find(|b| named(b.address)) else {
+            return Err(not_found(format!("backend {address} does not exist")));
+        };
+        if let Some(w) = patch.weight {
+            if w > weir_sched::MAX_WEIGHT {
+                return Err(ControlError::new(ErrorKind::Invalid, "weight above 65535"));
+            }
+            b.weight = w;
+        }
+        let drain = patch.drain == Some(true);
+        if patch.drain.is_some() {
+            b.weight = 0;
+        }
+        let addr = b.address;
+        self.set_backends(&svc, &specs)?;
+        if drain {
+            let ids: Vec<u32> = svc
+                .set
+                .load()
+                .backends
+                .iter()
+                .filter(|b| b.addr == addr)
+                .map(|b| b.id)
+                .collect();
+            self.0.kill_service(&svc, Some(&ids), Close::Drained);
+        }
+        Ok(())
+    }
+
+    /// [`Control::delete_backend`], the edits held.
+    fn delete_backend_locked(
+        &self,
+        tenant: &str,
+        service: &str,
+        address: &str,
+    ) -> ControlResult<()> {
+        let svc = self.service(tenant, service)?;
+        let mut specs = svc.spec.read().backends.clone();
+        let named = named_by(address);
+        let Some(stored) = specs.iter().map(|b| b.address).find(|a| named(*a)) else {
+            return Err(not_found(format!("backend {address} does not exist")));
+        };
+        specs.retain(|b| b.address != stored);
+        self.set_backends(&svc, &specs)?;
+        self.0.start_health(&svc);
+        // As the add named it: the address as it was given then.
+        let id = format!("backend {tenant}/{service}/{stored}");
+        self.0.model.runtime_added.lock().remove(&id);
+        Ok(())
+    }
 
     /// [`Control::add_backend`], `Model::edits` held by the caller.
     fn add_backend_locked(
@@ -1148,14 +1220,7 @@ impl Control for LiveControl {
     }
 
     fn delete_service(&self, tenant: &str, name: &str) -> ControlResult<()> {
-        let _one = self.0.model.lock_edits();
-        self.remove_service(&(tenant.to_owned(), name.to_owned()))
-            .ok_or_else(|| not_found(format!("service {tenant}/{name} does not exist")))?;
-        self.forget_runtime(
-            &format!("service {tenant}/{name}"),
-            &format!("{tenant}/{name}/"),
-        );
-        Ok(())
+        self.write_checked(CheckedWrite::DeleteService { tenant, name }, &mut || Ok(()))
     }
 
     fn add_backend(&self, tenant: &str, service: &str, spec: BackendSpec) -> ControlResult<()> {
@@ -1172,8 +1237,10 @@ impl Control for LiveControl {
         // reads the tenant's settings (which a tenant edit changes) and
         // weir's own addresses (which a service add or edit changes), a new
         // tenant's token is checked against every tenant's (which another
-        // creation or a tenant edit changes), and `max_backends` and
-        // `max_services` count what the tenant holds; each would change
+        // creation or a tenant edit changes), `max_backends` and
+        // `max_services` count what the tenant holds, and a tenant token
+        // must still name the tenant it writes to (a tenant edit or a
+        // deletion and re-creation changes that); each would change
         // between the check and the write without them.
         let _one = self.0.model.lock_edits();
         check()?;
@@ -1198,6 +1265,20 @@ impl Control for LiveControl {
                 service,
                 spec,
             } => self.add_backend_locked(tenant, service, spec),
+            CheckedWrite::DeleteService { tenant, name } => {
+                self.delete_service_locked(tenant, name)
+            }
+            CheckedWrite::EditBackend {
+                tenant,
+                service,
+                address,
+                patch,
+            } => self.edit_backend_locked(tenant, service, address, patch),
+            CheckedWrite::DeleteBackend {
+                tenant,
+                service,
+                address,
+            } => self.delete_backend_locked(tenant, service, address),
         }
     }
 
@@ -1208,54 +1289,22 @@ impl Control for LiveControl {
         address: &str,
         patch: BackendPatch,
     ) -> ControlResult<()> {
-        let _one = self.0.model.lock_edits();
-        let svc = self.service(tenant, service)?;
-        let mut specs = svc.spec.read().backends.clone();
-        let named = named_by(address);
-        let Some(b) = specs.iter_mut().find(|b| named(b.address)) else {
-            return Err(not_found(format!("backend {address} does not exist")));
+        let write = CheckedWrite::EditBackend {
+            tenant,
+            service,
+            address,
+            patch,
         };
-        if let Some(w) = patch.weight {
-            if w > weir_sched::MAX_WEIGHT {
-                return Err(ControlError::new(ErrorKind::Invalid, "weight above 65535"));
-            }
-            b.weight = w;
-        }
-        let drain = patch.drain == Some(true);
-        if patch.drain.is_some() {
-            b.weight = 0;
-        }
-        let addr = b.address;
-        self.set_backends(&svc, &specs)?;
-        if drain {
-            let ids: Vec<u32> = svc
-                .set
-                .load()
-                .backends
-                .iter()
-                .filter(|b| b.addr == addr)
-                .map(|b| b.id)
-                .collect();
-            self.0.kill_service(&svc, Some(&ids), Close::Drained);
-        }
-        Ok(())
+        self.write_checked(write, &mut || Ok(()))
     }
 
     fn delete_backend(&self, tenant: &str, service: &str, address: &str) -> ControlResult<()> {
-        let _one = self.0.model.lock_edits();
-        let svc = self.service(tenant, service)?;
-        let mut specs = svc.spec.read().backends.clone();
-        let named = named_by(address);
-        let Some(stored) = specs.iter().map(|b| b.address).find(|a| named(*a)) else {
-            return Err(not_found(format!("backend {address} does not exist")));
+        let write = CheckedWrite::DeleteBackend {
+            tenant,
+            service,
+            address,
         };
-        specs.retain(|b| b.address != stored);
-        self.set_backends(&svc, &specs)?;
-        self.0.start_health(&svc);
-        // As the add named it: the address as it was given then.
-        let id = format!("backend {tenant}/{service}/{stored}");
-        self.0.model.runtime_added.lock().remove(&id);
-        Ok(())
+        self.write_checked(write, &mut || Ok(()))
     }
 
     fn connections(
