@@ -283,11 +283,18 @@ fn tcp_connections_per_client_are_capped() {
     // Another client is not affected.
     let _other = echo_from(3, vip).expect("another client is served");
     assert_eq!(live(&*c, "capped"), 3);
-    // Closing one connection of the capped client returns its place.
+    // Closing one connection of the capped client returns its place. The
+    // backend's count goes down when weir closes the connection, before
+    // its task gives the client's place back; `active_conns` after.
     drop(first);
     assert!(
         wait_until(T, || live(&*c, "capped") == 2),
         "closed connection not settled"
+    );
+    assert!(
+        wait_until(T, || c.global_stats().active_conns == 2),
+        "{:?}",
+        c.global_stats()
     );
     let _again = echo_from(2, vip).expect("a place came back after a close");
     assert_eq!(refused(&*c), 1);

@@ -380,7 +380,6 @@ async fn handle(
     seed: u64,
     slot: Option<super::ClientSlot>,
 ) {
-    let _slot = slot;
     let tenant = svc.tenant.clone();
     match shared.conns.owners.claim() {
         Some(owner) => serve(&shared, &svc, &owner, client, peer, seed).await,
@@ -389,6 +388,9 @@ async fn handle(
             reset(&client);
         }
     }
+    // The client's place first: once the connection is no longer counted
+    // in `active_conns`, the client's next connection finds its place.
+    drop(slot);
     shared.admission.release(&tenant);
 }
 
