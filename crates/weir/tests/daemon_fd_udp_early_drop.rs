@@ -89,8 +89,7 @@ fn a_udp_client_at_fd_exhaustion_gets_a_session_on_retry() {
     // The flood's sources and the real client, made while there are fds.
     let flood = flood_sources();
     let real = UdpSocket::bind("127.0.0.1:0").unwrap();
-    real.set_read_timeout(Some(Duration::from_millis(300)))
-        .unwrap();
+    real.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
 
     // The real client meets the exhaustion.
     let (fds, refill, g) = flood_to_exhaustion(c.as_ref(), vip, &flood);

@@ -668,11 +668,19 @@ fn a_udp_session_at_the_daemon_limit_is_under_its_tenant_rate() {
         let mut buf = [0u8; 64];
         matches!(u.recv_from(&mut buf), Ok((n, _)) if &buf[..n] == msg)
     };
+    let first = Instant::now();
     assert!(ask(b"first"));
-    assert!(
-        !ask(b"second"),
-        "the second client passed the tenant's rate"
-    );
+    let second = ask(b"second");
+    if first.elapsed() >= Duration::from_secs(1) {
+        // The rate's next token came meanwhile: this run cannot tell.
+        eprintln!(
+            "the second client came {:?} after the first",
+            first.elapsed()
+        );
+        d.shutdown();
+        return;
+    }
+    assert!(!second, "the second client passed the tenant's rate");
     let g = c.global_stats();
     assert_eq!(g.refused.get("tenant_rate"), Some(&1), "{g:?}");
     assert_eq!(g.udp_early_drops, 0, "{g:?}");
