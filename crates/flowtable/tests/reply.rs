@@ -558,7 +558,9 @@ fn dump_and_reply_lookups_stay_exact_across_resizes_under_churn() {
         let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
         thread::spawn(move || {
             let mut rounds = 0;
-            while !stop.load(Ordering::Relaxed) && rounds < 6 {
+            // At least one round (two resizes), however late this thread
+            // is scheduled; at most 6.
+            while rounds == 0 || (!stop.load(Ordering::Relaxed) && rounds < 6) {
                 let mut hs = Vec::new();
                 for i in stable..stable + 40_000 {
                     hs.push(
@@ -588,7 +590,7 @@ fn dump_and_reply_lookups_stay_exact_across_resizes_under_churn() {
         let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
         thread::spawn(move || {
             let mut n = 0u64;
-            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+            while n == 0 || (!stop.load(Ordering::Relaxed) && Instant::now() < deadline) {
                 for i in 0..stable {
                     let f = t.lookup_reply(&reply(1, i));
                     assert_eq!(f.map(|f| f.key), Some(key(1, i)), "stable reply {i}");
@@ -599,7 +601,9 @@ fn dump_and_reply_lookups_stay_exact_across_resizes_under_churn() {
         })
     };
     let mut dumps = 0;
-    while Instant::now() < deadline && dumps < 200 {
+    // Dumps while the writer works (its resizes under them), bounded by
+    // the deadline and a count.
+    while dumps == 0 || (!writer.is_finished() && Instant::now() < deadline && dumps < 2_000) {
         let seen = paged_dump(&t, 37, |_| {});
         for i in 0..stable {
             assert_eq!(seen.get(&i), Some(&1), "dump {dumps}: stable flow {i}");

@@ -216,7 +216,9 @@ fn concurrent_lookups_and_dumps_while_the_table_grows_and_shrinks() {
         let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
         thread::spawn(move || {
             let mut rounds = 0;
-            while !stop.load(Ordering::Relaxed) && rounds < 6 {
+            // At least one round (two resizes), however late this thread
+            // is scheduled; at most 6.
+            while rounds == 0 || (!stop.load(Ordering::Relaxed) && rounds < 6) {
                 for i in stable..stable + 60_000 {
                     t.insert(key(1, i), init(i), Millis(0)).unwrap();
                 }
@@ -235,7 +237,7 @@ fn concurrent_lookups_and_dumps_while_the_table_grows_and_shrinks() {
         let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
         thread::spawn(move || {
             let mut n = 0u64;
-            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+            while n == 0 || (!stop.load(Ordering::Relaxed) && Instant::now() < deadline) {
                 for i in 0..stable {
                     assert!(t.get(&key(1, i)).is_some(), "stable key {i} missed");
                     n += 1;
@@ -245,7 +247,9 @@ fn concurrent_lookups_and_dumps_while_the_table_grows_and_shrinks() {
         })
     };
     let mut dumps = 0;
-    while Instant::now() < deadline && dumps < 200 {
+    // Dumps while the writer works (its resizes under them), bounded by
+    // the deadline and a count.
+    while dumps == 0 || (!writer.is_finished() && Instant::now() < deadline && dumps < 2_000) {
         let seen = paged_dump(&t, 50, |_| {});
         for i in 0..stable {
             assert_eq!(seen.get(&i), Some(&1), "dump {dumps}: stable entry {i}");
