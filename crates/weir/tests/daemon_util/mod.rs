@@ -232,8 +232,12 @@ pub fn proc_net_udp_rows(end: UdpEnd, addr: SocketAddr) -> std::io::Result<Vec<V
 }
 
 /// Every descriptor of the process taken but `spare`: the limit lowered
-/// to just above the highest open one and each hole below it filled, so
-/// the process's next sockets fail with `EMFILE`. [`Self::release`] (or
+/// to `spare` above the highest open one and each hole below it filled,
+/// then `spare` of the fillers closed, so that the process has exactly
+/// `spare` descriptors left and its next sockets after them fail with
+/// `EMFILE`. (The limit once sat just above the highest open descriptor:
+/// with no holes below it, as in a process that inherited no high
+/// descriptor, one filler was all there was to close, and one spare.) [`Self::release`] (or
 /// dropping it) gives the descriptors back and restores the limit. One
 /// test at a time may hold it (the limit is the process's).
 pub struct FdsTaken {
@@ -250,15 +254,23 @@ impl FdsTaken {
             .max()
             .unwrap_or(0);
         let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
-        setrlimit(Resource::RLIMIT_NOFILE, highest + 1, hard).unwrap();
+        setrlimit(Resource::RLIMIT_NOFILE, highest + 1 + spare as u64, hard).unwrap();
         let mut fillers = Vec::new();
         while let Ok(f) = std::fs::File::open("/dev/null") {
             fillers.push(f);
             assert!(fillers.len() < 100_000, "bounded");
         }
+        assert!(fillers.len() >= spare, "{} fillers", fillers.len());
         for _ in 0..spare {
             drop(fillers.pop());
         }
+        // At least `spare` left: as many opens succeed. (One more may: a
+        // descriptor that an earlier test's daemon, still stopping, or
+        // a test's own thread closed meanwhile.)
+        let probe: Vec<_> = (0..spare)
+            .map_while(|_| std::fs::File::open("/dev/null").ok())
+            .collect();
+        assert_eq!(probe.len(), spare, "descriptors left");
         Self {
             fillers,
             limits: Some((soft, hard)),
