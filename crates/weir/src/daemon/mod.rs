@@ -148,6 +148,8 @@ impl Daemon {
             anyhow::bail!("invalid configuration:\n  {}", list.join("\n  "));
         }
         let (fd_soft, fd_hard) = raise_nofile();
+        // Opens the handle `open_fds` keeps, before any exhaustion.
+        open_fds();
         let workers = if config.daemon.workers == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
         } else {
@@ -580,8 +582,30 @@ fn raise_nofile() -> (u64, u64) {
     }
 }
 
+/// The process's open descriptors, counted through one handle on
+/// /proc/self/fd kept open for it (the first call opens it; the daemon's
+/// start makes that call). Opening the directory at every call would take
+/// the lowest free descriptor: at fd exhaustion, the very one an ended UDP
+/// session just gave back for the next datagram. 0 if /proc cannot be read.
 pub(crate) fn open_fds() -> u64 {
-    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64)
+    use nix::dir::Dir;
+    use nix::fcntl::OFlag;
+    use nix::sys::stat::Mode;
+    static DIR: parking_lot::Mutex<Option<Dir>> = parking_lot::Mutex::new(None);
+    let mut dir = DIR.lock();
+    if dir.is_none() {
+        let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+        *dir = Dir::open("/proc/self/fd", flags, Mode::empty()).ok();
+    }
+    let Some(dir) = dir.as_mut() else {
+        return 0;
+    };
+    // The iterator rewinds the directory when dropped: each call reads the
+    // table afresh.
+    dir.iter()
+        .filter_map(Result::ok)
+        .filter(|e| !matches!(e.file_name().to_bytes(), b"." | b".."))
+        .count() as u64
 }
 
 /// Expire idle flow-table entries (bounded work per call), settle them and
