@@ -548,14 +548,17 @@ async fn session_task(
                 Ok(Some(queued)) => {
                     if let Some(datagram) = queued {
                         // The listening socket's send buffer was full: wait
-                        // for it with this one datagram only.
-                        let sent = listen
-                            .async_io(Interest::WRITABLE, || {
-                                send_from(&listen, &datagram, peer, sess.local)
-                            })
-                            .await;
-                        if let Err(e) = sent {
-                            reply_failed(&shared.accounting.udp_dropped, peer, &e);
+                        // for it with this one datagram only, but not past
+                        // a close (the session's descriptor must go back at
+                        // once: at fd exhaustion the next datagram needs it).
+                        let send = listen.async_io(Interest::WRITABLE, || {
+                            send_from(&listen, &datagram, peer, sess.local)
+                        });
+                        tokio::select! {
+                            why = owner.closed() => break why.name(),
+                            sent = send => if let Err(e) = sent {
+                                reply_failed(&shared.accounting.udp_dropped, peer, &e);
+                            },
                         }
                     }
                     // Counted only against a limit, and never past it: a
@@ -569,8 +572,12 @@ async fn session_task(
                 }
                 Ok(None) => {}
                 // ICMP unreachable from the backend etc.: keep the session
-                // until it idles out (as IPVS does).
-                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                // until it idles out (as IPVS does), pausing the reads, but
+                // not a close.
+                Err(_) => tokio::select! {
+                    why = owner.closed() => break why.name(),
+                    () = tokio::time::sleep(Duration::from_millis(10)) => {}
+                },
             },
         }
     };
