@@ -210,17 +210,28 @@ fn udp_checked(other: SocketAddr, interval: &str, fall: u32) -> (DaemonHandle, S
     (Daemon::start(config(vec![spec]), None).unwrap(), live)
 }
 
+/// `udp_checked` whose other backend is a socket bound but never answering
+/// (silence, not a refusal), once its checks have taken it down. The
+/// daemon, that socket (a test may make it answer later), its address
+/// and the echo backend's address.
+fn udp_checked_with_a_mute_backend(
+    interval: &str,
+    fall: u32,
+) -> (DaemonHandle, UdpSocket, SocketAddr, SocketAddr) {
+    let mute = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let addr = mute.local_addr().unwrap();
+    let (d, live) = udp_checked(addr, interval, fall);
+    let c = d.control();
+    assert!(wait_until(T, || health_of(&*c, addr).is_some_and(|(s, _)| s == "down")));
+    (d, mute, addr, live)
+}
+
 /// Issue 10 #15: a UDP service got a TCP connect check, which marks a
 /// UDP-only backend down. A UDP check sends a payload and wants a reply.
 #[test]
 fn udp_health_check_keeps_a_udp_backend_up_and_takes_a_silent_one_down() {
-    // Bound but never answering: silence, not a refusal.
-    let mute = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let silent = mute.local_addr().unwrap();
-    let (d, live) = udp_checked(silent, "100ms", 2);
+    let (d, mute, silent, live) = udp_checked_with_a_mute_backend("100ms", 2);
     let c = d.control();
-    assert!(wait_until(T, || health_of(&*c, silent)
-        .is_some_and(|(s, _)| s == "down")));
     let (_, err) = health_of(&*c, silent).unwrap();
     assert!(err.is_some_and(|e| e.contains("no reply")));
     // Checked as often as the silent one, and still up.
@@ -244,15 +255,11 @@ fn udp_health_check_keeps_a_udp_backend_up_and_takes_a_silent_one_down() {
 /// agreed with the check's own state) and stayed out of scheduling for good.
 #[test]
 fn a_down_backend_comes_back_up_after_its_checks_restart() {
-    // Bound but not answering yet: down at the first check.
-    let mute = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let flaky = mute.local_addr().unwrap();
-    // One check at start, the next long after this test is done with the
-    // first check task: only the restarted checks see the recovery.
-    let (d, _live) = udp_checked(flaky, "1h", 1);
+    // Down at the first check. One check at start, the next long after
+    // this test is done with the first check task: only the restarted
+    // checks see the recovery.
+    let (d, mute, flaky, _live) = udp_checked_with_a_mute_backend("1h", 1);
     let c = d.control();
-    assert!(wait_until(T, || health_of(&*c, flaky)
-        .is_some_and(|(s, _)| s == "down")));
     // The down one recovers: it answers from now on...
     std::thread::spawn(move || {
         let mut buf = [0u8; 512];
@@ -392,6 +399,20 @@ fn check_refuses_a_tcp_check_on_a_udp_service_unless_it_names_a_port() {
     d.shutdown();
 }
 
+/// Runs `args` (a command and its arguments), and panics with its stderr
+/// unless it succeeds: the root tests' `ip` and `tc` steps.
+fn sh(args: &[&str]) {
+    let out = std::process::Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// A connect that fails because weir has no local port left towards a
 /// backend (`EADDRNOTAVAIL`: the port range spent on connections and
 /// TIME_WAIT to its address, the way a busy proxy runs out) is weir's
@@ -409,17 +430,6 @@ fn running_out_of_local_ports_does_not_take_the_backend_out() {
         return;
     }
     let ns = format!("weir-ports-{}", std::process::id());
-    let sh = |args: &[&str]| {
-        let out = std::process::Command::new(args[0])
-            .args(&args[1..])
-            .output()
-            .unwrap_or_else(|e| panic!("{args:?}: {e}"));
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
     sh(&["ip", "netns", "add", &ns]);
     struct Gone(String);
     impl Drop for Gone {
@@ -513,17 +523,6 @@ fn a_backend_that_takes_no_more_datagrams_stalls_no_other_client() {
         eprintln!("skipped: needs root (a network namespace of its own)");
         return;
     }
-    let sh = |args: &[&str]| {
-        let out = std::process::Command::new(args[0])
-            .args(&args[1..])
-            .output()
-            .unwrap_or_else(|e| panic!("{args:?}: {e}"));
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
     // Everything below runs on a thread in a namespace of its own (the
     // daemon's threads, started from it, are in it too); the namespace and
     // its links go when the last of them ends.
