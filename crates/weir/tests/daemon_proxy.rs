@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use daemon_util::*;
 use weir::config::{HealthSpec, Protocol, TenantSpec};
-use weir::control::{BackendPatch, ConnFilter, Control};
-use weir::daemon::Daemon;
+use weir::control::{BackendPatch, ConnFilter, ConnInfo, Control};
+use weir::daemon::{Daemon, DaemonHandle};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -23,6 +23,48 @@ fn conns_per_backend(c: &dyn Control, name: &str) -> Vec<u64> {
         .find(|s| s.name == name)
         .map(|s| s.backends.iter().map(|b| b.stats.conns).collect())
         .unwrap_or_default()
+}
+
+/// Every connection `c` lists (a page far larger than a test holds).
+fn listed(c: &dyn Control) -> Vec<ConnInfo> {
+    c.connections(&ConnFilter::default(), None, 1000)
+        .unwrap()
+        .connections
+}
+
+/// The virtual address of every connection `c` lists, sorted.
+fn virtuals(c: &dyn Control) -> Vec<String> {
+    let mut v: Vec<String> = listed(c).into_iter().map(|x| x.virtual_).collect();
+    v.sort();
+    v
+}
+
+/// A one-worker daemon holding `max_connections` in all, with tenants a
+/// and b (`max_new_per_s` from `rates`, 0 for none), each with a UDP
+/// service of its own (u-a, u-b) on one echo backend. The daemon and the
+/// addresses of u-a and u-b.
+fn udp_tenants_a_and_b(
+    max_connections: u64,
+    rates: [u64; 2],
+) -> (DaemonHandle, std::net::SocketAddr, std::net::SocketAddr) {
+    let b = udp_echo();
+    let mut cfg = config(vec![]);
+    cfg.daemon.workers = 1;
+    cfg.daemon.max_connections = max_connections;
+    for (t, rate) in [("a", rates[0]), ("b", rates[1])] {
+        cfg.tenants.push(TenantSpec {
+            name: t.into(),
+            max_new_per_s: rate,
+            ..Default::default()
+        });
+        let mut s = service(&format!("u-{t}"), Protocol::Udp, "rr", vec![backend(b, 1)]);
+        s.tenant = t.into();
+        cfg.services.push(s);
+    }
+    let d = Daemon::start(cfg, None).unwrap();
+    let va = d.service_addr("a", "u-a").unwrap();
+    let vb = d.service_addr("b", "u-b").unwrap();
+    (d, va, vb)
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -169,15 +211,10 @@ fn udp_echo_and_session_listing() {
     assert_eq!(&buf[..n], b"one");
     assert_eq!(from, vip, "reply must come from the virtual address");
     let control = d.control();
-    let page = control
-        .connections(&ConnFilter::default(), None, 10)
-        .unwrap();
-    assert_eq!(page.connections.len(), 1);
-    assert_eq!(page.connections[0].state, "UDP");
-    assert_eq!(
-        page.connections[0].client,
-        c.local_addr().unwrap().to_string()
-    );
+    let listed = listed(&*control);
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].state, "UDP");
+    assert_eq!(listed[0].client, c.local_addr().unwrap().to_string());
     // The second response ends the session (udp_responses = 2).
     c.send_to(b"two", vip).unwrap();
     let (n, _) = c.recv_from(&mut buf).unwrap();
@@ -569,13 +606,7 @@ fn a_udp_session_at_the_limit_takes_the_place_of_a_single_datagram_one() {
     // The one-shot's session went, the stream's stays; the ended
     // session's slot comes back, so the tenant holds its limit again.
     assert!(wait_until(T, || c.global_stats().active_conns == 2));
-    let listed: Vec<String> = c
-        .connections(&ConnFilter::default(), None, 100)
-        .unwrap()
-        .connections
-        .into_iter()
-        .map(|x| x.client)
-        .collect();
+    let listed: Vec<String> = listed(&*c).into_iter().map(|x| x.client).collect();
     let addr = |u: &UdpSocket| u.local_addr().unwrap().to_string();
     assert!(listed.contains(&addr(&stream)), "{listed:?}");
     assert!(listed.contains(&addr(&new)), "{listed:?}");
@@ -593,23 +624,8 @@ fn a_udp_session_at_the_limit_takes_the_place_of_a_single_datagram_one() {
 /// (`global_limit`) for as long as the flood went on.
 #[test]
 fn a_udp_flood_at_the_daemon_limit_does_not_lock_other_tenants_out() {
-    let b = udp_echo();
-    let mut cfg = config(vec![]);
-    cfg.daemon.workers = 1;
-    cfg.daemon.max_connections = 4;
-    for t in ["a", "b"] {
-        cfg.tenants.push(TenantSpec {
-            name: t.into(),
-            ..Default::default()
-        });
-        let mut s = service(&format!("u-{t}"), Protocol::Udp, "rr", vec![backend(b, 1)]);
-        s.tenant = t.into();
-        cfg.services.push(s);
-    }
-    let d = Daemon::start(cfg, None).unwrap();
+    let (d, va, vb) = udp_tenants_a_and_b(4, [0, 0]);
     let c = d.control();
-    let va = d.service_addr("a", "u-a").unwrap();
-    let vb = d.service_addr("b", "u-b").unwrap();
     // Forged sources: a fresh socket (port) per datagram, gone at once.
     let flood = |n: usize| {
         for _ in 0..n {
@@ -630,10 +646,7 @@ fn a_udp_flood_at_the_daemon_limit_does_not_lock_other_tenants_out() {
     });
     let g = c.global_stats();
     assert!(answered, "tenant b was locked out: {g:?}");
-    let listed = c
-        .connections(&ConnFilter::default(), None, 100)
-        .unwrap()
-        .connections;
+    let listed = listed(&*c);
     let real_addr = real.local_addr().unwrap().to_string();
     assert!(
         listed.iter().any(|x| x.client == real_addr),
@@ -697,24 +710,8 @@ fn a_udp_session_at_the_daemon_limit_is_under_its_tenant_rate() {
 /// the second.
 #[test]
 fn a_udp_datagram_refused_at_the_daemon_limit_leaves_its_tenants_rate() {
-    let b = udp_echo();
-    let mut cfg = config(vec![]);
-    cfg.daemon.workers = 1;
-    cfg.daemon.max_connections = 1;
-    for (t, rate) in [("a", 0), ("b", 1)] {
-        cfg.tenants.push(TenantSpec {
-            name: t.into(),
-            max_new_per_s: rate,
-            ..Default::default()
-        });
-        let mut s = service(&format!("u-{t}"), Protocol::Udp, "rr", vec![backend(b, 1)]);
-        s.tenant = t.into();
-        cfg.services.push(s);
-    }
-    let d = Daemon::start(cfg, None).unwrap();
+    let (d, va, vb) = udp_tenants_a_and_b(1, [0, 1]);
     let c = d.control();
-    let va = d.service_addr("a", "u-a").unwrap();
-    let vb = d.service_addr("b", "u-b").unwrap();
     let ask = |u: &UdpSocket, vip, msg: &[u8]| {
         u.send_to(msg, vip).unwrap();
         let mut buf = [0u8; 64];
@@ -798,12 +795,7 @@ fn slow_reader_chain(tune: impl FnOnce(&mut weir::config::Config)) -> (u64, u64)
         stalled
     }));
     let stalled_at = written.load(Relaxed);
-    let in_weir = d
-        .control()
-        .connections(&ConnFilter::default(), None, 1)
-        .unwrap()
-        .connections[0]
-        .bytes_out;
+    let in_weir = listed(&*d.control())[0].bytes_out;
     let mut c = c;
     c.set_read_timeout(Some(T)).unwrap();
     let mut got = 0usize;
@@ -956,15 +948,7 @@ fn a_wildcard_service_keeps_one_client_ports_connections_to_two_addresses_apart(
     assert!(still_echoes(&mut a));
     let mut b = connect_from(from, v2);
     assert!(still_echoes(&mut b));
-    let mut virt: Vec<String> = c
-        .connections(&ConnFilter::default(), None, 10)
-        .unwrap()
-        .connections
-        .into_iter()
-        .map(|x| x.virtual_)
-        .collect();
-    virt.sort();
-    assert_eq!(virt, [v1.to_string(), v2.to_string()]);
+    assert_eq!(virtuals(&*c), [v1.to_string(), v2.to_string()]);
     assert!(still_echoes(&mut a), "the first connection was cut");
     assert!(still_echoes(&mut b));
     drop((a, b));
@@ -999,15 +983,10 @@ fn a_wildcard_udp_service_answers_from_the_address_the_client_sent_to() {
             assert_eq!(from, vip, "reply must come from the address sent to");
         }
     }
-    let mut virt: Vec<String> = control
-        .connections(&ConnFilter::default(), None, 10)
-        .unwrap()
-        .connections
-        .into_iter()
-        .map(|x| x.virtual_)
-        .collect();
-    virt.sort();
-    assert_eq!(virt, [vips[0].to_string(), vips[1].to_string()]);
+    assert_eq!(
+        virtuals(&*control),
+        [vips[0].to_string(), vips[1].to_string()]
+    );
     d.shutdown();
     // The same on an IPv6 wildcard (IPV6_PKTINFO).
     let mut spec = service("uw6", Protocol::Udp, "rr", vec![backend(b, 1)]);
@@ -1045,12 +1024,7 @@ fn udp_sessions_per_client_hold_across_workers() {
             .copied()
             .unwrap_or(0)
     };
-    let sessions = || {
-        c.connections(&ConnFilter::default(), None, 1000)
-            .unwrap()
-            .connections
-            .len() as u64
-    };
+    let sessions = || listed(&*c).len() as u64;
     let mut worst = 0;
     for _ in 0..100 {
         let before = refused();
