@@ -264,32 +264,24 @@ impl Topology {
                 ),
             )
             .map_err(|e| e.to_string())?;
-            let child = Command::new("ip")
-                .args(["netns", "exec", &self.ns(&name), "nginx", "-c"])
-                .arg(&conf)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .map_err(|e| format!("nginx: {e}"))?;
-            self.children.push(child);
-            let ns = self.ns(&name);
+            let conf = conf.to_str().ok_or("a temporary path not in UTF-8")?;
+            self.spawn(&name, &["nginx", "-c", conf])?;
             let url = format!("http://{addr}/");
             wait_for(&format!("nginx in {name}"), || {
-                run(&[
-                    "ip",
-                    "netns",
-                    "exec",
-                    &ns,
-                    "curl",
-                    "-s",
-                    "--max-time",
-                    "1",
-                    &url,
-                ])
-                .is_ok_and(|b| b.trim() == name)
+                self.exec(&name, &["curl", "-s", "--max-time", "1", &url])
+                    .is_ok_and(|b| b.trim() == name)
             })?;
         }
         Ok(())
+    }
+
+    /// `build`, then `start_backends` and `route_backends_via_weir`: the
+    /// topology of a nat test, its backends answering.
+    fn with_nat_backends(method: &str, two_armed: bool) -> Result<Self, String> {
+        let mut topo = Self::build(method, two_armed)?;
+        topo.start_backends()?;
+        topo.route_backends_via_weir()?;
+        Ok(topo)
     }
 
     /// nat: the backends answer through weir.
@@ -414,15 +406,7 @@ impl Topology {
             run(&["ip", "netns", "exec", ns, "ethtool", "-K", dev, "tx", "off"])?;
         }
         for key in ["net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"] {
-            run(&[
-                "ip",
-                "netns",
-                "exec",
-                &rt,
-                "sysctl",
-                "-qw",
-                &format!("{key}=1"),
-            ])?;
+            self.exec("rt", &["sysctl", "-qw", &format!("{key}=1")])?;
         }
         let host = |cidr: &'static str| cidr.split('/').next().unwrap_or(cidr);
         for (fam, r, r2, net) in [
@@ -536,18 +520,7 @@ impl Topology {
     }
 
     fn curl(&self, url: &str) -> Result<String, String> {
-        run(&[
-            "ip",
-            "netns",
-            "exec",
-            &self.ns("cl"),
-            "curl",
-            "-g",
-            "-s",
-            "--max-time",
-            "3",
-            url,
-        ])
+        self.exec("cl", &["curl", "-g", "-s", "--max-time", "3", url])
     }
 }
 
@@ -593,6 +566,11 @@ fn weir(cfg: &Path, args: &[&str]) -> Result<String, String> {
     }
 }
 
+/// The weir CLI's `--json` output for `args`, parsed.
+fn weir_json(cfg: &Path, args: &[&str]) -> Result<serde_json::Value, String> {
+    serde_json::from_str(&weir(cfg, args)?).map_err(|e| e.to_string())
+}
+
 fn web_service(f: &Fam, forward: &str) -> String {
     let mut s = format!(
         "[[service]]\nname = \"web\"\nprotocol = \"tcp\"\nlisten = \"{}\"\nforward = \"{forward}\"\nscheduler = \"rr\"\n",
@@ -605,6 +583,15 @@ fn web_service(f: &Fam, forward: &str) -> String {
         ));
     }
     s
+}
+
+/// `web_service` with `extra` (lines of TOML) in its `[[service]]` table.
+fn web_service_with(f: &Fam, forward: &str, extra: &str) -> String {
+    web_service(f, forward).replacen(
+        "scheduler = \"rr\"\n",
+        &format!("scheduler = \"rr\"\n{extra}"),
+        1,
+    )
 }
 
 /// Ten requests through the VIP: every one answered, by both backends in
@@ -635,8 +622,7 @@ fn requests_reach_both_backends(topo: &Topology, f: &Fam, cfg: &Path) -> Result<
     // AF_XDP, which gets only what the steering program picks) every frame
     // it received was forwarded. An AF_PACKET ring sees the interface's
     // other traffic too (neighbour discovery...), counted and left alone.
-    let stats: serde_json::Value =
-        serde_json::from_str(&weir(cfg, &["stats", "--json"])?).map_err(|e| e.to_string())?;
+    let stats = weir_json(cfg, &["stats", "--json"])?;
     let p = &stats["global"]["packet"];
     let all_forwarded = p["io"] != "xdp" || p["tx"] == p["rx"];
     if p["new_flows"] != 10 || p["tx"].as_u64() < Some(30) || !all_forwarded {
@@ -729,8 +715,7 @@ fn forwards_on(
         }
         if !clients.is_empty() {
             // After all of them: on AF_XDP every frame weir got was forwarded.
-            let stats: serde_json::Value = serde_json::from_str(&weir(&cfg, &["stats", "--json"])?)
-                .map_err(|e| e.to_string())?;
+            let stats = weir_json(&cfg, &["stats", "--json"])?;
             let p = &stats["global"]["packet"];
             if p["io"] == "xdp" && p["rx"] != p["tx"] {
                 return Err(format!("packet counters after every client: {p}"));
@@ -834,28 +819,25 @@ fn an_address_added_after_start_stays_the_kernels() {
         return;
     }
     check((|| {
-        let mut topo = Topology::build("hosts", false)?;
-        topo.start_backends()?;
-        topo.route_backends_via_weir()?;
+        let mut topo = Topology::with_nat_backends("hosts", false)?;
         let cfg = topo.start_weir(&web_service(&V4, "nat"), "")?;
         requests_reach_both_backends(&topo, &V4, &cfg)?;
         let lb = topo.ns("lb");
         ip(&format!("-n {lb} addr add 10.99.0.50/24 dev lb0 nodad"))?;
         let url = format!("http://{}/", V4.backends[0]);
         wait_for("an answer to the new address", || {
-            run(&[
-                "ip",
-                "netns",
-                "exec",
-                &lb,
-                "curl",
-                "-s",
-                "--max-time",
-                "1",
-                "--interface",
-                "10.99.0.50",
-                &url,
-            ])
+            topo.exec(
+                "lb",
+                &[
+                    "curl",
+                    "-s",
+                    "--max-time",
+                    "1",
+                    "--interface",
+                    "10.99.0.50",
+                    &url,
+                ],
+            )
             .is_ok_and(|b| b.trim() == "b1")
         })
         .map_err(|e| format!("{e}\nweir's log:\n{}", topo.weir_log()))
@@ -890,34 +872,31 @@ fn uploads_complete_when_the_backend_link_has_a_smaller_mtu() {
             let cfg = topo.start_weir(&web_service(f, "nat"), "")?;
             let body = topo.dir.path().join("upload");
             std::fs::write(&body, vec![b'x'; 300_000]).map_err(|e| e.to_string())?;
-            let out = run(&[
-                "ip",
-                "netns",
-                "exec",
-                &topo.ns("cl"),
-                "curl",
-                "-g",
-                "-s",
-                "--max-time",
-                "10",
-                "--data-binary",
-                &format!("@{}", body.display()),
-                &format!("http://{}/", f.ep(f.vip, 80)),
-            ])
-            .map_err(|e| format!("upload through a 1280 link: {e}"))?;
+            let out = topo
+                .exec(
+                    "cl",
+                    &[
+                        "curl",
+                        "-g",
+                        "-s",
+                        "--max-time",
+                        "10",
+                        "--data-binary",
+                        &format!("@{}", body.display()),
+                        &format!("http://{}/", f.ep(f.vip, 80)),
+                    ],
+                )
+                .map_err(|e| format!("upload through a 1280 link: {e}"))?;
             if !out.starts_with('b') {
                 return Err(format!("upload answered {out:?}"));
             }
-            let stats: serde_json::Value = serde_json::from_str(&weir(&cfg, &["stats", "--json"])?)
-                .map_err(|e| e.to_string())?;
+            let stats = weir_json(&cfg, &["stats", "--json"])?;
             let p = &stats["global"]["packet"];
             if p["dropped"]["too_big"].as_u64().unwrap_or(0) == 0 {
                 return Err(format!("no too_big answer counted: {p}"));
             }
             // The whole body went through weir to the backend.
-            let list: serde_json::Value =
-                serde_json::from_str(&weir(&cfg, &["list", "--stats", "--json"])?)
-                    .map_err(|e| e.to_string())?;
+            let list = weir_json(&cfg, &["list", "--stats", "--json"])?;
             let bytes_in = list[0]["inbytes"].as_u64().unwrap_or(0);
             if bytes_in < 300_000 {
                 return Err(format!(
@@ -960,9 +939,7 @@ fn a_reply_forged_on_the_client_side_is_dropped() {
         return;
     }
     check((|| {
-        let mut topo = Topology::build("spoof", true)?;
-        topo.start_backends()?;
-        topo.route_backends_via_weir()?;
+        let mut topo = Topology::with_nat_backends("spoof", true)?;
         let cfg = topo.start_weir(&web_service(&V4, "nat"), "backend_interfaces = [\"lb1\"]")?;
         requests_reach_both_backends(&topo, &V4, &cfg)?;
         // The spoofer, on the clients' segment, sends to an address routed
@@ -974,8 +951,7 @@ fn a_reply_forged_on_the_client_side_is_dropped() {
             V4.weir_client_side
         ))?;
         let dropped = |why: &str| -> Result<u64, String> {
-            let stats: serde_json::Value = serde_json::from_str(&weir(&cfg, &["stats", "--json"])?)
-                .map_err(|e| e.to_string())?;
+            let stats = weir_json(&cfg, &["stats", "--json"])?;
             Ok(stats["global"]["packet"]["dropped"][why]
                 .as_u64()
                 .unwrap_or(0))
@@ -1109,18 +1085,14 @@ fn a_spoofed_syn_flood_leaves_room_for_real_clients() {
         return;
     }
     check((|| {
-        let mut topo = Topology::build("synf", false)?;
-        topo.start_backends()?;
-        topo.route_backends_via_weir()?;
+        let mut topo = Topology::with_nat_backends("synf", false)?;
         let service = format!(
             "[[tenant]]\nname = \"default\"\nmax_connections = 40\n\n{}",
             web_service(&V4, "nat")
         );
         let cfg = topo.start_weir(&service, "")?;
         requests_reach_both_backends(&topo, &V4, &cfg)?;
-        let stats = || -> Result<serde_json::Value, String> {
-            serde_json::from_str(&weir(&cfg, &["stats", "--json"])?).map_err(|e| e.to_string())
-        };
+        let stats = || weir_json(&cfg, &["stats", "--json"]);
         let stop = Arc::new(AtomicBool::new(false));
         let flood = {
             let stop = Arc::clone(&stop);
@@ -1154,19 +1126,8 @@ fn a_spoofed_syn_flood_leaves_room_for_real_clients() {
             })?;
             // A real client, with time for two SYN retransmissions.
             let url = format!("http://{}/", V4.ep(V4.vip, 80));
-            run(&[
-                "ip",
-                "netns",
-                "exec",
-                &topo.ns("cl"),
-                "curl",
-                "-g",
-                "-s",
-                "--max-time",
-                "5",
-                &url,
-            ])
-            .map_err(|e| format!("a real client during the flood: {e}"))?;
+            topo.exec("cl", &["curl", "-g", "-s", "--max-time", "5", &url])
+                .map_err(|e| format!("a real client during the flood: {e}"))?;
             let drops = stats()?["global"]["packet"]["early_drops"]
                 .as_u64()
                 .unwrap_or(0);
@@ -1215,13 +1176,8 @@ fn persistence_keeps_a_client_on_one_backend() {
         return;
     }
     check((|| {
-        let mut topo = Topology::build("persist", false)?;
-        topo.start_backends()?;
-        topo.route_backends_via_weir()?;
-        let svc = web_service(&V4, "nat").replace(
-            "scheduler = \"rr\"\n",
-            "scheduler = \"rr\"\npersistence = \"60s\"\n",
-        );
+        let mut topo = Topology::with_nat_backends("persist", false)?;
+        let svc = web_service_with(&V4, "nat", "persistence = \"60s\"\n");
         let _cfg = topo.start_weir(&svc, "")?;
         let seen = answers(&topo, 6)?;
         if seen.iter().any(|b| *b != seen[0]) {
@@ -1239,12 +1195,11 @@ fn a_failed_backend_leaves_and_its_flows_end() {
         return;
     }
     check((|| {
-        let mut topo = Topology::build("health", false)?;
-        topo.start_backends()?;
-        topo.route_backends_via_weir()?;
-        let svc = web_service(&V4, "nat").replace(
-            "scheduler = \"rr\"\n",
-            "scheduler = \"rr\"\nexpire_nodest_conn = true\n\
+        let mut topo = Topology::with_nat_backends("health", false)?;
+        let svc = web_service_with(
+            &V4,
+            "nat",
+            "expire_nodest_conn = true\n\
              health = { interval = \"200ms\", timeout = \"200ms\", rise = 1, fall = 1 }\n",
         );
         let cfg = topo.start_weir(&svc, "")?;
@@ -1284,9 +1239,7 @@ fn kill_and_tenant_isolation() {
         return;
     }
     check((|| {
-        let mut topo = Topology::build("tenants", false)?;
-        topo.start_backends()?;
-        topo.route_backends_via_weir()?;
+        let mut topo = Topology::with_nat_backends("tenants", false)?;
         let vip2 = "10.99.1.101";
         ip(&format!(
             "-n {} route add {vip2}/32 via {}",
@@ -1367,62 +1320,17 @@ fn iperf3_and_wrk_through_nat() {
         }
     }
     check((|| {
-        let mut topo = Topology::build("bulk", false)?;
-        topo.start_backends()?;
-        topo.route_backends_via_weir()?;
+        let mut topo = Topology::with_nat_backends("bulk", false)?;
         let b1 = V4.backends[0];
-        let iperf = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &topo.ns("b1"),
-                "iperf3",
-                "-s",
-                "-B",
-                b1,
-                "-p",
-                "5201",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("iperf3 -s: {e}"))?;
-        topo.children.push(iperf);
-        let mut services = web_service(&V4, "nat");
-        for proto in ["tcp", "udp"] {
-            services.push_str(&format!(
-                "\n[[service]]\nname = \"iperf-{proto}\"\nprotocol = \"{proto}\"\nlisten = \"{}:5201\"\n\
-                 forward = \"nat\"\n  [[service.backend]]\n  address = \"{b1}:5201\"\n",
-                V4.vip
-            ));
-        }
+        topo.start_iperf3("b1", Some(b1))?;
+        let services = web_service(&V4, "nat") + &iperf_services(&V4, "nat", b1);
         let cfg = topo.start_weir(&services, "")?;
-        let cl = topo.ns("cl");
-        let iperf3 = |extra: &[&str]| -> Result<serde_json::Value, String> {
-            let mut args = vec![
-                "netns", "exec", &cl, "iperf3", "-c", V4.vip, "-p", "5201", "-t", "2", "-J",
-            ];
-            args.extend_from_slice(extra);
-            let mut last = String::new();
-            // The server may still be starting: a few tries, bounded.
-            for _ in 0..20 {
-                match run(&[&["ip"], args.as_slice()].concat()) {
-                    Ok(out) => return serde_json::from_str(&out).map_err(|e| e.to_string()),
-                    Err(e) => last = e,
-                }
-                std::thread::sleep(Duration::from_millis(250));
-            }
-            Err(format!(
-                "iperf3 {extra:?}: {last}\nweir's log:\n{}",
-                topo.weir_log()
-            ))
-        };
-        let tcp = iperf3(&[])?;
+        let tcp = iperf3_client(&topo, &V4, &["-t", "2"])?;
         let got = tcp["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
         if got < 1_000_000 {
             return Err(format!("iperf3 TCP moved {got} bytes"));
         }
-        let udp = iperf3(&["-u", "-b", "20M"])?;
+        let udp = iperf3_client(&topo, &V4, &["-t", "2", "-u", "-b", "20M"])?;
         let sum = &udp["end"]["sum"];
         let (packets, lost) = (
             sum["packets"].as_u64().unwrap_or(0),
@@ -1431,47 +1339,23 @@ fn iperf3_and_wrk_through_nat() {
         if packets < 1000 || lost * 100 > packets {
             return Err(format!("iperf3 UDP: {packets} packets, {lost} lost"));
         }
-        let out = run(&[
-            "ip",
-            "netns",
-            "exec",
-            &cl,
-            "wrk",
-            "-t1",
-            "-c8",
-            "-d2s",
-            "-H",
-            "Connection: close",
-            &format!("http://{}/", V4.vip),
-        ])?;
-        let requests = out
-            .lines()
-            .find_map(|l| {
-                l.trim()
-                    .split_once(" requests in ")
-                    .map(|(n, _)| n.trim().parse::<u64>())
-            })
-            .and_then(Result::ok)
-            .unwrap_or(0);
+        let url = format!("http://{}/", V4.vip);
+        let out = topo.exec(
+            "cl",
+            &["wrk", "-t1", "-c8", "-d2s", "-H", "Connection: close", &url],
+        )?;
+        let requests = wrk_requests(&out);
         if requests < 100 || out.contains("Non-2xx") || out.contains("Socket errors") {
             return Err(format!("wrk through nat:\n{out}"));
         }
-        let stats = weir(&cfg, &["stats", "--json"])?;
-        let v: serde_json::Value = serde_json::from_str(&stats).map_err(|e| e.to_string())?;
+        let v = weir_json(&cfg, &["stats", "--json"])?;
         // Every frame weir received was forwarded, and connections made
         // flows. Flows may be fewer than wrk's connections: a client port
         // reused while its old flow is in TIME_WAIT takes that flow again,
         // as in IPVS, and `connect` draws from half the ephemeral range
         // (the even ports) first, so past ~14,000 connections (a quiet
         // machine does ~30,000 in the 2 s) ports repeat.
-        let range = run(&[
-            "ip",
-            "netns",
-            "exec",
-            &cl,
-            "cat",
-            "/proc/sys/net/ipv4/ip_local_port_range",
-        ])?;
+        let range = topo.exec("cl", &["cat", "/proc/sys/net/ipv4/ip_local_port_range"])?;
         let ports = match range
             .split_whitespace()
             .map(str::parse::<u64>)
@@ -1525,15 +1409,7 @@ fn wrk_through(topo: &Topology, f: &Fam) -> Result<u64, String> {
             &url,
         ],
     )?;
-    let requests = out
-        .lines()
-        .find_map(|l| {
-            l.trim()
-                .split_once(" requests in ")
-                .map(|(n, _)| n.trim().parse::<u64>())
-        })
-        .and_then(Result::ok)
-        .unwrap_or(0);
+    let requests = wrk_requests(&out);
     if requests == 0 || out.contains("Non-2xx") || out.contains("Socket errors") {
         return Err(format!(
             "wrk through {url}:\n{out}\nweir's log:\n{}",
@@ -1541,6 +1417,18 @@ fn wrk_through(topo: &Topology, f: &Fam) -> Result<u64, String> {
         ));
     }
     Ok(requests)
+}
+
+/// The requests wrk's report (`out`) says it made; 0 if it says none.
+fn wrk_requests(out: &str) -> u64 {
+    out.lines()
+        .find_map(|l| {
+            l.trim()
+                .split_once(" requests in ")
+                .map(|(n, _)| n.trim().parse::<u64>())
+        })
+        .and_then(Result::ok)
+        .unwrap_or(0)
 }
 
 /// The iperf3 client in the client namespace against the VIP's port 5201
@@ -1571,8 +1459,7 @@ fn iperf3_client(topo: &Topology, f: &Fam, extra: &[&str]) -> Result<serde_json:
 /// of the backend `b1` (iperf3's server not scheduled in time), and this
 /// host's input backlogs (`/proc/net/softnet_stat`, all CPUs).
 fn overflow_drops(topo: &Topology, cfg: &Path) -> Result<u64, String> {
-    let stats: serde_json::Value =
-        serde_json::from_str(&weir(cfg, &["stats", "--json"])?).map_err(|e| e.to_string())?;
+    let stats = weir_json(cfg, &["stats", "--json"])?;
     let kernel: u64 = stats["global"]["packet"]["dropped"]
         .as_object()
         .map(|d| {
@@ -1723,9 +1610,7 @@ fn wrr_splits_new_flows_by_weight() {
         return;
     }
     check((|| {
-        let mut topo = Topology::build("wrr", false)?;
-        topo.start_backends()?;
-        topo.route_backends_via_weir()?;
+        let mut topo = Topology::with_nat_backends("wrr", false)?;
         let mut svc = web_service(&V4, "nat").replace("\"rr\"", "\"wrr\"");
         for (b, w) in [(V4.backends[0], 3), (V4.backends[1], 1)] {
             let line = format!("address = \"{b}:80\"\n");
@@ -1869,8 +1754,7 @@ fn path_mtu_through(tag: &str, f: &Fam, forward: &str, packet_extra: &str) {
                 context(&topo)
             ));
         }
-        let stats: serde_json::Value =
-            serde_json::from_str(&weir(&cfg, &["stats", "--json"])?).map_err(|e| e.to_string())?;
+        let stats = weir_json(&cfg, &["stats", "--json"])?;
         let p = &stats["global"]["packet"];
         if p["icmp_errors"].as_u64().unwrap_or(0) == 0 {
             return Err(format!("no translated ICMP error counted: {p}"));
@@ -1929,9 +1813,7 @@ fn runtime_edits_and_reload_keep_a_live_flow() {
         return;
     }
     check((|| {
-        let mut topo = Topology::build("edits", false)?;
-        topo.start_backends()?;
-        topo.route_backends_via_weir()?;
+        let mut topo = Topology::with_nat_backends("edits", false)?;
         topo.start_iperf3("b1", None)?;
         let services = format!(
             "{}{}",
@@ -2035,8 +1917,7 @@ fn runtime_edits_and_reload_keep_a_live_flow() {
                 "iperf3 across the edits: sent {sent}, received {received}"
             ));
         }
-        let stats: serde_json::Value =
-            serde_json::from_str(&weir(&cfg, &["stats", "--json"])?).map_err(|e| e.to_string())?;
+        let stats = weir_json(&cfg, &["stats", "--json"])?;
         let p = &stats["global"]["packet"];
         if p["dropped"]["no_flow"].as_u64().unwrap_or(0) != 0 || p["rx"] != p["tx"] {
             return Err(format!("frames of the live flow were not forwarded: {p}"));
