@@ -1656,6 +1656,44 @@ mod tests {
         (client, page.connections[0].cookie)
     }
 
+    /// `act` (`what`, a request made with acme's old token) on a thread
+    /// of its own, held at `act_gate` once past its checks while
+    /// `acme_again` deletes acme and creates it again. What `act`
+    /// answered, and what `acme_again` returned.
+    fn past_its_checks_while_acme_is_created_again<T: Send + 'static>(
+        d: &crate::daemon::DaemonHandle,
+        st: &AppState,
+        what: &str,
+        act: impl FnOnce(AppState) -> T + Send + 'static,
+    ) -> (T, (std::net::TcpStream, u64)) {
+        let gate = st.act_gate.hold.write();
+        let acting = {
+            let st = st.clone();
+            std::thread::spawn(move || act(st))
+        };
+        wait_until(&format!("{what} never passed its checks"), || {
+            st.act_gate.passed.load(Relaxed) > 0
+        });
+        let again = acme_again(d);
+        drop(gate);
+        (acting.join().unwrap(), again)
+    }
+
+    /// A kill made with acme's old token was refused and `client` (of acme
+    /// created again) still echoes; then `d` shuts down.
+    fn assert_the_old_token_killed_nothing(
+        d: crate::daemon::DaemonHandle,
+        mut client: std::net::TcpStream,
+        answer: Result<StatusCode, StatusCode>,
+    ) {
+        assert!(
+            still_echoes(&mut client),
+            "acme's old token killed the connection of acme created again (answer {answer:?})"
+        );
+        assert_eq!(answer, Err(StatusCode::UNAUTHORIZED));
+        d.shutdown();
+    }
+
     /// Whether `client`'s connection still carries bytes both ways.
     fn still_echoes(client: &mut std::net::TcpStream) -> bool {
         use std::io::{Read, Write};
@@ -1672,10 +1710,8 @@ mod tests {
     #[test]
     fn a_kill_by_filter_begun_with_a_tenant_token_spares_the_tenant_created_again() {
         let (d, st) = acme_old();
-        let gate = st.act_gate.hold.write();
-        let kill = {
-            let st = st.clone();
-            std::thread::spawn(move || {
+        let (answer, (client, _)) =
+            past_its_checks_while_acme_is_created_again(&d, &st, "the kill", |st| {
                 let filter = serde_json::json!({ "tenant": "acme" });
                 run(kill_matching(
                     State(st),
@@ -1685,20 +1721,8 @@ mod tests {
                 ))
                 .map(|r| r.status())
                 .map_err(|e| e.status)
-            })
-        };
-        wait_until("the kill never passed its checks", || {
-            st.act_gate.passed.load(Relaxed) > 0
-        });
-        let (mut client, _) = acme_again(&d);
-        drop(gate);
-        let answer = kill.join().unwrap();
-        assert!(
-            still_echoes(&mut client),
-            "acme's old token killed the connection of acme created again (answer {answer:?})"
-        );
-        assert_eq!(answer, Err(StatusCode::UNAUTHORIZED));
-        d.shutdown();
+            });
+        assert_the_old_token_killed_nothing(d, client, answer);
     }
 
     /// As a kill by filter: a kill by cookie whose token was checked
@@ -1707,7 +1731,7 @@ mod tests {
     #[test]
     fn a_kill_by_cookie_begun_with_a_tenant_token_spares_the_tenant_created_again() {
         let (d, st) = acme_old();
-        let (mut client, cookie) = acme_again(&d);
+        let (client, cookie) = acme_again(&d);
         // The token was checked (`Access`) before acme was created again.
         let answer = run(kill_one(
             State(st),
@@ -1717,12 +1741,7 @@ mod tests {
         ))
         .map(|r| r.status())
         .map_err(|e| e.status);
-        assert!(
-            still_echoes(&mut client),
-            "acme's old token killed the connection of acme created again (answer {answer:?})"
-        );
-        assert_eq!(answer, Err(StatusCode::UNAUTHORIZED));
-        d.shutdown();
+        assert_the_old_token_killed_nothing(d, client, answer);
     }
 
     /// As a kill by filter: a connection listing made with a tenant token
@@ -1731,10 +1750,8 @@ mod tests {
     #[test]
     fn a_listing_begun_with_a_tenant_token_does_not_show_the_tenant_created_again() {
         let (d, st) = acme_old();
-        let gate = st.act_gate.hold.write();
-        let list = {
-            let st = st.clone();
-            std::thread::spawn(move || {
+        let (listed, _client) =
+            past_its_checks_while_acme_is_created_again(&d, &st, "the listing", |st| {
                 let q = ConnQuery {
                     tenant: None,
                     service: None,
@@ -1751,15 +1768,9 @@ mod tests {
                 ))
                 .map(|page| page.0.connections.len())
                 .map_err(|e| e.status)
-            })
-        };
-        wait_until("the listing never passed its checks", || {
-            st.act_gate.passed.load(Relaxed) > 0
-        });
-        let _client = acme_again(&d);
-        drop(gate);
+            });
         assert_eq!(
-            list.join().unwrap(),
+            listed,
             Err(StatusCode::UNAUTHORIZED),
             "acme's old token listed the connections of acme created again"
         );
