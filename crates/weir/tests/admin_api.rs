@@ -64,6 +64,15 @@ fn call(
     })
 }
 
+/// Requests made with the full token whose answer is checked for its
+/// status alone: each `(method, path, body, status)`.
+fn statuses(app: &Router, requests: &[(&str, &str, Option<&str>, u16)]) {
+    for &(method, path, body, want) in requests {
+        let (s, v) = call(app, method, path, Some(FULL), body);
+        assert_eq!(s.as_u16(), want, "{method} {path} {body:?}: {v}");
+    }
+}
+
 /// A concrete path for a route template.
 fn fill(path: &str) -> String {
     path.replace("{tenant}", "acme")
@@ -138,14 +147,6 @@ fn tenants_resource() {
     );
     assert_eq!(s, StatusCode::CONFLICT, "{v}");
     assert_eq!(v["error"], "conflict");
-    let (s, _) = call(
-        &app,
-        "POST",
-        "/v1/tenants",
-        Some(FULL),
-        Some(r#"{"name":"x","table_entries":1000}"#),
-    );
-    assert_eq!(s, StatusCode::BAD_REQUEST, "Invalid maps to 400");
     let (s, v) = call(
         &app,
         "POST",
@@ -161,14 +162,16 @@ fn tenants_resource() {
         v["message"].as_str().unwrap().contains("invalid JSON"),
         "{v}"
     );
-    let (s, _) = call(
+    let t = "/v1/tenants";
+    statuses(
         &app,
-        "POST",
-        "/v1/tenants",
-        Some(FULL),
-        Some(r#"{"name":"y","bogus":1}"#),
+        &[
+            // Invalid maps to 400.
+            ("POST", t, Some(r#"{"name":"x","table_entries":1000}"#), 400),
+            // Unknown fields are refused.
+            ("POST", t, Some(r#"{"name":"y","bogus":1}"#), 400),
+        ],
     );
-    assert_eq!(s, StatusCode::BAD_REQUEST, "unknown fields are refused");
 
     // PUT: the body's keys replace, omitted keys keep their value.
     let tenant = |name: &str| {
@@ -229,24 +232,21 @@ fn tenants_resource() {
     );
     assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
     assert!(v["message"].as_str().unwrap().contains("renamed"), "{v}");
-    let (s, _) = call(
+    let acme = "/v1/tenants/acme";
+    statuses(
         &app,
-        "PUT",
-        "/v1/tenants/acme",
-        Some(FULL),
-        Some(r#"{"bogus":1}"#),
+        &[
+            // Unknown fields are refused.
+            ("PUT", acme, Some(r#"{"bogus":1}"#), 400),
+            ("PUT", acme, Some("[1]"), 400),
+            (
+                "PUT",
+                "/v1/tenants/nobody",
+                Some(r#"{"max_connections":1}"#),
+                404,
+            ),
+        ],
     );
-    assert_eq!(s, StatusCode::BAD_REQUEST, "unknown fields are refused");
-    let (s, _) = call(&app, "PUT", "/v1/tenants/acme", Some(FULL), Some("[1]"));
-    assert_eq!(s, StatusCode::BAD_REQUEST);
-    let (s, _) = call(
-        &app,
-        "PUT",
-        "/v1/tenants/nobody",
-        Some(FULL),
-        Some(r#"{"max_connections":1}"#),
-    );
-    assert_eq!(s, StatusCode::NOT_FOUND);
 
     let (s, v) = call(&app, "DELETE", "/v1/tenants/acme", Some(FULL), None);
     assert_eq!(s, StatusCode::OK);
@@ -290,32 +290,31 @@ fn services_resource() {
                    "scheduler":"rr","backend":[{"address":"10.1.0.9:443"}]}"#;
     let (s, v) = call(&app, "POST", "/v1/services", Some(FULL), Some(body));
     assert_eq!(s, StatusCode::CREATED, "{v}");
-    let (s, _) = call(&app, "POST", "/v1/services", Some(FULL), Some(body));
-    assert_eq!(s, StatusCode::CONFLICT);
-    let (s, _) = call(
+    let svcs = "/v1/services";
+    statuses(
         &app,
-        "POST",
-        "/v1/services",
-        Some(FULL),
-        Some(r#"{"tenant":"nope","name":"x","protocol":"tcp","listen":"1.2.3.4:1"}"#),
+        &[
+            ("POST", svcs, Some(body), 409),
+            (
+                "POST",
+                svcs,
+                Some(r#"{"tenant":"nope","name":"x","protocol":"tcp","listen":"1.2.3.4:1"}"#),
+                404,
+            ),
+            (
+                "POST",
+                svcs,
+                Some(r#"{"tenant":"acme","name":"x","protocol":"sctp","listen":"1.2.3.4:1"}"#),
+                400,
+            ),
+            (
+                "POST",
+                svcs,
+                Some(r#"{"tenant":"acme","name":"x","protocol":"tcp","listen":"not-an-address"}"#),
+                400,
+            ),
+        ],
     );
-    assert_eq!(s, StatusCode::NOT_FOUND);
-    let (s, v) = call(
-        &app,
-        "POST",
-        "/v1/services",
-        Some(FULL),
-        Some(r#"{"tenant":"acme","name":"x","protocol":"sctp","listen":"1.2.3.4:1"}"#),
-    );
-    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
-    let (s, _) = call(
-        &app,
-        "POST",
-        "/v1/services",
-        Some(FULL),
-        Some(r#"{"tenant":"acme","name":"x","protocol":"tcp","listen":"not-an-address"}"#),
-    );
-    assert_eq!(s, StatusCode::BAD_REQUEST);
 
     let (s, v) = call(&app, "GET", "/v1/services/acme/api", Some(FULL), None);
     assert_eq!(s, StatusCode::OK);
@@ -340,29 +339,18 @@ fn services_resource() {
     );
     assert_eq!(s, StatusCode::BAD_REQUEST);
     assert!(v["message"].as_str().unwrap().contains("renamed"), "{v}");
-    let (s, _) = call(
+    let api = "/v1/services/acme/api";
+    let edit = r#"{"protocol":"tcp","listen":"10.0.0.1:443"}"#;
+    statuses(
         &app,
-        "PUT",
-        "/v1/services/acme/api",
-        Some(FULL),
-        Some("[1,2]"),
+        &[
+            ("PUT", api, Some("[1,2]"), 400),
+            ("PUT", "/v1/services/acme/nope", Some(edit), 404),
+            ("DELETE", api, None, 200),
+            ("DELETE", api, None, 404),
+            ("GET", api, None, 404),
+        ],
     );
-    assert_eq!(s, StatusCode::BAD_REQUEST);
-    let (s, _) = call(
-        &app,
-        "PUT",
-        "/v1/services/acme/nope",
-        Some(FULL),
-        Some(r#"{"protocol":"tcp","listen":"10.0.0.1:443"}"#),
-    );
-    assert_eq!(s, StatusCode::NOT_FOUND);
-
-    let (s, _) = call(&app, "DELETE", "/v1/services/acme/api", Some(FULL), None);
-    assert_eq!(s, StatusCode::OK);
-    let (s, _) = call(&app, "DELETE", "/v1/services/acme/api", Some(FULL), None);
-    assert_eq!(s, StatusCode::NOT_FOUND);
-    let (s, _) = call(&app, "GET", "/v1/services/acme/api", Some(FULL), None);
-    assert_eq!(s, StatusCode::NOT_FOUND);
     // Requests about one tenant or service read that one: never a copy of
     // the whole configuration (O(all services) per request before).
     assert_eq!(fake.st.lock().unwrap().running_config_calls, 0);
@@ -381,120 +369,61 @@ fn backends_resource() {
     );
     assert_eq!(s, StatusCode::CREATED, "{v}");
     assert_eq!(fake.backend_weight("acme", "web", "10.1.0.3:8080"), Some(5));
-    let (s, _) = call(
+    statuses(
         &app,
-        "POST",
-        base,
-        Some(FULL),
-        Some(r#"{"address":"10.1.0.3:8080"}"#),
+        &[
+            ("POST", base, Some(r#"{"address":"10.1.0.3:8080"}"#), 409),
+            ("POST", base, Some(r#"{"address":"10.1.0.3"}"#), 400),
+            (
+                "POST",
+                "/v1/services/acme/nope/backends",
+                Some(r#"{"address":"10.1.0.3:1"}"#),
+                404,
+            ),
+        ],
     );
-    assert_eq!(s, StatusCode::CONFLICT);
-    let (s, _) = call(
-        &app,
-        "POST",
-        base,
-        Some(FULL),
-        Some(r#"{"address":"10.1.0.3"}"#),
-    );
-    assert_eq!(s, StatusCode::BAD_REQUEST);
-    let (s, _) = call(
-        &app,
-        "POST",
-        "/v1/services/acme/nope/backends",
-        Some(FULL),
-        Some(r#"{"address":"10.1.0.3:1"}"#),
-    );
-    assert_eq!(s, StatusCode::NOT_FOUND);
 
-    let (s, _) = call(
-        &app,
-        "PUT",
-        &format!("{base}/10.1.0.3:8080"),
-        Some(FULL),
-        Some(r#"{"weight":9}"#),
-    );
+    let one = format!("{base}/10.1.0.3:8080");
+    let (s, _) = call(&app, "PUT", &one, Some(FULL), Some(r#"{"weight":9}"#));
     assert_eq!(s, StatusCode::OK);
     assert_eq!(fake.backend_weight("acme", "web", "10.1.0.3:8080"), Some(9));
-    let (s, _) = call(
-        &app,
-        "PUT",
-        &format!("{base}/10.1.0.3:8080"),
-        Some(FULL),
-        Some(r#"{"drain":false}"#),
-    );
+    let (s, _) = call(&app, "PUT", &one, Some(FULL), Some(r#"{"drain":false}"#));
     assert_eq!(s, StatusCode::OK);
     assert_eq!(
         fake.backend_weight("acme", "web", "10.1.0.3:8080"),
         Some(0),
         "drained"
     );
-    let (s, _) = call(
+    let weight = Some(r#"{"weight":1}"#);
+    statuses(
         &app,
-        "PUT",
-        &format!("{base}/10.1.0.3:8080"),
-        Some(FULL),
-        Some(r#"{"weight":-1}"#),
+        &[
+            ("PUT", &one, Some(r#"{"weight":-1}"#), 400),
+            // Typos are refused.
+            ("PUT", &one, Some(r#"{"wieght":1}"#), 400),
+            ("PUT", &format!("{base}/garbage"), weight, 400),
+            ("PUT", &format!("{base}/10.9.9.9:1"), weight, 404),
+        ],
     );
-    assert_eq!(s, StatusCode::BAD_REQUEST);
-    let (s, _) = call(
-        &app,
-        "PUT",
-        &format!("{base}/10.1.0.3:8080"),
-        Some(FULL),
-        Some(r#"{"wieght":1}"#),
-    );
-    assert_eq!(s, StatusCode::BAD_REQUEST, "typos are refused");
-    let (s, v) = call(
-        &app,
-        "PUT",
-        &format!("{base}/garbage"),
-        Some(FULL),
-        Some(r#"{"weight":1}"#),
-    );
-    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
-    let (s, _) = call(
-        &app,
-        "PUT",
-        &format!("{base}/10.9.9.9:1"),
-        Some(FULL),
-        Some(r#"{"weight":1}"#),
-    );
-    assert_eq!(s, StatusCode::NOT_FOUND);
 
     // IPv6, percent-encoded, normalised.
-    let (s, v) = call(
+    statuses(
         &app,
-        "POST",
-        base,
-        Some(FULL),
-        Some(r#"{"address":"[2001:db8::1]:80"}"#),
+        &[
+            ("POST", base, Some(r#"{"address":"[2001:db8::1]:80"}"#), 201),
+            (
+                "DELETE",
+                &format!("{base}/%5B2001:db8:0::1%5D:80"),
+                None,
+                200,
+            ),
+        ],
     );
-    assert_eq!(s, StatusCode::CREATED, "{v}");
-    let (s, v) = call(
-        &app,
-        "DELETE",
-        &format!("{base}/%5B2001:db8:0::1%5D:80"),
-        Some(FULL),
-        None,
-    );
-    assert_eq!(s, StatusCode::OK, "{v}");
 
-    let (s, _) = call(
-        &app,
-        "DELETE",
-        &format!("{base}/10.1.0.3:8080"),
-        Some(FULL),
-        None,
-    );
+    let (s, _) = call(&app, "DELETE", &one, Some(FULL), None);
     assert_eq!(s, StatusCode::OK);
     assert_eq!(fake.backend_weight("acme", "web", "10.1.0.3:8080"), None);
-    let (s, _) = call(
-        &app,
-        "DELETE",
-        &format!("{base}/10.1.0.3:8080"),
-        Some(FULL),
-        None,
-    );
+    let (s, _) = call(&app, "DELETE", &one, Some(FULL), None);
     assert_eq!(s, StatusCode::NOT_FOUND);
 }
 
@@ -549,23 +478,18 @@ fn connections_pages_filters_and_kills() {
     let (s, _) = call(&app, "GET", "/v1/connections?cursor=zzz", Some(FULL), None);
     assert_eq!(s, StatusCode::BAD_REQUEST, "the Control's Invalid cursor");
 
-    let (s, _) = call(&app, "DELETE", "/v1/connections/100", Some(FULL), None);
-    assert_eq!(s, StatusCode::OK);
-    let (s, _) = call(&app, "DELETE", "/v1/connections/100", Some(FULL), None);
-    assert_eq!(s, StatusCode::NOT_FOUND);
-    let (s, _) = call(&app, "DELETE", "/v1/connections/abc", Some(FULL), None);
-    assert_eq!(s, StatusCode::BAD_REQUEST);
-
-    let (s, v) = call(&app, "POST", "/v1/connections/kill", Some(FULL), Some("{}"));
-    assert_eq!(s, StatusCode::BAD_REQUEST, "empty filter needs all: {v}");
-    let (s, v) = call(
+    let kill = "/v1/connections/kill";
+    statuses(
         &app,
-        "POST",
-        "/v1/connections/kill",
-        Some(FULL),
-        Some(r#"{"all":"yes"}"#),
+        &[
+            ("DELETE", "/v1/connections/100", None, 200),
+            ("DELETE", "/v1/connections/100", None, 404),
+            ("DELETE", "/v1/connections/abc", None, 400),
+            // An empty filter needs all.
+            ("POST", kill, Some("{}"), 400),
+            ("POST", kill, Some(r#"{"all":"yes"}"#), 400),
+        ],
     );
-    assert_eq!(s, StatusCode::BAD_REQUEST, "{v}");
     let (s, v) = call(
         &app,
         "POST",
