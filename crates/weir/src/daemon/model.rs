@@ -2550,14 +2550,7 @@ pub(crate) mod tests {
     fn a_count_below_zero_for_a_moment_reads_as_zero() {
         let mut s = spec("default", "l", Protocol::Tcp);
         s.scheduler = crate::config::parse_scheduler("lc").unwrap();
-        for port in [1, 2] {
-            s.backends.push(BackendSpec {
-                address: SocketAddr::from(([127, 0, 0, 9], port)),
-                weight: 1,
-                proxy_protocol: None,
-                max_connections: 0,
-            });
-        }
+        s.backends = vec![backend_at(1), backend_at(2)];
         let d = daemon(vec![s], None);
         let svc = d.shared.model.load().services[&key("default", "l")].clone();
         let set = svc.set.load_full();
@@ -2584,14 +2577,7 @@ pub(crate) mod tests {
         use crate::control::BackendPatch;
         use std::sync::atomic::Ordering::{Acquire, Release};
         let mut s = spec("default", "t", Protocol::Tcp);
-        for port in [1, 2] {
-            s.backends.push(BackendSpec {
-                address: SocketAddr::from(([127, 0, 0, 9], port)),
-                weight: 1,
-                proxy_protocol: None,
-                max_connections: 0,
-            });
-        }
+        s.backends = vec![backend_at(1), backend_at(2)];
         let d = daemon(vec![s], None);
         let svc = d.shared.model.load().services[&key("default", "t")].clone();
         let c = d.control();
@@ -2696,10 +2682,7 @@ pub(crate) mod tests {
             let d = daemon(Vec::new(), Some(&path));
             let mut cfg = d.control().running_config();
             cfg.services = udp_services(n);
-            std::fs::write(&path, toml::to_string(&cfg).unwrap()).unwrap();
-            let before = d.shared.model.copies.load(Relaxed);
-            let report = d.control().reload(Default::default()).unwrap();
-            let copies = d.shared.model.copies.load(Relaxed) - before;
+            let (report, copies) = reload_counting_copies(&d, &path, &cfg);
             assert_eq!(report.added.len(), n);
             let st = d.shared.model.load();
             assert_eq!(st.services.len(), n);
@@ -2784,6 +2767,19 @@ pub(crate) mod tests {
         let file = toml::to_string(&d.control().running_config()).unwrap();
         std::fs::write(&path, file).unwrap();
         (d, dir)
+    }
+
+    /// `d` reloads `cfg`, written first to `path` (the file `d` reloads).
+    /// The reload's report, and how many times it copied the model.
+    fn reload_counting_copies(
+        d: &crate::daemon::DaemonHandle,
+        path: &std::path::Path,
+        cfg: &Config,
+    ) -> (crate::control::ReloadReport, u64) {
+        std::fs::write(path, toml::to_string(cfg).unwrap()).unwrap();
+        let before = d.shared.model.copies.load(Relaxed);
+        let report = d.control().reload(Default::default()).unwrap();
+        (report, d.shared.model.copies.load(Relaxed) - before)
     }
 
     /// `n` UDP services of `tenant` on port 0 (named `s0`...).
@@ -3021,13 +3017,10 @@ pub(crate) mod tests {
             // Keep s0..s2, remove the rest.
             cfg.services
                 .retain(|s| ["s0", "s1", "s2"].contains(&s.name.as_str()));
-            std::fs::write(&path, toml::to_string(&cfg).unwrap()).unwrap();
             let kept: Vec<Arc<Service>> = (0..3)
                 .map(|i| d.shared.model.load().services[&key("default", &format!("s{i}"))].clone())
                 .collect();
-            let before = d.shared.model.copies.load(Relaxed);
-            let report = d.control().reload(Default::default()).unwrap();
-            let copies = d.shared.model.copies.load(Relaxed) - before;
+            let (report, copies) = reload_counting_copies(&d, &path, &cfg);
             assert_eq!(report.removed.len(), n);
             let st = d.shared.model.load();
             assert_eq!(st.services.len(), 3);
@@ -3341,10 +3334,7 @@ pub(crate) mod tests {
             let mut cfg = d.control().running_config();
             cfg.tenants.retain(|t| t.name == "stays");
             cfg.services.retain(|s| s.tenant == "stays");
-            std::fs::write(&path, toml::to_string(&cfg).unwrap()).unwrap();
-            let before = d.shared.model.copies.load(Relaxed);
-            let report = d.control().reload(Default::default()).unwrap();
-            let copies = d.shared.model.copies.load(Relaxed) - before;
+            let (report, copies) = reload_counting_copies(&d, &path, &cfg);
             assert_eq!(report.removed.len(), 2 * n, "{:?}", report.removed);
             let st = d.shared.model.load();
             let mut names: Vec<_> = st.tenants.keys().cloned().collect();
@@ -3486,10 +3476,7 @@ pub(crate) mod tests {
             let mut cfg = d.control().running_config();
             cfg.tenants[0].max_connections = 7;
             cfg.tenants.extend(tenant_specs(n));
-            std::fs::write(&path, toml::to_string(&cfg).unwrap()).unwrap();
-            let before = d.shared.model.copies.load(Relaxed);
-            let report = d.control().reload(Default::default()).unwrap();
-            let copies = d.shared.model.copies.load(Relaxed) - before;
+            let (report, copies) = reload_counting_copies(&d, &path, &cfg);
             assert_eq!(report.added.len(), n);
             assert_eq!(report.changed, ["tenant a"]);
             let st = d.shared.model.load();
@@ -3585,14 +3572,8 @@ pub(crate) mod tests {
     /// one never drained out of `removed`).
     #[test]
     fn a_backend_added_back_while_its_removed_one_drains_has_its_own_id() {
-        let backend = |port: u16| BackendSpec {
-            address: SocketAddr::from(([127, 0, 0, 9], port)),
-            weight: 1,
-            proxy_protocol: None,
-            max_connections: 0,
-        };
         let mut s = spec("default", "s", Protocol::Tcp);
-        s.backends = vec![backend(2000), backend(2001)];
+        s.backends = vec![backend_at(2000), backend_at(2001)];
         let d = daemon_with_tenants(&[], vec![s]);
         let control = d.control();
         let svc = d.shared.model.load().services[&key("default", "s")].clone();
@@ -3603,7 +3584,7 @@ pub(crate) mod tests {
             .delete_backend("default", "s", &old.addr.to_string())
             .unwrap();
         control
-            .add_backend("default", "s", backend(old.addr.port()))
+            .add_backend("default", "s", backend_at(old.addr.port()))
             .unwrap();
         let new = svc
             .set
@@ -3894,12 +3875,7 @@ pub(crate) mod tests {
     fn a_release_leaves_a_newer_template_of_its_service_held() {
         let mut s = spec("default", "p", Protocol::Tcp);
         s.persistence = "300s".parse().unwrap();
-        s.backends.push(BackendSpec {
-            address: SocketAddr::from(([127, 0, 0, 9], 2000)),
-            weight: 1,
-            proxy_protocol: None,
-            max_connections: 0,
-        });
+        s.backends.push(backend_at(2000));
         let d = daemon_with_tenants(&[], vec![s]);
         let shared = d.shared.clone();
         let table = &shared.conns.table;
