@@ -2677,9 +2677,7 @@ pub(crate) mod tests {
         assert_eq!(start(300), start(1));
 
         let reload = |n: usize| {
-            let dir = tempfile::tempdir().unwrap();
-            let path = dir.path().join("weir.toml");
-            let d = daemon(Vec::new(), Some(&path));
+            let (d, _dir, path) = daemon_with_a_file(Vec::new());
             let mut cfg = d.control().running_config();
             cfg.services = udp_services(n);
             let (report, copies) = reload_counting_copies(&d, &path, &cfg);
@@ -2761,12 +2759,26 @@ pub(crate) mod tests {
     /// (in the directory returned with it) that holds its running
     /// configuration: a reload changes nothing.
     fn daemon_reloading_itself() -> (crate::daemon::DaemonHandle, tempfile::TempDir) {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("weir.toml");
-        let d = daemon(Vec::new(), Some(&path));
+        let (d, dir, path) = daemon_with_a_file(Vec::new());
         let file = toml::to_string(&d.control().running_config()).unwrap();
         std::fs::write(&path, file).unwrap();
         (d, dir)
+    }
+
+    /// A daemon with one worker and these services, and the path of the
+    /// config file it reloads (not written yet), in the directory returned
+    /// with them.
+    fn daemon_with_a_file(
+        services: Vec<ServiceSpec>,
+    ) -> (
+        crate::daemon::DaemonHandle,
+        tempfile::TempDir,
+        std::path::PathBuf,
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("weir.toml");
+        let d = daemon(services, Some(&path));
+        (d, dir, path)
     }
 
     /// `d` reloads `cfg`, written first to `path` (the file `d` reloads).
@@ -3010,9 +3022,7 @@ pub(crate) mod tests {
         assert_eq!(delete_tenant(1), 2);
 
         let reload = |n: usize| {
-            let dir = tempfile::tempdir().unwrap();
-            let path = dir.path().join("weir.toml");
-            let d = daemon(udp_services(n + 3), Some(&path));
+            let (d, _dir, path) = daemon_with_a_file(udp_services(n + 3));
             let mut cfg = d.control().running_config();
             // Keep s0..s2, remove the rest.
             cfg.services
