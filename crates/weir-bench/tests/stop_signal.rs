@@ -7,45 +7,46 @@
 //! and trafgen is sending (the first row, `direct`, runs no weir, so no
 //! weir binary has to be built for it). Needs root and the packet suite's
 //! tools; skipped with a message otherwise.
+//!
+//! The bench runs as the leader of a session of its own (`setsid`), and its
+//! processes are told by their session: a walk of its descendants, as the
+//! bench itself makes, would not see one reparented away from it.
 
 use std::fs::File;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill};
+use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid};
 use nix::unistd::Pid;
 
-/// `pid` and all its descendants (from `/proc/PID/task/TID/children`).
-fn tree(pid: u32) -> Vec<u32> {
-    let mut out = vec![pid];
-    let mut i = 0;
-    while i < out.len() && out.len() < 4096 {
-        if let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", out[i])) {
-            for t in tasks.flatten() {
-                let children =
-                    std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
-                out.extend(
-                    children
-                        .split_whitespace()
-                        .filter_map(|c| c.parse::<u32>().ok()),
-                );
+/// The live (not zombie) processes of session `sid`, with command name and
+/// start time. The bench is started as a session's leader (`setsid`), so
+/// these are the processes it started and theirs, wherever they were
+/// reparented, unless one made a session of its own.
+fn session(sid: u32) -> Vec<(u32, String, u64)> {
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    procs
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|p| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+            let comm = stat.get(stat.find('(')? + 1..stat.rfind(')')?)?.to_string();
+            // Fields after the command: state, ppid, pgrp, session, ...,
+            // start time (field 22).
+            let f: Vec<&str> = stat
+                .get(stat.rfind(')')? + 2..)?
+                .split_whitespace()
+                .collect();
+            if matches!(*f.first()?, "Z" | "X") || f.get(3)?.parse::<u32>().ok()? != sid {
+                return None;
             }
-        }
-        i += 1;
-    }
-    out
-}
-
-/// The command name and start time of a live, non-zombie process.
-fn comm_and_start(pid: u32) -> Option<(String, u64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let comm = stat.get(stat.find('(')? + 1..stat.rfind(')')?)?.to_string();
-    let mut f = stat.get(stat.rfind(')')? + 2..)?.split_whitespace();
-    if matches!(f.next()?, "Z" | "X") {
-        return None;
-    }
-    Some((comm, f.nth(18)?.parse().ok()?))
+            Some((p, comm, f.get(19)?.parse().ok()?))
+        })
+        .collect()
 }
 
 /// The namespaces whose names start with `prefix`.
@@ -60,26 +61,126 @@ fn namespaces(prefix: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Whatever the bench left behind, removed when the test ends however it
-/// ends, so a failure here does not also break the next run.
-struct Leftovers {
+/// A bench run started by [`Run::start`]. Whatever it left behind is
+/// removed when the test ends however it ends, so a failure here does not
+/// also break the next run.
+struct Run {
     bench: Child,
+    log: PathBuf,
+    _log_dir: tempfile::TempDir,
+    /// Namespaces of the run start with this; any left are removed at the
+    /// end of a packet run (after another, one of that name is not ours).
     ns_prefix: String,
-    /// (pid, start time) of the bench's descendants seen while it ran.
+    makes_namespaces: bool,
+    /// (pid, start time) of the run's processes seen so far.
     procs: Vec<(u32, u64)>,
 }
 
-impl Drop for Leftovers {
+impl Run {
+    /// Starts `weir-bench ARGS` as the leader of a new session, its output
+    /// to a log file. None (skipped, with a message) without `setsid`.
+    fn start(args: &[&str], env: &[(&str, &str)]) -> Option<Run> {
+        if Command::new("setsid").arg("--version").output().is_err() {
+            eprintln!("skipped: needs setsid");
+            return None;
+        }
+        let log_dir = tempfile::tempdir().unwrap();
+        let log = log_dir.path().join("bench.log");
+        let out = File::create(&log).unwrap();
+        // setsid execs the bench in place (its child is no group leader, so
+        // it does not fork): the session's id is the bench's pid.
+        let bench = Command::new("setsid")
+            .arg(env!("CARGO_BIN_EXE_weir-bench"))
+            .args(args)
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap();
+        // Topo's namespace names: "wb" + the bench's pid mod 100000 + "-" + role.
+        let ns_prefix = format!("wb{}-", bench.id() % 100_000);
+        Some(Run {
+            bench,
+            log,
+            _log_dir: log_dir,
+            ns_prefix,
+            makes_namespaces: args.first() == Some(&"packet"),
+            procs: Vec::new(),
+        })
+    }
+
+    fn pid(&self) -> u32 {
+        self.bench.id()
+    }
+
+    fn tail(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The run's live processes but the bench, each noted for the cleanup.
+    fn processes(&mut self) -> Vec<(u32, String, u64)> {
+        let procs: Vec<_> = session(self.pid())
+            .into_iter()
+            .filter(|&(p, _, _)| p != self.pid())
+            .collect();
+        for &(p, _, s) in &procs {
+            if !self.procs.contains(&(p, s)) {
+                self.procs.push((p, s));
+            }
+        }
+        procs
+    }
+
+    /// Panics, with the log, if the bench has exited.
+    fn assert_running(&mut self, waiting_for: &str) {
+        if let Some(st) = self.bench.try_wait().unwrap() {
+            panic!(
+                "weir-bench exited ({st}) before {waiting_for}:\n{}",
+                self.tail()
+            );
+        }
+    }
+
+    /// Waits (bounded) for the bench to exit, and returns its status with
+    /// the processes of the run still live then. They are read while the
+    /// bench is a zombie, not yet reaped: its pid, the session's id, is not
+    /// free for another session meanwhile.
+    fn exit(&mut self, within: Duration, after: &str) -> (ExitStatus, Vec<(u32, String)>) {
+        let deadline = Instant::now() + within;
+        let me = Pid::from_raw(self.pid() as i32);
+        let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT | WaitPidFlag::WNOHANG;
+        while matches!(waitid(Id::Pid(me), flags), Ok(WaitStatus::StillAlive)) {
+            assert!(
+                Instant::now() < deadline,
+                "weir-bench still running {within:?} after {after}:\n{}",
+                self.tail()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let left = self
+            .processes()
+            .into_iter()
+            .map(|(p, c, _)| (p, c))
+            .collect();
+        (self.bench.wait().unwrap(), left)
+    }
+}
+
+impl Drop for Run {
     fn drop(&mut self) {
         let _ = self.bench.kill();
         let _ = self.bench.wait();
-        for &(p, start) in &self.procs {
-            if comm_and_start(p).is_some_and(|(_, s)| s == start) {
+        // Only those noted: the pid and start time name one process.
+        for (p, _, start) in session(self.pid()) {
+            if self.procs.contains(&(p, start)) {
                 let _ = kill(Pid::from_raw(p as i32), Signal::SIGKILL);
             }
         }
-        for ns in namespaces(&self.ns_prefix) {
-            let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+        if self.makes_namespaces {
+            for ns in namespaces(&self.ns_prefix) {
+                let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+            }
         }
     }
 }
@@ -112,88 +213,47 @@ fn stopped_mid_run(sig: Signal, code: i32) {
             return;
         }
     }
-    let log_dir = tempfile::tempdir().unwrap();
-    let log = log_dir.path().join("bench.log");
-    let out = File::create(&log).unwrap();
-    let bench = Command::new(env!("CARGO_BIN_EXE_weir-bench"))
-        .args(["packet", "--quick", "--only", "udp"])
-        // The `direct` row runs none; the suite only checks the file is named.
-        .env("WEIR_BIN", "/bin/false")
-        .stdin(Stdio::null())
-        .stdout(out.try_clone().unwrap())
-        .stderr(out)
-        .spawn()
-        .unwrap();
-    let pid = bench.id();
-    // Topo's namespace names: "wb" + the bench's pid mod 100000 + "-" + role.
-    let mut left = Leftovers {
-        bench,
-        ns_prefix: format!("wb{}-", pid % 100_000),
-        procs: Vec::new(),
+    // The `direct` row runs no weir; the suite only checks the file is named.
+    let Some(mut run) = Run::start(
+        &["packet", "--quick", "--only", "udp"],
+        &[("WEIR_BIN", "/bin/false")],
+    ) else {
+        return;
     };
-    let tail = |log: &Path| std::fs::read_to_string(log).unwrap_or_default();
 
     // Up: the client namespace exists and trafgen runs in it.
     let deadline = Instant::now() + Duration::from_secs(20);
+    let cl = Path::new("/run/netns").join(format!("{}cl", run.ns_prefix));
     loop {
-        if let Some(st) = left.bench.try_wait().unwrap() {
-            panic!(
-                "weir-bench exited ({st}) before trafgen ran:\n{}",
-                tail(&log)
-            );
-        }
-        let cl = Path::new("/run/netns").join(format!("{}cl", left.ns_prefix));
-        let procs: Vec<(u32, String, u64)> = tree(pid)
-            .into_iter()
-            .filter(|&p| p != pid)
-            .filter_map(|p| comm_and_start(p).map(|(c, s)| (p, c, s)))
-            .collect();
-        if cl.exists() && procs.iter().any(|(_, c, _)| c == "trafgen") {
-            left.procs = procs.into_iter().map(|(p, _, s)| (p, s)).collect();
+        run.assert_running("trafgen ran");
+        if cl.exists() && run.processes().iter().any(|(_, c, _)| c == "trafgen") {
             break;
         }
         assert!(
             Instant::now() < deadline,
             "no trafgen in 20 s:\n{}",
-            tail(&log)
+            run.tail()
         );
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(
-        namespaces(&left.ns_prefix).len(),
+        namespaces(&run.ns_prefix).len(),
         5,
         "the topology's namespaces"
     );
 
-    kill(Pid::from_raw(pid as i32), sig).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(st) = left.bench.try_wait().unwrap() {
-            break st;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "weir-bench still running 10 s after {sig}:\n{}",
-            tail(&log)
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    kill(Pid::from_raw(run.pid() as i32), sig).unwrap();
+    let (status, alive) = run.exit(Duration::from_secs(10), sig.as_str());
     assert_eq!(
         status.code(),
         Some(code),
         "exit status after {sig} ({status}):\n{}",
-        tail(&log)
+        run.tail()
     );
     assert_eq!(
-        namespaces(&left.ns_prefix),
+        namespaces(&run.ns_prefix),
         Vec::<String>::new(),
         "namespaces left behind"
     );
-    let alive: Vec<_> = left
-        .procs
-        .iter()
-        .filter(|&&(p, s)| comm_and_start(p).is_some_and(|(_, now)| now == s))
-        .map(|&(p, _)| (p, comm_and_start(p).map(|(c, _)| c)))
-        .collect();
     assert!(alive.is_empty(), "processes left behind: {alive:?}");
 }
