@@ -50,6 +50,10 @@ enum Suite {
     /// One flow-table operation in a loop, for `perf stat` / callgrind
     /// counts per operation (not a race; not part of `all`).
     Ops(ops::OpsArgs),
+    /// Test hook for tests/stop_signal.rs (hidden): leaves an orphan and
+    /// waits on a child, as peers do (see [`signals::stop_test`]).
+    #[command(hide = true)]
+    StopTest(signals::StopTestArgs),
 }
 
 /// Options every suite takes.
@@ -84,6 +88,8 @@ type SuiteFn = fn(&Common) -> Result<serde_json::Value>;
 
 fn main() -> Result<()> {
     signals::install()?;
+    // Dropped last: stops what the run left live, however it ends.
+    let _leftovers = signals::StopLeftovers;
     let out = run(Cli::parse());
     // Not exit(1) for an error that a signal's teardown caused (it exits 130 or 143).
     signals::wait_if_stopping();
@@ -99,6 +105,7 @@ fn run(cli: Cli) -> Result<()> {
         Suite::Packet(c) => (c, vec![("packet", packet::run)]),
         Suite::Soak(a) => return soak::run(&a),
         Suite::Ops(a) => return ops::run(&a),
+        Suite::StopTest(a) => return signals::stop_test(&a),
         Suite::All(c) => (
             c,
             vec![

@@ -11,10 +11,22 @@
 //!   `/proc` rather than registered, so that a child of any of the suites'
 //!   many `Command`s (weir, the peers, trafgen, wrk, iperf3, curl, `ip netns
 //!   exec ...`) is found; one that leads its own process group (trafgen, whose
-//!   senders are forked) is killed with its group;
+//!   senders are forked) is killed with its group. The bench is a child
+//!   subreaper, so an orphan of the run (a daemon that double-forks, a
+//!   shell's background job whose shell exited, a worker whose master went
+//!   first) becomes its child instead of init's and is still a descendant;
 //! * the network namespaces made through [`create_netns`] (their veths go
 //!   with them);
 //! * the directories named to [`remove_dir_on_signal`].
+//!
+//! A run that ends without a signal (done, an error, a panic) stops what is
+//! still live of it the same way ([`StopLeftovers`]): an adopted orphan no
+//! guard knew of would otherwise be handed to init at the bench's exit and
+//! run on. An adopted orphan that exits stays a zombie until the bench
+//! exits (nothing waits for it: `Child` waits for its own pid, and a wait
+//! for any child could take the status of one the main thread waits on);
+//! a run adopts a few (trafgen's sender, a peer's worker), each a pid and a
+//! few KB of the kernel's memory, which the exit gives back.
 //!
 //! The registry stays locked from the signal to the exit, so the main thread
 //! can neither add a namespace behind the teardown's back nor, through
@@ -26,7 +38,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
+use clap::Args;
 use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
 
@@ -55,6 +68,9 @@ fn registry() -> MutexGuard<'static, Registry> {
 /// (see the module doc) and exits with 130 or 143. Call once, first thing,
 /// so that no child is started before it.
 pub(crate) fn install() -> Result<()> {
+    // Orphans of the run reparent to the bench, where the walk of its
+    // descendants finds them (see the module doc).
+    nix::sys::prctl::set_child_subreaper(true).context("PR_SET_CHILD_SUBREAPER")?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .build()
@@ -108,6 +124,24 @@ pub(crate) fn forget_dir(dir: &Path) {
     registry().dirs.retain(|d| d != dir);
 }
 
+/// Held by `main`: when dropped, at the end of a run however it ends
+/// (a panic too), stops every process of the run still live, and says
+/// which, since one a guard left behind is a leak to fix.
+#[derive(Debug)]
+pub(crate) struct StopLeftovers;
+
+impl Drop for StopLeftovers {
+    fn drop(&mut self) {
+        let left = kill_descendants();
+        if !left.is_empty() {
+            eprintln!(
+                "weir-bench: stopped what the run left behind: {}",
+                left.join(", ")
+            );
+        }
+    }
+}
+
 /// Blocks for good once a signal's teardown has begun (it holds the
 /// registry until it exits the process), so that the main thread, whose
 /// children the teardown killed, neither starts the next step nor exits
@@ -125,7 +159,7 @@ fn teardown(sig: Signal) -> ! {
         "weir-bench: {sig}; stopping every process the run started, removing {} namespaces",
         reg.namespaces.len()
     );
-    kill_descendants();
+    let _ = kill_descendants();
     for ns in &reg.namespaces {
         let _ = Command::new("ip").args(["netns", "del", ns]).output();
     }
@@ -133,7 +167,7 @@ fn teardown(sig: Signal) -> ! {
         let _ = std::fs::remove_dir_all(dir);
     }
     // The main thread may have started something while the namespaces went.
-    kill_descendants();
+    let _ = kill_descendants();
     std::process::exit(128 + sig as i32)
 }
 
@@ -143,10 +177,12 @@ fn teardown(sig: Signal) -> ! {
 /// it, and a zombie is not live, so each round sees what the last one
 /// missed (children started meanwhile) and what is still on its way out:
 /// trafgen's forked sender, orphaned once its parent is reaped, can spend
-/// a while in the kernel closing its packet socket.
-fn kill_descendants() {
+/// a while in the kernel closing its packet socket. Returns what it
+/// killed, as "command (pid)".
+fn kill_descendants() -> Vec<String> {
     let me = std::process::id();
     let mut groups: Vec<u32> = Vec::new();
+    let mut killed: Vec<(u32, String)> = Vec::new();
     // Bounded (about 5 s): the main thread could in principle start
     // children forever, and a process stuck in the kernel is not ours to wait
     // for without end.
@@ -162,9 +198,13 @@ fn kill_descendants() {
         }
         live.extend(live_in_groups(&groups));
         if live.is_empty() {
-            return;
+            break;
         }
         for p in live {
+            if !killed.iter().any(|&(k, _)| k == p) {
+                let comm = std::fs::read_to_string(format!("/proc/{p}/comm")).unwrap_or_default();
+                killed.push((p, comm.trim_end().to_string()));
+            }
             let Ok(raw) = i32::try_from(p) else {
                 continue;
             };
@@ -176,6 +216,10 @@ fn kill_descendants() {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+    killed
+        .into_iter()
+        .map(|(p, comm)| format!("{comm} ({p})"))
+        .collect()
 }
 
 /// The process group of `pid` (`/proc/PID/stat` field 5).
@@ -213,4 +257,46 @@ fn stat_fields(pid: u32) -> Option<Vec<String>> {
     // The command may contain spaces and parentheses: it ends at the last ')'.
     let rest = stat.get(stat.rfind(')')? + 1..)?;
     Some(rest.split_whitespace().map(str::to_string).collect())
+}
+
+/// `weir-bench stop-test` (hidden): what a suite's peers can do to a stop,
+/// without root or peers, for tests/stop_signal.rs.
+#[derive(Debug, Args)]
+pub(crate) struct StopTestArgs {
+    /// Write the orphan's pid to this file once it (and the child) run.
+    #[arg(long, value_name = "FILE")]
+    ready: PathBuf,
+    /// Return at once instead of waiting on a child: a run that ends
+    /// normally.
+    #[arg(long)]
+    exit: bool,
+}
+
+/// Leaves an orphan, `sleep` started in the background by a shell that
+/// exits (as a daemon that double-forks does), and, unless `--exit`, starts
+/// a `sleep` child and fails when it ends, as a suite does when a peer
+/// dies; writes the orphan's pid to `--ready` once both run.
+pub(crate) fn stop_test(args: &StopTestArgs) -> Result<()> {
+    let out = Command::new("sh")
+        .args(["-c", "sleep 600 >/dev/null 2>&1 & echo $!"])
+        .output()
+        .context("starting the orphan")?;
+    let orphan: u32 = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .with_context(|| format!("the orphan's pid from sh ({})", out.status))?;
+    let child = if args.exit {
+        None
+    } else {
+        Some(Command::new("sleep").arg("600").spawn().context("sleep")?)
+    };
+    // Whole or not at all, for the test that polls it.
+    let tmp = args.ready.with_extension("tmp");
+    std::fs::write(&tmp, orphan.to_string())?;
+    std::fs::rename(&tmp, &args.ready)?;
+    if let Some(mut child) = child {
+        let st = child.wait()?;
+        bail!("sleep ended ({st})");
+    }
+    Ok(())
 }

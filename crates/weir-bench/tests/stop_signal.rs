@@ -257,3 +257,71 @@ fn stopped_mid_run(sig: Signal, code: i32) {
     );
     assert!(alive.is_empty(), "processes left behind: {alive:?}");
 }
+
+/// Starts `weir-bench stop-test EXTRA` and waits (bounded) until its
+/// orphan (and, without `--exit`, its child) run; returns the run and the
+/// orphan's pid. Needs no root: `sh` and `sleep` are its peers.
+fn stop_test(extra: &[&str]) -> Option<(Run, u32)> {
+    let dir = tempfile::tempdir().unwrap();
+    let ready = dir.path().join("orphan.pid");
+    let mut args = vec!["stop-test", "--ready", ready.to_str().unwrap()];
+    args.extend(extra);
+    let mut run = Run::start(&args, &[])?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let orphan = loop {
+        if let Ok(pid) = std::fs::read_to_string(&ready) {
+            break pid.parse::<u32>().unwrap();
+        }
+        run.assert_running("its orphan ran");
+        assert!(
+            Instant::now() < deadline,
+            "no orphan in 10 s:\n{}",
+            run.tail()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // A run that ends at once may already have stopped it.
+    if !extra.contains(&"--exit") {
+        assert!(
+            run.processes().iter().any(|&(p, _, _)| p == orphan),
+            "the orphan {orphan} is not a live process of the run"
+        );
+    }
+    Some((run, orphan))
+}
+
+/// A process the run started whose parent exited before the signal (a
+/// daemon that double-forks, `sh -c 'x &'`) is no longer the bench's
+/// descendant unless the bench adopts it: it is stopped too.
+#[test]
+fn sigterm_stops_an_orphan_of_the_run() {
+    let Some((mut run, orphan)) = stop_test(&[]) else {
+        return;
+    };
+    kill(Pid::from_raw(run.pid() as i32), Signal::SIGTERM).unwrap();
+    let (status, alive) = run.exit(Duration::from_secs(10), "SIGTERM");
+    assert_eq!(
+        status.code(),
+        Some(143),
+        "exit status after SIGTERM ({status}):\n{}",
+        run.tail()
+    );
+    assert!(
+        alive.is_empty(),
+        "processes left behind (the orphan is {orphan}): {alive:?}"
+    );
+}
+
+/// A run that ends normally leaves no orphan behind either.
+#[test]
+fn a_normal_end_stops_an_orphan_of_the_run() {
+    let Some((mut run, orphan)) = stop_test(&["--exit"]) else {
+        return;
+    };
+    let (status, alive) = run.exit(Duration::from_secs(10), "its end");
+    assert!(status.success(), "exit status ({status}):\n{}", run.tail());
+    assert!(
+        alive.is_empty(),
+        "processes left behind (the orphan is {orphan}): {alive:?}"
+    );
+}
