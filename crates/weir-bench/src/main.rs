@@ -91,8 +91,8 @@ fn main() -> Result<()> {
     // Dropped last: stops what the run left live, however it ends.
     let _leftovers = signals::StopLeftovers;
     let out = run(Cli::parse());
-    // Not exit(1) for an error that a signal's teardown caused (it exits 130 or 143).
-    signals::wait_if_stopping();
+    // Not exit(1) for an error that a stop signal caused: 130 or 143.
+    signals::exit_if_stopped();
     out
 }
 
@@ -123,7 +123,7 @@ fn run(cli: Cli) -> Result<()> {
         println!("\n## {name}\n");
         let r = f(&common);
         // A suite stopped by a signal: not the next one, nor its error.
-        signals::wait_if_stopping();
+        signals::exit_if_stopped();
         match r {
             Ok(v) => {
                 out.insert((*name).to_string(), v);

@@ -29,12 +29,17 @@
 //! few KB of the kernel's memory, which the exit gives back.
 //!
 //! The registry stays locked from the signal to the exit, so the main thread
-//! can neither add a namespace behind the teardown's back nor, through
-//! [`wait_if_stopping`], go on to its next step or exit with its own status.
+//! cannot add a namespace behind the teardown's back. The signal's handler
+//! also stores its number, which the main thread reads through
+//! [`exit_if_stopped`] after a suite and before it exits: a terminal's
+//! Ctrl-C reaches the whole foreground process group, and a child that died
+//! of it can make a suite fail before the signal thread has run; the bench
+//! then neither goes on to its next step nor exits 1, but tears down (or
+//! waits for the signal thread's teardown) and exits 130.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -57,8 +62,9 @@ static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
     dirs: Vec::new(),
 });
 
-/// Set, with the registry held, once a signal's teardown has begun.
-static STOPPING: AtomicBool = AtomicBool::new(false);
+/// The number of the stop signal that came (0: none yet), stored by its
+/// handler.
+static STOP: AtomicUsize = AtomicUsize::new(0);
 
 fn registry() -> MutexGuard<'static, Registry> {
     REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
@@ -71,6 +77,15 @@ pub(crate) fn install() -> Result<()> {
     // Orphans of the run reparent to the bench, where the walk of its
     // descendants finds them (see the module doc).
     nix::sys::prctl::set_child_subreaper(true).context("PR_SET_CHILD_SUBREAPER")?;
+    // In the handler itself, not the thread: the kernel gives a signal
+    // sent to the process to its main thread when that can take it, so the
+    // number is stored before the main thread returns from the wait (or
+    // read) that could tell it a child of its process group died of the
+    // same Ctrl-C. Both handlers run (signal-hook-registry chains them).
+    for sig in [Signal::SIGINT, Signal::SIGTERM] {
+        signal_hook::flag::register_usize(sig as i32, &STOP, sig as usize)
+            .with_context(|| format!("handling {sig}"))?;
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .build()
@@ -126,12 +141,15 @@ pub(crate) fn forget_dir(dir: &Path) {
 
 /// Held by `main`: when dropped, at the end of a run however it ends
 /// (a panic too), stops every process of the run still live, and says
-/// which, since one a guard left behind is a leak to fix.
+/// which, since one a guard left behind is a leak to fix; or, if a stop
+/// signal came, tears down and exits as [`exit_if_stopped`] does.
 #[derive(Debug)]
 pub(crate) struct StopLeftovers;
 
 impl Drop for StopLeftovers {
     fn drop(&mut self) {
+        // A panic a stop signal caused (a killed child) ends as the signal.
+        exit_if_stopped();
         let left = kill_descendants();
         if !left.is_empty() {
             eprintln!(
@@ -142,19 +160,22 @@ impl Drop for StopLeftovers {
     }
 }
 
-/// Blocks for good once a signal's teardown has begun (it holds the
-/// registry until it exits the process), so that the main thread, whose
-/// children the teardown killed, neither starts the next step nor exits
-/// with its own status first.
-pub(crate) fn wait_if_stopping() {
-    if STOPPING.load(Ordering::SeqCst) {
-        let _held = registry();
+/// If a stop signal has come, tears down as the signal thread does (or,
+/// if that thread has the registry, waits for its teardown's exit) and
+/// exits with 130 or 143: the main thread, whose children the signal or
+/// the teardown killed, neither starts the next step nor exits with its
+/// own status. Call it without the registry held.
+pub(crate) fn exit_if_stopped() {
+    let sig = i32::try_from(STOP.load(Ordering::SeqCst)).map(Signal::try_from);
+    if let Ok(Ok(sig)) = sig {
+        teardown(sig)
     }
 }
 
+/// Whichever thread takes the registry first removes what the run made and
+/// exits; the other waits on the registry until the exit.
 fn teardown(sig: Signal) -> ! {
     let reg = registry();
-    STOPPING.store(true, Ordering::SeqCst);
     eprintln!(
         "weir-bench: {sig}; stopping every process the run started, removing {} namespaces",
         reg.namespaces.len()
@@ -270,12 +291,18 @@ pub(crate) struct StopTestArgs {
     /// normally.
     #[arg(long)]
     exit: bool,
+    /// Wait on the child with the registry held, as the main thread does
+    /// while `ip netns add` runs in [`create_netns`]: a signal's teardown
+    /// waits for it.
+    #[arg(long)]
+    hold_registry: bool,
 }
 
 /// Leaves an orphan, `sleep` started in the background by a shell that
 /// exits (as a daemon that double-forks does), and, unless `--exit`, starts
 /// a `sleep` child and fails when it ends, as a suite does when a peer
-/// dies; writes the orphan's pid to `--ready` once both run.
+/// dies (or `ip netns add`, with `--hold-registry`); writes the orphan's
+/// pid to `--ready` once both run.
 pub(crate) fn stop_test(args: &StopTestArgs) -> Result<()> {
     let out = Command::new("sh")
         .args(["-c", "sleep 600 >/dev/null 2>&1 & echo $!"])
@@ -295,6 +322,7 @@ pub(crate) fn stop_test(args: &StopTestArgs) -> Result<()> {
     std::fs::write(&tmp, orphan.to_string())?;
     std::fs::rename(&tmp, &args.ready)?;
     if let Some(mut child) = child {
+        let _held = args.hold_registry.then(registry);
         let st = child.wait()?;
         bail!("sleep ended ({st})");
     }
