@@ -427,40 +427,38 @@ pub fn render_global(g: &GlobalStats, exact: bool) -> String {
         for (reason, n) in &p.counts.dropped {
             let _ = writeln!(o, "packet dropped {reason}: {n}");
         }
-        if p.counts.icmp_errors > 0 {
-            let _ = writeln!(
-                o,
-                "packet icmp_errors: {} (ICMP errors about flows, translated and forwarded)",
-                p.counts.icmp_errors
-            );
-        }
-        if p.counts.rst_ignored > 0 {
-            let _ = writeln!(
-                o,
-                "packet rst_ignored: {} (RSTs too far from their sender's sequence number: forwarded, the flow kept)",
-                p.counts.rst_ignored
-            );
-        }
-        if p.counts.fin_ignored > 0 {
-            let _ = writeln!(
-                o,
-                "packet fin_ignored: {} (FINs too far from their sender's sequence number: forwarded, the flow kept)",
-                p.counts.fin_ignored
-            );
-        }
-        if p.counts.seq_ignored > 0 {
-            let _ = writeln!(
-                o,
-                "packet seq_ignored: {} (other segments too far from their sender's sequence number: forwarded, the flow's timer not restarted)",
-                p.counts.seq_ignored
-            );
-        }
-        if p.counts.early_drops > 0 {
-            let _ = writeln!(
-                o,
-                "packet early_drops: {} (flows that never got going ended, oldest first, to make room for new ones at a limit)",
-                p.counts.early_drops
-            );
+        // A counter at zero is not printed.
+        let notes = [
+            (
+                "icmp_errors",
+                p.counts.icmp_errors,
+                "ICMP errors about flows, translated and forwarded",
+            ),
+            (
+                "rst_ignored",
+                p.counts.rst_ignored,
+                "RSTs too far from their sender's sequence number: forwarded, the flow kept",
+            ),
+            (
+                "fin_ignored",
+                p.counts.fin_ignored,
+                "FINs too far from their sender's sequence number: forwarded, the flow kept",
+            ),
+            (
+                "seq_ignored",
+                p.counts.seq_ignored,
+                "other segments too far from their sender's sequence number: forwarded, the flow's timer not restarted",
+            ),
+            (
+                "early_drops",
+                p.counts.early_drops,
+                "flows that never got going ended, oldest first, to make room for new ones at a limit",
+            ),
+        ];
+        for (name, n, why) in notes {
+            if n > 0 {
+                let _ = writeln!(o, "packet {name}: {n} ({why})");
+            }
         }
         for w in &p.workers {
             let _ = write!(
