@@ -2830,6 +2830,16 @@ fn check_table(
 mod tests {
     use super::*;
 
+    /// The errors `text` gives as file `f.toml`, each as `weir check`
+    /// prints it (`f.toml:LINE: KEY: MESSAGE`).
+    fn error_lines(text: &str) -> Vec<String> {
+        parse(text, "f.toml")
+            .expect_err(text)
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
     /// "." and ".." are not names: the admin API's URLs cannot name them
     /// (a tenant or service called ".." was reachable by no request).
     #[test]
@@ -3004,8 +3014,7 @@ mod tests {
         }
         for bad in ["\"packed\"", "1", "true"] {
             let text = format!("[daemon]\nworkers = 2\naccept_steering = {bad}\n");
-            let errs = parse(&text, "f.toml").unwrap_err();
-            let got: Vec<String> = errs.iter().map(ToString::to_string).collect();
+            let got = error_lines(&text);
             assert!(
                 got.len() == 1
                     && got[0].starts_with("f.toml:3: daemon.accept_steering: ")
@@ -3019,8 +3028,7 @@ mod tests {
     #[test]
     fn shape_errors_are_all_reported() {
         let text = "[daemon]\nworkers = \"two\"\nbogus = 1\n[[service]]\nname = \"a\"\nlisten = \"nowhere\"\n";
-        let errs = parse(text, "f.toml").unwrap_err();
-        let got: Vec<String> = errs.iter().map(ToString::to_string).collect();
+        let got = error_lines(text);
         assert!(
             got.iter()
                 .any(|e| e.starts_with("f.toml:2: daemon.workers: expected")),
@@ -3047,11 +3055,7 @@ mod tests {
     #[test]
     fn estimator_settings_are_validated_with_line_and_key() {
         let text = "[daemon]\nworkers = 1\nestimator_cpu = 5000\nestimator_nice = -21\n";
-        let got: Vec<String> = parse(text, "f.toml")
-            .unwrap_err()
-            .iter()
-            .map(ToString::to_string)
-            .collect();
+        let got = error_lines(text);
         assert_eq!(got.len(), 2, "{got:?}");
         assert!(
             got[0].starts_with("f.toml:3: daemon.estimator_cpu: CPU 5000 is out of range"),
@@ -3082,11 +3086,7 @@ mod tests {
     #[test]
     fn tenant_timeouts_resolve_and_report_bad_keys_with_line() {
         let text = "[[tenant]]\nname = \"a\"\n[tenant.timeouts]\nestablished = \"1h\"\nudp = \"30s\"\n\n[[tenant]]\nname = \"b\"\n[tenant.timeouts]\nfin_wait = \"soon\"\nclose = \"0s\"\n";
-        let got: Vec<String> = parse(text, "f.toml")
-            .unwrap_err()
-            .iter()
-            .map(ToString::to_string)
-            .collect();
+        let got = error_lines(text);
         assert_eq!(got.len(), 2, "{got:?}");
         assert!(
             got[0]
@@ -3131,20 +3131,12 @@ mod tests {
 
     #[test]
     fn table_sizes_are_validated_with_line_and_key() {
-        let errors = |text: &str| -> Vec<String> {
-            parse(text, "f.toml")
-                .err()
-                .unwrap_or_default()
-                .iter()
-                .map(ToString::to_string)
-                .collect()
-        };
         let text = "[daemon]\nshared_table_entries = 1024\nmax_shared_table_entries = 512\n\
                     [[tenant]]\nname = \"a\"\ntable_entries = 1024\nmax_table_entries = 3000\n\
                     [[tenant]]\nname = \"b\"\ntable_entries = 4096\nmax_table_entries = 2048\n\
                     [[tenant]]\nname = \"c\"\nmax_table_entries = 2048\n\
                     [[tenant]]\nname = \"d\"\ntable_entries = 1024\nmax_table_entries = 33554432\n";
-        let got = errors(text);
+        let got = error_lines(text);
         let want = [
             "f.toml:3: daemon.max_shared_table_entries: 512 is below shared_table_entries (1024)",
             "f.toml:7: tenant[0].max_table_entries: 3000 must be 0",
@@ -3156,7 +3148,7 @@ mod tests {
         for (g, w) in got.iter().zip(want) {
             assert!(g.starts_with(w), "{g:?} does not start with {w:?}");
         }
-        let got = errors("[daemon]\nmax_shared_table_entries = 3\n");
+        let got = error_lines("[daemon]\nmax_shared_table_entries = 3\n");
         assert!(
             got.len() == 1
                 && got[0].starts_with("f.toml:2: daemon.max_shared_table_entries: 3 must be 0"),
@@ -3173,13 +3165,13 @@ mod tests {
                 && !back.contains("shared_table_buckets"),
             "{back}"
         );
-        let got = errors("[daemon]\nshared_table_entries = 1\nshared_table_buckets = 2\n");
+        let got = error_lines("[daemon]\nshared_table_entries = 1\nshared_table_buckets = 2\n");
         assert!(
             got.len() == 1
                 && got[0].starts_with("f.toml:3: daemon.shared_table_buckets: is the old name"),
             "{got:?}"
         );
-        let got = errors("[daemon]\nshared_table_buckets = 1000\n");
+        let got = error_lines("[daemon]\nshared_table_buckets = 1000\n");
         assert!(
             got.len() == 1
                 && got[0]
@@ -3217,11 +3209,7 @@ mod tests {
         let text = "[[service]]\nname = \"a\"\nprotocol = \"udp\"\nlisten = \"127.0.0.1:1\"\n\
                     scheduler = \"Fastest\"\nmh_port = true\n\
                     [[service.backend]]\naddress = \"10.0.0.1:80\"\nweight = 70000\nproxy_protocol = \"v3\"\n";
-        let got: Vec<String> = parse(text, "f.toml")
-            .unwrap_err()
-            .iter()
-            .map(ToString::to_string)
-            .collect();
+        let got = error_lines(text);
         let want = [
             "f.toml:5: service[0].scheduler: unknown scheduler \"Fastest\"; use one of rr wrr",
             "f.toml:10: service[0].backend[0].proxy_protocol: \"v3\" is not a PROXY protocol version",
@@ -3404,11 +3392,7 @@ mod tests {
         );
         // Fits TOML's i64 but not the u32 field: caught by the shape pass.
         let text = text.replace("99999999999999999999", "4294967296");
-        let got: Vec<String> = parse(&text, "f.toml")
-            .unwrap_err()
-            .iter()
-            .map(ToString::to_string)
-            .collect();
+        let got = error_lines(&text);
         assert_eq!(
             got,
             [
@@ -3509,11 +3493,7 @@ mod tests {
             ),
         ];
         for (text, key, hint) in cases {
-            let got: Vec<String> = parse(&text, "f.toml")
-                .expect_err(&text)
-                .iter()
-                .map(ToString::to_string)
-                .collect();
+            let got = error_lines(&text);
             assert!(
                 got.len() == 1 && got[0].contains(key) && got[0].contains(hint),
                 "{text}: {got:?}"
