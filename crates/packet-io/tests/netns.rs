@@ -18,9 +18,9 @@
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, UdpSocket};
 use std::process::Command;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use weir_packet_io::{AttachMode, SteerKey, SteerStats, Steering, Verdict, XskConfig, XskSocket};
@@ -82,8 +82,23 @@ struct Topology {
     weir_if: String,
 }
 
+/// The tags [`Topology::new`] was given in this process. The names of the
+/// namespaces and interfaces are the tag and the process id, so two tests of
+/// one tag that ran at once made the same namespaces: the second's `ip netns
+/// add` failed, and its drop deleted the first's.
+static TAGS: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+
 impl Topology {
+    /// `tag` must be this test's alone, and short: an interface's name, `xc`
+    /// or `xw`, the tag and the process id, is at most 15 bytes.
     fn new(tag: &str) -> Result<Self, String> {
+        let new_tag = TAGS
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(tag.to_string());
+        if !new_tag {
+            return Err(format!("tag {tag:?} is another test's: give each its own"));
+        }
         let id = std::process::id();
         let topo = Topology {
             client: format!("weirxdp-{tag}-c-{id}"),
@@ -2068,7 +2083,7 @@ fn af_packet_counts_the_frames_the_kernel_drops_for_a_full_ring() {
         eprintln!("skipping af_packet_counts_the_frames_the_kernel_drops_for_a_full_ring: {why}");
         return;
     }
-    let topo = Topology::new("q").expect("build the test topology");
+    let topo = Topology::new("f").expect("build the test topology");
     let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
     let (go_tx, go_rx) = mpsc::channel::<()>();
     let weir = {
