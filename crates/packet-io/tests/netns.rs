@@ -21,6 +21,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use weir_packet_io::{AttachMode, SteerKey, SteerStats, Steering, Verdict, XskConfig, XskSocket};
@@ -168,6 +169,35 @@ fn enter(name: &str) -> Result<(), String> {
         .map_err(|e| format!("setns {name}: {e}"))
 }
 
+/// Tells the test's thread on `ready` how the weir thread's `setup` went (its
+/// error, or `Ok(())`) and gives the weir thread what it made.
+fn report_setup<T>(
+    setup: Result<T, String>,
+    ready: &mpsc::Sender<Result<(), String>>,
+) -> Result<T, String> {
+    let _ = ready.send(setup.as_ref().map(|_| ()).map_err(Clone::clone));
+    setup
+}
+
+/// What the weir thread's setup sent on `ready` (30 s at most), and the thread
+/// back; a setup that failed fails the test once the thread has ended.
+#[track_caller]
+fn weir_setup<T, R>(
+    ready: &mpsc::Receiver<Result<T, String>>,
+    weir: JoinHandle<R>,
+) -> (T, JoinHandle<R>) {
+    let setup = ready
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the weir side reports within 30 s");
+    match setup {
+        Ok(made) => (made, weir),
+        Err(e) => {
+            let _ = weir.join();
+            panic!("weir side setup: {e}");
+        }
+    }
+}
+
 /// In namespace `ns` (the calling thread moves there): the steering program
 /// on `dev`, one AF_XDP socket per queue registered with it, and UDP to
 /// 192.0.2.2:[`VIP_PORT`] steered to them.
@@ -290,15 +320,13 @@ fn weir_side(
     })
 }
 
-/// The client side: `DATAGRAMS` datagrams to each VIP, then one to the kernel's
-/// port; returns what came back.
-fn client_side(ns: String) -> Result<(BTreeSet<String>, usize), String> {
-    enter(&ns)?;
+/// On a thread in the client's namespace: for each (local address, VIP) in
+/// turn, `DATAGRAMS` datagrams from `FLOWS` sockets bound to the local address
+/// to the VIP's [`VIP_PORT`] (each says `"{vip} #{i}"`); returns what came
+/// back within 10 s of each VIP's sending.
+fn echoes(pairs: [(&str, &str); 2]) -> Result<BTreeSet<String>, String> {
     let mut echoed = BTreeSet::new();
-    for (local, vip) in [
-        ("192.0.2.1:0", "192.0.2.2"),
-        ("[2001:db8::1]:0", "[2001:db8::2]"),
-    ] {
+    for (local, vip) in pairs {
         // Many flows (source ports), so the client's veth spreads them over
         // its tx queues, which are the weir veth's rx queues.
         let socks = (0..FLOWS)
@@ -327,6 +355,24 @@ fn client_side(ns: String) -> Result<(BTreeSet<String>, usize), String> {
             }
         }
     }
+    Ok(echoed)
+}
+
+/// What [`echoes`] sends to `vips`: all of it should come back.
+fn sent_to(vips: [&str; 2]) -> BTreeSet<String> {
+    vips.iter()
+        .flat_map(|vip| (0..DATAGRAMS).map(move |i| format!("{vip} #{i}")))
+        .collect()
+}
+
+/// The client side: `DATAGRAMS` datagrams to each VIP, then one to the kernel's
+/// port; returns what came back.
+fn client_side(ns: String) -> Result<(BTreeSet<String>, usize), String> {
+    enter(&ns)?;
+    let echoed = echoes([
+        ("192.0.2.1:0", "192.0.2.2"),
+        ("[2001:db8::1]:0", "[2001:db8::2]"),
+    ])?;
 
     // Not registered: the kernel's socket answers, up to 3 tries.
     let sock = UdpSocket::bind("192.0.2.1:0").map_err(|e| e.to_string())?;
@@ -359,16 +405,7 @@ fn af_xdp_echoes_vip_traffic_and_the_kernel_keeps_the_rest() {
         let (ns, dev, stop) = (topo.weir.clone(), topo.weir_if.clone(), stop.clone());
         std::thread::spawn(move || weir_side(ns, dev, ready_tx, stop))
     };
-    let side = ready_rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the weir side reports within 30 s");
-    let side = match side {
-        Ok(side) => side,
-        Err(e) => {
-            let _ = weir.join();
-            panic!("weir side setup: {e}");
-        }
-    };
+    let (side, weir) = weir_setup(&ready_rx, weir);
     eprintln!(
         "XDP attached in {} mode; {} AF_XDP sockets, {}",
         side.mode,
@@ -391,10 +428,7 @@ fn af_xdp_echoes_vip_traffic_and_the_kernel_keeps_the_rest() {
     let (echoed, kernel_replies) = client.expect("client thread").expect("client side");
     drop(topo);
 
-    let want: BTreeSet<String> = ["192.0.2.2", "[2001:db8::2]"]
-        .iter()
-        .flat_map(|vip| (0..DATAGRAMS).map(move |i| format!("{vip} #{i}")))
-        .collect();
+    let want = sent_to(["192.0.2.2", "[2001:db8::2]"]);
     assert_eq!(
         echoed, want,
         "every datagram to a VIP came back from AF_XDP"
@@ -460,14 +494,7 @@ fn generic_mode_without_a_socket_passes_vip_traffic_to_the_kernel() {
                     .map_err(|e| e.to_string())?;
                 Ok((steering, kernel))
             };
-            let (mut steering, kernel) = match setup() {
-                Ok(s) => s,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e.clone()));
-                    return Err(e);
-                }
-            };
-            let _ = ready_tx.send(Ok(()));
+            let (mut steering, kernel) = report_setup(setup(), &ready_tx)?;
             let deadline = Instant::now() + Duration::from_secs(30);
             let mut buf = [0u8; 256];
             let mut expect = None;
@@ -491,13 +518,7 @@ fn generic_mode_without_a_socket_passes_vip_traffic_to_the_kernel() {
             Ok((stats, before, after))
         })
     };
-    let ready = ready_rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the weir side reports within 30 s");
-    if let Err(e) = ready {
-        let _ = weir.join();
-        panic!("weir side setup: {e}");
-    }
+    let ((), weir) = weir_setup(&ready_rx, weir);
 
     let client = {
         let (ns, dev) = (topo.client.clone(), topo.client_if.clone());
@@ -804,13 +825,7 @@ fn replies_from_nat_backends_and_to_fnat_local_ports_are_steered() {
         let (ns, dev) = (topo.weir.clone(), topo.weir_if.clone());
         std::thread::spawn(move || reply_weir_side(&ns, &dev, ready_tx, cmd_rx, ack_tx))
     };
-    let ready = ready_rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the weir side reports within 30 s");
-    if let Err(e) = ready {
-        let _ = weir.join();
-        panic!("weir side setup: {e}");
-    }
+    let ((), weir) = weir_setup(&ready_rx, weir);
     let client = {
         let (ns, weir_ns) = (topo.client.clone(), topo.weir.clone());
         let cmd_tx = cmd_tx.clone();
@@ -895,14 +910,7 @@ fn reply_weir_side(
             std::net::TcpListener::bind(("::", KERNEL_TCP_PORT)).map_err(|e| e.to_string())?;
         Ok((steering, xsks, kernel, listener))
     };
-    let (mut steering, mut xsks, kernel, _listener) = match setup() {
-        Ok(s) => s,
-        Err(e) => {
-            let _ = ready.send(Err(e.clone()));
-            return Err(e);
-        }
-    };
-    let _ = ready.send(Ok(()));
+    let (mut steering, mut xsks, kernel, _listener) = report_setup(setup(), &ready)?;
 
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut buf = [0u8; 512];
@@ -1240,14 +1248,7 @@ fn run_batch_all_hands_the_callback_whole_batches() {
         let (ns, dev, stop) = (topo.weir.clone(), topo.weir_if.clone(), stop.clone());
         std::thread::spawn(move || -> Result<Seen, String> {
             let setup = || steered_sockets(&ns, &dev, config);
-            let (_steering, mut xsks) = match setup() {
-                Ok(s) => s,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e.clone()));
-                    return Err(e);
-                }
-            };
-            let _ = ready_tx.send(Ok(()));
+            let (_steering, mut xsks) = report_setup(setup(), &ready_tx)?;
             // Let every datagram queue up before the first receive.
             sent_rx
                 .recv_timeout(Duration::from_secs(30))
@@ -1288,13 +1289,7 @@ fn run_batch_all_hands_the_callback_whole_batches() {
             Ok(seen)
         })
     };
-    let ready = ready_rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the weir side reports within 30 s");
-    if let Err(e) = ready {
-        let _ = weir.join();
-        panic!("weir side setup: {e}");
-    }
+    let ((), weir) = weir_setup(&ready_rx, weir);
 
     let client = {
         let ns = topo.client.clone();
@@ -1388,14 +1383,7 @@ fn af_xdp_keeps_receiving_past_the_ring_size() {
         let (ns, dev, stop) = (topo.weir.clone(), topo.weir_if.clone(), stop.clone());
         std::thread::spawn(move || -> Result<usize, String> {
             let setup = || steered_sockets(&ns, &dev, config);
-            let (_steering, mut xsks) = match setup() {
-                Ok(s) => s,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e.clone()));
-                    return Err(e);
-                }
-            };
-            let _ = ready_tx.send(Ok(()));
+            let (_steering, mut xsks) = report_setup(setup(), &ready_tx)?;
             let mut echoed = 0;
             let deadline = Instant::now() + Duration::from_secs(60);
             while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
@@ -1409,13 +1397,7 @@ fn af_xdp_keeps_receiving_past_the_ring_size() {
             Ok(echoed)
         })
     };
-    let ready = ready_rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the weir side reports within 30 s");
-    if let Err(e) = ready {
-        let _ = weir.join();
-        panic!("weir side setup: {e}");
-    }
+    let ((), weir) = weir_setup(&ready_rx, weir);
     let client = {
         let ns = topo.client.clone();
         std::thread::spawn(move || -> Result<BTreeSet<usize>, String> {
@@ -1619,14 +1601,7 @@ fn icmp_errors_about_packets_weir_sent_are_steered() {
                     .map_err(|e| e.to_string())?;
                 Ok(steering)
             };
-            let steering = match setup() {
-                Ok(s) => s,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e.clone()));
-                    return Err(e);
-                }
-            };
-            let _ = ready_tx.send(Ok(()));
+            let steering = report_setup(setup(), &ready_tx)?;
             sent_rx
                 .recv_timeout(Duration::from_secs(30))
                 .map_err(|e| format!("the client never sent: {e}"))?;
@@ -1642,13 +1617,7 @@ fn icmp_errors_about_packets_weir_sent_are_steered() {
             Ok(stats)
         })
     };
-    let ready = ready_rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the weir side reports within 30 s");
-    if let Err(e) = ready {
-        let _ = weir.join();
-        panic!("weir side setup: {e}");
-    }
+    let ((), weir) = weir_setup(&ready_rx, weir);
     let client = {
         let (ns, dev) = (topo.client.clone(), topo.client_if.clone());
         let frames: Vec<Vec<u8>> = frames.iter().map(|(_, f)| f.clone()).collect();
@@ -1716,14 +1685,7 @@ fn af_packet_echoes_vip_traffic_with_fanout() {
                     .map(|_| PacketSocket::bind(&dev, config).map_err(|e| e.to_string()))
                     .collect()
             };
-            let mut socks = match setup() {
-                Ok(s) => s,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e.clone()));
-                    return Err(e);
-                }
-            };
-            let _ = ready_tx.send(Ok(()));
+            let mut socks = report_setup(setup(), &ready_tx)?;
             let mut per_socket = vec![0; socks.len()];
             let mut partial = 0;
             let deadline = Instant::now() + Duration::from_secs(30);
@@ -1752,49 +1714,15 @@ fn af_packet_echoes_vip_traffic_with_fanout() {
             Ok((per_socket, partial))
         })
     };
-    let ready = ready_rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the weir side reports within 30 s");
-    if let Err(e) = ready {
-        let _ = weir.join();
-        panic!("weir side setup: {e}");
-    }
+    let ((), weir) = weir_setup(&ready_rx, weir);
     let client = {
         let ns = topo.client.clone();
         std::thread::spawn(move || -> Result<BTreeSet<String>, String> {
             enter(&ns)?;
-            let mut echoed = BTreeSet::new();
-            for (local, vip) in [
+            echoes([
                 ("192.0.2.1:0", "198.51.100.2"),
                 ("[2001:db8::1]:0", "[2001:db8:10::2]"),
-            ] {
-                let socks = (0..FLOWS)
-                    .map(|_| {
-                        let sock = UdpSocket::bind(local)?;
-                        sock.set_read_timeout(Some(Duration::from_millis(5)))?;
-                        Ok(sock)
-                    })
-                    .collect::<std::io::Result<Vec<_>>>()
-                    .map_err(|e| e.to_string())?;
-                let to: SocketAddr = format!("{vip}:{VIP_PORT}").parse().expect("literal");
-                for i in 0..DATAGRAMS {
-                    socks[i % FLOWS]
-                        .send_to(format!("{vip} #{i}").as_bytes(), to)
-                        .map_err(|e| e.to_string())?;
-                }
-                let want = echoed.len() + DATAGRAMS;
-                let deadline = Instant::now() + Duration::from_secs(10);
-                let mut buf = [0u8; 256];
-                while echoed.len() < want && Instant::now() < deadline {
-                    for sock in &socks {
-                        if let Ok((n, from)) = sock.recv_from(&mut buf) {
-                            assert_eq!(from, to, "the echo comes from the VIP:port");
-                            echoed.insert(String::from_utf8_lossy(&buf[..n]).into_owned());
-                        }
-                    }
-                }
-            }
-            Ok(echoed)
+            ])
         })
     };
     let echoed = client.join().expect("client thread");
@@ -1803,10 +1731,7 @@ fn af_packet_echoes_vip_traffic_with_fanout() {
     drop(topo);
     let echoed = echoed.expect("client side");
     let (per_socket, partial) = weir.expect("weir side");
-    let want: BTreeSet<String> = ["198.51.100.2", "[2001:db8:10::2]"]
-        .iter()
-        .flat_map(|vip| (0..DATAGRAMS).map(move |i| format!("{vip} #{i}")))
-        .collect();
+    let want = sent_to(["198.51.100.2", "[2001:db8:10::2]"]);
     assert_eq!(
         echoed, want,
         "every datagram to a VIP came back over AF_PACKET"
@@ -1858,14 +1783,7 @@ fn queue_copy_transmits_frames_received_by_another_socket() {
                 }
                 Ok((steering, xsks))
             };
-            let (_steering, mut xsks) = match setup() {
-                Ok(s) => s,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e.clone()));
-                    return Err(e);
-                }
-            };
-            let _ = ready_tx.send(Ok(()));
+            let (_steering, mut xsks) = report_setup(setup(), &ready_tx)?;
             if xsks.len() != 2 {
                 return Err(format!("{} sockets, want 2", xsks.len()));
             }
@@ -1900,13 +1818,7 @@ fn queue_copy_transmits_frames_received_by_another_socket() {
             Ok((flushed, direct, refused))
         })
     };
-    let ready = ready_rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the weir side reports within 30 s");
-    if let Err(e) = ready {
-        let _ = weir.join();
-        panic!("weir side setup: {e}");
-    }
+    let ((), weir) = weir_setup(&ready_rx, weir);
     let client = {
         let ns = topo.client.clone();
         std::thread::spawn(move || client_side(ns))
@@ -1917,10 +1829,7 @@ fn queue_copy_transmits_frames_received_by_another_socket() {
     drop(topo);
     let (echoed, _) = client.expect("client side");
     let (flushed, direct, refused) = weir.expect("weir side");
-    let want: BTreeSet<String> = ["192.0.2.2", "[2001:db8::2]"]
-        .iter()
-        .flat_map(|vip| (0..DATAGRAMS).map(move |i| format!("{vip} #{i}")))
-        .collect();
+    let want = sent_to(["192.0.2.2", "[2001:db8::2]"]);
     assert_eq!(
         echoed, want,
         "every datagram came back through the other socket"
@@ -2005,14 +1914,7 @@ fn af_xdp_counts_the_frames_the_kernel_drops_for_a_full_socket() {
         let (ns, dev) = (topo.weir.clone(), topo.weir_if.clone());
         std::thread::spawn(move || -> Result<(u64, u64, KernelDrops), String> {
             let setup = || steered_sockets(&ns, &dev, config);
-            let (steering, mut xsks) = match setup() {
-                Ok(s) => s,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e.clone()));
-                    return Err(e);
-                }
-            };
-            let _ = ready_tx.send(Ok(()));
+            let (steering, mut xsks) = report_setup(setup(), &ready_tx)?;
             // Nothing is read until the client has sent everything.
             go_rx.recv().map_err(|e| e.to_string())?;
             let mut received = 0u64;
@@ -2041,13 +1943,7 @@ fn af_xdp_counts_the_frames_the_kernel_drops_for_a_full_socket() {
             }
         })
     };
-    let ready = ready_rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the weir side reports within 30 s");
-    if let Err(e) = ready {
-        let _ = weir.join();
-        panic!("weir side setup: {e}");
-    }
+    let ((), weir) = weir_setup(&ready_rx, weir);
     let sent = flood_vip(&topo);
     let _ = go_tx.send(());
     let result = weir.join().expect("weir thread");
@@ -2099,14 +1995,7 @@ fn af_packet_counts_the_frames_the_kernel_drops_for_a_full_ring() {
                 };
                 PacketSocket::bind(&dev, config).map_err(|e| e.to_string())
             };
-            let mut sock = match setup() {
-                Ok(s) => s,
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e.clone()));
-                    return Err(e);
-                }
-            };
-            let _ = ready_tx.send(Ok(()));
+            let mut sock = report_setup(setup(), &ready_tx)?;
             go_rx.recv().map_err(|e| e.to_string())?;
             let first = sock.kernel_drops().map_err(|e| e.to_string())?;
             // A second read must not lose what the first reported.
@@ -2140,13 +2029,7 @@ fn af_packet_counts_the_frames_the_kernel_drops_for_a_full_ring() {
             Ok((first.rx_ring_full, vip_frames, last.rx_ring_full))
         })
     };
-    let ready = ready_rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the weir side reports within 30 s");
-    if let Err(e) = ready {
-        let _ = weir.join();
-        panic!("weir side setup: {e}");
-    }
+    let ((), weir) = weir_setup(&ready_rx, weir);
     let sent = flood_vip(&topo);
     let _ = go_tx.send(());
     let result = weir.join().expect("weir thread");
