@@ -13,7 +13,6 @@
 //! * A paged dump across resizes stays exact with reply entries present
 //!   while writers churn reply flows and readers look replies up.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::sync::Arc;
@@ -522,27 +521,6 @@ fn mixed_batched_lookups_match_single_lookups() {
     assert_eq!(hits, 3 * 2_500);
 }
 
-/// Dumps page by page with `between` after each page; how often each owner
-/// token was seen.
-fn paged_dump(t: &FlowTable, page: usize, mut between: impl FnMut(usize)) -> HashMap<u32, u32> {
-    let mut seen = HashMap::new();
-    let mut cur: Option<Cursor> = None;
-    let mut out = Vec::new();
-    for p in 0..1_000_000 {
-        out.clear();
-        let next = t.dump(cur.as_ref(), &DumpFilter::default(), page, &mut out);
-        for s in &out {
-            *seen.entry(s.owner).or_insert(0) += 1;
-        }
-        match next {
-            Some(c) => cur = Some(c.to_string().parse().unwrap()),
-            None => return seen,
-        }
-        between(p);
-    }
-    panic!("dump did not end");
-}
-
 #[test]
 fn dump_and_reply_lookups_stay_exact_across_resizes_under_churn() {
     let t = Arc::new(table(256, 64));
@@ -600,29 +578,7 @@ fn dump_and_reply_lookups_stay_exact_across_resizes_under_churn() {
             n
         })
     };
-    let mut dumps = 0;
-    // Dumps while the writer works (its resizes under them), bounded by
-    // the deadline and a count.
-    while dumps == 0 || (!writer.is_finished() && Instant::now() < deadline && dumps < 2_000) {
-        let seen = paged_dump(&t, 37, |_| {});
-        for i in 0..stable {
-            assert_eq!(seen.get(&i), Some(&1), "dump {dumps}: stable flow {i}");
-        }
-        assert!(
-            seen.values().all(|&c| c == 1),
-            "dump {dumps} returned a flow twice"
-        );
-        dumps += 1;
-    }
-    stop.store(true, Ordering::Relaxed);
-    let rounds = writer.join().unwrap();
-    let lookups = reader.join().unwrap();
-    let resizes = t.resize_state(TenantId(1)).unwrap().1;
-    assert!(rounds >= 1 && lookups > 0 && dumps > 0);
-    assert!(
-        resizes >= 2,
-        "no resize happened under the dumps ({resizes})"
-    );
+    common::dumps_under_resizes(&t, 37, stable, deadline, &stop, writer, reader);
     settle(&t, 1);
     let st = t.tenant_stats(TenantId(1)).unwrap();
     assert_eq!(

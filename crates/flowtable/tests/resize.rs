@@ -100,28 +100,6 @@ fn grows_and_shrinks_online_every_entry_found() {
     }
 }
 
-/// Dumps `t` page by page, calling `between` after each page; returns
-/// how often each owner token was seen.
-fn paged_dump(t: &FlowTable, page: usize, mut between: impl FnMut(usize)) -> HashMap<u32, u32> {
-    let mut seen = HashMap::new();
-    let mut cur: Option<Cursor> = None;
-    let mut out = Vec::new();
-    for p in 0..1_000_000 {
-        out.clear();
-        let next = t.dump(cur.as_ref(), &DumpFilter::default(), page, &mut out);
-        for s in &out {
-            *seen.entry(s.owner).or_insert(0) += 1;
-        }
-        match next {
-            // Round-trip through the text form, as the admin API does.
-            Some(c) => cur = Some(c.to_string().parse().unwrap()),
-            None => return seen,
-        }
-        between(p);
-    }
-    panic!("dump did not end");
-}
-
 #[test]
 fn dump_is_exact_across_resizes() {
     let t = small_table(256);
@@ -135,7 +113,7 @@ fn dump_is_exact_across_resizes() {
     // they go, so pages are read while a resize is half done), then remove
     // them again and let the table shrink.
     let mut next = stable;
-    let seen = paged_dump(&t, 7, |p| {
+    let seen = common::paged_dump(&t, 7, |p| {
         if p < 400 {
             for _ in 0..100 {
                 t.insert(key(1, next), init(next), Millis(0)).unwrap();
@@ -180,7 +158,7 @@ fn dump_is_exact_with_a_resize_started_mid_page() {
     let mut flip = false;
     let mut extra = 100_000u32;
     let (mut started, mut mid) = (0, 0);
-    let seen = paged_dump(&t, 13, |p| {
+    let seen = common::paged_dump(&t, 13, |p| {
         if p % 20 == 0 && !t.resize_state(TenantId(1)).unwrap().0 {
             flip = !flip;
             assert!(t.start_resize(TenantId(1), if flip { 40_000 } else { 3_000 }));
@@ -246,29 +224,7 @@ fn concurrent_lookups_and_dumps_while_the_table_grows_and_shrinks() {
             n
         })
     };
-    let mut dumps = 0;
-    // Dumps while the writer works (its resizes under them), bounded by
-    // the deadline and a count.
-    while dumps == 0 || (!writer.is_finished() && Instant::now() < deadline && dumps < 2_000) {
-        let seen = paged_dump(&t, 50, |_| {});
-        for i in 0..stable {
-            assert_eq!(seen.get(&i), Some(&1), "dump {dumps}: stable entry {i}");
-        }
-        assert!(
-            seen.values().all(|&c| c == 1),
-            "dump {dumps} returned an entry twice"
-        );
-        dumps += 1;
-    }
-    stop.store(true, Ordering::Relaxed);
-    let rounds = writer.join().unwrap();
-    let lookups = reader.join().unwrap();
-    let resizes = t.resize_state(TenantId(1)).unwrap().1;
-    assert!(rounds >= 1 && lookups > 0 && dumps > 0);
-    assert!(
-        resizes >= 2,
-        "no resize happened under the dumps ({resizes})"
-    );
+    common::dumps_under_resizes(&t, 50, stable, deadline, &stop, writer, reader);
 }
 
 #[test]

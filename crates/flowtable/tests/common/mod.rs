@@ -2,7 +2,11 @@
 //! Each test binary uses only some of them.
 #![allow(dead_code, unreachable_pub)]
 
+use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::Instant;
 
 use weir_flowtable::*;
 
@@ -70,4 +74,63 @@ pub fn one_flow(state: FlowState) -> FlowInit<'static> {
         backend: BackendId(1),
         state,
     }
+}
+
+/// Dumps `t` page by page, calling `between` after each page; returns
+/// how often each owner token was seen.
+pub fn paged_dump(t: &FlowTable, page: usize, mut between: impl FnMut(usize)) -> HashMap<u32, u32> {
+    let mut seen = HashMap::new();
+    let mut cur: Option<Cursor> = None;
+    let mut out = Vec::new();
+    for p in 0..1_000_000 {
+        out.clear();
+        let next = t.dump(cur.as_ref(), &DumpFilter::default(), page, &mut out);
+        for s in &out {
+            *seen.entry(s.owner).or_insert(0) += 1;
+        }
+        match next {
+            // Round-trip through the text form, as the admin API does.
+            Some(c) => cur = Some(c.to_string().parse().unwrap()),
+            None => return seen,
+        }
+        between(p);
+    }
+    panic!("dump did not end");
+}
+
+/// Dumps `t` in pages of `page` while `writer` resizes tenant 1's table (at
+/// least once; until the writer is done, `deadline` or 2,000 dumps), each of
+/// which must see the owners `0..stable` once and no owner twice; then sets
+/// `stop` and checks that the writer ran a round (it returns its rounds), the
+/// reader looked up (it returns its lookups) and the table resized twice.
+pub fn dumps_under_resizes(
+    t: &FlowTable,
+    page: usize,
+    stable: u32,
+    deadline: Instant,
+    stop: &AtomicBool,
+    writer: JoinHandle<u32>,
+    reader: JoinHandle<u64>,
+) {
+    let mut dumps = 0;
+    while dumps == 0 || (!writer.is_finished() && Instant::now() < deadline && dumps < 2_000) {
+        let seen = paged_dump(t, page, |_| {});
+        for i in 0..stable {
+            assert_eq!(seen.get(&i), Some(&1), "dump {dumps}: stable flow {i}");
+        }
+        assert!(
+            seen.values().all(|&c| c == 1),
+            "dump {dumps} returned a flow twice"
+        );
+        dumps += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let rounds = writer.join().unwrap();
+    let lookups = reader.join().unwrap();
+    let resizes = t.resize_state(TenantId(1)).unwrap().1;
+    assert!(rounds >= 1 && lookups > 0 && dumps > 0);
+    assert!(
+        resizes >= 2,
+        "no resize happened under the dumps ({resizes})"
+    );
 }
