@@ -16,9 +16,6 @@
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread;
-use std::time::{Duration, Instant};
 
 use weir_flowtable::*;
 
@@ -528,57 +525,32 @@ fn dump_and_reply_lookups_stay_exact_across_resizes_under_churn() {
     for i in 0..stable {
         insert_both(&t, 1, i);
     }
-    let stop = Arc::new(AtomicBool::new(false));
-    let deadline = Instant::now() + Duration::from_secs(3);
     // A writer grows the table with reply flows and removes them again, by
     // alternating paths, so resizes run under the dumps.
-    let writer = {
-        let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
-        thread::spawn(move || {
-            let mut rounds = 0;
-            // At least one round (two resizes), however late this thread
-            // is scheduled; at most 6.
-            while rounds == 0 || (!stop.load(Ordering::Relaxed) && rounds < 6) {
-                let mut hs = Vec::new();
-                for i in stable..stable + 40_000 {
-                    hs.push(
-                        t.insert_reply(key(1, i), init(i), mode(i), Millis(0))
-                            .unwrap(),
-                    );
-                }
-                for (j, h) in hs.into_iter().enumerate() {
-                    let i = stable + j as u32;
-                    let ok = if j % 2 == 0 {
-                        t.remove_handle(h).is_some()
-                    } else {
-                        t.remove(&key(1, i)).is_some()
-                    };
-                    assert!(ok, "flow {i}");
-                    assert_eq!(t.lookup_reply(&reply(1, i)), None, "removed {i}");
-                }
-                for _ in 0..1000 {
-                    t.maintain();
-                }
-                rounds += 1;
-            }
-            rounds
-        })
+    let round = move |t: &FlowTable| {
+        let mut hs = Vec::new();
+        for i in stable..stable + 40_000 {
+            hs.push(
+                t.insert_reply(key(1, i), init(i), mode(i), Millis(0))
+                    .unwrap(),
+            );
+        }
+        for (j, h) in hs.into_iter().enumerate() {
+            let i = stable + j as u32;
+            let ok = if j % 2 == 0 {
+                t.remove_handle(h).is_some()
+            } else {
+                t.remove(&key(1, i)).is_some()
+            };
+            assert!(ok, "flow {i}");
+            assert_eq!(t.lookup_reply(&reply(1, i)), None, "removed {i}");
+        }
     };
-    let reader = {
-        let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
-        thread::spawn(move || {
-            let mut n = 0u64;
-            while n == 0 || (!stop.load(Ordering::Relaxed) && Instant::now() < deadline) {
-                for i in 0..stable {
-                    let f = t.lookup_reply(&reply(1, i));
-                    assert_eq!(f.map(|f| f.key), Some(key(1, i)), "stable reply {i}");
-                    n += 1;
-                }
-            }
-            n
-        })
+    let check = |t: &FlowTable, i| {
+        let f = t.lookup_reply(&reply(1, i));
+        assert_eq!(f.map(|f| f.key), Some(key(1, i)), "stable reply {i}");
     };
-    common::dumps_under_resizes(&t, 37, stable, deadline, &stop, writer, reader);
+    common::dumps_under_resizes(&t, 37, stable, round, check);
     settle(&t, 1);
     let st = t.tenant_stats(TenantId(1)).unwrap();
     assert_eq!(

@@ -12,9 +12,6 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread;
-use std::time::{Duration, Instant};
 
 use weir_flowtable::*;
 
@@ -188,43 +185,16 @@ fn concurrent_lookups_and_dumps_while_the_table_grows_and_shrinks() {
     for i in 0..stable {
         t.insert(key(1, i), init(i), Millis(0)).unwrap();
     }
-    let stop = Arc::new(AtomicBool::new(false));
-    let deadline = Instant::now() + Duration::from_secs(3);
-    let writer = {
-        let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
-        thread::spawn(move || {
-            let mut rounds = 0;
-            // At least one round (two resizes), however late this thread
-            // is scheduled; at most 6.
-            while rounds == 0 || (!stop.load(Ordering::Relaxed) && rounds < 6) {
-                for i in stable..stable + 60_000 {
-                    t.insert(key(1, i), init(i), Millis(0)).unwrap();
-                }
-                for i in stable..stable + 60_000 {
-                    assert!(t.remove(&key(1, i)).is_some());
-                }
-                for _ in 0..1000 {
-                    t.maintain();
-                }
-                rounds += 1;
-            }
-            rounds
-        })
+    let round = move |t: &FlowTable| {
+        for i in stable..stable + 60_000 {
+            t.insert(key(1, i), init(i), Millis(0)).unwrap();
+        }
+        for i in stable..stable + 60_000 {
+            assert!(t.remove(&key(1, i)).is_some());
+        }
     };
-    let reader = {
-        let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
-        thread::spawn(move || {
-            let mut n = 0u64;
-            while n == 0 || (!stop.load(Ordering::Relaxed) && Instant::now() < deadline) {
-                for i in 0..stable {
-                    assert!(t.get(&key(1, i)).is_some(), "stable key {i} missed");
-                    n += 1;
-                }
-            }
-            n
-        })
-    };
-    common::dumps_under_resizes(&t, 50, stable, deadline, &stop, writer, reader);
+    let check = |t: &FlowTable, i| assert!(t.get(&key(1, i)).is_some(), "stable key {i} missed");
+    common::dumps_under_resizes(&t, 50, stable, round, check);
 }
 
 #[test]

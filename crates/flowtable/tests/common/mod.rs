@@ -4,9 +4,10 @@
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
-use std::time::Instant;
+use std::thread;
+use std::time::{Duration, Instant};
 
 use weir_flowtable::*;
 
@@ -98,20 +99,49 @@ pub fn paged_dump(t: &FlowTable, page: usize, mut between: impl FnMut(usize)) ->
     panic!("dump did not end");
 }
 
-/// Dumps `t` in pages of `page` while `writer` resizes tenant 1's table (at
-/// least once; until the writer is done, `deadline` or 2,000 dumps), each of
-/// which must see the owners `0..stable` once and no owner twice; then sets
-/// `stop` and checks that the writer ran a round (it returns its rounds), the
-/// reader looked up (it returns its lookups) and the table resized twice.
+/// For 3 s at most, three threads: a writer runs `round` and then 1,000
+/// maintenance steps, at least once (however late it is scheduled) and at
+/// most 6 times, so that tenant 1's table resizes; a reader `check`s each
+/// stable flow `0..stable`, one pass at least; and this one dumps the table
+/// in pages of `page` until the writer is done (once at least, 2,000 times
+/// at most), each dump seeing the owners `0..stable` once and no owner
+/// twice. Then each must have done its part, and the table resized twice.
 pub fn dumps_under_resizes(
-    t: &FlowTable,
+    t: &Arc<FlowTable>,
     page: usize,
     stable: u32,
-    deadline: Instant,
-    stop: &AtomicBool,
-    writer: JoinHandle<u32>,
-    reader: JoinHandle<u64>,
+    round: impl Fn(&FlowTable) + Send + 'static,
+    check: impl Fn(&FlowTable, u32) + Send + 'static,
 ) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let writer = {
+        let (t, stop) = (Arc::clone(t), Arc::clone(&stop));
+        thread::spawn(move || {
+            let mut rounds = 0;
+            while rounds == 0 || (!stop.load(Ordering::Relaxed) && rounds < 6) {
+                round(&t);
+                for _ in 0..1000 {
+                    t.maintain();
+                }
+                rounds += 1;
+            }
+            rounds
+        })
+    };
+    let reader = {
+        let (t, stop) = (Arc::clone(t), Arc::clone(&stop));
+        thread::spawn(move || {
+            let mut n = 0u64;
+            while n == 0 || (!stop.load(Ordering::Relaxed) && Instant::now() < deadline) {
+                for i in 0..stable {
+                    check(&t, i);
+                    n += 1;
+                }
+            }
+            n
+        })
+    };
     let mut dumps = 0;
     while dumps == 0 || (!writer.is_finished() && Instant::now() < deadline && dumps < 2_000) {
         let seen = paged_dump(t, page, |_| {});
