@@ -2,29 +2,12 @@
 //! including expiry, tenant removal and paged dumps with filters.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 
+use common::{TENANTS, model_addr, tenant_cfg};
 use proptest::prelude::*;
 use weir_flowtable::*;
 
-const TENANTS: [(u32, usize); 3] = [(1, 0), (2, 4), (3, 0)];
-
-fn tenant_cfg(own: usize) -> TenantConfig {
-    TenantConfig {
-        own_buckets: own,
-        max_entries: 0,
-        timeouts: Timeouts::default(),
-    }
-}
-
-fn addr(i: u8, port: u16) -> SocketAddr {
-    let ip: std::net::IpAddr = if i.is_multiple_of(2) {
-        std::net::Ipv4Addr::new(10, 0, 0, i).into()
-    } else {
-        std::net::Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, u16::from(i)).into()
-    };
-    SocketAddr::new(ip, port)
-}
+mod common;
 
 #[derive(Clone, Debug)]
 struct K(u8, bool, u8, u16, u8, u16);
@@ -34,8 +17,8 @@ impl K {
         FlowKey {
             tenant: TenantId(TENANTS[usize::from(self.0) % 3].0),
             proto: if self.1 { Proto::Udp } else { Proto::Tcp },
-            client: addr(self.2, 1000 + self.3),
-            virt: addr(100 + self.4, 80 + self.5),
+            client: model_addr(self.2, 1000 + self.3),
+            virt: model_addr(100 + self.4, 80 + self.5),
         }
     }
 }

@@ -10,27 +10,14 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 
+use common::{TENANTS, tenant_cfg};
 use proptest::prelude::*;
 use weir_flowtable::*;
 
-/// (id, own buckets): 1 and 3 share the global table, 2 has its own.
-const TENANTS: [(u32, usize); 3] = [(1, 0), (2, 4), (3, 0)];
-
-fn tenant_cfg(own: usize) -> TenantConfig {
-    TenantConfig {
-        own_buckets: own,
-        max_entries: 0,
-        timeouts: Timeouts::default(),
-    }
-}
+mod common;
 
 fn client(i: u8, port: u8) -> SocketAddr {
-    let ip: std::net::IpAddr = if i.is_multiple_of(2) {
-        std::net::Ipv4Addr::new(10, 0, 0, i).into()
-    } else {
-        std::net::Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, u16::from(i)).into()
-    };
-    SocketAddr::new(ip, 1000 + u16::from(port))
+    common::model_addr(i, 1000 + u16::from(port))
 }
 
 /// tenant index, UDP, client, client port, VIP.

@@ -164,3 +164,28 @@ pub fn dumps_under_resizes(
         "no resize happened under the dumps ({resizes})"
     );
 }
+
+/// The model tests' tenants, (id, own buckets): 1 and 3 share the global
+/// table, 2 has its own.
+pub const TENANTS: [(u32, usize); 3] = [(1, 0), (2, 4), (3, 0)];
+
+/// A tenant of the model tests: `own` buckets of its own (0: on the shared
+/// table), no cap, the default timeouts.
+pub fn tenant_cfg(own: usize) -> TenantConfig {
+    TenantConfig {
+        own_buckets: own,
+        max_entries: 0,
+        timeouts: Timeouts::default(),
+    }
+}
+
+/// Address `i` of the model tests' small space, so that keys collide often:
+/// 10.0.0.i for an even `i`, 2001:db8::i for an odd one.
+pub fn model_addr(i: u8, port: u16) -> SocketAddr {
+    let ip: std::net::IpAddr = if i.is_multiple_of(2) {
+        Ipv4Addr::new(10, 0, 0, i).into()
+    } else {
+        std::net::Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, u16::from(i)).into()
+    };
+    SocketAddr::new(ip, port)
+}
