@@ -443,17 +443,8 @@ pub fn too_big(
 mod tests {
     use super::*;
     use crate::parse::{IPPROTO_TCP, parse};
-    use crate::testutil::{Spec, icmp_error, ip_packet, l4_segment, verify};
+    use crate::testutil::{HOP, Spec, icmp_error, ip_packet, l4_segment, mapping4, sa, verify};
     use proptest::prelude::*;
-
-    fn sa(s: &str) -> SocketAddr {
-        s.parse().expect("test address")
-    }
-
-    const HOP: NextHop = NextHop {
-        src_mac: [0xaa; 6],
-        dst_mac: [0xbb; 6],
-    };
 
     /// An IP packet of `spec` (no Ethernet), as quoted by an ICMP error.
     fn quoted(spec: &Spec) -> Vec<u8> {
@@ -463,10 +454,8 @@ mod tests {
     #[test]
     fn frag_needed_from_the_client_side_reaches_the_backend() {
         let m = NatMapping {
-            client: sa("192.0.2.7:40000"),
-            vip: sa("10.0.0.100:80"),
-            backend: sa("10.0.1.2:8080"),
             local: None,
+            ..mapping4()
         };
         // The reply weir sent to the client, quoted by a router.
         let reply = quoted(&Spec::new(IPPROTO_TCP, m.vip, m.client));
@@ -560,10 +549,8 @@ mod tests {
     #[test]
     fn quoted_ipv4_options_are_skipped_by_ihl() {
         let m = NatMapping {
-            client: sa("192.0.2.7:40000"),
-            vip: sa("10.0.0.100:80"),
-            backend: sa("10.0.1.2:8080"),
             local: None,
+            ..mapping4()
         };
         // The quoted reply carries 4 bytes of options (NOP NOP NOP EOL).
         let plain = quoted(&Spec::new(crate::parse::IPPROTO_UDP, m.vip, m.client));

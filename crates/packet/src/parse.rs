@@ -532,13 +532,8 @@ fn parse_l4(b: &[u8], l4: usize, proto: u8) -> Result<Transport, Unhandled> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testutil::{Spec, build, ethernet, ip_packet};
+    use crate::testutil::{Spec, build, ethernet, ip_packet, sa};
     use proptest::prelude::*;
-    use std::net::SocketAddr;
-
-    fn sa(s: &str) -> SocketAddr {
-        s.parse().expect("test address")
-    }
 
     fn tcp4() -> Spec {
         Spec::new(IPPROTO_TCP, sa("10.0.0.1:40000"), sa("10.0.0.100:80"))

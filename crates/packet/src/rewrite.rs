@@ -308,27 +308,9 @@ pub fn set_macs(frame: &mut [u8], next_hop: &NextHop) -> Result<(), RewriteError
 mod tests {
     use super::*;
     use crate::parse::{IPPROTO_TCP, IPPROTO_UDP, parse};
-    use crate::testutil::{Spec, build, verify};
+    use crate::testutil::{HOP, Spec, build, mapping4, sa, verify};
     use proptest::prelude::*;
     use std::net::{Ipv4Addr, Ipv6Addr};
-
-    fn sa(s: &str) -> SocketAddr {
-        s.parse().expect("test address")
-    }
-
-    const HOP: NextHop = NextHop {
-        src_mac: [0xaa; 6],
-        dst_mac: [0xbb; 6],
-    };
-
-    fn mapping4() -> NatMapping {
-        NatMapping {
-            client: sa("192.0.2.7:40000"),
-            vip: sa("10.0.0.100:80"),
-            backend: sa("10.0.1.2:8080"),
-            local: Some(sa("10.0.1.1:50001")),
-        }
-    }
 
     #[test]
     fn nat_and_fnat_v4_tcp_both_ways() {

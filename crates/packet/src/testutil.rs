@@ -4,10 +4,33 @@ use std::net::SocketAddr;
 
 use crate::checksum::{self, CsumMode};
 use crate::parse::{IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP};
-use crate::rewrite::ip_bytes;
+use crate::rewrite::{NatMapping, NextHop, ip_bytes};
 
 pub(crate) const MAC_A: [u8; 6] = [2, 0, 0, 0, 0, 1];
 pub(crate) const MAC_B: [u8; 6] = [2, 0, 0, 0, 0, 2];
+
+/// The next hop the rewrite tests write.
+pub(crate) const HOP: NextHop = NextHop {
+    src_mac: [0xaa; 6],
+    dst_mac: [0xbb; 6],
+};
+
+/// A socket address written out in a test.
+pub(crate) fn sa(s: &str) -> SocketAddr {
+    s.parse().expect("test address")
+}
+
+/// The IPv4 flow the rewrite and ICMP tests translate: client
+/// 192.0.2.7:40000, VIP 10.0.0.100:80, backend 10.0.1.2:8080, and for fnat
+/// the local address 10.0.1.1:50001.
+pub(crate) fn mapping4() -> NatMapping {
+    NatMapping {
+        client: sa("192.0.2.7:40000"),
+        vip: sa("10.0.0.100:80"),
+        backend: sa("10.0.1.2:8080"),
+        local: Some(sa("10.0.1.1:50001")),
+    }
+}
 
 /// What to build.
 #[derive(Debug, Clone)]
