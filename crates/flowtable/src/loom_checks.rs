@@ -394,23 +394,32 @@ fn model_bounded(n: usize, f: impl Fn() + Sync + Send + 'static) {
     b.check(f);
 }
 
+/// A one-bucket index with room for two entries, entry 0 in it with its
+/// reply key.
+fn reply_flow_world() -> Arc<World> {
+    let w = Arc::new(World {
+        nodes: NodeVec::new(2),
+        index: Index::try_new(1).unwrap(),
+    });
+    assert!(matches!(insert_reply(&w, 0, &key(0), 100, 0), Put::Done(_)));
+    w
+}
+
+/// A thread inserting entry 1 with its reply key into `w`, which succeeds.
+fn insert_reply_flow_1(w: &Arc<World>) -> thread::JoinHandle<()> {
+    let w = Arc::clone(w);
+    thread::spawn(move || {
+        assert!(matches!(insert_reply(&w, 1, &key(1), 101, 1), Put::Done(_)));
+    })
+}
+
 /// An insert with a reply key races with a reply lookup of a flow present
 /// throughout (always found) and of the flow being inserted (found only
 /// fully in and live).
 pub fn insert_reply_vs_lookup_reply() {
     model(|| {
-        let w = Arc::new(World {
-            nodes: NodeVec::new(2),
-            index: Index::try_new(1).unwrap(),
-        });
-        assert!(matches!(insert_reply(&w, 0, &key(0), 100, 0), Put::Done(_)));
-        let wr = Arc::clone(&w);
-        let inserter = thread::spawn(move || {
-            assert!(matches!(
-                insert_reply(&wr, 1, &key(1), 101, 1),
-                Put::Done(_)
-            ));
-        });
+        let w = reply_flow_world();
+        let inserter = insert_reply_flow_1(&w);
         let rd = Arc::clone(&w);
         let reader = thread::spawn(move || {
             assert_eq!(
@@ -435,18 +444,8 @@ pub fn insert_reply_vs_lookup_reply_vs_remove() {
     model_bounded(2, || {
         // Entry 0 (forward + reply way: the head line's two ways) is
         // removed while entry 1 is inserted with its reply key.
-        let w = Arc::new(World {
-            nodes: NodeVec::new(2),
-            index: Index::try_new(1).unwrap(),
-        });
-        assert!(matches!(insert_reply(&w, 0, &key(0), 100, 0), Put::Done(_)));
-        let wr = Arc::clone(&w);
-        let inserter = thread::spawn(move || {
-            assert!(matches!(
-                insert_reply(&wr, 1, &key(1), 101, 1),
-                Put::Done(_)
-            ));
-        });
+        let w = reply_flow_world();
+        let inserter = insert_reply_flow_1(&w);
         let rm = Arc::clone(&w);
         let remover = thread::spawn(move || {
             remove_reply(&rm, 0, 0);
@@ -479,11 +478,7 @@ pub fn insert_reply_vs_lookup_reply_vs_remove() {
 /// throughout.
 pub fn refused_reply_insert_is_never_seen() {
     model(|| {
-        let w = Arc::new(World {
-            nodes: NodeVec::new(2),
-            index: Index::try_new(1).unwrap(),
-        });
-        assert!(matches!(insert_reply(&w, 0, &key(0), 100, 0), Put::Done(_)));
+        let w = reply_flow_world();
         // Entry 1: entry 0's client to another VIP port, same backend, so
         // the same reply key.
         let k1 = PackedKey {
