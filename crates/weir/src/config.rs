@@ -880,7 +880,12 @@ impl Default for HealthSpec {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BackendSpec {
-    /// Real server address.
+    /// Real server address. An IPv4-mapped IPv6 address
+    /// (`[::ffff:10.0.0.5]:80`) is read as the IPv4 one it maps to
+    /// (`10.0.0.5:80`): a socket connects to that one endpoint either way,
+    /// so the backend has one address, one id and one spelling in every
+    /// listing, edit and reload, whichever way a file or request wrote it.
+    #[serde(deserialize_with = "de_backend_address")]
     pub address: SocketAddr,
     /// 0 quiesces: no new connections, existing ones continue.
     #[serde(default = "default_weight")]
@@ -919,6 +924,18 @@ fn default_scheduler() -> weir_sched::SchedulerKind {
 /// `scheduler` from exactly one of [`SCHEDULERS`] (as before the field was
 /// typed: no case folding), with the key in the message, since a JSON body
 /// has no lines to point at.
+/// A backend's address, an IPv4-mapped one as its IPv4 address (see
+/// [`BackendSpec::address`]). Before, the spelling was kept: a reload or a
+/// service edit that wrote `10.0.0.5:80` for a backend added as
+/// `[::ffff:10.0.0.5]:80` matched addresses exactly, so it removed the
+/// backend and added a new one (a new id, counters from zero), and packet
+/// mode let a mapped backend past its family check behind an IPv6 VIP,
+/// where it would have sent IPv6 packets to `::ffff:10.0.0.5`.
+fn de_backend_address<'de, D: serde::Deserializer<'de>>(d: D) -> Result<SocketAddr, D::Error> {
+    let a = SocketAddr::deserialize(d)?;
+    Ok(SocketAddr::new(a.ip().to_canonical(), a.port()))
+}
+
 fn de_scheduler<'de, D: serde::Deserializer<'de>>(
     d: D,
 ) -> Result<weir_sched::SchedulerKind, D::Error> {
@@ -3345,6 +3362,47 @@ mod tests {
         // Other backends of either family are not.
         let text = svc_text("127.0.0.1:81", "", &["10.0.1.2:80", "[::ffff:10.0.1.3]:80"]);
         parse(&text, "f.toml").unwrap();
+    }
+
+    /// An IPv4-mapped backend address is read as its IPv4 address, in a
+    /// file as in a request's JSON, and written back that way: one
+    /// backend, one spelling. So packet mode's family check sees it for
+    /// what it is: behind an IPv6 VIP it is refused, where before it
+    /// passed, and the packet path would have sent IPv6 packets to
+    /// `::ffff:10.0.1.2`.
+    #[test]
+    fn a_v4_mapped_backend_address_is_read_as_ipv4() {
+        let c = parse(
+            &svc_text("127.0.0.1:81", "", &["[::ffff:10.0.1.2]:80"]),
+            "f.toml",
+        )
+        .unwrap();
+        let want: SocketAddr = "10.0.1.2:80".parse().unwrap();
+        assert_eq!(c.services[0].backends[0].address, want);
+        assert!(toml::to_string(&c).unwrap().contains("\"10.0.1.2:80\""));
+        let b: BackendSpec =
+            serde_json::from_str(r#"{"address": "[::ffff:10.0.1.2]:80"}"#).unwrap();
+        assert_eq!(b.address, want);
+        // An IPv6 backend stays one.
+        let b: BackendSpec = serde_json::from_str(r#"{"address": "[2001:db8::6]:80"}"#).unwrap();
+        assert!(b.address.is_ipv6());
+        let errs = parse(
+            &packet_file(
+                "[packet]\ninterfaces = [\"lo\"]\n",
+                &svc_text(
+                    "[2001:db8::5]:80",
+                    "forward = \"nat\"",
+                    &["[::ffff:10.0.1.2]:80"],
+                ),
+            ),
+            "p.toml",
+        )
+        .unwrap_err();
+        assert!(
+            errs.iter().any(|e| e.key == "service[0].backend[0].address"
+                && e.message.contains("not of the VIP's family")),
+            "{errs:?}"
+        );
     }
 
     /// Found by the config fuzz target: a service with no backends is

@@ -417,13 +417,64 @@ fn a_backend_is_edited_and_deleted_under_either_spelling_of_its_address() {
         .collect();
     assert_eq!(
         weights,
-        [(echo.addr.to_string(), 3), (mapped(other.addr), 4)],
+        [(echo.addr.to_string(), 3), (other.addr.to_string(), 4)],
         "{svc}"
     );
     r.ok("DELETE", &at(&other.addr.to_string()), None);
     r.ok("DELETE", &at(&mapped(echo.addr)), None);
     let svc = r.ok("GET", "/v1/services/acme/web", None);
     assert_eq!(svc["backend"].as_array().map(Vec::len), Some(0), "{svc}");
+}
+
+/// A backend is one address however a file or a service edit spells an
+/// IPv4-mapped one: a reload or a whole-service `PUT` that writes
+/// `A.B.C.D:P` for a backend written `[::ffff:A.B.C.D]:P` (or the other
+/// way round) changes nothing: the backend keeps its counters and its
+/// connections, and the reload reports no backend added or removed.
+/// Before, both matched backends by exact address: the backend was
+/// removed and a new one added, its counters started again from zero.
+#[test]
+fn a_backend_respelled_by_a_reload_or_an_edit_is_kept() {
+    let echo = Echo::start();
+    let mapped = format!("[::ffff:{}]:{}", echo.addr.ip(), echo.addr.port());
+    let file = |addr: &str| {
+        format!(
+            "{}{}[[service.backend]]\naddress = \"{addr}\"\n",
+            tenant_toml("acme", ""),
+            service_toml("acme", "web", &[])
+        )
+    };
+    let (r, _dir, path) = from_file(&file(&mapped));
+    let vip = r.d().service_addr("acme", "web").unwrap();
+    let mut live = held(vip);
+    let backend = || {
+        let s = r.d().control().services();
+        let svc = s.iter().find(|s| s.name == "web").unwrap();
+        assert_eq!(svc.backends.len(), 1, "{svc:?}");
+        let b = &svc.backends[0];
+        (b.address.clone(), b.stats.conns, b.active_conns)
+    };
+    // One connection so far, live, under the IPv4 spelling whichever way
+    // the file wrote it.
+    assert_eq!(backend(), (echo.addr.to_string(), 1, 1));
+    for spelling in [echo.addr.to_string(), mapped.clone()] {
+        write(&path, &file(&spelling));
+        let report = r.ok("POST", "/v1/reload", None);
+        assert_eq!(report["reloaded"], true, "{report}");
+        for key in ["added", "changed", "removed"] {
+            assert!(names(&report, key).is_empty(), "{spelling}: {report}");
+        }
+        assert_eq!(backend(), (echo.addr.to_string(), 1, 1), "{spelling}");
+        assert!(still_echoes(&mut live), "{spelling}");
+    }
+    let mut spec = r.ok("GET", "/v1/services/acme/web", None);
+    spec["backend"][0]["address"] = json!(mapped);
+    spec["backend"][0]["weight"] = json!(5);
+    r.ok("PUT", "/v1/services/acme/web", Some(spec));
+    assert_eq!(backend(), (echo.addr.to_string(), 1, 1));
+    let spec = r.ok("GET", "/v1/services/acme/web", None);
+    assert_eq!(spec["backend"][0]["weight"], 5, "{spec}");
+    assert!(still_echoes(&mut live));
 }
 
 /// Defect 9: a reload does not silently remove what was added through the
