@@ -149,6 +149,172 @@ fn a_udp_client_at_fd_exhaustion_gets_a_session_on_retry() {
     d.shutdown();
 }
 
+/// Sources that reach one socket each of a two-socket `SO_REUSEPORT`
+/// group on `127.0.0.1`: `per[0]` for the group's first socket and
+/// `per[1]` for its second, and the group's port. The kernel picks a
+/// group's socket by a hash of the datagram's addresses and ports over
+/// the group's size, so a daemon with two workers that listens on the
+/// port next has the first sources' datagrams read by one worker and the
+/// second's by the other. Learnt from a group of the test's own, on a port
+/// no socket held, closed before the daemon binds it (which the caller
+/// tries again on another port if something took it meanwhile).
+fn sources_by_worker(per: [usize; 2]) -> (u16, [Vec<UdpSocket>; 2]) {
+    use socket2::{Domain, Socket, Type};
+    let port = UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let to: SocketAddr = (std::net::Ipv4Addr::LOCALHOST, port).into();
+    let group: Vec<UdpSocket> = (0..2)
+        .map(|_| {
+            let s = Socket::new(Domain::IPV4, Type::DGRAM, None).unwrap();
+            s.set_reuse_port(true).unwrap();
+            s.bind(&to.into()).unwrap();
+            s.set_nonblocking(true).unwrap();
+            s.into()
+        })
+        .collect();
+    let mut reach: [Vec<UdpSocket>; 2] = Default::default();
+    let mut buf = [0u8; 4];
+    // Bounded: each candidate reaches either socket with even odds.
+    for _ in 0..(per[0] + per[1]) * 20 {
+        if reach[0].len() >= per[0] && reach[1].len() >= per[1] {
+            break;
+        }
+        let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let me = s.local_addr().unwrap();
+        s.send_to(b"p", to).unwrap();
+        let mut got = None;
+        // On loopback the datagram is queued before send_to returns.
+        let reached = wait_until(Duration::from_secs(5), || {
+            got = (0..2)
+                .find(|&i| matches!(group[i].recv_from(&mut buf), Ok((_, from)) if from == me));
+            got.is_some()
+        });
+        assert!(reached, "the probe from {me} reached neither socket");
+        let i = got.unwrap();
+        if reach[i].len() < per[i] {
+            reach[i].push(s);
+        }
+    }
+    assert!(
+        reach[0].len() == per[0] && reach[1].len() == per[1],
+        "{} and {} sources",
+        reach[0].len(),
+        reach[1].len()
+    );
+    (port, reach)
+}
+
+/// Descriptors free now: opened until the limit refuses, returned open.
+fn free_descriptors(bound: usize) -> Vec<std::fs::File> {
+    let mut free = Vec::new();
+    while let Ok(f) = std::fs::File::open("/dev/null") {
+        free.push(f);
+        assert!(free.len() <= bound, "bounded");
+    }
+    free
+}
+
+/// A burst of new clients at fd exhaustion on one worker, while the
+/// sessions holding the descriptors are the other worker's, ends only the
+/// sessions the burst needs: a descriptor an ended session gives back goes
+/// to the next new session, and while one is on its way back a refused
+/// datagram ends no other. Before, the ended session's socket closed when
+/// its own worker ran its task, and every datagram the first worker read
+/// meanwhile, refused again, ended one more: descriptors were left free
+/// that no datagram needed, each a session (a real client's, in a real
+/// flood) ended for nothing (up to all 16 here, with none of the 32 new
+/// clients let in). That took the other worker being slower to run the
+/// ended session's task than the first to read its next datagram, which
+/// more than half the rounds met here: the test runs [`ROUNDS`] of them,
+/// each with a daemon of its own.
+#[test]
+fn a_burst_on_one_worker_ends_only_the_other_workers_sessions_it_needs() {
+    let _fds = FDS.lock().unwrap_or_else(|e| e.into_inner());
+    let b = udp_echo();
+    for round in 0..ROUNDS {
+        let (wasted, g) = burst_round(b);
+        // At most the last refused datagram's, for the retry it would send.
+        assert!(
+            wasted <= 1,
+            "round {round}: {wasted} sessions ended for nothing: {g:?}"
+        );
+    }
+}
+
+/// Rounds of [`a_burst_on_one_worker_ends_only_the_other_workers_sessions_it_needs`].
+const ROUNDS: usize = 10;
+
+/// One round of the burst against a new daemon in front of `backend`:
+/// how many sessions its early drops ended that no session of the burst
+/// took the place of, and the daemon's figures then.
+fn burst_round(backend_addr: SocketAddr) -> (u64, GlobalStats) {
+    const SPARE: usize = 16;
+    const BURST: usize = 32;
+    // The sessions holding the descriptors on one worker, the burst on the
+    // other (the port taken between the probe and the daemon's bind:
+    // another port, bounded).
+    let (d, [holders, burst]) = (0..5)
+        .find_map(|_| {
+            let (port, sources) = sources_by_worker([SPARE, BURST]);
+            let mut svc = service("u", Protocol::Udp, "rr", vec![backend(backend_addr, 1)]);
+            svc.listen = (std::net::Ipv4Addr::LOCALHOST, port).into();
+            let mut cfg = config(vec![svc]);
+            cfg.daemon.workers = 2;
+            Some((Daemon::start(cfg, None).ok()?, sources))
+        })
+        .expect("no port for the service");
+    let c = d.control();
+    let vip = d.service_addr("default", "u").unwrap();
+    let sessions = || c.global_stats().stats.conns;
+
+    let fds = FdsTaken::all_but(SPARE);
+    for h in &holders {
+        h.send_to(b"h", vip).unwrap();
+    }
+    assert!(
+        wait_until(Duration::from_secs(10), || sessions() == SPARE as u64),
+        "{:?}",
+        c.global_stats()
+    );
+    // Whatever is left (a descriptor closed elsewhere meanwhile) is taken:
+    // the burst meets the exhaustion at its first datagram.
+    let taken = free_descriptors(BURST);
+    let g = c.global_stats();
+    assert_eq!(g.udp_early_drops, 0, "{g:?}");
+
+    for s in &burst {
+        s.send_to(b"x", vip).unwrap();
+    }
+    // Every datagram of the burst read (a session or a refusal), and the
+    // sessions it ended closed (their tasks give their slots back once
+    // their sockets are gone).
+    let read = || {
+        let g = c.global_stats();
+        g.stats.conns + g.refused.values().sum::<u64>() == (SPARE + BURST) as u64
+            && g.active_conns == g.stats.conns - g.udp_early_drops
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), read),
+        "{:?}",
+        c.global_stats()
+    );
+    let g = c.global_stats();
+    let free = free_descriptors(BURST);
+    let opened = g.stats.conns - SPARE as u64;
+    // Each early drop gave a descriptor back and each new session took
+    // one: what is free now is what early drops freed for nothing.
+    assert_eq!(g.udp_early_drops, opened + free.len() as u64, "{g:?}");
+    assert!(g.udp_early_drops > 0, "the burst ended no session: {g:?}");
+    drop((free, taken));
+    fds.release();
+    drop((holders, burst));
+    d.shutdown();
+    (g.udp_early_drops - opened, g)
+}
+
 /// The same flood holding every descriptor does not lock the TCP services
 /// out: a TCP client's accept, and its connect to the backend, each end a
 /// single-datagram UDP session to free the descriptor they need

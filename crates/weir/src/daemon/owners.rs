@@ -128,6 +128,9 @@ pub(crate) struct Owners {
     /// Freed slots, one list per worker: a task claims and frees on its own
     /// worker thread, so its list's lock is never contended.
     free: Box<[Mutex<Vec<u32>>]>,
+    /// Flows told to close for an early drop ([`Close::EarlyDrop`]) whose
+    /// owners have not let go of their slots yet: [`Self::early_drops_closing`].
+    early_closing: AtomicU64,
 }
 
 impl Owners {
@@ -136,6 +139,27 @@ impl Owners {
             dir: (0..CHUNKS).map(|_| OnceLock::new()).collect(),
             next: AtomicU32::new(0),
             free: (0..workers.max(1)).map(|_| Mutex::default()).collect(),
+            early_closing: AtomicU64::new(0),
+        }
+    }
+
+    /// Flows told to close for an early drop whose owners still hold them:
+    /// descriptors on their way back. An owner lets go of its slot after
+    /// its sockets (the UDP session task drops its socket first), so once
+    /// this reads 0 every such flow's descriptors are closed. A session
+    /// is ended on one worker and closes on its own, maybe another: until
+    /// then a refused datagram must not end one more for the descriptor
+    /// already coming (`udp::free_a_descriptor`).
+    pub(crate) fn early_drops_closing(&self) -> u64 {
+        self.early_closing.load(Acquire)
+    }
+
+    /// A slot's word `w` was replaced (its owner bound another flow, let
+    /// go of its flow or of the slot): if it told a flow to close for an
+    /// early drop, that flow's owner no longer holds it.
+    fn replaced(&self, w: u64) {
+        if w != UNBOUND && w & REASON == Close::EarlyDrop as u64 {
+            self.early_closing.fetch_sub(1, AcqRel);
         }
     }
 
@@ -184,11 +208,20 @@ impl Owners {
             return false;
         };
         let told = open | why as u64;
+        // Counted before the owner can see the word (it may let go at once,
+        // on another thread), taken back if it was not told.
+        let early = why == Close::EarlyDrop;
+        if early {
+            self.early_closing.fetch_add(1, AcqRel);
+        }
         let mut cur = slot.state.load(Acquire);
         loop {
             // Not yet bound: leave the word for `bind` to find; any other
             // cookie, or a reason already there: nothing to do.
             if cur != open && cur != UNBOUND {
+                if early {
+                    self.early_closing.fetch_sub(1, AcqRel);
+                }
                 return false;
             }
             match slot.state.compare_exchange_weak(cur, told, AcqRel, Acquire) {
@@ -235,7 +268,10 @@ impl Owners {
     }
 }
 
-/// A claimed slot, held by the task that owns a flow; freed on drop.
+/// A claimed slot, held by the task that owns a flow; freed on drop. The
+/// task drops it after the flow's sockets, so that a flow told to close
+/// for an early drop counts as closing ([`Owners::early_drops_closing`])
+/// until its descriptors are back.
 #[derive(Debug)]
 pub(crate) struct Owner {
     owners: Arc<Owners>,
@@ -275,7 +311,10 @@ impl Owner {
             // UNBOUND, or a kill meant for its previous flow (a retry's):
             // not this one's.
             match state.compare_exchange(cur, w, AcqRel, Acquire) {
-                Ok(_) => return Ok(()),
+                Ok(was) => {
+                    self.owners.replaced(was);
+                    return Ok(());
+                }
                 Err(now) => cur = now,
             }
         }
@@ -284,7 +323,8 @@ impl Owner {
     /// The flow ended (its task removed the entry): the slot waits for the
     /// next [`bind`](Self::bind) (a retry to another backend).
     pub(crate) fn unbind(&self) {
-        self.slot().state.store(UNBOUND, Release);
+        let was = self.slot().state.swap(UNBOUND, AcqRel);
+        self.owners.replaced(was);
     }
 
     /// Why the bound flow was told to close, if it was.
@@ -322,7 +362,8 @@ impl Drop for Owner {
         // A waker holds its task: the slot must not keep an ended task's
         // memory until the slot's next flow.
         drop(self.slot().waker.take());
-        self.slot().state.store(FREE, Release);
+        let was = self.slot().state.swap(FREE, AcqRel);
+        self.owners.replaced(was);
         self.owners.free[self.list].lock().push(self.index);
     }
 }
@@ -380,6 +421,47 @@ mod tests {
         // A kill meant for another flow does not stick to this one.
         assert_eq!(b.bind(9), Ok(()));
         assert_eq!(b.told(), None);
+    }
+
+    /// An early drop counts as closing from its kill until its owner lets
+    /// go: of the slot, or of the told word by binding another flow or
+    /// unbinding; a kill that tells nobody, or for another reason, is not
+    /// counted.
+    #[test]
+    fn an_early_drop_is_closing_until_its_owner_lets_go() {
+        let o = Arc::new(Owners::new(1));
+        let a = o.claim().unwrap();
+        a.bind(1).unwrap();
+        assert!(o.kill(a.token(), 1, Close::EarlyDrop));
+        assert_eq!(o.early_drops_closing(), 1);
+        // Told already; another flow's cookie.
+        assert!(!o.kill(a.token(), 1, Close::EarlyDrop));
+        assert!(!o.kill(a.token(), 2, Close::EarlyDrop));
+        assert_eq!(o.early_drops_closing(), 1);
+        drop(a);
+        assert_eq!(o.early_drops_closing(), 0);
+        // A kill for a freed slot tells nobody.
+        assert!(!o.kill(1, 1, Close::EarlyDrop));
+        assert_eq!(o.early_drops_closing(), 0);
+
+        // Told before its bind, for a flow it then does not bind (a
+        // retry's): let go of when the word is replaced.
+        let b = o.claim().unwrap();
+        assert!(o.kill(b.token(), 7, Close::EarlyDrop));
+        assert_eq!(o.early_drops_closing(), 1);
+        b.bind(8).unwrap();
+        assert_eq!(o.early_drops_closing(), 0);
+        // Unbound after it was told.
+        assert!(o.kill(b.token(), 8, Close::EarlyDrop));
+        assert_eq!(o.early_drops_closing(), 1);
+        b.unbind();
+        assert_eq!(o.early_drops_closing(), 0);
+        // Other reasons are not counted, nor let go of.
+        b.bind(9).unwrap();
+        assert!(o.kill(b.token(), 9, Close::IdleTimeout));
+        assert_eq!(o.early_drops_closing(), 0);
+        drop(b);
+        assert_eq!(o.early_drops_closing(), 0);
     }
 
     #[test]

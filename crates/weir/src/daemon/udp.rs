@@ -260,8 +260,10 @@ pub(crate) async fn recv_loop(shared: Arc<Shared>, svc: Arc<Service>, listen: Ar
                     Err(NoSession::FreeingFd) => {
                         // Let the ended session's task close its socket
                         // (when it is this worker's) before the next
-                        // datagram: a burst refused meanwhile would end
-                        // a session each for the one descriptor needed.
+                        // datagram, which then gets it. (Another worker's
+                        // closes when that worker runs it: a datagram
+                        // refused meanwhile ends no other,
+                        // `free_a_descriptor`.)
                         tokio::task::yield_now().await;
                         continue;
                     }
@@ -298,8 +300,9 @@ fn forward(shared: &Shared, sess: &Session, datagram: &[u8]) {
 /// under the reason it was refused for.
 enum NoSession {
     Refused,
-    /// Refused for want of a descriptor, and a session ended to free one
-    /// ([`take_a_place_pressed`]): its socket closes when its task runs.
+    /// Refused for want of a descriptor, and one is on its way back: a
+    /// session ended to free it ([`free_a_descriptor`]), for this datagram
+    /// or an earlier one, whose socket closes when its task runs.
     FreeingFd,
 }
 
@@ -383,6 +386,11 @@ fn open_session(
         Ok(b) => b,
         Err(why) => return refuse(why),
     };
+    // Read before the socket is made: a session ended early that finishes
+    // closing meanwhile, too late for this socket, leaves its descriptor
+    // to the next datagram, and this one must not end another
+    // (`free_a_descriptor`).
+    let closing = shared.conns.owners.early_drops_closing();
     let bind: SocketAddr = if backend.addr.is_ipv4() {
         (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
     } else {
@@ -414,7 +422,7 @@ fn open_session(
             // scheduler turn. It cannot be this datagram's (the socket is
             // not there yet): the client's retry finds it, as a
             // retransmitting client does.
-            let freeing = take_a_place_pressed(shared, &tenant, rng);
+            let freeing = closing > 0 || free_a_descriptor(shared, &tenant, rng);
             let _ = refuse(Refusal::FdExhausted);
             return Err(if freeing {
                 NoSession::FreeingFd
@@ -501,19 +509,33 @@ fn take_a_place_pressed(
     })
 }
 
-/// Out of descriptors anywhere in the proxy (a TCP accept, a backend
-/// connect): ends one UDP session that has carried a single datagram, of
-/// the tenant pressing hardest on the daemon-wide limits, so that a
-/// spoofed datagram flood holding every descriptor (a socket per forged
-/// source for `udp_timeout`) does not lock the TCP services of every
-/// tenant out too. Its socket closes when its task runs: the caller tries
-/// again after a turn. Whether one was ended.
+/// Out of descriptors anywhere in the proxy (a UDP session's socket, a
+/// TCP accept, a backend connect): ends one UDP session that has carried
+/// a single datagram, of the tenant pressing hardest on the daemon-wide
+/// limits, so that a spoofed datagram flood holding every descriptor (a
+/// socket per forged source for `udp_timeout`) does not lock new clients
+/// and the TCP services of every tenant out. Its socket closes when its
+/// task runs: the caller tries again after a turn. Whether a descriptor
+/// is on its way back: one ended now, or one ended earlier and still
+/// closing ([`Owners::early_drops_closing`](super::owners::Owners::early_drops_closing)),
+/// which ends none.
+///
+/// A session's task runs on its own worker, maybe not the caller's, and
+/// the caller may read on before it runs: ending one per refused datagram
+/// meanwhile ended a session each for the one descriptor the next of them
+/// needed (32 new clients against 16 sessions of the other worker ended
+/// up to all 16 and got none in). So a session ends only when none is
+/// closing, as with one worker, whose receive loop lets the ended session
+/// close before it reads on: each descriptor freed goes to the next new
+/// flow.
+/// (Two workers refused at the same moment, each finding none closing,
+/// may each end one: each has a client whose retry needs it.)
 pub(super) fn free_a_descriptor(
     shared: &Shared,
     own: &super::Tenant,
     rng: &mut weir_sched::SplitMix64,
 ) -> bool {
-    take_a_place_pressed(shared, own, rng)
+    shared.conns.owners.early_drops_closing() > 0 || take_a_place_pressed(shared, own, rng)
 }
 
 /// A UDP proxy session that has carried a single datagram from its
@@ -589,6 +611,13 @@ async fn session_task(
     svc.give_client_place(Protocol::Udp, peer.ip());
     shared.close(conn, reason);
     shared.admission.release(&svc.tenant);
+    // The socket closes (the receive loop holds the session only within a
+    // datagram's turn on this thread) before the owner slot is let go: a
+    // session ended early counts as closing until then, and its
+    // descriptor is free once it no longer does.
+    debug_assert_eq!(Arc::strong_count(&sess), 1, "the session's last holder");
+    drop(sess);
+    drop(owner);
     let _ = Close::Killed;
 }
 
