@@ -81,6 +81,8 @@ impl Drop for Counted {
 
 async fn accept_until_stopped(shared: &Arc<Shared>, svc: &Arc<Service>, listener: TcpListener) {
     let mut backoff = Duration::from_millis(10);
+    // Turns spent waiting for a UDP session ended early to close.
+    let mut freeing_turns = 0u32;
     let mut rng = weir_sched::SplitMix64::new(super::rng_seed());
     // One listener of each group (worker 0's) points the group at the
     // workers accept steering chose, now and whenever that changes.
@@ -112,6 +114,7 @@ async fn accept_until_stopped(shared: &Arc<Shared>, svc: &Arc<Service>, listener
         match accepted {
             Ok((stream, peer)) => {
                 backoff = Duration::from_millis(10);
+                freeing_turns = 0;
                 serve_accepted(shared, svc, stream, peer, worker, &mut rng);
             }
             Err(e) if is_fd_exhaustion(&e) => {
@@ -122,7 +125,18 @@ async fn accept_until_stopped(shared: &Arc<Shared>, svc: &Arc<Service>, listener
                 // (a socket each for `udp_timeout`): one of those ends
                 // (`udp::free_a_descriptor`), its socket closes when its
                 // task runs, and accept is tried again after a turn.
-                if super::udp::free_a_descriptor(shared, &svc.tenant, &mut rng) {
+                // A session ended on another worker closes when that
+                // worker runs it, and ends none here meanwhile; but every
+                // `FREEING_TURNS`th turn without a descriptor ends one
+                // regardless: that worker may be stuck, and this loop
+                // would spin on it.
+                freeing_turns += 1;
+                let freeing = if freeing_turns.is_multiple_of(super::udp::FREEING_TURNS) {
+                    super::udp::end_a_session_now(shared, &svc.tenant, &mut rng)
+                } else {
+                    super::udp::free_a_descriptor(shared, &svc.tenant, &mut rng)
+                };
+                if freeing {
                     tokio::task::yield_now().await;
                     continue;
                 }

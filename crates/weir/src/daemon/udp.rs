@@ -28,7 +28,7 @@ use weir_flowtable::{Dir, FlowKey, Millis};
 
 use super::accounting::{UdpDrop, UdpDrops};
 use super::conns::Pressing;
-use super::owners::{Close, Owner};
+use super::owners::Owner;
 use super::{Conn, ConnState, Refusal, Service, Shared};
 use crate::config::Protocol;
 
@@ -509,6 +509,23 @@ fn take_a_place_pressed(
     })
 }
 
+/// [`free_a_descriptor`] without waiting for a session still closing:
+/// ends one now, if one can be. For a caller that has waited
+/// [`FREEING_TURNS`] turns for the one closing and still finds no
+/// descriptor: the worker running that session may be stuck, and
+/// waiting on it for ever would spin its caller's accept loop.
+pub(super) fn end_a_session_now(
+    shared: &Shared,
+    own: &super::Tenant,
+    rng: &mut weir_sched::SplitMix64,
+) -> bool {
+    take_a_place_pressed(shared, own, rng)
+}
+
+/// How many turns a TCP accept waits for a session ended early to close
+/// before it ends another ([`end_a_session_now`]).
+pub(super) const FREEING_TURNS: u32 = 64;
+
 /// Out of descriptors anywhere in the proxy (a UDP session's socket, a
 /// TCP accept, a backend connect): ends one UDP session that has carried
 /// a single datagram, of the tenant pressing hardest on the daemon-wide
@@ -618,7 +635,6 @@ async fn session_task(
     debug_assert_eq!(Arc::strong_count(&sess), 1, "the session's last holder");
     drop(sess);
     drop(owner);
-    let _ = Close::Killed;
 }
 
 /// A backend's reply to `peer` could not be sent (`e`, not a full buffer):
