@@ -506,6 +506,9 @@ impl AddrRange {
     /// An IPv4-mapped IPv6 address (`[::ffff:10.0.0.5]:80`) is the IPv4
     /// address it maps to: a socket connects to that, so an IPv6 entry
     /// ("::/0") must not let it past the IPv4 entries.
+    /// Port 0 (a listen the kernel gives a port of its choosing, any
+    /// ephemeral one) is inside only an entry of every port, one naming
+    /// no port: "10.0.0.0/8:0-1023" does not hold the port it gets.
     pub fn contains(&self, a: SocketAddr) -> bool {
         let a = SocketAddr::new(a.ip().to_canonical(), a.port());
         let in_net = match (self.net, a.ip()) {
@@ -525,7 +528,12 @@ impl AddrRange {
         };
         let full = if a.is_ipv4() { 32 } else { 128 };
         let wildcard_ok = !a.ip().is_unspecified() || self.prefix == full;
-        in_net && wildcard_ok && (self.port_lo..=self.port_hi).contains(&a.port())
+        let port_ok = if a.port() == 0 {
+            (self.port_lo, self.port_hi) == (0, u16::MAX)
+        } else {
+            (self.port_lo..=self.port_hi).contains(&a.port())
+        };
+        in_net && wildcard_ok && port_ok
     }
 }
 
@@ -3342,6 +3350,29 @@ mod tests {
             !fence_allows(&[], a("[::ffff:0.0.0.0]:1"), true),
             "mapped wildcard"
         );
+    }
+
+    /// Port 0 asks the kernel for a port, which can be any: it is inside
+    /// an entry of every port (one naming no port) and no other, even one
+    /// whose range starts at 0. "10.0.0.0/8:0-1023" let a tenant token
+    /// listen on 10.0.0.7:0, bound to an ephemeral port above 1023.
+    #[test]
+    fn port_0_is_inside_only_an_entry_of_every_port() {
+        let r = |s: &str| s.parse::<AddrRange>().unwrap_or_else(|e| panic!("{e}"));
+        let a = |s: &str| s.parse::<SocketAddr>().unwrap();
+        assert!(!r("10.0.0.0/8:0-1023").contains(a("10.0.0.7:0")));
+        assert!(!r("10.0.0.7:0").contains(a("10.0.0.7:0")));
+        assert!(r("10.0.0.0/8:0-1023").contains(a("10.0.0.7:1023")));
+        assert!(r("10.0.0.0/8").contains(a("10.0.0.7:0")));
+        assert!(r("10.0.0.0/8:0-65535").contains(a("10.0.0.7:0")));
+        assert!(r("[::]:0-65535").contains(a("[::]:0")));
+        assert!(!r("[::]:0-1023").contains(a("[::]:0")));
+        assert!(fence_allows(&[], a("10.0.0.7:0"), true), "no fence");
+        assert!(!fence_allows(
+            &[r("10.0.0.0/8:0-1023")],
+            a("10.0.0.7:0"),
+            true
+        ));
     }
 
     /// One backend written two ways, `10.0.1.2:80` and its IPv4-mapped

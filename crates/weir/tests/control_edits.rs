@@ -717,6 +717,43 @@ fn tenant_tokens_are_fenced_by_address() {
     );
 }
 
+/// A listen on port 0 gets whatever port the kernel picks, so a tenant
+/// token may use it only where its `allowed_listen` allows every port. An
+/// entry whose range starts at 0 ("127.0.0.0/8:0-1023") let the add through
+/// and the service was bound to an ephemeral port far outside the range.
+#[test]
+fn a_port_0_listen_does_not_leave_an_entry_naming_ports() {
+    let echo = Echo::start();
+    let (r, _dir, _path) = from_file(&tenant_toml(
+        "delta",
+        &format!(
+            "token = \"delta-tok\"\nallowed_listen = [\"127.0.0.0/8:0-1023\", \"127.0.0.9\"]\n\
+             allowed_backends = [\"{}\"]",
+            echo.addr
+        ),
+    ));
+    let add = |name: &str, listen: &str| {
+        let body = json!({ "tenant": "delta", "name": name, "protocol": "tcp", "listen": listen,
+                           "backend": [{ "address": echo.addr.to_string() }] });
+        Client::new(r.url.clone(), Some("delta-tok".into())).send(
+            "POST",
+            "/v1/services",
+            Some(&body),
+        )
+    };
+    refused(
+        "port 0 under an entry of ports 0-1023",
+        add("low", "127.0.0.7:0"),
+        403,
+        &["allowed_listen"],
+    );
+    assert_eq!(r.d().service_addr("delta", "low"), None, "nothing bound");
+    // An entry naming no port allows port 0 at its address.
+    add("any", "127.0.0.9:0").expect("an entry of every port");
+    let any = r.d().service_addr("delta", "any").unwrap();
+    assert!(echo_once(any, b"port 0"));
+}
+
 /// Defect 11: a reload of a large file (read, parse and validate take
 /// seconds) does not stall other admin requests: they are answered while
 /// it runs, each in a small part of the reload's time.
