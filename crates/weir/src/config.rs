@@ -1103,17 +1103,45 @@ pub fn parse(text: &str, file: &str) -> Result<Config, Vec<ConfigError>> {
     Err(typed
         .into_iter()
         .chain(problems.into_iter().map(|p| {
+            let path = match &doc {
+                Some(d) => as_written(d.as_table(), p.path),
+                None => p.path,
+            };
             ConfigError {
                 file: file.into(),
                 line: doc
                     .as_ref()
-                    .and_then(|d| span_of(d.as_table(), &p.path))
+                    .and_then(|d| span_of(d.as_table(), &path))
                     .map(|off| lines.line_of(off)),
-                key: p.path.to_string(),
+                key: path.to_string(),
                 message: p.message,
             }
         }))
         .collect())
+}
+
+/// Keys a file may still spell by an old name (serde aliases): (table,
+/// key, old name).
+const OLD_NAMES: &[(&str, &str, &str)] =
+    &[("daemon", "shared_table_entries", "shared_table_buckets")];
+
+/// `path`, or the same key by its old name where the file uses that name:
+/// a problem of the value is reported at the key the file has, and on its
+/// line. Under the new name it named a key the file does not have, and so
+/// no line.
+fn as_written(root: &toml_edit::Table, path: KeyPath) -> KeyPath {
+    let [PathSeg::Key(table), PathSeg::Key(key)] = path.0.as_slice() else {
+        return path;
+    };
+    let Some(t) = root.get(table).and_then(|i| i.as_table_like()) else {
+        return path;
+    };
+    match OLD_NAMES.iter().find(|(tb, k, _)| tb == table && k == key) {
+        Some((_, _, old)) if !t.contains_key(key) && t.contains_key(old) => {
+            KeyPath(vec![k(table), k(old)])
+        }
+        _ => path,
+    }
 }
 
 /// A semantic problem found by [`validate`], located by key path.
@@ -3196,11 +3224,16 @@ mod tests {
                 && got[0].starts_with("f.toml:3: daemon.shared_table_buckets: is the old name"),
             "{got:?}"
         );
-        let got = error_lines("[daemon]\nshared_table_buckets = 1000\n");
+        // A bad value under the old name is reported where the file has
+        // it: under that name, with its line (it was named
+        // daemon.shared_table_entries, a key the file does not have, and
+        // so had no line).
+        let got = error_lines("[daemon]\nworkers = 1\nshared_table_buckets = 1000\n");
         assert!(
             got.len() == 1
-                && got[0]
-                    .starts_with("f.toml: daemon.shared_table_entries: 1000 is not a power of two"),
+                && got[0].starts_with(
+                    "f.toml:3: daemon.shared_table_buckets: 1000 is not a power of two"
+                ),
             "{got:?}"
         );
 
