@@ -412,6 +412,39 @@ fn e2e_service_add_forward_and_sloppy_tcp() {
     assert!(e.contains("proxy nat fnat dr"), "{e}");
 }
 
+/// `weir tenant add --max-table-entries` caps the tenant's own table, as
+/// the file's and the API's `max_table_entries` do. The cap is fixed when
+/// the table is made (`tenant edit` refuses to change it), and the CLI had
+/// no way to give one: a tenant made with it could only grow to the
+/// table's maximum.
+#[test]
+fn e2e_tenant_add_caps_its_own_table() {
+    let s = server();
+    ok(s.weir(&[
+        "tenant",
+        "add",
+        "capped",
+        "--table-entries",
+        "1024",
+        "--max-table-entries",
+        "8192",
+    ]));
+    ok(s.weir(&["tenant", "add", "uncapped", "--table-entries", "1024"]));
+    let t = |name: &str| {
+        s.fake
+            .running_config()
+            .tenants
+            .into_iter()
+            .find(|t| t.name == name)
+            .unwrap()
+    };
+    assert_eq!(
+        (t("capped").table_entries, t("capped").max_table_entries),
+        (1024, 8192)
+    );
+    assert_eq!(t("uncapped").max_table_entries, 0, "0: the table's maximum");
+}
+
 #[test]
 fn e2e_tenant_service_backend_changes() {
     let s = server();

@@ -251,6 +251,11 @@ pub enum TenantCmd {
         /// Own flow table with this many entries (power of two ≤ 2^24); 0 shares the global table.
         #[arg(long, default_value_t = 0)]
         table_entries: usize,
+        /// Own table only: the entries it may grow to (power of two ≥
+        /// --table-entries, ≤ 2^24); 0 = the table's maximum. Fixed at
+        /// creation, as the size is.
+        #[arg(long, default_value_t = 0)]
+        max_table_entries: usize,
         /// Cap on connections + sessions; 0 = unlimited.
         #[arg(long, default_value_t = 0)]
         max_connections: u64,
@@ -665,6 +670,7 @@ fn tenant(cmd: TenantCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
         TenantCmd::Add {
             name,
             table_entries,
+            max_table_entries,
             max_connections,
             max_new_per_s,
             max_services,
@@ -677,6 +683,10 @@ fn tenant(cmd: TenantCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
                 "max_connections": max_connections, "max_new_per_s": max_new_per_s,
                 "max_services": max_services, "max_backends": max_backends,
             });
+            // Only when given: 0, the default, is the table's maximum.
+            if max_table_entries != 0 {
+                body["max_table_entries"] = json!(max_table_entries);
+            }
             if let Some(d) = min_health_interval {
                 body["min_health_interval"] = json!(d);
             }
