@@ -412,6 +412,82 @@ fn e2e_service_add_forward_and_sloppy_tcp() {
     assert!(e.contains("proxy nat fnat dr"), "{e}");
 }
 
+/// `weir service add/edit --sched-flags` sets the scheduler flags as
+/// ipvsadm's `-b` does and `weir list` names them (issue 13 left the CLI
+/// without them: an `sh` service made with it refused every client of a
+/// backend that went down, with no way to turn `sh-fallback` on from the
+/// CLI). An edit replaces the flags; `none` clears them.
+#[test]
+fn e2e_service_sched_flags() {
+    let s = server();
+    ok(s.weir(&[
+        "service",
+        "add",
+        "hashed",
+        "--listen",
+        "10.9.0.4:80",
+        "--scheduler",
+        "sh",
+        "--sched-flags",
+        "sh-fallback,sh-port",
+        "--backend",
+        "10.9.1.1:80",
+    ]));
+    let flags = || {
+        let svc = s
+            .fake
+            .running_config()
+            .services
+            .into_iter()
+            .find(|x| x.name == "hashed")
+            .unwrap();
+        let o = svc.options;
+        (
+            svc.scheduler.as_str().to_owned(),
+            [o.sh_fallback, o.sh_port, o.mh_fallback, o.mh_port],
+        )
+    };
+    assert_eq!(flags(), ("sh".into(), [true, true, false, false]));
+    let out = ok(s.weir(&["list"]));
+    assert!(
+        out.contains("TCP  10.9.0.4:80 sh (sh-fallback,sh-port) [default/hashed]"),
+        "{out}"
+    );
+    ok(s.weir(&[
+        "service",
+        "edit",
+        "hashed",
+        "--scheduler",
+        "mh",
+        "--sched-flags",
+        "mh-port",
+    ]));
+    assert_eq!(flags(), ("mh".into(), [false, false, false, true]));
+    ok(s.weir(&["service", "edit", "hashed", "--sched-flags", "none"]));
+    assert_eq!(flags(), ("mh".into(), [false; 4]));
+    // Flags other than the four are a usage error naming them; `none`
+    // stands alone.
+    let argv = [
+        "weir",
+        "service",
+        "add",
+        "x",
+        "--listen",
+        "10.9.0.5:80",
+        "--sched-flags",
+        "sh-fallbak",
+    ];
+    let e = match Cli::try_parse_from(argv) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("--sched-flags sh-fallbak was taken"),
+    };
+    assert!(e.contains("sh-fallback") && e.contains("mh-port"), "{e}");
+    let r = s.weir(&["service", "edit", "hashed", "--sched-flags", "none,mh-port"]);
+    assert_eq!(r.0, ExitCode::from(2), "{}", r.2);
+    assert!(r.2.contains("none"), "{}", r.2);
+    assert_eq!(flags(), ("mh".into(), [false; 4]), "nothing sent");
+}
+
 /// `weir tenant add --max-table-entries` caps the tenant's own table, as
 /// the file's and the API's `max_table_entries` do. The cap is fixed when
 /// the table is made (`tenant edit` refuses to change it), and the CLI had

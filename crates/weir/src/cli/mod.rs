@@ -340,6 +340,10 @@ pub enum ServiceCmd {
         /// Persistence timeout, e.g. 300s; 0s = off.
         #[arg(long, default_value = "0s")]
         persistence: String,
+        /// Scheduler flags, comma-separated, as ipvsadm -b and weir list
+        /// name them: sh-fallback, sh-port (sh); mh-fallback, mh-port (mh).
+        #[arg(long, value_name = "FLAG,...", value_delimiter = ',')]
+        sched_flags: Vec<SchedFlag>,
         /// Backend address, optionally with @WEIGHT (10.0.0.2:80@3); repeat for several.
         #[arg(long = "backend", value_name = "IP:PORT[@WEIGHT]")]
         backends: Vec<String>,
@@ -352,7 +356,7 @@ pub enum ServiceCmd {
         #[arg(long)]
         sloppy_tcp: bool,
     },
-    /// Change a service's scheduler, persistence, address or protocol.
+    /// Change a service's scheduler, its flags, persistence, address or protocol.
     Edit {
         /// [TENANT/]NAME.
         service: String,
@@ -368,6 +372,10 @@ pub enum ServiceCmd {
         /// Persistence timeout.
         #[arg(long)]
         persistence: Option<String>,
+        /// The scheduler flags, replacing the service's: sh-fallback,
+        /// sh-port (sh); mh-fallback, mh-port (mh); none clears them.
+        #[arg(long, value_name = "FLAG,...", value_delimiter = ',')]
+        sched_flags: Option<Vec<SchedFlag>>,
         /// Packet services, TCP: true = a non-SYN packet with no flow creates one.
         #[arg(long, value_name = "BOOL")]
         sloppy_tcp: Option<bool>,
@@ -377,6 +385,51 @@ pub enum ServiceCmd {
         /// [TENANT/]NAME.
         service: String,
     },
+}
+
+/// A scheduler flag, named as ipvsadm's `-b` and `weir list` name it
+/// (`--sched-flags sh-fallback,sh-port`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SchedFlag {
+    /// `sh`: a client whose backend is unavailable takes the next available
+    /// one along its buckets (without it the client is refused).
+    ShFallback,
+    /// `sh`: hash the client's port with its address.
+    ShPort,
+    /// `mh`: fall back to another backend when the chosen one is unavailable.
+    MhFallback,
+    /// `mh`: hash the client's port with its address.
+    MhPort,
+    /// No flag: `service edit --sched-flags none` clears them.
+    None,
+}
+
+impl SchedFlag {
+    /// The service option each flag sets, as the file and the API name it.
+    const KEYS: [(SchedFlag, &'static str); 4] = [
+        (SchedFlag::ShFallback, "sh_fallback"),
+        (SchedFlag::ShPort, "sh_port"),
+        (SchedFlag::MhFallback, "mh_fallback"),
+        (SchedFlag::MhPort, "mh_port"),
+    ];
+
+    /// `flags`, checked: `none` stands alone.
+    fn checked(flags: &[SchedFlag]) -> CliResult<&[SchedFlag]> {
+        if flags.contains(&SchedFlag::None) && flags.len() > 1 {
+            return Err(CliError::Local(
+                "--sched-flags none clears the flags; give it alone".into(),
+            ));
+        }
+        Ok(flags)
+    }
+
+    /// Sets exactly `flags` in `o` (ipvsadm -E -b replaces them too).
+    fn set(flags: &[SchedFlag], o: &mut crate::config::ServiceOptions) {
+        o.sh_fallback = flags.contains(&SchedFlag::ShFallback);
+        o.sh_port = flags.contains(&SchedFlag::ShPort);
+        o.mh_fallback = flags.contains(&SchedFlag::MhFallback);
+        o.mh_port = flags.contains(&SchedFlag::MhPort);
+    }
 }
 
 /// `weir backend ...`.
@@ -816,11 +869,13 @@ fn service(cmd: ServiceCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             listen,
             scheduler,
             persistence,
+            sched_flags,
             backends,
             forward,
             sloppy_tcp,
         } => {
             let (tenant, name) = split_service(&service)?;
+            let sched_flags = SchedFlag::checked(&sched_flags)?;
             let backends = backends
                 .iter()
                 .map(|b| parse_backend(b))
@@ -837,6 +892,11 @@ fn service(cmd: ServiceCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             if sloppy_tcp {
                 body["sloppy_tcp"] = json!(true);
             }
+            for (flag, key) in SchedFlag::KEYS {
+                if sched_flags.contains(&flag) {
+                    body[key] = json!(true);
+                }
+            }
             c.send("POST", "/v1/services", Some(&body))?;
             w(out, &format!("service {tenant}/{name} added\n"))
         }
@@ -846,9 +906,11 @@ fn service(cmd: ServiceCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
             listen,
             scheduler,
             persistence,
+            sched_flags,
             sloppy_tcp,
         } => {
             let (tenant, name) = split_service(&service)?;
+            let sched_flags = sched_flags.as_deref().map(SchedFlag::checked).transpose()?;
             let path = format!("/v1/services/{}/{}", seg(&tenant), seg(&name));
             let mut spec: ServiceSpec = c.get(&path)?;
             if let Some(p) = protocol {
@@ -871,6 +933,9 @@ fn service(cmd: ServiceCmd, c: &Client, out: &mut dyn Write) -> CliResult<()> {
                 spec.persistence = p
                     .parse()
                     .map_err(|e| CliError::Local(format!("--persistence: {e}")))?;
+            }
+            if let Some(flags) = sched_flags {
+                SchedFlag::set(flags, &mut spec.options);
             }
             if let Some(on) = sloppy_tcp {
                 spec.options.sloppy_tcp = on;
