@@ -5,7 +5,10 @@
 //! going down or up does not move anyone else's clients; availability is
 //! checked at pick time. A client whose slot holds an unavailable backend gets
 //! `None`, or with `fallback` the first available backend along a
-//! deterministic probe sequence (IPVS `sh-fallback` / `mh-fallback`).
+//! deterministic probe sequence (IPVS `sh-fallback` / `mh-fallback`). An
+//! overloaded backend ([`crate::Load::overloaded`]) counts as unavailable
+//! there, as IPVS's `is_unavailable` counts an `OVERLOAD` destination; `dh`
+//! gives `None` for one (IPVS `ip_vs_dh.c`: `is_overloaded`).
 //!
 //! Hashing: SipHash-1-3 keyed by the configured [`HashSeed`] over the client's
 //! canonical IP octets (an IPv4-mapped IPv6 address hashes as the IPv4 one),
@@ -19,7 +22,8 @@ use std::net::{IpAddr, SocketAddr};
 use siphasher::sip::SipHasher13;
 
 use crate::{
-    BackendInfo, BuildError, ClientAddr, DestAddr, HashSeed, MhTableSize, SchedConfig, gcd,
+    BackendInfo, BuildError, ClientAddr, DestAddr, HashSeed, LoadView, MhTableSize, SchedConfig,
+    can_take, gcd,
 };
 
 /// Table slot holding no backend (only when there are none with turns).
@@ -119,6 +123,19 @@ fn deal(turns: &[u32], slots: usize, mut claim: impl FnMut(usize)) {
     }
 }
 
+/// Whether some backend can take a connection: the fallback probes only
+/// then, so a service whose every backend is overloaded refuses a client
+/// after one look at each instead of `sh`'s 256 or `mh`'s table-size
+/// hashes. (An available backend has weight > 0, so it has a slot in
+/// either table, except in `sh` with more than 256 backends: the probe then
+/// ends as IPVS's does, with `None` after 256 hashes.)
+fn any_can_take<L: LoadView + ?Sized>(backends: &[BackendInfo], load: &L) -> bool {
+    backends
+        .iter()
+        .enumerate()
+        .any(|(i, b)| can_take(b, i, load))
+}
+
 /// Source hashing: 256 buckets dealt round-robin to the backends in list
 /// order, each taking `weight` buckets per round (IPVS `ip_vs_sh_reassign`,
 /// where a weight-0 backend still takes one bucket; see [`deal`]).
@@ -146,18 +163,19 @@ impl Sh {
         Self { buckets }
     }
 
-    pub(crate) fn pick(
+    pub(crate) fn pick<L: LoadView + ?Sized>(
         &self,
         backends: &[BackendInfo],
+        load: &L,
         client: ClientAddr,
         cfg: &SchedConfig,
     ) -> Option<usize> {
         let ihash = (client_hash(cfg, client, 0) as usize) % SH_BUCKETS;
         let (i, b) = slot_backend(&self.buckets[..], backends, ihash)?;
-        if b.available() {
+        if can_take(b, i, load) {
             return Some(i);
         }
-        if !cfg.fallback {
+        if !cfg.fallback || !any_can_take(backends, load) {
             return None;
         }
         // IPVS probe (`ip_vs_sh_get_fallback`): rehash the client with
@@ -170,7 +188,7 @@ impl Sh {
                 let slot = (client_hash(cfg, client, roffset) as usize) % SH_BUCKETS;
                 slot_backend(&self.buckets[..], backends, slot)
             })
-            .find(|(_, b)| b.available())
+            .find(|&(i, b)| can_take(b, i, load))
             .map(|(i, _)| i)
     }
 
@@ -203,16 +221,17 @@ impl Dh {
         Self { buckets }
     }
 
-    pub(crate) fn pick(
+    pub(crate) fn pick<L: LoadView + ?Sized>(
         &self,
         backends: &[BackendInfo],
+        load: &L,
         dest: DestAddr,
         cfg: &SchedConfig,
     ) -> Option<usize> {
         let slot =
             (hash_addr(cfg.hash_seed, SocketAddr::new(dest.0, 0), false, 0) as usize) % SH_BUCKETS;
         let (i, b) = slot_backend(&self.buckets[..], backends, slot)?;
-        b.available().then_some(i)
+        can_take(b, i, load).then_some(i)
     }
 }
 
@@ -283,9 +302,10 @@ impl Mh {
         })
     }
 
-    pub(crate) fn pick(
+    pub(crate) fn pick<L: LoadView + ?Sized>(
         &self,
         backends: &[BackendInfo],
+        load: &L,
         client: ClientAddr,
         cfg: &SchedConfig,
     ) -> Option<usize> {
@@ -295,10 +315,10 @@ impl Mh {
         }
         let ihash = (client_hash(cfg, client, 0) % m as u64) as usize;
         let (i, b) = slot_backend(&self.table, backends, ihash)?;
-        if b.available() {
+        if can_take(b, i, load) {
             return Some(i);
         }
-        if !cfg.fallback || !self.any_available {
+        if !cfg.fallback || !self.any_available || !any_can_take(backends, load) {
             return None;
         }
         // IPVS probe: rehash the client with offsets ihash, ihash+1, ...
@@ -308,7 +328,7 @@ impl Mh {
                 let slot = (client_hash(cfg, client, roffset) % m as u64) as usize;
                 slot_backend(&self.table, backends, slot)
             })
-            .find(|(_, b)| b.available())
+            .find(|&(i, b)| can_take(b, i, load))
             .map(|(i, _)| i)
     }
 

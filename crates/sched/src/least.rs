@@ -5,12 +5,27 @@
 //! the current best `b` when `overhead(b) * weight(d) > overhead(d) * weight(b)`,
 //! i.e. `overhead(d) / weight(d) < overhead(b) / weight(b)`. Ties keep the
 //! earlier backend. Products are computed in `u128` so they cannot overflow.
+//!
+//! An overloaded backend ([`Load::overloaded`]) is skipped inside each loop,
+//! as IPVS's loops skip an `OVERLOAD` destination: the rule then applies to
+//! the others (`wlc` takes the least loaded of the rest, `fo` the highest
+//! weight of the rest...).
 
 use crate::{BackendInfo, Load, LoadView, RandomSource};
 
-/// Available backends with their index.
-fn available(backends: &[BackendInfo]) -> impl Iterator<Item = (usize, &BackendInfo)> {
-    backends.iter().enumerate().filter(|(_, b)| b.available())
+/// Backends that can take a connection (available, not overloaded) with
+/// their index and load; each load is read once, and only for available
+/// backends.
+fn candidates<'a, L: LoadView + ?Sized>(
+    backends: &'a [BackendInfo],
+    load: &'a L,
+) -> impl Iterator<Item = (usize, &'a BackendInfo, Load)> {
+    backends
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| b.available())
+        .map(|(i, b)| (i, b, load.load(i)))
+        .filter(|(_, _, l)| !l.overloaded)
 }
 
 /// `true` when `(oh_d, w_d)` is strictly better than `(oh_b, w_b)`.
@@ -18,15 +33,16 @@ pub(crate) fn better(oh_d: u64, w_d: u32, oh_b: u64, w_b: u32) -> bool {
     u128::from(oh_b) * u128::from(w_d) > u128::from(oh_d) * u128::from(w_b)
 }
 
-/// Least weighted `overhead` over available backends (IPVS `wlc` / `sed` loop).
+/// Least weighted `overhead` over the backends that can take a connection
+/// (IPVS `wlc` / `sed` loop).
 fn least_weighted<L: LoadView + ?Sized>(
     backends: &[BackendInfo],
     load: &L,
     overhead: impl Fn(Load) -> u64,
 ) -> Option<usize> {
     let mut best: Option<(usize, u64, u32)> = None;
-    for (i, b) in available(backends) {
-        let oh = overhead(load.load(i));
+    for (i, b, l) in candidates(backends, load) {
+        let oh = overhead(l);
         match best {
             Some((_, boh, bw)) if !better(oh, b.weight, boh, bw) => {}
             _ => best = Some((i, oh, b.weight)),
@@ -38,8 +54,8 @@ fn least_weighted<L: LoadView + ?Sized>(
 /// `lc`: least `active * 256 + inactive`; weights only gate availability.
 pub(crate) fn lc<L: LoadView + ?Sized>(backends: &[BackendInfo], load: &L) -> Option<usize> {
     let mut best: Option<(usize, u64)> = None;
-    for (i, _) in available(backends) {
-        let oh = load.load(i).conn_overhead();
+    for (i, _, l) in candidates(backends, load) {
+        let oh = l.conn_overhead();
         if best.is_none_or(|(_, boh)| oh < boh) {
             best = Some((i, oh));
         }
@@ -64,8 +80,7 @@ fn sed_overhead(l: Load) -> u64 {
 /// `nq`: the first available backend with no active connection, else `sed`.
 pub(crate) fn nq<L: LoadView + ?Sized>(backends: &[BackendInfo], load: &L) -> Option<usize> {
     let mut best: Option<(usize, u64, u32)> = None;
-    for (i, b) in available(backends) {
-        let l = load.load(i);
+    for (i, b, l) in candidates(backends, load) {
         if l.active == 0 {
             return Some(i);
         }
@@ -79,10 +94,11 @@ pub(crate) fn nq<L: LoadView + ?Sized>(backends: &[BackendInfo], load: &L) -> Op
 }
 
 /// `fo` (IPVS `ip_vs_fo.c`, weighted fail-over): the available backend with
-/// the highest weight, the first on a tie. Loads are not looked at.
-pub(crate) fn fo(backends: &[BackendInfo]) -> Option<usize> {
+/// the highest weight, the first on a tie. Only `overloaded` is looked at,
+/// not the counts.
+pub(crate) fn fo<L: LoadView + ?Sized>(backends: &[BackendInfo], load: &L) -> Option<usize> {
     let mut best: Option<(usize, u32)> = None;
-    for (i, b) in available(backends) {
+    for (i, b, _) in candidates(backends, load) {
         if best.is_none_or(|(_, w)| b.weight > w) {
             best = Some((i, b.weight));
         }
@@ -97,8 +113,8 @@ pub(crate) fn fo(backends: &[BackendInfo]) -> Option<usize> {
 /// full.
 pub(crate) fn ovf<L: LoadView + ?Sized>(backends: &[BackendInfo], load: &L) -> Option<usize> {
     let mut best: Option<(usize, u32)> = None;
-    for (i, b) in available(backends) {
-        if load.load(i).active > u64::from(b.weight) {
+    for (i, b, l) in candidates(backends, load) {
+        if l.active > u64::from(b.weight) {
             continue;
         }
         if best.is_none_or(|(_, w)| b.weight > w) {
@@ -111,7 +127,10 @@ pub(crate) fn ovf<L: LoadView + ?Sized>(backends: &[BackendInfo], load: &L) -> O
 /// Power of two choices: two candidates drawn with probability proportional
 /// to weight; the one with the lower `wlc` overhead per weight wins, the first
 /// on a tie. Idle backends are therefore chosen in proportion to weight, and
-/// a loaded backend loses against a less loaded one.
+/// a loaded backend loses against a less loaded one. An overloaded candidate
+/// loses to one that is not; when both are overloaded the pick is `wlc`'s
+/// over the backends that can take it, so an overloaded backend is never
+/// returned while another can take the connection.
 #[derive(Debug)]
 pub(crate) struct P2c {
     /// Cumulative weights of the available backends.
@@ -123,7 +142,10 @@ pub(crate) struct P2c {
 impl P2c {
     pub(crate) fn new(backends: &[BackendInfo]) -> Self {
         let mut sum = 0u64;
-        let (cumulative, index): (Vec<u64>, Vec<usize>) = available(backends)
+        let (cumulative, index): (Vec<u64>, Vec<usize>) = backends
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.available())
             .map(|(i, b)| {
                 sum += u64::from(b.weight);
                 (sum, i)
@@ -153,11 +175,16 @@ impl P2c {
     ) -> Option<usize> {
         let a = self.draw(rng)?;
         let b = self.draw(rng)?;
-        if a == b {
-            return Some(a);
+        let (la, lb) = (load.load(a), load.load(b));
+        match (la.overloaded, lb.overloaded) {
+            (true, true) => return wlc(backends, load),
+            (true, false) => return Some(b),
+            (false, true) => return Some(a),
+            (false, false) if a == b => return Some(a),
+            (false, false) => {}
         }
         let (wa, wb) = (backends[a].weight, backends[b].weight);
-        let (oa, ob) = (load.load(a).conn_overhead(), load.load(b).conn_overhead());
+        let (oa, ob) = (la.conn_overhead(), lb.conn_overhead());
         Some(if better(ob, wb, oa, wa) { b } else { a })
     }
 }

@@ -41,6 +41,19 @@
 //! * **Loads live in the daemon.** Active / inactive connection counts are read
 //!   through [`LoadView`] (a slice of [`Load`] or a closure over the daemon's
 //!   atomics), only for backends that can be picked.
+//! * **Overload.** A [`Load`] also says whether the backend can take a new
+//!   connection now ([`Load::overloaded`]: the daemon's backend at its
+//!   connection limit, as IPVS's `OVERLOAD` flag marks a destination at its
+//!   upper threshold). Every scheduler skips an overloaded backend inside its
+//!   own rule, as IPVS's do: `rr` goes on to the next, `wrr` keeps its
+//!   passes over the others, `lc` / `wlc` / `sed` / `nq` / `fo` / `ovf`
+//!   choose among the others, `p2c` prefers the other candidate, `lblc` /
+//!   `lblcr` move the destination. Only `sh` / `mh` without fallback and
+//!   `dh`, whose client or destination belongs to one backend, return
+//!   `None` for it. So no scheduler returns an overloaded backend, and
+//!   only those three (and `ovf`, by its own rule, and `sh` / `mh` with
+//!   fallback when their probe misses, as IPVS's can) return `None` while
+//!   another backend can take the connection.
 //! * **Availability.** A backend is *available* when it is `up` and has weight
 //!   `> 0`. Only available backends are ever returned. Weight 0 quiesces a
 //!   backend: no new connections, while existing ones continue in the daemon.
@@ -192,19 +205,37 @@ impl BackendInfo {
     }
 }
 
-/// Connection counts of one backend, as IPVS keeps them.
+/// Connection counts of one backend, as IPVS keeps them, and whether it
+/// can take a new connection now.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Load {
     /// Established connections.
     pub active: u64,
     /// Connections in other states (SYN_RECV, FIN_WAIT, TIME_WAIT...; UDP).
     pub inactive: u64,
+    /// The backend cannot take a new connection now (the daemon's reasons:
+    /// at its connection limit, or taken out by a check since the
+    /// scheduler was built), as IPVS's `IP_VS_DEST_F_OVERLOAD` (a
+    /// destination at its upper threshold). Every scheduler skips it the
+    /// way IPVS's does: the ones that choose among backends choose among
+    /// the others, and `sh` / `mh` without fallback and `dh`, whose
+    /// client or destination belongs to it, return `None`.
+    pub overloaded: bool,
 }
 
 impl Load {
-    /// A load with the given counts.
+    /// A load with the given counts, not overloaded.
     pub fn new(active: u64, inactive: u64) -> Self {
-        Self { active, inactive }
+        Self {
+            active,
+            inactive,
+            overloaded: false,
+        }
+    }
+
+    /// The same counts, overloaded or not.
+    pub fn with_overload(self, overloaded: bool) -> Self {
+        Self { overloaded, ..self }
     }
 
     /// IPVS `ip_vs_dest_conn_overhead`: `active * 256 + inactive`
@@ -519,11 +550,14 @@ impl SchedConfig {
     }
 
     /// Whether the scheduler's answer is final: when it returns `None`, or a
-    /// backend the caller cannot use (at its connection limit, or it already
-    /// failed this connection), the connection is refused rather than sent to
-    /// some other backend. True for `sh` / `mh` without fallback (a client
-    /// belongs to one backend), `dh` (a destination belongs to one backend)
-    /// and `ovf` (`None` means every backend is full, as in IPVS).
+    /// backend the caller cannot use (it already failed this connection),
+    /// the connection is refused rather than sent to some other backend.
+    /// True for `sh` / `mh` without fallback (a client belongs to one
+    /// backend, and gets `None` when that one is unavailable or
+    /// overloaded), `dh` (a destination belongs to one backend) and `ovf`
+    /// (`None` means every backend is full, as in IPVS). The others return
+    /// `None` only when no backend can take the connection (`sh` / `mh`
+    /// with fallback: or their probe misses every one that can).
     pub fn pinned(&self) -> bool {
         match self.kind {
             SchedulerKind::Sh | SchedulerKind::Mh => !self.fallback,
@@ -701,8 +735,10 @@ impl Scheduler {
     /// Chooses a backend for the new connection `req`.
     ///
     /// Returns an index into the backends this scheduler was built from, or
-    /// `None` when no backend may take it. `load` is read only by `lc`, `wlc`,
-    /// `sed`, `nq`, `p2c`, `lblc`, `lblcr` and `ovf`; `rng` only by `p2c`;
+    /// `None` when no backend may take it. Every kind reads
+    /// [`Load::overloaded`] of the backends it considers; the counts are
+    /// read only by `lc`, `wlc`, `sed`, `nq`, `p2c`, `lblc`, `lblcr` and
+    /// `ovf`; `rng` only by `p2c`;
     /// `req.dest` only by `lblc`, `lblcr` and `dh`; `req.now` only by `lblc`
     /// and `lblcr`, which also update their table (under a short lock).
     /// Never panics.
@@ -714,19 +750,19 @@ impl Scheduler {
         let b = &self.backends;
         let client = req.client;
         match &self.algo {
-            Algo::Rr(s) => s.pick(b),
-            Algo::Wrr(s) => s.pick(b),
+            Algo::Rr(s) => s.pick(b, load),
+            Algo::Wrr(s) => s.pick(b, load),
             Algo::Lc => least::lc(b, load),
             Algo::Wlc => least::wlc(b, load),
             Algo::Sed => least::sed(b, load),
             Algo::Nq => least::nq(b, load),
-            Algo::Sh(s) => s.pick(b, client, &self.config),
-            Algo::Mh(s) => s.pick(b, client, &self.config),
+            Algo::Sh(s) => s.pick(b, load, client, &self.config),
+            Algo::Mh(s) => s.pick(b, load, client, &self.config),
             Algo::P2c(s) => s.pick(b, load, rng),
             Algo::Lblc(t) => t.pick_lblc(b, load, req, self.config.locality_expiration),
             Algo::Lblcr(t) => t.pick_lblcr(b, load, req, self.config.locality_expiration),
-            Algo::Dh(s) => s.pick(b, req.dest, &self.config),
-            Algo::Fo => least::fo(b),
+            Algo::Dh(s) => s.pick(b, load, req.dest, &self.config),
+            Algo::Fo => least::fo(b, load),
             Algo::Ovf => least::ovf(b, load),
         }
     }
@@ -740,6 +776,12 @@ impl Scheduler {
     pub fn backends(&self) -> &[BackendInfo] {
         &self.backends
     }
+}
+
+/// Whether backend `i` may get a new connection now: available and not
+/// overloaded (its load is read only when it is available).
+fn can_take<L: LoadView + ?Sized>(b: &BackendInfo, i: usize, load: &L) -> bool {
+    b.available() && !load.load(i).overloaded
 }
 
 /// Index in `new` of the backend at `old_idx` in `old`, by address.
@@ -945,6 +987,107 @@ mod tests {
             );
             let s = Scheduler::new(*s.config(), &[]).expect("valid");
             assert_eq!(histogram(&s, 5)[0], 5, "{kind}: picked from an empty set");
+        }
+    }
+
+    /// An overloaded backend (IPVS `OVERLOAD`) is never returned; the
+    /// schedulers that choose among backends choose among the others, and
+    /// only `sh` / `mh` without fallback and `dh` refuse a client or
+    /// destination that belongs to it.
+    #[test]
+    fn overloaded_never_picked_by_any_scheduler() {
+        let set = [backend(1, 1), backend(2, 2), backend(3, 1)];
+        let idle = [Load::new(0, 0); 3];
+        let mut full = idle;
+        full[1] = full[1].with_overload(true);
+        for kind in SchedulerKind::ALL {
+            for fallback in [false, true] {
+                let cfg = SchedConfig {
+                    fallback,
+                    ..SchedConfig::new(kind, HashSeed::new(9, 9))
+                };
+                if fallback && !matches!(kind, SchedulerKind::Sh | SchedulerKind::Mh) {
+                    continue;
+                }
+                let s = Scheduler::new(cfg, &set).expect("valid");
+                let t = Scheduler::new(cfg, &set).expect("valid");
+                let mut rng = SplitMix64::new(5);
+                let (mut seen, mut refused) = ([0u32; 3], 0u32);
+                for n in 0..600u32 {
+                    // Vary the destination too (`dh`, `lblc`, `lblcr`).
+                    let dest = IpAddr::V4(Ipv4Addr::from(0xC633_6400 + n % 64));
+                    let req = Request::new(client(n), dest, Duration::ZERO);
+                    let free = t.pick_for(req, &idle[..], &mut rng);
+                    match s.pick_for(req, &full[..], &mut rng) {
+                        Some(i) => {
+                            assert_ne!(i, 1, "{kind} (fallback {fallback}) picked it");
+                            seen[i] += 1;
+                        }
+                        None => {
+                            // Only where the request belongs to it.
+                            assert!(cfg.pinned(), "{kind}: None with two backends free");
+                            assert_eq!(free, Some(1), "{kind}: None for {n}");
+                            refused += 1;
+                        }
+                    }
+                }
+                assert_eq!(seen[1], 0);
+                if cfg.pinned() && kind != SchedulerKind::Ovf {
+                    assert!(refused > 0, "{kind}: nobody belonged to backend 1");
+                } else {
+                    assert_eq!(refused, 0, "{kind}");
+                }
+                // Every backend overloaded: nobody gets one.
+                let all = [Load::default().with_overload(true); 3];
+                let req = Request::new(client(1), IpAddr::V4(Ipv4Addr::LOCALHOST), Duration::ZERO);
+                assert_eq!(s.pick_for(req, &all[..], &mut rng), None, "{kind}");
+            }
+        }
+    }
+
+    /// `wlc` with the least loaded backend overloaded takes the least
+    /// loaded of the rest, not the first in list order.
+    #[test]
+    fn wlc_takes_the_least_loaded_of_the_rest() {
+        let set = [backend(1, 1), backend(2, 1), backend(3, 1)];
+        let s = sched(SchedulerKind::Wlc, &set);
+        let loads = [
+            Load::new(5, 0),
+            Load::new(1, 0).with_overload(true),
+            Load::new(3, 0),
+        ];
+        assert_eq!(
+            s.pick(client(0), &loads[..], &mut SplitMix64::new(0)),
+            Some(2)
+        );
+        // The same for the other least-load rules.
+        for kind in [SchedulerKind::Lc, SchedulerKind::Sed, SchedulerKind::Nq] {
+            let s = sched(kind, &set);
+            assert_eq!(
+                s.pick(client(0), &loads[..], &mut SplitMix64::new(0)),
+                Some(2),
+                "{kind}"
+            );
+        }
+    }
+
+    /// `fo` and `ovf` pass over an overloaded backend of the highest weight
+    /// to the next weight, as IPVS's loops skip an `OVERLOAD` destination.
+    #[test]
+    fn fo_and_ovf_pass_over_an_overloaded_top_weight() {
+        let set = [backend(1, 1), backend(2, 5), backend(3, 3)];
+        let loads = [
+            Load::default(),
+            Load::default().with_overload(true),
+            Load::default(),
+        ];
+        for kind in [SchedulerKind::Fo, SchedulerKind::Ovf] {
+            let s = sched(kind, &set);
+            assert_eq!(
+                s.pick(client(0), &loads[..], &mut SplitMix64::new(0)),
+                Some(2),
+                "{kind}"
+            );
         }
     }
 

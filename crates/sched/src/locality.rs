@@ -6,12 +6,17 @@
 //!
 //! * `lblc`: the remembered backend, unless it is unavailable or
 //!   *overloaded* (more active connections than its weight while some other
-//!   backend has fewer than half its weight); then `wlc` over all backends,
-//!   and that becomes the remembered one.
-//! * `lblcr`: the least loaded (`wlc` rule) available member of the set,
-//!   unless there is none or it is overloaded; then `wlc` over all backends,
-//!   added to the set. A set with several members that has not changed for
-//!   `expiration` loses its most loaded member.
+//!   backend has fewer than half its weight, or [`crate::Load::overloaded`]);
+//!   then `wlc` over all backends, and that becomes the remembered one.
+//! * `lblcr`: the least loaded (`wlc` rule) available member of the set
+//!   that is not [`crate::Load::overloaded`] (IPVS's `ip_vs_dest_set_min`
+//!   skips an `OVERLOAD` member), unless there is none or it is overloaded;
+//!   then `wlc` over all backends, added to the set. A set with several
+//!   members that has not changed for `expiration` loses its most loaded
+//!   member.
+//!
+//! `wlc` skips a backend that is [`crate::Load::overloaded`], as IPVS's
+//! lblc/lblcr schedule loops skip an `OVERLOAD` destination.
 //! * An entry unused for `expiration` (IPVS default 24 h) is forgotten.
 //!
 //! The table lives behind one short lock and is carried over by
@@ -23,8 +28,12 @@
 //! new destination is scheduled but not remembered.
 //!
 //! Deviations: the "some other backend has spare capacity" test of the
-//! overload rule looks only at available backends (a weir backend that is
-//! down keeps its weight, and would otherwise always look idle); IPVS's
+//! overload rule looks only at available backends that are not
+//! [`crate::Load::overloaded`] (a weir backend that is down keeps its
+//! weight, and would otherwise always look idle; one at its connection
+//! limit has no room whatever its weight); a remembered backend that is
+//! `overloaded` is replaced (IPVS's lblc looks at its own rule only there,
+//! and would send the destination to a destination at its threshold); IPVS's
 //! timer-driven garbage collection (every 60 s, a full pass every 30 min) is
 //! replaced by treating an expired entry as absent at lookup plus the sweep
 //! above, so an entry lives exactly `expiration` after its last use.
@@ -142,15 +151,23 @@ fn index_of(backends: &[BackendInfo], addr: BackendAddr) -> Option<usize> {
 }
 
 /// IPVS `is_overloaded` of lblc/lblcr: more active connections than its
-/// weight, while some available backend has fewer than half its weight.
+/// weight, while some available backend has fewer than half its weight;
+/// or overloaded as [`crate::Load::overloaded`] says.
 fn overloaded<L: LoadView + ?Sized>(i: usize, backends: &[BackendInfo], load: &L) -> bool {
     let Some(b) = backends.get(i) else {
         return true;
     };
-    load.load(i).active > u64::from(b.weight)
-        && backends.iter().enumerate().any(|(j, d)| {
-            d.available() && load.load(j).active.saturating_mul(2) < u64::from(d.weight)
-        })
+    let l = load.load(i);
+    l.overloaded
+        || l.active > u64::from(b.weight)
+            && backends
+                .iter()
+                .enumerate()
+                .filter(|(_, d)| d.available())
+                .any(|(j, d)| {
+                    let l = load.load(j);
+                    !l.overloaded && l.active.saturating_mul(2) < u64::from(d.weight)
+                })
 }
 
 impl Locality {
@@ -235,7 +252,8 @@ impl Locality {
     }
 }
 
-/// The least loaded available member (`wlc` rule), the first on a tie.
+/// The least loaded member (`wlc` rule) that is available and not
+/// overloaded, the first on a tie.
 fn set_min<L: LoadView + ?Sized>(
     set: &[BackendAddr],
     backends: &[BackendInfo],
@@ -247,7 +265,11 @@ fn set_min<L: LoadView + ?Sized>(
         if !b.available() {
             continue;
         }
-        let oh = load.load(i).conn_overhead();
+        let l = load.load(i);
+        if l.overloaded {
+            continue;
+        }
+        let oh = l.conn_overhead();
         match best {
             Some((_, boh, bw)) if !better(oh, b.weight, boh, bw) => {}
             _ => best = Some((i, oh, b.weight)),
@@ -435,6 +457,33 @@ mod tests {
             table(&s).members(dest(1)),
             Some(vec![set[1].addr]),
             "most loaded member shed"
+        );
+    }
+
+    /// A remembered backend that is `overloaded` (at its connection limit)
+    /// is replaced by `wlc` over the others, whatever its load by lblc's
+    /// own rule; in `lblcr` the set's other member serves instead.
+    #[test]
+    fn locality_moves_off_an_overloaded_backend() {
+        let set = [backend(1, 4), backend(2, 4), backend(3, 4)];
+        let t0 = Duration::ZERO;
+        let lblc = sched(SchedulerKind::Lblc, &set);
+        assert_eq!(at(&lblc, dest(1), t0, &[l(1), l(0), l(2)]), Some(1));
+        let full = [l(1), l(0).with_overload(true), l(2)];
+        assert_eq!(at(&lblc, dest(1), t0, &full), Some(0));
+        // Remembered: it stays on 0 once 1 is free again.
+        assert_eq!(at(&lblc, dest(1), t0, &[l(1), l(0), l(0)]), Some(0));
+
+        let lblcr = sched(SchedulerKind::Lblcr, &set);
+        assert_eq!(at(&lblcr, dest(1), t0, &[l(0), l(0), l(0)]), Some(0));
+        assert_eq!(at(&lblcr, dest(1), t0, &[l(5), l(0), l(3)]), Some(1));
+        // The set is {0, 1}; 1 is the less loaded but overloaded: 0 serves,
+        // and the set does not grow.
+        let full = [l(2), l(0).with_overload(true), l(0)];
+        assert_eq!(at(&lblcr, dest(1), t0, &full), Some(0));
+        assert_eq!(
+            table(&lblcr).members(dest(1)),
+            Some(vec![set[0].addr, set[1].addr])
         );
     }
 

@@ -10,7 +10,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use crate::{BackendInfo, gcd};
+use crate::{BackendInfo, LoadView, can_take, gcd};
 
 /// Cursor value meaning "the list head", i.e. before the first backend.
 const HEAD: u32 = u32::MAX;
@@ -39,7 +39,15 @@ impl Rr {
         }
     }
 
-    pub(crate) fn pick(&self, backends: &[BackendInfo]) -> Option<usize> {
+    /// The next backend after the previous pick that can take a
+    /// connection: an overloaded one is passed over as IPVS's `rr` passes
+    /// over an `OVERLOAD` destination, so the rotation goes on over the
+    /// others.
+    pub(crate) fn pick<L: LoadView + ?Sized>(
+        &self,
+        backends: &[BackendInfo],
+        load: &L,
+    ) -> Option<usize> {
         let n = backends.len();
         let mut cur = self.last.load(Relaxed);
         loop {
@@ -50,7 +58,7 @@ impl Rr {
             // At most one full turn: every backend is looked at once.
             let next = (0..n)
                 .map(|k| (start + k) % n)
-                .find(|&i| backends[i].available())?;
+                .find(|&i| can_take(&backends[i], i, load))?;
             match self
                 .last
                 .compare_exchange_weak(cur, next as u64, Relaxed, Relaxed)
@@ -110,13 +118,17 @@ impl Wrr {
         unpack(self.state.load(Relaxed)).1
     }
 
-    pub(crate) fn pick(&self, backends: &[BackendInfo]) -> Option<usize> {
+    pub(crate) fn pick<L: LoadView + ?Sized>(
+        &self,
+        backends: &[BackendInfo],
+        load: &L,
+    ) -> Option<usize> {
         if self.mw == 0 {
             return None;
         }
         let mut cur = self.state.load(Relaxed);
         loop {
-            let (idx, next) = self.step(backends, cur);
+            let (idx, next) = self.step(backends, load, cur)?;
             match self
                 .state
                 .compare_exchange_weak(cur, next, Relaxed, Relaxed)
@@ -127,22 +139,64 @@ impl Wrr {
         }
     }
 
-    /// One IPVS step from state `s`. Requires `mw > 0`, so some available
-    /// backend has weight `>= mw >= cw`: the scan ends within two passes.
-    fn step(&self, backends: &[BackendInfo], s: u64) -> (usize, u64) {
+    /// One IPVS step from state `s`: the next available backend that is not
+    /// overloaded (IPVS's `wrr` passes over an `OVERLOAD` destination) and
+    /// whose weight is `>= cw`. Requires `mw > 0`.
+    ///
+    /// Without overloaded backends the scan ends within two passes: some
+    /// available backend has weight `>= mw >= cw`, so a pass begun at the
+    /// list head always picks. A pass begun at the head that picks nothing
+    /// means that every backend of weight `>= cw` is overloaded; IPVS then
+    /// steps `cw` down pass after pass, up to `mw / di` empty passes. Here
+    /// one scan finds the largest weight `m` that can still take one and
+    /// `cw` jumps to the value of IPVS's sequence that first gets there
+    /// (the passes skipped would have picked nothing, so the sequence of
+    /// picks is IPVS's), or the step gives `None` when none can. A backend
+    /// that fills between the scan and the next pass can make that pass
+    /// empty too (or, with the scan racing the counts, find `m >= cw`):
+    /// after two jumps the step gives up with `None`, so a step looks at
+    /// each backend at most seven times.
+    fn step<L: LoadView + ?Sized>(
+        &self,
+        backends: &[BackendInfo],
+        load: &L,
+        s: u64,
+    ) -> Option<(usize, u64)> {
         let n = backends.len();
         let (cl, cw) = unpack(s);
         let mut cw = if cw == 0 || cw > self.mw { self.mw } else { cw };
         let mut i = if cl == HEAD { 0 } else { cl as usize + 1 };
+        // Whether the current pass began at the list head.
+        let mut whole = i == 0;
+        let mut jumps = 0;
         loop {
             if i >= n {
                 // End of the list: next pass with a lower current weight.
+                if whole {
+                    // Every backend of weight >= cw is overloaded.
+                    let m = (0..n)
+                        .filter(|&j| can_take(&backends[j], j, load))
+                        .map(|j| backends[j].weight)
+                        .max()?;
+                    if jumps == 2 {
+                        return None;
+                    }
+                    jumps += 1;
+                    // `m` is a multiple of `di` below `cw` (a backend of
+                    // weight >= cw that can take one would have been
+                    // picked, unless it freed a place since), so this is
+                    // `cw - k * di` for the least k that reaches `<= m`,
+                    // and it stays above `m - di >= 0`.
+                    cw -= cw.saturating_sub(m).div_ceil(self.di) * self.di;
+                } else {
+                    cw = if cw > self.di { cw - self.di } else { self.mw };
+                }
                 i = 0;
-                cw = if cw > self.di { cw - self.di } else { self.mw };
+                whole = true;
             }
             let b = &backends[i];
-            if b.available() && b.weight >= cw {
-                return (i, pack(i as u32, cw));
+            if b.available() && b.weight >= cw && !load.load(i).overloaded {
+                return Some((i, pack(i as u32, cw)));
             }
             i += 1;
         }
@@ -266,6 +320,77 @@ mod tests {
         });
         let total: Vec<u32> = (0..3).map(|b| counts.iter().map(|c| c[b]).sum()).collect();
         assert_eq!(total, [30_000, 30_000, 30_000]);
+    }
+
+    /// `n` picks with `loads` (some overloaded).
+    fn sequence_with(s: &crate::Scheduler, loads: &[Load], n: usize) -> Vec<Option<usize>> {
+        let mut rng = SplitMix64::new(0);
+        (0..n)
+            .map(|i| s.pick(client(i as u32), loads, &mut rng))
+            .collect()
+    }
+
+    fn full() -> Load {
+        Load::default().with_overload(true)
+    }
+
+    #[test]
+    fn rr_passes_over_an_overloaded_backend() {
+        let set = [backend(1, 1), backend(2, 1), backend(3, 1)];
+        let s = sched(SchedulerKind::Rr, &set);
+        let loads = [Load::default(), full(), Load::default()];
+        let got = sequence_with(&s, &loads, 6);
+        assert_eq!(got, [0, 2, 0, 2, 0, 2].map(Some));
+        // Free again: the rotation goes on from where it was.
+        assert_eq!(sequence(&s, 3), [0, 1, 2]);
+        assert_eq!(
+            sequence_with(&s, &[full(), full(), full()], 2),
+            [None, None]
+        );
+    }
+
+    #[test]
+    fn wrr_keeps_its_passes_over_the_others() {
+        // cw = 4: (A full); cw = 3: B; cw = 2: B C; cw = 1: B C.
+        let set = [backend(1, 4), backend(2, 3), backend(3, 2)];
+        let s = sched(SchedulerKind::Wrr, &set);
+        let loads = [full(), Load::default(), Load::default()];
+        let one = [1, 1, 2, 1, 2].map(Some);
+        assert_eq!(sequence_with(&s, &loads, 10), [one, one].concat());
+        // The heaviest two full: C alone, once per pass it is in.
+        let loads = [full(), full(), Load::default()];
+        assert_eq!(sequence_with(&s, &loads, 3), [Some(2); 3]);
+        assert_eq!(
+            sequence_with(&s, &[full(), full(), full()], 2),
+            [None, None]
+        );
+        // gcd 2, mw 5, passes cw = 5, 3, 1: with the 6 full, the 4 is in
+        // two passes and the 2 in one, the IPVS sequence without the 6.
+        let set = [backend(1, 6), backend(2, 2), backend(3, 4)];
+        let s = sched(SchedulerKind::Wrr, &set);
+        let loads = [full(), Load::default(), Load::default()];
+        let h = sequence_with(&s, &loads, 300);
+        assert_eq!(&h[..3], [2, 1, 2].map(Some));
+        let count = |b| h.iter().filter(|&&x| x == Some(b)).count();
+        assert_eq!((count(0), count(1), count(2)), (0, 100, 200));
+    }
+
+    /// The largest weight of 65,535 passes when full: the step jumps to
+    /// the light backend's pass instead of stepping down 65,534 empty ones.
+    #[test]
+    fn wrr_jumps_over_empty_passes() {
+        let set = [backend(1, crate::MAX_WEIGHT), backend(2, 1)];
+        let s = sched(SchedulerKind::Wrr, &set);
+        let counted = std::cell::Cell::new(0u32);
+        let loads = |i: usize| {
+            counted.set(counted.get() + 1);
+            if i == 0 { full() } else { Load::default() }
+        };
+        let mut rng = SplitMix64::new(0);
+        for n in 0..3 {
+            assert_eq!(s.pick(client(n), &loads, &mut rng), Some(1));
+        }
+        assert!(counted.get() <= 3 * 7 * 2, "{} loads read", counted.get());
     }
 
     #[test]
