@@ -478,6 +478,53 @@ fn ovf_overflows_past_a_backend_at_its_connection_limit() {
     d.shutdown();
 }
 
+/// `wlc` and `rr` over three backends, the middle one held at its
+/// `max_connections`: new connections spread over the other two by the
+/// scheduler's own rule, as IPVS's skip a destination at its threshold
+/// (`OVERLOAD`). They used to go to the first usable backend in list order
+/// whenever the scheduler picked the full one: 5, 1, 1 for `wlc` and
+/// 4, 1, 2 for `rr` after seven connections, not 3, 1, 3.
+#[test]
+fn overflow_of_a_full_backend_is_spread_by_the_scheduler() {
+    for kind in ["wlc", "rr"] {
+        let echoes = [Echo::start(), Echo::start(), Echo::start()];
+        let mut limited = backend(echoes[1].addr, 1);
+        limited.max_connections = 1;
+        let d = Daemon::start(
+            config(vec![service(
+                kind,
+                Protocol::Tcp,
+                kind,
+                vec![
+                    backend(echoes[0].addr, 1),
+                    limited,
+                    backend(echoes[2].addr, 1),
+                ],
+            )]),
+            None,
+        )
+        .unwrap();
+        let c = d.control();
+        let vip = d.service_addr("default", kind).unwrap();
+        // Held open, one after the other, so each pick sees the loads
+        // (ESTABLISHED: an echo went through) of the ones before.
+        let open: Vec<TcpStream> = (0..7).map(|_| held(vip)).collect();
+        let counts = echoes
+            .each_ref()
+            .map(|e| e.accepted.load(std::sync::atomic::Ordering::Relaxed));
+        // wlc: A, B, C, then A and C in turn (A first on ties); rr: A, B,
+        // C, then A and C in turn.
+        assert_eq!(counts, [3, 1, 3], "{kind}");
+        assert!(
+            c.global_stats().refused.is_empty(),
+            "{kind}: {:?}",
+            c.global_stats().refused
+        );
+        drop(open);
+        d.shutdown();
+    }
+}
+
 /// The daemon reports scheduler flags and the persistence mask, `weir list`
 /// prints them as `ipvsadm -Ln` does, and `weir save` writes back every new
 /// key so that the saved file loads to the same services.

@@ -2040,14 +2040,20 @@ impl Service {
     ) -> Result<Arc<Backend>, Refusal> {
         let set = self.set.load_full();
         let params = self.params.load_full();
-        let usable = |b: &Backend| {
+        // Whether `b` can take a new connection now: up, not taken out by
+        // the passive check, weight > 0, under its `max_connections`. The
+        // scheduler is told which backends cannot (`Load::overloaded`, as
+        // IPVS marks a destination at its threshold `OVERLOAD`) and skips
+        // them by its own rule; the backends that already failed this
+        // connection (`skip`) are not its business.
+        let can_take = |b: &Backend| {
             let max = b.spec.read().max_connections;
             b.up.load(Relaxed)
                 && !b.passive.is_down()
                 && b.weight.load(Relaxed) > 0
-                && !skip.contains(&b.addr)
                 && (max == 0 || b.conns() < max)
         };
+        let usable = |b: &Backend| can_take(b) && !skip.contains(&b.addr);
         let now = shared.now_ms();
         let persist_ms = params.persistence.as_millis() as u64;
         let tpl_key = template_key(self, &params, proto, client);
@@ -2070,31 +2076,20 @@ impl Service {
             return Ok(b.clone());
         }
         let load = |i: usize| {
-            set.backends
-                .get(i)
-                .map_or(Load::default(), |b| Load::new(b.active(), b.inactive()))
+            set.backends.get(i).map_or(Load::default(), |b| {
+                Load::new(b.active(), b.inactive()).with_overload(!can_take(b))
+            })
         };
         // `sh` / `mh` without fallback place a client on one backend only,
-        // `dh` a destination, and `ovf` refuses when every backend is full:
-        // when the choice cannot take it (down, weight 0, at its limit, or it
-        // already failed this connection) the client is refused, as
-        // docs/sched.md says, instead of piling every displaced client onto
-        // the first usable backend (`ovf` overflows past a backend at its
-        // limit first, as IPVS skips an overloaded one).
+        // `dh` a destination, and `ovf` refuses when every backend is full.
         let cfg = set.sched.config();
         let pinned = cfg.pinned();
-        // Another backend when the scheduler's cannot serve: `fo` keeps its
-        // rule (the highest usable weight), and so does `ovf` (among usable
-        // backends whose active connections do not exceed their weight: a
-        // backend at its `max_connections` is skipped as IPVS skips an
-        // overloaded one); the others take the next usable one in list
-        // order from `start`.
+        // A retry's backend (never a pinned kind's, `ovf`'s included): `fo`
+        // keeps its rule (the highest usable weight); the others take the
+        // next usable one in list order from `start`.
         let substitute = |start: usize| {
-            use weir_sched::SchedulerKind::{Fo, Ovf};
-            if matches!(cfg.kind, Fo | Ovf) {
-                let fits =
-                    |b: &Backend| cfg.kind == Fo || b.active() <= u64::from(b.weight.load(Relaxed));
-                return set.backends.iter().filter(|b| usable(b) && fits(b)).fold(
+            if cfg.kind == weir_sched::SchedulerKind::Fo {
+                return set.backends.iter().filter(|b| usable(b)).fold(
                     None::<&Arc<Backend>>,
                     |best, b| match best {
                         Some(x) if x.weight.load(Relaxed) >= b.weight.load(Relaxed) => best,
@@ -2116,24 +2111,22 @@ impl Service {
                 let at = set.backends.iter().position(|b| b.addr == failed);
                 substitute(at.map_or(0, |i| i + 1))
             }
+            // The scheduler's pick, which passed over the backends that
+            // cannot take the connection by its own rule (rr the next one,
+            // wlc the least loaded of the rest, fo and ovf the next
+            // weight...): it used to be replaced by the first usable backend
+            // in list order, so every displaced connection went there,
+            // however loaded. `sh` / `mh` without fallback and `dh` give
+            // `None` for a client whose backend cannot take it, which is
+            // refused, as docs/sched.md says; so is a pinned retry whose
+            // answer is the backend that failed, and, rarely, a pick that
+            // filled or went down in the moment since the scheduler looked.
             _ => {
                 let req = weir_sched::Request::new(client, local, Duration::from_millis(now));
-                match set
-                    .sched
+                set.sched
                     .pick_for(req, &load, rng)
                     .and_then(|i| set.backends.get(i))
-                {
-                    Some(b) if usable(b) => Some(b),
-                    // `ovf`'s `None` is final (every backend above its
-                    // weight); a first pick that cannot serve (at its
-                    // `max_connections`, or the passive check took it out)
-                    // is replaced by its rule over the usable backends.
-                    Some(_) if cfg.kind == weir_sched::SchedulerKind::Ovf && skip.is_empty() => {
-                        substitute(0)
-                    }
-                    _ if pinned => None,
-                    _ => substitute(0),
-                }
+                    .filter(|b| usable(b))
             }
         }
         .cloned();
