@@ -814,6 +814,47 @@ mod tests {
         d.shutdown();
     }
 
+    /// A backend's `max_connections` edited live applies to the next
+    /// connection: `choose` and `take_place` read it from the backend's
+    /// copy beside its spec, which the edit sets with the spec.
+    #[test]
+    fn an_edited_max_connections_applies_to_the_next_connection() {
+        let toml = "[daemon]\nworkers = 1\n\
+            [[service]]\nname = \"x\"\nprotocol = \"tcp\"\nlisten = \"127.0.0.1:0\"\n\
+            [[service.backend]]\naddress = \"127.0.0.1:9\"\nmax_connections = 1\n";
+        let cfg: Config = toml::from_str(toml).unwrap();
+        let d = crate::daemon::Daemon::start(cfg, None).unwrap();
+        let shared = d.shared.clone();
+        let svc = shared.model.load().services[&("default".to_owned(), "x".to_owned())].clone();
+        let choose = || {
+            let client = SocketAddr::from(([10, 0, 0, 1], 1000));
+            let mut rng = weir_sched::SplitMix64::new(0);
+            svc.choose(
+                &shared,
+                Protocol::Tcp,
+                client,
+                svc.listen.ip(),
+                &[],
+                &mut rng,
+            )
+        };
+        let b = svc.set.load().backends[0].clone();
+        assert!(b.take_place());
+        assert!(!b.take_place(), "a limit of 1");
+        assert_eq!(choose().err(), Some(Refusal::BackendLimit));
+        let c = d.control();
+        let mut spec = c.running_config().services[0].clone();
+        spec.backends[0].max_connections = 2;
+        c.edit_service("default", "x", spec).unwrap();
+        assert!(Arc::ptr_eq(&b, &svc.set.load().backends[0]), "kept");
+        assert!(choose().is_ok(), "a limit of 2 has a place");
+        assert!(b.take_place());
+        assert!(!b.take_place(), "a limit of 2");
+        b.give_place();
+        b.give_place();
+        d.shutdown();
+    }
+
     /// A client on port 0 is refused (`zero_port`) and the persistence
     /// template, whose key `(group, 0)` its connection would have, stays
     /// as it was, held by the connection that holds it. Linux completes a

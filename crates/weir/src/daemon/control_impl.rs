@@ -125,6 +125,7 @@ impl LiveControl {
             match old.backends.iter().find(|b| b.addr == spec.address) {
                 Some(b) => {
                     b.weight.store(spec.weight, Relaxed);
+                    b.max_connections.store(spec.max_connections, Relaxed);
                     *b.spec.write() = spec.clone();
                     backends.push(b.clone());
                 }

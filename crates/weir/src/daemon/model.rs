@@ -800,6 +800,12 @@ pub(crate) struct Backend {
     pub(crate) addr: SocketAddr,
     pub(crate) spec: RwLock<BackendSpec>,
     pub(crate) weight: AtomicU32,
+    /// `spec.max_connections` (0: no limit), set with the spec and read
+    /// without its lock: every pick asks each backend the scheduler looks
+    /// at whether it is full (`wlc`: every backend), and a read of the
+    /// spec's lock writes the lock's word, a cache line the workers would
+    /// pass around per backend per connection.
+    pub(crate) max_connections: AtomicU64,
     pub(crate) up: AtomicBool,
     pub(crate) checked: AtomicBool,
     pub(crate) last_error: Mutex<Option<String>>,
@@ -966,6 +972,7 @@ impl Backend {
             lease,
             addr: spec.address,
             weight: AtomicU32::new(spec.weight),
+            max_connections: AtomicU64::new(spec.max_connections),
             spec: RwLock::new(spec),
             up: AtomicBool::new(true),
             checked: AtomicBool::new(false),
@@ -1016,7 +1023,7 @@ impl Backend {
     /// it does not open after all.
     #[must_use]
     pub(crate) fn take_place(&self) -> bool {
-        let max = self.spec.read().max_connections;
+        let max = self.max_connections.load(Relaxed);
         let prev = self.conns.fetch_add(1, Relaxed);
         if max != 0 && prev >= max {
             self.conns.fetch_sub(1, Relaxed);
@@ -2047,7 +2054,7 @@ impl Service {
         // them by its own rule; the backends that already failed this
         // connection (`skip`) are not its business.
         let can_take = |b: &Backend| {
-            let max = b.spec.read().max_connections;
+            let max = b.max_connections.load(Relaxed);
             b.up.load(Relaxed)
                 && !b.passive.is_down()
                 && b.weight.load(Relaxed) > 0
@@ -2132,7 +2139,7 @@ impl Service {
         .cloned();
         let Some(b) = picked else {
             let any_full = set.backends.iter().any(|b| {
-                let max = b.spec.read().max_connections;
+                let max = b.max_connections.load(Relaxed);
                 max != 0 && b.conns() >= max
             });
             return Err(if any_full {
