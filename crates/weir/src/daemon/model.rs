@@ -2126,14 +2126,25 @@ impl Service {
             // however loaded. `sh` / `mh` without fallback and `dh` give
             // `None` for a client whose backend cannot take it, which is
             // refused, as docs/sched.md says; so is a pinned retry whose
-            // answer is the backend that failed, and, rarely, a pick that
-            // filled or went down in the moment since the scheduler looked.
+            // answer is the backend that failed.
             _ => {
                 let req = weir_sched::Request::new(client, local, Duration::from_millis(now));
-                set.sched
-                    .pick_for(req, &load, rng)
-                    .and_then(|i| set.backends.get(i))
-                    .filter(|b| usable(b))
+                let pick = |rng: &mut weir_sched::SplitMix64| {
+                    set.sched
+                        .pick_for(req, &load, rng)
+                        .and_then(|i| set.backends.get(i))
+                };
+                match pick(rng) {
+                    Some(b) if usable(b) => Some(b),
+                    // It filled or went down in the moment since the
+                    // scheduler looked (another worker took its last
+                    // place): asked once more, which now sees it so and
+                    // passes over it, as the list-order substitution
+                    // this replaced would have. A pinned kind's answer
+                    // would be the same backend.
+                    Some(_) if !pinned => pick(rng).filter(|b| usable(b)),
+                    _ => None,
+                }
             }
         }
         .cloned();
