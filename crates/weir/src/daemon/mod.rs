@@ -48,6 +48,8 @@ mod admission;
 mod clock;
 mod conns;
 mod control_impl;
+#[cfg(test)]
+mod control_model;
 mod liveness;
 mod model;
 pub(crate) mod owners;
