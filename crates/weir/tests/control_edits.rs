@@ -548,6 +548,46 @@ fn reload_keeps_runtime_additions_unless_forced() {
     r.ok("POST", "/v1/reload", None);
 }
 
+/// A reload without force does not remove a backend added through the
+/// API along with a service the file no longer has (or whose tenant it no
+/// longer has): it is refused naming the backend, as for a service the
+/// file keeps. The reload checked only what its plan lists as removed,
+/// which names a removed service but not its backends, so the backend went
+/// without a word (found by `daemon::control_model`).
+#[test]
+fn reload_keeps_a_runtime_backend_of_a_service_the_file_drops() {
+    let (echo, extra) = (Echo::start(), Echo::start());
+    let acme = tenant_toml("acme", "");
+    let file = format!("{acme}{}", service_toml("acme", "web", &[echo.addr]));
+    let other = service_toml("default", "g", &[echo.addr]);
+    // Without the service; without its tenant either.
+    for dropped in [acme.clone(), other] {
+        let (r, _dir, path) = from_file(&file);
+        r.ok(
+            "POST",
+            "/v1/services/acme/web/backends",
+            Some(json!({ "address": extra.addr.to_string() })),
+        );
+        write(&path, &dropped);
+        match r.api("POST", "/v1/reload", None) {
+            Err(CliError::Api { status, errors, .. }) => {
+                assert_eq!(status, 400, "{errors:?}");
+                assert_eq!(
+                    errors[1..],
+                    [format!("would remove backend acme/web/{}", extra.addr)],
+                    "{dropped}"
+                );
+            }
+            other => panic!("{dropped}: expected a refusal, got {other:?}"),
+        }
+        let svc = r.ok("GET", "/v1/services/acme/web", None);
+        assert_eq!(svc["backend"].as_array().map(Vec::len), Some(2), "{svc}");
+        // Forced, it goes with its service.
+        r.ok("POST", "/v1/reload?force=true", None);
+        assert!(r.d().service_addr("acme", "web").is_none(), "{dropped}");
+    }
+}
+
 /// Defect 25: `--service TENANT/NAME` works for `weir conns` and `weir
 /// kill`; a bare name used by several tenants is refused, listing them.
 #[test]

@@ -1593,10 +1593,20 @@ impl Control for LiveControl {
         let mut report = self.plan(&new)?;
         let runtime: Vec<String> = {
             let added = self.0.model.runtime_added.lock();
-            report
-                .removed
+            let removed: std::collections::HashSet<&str> =
+                report.removed.iter().map(String::as_str).collect();
+            // A backend of a service the file removes goes with it, and
+            // the report names the service alone (a removed tenant's
+            // services it names): checking only what it names let such a
+            // backend go without force.
+            let of_removed_service = |id: &str| {
+                id.strip_prefix("backend ")
+                    .and_then(|rest| rest.rsplit_once('/'))
+                    .is_some_and(|(svc, _)| removed.contains(format!("service {svc}").as_str()))
+            };
+            added
                 .iter()
-                .filter(|r| added.contains(*r))
+                .filter(|id| removed.contains(id.as_str()) || of_removed_service(id))
                 .cloned()
                 .collect()
         };

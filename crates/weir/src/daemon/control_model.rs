@@ -35,14 +35,6 @@ use crate::daemon::DaemonHandle;
 /// the new spelling).
 const MAPPED_IN_EDITS: bool = false;
 
-/// Whether a reload without force is refused when it removes a service
-/// the file does not have that holds a backend added through the API (the
-/// docs: removing "tenants, services or backends that were added through
-/// the API since the last reload and are not in the file is refused").
-/// Off: the daemon refuses it only for a service whose other backends the
-/// file keeps, and removed such a backend without a word.
-const REMOVED_SERVICES_BACKENDS: bool = false;
-
 /// Tenants the steps name; `default` always exists and cannot be deleted.
 const TENANTS: [&str; 3] = ["default", "t1", "t2"];
 /// Service names (in each tenant).
@@ -717,7 +709,7 @@ fn step(
                     let kept = file.is_some_and(|f| {
                         f.3.iter().any(|(a, _)| canonical(*a) == canonical(b.addr))
                     });
-                    if !kept && (file.is_some() || REMOVED_SERVICES_BACKENDS) {
+                    if !kept {
                         removed.insert(format!("backend {t}/{s}/{}", b.addr));
                     }
                 }
