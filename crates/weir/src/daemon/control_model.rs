@@ -8,8 +8,11 @@
 //! model's; the tenants and the services with their protocol, scheduler and
 //! backends (address as stored, weight, in order) are the model's; a
 //! backend the model keeps across the step keeps its id in the daemon (the
-//! id its flows carry); and no error is of a kind no request of these may
-//! get (`Unavailable`, `Forbidden`, `Unauthorized`).
+//! id its flows carry); the running configuration and each tenant's own
+//! listing say the same as the listing; a reload (or its dry run) reports
+//! what the model says it adds, changes and removes; and no error is of a
+//! kind no request of these may get (`Unavailable`, `Forbidden`,
+//! `Unauthorized`).
 //!
 //! Identity is what past defects got wrong: an address written two ways
 //! (`[::ffff:127.0.0.9]:9001` and `127.0.0.9:9001`), a tenant or service
@@ -383,14 +386,15 @@ fn kind(r: Result<impl Sized, ControlError>) -> Outcome {
 }
 
 /// Applies `op` to the daemon (`c`, reloading from `path`) and to `model`;
-/// the daemon's outcome and the model's.
+/// the daemon's outcome and the model's, or what else the daemon got wrong
+/// (a reload's report).
 fn step(
     c: &dyn Control,
     path: &Path,
     base: &Config,
     model: &mut Model,
     op: &Op,
-) -> (Outcome, Outcome) {
+) -> Result<(Outcome, Outcome), String> {
     use ErrorKind::*;
     match op {
         Op::AddTenant(t, capped) => {
@@ -404,7 +408,7 @@ fn step(
                 model.runtime.insert(format!("tenant {name}"));
                 Ok(())
             };
-            (got, want)
+            Ok((got, want))
         }
         Op::EditTenant(t, capped) => {
             let name = TENANTS[*t];
@@ -417,7 +421,7 @@ fn step(
                     Ok(())
                 }
             };
-            (got, want)
+            Ok((got, want))
         }
         Op::DeleteTenant(t) => {
             let name = TENANTS[*t];
@@ -431,7 +435,7 @@ fn step(
                 model.forget(&format!("tenant {name}"), &format!("{name}/"));
                 Ok(())
             };
-            (got, want)
+            Ok((got, want))
         }
         Op::AddService(p) => {
             let key = key_of(p);
@@ -464,7 +468,7 @@ fn step(
                 );
                 Ok(())
             };
-            (got, want)
+            Ok((got, want))
         }
         Op::EditService(p) => {
             let key = key_of(p);
@@ -506,7 +510,7 @@ fn step(
                     Ok(())
                 }
             };
-            (got, want)
+            Ok((got, want))
         }
         Op::DeleteService { tenant, name } => {
             let (t, s) = (TENANTS[*tenant], SERVICES[*name]);
@@ -517,7 +521,7 @@ fn step(
             } else {
                 Err(NotFound)
             };
-            (got, want)
+            Ok((got, want))
         }
         Op::AddBackend {
             tenant,
@@ -557,7 +561,7 @@ fn step(
                     Ok(())
                 }
             };
-            (got, want)
+            Ok((got, want))
         }
         Op::EditBackend {
             tenant,
@@ -596,7 +600,7 @@ fn step(
                     }
                 },
             };
-            (got, want)
+            Ok((got, want))
         }
         Op::DeleteBackend {
             tenant,
@@ -625,7 +629,7 @@ fn step(
                     }
                 },
             };
-            (got, want)
+            Ok((got, want))
         }
         Op::Reload {
             force,
@@ -647,22 +651,21 @@ fn step(
                 services.iter().filter(|p| seen.insert(key_of(p))).collect();
             // Each service's backends once (a file listing one twice is
             // refused by the parse), weights within the maximum.
-            let file_services: Vec<((String, String), bool, &'static str, Vec<(SocketAddr, u32)>)> =
-                picks
-                    .iter()
-                    .map(|p| {
-                        let key = key_of(p);
-                        let mut ports = BTreeSet::new();
-                        let picks: Vec<BackendPick> = p
-                            .backends
-                            .iter()
-                            .filter(|b| ports.insert(b.0))
-                            .map(|&(i, w, m)| (i, w.min(3), m))
-                            .collect();
-                        let backends = backend_specs(model, &key, &picks);
-                        (key, p.udp, SCHEDULERS[p.scheduler], backends)
-                    })
-                    .collect();
+            let file_services: Vec<FileService> = picks
+                .iter()
+                .map(|p| {
+                    let key = key_of(p);
+                    let mut ports = BTreeSet::new();
+                    let picks: Vec<BackendPick> = p
+                        .backends
+                        .iter()
+                        .filter(|b| ports.insert(b.0))
+                        .map(|&(i, w, m)| (i, w.min(3), m))
+                        .collect();
+                    let backends = backend_specs(model, &key, &picks);
+                    (key, p.udp, SCHEDULERS[p.scheduler], backends)
+                })
+                .collect();
             let mut cfg = base.clone();
             cfg.tenants = file_tenants[1..]
                 .iter()
@@ -673,13 +676,10 @@ fn step(
                 .map(|(key, udp, sched, backends)| service_spec(key, *udp, sched, backends))
                 .collect();
             std::fs::write(path, toml::to_string(&cfg).unwrap()).unwrap();
-            let got = c
-                .reload(ReloadOptions {
-                    dry_run: *dry_run,
-                    force: *force,
-                })
-                .map(|_| ())
-                .map_err(|_| Invalid);
+            let reloaded = c.reload(ReloadOptions {
+                dry_run: *dry_run,
+                force: *force,
+            });
             // Each service's tenant in the file, each capped tenant within
             // its caps there.
             let valid = file_services
@@ -716,6 +716,22 @@ fn step(
             }
             let want = if !valid || (!*force && removed.iter().any(|r| model.runtime.contains(r))) {
                 Err(Invalid)
+            } else {
+                Ok(())
+            };
+            if let (Ok(report), Ok(())) = (&reloaded, want) {
+                let expected = report_of(model, &file_tenants, &file_services);
+                let got = [&report.added, &report.changed, &report.removed]
+                    .map(|l| l.iter().cloned().collect::<BTreeSet<_>>());
+                if got != expected {
+                    return Err(format!(
+                        "it reported (added, changed, removed) {got:?}, the model {expected:?}"
+                    ));
+                }
+            }
+            let got = reloaded.map(|_| ()).map_err(|_| Invalid);
+            let want = if want.is_err() {
+                want
             } else if *dry_run {
                 // Checked and reported, nothing applied.
                 Ok(())
@@ -743,10 +759,72 @@ fn step(
                 model.runtime.clear();
                 Ok(())
             };
-            (got, want)
+            Ok((got, want))
         }
     }
 }
+
+/// What a reload to a file of `tenants` and `services` reports on `model`
+/// (added, changed, removed): each tenant and service the file adds,
+/// changes or removes; and each backend that a service the file changes
+/// gains or loses (a removed service's backends are not listed).
+fn report_of(
+    model: &Model,
+    tenants: &[(&str, bool)],
+    services: &[FileService],
+) -> [BTreeSet<String>; 3] {
+    let [mut added, mut changed, mut removed] = [(); 3].map(|()| BTreeSet::new());
+    for &(t, capped) in tenants {
+        match model.tenants.get(t) {
+            None => added.insert(format!("tenant {t}")),
+            Some(&c) if c != capped => changed.insert(format!("tenant {t}")),
+            Some(_) => false,
+        };
+    }
+    for t in model.tenants.keys() {
+        if !tenants.iter().any(|f| f.0 == *t) {
+            removed.insert(format!("tenant {t}"));
+        }
+    }
+    for (key, udp, sched, backends) in services {
+        let (t, s) = key;
+        let Some(cur) = model.services.get(key) else {
+            added.insert(format!("service {t}/{s}"));
+            continue;
+        };
+        let same = cur.udp == *udp
+            && cur.scheduler == *sched
+            && cur
+                .backends
+                .iter()
+                .map(|b| (b.addr, b.weight))
+                .eq(backends.iter().copied());
+        if same {
+            continue;
+        }
+        changed.insert(format!("service {t}/{s}"));
+        for (a, _) in backends {
+            if !cur.backends.iter().any(|b| b.addr == *a) {
+                added.insert(format!("backend {t}/{s}/{a}"));
+            }
+        }
+        for b in &cur.backends {
+            if !backends.iter().any(|(a, _)| *a == b.addr) {
+                removed.insert(format!("backend {t}/{s}/{}", b.addr));
+            }
+        }
+    }
+    for (t, s) in model.services.keys() {
+        if !services.iter().any(|f| f.0.0 == *t && f.0.1 == *s) {
+            removed.insert(format!("service {t}/{s}"));
+        }
+    }
+    [added, changed, removed]
+}
+
+/// A service of a reload's file: its tenant and name, whether it is UDP,
+/// its scheduler and its backends.
+type FileService = ((String, String), bool, &'static str, Vec<(SocketAddr, u32)>);
 
 /// A service as listed: tenant, name, protocol, scheduler, and its
 /// backends' addresses and weights in order.
@@ -898,8 +976,9 @@ fn run(ops: &[Op]) -> Result<(), String> {
     let result = (|| {
         let first = [first_reload()];
         for (i, op) in first.iter().chain(ops).enumerate() {
-            let (got, want) = step(&*c, &path, &base, &mut model, op);
             let at = || format!("step {i} {op:?}");
+            let (got, want) =
+                step(&*c, &path, &base, &mut model, op).map_err(|e| format!("{}: {e}", at()))?;
             if let Err(k) = got
                 && matches!(
                     k,
