@@ -89,12 +89,20 @@ fn canonical(a: SocketAddr) -> SocketAddr {
 /// the index of its weight, and whether it is written mapped.
 type BackendPick = (usize, usize, bool);
 
+/// Where a service listens: TCP or UDP, on 127.0.0.1 or 127.0.0.2 (port
+/// 0). A service edited to another place is replaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Place {
+    udp: bool,
+    ip2: bool,
+}
+
 /// A service as a step writes it.
 #[derive(Debug, Clone)]
 struct ServicePick {
     tenant: usize,
     name: usize,
-    udp: bool,
+    at: Place,
     scheduler: usize,
     backends: Vec<BackendPick>,
 }
@@ -141,6 +149,11 @@ enum Op {
         tenants: [Option<bool>; 2],
         services: Vec<ServicePick>,
     },
+    /// A reload, without force, of what `weir save` prints (the running
+    /// configuration): it changes nothing, and needs no force; unless a
+    /// tenant holds more than caps lowered since allow (a lowered cap
+    /// keeps what is there, and a file over a cap is refused).
+    SaveReload,
 }
 
 /// A tenant: `default`, which always exists, as often as the others.
@@ -161,17 +174,22 @@ fn service_pick() -> impl Strategy<Value = ServicePick> {
     (
         tenant(),
         0..SERVICES.len(),
-        any::<bool>(),
+        (
+            any::<bool>(),
+            prop_oneof![3 => Just(false), 1 => Just(true)],
+        ),
         0..SCHEDULERS.len(),
         proptest::collection::vec(backend_pick(), 0..3),
     )
-        .prop_map(|(tenant, name, udp, scheduler, backends)| ServicePick {
-            tenant,
-            name,
-            udp,
-            scheduler,
-            backends,
-        })
+        .prop_map(
+            |(tenant, name, (udp, ip2), scheduler, backends)| ServicePick {
+                tenant,
+                name,
+                at: Place { udp, ip2 },
+                scheduler,
+                backends,
+            },
+        )
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -212,6 +230,7 @@ fn op() -> impl Strategy<Value = Op> {
             proptest::collection::vec(service_pick(), 0..4),
         )
             .prop_map(|((force, dry_run), tenants, services)| Op::Reload { force, dry_run, tenants, services }),
+        1 => Just(Op::SaveReload),
     ]
 }
 
@@ -227,7 +246,7 @@ struct MBackend {
 
 #[derive(Debug, Clone)]
 struct MService {
-    udp: bool,
+    at: Place,
     scheduler: &'static str,
     backends: Vec<MBackend>,
 }
@@ -340,21 +359,25 @@ fn backend_specs(
         .collect()
 }
 
+fn listen_ip(at: Place) -> std::net::Ipv4Addr {
+    std::net::Ipv4Addr::new(127, 0, 0, if at.ip2 { 2 } else { 1 })
+}
+
 fn key_of(p: &ServicePick) -> (String, String) {
     (TENANTS[p.tenant].to_owned(), SERVICES[p.name].to_owned())
 }
 
 fn service_spec(
     key: &(String, String),
-    udp: bool,
+    at: Place,
     scheduler: &str,
     backends: &[(SocketAddr, u32)],
 ) -> ServiceSpec {
     ServiceSpec {
         tenant: key.0.clone(),
         name: key.1.clone(),
-        protocol: if udp { Protocol::Udp } else { Protocol::Tcp },
-        listen: "127.0.0.1:0".parse().unwrap(),
+        protocol: if at.udp { Protocol::Udp } else { Protocol::Tcp },
+        listen: SocketAddr::new(listen_ip(at).into(), 0),
         forward: Default::default(),
         scheduler: crate::config::parse_scheduler(scheduler).unwrap(),
         persistence: "0s".parse().unwrap(),
@@ -446,7 +469,7 @@ fn step(
                 .map(|&(i, w, mapped)| (backend_addr(i, mapped), WEIGHTS[w]))
                 .collect();
             let sched = SCHEDULERS[p.scheduler];
-            let got = kind(c.add_service(service_spec(&key, p.udp, sched, &backends)));
+            let got = kind(c.add_service(service_spec(&key, p.at, sched, &backends)));
             let want = if backends_invalid(&backends) {
                 Err(Invalid)
             } else if !model.tenants.contains_key(&key.0) {
@@ -461,7 +484,7 @@ fn step(
                 model.services.insert(
                     key,
                     MService {
-                        udp: p.udp,
+                        at: p.at,
                         scheduler: sched,
                         backends,
                     },
@@ -475,14 +498,14 @@ fn step(
             let backends = backend_specs(model, &key, &p.backends);
             let sched = SCHEDULERS[p.scheduler];
             let got =
-                kind(c.edit_service(&key.0, &key.1, service_spec(&key, p.udp, sched, &backends)));
+                kind(c.edit_service(&key.0, &key.1, service_spec(&key, p.at, sched, &backends)));
             let want = match model.services.get(&key).cloned() {
                 None => Err(NotFound),
                 Some(_) if backends_invalid(&backends) => Err(Invalid),
                 Some(_) if !model.within_caps(&key, backends.len(), false) => Err(Conflict),
                 Some(cur) => {
-                    // A new protocol replaces the service: new backends.
-                    let old = if cur.udp == p.udp {
+                    // A new place replaces the service: new backends.
+                    let old = if cur.at == p.at {
                         &cur.backends[..]
                     } else {
                         &[]
@@ -502,7 +525,7 @@ fn step(
                     model.services.insert(
                         key,
                         MService {
-                            udp: p.udp,
+                            at: p.at,
                             scheduler: sched,
                             backends: new,
                         },
@@ -631,6 +654,30 @@ fn step(
             };
             Ok((got, want))
         }
+        Op::SaveReload => {
+            let saved = toml::to_string(&c.running_config()).unwrap();
+            std::fs::write(path, &saved).unwrap();
+            let reloaded = c.reload(ReloadOptions::default());
+            if let Ok(r) = &reloaded
+                && !(r.added.is_empty() && r.changed.is_empty() && r.removed.is_empty())
+            {
+                return Err(format!(
+                    "reloading what weir save printed changed {r:?}\n{saved}"
+                ));
+            }
+            let over = model.tenants.iter().filter(|t| *t.1).any(|(t, _)| {
+                let of_t = || model.services.iter().filter(|((o, _), _)| o == t);
+                of_t().count() > MAX_SERVICES
+                    || of_t().map(|(_, s)| s.backends.len()).sum::<usize>() > MAX_BACKENDS
+            });
+            let want = if over {
+                Err(Invalid)
+            } else {
+                model.runtime.clear();
+                Ok(())
+            };
+            Ok((reloaded.map(|_| ()).map_err(|_| Invalid), want))
+        }
         Op::Reload {
             force,
             dry_run,
@@ -663,7 +710,7 @@ fn step(
                         .map(|&(i, w, m)| (i, w.min(3), m))
                         .collect();
                     let backends = backend_specs(model, &key, &picks);
-                    (key, p.udp, SCHEDULERS[p.scheduler], backends)
+                    (key, p.at, SCHEDULERS[p.scheduler], backends)
                 })
                 .collect();
             let mut cfg = base.clone();
@@ -673,7 +720,7 @@ fn step(
                 .collect();
             cfg.services = file_services
                 .iter()
-                .map(|(key, udp, sched, backends)| service_spec(key, *udp, sched, backends))
+                .map(|(key, at, sched, backends)| service_spec(key, *at, sched, backends))
                 .collect();
             std::fs::write(path, toml::to_string(&cfg).unwrap()).unwrap();
             let reloaded = c.reload(ReloadOptions {
@@ -741,16 +788,16 @@ fn step(
                     .map(|&(t, capped)| (t.to_owned(), capped))
                     .collect();
                 let old = std::mem::take(&mut model.services);
-                for (key, udp, sched, backends) in file_services {
+                for (key, at, sched, backends) in file_services {
                     let kept = old
                         .get(&key)
-                        .filter(|o| o.udp == udp)
+                        .filter(|o| o.at == at)
                         .map(|o| o.backends.clone());
                     let backends = model.backends_of(&backends, kept.as_deref().unwrap_or(&[]));
                     model.services.insert(
                         key,
                         MService {
-                            udp,
+                            at,
                             scheduler: sched,
                             backends,
                         },
@@ -786,13 +833,13 @@ fn report_of(
             removed.insert(format!("tenant {t}"));
         }
     }
-    for (key, udp, sched, backends) in services {
+    for (key, at, sched, backends) in services {
         let (t, s) = key;
         let Some(cur) = model.services.get(key) else {
             added.insert(format!("service {t}/{s}"));
             continue;
         };
-        let same = cur.udp == *udp
+        let same = cur.at == *at
             && cur.scheduler == *sched
             && cur
                 .backends
@@ -822,12 +869,18 @@ fn report_of(
     [added, changed, removed]
 }
 
-/// A service of a reload's file: its tenant and name, whether it is UDP,
-/// its scheduler and its backends.
-type FileService = ((String, String), bool, &'static str, Vec<(SocketAddr, u32)>);
+/// A service of a reload's file: its tenant and name, its place, its
+/// scheduler and its backends.
+type FileService = (
+    (String, String),
+    Place,
+    &'static str,
+    Vec<(SocketAddr, u32)>,
+);
 
-/// A service as listed: tenant, name, protocol, scheduler, and its
-/// backends' addresses and weights in order.
+/// A service as listed: tenant, name, protocol and listen IP ("tcp
+/// 127.0.0.1"), scheduler, and its backends' addresses and weights in
+/// order.
 type Listed = (String, String, String, String, Vec<(String, u32)>);
 
 /// What the daemon holds, as the model's terms: its tenants (and whether
@@ -860,10 +913,11 @@ fn view(d: &DaemonHandle, c: &dyn Control) -> Result<View, String> {
                 .iter()
                 .map(|b| (b.address.clone(), b.weight))
                 .collect();
+            let ip = s.listen.parse::<SocketAddr>().map(|a| a.ip().to_string());
             (
                 s.tenant.clone(),
                 s.name.clone(),
-                s.protocol.clone(),
+                format!("{} {}", s.protocol, ip.unwrap_or_else(|e| e.to_string())),
                 s.scheduler.clone(),
                 b,
             )
@@ -879,8 +933,12 @@ fn view(d: &DaemonHandle, c: &dyn Control) -> Result<View, String> {
                 .iter()
                 .map(|b| (b.address.to_string(), b.weight))
                 .collect();
-            let proto = crate::config::protocol_name(s.protocol).to_owned();
-            (s.tenant, s.name, proto, s.scheduler.to_string(), b)
+            let place = format!(
+                "{} {}",
+                crate::config::protocol_name(s.protocol),
+                s.listen.ip()
+            );
+            (s.tenant, s.name, place, s.scheduler.to_string(), b)
         })
         .collect();
     if saved != services {
@@ -916,7 +974,7 @@ fn expected(model: &Model) -> (Vec<(String, bool)>, Vec<Listed>) {
         .services
         .iter()
         .map(|((t, n), s)| {
-            let proto = if s.udp { "udp" } else { "tcp" };
+            let proto = if s.at.udp { "udp" } else { "tcp" };
             let b = s
                 .backends
                 .iter()
@@ -925,7 +983,7 @@ fn expected(model: &Model) -> (Vec<(String, bool)>, Vec<Listed>) {
             (
                 t.clone(),
                 n.clone(),
-                proto.to_owned(),
+                format!("{proto} {}", listen_ip(s.at)),
                 s.scheduler.to_owned(),
                 b,
             )
@@ -942,7 +1000,7 @@ fn first_reload() -> Op {
     let service = |tenant, name, udp, scheduler, backends: &[usize]| ServicePick {
         tenant,
         name,
-        udp,
+        at: Place { udp, ip2: false },
         scheduler,
         backends: backends.iter().map(|&i| (i, 1, false)).collect(),
     };
