@@ -940,8 +940,32 @@ fn default_scheduler() -> weir_sched::SchedulerKind {
 /// mode let a mapped backend past its family check behind an IPv6 VIP,
 /// where it would have sent IPv6 packets to `::ffff:10.0.0.5`.
 fn de_backend_address<'de, D: serde::Deserializer<'de>>(d: D) -> Result<SocketAddr, D::Error> {
-    let a = SocketAddr::deserialize(d)?;
-    Ok(SocketAddr::new(a.ip().to_canonical(), a.port()))
+    SocketAddr::deserialize(d).map(canonical_addr)
+}
+
+/// `a` with an IPv4-mapped IPv6 address as the IPv4 one it maps to.
+pub fn canonical_addr(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
+}
+
+impl BackendSpec {
+    /// This spec with its address read as a file's or a request's is
+    /// ([`BackendSpec::address`]): for a spec built in code, which reaches
+    /// the daemon through the `Control` trait without being deserialized.
+    #[must_use]
+    pub fn canonical(mut self) -> Self {
+        self.address = canonical_addr(self.address);
+        self
+    }
+}
+
+impl ServiceSpec {
+    /// Every backend's address as [`BackendSpec::canonical`] reads it.
+    pub fn canonicalise_backends(&mut self) {
+        for b in &mut self.backends {
+            b.address = canonical_addr(b.address);
+        }
+    }
 }
 
 fn de_scheduler<'de, D: serde::Deserializer<'de>>(

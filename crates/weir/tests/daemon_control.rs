@@ -1319,3 +1319,50 @@ fn a_backend_filter_is_an_address_and_a_malformed_one_is_refused() {
     assert!(wait_until(T, || c.global_stats().active_conns == 0));
     d.shutdown();
 }
+
+/// A spec built in code reaches the daemon through the `Control` trait
+/// without being deserialized, which is where a file or a request has its
+/// backends' IPv4-mapped addresses read as IPv4: the daemon reads them so
+/// at its start and at each add and edit too. Before, a backend added as
+/// `[::ffff:A]:P` through the trait kept that spelling, so reloading the
+/// file `weir save` printed for it (which reads `A:P`) removed the backend
+/// and added it again, a new id and its counters from zero (found by the
+/// control-plane model test).
+#[test]
+fn backends_given_in_code_are_listed_in_their_ipv4_spelling() {
+    let e = Echo::start();
+    let other = Echo::start();
+    let mapped = |a: SocketAddr| -> SocketAddr {
+        format!("[::ffff:{}]:{}", a.ip(), a.port()).parse().unwrap()
+    };
+    let d = Daemon::start(
+        config(vec![service(
+            "web",
+            Protocol::Tcp,
+            "rr",
+            vec![backend(mapped(e.addr), 1)],
+        )]),
+        None,
+    )
+    .unwrap();
+    let c = d.control();
+    c.add_backend("default", "web", backend(mapped(other.addr), 1))
+        .unwrap();
+    let listed = |c: &dyn weir::control::Control| -> Vec<String> {
+        let s = c.services();
+        s[0].backends.iter().map(|b| b.address.clone()).collect()
+    };
+    assert_eq!(listed(&*c), [e.addr.to_string(), other.addr.to_string()]);
+    let mut spec = c.service_spec("default", "web").unwrap();
+    spec.backends
+        .iter_mut()
+        .for_each(|b| b.address = mapped(b.address));
+    c.edit_service("default", "web", spec).unwrap();
+    assert_eq!(listed(&*c), [e.addr.to_string(), other.addr.to_string()]);
+    let spec = c.service_spec("default", "web").unwrap();
+    assert!(
+        spec.backends.iter().all(|b| b.address.is_ipv4()),
+        "{spec:?}"
+    );
+    d.shutdown();
+}

@@ -1211,11 +1211,17 @@ impl Control for LiveControl {
         svcs.iter().map(|s| self.status(s)).collect()
     }
 
-    fn add_service(&self, spec: ServiceSpec) -> ControlResult<()> {
+    // A spec built in code (not deserialized, which reads backend
+    // addresses so) gets its backends' IPv4-mapped addresses read as IPv4
+    // here: one spelling, so edits and reloads that match backends by
+    // address find them whichever way a caller wrote them.
+    fn add_service(&self, mut spec: ServiceSpec) -> ControlResult<()> {
+        spec.canonicalise_backends();
         self.write_checked(CheckedWrite::AddService(spec), &mut || Ok(()))
     }
 
-    fn edit_service(&self, tenant: &str, name: &str, spec: ServiceSpec) -> ControlResult<()> {
+    fn edit_service(&self, tenant: &str, name: &str, mut spec: ServiceSpec) -> ControlResult<()> {
+        spec.canonicalise_backends();
         let write = CheckedWrite::EditService { tenant, name, spec };
         self.write_checked(write, &mut || Ok(()))
     }
@@ -1228,7 +1234,7 @@ impl Control for LiveControl {
         let write = CheckedWrite::AddBackend {
             tenant,
             service,
-            spec,
+            spec: spec.canonical(),
         };
         self.write_checked(write, &mut || Ok(()))
     }

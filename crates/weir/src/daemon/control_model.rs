@@ -28,16 +28,6 @@ use crate::config::{BackendSpec, Config, Protocol, ServiceOptions, ServiceSpec, 
 use crate::control::{BackendPatch, Control, ControlError, ErrorKind, ReloadOptions};
 use crate::daemon::DaemonHandle;
 
-/// Whether service edits and reloads may name a backend in the other
-/// spelling of its IPv4-mapped address than the one it was added with.
-/// Off: they match a service's backends by exact address, so a respelled
-/// backend is removed and added again (a new id, listed in its new
-/// spelling); that is being fixed elsewhere. Switch it on with that fix:
-/// the model then expects the backend kept, its id and the spelling it
-/// was added with (`Model::backends_of`; change it there if the fix lists
-/// the new spelling).
-const MAPPED_IN_EDITS: bool = false;
-
 /// Tenants the steps name; `default` always exists and cannot be deleted.
 const TENANTS: [&str; 3] = ["default", "t1", "t2"];
 /// Service names (in each tenant).
@@ -295,7 +285,7 @@ impl Model {
                         uid: o.uid,
                     },
                     None => MBackend {
-                        addr,
+                        addr: canonical(addr),
                         weight,
                         uid: self.uid(),
                     },
@@ -332,30 +322,13 @@ impl Model {
     }
 }
 
-/// What a step asks, resolved against the model for the spellings: with
-/// [`MAPPED_IN_EDITS`] off, an edit or a reload writes a backend the
-/// service has as the service has it.
-fn backend_specs(
-    model: &Model,
-    key: &(String, String),
-    picks: &[BackendPick],
-) -> Vec<(SocketAddr, u32)> {
-    let cur = model.services.get(key);
+/// What a step asks: each backend in the spelling the step picked, which
+/// may be the other one of an IPv4-mapped address than the service's
+/// (the daemon reads both as the IPv4 address, so the backend is kept).
+fn backend_specs(picks: &[BackendPick]) -> Vec<(SocketAddr, u32)> {
     picks
         .iter()
-        .map(|&(i, w, mapped)| {
-            let stored = cur.and_then(|s| {
-                s.backends
-                    .iter()
-                    .find(|b| canonical(b.addr) == backend_addr(i, false))
-                    .map(|b| b.addr)
-            });
-            let addr = match stored {
-                Some(a) if !MAPPED_IN_EDITS => a,
-                _ => backend_addr(i, mapped),
-            };
-            (addr, WEIGHTS[w])
-        })
+        .map(|&(i, w, mapped)| (backend_addr(i, mapped), WEIGHTS[w]))
         .collect()
 }
 
@@ -495,7 +468,7 @@ fn step(
         }
         Op::EditService(p) => {
             let key = key_of(p);
-            let backends = backend_specs(model, &key, &p.backends);
+            let backends = backend_specs(&p.backends);
             let sched = SCHEDULERS[p.scheduler];
             let got =
                 kind(c.edit_service(&key.0, &key.1, service_spec(&key, p.at, sched, &backends)));
@@ -579,6 +552,9 @@ fn step(
                 Some(_) => {
                     let uid = model.uid();
                     let svc = model.services.get_mut(&key).unwrap();
+                    // Listed, and marked as added through the API, in
+                    // its IPv4 spelling whichever one the step wrote.
+                    let addr = canonical(addr);
                     svc.backends.push(MBackend { addr, weight, uid });
                     model.runtime.insert(format!("backend {t}/{s}/{addr}"));
                     Ok(())
@@ -709,7 +685,7 @@ fn step(
                         .filter(|b| ports.insert(b.0))
                         .map(|&(i, w, m)| (i, w.min(3), m))
                         .collect();
-                    let backends = backend_specs(model, &key, &picks);
+                    let backends = backend_specs(&picks);
                     (key, p.at, SCHEDULERS[p.scheduler], backends)
                 })
                 .collect();
@@ -739,7 +715,7 @@ fn step(
                 });
             // What it removes: tenants, services (those of removed tenants
             // too), and backends (those of removed services too).
-            // (Compared as one address: with MAPPED_IN_EDITS on, the file
+            // (Compared as one address: the file
             // may respell a backend it keeps.)
             let mut removed = BTreeSet::new();
             for t in model.tenants.keys() {
@@ -845,18 +821,21 @@ fn report_of(
                 .backends
                 .iter()
                 .map(|b| (b.addr, b.weight))
-                .eq(backends.iter().copied());
+                .eq(backends.iter().map(|&(a, w)| (canonical(a), w)));
         if same {
             continue;
         }
         changed.insert(format!("service {t}/{s}"));
+        // The daemon reads a file's backend addresses in their IPv4
+        // spelling, and names them so.
         for (a, _) in backends {
-            if !cur.backends.iter().any(|b| b.addr == *a) {
+            let a = canonical(*a);
+            if !cur.backends.iter().any(|b| b.addr == a) {
                 added.insert(format!("backend {t}/{s}/{a}"));
             }
         }
         for b in &cur.backends {
-            if !backends.iter().any(|(a, _)| *a == b.addr) {
+            if !backends.iter().any(|(a, _)| canonical(*a) == b.addr) {
                 removed.insert(format!("backend {t}/{s}/{}", b.addr));
             }
         }

@@ -137,10 +137,15 @@ impl Daemon {
     /// and shared state exist, so unit tests drive [`packet::Engine`]
     /// with frames of their own.
     fn start_inner(
-        config: Config,
+        mut config: Config,
         config_path: Option<PathBuf>,
         attach: bool,
     ) -> anyhow::Result<DaemonHandle> {
+        // A config built in code: its backends' addresses as a file's are
+        // read (`BackendSpec::address`).
+        for s in &mut config.services {
+            s.canonicalise_backends();
+        }
         let problems = config::validate(&config);
         if !problems.is_empty() {
             let list: Vec<String> = problems
